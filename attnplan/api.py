@@ -1,0 +1,270 @@
+"""Public API: dispatch, :func:`decode` (one call) and :class:`DecodeWrapper` (plan once, run many).
+
+``plan()`` does all host work (validation that reads ``seq_lens``/``block_table``, backend
+choice, planning through the plan cache, workspace allocation); ``run()`` checks shapes, dtypes
+and devices against the plan and launches, with no allocation and no host sync, so it can be
+captured in a CUDA graph (FlashInfer's plan/run split, STYLE.md habit 6).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .backends import Backend, DecodeInputs, get_backend
+from .cache import PlanCache
+from .config import Config, load_config
+from .device import DeviceInfo, device_info
+from .planner import SplitPlan, make_plan
+from .problem import DecodeProblem, default_sm_scale, validate_inputs, validate_values
+from .state import PartialState
+
+__all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
+           "default_context", "plan_problem"]
+
+
+class NoBackendError(RuntimeError):
+    """No configured backend is available and supports the problem; the message lists each reason."""
+
+
+class PlanNotReadyError(RuntimeError):
+    """``run()`` was called without a plan (for CUDA graphs: call ``plan()`` before capture)."""
+
+
+@dataclass
+class Context:
+    """A configuration with its plan cache. :func:`default_context` serves calls that pass no config."""
+
+    config: Config
+    cache: PlanCache
+
+    @staticmethod
+    def from_config(config: Config) -> "Context":
+        pc = config.plan_cache
+        return Context(config, PlanCache(pc.dir, disk=pc.enabled and pc.disk, memory_entries=pc.memory_entries))
+
+    def planning_fingerprint(self, backend: str) -> str:
+        """The config's planning inputs for ``backend`` (part of the plan-cache key)."""
+        fp = self.__dict__.setdefault("_fp", {})
+        if backend not in fp:
+            c = self.config
+            fp[backend] = json.dumps([c.split.model_dump(), c.cost_model.model_dump(),
+                                      c.options(backend).model_dump()], sort_keys=True)
+        return fp[backend]
+
+
+_DEFAULT: Context | None = None
+
+
+def default_context() -> Context:
+    """The process-wide context built from ``plans/default.yaml`` and ``$ATTNPLAN_CONFIG``."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Context.from_config(load_config())
+    return _DEFAULT
+
+
+def _context(config: Config | Context | str | None) -> Context:
+    if config is None:
+        return default_context()
+    if isinstance(config, Context):
+        return config
+    if isinstance(config, Config):
+        return Context.from_config(config)
+    return Context.from_config(load_config(config))
+
+
+def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
+                   backend: str | None = None) -> tuple[Backend, list[tuple[str, list[str]]]]:
+    """First backend of the config's order (or only ``backend`` when forced) that is available on
+    ``device`` and supports ``problem``.
+
+    Returns:
+        ``(backend, skipped)`` where ``skipped`` lists ``(name, reasons)`` of each earlier backend.
+    Raises:
+        NoBackendError: none fits; the message gives the problem and every backend's reasons.
+        ValueError: ``backend`` is not a known backend name.
+    """
+    order = [backend] if backend else list(config.backends)
+    skipped: list[tuple[str, list[str]]] = []
+    for name in order:
+        be = get_backend(name)
+        ok, why = be.available(device)
+        if not ok:
+            skipped.append((name, [why]))
+            continue
+        reasons = be.supports(problem)
+        if reasons:
+            skipped.append((name, reasons))
+            continue
+        return be, skipped
+    detail = "\n".join(f"  {n}: " + "; ".join(r) for n, r in skipped)
+    raise NoBackendError(
+        f"no backend can run this decode problem on {device}: batch {problem.batch}, heads "
+        f"{problem.num_q_heads}/{problem.num_kv_heads}, head_dim {problem.head_dim}, q_len {problem.q_len}, "
+        f"{'page ' + str(problem.page_size) if problem.paged else 'contiguous'}, q {problem.q_dtype}, kv {problem.kv_dtype}\n{detail}"
+    )
+
+
+def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device, ctx: Context, *,
+                 capacity_mode: bool = False, num_splits: int | None = None, dev_info: DeviceInfo | None = None) -> SplitPlan:
+    """Plan ``problem`` for ``backend`` through ``ctx``'s plan cache (bucketed lengths)."""
+    dev_info = dev_info or device_info(device)
+    bucketed = problem.bucketed()
+    key = (tuple(sorted(dev_info.fingerprint().items(), key=lambda kv: kv[0])).__repr__(), backend.name,
+           tuple(sorted(bucketed.bucket().items())), bucketed.capacity, capacity_mode,
+           -1 if num_splits is None else num_splits, ctx.planning_fingerprint(backend.name))
+
+    def build() -> SplitPlan:
+        kernel = backend.kernel_config(bucketed, ctx.config.options(backend.name).model_dump(), device)
+        return make_plan(bucketed, dev_info, ctx.config, backend.name, kernel,
+                         capacity_mode=capacity_mode, num_splits=num_splits)
+
+    if not ctx.config.plan_cache.enabled:
+        ctx.cache.stats.misses += 1
+        return build()
+    return ctx.cache.get_or_create(key, build)
+
+
+class DecodeWrapper:
+    """Plan once per step (or once for a CUDA graph), run allocation-free.
+
+    Args:
+        config: a :class:`~attnplan.config.Config`, a YAML path, a :class:`Context`, or ``None``
+            for the default context (``plans/default.yaml`` + ``$ATTNPLAN_CONFIG``).
+        backend: force one backend by name (its refusal reasons become the error); ``None``
+            walks the config's order.
+
+    Example::
+
+        w = attnplan.DecodeWrapper()
+        w.plan(q, k_cache, v_cache, seq_lens, block_table)        # host work, may sync
+        out = w.run(q, k_cache, v_cache, seq_lens, block_table)   # launches only
+    """
+
+    def __init__(self, config: Config | Context | str | None = None, *, backend: str | None = None):
+        self.ctx = _context(config)
+        self.forced_backend = backend
+        self.plan_: SplitPlan | None = None
+        self.backend: Backend | None = None
+        self.skipped: list[tuple[str, list[str]]] = []
+        self.workspace: PartialState | None = None
+        self._out: torch.Tensor | None = None
+        self._sig: tuple | None = None
+        self._sm_scale = 0.0
+
+    @staticmethod
+    def _signature(q, k_cache, v_cache, seq_lens, block_table) -> tuple:
+        bt = None if block_table is None else (tuple(block_table.shape), block_table.dtype)
+        return (tuple(q.shape), q.dtype, q.device, tuple(k_cache.shape), k_cache.dtype, tuple(v_cache.shape),
+                tuple(seq_lens.shape), seq_lens.dtype, bt)
+
+    def plan(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+             block_table: torch.Tensor | None = None, *, sm_scale: float | None = None,
+             num_splits: int | None = None, capacity: bool = False) -> SplitPlan:
+        """Validate the inputs, choose a backend, plan (through the cache) and size the workspace.
+
+        Args:
+            q, k_cache, v_cache, seq_lens, block_table: see :mod:`attnplan.problem`.
+            sm_scale: score scale, default ``1/sqrt(head_dim)``.
+            num_splits: 0 = heuristic, 1 = no split, >1 = forced (FlashAttention's convention);
+                ``None`` takes the config's ``split.num_splits``.
+            capacity: plan for the cache's capacity (every length up to it) instead of the live
+                lengths: the plan to capture in a CUDA graph.
+        Returns:
+            the :class:`SplitPlan` (also kept as ``self.plan_``).
+        Raises:
+            TypeError, ValueError: bad inputs (named argument, value and expectation), before any kernel.
+            NoBackendError: no backend fits.
+        """
+        static = validate_inputs(q, k_cache, v_cache, seq_lens, block_table)
+        num_pages = int(k_cache.shape[0]) if block_table is not None else 0
+        max_len, total = validate_values(static, seq_lens, block_table, num_pages)
+        if capacity:
+            max_len, total = static["capacity"], static["capacity"] * static["batch"]
+        problem = DecodeProblem(max_kv_len=max_len, total_kv_len=total, **static)
+        self.backend, self.skipped = select_backend(problem, q.device, self.ctx.config, self.forced_backend)
+        plan = plan_problem(problem, self.backend, q.device, self.ctx, capacity_mode=capacity, num_splits=num_splits)
+        b, ql, hq, d = q.shape
+        if not plan.single_pass:
+            ws = self.workspace
+            if ws is None or tuple(ws.lse.shape[:3]) != (b, ql, hq) or ws.o.shape[-1] != d \
+                    or ws.num_splits < plan.num_splits or ws.o.device != q.device:
+                self.workspace = PartialState.empty(b, ql, hq, plan.num_splits, d, device=q.device)
+        if self._out is None or self._out.shape != q.shape or self._out.dtype != q.dtype or self._out.device != q.device:
+            self._out = torch.empty_like(q)
+        self._sig = self._signature(q, k_cache, v_cache, seq_lens, block_table)
+        self._sm_scale = float(default_sm_scale(d) if sm_scale is None else sm_scale)
+        self.plan_ = plan
+        return plan
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+            block_table: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> torch.Tensor:
+        """Launch the planned kernels on the current stream: no allocation, no host sync.
+
+        Args:
+            out: ``[batch, q_len, num_q_heads, head_dim]`` in q's dtype; ``None`` writes the
+                wrapper's own buffer (valid until the next ``run``).
+            lse: optional ``[batch, q_len, num_q_heads]`` fp32 to receive the natural-log LSE.
+        Returns:
+            ``out``.
+        Raises:
+            PlanNotReadyError: no ``plan()`` was made (under capture: plan before capturing).
+            ValueError: shapes, dtypes or devices differ from the planned ones.
+        """
+        if self.plan_ is None:
+            capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+            raise PlanNotReadyError(
+                "DecodeWrapper.run() called before plan()" + (
+                    " during CUDA graph capture: call plan(..., capacity=True) before capturing" if capturing else ""))
+        sig = self._signature(q, k_cache, v_cache, seq_lens, block_table)
+        if sig != self._sig:
+            raise ValueError(f"run() inputs differ from the planned ones: planned {self._sig}, got {sig}; call plan() again")
+        out = self._out if out is None else out
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+        if lse is not None and (lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device):
+            raise ValueError(f"lse must be {tuple(q.shape[:3])} float32 on {q.device}, got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
+        inputs = DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, self._sm_scale)
+        self.backend.run(self.plan_, inputs, self.workspace, out, lse)
+        return out
+
+    def explain(self) -> str:
+        """The plan's :meth:`SplitPlan.explain` plus why earlier backends were skipped."""
+        if self.plan_ is None:
+            return "no plan yet"
+        skipped = "".join(f"\nskipped {n}: " + "; ".join(r) for n, r in self.skipped)
+        return self.plan_.explain() + skipped
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+           block_table: torch.Tensor | None = None, *, sm_scale: float | None = None,
+           out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str | None = None,
+           num_splits: int | None = None, config: Config | Context | str | None = None) -> torch.Tensor:
+    """Split-KV decode attention in one call (plan through the cache, then run).
+
+    Args:
+        q: ``[batch, q_len, num_q_heads, head_dim]`` fp16 / bf16 / fp32.
+        k_cache, v_cache: contiguous ``[batch, max_kv_len, num_kv_heads, head_dim]``, or paged
+            ``[num_pages, page_size, num_kv_heads, head_dim]`` with ``block_table``; q's dtype.
+        seq_lens: ``[batch]`` int32, valid KV tokens per sequence (0 allowed).
+        block_table: ``[batch, max_pages_per_seq]`` int32 for a paged cache, else ``None``.
+        sm_scale: score scale, default ``1/sqrt(head_dim)``.
+        out: optional output buffer (q's shape and dtype).
+        lse: optional ``[batch, q_len, num_q_heads]`` fp32 buffer for the natural-log LSE
+            (``-inf`` for rows with no visible KV position).
+        backend: force a backend by name; ``None`` follows the config's order.
+        num_splits: 0 = heuristic, 1 = no split, >1 = forced; ``None`` = config.
+        config: Config, YAML path, Context or ``None`` (default context).
+    Returns:
+        ``out`` in q's dtype. Query ``i`` of a sequence of length ``L`` attends to KV positions
+        ``< L - q_len + i + 1``; a row with none gets zeros.
+    Raises:
+        TypeError, ValueError: bad inputs, before any kernel runs. NoBackendError: no backend fits.
+    """
+    w = DecodeWrapper(config, backend=backend)
+    w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=sm_scale, num_splits=num_splits)
+    return w.run(q, k_cache, v_cache, seq_lens, block_table, out=out, lse=lse)

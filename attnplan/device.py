@@ -1,0 +1,92 @@
+"""`DeviceInfo`: the device facts the planner and the cache key use, read from the device.
+
+Never assume an SM count (STYLE.md habit 8): facts come from ``torch.cuda.get_device_properties``
+of the tensors' device. CPU interpreter / simulator runs use :data:`CPU_STANDIN`, a documented
+stand-in small enough that plans for small test shapes still split.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["DeviceInfo", "CPU_STANDIN", "device_info"]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Device facts.
+
+    Attributes:
+        name: device name as the driver reports it (``"NVIDIA H200"``).
+        sm_count: streaming multiprocessors.
+        compute_capability: ``(major, minor)``; ``(0, 0)`` for the CPU stand-in.
+        smem_per_block: opt-in shared memory per block, bytes.
+        l2_bytes: L2 cache size, bytes.
+        mem_bandwidth_gbs: memory read bandwidth, GB/s (the tuned table's measured value when
+            one exists, else the datasheet estimate from clock and bus width, else a default).
+        driver: CUDA driver / toolkit version string ("" on CPU), part of the compile-cache key.
+    """
+
+    name: str
+    sm_count: int
+    compute_capability: tuple[int, int]
+    smem_per_block: int
+    l2_bytes: int
+    mem_bandwidth_gbs: float
+    driver: str = ""
+
+    @property
+    def arch(self) -> str:
+        """``sm_90`` style architecture name."""
+        return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
+
+    def fingerprint(self) -> dict:
+        """What the plan cache keys on (cases.yaml: cache-key-missing-arch)."""
+        return {"name": self.name, "sm_count": self.sm_count, "cc": list(self.compute_capability), "driver": self.driver}
+
+    def slug(self) -> str:
+        """File-name form of the device name, used for ``plans/<slug>.yaml`` (``NVIDIA H200`` -> ``h200``)."""
+        n = self.name.lower().replace("nvidia", "").strip()
+        return "".join(c if c.isalnum() else "_" for c in n).strip("_").split("_")[0] or "unknown"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+CPU_STANDIN = DeviceInfo(
+    name="cpu-standin", sm_count=8, compute_capability=(0, 0), smem_per_block=100 * 1024,
+    l2_bytes=4 * 1024 * 1024, mem_bandwidth_gbs=100.0, driver="",
+)
+"""Stand-in for CPU runs (Triton interpreter, numba simulator, reference): 8 "SMs" so the planner
+splits small test problems the way it would split large ones on a real GPU."""
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_info(index: int) -> DeviceInfo:
+    p = torch.cuda.get_device_properties(index)
+    bw = 0.0
+    clock = getattr(p, "memory_clock_rate", 0) or 0  # kHz
+    bus = getattr(p, "memory_bus_width", 0) or 0  # bits
+    if clock and bus:
+        bw = 2.0 * clock * 1e3 * bus / 8 / 1e9
+    return DeviceInfo(
+        name=p.name,
+        sm_count=int(p.multi_processor_count),
+        compute_capability=(int(p.major), int(p.minor)),
+        smem_per_block=int(getattr(p, "shared_memory_per_block_optin", 0) or 48 * 1024),
+        l2_bytes=int(getattr(p, "L2_cache_size", 0) or 0),
+        mem_bandwidth_gbs=bw or 2000.0,
+        driver=f"cuda-{torch.version.cuda}",
+    )
+
+
+def device_info(device: torch.device | str | None = None) -> DeviceInfo:
+    """Device facts for ``device`` (a tensor's device). CPU devices get :data:`CPU_STANDIN`."""
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    if dev.type != "cuda":
+        return CPU_STANDIN
+    return _cuda_device_info(dev.index if dev.index is not None else torch.cuda.current_device())

@@ -1,0 +1,245 @@
+"""`DecodeProblem`: the shapes, dtypes and lengths a plan is made for, and input validation.
+
+Tensor conventions (DESIGN.md; the same as FlashAttention's kvcache API and vLLM's paged cache):
+
+- ``q``: ``[batch, q_len, num_q_heads, head_dim]`` fp16 / bf16 / fp32.
+- contiguous cache: ``k_cache, v_cache``: ``[batch, max_kv_len, num_kv_heads, head_dim]``.
+- paged cache: ``k_cache, v_cache``: ``[num_pages, page_size, num_kv_heads, head_dim]`` with
+  ``block_table``: ``[batch, max_pages_per_seq]`` int32.
+- ``seq_lens``: ``[batch]`` int32, valid KV length of each sequence (0 allowed).
+- query ``i`` of a sequence of length ``L`` sees KV positions ``< L - q_len + i + 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+__all__ = ["DecodeProblem", "validate_inputs", "validate_values", "DTYPE_NAMES", "dtype_name", "len_bucket"]
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
+MAX_Q_LEN = 16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES[dtype]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _NAME_TO_DTYPE[name]
+
+
+def len_bucket(n: int) -> int:
+    """KV-length bucket used in plan-cache keys: the next power of two, at least 16 tokens."""
+    return 16 if n <= 16 else 1 << (int(n) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """One decode-attention problem as the planner sees it.
+
+    Attributes:
+        batch: number of sequences.
+        num_q_heads / num_kv_heads: query and KV heads; ``num_q_heads % num_kv_heads == 0``.
+        head_dim: channels per head.
+        q_len: queries per sequence (1 = plain decode, >1 = speculative verification).
+        page_size: tokens per page for a paged cache, ``None`` for a contiguous cache.
+        q_dtype / kv_dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``; the output takes q's.
+        max_kv_len: the longest sequence the plan must serve, in tokens (live maximum for an
+            eager plan, the cache capacity for a CUDA-graph plan).
+        total_kv_len: sum of all sequences' lengths in tokens (``batch * max_kv_len`` when only
+            the capacity is known); lets the planner see long-tailed batches.
+        capacity: tokens each sequence can hold in the cache (contiguous: ``max_kv_len`` axis;
+            paged: ``max_pages_per_seq * page_size``).
+    """
+
+    batch: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_len: int = 1
+    page_size: int | None = None
+    q_dtype: str = "bfloat16"
+    kv_dtype: str = "bfloat16"
+    max_kv_len: int = 0
+    total_kv_len: int = -1
+    capacity: int = 0
+
+    def __post_init__(self) -> None:
+        if self.total_kv_len < 0:
+            object.__setattr__(self, "total_kv_len", self.batch * self.max_kv_len)
+        if self.capacity <= 0:
+            object.__setattr__(self, "capacity", self.max_kv_len)
+        check_heads(self.num_q_heads, self.num_kv_heads)
+        for name in ("batch", "head_dim", "q_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.q_len > MAX_Q_LEN:
+            raise ValueError(f"q_len must be <= {MAX_Q_LEN}, got {self.q_len}")
+        if self.page_size is not None and (self.page_size < 1 or self.page_size & (self.page_size - 1)):
+            raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
+        for name in ("q_dtype", "kv_dtype"):
+            if getattr(self, name) not in _NAME_TO_DTYPE:
+                raise ValueError(f"{name} must be one of {sorted(_NAME_TO_DTYPE)}, got {getattr(self, name)!r}")
+        if self.max_kv_len < 0:
+            raise ValueError(f"max_kv_len must be >= 0, got {self.max_kv_len}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (the GQA group); one program serves a whole group."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K plus V per token per KV head."""
+        return 2 * self.head_dim * torch_dtype(self.kv_dtype).itemsize
+
+    def bytes_moved(self, total_kv_tokens: int | None = None) -> int:
+        """The fewest bytes a decode step must move: K + V of every valid token, q read, out written."""
+        tokens = self.total_kv_len if total_kv_tokens is None else total_kv_tokens
+        qo = 2 * self.batch * self.q_len * self.num_q_heads * self.head_dim * torch_dtype(self.q_dtype).itemsize
+        return tokens * self.num_kv_heads * self.kv_bytes_per_token + qo
+
+    def bucket(self) -> dict:
+        """The fields of the plan-cache key (DESIGN.md "Plan cache"): lengths bucketed to powers of two."""
+        return {
+            "batch": self.batch, "num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "q_len": self.q_len, "page_size": self.page_size,
+            "q_dtype": self.q_dtype, "kv_dtype": self.kv_dtype,
+            "max_kv_len": len_bucket(self.max_kv_len),
+            "mean_kv_len": len_bucket(-(-self.total_kv_len // self.batch)),
+        }
+
+    def bucketed(self) -> "DecodeProblem":
+        """The problem the plan is made for: lengths raised to their bucket's upper bound, so one
+        plan serves every length in the bucket."""
+        b = self.bucket()
+        return replace(self, max_kv_len=b["max_kv_len"], total_kv_len=min(b["mean_kv_len"] * self.batch, b["max_kv_len"] * self.batch))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_heads(num_q_heads: int, num_kv_heads: int) -> None:
+    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads}); "
+            "each KV head serves a GQA group of num_q_heads // num_kv_heads query heads"
+        )
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None) -> dict:
+    """Check shapes, dtypes and devices (no host sync). Returns the problem's static fields.
+
+    Raises:
+        TypeError: an argument is not a tensor, or has an unsupported dtype.
+        ValueError: shapes, devices or head counts do not agree; the message names the argument,
+            what was given and what is expected.
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [batch, q_len, num_q_heads, head_dim], got shape {_shape(q)}")
+    batch, q_len, hq, d = q.shape
+    if q.dtype not in DTYPE_NAMES:
+        raise TypeError(f"q.dtype must be float16, bfloat16 or float32, got {q.dtype}")
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be 4-D, got shape {_shape(k_cache)}")
+    if _shape(v_cache) != _shape(k_cache):
+        raise ValueError(f"v_cache shape {_shape(v_cache)} must equal k_cache shape {_shape(k_cache)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"v_cache.dtype {v_cache.dtype} must equal k_cache.dtype {k_cache.dtype}")
+    if k_cache.dtype not in DTYPE_NAMES:
+        raise TypeError(f"k_cache.dtype must be float16, bfloat16 or float32, got {k_cache.dtype}")
+    if k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache.dtype {k_cache.dtype} must equal q.dtype {q.dtype}")
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q's head_dim {d} (shape {_shape(k_cache)})")
+    check_heads(hq, hkv)
+    if q_len < 1 or q_len > MAX_Q_LEN:
+        raise ValueError(f"q_len (q.shape[1]) must be in [1, {MAX_Q_LEN}], got {q_len}")
+    if batch < 1:
+        raise ValueError(f"batch (q.shape[0]) must be >= 1, got {batch}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens must have shape [batch] = [{batch}], got {_shape(seq_lens)}")
+    if seq_lens.dtype != torch.int32:
+        raise TypeError(f"seq_lens.dtype must be torch.int32, got {seq_lens.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in head_dim (last axis), got strides {t.stride()}")
+    if block_table is None:
+        if k_cache.shape[0] < batch:
+            raise ValueError(
+                f"contiguous k_cache must have shape [batch={batch}, max_kv_len, num_kv_heads, head_dim], "
+                f"got {_shape(k_cache)}"
+            )
+        page_size, capacity = None, int(k_cache.shape[1])
+    else:
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table must be a torch.Tensor or None, got {type(block_table).__name__}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape [batch={batch}, max_pages_per_seq], got {_shape(block_table)}")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table.dtype must be torch.int32, got {block_table.dtype}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        page_size = int(k_cache.shape[1])
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size (k_cache.shape[1]) must be a power of two, got {page_size}")
+        capacity = int(block_table.shape[1]) * page_size
+    return dict(batch=int(batch), q_len=int(q_len), num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d),
+                page_size=page_size, q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k_cache.dtype), capacity=capacity)
+
+
+def validate_values(static: dict, seq_lens: torch.Tensor, block_table: torch.Tensor | None,
+                    num_pages: int) -> tuple[int, int]:
+    """Check the values of ``seq_lens`` and ``block_table`` (reads them to the host: plan-time only).
+
+    Returns ``(max_kv_len, total_kv_len)`` in tokens.
+
+    Raises:
+        ValueError: a length is negative or beyond the cache's capacity; a block-table entry a
+            sequence uses is outside ``[0, num_pages)``.
+    """
+    lens = seq_lens.detach().to("cpu", torch.int64)
+    if lens.numel() and int(lens.min()) < 0:
+        raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()[:16]}")
+    cap = static["capacity"]
+    if lens.numel() and int(lens.max()) > cap:
+        bad = int(lens.argmax())
+        where = "max_pages_per_seq * page_size" if block_table is not None else "k_cache.shape[1]"
+        raise ValueError(f"seq_lens[{bad}] = {int(lens[bad])} exceeds the cache capacity {cap} tokens ({where})")
+    if block_table is not None and lens.numel():
+        ps = static["page_size"]
+        pages_used = (lens + ps - 1) // ps
+        bt = block_table.detach().to("cpu", torch.int64)
+        cols = torch.arange(bt.shape[1]).unsqueeze(0)
+        used = cols < pages_used.unsqueeze(1)
+        vals = bt[used]
+        if vals.numel() and (int(vals.min()) < 0 or int(vals.max()) >= num_pages):
+            b, i = [int(x) for x in ((bt < 0) | (bt >= num_pages)).logical_and(used).nonzero()[0]]
+            raise ValueError(
+                f"block_table[{b}, {i}] = {int(bt[b, i])} is outside [0, num_pages={num_pages}) for a page that "
+                f"seq_lens[{b}] = {int(lens[b])} uses"
+            )
+    return (int(lens.max()) if lens.numel() else 0), int(lens.sum())
+
+
+def default_sm_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

@@ -1,0 +1,121 @@
+"""The CPU float64 reference: exact decode attention, split partial states, and the merge.
+
+Every backend is checked against these functions, never against another kernel (STYLE.md).
+They copy their inputs to the CPU in float64, so they are slow and exact and run anywhere.
+
+Visibility: query ``i`` of a sequence of length ``L`` with ``q_len`` queries sees KV positions
+``< L - q_len + i + 1`` (DESIGN.md tensor conventions). A row with no visible position has
+``o = 0, lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .problem import default_sm_scale
+from .state import PartialState, merge_states
+
+__all__ = ["attention", "partial", "merge", "gather_kv"]
+
+F64 = torch.float64
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, b: int, length: int,
+              block_table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of sequence ``b``'s first ``length`` logical positions, ``[length, num_kv_heads, head_dim]``
+    float64 on the CPU (pages looked up in ``block_table`` for a paged cache)."""
+    if block_table is None:
+        return k_cache[b, :length].to("cpu", F64), v_cache[b, :length].to("cpu", F64)
+    ps = k_cache.shape[1]
+    pos = torch.arange(length)
+    pages = block_table[b].to("cpu", torch.int64)[pos // ps]
+    slots = pos % ps
+    kc, vc = k_cache.to("cpu"), v_cache.to("cpu")
+    return kc[pages, slots].to(F64), vc[pages, slots].to(F64)
+
+
+def _scores(q_b: torch.Tensor, k: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """``[q_len, num_q_heads, n]`` scaled scores; query head ``h`` reads KV head ``h // group``."""
+    group = q_b.shape[1] // k.shape[1]
+    k_rep = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
+    return torch.einsum("qhd,nhd->qhn", q_b, k_rep) * sm_scale
+
+
+def _attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-weighted V over the visible positions: ``o [Q, H, D]``, ``lse [Q, H]``; empty rows 0 / -inf."""
+    group = scores.shape[1] // v.shape[1]
+    s = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"), dtype=F64)
+    empty = torch.isneginf(lse)
+    p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse).unsqueeze(-1))
+    p = p.masked_fill(~visible, 0.0)
+    v_rep = v.repeat_interleave(group, dim=1)  # [n, Hq, D]
+    o = torch.einsum("qhn,nhd->qhd", p, v_rep)
+    return o, lse
+
+
+def _visible(q_len: int, length: int, lo: int, hi: int, num_heads: int) -> torch.Tensor:
+    """``[q_len, num_heads, hi - lo]`` mask of positions ``lo..hi-1`` each query may see."""
+    pos = torch.arange(lo, hi)
+    limit = length - q_len + 1 + torch.arange(q_len)  # query i sees positions < limit[i]
+    return (pos[None, :] < limit[:, None]).unsqueeze(1).expand(q_len, num_heads, hi - lo)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+              block_table: torch.Tensor | None = None, sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact decode attention in float64 on the CPU.
+
+    Args:
+        q: ``[batch, q_len, num_q_heads, head_dim]``.
+        k_cache, v_cache: contiguous ``[batch, max_kv_len, num_kv_heads, head_dim]`` or paged
+            ``[num_pages, page_size, num_kv_heads, head_dim]`` (then ``block_table`` is given).
+        seq_lens: ``[batch]`` int, valid KV length of each sequence (0 allowed).
+        block_table: ``[batch, max_pages_per_seq]`` int32 or ``None``.
+        sm_scale: score scale; default ``1/sqrt(head_dim)``.
+    Returns:
+        ``(out, lse)``: ``out [batch, q_len, num_q_heads, head_dim]`` float64 and natural-log
+        ``lse [batch, q_len, num_q_heads]`` float64, on the CPU.
+    """
+    batch, q_len, hq, d = q.shape
+    scale = default_sm_scale(d) if sm_scale is None else sm_scale
+    qf = q.to("cpu", F64)
+    lens = seq_lens.to("cpu", torch.int64).tolist()
+    out = torch.zeros(batch, q_len, hq, d, dtype=F64)
+    lse = torch.full((batch, q_len, hq), float("-inf"), dtype=F64)
+    for b, length in enumerate(lens):
+        k, v = gather_kv(k_cache, v_cache, b, length, block_table)
+        o_b, lse_b = _attend(_scores(qf[b], k, scale), _visible(q_len, length, 0, length, hq), v)
+        out[b], lse[b] = o_b, lse_b
+    return out, lse
+
+
+def partial(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+            block_table: torch.Tensor | None, sm_scale: float | None, chunk_size: int, num_splits: int) -> PartialState:
+    """Reference partial states: split ``s`` covers positions ``[s * chunk_size, (s + 1) * chunk_size)``
+    clipped to each sequence's length, and the last split ``num_splits - 1`` runs on to the end of the
+    sequence (the plan's parametric chunking, :mod:`attnplan.backends.base`).
+
+    Returns a float64 :class:`PartialState` on the CPU with ``num_splits`` splits per row; splits
+    with no visible position are empty (``o = 0``, ``lse = -inf``).
+    """
+    batch, q_len, hq, d = q.shape
+    scale = default_sm_scale(d) if sm_scale is None else sm_scale
+    qf = q.to("cpu", F64)
+    lens = seq_lens.to("cpu", torch.int64).tolist()
+    st = PartialState(torch.zeros(batch, q_len, hq, num_splits, d, dtype=F64),
+                      torch.full((batch, q_len, hq, num_splits), float("-inf"), dtype=F64))
+    for b, length in enumerate(lens):
+        k, v = gather_kv(k_cache, v_cache, b, length, block_table)
+        for s in range(num_splits):
+            lo = min(s * chunk_size, length)
+            hi = length if s == num_splits - 1 else min((s + 1) * chunk_size, length)
+            if hi <= lo:
+                continue
+            o_s, lse_s = _attend(_scores(qf[b], k[lo:hi], scale), _visible(q_len, length, lo, hi, hq), v[lo:hi])
+            st.o[b, :, :, s], st.lse[b, :, :, s] = o_s, lse_s
+    return st
+
+
+def merge(state: PartialState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference merge: :func:`attnplan.state.merge_states` in float64 on the CPU."""
+    return merge_states(PartialState(state.o.to("cpu", F64), state.lse.to("cpu", F64)))

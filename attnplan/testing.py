@@ -1,0 +1,94 @@
+"""Test and benchmark helpers: the one tolerance table and random decode inputs.
+
+Tolerances (STYLE.md habit 3, FlashAttention's practice): a kernel's error against the float64
+reference must stay within a small multiple of the rounding of the output dtype itself. ``atol``
+and ``rtol`` are used as ``|out - ref| <= atol + rtol * |ref|`` elementwise; the values below
+are a few output ulps, because the inputs are exact in their dtype and accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends.base import DecodeInputs
+from .problem import default_sm_scale
+
+__all__ = ["TOLERANCES", "tolerance", "make_inputs", "assert_close_to_reference", "poison"]
+
+#: dtype -> (atol, rtol) against the float64 reference; the one place tolerances are stated.
+#: float32 allows TF32-free fp32 accumulation error over 10^5 terms; partial states are fp32.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 4e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """``(atol, rtol)`` for outputs of ``dtype``; fp32 for partial states whatever the input dtype."""
+    return TOLERANCES[dtype]
+
+
+def make_inputs(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, seq_lens, *, q_len: int = 1,
+                page_size: int | None = None, dtype: torch.dtype = torch.float16, device="cpu",
+                capacity: int | None = None, generator: torch.Generator | None = None,
+                sm_scale: float | None = None, scale: float = 1.0, extra_pages: int = 3) -> DecodeInputs:
+    """Random decode inputs with fresh draws (unless ``generator`` is seeded by the caller).
+
+    Args:
+        seq_lens: list of ``batch`` lengths in tokens.
+        page_size: ``None`` for a contiguous cache; else a paged cache whose pages are a random
+            permutation (so a wrong block-table lookup reads the wrong data) plus ``extra_pages``
+            unused pages.
+        capacity: tokens per sequence the cache holds (default: the longest length, at least 1).
+        scale: standard deviation of q and KV entries.
+    Returns:
+        :class:`~attnplan.backends.base.DecodeInputs` on ``device``.
+    """
+    lens = [int(x) for x in seq_lens]
+    assert len(lens) == batch
+    cap = capacity if capacity is not None else max(max(lens), 1)
+    g = generator
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    q = rnd(batch, q_len, num_q_heads, head_dim)
+    if page_size is None:
+        k, v = rnd(batch, cap, num_kv_heads, head_dim), rnd(batch, cap, num_kv_heads, head_dim)
+        block_table = None
+    else:
+        pages_per_seq = -(-cap // page_size)
+        num_pages = batch * pages_per_seq + extra_pages
+        k, v = rnd(num_pages, page_size, num_kv_heads, head_dim), rnd(num_pages, page_size, num_kv_heads, head_dim)
+        perm = torch.randperm(num_pages, generator=g)[: batch * pages_per_seq]
+        block_table = perm.view(batch, pages_per_seq).to(torch.int32).to(device)
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale_ = default_sm_scale(head_dim) if sm_scale is None else sm_scale
+    return DecodeInputs(q.to(device), k.to(device), v.to(device), sl, block_table, scale_)
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN so any element a kernel fails to write shows up in the comparison."""
+    return t.fill_(float("nan"))
+
+
+def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None,
+                              what: str = "out") -> None:
+    """Assert ``out`` equals the float64 ``ref`` within :data:`TOLERANCES` (NaN never passes; ``-inf``
+    must match ``-inf``)."""
+    atol, rtol = tolerance(dtype or out.dtype)
+    o = out.detach().to("cpu", torch.float64)
+    r = ref.detach().to("cpu", torch.float64)
+    assert o.shape == r.shape, f"{what}: shape {tuple(o.shape)} != reference {tuple(r.shape)}"
+    assert not torch.isnan(o).any(), f"{what}: NaN at {torch.isnan(o).nonzero()[:5].tolist()}"
+    inf_r, inf_o = torch.isinf(r), torch.isinf(o)
+    assert torch.equal(inf_r, inf_o) and torch.equal(o[inf_o], r[inf_r]), \
+        f"{what}: infinities differ at {(inf_r != inf_o).nonzero()[:5].tolist()}"
+    fin = ~inf_r
+    err = (o[fin] - r[fin]).abs()
+    bound = atol + rtol * r[fin].abs()
+    if (err > bound).any():
+        i = int((err - bound).argmax())
+        raise AssertionError(f"{what}: max error {float(err.max()):.3e} (worst {float(err[i]):.3e} vs bound "
+                             f"{float(bound[i]):.3e}, ref {float(r[fin][i]):.4f}); atol {atol}, rtol {rtol}")

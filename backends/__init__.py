@@ -1,0 +1,57 @@
+"""attnplan backends (installed as ``attnplan.backends``): one subpackage per backend.
+
+:func:`get_backend` returns a backend instance by name, importing its module lazily so a
+missing optional dependency (numba-cuda, cuda-python) makes only that backend unavailable.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Backend, DecodeInputs
+
+__all__ = ["Backend", "DecodeInputs", "get_backend", "BACKEND_CLASSES"]
+
+BACKEND_CLASSES = {
+    "reference": ("attnplan.backends.reference", "ReferenceBackend"),
+    "triton": ("attnplan.backends.triton", "TritonBackend"),
+    "numba": ("attnplan.backends.numba", "NumbaBackend"),
+    "cuda_ptx": ("attnplan.backends.cuda_ptx", "CudaPtxBackend"),
+}
+
+_instances: dict[str, Backend] = {}
+
+
+class UnavailableBackend(Backend):
+    """Stands in for a backend whose module failed to import; ``available()`` gives the error."""
+
+    def __init__(self, name: str, error: str):
+        self.name = name
+        self._error = error
+
+    def available(self, device):
+        return False, self._error
+
+    def kernel_config(self, problem, options, device):
+        raise RuntimeError(self._error)
+
+    partial = merge = single_pass = kernel_config
+
+
+def get_backend(name: str) -> Backend:
+    """The (cached) backend instance called ``name``.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`BACKEND_CLASSES`.
+    """
+    if name not in BACKEND_CLASSES:
+        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(BACKEND_CLASSES)}")
+    inst = _instances.get(name)
+    if inst is None:
+        module, cls = BACKEND_CLASSES[name]
+        try:
+            inst = getattr(importlib.import_module(module), cls)()
+        except Exception as e:  # noqa: BLE001 - an optional dependency may be missing or broken
+            inst = UnavailableBackend(name, f"{name} backend failed to load: {type(e).__name__}: {e}")
+        _instances[name] = inst
+    return inst

@@ -1,0 +1,124 @@
+"""The backend interface every attnplan backend implements (DESIGN.md "Backends").
+
+Support is declared as data and refusals come back as reasons (xformers' habit, STYLE.md):
+``supports(problem)`` returns a list of strings, empty when the backend can serve the problem.
+
+Kernel contract shared by all backends (what "executes the plan as given" means):
+
+* Grid ``plan.grid = (num_splits, num_kv_heads, batch)``; program ``(s, h, b)`` serves every query
+  head of KV head ``h``'s GQA group and all ``q_len`` queries of sequence ``b``.
+* Its chunk is ``[s * plan.chunk_size, min((s + 1) * plan.chunk_size, seq_lens[b]))``, read from
+  ``seq_lens`` in device memory at run time, except that the last split (``s == num_splits - 1``)
+  runs on to ``seq_lens[b]``: a sequence that outgrew the plan's bucket is still computed exactly
+  (only more slowly), never truncated. Query ``i`` additionally sees only positions
+  ``< seq_lens[b] - q_len + i + 1``.
+* Rows with no visible position in the chunk write ``o = 0, lse = -inf`` (the empty state) and
+  read no KV; programs whose chunk starts past the sequence read nothing at all.
+* Multi-split plans write :class:`~attnplan.PartialState` (fp32 ``o`` normalized, natural-log
+  ``lse``) at split index ``s``; the merge applies :func:`attnplan.state.merge_states`'s contract.
+  Single-pass plans (``plan.single_pass``) write ``out`` (q's dtype) and ``lse`` directly.
+* ``run`` launches on torch's current stream, allocates nothing and never syncs the host.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from attnplan.planner import SplitPlan
+from attnplan.problem import DecodeProblem
+from attnplan.state import PartialState
+
+__all__ = ["Backend", "DecodeInputs"]
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """The tensors of one decode step (shapes in :mod:`attnplan.problem`).
+
+    Attributes:
+        q: ``[batch, q_len, num_q_heads, head_dim]``.
+        k_cache, v_cache: contiguous ``[batch, max_kv_len, num_kv_heads, head_dim]`` or paged
+            ``[num_pages, page_size, num_kv_heads, head_dim]``; unit stride in head_dim.
+        seq_lens: ``[batch]`` int32 on the same device.
+        block_table: ``[batch, max_pages_per_seq]`` int32, or ``None`` for a contiguous cache.
+        sm_scale: score scale (float).
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor | None
+    sm_scale: float
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+
+class Backend(abc.ABC):
+    """Base class. Subclasses set the class attributes (support as data) and implement
+    :meth:`available`, :meth:`kernel_config`, :meth:`partial`, :meth:`merge` and
+    :meth:`single_pass`."""
+
+    name: ClassVar[str]
+    #: dtypes of q and the KV cache this backend serves
+    dtypes: ClassVar[frozenset[str]] = frozenset({"float16", "bfloat16", "float32"})
+    #: head dims served (inclusive bounds) and their required multiple
+    min_head_dim: ClassVar[int] = 16
+    max_head_dim: ClassVar[int] = 256
+    head_dim_multiple: ClassVar[int] = 8
+    #: largest GQA group x q_len one program holds
+    max_rows_per_program: ClassVar[int] = 128
+    #: whether ``partial`` can run on CUDA graphs' capture stream
+    graph_safe: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        """Whether the backend can run on tensors on ``device``, with the reason when it cannot."""
+
+    def supports(self, problem: DecodeProblem) -> list[str]:
+        """Reasons this backend cannot serve ``problem`` (empty list: it can)."""
+        reasons = []
+        for name in ("q_dtype", "kv_dtype"):
+            if getattr(problem, name) not in self.dtypes:
+                reasons.append(f"{name} {getattr(problem, name)} not in {sorted(self.dtypes)}")
+        d = problem.head_dim
+        if not (self.min_head_dim <= d <= self.max_head_dim) or d % self.head_dim_multiple:
+            reasons.append(f"head_dim {d} not in [{self.min_head_dim}, {self.max_head_dim}] "
+                           f"as a multiple of {self.head_dim_multiple}")
+        rows = problem.group_size * problem.q_len
+        if rows > self.max_rows_per_program:
+            reasons.append(f"GQA group x q_len = {rows} rows exceeds {self.max_rows_per_program} per program")
+        return reasons
+
+    @abc.abstractmethod
+    def kernel_config(self, problem: DecodeProblem, options: dict, device: torch.device) -> dict:
+        """Kernel options for ``problem``: at least ``block_n`` (tokens, chunks align to it);
+        ``options`` are the config's ``backend_options`` for this backend (``None`` = choose)."""
+
+    @abc.abstractmethod
+    def partial(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState) -> None:
+        """Write every split's partial state into ``state`` (``o [B, Q, H, S, D]``, ``lse [B, Q, H, S]``, fp32)."""
+
+    @abc.abstractmethod
+    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """Merge ``state``'s first ``plan.num_splits`` splits into ``out [B, Q, H, D]`` (q's dtype)
+        and, if given, ``lse [B, Q, H]`` fp32."""
+
+    @abc.abstractmethod
+    def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """One chunk per sequence: write ``out`` and ``lse`` directly, no workspace, no merge."""
+
+    def run(self, plan: SplitPlan, inputs: DecodeInputs, workspace: PartialState | None,
+            out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
+        """Execute ``plan``: single pass, or partial into ``workspace`` then merge. Launch-only."""
+        if plan.single_pass:
+            self.single_pass(plan, inputs, out, lse)
+        else:
+            self.partial(plan, inputs, workspace)
+            self.merge(plan, workspace, out, lse)
