@@ -1,0 +1,56 @@
+"""GPU timing shared by the CLI and the benchmarks (METHOD.md: events, warm-up, medians).
+
+:func:`time_cuda` times a callable with CUDA events after warm-up and returns the median in
+microseconds; callers rotate their inputs (a list of argument sets) so L2 does not serve
+repeats. :func:`read_bandwidth_gbs` measures the streaming-read ceiling in the same process.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["time_cuda", "read_bandwidth_gbs"]
+
+
+def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50) -> dict:
+    """Median time of ``fn(i)`` (``i`` = iteration index, for rotating input sets), microseconds.
+
+    Each iteration is bracketed by its own pair of CUDA events on the current stream.
+
+    Returns:
+        ``{"median_us", "min_us", "p90_us", "iters"}``.
+    Raises:
+        RuntimeError: CUDA is not available.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("time_cuda needs a CUDA device")
+    for i in range(warmup):
+        fn(i)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn(i)
+        ends[i].record()
+    torch.cuda.synchronize()
+    t = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+    return {"median_us": statistics.median(t), "min_us": t[0], "p90_us": t[int(0.9 * (len(t) - 1))], "iters": iters}
+
+
+def read_bandwidth_gbs(nbytes: int = 4 << 30, iters: int = 20) -> float:
+    """Streaming-read bandwidth in GB/s: a sum over a ``nbytes`` buffer of random bf16 (reads
+    ``nbytes``, writes almost nothing), median of ``iters`` runs. The buffer is far larger than L2."""
+    x = torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty((), device="cuda", dtype=torch.float32)
+    r = time_cuda(lambda i: torch.sum(x, dtype=torch.float32, out=out), warmup=3, iters=iters)
+    del x
+    return nbytes / (r["median_us"] * 1e-6) / 1e9
+
+
+def rotate(sets: Sequence) -> Callable[[int], object]:
+    """``i -> sets[i % len(sets)]``: cycle through input sets."""
+    return lambda i: sets[i % len(sets)]

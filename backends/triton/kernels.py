@@ -1,0 +1,151 @@
+"""Triton kernels: split-KV partial (also the single-pass path) and the merge.
+
+Method: Flash-Decoding (Dao et al., 2023) split-KV with an exp2 online softmax (FlashAttention-2,
+Triton tutorial 06); one program per (split, KV head, sequence) holds the whole GQA group and all
+``q_len`` queries as the rows of one ``tl.dot`` tile, so every KV byte is read once (vLLM's and
+FlashInfer's grouped decode). Chunk bounds are derived from ``seq_lens`` in the kernel (vLLM's
+Triton decode), so one plan and one grid serve all lengths, and CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def split_kv_partial_kernel(
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, O, LSE,
+    sm_scale_log2,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_btb,
+    stride_ob, stride_ot, stride_oh, stride_os,
+    stride_lb, stride_lt, stride_lh, stride_ls,
+    chunk_size, num_splits,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+    WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (split s, KV head h, sequence b). Rows m = i * GROUP + g are query i of q-head h*GROUP+g.
+
+    Writes ``O[b, i, head, s, :]`` and ``LSE[b, i, head, s]`` (for the single-pass path the caller
+    passes ``out``/``lse`` with ``stride_os = stride_ls = 0``). ``O`` takes the dtype of the buffer.
+    """
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    seq_len = tl.load(SEQ_LENS + b)
+    start = split * chunk_size
+    end = tl.minimum(start + chunk_size, seq_len)
+    if split == num_splits - 1:  # the last split runs to the end of the sequence
+        end = seq_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    qi = offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    row_ok = offs_m < Q_LEN * GROUP
+    visible = seq_len - Q_LEN + qi + 1  # query qi sees positions < visible
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    q_ptrs = Q + b64 * stride_qb + qi[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        if PAGED:
+            page = tl.load(BLOCK_TABLE + b64 * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            k_row = page * stride_kb + (offs_n % PAGE_SIZE).to(tl.int64) * stride_kt
+            v_row = page * stride_vb + (offs_n % PAGE_SIZE).to(tl.int64) * stride_vt
+        else:
+            k_row = b64 * stride_kb + offs_n.to(tl.int64) * stride_kt
+            v_row = b64 * stride_vb + offs_n.to(tl.int64) * stride_vt
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_row[:, None] + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + v_row[:, None] + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        ok = (offs_n[None, :] < visible[:, None]) & n_ok[None, :]
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # never -inf - (-inf)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(s - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0  # no visible position in this chunk (p of the running max is exactly 1)
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    o_ptrs = O + b64 * stride_ob + qi[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        tl.store(LSE + b64 * stride_lb + qi * stride_lt + head * stride_lh + split * stride_ls, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_kernel(
+    O_PART, LSE_PART, OUT, LSE_OUT, num_splits,
+    stride_pb, stride_pt, stride_ph, stride_ps,
+    stride_lb, stride_lt, stride_lh, stride_ls,
+    stride_outb, stride_outt, stride_outh,
+    stride_lob, stride_lot, stride_loh,
+    NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """One program per row (b, i, head): the merge contract of :func:`attnplan.state.merge_states`.
+
+    Two passes over the splits in fixed order (deterministic): the LSEs give the common base
+    and total weight, then the weighted sum of the normalized partial outputs.
+    """
+    row = tl.program_id(0)
+    h = row % NUM_HEADS
+    t = (row // NUM_HEADS) % Q_LEN
+    b = (row // NUM_HEADS // Q_LEN).to(tl.int64)
+    lse_base = LSE_PART + b * stride_lb + t * stride_lt + h * stride_lh
+    o_base = O_PART + b * stride_pb + t * stride_pt + h * stride_ph
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+
+    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        lse_s = tl.load(lse_base + (s0 + offs_s) * stride_ls, mask=s0 + offs_s < num_splits, other=float("-inf"))
+        m = tl.maximum(m, lse_s)
+    m_max = tl.max(m, 0)
+    m_base = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s_ok = s0 + offs_s < num_splits
+        lse_s = tl.load(lse_base + (s0 + offs_s) * stride_ls, mask=s_ok, other=float("-inf"))
+        w = tl.exp(lse_s - m_base)  # 0 for empty splits
+        total += w
+        o_s = tl.load(o_base + (s0 + offs_s)[:, None] * stride_ps + offs_d[None, :],
+                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        o_s = tl.where((lse_s == float("-inf"))[:, None], 0.0, o_s)
+        acc += tl.sum(w[:, None] * o_s, 0)
+    tot = tl.sum(total, 0)
+    all_empty = m_max == float("-inf")
+    tot_safe = tl.where(all_empty, 1.0, tot)
+    out = acc / tot_safe
+    tl.store(OUT + b * stride_outb + t * stride_outt + h * stride_outh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
+    if WRITE_LSE:
+        lse = tl.where(all_empty, float("-inf"), m_base + tl.log(tot_safe))
+        tl.store(LSE_OUT + b * stride_lob + t * stride_lot + h * stride_loh, lse)

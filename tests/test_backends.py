@@ -1,0 +1,228 @@
+"""Every kernel backend against the float64 reference, on a grid generated from the backends'
+declarations (STYLE.md habit 2), plus the cases of ``shared/cases/cases.yaml`` and the
+mixed-backend merge (partial states of one backend merged by another).
+
+On CPU (CI) the backends run in Triton's interpreter / numba's simulator at small sizes; on a
+GPU the same tests run on the device, and the ``gpu``-marked ones add realistic sizes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import attnplan
+import attnplan.testing
+from attnplan import reference
+from attnplan.backends import get_backend
+from attnplan.problem import dtype_name
+from attnplan.state import PartialState, merge_states
+from attnplan.testing import assert_close_to_reference, make_inputs, poison
+
+from conftest import HAS_CUDA, kernel_backends
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+BACKENDS = kernel_backends(DEVICE)
+DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Case:
+    heads: tuple[int, int]
+    head_dim: int
+    lens: tuple[int, ...]
+    q_len: int = 1
+    page: int | None = None
+    dtype: str = "fp16"
+    splits: tuple[int, ...] = (0,)
+    scale: float = 1.0
+    tags: tuple[str, ...] = field(default=())
+
+    @property
+    def id(self) -> str:
+        hq, hkv = self.heads
+        layout = f"paged{self.page}" if self.page else "contig"
+        return (f"{self.dtype}-gqa{hq // hkv}-{hq}x{hkv}-{layout}-d{self.head_dim}-q{self.q_len}-"
+                f"len{'_'.join(map(str, self.lens[:4]))}" + ("-" + "-".join(self.tags) if self.tags else ""))
+
+
+# The CPU grid is small (interpreter/simulator speed); the GPU runs it too, plus GPU_CASES.
+CASES = [
+    Case((4, 1), 16, (1, 37, 0), tags=("mqa",)),
+    Case((8, 2), 64, (33, 16, 17), page=16, splits=(0, 1, 3), dtype="bf16"),
+    Case((8, 2), 64, (33, 5), q_len=3, page=4, splits=(1, 4), dtype="fp32"),
+    Case((7, 1), 32, (15, 16, 17), page=16, splits=(2,), tags=("group7",)),
+    Case((16, 2), 128, (100, 20, 7, 0), splits=(4,), dtype="bf16", tags=("zero-length-padding-row",)),
+    Case((8, 2), 128, (0, 37), splits=(1, 4), tags=("zero-length-lse-sign",)),
+    Case((4, 1), 32, (40,), page=16, splits=(16,), tags=("more-splits-than-chunks",)),
+    Case((64, 4), 32, (30,), splits=(1, 2), tags=("gqa-group-16",)),
+    Case((28, 4), 32, (64,), page=16, dtype="bf16", splits=(0, 2), tags=("gqa-group-7",)),
+    Case((16, 8), 32, (300,), dtype="bf16", splits=(1, 8, 16), tags=("split-count-changes-result",)),
+    Case((8, 2), 128, (21, 9), q_len=5, page=32, splits=(1, 3), tags=("odd-q-len",)),
+    Case((8, 2), 96, (40,), splits=(2,), tags=("head-dim-96",)),
+    Case((8, 2), 80, (40,), page=16, splits=(2,), dtype="bf16", tags=("head-dim-80",)),
+    Case((4, 2), 256, (30,), page=16, splits=(1, 2), tags=("head-dim-256",)),
+    Case((4, 1), 128, (64,), dtype="fp32", splits=(1, 4), tags=("fp32-ieee",)),
+    Case((4, 2), 16, (9, 3), page=1, splits=(1, 3), tags=("page1",)),
+]
+
+GPU_CASES = [
+    Case((32, 8), 128, (4097, 1, 4096, 0), page=16, dtype="bf16", splits=(0, 1, 7)),
+    Case((16, 2), 128, (100, 2000, 7, 0), dtype="bf16", splits=(0, 5), tags=("zero-length-padding-row",)),
+    Case((16, 8), 128, (4096,), dtype="bf16", splits=(1, 16, 32), tags=("split-count-changes-result",)),
+    Case((64, 4), 128, (3000, 17), page=16, dtype="bf16", tags=("gqa-group-16",)),
+    Case((28, 4), 128, (256, 255, 257), page=16, dtype="bf16", tags=("gqa-group-7",)),
+    Case((32, 8), 96, (1000,), dtype="fp16", splits=(0, 3), tags=("head-dim-96",)),
+    Case((32, 8), 112, (1000,), page=16, dtype="fp16", tags=("head-dim-112",)),
+    Case((16, 2), 256, (16384,), page=16, dtype="bf16", tags=("head-dim-256",)),
+    Case((32, 8), 128, (4096,), dtype="fp32", splits=(0, 1), tags=("interpreter-vs-gpu-tf32",)),
+    Case((32, 8), 128, (70, 64, 65, 63), q_len=7, page=64, dtype="bf16", splits=(1, 3), tags=("odd-q-len",)),
+    Case((8, 1), 128, (131072,), dtype="bf16", tags=("long",)),
+]
+
+
+def _problem(case: Case, backend: str):
+    hq, hkv = case.heads
+    return attnplan.DecodeProblem(batch=len(case.lens), num_q_heads=hq, num_kv_heads=hkv, head_dim=case.head_dim,
+                                  q_len=case.q_len, page_size=case.page, q_dtype=dtype_name(DT[case.dtype]),
+                                  kv_dtype=dtype_name(DT[case.dtype]), max_kv_len=max(case.lens))
+
+
+def _params(cases):
+    out = []
+    for be, case, ns in ((b, c, n) for b in BACKENDS for c in cases for n in c.splits):
+        out.append(pytest.param(be, case, ns, id=f"{be}-{case.id}-s{ns}"))
+    return out
+
+
+def _inputs(case: Case, gen):
+    hq, hkv = case.heads
+    return make_inputs(len(case.lens), hq, hkv, case.head_dim, case.lens, q_len=case.q_len, page_size=case.page,
+                       dtype=DT[case.dtype], device=DEVICE, generator=gen, scale=case.scale)
+
+
+def _check_decode(backend: str, case: Case, num_splits: int, gen) -> None:
+    reasons = get_backend(backend).supports(_problem(case, backend))
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    x = _inputs(case, gen)
+    out = poison(torch.empty_like(x.q))
+    lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device=DEVICE))
+    w = attnplan.DecodeWrapper(backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits)
+    assert plan.backend == backend
+    if num_splits > 0:
+        assert plan.num_splits == num_splits
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    assert_close_to_reference(out, ref, DT[case.dtype])
+    assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+@pytest.mark.parametrize("backend,case,num_splits", _params(CASES))
+def test_decode_matches_reference(backend, case, num_splits, gen):
+    _check_decode(backend, case, num_splits, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,case,num_splits", _params(GPU_CASES))
+def test_decode_matches_reference_gpu(backend, case, num_splits, gen):
+    _check_decode(backend, case, num_splits, gen)
+
+
+PARTIAL_CASES = [
+    Case((8, 2), 64, (45, 0, 16), q_len=2, page=16, dtype="bf16", splits=(3,)),
+    Case((4, 1), 32, (33,), dtype="fp32", splits=(5,)),
+]
+
+
+@pytest.mark.parametrize("backend,case,num_splits", _params(PARTIAL_CASES))
+def test_partial_states_match_reference(backend, case, num_splits, gen):
+    """Each split's (o, lse) against ``reference.partial``, in a poisoned buffer with spare splits."""
+    x = _inputs(case, gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits)
+    b, ql, hq, d = x.q.shape
+    state = PartialState.empty(b, ql, hq, plan.num_splits + 2, d, device=DEVICE).fill_(float("nan"))
+    w.backend.partial(plan, x, state)
+    ref = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                            plan.chunk_size, plan.num_splits)
+    s = plan.num_splits
+    assert_close_to_reference(state.o[:, :, :, :s], ref.o, DT[case.dtype], what="partial o")
+    assert_close_to_reference(state.lse[:, :, :, :s], ref.lse, torch.float32, what="partial lse")
+    assert torch.isnan(state.o[:, :, :, s:]).all(), "partial wrote beyond plan.num_splits"
+
+
+def _mixed_pairs():
+    names = BACKENDS + ["reference"]
+    return [pytest.param(a, b, id=f"{a}-states-merged-by-{b}") for a, b in itertools.product(names, names) if a != b]
+
+
+@pytest.mark.parametrize("writer,merger", _mixed_pairs())
+def test_mixed_backend_merge(writer, merger, gen):
+    """Partial states written by one backend, merged by another: equals the reference."""
+    case = Case((8, 2), 64, (50, 0, 31), q_len=2, page=16, dtype="bf16")
+    x = _inputs(case, gen)
+    w = attnplan.DecodeWrapper(backend=writer)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=4)
+    state = PartialState.empty(*x.q.shape[:3], plan.num_splits, x.q.shape[3], device=DEVICE).fill_(float("nan"))
+    w.backend.partial(plan, x, state)
+    out = poison(torch.empty_like(x.q))
+    lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device=DEVICE))
+    get_backend(merger).merge(plan, state, out, lse)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_states_of_two_backends_merge_across_split_points(backend, gen):
+    """Half of a sequence's splits from ``backend``, half from the reference, one merge."""
+    x = _inputs(Case((4, 1), 32, (60, 20)), gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=4)
+    st = PartialState.empty(*x.q.shape[:3], 4, x.q.shape[3], device=DEVICE)
+    w.backend.partial(plan, x, st)
+    ref_st = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, plan.chunk_size, 4)
+    mixed = PartialState(torch.cat([st.o[:, :, :, :2].cpu().double(), ref_st.o[:, :, :, 2:]], 3),
+                         torch.cat([st.lse[:, :, :, :2].cpu().double(), ref_st.lse[:, :, :, 2:]], 3))
+    o, _ = merge_states(mixed)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
+    assert_close_to_reference(o, ref, torch.float16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp16_qk_products_do_not_overflow(backend, gen):
+    """cases.yaml fp16-qk-overflow: q and k entries around 300 in a few dims (products of 9e4 > fp16 max).
+
+    With scores near 3e4 the fp32 rounding of the scores alone moves the softmax weights by ~0.1%,
+    so the bound is the precision floor (STYLE.md habit 3, FlashAttention's practice): the
+    table's fp16 tolerance plus 4x the error of the same attention computed by PyTorch in fp32.
+    """
+    x = _inputs(Case((4, 1), 128, (48,)), gen)
+    x.q[..., :4] = 300.0
+    x.k_cache[:, ::3, :, :4] = 300.0
+    out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend=backend, num_splits=2)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
+    q32, k32, v32 = (t.float().cpu() for t in (x.q, x.k_cache[:, :48], x.v_cache[:, :48]))
+    p = torch.softmax(torch.einsum("bqhd,bnd->bqhn", q32, k32[:, :, 0]) * x.sm_scale, -1)
+    torch_fp32 = torch.einsum("bqhn,bnd->bqhd", p, v32[:, :, 0]).double()
+    floor = (torch_fp32 - ref).abs()
+    assert torch.isfinite(out).all()
+    err = (out.double().cpu() - ref).abs()
+    atol, rtol = attnplan.testing.tolerance(torch.float16)
+    assert (err <= atol + rtol * ref.abs() + 4 * floor).all(), f"max err {float(err.max()):.3e}, fp32 floor {float(floor.max()):.3e}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deterministic_bitwise(backend, gen):
+    x = _inputs(Case((8, 2), 64, (70, 33), page=16, dtype="bf16"), gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=3)
+    a = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table).clone()
+    b = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table).clone()
+    assert torch.equal(a, b)
+
