@@ -49,9 +49,11 @@ def make_inputs(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, 
     assert len(lens) == batch
     cap = capacity if capacity is not None else max(max(lens), 1)
     g = generator
+    # draw where the generator lives (a CUDA generator draws on the GPU: fast for GB-sized caches)
+    draw_dev = g.device if g is not None else torch.device(device)
 
     def rnd(*shape):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+        return (torch.randn(*shape, generator=g, device=draw_dev) * scale).to(dtype)
 
     q = rnd(batch, q_len, num_q_heads, head_dim)
     if page_size is None:
@@ -61,7 +63,7 @@ def make_inputs(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, 
         pages_per_seq = -(-cap // page_size)
         num_pages = batch * pages_per_seq + extra_pages
         k, v = rnd(num_pages, page_size, num_kv_heads, head_dim), rnd(num_pages, page_size, num_kv_heads, head_dim)
-        perm = torch.randperm(num_pages, generator=g)[: batch * pages_per_seq]
+        perm = torch.randperm(num_pages, generator=g, device=draw_dev)[: batch * pages_per_seq]
         block_table = perm.view(batch, pages_per_seq).to(torch.int32).to(device)
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     scale_ = default_sm_scale(head_dim) if sm_scale is None else sm_scale

@@ -200,7 +200,7 @@ def test_fp16_qk_products_do_not_overflow(backend, gen):
 
     With scores near 3e4 the fp32 rounding of the scores alone moves the softmax weights by ~0.1%,
     so the bound is the precision floor (STYLE.md habit 3, FlashAttention's practice): the
-    table's fp16 tolerance plus 4x the error of the same attention computed by PyTorch in fp32.
+    table's fp16 atol plus 4x the largest error of the same attention computed by PyTorch in fp32.
     """
     x = _inputs(Case((4, 1), 128, (48,)), gen)
     x.q[..., :4] = 300.0
@@ -213,8 +213,8 @@ def test_fp16_qk_products_do_not_overflow(backend, gen):
     floor = (torch_fp32 - ref).abs()
     assert torch.isfinite(out).all()
     err = (out.double().cpu() - ref).abs()
-    atol, rtol = attnplan.testing.tolerance(torch.float16)
-    assert (err <= atol + rtol * ref.abs() + 4 * floor).all(), f"max err {float(err.max()):.3e}, fp32 floor {float(floor.max()):.3e}"
+    atol, _ = attnplan.testing.tolerance(torch.float16)
+    assert float(err.max()) <= atol + 4 * float(floor.max()), f"max err {float(err.max()):.3e}, fp32 floor {float(floor.max()):.3e}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

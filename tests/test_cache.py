@@ -1,0 +1,146 @@
+"""The plan cache: memory LRU, disk files, versioning, faults, concurrency, key contents."""
+
+import json
+import multiprocessing as mp
+import os
+import stat
+import warnings
+
+import pytest
+import torch
+
+import attnplan
+from attnplan.api import Context, plan_problem
+from attnplan.backends import get_backend
+from attnplan.cache import PlanCache
+from attnplan.device import DeviceInfo
+
+DEV_A = DeviceInfo("NVIDIA H200", 132, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
+DEV_B = DeviceInfo("NVIDIA H200", 66, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")  # MIG-like slice
+DEV_C = DeviceInfo("NVIDIA H200", 132, (8, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
+PROB = attnplan.DecodeProblem(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, max_kv_len=20000)
+
+
+def ctx_at(path, **cache):
+    cfg = attnplan.load_config(plan_cache={"dir": str(path), **cache})
+    return Context.from_config(cfg)
+
+
+def plan(ctx, dev=DEV_A, problem=PROB):
+    return plan_problem(problem, get_backend("reference"), torch.device("cpu"), ctx, dev_info=dev)
+
+
+def test_hits_misses_and_disk_roundtrip(tmp_path):
+    ctx = ctx_at(tmp_path)
+    p1 = plan(ctx)
+    assert ctx.cache.stats.misses == 1 and ctx.cache.stats.writes == 1
+    assert plan(ctx) is p1 and ctx.cache.stats.hits == 1
+    # same bucket (20000 and 30000 both bucket to 32768): hit
+    plan(ctx, problem=attnplan.DecodeProblem(**{**PROB.to_dict(), "max_kv_len": 30000, "total_kv_len": -1}))
+    assert ctx.cache.stats.hits == 2
+    fresh = ctx_at(tmp_path)
+    p2 = plan(fresh)
+    assert fresh.cache.stats.disk_hits == 1 and fresh.cache.stats.misses == 0 and p2 == p1
+
+
+def test_key_includes_arch_and_sm_count(tmp_path):
+    """cases.yaml cache-key-missing-arch: another SM count or compute capability re-plans."""
+    ctx = ctx_at(tmp_path)
+    a, b, c = plan(ctx, DEV_A), plan(ctx, DEV_B), plan(ctx, DEV_C)
+    assert ctx.cache.stats.misses == 3
+    assert b.device["sm_count"] == 66 and c.device["cc"] == [8, 0]
+    assert a.num_splits != b.num_splits
+
+
+def test_config_change_replans(tmp_path):
+    ctx = ctx_at(tmp_path)
+    plan(ctx)
+    cfg = attnplan.load_config(plan_cache={"dir": str(tmp_path)}, split={"max_splits": 2})
+    ctx2 = Context.from_config(cfg)
+    p = plan(ctx2)
+    assert ctx2.cache.stats.misses == 1 and p.num_splits <= 2
+
+
+def test_corrupt_and_old_files_are_rebuilt_with_warning(tmp_path):
+    ctx = ctx_at(tmp_path)
+    plan(ctx)
+    (f,) = list((tmp_path / "v1").glob("*.json"))
+    f.write_text("{not json")
+    fresh = ctx_at(tmp_path)
+    with pytest.warns(RuntimeWarning, match="unusable"):
+        plan(fresh)
+    assert fresh.cache.stats.rebuilt == 1 and fresh.cache.stats.misses == 1
+    data = json.loads(f.read_text())
+    data["library"] = "0.0.0-old"
+    f.write_text(json.dumps(data))
+    again = ctx_at(tmp_path)
+    with pytest.warns(RuntimeWarning, match="unusable"):
+        plan(again)
+    assert json.loads(f.read_text())["library"] == attnplan.__version__
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_directory_falls_back_to_memory(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    ctx = ctx_at(ro)
+    with pytest.warns(RuntimeWarning, match="memory only"):
+        plan(ctx)
+    assert plan(ctx) is not None and ctx.cache.stats.hits == 1
+
+
+def test_unwritable_directory_falls_back_to_memory_with_one_warning(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    ctx = ctx_at(blocker / "sub")  # mkdir under a regular file fails even for root
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        plan(ctx)
+        plan(ctx, DEV_B)
+    assert sum("memory only" in str(w.message) for w in rec) == 1
+    assert ctx.cache.stats.misses == 2
+
+
+def _worker(path, n, q):
+    import attnplan as ap
+    from attnplan.api import Context as C, plan_problem as pp
+    from attnplan.backends import get_backend as gb
+
+    ctx = C.from_config(ap.load_config(plan_cache={"dir": path}))
+    plans = []
+    for i in range(n):
+        prob = ap.DecodeProblem(batch=1 + i % 3, num_q_heads=32, num_kv_heads=8, head_dim=128, max_kv_len=1000 * (1 + i))
+        plans.append(pp(prob, gb("reference"), torch.device("cpu"), ctx, dev_info=DEV_A).to_json())
+    q.put(plans)
+
+
+def test_concurrent_processes_never_read_half_written_files(tmp_path):
+    q = mp.get_context("spawn").Queue()
+    procs = [mp.get_context("spawn").Process(target=_worker, args=(str(tmp_path), 12, q)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert all(r == results[0] for r in results)
+    for f in (tmp_path / "v1").glob("*.json"):
+        json.loads(f.read_text())  # every file complete
+    assert not list((tmp_path / "v1").glob(".tmp-*"))
+
+
+def test_clear_and_entries(tmp_path):
+    ctx = ctx_at(tmp_path)
+    plan(ctx)
+    plan(ctx, DEV_B)
+    assert len(ctx.cache.entries()) == 2
+    assert ctx.cache.clear() == 2 and ctx.cache.entries() == []
+
+
+def test_lru_evicts(tmp_path):
+    cache = PlanCache(tmp_path, disk=False, memory_entries=2)
+    made = []
+    for k in range(3):
+        cache.get_or_create(("k", k), lambda k=k: made.append(k) or k)
+    assert cache.lookup(("k", 0)) is None and cache.lookup(("k", 2)) == 2

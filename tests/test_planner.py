@@ -1,0 +1,103 @@
+"""The split planner: program counting per KV head, coverage, single pass, forcing, serialization."""
+
+import json
+
+import pytest
+
+import attnplan
+from attnplan.device import DeviceInfo
+from attnplan.planner import SplitPlan, make_plan
+
+H200_LIKE = DeviceInfo("NVIDIA H200", 132, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
+KERNEL = {"block_n": 64}
+
+
+def P(**kw):
+    base = dict(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, q_len=1, page_size=16,
+                q_dtype="bfloat16", kv_dtype="bfloat16", max_kv_len=32768)
+    base.update(kw)
+    return attnplan.DecodeProblem(**base)
+
+
+CFG = attnplan.load_config()
+
+
+def test_programs_counted_per_kv_head_and_fill_the_device():
+    """cases.yaml heuristic-counts-q-heads: batch 1, 32/8/128, 32K on 132 SMs."""
+    plan = make_plan(P(), H200_LIKE, CFG, "triton", KERNEL)
+    assert plan.grid == (plan.num_splits, 8, 1)
+    assert plan.num_programs == 1 * 8 * plan.num_splits
+    assert plan.num_programs >= 132, plan.explain()
+    # counting query heads (32) would have stopped at ~132 / 32 = 4 splits
+    assert plan.num_splits > 132 // 32
+
+
+@pytest.mark.parametrize("max_kv_len", [1, 15, 16, 17, 1000, 4096, 131072])
+@pytest.mark.parametrize("batch", [1, 3, 64])
+def test_chunks_cover_every_token_and_align(max_kv_len, batch):
+    plan = make_plan(P(batch=batch, max_kv_len=max_kv_len), H200_LIKE, CFG, "triton", KERNEL)
+    assert plan.chunk_size % 64 == 0 and plan.chunk_size % 16 == 0
+    assert plan.num_splits * plan.chunk_size >= max_kv_len
+    # no split that is empty for the longest sequence: the last split starts before its end
+    assert (plan.num_splits - 1) * plan.chunk_size < max(max_kv_len, 1)
+
+
+def test_single_pass_when_batch_fills_the_device():
+    plan = make_plan(P(batch=64, max_kv_len=4096), H200_LIKE, CFG, "triton", KERNEL)
+    assert plan.single_pass and plan.num_splits == 1 and plan.merge_grid == (0,) and plan.workspace_bytes == 0
+
+
+def test_single_pass_for_short_sequences():
+    plan = make_plan(P(max_kv_len=64), H200_LIKE, CFG, "triton", KERNEL)
+    assert plan.single_pass
+
+
+def test_long_tailed_batch_splits_the_long_sequence():
+    """16 sequences x 8 heads = 128 programs nearly fill 132 SMs, but one 128K sequence among short
+    ones would leave a single program streaming 32 MiB: the planner splits."""
+    plan = make_plan(P(batch=16, max_kv_len=131072, total_kv_len=131072 + 15 * 500), H200_LIKE, CFG, "triton", KERNEL)
+    assert plan.num_splits >= 8, plan.explain()
+
+
+def test_forced_and_disabled_splits():
+    plan = make_plan(P(max_kv_len=40), H200_LIKE, CFG, "triton", {"block_n": 16}, num_splits=16)
+    assert plan.num_splits == 16 and plan.policy == "forced" and plan.chunk_size == 16
+    plan = make_plan(P(), H200_LIKE, CFG.with_overrides(split={"num_splits": 1}), "triton", KERNEL)
+    assert plan.num_splits == 1 and plan.policy == "no-split" and plan.single_pass
+
+
+def test_min_chunk_and_max_splits_respected():
+    cfg = CFG.with_overrides(split={"max_splits": 4})
+    plan = make_plan(P(max_kv_len=131072), H200_LIKE, cfg, "triton", KERNEL)
+    assert plan.num_splits <= 4
+    cfg = CFG.with_overrides(split={"min_chunk_tokens": 4096})
+    plan = make_plan(P(max_kv_len=16384), H200_LIKE, cfg, "triton", KERNEL)
+    assert plan.chunk_size >= 4096
+
+
+def test_plan_is_frozen_serializable_and_explained():
+    plan = make_plan(P(), H200_LIKE, CFG, "triton", KERNEL)
+    again = SplitPlan.from_dict(json.loads(plan.to_json()))
+    assert again == plan
+    with pytest.raises(Exception):
+        plan.num_splits = 3  # frozen
+    text = plan.explain()
+    for word in ("GQA group 4", "132 SMs", "split", "grid", "predicted"):
+        assert word in text
+
+
+def test_plan_depends_on_device_sm_count():
+    small = DeviceInfo("small", 16, (8, 6), 100 * 1024, 4 * 2**20, 900.0)
+    a = make_plan(P(), H200_LIKE, CFG, "triton", KERNEL)
+    b = make_plan(P(), small, CFG, "triton", KERNEL)
+    assert a.num_splits > b.num_splits
+
+
+def test_tuned_device_table_is_read(tmp_path):
+    """plans/<device>.yaml constants replace the config's defaults on that device only."""
+    from attnplan.planner import cost_model_for
+
+    cm, bw = cost_model_for(H200_LIKE, CFG)
+    cm2, bw2 = cost_model_for(attnplan.CPU_STANDIN, CFG)
+    assert cm2 == CFG.cost_model and bw2 == attnplan.CPU_STANDIN.mem_bandwidth_gbs
+    assert bw > 0
