@@ -29,22 +29,9 @@ import torch.nn.functional as F
 
 import attnplan
 import attnplan.testing
-from attnplan.timing import time_cuda
+from attnplan.timing import read_bandwidth_gbs, time_cuda
 
 L2_ROTATE_BYTES = 512 << 20  # rotate input copies until this many bytes are cycled
-
-
-def read_ceiling_gbs() -> dict:
-    """Streaming read (bf16 sum over 4 GiB) and device-to-device copy (read + write), GB/s."""
-    n = 4 << 30
-    x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty((), device="cuda", dtype=torch.float32)
-    r = time_cuda(lambda i: torch.sum(x, dtype=torch.float32, out=out), warmup=3, iters=20)
-    y = torch.empty_like(x)
-    c = time_cuda(lambda i: y.copy_(x), warmup=3, iters=20)
-    del x, y
-    torch.cuda.empty_cache()
-    return {"read_sum_gbs": n / r["median_us"] / 1e3, "copy_rw_gbs": 2 * n / c["median_us"] / 1e3}
 
 
 def build_sets(batch, hq, hkv, d, lens, page, n_sets, gen):
@@ -136,9 +123,9 @@ def main():
     args = ap.parse_args()
     hq, hkv, d = (int(v) for v in args.heads.split(","))
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    ceiling = read_ceiling_gbs()
-    bw = ceiling["read_sum_gbs"]
-    print(f"read ceiling {bw:.0f} GB/s (copy r+w {ceiling['copy_rw_gbs']:.0f} GB/s)", flush=True)
+    ceiling = read_bandwidth_gbs()
+    bw = ceiling["ceiling_gbs"]
+    print(f"read ceiling {bw:.0f} GB/s ({ceiling})", flush=True)
     backends = []
     for name in args.backends.split(","):
         ok, why = attnplan.backends.get_backend(name).available(torch.device("cuda"))
@@ -193,7 +180,7 @@ def main():
            "python": platform.python_version(), "attnplan": attnplan.__version__,
            "triton": _ver("triton"), "numba_cuda": _ver("numba_cuda"), "cuda_bindings": _ver("cuda.bindings")}
     result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "env": env, "ceiling": ceiling,
-              "ceiling_used": "read_sum_gbs", "points": points,
+              "ceiling_used": "ceiling_gbs", "points": points,
               "notes": "times are medians of CUDA-event-timed steps; graph_us = CUDA graph replay of run(); "
                        "sdpa peers time eagerly on a dense [B,H,L,D] copy"}
     if args.out:

@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
 TESTS=${TESTS:-tests}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x --timeout 120 -p no:cacheprovider $TESTS ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x --timeout 120 -p no:cacheprovider $TESTS ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 benchmarks/bench_decode.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
