@@ -226,3 +226,33 @@ def test_deterministic_bitwise(backend, gen):
     b = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table).clone()
     assert torch.equal(a, b)
 
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page", [None, 4])
+def test_nan_outside_valid_positions_and_in_other_sequences_does_not_leak(backend, page, gen):
+    """Cache memory past each length (and unused pages) full of NaN, and NaN in one sequence's
+    own q and KV: every other sequence's output is exact, the poisoned sequence's stays its own."""
+    x = _inputs(Case((8, 2), 32, (13, 0, 6, 9), page=page), gen)
+    lens = x.seq_lens.tolist()
+    if page is None:
+        for b, n in enumerate(lens):
+            x.k_cache[b, n:] = float("nan")
+            x.v_cache[b, n:] = float("nan")
+    else:
+        used = set()
+        for b, n in enumerate(lens):
+            pages = x.block_table[b, : -(-n // page)].tolist()
+            used |= set(pages)
+            if n % page:  # tail of the last page
+                x.k_cache[pages[-1], n % page:] = float("nan")
+                x.v_cache[pages[-1], n % page:] = float("nan")
+        for p in set(range(x.k_cache.shape[0])) - used:
+            x.k_cache[p] = float("nan")
+            x.v_cache[p] = float("nan")
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    # now poison sequence 2's own q and KV
+    x.q[2] = float("nan")
+    out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend, num_splits=3)
+    keep = [0, 1, 3]
+    assert_close_to_reference(out[keep], ref[keep], torch.float16)

@@ -1,0 +1,88 @@
+"""Context-parallel decode with 2 gloo processes on the CPU: equals single-device decode."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import HAS_CUDA
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, page, backend, lens, seed, q):
+    import torch.distributed as dist
+
+    import attnplan
+    from attnplan import reference
+    from attnplan.distributed import ContextParallelDecode
+    from attnplan.testing import make_inputs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        g = torch.Generator().manual_seed(seed)
+        x = make_inputs(len(lens), 8, 2, 32, lens, page_size=page, dtype=torch.float16, generator=g)
+        ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+        # shard: rank r takes positions [r*L/world, (r+1)*L/world) of each sequence (uneven, 0 allowed)
+        shard_k, shard_v, shard_lens = [], [], []
+        for b, n in enumerate(lens):
+            lo, hi = n * rank // world, n * (rank + 1) // world
+            k, v = reference.gather_kv(x.k_cache, x.v_cache, b, n, x.block_table)
+            shard_k.append(k[lo:hi])
+            shard_v.append(v[lo:hi])
+            shard_lens.append(hi - lo)
+        cap = max(max(shard_lens), 1)
+        kc = torch.zeros(len(lens), cap, 2, 32, dtype=torch.float16)
+        vc = torch.zeros_like(kc)
+        for b, (k, v) in enumerate(zip(shard_k, shard_v)):
+            kc[b, : len(k)] = k.half()
+            vc[b, : len(v)] = v.half()
+        cp = ContextParallelDecode(backend=backend)
+        sl = torch.tensor(shard_lens, dtype=torch.int32)
+        cp.plan(x.q, kc, vc, sl, num_splits=2)
+        out = cp.run(x.q, kc, vc, sl)
+        err = float((out.double() - ref).abs().max())
+        q.put((rank, err, bool(torch.isnan(out).any())))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_context_parallel_gloo_two_ranks(backend):
+    if backend == "triton" and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
+    if HAS_CUDA and backend == "triton":
+        pytest.skip("the gloo test runs CPU tensors; the GPU path is benchmarks/bench_cp.py")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    lens = [37, 0, 5, 64]
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, None, backend, lens, 1234, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = [q.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for rank, err, nan in res:
+        assert not nan and err < 4e-3, (rank, err)
+
+
+def test_context_parallel_refuses_q_len_above_one(monkeypatch):
+    import attnplan.distributed as d
+
+    monkeypatch.setattr(d.dist, "get_world_size", lambda group=None: 2)
+    cp = d.ContextParallelDecode(backend="reference")
+    q = torch.zeros(1, 2, 4, 16, dtype=torch.float16)
+    k = torch.zeros(1, 8, 2, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="q_len 1"):
+        cp.plan(q, k, k, torch.tensor([8], dtype=torch.int32))

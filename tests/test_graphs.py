@@ -1,0 +1,142 @@
+"""CUDA-graph capture with cached capacity plans, for every kernel backend (GPU only).
+
+One graph is captured once and replayed while the caller rewrites ``seq_lens`` and
+``block_table`` in place; every replay must equal the float64 reference at the new lengths
+(cases.yaml graph-stale-splits, graph-padded-grid-uninitialized, gqa-group-16,
+legacy-stream-launch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnplan
+from attnplan import reference
+from attnplan.testing import assert_close_to_reference, make_inputs
+
+from conftest import HAS_CUDA, kernel_backends
+
+pytestmark = pytest.mark.gpu
+BACKENDS = kernel_backends("cuda") if HAS_CUDA else ["triton", "numba", "cuda_ptx"]
+
+
+def capture(w, x, out, lse):
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compiles) outside capture
+        w.run(*args, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(*args, out=out, lse=lse)
+    return g
+
+
+def check(x, out, lse, dtype):
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    assert_close_to_reference(out, ref, dtype)
+    assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_graph_replay_follows_new_lengths(backend, page, q_len, gen):
+    """cases.yaml graph-stale-splits: capture at [100]*4, replay at [100, 30000, 5, 0] and more."""
+    cap = 32768
+    x = make_inputs(4, 32, 8, 128, [100] * 4, q_len=q_len, page_size=page, dtype=torch.bfloat16, device="cuda",
+                    capacity=cap, generator=gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+    assert plan.capacity_mode and plan.max_tokens >= cap
+    misses = w.ctx.cache.stats.misses
+    out = torch.empty_like(x.q)
+    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
+    g = capture(w, x, out, lse)
+    for lens in ([100, 30000, 5, 0], [0, 0, 0, 0], [cap, 1, 16, 17], [4, 3, 2, 1]):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        if page:  # re-map pages in place, as a serving engine's allocator would
+            x.block_table.copy_(x.block_table[torch.randperm(4, generator=gen)])
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(x, out, lse, torch.bfloat16)
+    assert w.ctx.cache.stats.misses == misses
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_padded_batch(backend, gen):
+    """cases.yaml graph-padded-grid-uninitialized: capacity batch 8, 3 live sequences."""
+    x = make_inputs(8, 16, 2, 128, [0] * 8, page_size=16, dtype=torch.float16, device="cuda", capacity=4096, generator=gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+    out = torch.empty_like(x.q)
+    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
+    g = capture(w, x, out, lse)
+    x.seq_lens.copy_(torch.tensor([1000, 4096, 7, 0, 0, 0, 0, 0], dtype=torch.int32))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    check(x, out, lse, torch.float16)
+    assert torch.all(out[3:] == 0) and torch.all(torch.isneginf(lse[3:]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_gqa_group_16(backend, gen):
+    """cases.yaml gqa-group-16: 64/4/128, eager and under graph replay."""
+    x = make_inputs(2, 64, 4, 128, [3000, 17], page_size=16, dtype=torch.bfloat16, device="cuda", capacity=8192,
+                    generator=gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+    out = torch.empty_like(x.q)
+    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
+    g = capture(w, x, out, lse)
+    x.seq_lens.copy_(torch.tensor([8192, 4000], dtype=torch.int32))
+    g.replay()
+    torch.cuda.synchronize()
+    check(x, out, lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eager_plan_and_capacity_plan_agree(backend, gen):
+    """Eager planning from live lengths may split differently; results agree within rounding."""
+    x = make_inputs(2, 32, 8, 128, [5000, 300], page_size=16, dtype=torch.bfloat16, device="cuda", capacity=65536,
+                    generator=gen)
+    eager = attnplan.DecodeWrapper(backend=backend)
+    p1 = eager.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    a = eager.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table).clone()
+    cap = attnplan.DecodeWrapper(backend=backend)
+    p2 = cap.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+    b = cap.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table).clone()
+    assert p1.chunk_size != p2.chunk_size or p1.num_splits != p2.num_splits
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    assert_close_to_reference(a, ref, torch.bfloat16)
+    assert_close_to_reference(b, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_run_without_plan_during_capture_raises(backend):
+    x = make_inputs(1, 8, 2, 64, [10], dtype=torch.float16, device="cuda")
+    w = attnplan.DecodeWrapper(backend=backend)
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(attnplan.PlanNotReadyError, match="before capturing"):
+        with torch.cuda.graph(g):
+            w.run(x.q, x.k_cache, x.v_cache, x.seq_lens)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_run_does_not_allocate(backend, gen):
+    """run() after plan(): the caching allocator's allocation count does not move."""
+    x = make_inputs(2, 32, 8, 128, [3000, 20], page_size=16, dtype=torch.bfloat16, device="cuda", generator=gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(3):
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
