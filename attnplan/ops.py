@@ -1,0 +1,70 @@
+"""``torch.ops.attnplan.decode``: the decode entry point as a ``torch.library`` custom op.
+
+Registered with a fake (meta) implementation, so models calling it trace under
+``torch.compile(fullgraph=True)`` without graph breaks, and capture in CUDA graphs that torch
+makes (``mode="reduce-overhead"``): the op keeps one :class:`~attnplan.DecodeWrapper` per input
+signature, planned once for the cache's capacity on the first (eager, warm-up) call, so later
+calls neither plan nor sync the host. A call under capture with no plan for its signature
+raises :class:`~attnplan.PlanNotReadyError`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .api import DecodeWrapper, PlanNotReadyError
+
+__all__ = ["decode_op", "clear_op_plans"]
+
+_WRAPPERS: dict[tuple, DecodeWrapper] = {}
+_LOCK = threading.Lock()
+
+
+def _signature(q, k_cache, seq_lens, block_table, sm_scale, backend) -> tuple:
+    bt = None if block_table is None else tuple(block_table.shape)
+    return (tuple(q.shape), q.dtype, q.device, tuple(k_cache.shape), k_cache.dtype, tuple(k_cache.stride()),
+            tuple(seq_lens.shape), bt, float(sm_scale), backend)
+
+
+def clear_op_plans() -> None:
+    """Forget the op's per-signature wrappers (their capacity plans and workspaces)."""
+    with _LOCK:
+        _WRAPPERS.clear()
+
+
+@torch.library.custom_op("attnplan::decode", mutates_args=())
+def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+              block_table: torch.Tensor | None, sm_scale: float, backend: str) -> torch.Tensor:
+    """Decode attention as a custom op: same tensors and result as :func:`attnplan.decode`.
+
+    Args:
+        q: ``[batch, q_len, num_q_heads, head_dim]``; k_cache / v_cache: contiguous or paged
+            cache (q's dtype); seq_lens: ``[batch]`` int32; block_table: ``[batch, pages]``
+            int32 or ``None``; sm_scale: score scale (``<= 0`` means ``1/sqrt(head_dim)``);
+            backend: backend name or ``""`` for the config's order.
+    Returns:
+        a new ``[batch, q_len, num_q_heads, head_dim]`` tensor in q's dtype.
+    Raises:
+        PlanNotReadyError: first call for this signature happens during CUDA-graph capture.
+    """
+    scale = None if sm_scale <= 0 else sm_scale
+    key = _signature(q, k_cache, seq_lens, block_table, sm_scale, backend)
+    w = _WRAPPERS.get(key)
+    if w is None:
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise PlanNotReadyError("attnplan::decode called for a new input signature during CUDA graph capture; "
+                                    "run the model once eagerly (torch.compile's warm-up does) before capturing")
+        w = DecodeWrapper(backend=backend or None)
+        w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=scale, capacity=True)
+        with _LOCK:
+            _WRAPPERS[key] = w
+    out = torch.empty_like(q)
+    w.run(q, k_cache, v_cache, seq_lens, block_table, out=out)
+    return out
+
+
+@decode_op.register_fake
+def _decode_fake(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend):
+    return torch.empty_like(q)

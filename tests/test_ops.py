@@ -1,0 +1,62 @@
+"""The torch.library op: eager, fake tensors, torch.compile(fullgraph=True), CUDA graphs (GPU)."""
+
+import pytest
+import torch
+
+import attnplan
+import attnplan.ops  # noqa: F401  (registers torch.ops.attnplan.decode)
+from attnplan import reference
+from attnplan.testing import assert_close_to_reference, make_inputs
+
+from conftest import HAS_CUDA, kernel_backends
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+BACKEND = (kernel_backends(DEVICE) or ["reference"])[0]
+
+
+def test_op_eager_matches_reference(gen):
+    x = make_inputs(2, 8, 2, 32, [20, 0], page_size=4, dtype=torch.float16, device=DEVICE, generator=gen)
+    out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, 0.0, BACKEND)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    assert_close_to_reference(out, ref, torch.float16)
+    x.seq_lens[0] = 11  # a later step with other lengths reuses the capacity plan
+    out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, 0.0, BACKEND)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    assert_close_to_reference(out, ref, torch.float16)
+
+
+def test_op_opcheck(gen):
+    x = make_inputs(1, 4, 2, 16, [9], dtype=torch.float32, device=DEVICE, generator=gen)
+    torch.library.opcheck(torch.ops.attnplan.decode.default,
+                          (x.q, x.k_cache, x.v_cache, x.seq_lens, None, 0.0, BACKEND),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_op_compiles_fullgraph(gen):
+    x = make_inputs(2, 8, 2, 32, [13, 30], dtype=torch.float16, device=DEVICE, generator=gen)
+    proj = torch.nn.Linear(32, 32, dtype=torch.float16, device=DEVICE)
+
+    def layer(q, k, v, lens):
+        o = torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, BACKEND)
+        return proj(o) * 2
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if not HAS_CUDA else "inductor")
+    got = compiled(x.q, x.k_cache, x.v_cache, x.seq_lens)
+    want = layer(x.q, x.k_cache, x.v_cache, x.seq_lens)
+    assert torch.allclose(got.float(), want.float(), atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_op_under_torch_compile_cudagraphs(gen):
+    x = make_inputs(2, 32, 8, 128, [1000, 64], page_size=16, dtype=torch.bfloat16, device="cuda", capacity=4096,
+                    generator=gen)
+
+    def step(q, k, v, lens, bt):
+        return torch.ops.attnplan.decode(q, k, v, lens, bt, 0.0, BACKEND) + 1
+
+    f = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    for lens in ([1000, 64], [4096, 0], [7, 3000], [5, 5]):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out = f(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table).clone()
+        ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+        assert_close_to_reference(out - 1, ref, torch.bfloat16)
