@@ -68,9 +68,11 @@ class TritonBackend(Backend):
         if interp:
             block_n, warps, stages = 16, 1, 1
         else:
+            # measured on an H200 (benchmarks/results/2026-11-30-sweep-triton): BLOCK_N 64 with
+            # 4 warps is best or within 4% everywhere; 3 stages for contiguous caches, 2 for paged.
             block_n = 64 if problem.head_dim <= 128 else 32
             warps = 4
-            stages = 2
+            stages = 2 if problem.paged or problem.head_dim > 128 else 3
         return {
             "block_n": options.get("block_n") or block_n,
             "num_warps": options.get("num_warps") or warps,
