@@ -170,7 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("plans", help="inspect or clear the on-disk plan cache")
     p.add_argument("action", choices=["show", "clear"])
+    bench = sub.add_parser("bench", help="GPU benchmark against torch SDPA (flash, cuDNN); --help for its options",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.cmd == "bench":
+        from attnplan.bench import main as bench_main
+
+        if _cpu_mode() and not {"-h", "--help"} & set(args.bench_args):
+            print("attnplan: error: bench needs a CUDA GPU", file=sys.stderr)
+            return 2
+        bench_main(args.bench_args)
+        return 0
     if _cpu_mode():
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")

@@ -1,0 +1,61 @@
+"""The command line: `attnplan run` on the CPU, `plans show|clear`, and the benchmark's plot."""
+
+import json
+
+import pytest
+
+from attnplan import cli
+
+from conftest import HAS_CUDA
+
+
+def test_run_default_checks_against_reference(capsys):
+    assert cli.main(["run"]) == 0
+    out = capsys.readouterr().out
+    assert "backend:" in out and "PASS" in out and "split" in out
+
+
+def test_run_json_and_options(capsys):
+    rc = cli.main(["run", "--model", "qwen2.5-7b", "--batch", "2", "--kv-lens", "40,0", "--page-size", "0",
+                   "--dtype", "fp16", "--num-splits", "3", "--json"])
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["heads"] == [28, 4, 128] and rep["plan"]["num_splits"] == 3 and rep["check"]["pass"]
+    assert rep["kv_lens"] == [40, 0]
+
+
+def test_run_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--kv-lens", "3,4", "--batch", "3"])
+    assert cli.main(["run", "--backend", "nope"]) == 2
+    assert "unknown backend" in capsys.readouterr().err
+
+
+def test_plans_show_and_clear(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ATTNPLAN_CACHE_DIR", str(tmp_path))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"plan_cache:\n  dir: {tmp_path}\n")
+    assert cli.main(["--config", str(cfg), "run", "--kv-lens", "20", "--batch", "1"]) == 0
+    capsys.readouterr()
+    assert cli.main(["--config", str(cfg), "plans", "show"]) == 0
+    shown = capsys.readouterr().out
+    assert "1 plan file" in shown and "GQA group 4" in shown
+    assert cli.main(["--config", str(cfg), "plans", "clear"]) == 0
+    assert "removed 1" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CPU-only behaviour")
+def test_bench_needs_gpu(capsys):
+    assert cli.main(["bench"]) == 2
+
+
+def test_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from attnplan.bench import plot
+
+    res = {"env": {"device": "test"}, "ceiling": {"ceiling_gbs": 4000.0}, "ceiling_used": "ceiling_gbs", "points": [
+        {"layout": "contig", "kind": "uniform", "batch": 1, "kv_len": kv, "heads": [32, 8, 128],
+         "results": {"triton": {"graph_frac": 0.5 + kv / 1e6}, "sdpa_cudnn": {"eager_frac": 0.6}}}
+        for kv in (4096, 32768, 131072)]}
+    plot(res, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 1000
