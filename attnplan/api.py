@@ -15,7 +15,7 @@ import torch
 
 from .backends import Backend, DecodeInputs, get_backend
 from .cache import PlanCache
-from .config import Config, load_config
+from .config import Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import SplitPlan, make_plan
 from .problem import DecodeProblem, default_sm_scale, validate_inputs, validate_values
@@ -108,17 +108,35 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
     )
 
 
+def _tuned_options(dev_info: DeviceInfo, backend: str, problem: DecodeProblem) -> tuple[dict, str]:
+    """Kernel options from the device's tuned table (``plans/<device>.yaml``), and the table's
+    text for the cache key. Tables are measured at head_dim 128; larger heads use the backend's own."""
+    if dev_info.compute_capability == (0, 0):
+        return {}, ""
+    table = device_table(dev_info.slug())
+    if not table:
+        return {}, ""
+    opts = table.get("kernel_options", {}).get(backend, {}).get("paged" if problem.paged else "contiguous", {})
+    return (dict(opts) if problem.head_dim <= 128 else {}), json.dumps(table, sort_keys=True, default=str)
+
+
 def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device, ctx: Context, *,
                  capacity_mode: bool = False, num_splits: int | None = None, dev_info: DeviceInfo | None = None) -> SplitPlan:
-    """Plan ``problem`` for ``backend`` through ``ctx``'s plan cache (bucketed lengths)."""
+    """Plan ``problem`` for ``backend`` through ``ctx``'s plan cache (bucketed lengths).
+
+    Kernel options: the config's ``backend_options`` where set, else the device's tuned table,
+    else the backend's defaults.
+    """
     dev_info = dev_info or device_info(device)
     bucketed = problem.bucketed()
-    key = (tuple(sorted(dev_info.fingerprint().items(), key=lambda kv: kv[0])).__repr__(), backend.name,
+    tuned, table_text = _tuned_options(dev_info, backend.name, bucketed)
+    key = (repr(sorted(dev_info.fingerprint().items())), backend.name,
            tuple(sorted(bucketed.bucket().items())), bucketed.capacity, capacity_mode,
-           -1 if num_splits is None else num_splits, ctx.planning_fingerprint(backend.name))
+           -1 if num_splits is None else num_splits, ctx.planning_fingerprint(backend.name), table_text)
 
     def build() -> SplitPlan:
-        kernel = backend.kernel_config(bucketed, ctx.config.options(backend.name).model_dump(), device)
+        user = {k: v for k, v in ctx.config.options(backend.name).model_dump().items() if v is not None}
+        kernel = backend.kernel_config(bucketed, {**tuned, **user}, device)
         return make_plan(bucketed, dev_info, ctx.config, backend.name, kernel,
                          capacity_mode=capacity_mode, num_splits=num_splits)
 

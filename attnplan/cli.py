@@ -173,7 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="GPU benchmark against torch SDPA (flash, cuDNN); --help for its options",
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    tune = sub.add_parser("tune", help="measure this GPU and write plans/<device>.yaml; --help for options", add_help=False)
+    tune.add_argument("tune_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.cmd == "tune":
+        if _cpu_mode() and not {"-h", "--help"} & set(args.tune_args):
+            print("attnplan: error: tune needs a CUDA GPU", file=sys.stderr)
+            return 2
+        from attnplan.tune import main as tune_main
+
+        return tune_main(args.tune_args)
     if args.cmd == "bench":
         from attnplan.bench import main as bench_main
 

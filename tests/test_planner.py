@@ -101,3 +101,30 @@ def test_tuned_device_table_is_read(tmp_path):
     cm2, bw2 = cost_model_for(attnplan.CPU_STANDIN, CFG)
     assert cm2 == CFG.cost_model and bw2 == attnplan.CPU_STANDIN.mem_bandwidth_gbs
     assert bw > 0
+
+
+def test_tuned_kernel_options_come_from_the_device_table():
+    from attnplan.api import _tuned_options
+
+    contig = P(page_size=None)
+    opts, text = _tuned_options(H200_LIKE, "triton", contig)
+    assert opts == {"block_n": 64, "num_warps": 4, "num_stages": 3} and "kernel_options" in text
+    assert _tuned_options(H200_LIKE, "triton", P())[0]["num_stages"] == 2
+    assert _tuned_options(H200_LIKE, "triton", P(head_dim=256, num_q_heads=16))[0] == {}
+    assert _tuned_options(attnplan.CPU_STANDIN, "triton", contig) == ({}, "")
+
+
+def test_tune_fit_picks_best_geomean_options_and_saturation():
+    from attnplan.tune import fit
+
+    rows = []
+    for kv, best_splits in ((131072, 33), (4096, 16)):
+        for bn in (32, 64):
+            for splits in (17, 33, 66):
+                us = 100.0 * (1.0 if bn == 64 else 1.2) * (1.0 if splits == best_splits else 1.3)
+                rows.append({"layout": "contiguous", "batch": 1, "kv": kv, "block_n": bn, "splits": splits,
+                             "programs": 8 * splits, "us": us})
+    rows.append({"layout": "contiguous", "batch": 1, "kv": 4096, "block_n": 128, "splits": 17, "error": "x"})
+    f = fit(rows, "triton", 132, 8)
+    assert f["kernel_options"]["triton"]["contiguous"] == {"block_n": 64}
+    assert sorted(f["sat"]) == [8 * 17 / 132, 8 * 33 / 132]

@@ -1,0 +1,202 @@
+"""``attnplan tune``: measure a device and write its planner table ``plans/<device>.yaml``.
+
+For each backend it sweeps kernel options (``block_n`` x ``num_warps`` x ``num_stages`` for
+Triton, ``block_n`` for the others) and forced split counts (about 1, 2, 4 and 8 programs per SM)
+over a set of decode shapes, timing CUDA-graph replays. From that it writes:
+
+- ``kernel_options.<backend>.{contiguous,paged}``: the options with the best geometric-mean
+  time relative to each shape's best;
+- ``cost_model.sat_programs_per_sm``: the median programs-per-SM of the best split counts on
+  shapes that need splitting (fewer sequence x KV-head pairs than SMs);
+- ``cost_model.mem_bandwidth_gbs``: the streaming-read ceiling measured in the same run.
+
+It then re-plans every shape with the new table, times the planner's choice, and reports how
+many shapes land within 5% of the best split found by the sweep (the planner-quality check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+
+import torch
+import yaml
+
+SHAPES = [(1, 131072), (1, 32768), (1, 4096), (4, 32768), (4, 4096), (16, 4096), (16, 32768)]
+
+
+def _graph_time(w, x, iters: int) -> float:
+    from .timing import time_cuda
+
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        w.run(*args)
+        w.run(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(*args)
+    return time_cuda(lambda i: g.replay(), warmup=5, iters=iters)["median_us"]
+
+
+def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous", "paged"), iters: int = 15,
+          option_grid: dict | None = None, progress=None) -> list[dict]:
+    """Time every (shape, layout, kernel options, split count); returns one row per timing."""
+    import attnplan
+    import attnplan.testing
+    from attnplan.api import Context
+
+    hq, hkv, d = heads
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = option_grid or ({"block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+                           if backend == "triton" else {"block_n": [32, 64, 128]})
+    keys = list(grid)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rows = []
+    for layout, (batch, kv) in itertools.product(layouts, shapes):
+        page = 16 if layout == "paged" else None
+        x = attnplan.testing.make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=page, dtype=torch.bfloat16,
+                                         device="cuda", generator=gen, extra_pages=0)
+        for values in itertools.product(*(grid[k] for k in keys)):
+            opts = dict(zip(keys, values))
+            ctx = Context.from_config(attnplan.load_config(backend_options={backend: opts}, plan_cache={"disk": False}))
+            cands = sorted({max(1, math.ceil(sms * k / (batch * hkv))) for k in (1, 2, 4, 8)})
+            for splits in cands:
+                if kv / splits < opts["block_n"]:
+                    continue
+                w = attnplan.DecodeWrapper(ctx, backend=backend)
+                row = {"layout": layout, "batch": batch, "kv": kv, **opts}
+                try:
+                    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=splits)
+                    row.update(splits=plan.num_splits, programs=plan.num_programs, us=_graph_time(w, x, iters))
+                except Exception as e:  # noqa: BLE001 - options that do not compile or fit are recorded
+                    row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                rows.append(row)
+        if progress:
+            progress(layout, batch, kv)
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
+    """Kernel options per layout and ``sat_programs_per_sm`` from sweep rows."""
+    ok = [r for r in rows if "us" in r]
+    opt_keys = [k for k in ("block_n", "num_warps", "num_stages") if k in ok[0]]
+    out = {"kernel_options": {backend: {}}, "sat": []}
+    for layout in sorted({r["layout"] for r in ok}):
+        lr = [r for r in ok if r["layout"] == layout]
+        shapes = {(r["batch"], r["kv"]) for r in lr}
+        best = {s: min(r["us"] for r in lr if (r["batch"], r["kv"]) == s) for s in shapes}
+        scores = {}
+        for cfg in {tuple(r[k] for k in opt_keys) for r in lr}:
+            ratios = []
+            for s in shapes:
+                ts = [r["us"] for r in lr if (r["batch"], r["kv"]) == s and tuple(r[k] for k in opt_keys) == cfg]
+                if ts:
+                    ratios.append(min(ts) / best[s])
+            if len(ratios) == len(shapes):
+                scores[cfg] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        cfg = min(scores, key=scores.get)
+        out["kernel_options"][backend][layout] = dict(zip(opt_keys, cfg))
+        for s in shapes:
+            if s[0] * hkv >= sms:
+                continue
+            rs = [r for r in lr if (r["batch"], r["kv"]) == s and tuple(r[k] for k in opt_keys) == cfg]
+            b = min(rs, key=lambda r: r["us"])
+            out["sat"].append(b["programs"] / sms)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="attnplan tune", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="triton")
+    ap.add_argument("--out", default=None, help="YAML to write (default: plans/<device>.yaml in the package)")
+    ap.add_argument("--json", default=None, help="also write every timing here")
+    ap.add_argument("--iters", type=int, default=15)
+    args = ap.parse_args(argv)
+    import attnplan
+    from attnplan.device import device_info
+    from attnplan.timing import read_bandwidth_gbs
+
+    from importlib import resources
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = None
+    dev = device_info("cuda")
+    path = args.out or str(resources.files("attnplan.plans") / f"{dev.slug()}.yaml")
+    try:
+        table = yaml.safe_load(open(path)) or {}
+    except OSError:
+        table = {}
+    ceiling = read_bandwidth_gbs()
+    allrows = {}
+    sats = []
+    for backend in args.backends.split(","):
+        bar = tqdm(total=2 * len(SHAPES), desc=f"tune {backend}", unit="shape") if tqdm else None
+        rows = sweep(backend, iters=args.iters, progress=(lambda *a: bar.update(1)) if bar else None)
+        if bar:
+            bar.close()
+        allrows[backend] = rows
+        f = fit(rows, backend, dev.sm_count, 8)
+        table.setdefault("kernel_options", {}).update(f["kernel_options"])
+        sats += f["sat"]
+    cm = table.setdefault("cost_model", {})
+    if sats:
+        cm["sat_programs_per_sm"] = round(statistics.median(sats), 2)
+    cm["mem_bandwidth_gbs"] = round(ceiling["ceiling_gbs"], 1)
+    table["measured"] = {"device": dev.name, "sm_count": dev.sm_count, "ceiling": ceiling,
+                         "torch": torch.__version__, "attnplan": attnplan.__version__}
+    with open(path, "w") as fh:
+        fh.write("# Written by `attnplan tune`; edit by re-running it on the device.\n")
+        yaml.safe_dump(table, fh, sort_keys=False)
+    print(f"wrote {path}: {json.dumps({k: table[k] for k in ('cost_model', 'kernel_options')})}")
+    # planner quality against the sweep's best split, with the new table
+    attnplan.config.device_table.cache_clear()
+    quality = planner_quality(allrows, args.iters)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"rows": allrows, "quality": quality, "table": table}, fh, indent=1)
+    good = sum(q["within_5pct"] for q in quality)
+    print(f"planner within 5% of the sweep's best on {good}/{len(quality)} shapes")
+    for q in quality:
+        print(f"  {q['backend']:8s} {q['layout']:10s} b{q['batch']:<3d} kv{q['kv']:<7d} planner {q['planner_us']:8.1f} us "
+              f"({q['planner_splits']} splits)  best {q['best_us']:8.1f} us ({q['best_splits']} splits)")
+    return 0
+
+
+def planner_quality(allrows: dict, iters: int) -> list[dict]:
+    import attnplan
+    import attnplan.testing
+
+    out = []
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for backend, rows in allrows.items():
+        ok = [r for r in rows if "us" in r]
+        for layout, (batch, kv) in itertools.product(("contiguous", "paged"), SHAPES):
+            rs = [r for r in ok if r["layout"] == layout and r["batch"] == batch and r["kv"] == kv]
+            if not rs:
+                continue
+            best = min(rs, key=lambda r: r["us"])
+            x = attnplan.testing.make_inputs(batch, 32, 8, 128, [kv] * batch, page_size=16 if layout == "paged" else None,
+                                             dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
+            w = attnplan.DecodeWrapper(attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False})),
+                                       backend=backend)
+            plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+            t = _graph_time(w, x, iters)
+            out.append({"backend": backend, "layout": layout, "batch": batch, "kv": kv, "planner_us": t,
+                        "planner_splits": plan.num_splits, "best_us": best["us"], "best_splits": best["splits"],
+                        "within_5pct": t <= 1.05 * best["us"]})
+            del x
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
