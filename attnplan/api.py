@@ -146,6 +146,13 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
     return ctx.cache.get_or_create(key, build)
 
 
+def _scale_tensor(scale, hkv: int, device) -> torch.Tensor | None:
+    """A per-tensor float scale becomes a ``[num_kv_heads]`` fp32 tensor once, at plan time."""
+    if scale is None or isinstance(scale, torch.Tensor):
+        return scale
+    return torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
+
+
 class DecodeWrapper:
     """Plan once per step (or once for a CUDA graph), run allocation-free.
 
@@ -181,7 +188,9 @@ class DecodeWrapper:
 
     def plan(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
              block_table: torch.Tensor | None = None, *, sm_scale: float | None = None,
-             num_splits: int | None = None, capacity: bool = False) -> SplitPlan:
+             num_splits: int | None = None, capacity: bool = False, window_left: int = -1,
+             logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
+             k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None) -> SplitPlan:
         """Validate the inputs, choose a backend, plan (through the cache) and size the workspace.
 
         Args:
@@ -191,13 +200,20 @@ class DecodeWrapper:
                 ``None`` takes the config's ``split.num_splits``.
             capacity: plan for the cache's capacity (every length up to it) instead of the live
                 lengths: the plan to capture in a CUDA graph.
+            window_left: sliding window in tokens (query at position ``p`` sees ``[p - window_left, p]``),
+                ``-1`` = none; the plan covers only the window.
+            logits_soft_cap: ``cap * tanh(score / cap)`` on the scaled scores, ``0`` = off.
+            sinks: ``[num_q_heads]`` fp32 sink logits (gpt-oss), kept by reference for ``run()``.
+            k_scale, v_scale: dequantization scales of a ``float8_e4m3fn`` cache: floats (per
+                tensor) or fp32 ``[num_kv_heads]`` tensors (kept by reference).
         Returns:
             the :class:`SplitPlan` (also kept as ``self.plan_``).
         Raises:
             TypeError, ValueError: bad inputs (named argument, value and expectation), before any kernel.
             NoBackendError: no backend fits.
         """
-        static = validate_inputs(q, k_cache, v_cache, seq_lens, block_table)
+        static = validate_inputs(q, k_cache, v_cache, seq_lens, block_table, window_left=window_left,
+                                 soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
         num_pages = int(k_cache.shape[0]) if block_table is not None else 0
         max_len, total = validate_values(static, seq_lens, block_table, num_pages)
         if capacity:
@@ -215,6 +231,9 @@ class DecodeWrapper:
             self._out = torch.empty_like(q)
         self._sig = self._signature(q, k_cache, v_cache, seq_lens, block_table)
         self._sm_scale = float(default_sm_scale(d) if sm_scale is None else sm_scale)
+        hkv = static["num_kv_heads"]
+        self._variant = dict(window_left=static["window_left"], soft_cap=static["soft_cap"], sinks=sinks,
+                             k_scale=_scale_tensor(k_scale, hkv, q.device), v_scale=_scale_tensor(v_scale, hkv, q.device))
         self.plan_ = plan
         return plan
 
@@ -246,7 +265,7 @@ class DecodeWrapper:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
         if lse is not None and (lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device):
             raise ValueError(f"lse must be {tuple(q.shape[:3])} float32 on {q.device}, got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
-        inputs = DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, self._sm_scale)
+        inputs = DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, self._sm_scale, **self._variant)
         self.backend.run(self.plan_, inputs, self.workspace, out, lse)
         return out
 
@@ -261,7 +280,9 @@ class DecodeWrapper:
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
            block_table: torch.Tensor | None = None, *, sm_scale: float | None = None,
            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str | None = None,
-           num_splits: int | None = None, config: Config | Context | str | None = None) -> torch.Tensor:
+           num_splits: int | None = None, config: Config | Context | str | None = None, window_left: int = -1,
+           logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
+           k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None) -> torch.Tensor:
     """Split-KV decode attention in one call (plan through the cache, then run).
 
     Args:
@@ -277,6 +298,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
         backend: force a backend by name; ``None`` follows the config's order.
         num_splits: 0 = heuristic, 1 = no split, >1 = forced; ``None`` = config.
         config: Config, YAML path, Context or ``None`` (default context).
+        window_left, logits_soft_cap, sinks, k_scale, v_scale: attention variants, see
+            :meth:`DecodeWrapper.plan` (fp8 caches: ``k_cache.dtype == torch.float8_e4m3fn``).
     Returns:
         ``out`` in q's dtype. Query ``i`` of a sequence of length ``L`` attends to KV positions
         ``< L - q_len + i + 1``; a row with none gets zeros.
@@ -284,5 +307,6 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
         TypeError, ValueError: bad inputs, before any kernel runs. NoBackendError: no backend fits.
     """
     w = DecodeWrapper(config, backend=backend)
-    w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=sm_scale, num_splits=num_splits)
+    w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=sm_scale, num_splits=num_splits,
+           window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     return w.run(q, k_cache, v_cache, seq_lens, block_table, out=out, lse=lse)

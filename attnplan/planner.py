@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .config import Config, CostModel, device_table
 from .device import DeviceInfo
@@ -193,7 +193,11 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     cm, bw = cost_model_for(device, config)
     forced = config.split.num_splits if num_splits is None else num_splits
     align = math.lcm(int(kernel["block_n"]), problem.page_size or 1)
-    max_len = max(problem.max_kv_len, 1)
+    # with a sliding window the chunks start at the window's first position: plan its span only
+    max_len = max(problem.visible_span, 1)
+    if problem.window_left >= 0:
+        problem = replace(problem, max_kv_len=max_len,
+                          total_kv_len=min(problem.total_kv_len, problem.batch * max_len))
     candidates: list[tuple[int, int, float]] = []
     if forced >= 1:
         splits = forced

@@ -19,7 +19,10 @@ import torch
 
 __all__ = ["DecodeProblem", "validate_inputs", "validate_values", "DTYPE_NAMES", "dtype_name", "len_bucket"]
 
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+               torch.float8_e4m3fn: "float8_e4m3fn"}
+Q_DTYPES = ("float16", "bfloat16", "float32")
+KV_SCALES = ("none", "tensor", "head")
 _NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
 MAX_Q_LEN = 16
 
@@ -54,6 +57,12 @@ class DecodeProblem:
             the capacity is known); lets the planner see long-tailed batches.
         capacity: tokens each sequence can hold in the cache (contiguous: ``max_kv_len`` axis;
             paged: ``max_pages_per_seq * page_size``).
+        window_left: sliding window, tokens: the query at position ``p`` sees ``[p - window_left, p]``;
+            ``-1`` = no window.
+        soft_cap: logits soft-cap ``cap * tanh(score / cap)`` on the scaled scores; ``0`` = off.
+        has_sinks: a per-query-head sink logit joins the softmax denominator (gpt-oss), applied at merge.
+        kv_scale: dequantization scales of an fp8 cache: ``"none"``, ``"tensor"`` or ``"head"``
+            (per KV head); K and V are multiplied by their scales.
     """
 
     batch: int
@@ -67,6 +76,10 @@ class DecodeProblem:
     max_kv_len: int = 0
     total_kv_len: int = -1
     capacity: int = 0
+    window_left: int = -1
+    soft_cap: float = 0.0
+    has_sinks: bool = False
+    kv_scale: str = "none"
 
     def __post_init__(self) -> None:
         if self.total_kv_len < 0:
@@ -81,9 +94,16 @@ class DecodeProblem:
             raise ValueError(f"q_len must be <= {MAX_Q_LEN}, got {self.q_len}")
         if self.page_size is not None and (self.page_size < 1 or self.page_size & (self.page_size - 1)):
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
-        for name in ("q_dtype", "kv_dtype"):
-            if getattr(self, name) not in _NAME_TO_DTYPE:
-                raise ValueError(f"{name} must be one of {sorted(_NAME_TO_DTYPE)}, got {getattr(self, name)!r}")
+        if self.q_dtype not in Q_DTYPES:
+            raise ValueError(f"q_dtype must be one of {Q_DTYPES}, got {self.q_dtype!r}")
+        if self.kv_dtype not in _NAME_TO_DTYPE:
+            raise ValueError(f"kv_dtype must be one of {sorted(_NAME_TO_DTYPE)}, got {self.kv_dtype!r}")
+        if self.window_left < -1:
+            raise ValueError(f"window_left must be -1 (no window) or >= 0 tokens, got {self.window_left}")
+        if self.soft_cap < 0:
+            raise ValueError(f"soft_cap must be >= 0 (0 = off), got {self.soft_cap}")
+        if self.kv_scale not in KV_SCALES:
+            raise ValueError(f"kv_scale must be one of {KV_SCALES}, got {self.kv_scale!r}")
         if self.max_kv_len < 0:
             raise ValueError(f"max_kv_len must be >= 0, got {self.max_kv_len}")
 
@@ -95,6 +115,27 @@ class DecodeProblem:
     @property
     def paged(self) -> bool:
         return self.page_size is not None
+
+    @property
+    def visible_span(self) -> int:
+        """Most KV positions any query of a sequence can see, tokens (the window bounds it)."""
+        if self.window_left < 0:
+            return self.max_kv_len
+        return min(self.max_kv_len, self.window_left + self.q_len)
+
+    @property
+    def variants(self) -> frozenset[str]:
+        """Names of the attention variants this problem uses (backends declare the ones they serve)."""
+        v = set()
+        if self.window_left >= 0:
+            v.add("window")
+        if self.soft_cap > 0:
+            v.add("softcap")
+        if self.has_sinks:
+            v.add("sinks")
+        if self.kv_dtype == "float8_e4m3fn":
+            v.add("fp8_kv")
+        return frozenset(v)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -115,6 +156,8 @@ class DecodeProblem:
             "q_dtype": self.q_dtype, "kv_dtype": self.kv_dtype,
             "max_kv_len": len_bucket(self.max_kv_len),
             "mean_kv_len": len_bucket(-(-self.total_kv_len // self.batch)),
+            "window_left": self.window_left, "soft_cap": self.soft_cap, "has_sinks": self.has_sinks,
+            "kv_scale": self.kv_scale,
         }
 
     def bucketed(self) -> "DecodeProblem":
@@ -139,7 +182,8 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
-def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None) -> dict:
+def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_left: int = -1,
+                    soft_cap: float = 0.0, sinks=None, k_scale=None, v_scale=None) -> dict:
     """Check shapes, dtypes and devices (no host sync). Returns the problem's static fields.
 
     Raises:
@@ -153,7 +197,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None) -> dict:
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D [batch, q_len, num_q_heads, head_dim], got shape {_shape(q)}")
     batch, q_len, hq, d = q.shape
-    if q.dtype not in DTYPE_NAMES:
+    if q.dtype not in DTYPE_NAMES or DTYPE_NAMES[q.dtype] not in Q_DTYPES:
         raise TypeError(f"q.dtype must be float16, bfloat16 or float32, got {q.dtype}")
     if k_cache.dim() != 4:
         raise ValueError(f"k_cache must be 4-D, got shape {_shape(k_cache)}")
@@ -162,9 +206,12 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None) -> dict:
     if k_cache.dtype != v_cache.dtype:
         raise TypeError(f"v_cache.dtype {v_cache.dtype} must equal k_cache.dtype {k_cache.dtype}")
     if k_cache.dtype not in DTYPE_NAMES:
-        raise TypeError(f"k_cache.dtype must be float16, bfloat16 or float32, got {k_cache.dtype}")
-    if k_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache.dtype {k_cache.dtype} must equal q.dtype {q.dtype}")
+        raise TypeError(f"k_cache.dtype must be float16, bfloat16, float32 or float8_e4m3fn, got {k_cache.dtype}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and q.dtype == torch.float32:
+        raise TypeError("an fp8 KV cache needs q in float16 or bfloat16, got float32")
+    if not fp8 and k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache.dtype {k_cache.dtype} must equal q.dtype {q.dtype} (or be float8_e4m3fn)")
     hkv = k_cache.shape[2]
     if k_cache.shape[3] != d:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q's head_dim {d} (shape {_shape(k_cache)})")
@@ -203,8 +250,40 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None) -> dict:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size (k_cache.shape[1]) must be a power of two, got {page_size}")
         capacity = int(block_table.shape[1]) * page_size
+    kv_scale = _check_scales(fp8, k_scale, v_scale, int(hkv), q.device)
+    if not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left must be -1 (no window) or an int >= 0 tokens, got {window_left!r}")
+    if not (soft_cap >= 0):
+        raise ValueError(f"soft_cap must be >= 0 (0 = off), got {soft_cap!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,) or sinks.dtype != torch.float32:
+            raise ValueError(f"sinks must be a float32 tensor of shape [num_q_heads] = [{hq}], got "
+                             f"{getattr(sinks, 'shape', type(sinks).__name__)} {getattr(sinks, 'dtype', '')}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
     return dict(batch=int(batch), q_len=int(q_len), num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d),
-                page_size=page_size, q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k_cache.dtype), capacity=capacity)
+                page_size=page_size, q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k_cache.dtype), capacity=capacity,
+                window_left=int(window_left), soft_cap=float(soft_cap), has_sinks=sinks is not None, kv_scale=kv_scale)
+
+
+def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> str:
+    """fp8 caches need K and V dequantization scales: floats (per tensor) or fp32 ``[num_kv_heads]``."""
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("k_scale / v_scale apply only to a float8_e4m3fn KV cache")
+        return "none"
+    kinds = set()
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is None:
+            raise ValueError(f"{name} is required with a float8_e4m3fn KV cache (a float, or float32 [num_kv_heads])")
+        if isinstance(sc, (int, float)):
+            kinds.add("tensor")
+        elif isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.shape == (hkv,) and sc.device == device:
+            kinds.add("head")
+        else:
+            raise ValueError(f"{name} must be a float or a float32 tensor [num_kv_heads] = [{hkv}] on {device}, got "
+                             f"{getattr(sc, 'shape', sc)!r}")
+    return "head" if "head" in kinds else "tensor"
 
 
 def validate_values(static: dict, seq_lens: torch.Tensor, block_table: torch.Tensor | None,

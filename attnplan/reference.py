@@ -3,9 +3,14 @@
 Every backend is checked against these functions, never against another kernel (STYLE.md).
 They copy their inputs to the CPU in float64, so they are slow and exact and run anywhere.
 
-Visibility: query ``i`` of a sequence of length ``L`` with ``q_len`` queries sees KV positions
-``< L - q_len + i + 1`` (DESIGN.md tensor conventions). A row with no visible position has
-``o = 0, lse = -inf``.
+Visibility: query ``i`` of a sequence of length ``L`` with ``q_len`` queries sits at position
+``p = L - q_len + i`` and sees KV positions ``<= p`` (DESIGN.md tensor conventions), and with a
+sliding window only ``>= p - window_left``. A row with no visible position has ``o = 0,
+lse = -inf`` (with a sink: ``lse`` = the sink logit).
+
+Variants, computed the plain way in float64: fp8 K/V are dequantized as ``k * k_scale[h]``,
+``v * v_scale[h]``; the soft-cap is ``cap * tanh(s / cap)`` on the scaled scores ``s``; a sink
+logit joins the softmax denominator.
 """
 
 from __future__ import annotations
@@ -20,25 +25,39 @@ __all__ = ["attention", "partial", "merge", "gather_kv"]
 F64 = torch.float64
 
 
+def _scale_vec(scale, hkv: int) -> torch.Tensor:
+    if scale is None:
+        return torch.ones(hkv, dtype=F64)
+    if isinstance(scale, torch.Tensor):
+        return scale.to("cpu", F64).reshape(-1).expand(hkv) if scale.numel() == 1 else scale.to("cpu", F64)
+    return torch.full((hkv,), float(scale), dtype=F64)
+
+
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, b: int, length: int,
-              block_table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+              block_table: torch.Tensor | None, k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of sequence ``b``'s first ``length`` logical positions, ``[length, num_kv_heads, head_dim]``
-    float64 on the CPU (pages looked up in ``block_table`` for a paged cache)."""
+    float64 on the CPU (pages looked up in ``block_table`` for a paged cache; fp8 dequantized with
+    the per-tensor or per-KV-head scales)."""
     if block_table is None:
-        return k_cache[b, :length].to("cpu", F64), v_cache[b, :length].to("cpu", F64)
-    ps = k_cache.shape[1]
-    pos = torch.arange(length)
-    pages = block_table[b].to("cpu", torch.int64)[pos // ps]
-    slots = pos % ps
-    kc, vc = k_cache.to("cpu"), v_cache.to("cpu")
-    return kc[pages, slots].to(F64), vc[pages, slots].to(F64)
+        k, v = k_cache[b, :length].to("cpu"), v_cache[b, :length].to("cpu")
+    else:
+        ps = k_cache.shape[1]
+        pos = torch.arange(length)
+        pages = block_table[b].to("cpu", torch.int64)[pos // ps]
+        slots = pos % ps
+        k, v = k_cache.to("cpu")[pages, slots], v_cache.to("cpu")[pages, slots]
+    hkv = k_cache.shape[2]
+    k = k.to(F64) * _scale_vec(k_scale, hkv).view(1, hkv, 1)
+    v = v.to(F64) * _scale_vec(v_scale, hkv).view(1, hkv, 1)
+    return k, v
 
 
-def _scores(q_b: torch.Tensor, k: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """``[q_len, num_q_heads, n]`` scaled scores; query head ``h`` reads KV head ``h // group``."""
+def _scores(q_b: torch.Tensor, k: torch.Tensor, sm_scale: float, soft_cap: float = 0.0) -> torch.Tensor:
+    """``[q_len, num_q_heads, n]`` scaled (and soft-capped) scores; query head ``h`` reads KV head ``h // group``."""
     group = q_b.shape[1] // k.shape[1]
     k_rep = k.repeat_interleave(group, dim=1)  # [n, Hq, D]
-    return torch.einsum("qhd,nhd->qhn", q_b, k_rep) * sm_scale
+    s = torch.einsum("qhd,nhd->qhn", q_b, k_rep) * sm_scale
+    return soft_cap * torch.tanh(s / soft_cap) if soft_cap > 0 else s
 
 
 def _attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,15 +73,20 @@ def _attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> tup
     return o, lse
 
 
-def _visible(q_len: int, length: int, lo: int, hi: int, num_heads: int) -> torch.Tensor:
+def _visible(q_len: int, length: int, lo: int, hi: int, num_heads: int, window_left: int = -1) -> torch.Tensor:
     """``[q_len, num_heads, hi - lo]`` mask of positions ``lo..hi-1`` each query may see."""
     pos = torch.arange(lo, hi)
-    limit = length - q_len + 1 + torch.arange(q_len)  # query i sees positions < limit[i]
-    return (pos[None, :] < limit[:, None]).unsqueeze(1).expand(q_len, num_heads, hi - lo)
+    p = length - q_len + torch.arange(q_len)  # query i's own position; it sees positions <= p[i]
+    vis = pos[None, :] <= p[:, None]
+    if window_left >= 0:
+        vis &= pos[None, :] >= (p - window_left)[:, None]
+    return vis.unsqueeze(1).expand(q_len, num_heads, hi - lo)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-              block_table: torch.Tensor | None = None, sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              block_table: torch.Tensor | None = None, sm_scale: float | None = None, *, window_left: int = -1,
+              soft_cap: float = 0.0, sinks: torch.Tensor | None = None, k_scale=None,
+              v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact decode attention in float64 on the CPU.
 
     Args:
@@ -72,9 +96,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
         seq_lens: ``[batch]`` int, valid KV length of each sequence (0 allowed).
         block_table: ``[batch, max_pages_per_seq]`` int32 or ``None``.
         sm_scale: score scale; default ``1/sqrt(head_dim)``.
+        window_left, soft_cap, sinks, k_scale, v_scale: the variants (module docstring).
     Returns:
         ``(out, lse)``: ``out [batch, q_len, num_q_heads, head_dim]`` float64 and natural-log
-        ``lse [batch, q_len, num_q_heads]`` float64, on the CPU.
+        ``lse [batch, q_len, num_q_heads]`` float64 (including the sink), on the CPU.
     """
     batch, q_len, hq, d = q.shape
     scale = default_sm_scale(d) if sm_scale is None else sm_scale
@@ -83,17 +108,24 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     out = torch.zeros(batch, q_len, hq, d, dtype=F64)
     lse = torch.full((batch, q_len, hq), float("-inf"), dtype=F64)
     for b, length in enumerate(lens):
-        k, v = gather_kv(k_cache, v_cache, b, length, block_table)
-        o_b, lse_b = _attend(_scores(qf[b], k, scale), _visible(q_len, length, 0, length, hq), v)
+        k, v = gather_kv(k_cache, v_cache, b, length, block_table, k_scale, v_scale)
+        o_b, lse_b = _attend(_scores(qf[b], k, scale, soft_cap), _visible(q_len, length, 0, length, hq, window_left), v)
         out[b], lse[b] = o_b, lse_b
+    if sinks is not None:  # the sink joins the denominator: the plain softmax over [scores, sink]
+        z = sinks.to("cpu", F64).view(1, 1, hq).expand_as(lse)
+        new = torch.logaddexp(lse, z)
+        out = out * torch.exp(lse - new).unsqueeze(-1)
+        lse = new
     return out, lse
 
 
 def partial(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-            block_table: torch.Tensor | None, sm_scale: float | None, chunk_size: int, num_splits: int) -> PartialState:
-    """Reference partial states: split ``s`` covers positions ``[s * chunk_size, (s + 1) * chunk_size)``
+            block_table: torch.Tensor | None, sm_scale: float | None, chunk_size: int, num_splits: int, *,
+            window_left: int = -1, soft_cap: float = 0.0, k_scale=None, v_scale=None) -> PartialState:
+    """Reference partial states: split ``s`` covers positions ``[base + s * chunk_size, base + (s + 1) * chunk_size)``
     clipped to each sequence's length, and the last split ``num_splits - 1`` runs on to the end of the
-    sequence (the plan's parametric chunking, :mod:`attnplan.backends.base`).
+    sequence (the plan's parametric chunking, :mod:`attnplan.backends.base`); ``base`` is 0, or with
+    a window ``max(0, L - q_len - window_left)``. Sinks are not part of partial states.
 
     Returns a float64 :class:`PartialState` on the CPU with ``num_splits`` splits per row; splits
     with no visible position are empty (``o = 0``, ``lse = -inf``).
@@ -105,17 +137,20 @@ def partial(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_l
     st = PartialState(torch.zeros(batch, q_len, hq, num_splits, d, dtype=F64),
                       torch.full((batch, q_len, hq, num_splits), float("-inf"), dtype=F64))
     for b, length in enumerate(lens):
-        k, v = gather_kv(k_cache, v_cache, b, length, block_table)
+        k, v = gather_kv(k_cache, v_cache, b, length, block_table, k_scale, v_scale)
+        base = max(0, length - q_len - window_left) if window_left >= 0 else 0
         for s in range(num_splits):
-            lo = min(s * chunk_size, length)
-            hi = length if s == num_splits - 1 else min((s + 1) * chunk_size, length)
+            lo = min(base + s * chunk_size, length)
+            hi = length if s == num_splits - 1 else min(base + (s + 1) * chunk_size, length)
             if hi <= lo:
                 continue
-            o_s, lse_s = _attend(_scores(qf[b], k[lo:hi], scale), _visible(q_len, length, lo, hi, hq), v[lo:hi])
+            o_s, lse_s = _attend(_scores(qf[b], k[lo:hi], scale, soft_cap),
+                                 _visible(q_len, length, lo, hi, hq, window_left), v[lo:hi])
             st.o[b, :, :, s], st.lse[b, :, :, s] = o_s, lse_s
     return st
 
 
-def merge(state: PartialState) -> tuple[torch.Tensor, torch.Tensor]:
+def merge(state: PartialState, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference merge: :func:`attnplan.state.merge_states` in float64 on the CPU."""
-    return merge_states(PartialState(state.o.to("cpu", F64), state.lse.to("cpu", F64)))
+    return merge_states(PartialState(state.o.to("cpu", F64), state.lse.to("cpu", F64)),
+                        None if sinks is None else sinks.to("cpu", F64))

@@ -88,17 +88,33 @@ class PartialState:
         return self
 
 
-def merge_states(state: PartialState) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_states(state: PartialState, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge every row's splits into the final output: the one merge contract.
 
     ``lse = logsumexp_s(lse_s)``; ``o = sum_s exp(lse_s - lse) * o_s``; a row whose every
     ``lse_s`` is ``-inf`` gives ``o = 0, lse = -inf`` (no ``-inf - (-inf)``, no NaN).
 
+    Attention sinks (gpt-oss) are applied here, once, after the splits are merged: a sink logit
+    ``z_h`` joins the softmax denominator only, ``lse' = logaddexp(lse, z_h)``,
+    ``o' = o * exp(lse - lse')`` (an empty row gets ``o = 0, lse = z_h``). Partial states never
+    include the sink, so splitting stays exact.
+
     Args:
         state: ``o [B, Q, H, S, D]``, ``lse [B, Q, H, S]`` in any float dtype on any device.
+        sinks: optional ``[H]`` sink logits (natural-log units of the scaled scores).
     Returns:
         ``(o, lse)``: ``o [B, Q, H, D]`` and ``lse [B, Q, H]`` in the state's dtype.
     """
+    o, lse = _merge(state)
+    if sinks is not None:
+        z = sinks.to(lse.dtype).to(lse.device).view(1, 1, -1)
+        new = torch.logaddexp(lse, z.expand_as(lse))
+        o = o * torch.exp(lse - new).unsqueeze(-1)  # exp(-inf - finite) = 0 for empty rows
+        lse = new
+    return o, lse
+
+
+def _merge(state: PartialState) -> tuple[torch.Tensor, torch.Tensor]:
     lse_s = state.lse
     m = lse_s.amax(dim=-1, keepdim=True)  # [B, Q, H, 1]
     empty = torch.isneginf(m)

@@ -46,6 +46,13 @@ class DecodeInputs:
         seq_lens: ``[batch]`` int32 on the same device.
         block_table: ``[batch, max_pages_per_seq]`` int32, or ``None`` for a contiguous cache.
         sm_scale: score scale (float).
+        window_left: sliding window in tokens (query at position ``p`` sees ``[p - window_left, p]``),
+            ``-1`` = none. Split ``s`` then covers ``[base + s * chunk, ...)`` with
+            ``base = max(0, seq_len - q_len - window_left)``: no chunk lies before the window.
+        soft_cap: ``cap * tanh(score / cap)`` on the scaled scores, ``0`` = off.
+        sinks: ``[num_q_heads]`` fp32 sink logits (joins the softmax denominator at merge /
+            single-pass epilogue only; partial states never include it), or ``None``.
+        k_scale, v_scale: ``[num_kv_heads]`` fp32 dequantization scales of an fp8 cache, or ``None``.
     """
 
     q: torch.Tensor
@@ -54,6 +61,11 @@ class DecodeInputs:
     seq_lens: torch.Tensor
     block_table: torch.Tensor | None
     sm_scale: float
+    window_left: int = -1
+    soft_cap: float = 0.0
+    sinks: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     @property
     def paged(self) -> bool:
@@ -76,6 +88,8 @@ class Backend(abc.ABC):
     max_rows_per_program: ClassVar[int] = 128
     #: whether ``partial`` can run on CUDA graphs' capture stream
     graph_safe: ClassVar[bool] = True
+    #: attention variants served (:attr:`attnplan.DecodeProblem.variants`): window, softcap, sinks, fp8_kv
+    variants: ClassVar[frozenset[str]] = frozenset()
 
     @abc.abstractmethod
     def available(self, device: torch.device) -> tuple[bool, str]:
@@ -84,13 +98,17 @@ class Backend(abc.ABC):
     def supports(self, problem: DecodeProblem) -> list[str]:
         """Reasons this backend cannot serve ``problem`` (empty list: it can)."""
         reasons = []
-        for name in ("q_dtype", "kv_dtype"):
-            if getattr(problem, name) not in self.dtypes:
-                reasons.append(f"{name} {getattr(problem, name)} not in {sorted(self.dtypes)}")
+        if problem.q_dtype not in self.dtypes:
+            reasons.append(f"q_dtype {problem.q_dtype} not in {sorted(self.dtypes)}")
+        if problem.kv_dtype not in self.dtypes and problem.kv_dtype != "float8_e4m3fn":  # fp8: the fp8_kv variant
+            reasons.append(f"kv_dtype {problem.kv_dtype} not in {sorted(self.dtypes)}")
         d = problem.head_dim
         if not (self.min_head_dim <= d <= self.max_head_dim) or d % self.head_dim_multiple:
             reasons.append(f"head_dim {d} not in [{self.min_head_dim}, {self.max_head_dim}] "
                            f"as a multiple of {self.head_dim_multiple}")
+        missing = problem.variants - self.variants
+        if missing:
+            reasons.append(f"variants {sorted(missing)} not served (serves {sorted(self.variants) or 'none'})")
         rows = problem.group_size * problem.q_len
         if rows > self.max_rows_per_program:
             reasons.append(f"GQA group x q_len = {rows} rows exceeds {self.max_rows_per_program} per program")
@@ -106,9 +124,11 @@ class Backend(abc.ABC):
         """Write every split's partial state into ``state`` (``o [B, Q, H, S, D]``, ``lse [B, Q, H, S]``, fp32)."""
 
     @abc.abstractmethod
-    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None,
+              sinks: torch.Tensor | None = None) -> None:
         """Merge ``state``'s first ``plan.num_splits`` splits into ``out [B, Q, H, D]`` (q's dtype)
-        and, if given, ``lse [B, Q, H]`` fp32."""
+        and, if given, ``lse [B, Q, H]`` fp32; ``sinks [H]`` fp32 join the denominator (see
+        :func:`attnplan.state.merge_states`)."""
 
     @abc.abstractmethod
     def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
@@ -121,4 +141,7 @@ class Backend(abc.ABC):
             self.single_pass(plan, inputs, out, lse)
         else:
             self.partial(plan, inputs, workspace)
-            self.merge(plan, workspace, out, lse)
+            if inputs.sinks is None:
+                self.merge(plan, workspace, out, lse)
+            else:
+                self.merge(plan, workspace, out, lse, inputs.sinks)

@@ -39,6 +39,7 @@ class TritonBackend(Backend):
     max_head_dim = 256
     head_dim_multiple = 8
     max_rows_per_program = 128
+    variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
 
     def __init__(self) -> None:
         self._triton = None
@@ -81,7 +82,7 @@ class TritonBackend(Backend):
 
     # -- launches ---------------------------------------------------------------------------------
     def _launch_partial(self, plan: SplitPlan, x: DecodeInputs, o: torch.Tensor, lse: torch.Tensor | None,
-                        o_strides: tuple, lse_strides: tuple) -> None:
+                        o_strides: tuple, lse_strides: tuple, single: bool = False) -> None:
         k = self._kernels()
         q = x.q
         _, q_len, hq, d = q.shape
@@ -92,9 +93,13 @@ class TritonBackend(Backend):
         upcast = interp and q.dtype == torch.bfloat16
         bt = x.block_table if x.block_table is not None else x.seq_lens  # dummy pointer when contiguous
         kc = plan.kernel
+        fp8 = x.k_cache.dtype == torch.float8_e4m3fn
+        sinks_on = single and x.sinks is not None
+        dummy = x.seq_lens
         k.split_kv_partial_kernel[plan.grid](
             q, x.k_cache, x.v_cache, x.seq_lens, bt, o, lse if lse is not None else o,
-            x.sm_scale * _LOG2E,
+            x.k_scale if fp8 else dummy, x.v_scale if fp8 else dummy, x.sinks if sinks_on else dummy,
+            x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap),
             q.stride(0), q.stride(1), q.stride(2),
             x.k_cache.stride(0), x.k_cache.stride(1), x.k_cache.stride(2),
             x.v_cache.stride(0), x.v_cache.stride(1), x.v_cache.stride(2),
@@ -106,6 +111,7 @@ class TritonBackend(Backend):
             PAGE_SIZE=x.k_cache.shape[1] if x.paged else 1, PAGED=x.paged,
             WRITE_LSE=lse is not None, UPCAST=upcast,
             DOT_PRECISION="ieee" if (fp32 or upcast) else "tf32",
+            WINDOW=x.window_left >= 0, SOFTCAP=x.soft_cap > 0, FP8=fp8, SINKS_ON=sinks_on,
             num_warps=kc["num_warps"], num_stages=kc["num_stages"],
         )
 
@@ -116,21 +122,22 @@ class TritonBackend(Backend):
 
     def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         ls = (lse.stride(0), lse.stride(1), lse.stride(2), 0) if lse is not None else (0, 0, 0, 0)
-        self._launch_partial(plan, inputs, out, lse, (out.stride(0), out.stride(1), out.stride(2), 0), ls)
+        self._launch_partial(plan, inputs, out, lse, (out.stride(0), out.stride(1), out.stride(2), 0), ls, single=True)
 
-    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None,
+              sinks: torch.Tensor | None = None) -> None:
         k = self._kernels()
         o, ls = state.o, state.lse
         b, q_len, hq, _, d = o.shape
         lo = lse if lse is not None else out
         lo_strides = (lse.stride(0), lse.stride(1), lse.stride(2)) if lse is not None else (0, 0, 0)
         k.merge_kernel[(b * q_len * hq,)](
-            o, ls, out, lo, plan.num_splits,
+            o, ls, out, lo, sinks if sinks is not None else ls, plan.num_splits,
             o.stride(0), o.stride(1), o.stride(2), o.stride(3),
             ls.stride(0), ls.stride(1), ls.stride(2), ls.stride(3),
             out.stride(0), out.stride(1), out.stride(2),
             *lo_strides,
             NUM_HEADS=hq, Q_LEN=q_len, HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)),
-            BLOCK_S=min(32, max(2, _next_pow2(plan.num_splits))), WRITE_LSE=lse is not None,
+            BLOCK_S=min(32, max(2, _next_pow2(plan.num_splits))), WRITE_LSE=lse is not None, SINKS_ON=sinks is not None,
             num_warps=1 if _interpreting() else 4,
         )

@@ -18,8 +18,8 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def split_kv_partial_kernel(
-    Q, K, V, SEQ_LENS, BLOCK_TABLE, O, LSE,
-    sm_scale_log2,
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, O, LSE, K_SCALE, V_SCALE, SINKS,
+    sm_scale_log2, window_left, soft_cap,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -30,18 +30,26 @@ def split_kv_partial_kernel(
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, SINKS_ON: tl.constexpr,
 ):
     """Program (split s, KV head h, sequence b). Rows m = i * GROUP + g are query i of q-head h*GROUP+g.
 
     Writes ``O[b, i, head, s, :]`` and ``LSE[b, i, head, s]`` (for the single-pass path the caller
     passes ``out``/``lse`` with ``stride_os = stride_ls = 0``). ``O`` takes the dtype of the buffer.
+    Variants: ``WINDOW`` (chunks start at the window, rows see ``[p - window_left, p]``), ``SOFTCAP``
+    (``cap * tanh(s / cap)`` on scaled scores, tanh from ``exp(-2|x|)`` so it cannot overflow),
+    ``FP8`` (K/V widened to q's dtype, ``K_SCALE[h]`` folded into the score scale and ``V_SCALE[h]``
+    into the output), ``SINKS_ON`` (single pass only: the sink joins the denominator).
     """
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
     seq_len = tl.load(SEQ_LENS + b)
-    start = split * chunk_size
+    base = 0
+    if WINDOW:  # no chunk before the first position any query can see
+        base = tl.maximum(seq_len - Q_LEN - window_left, 0)
+    start = base + split * chunk_size
     end = tl.minimum(start + chunk_size, seq_len)
     if split == num_splits - 1:  # the last split runs to the end of the sequence
         end = seq_len
@@ -51,6 +59,7 @@ def split_kv_partial_kernel(
     head = kvh * GROUP + offs_m % GROUP
     row_ok = offs_m < Q_LEN * GROUP
     visible = seq_len - Q_LEN + qi + 1  # query qi sees positions < visible
+    lowest = visible - 1 - window_left  # ... and, with a window, >= lowest
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
@@ -59,6 +68,9 @@ def split_kv_partial_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
+    qk_scale = sm_scale_log2
+    if FP8:
+        qk_scale = qk_scale * tl.load(K_SCALE + kvh)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -83,11 +95,21 @@ def split_kv_partial_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + k_row[:, None] + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + v_row[:, None] + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:  # on natural-log-scaled scores: cap * tanh(x / cap), tanh via exp(-2|x|) (no overflow)
+            x = s * (0.6931471805599453 / soft_cap)
+            e = tl.exp(-2.0 * tl.abs(x))
+            th = (1.0 - e) / (1.0 + e)
+            s = tl.where(x < 0, -th, th) * (soft_cap * 1.4426950408889634)
         ok = (offs_n[None, :] < visible[:, None]) & n_ok[None, :]
+        if WINDOW:
+            ok = ok & (offs_n[None, :] >= lowest[:, None])
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # never -inf - (-inf)
@@ -101,6 +123,14 @@ def split_kv_partial_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    if FP8:
+        o = o * tl.load(V_SCALE + kvh)
+    if SINKS_ON:  # single pass: lse' = logaddexp(lse, sink); o' = o * exp(lse - lse')
+        z = tl.load(SINKS + head, mask=row_ok, other=0.0)
+        hi = tl.maximum(lse, z)
+        new = hi + tl.log(tl.exp(lse - hi) + tl.exp(z - hi))
+        o = o * tl.exp(lse - new)[:, None]
+        lse = new
     o_ptrs = O + b64 * stride_ob + qi[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
@@ -109,13 +139,13 @@ def split_kv_partial_kernel(
 
 @triton.jit
 def merge_kernel(
-    O_PART, LSE_PART, OUT, LSE_OUT, num_splits,
+    O_PART, LSE_PART, OUT, LSE_OUT, SINKS, num_splits,
     stride_pb, stride_pt, stride_ph, stride_ps,
     stride_lb, stride_lt, stride_lh, stride_ls,
     stride_outb, stride_outt, stride_outh,
     stride_lob, stride_lot, stride_loh,
     NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, SINKS_ON: tl.constexpr,
 ):
     """One program per row (b, i, head): the merge contract of :func:`attnplan.state.merge_states`.
 
@@ -153,7 +183,13 @@ def merge_kernel(
     all_empty = m_max == float("-inf")
     tot_safe = tl.where(all_empty, 1.0, tot)
     out = acc / tot_safe
+    lse = tl.where(all_empty, float("-inf"), m_base + tl.log(tot_safe))
+    if SINKS_ON:  # the sink joins the denominator once, after the splits are merged
+        z = tl.load(SINKS + h)
+        hi = tl.maximum(lse, z)
+        new = hi + tl.log(tl.exp(lse - hi) + tl.exp(z - hi))
+        out = out * tl.exp(lse - new)
+        lse = new
     tl.store(OUT + b * stride_outb + t * stride_outt + h * stride_outh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
-        lse = tl.where(all_empty, float("-inf"), m_base + tl.log(tot_safe))
         tl.store(LSE_OUT + b * stride_lob + t * stride_lot + h * stride_loh, lse)

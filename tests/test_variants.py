@@ -1,0 +1,230 @@
+"""Attention variants on every backend that declares them, against the float64 reference:
+sliding window, logits soft-cap, attention sinks, fp8 KV with per-tensor / per-head scales,
+head dims 64-256 (non-powers of two masked), page sizes 1-64, q_len up to 8.
+
+A backend that does not declare a variant is skipped with its own reason (the dispatch test
+below checks that the config's order then falls through to one that does).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import attnplan
+from attnplan import reference
+from attnplan.backends import get_backend
+from attnplan.problem import DecodeProblem, dtype_name
+from attnplan.state import PartialState
+from attnplan.testing import assert_close_to_reference, make_inputs, poison
+
+from conftest import HAS_CUDA, kernel_backends
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+BACKENDS = kernel_backends(DEVICE)
+FP8 = torch.float8_e4m3fn
+
+
+def _run(backend, x, dtype, splits, *, window=-1, cap=0.0, sinks=None, fp8=None, lse_check=True):
+    """Run ``backend`` and the reference with the same variant arguments; compare."""
+    kw = dict(window_left=window, logits_soft_cap=cap, sinks=sinks)
+    kc, vc = x.k_cache, x.v_cache
+    if fp8 is not None:
+        k_scale, v_scale = fp8
+        kc, vc = (x.k_cache.float() / 4).to(FP8), (x.v_cache.float() * 2).to(FP8)
+        kw.update(k_scale=k_scale, v_scale=v_scale)
+    hq, hkv = x.q.shape[2], kc.shape[2]
+    problem = DecodeProblem(batch=x.q.shape[0], num_q_heads=hq, num_kv_heads=hkv, head_dim=x.q.shape[3],
+                            q_len=x.q.shape[1], page_size=kc.shape[1] if x.paged else None, q_dtype=dtype_name(dtype),
+                            kv_dtype=dtype_name(kc.dtype), max_kv_len=1, window_left=window, soft_cap=cap,
+                            has_sinks=sinks is not None, kv_scale="none" if fp8 is None else "head")
+    reasons = get_backend(backend).supports(problem)
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    out = poison(torch.empty_like(x.q))
+    lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device=DEVICE))
+    attnplan.decode(x.q, kc, vc, x.seq_lens, x.block_table, backend=backend, num_splits=splits, out=out, lse=lse, **kw)
+    ref, ref_lse = reference.attention(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, window_left=window,
+                                       soft_cap=cap, sinks=sinks, k_scale=kw.get("k_scale"), v_scale=kw.get("v_scale"))
+    assert_close_to_reference(out, ref, dtype)
+    if lse_check:
+        assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+    return out, ref
+
+
+GQA = [(4, 4), (8, 2), (7, 1), (8, 1), (16, 1)]  # group sizes 1, 4, 7, 8, 16
+
+
+def _grid(extra):
+    out = []
+    for be, (hq, hkv), page in itertools.product(BACKENDS, GQA, [None, 16]):
+        out.append(pytest.param(be, hq, hkv, page, id=f"{be}-{hq}x{hkv}-{'paged16' if page else 'contig'}-{extra}"))
+    return out
+
+
+@pytest.mark.parametrize("backend,hq,hkv,page", _grid("window"))
+def test_sliding_window(backend, hq, hkv, page, gen):
+    x = make_inputs(3, hq, hkv, 32, [70, 1, 0], q_len=2, page_size=page, device=DEVICE, generator=gen)
+    _run(backend, x, torch.float16, 3, window=9)
+
+
+@pytest.mark.parametrize("backend,hq,hkv,page", _grid("softcap"))
+def test_soft_cap(backend, hq, hkv, page, gen):
+    x = make_inputs(3, hq, hkv, 32, [45, 1, 0], page_size=page, device=DEVICE, generator=gen, scale=3.0)
+    _run(backend, x, torch.float16, 2, cap=5.0)
+
+
+@pytest.mark.parametrize("backend,hq,hkv,page", _grid("sinks"))
+def test_sinks(backend, hq, hkv, page, gen):
+    x = make_inputs(3, hq, hkv, 32, [40, 1, 0], page_size=page, device=DEVICE, generator=gen)
+    sinks = torch.randn(hq, generator=gen).float().to(DEVICE)
+    for splits in (1, 3):
+        _run(backend, x, torch.float16, splits, sinks=sinks)
+
+
+@pytest.mark.parametrize("backend,hq,hkv,page", _grid("fp8"))
+def test_fp8_kv_per_head_scales(backend, hq, hkv, page, gen):
+    x = make_inputs(3, hq, hkv, 32, [50, 1, 0], page_size=page, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    ks = (torch.rand(hkv, generator=gen) + 0.5).float().to(DEVICE)
+    vs = (torch.rand(hkv, generator=gen) + 0.5).float().to(DEVICE)
+    _run(backend, x, torch.bfloat16, 3, fp8=(ks, vs))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_scale_is_not_dropped(backend, gen):
+    """cases.yaml fp8-scale-dropped: k_scale 0.05, v_scale 2.0 with q in bf16, single pass and split."""
+    x = make_inputs(2, 8, 2, 64, [33, 20], page_size=16, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    for splits in (1, 2):
+        _run(backend, x, torch.bfloat16, splits, fp8=(0.05, 2.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_all_masked_rows(backend, gen):
+    """cases.yaml window-all-masked: q_len 4, window 2, some queries see nothing (length < q_len)."""
+    x = make_inputs(3, 8, 2, 32, [2, 3, 30], q_len=4, device=DEVICE, generator=gen)
+    out, ref = _run(backend, x, torch.float16, 2, window=2)
+    assert torch.all(out[0, :2] == 0)  # queries 0 and 1 of a length-2 sequence sit before position 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_trailing_empty_splits_ignore_workspace(backend, gen):
+    """cases.yaml window-trailing-empty-splits: 1/8/1, length 8192 (CPU: 600), window 128, 64 splits,
+    workspace prefilled with NaN: equals the reference over the last 128 keys."""
+    n = 8192 if HAS_CUDA else 600
+    x = make_inputs(1, 8, 1, 128 if HAS_CUDA else 32, [n], dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    problem_reasons = get_backend(backend).supports(DecodeProblem(batch=1, num_q_heads=8, num_kv_heads=1,
+                                                                  head_dim=x.q.shape[3], window_left=128, max_kv_len=n))
+    if problem_reasons:
+        pytest.skip("; ".join(problem_reasons))
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, window_left=128, num_splits=64)
+    assert plan.num_splits == 64
+    if w.workspace is not None:
+        w.workspace.fill_(float("nan"))
+    out = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, window_left=128)
+    assert_close_to_reference(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_plans_only_the_window(backend, gen):
+    """The planner plans the window's span, not the whole sequence: no chunk reads invisible KV."""
+    x = make_inputs(1, 8, 2, 32, [5000 if HAS_CUDA else 700], device=DEVICE, generator=gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    if get_backend(backend).supports(DecodeProblem(batch=1, num_q_heads=8, num_kv_heads=2, head_dim=32,
+                                                   window_left=64, max_kv_len=10)):
+        pytest.skip("window not served")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, window_left=64)
+    assert plan.problem["max_kv_len"] <= 128
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_spec_verify_masked_tile(backend, gen):
+    """cases.yaml spec-verify-masked-tile: q_len 4, length = k * chunk + 3 so the last split holds only
+    positions query 0 cannot see: no NaN, that split has weight 0 for query 0."""
+    x = make_inputs(1, 8, 2, 32, [2 * 16 + 3], q_len=4, device=DEVICE, generator=gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, num_splits=4)  # length bucket 64: chunks of 16
+    if plan.chunk_size != 16:
+        pytest.skip(f"backend's chunk alignment is {plan.chunk_size}")
+    st = PartialState.empty(1, 4, 8, 4, 32, device=DEVICE).fill_(float("nan"))
+    w.backend.partial(plan, x, st)
+    # split 2 covers [32, 35); query 0 sits at position 31
+    assert torch.all(torch.isneginf(st.lse[0, 0, :, 2])) and torch.all(st.o[0, 0, :, 2] == 0)
+    assert torch.isfinite(st.lse[0, 3, :, 2]).all()
+    _run(backend, x, torch.float16, 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_overflow(backend, gen):
+    """cases.yaml softcap-overflow: cap 50, raw scores near 5000 and -10000: capped at +-50, finite."""
+    x = make_inputs(1, 4, 1, 32, [24], device=DEVICE, generator=gen, dtype=torch.float16)
+    x.q.zero_()
+    x.q[..., 0] = 1.0
+    x.k_cache[0, :12, 0, 0] = 5000.0 * (32 ** 0.5) / 64  # scaled score 5000 / 64 * ... kept in fp16 range
+    x.k_cache[0, 12:, 0, 0] = -10000.0 * (32 ** 0.5) / 64
+    x.q[..., 0] = 64.0
+    out, ref = _run(backend, x, torch.float16, 2, cap=50.0)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 112, 128, 192, 256])
+def test_head_dims(backend, head_dim, gen):
+    x = make_inputs(2, 8, 2, head_dim, [19, 1], page_size=16, device=DEVICE, generator=gen)
+    _run(backend, x, torch.float16, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page", [1, 16, 32, 64])
+def test_page_sizes_and_boundaries(backend, page, gen):
+    lens = [page, page + 1, page - 1 if page > 1 else 0, 2 * page]
+    x = make_inputs(4, 8, 2, 32, lens, q_len=3, page_size=page, device=DEVICE, generator=gen)
+    _run(backend, x, torch.float16, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_q_len_8_with_window_softcap_sinks_fp8(backend, gen):
+    """Every variant at once, speculative verification with 8 queries."""
+    x = make_inputs(2, 8, 2, 64, [40, 5], q_len=8, page_size=16, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    sinks = torch.randn(8, generator=gen).float().to(DEVICE)
+    _run(backend, x, torch.bfloat16, 3, window=11, cap=20.0, sinks=sinks, fp8=(0.5, 1.5))
+
+
+def test_dispatch_falls_through_to_a_backend_that_serves_the_variant(gen):
+    """A config whose first backend refuses a variant dispatches to the next that serves it."""
+    x = make_inputs(1, 4, 2, 32, [10], device=DEVICE, generator=gen)
+    w = attnplan.DecodeWrapper()
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, logits_soft_cap=10.0)
+    assert "softcap" in get_backend(w.backend.name).variants
+    for name, reasons in w.skipped:
+        assert reasons
+
+
+def test_variant_validation_errors():
+    x = make_inputs(1, 4, 2, 16, [5])
+    with pytest.raises(ValueError, match="window_left"):
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, window_left=-5, backend="reference")
+    with pytest.raises(ValueError, match="soft_cap"):
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, logits_soft_cap=-1.0, backend="reference")
+    with pytest.raises(ValueError, match=r"sinks must be a float32 tensor of shape \[num_q_heads\] = \[4\]"):
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, sinks=torch.zeros(3), backend="reference")
+    with pytest.raises(ValueError, match="k_scale is required"):
+        attnplan.decode(x.q, x.k_cache.to(FP8), x.v_cache.to(FP8), x.seq_lens, backend="reference")
+    with pytest.raises(ValueError, match="only to a float8"):
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, k_scale=1.0, v_scale=1.0, backend="reference")
+    with pytest.raises(TypeError, match="fp8 KV cache needs q"):
+        attnplan.decode(x.q.float(), x.k_cache.to(FP8), x.v_cache.to(FP8), x.seq_lens, k_scale=1.0, v_scale=1.0)
+    with pytest.raises(ValueError, match=r"v_scale must be a float or a float32 tensor \[num_kv_heads\]"):
+        attnplan.decode(x.q, x.k_cache.to(FP8), x.v_cache.to(FP8), x.seq_lens, k_scale=1.0, v_scale=torch.ones(3))
+
+
+def test_variants_are_part_of_the_plan_key():
+    a = DecodeProblem(batch=1, num_q_heads=4, num_kv_heads=2, head_dim=16, max_kv_len=100)
+    keys = {tuple(sorted(p.bucket().items())) for p in (
+        a, DecodeProblem(**{**a.to_dict(), "window_left": 8}), DecodeProblem(**{**a.to_dict(), "soft_cap": 30.0}),
+        DecodeProblem(**{**a.to_dict(), "has_sinks": True}),
+        DecodeProblem(**{**a.to_dict(), "kv_dtype": "float8_e4m3fn", "kv_scale": "head"}))}
+    assert len(keys) == 5
