@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One device-machine session: install, run the whole test suite on the GPU, then the benchmark.
-# Usage (repository root, on the GPU machine): bash benchmarks/gpu_run.sh [bench args...]
-# Writes logs and JSON under $OUT (or ./gpu-out).
+# One device-machine call: install, then the steps named in STEPS (default "tests bench"):
+#   tests     the whole test suite on the GPU (gpu-marked tests included)
+#   bench     benchmarks/bench_decode.py (args: BENCH_ARGS) -> $OUT/bench.json, bench.png
+#   sanitize  compute-sanitizer memcheck + racecheck on benchmarks/sanitize.py for each backend
+#   tune      attnplan tune (args: TUNE_ARGS) -> $OUT/h200.yaml, $OUT/tune.json
+# Usage (repository root, on the GPU machine): STEPS="tests bench" bash benchmarks/gpu_run.sh
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ATTNPLAN_CACHE_DIR=$(mktemp -d)
@@ -9,12 +12,23 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/nvidia-smi.txt"
-python3 -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
-TESTS=${TESTS:-tests}
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x --timeout 120 -p no:cacheprovider $TESTS ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
-fi
-if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  python3 benchmarks/bench_decode.py --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
-fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+for step in ${STEPS:-tests bench}; do
+  case $step in
+    tests)
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --timeout 200 ${TESTS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} \
+        > "$OUT/pytest-gpu.log" 2>&1; echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu.log" | tail -25 ;;
+    bench)
+      python3 benchmarks/bench_decode.py --out "$OUT/bench.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; echo "bench rc=$?"
+      sed -n '/^ceiling/,$p' "$OUT/bench.log" | tail -40 ;;
+    sanitize)
+      for be in ${SAN_BACKENDS:-triton numba cuda_ptx}; do
+        for tool in memcheck racecheck; do
+          timeout 240 compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize.py --backend $be \
+            > "$OUT/sanitize-$be-$tool.log" 2>&1; echo "sanitize $be $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|equal the reference' "$OUT/sanitize-$be-$tool.log" | tr '\n' ' ')"
+        done
+      done ;;
+    tune)
+      python3 -m attnplan.cli tune --out "$OUT/h200.yaml" --json "$OUT/tune.json" ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1; echo "tune rc=$?"; tail -25 "$OUT/tune.log" ;;
+  esac
+done
