@@ -131,11 +131,15 @@ def main(argv=None) -> int:
     except ImportError:  # pragma: no cover
         tqdm = None
     dev = device_info("cuda")
-    path = args.out or str(resources.files("attnplan.plans") / f"{dev.slug()}.yaml")
-    try:
-        table = yaml.safe_load(open(path)) or {}
-    except OSError:
-        table = {}
+    shipped = str(resources.files("attnplan.plans") / f"{dev.slug()}.yaml")
+    path = args.out or shipped
+    table = {}
+    for src in (shipped, path):  # start from the shipped table, then the target's own
+        try:
+            with open(src) as fh:
+                table.update(yaml.safe_load(fh) or {})
+        except OSError:
+            pass
     ceiling = read_bandwidth_gbs()
     allrows = {}
     sats = []
