@@ -42,10 +42,11 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, b: int, length: int,
         k, v = k_cache[b, :length].to("cpu"), v_cache[b, :length].to("cpu")
     else:
         ps = k_cache.shape[1]
-        pos = torch.arange(length)
-        pages = block_table[b].to("cpu", torch.int64)[pos // ps]
+        pos = torch.arange(length, device=k_cache.device)
+        pages = block_table[b].to(k_cache.device, torch.int64)[pos // ps]
         slots = pos % ps
-        k, v = k_cache.to("cpu")[pages, slots], v_cache.to("cpu")[pages, slots]
+        # gather on the cache's device, move only this sequence's tokens
+        k, v = k_cache[pages, slots].to("cpu"), v_cache[pages, slots].to("cpu")
     hkv = k_cache.shape[2]
     k = k.to(F64) * _scale_vec(k_scale, hkv).view(1, hkv, 1)
     v = v.to(F64) * _scale_vec(v_scale, hkv).view(1, hkv, 1)
