@@ -138,7 +138,7 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
         user = {k: v for k, v in ctx.config.options(backend.name).model_dump().items() if v is not None}
         kernel = backend.kernel_config(bucketed, {**tuned, **user}, device)
         return make_plan(bucketed, dev_info, ctx.config, backend.name, kernel,
-                         capacity_mode=capacity_mode, num_splits=num_splits)
+                         capacity_mode=capacity_mode, num_splits=num_splits, merge_strategies=backend.merge_strategies)
 
     if not ctx.config.plan_cache.enabled:
         ctx.cache.stats.misses += 1
@@ -176,6 +176,7 @@ class DecodeWrapper:
         self.backend: Backend | None = None
         self.skipped: list[tuple[str, list[str]]] = []
         self.workspace: PartialState | None = None
+        self.counters: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
         self._sig: tuple | None = None
         self._sm_scale = 0.0
@@ -227,6 +228,10 @@ class DecodeWrapper:
             if ws is None or tuple(ws.lse.shape[:3]) != (b, ql, hq) or ws.o.shape[-1] != d \
                     or ws.num_splits < plan.num_splits or ws.o.device != q.device:
                 self.workspace = PartialState.empty(b, ql, hq, plan.num_splits, d, device=q.device)
+            if plan.merge == "fused":
+                n = b * static["num_kv_heads"]
+                if self.counters is None or self.counters.numel() < n or self.counters.device != q.device:
+                    self.counters = torch.zeros(n, dtype=torch.int32, device=q.device)
         if self._out is None or self._out.shape != q.shape or self._out.dtype != q.dtype or self._out.device != q.device:
             self._out = torch.empty_like(q)
         self._sig = self._signature(q, k_cache, v_cache, seq_lens, block_table)
@@ -266,7 +271,7 @@ class DecodeWrapper:
         if lse is not None and (lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device):
             raise ValueError(f"lse must be {tuple(q.shape[:3])} float32 on {q.device}, got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
         inputs = DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, self._sm_scale, **self._variant)
-        self.backend.run(self.plan_, inputs, self.workspace, out, lse)
+        self.backend.run(self.plan_, inputs, self.workspace, out, lse, self.counters)
         return out
 
     def explain(self) -> str:

@@ -44,6 +44,9 @@ class KernelOptions(_Strict):
 class SplitPolicy(_Strict):
     """How the planner splits the KV sequence (DESIGN.md "Planner")."""
 
+    merge: Literal["auto", "separate", "fused"] = Field(
+        "auto", description="cross-program merge: separate kernel, fused into the last program of a row "
+                            "(atomic completion counter, fixed merge order), or auto = cheaper by the cost model")
     num_splits: int = Field(0, ge=0, le=1024, description="0 = heuristic, 1 = never split, >1 = forced")
     max_splits: int = Field(128, ge=1, le=1024, description="most splits a sequence may get")
     min_chunk_tokens: int = Field(256, ge=16, description="smallest chunk the heuristic makes, tokens")

@@ -58,6 +58,10 @@ class SplitPlan:
         policy: ``"heuristic"``, ``"forced"`` (config ``split.num_splits``) or ``"no-split"``.
         candidates: ``(splits, chunk_tokens, predicted_us)`` of the split counts scored.
         capacity_mode: sized for the cache capacity (CUDA-graph capture) instead of live lengths.
+        merge: ``"separate"`` (a merge kernel) or ``"fused"`` (the last program of each
+            (sequence, KV head) to finish, by an atomic completion counter, merges that group's
+            rows in fixed split order: one launch fewer, still deterministic; the counter resets
+            itself for the next launch or graph replay). ``"none"`` for single pass.
         version: :data:`PLAN_VERSION`.
     """
 
@@ -75,6 +79,7 @@ class SplitPlan:
     policy: str
     candidates: tuple[tuple[int, int, float], ...] = field(default=())
     capacity_mode: bool = False
+    merge: str = "separate"
     version: int = PLAN_VERSION
 
     @property
@@ -132,7 +137,8 @@ class SplitPlan:
         lines.append(
             f"=> {self.num_splits} split(s) of {self.chunk_size} tokens; grid {self.grid} = {self.num_programs} programs; "
             + ("single pass (the partial kernel writes the output, no merge)" if self.single_pass
-               else f"merge grid {self.merge_grid}, workspace {self.workspace_bytes / 2**20:.2f} MiB")
+               else (f"merge fused into the last program of each group" if self.merge == "fused"
+                     else f"merge kernel grid {self.merge_grid}") + f", workspace {self.workspace_bytes / 2**20:.2f} MiB")
         )
         lines.append(f"kernel options {self.kernel}; predicted {self.predicted_us:.1f} us per step")
         return "\n".join(lines)
@@ -169,13 +175,28 @@ def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: 
     rows = batch * problem.q_len * problem.num_q_heads
     t = cm.launch_us + waves * cm.program_us + max(kv_bytes / (bw * occupancy), chunk_bytes / bw_per_program)
     if splits > 1:
-        merge_bytes = rows * splits * (problem.head_dim + 1) * 4 * 2 + rows * problem.head_dim * torch_dtype(problem.q_dtype).itemsize
-        t += cm.launch_us + merge_bytes / bw
+        t += min(_merge_cost_us(problem, cm, bw, bw_per_program, splits).values())
     return t
 
 
+def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_program: float, splits: int) -> dict:
+    """Cost of each merge strategy after the partial kernel, microseconds.
+
+    separate: one more launch, then all rows' states read at full bandwidth.
+    fused: no launch; the last program of each (sequence, KV head) reads its group's states alone
+    (at one program's bandwidth), while the other groups' last programs do the same in parallel.
+    """
+    rows = problem.batch * problem.q_len * problem.num_q_heads
+    state_bytes = (problem.head_dim + 1) * 4 * splits
+    out_bytes = problem.head_dim * torch_dtype(problem.q_dtype).itemsize
+    group_rows = problem.q_len * problem.group_size
+    return {"separate": cm.launch_us + rows * (2 * state_bytes + out_bytes) / bw,
+            "fused": cm.program_us + group_rows * (state_bytes + out_bytes) / bw_per_program}
+
+
 def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: dict,
-              *, capacity_mode: bool = False, num_splits: int | None = None) -> SplitPlan:
+              *, capacity_mode: bool = False, num_splits: int | None = None,
+              merge_strategies: frozenset[str] = frozenset({"separate"})) -> SplitPlan:
     """Plan a problem (usually already :meth:`DecodeProblem.bucketed`).
 
     Args:
@@ -186,6 +207,8 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         kernel: the backend's kernel options; ``kernel["block_n"]`` (tokens) aligns chunks.
         capacity_mode: mark the plan as sized for the cache capacity (CUDA graphs).
         num_splits: overrides ``config.split.num_splits`` (0 = heuristic, 1 = no split, >1 forced).
+        merge_strategies: the merge strategies the backend implements (``"separate"``, ``"fused"``);
+            ``config.split.merge`` picks one, ``auto`` the cheaper by the cost model.
     Returns:
         the :class:`SplitPlan`. Never empty work for a non-empty sequence: ``num_splits * chunk_size``
         always covers ``problem.max_kv_len``.
@@ -222,11 +245,23 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     single = splits == 1
     rows = problem.batch * problem.q_len * problem.num_q_heads
     ws = 0 if single else rows * splits * (problem.head_dim + 1) * 4
+    merge = "none"
+    if not single:
+        want = config.split.merge
+        if want == "auto":
+            costs = _merge_cost_us(problem, cm, bw * 1e3 * cm.bandwidth_fraction,
+                                   bw * 1e3 * cm.bandwidth_fraction / (device.sm_count * cm.sat_programs_per_sm), splits)
+            merge = min((c, m) for m, c in costs.items() if m in merge_strategies)[1]
+        else:
+            merge = want if want in merge_strategies else "separate"
+        if merge == "fused":
+            ws += problem.batch * problem.num_kv_heads * 4  # completion counters
     bucket = problem.bucket()
     bucket["capacity"] = problem.capacity
     return SplitPlan(
         backend=backend, problem=bucket, device=device.fingerprint(), num_splits=splits, chunk_size=chunk,
         single_pass=single, grid=(splits, problem.num_kv_heads, problem.batch),
-        merge_grid=(0,) if single else (rows,), kernel=dict(kernel), workspace_bytes=ws,
+        merge_grid=(0,) if single or merge == "fused" else (rows,), kernel=dict(kernel), workspace_bytes=ws,
         predicted_us=float(predicted), policy=policy, candidates=tuple(candidates), capacity_mode=capacity_mode,
+        merge=merge,
     )

@@ -90,6 +90,8 @@ class Backend(abc.ABC):
     graph_safe: ClassVar[bool] = True
     #: attention variants served (:attr:`attnplan.DecodeProblem.variants`): window, softcap, sinks, fp8_kv
     variants: ClassVar[frozenset[str]] = frozenset()
+    #: cross-program merge strategies implemented (``"separate"``; ``"fused"`` needs :meth:`partial_fused_merge`)
+    merge_strategies: ClassVar[frozenset[str]] = frozenset({"separate"})
 
     @abc.abstractmethod
     def available(self, device: torch.device) -> tuple[bool, str]:
@@ -134,11 +136,22 @@ class Backend(abc.ABC):
     def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """One chunk per sequence: write ``out`` and ``lse`` directly, no workspace, no merge."""
 
+    def partial_fused_merge(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState, out: torch.Tensor,
+                            lse: torch.Tensor | None, counters: torch.Tensor) -> None:
+        """Partial states plus the merge by the last program of each (sequence, KV head) group.
+
+        ``counters``: ``[batch * num_kv_heads]`` int32, zero before the launch and left zero after.
+        Only for backends whose :attr:`merge_strategies` include ``"fused"``.
+        """
+        raise NotImplementedError(f"{self.name} has no fused merge")
+
     def run(self, plan: SplitPlan, inputs: DecodeInputs, workspace: PartialState | None,
-            out: torch.Tensor, lse: torch.Tensor | None = None) -> None:
+            out: torch.Tensor, lse: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> None:
         """Execute ``plan``: single pass, or partial into ``workspace`` then merge. Launch-only."""
         if plan.single_pass:
             self.single_pass(plan, inputs, out, lse)
+        elif plan.merge == "fused":
+            self.partial_fused_merge(plan, inputs, workspace, out, lse, counters)
         else:
             self.partial(plan, inputs, workspace)
             if inputs.sinks is None:

@@ -3,6 +3,7 @@
 #   tests     the whole test suite on the GPU (gpu-marked tests included)
 #   bench     benchmarks/bench_decode.py (args: BENCH_ARGS) -> $OUT/bench.json, bench.png
 #   sanitize  compute-sanitizer memcheck + racecheck on benchmarks/sanitize.py for each backend
+#   merge     benchmarks/bench_merge.py: separate vs fused merge -> $OUT/merge.json
 #   tune      attnplan tune (args: TUNE_ARGS) -> $OUT/h200.yaml, $OUT/tune.json
 # Usage (repository root, on the GPU machine): STEPS="tests bench" bash benchmarks/gpu_run.sh
 set -uo pipefail
@@ -21,6 +22,8 @@ for step in ${STEPS:-tests bench}; do
     bench)
       python3 benchmarks/bench_decode.py --out "$OUT/bench.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; echo "bench rc=$?"
       sed -n '/^ceiling/,$p' "$OUT/bench.log" | tail -40 ;;
+    merge)
+      python3 benchmarks/bench_merge.py --backends ${MERGE_BACKENDS:-triton} --out "$OUT/merge.json" > "$OUT/merge.log" 2>&1; echo "merge rc=$?"; tail -12 "$OUT/merge.log" ;;
     sanitize)
       for be in ${SAN_BACKENDS:-triton numba cuda_ptx}; do
         for tool in memcheck racecheck; do

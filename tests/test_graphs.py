@@ -140,3 +140,29 @@ def test_run_does_not_allocate(backend, gen):
         w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_replay_with_fused_merge(backend, gen):
+    """The fused merge's completion counters reset themselves: replays stay correct."""
+    from attnplan.backends import get_backend
+
+    if "fused" not in get_backend(backend).merge_strategies:
+        pytest.skip(f"{backend} has no fused merge")
+    cfg = attnplan.load_config(split={"merge": "fused"}, plan_cache={"disk": False})
+    x = make_inputs(2, 32, 8, 128, [500, 9], page_size=16, dtype=torch.bfloat16, device="cuda", capacity=8192,
+                    generator=gen)
+    w = attnplan.DecodeWrapper(cfg, backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+    assert plan.merge == "fused"
+    out = torch.empty_like(x.q)
+    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
+    g = capture(w, x, out, lse)
+    for lens in ([8192, 0], [1, 4000], [300, 301]):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        g.replay()
+        g.replay()
+        torch.cuda.synchronize()
+        check(x, out, lse, torch.bfloat16)
+    assert int(w.counters.abs().sum()) == 0

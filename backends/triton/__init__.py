@@ -40,6 +40,7 @@ class TritonBackend(Backend):
     head_dim_multiple = 8
     max_rows_per_program = 128
     variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
+    merge_strategies = frozenset({"separate", "fused"})
 
     def __init__(self) -> None:
         self._triton = None
@@ -82,7 +83,8 @@ class TritonBackend(Backend):
 
     # -- launches ---------------------------------------------------------------------------------
     def _launch_partial(self, plan: SplitPlan, x: DecodeInputs, o: torch.Tensor, lse: torch.Tensor | None,
-                        o_strides: tuple, lse_strides: tuple, single: bool = False) -> None:
+                        o_strides: tuple, lse_strides: tuple, single: bool = False,
+                        fused: tuple | None = None) -> None:
         k = self._kernels()
         q = x.q
         _, q_len, hq, d = q.shape
@@ -94,24 +96,30 @@ class TritonBackend(Backend):
         bt = x.block_table if x.block_table is not None else x.seq_lens  # dummy pointer when contiguous
         kc = plan.kernel
         fp8 = x.k_cache.dtype == torch.float8_e4m3fn
-        sinks_on = single and x.sinks is not None
+        sinks_on = (single or fused is not None) and x.sinks is not None
         dummy = x.seq_lens
+        out, out_lse, counters = fused if fused is not None else (o, None, dummy)
+        ol = out_lse if out_lse is not None else dummy
         k.split_kv_partial_kernel[plan.grid](
             q, x.k_cache, x.v_cache, x.seq_lens, bt, o, lse if lse is not None else o,
             x.k_scale if fp8 else dummy, x.v_scale if fp8 else dummy, x.sinks if sinks_on else dummy,
+            out, ol, counters,
             x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap),
             q.stride(0), q.stride(1), q.stride(2),
             x.k_cache.stride(0), x.k_cache.stride(1), x.k_cache.stride(2),
             x.v_cache.stride(0), x.v_cache.stride(1), x.v_cache.stride(2),
             bt.stride(0),
             *o_strides, *lse_strides,
-            plan.chunk_size, plan.num_splits,
+            out.stride(0), out.stride(1), out.stride(2),
+            *((out_lse.stride(0), out_lse.stride(1), out_lse.stride(2)) if out_lse is not None else (0, 0, 0)),
+            plan.chunk_size, plan.num_splits, hkv,
             Q_LEN=q_len, GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)),
             BLOCK_M=max(16, _next_pow2(q_len * group)), BLOCK_N=kc["block_n"],
             PAGE_SIZE=x.k_cache.shape[1] if x.paged else 1, PAGED=x.paged,
             WRITE_LSE=lse is not None, UPCAST=upcast,
             DOT_PRECISION="ieee" if (fp32 or upcast) else "tf32",
             WINDOW=x.window_left >= 0, SOFTCAP=x.soft_cap > 0, FP8=fp8, SINKS_ON=sinks_on,
+            FUSED_MERGE=fused is not None, WRITE_OUT_LSE=out_lse is not None,
             num_warps=kc["num_warps"], num_stages=kc["num_stages"],
         )
 
@@ -119,6 +127,12 @@ class TritonBackend(Backend):
         o, lse = state.o, state.lse
         self._launch_partial(plan, inputs, o, lse, (o.stride(0), o.stride(1), o.stride(2), o.stride(3)),
                              (lse.stride(0), lse.stride(1), lse.stride(2), lse.stride(3)))
+
+    def partial_fused_merge(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState, out: torch.Tensor,
+                            lse: torch.Tensor | None, counters: torch.Tensor) -> None:
+        o, ls = state.o, state.lse
+        self._launch_partial(plan, inputs, o, ls, (o.stride(0), o.stride(1), o.stride(2), o.stride(3)),
+                             (ls.stride(0), ls.stride(1), ls.stride(2), ls.stride(3)), fused=(out, lse, counters))
 
     def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         ls = (lse.stride(0), lse.stride(1), lse.stride(2), 0) if lse is not None else (0, 0, 0, 0)

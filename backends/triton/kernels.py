@@ -18,7 +18,7 @@ LN2 = 0.6931471805599453
 
 @triton.jit
 def split_kv_partial_kernel(
-    Q, K, V, SEQ_LENS, BLOCK_TABLE, O, LSE, K_SCALE, V_SCALE, SINKS,
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, O, LSE, K_SCALE, V_SCALE, SINKS, OUT, LSE_OUT, COUNTERS,
     sm_scale_log2, window_left, soft_cap,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
@@ -26,11 +26,13 @@ def split_kv_partial_kernel(
     stride_btb,
     stride_ob, stride_ot, stride_oh, stride_os,
     stride_lb, stride_lt, stride_lh, stride_ls,
-    chunk_size, num_splits,
+    stride_outb, stride_outt, stride_outh, stride_lob, stride_lot, stride_loh,
+    chunk_size, num_splits, num_kv_heads,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, SINKS_ON: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, WRITE_OUT_LSE: tl.constexpr,
 ):
     """Program (split s, KV head h, sequence b). Rows m = i * GROUP + g are query i of q-head h*GROUP+g.
 
@@ -39,7 +41,10 @@ def split_kv_partial_kernel(
     Variants: ``WINDOW`` (chunks start at the window, rows see ``[p - window_left, p]``), ``SOFTCAP``
     (``cap * tanh(s / cap)`` on scaled scores, tanh from ``exp(-2|x|)`` so it cannot overflow),
     ``FP8`` (K/V widened to q's dtype, ``K_SCALE[h]`` folded into the score scale and ``V_SCALE[h]``
-    into the output), ``SINKS_ON`` (single pass only: the sink joins the denominator).
+    into the output), ``SINKS_ON`` (single pass, or the fused merge: the sink joins the denominator).
+    ``FUSED_MERGE``: after writing its state, the program bumps its (sequence, KV head) completion
+    counter; the program that finishes last merges the group's rows over all splits in split order
+    (the :func:`attnplan.state.merge_states` contract), writes ``OUT``/``LSE_OUT`` and resets the counter.
     """
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -125,7 +130,7 @@ def split_kv_partial_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     if FP8:
         o = o * tl.load(V_SCALE + kvh)
-    if SINKS_ON:  # single pass: lse' = logaddexp(lse, sink); o' = o * exp(lse - lse')
+    if SINKS_ON and not FUSED_MERGE:  # single pass: lse' = logaddexp(lse, sink); o' = o * exp(lse - lse')
         z = tl.load(SINKS + head, mask=row_ok, other=0.0)
         hi = tl.maximum(lse, z)
         new = hi + tl.log(tl.exp(lse - hi) + tl.exp(z - hi))
@@ -135,6 +140,39 @@ def split_kv_partial_kernel(
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if WRITE_LSE:
         tl.store(LSE + b64 * stride_lb + qi * stride_lt + head * stride_lh + split * stride_ls, lse, mask=row_ok)
+    if FUSED_MERGE:
+        tl.debug_barrier()  # every thread's state stores precede the release below
+        done = tl.atomic_add(COUNTERS + b * num_kv_heads + kvh, 1, sem="acq_rel", scope="gpu")
+        if done == num_splits - 1:  # the last program of this group merges it, in split order
+            lse_rows = LSE + b64 * stride_lb + qi * stride_lt + head * stride_lh
+            o_rows = O + b64 * stride_ob + qi[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+            mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            for s2 in range(0, num_splits):
+                mx = tl.maximum(mx, tl.load(lse_rows + s2 * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+            mbase = tl.where(mx == float("-inf"), 0.0, mx)
+            tot = tl.zeros([BLOCK_M], tl.float32)
+            acc2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for s2 in range(0, num_splits):
+                l2 = tl.load(lse_rows + s2 * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                w = tl.exp(l2 - mbase)
+                o2 = tl.load(o_rows + s2 * stride_os, mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+                acc2 += w[:, None] * tl.where((l2 == float("-inf"))[:, None], 0.0, o2)
+                tot += w
+            empty_row = mx == float("-inf")
+            tot_safe = tl.where(empty_row, 1.0, tot)
+            res = acc2 / tot_safe[:, None]
+            res_lse = tl.where(empty_row, float("-inf"), mbase + tl.log(tot_safe))
+            if SINKS_ON:
+                z = tl.load(SINKS + head, mask=row_ok, other=0.0)
+                hi2 = tl.maximum(res_lse, z)
+                new2 = hi2 + tl.log(tl.exp(res_lse - hi2) + tl.exp(z - hi2))
+                res = res * tl.exp(res_lse - new2)[:, None]
+                res_lse = new2
+            out_ptrs = OUT + b64 * stride_outb + qi[:, None] * stride_outt + head[:, None] * stride_outh + offs_d[None, :]
+            tl.store(out_ptrs, res.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            if WRITE_OUT_LSE:
+                tl.store(LSE_OUT + b64 * stride_lob + qi * stride_lot + head * stride_loh, res_lse, mask=row_ok)
+            tl.atomic_xchg(COUNTERS + b * num_kv_heads + kvh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
