@@ -1,0 +1,335 @@
+"""The ``numba`` backend: ``numba.cuda`` split-KV partial, merge and single-pass kernels.
+
+Runs on CUDA GPUs, and on CPU tensors under ``NUMBA_ENABLE_CUDASIM=1`` (numba's CUDA simulator,
+CI's mode; the variable must be set before numba is first imported). The kernels and their method
+are in :mod:`attnplan.backends.numba.kernels`; this module picks a specialization, makes the tensor
+views numba can take, and launches.
+
+Tensors reach numba as views: fp16 and bf16 tensors are reinterpreted as ``int16`` (numba has no
+bf16 and sees torch's bf16 as a 2-byte void dtype) and the kernels widen the bits to fp32 and round
+results back to 16 bits themselves (see the kernels module for the exact bit formulas). The KV
+cache is read in 8-byte words (an ``int64`` view: four fp16/bf16 or two fp32 elements per load)
+whenever its strides and offset allow that view, else one element at a time. On a GPU the views
+go through ``numba.cuda.as_cuda_array(t, sync=False)`` (no synchronization on torch's stream)
+and kernels launch on ``numba.cuda.external_stream(torch.cuda.current_stream().cuda_stream)``;
+in the simulator they are the CPU tensors' numpy views, handed over without the simulator's
+copy-in/copy-out. Simulated launches lower Python's thread switch interval while they run (the
+simulator's barriers otherwise cost milliseconds each).
+
+Example::
+
+    out = attnplan.decode(q, k_cache, v_cache, seq_lens, block_table, backend="numba")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from typing import ClassVar
+
+import torch
+
+from attnplan.backends.base import Backend, DecodeInputs
+from attnplan.planner import SplitPlan
+from attnplan.state import PartialState
+
+__all__ = ["NumbaBackend"]
+
+_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # kernels.KIND_FP32/FP16/BF16
+
+#: simulator layout: 4 token groups of 2 lanes, 4 positions each per tile (block_n = 16)
+_SIM_LANES, _SIM_THREADS, _SIM_UNROLL, _SIM_MERGE_THREADS = 2, 8, 4, 8
+#: GPU defaults: 256 threads, 4 positions per group per tile, block_n at most 256 tokens
+_GPU_THREADS, _GPU_UNROLL, _GPU_MAX_BLOCK_N, _GPU_MERGE_THREADS = 256, 4, 256, 128
+#: most (token groups x rows) one program keeps in shared memory (2 x 4 KiB of m and l)
+_MAX_GROUP_ROWS = 1024
+
+#: most (token groups x head_dim) of a program's accumulator exchange (kernels._SMEM_ACC_FLOATS)
+_MAX_GROUP_CHANNELS = 8192
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _sim_env() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def _sim_switch_interval():
+    """The simulator runs each CUDA thread as a Python thread and polls them at ``syncthreads``;
+    with Python's default 5 ms thread switch interval every barrier costs milliseconds. Lower the
+    interval for the duration of a simulated launch only, then restore it."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(min(old, 5e-5))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(old)
+
+
+class NumbaBackend(Backend):
+    """Split-KV decode in ``numba.cuda``: one program per (split, KV head, sequence) serving the
+    whole GQA group and all queries of the sequence (the kernel contract of
+    :mod:`attnplan.backends.base`).
+
+    Method: Flash-Decoding (seed 003 §04; DESIGN.md): each program computes the online-softmax
+    partial state of its chunk for all its rows and the merge rescales the states to a common
+    log-sum-exp; the thread layout and the bit-level dtype handling are documented in
+    :mod:`attnplan.backends.numba.kernels`.
+
+    Support: q/KV fp16, bf16, fp32 (same dtype); ``head_dim`` a multiple of 8 in [16, 256];
+    ``group_size * q_len <= 64`` rows per program (every row keeps fp32 registers per lane, so
+    large row counts spill and run slowly, but stay exact).
+
+    ``partial``, ``merge`` and ``single_pass`` only launch (no allocation, no host sync), so ``run``
+    can be captured in a CUDA graph once each specialization has run (compiled) outside capture.
+    They raise ``KeyError`` for a dtype outside float16/bfloat16/float32, ``ValueError`` for a plan
+    whose kernel options give an impossible thread layout, and ``NotImplementedError`` for inputs of
+    an attention variant (sliding window, soft cap, sinks, fp8 cache: ``variants`` is empty, so
+    ``supports`` refuses those problems).
+
+    Attributes:
+        compile_times: ``{kernel specialization tag: seconds}`` of each numba compilation, measured
+            around the first launch of that specialization (GPU only; the simulator compiles
+            nothing). Shared by all instances.
+    """
+
+    name = "numba"
+    min_head_dim = 16
+    max_head_dim = 256
+    head_dim_multiple = 8
+    max_rows_per_program = 64
+    graph_safe = True
+
+    compile_times: ClassVar[dict[str, float]] = {}
+
+    def __init__(self) -> None:
+        self._k = None
+        self._streams: dict[int, object] = {}
+
+    # -- availability ------------------------------------------------------------------------------
+    def _kernels(self):
+        """The kernels module (imports numba on first use). Raises ImportError/any numba error."""
+        if self._k is None:
+            from . import kernels
+            self._k = kernels
+        return self._k
+
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        """``(True, "")`` when kernels can run on tensors on ``device``, else ``(False, reason)``.
+
+        CUDA devices need ``numba.cuda`` importable and ``numba.cuda.is_available()``; CPU devices
+        need numba's simulator (``NUMBA_ENABLE_CUDASIM=1`` set before numba was imported), which in
+        turn cannot run CUDA tensors. Never raises: a broken numba install becomes the reason.
+        """
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            return False, f"unsupported device type {device.type}"
+        if device.type == "cpu" and not _sim_env():
+            return False, "CPU tensors need NUMBA_ENABLE_CUDASIM=1 (numba's CUDA simulator)"
+        try:
+            k = self._kernels()
+        except Exception as e:  # noqa: BLE001 - any import-time failure makes only this backend unavailable
+            return False, f"numba.cuda is not importable: {type(e).__name__}: {e}"
+        if device.type == "cpu":
+            if not k.SIM:
+                return False, "NUMBA_ENABLE_CUDASIM=1 was set after numba was imported; the simulator is off"
+            return True, ""
+        if k.SIM:
+            return False, "NUMBA_ENABLE_CUDASIM=1: numba's simulator runs on CPU tensors only"
+        try:
+            ok = bool(k.cuda.is_available())
+        except Exception as e:  # noqa: BLE001
+            return False, f"numba.cuda.is_available() failed: {type(e).__name__}: {e}"
+        return (True, "") if ok else (False, "numba.cuda.is_available() is False (no CUDA driver/GPU for numba)")
+
+    # -- configuration -----------------------------------------------------------------------------
+    def kernel_config(self, problem, options: dict, device) -> dict:
+        """Thread layout for ``problem``.
+
+        Args:
+            problem: a :class:`~attnplan.problem.DecodeProblem`.
+            options: the config's ``backend_options.numba``: ``threads`` and ``block_n`` (``None`` =
+                choose); ``lanes`` and ``unroll`` are honoured too if a config ever carries them.
+            device: where it runs; CPU means the simulator.
+        Returns:
+            ``{"block_n", "threads", "lanes", "unroll", "merge_threads"}``: ``threads`` per program,
+            ``lanes`` threads per KV position (a power of two <= 32), ``unroll`` positions per token
+            group per tile, ``block_n = threads / lanes * unroll`` positions per tile (chunks align
+            to it), ``merge_threads`` per merge program. The simulator always uses 8 threads of
+            2 lanes and ``block_n = 16`` (``block_n`` may be overridden). A GPU uses 256 threads
+            with about 8 channels per lane and 4 positions per group for up to 4 rows; for more
+            rows, about 4 channels per lane and an unroll of 2 (up to 8 rows) or 1, so the
+            per-lane register arrays (``rows x channels`` of q and of the accumulator) stay small.
+        """
+        options = {k: v for k, v in (options or {}).items() if v is not None}
+        rows = problem.group_size * problem.q_len
+        d = problem.head_dim
+        nwords = -(-d * (4 if problem.q_dtype == "float32" else 2) // 8)  # 8-byte words per row
+        if torch.device(device).type != "cuda":
+            lanes, threads, merge_threads = _SIM_LANES, _SIM_THREADS, _SIM_MERGE_THREADS
+            unroll = int(options.get("block_n", (threads // lanes) * _SIM_UNROLL)) // (threads // lanes)
+        else:
+            target = 8 if rows <= 4 else 4
+            lanes = int(options.get("lanes", min(32, _next_pow2(-(-d // target)), _next_pow2(nwords))))
+            if lanes < 1 or lanes > 32 or lanes & (lanes - 1):
+                raise ValueError(f"numba backend option lanes must be a power of two in [1, 32], got {lanes}")
+            threads = max(32, min(1024, int(options.get("threads", _GPU_THREADS)) // 32 * 32))
+            # shared memory: (groups x rows) m and l, (groups x head_dim) of the accumulator
+            while threads > 32 and ((threads // lanes) * rows > _MAX_GROUP_ROWS
+                                    or (threads // lanes) * d > _MAX_GROUP_CHANNELS):
+                threads //= 2
+            unroll = _GPU_UNROLL if rows <= 4 else 2 if rows <= 8 else 1
+            unroll = min(unroll, max(1, _GPU_MAX_BLOCK_N // (threads // lanes)))
+            if "block_n" in options:
+                unroll = int(options["block_n"]) // (threads // lanes)
+            unroll = int(options.get("unroll", unroll))
+            merge_threads = min(_GPU_MERGE_THREADS, max(32, _next_pow2(d)))
+        unroll = max(1, unroll)
+        return {"block_n": (threads // lanes) * unroll, "threads": threads, "lanes": lanes, "unroll": unroll,
+                "merge_threads": merge_threads}
+
+    def _layout(self, plan: SplitPlan, x: DecodeInputs) -> tuple[int, int, int]:
+        """``(lanes, threads, unroll)`` from the plan, or chosen afresh when the plan was made for
+        another backend (its kernel options lack them)."""
+        kc = plan.kernel
+        if all(key in kc for key in ("lanes", "threads", "unroll")):
+            return int(kc["lanes"]), int(kc["threads"]), int(kc["unroll"])
+        c = self.kernel_config(_problem_of(x), {}, x.q.device)
+        return c["lanes"], c["threads"], c["unroll"]
+
+    # -- launching ---------------------------------------------------------------------------------
+    def _array(self, t: torch.Tensor):
+        if self._k.SIM:
+            return self._k.sim_array(t.numpy())
+        return self._k.cuda.as_cuda_array(t, sync=False)
+
+    def _launch(self, kern, tag: str, grid: tuple, block: int, args: tuple, device: torch.device) -> None:
+        k = self._k
+        if k.SIM:
+            with _sim_switch_interval():
+                kern[grid, block](*args)
+            return
+        ptr = torch.cuda.current_stream(device).cuda_stream
+        stream = self._streams.get(ptr)
+        if stream is None:
+            stream = self._streams[ptr] = k.cuda.external_stream(ptr)
+        before = len(kern.overloads)
+        t0 = time.perf_counter()
+        if device.index is not None and device.index != torch.cuda.current_device():
+            with k.cuda.gpus[device.index]:
+                kern[grid, block, stream](*args)
+        else:
+            kern[grid, block, stream](*args)
+        if len(kern.overloads) != before:
+            key = tag if tag not in self.compile_times else f"{tag}#{len(kern.overloads)}"
+            self.compile_times[key] = time.perf_counter() - t0
+
+    def _kv_views(self, x: DecodeInputs):
+        """K and V as 8-byte words when both allow an ``int64`` view, else element views; and the
+        elements per word."""
+        kind = _KINDS[x.k_cache.dtype]
+        try:
+            kw, vw = x.k_cache.view(torch.int64), x.v_cache.view(torch.int64)
+            return kw, vw, 8 // x.k_cache.element_size()
+        except RuntimeError:
+            pass
+        return _elem_view(x.k_cache, kind), _elem_view(x.v_cache, kind), 1
+
+    def _decode(self, plan: SplitPlan, x: DecodeInputs, o_dst: torch.Tensor, lse_dst: torch.Tensor | None,
+                single: bool) -> None:
+        if (getattr(x, "window_left", -1) != -1 or getattr(x, "soft_cap", 0.0)
+                or getattr(x, "sinks", None) is not None or getattr(x, "k_scale", None) is not None):
+            raise NotImplementedError("the numba backend serves no attention variants (window, soft cap, sinks, fp8)")
+        k = self._kernels()
+        q = x.q
+        _, q_len, hq, d = q.shape
+        hkv = x.k_cache.shape[2]
+        kind = _KINDS[q.dtype]
+        kc, vc, ew = self._kv_views(x)
+        (kflat, ks), (vflat, vs) = _flat(kc), _flat(vc)
+        lanes, threads, unroll = self._layout(plan, x)
+        spec = k.DecodeSpec(kind=kind, ew=ew, head_dim=d, group=hq // hkv, q_len=q_len, paged=x.paged,
+                            lanes=lanes, threads=threads, unroll=unroll, single=single,
+                            has_lse=lse_dst is not None, kv_same=ks == vs)
+        kern = k.decode_kernel(spec)
+        table = x.block_table if x.paged else x.seq_lens
+        page_shift = int(x.k_cache.shape[1]).bit_length() - 1 if x.paged else 0
+        if single:
+            o_arr = _elem_view(o_dst, kind)
+            lse_arr = lse_dst if lse_dst is not None else x.seq_lens
+        else:
+            o_arr, lse_arr = o_dst, lse_dst
+        arr = self._array
+        stride_t = k.numpy.int32 if max(ks + vs) < 2**31 else k.numpy.int64
+        ks, vs = tuple(stride_t(st) for st in ks), tuple(stride_t(st) for st in vs)
+        args = (arr(_elem_view(q, kind)), arr(kflat), arr(vflat), *ks, *vs, arr(x.seq_lens), arr(table),
+                arr(o_arr), arr(lse_arr),
+                int(plan.chunk_size), int(plan.num_splits), page_shift,
+                k.numpy.float32(x.sm_scale))
+        self._launch(kern, spec.tag(), tuple(plan.grid), threads, args, q.device)
+
+    # -- the three entry points ----------------------------------------------------------------------
+    def partial(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState) -> None:
+        """Write each split's partial state (launch only: no allocation, no host sync).
+
+        Args:
+            plan: a multi-split plan; grid ``(num_splits, num_kv_heads, batch)``, ``chunk_size`` tokens.
+            inputs: q ``[B, Q, Hq, D]`` and the cache in one dtype; ``seq_lens`` / ``block_table`` int32.
+            state: ``o [B, Q, Hq, S, D]`` and ``lse [B, Q, Hq, S]`` fp32 with ``S >= plan.num_splits``
+                (any strides); splits ``0 .. plan.num_splits - 1`` are written, others untouched.
+        """
+        self._decode(plan, inputs, state.o, state.lse, single=False)
+
+    def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """One chunk per sequence: write ``out [B, Q, Hq, D]`` (q's dtype) and, if given,
+        ``lse [B, Q, Hq]`` fp32 (natural log, ``-inf`` for rows with no visible position)."""
+        self._decode(plan, inputs, out, lse, single=True)
+
+    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None,
+              sinks: torch.Tensor | None = None) -> None:
+        """Merge the first ``plan.num_splits`` splits of ``state`` into ``out [B, Q, Hq, D]`` (its own
+        dtype) and, if given, ``lse [B, Q, Hq]`` fp32, by :func:`attnplan.state.merge_states`'s
+        contract (one program per row, grid ``(B * Q * Hq,)``).
+
+        Raises:
+            NotImplementedError: ``sinks`` given (this backend serves no variants).
+        """
+        if sinks is not None:
+            raise NotImplementedError("the numba backend does not serve the sinks variant")
+        k = self._kernels()
+        b, q_len, hq, d = out.shape
+        kind = _KINDS[out.dtype]
+        threads = int(plan.kernel.get("merge_threads") or
+                      (_SIM_MERGE_THREADS if k.SIM else min(_GPU_MERGE_THREADS, max(32, _next_pow2(d)))))
+        spec = k.MergeSpec(kind=kind, head_dim=d, threads=threads, has_lse=lse is not None)
+        kern = k.merge_kernel(spec)
+        arr = self._array
+        args = (arr(state.o), arr(state.lse), arr(_elem_view(out, kind)),
+                arr(lse if lse is not None else state.lse), int(plan.num_splits))
+        self._launch(kern, spec.tag(), (b * q_len * hq,), threads, args, out.device)
+
+
+def _elem_view(t: torch.Tensor, kind: int) -> torch.Tensor:
+    """fp32 tensors as they are; fp16/bf16 as their ``int16`` bits (same shape and strides)."""
+    return t if kind == 0 else t.view(torch.int16)
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """A 4-D cache view as a 1-D view from its first element over every element it spans, with its
+    first three strides (the kernels add the last index, whose stride is 1)."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.as_strided((span,), (1,)), tuple(int(st) for st in t.stride()[:3])
+
+
+def _problem_of(x: DecodeInputs):
+    from attnplan.problem import DecodeProblem, dtype_name
+
+    b, q_len, hq, d = x.q.shape
+    return DecodeProblem(batch=b, num_q_heads=hq, num_kv_heads=x.k_cache.shape[2], head_dim=d, q_len=q_len,
+                         page_size=int(x.k_cache.shape[1]) if x.paged else None, q_dtype=dtype_name(x.q.dtype),
+                         kv_dtype=dtype_name(x.k_cache.dtype), max_kv_len=1)

@@ -1,0 +1,661 @@
+"""``numba.cuda`` kernels of the ``numba`` backend: split-KV partial / single pass, and the merge.
+
+Importing this module imports numba; :mod:`attnplan.backends.numba` imports it lazily so a broken
+numba makes only this backend unavailable. The same Python source runs compiled on a GPU and,
+under ``NUMBA_ENABLE_CUDASIM=1``, in numba's CUDA simulator (every simulated thread is a Python
+thread, so the simulator runs with few threads and the helpers below are plain Python there).
+
+Method (DESIGN.md, base.py kernel contract; seed 003 §04):
+
+* One program (CTA) per ``(split s, KV head h, sequence b)``; it serves the ``G`` query heads of
+  ``h``'s GQA group and all ``Q`` queries of ``b``: ``R = G * Q`` rows, row ``r = qi * G + g``.
+* Threads are split into token groups of ``LANES`` threads. A group works on one KV position at a
+  time; its lanes cover ``head_dim`` in ``NSLOT`` slots of one *word* each, slot ``i`` of lane ``j``
+  holding word ``i * LANES + j`` of the position's K (and V) row, so the lanes of one slot read
+  ``LANES`` adjacent words (coalesced; a warp reads ``32 / LANES`` whole positions per slot).
+  A word is 8 bytes (four fp16/bf16 or two fp32 elements, read as one ``int64``) when the cache's
+  strides allow an ``int64`` view, else one element. ``head_dim`` need not divide evenly: the
+  slots past the row's last word are clamped (re-read a valid word) and carry ``q = 0``.
+* Each token group keeps its own online-softmax state per row (running max ``m``, sum ``l``,
+  unnormalized ``acc`` for its lanes' channels) over the positions it visits:
+  ``base + u * NGROUPS + group`` for ``u < UNROLL`` in tiles of ``BLOCK_N = NGROUPS * UNROLL``
+  positions. The ``UNROLL`` positions' loads are issued together (positions past the chunk are
+  clamped to its last position and masked out afterwards, so loads are unconditional). Scores are
+  summed across a group's lanes by an xor butterfly (``shfl_xor_sync`` on the GPU; a shared-memory
+  exchange in the simulator, which has no shuffles), so every lane holds the same bits. The update
+  is once per tile and branch-free: masked scores become ``-inf``, ``m' = max(m, s_u)``,
+  ``l' = l e^(m - m') + sum_u e^(s_u - m')``, ``acc' = acc e^(m - m') + sum_u e^(s_u - m') v_u``,
+  with the exponent base replaced by 0 while ``m'`` is still ``-inf`` (never ``-inf - (-inf)``).
+  The exponential is ``libdevice.fast_expf`` (``ex2.approx.ftz`` of ``x log2 e``; its arguments are
+  ``<= 0``, so only weights below 2^-126 flush to 0) on the GPU, ``math.exp`` in the simulator.
+* At the end the groups' states are merged through shared memory (``M = max_g m_g``,
+  ``L = sum_g l_g e^(m_g - M)``, ``o = sum_g acc_g e^(m_g - M) / L``, precise ``exp``/``log``) and
+  the program writes its rows: fp32 normalized ``o`` and natural-log ``lse = M + log L`` at split
+  ``s`` of the :class:`~attnplan.PartialState` (partial mode), or ``out`` in q's dtype and ``lse``
+  (single pass). A row that saw no position gets ``o = 0, lse = -inf``; a program whose chunk is
+  empty reads no KV and writes empty states for all its rows.
+* Scores are ``(q sm_scale) . k`` in fp32 (q pre-scaled once); accumulation is fp32 throughout.
+
+16-bit floats (numba has no usable bf16, and sees torch bf16 tensors as a 2-byte void dtype): the
+host passes 16-bit tensors as ``int16`` (or ``int64``-word) views and the kernels widen the bits:
+
+* bf16 -> fp32: the 16 bits ``h`` become the fp32 bit pattern ``h << 16`` (exact), reinterpreted
+  with ``libdevice.int_as_float`` on the GPU (``numpy.uint32(...).view(float32)`` in the simulator).
+* fp16 -> fp32: ``libdevice.half2float`` (``numpy`` ``float16`` view in the simulator).
+* fp32 -> bf16 output: round to nearest even on the bit pattern ``u`` of the fp32 value:
+  ``(u + 0x7FFF + ((u >> 16) & 1)) >> 16``; NaN becomes the quiet NaN ``0x7FC0`` (sign kept).
+* fp32 -> fp16 output: ``libdevice.float2half_rn`` (``numpy`` conversion, also round-to-nearest-even,
+  in the simulator).
+* 16-bit results are stored into the ``int16`` view as the signed value ``(bits ^ 0x8000) - 0x8000``.
+
+The word unpacking takes element ``e`` of a little-endian ``int64`` word as bits
+``16 e .. 16 e + 15`` (fp16/bf16) or ``32 e .. 32 e + 31`` (fp32).
+
+Kernels are built by :func:`decode_kernel` / :func:`merge_kernel` from a specialization tuple whose
+fields are compile-time constants (closure variables), and cached per specialization.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy
+
+# numba-cuda 0.30.4 calls numpy.row_stack, which numpy >= 2.4 removed: it fails at the first
+# kernel compile with "module 'numpy' has no attribute 'row_stack'".
+if not hasattr(numpy, "row_stack"):
+    numpy.row_stack = numpy.vstack
+
+import numba  # noqa: E402
+from numba import cuda  # noqa: E402
+from numba.core import config as _numba_config  # noqa: E402
+
+__all__ = ["SIM", "DecodeSpec", "MergeSpec", "decode_kernel", "merge_kernel", "KIND_FP32", "KIND_FP16",
+           "KIND_BF16", "f32_to_bits16", "bits16_to_f32"]
+
+#: True when numba runs its CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` when numba was imported).
+SIM: bool = bool(_numba_config.ENABLE_CUDASIM)
+
+KIND_FP32, KIND_FP16, KIND_BF16 = 0, 1, 2
+
+float32 = numba.float32
+int64 = numba.int64
+uint64 = numba.uint64
+NEG_INF = numpy.float32(-numpy.inf)
+ZERO = numpy.float32(0.0)
+ONE = numpy.float32(1.0)
+FULL_MASK = 0xFFFFFFFF
+
+
+# -- bit primitives: the only code that differs between the GPU and the simulator -------------------
+# Integers passed in and out are non-negative bit patterns (int64 in [0, 2^32) or [0, 2^16)).
+
+if SIM:
+    def _device(fn):
+        return fn  # plain Python: fastest in the simulator
+
+    def _i2f(bits):
+        return numpy.uint32(int(bits) & 0xFFFFFFFF).view(numpy.float32)
+
+    def _f2i(x):
+        return int(numpy.float32(x).view(numpy.uint32))
+
+    def _h2f(bits):
+        return numpy.float32(numpy.uint16(int(bits) & 0xFFFF).view(numpy.float16))
+
+    def _f2h(x):
+        with numpy.errstate(over="ignore"):  # beyond fp16 range -> inf, as the GPU's conversion
+            return int(numpy.float16(numpy.float32(x)).view(numpy.uint16))
+
+    def _bits(w):
+        return int(w)  # numpy integer word -> Python int (no fixed-width overflow)
+
+    def fexp(x):
+        return numpy.float32(math.exp(x))
+
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _FakeCUDAArray
+
+    def sim_array(ary: numpy.ndarray):
+        """Hand a numpy view to a simulated kernel without the simulator's copy-in/copy-out (which
+        refuses non-contiguous arrays): the kernel reads and writes the tensor's memory directly."""
+        return _FakeCUDAArray(ary)
+
+    def _as_f32(x):
+        return numpy.float32(x)
+else:
+    from numba.cuda import libdevice
+
+    def _device(fn):
+        return cuda.jit(device=True, forceinline=True)(fn)
+
+    @_device
+    def _i2f(bits):
+        return libdevice.int_as_float(numba.int32(bits))
+
+    @_device
+    def _f2i(x):
+        return int64(libdevice.float_as_int(x)) & 0xFFFFFFFF
+
+    @_device
+    def _h2f(bits):
+        return libdevice.half2float(numba.int16(bits))
+
+    @_device
+    def _f2h(x):
+        return int64(libdevice.float2half_rn(x)) & 0xFFFF
+
+    @_device
+    def _bits(w):
+        return int64(w)
+
+    @_device
+    def fexp(x):
+        # ex2.approx.ftz(x * log2 e): arguments are <= 0 or -inf here, results in [0, 1]
+        return libdevice.fast_expf(x)
+
+    @_device
+    def _as_f32(x):
+        return float32(x)
+
+
+def _bf16_round_bits(u):
+    """fp32 bit pattern ``u`` (int in [0, 2^32)) -> bf16 bits, round to nearest even; NaN -> quiet NaN."""
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return ((u >> 16) & 0x8000) | 0x7FC0
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+_bf16_round = _device(_bf16_round_bits)
+
+
+def _make_unpack(kind: int, ew: int):
+    """``unpack(word, e) -> float32``: element ``e`` of a word of ``ew`` elements of ``kind``."""
+    if kind == KIND_FP32 and ew == 1:
+        @_device
+        def unpack(w, e):
+            return _as_f32(w)
+    elif kind == KIND_FP32:
+        @_device
+        def unpack(w, e):
+            return _i2f((_bits(w) >> (32 * e)) & 0xFFFFFFFF)
+    elif kind == KIND_BF16:
+        @_device
+        def unpack(w, e):
+            return _i2f(((_bits(w) >> (16 * e)) & 0xFFFF) << 16)
+    else:
+        @_device
+        def unpack(w, e):
+            return _h2f((_bits(w) >> (16 * e)) & 0xFFFF)
+    return unpack
+
+
+def _make_pack(kind: int):
+    """``pack(x) -> value to store`` into the output view of ``kind`` (int16 bits for 16-bit floats)."""
+    if kind == KIND_FP32:
+        @_device
+        def pack(x):
+            return _as_f32(x)
+    elif kind == KIND_BF16:
+        @_device
+        def pack(x):
+            return (_bf16_round(_f2i(x)) ^ 0x8000) - 0x8000
+    else:
+        @_device
+        def pack(x):
+            return (_f2h(x) ^ 0x8000) - 0x8000
+    return pack
+
+
+def f32_to_bits16(x: float, kind: int) -> int:
+    """The signed 16-bit pattern the kernels store for fp32 value ``x`` in ``kind`` (fp16/bf16);
+    simulator-only helper exposed for tests of the rounding."""
+    if not SIM:
+        raise RuntimeError("f32_to_bits16 is the simulator's Python helper")
+    return _make_pack(kind)(numpy.float32(x))
+
+
+def bits16_to_f32(bits: int, kind: int) -> numpy.float32:
+    """fp32 value of a 16-bit pattern of ``kind`` as the kernels widen it; simulator-only helper."""
+    if not SIM:
+        raise RuntimeError("bits16_to_f32 is the simulator's Python helper")
+    return _make_unpack(kind, 1)(numpy.int16(numpy.uint16(bits & 0xFFFF).view(numpy.int16)), 0)
+
+
+# -- specializations ---------------------------------------------------------------------------------
+
+class DecodeSpec(NamedTuple):
+    """Compile-time constants of the partial / single-pass kernel.
+
+    kind: ``KIND_FP32/FP16/BF16`` of q and the cache; ew: elements per KV word (1, 2 or 4);
+    head_dim; group: GQA group size; q_len; paged; lanes: threads per token group (power of two
+    <= 32); threads: threads per program (multiple of ``lanes``; of 32 on a GPU); unroll: positions
+    per group per tile; single: write ``out``/``lse`` (single pass) instead of a PartialState;
+    has_lse: the single pass writes ``lse``; kv_same: K and V have the same strides (one offset
+    computation serves both).
+    """
+
+    kind: int
+    ew: int
+    head_dim: int
+    group: int
+    q_len: int
+    paged: bool
+    lanes: int
+    threads: int
+    unroll: int
+    single: bool
+    has_lse: bool
+    kv_same: bool = False
+
+    @property
+    def block_n(self) -> int:
+        return (self.threads // self.lanes) * self.unroll
+
+    def tag(self) -> str:
+        kind = ("fp32", "fp16", "bf16")[self.kind]
+        return (f"decode-{kind}-w{self.ew}-d{self.head_dim}-g{self.group}-q{self.q_len}-"
+                f"{'paged' if self.paged else 'contig'}-l{self.lanes}-t{self.threads}-u{self.unroll}-"
+                f"{'single' if self.single else 'partial'}{'-lse' if self.has_lse else ''}"
+                f"{'-kvsame' if self.kv_same else ''}")
+
+
+class MergeSpec(NamedTuple):
+    """Compile-time constants of the merge kernel: out ``kind``, ``head_dim``, ``threads``, ``has_lse``."""
+
+    kind: int
+    head_dim: int
+    threads: int
+    has_lse: bool
+
+    def tag(self) -> str:
+        kind = ("fp32", "fp16", "bf16")[self.kind]
+        return f"merge-{kind}-d{self.head_dim}-t{self.threads}{'-lse' if self.has_lse else ''}"
+
+
+#: shared-memory floats for the cross-group reduction of ``acc`` (32 KiB)
+_SMEM_ACC_FLOATS = 8192
+
+_DECODE_CACHE: dict = {}
+_MERGE_CACHE: dict = {}
+
+
+def _make_allreduce(lanes: int, n: int, threads: int):
+    """In-place sum of ``vals[0:n]`` across the ``lanes`` threads of each token group (xor butterfly;
+    every lane ends with the same bits)."""
+    if SIM:
+        def allreduce(vals, scratch, tid):
+            off = lanes // 2
+            while off >= 1:
+                for j in range(n):
+                    scratch[tid * n + j] = vals[j]
+                cuda.syncthreads()
+                other = (tid ^ off) * n
+                for j in range(n):
+                    vals[j] += scratch[other + j]
+                cuda.syncthreads()
+                off //= 2
+        return allreduce
+
+    levels = lanes.bit_length() - 1
+
+    @_device
+    def allreduce(vals, scratch, tid):
+        for lv in range(levels):  # constant trip count: unrolled, vals stays in registers
+            off = lanes >> (lv + 1)
+            for j in range(n):
+                vals[j] += cuda.shfl_xor_sync(FULL_MASK, vals[j], off)
+    return allreduce
+
+
+def decode_kernel(spec: DecodeSpec):
+    """The (cached) partial / single-pass kernel for ``spec``.
+
+    Kernel arguments, launched on grid ``(num_splits, num_kv_heads, batch)`` with ``spec.threads``
+    threads::
+
+        q         [B, Q, Hq, D]   float32, or int16 bits of fp16/bf16
+        k, v      1-D views of the caches' storage, from their first element (float32, int16 bits,
+                  or int64 words of ew elements); element (i0, i1, h, w) of the logical cache
+                  [B, max_len, Hkv, D / ew] or paged [pages, page_size, Hkv, D / ew] is at
+                  i0 * s0 + i1 * s1 + h * s2 + w (64-bit offsets)
+        ks, vs    strides (s0, s1, s2) of k and v in words (int32 when all fit, else int64)
+        seq_lens  [B] int32
+        table     [B, max_pages] int32 block table (any int32 array when not paged)
+        o_dst     partial: PartialState.o [B, Q, Hq, S, D] float32; single: out [B, Q, Hq, D] (q's view)
+        lse_dst   partial: PartialState.lse [B, Q, Hq, S] float32; single: lse [B, Q, Hq] float32
+                  (any array when ``not spec.has_lse``)
+        chunk     int, tokens per split (plan.chunk_size)
+        num_splits int, plan.num_splits (the last split runs on to seq_lens[b])
+        page_shift int, log2(page_size) (0 when not paged)
+        qk_scale  float32, sm_scale
+    """
+    kern = _DECODE_CACHE.get(spec)
+    if kern is None:
+        kern = _build_decode(spec)
+        _DECODE_CACHE[spec] = kern
+    return kern
+
+
+def _build_decode(spec: DecodeSpec):
+    kind, EW, D, G, QL = spec.kind, spec.ew, spec.head_dim, spec.group, spec.q_len
+    R = G * QL
+    T = spec.lanes
+    NT = spec.threads
+    NG = NT // T
+    U = spec.unroll
+    BLOCK_N = NG * U
+    NWORDS = D // EW
+    NSLOT = -(-NWORDS // T)
+    EPT = NSLOT * EW
+    RB = max(1, min(R, _SMEM_ACC_FLOATS // (NG * D)))
+    NRED = U * R
+    SCRATCH = NT * NRED if (SIM and T > 1) else 1
+    # array sizes must be single constants for numba (it does not fold products of closure variables)
+    N_ML, N_ACC_SH, N_QV, N_W, N_VF = NG * R, NG * RB * D, R * EPT, U * NSLOT, U * EPT
+    PAGED, SINGLE, HAS_LSE, KV_SAME = spec.paged, spec.single, spec.has_lse, spec.kv_same
+    if NT % T or (not SIM and NT % 32) or T > 32 or T & (T - 1) or NG * D > _SMEM_ACC_FLOATS:
+        raise ValueError(f"numba kernel: bad thread layout {spec} (lanes a power of two <= 32 dividing "
+                         f"threads, threads a multiple of 32 on a GPU, groups x head_dim <= {_SMEM_ACC_FLOATS})")
+    if kind == KIND_FP32:
+        word_t = numba.float32 if EW == 1 else numba.int64
+    else:
+        word_t = numba.int16 if EW == 1 else numba.int64
+
+    unpack = _make_unpack(kind, EW)
+    qload = _make_unpack(kind, 1)
+    pack = _make_pack(kind)
+    allreduce = _make_allreduce(T, NRED, NT)
+
+    # Offsets are 64-bit. Factors known to fit 32 bits (positions, page ids, strides passed as
+    # int32) are cast so the products compile to one 32x32->64 multiply (mul.wide.s32).
+    if PAGED:
+        @_device
+        def token_offset(table, b, pos, shift, s0, s1, base):
+            # physical page from the block table; page * page stride can exceed 2^31
+            return (base + int64(table[b, pos >> shift]) * s0
+                    + int64(numba.int32(pos & ((1 << shift) - 1))) * s1)
+    else:
+        @_device
+        def token_offset(table, b, pos, shift, s0, s1, base):
+            return base + int64(numba.int32(pos)) * s1
+
+    if SINGLE:
+        @_device
+        def store_o(dst, b, qi, hq, s, d, x):
+            dst[b, qi, hq, d] = pack(x)
+
+        if HAS_LSE:
+            @_device
+            def store_lse(dst, b, qi, hq, s, x):
+                dst[b, qi, hq] = x
+        else:
+            @_device
+            def store_lse(dst, b, qi, hq, s, x):
+                pass
+    else:
+        @_device
+        def store_o(dst, b, qi, hq, s, d, x):
+            dst[b, qi, hq, s, d] = x
+
+        @_device
+        def store_lse(dst, b, qi, hq, s, x):
+            dst[b, qi, hq, s] = x
+
+    def split_kv_decode(q, k, v, ks0, ks1, ks2, vs0, vs1, vs2, seq_lens, table, o_dst, lse_dst, chunk, num_splits,
+                        page_shift, qk_scale):
+        m_sh = cuda.shared.array(N_ML, float32)
+        l_sh = cuda.shared.array(N_ML, float32)
+        acc_sh = cuda.shared.array(N_ACC_SH, float32)
+        scratch = cuda.shared.array(SCRATCH, float32)
+
+        s = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        lane = tid % T
+        grp = tid // T
+        hq0 = h * G
+
+        length = int64(seq_lens[b])
+        lo = int64(s) * chunk
+        hi = length
+        if s < num_splits - 1:
+            hi = min(lo + chunk, length)
+
+        if lo >= hi:  # empty chunk (whole program): read nothing, write empty states
+            for idx in range(tid, R * D, NT):
+                r = idx // D
+                qi = r // G
+                store_o(o_dst, b, qi, hq0 + r - qi * G, s, idx - r * D, ZERO)
+            for r in range(tid, R, NT):
+                qi = r // G
+                store_lse(lse_dst, b, qi, hq0 + r - qi * G, s, NEG_INF)
+            return
+
+        # q of this lane's channels, all rows, pre-scaled by sm_scale
+        qv = cuda.local.array(N_QV, float32)
+        for r in range(R):
+            qi = r // G
+            for i in range(NSLOT):
+                w = i * T + lane
+                wc = min(w, NWORDS - 1)
+                for e in range(EW):
+                    x = qload(q[b, qi, hq0 + r - qi * G, wc * EW + e], 0) * qk_scale
+                    if w >= NWORDS:
+                        x = ZERO
+                    qv[(r * NSLOT + i) * EW + e] = x
+
+        m = cuda.local.array(R, float32)
+        l = cuda.local.array(R, float32)
+        acc = cuda.local.array(N_QV, float32)
+        for r in range(R):
+            m[r] = NEG_INF
+            l[r] = ZERO
+        for j in range(R * EPT):
+            acc[j] = ZERO
+
+        kw = cuda.local.array(N_W, word_t)
+        vw = cuda.local.array(N_W, word_t)
+        kf = cuda.local.array(EPT, float32)
+        vf = cuda.local.array(N_VF, float32)
+        sc = cuda.local.array(NRED, float32)
+        lim0 = length - QL + 1  # query qi sees positions < lim0 + qi
+        kbase = int64(h) * ks2
+        vbase = int64(h) * vs2
+        if not PAGED:
+            kbase += int64(b) * ks0
+            vbase += int64(b) * vs0
+
+        for base in range(lo, hi, BLOCK_N):
+            # issue all loads of this tile first (clamped positions: unconditional)
+            for u in range(U):
+                pos = min(base + u * NG + grp, hi - 1)
+                ko = token_offset(table, b, pos, page_shift, ks0, ks1, kbase)
+                vo = ko
+                if not KV_SAME:
+                    vo = token_offset(table, b, pos, page_shift, vs0, vs1, vbase)
+                for i in range(NSLOT):
+                    wc = min(i * T + lane, NWORDS - 1)
+                    # unsigned index: numba skips the negative-index wraparound code
+                    kw[u * NSLOT + i] = k[uint64(ko + wc)]
+                    vw[u * NSLOT + i] = v[uint64(vo + wc)]
+            # partial scores of this lane, then summed across the group's lanes
+            for u in range(U):
+                for i in range(NSLOT):
+                    for e in range(EW):
+                        kf[i * EW + e] = unpack(kw[u * NSLOT + i], e)
+                for r in range(R):
+                    dot = ZERO
+                    for j in range(EPT):
+                        dot += qv[r * EPT + j] * kf[j]
+                    sc[u * R + r] = dot
+            allreduce(sc, scratch, tid)
+            # online softmax, once per tile and row (branch-free): masked scores become -inf
+            for u in range(U):
+                for i in range(NSLOT):
+                    for e in range(EW):
+                        vf[(u * NSLOT + i) * EW + e] = unpack(vw[u * NSLOT + i], e)
+            for r in range(R):
+                mo = m[r]
+                mn = mo
+                for u in range(U):
+                    pos = base + u * NG + grp
+                    x = sc[u * R + r]
+                    if not (pos < hi and (QL == 1 or pos < lim0 + r // G)):
+                        x = NEG_INF
+                    sc[u * R + r] = x
+                    mn = max(mn, x)
+                ms = mn
+                if mn == NEG_INF:  # nothing visible yet: keep exp's argument finite (no -inf - -inf)
+                    ms = ZERO
+                alpha = fexp(mo - ms)
+                psum = ZERO
+                for u in range(U):
+                    p = fexp(sc[u * R + r] - ms)
+                    sc[u * R + r] = p
+                    psum += p
+                l[r] = l[r] * alpha + psum
+                m[r] = mn
+                for j in range(EPT):
+                    a = acc[r * EPT + j] * alpha
+                    for u in range(U):
+                        a += sc[u * R + r] * vf[u * EPT + j]
+                    acc[r * EPT + j] = a
+
+        # merge the token groups' states through shared memory
+        if lane == 0:
+            for r in range(R):
+                m_sh[grp * R + r] = m[r]
+                l_sh[grp * R + r] = l[r]
+        cuda.syncthreads()
+        # Register arrays (m, l, acc) are indexed only with loop counters of fully unrolled loops
+        # (constant trip counts), so they stay in registers; the per-row statistics below are read
+        # back from shared memory.
+        fac = cuda.local.array(R, float32)
+        for r in range(R):
+            mx = NEG_INF
+            for g2 in range(NG):
+                mx = max(mx, m_sh[g2 * R + r])
+            fac[r] = ZERO
+            if mx == NEG_INF:
+                if r % NT == tid:
+                    qi = r // G
+                    store_lse(lse_dst, b, qi, hq0 + r - qi * G, s, NEG_INF)
+            else:
+                tot = ZERO
+                for g2 in range(NG):
+                    mg = m_sh[g2 * R + r]
+                    if mg != NEG_INF:
+                        tot += l_sh[g2 * R + r] * math.exp(mg - mx)
+                mine = m_sh[grp * R + r]
+                if mine != NEG_INF:
+                    fac[r] = math.exp(mine - mx) / tot
+                if r % NT == tid:
+                    qi = r // G
+                    store_lse(lse_dst, b, qi, hq0 + r - qi * G, s, mx + math.log(tot))
+        for r0 in range(0, R, RB):
+            for r in range(R):
+                if r >= r0 and r < r0 + RB:
+                    f = fac[r]
+                    rr = r - r0
+                    for i in range(NSLOT):
+                        w = i * T + lane
+                        if w < NWORDS:
+                            for e in range(EW):
+                                acc_sh[(grp * RB + rr) * D + w * EW + e] = acc[r * EPT + i * EW + e] * f
+            cuda.syncthreads()
+            for idx in range(tid, RB * D, NT):
+                rr = idx // D
+                r = r0 + rr
+                if r < R:
+                    d = idx - rr * D
+                    tot = ZERO
+                    for g2 in range(NG):
+                        tot += acc_sh[(g2 * RB + rr) * D + d]
+                    qi = r // G
+                    store_o(o_dst, b, qi, hq0 + r - qi * G, s, d, tot)
+            cuda.syncthreads()
+
+    split_kv_decode.__name__ = split_kv_decode.__qualname__ = "split_kv_decode_" + spec.tag().replace("-", "_")
+    if SIM:
+        return cuda.jit(split_kv_decode)
+    # Ask for two resident programs per SM (<= 128 registers per thread) when the register arrays
+    # leave room for it: q and acc (R * EPT fp32 each) and the tile's K and V words.
+    word_regs = 2 * U * NSLOT * (2 if EW > 1 else 1)
+    two = NT <= 256 and 2 * R * EPT + word_regs <= 96
+    return cuda.jit(split_kv_decode, launch_bounds=(NT, 2) if two else NT)
+
+
+def merge_kernel(spec: MergeSpec):
+    """The (cached) merge kernel for ``spec``.
+
+    Arguments, grid ``(batch * q_len * num_q_heads,)`` (one program per row), ``spec.threads``
+    threads::
+
+        o_state   PartialState.o [B, Q, H, S_buf, D] float32 (S_buf >= num_splits)
+        lse_state PartialState.lse [B, Q, H, S_buf] float32
+        out       [B, Q, H, D] float32 or int16 bits of fp16/bf16
+        lse_out   [B, Q, H] float32 (any array when ``not spec.has_lse``)
+        num_splits int: merge splits 0 .. num_splits - 1
+
+    Contract (:func:`attnplan.state.merge_states`): ``lse = logsumexp_s lse_s``,
+    ``o = sum_s exp(lse_s - lse) o_s``; splits with ``lse_s = -inf`` are skipped (their ``o_s`` is
+    never read), and a row whose every split is empty gets ``o = 0, lse = -inf``.
+    """
+    kern = _MERGE_CACHE.get(spec)
+    if kern is None:
+        kern = _build_merge(spec)
+        _MERGE_CACHE[spec] = kern
+    return kern
+
+
+def _build_merge(spec: MergeSpec):
+    D, NT, HAS_LSE = spec.head_dim, spec.threads, spec.has_lse
+    pack = _make_pack(spec.kind)
+
+    if HAS_LSE:
+        @_device
+        def store_lse(dst, b, qi, h, x):
+            dst[b, qi, h] = x
+    else:
+        @_device
+        def store_lse(dst, b, qi, h, x):
+            pass
+
+    def merge_states(o_state, lse_state, out, lse_out, num_splits):
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        nh = out.shape[2]
+        nq = out.shape[1]
+        h = row % nh
+        t = row // nh
+        qi = t % nq
+        b = t // nq
+        mx = NEG_INF
+        for s in range(num_splits):
+            mx = max(mx, lse_state[b, qi, h, s])
+        if mx == NEG_INF:
+            for d in range(tid, D, NT):
+                out[b, qi, h, d] = pack(ZERO)
+            if tid == 0:
+                store_lse(lse_out, b, qi, h, NEG_INF)
+            return
+        tot = ZERO
+        for s in range(num_splits):
+            ls = lse_state[b, qi, h, s]
+            if ls != NEG_INF:
+                tot += math.exp(ls - mx)
+        inv = ONE / tot
+        for d in range(tid, D, NT):
+            a = ZERO
+            for s in range(num_splits):
+                ls = lse_state[b, qi, h, s]
+                if ls != NEG_INF:
+                    a += math.exp(ls - mx) * o_state[b, qi, h, s, d]
+            out[b, qi, h, d] = pack(a * inv)
+        if tid == 0:
+            store_lse(lse_out, b, qi, h, mx + math.log(tot))
+
+    merge_states.__name__ = merge_states.__qualname__ = "merge_states_" + spec.tag().replace("-", "_")
+    return cuda.jit(merge_states)
