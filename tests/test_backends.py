@@ -272,7 +272,7 @@ def test_merge_strategies_match_reference_and_are_deterministic(backend, merge, 
     cfg = attnplan.load_config(split={"merge": merge}, plan_cache={"disk": False})
     x = _inputs(Case((8, 2), 64, (70, 0, 33, 1), q_len=2, page=page, dtype="bf16"), gen)
     sinks = torch.randn(8, generator=gen).float().to(DEVICE)
-    for s in (None, sinks):
+    for s in (None, sinks) if "sinks" in get_backend(backend).variants else (None,):
         w = attnplan.DecodeWrapper(cfg, backend=backend)
         plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=5, sinks=s)
         assert plan.merge == merge
