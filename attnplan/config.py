@@ -39,6 +39,8 @@ class KernelOptions(_Strict):
     num_warps: int | None = Field(None, ge=1, le=16)
     num_stages: int | None = Field(None, ge=1, le=8)
     threads: int | None = Field(None, ge=32, le=1024, description="threads per CTA (numba, cuda_ptx)")
+    lanes: int | None = Field(None, ge=1, le=32, description="threads sharing one KV row (numba)")
+    unroll: int | None = Field(None, ge=1, le=16, description="KV positions per thread group per step (numba)")
 
 
 class SplitPolicy(_Strict):
