@@ -222,6 +222,9 @@ class DecodeWrapper:
         problem = DecodeProblem(max_kv_len=max_len, total_kv_len=total, **static)
         self.backend, self.skipped = select_backend(problem, q.device, self.ctx.config, self.forced_backend)
         plan = plan_problem(problem, self.backend, q.device, self.ctx, capacity_mode=capacity, num_splits=num_splits)
+        prepare = getattr(self.backend, "prepare", None)
+        if prepare is not None:  # compile / load kernels now, never inside a CUDA-graph capture
+            prepare(plan, q.device)
         b, ql, hq, d = q.shape
         if not plan.single_pass:
             ws = self.workspace

@@ -116,6 +116,10 @@ class Backend(abc.ABC):
             reasons.append(f"GQA group x q_len = {rows} rows exceeds {self.max_rows_per_program} per program")
         return reasons
 
+    def prepare(self, plan: SplitPlan, device: torch.device) -> None:
+        """Compile and load what ``plan`` will launch (called by ``plan()``, outside any capture).
+        Default: nothing (kernels compile at their first launch)."""
+
     @abc.abstractmethod
     def kernel_config(self, problem: DecodeProblem, options: dict, device: torch.device) -> dict:
         """Kernel options for ``problem``: at least ``block_n`` (tokens, chunks align to it);

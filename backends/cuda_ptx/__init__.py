@@ -1,0 +1,304 @@
+"""The ``cuda_ptx`` backend: CUDA C kernels compiled at run time by NVRTC, launched with the driver API.
+
+The kernels (``decode.cu``) are compiled through ``cuda.bindings.nvrtc`` to a cubin for the device's
+exact architecture (PTX only as a fallback, see :mod:`.nvrtc`), cached in memory and on disk,
+loaded with ``cuModuleLoadData`` into torch's primary context, and launched with ``cuLaunchKernel``
+on ``torch.cuda.current_stream()``. Launches allocate nothing and never sync the host, so ``run``
+can be captured in a CUDA graph (compile and load first: :meth:`CudaPtxBackend.prepare`, or one
+eager run before capture).
+
+Method: FlashDecoding's split-KV with FlashInfer-style CUDA-core decode kernels. One program per
+(split, KV head, sequence) serves the whole GQA group and all queries (each KV byte read once);
+16-byte ``cp.async`` loads stream K and V through per-warp multi-stage shared-memory rings; fp32
+accumulation with a base-2 online softmax; the warps of a program take different KV tiles and merge
+their states through shared memory at the end. The merge kernel implements
+:func:`attnplan.state.merge_states`'s contract.
+
+On CPU the backend is unavailable (it cannot run), but the kernels can be compiled and checked:
+:meth:`CudaPtxBackend.compile` needs only NVRTC.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from attnplan.backends.base import Backend, DecodeInputs
+from attnplan.planner import SplitPlan
+from attnplan.problem import DecodeProblem, dtype_name
+from attnplan.state import PartialState
+
+from ._bindings import CudaPtxError, DriverError, NvrtcError
+from .launch import (
+    MERGE_SIGNATURE, PARTIAL_SIGNATURE, DeviceRuntime, KernelSpec, PackedArgs, check_layout,
+    kernel_source, make_spec, merge_args, merge_launch_config, merge_spec, partial_args, partial_launch_config,
+)
+from .nvrtc import CompileCache, Compiled, select_target
+
+__all__ = ["CudaPtxBackend", "CudaPtxError", "NvrtcError", "DriverError", "KernelSpec", "CompileCache"]
+
+#: shared-memory limit assumed when planning without a device (sm_86/sm_89 opt-in, the smallest >= sm_80)
+_CPU_SMEM_LIMIT = 99 * 1024
+
+
+class CudaPtxBackend(Backend):
+    """Split-KV decode with NVRTC-compiled CUDA C kernels (see the module docstring for the method).
+
+    Support (as data): q / KV dtypes float16, bfloat16, float32 (q and KV the same); head_dim a
+    multiple of 8 in [16, 256]; GQA group x q_len up to 64 rows per program; contiguous or paged
+    caches with any power-of-two page size; variants sliding window, soft-cap and sinks (not fp8
+    KV); compute capability 8.0 or newer (``cp.async`` and the bf16 conversions).
+
+    Kernel options (``backend_options.cuda_ptx`` in the config): ``num_warps`` = KV warps per row
+    group (default 4), ``num_stages`` = cp.async ring depth (default: enough for ~48 KB in flight),
+    ``block_n`` = chunk alignment in tokens (a multiple of the kernel's tile), ``threads`` = total
+    threads (alternative to ``num_warps``).
+
+    Args:
+        cache: the NVRTC compile cache; default: memory + ``$ATTNPLAN_CACHE_DIR`` / user cache dir.
+    """
+
+    name = "cuda_ptx"
+    dtypes = frozenset({"float16", "bfloat16", "float32"})
+    min_head_dim = 16
+    max_head_dim = 256
+    head_dim_multiple = 8
+    max_rows_per_program = 64
+    graph_safe = True
+    variants = frozenset({"window", "softcap", "sinks"})
+    #: oldest compute capability served
+    min_compute_capability: tuple[int, int] = (8, 0)
+
+    def __init__(self, cache: CompileCache | None = None):
+        self.cache = cache if cache is not None else CompileCache()
+        self._runtimes: dict[int, DeviceRuntime] = {}
+        self._available: dict[int, tuple[bool, str]] = {}
+        self._lock = threading.Lock()
+
+    # -- availability and support -----------------------------------------------------------------
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        """Available only on a CUDA device of compute capability >= 8.0 with cuda-python importable
+        and NVRTC loadable; the reason otherwise."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return False, "cuda_ptx runs only on CUDA devices; on CPU it is compiled and checked, not run"
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available (torch.cuda.is_available() is False)"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        hit = self._available.get(index)
+        if hit is None:
+            hit = self._check_available(index)
+            self._available[index] = hit
+        return hit
+
+    def _check_available(self, index: int) -> tuple[bool, str]:
+        cc = torch.cuda.get_device_capability(index)
+        if tuple(cc) < self.min_compute_capability:
+            return False, (f"cuda_ptx needs compute capability >= {self.min_compute_capability[0]}."
+                           f"{self.min_compute_capability[1]} (cp.async, bf16 conversions); cuda:{index} has {cc[0]}.{cc[1]}")
+        try:
+            select_target(cc)
+        except Exception as e:  # noqa: BLE001 - import errors, missing libraries: a reason, not a crash
+            return False, f"cuda_ptx: cuda-python / NVRTC unusable: {type(e).__name__}: {e}"
+        try:
+            self._runtime(index)
+        except Exception as e:  # noqa: BLE001
+            return False, f"cuda_ptx: CUDA driver API unusable on cuda:{index}: {type(e).__name__}: {e}"
+        return True, ""
+
+    def supports(self, problem: DecodeProblem) -> list[str]:
+        """Reasons this backend cannot serve ``problem`` (empty list: it can)."""
+        reasons = super().supports(problem)
+        if problem.q_dtype != problem.kv_dtype:
+            reasons.append(f"q_dtype {problem.q_dtype} must equal kv_dtype {problem.kv_dtype}")
+        return reasons
+
+    # -- planning ---------------------------------------------------------------------------------
+    def _smem_limit(self, device: torch.device | None) -> int:
+        if device is not None and torch.device(device).type == "cuda" and torch.cuda.is_available():
+            dev = torch.device(device)
+            return self._runtime(dev.index if dev.index is not None else torch.cuda.current_device()).smem_optin
+        return _CPU_SMEM_LIMIT
+
+    def kernel_config(self, problem: DecodeProblem, options: dict, device: torch.device) -> dict:
+        """Kernel options for ``problem``: ``block_n`` (chunk alignment, tokens) = tile x KV warps by
+        default, plus the specialization's ``num_warps``, ``num_stages``, ``threads``,
+        ``tile_tokens``, ``row_groups`` and ``passes``.
+
+        Raises:
+            ValueError: options that do not fit the kernel (named, with what is allowed).
+        """
+        options = options or {}
+        limit = self._smem_limit(device)
+        args = (problem.kv_dtype, problem.head_dim, problem.group_size, problem.q_len, problem.page_size)
+        warps = options.get("num_warps")
+        if warps is None and options.get("threads"):
+            rg = make_spec("partial", *args, smem_limit=limit).row_groups
+            threads = int(options["threads"])
+            if threads % (32 * rg):
+                raise ValueError(f"backend_options.cuda_ptx.threads {threads} must be a multiple of 32 x {rg} row group(s)")
+            warps = threads // (32 * rg)
+        spec = make_spec("partial", *args, num_warps=warps, num_stages=options.get("num_stages"), smem_limit=limit)
+        tile = spec.tile_tokens
+        block_n = int(options.get("block_n") or tile * spec.kv_warps)
+        if block_n % tile:
+            raise ValueError(f"backend_options.cuda_ptx.block_n {block_n} must be a multiple of the kernel's tile of "
+                             f"{tile} tokens for {problem.kv_dtype} head_dim {problem.head_dim}")
+        return {"block_n": block_n, "num_warps": spec.kv_warps, "num_stages": spec.stages, "threads": spec.threads,
+                "tile_tokens": tile, "row_groups": spec.row_groups, "passes": spec.passes}
+
+    def spec_for(self, kind: str, plan: SplitPlan, device: torch.device | None = None,
+                 inputs: DecodeInputs | None = None) -> KernelSpec:
+        """The :class:`KernelSpec` that executes ``plan`` (``kind`` ``"partial"``, ``"single"`` or
+        ``"merge"``); the window / soft-cap variants follow ``inputs`` when given, else the plan's problem."""
+        p = plan.problem
+        if kind == "merge":
+            return merge_spec(p["q_dtype"], p["head_dim"])
+        k = plan.kernel
+        if inputs is not None:
+            window, softcap = inputs.window_left >= 0, inputs.soft_cap > 0
+        else:
+            window, softcap = p.get("window_left", -1) >= 0, p.get("soft_cap", 0.0) > 0
+        return make_spec(kind, p["kv_dtype"], p["head_dim"], p["num_q_heads"] // p["num_kv_heads"], p["q_len"],
+                         p["page_size"], num_warps=k.get("num_warps"), num_stages=k.get("num_stages"),
+                         smem_limit=self._smem_limit(device), window=window, softcap=softcap)
+
+    def compile(self, spec: KernelSpec, compute_capability: tuple[int, int] = (9, 0)) -> Compiled:
+        """Compile ``spec`` for ``compute_capability`` through the compile cache (no GPU needed).
+
+        Raises:
+            NvrtcError: NVRTC is unusable or the compile fails (message with NVRTC's log).
+        """
+        return self.cache.get(spec.name, kernel_source(), spec.options(), select_target(compute_capability))
+
+    def prepare(self, plan: SplitPlan, device: torch.device) -> None:
+        """Compile and load every kernel ``plan`` launches on ``device`` (call before CUDA-graph capture)."""
+        rt = self._runtime_for(torch.device(device))
+        kinds = ("single",) if plan.single_pass else ("partial", "merge")
+        for kind in kinds:
+            rt.function(self.spec_for(kind, plan, device))
+
+    # -- launches ---------------------------------------------------------------------------------
+    def _runtime(self, index: int) -> DeviceRuntime:
+        rt = self._runtimes.get(index)
+        if rt is None:
+            with self._lock:
+                rt = self._runtimes.get(index)
+                if rt is None:
+                    rt = DeviceRuntime(index, self.cache)
+                    self._runtimes[index] = rt
+        return rt
+
+    def _runtime_for(self, device: torch.device) -> DeviceRuntime:
+        if device.type != "cuda":
+            raise ValueError(f"cuda_ptx runs only on CUDA tensors, got tensors on {device}")
+        return self._runtime(device.index if device.index is not None else torch.cuda.current_device())
+
+    def _launch(self, spec: KernelSpec, cfg, signature, values, device: torch.device) -> None:
+        rt = self._runtime_for(device)
+        args = PackedArgs(signature, values)
+        if rt.index != torch.cuda.current_device():
+            with torch.cuda.device(rt.index):
+                rt.launch(spec, cfg, args, torch.cuda.current_stream(rt.index).cuda_stream)
+        else:
+            rt.launch(spec, cfg, args, torch.cuda.current_stream(rt.index).cuda_stream)
+
+    @staticmethod
+    def _check_inputs(plan: SplitPlan, x: DecodeInputs, spec: KernelSpec) -> None:
+        if x.k_cache.dtype != x.q.dtype or x.k_scale is not None or x.v_scale is not None:
+            raise ValueError(f"cuda_ptx needs q and the KV cache in one dtype without dequantization scales "
+                             f"(q {x.q.dtype}, k_cache {x.k_cache.dtype}); fp8 KV is not served")
+        vec = spec.layout["vec"]
+        for name, t in (("q", x.q), ("k_cache", x.k_cache), ("v_cache", x.v_cache)):
+            check_layout(name, t, vec, 16)
+        if tuple(plan.grid[1:]) != (x.k_cache.shape[2], x.q.shape[0]):
+            raise ValueError(f"plan grid {plan.grid} is for {plan.grid[1]} KV heads x batch {plan.grid[2]}, inputs have "
+                             f"{x.k_cache.shape[2]} x {x.q.shape[0]}")
+        if x.paged and spec.page_size != x.k_cache.shape[1]:
+            raise ValueError(f"plan is for page size {spec.page_size}, k_cache has {x.k_cache.shape[1]}")
+        for name, t in (("k_cache", x.k_cache), ("v_cache", x.v_cache)):
+            if (spec.tile_tokens - 1) * t.stride(1) + spec.head_dim >= 2**31:
+                raise ValueError(f"{name} token stride {t.stride(1)} is too large: in-tile offsets of "
+                                 f"{spec.tile_tokens} tokens must stay below 2**31 elements")
+
+    def partial(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState) -> None:
+        """Write the partial state of every split ``s < plan.num_splits`` into ``state`` (fp32 ``o
+        [B, Q, H, S, D]`` normalized, natural-log ``lse [B, Q, H, S]``; ``S`` may exceed
+        ``plan.num_splits``, strides are honored). Launch only.
+
+        Raises:
+            ValueError: dtypes, shapes, strides or alignment the kernel cannot take (named).
+        """
+        x = inputs
+        spec = self.spec_for("partial", plan, x.q.device, x)
+        self._check_inputs(plan, x, spec)
+        o, lse = state.o, state.lse
+        if o.dtype != torch.float32 or lse.dtype != torch.float32:
+            raise ValueError(f"cuda_ptx writes float32 partial states, got o {o.dtype}, lse {lse.dtype}")
+        if tuple(o.shape[:3]) != tuple(x.q.shape[:3]) or o.shape[4] != x.q.shape[3] or o.shape[3] < plan.num_splits:
+            raise ValueError(f"state o {tuple(o.shape)} must be [B, Q, H, >= {plan.num_splits}, D] for q {tuple(x.q.shape)}")
+        check_layout("state.o", o, 4, 16)
+        cfg = partial_launch_config(spec, plan.grid)
+        values = partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, o, lse,
+                              plan.chunk_size, plan.num_splits, window_left=x.window_left, soft_cap=x.soft_cap)
+        self._launch(spec, cfg, PARTIAL_SIGNATURE, values, x.q.device)
+
+    def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """One chunk per sequence: write ``out [B, Q, H, D]`` (q's dtype) and, if given, ``lse
+        [B, Q, H]`` fp32 directly (no workspace, no merge). Launch only.
+
+        Raises:
+            ValueError: dtypes, shapes or strides the kernel cannot take (named).
+        """
+        x = inputs
+        spec = self.spec_for("single", plan, x.q.device, x)
+        self._check_inputs(plan, x, spec)
+        if out.dtype != x.q.dtype or tuple(out.shape) != tuple(x.q.shape) or out.stride(-1) != 1:
+            raise ValueError(f"out must be {tuple(x.q.shape)} {x.q.dtype} with unit last stride, got "
+                             f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
+        if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != tuple(x.q.shape[:3])):
+            raise ValueError(f"lse must be {tuple(x.q.shape[:3])} float32, got {tuple(lse.shape)} {lse.dtype}")
+        self._check_sinks(x.sinks, x.q.shape[2])
+        grid = (1, plan.grid[1], plan.grid[2])
+        cfg = partial_launch_config(spec, grid)
+        values = partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, out, lse,
+                              plan.chunk_size, 1, window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks)
+        self._launch(spec, cfg, PARTIAL_SIGNATURE, values, x.q.device)
+
+    @staticmethod
+    def _check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+        if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_heads,)
+                                  or sinks.stride(0) != 1):
+            raise ValueError(f"sinks must be a contiguous float32 [{num_heads}] tensor, got {tuple(sinks.shape)} "
+                             f"{sinks.dtype} strides {tuple(sinks.stride())}")
+
+    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None,
+              sinks: torch.Tensor | None = None) -> None:
+        """Merge ``state``'s first ``plan.num_splits`` splits into ``out [B, Q, H, D]`` (its dtype) and,
+        if given, ``lse [B, Q, H]`` fp32, by :func:`attnplan.state.merge_states`'s contract:
+        ``lse = logsumexp_s(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``, an all-empty row gives
+        ``o = 0, lse = -inf`` (no ``-inf - (-inf)``); ``sinks [H]`` fp32 logits then join the
+        denominator (``lse' = logaddexp(lse, z)``, ``o' = o exp(lse - lse')``). Deterministic (fixed
+        order, no atomics). Launch only.
+
+        Raises:
+            ValueError: dtypes, shapes, strides or alignment the kernel cannot take (named).
+        """
+        o, ls = state.o, state.lse
+        b, ql, h, s, d = o.shape
+        if o.dtype != torch.float32 or ls.dtype != torch.float32:
+            raise ValueError(f"cuda_ptx merges float32 partial states, got o {o.dtype}, lse {ls.dtype}")
+        if s < plan.num_splits:
+            raise ValueError(f"state has {s} splits, the plan merges {plan.num_splits}")
+        if out.dtype not in (torch.float16, torch.bfloat16, torch.float32) or tuple(out.shape) != (b, ql, h, d):
+            raise ValueError(f"out must be [{b}, {ql}, {h}, {d}] float16/bfloat16/float32, got {tuple(out.shape)} {out.dtype}")
+        if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (b, ql, h)):
+            raise ValueError(f"lse must be [{b}, {ql}, {h}] float32, got {tuple(lse.shape)} {lse.dtype}")
+        self._check_sinks(sinks, h)
+        spec = merge_spec(dtype_name(out.dtype), d)
+        check_layout("state.o", o, 4, 16)
+        check_layout("out", out, 4, out.element_size() * 4)
+        cfg = merge_launch_config(spec, b * ql * h)
+        self._launch(spec, cfg, MERGE_SIGNATURE, merge_args(o, ls, out, lse, plan.num_splits, sinks), o.device)
+

@@ -1,0 +1,714 @@
+// attnplan cuda_ptx backend: split-KV ("Flash-Decoding") decode attention kernels.
+//
+// Compiled at run time by NVRTC (backends/cuda_ptx/nvrtc.py) once per specialization; the host
+// (backends/cuda_ptx/launch.py, KernelSpec.defines) passes every compile-time constant as a -D macro:
+//
+//   ATTNPLAN_KIND        0 = split partial (writes PartialState), 1 = single pass (writes out, lse),
+//                        2 = merge
+//   ATTNPLAN_DTYPE       0 = float16, 1 = bfloat16, 2 = float32 (q, KV cache and out share it)
+//   ATTNPLAN_HEAD_DIM    head_dim (multiple of 8)
+//   ATTNPLAN_GROUP       GQA group size (query heads per KV head)          [partial / single]
+//   ATTNPLAN_QLEN        queries per sequence                               [partial / single]
+//   ATTNPLAN_PAGE_SIZE   tokens per page, 0 = contiguous cache              [partial / single]
+//   ATTNPLAN_KV_WARPS    warps that take different KV tiles of one chunk   [partial / single]
+//   ATTNPLAN_ROW_GROUPS  warp sets that split the GQA-group x q_len rows    [partial / single]
+//   ATTNPLAN_STAGES      cp.async pipeline depth per warp                   [partial / single]
+//   ATTNPLAN_PASSES      warp passes per KV tile                            [partial / single]
+//   ATTNPLAN_WINDOW      1 = sliding window (window_left argument)          [partial / single]
+//   ATTNPLAN_SOFTCAP     1 = logits soft-cap (softcap_log2 argument)        [partial / single]
+//   ATTNPLAN_SMEM_BYTES, ATTNPLAN_TILE_TOKENS, ATTNPLAN_THREADS: the host's own arithmetic, checked
+//                        against the kernel's by static_assert (a mismatch fails compilation).
+//
+// No #include: only NVRTC built-ins, so no CUDA toolkit headers are needed at run time. fp16/bf16
+// conversions are inline PTX (cvt), which needs sm_80 or newer.
+//
+// ATTNPLAN_HOST_EMULATION (tests only): the same source compiles as host C++ against
+// emulation/simt.h, which runs every CUDA thread as a fiber so the kernels' indexing, masking and
+// merging can be executed on a CPU (backends/cuda_ptx/emulate.py). Only the inline-PTX helpers below
+// have host twins; the kernels themselves are the same text.
+//
+// Kernel contract (attnplan/backends/base.py): the program (CTA) for split s, KV head h, sequence b
+// serves every query head h*GROUP .. h*GROUP+GROUP-1 and all QLEN queries of b. Its chunk is
+// [base + s*chunk_size, min(base + (s+1)*chunk_size, L)), L = seq_lens[b], and the last split runs on
+// to L; base = 0, or with a sliding window max(0, L - QLEN - window_left). Query i sits at position
+// p = L - QLEN + i and sees positions <= p (and >= p - window_left with a window). A row with no
+// visible position writes o = 0, lse = -inf. The partial kernel writes fp32 o (normalized) and
+// natural-log lse at split index s; the single-pass kernel writes out (q's dtype) and lse directly.
+// Variants: the soft-cap c*tanh(score/c) is applied to the scaled scores; a sink logit z (per query
+// head, natural log) joins the denominator in the single-pass epilogue and the merge only (partial
+// states never include it): lse' = logaddexp(lse, z), o' = o * exp(lse - lse').
+//
+// Method (FlashDecoding; FlashInfer's decode kernels for the CUDA-core layout):
+//  * Rows r = i*GROUP + g (query i, head g of the group). Row groups of RT rows; each warp holds its
+//    rows' q (pre-scaled by sm_scale*log2(e)) in fp32 registers, one 16-byte vector of head_dim per lane.
+//  * Tiles are TILE-aligned token ranges starting at or below the row group's first visible position
+//    (positions outside a row's range are masked), so a tile never straddles a page boundary.
+//  * Each warp streams its own KV tiles (tiles kw, kw+KV_WARPS, ... of the chunk) into a private
+//    STAGES-deep shared-memory ring with 16-byte cp.async (zero-filled past the chunk), so several
+//    tiles are in flight per warp and no CTA barrier sits in the main loop (split-K inside the CTA).
+//  * Scores: each lane multiplies its head_dim slice, a butterfly over LPT lanes sums the slices.
+//    Online softmax in base 2 (exp2), fp32 accumulation, rescale only when a row's max grows.
+//  * At the end the warps of a row group merge their (m, l, acc) states through shared memory.
+//  * 64-bit element offsets everywhere a page/batch index multiplies a stride.
+
+typedef long long i64;
+typedef unsigned int u32;
+
+#define ATTNPLAN_KIND_PARTIAL 0
+#define ATTNPLAN_KIND_SINGLE 1
+#define ATTNPLAN_KIND_MERGE 2
+
+#if !defined(ATTNPLAN_KIND) || !defined(ATTNPLAN_DTYPE) || !defined(ATTNPLAN_HEAD_DIM)
+#error "ATTNPLAN_KIND, ATTNPLAN_DTYPE and ATTNPLAN_HEAD_DIM must be defined (-D)"
+#endif
+
+#if ATTNPLAN_DTYPE == 2
+typedef float elem_t;
+#define VEC 4
+#else
+typedef unsigned short elem_t;
+#define VEC 8
+#endif
+
+#define NEG_INF (__int_as_float(0xff800000))
+#define FULL_MASK 0xffffffffu
+#define LN2_F 0.69314718055994530942f
+
+constexpr int HEAD_DIM = ATTNPLAN_HEAD_DIM;
+static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8");
+constexpr int DV = HEAD_DIM / VEC;  // 16-byte vectors per K/V row
+
+__host__ __device__ constexpr int pow2_ceil(int x) { return x <= 1 ? 1 : 2 * pow2_ceil((x + 1) / 2); }
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
+// ---------------------------------------------------------------------------------------------
+// conversions (no cuda_fp16.h / cuda_bf16.h)
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void unpack2(u32 w, float &a, float &b) {
+#if ATTNPLAN_DTYPE == 1
+    a = __uint_as_float(w << 16);
+    b = __uint_as_float(w & 0xffff0000u);
+#elif ATTNPLAN_DTYPE == 0 && defined(ATTNPLAN_HOST_EMULATION)
+    a = emu::half_to_float((unsigned short)(w & 0xffffu));
+    b = emu::half_to_float((unsigned short)(w >> 16));
+#elif ATTNPLAN_DTYPE == 0
+    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;\n\t}"
+        : "=f"(a), "=f"(b) : "r"(w));
+#else
+    a = __uint_as_float(w);
+    b = 0.f;
+#endif
+}
+
+// one 16-byte vector -> VEC floats
+__device__ __forceinline__ void unpack16(const uint4 u, float (&f)[VEC]) {
+#if ATTNPLAN_DTYPE == 2
+    f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+#else
+    unpack2(u.x, f[0], f[1]); unpack2(u.y, f[2], f[3]);
+    unpack2(u.z, f[4], f[5]); unpack2(u.w, f[6], f[7]);
+#endif
+}
+
+__device__ __forceinline__ elem_t from_float(float x) {
+#if ATTNPLAN_DTYPE == 2
+    return x;
+#elif defined(ATTNPLAN_HOST_EMULATION)
+    return ATTNPLAN_DTYPE == 1 ? emu::float_to_bf16_rn(x) : emu::float_to_half_rn(x);
+#elif ATTNPLAN_DTYPE == 1
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+#else
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+#endif
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
+#ifdef ATTNPLAN_HOST_EMULATION
+    return emu::ex2_approx_ftz(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+#if ATTNPLAN_KIND != ATTNPLAN_KIND_MERGE
+// =============================================================================================
+// split partial / single-pass kernel
+// =============================================================================================
+#if !defined(ATTNPLAN_GROUP) || !defined(ATTNPLAN_QLEN) || !defined(ATTNPLAN_PAGE_SIZE) || \
+    !defined(ATTNPLAN_KV_WARPS) || !defined(ATTNPLAN_ROW_GROUPS) || !defined(ATTNPLAN_STAGES) || \
+    !defined(ATTNPLAN_PASSES)
+#error "partial/single-pass kernels need ATTNPLAN_GROUP, _QLEN, _PAGE_SIZE, _KV_WARPS, _ROW_GROUPS, _STAGES, _PASSES"
+#endif
+#ifndef ATTNPLAN_WINDOW
+#define ATTNPLAN_WINDOW 0
+#endif
+#ifndef ATTNPLAN_SOFTCAP
+#define ATTNPLAN_SOFTCAP 0
+#endif
+
+constexpr int LPT = DV >= 32 ? 32 : pow2_ceil(DV);  // lanes per token row
+constexpr int NV = (DV + LPT - 1) / LPT;            // 16-byte vectors per lane per row
+constexpr int TPP = 32 / LPT;                       // tokens per warp pass
+constexpr int PASSES = ATTNPLAN_PASSES;
+constexpr int TILE = PASSES * TPP;                  // tokens per warp tile
+constexpr int CH = TILE * DV;                       // 16-byte chunks per tile (K or V)
+constexpr int CPL = (CH + 31) / 32;                 // chunks per lane per tile (K or V)
+constexpr int GROUP = ATTNPLAN_GROUP;
+constexpr int QLEN = ATTNPLAN_QLEN;
+constexpr int R = GROUP * QLEN;                     // rows per program
+constexpr int NRG = ATTNPLAN_ROW_GROUPS;
+constexpr int RT = (R + NRG - 1) / NRG;             // rows per row group
+constexpr int NWK = ATTNPLAN_KV_WARPS;
+constexpr int NWARPS = NRG * NWK;
+constexpr int NTHREADS = 32 * NWARPS;
+constexpr int STAGES = ATTNPLAN_STAGES;
+constexpr int PAGE = ATTNPLAN_PAGE_SIZE;
+constexpr bool ONE_PAGE = PAGE >= TILE;             // a (T-aligned) tile lies in one page
+constexpr int NPG = ONE_PAGE ? 1 : CPL;             // block-table entries per lane per tile
+constexpr int STAGE_BYTES = 2 * CH * 16;            // K + V of one tile
+constexpr int RING_BYTES = NWARPS * STAGES * STAGE_BYTES;
+constexpr int EPI_BYTES = NWARPS * RT * (HEAD_DIM + 2) * 4;
+constexpr int SMEM_BYTES = cmax(RING_BYTES, EPI_BYTES);
+
+static_assert((PASSES & (PASSES - 1)) == 0, "passes must be a power of two");
+static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
+static_assert(PAGE == 0 || (PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
+static_assert(NRG * RT >= R && NRG >= 1 && NWK >= 1, "bad row groups / warps");
+#ifdef ATTNPLAN_SMEM_BYTES
+static_assert(SMEM_BYTES == ATTNPLAN_SMEM_BYTES, "host and kernel disagree on dynamic shared memory");
+#endif
+#ifdef ATTNPLAN_TILE_TOKENS
+static_assert(TILE == ATTNPLAN_TILE_TOKENS, "host and kernel disagree on the tile size");
+#endif
+#ifdef ATTNPLAN_THREADS
+static_assert(NTHREADS == ATTNPLAN_THREADS, "host and kernel disagree on threads per block");
+#endif
+
+#if ATTNPLAN_KIND == ATTNPLAN_KIND_SINGLE
+typedef elem_t out_t;
+#define ATTNPLAN_ENTRY attnplan_decode_single
+#else
+typedef float out_t;
+#define ATTNPLAN_ENTRY attnplan_decode_partial
+#endif
+
+__device__ __forceinline__ out_t to_out(float x) {
+#if ATTNPLAN_KIND == ATTNPLAN_KIND_SINGLE
+    return from_float(x);
+#else
+    return x;
+#endif
+}
+
+// c * tanh(x / c) without overflow: tanh(a) = -expm1(-2a) / (2 + expm1(-2a)) for a = |x / c|
+__device__ __forceinline__ float soft_cap(float x, float c) {
+    const float em = expm1f(-2.f * fabsf(x / c));
+    return copysignf(c * (-em / (2.f + em)), x);
+}
+
+#ifdef ATTNPLAN_HOST_EMULATION
+__device__ __forceinline__ void cp_async16(void *smem_ptr, const void *gptr, bool valid) {
+    emu::cp_async16(smem_ptr, gptr, valid);
+}
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {}
+#else
+__device__ __forceinline__ void cp_async16(void *smem_ptr, const void *gptr, bool valid) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem_ptr);
+    const int n = valid ? 16 : 0;  // src-size 0: no global read, 16 zero bytes written
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gptr), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+#endif
+
+// Block-table entries for the chunks this lane copies of tile `ts` (first token); 0 outside [start, end).
+__device__ __forceinline__ void load_pages(int (&pg)[NPG], const int *__restrict__ btb, int ts, int start, int end,
+                                           int lane) {
+#if ATTNPLAN_PAGE_SIZE > 0
+    if (ONE_PAGE) {
+        pg[0] = (ts < end && ts + TILE > start) ? __ldg(btb + ts / PAGE) : 0;
+    } else {
+#pragma unroll
+        for (int k = 0; k < NPG; ++k) {
+            const int c = lane + 32 * k;
+            const int t = ts + c / DV;
+            pg[k] = ((CH % 32 == 0 || c < CH) && t < end && t >= start) ? __ldg(btb + t / PAGE) : 0;
+        }
+    }
+#endif
+}
+
+// Per-lane constants of the tile copies: chunk k of this lane is token tok[k] of the tile, vector
+// v of that row, at element offset off[k] from the tile's base (token 0 of the tile; for pages
+// smaller than the tile, token 0 of the chunk's page). Tiles start at multiples of TILE (and of PAGE
+// when PAGE < TILE), which the host checks, so these do not depend on the tile.
+struct LaneCopies {
+    int tok[CPL];
+    int koff[CPL], voff[CPL];  // < 2^31: the host checks (TILE - 1) x token stride + head_dim
+};
+
+__device__ __forceinline__ void lane_copies(LaneCopies &lc, i64 k_s1, i64 v_s1, int lane) {
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+        const int c = lane + 32 * k;
+        const int tok = c / DV, v = c % DV;
+        const int row = (PAGE > 0 && !ONE_PAGE) ? (tok & (PAGE - 1)) : tok;
+        lc.tok[k] = (CH % 32 == 0 || c < CH) ? tok : (1 << 30);  // past CH: never valid
+        lc.koff[k] = (int)((i64)row * k_s1 + v * VEC);
+        lc.voff[k] = (int)((i64)row * v_s1 + v * VEC);
+    }
+}
+
+// Issue the cp.async copies of one K tile and one V tile into a ring stage (no commit).
+// Chunks of tokens before `start` or at / past `end` are zero-filled without reading global memory.
+__device__ __forceinline__ void issue_tile(unsigned char *stage, const elem_t *__restrict__ kb,
+                                           const elem_t *__restrict__ vb, int ts, int start, int end,
+                                           const int (&pg)[NPG], const LaneCopies &lc, i64 k_s0, i64 k_s1,
+                                           i64 v_s0, i64 v_s1, int lane) {
+    const int first = start - ts, avail = end - ts;  // tile tokens [first, avail) are read
+    const elem_t *kt = kb, *vt = vb;
+#if ATTNPLAN_PAGE_SIZE > 0
+    if (ONE_PAGE) {
+        const i64 base_row = (i64)(ts & (PAGE - 1));
+        kt = kb + (i64)pg[0] * k_s0 + base_row * k_s1;
+        vt = vb + (i64)pg[0] * v_s0 + base_row * v_s1;
+    }
+#else
+    kt = kb + (i64)ts * k_s1;
+    vt = vb + (i64)ts * v_s1;
+#endif
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+        const int c = lane + 32 * k;
+        if (CH % 32 == 0 || c < CH) {
+            const bool valid = lc.tok[k] >= first && lc.tok[k] < avail;
+            const elem_t *ksrc = kt, *vsrc = vt;
+#if ATTNPLAN_PAGE_SIZE > 0
+            if (!ONE_PAGE) {
+                ksrc = kb + (i64)pg[k] * k_s0;
+                vsrc = vb + (i64)pg[k] * v_s0;
+            }
+#endif
+            cp_async16(stage + c * 16, valid ? (const void *)(ksrc + lc.koff[k]) : (const void *)kb, valid);
+            cp_async16(stage + CH * 16 + c * 16, valid ? (const void *)(vsrc + lc.voff[k]) : (const void *)vb, valid);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, const elem_t *__restrict__ vc,
+               const int *__restrict__ seq_lens, const int *__restrict__ block_table,
+               out_t *__restrict__ o, float *__restrict__ lse, const float *__restrict__ sinks,
+               float scale_log2, float softcap_log2, int chunk_size, int num_splits, int num_kv_heads,
+               int window_left,
+               i64 q_sb, i64 q_si, i64 q_sh,
+               i64 k_s0, i64 k_s1, i64 k_sh,
+               i64 v_s0, i64 v_s1, i64 v_sh,
+               i64 bt_sb,
+               i64 o_sb, i64 o_si, i64 o_sh, i64 o_ss,
+               i64 l_sb, i64 l_si, i64 l_sh, i64 l_ss) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    unsigned char *smem = emu::dynamic_smem();
+#else
+    extern __shared__ __align__(16) unsigned char smem[];
+#endif
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+    // program -> (split, kv head, sequence); the grid is (S, Hkv, B) or flattened along x.
+    const i64 lin = (i64)blockIdx.x + (i64)gridDim.x * ((i64)blockIdx.y + (i64)gridDim.y * (i64)blockIdx.z);
+    const int s = (int)(lin % num_splits);
+    const i64 rest = lin / num_splits;
+    const int h = (int)(rest % num_kv_heads);
+    const int b = (int)(rest / num_kv_heads);
+
+    const int L = seq_lens[b];
+    int base = 0;
+#if ATTNPLAN_WINDOW
+    base = L - QLEN - window_left > 0 ? L - QLEN - window_left : 0;  // no chunk before the window
+#endif
+    const i64 cs64 = (i64)base + (i64)s * chunk_size;
+    int cs = L, ce = L;
+    if (cs64 < (i64)L) {
+        cs = (int)cs64;
+        ce = (s == num_splits - 1) ? L : (int)(cs64 + chunk_size < (i64)L ? cs64 + chunk_size : (i64)L);
+    }
+
+    out_t *__restrict__ ob = o + (i64)b * o_sb + (i64)s * o_ss;
+    float *__restrict__ lb = lse ? lse + (i64)b * l_sb + (i64)s * l_ss : lse;
+
+    if (cs >= ce) {  // empty program: read nothing, write the empty state of every row
+        for (int idx = tid; idx < R * HEAD_DIM; idx += NTHREADS) {
+            const int rr = idx / HEAD_DIM, d = idx % HEAD_DIM;
+            const int i = rr / GROUP, g = rr % GROUP;
+            ob[(i64)i * o_si + (i64)(h * GROUP + g) * o_sh + d] = to_out(0.f);
+        }
+        if (lb) {
+            for (int rr = tid; rr < R; rr += NTHREADS) {
+                const int i = rr / GROUP, g = rr % GROUP;
+                lb[(i64)i * l_si + (i64)(h * GROUP + g) * l_sh] = sinks ? sinks[h * GROUP + g] : NEG_INF;
+            }
+        }
+        return;
+    }
+
+    const int rg = warp / NWK, kw = warp % NWK;
+    const int slot = lane / LPT, lv = lane % LPT;
+
+    // ---- this warp's rows: q in registers (pre-scaled to base 2), visible range [lo, hi) ----
+    float qf[RT][NV][VEC];
+    int lo[RT], hi[RT];
+    int start = ce, end = cs;  // the row group reads KV only in [start, end): its rows' visible union
+    int max_lo = cs, min_hi = ce;  // tiles inside [max_lo, min_hi) need no mask
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        const int rr = rg * RT + r;
+        lo[r] = 0;
+        hi[r] = 0;  // padding rows see nothing
+        if (rr < R) {
+            const int i = rr / GROUP, g = rr % GROUP;
+            const int p = L - QLEN + i;  // the query's own position
+            hi[r] = p + 1 < ce ? p + 1 : ce;
+            lo[r] = cs;
+#if ATTNPLAN_WINDOW
+            lo[r] = p - window_left > cs ? p - window_left : cs;
+#endif
+            if (lo[r] < hi[r]) {
+                start = lo[r] < start ? lo[r] : start;
+                end = hi[r] > end ? hi[r] : end;
+            }
+            max_lo = lo[r] > max_lo ? lo[r] : max_lo;
+            min_hi = hi[r] < min_hi ? hi[r] : min_hi;
+            const elem_t *qp = q + (i64)b * q_sb + (i64)i * q_si + (i64)(h * GROUP + g) * q_sh;
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int v = lv + LPT * j;
+                if (v < DV) {
+                    float f[VEC];
+                    unpack16(*reinterpret_cast<const uint4 *>(qp + v * VEC), f);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) qf[r][j][e] = f[e] * scale_log2;
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) qf[r][j][e] = 0.f;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < NV; ++j)
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) qf[r][j][e] = 0.f;
+        }
+    }
+    float m[RT], l[RT], acc[RT][NV][VEC];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        m[r] = NEG_INF;
+        l[r] = 0.f;
+#pragma unroll
+        for (int j = 0; j < NV; ++j)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[r][j][e] = 0.f;
+    }
+
+    // ---- KV streaming: this warp's tiles kw, kw + NWK, ... through its private ring ----
+    const elem_t *kb = kc + (i64)h * k_sh;
+    const elem_t *vb = vc + (i64)h * v_sh;
+    const int *btb = block_table;
+#if ATTNPLAN_PAGE_SIZE > 0
+    btb = block_table + (i64)b * bt_sb;
+#else
+    kb += (i64)b * k_s0;
+    vb += (i64)b * v_s0;
+#endif
+    const int tb = start & ~(TILE - 1);  // tiles are TILE-aligned: never across a page boundary
+    const int ntiles = end > start ? (end - tb + TILE - 1) / TILE : 0;
+    const int my_n = ntiles > kw ? (ntiles - kw + NWK - 1) / NWK : 0;
+    unsigned char *ring = smem + warp * (STAGES * STAGE_BYTES);
+    LaneCopies lc;
+    lane_copies(lc, k_s1, v_s1, lane);
+#define TILE_START(it) (tb + (kw + NWK * (it)) * TILE)
+
+    {  // prologue: block-table entries of the first STAGES-1 tiles together, then their copies
+        int pgp[STAGES - 1][NPG];
+#pragma unroll
+        for (int st = 0; st < STAGES - 1; ++st) load_pages(pgp[st], btb, TILE_START(st), start, end, lane);
+#pragma unroll
+        for (int st = 0; st < STAGES - 1; ++st) {
+            if (st < my_n)
+                issue_tile(ring + st * STAGE_BYTES, kb, vb, TILE_START(st), start, end, pgp[st], lc, k_s0, k_s1, v_s0,
+                           v_s1, lane);
+            cp_async_commit();
+        }
+    }
+    int pg[NPG];
+    load_pages(pg, btb, TILE_START(STAGES - 1), start, end, lane);
+
+    int stage_c = 0, stage_w = STAGES - 1;
+    for (int it = 0; it < my_n; ++it) {
+        if (it + STAGES - 1 < my_n)
+            issue_tile(ring + stage_w * STAGE_BYTES, kb, vb, TILE_START(it + STAGES - 1), start, end, pg, lc, k_s0,
+                       k_s1, v_s0, v_s1, lane);
+        cp_async_commit();
+        load_pages(pg, btb, TILE_START(it + STAGES), start, end, lane);  // used one iteration later
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+
+        const int ts = TILE_START(it);
+        const unsigned char *ks = ring + stage_c * STAGE_BYTES;
+        const unsigned char *vs = ks + CH * 16;
+
+        // scores (base 2): sc[p][r] = q_r . k_t for token t = ts + p*TPP + slot
+        float sc[PASSES][RT];
+#pragma unroll
+        for (int p = 0; p < PASSES; ++p) {
+            const int tok = p * TPP + slot;
+            float kf[NV][VEC];
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int v = lv + LPT * j;
+                if (DV % LPT == 0 || v < DV) {
+                    unpack16(*reinterpret_cast<const uint4 *>(ks + (tok * DV + v) * 16), kf[j]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) kf[j][e] = 0.f;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                float a = 0.f;
+#pragma unroll
+                for (int j = 0; j < NV; ++j)
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) a = fmaf(qf[r][j][e], kf[j][e], a);
+                sc[p][r] = a;
+            }
+#pragma unroll
+            for (int off = LPT / 2; off >= 1; off >>= 1)
+#pragma unroll
+                for (int r = 0; r < RT; ++r) sc[p][r] += __shfl_xor_sync(FULL_MASK, sc[p][r], off);
+        }
+#if ATTNPLAN_SOFTCAP
+#pragma unroll
+        for (int p = 0; p < PASSES; ++p)
+#pragma unroll
+            for (int r = 0; r < RT; ++r) sc[p][r] = soft_cap(sc[p][r], softcap_log2);
+#endif
+        if (ts < max_lo || ts + TILE > min_hi) {  // warp-uniform: the tile holds positions a row cannot see
+#pragma unroll
+            for (int p = 0; p < PASSES; ++p) {
+                const int t = ts + p * TPP + slot;
+#pragma unroll
+                for (int r = 0; r < RT; ++r)
+                    if (t < lo[r] || t >= hi[r]) sc[p][r] = NEG_INF;
+            }
+        }
+
+        // online softmax; the row max is warp-uniform, so the rescale branch is too
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            float mx = sc[0][r];
+#pragma unroll
+            for (int p = 1; p < PASSES; ++p) mx = fmaxf(mx, sc[p][r]);
+#pragma unroll
+            for (int off = LPT; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, off));
+            if (mx > m[r]) {
+                const float alpha = fast_exp2(m[r] - mx);  // 0 while m = -inf
+                m[r] = mx;
+                l[r] *= alpha;
+#pragma unroll
+                for (int j = 0; j < NV; ++j)
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) acc[r][j][e] *= alpha;
+            }
+            const float mu = m[r] == NEG_INF ? 0.f : m[r];  // never -inf - (-inf)
+#pragma unroll
+            for (int p = 0; p < PASSES; ++p) {
+                const float pr = fast_exp2(sc[p][r] - mu);
+                sc[p][r] = pr;
+                l[r] += pr;
+            }
+        }
+
+        // acc += p * v
+#pragma unroll
+        for (int p = 0; p < PASSES; ++p) {
+            const int tok = p * TPP + slot;
+            float vf[NV][VEC];
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int v = lv + LPT * j;
+                if (DV % LPT == 0 || v < DV) {
+                    unpack16(*reinterpret_cast<const uint4 *>(vs + (tok * DV + v) * 16), vf[j]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) vf[j][e] = 0.f;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int j = 0; j < NV; ++j)
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) acc[r][j][e] = fmaf(sc[p][r], vf[j][e], acc[r][j][e]);
+        }
+        __syncwarp();  // every lane is done with this stage before it is refilled
+        stage_c = stage_c + 1 == STAGES ? 0 : stage_c + 1;
+        stage_w = stage_w + 1 == STAGES ? 0 : stage_w + 1;
+    }
+#undef TILE_START
+    cp_async_wait<0>();
+
+    // ---- lanes of the same head_dim slice hold different tokens: sum their l and acc ----
+#pragma unroll
+    for (int off = LPT; off < 32; off <<= 1) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            l[r] += __shfl_xor_sync(FULL_MASK, l[r], off);
+#pragma unroll
+            for (int j = 0; j < NV; ++j)
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[r][j][e] += __shfl_xor_sync(FULL_MASK, acc[r][j][e], off);
+        }
+    }
+
+    // ---- merge the KV warps of each row group through shared memory (the ring is free now) ----
+    __syncthreads();
+    float *sm_acc = reinterpret_cast<float *>(smem);  // [NWARPS][RT][HEAD_DIM]
+    float *sm_m = sm_acc + NWARPS * RT * HEAD_DIM;    // [NWARPS][RT]
+    float *sm_l = sm_m + NWARPS * RT;                 // [NWARPS][RT]
+    if (slot == 0) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int j = 0; j < NV; ++j) {
+                const int v = lv + LPT * j;
+                if (v < DV) {
+                    float *dst = sm_acc + (warp * RT + r) * HEAD_DIM + v * VEC;
+#pragma unroll
+                    for (int e = 0; e < VEC; e += 4) {
+                        float4 t4;
+                        t4.x = acc[r][j][e]; t4.y = acc[r][j][e + 1]; t4.z = acc[r][j][e + 2]; t4.w = acc[r][j][e + 3];
+                        *reinterpret_cast<float4 *>(dst + e) = t4;
+                    }
+                }
+            }
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            sm_m[warp * RT + r] = m[r];
+            sm_l[warp * RT + r] = l[r];
+        }
+    }
+    __syncthreads();
+
+    for (int idx = tid; idx < R * HEAD_DIM; idx += NTHREADS) {
+        const int rr = idx / HEAD_DIM, d = idx % HEAD_DIM;
+        const int w0 = (rr / RT) * NWK, r = rr % RT;
+        float M = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NWK; ++w) M = fmaxf(M, sm_m[(w0 + w) * RT + r]);
+        float lsum = 0.f, a = 0.f;
+        if (M != NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < NWK; ++w) {
+                const float f = fast_exp2(sm_m[(w0 + w) * RT + r] - M);  // 0 for a warp that saw nothing
+                lsum = fmaf(f, sm_l[(w0 + w) * RT + r], lsum);
+                a = fmaf(f, sm_acc[((w0 + w) * RT + r) * HEAD_DIM + d], a);
+            }
+        }
+        const bool empty = M == NEG_INF;  // else lsum >= 1 (the max position has p = 1)
+        const int i = rr / GROUP, g = rr % GROUP;
+        float lse_n = empty ? NEG_INF : (M + log2f(lsum)) * LN2_F, scale = 1.f;
+        if (sinks) {  // single pass only (partial states never include the sink)
+            const float z = sinks[h * GROUP + g];
+            const float joined = empty ? z : fmaxf(lse_n, z) + log1pf(expf(-fabsf(lse_n - z)));
+            scale = empty ? 0.f : expf(lse_n - joined);
+            lse_n = joined;
+        }
+        ob[(i64)i * o_si + (i64)(h * GROUP + g) * o_sh + d] = to_out(empty ? 0.f : a / lsum * scale);
+        if (d == 0 && lb) lb[(i64)i * l_si + (i64)(h * GROUP + g) * l_sh] = lse_n;
+    }
+}
+
+#else  // ATTNPLAN_KIND == ATTNPLAN_KIND_MERGE
+// =============================================================================================
+// merge kernel: one CTA per row (b, i, head); each thread owns 4 consecutive dims
+//   lse = logsumexp_s(lse_s);  o = sum_s exp(lse_s - lse) o_s;  all-empty row: o = 0, lse = -inf
+//   optional sinks [num_heads]: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z)
+// =============================================================================================
+constexpr int MERGE_THREADS = ((HEAD_DIM / 4 + 31) / 32) * 32;
+#ifdef ATTNPLAN_THREADS
+static_assert(MERGE_THREADS == ATTNPLAN_THREADS, "host and kernel disagree on merge threads per block");
+#endif
+
+__device__ __forceinline__ void store4(elem_t *p, float a, float b, float c, float d) {
+#if ATTNPLAN_DTYPE == 2
+    float4 t; t.x = a; t.y = b; t.z = c; t.w = d;
+    *reinterpret_cast<float4 *>(p) = t;
+#else
+    uint2 t;
+    t.x = (u32)from_float(a) | ((u32)from_float(b) << 16);
+    t.y = (u32)from_float(c) | ((u32)from_float(d) << 16);
+    *reinterpret_cast<uint2 *>(p) = t;
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
+attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, elem_t *__restrict__ out,
+               float *__restrict__ out_lse, const float *__restrict__ sinks, int num_splits, int q_len, int num_heads,
+               i64 o_sb, i64 o_si, i64 o_sh, i64 o_ss,
+               i64 l_sb, i64 l_si, i64 l_sh, i64 l_ss,
+               i64 out_sb, i64 out_si, i64 out_sh,
+               i64 ol_sb, i64 ol_si, i64 ol_sh) {
+    const i64 row = (i64)blockIdx.x + (i64)gridDim.x * (i64)blockIdx.y;
+    const int hh = (int)(row % num_heads);
+    const int i = (int)((row / num_heads) % q_len);
+    const int b = (int)(row / ((i64)num_heads * q_len));
+    const float *lr = lse + (i64)b * l_sb + (i64)i * l_si + (i64)hh * l_sh;
+    const float *orow = o + (i64)b * o_sb + (i64)i * o_si + (i64)hh * o_sh;
+    elem_t *outp = out + (i64)b * out_sb + (i64)i * out_si + (i64)hh * out_sh;
+    const int d = threadIdx.x * 4;
+
+    float M = NEG_INF;
+    for (int s = 0; s < num_splits; ++s) M = fmaxf(M, lr[(i64)s * l_ss]);
+    if (M == NEG_INF) {  // every split empty: never -inf - (-inf)
+        if (d < HEAD_DIM) store4(outp + d, 0.f, 0.f, 0.f, 0.f);
+        if (threadIdx.x == 0 && out_lse)
+            out_lse[(i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh] = sinks ? sinks[hh] : NEG_INF;
+        return;
+    }
+    float tot = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < num_splits; ++s) {
+        const float ls = lr[(i64)s * l_ss];
+        if (ls != NEG_INF) {  // empty splits get weight 0 and their o is never read
+            const float w = expf(ls - M);
+            tot += w;
+            if (d < HEAD_DIM) {
+                const float4 x = *reinterpret_cast<const float4 *>(orow + (i64)s * o_ss + d);
+                a0 = fmaf(w, x.x, a0); a1 = fmaf(w, x.y, a1); a2 = fmaf(w, x.z, a2); a3 = fmaf(w, x.w, a3);
+            }
+        }
+    }
+    float lse_n = M + logf(tot), inv = 1.f / tot;  // tot >= 1: the split holding the max has weight 1
+    if (sinks) {  // the sink joins the denominator: lse' = logaddexp(lse, z), o' = o * exp(lse - lse')
+        const float z = sinks[hh];
+        const float joined = fmaxf(lse_n, z) + log1pf(expf(-fabsf(lse_n - z)));
+        inv *= expf(lse_n - joined);
+        lse_n = joined;
+    }
+    if (d < HEAD_DIM) store4(outp + d, a0 * inv, a1 * inv, a2 * inv, a3 * inv);
+    if (threadIdx.x == 0 && out_lse) out_lse[(i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh] = lse_n;
+}
+#endif

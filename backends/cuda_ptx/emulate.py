@@ -1,0 +1,158 @@
+"""Run the ``cuda_ptx`` kernels on a CPU: ``decode.cu`` compiled as host C++ (a check, not a backend).
+
+``decode.cu`` builds with ``-DATTNPLAN_HOST_EMULATION`` against ``emulation/simt.h``, which runs
+every CUDA thread of a block as a fiber, warp shuffles and barriers included (see that header for
+what the emulation shows and what it cannot). :class:`EmulatedCudaPtxBackend` is
+:class:`~attnplan.backends.cuda_ptx.CudaPtxBackend` with only the final launch replaced: the same
+spec choice, input checks, :func:`~.launch.partial_args` and :class:`~.launch.PackedArgs`
+``kernelParams`` array go to the emulated kernel instead of ``cuLaunchKernel``. It takes CPU tensors
+and is slow (a few thousand tokens per second); tests use it to execute the real kernel text
+against the float64 reference on machines without a GPU.
+
+Needs a C++20 compiler (``$CXX`` or ``g++``) on x86-64 / aarch64 Linux (``ucontext``).
+
+Raises:
+    EmulationError: the compiler is missing or fails, or the emulated kernel reports an error
+    (a read outside the inputs, a barrier deadlock).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from . import CudaPtxBackend
+from ._bindings import CudaPtxError
+from .launch import KernelSpec, LaunchConfig, PackedArgs, kernel_source
+
+__all__ = ["EmulationError", "EmulatedKernel", "EmulatedCudaPtxBackend", "compiler", "tensor_range"]
+
+_HERE = Path(__file__).parent
+_EMU_DIR = _HERE / "emulation"
+
+
+class EmulationError(CudaPtxError):
+    """The host emulation could not be built, or the emulated kernel reported an error."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler the emulation uses (``$CXX`` or ``g++``), or ``None`` if there is none."""
+    cxx = os.environ.get("CXX") or "g++"
+    return shutil.which(cxx)
+
+
+def tensor_range(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range ``[start, end)`` the elements of ``t`` occupy (non-negative strides)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+class EmulatedKernel:
+    """One :class:`KernelSpec` compiled for the host emulation (cached per source hash in ``build_dir``).
+
+    Args:
+        spec: the specialization.
+        build_dir: where shared objects go (default: ``$ATTNPLAN_CACHE_DIR/emulation`` or a temp dir).
+    Raises:
+        EmulationError: no compiler, or compilation failed (message has the compiler's output).
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, spec: KernelSpec, build_dir: str | os.PathLike | None = None):
+        cxx = compiler()
+        if cxx is None:
+            raise EmulationError("no C++ compiler ($CXX or g++) for the cuda_ptx host emulation")
+        self.spec = spec
+        defines = [o for o in spec.options() if o.startswith("-D")]
+        h = hashlib.sha256()
+        for part in (kernel_source(), (_EMU_DIR / "simt.h").read_text(), (_EMU_DIR / "harness.cpp").read_text(),
+                     " ".join(defines), cxx):
+            h.update(part.encode())
+        root = Path(build_dir) if build_dir else Path(os.environ.get("ATTNPLAN_CACHE_DIR") or tempfile.gettempdir())
+        out_dir = root / "emulation"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        so = out_dir / f"{spec.name}-{h.hexdigest()[:16]}.so"
+        with self._lock:
+            if not so.exists():
+                tmp = so.with_suffix(f".{os.getpid()}.tmp")
+                cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-DATTNPLAN_HOST_EMULATION", *defines,
+                       str(_EMU_DIR / "harness.cpp"), "-o", str(tmp)]
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode:
+                    raise EmulationError(f"building the host emulation of {spec.name} failed:\n{' '.join(cmd)}\n{r.stderr}")
+                os.replace(tmp, so)
+        self.lib = ctypes.CDLL(str(so))
+        self.lib.emu_launch.restype = ctypes.c_int
+        self.lib.emu_launch.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_ulonglong,
+                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        self.lib.emu_constant.restype = ctypes.c_int
+        self.lib.emu_constant.argtypes = [ctypes.c_char_p]
+
+    def constant(self, name: str) -> int:
+        """A kernel constant as the compiled kernel computes it (``smem``, ``tile``, ``threads``, ``lpt``, ``rt``)."""
+        return int(self.lib.emu_constant(name.encode()))
+
+    def launch(self, cfg: LaunchConfig, args: PackedArgs, readable: list[torch.Tensor]) -> None:
+        """Run the grid; ``readable`` are the tensors cp.async / ``__ldg`` may read.
+
+        Raises:
+            EmulationError: the kernel read outside ``readable`` or deadlocked at a barrier.
+        """
+        if cfg.block[1:] != (1, 1):
+            raise EmulationError(f"block {cfg.block}: only 1-D blocks are emulated")
+        ranges = [x for t in readable if t is not None for x in tensor_range(t)]
+        arr = (ctypes.c_ulonglong * max(1, len(ranges)))(*ranges)
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.emu_launch(*cfg.grid, cfg.block[0], cfg.smem, args.kernel_params, ctypes.addressof(arr),
+                                 len(ranges) // 2, err, len(err))
+        if rc:
+            raise EmulationError(f"emulated {self.spec.name} failed: {err.value.decode(errors='replace')}")
+
+
+class EmulatedCudaPtxBackend(CudaPtxBackend):
+    """:class:`CudaPtxBackend` whose launches run the host emulation on CPU tensors (tests only)."""
+
+    name = "cuda_ptx"
+
+    def __init__(self, build_dir: str | os.PathLike | None = None):
+        super().__init__()
+        self.build_dir = build_dir
+        self.kernels: dict[KernelSpec, EmulatedKernel] = {}
+        self._readable: list[torch.Tensor] = []
+
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        if torch.device(device).type != "cpu":
+            return False, "the cuda_ptx host emulation runs on CPU tensors"
+        return (True, "") if compiler() else (False, "no C++ compiler for the cuda_ptx host emulation")
+
+    def kernel(self, spec: KernelSpec) -> EmulatedKernel:
+        k = self.kernels.get(spec)
+        if k is None:
+            k = self.kernels[spec] = EmulatedKernel(spec, self.build_dir)
+        return k
+
+    def _launch(self, spec, cfg, signature, values, device) -> None:
+        self.kernel(spec).launch(cfg, PackedArgs(signature, values), self._readable)
+
+    def partial(self, plan, inputs, state) -> None:
+        self._readable = [inputs.q, inputs.k_cache, inputs.v_cache, inputs.seq_lens, inputs.block_table]
+        super().partial(plan, inputs, state)
+
+    def single_pass(self, plan, inputs, out, lse) -> None:
+        self._readable = [inputs.q, inputs.k_cache, inputs.v_cache, inputs.seq_lens, inputs.block_table]
+        super().single_pass(plan, inputs, out, lse)
+
+    def merge(self, plan, state, out, lse, sinks=None) -> None:
+        self._readable = [state.o, state.lse]
+        super().merge(plan, state, out, lse, sinks)

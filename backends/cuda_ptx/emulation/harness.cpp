@@ -1,0 +1,74 @@
+// Host harness: decode.cu compiled as C++ (ATTNPLAN_HOST_EMULATION) behind a C entry point that takes
+// the same kernelParams array cuLaunchKernel takes (launch.PackedArgs), so the host argument packing
+// is exercised too. Built and called by backends/cuda_ptx/emulate.py; tests only.
+#include "simt.h"
+#include "../decode.cu"
+
+namespace {
+void **g_params = nullptr;
+
+template <class T>
+T arg(int i) {
+    T v;
+    std::memcpy(&v, g_params[i], sizeof(T));
+    return v;
+}
+
+void body() {
+#if ATTNPLAN_KIND == ATTNPLAN_KIND_MERGE
+    attnplan_merge(arg<const float *>(0), arg<const float *>(1), arg<elem_t *>(2), arg<float *>(3),
+                   arg<const float *>(4), arg<int>(5), arg<int>(6), arg<int>(7),
+                   arg<i64>(8), arg<i64>(9), arg<i64>(10), arg<i64>(11),
+                   arg<i64>(12), arg<i64>(13), arg<i64>(14), arg<i64>(15),
+                   arg<i64>(16), arg<i64>(17), arg<i64>(18),
+                   arg<i64>(19), arg<i64>(20), arg<i64>(21));
+#else
+    ATTNPLAN_ENTRY(arg<const elem_t *>(0), arg<const elem_t *>(1), arg<const elem_t *>(2), arg<const int *>(3),
+                   arg<const int *>(4), arg<out_t *>(5), arg<float *>(6), arg<const float *>(7),
+                   arg<float>(8), arg<float>(9), arg<int>(10), arg<int>(11), arg<int>(12), arg<int>(13),
+                   arg<i64>(14), arg<i64>(15), arg<i64>(16),
+                   arg<i64>(17), arg<i64>(18), arg<i64>(19),
+                   arg<i64>(20), arg<i64>(21), arg<i64>(22),
+                   arg<i64>(23),
+                   arg<i64>(24), arg<i64>(25), arg<i64>(26), arg<i64>(27),
+                   arg<i64>(28), arg<i64>(29), arg<i64>(30), arg<i64>(31));
+#endif
+}
+}  // namespace
+
+// Launch grid (gx, gy, gz) x `threads` threads with `smem` bytes of dynamic shared memory.
+// `ranges` holds `nranges` (start, end) byte ranges the kernel may read through cp.async / __ldg.
+// Returns 0, or 1 with the first error copied into `err`.
+extern "C" int emu_launch(unsigned gx, unsigned gy, unsigned gz, int threads, unsigned long long smem,
+                          void **params, const unsigned long long *ranges, int nranges, char *err, int errlen) {
+    emu::g_error.clear();
+    emu::g_ranges.clear();
+    for (int i = 0; i < nranges; ++i) emu::g_ranges.push_back({(uintptr_t)ranges[2 * i], (uintptr_t)ranges[2 * i + 1]});
+    emu::g_grid_dim = uint3{gx, gy, gz};
+    emu::g_block_dim = uint3{(unsigned)threads, 1, 1};
+    g_params = params;
+    for (unsigned z = 0; z < gz && emu::g_error.empty(); ++z)
+        for (unsigned y = 0; y < gy && emu::g_error.empty(); ++y)
+            for (unsigned x = 0; x < gx && emu::g_error.empty(); ++x)
+                emu::run_block(uint3{x, y, z}, threads, (size_t)smem, body);
+    if (!emu::g_error.empty()) {
+        std::snprintf(err, (size_t)errlen, "%s", emu::g_error.c_str());
+        return 1;
+    }
+    return 0;
+}
+
+// Kernel constants as the kernel computes them (the host checks its own arithmetic against these).
+extern "C" int emu_constant(const char *name) {
+    const std::string n(name);
+#if ATTNPLAN_KIND != ATTNPLAN_KIND_MERGE
+    if (n == "smem") return SMEM_BYTES;
+    if (n == "tile") return TILE;
+    if (n == "threads") return NTHREADS;
+    if (n == "lpt") return LPT;
+    if (n == "rt") return RT;
+#else
+    if (n == "threads") return MERGE_THREADS;
+#endif
+    return -1;
+}

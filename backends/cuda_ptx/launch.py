@@ -1,0 +1,573 @@
+"""Kernel specializations, launch configuration, argument packing and driver-API launches.
+
+Everything above :class:`DeviceRuntime` is plain Python that runs without a GPU (the CPU tests
+exercise it): :class:`KernelSpec` fixes one specialization of ``decode.cu`` (the -D macros),
+:func:`make_spec` chooses it from the problem, :func:`partial_launch_config` /
+:func:`merge_launch_config` map the plan's grid onto a CUDA grid, :func:`partial_args` /
+:func:`merge_args` list the kernel arguments from the tensors (pointers, strides in elements), and
+:class:`PackedArgs` lays them out for ``cuLaunchKernel``'s ``kernelParams`` (one 8-byte slot per
+argument plus an array of pointers to the slots).
+
+:class:`DeviceRuntime` owns one device's state: the primary context (torch's), the modules loaded
+with ``cuModuleLoadData`` and their ``CUfunction``s (dynamic shared memory raised with
+``cuFuncSetAttribute``), and launches on torch's current stream with ``cuLaunchKernel``. Every
+driver call is checked (:func:`~._bindings.check_driver`). A launch allocates no device memory and
+never synchronizes the host, so it can be captured in a CUDA graph.
+
+Kernel layout (see ``decode.cu`` for the method): a program is ``row_groups x kv_warps`` warps; a
+row group holds ``rows_per_group`` of the ``GQA group x q_len`` rows in registers; the ``kv_warps``
+warps of a row group stream different KV tiles of the chunk through private ``stages``-deep
+``cp.async`` rings and merge their softmax states through shared memory at the end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import struct
+import threading
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+from ._bindings import CudaPtxError, DriverError, bindings, check_driver
+from .nvrtc import CompileCache, CompileTarget, Compiled, nvrtc_version, select_target
+
+__all__ = [
+    "KernelSpec", "make_spec", "merge_spec", "LaunchConfig", "partial_launch_config", "merge_launch_config",
+    "PackedArgs", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "partial_args", "merge_args", "check_layout",
+    "kernel_source", "DeviceRuntime", "DTYPE_CODES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS",
+]
+
+DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
+ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+KIND_CODES = {"partial": 0, "single": 1, "merge": 2}
+ENTRY = {"partial": "attnplan_decode_partial", "single": "attnplan_decode_single", "merge": "attnplan_merge"}
+
+#: bytes of K+V one warp's ring stage holds (the tile), before capping by registers
+TILE_BYTES = 4096
+#: KV bytes a program should keep in flight (Little's law: ~33 GB/s per H200 SM x ~1.5 us)
+INFLIGHT_BYTES = 48 * 1024
+#: default dynamic shared memory budget per program: two programs fit an H100/H200 SM
+SMEM_BUDGET = 96 * 1024
+#: most warps in one program (keeps >= 255 registers per thread available)
+MAX_WARPS = 8
+#: score registers per lane (passes x rows) the tile is sized for
+SCORE_REGS = 16
+#: q + accumulator fp32 registers per lane (2 x rows x elements per lane) a row group may hold
+ROW_REGS = 128
+#: most rows one warp holds whatever the lane width (16 fp32 rows reach 255 registers)
+MAX_ROWS_PER_WARP = 8
+_MAX_GRID_YZ = 65535
+_MAX_GRID_X = 2**31 - 1
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def vector_layout(dtype: str, head_dim: int) -> dict:
+    """How one K/V row maps onto a warp (mirrors ``decode.cu``).
+
+    Returns ``{"vec", "dv", "lpt", "nv", "tpp", "elems"}``: elements per 16-byte vector, vectors per
+    row, lanes per token row, vectors per lane, tokens per warp pass, elements per lane.
+    """
+    vec = 16 // ELEM_BYTES[dtype]
+    dv = head_dim // vec
+    lpt = 32 if dv >= 32 else _pow2_ceil(dv)
+    nv = -(-dv // lpt)
+    return {"vec": vec, "dv": dv, "lpt": lpt, "nv": nv, "tpp": 32 // lpt, "elems": nv * vec}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compile-time specialization of ``decode.cu``.
+
+    Attributes:
+        kind: ``"partial"`` (writes :class:`~attnplan.PartialState`), ``"single"`` (writes ``out`` and
+            ``lse`` directly) or ``"merge"``.
+        dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"`` (q, KV and out).
+        head_dim: channels per head (multiple of 8).
+        group, q_len: GQA group size and queries per sequence (rows = group x q_len); 1 for merge.
+        page_size: tokens per page, 0 for a contiguous cache.
+        kv_warps: warps per row group taking different KV tiles.
+        row_groups: warp sets splitting the rows.
+        stages: cp.async ring depth per warp.
+        passes: warp passes per tile (tile tokens = passes x tokens per pass).
+        window: sliding-window masking and chunk base (``window_left`` argument).
+        softcap: logits soft-cap (``softcap_log2`` argument).
+    """
+
+    kind: str
+    dtype: str
+    head_dim: int
+    group: int = 1
+    q_len: int = 1
+    page_size: int = 0
+    kv_warps: int = 1
+    row_groups: int = 1
+    stages: int = 2
+    passes: int = 1
+    window: bool = False
+    softcap: bool = False
+
+    # -- derived, mirrored by decode.cu's static_asserts ----------------------------------------
+    @property
+    def layout(self) -> dict:
+        return vector_layout(self.dtype, self.head_dim)
+
+    @property
+    def rows(self) -> int:
+        return self.group * self.q_len
+
+    @property
+    def rows_per_group(self) -> int:
+        return -(-self.rows // self.row_groups)
+
+    @property
+    def tile_tokens(self) -> int:
+        return self.passes * self.layout["tpp"]
+
+    @property
+    def stage_bytes(self) -> int:
+        """K + V bytes of one ring stage (one warp tile)."""
+        return 2 * self.tile_tokens * self.layout["dv"] * 16
+
+    @property
+    def num_warps(self) -> int:
+        return self.row_groups * self.kv_warps
+
+    @property
+    def threads(self) -> int:
+        if self.kind == "merge":
+            return -(-self.head_dim // 4 // 32) * 32
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per program: the cp.async rings, reused by the final warp merge."""
+        if self.kind == "merge":
+            return 0
+        ring = self.num_warps * self.stages * self.stage_bytes
+        epilogue = self.num_warps * self.rows_per_group * (self.head_dim + 2) * 4
+        return max(ring, epilogue)
+
+    @property
+    def entry(self) -> str:
+        """The kernel's (``extern "C"``) name in the module."""
+        return ENTRY[self.kind]
+
+    @property
+    def name(self) -> str:
+        """File-name form spelling the specialization, e.g. ``partial-bfloat16-d128-g4-q1-page16-w1x4-s4-p4``."""
+        if self.kind == "merge":
+            return f"merge-{self.dtype}-d{self.head_dim}"
+        cache = f"page{self.page_size}" if self.page_size else "contig"
+        return (f"{self.kind}-{self.dtype}-d{self.head_dim}-g{self.group}-q{self.q_len}-{cache}"
+                f"-w{self.row_groups}x{self.kv_warps}-s{self.stages}-p{self.passes}"
+                + ("-window" if self.window else "") + ("-softcap" if self.softcap else ""))
+
+    def defines(self) -> dict[str, int]:
+        """The -D macros of this specialization (``decode.cu`` header lists them)."""
+        d = {"ATTNPLAN_KIND": KIND_CODES[self.kind], "ATTNPLAN_DTYPE": DTYPE_CODES[self.dtype],
+             "ATTNPLAN_HEAD_DIM": self.head_dim, "ATTNPLAN_THREADS": self.threads}
+        if self.kind != "merge":
+            d.update({"ATTNPLAN_GROUP": self.group, "ATTNPLAN_QLEN": self.q_len, "ATTNPLAN_PAGE_SIZE": self.page_size,
+                      "ATTNPLAN_KV_WARPS": self.kv_warps, "ATTNPLAN_ROW_GROUPS": self.row_groups,
+                      "ATTNPLAN_STAGES": self.stages, "ATTNPLAN_PASSES": self.passes,
+                      "ATTNPLAN_SMEM_BYTES": self.smem_bytes, "ATTNPLAN_TILE_TOKENS": self.tile_tokens,
+                      "ATTNPLAN_WINDOW": int(self.window), "ATTNPLAN_SOFTCAP": int(self.softcap)})
+        return d
+
+    def options(self) -> list[str]:
+        """NVRTC options besides the architecture."""
+        return ["-std=c++17", *(f"-D{k}={v}" for k, v in sorted(self.defines().items()))]
+
+
+def _check_shape_support(dtype: str, head_dim: int) -> None:
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_CODES)}, got {dtype!r}")
+    if head_dim < 8 or head_dim % 8:
+        raise ValueError(f"head_dim must be a positive multiple of 8, got {head_dim}")
+
+
+def max_rows(dtype: str, head_dim: int) -> int:
+    """Most GQA-group x q_len rows one program holds for this dtype and head_dim."""
+    return MAX_WARPS * _rows_per_warp(dtype, head_dim)
+
+
+def _rows_per_warp(dtype: str, head_dim: int) -> int:
+    return min(MAX_ROWS_PER_WARP, ROW_REGS // (2 * vector_layout(dtype, head_dim)["elems"]))
+
+
+@functools.lru_cache(maxsize=4096)
+def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page_size: int | None, *,
+              num_warps: int | None = None, num_stages: int | None = None,
+              smem_limit: int = SMEM_BUDGET, window: bool = False, softcap: bool = False) -> KernelSpec:
+    """Choose the partial / single-pass specialization for a problem.
+
+    Args:
+        kind: ``"partial"`` or ``"single"``.
+        dtype, head_dim, group, q_len: the problem's.
+        page_size: tokens per page, ``None`` or 0 for a contiguous cache.
+        num_warps: KV warps per row group (config ``backend_options.cuda_ptx.num_warps``); ``None``
+            = 4 for up to 8 rows, fewer as row groups are added (at most 8 warps in all).
+        num_stages: ring depth; ``None`` = enough to keep :data:`INFLIGHT_BYTES` in flight, capped so
+            the program stays within ``min(SMEM_BUDGET, smem_limit)``.
+        smem_limit: dynamic shared memory the device allows per program (opt-in), bytes; an explicit
+            ``num_stages`` may use all of it.
+        window, softcap: compile the sliding-window / soft-cap variants in.
+    Returns:
+        the :class:`KernelSpec`. Rows are split into row groups of at most ``min(8, ROW_REGS / (2 x
+        elements per lane))`` rows; the tile is sized so a warp
+        holds at most :data:`SCORE_REGS` scores and a stage holds at most :data:`TILE_BYTES`.
+    Raises:
+        ValueError: unsupported dtype / head_dim / kind, too many rows, or options that exceed
+        :data:`MAX_WARPS` warps or ``smem_limit``.
+    """
+    if kind not in ("partial", "single"):
+        raise ValueError(f"kind must be 'partial' or 'single', got {kind!r}")
+    _check_shape_support(dtype, head_dim)
+    lay = vector_layout(dtype, head_dim)
+    rows = group * q_len
+    rt_max = _rows_per_warp(dtype, head_dim)
+    row_groups = -(-rows // rt_max)
+    if row_groups > MAX_WARPS:
+        raise ValueError(f"GQA group x q_len = {rows} rows exceeds {max_rows(dtype, head_dim)} rows per program "
+                         f"for {dtype} head_dim {head_dim}")
+    rt = -(-rows // row_groups)
+    row_bytes = head_dim * ELEM_BYTES[dtype]
+    passes = min(_pow2_floor(max(1, SCORE_REGS // rt)), _pow2_floor(max(1, TILE_BYTES // (2 * lay["tpp"] * row_bytes))))
+    if num_warps is None:
+        kv_warps = 4 if row_groups == 1 else max(1, MAX_WARPS // row_groups)
+    else:
+        kv_warps = int(num_warps)
+        if kv_warps < 1 or kv_warps * row_groups > MAX_WARPS:
+            raise ValueError(f"num_warps {num_warps} x {row_groups} row group(s) must be in [1, {MAX_WARPS}] warps")
+    base = KernelSpec(kind, dtype, head_dim, group, q_len, int(page_size or 0), kv_warps, row_groups, 2, passes,
+                      bool(window), bool(softcap))
+    if num_stages is None:
+        budget = min(SMEM_BUDGET, smem_limit)
+        stages = min(8, max(2, 1 + -(-INFLIGHT_BYTES // (kv_warps * base.stage_bytes))))
+        while stages > 2 and KernelSpec(**{**base.__dict__, "stages": stages}).smem_bytes > budget:
+            stages -= 1
+    else:
+        stages = int(num_stages)
+        if stages < 2:
+            raise ValueError(f"num_stages must be >= 2 for the cp.async ring, got {num_stages}")
+    spec = KernelSpec(**{**base.__dict__, "stages": stages})
+    if spec.smem_bytes > smem_limit:
+        raise ValueError(f"{spec.name} needs {spec.smem_bytes} bytes of shared memory per program, "
+                         f"over the limit of {smem_limit}; lower num_stages or num_warps")
+    return spec
+
+
+@functools.lru_cache(maxsize=256)
+def merge_spec(dtype: str, head_dim: int) -> KernelSpec:
+    """The merge kernel's specialization (output dtype and head_dim)."""
+    _check_shape_support(dtype, head_dim)
+    return KernelSpec("merge", dtype, head_dim)
+
+
+# ------------------------------------------------------------------------------------------------
+# launch configuration
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchConfig:
+    """``cuLaunchKernel`` geometry: ``grid`` and ``block`` (x, y, z) and dynamic shared memory bytes."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+
+
+def partial_launch_config(spec: KernelSpec, grid: tuple[int, int, int]) -> LaunchConfig:
+    """Map the plan's grid ``(num_splits, num_kv_heads, batch)`` onto a CUDA grid.
+
+    x = split, y = KV head, z = sequence while y and z fit CUDA's 65535 limit; otherwise the three
+    are flattened onto x (the kernel decodes ``blockIdx`` linearly either way).
+
+    Raises:
+        ValueError: an axis is not positive, or the program count exceeds 2**31 - 1.
+    """
+    s, h, b = (int(x) for x in grid)
+    if min(s, h, b) < 1:
+        raise ValueError(f"grid {grid} must be positive on every axis")
+    if h <= _MAX_GRID_YZ and b <= _MAX_GRID_YZ and s <= _MAX_GRID_X:
+        cuda_grid = (s, h, b)
+    elif s * h * b <= _MAX_GRID_X:
+        cuda_grid = (s * h * b, 1, 1)
+    else:
+        raise ValueError(f"grid {grid} has {s * h * b} programs, more than a CUDA grid holds ({_MAX_GRID_X})")
+    return LaunchConfig(cuda_grid, (spec.threads, 1, 1), spec.smem_bytes)
+
+
+def merge_launch_config(spec: KernelSpec, rows: int) -> LaunchConfig:
+    """One program per output row ``(batch, query, q_head)``: grid ``(rows, 1, 1)``."""
+    rows = int(rows)
+    if rows < 1 or rows > _MAX_GRID_X:
+        raise ValueError(f"merge rows must be in [1, {_MAX_GRID_X}], got {rows}")
+    return LaunchConfig((rows, 1, 1), (spec.threads, 1, 1), 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# arguments
+# ------------------------------------------------------------------------------------------------
+#: (name, kind) of each partial / single-pass kernel parameter, in order; kinds: ptr, i32, f32, i64
+PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
+    ("q", "ptr"), ("k_cache", "ptr"), ("v_cache", "ptr"), ("seq_lens", "ptr"), ("block_table", "ptr"),
+    ("o", "ptr"), ("lse", "ptr"), ("sinks", "ptr"),
+    ("scale_log2", "f32"), ("softcap_log2", "f32"), ("chunk_size", "i32"), ("num_splits", "i32"),
+    ("num_kv_heads", "i32"), ("window_left", "i32"),
+    ("q_sb", "i64"), ("q_si", "i64"), ("q_sh", "i64"),
+    ("k_s0", "i64"), ("k_s1", "i64"), ("k_sh", "i64"),
+    ("v_s0", "i64"), ("v_s1", "i64"), ("v_sh", "i64"),
+    ("bt_sb", "i64"),
+    ("o_sb", "i64"), ("o_si", "i64"), ("o_sh", "i64"), ("o_ss", "i64"),
+    ("l_sb", "i64"), ("l_si", "i64"), ("l_sh", "i64"), ("l_ss", "i64"),
+)
+#: (name, kind) of each merge kernel parameter, in order
+MERGE_SIGNATURE: tuple[tuple[str, str], ...] = (
+    ("o", "ptr"), ("lse", "ptr"), ("out", "ptr"), ("out_lse", "ptr"), ("sinks", "ptr"),
+    ("num_splits", "i32"), ("q_len", "i32"), ("num_heads", "i32"),
+    ("o_sb", "i64"), ("o_si", "i64"), ("o_sh", "i64"), ("o_ss", "i64"),
+    ("l_sb", "i64"), ("l_si", "i64"), ("l_sh", "i64"), ("l_ss", "i64"),
+    ("out_sb", "i64"), ("out_si", "i64"), ("out_sh", "i64"),
+    ("ol_sb", "i64"), ("ol_si", "i64"), ("ol_sh", "i64"),
+)
+_SLOT_FORMAT = {"ptr": "Q", "i64": "q", "i32": "i4x", "f32": "f4x"}
+_LOG2E = 1.4426950408889634
+
+
+@functools.lru_cache(maxsize=16)
+def _struct_for(kinds: tuple[str, ...]) -> struct.Struct:
+    return struct.Struct("<" + "".join(_SLOT_FORMAT[k] for k in kinds))
+
+
+class PackedArgs:
+    """Kernel arguments laid out for ``cuLaunchKernel(kernelParams=...)``.
+
+    Each argument takes one 8-byte little-endian slot of :attr:`buffer` (pointers and int64 as 8
+    bytes, int32 and float32 in the low 4 bytes); :attr:`pointers` is the ``void*[n]`` array of the
+    slots' addresses, and :attr:`kernel_params` its address (what cuLaunchKernel takes). The driver
+    copies the values during the call, so the object only has to outlive the call.
+
+    Args:
+        signature: ``(name, kind)`` pairs, kinds ``ptr`` / ``i64`` / ``i32`` / ``f32``.
+        values: one value per argument (ints for pointers; ``None`` = null pointer).
+    Raises:
+        ValueError: the counts differ. struct.error: a value does not fit its kind.
+    """
+
+    def __init__(self, signature: tuple[tuple[str, str], ...], values: list):
+        if len(signature) != len(values):
+            raise ValueError(f"{len(values)} kernel arguments for a signature of {len(signature)}")
+        kinds = tuple(k for _, k in signature)
+        st = _struct_for(kinds)
+        vals = [0 if v is None and k == "ptr" else v for v, k in zip(values, kinds)]
+        self.signature = signature
+        self.buffer = ctypes.create_string_buffer(st.size)
+        st.pack_into(self.buffer, 0, *vals)
+        base = ctypes.addressof(self.buffer)
+        n = len(kinds)
+        self.pointers = (ctypes.c_void_p * n)(*(base + 8 * i for i in range(n)))
+
+    @property
+    def kernel_params(self) -> int:
+        return ctypes.addressof(self.pointers)
+
+    def value(self, name: str):
+        """Read an argument back from its slot (tests)."""
+        for i, (n, k) in enumerate(self.signature):
+            if n == name:
+                addr = self.pointers[i]
+                return struct.unpack("<" + _SLOT_FORMAT[k][0], ctypes.string_at(addr, 8 if k in ("ptr", "i64") else 4))[0]
+        raise KeyError(name)
+
+
+def _strides(t: torch.Tensor | None, n: int) -> list[int]:
+    return [0] * n if t is None else [int(x) for x in t.stride()[:n]]
+
+
+def check_layout(name: str, t: torch.Tensor, vec: int, align: int) -> None:
+    """Check that the kernel may read ``t`` with ``align``-byte vectors of ``vec`` elements.
+
+    Raises:
+        ValueError: the last axis is not unit-stride, another stride is not a multiple of ``vec``
+        elements, or the data pointer is not ``align``-byte aligned. Names the tensor and its strides.
+    """
+    if t.stride(-1) != 1:
+        raise ValueError(f"cuda_ptx: {name} must have unit stride in its last axis, got strides {tuple(t.stride())}")
+    bad = [s for s, n in zip(t.stride()[:-1], t.shape[:-1]) if s % vec and n > 1]
+    if bad or t.data_ptr() % align:
+        raise ValueError(f"cuda_ptx: {name} (shape {tuple(t.shape)}, strides {tuple(t.stride())}, data_ptr "
+                         f"{t.data_ptr():#x}) must be {align}-byte aligned with strides in multiples of {vec} "
+                         "elements for the kernels' vector loads; pass a contiguous tensor")
+
+
+def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 seq_lens: torch.Tensor, block_table: torch.Tensor | None, sm_scale: float,
+                 o: torch.Tensor, lse: torch.Tensor | None, chunk_size: int, num_splits: int, *,
+                 window_left: int = -1, soft_cap: float = 0.0, sinks: torch.Tensor | None = None) -> list:
+    """Argument values for :data:`PARTIAL_SIGNATURE` (no device access, no sync).
+
+    Args:
+        spec: a ``"partial"`` or ``"single"`` :class:`KernelSpec`.
+        q: ``[B, Q, Hq, D]``; k_cache, v_cache: contiguous ``[B, T, Hkv, D]`` or paged
+            ``[pages, page_size, Hkv, D]``; seq_lens ``[B]`` int32; block_table ``[B, max_pages]``
+            int32 or ``None``.
+        sm_scale: score scale; the kernel gets ``sm_scale * log2(e)`` (base-2 softmax).
+        o: partial: ``PartialState.o [B, Q, Hq, S, D]`` fp32; single: ``out [B, Q, Hq, D]``.
+        lse: partial: ``[B, Q, Hq, S]`` fp32; single: ``[B, Q, Hq]`` fp32 or ``None``.
+        chunk_size: tokens per split; num_splits: splits of the grid (1 for single pass).
+        window_left: sliding window in tokens (used when ``spec.window``); soft_cap: ``c`` of
+            ``c * tanh(s / c)`` (used when ``spec.softcap``; the kernel gets ``c * log2(e)``).
+        sinks: ``[num_q_heads]`` fp32 sink logits, single pass only (partial states exclude them).
+    Strides are in elements; a single-pass output has split stride 0.
+    """
+    single = spec.kind == "single"
+    o_str = _strides(o, 3) + [0 if single else int(o.stride(3))]
+    l_str = _strides(lse, 3) + ([0] if single or lse is None else [int(lse.stride(3))])
+    bt = block_table
+    return [
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr(),
+        0 if bt is None else bt.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
+        0 if sinks is None else sinks.data_ptr(),
+        float(sm_scale) * _LOG2E, float(soft_cap) * _LOG2E, int(chunk_size), int(num_splits), int(k_cache.shape[2]),
+        int(window_left),
+        *_strides(q, 3), *_strides(k_cache, 3), *_strides(v_cache, 3),
+        0 if bt is None else int(bt.stride(0)),
+        *o_str, *l_str,
+    ]
+
+
+def merge_args(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor | None,
+               num_splits: int, sinks: torch.Tensor | None = None) -> list:
+    """Argument values for :data:`MERGE_SIGNATURE`: merge the first ``num_splits`` splits of
+    ``o [B, Q, H, S, D]`` / ``lse [B, Q, H, S]`` into ``out [B, Q, H, D]`` and ``out_lse [B, Q, H]``
+    (``sinks [H]`` fp32 contiguous join the denominator when given)."""
+    return [
+        o.data_ptr(), lse.data_ptr(), out.data_ptr(), 0 if out_lse is None else out_lse.data_ptr(),
+        0 if sinks is None else sinks.data_ptr(),
+        int(num_splits), int(o.shape[1]), int(o.shape[2]),
+        *_strides(o, 4), *_strides(lse, 4), *_strides(out, 3), *_strides(out_lse, 3),
+    ]
+
+
+def kernel_source() -> str:
+    """The CUDA C source (``decode.cu``, packaged next to this module)."""
+    return _source()
+
+
+@functools.lru_cache(maxsize=1)
+def _source() -> str:
+    return resources.files(__package__).joinpath("decode.cu").read_text()
+
+
+# ------------------------------------------------------------------------------------------------
+# driver runtime (GPU only)
+# ------------------------------------------------------------------------------------------------
+class DeviceRuntime:
+    """One CUDA device's driver-API state for the backend.
+
+    Uses torch's primary context of device ``index`` (retained with ``cuDevicePrimaryCtxRetain`` and
+    made current when a thread has none), loads modules with ``cuModuleLoadData`` and keeps their
+    functions per :class:`KernelSpec`.
+
+    Args:
+        index: torch / driver device ordinal.
+        cache: the compile cache.
+    Raises:
+        DriverError: a driver call fails (the message names it).
+    """
+
+    def __init__(self, index: int, cache: CompileCache):
+        driver, _ = bindings()
+        self.index = int(index)
+        self.cache = cache
+        self._lock = threading.Lock()
+        self._functions: dict[KernelSpec, object] = {}
+        self._modules: list = []
+        with torch.cuda.device(self.index):
+            torch.cuda.init()
+            check_driver(driver.cuInit(0), "cuInit")
+            self._device = check_driver(driver.cuDeviceGet(self.index), "cuDeviceGet")
+            self.compute_capability = torch.cuda.get_device_capability(self.index)
+            self._ctx = check_driver(driver.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
+            self._ctx_int = int(self._ctx)
+            self.smem_optin = int(check_driver(driver.cuDeviceGetAttribute(
+                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._device),
+                "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)"))
+            self.ensure_context()
+        self.target: CompileTarget = select_target(self.compute_capability)
+
+    def ensure_context(self) -> None:
+        """Make this device's primary context current in the calling thread if it is not."""
+        driver, _ = bindings()
+        cur = check_driver(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if int(cur) != self._ctx_int:
+            check_driver(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
+    def compiled(self, spec: KernelSpec) -> Compiled:
+        """The spec's image for this device (compile cache)."""
+        return self.cache.get(spec.name, kernel_source(), spec.options(), self.target)
+
+    def function(self, spec: KernelSpec):
+        """The loaded ``CUfunction`` of ``spec`` (compiling and loading on first use)."""
+        fn = self._functions.get(spec)
+        if fn is not None:
+            return fn
+        with self._lock:
+            fn = self._functions.get(spec)
+            if fn is None:
+                fn = self._load(spec)
+                self._functions[spec] = fn
+        return fn
+
+    def _load(self, spec: KernelSpec):
+        driver, _ = bindings()
+        with torch.cuda.device(self.index):
+            self.ensure_context()
+            compiled = self.compiled(spec)
+            try:
+                module = check_driver(driver.cuModuleLoadData(compiled.image), "cuModuleLoadData")
+            except DriverError as e:
+                if compiled.source == "disk":  # a stale or damaged cache entry: rebuild once
+                    self.cache.invalidate(compiled)
+                    compiled = self.compiled(spec)
+                    module = check_driver(driver.cuModuleLoadData(compiled.image), "cuModuleLoadData")
+                else:
+                    hint = ""
+                    if compiled.target.kind == "ptx":
+                        hint = (f"; the image is PTX for {compiled.target.arch} from NVRTC {nvrtc_version()} (the device's "
+                                "architecture has no NVRTC cubin target); a driver older than NVRTC rejects newer PTX")
+                    raise DriverError(f"{e} while loading {spec.name}{hint}") from None
+            self._modules.append(module)
+            fn = check_driver(driver.cuModuleGetFunction(module, spec.entry.encode()), f"cuModuleGetFunction({spec.entry})")
+            if spec.smem_bytes > 48 * 1024:
+                if spec.smem_bytes > self.smem_optin:
+                    raise CudaPtxError(f"{spec.name} needs {spec.smem_bytes} bytes of shared memory; the device allows "
+                                       f"{self.smem_optin} per block")
+                check_driver(driver.cuFuncSetAttribute(
+                    fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes),
+                    f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={spec.smem_bytes})")
+        return fn
+
+    def launch(self, spec: KernelSpec, cfg: LaunchConfig, args: PackedArgs, stream: int) -> None:
+        """``cuLaunchKernel`` of ``spec`` on ``stream`` (torch's current stream handle). Launch only."""
+        driver, _ = bindings()
+        fn = self.function(spec)
+        self.ensure_context()
+        check_driver(driver.cuLaunchKernel(fn, *cfg.grid, *cfg.block, cfg.smem, stream, args.kernel_params, 0),
+                     f"cuLaunchKernel({spec.name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem})")
+
+
+def expected_param_sizes(signature: tuple[tuple[str, str], ...]) -> list[int]:
+    """Byte size of each parameter as the kernel declares it (for checking against the PTX)."""
+    return [8 if k in ("ptr", "i64") else 4 for _, k in signature]
+

@@ -1,0 +1,421 @@
+"""cuda_ptx on CPU: NVRTC compiles, ptxas resources, compile errors, launch geometry, argument
+packing and the compile cache. Needs NVRTC (pip ``nvidia-cuda-nvrtc``), no GPU; nvcc is optional.
+
+Register limit: the kernels use ``__launch_bounds__(threads)`` with at most 256 threads, so ptxas
+may use up to 255 registers; the tests require no spill at all and at most :data:`MAX_REGISTERS`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import re
+import shutil
+import struct
+import subprocess
+import warnings
+
+import pytest
+import torch
+
+from attnplan.backends.cuda_ptx import CudaPtxBackend
+from attnplan.backends.cuda_ptx import launch as L
+from attnplan.backends.cuda_ptx import nvrtc as N
+from attnplan.backends.cuda_ptx._bindings import NvrtcError
+from attnplan.config import load_config
+from attnplan.device import CPU_STANDIN
+from attnplan.planner import make_plan
+from attnplan.problem import DecodeProblem
+from attnplan.state import PartialState
+
+try:
+    N.nvrtc_version()
+    HAS_NVRTC = True
+except Exception:  # noqa: BLE001
+    HAS_NVRTC = False
+needs_nvrtc = pytest.mark.skipif(not HAS_NVRTC, reason="NVRTC (cuda-python + nvidia-cuda-nvrtc) not loadable")
+
+MAX_REGISTERS = 255
+ARCHS = [(9, 0), (8, 0)]
+
+# (kind, dtype, head_dim, group, q_len, page_size): head_dim 64/128/256, group 1/4/8, q_len 1 and 4,
+# fp16/bf16/fp32, paged and contiguous, split and single pass (the merge kernels separately).
+SPECS = [
+    ("partial", "bfloat16", 128, 4, 1, 16),
+    ("single", "bfloat16", 128, 4, 1, None),
+    ("partial", "float16", 64, 1, 1, None),
+    ("partial", "float16", 256, 8, 1, 64),
+    ("partial", "bfloat16", 128, 8, 4, 16),
+    ("single", "float32", 128, 4, 4, 1),
+    ("partial", "float32", 256, 1, 1, None),
+    ("partial", "bfloat16", 96, 7, 1, 16),
+]
+
+
+def spec_id(s) -> str:
+    kind, dt, d, g, q, p = s
+    return f"{kind}-{dt}-d{d}-g{g}-q{q}-{'page' + str(p) if p else 'contig'}"
+
+
+@pytest.fixture
+def cache(tmp_path) -> N.CompileCache:
+    return N.CompileCache(tmp_path / "cc")
+
+
+# --------------------------------------------------------------------------------------------------
+# (1) NVRTC compiles every representative specialization to a cubin, (2) without spills
+# --------------------------------------------------------------------------------------------------
+@needs_nvrtc
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("s", SPECS, ids=spec_id)
+def test_nvrtc_compiles_cubin_without_spills(s, cc, cache):
+    spec = L.make_spec(*s)
+    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
+    assert c.target.kind == "cubin" and c.target.arch == f"sm_{cc[0]}{cc[1]}"
+    assert len(c.image) > 1000 and c.image[:4] == b"\x7fELF"
+    res = c.resources[spec.entry]
+    assert res["arch"] == f"sm_{cc[0]}{cc[1]}"
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
+    assert 0 < res["registers"] <= MAX_REGISTERS, res
+    assert res["registers"] * spec.threads <= 65536, "one program must fit an SM's register file"
+    print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
+          f"stack {res['stack']}, dynamic smem {spec.smem_bytes}")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("kind,dtype,group,page", [("single", "bfloat16", 8, 16), ("partial", "float32", 4, None)])
+def test_variant_kernels_compile_without_spills(kind, dtype, group, page, cache):
+    """Sliding window + soft-cap compiled in (sinks are a run-time pointer of every kernel)."""
+    spec = L.make_spec(kind, dtype, 128, group, 1, page, window=True, softcap=True)
+    assert spec.name.endswith("-window-softcap") and spec.defines()["ATTNPLAN_WINDOW"] == 1
+    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
+    res = c.resources[spec.entry]
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["registers"] <= MAX_REGISTERS, res
+    print(f"{spec.name} sm_90: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("head_dim", [16, 64, 256])
+def test_merge_kernel_compiles(dtype, head_dim, cache):
+    spec = L.merge_spec(dtype, head_dim)
+    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
+    res = c.resources["attnplan_merge"]
+    assert res["spill_stores"] == 0 and res["registers"] <= 128
+    assert spec.threads == max(32, -(-head_dim // 4 // 32) * 32)
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+@pytest.mark.parametrize("s", [SPECS[0], SPECS[4], SPECS[5]], ids=spec_id)
+def test_nvcc_ptxas_verbose_no_spills(s, tmp_path):
+    """The same source through nvcc's ptxas (another toolkit version than the pip NVRTC)."""
+    spec = L.make_spec(*s)
+    src = tmp_path / "decode.cu"
+    src.write_text(L.kernel_source())
+    cmd = [NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-Xptxas", "-v", *[o for o in spec.options() if o.startswith("-D")],
+           str(src), "-o", str(tmp_path / "k.cubin")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = N.parse_ptxas_info(r.stdout + r.stderr)[spec.entry]
+    print(f"nvcc {spec.name}: {res}")
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["registers"] <= MAX_REGISTERS, res
+
+
+def test_parse_ptxas_info():
+    log = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'k1' for 'sm_90'
+ptxas info    : Function properties for k1
+ptxas         .     8 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads
+ptxas info    : Used 200 registers, used 1 barriers, 1024 bytes smem
+ptxas info    : Compiling entry function 'k2' for 'sm_80'
+ptxas info    : Function properties for k2
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers
+"""
+    info = N.parse_ptxas_info(log)
+    assert info["k1"] == {"arch": "sm_90", "registers": 200, "spill_stores": 12, "spill_loads": 16, "stack": 8,
+                          "smem": 1024, "barriers": 1}
+    assert info["k2"]["registers"] == 40 and info["k2"]["spill_stores"] == 0 and info["k2"]["arch"] == "sm_80"
+
+
+# --------------------------------------------------------------------------------------------------
+# (3) compile errors carry NVRTC's log
+# --------------------------------------------------------------------------------------------------
+@needs_nvrtc
+def test_compile_error_has_nvrtc_log(cache):
+    bad = 'extern "C" __global__ void k(float* x) { x[0] = undefined_symbol_xyz; }\n'
+    with pytest.raises(NvrtcError, match="undefined_symbol_xyz") as ei:
+        N.compile_source(bad, "bad.cu", ["-std=c++17"], N.CompileTarget("sm_90", "cubin"))
+    assert "nvrtcCompileProgram" in str(ei.value) and "NVRTC_ERROR_COMPILATION" in str(ei.value)
+    assert "undefined_symbol_xyz" in ei.value.log
+
+
+@needs_nvrtc
+def test_host_kernel_disagreement_fails_compile(cache):
+    """decode.cu static_asserts the host's shared-memory / tile / thread arithmetic."""
+    spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    opts = [o if not o.startswith("-DATTNPLAN_SMEM_BYTES=") else f"-DATTNPLAN_SMEM_BYTES={spec.smem_bytes + 16}"
+            for o in spec.options()]
+    with pytest.raises(NvrtcError, match="disagree on dynamic shared memory"):
+        cache.get("mismatch", L.kernel_source(), opts, N.CompileTarget("sm_90", "cubin"))
+    assert not list(cache.path.glob("mismatch*.cubin")), "a failed compile must cache nothing"
+
+
+# --------------------------------------------------------------------------------------------------
+# (4) host side: specs, launch configuration, argument packing
+# --------------------------------------------------------------------------------------------------
+def test_vector_layout_and_spec_defaults():
+    assert L.vector_layout("bfloat16", 128) == {"vec": 8, "dv": 16, "lpt": 16, "nv": 1, "tpp": 2, "elems": 8}
+    assert L.vector_layout("float32", 256) == {"vec": 4, "dv": 64, "lpt": 32, "nv": 2, "tpp": 1, "elems": 8}
+    assert L.vector_layout("float16", 96)["lpt"] == 16  # 12 vectors padded to 16 lanes
+    s = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)  # the target problem: 32/8/128 bf16
+    assert (s.row_groups, s.kv_warps, s.passes, s.tile_tokens, s.threads) == (1, 4, 4, 8, 128)
+    assert s.stage_bytes == 4096 and (s.stages - 1) * s.kv_warps * s.stage_bytes >= 48 * 1024
+    assert s.smem_bytes == 4 * s.stages * 4096
+    g16 = L.make_spec("partial", "bfloat16", 128, 16, 1, 16)
+    assert (g16.row_groups, g16.rows_per_group, g16.num_warps) == (2, 8, 8)
+    g28 = L.make_spec("partial", "bfloat16", 128, 7, 4, 16)
+    assert g28.row_groups == 4 and g28.rows_per_group == 7 and g28.num_warps <= L.MAX_WARPS
+    assert L.make_spec("partial", "bfloat16", 128, 4, 1, None).page_size == 0
+    assert "page16" in s.name and "contig" in L.make_spec("single", "bfloat16", 128, 4, 1, None).name
+
+
+def test_spec_limits_raise():
+    with pytest.raises(ValueError, match="rows"):
+        L.make_spec("partial", "bfloat16", 128, 16, 8, None)  # 128 rows
+    with pytest.raises(ValueError, match="num_warps"):
+        L.make_spec("partial", "bfloat16", 128, 16, 1, None, num_warps=8)  # 2 row groups x 8
+    with pytest.raises(ValueError, match="num_stages"):
+        L.make_spec("partial", "bfloat16", 128, 4, 1, None, num_stages=1)
+    with pytest.raises(ValueError, match="shared memory"):
+        L.make_spec("partial", "bfloat16", 128, 4, 1, None, num_stages=8, smem_limit=48 * 1024)
+    with pytest.raises(ValueError, match="head_dim"):
+        L.make_spec("partial", "bfloat16", 100, 4, 1, None)
+    with pytest.raises(ValueError, match="kind"):
+        L.make_spec("merge", "bfloat16", 128, 4, 1, None)
+
+
+def test_stage_choice_respects_smem_limit():
+    full = L.make_spec("partial", "bfloat16", 128, 8, 1, 16)
+    s = L.make_spec("partial", "bfloat16", 128, 8, 1, 16, smem_limit=40 * 1024)
+    assert s.smem_bytes <= 40 * 1024 < full.smem_bytes and 2 <= s.stages < full.stages
+    assert L.make_spec("partial", "bfloat16", 256, 8, 8, 16, smem_limit=227 * 1024).smem_bytes <= L.SMEM_BUDGET
+
+
+def test_partial_launch_config():
+    s = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    cfg = L.partial_launch_config(s, (17, 8, 1))
+    assert cfg.grid == (17, 8, 1) and cfg.block == (128, 1, 1) and cfg.smem == s.smem_bytes
+    big = L.partial_launch_config(s, (3, 8, 70000))  # batch beyond gridDim.z's 65535: flattened on x
+    assert big.grid == (3 * 8 * 70000, 1, 1)
+    with pytest.raises(ValueError):
+        L.partial_launch_config(s, (0, 8, 1))
+    m = L.merge_launch_config(L.merge_spec("float16", 256), 4 * 32)
+    assert m.grid == (128, 1, 1) and m.block == (64, 1, 1) and m.smem == 0
+
+
+def test_packed_args_layout():
+    sig = (("p", "ptr"), ("f", "f32"), ("i", "i32"), ("big", "i64"), ("null", "ptr"))
+    vals = [0x7F00DEADBEE0, 0.5, -7, 3 * 2**40, None]
+    pa = L.PackedArgs(sig, vals)
+    base = ctypes.addressof(pa.buffer)
+    assert [pa.pointers[i] for i in range(5)] == [base + 8 * i for i in range(5)]
+    assert pa.value("p") == 0x7F00DEADBEE0 and pa.value("f") == 0.5 and pa.value("i") == -7
+    assert pa.value("big") == 3 * 2**40 and pa.value("null") == 0
+    assert ctypes.cast(pa.kernel_params, ctypes.POINTER(ctypes.c_void_p))[3] == base + 24
+    with pytest.raises(ValueError):
+        L.PackedArgs(sig, vals[:-1])
+    with pytest.raises(struct.error):
+        L.PackedArgs((("i", "i32"),), [2**31])
+
+
+def _plan(problem, splits, be=None):
+    be = be or CudaPtxBackend(N.CompileCache(disk=False))
+    kc = be.kernel_config(problem, {}, torch.device("cpu"))
+    return make_plan(problem, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=splits)
+
+
+def test_partial_args_strides_and_padded_state():
+    from attnplan.testing import make_inputs
+
+    x = make_inputs(2, 8, 2, 64, [33, 5], q_len=3, page_size=16, dtype=torch.bfloat16)
+    prob = DecodeProblem(2, 8, 2, 64, 3, 16, "bfloat16", "bfloat16", 33)
+    plan = _plan(prob, 3)
+    spec = CudaPtxBackend().spec_for("partial", plan)
+    st = PartialState.empty(2, 3, 8, plan.num_splits + 2, 64)  # buffer wider than the plan
+    vals = L.partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse,
+                          plan.chunk_size, plan.num_splits)
+    named = dict(zip((n for n, _ in L.PARTIAL_SIGNATURE), vals))
+    assert named["o_ss"] == 64 and named["o_sh"] == (plan.num_splits + 2) * 64  # strides from the tensor
+    assert named["l_ss"] == 1 and named["l_sh"] == plan.num_splits + 2
+    assert named["num_splits"] == plan.num_splits and named["chunk_size"] == plan.chunk_size
+    assert named["k_s0"] == 16 * 2 * 64 and named["k_s1"] == 2 * 64 and named["k_sh"] == 64
+    assert named["bt_sb"] == x.block_table.stride(0) and named["block_table"] == x.block_table.data_ptr()
+    assert named["num_kv_heads"] == 2
+    assert abs(named["scale_log2"] - x.sm_scale * 1.4426950408889634) < 1e-12
+    single = CudaPtxBackend().spec_for("single", plan)
+    out = torch.empty_like(x.q)
+    sv = dict(zip((n for n, _ in L.PARTIAL_SIGNATURE),
+                  L.partial_args(single, x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, out, None, 64, 1)))
+    assert sv["o_ss"] == 0 and sv["lse"] == 0 and sv["l_sb"] == 0 and sv["block_table"] == 0 and sv["bt_sb"] == 0
+    L.PackedArgs(L.PARTIAL_SIGNATURE, vals)  # every value fits its slot
+
+
+def test_64bit_strides_pack():
+    """Page index x page stride beyond 2**31 elements (cases.yaml int32-page-offset) travels as int64."""
+    q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)
+    k = torch.empty(140_000, 16, 8, 128, dtype=torch.bfloat16, device="meta")  # shapes and strides only
+    spec = L.make_spec("partial", "bfloat16", 128, 1, 1, 16)
+    st = PartialState.empty(1, 1, 8, 2, 128)
+    vals = L.partial_args(spec, q, k, k, torch.zeros(1, dtype=torch.int32), torch.zeros(1, 8750, dtype=torch.int32), 0.1,
+                          st.o, st.lse, 64, 2)
+    pa = L.PackedArgs(L.PARTIAL_SIGNATURE, vals)
+    assert pa.value("k_s0") == 16384 and 139_999 * pa.value("k_s0") > 2**31
+
+
+def test_backend_input_checks():
+    """Host checks that guard the kernel's assumptions, each tripped once (meta tensors: no data)."""
+    from attnplan.backends.base import DecodeInputs
+
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    prob = DecodeProblem(1, 8, 2, 128, 1, 16, "bfloat16", "bfloat16", 4096)
+    plan = _plan(prob, 4, be)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(1, 1, 8, 128, **meta)
+    k = torch.empty(300, 16, 2, 128, **meta)
+    bt = torch.empty(1, 256, device="meta", dtype=torch.int32)
+    sl = torch.empty(1, device="meta", dtype=torch.int32)
+    st = PartialState(torch.empty(1, 1, 8, 4, 128, device="meta"), torch.empty(1, 1, 8, 4, device="meta"))
+    huge = torch.empty(300, 16, 2, 128, **meta).as_strided((300, 16, 2, 128), (2**33, 2**29, 128, 1))
+    with pytest.raises(ValueError, match="token stride"):
+        be.partial(plan, DecodeInputs(q, huge, huge, sl, bt, 0.1), st)
+    with pytest.raises(ValueError, match="page size"):
+        be.partial(plan, DecodeInputs(q, k[:, :8], k[:, :8], sl, bt, 0.1), st)
+    with pytest.raises(ValueError, match="KV heads"):
+        be.partial(plan, DecodeInputs(q, k[:, :, :1], k[:, :, :1], sl, bt, 0.1), st)
+    k8 = torch.empty(300, 16, 2, 128, device="meta", dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="fp8 KV is not served"):
+        be.partial(plan, DecodeInputs(q, k8, k8, sl, bt, 0.1), st)
+    with pytest.raises(ValueError, match="sinks"):
+        be.single_pass(dataclasses.replace(plan, num_splits=1, single_pass=True),
+                       DecodeInputs(q, k, k, sl, bt, 0.1, sinks=torch.empty(7, device="meta")), q, None)
+    with pytest.raises(ValueError, match="splits"):
+        be.merge(plan, PartialState(st.o[:, :, :, :2], st.lse[:, :, :, :2]), q, None)
+
+
+def test_check_layout_rejects_misaligned():
+    t = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    L.check_layout("q", t, 8, 16)
+    with pytest.raises(ValueError, match="q"):
+        L.check_layout("q", t[..., 1:], 8, 16)
+    with pytest.raises(ValueError, match="unit stride"):
+        L.check_layout("q", t.transpose(1, 2), 8, 16)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("kind,signature", [("partial", L.PARTIAL_SIGNATURE), ("merge", L.MERGE_SIGNATURE)])
+def test_signature_matches_ptx_entry(kind, signature):
+    """The host's argument list equals the kernel's parameter list (sizes and float slots) in the PTX."""
+    spec = L.merge_spec("bfloat16", 128) if kind == "merge" else L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
+    ptx = c.image.rstrip(b"\x00").decode()
+    m = re.search(r"\.entry\s+" + spec.entry + r"\s*\((.*?)\)", ptx, re.S)
+    assert m, ptx[:2000]
+    types = re.findall(r"\.param\s+\.(\w+)", m.group(1))
+    size = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
+    assert [size[t] for t in types] == L.expected_param_sizes(signature)
+    assert [i for i, t in enumerate(types) if t == "f32"] == [i for i, (_, k) in enumerate(signature) if k == "f32"]
+
+
+# --------------------------------------------------------------------------------------------------
+# backend: support as data, availability, kernel options
+# --------------------------------------------------------------------------------------------------
+def test_backend_declarations_and_reasons():
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    assert be.name == "cuda_ptx"
+    ok, why = be.available(torch.device("cpu"))
+    assert not ok and why == "cuda_ptx runs only on CUDA devices; on CPU it is compiled and checked, not run"
+    assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 4096)) == []
+    assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 4096, window_left=128,
+                                     soft_cap=30.0, has_sinks=True)) == []
+    fp8 = be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head"))
+    assert any("fp8_kv" in r for r in fp8)
+    reasons = be.supports(DecodeProblem(1, 128, 1, 100, 1, None, "bfloat16", "bfloat16", 10))
+    assert any("head_dim 100" in r for r in reasons) and any("rows" in r for r in reasons)
+
+
+def test_kernel_config_options():
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    prob = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 131072)
+    kc = be.kernel_config(prob, {}, torch.device("cpu"))
+    assert kc["block_n"] == kc["tile_tokens"] * kc["num_warps"] == 32
+    assert be.kernel_config(prob, {"num_warps": 2, "num_stages": 3}, "cpu")["num_stages"] == 3
+    assert be.kernel_config(prob, {"threads": 256}, "cpu")["num_warps"] == 8
+    with pytest.raises(ValueError, match="block_n"):
+        be.kernel_config(prob, {"block_n": 20}, "cpu")
+    plan = make_plan(prob, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=17)
+    assert plan.chunk_size % kc["tile_tokens"] == 0
+    assert be.spec_for("partial", plan) == L.make_spec("partial", "bfloat16", 128, 4, 1, 16, smem_limit=99 * 1024)
+
+
+# --------------------------------------------------------------------------------------------------
+# (5) the compile cache
+# --------------------------------------------------------------------------------------------------
+@needs_nvrtc
+def test_compile_cache_hits_keys_and_rebuilds(tmp_path):
+    spec = L.merge_spec("float16", 64)
+    src, opts = L.kernel_source(), spec.options()
+    c1 = N.CompileCache(tmp_path)
+    a = c1.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+    assert c1.stats.compiles == 1 and a.source == "compiled"
+    b = c1.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+    assert c1.stats.memory_hits == 1 and b.image == a.image
+    files = list((tmp_path).glob("*.cubin"))
+    assert len(files) == 1
+    name = files[0].name
+    major, minor = N.nvrtc_version()
+    assert name.startswith(f"{spec.name}.sm_90.nvrtc{major}.{minor}.") and name.endswith(".cubin")
+
+    c2 = N.CompileCache(tmp_path)  # a new process: disk hit
+    d = c2.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+    assert c2.stats.disk_hits == 1 and c2.stats.compiles == 0 and d.image == a.image and d.resources == a.resources
+
+    # the key includes the architecture and the options
+    c2.get(spec.name, src, opts, N.CompileTarget("sm_80", "cubin"))
+    c2.get(spec.name, src, opts + ["-DATTNPLAN_UNUSED=1"], N.CompileTarget("sm_90", "cubin"))
+    assert c2.stats.compiles == 2 and len(list(tmp_path.glob("*.cubin"))) == 3
+    assert N.CompileCache.key(src, opts, N.CompileTarget("sm_90", "cubin"), (13, 0)) != \
+        N.CompileCache.key(src, opts, N.CompileTarget("sm_90", "cubin"), (13, 5))
+
+    # a corrupt file is rebuilt with a warning
+    files[0].write_bytes(files[0].read_bytes()[:-100] + b"garbage")
+    c3 = N.CompileCache(tmp_path)
+    with pytest.warns(RuntimeWarning, match="corrupt"):
+        e = c3.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+    assert c3.stats.compiles == 1 and c3.stats.rebuilt == 1 and e.image == a.image
+    c4 = N.CompileCache(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c4.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+    assert c4.stats.disk_hits == 1
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_default_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNPLAN_CACHE_DIR", str(tmp_path))
+    assert N.default_cache_dir() == tmp_path / "nvrtc"
+    monkeypatch.delenv("ATTNPLAN_CACHE_DIR")
+    assert N.default_cache_dir().name == "nvrtc"
+
+
+def test_select_target_cubin_else_ptx():
+    archs = [75, 80, 86, 89, 90]
+    assert N.select_target((9, 0), archs) == N.CompileTarget("sm_90", "cubin")
+    assert N.select_target((12, 0), archs) == N.CompileTarget("compute_90", "ptx")  # device newer than NVRTC
+    assert N.select_target((8, 7), archs) == N.CompileTarget("compute_86", "ptx")
+    with pytest.raises(NvrtcError):
+        N.select_target((7, 0), archs)

@@ -1,0 +1,222 @@
+"""cuda_ptx on a CUDA GPU against the float64 reference (skipped without CUDA).
+
+Covers contiguous and paged caches (page 1, 16, 64), GQA groups 1, 4, 7, 8, 16, q_len 1 and 4,
+lengths 0, 1, page boundaries and 4097, fp16 / bf16 / fp32, forced split counts (more splits than
+chunks included), partial states against ``reference.partial``, mixing with the reference merge,
+CUDA-graph replay after in-place ``seq_lens`` rewrites, launches on a side stream, and 64-bit page
+offsets (cases.yaml int32-page-offset). Outputs are NaN-poisoned before every run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import attnplan
+from attnplan import reference
+from attnplan.state import PartialState, merge_states
+from attnplan.testing import assert_close_to_reference, make_inputs, poison
+
+pytestmark = pytest.mark.gpu
+DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _backend():
+    from attnplan.backends import get_backend
+
+    be = get_backend("cuda_ptx")
+    ok, why = be.available(torch.device("cuda"))
+    if not ok:
+        pytest.skip(why)
+    return be
+
+
+@dataclass(frozen=True)
+class Case:
+    heads: tuple[int, int]
+    head_dim: int
+    lens: tuple[int, ...]
+    q_len: int = 1
+    page: int | None = None
+    dtype: str = "bf16"
+    splits: tuple[int, ...] = (0,)
+
+    @property
+    def id(self) -> str:
+        hq, hkv = self.heads
+        return (f"cuda_ptx-{self.dtype}-gqa{hq // hkv}-{hq}x{hkv}-{'paged' + str(self.page) if self.page else 'contig'}"
+                f"-d{self.head_dim}-q{self.q_len}-len{'_'.join(map(str, self.lens))}")
+
+
+CASES = [
+    Case((32, 8), 128, (4097, 1, 16, 0), page=16, splits=(0, 1, 7)),
+    Case((8, 8), 64, (1, 17, 300), dtype="fp16", splits=(1, 3)),            # group 1, contiguous
+    Case((16, 4), 128, (4097, 64), q_len=4, page=64, splits=(0, 5)),          # group 4, q_len 4, page 64
+    Case((28, 4), 128, (256, 255, 257), page=16, splits=(0, 2)),             # group 7
+    Case((64, 8), 128, (129, 64, 65), page=64, dtype="fp16", splits=(0, 5)),  # group 8
+    Case((64, 4), 128, (3000, 17), page=16, splits=(0, 3)),                   # group 16
+    Case((16, 4), 128, (100, 33, 3), q_len=4, page=1, splits=(1, 3)),         # page 1, L < q_len
+    Case((8, 2), 256, (513, 0), q_len=4, dtype="fp32", splits=(1, 4)),        # fp32, head_dim 256
+    Case((4, 1), 32, (40,), page=16, splits=(16,)),                           # more splits than chunks
+    Case((32, 8), 96, (1000,), dtype="fp16", splits=(0, 3)),                  # non-pow2 head_dim
+    Case((16, 2), 80, (700, 1), page=16, q_len=3, splits=(2,)),
+    Case((4, 1), 128, (4096,), dtype="fp32", splits=(1, 4)),                  # interpreter-vs-gpu-tf32: ieee fp32
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_decode_matches_reference(case, gen):
+    _backend()
+    dtype = DT[case.dtype]
+    hq, hkv = case.heads
+    x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
+                    dtype=dtype, device="cuda", generator=gen)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    for splits in case.splits:
+        out = poison(torch.empty_like(x.q))
+        lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out, lse=lse,
+                        backend="cuda_ptx", num_splits=splits)
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, ref, dtype, f"out (num_splits={splits})")
+        assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (num_splits={splits})")
+        empty = torch.tensor(case.lens, device="cuda") == 0
+        assert torch.all(out[empty] == 0) and torch.all(torch.isneginf(lse[empty]))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("page", [None, 16])
+def test_partial_states_and_mixing(dtype, page, gen):
+    """Partial states equal reference.partial split by split; they merge with the reference merge, and the
+    cuda_ptx merge kernel merges reference states (states are one format whoever wrote them)."""
+    be = _backend()
+    dt = DT[dtype]
+    x = make_inputs(3, 16, 4, 128, [1000, 40, 0], q_len=4, page_size=page, dtype=dt, device="cuda", generator=gen)
+    w = attnplan.DecodeWrapper(backend="cuda_ptx")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=6)
+    n = plan.num_splits
+    st = PartialState.empty(3, 4, 16, n + 2, 128, device="cuda").fill_(float("nan"))  # wider than the plan
+    be.partial(plan, x, st)
+    torch.cuda.synchronize()
+    rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size, n)
+    assert_close_to_reference(st.o[:, :, :, :n], rp.o, torch.float32, "partial o")
+    assert_close_to_reference(st.lse[:, :, :, :n], rp.lse, torch.float32, "partial lse")
+    assert torch.isnan(st.lse[:, :, :, n:]).all(), "splits past the plan must stay untouched"
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    o2, l2 = merge_states(PartialState(st.o[:, :, :, :n], st.lse[:, :, :, :n]))
+    assert_close_to_reference(o2, ref, torch.float32 if dt == torch.float32 else dt, "merge_states(cuda_ptx states)")
+    assert_close_to_reference(l2, ref_lse, torch.float32, "merge_states lse")
+    # reference states through the cuda_ptx merge kernel
+    st2 = PartialState(rp.o.float().cuda(), rp.lse.float().cuda())
+    out = poison(torch.empty_like(x.q))
+    lse = poison(torch.empty(3, 4, 16, device="cuda"))
+    be.merge(plan, st2, out, lse)
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, ref, dt, "cuda_ptx merge of reference states")
+    assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+
+
+def test_cuda_graph_replay_after_in_place_rewrites(gen):
+    _backend()
+    cap = 8192
+    x = make_inputs(4, 32, 8, 128, [100] * 4, q_len=1, page_size=16, dtype=torch.bfloat16, device="cuda", capacity=cap,
+                    generator=gen)
+    w = attnplan.DecodeWrapper(backend="cuda_ptx")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+    out = torch.empty_like(x.q)
+    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up compiles and loads outside capture
+        w.run(*args, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(*args, out=out, lse=lse)
+    for lens in ([100, 8000, 5, 0], [0, 0, 0, 0], [cap, 1, 16, 17]):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        x.block_table.copy_(x.block_table[torch.randperm(4, generator=gen)])
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = reference.attention(*args, sm_scale=x.sm_scale)
+        assert_close_to_reference(out, ref, torch.bfloat16, f"graph replay at {lens}")
+        assert_close_to_reference(lse, ref_lse, torch.float32, f"graph replay lse at {lens}")
+
+
+def test_side_stream_and_no_allocation(gen):
+    """Launches follow torch's current stream (cases.yaml legacy-stream-launch); run() allocates nothing."""
+    _backend()
+    x = make_inputs(2, 32, 8, 128, [3000, 20], page_size=16, dtype=torch.bfloat16, device="cuda", generator=gen)
+    w = attnplan.DecodeWrapper(backend="cuda_ptx")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=4)
+    out = torch.empty_like(x.q)
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out.fill_(float("nan"))
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out)
+    s.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before + 0
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    assert_close_to_reference(out, ref, torch.bfloat16)
+
+
+def test_int32_page_offset(gen):
+    """cases.yaml int32-page-offset: pages past index 131,072 (page x page stride > 2**31 elements)."""
+    _backend()
+    x = make_inputs(2, 32, 8, 128, [300, 40], page_size=16, dtype=torch.bfloat16, device="cuda", generator=gen)
+    pages = 140_000
+    try:
+        k_big = torch.empty(pages, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+        v_big = torch.empty_like(k_big)
+    except torch.cuda.OutOfMemoryError:
+        pytest.skip("not enough GPU memory for 2 x 4.6 GB caches")
+    used = x.block_table.flatten().long()
+    new = torch.arange(used.numel(), device="cuda") * 3 + 131_072 + 17  # all beyond 2**17 pages
+    assert int(new.max()) < pages
+    k_big[new] = x.k_cache[used]
+    v_big[new] = x.v_cache[used]
+    bt = new.to(torch.int32).view_as(x.block_table)
+    out = poison(torch.empty_like(x.q))
+    attnplan.decode(x.q, k_big, v_big, x.seq_lens, bt, sm_scale=x.sm_scale, out=out, backend="cuda_ptx", num_splits=3)
+    torch.cuda.synchronize()
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    del k_big, v_big
+
+
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_variants_window_softcap_sinks(page, splits, gen):
+    """Sliding window (chunks start at the window), soft-cap and sinks (merge / single-pass epilogue)."""
+    _backend()
+    x = make_inputs(3, 32, 8, 128, [4097, 300, 0], q_len=2, page_size=page, dtype=torch.bfloat16, device="cuda",
+                    generator=gen, scale=2.0)
+    sinks = (torch.randn(32, generator=gen) * 2).float().cuda()
+    kw = dict(window_left=1000, logits_soft_cap=20.0, sinks=sinks)
+    out = poison(torch.empty_like(x.q))
+    lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
+    attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out, lse=lse,
+                    backend="cuda_ptx", num_splits=splits, **kw)
+    torch.cuda.synchronize()
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                       window_left=1000, soft_cap=20.0, sinks=sinks)
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+
+
+def test_compiled_for_device_arch():
+    be = _backend()
+    major, minor = torch.cuda.get_device_capability()
+    from attnplan.backends.cuda_ptx.launch import make_spec
+
+    c = be.compile(make_spec("partial", "bfloat16", 128, 4, 1, 16), (major, minor))
+    assert c.target.kind == "cubin" and c.target.arch == f"sm_{major}{minor}"
