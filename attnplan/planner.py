@@ -184,14 +184,18 @@ def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_prog
 
     separate: one more launch, then all rows' states read at full bandwidth.
     fused: no launch; the last program of each (sequence, KV head) reads its group's states alone
-    (at one program's bandwidth), while the other groups' last programs do the same in parallel.
+    (at one program's bandwidth, and a dependent load per split and pass: ``merge_split_latency_us``),
+    while the other groups' last programs do the same in parallel. Measured on the H200 under graph
+    replay (benchmarks/results/2026-11-30-merge): the fused merge was 1-8 us slower than a separate
+    merge kernel at every point, so with the measured latency the model picks ``separate`` there.
     """
     rows = problem.batch * problem.q_len * problem.num_q_heads
     state_bytes = (problem.head_dim + 1) * 4 * splits
     out_bytes = problem.head_dim * torch_dtype(problem.q_dtype).itemsize
     group_rows = problem.q_len * problem.group_size
     return {"separate": cm.launch_us + rows * (2 * state_bytes + out_bytes) / bw,
-            "fused": cm.program_us + group_rows * (state_bytes + out_bytes) / bw_per_program}
+            "fused": cm.program_us + 2 * splits * cm.merge_split_latency_us
+                     + group_rows * (state_bytes + out_bytes) / bw_per_program}
 
 
 def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: dict,
