@@ -17,8 +17,12 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 for step in ${STEPS:-tests bench}; do
   case $step in
     tests)
-      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider --timeout 200 ${TESTS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} \
-        > "$OUT/pytest-gpu.log" 2>&1; echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu.log" | tail -25 ;;
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --timeout 200 ${TESTS:-tests} \
+        ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/pytest-gpu.log" 2>&1; echo "pytest rc=$?"
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu.log" | tail -25 ;;
+    numba-first-failure)
+      timeout 120 python3 -m pytest -x -q --tb=long -p no:cacheprovider tests/test_numba_backend.py -m gpu \
+        > "$OUT/numba-gpu.log" 2>&1; echo "numba rc=$?"; grep -E "Error|error|^E " "$OUT/numba-gpu.log" | head -30 ;;
     bench)
       python3 benchmarks/bench_decode.py --out "$OUT/bench.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; echo "bench rc=$?"
       sed -n '/^ceiling/,$p' "$OUT/bench.log" | tail -40 ;;

@@ -341,18 +341,13 @@ def test_available_reasons():
         assert not ok and "CPU tensors only" in why
 
 
-def test_variant_inputs_are_refused(gen):
-    """No variants are served: supports() refuses such problems, and inputs carrying one raise
-    instead of being computed without it."""
-    x = _inputs(Case((4, 1), 16, (5,), dtype="bf16"), gen)
-    plan = _plan(x, 2)
-    if not hasattr(x, "window_left"):
-        pytest.skip("DecodeInputs has no variant fields")
-    state = PartialState.empty(1, 1, 4, 2, 16, device=DEVICE)
-    with pytest.raises(NotImplementedError):
-        BACKEND.partial(plan, dataclasses.replace(x, window_left=2), state)
-    with pytest.raises(NotImplementedError):
-        BACKEND.merge(plan, state, torch.empty_like(x.q), None, torch.zeros(4, device=DEVICE))
+def test_supports_declares_the_variants():
+    """window, softcap, sinks and fp8_kv are served (an fp8 cache with fp16/bf16 q); others still refused."""
+    be = NumbaBackend()
+    assert be.variants == {"window", "softcap", "sinks", "fp8_kv"}
+    assert be.supports(_problem(window_left=64, soft_cap=30.0, has_sinks=True, kv_dtype="float8_e4m3fn",
+                                kv_scale="head")) == []
+    assert any("rows" in r for r in be.supports(_problem(num_q_heads=16, num_kv_heads=1, q_len=5, window_left=8)))
 
 
 def test_kernel_config():
@@ -364,6 +359,9 @@ def test_kernel_config():
     assert c["threads"] == 256 and c["lanes"] == 16 and c["block_n"] == 16 * c["unroll"]
     c = be.kernel_config(_problem(), {"threads": 128, "block_n": 32}, torch.device("cuda"))
     assert c["threads"] == 128 and c["block_n"] == 32
+    # an fp8 cache has 8 codes per word: head_dim 64 is 8 words, so at most 8 lanes per position
+    c = be.kernel_config(_problem(head_dim=64, kv_dtype="float8_e4m3fn", kv_scale="head"), {}, torch.device("cuda"))
+    assert c["lanes"] == 8
 
 
 def test_kernels_compile_once_per_specialization(gen):
@@ -393,6 +391,189 @@ def test_bit_conversions_match_torch(gen):
         wide = torch.tensor([float(kernels.bits16_to_f32(int(b), kind)) for b in bits.tolist()])
         assert torch.equal(torch.isnan(wide), torch.isnan(ref))
         assert torch.equal(wide[~torch.isnan(ref)], ref[~torch.isnan(ref)])
+
+
+# -- attention variants ----------------------------------------------------------------------------------
+# tests/test_variants.py checks every variant through attnplan.decode; these check the kernels' pieces:
+# partial states split by split (window bases, soft cap, fp8 words and single codes), the merge's and
+# the single pass's sinks, the fp8 decoder, and the specialization flags.
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_fp8_decoder_matches_torch_on_all_256_codes():
+    """The kernels' e4m3fn decoder (run in a kernel: compiled on a GPU, simulated on the CPU) against
+    torch's conversion for every code: normals, subnormals (exponent 0: m * 2^-9), +-0, +-448, and
+    NaN for 0x7F / 0xFF."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(FP8).float()
+    got = torch.full((256,), 12345.0)
+    if HAS_CUDA and not kernels.SIM:
+        dev_codes, dev_out = codes.cuda(), got.cuda()
+        kernels.fp8_decode_kernel()[2, 128](kernels.cuda.as_cuda_array(dev_codes), kernels.cuda.as_cuda_array(dev_out))
+        torch.cuda.synchronize()
+        got = dev_out.cpu()
+    else:
+        kernels.fp8_decode_kernel()[1, 1](kernels.sim_array(codes.numpy()), kernels.sim_array(got.numpy()))
+    nan = torch.isnan(want)
+    assert nan.nonzero().flatten().tolist() == [0x7F, 0xFF]
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan], want[~nan])
+    assert torch.equal(torch.signbit(got[~nan]), torch.signbit(want[~nan]))  # -0.0 (0x80) keeps its sign
+    assert got[1] == 2.0 ** -9 and got[0x7E] == 448.0
+
+
+def _variant_inputs(x, *, window=-1, cap=0.0, sinks=None, fp8=None):
+    """``x`` with variant fields set (fp8: caches requantized, scales as fp32 [num_kv_heads] tensors)."""
+    kw = dict(window_left=window, soft_cap=cap, sinks=sinks)
+    if fp8 is not None:
+        hkv = x.k_cache.shape[2]
+        ks, vs = (torch.full((hkv,), float(f), device=DEVICE) if not isinstance(f, torch.Tensor) else f for f in fp8)
+        kw.update(k_cache=(x.k_cache.float() / 4).to(FP8), v_cache=(x.v_cache.float() * 2).to(FP8),
+                  k_scale=ks, v_scale=vs)
+    return dataclasses.replace(x, **kw)
+
+
+VARIANT_PARTIAL_CASES = [
+    # (case, variant kwargs, splits)
+    pytest.param(Case((8, 2), 32, (70, 1, 0, 9), q_len=2, page=16), dict(window=9), 3, id="window9-paged-q2"),
+    pytest.param(Case((4, 1), 16, (40, 5), q_len=4), dict(window=2), 4, id="window2-q4-trailing-empty"),
+    pytest.param(Case((7, 1), 32, (45, 1)), dict(cap=5.0), 2, id="softcap5-group7"),
+    pytest.param(Case((4, 2), 32, (50, 17, 0), page=16, dtype="bf16"), dict(fp8=(0.05, 2.0)), 3,
+                 id="fp8-words-paged"),
+    pytest.param(Case((8, 2), 64, (40, 5), q_len=3, page=16, dtype="bf16"), dict(window=11, cap=20.0, fp8=(0.5, 1.5)),
+                 3, id="window-softcap-fp8-q3"),
+]
+
+
+@pytest.mark.parametrize("case,variant,num_splits", VARIANT_PARTIAL_CASES)
+def test_variant_partial_states_match_reference(case, variant, num_splits, gen):
+    """Each split's state against ``reference.partial`` with the same chunk size and window base;
+    spare splits of the buffer untouched."""
+    x = _variant_inputs(_inputs(case, gen), **variant)
+    w = attnplan.DecodeWrapper(backend="numba")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits,
+                  window_left=x.window_left, logits_soft_cap=x.soft_cap, k_scale=x.k_scale, v_scale=x.v_scale)
+    assert plan.num_splits == num_splits and not plan.single_pass
+    b, ql, hq, d = x.q.shape
+    state = PartialState.empty(b, ql, hq, num_splits + 1, d, device=DEVICE).fill_(float("nan"))
+    BACKEND.partial(plan, x, state)
+    ref = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
+                            num_splits, window_left=x.window_left, soft_cap=x.soft_cap, k_scale=x.k_scale,
+                            v_scale=x.v_scale)
+    assert_close_to_reference(state.o[:, :, :, :num_splits], ref.o, F32_TOL, what="o")
+    assert_close_to_reference(state.lse[:, :, :, :num_splits], ref.lse, F32_TOL, what="lse")
+    assert torch.isnan(state.lse[:, :, :, num_splits:]).all()
+
+
+def test_window_rows_with_nothing_visible_and_chunk_bases(gen):
+    """Window 2, q_len 4, length 2: queries 0 and 1 sit before position 0 (empty in every split), and
+    with length 40 the chunks start at the window's base 40 - 4 - 2 = 34, so splits past the first
+    cover nothing and are empty."""
+    x = _variant_inputs(_inputs(Case((4, 1), 16, (2, 40), q_len=4, dtype="fp32"), gen), window=2)
+    w = attnplan.DecodeWrapper(backend="numba")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, num_splits=3, window_left=2)
+    state = PartialState.empty(2, 4, 4, 3, 16, device=DEVICE).fill_(float("nan"))
+    BACKEND.partial(plan, x, state)
+    assert plan.chunk_size >= 6
+    assert torch.isneginf(state.lse[0, :2]).all() and torch.equal(state.o[0, :2], torch.zeros_like(state.o[0, :2]))
+    assert torch.isfinite(state.lse[1, :, :, 0]).all()
+    assert torch.isneginf(state.lse[1, :, :, 1:]).all() and torch.equal(state.o[1, :, :, 1:],
+                                                                         torch.zeros_like(state.o[1, :, :, 1:]))
+    # query 3 of sequence 1 (position 39) sees exactly [37, 39]
+    q, k = x.q[1, 3].double().cpu(), x.k_cache[1, 37:40, 0].double().cpu()
+    expect = torch.logsumexp((q @ k.T) * x.sm_scale, dim=-1)
+    assert torch.allclose(state.lse[1, 3, :, 0].double().cpu(), expect, atol=1e-5)
+
+
+def test_fp8_cache_read_code_by_code(gen):
+    """An fp8 cache whose strides forbid the 8-byte word view (storage offset 1, row stride d + 3) is
+    read one ``uint8`` code at a time, and still matches the reference."""
+    b, hq, hkv, d, lens = 2, 4, 2, 16, [21, 9]
+    base = make_inputs(b, hq, hkv, d, lens, q_len=2, dtype=torch.float16, device=DEVICE, generator=gen)
+    wide = [(torch.randn(b, 21, hkv, d + 3, generator=gen) * 3).to(FP8).to(DEVICE) for _ in range(2)]
+    k, v = (t[..., 1:d + 1] for t in wide)
+    with pytest.raises(RuntimeError):
+        k.view(torch.int64)
+    ks = torch.tensor([0.5, 1.25], device=DEVICE)
+    vs = torch.tensor([2.0, 0.75], device=DEVICE)
+    x = dataclasses.replace(base, k_cache=k, v_cache=v, k_scale=ks, v_scale=vs)
+    for splits in (1, 3):
+        out = poison(torch.empty_like(x.q))
+        attnplan.decode(x.q, k, v, x.seq_lens, backend="numba", num_splits=splits, k_scale=ks, v_scale=vs, out=out)
+        ref, _ = reference.attention(x.q, k, v, x.seq_lens, None, x.sm_scale, k_scale=ks, v_scale=vs)
+        assert_close_to_reference(out, ref, torch.float16)
+    assert any(spec.fp8 and spec.ew == 1 for spec in kernels._DECODE_CACHE)
+
+
+def test_fp8_without_scales_is_an_error(gen):
+    x = _inputs(Case((4, 1), 16, (5,), dtype="bf16"), gen)
+    plan = _plan(x, 2)
+    fp8 = dataclasses.replace(x, k_cache=x.k_cache.to(FP8), v_cache=x.v_cache.to(FP8))
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        BACKEND.partial(plan, fp8, PartialState.empty(1, 1, 4, 2, 16, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_merge_with_sinks_matches_merge_states(dtype, gen):
+    """The merge kernel's sinks against ``merge_states`` with sinks, an all-empty row giving o = 0 and
+    lse = its sink; the same plan without sinks leaves them out."""
+    x = _inputs(Case((4, 2), 16, (20, 5), q_len=2, dtype=dtype), gen)
+    plan = dataclasses.replace(_plan(x, 3), num_splits=3)
+    st = _random_state(2, 2, 4, 3, 16, gen)
+    sinks = (torch.randn(4, generator=gen) * 2).to(DEVICE)
+    out = poison(torch.empty(2, 2, 4, 16, dtype=DT[dtype], device=DEVICE))
+    lse = poison(torch.empty(2, 2, 4, device=DEVICE))
+    BACKEND.merge(plan, st, out, lse, sinks)
+    ref_o, ref_lse = reference.merge(st, sinks)
+    assert_close_to_reference(out, ref_o, DT[dtype])
+    assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
+    assert torch.equal(out[0, 0, 0].float(), torch.zeros(16, device=DEVICE)) and lse[0, 0, 0] == sinks[0]
+    BACKEND.merge(plan, st, out, lse)
+    ref_o, ref_lse = reference.merge(st)
+    assert_close_to_reference(out, ref_o, DT[dtype])
+    assert torch.isneginf(lse[0, 0, 0])
+
+
+def test_single_pass_sinks_and_softcap(gen):
+    """Single pass (sinks in the epilogue): a zero-length sequence gives o = 0, lse = sink; others
+    match the reference, with and without a soft cap and an lse output."""
+    x = _inputs(Case((8, 2), 32, (0, 17, 3), q_len=2, page=16, dtype="bf16"), gen)
+    sinks = torch.randn(8, generator=gen).to(DEVICE)
+    plan = _plan(x, 1)
+    assert plan.single_pass
+    for cap in (0.0, 3.0):
+        xv = _variant_inputs(x, cap=cap, sinks=sinks)
+        out = poison(torch.empty_like(x.q))
+        lse = poison(torch.empty(x.q.shape[:3], device=DEVICE))
+        BACKEND.single_pass(plan, xv, out, lse)
+        ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                           soft_cap=cap, sinks=sinks)
+        assert_close_to_reference(out, ref, torch.bfloat16)
+        assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
+        assert torch.equal(lse[0], sinks.expand(2, 8)) and torch.equal(out[0], torch.zeros_like(out[0]))
+        out2 = poison(torch.empty_like(x.q))
+        BACKEND.single_pass(plan, xv, out2, None)
+        assert torch.equal(out2, out)
+
+
+def test_variant_flags_are_specializations(gen):
+    """Variants are compile-time flags: a variant-free launch keeps the variant-free kernel (same tag as
+    before the variants existed), and each variant adds its own specialization; sinks never reach a
+    partial kernel (the merge applies them)."""
+    x = _inputs(Case((4, 1), 16, (20,), dtype="bf16"), gen)
+    attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend="numba", num_splits=2)
+    plain = {s for s in kernels._DECODE_CACHE if s.head_dim == 16 and s.group == 4 and not s.paged}
+    assert any(not (s.window or s.softcap or s.fp8 or s.sinks) for s in plain)
+    assert all("window" not in s.tag() for s in plain if not s.window)
+    sinks = torch.zeros(4, device=DEVICE)
+    attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend="numba", num_splits=2, window_left=3, sinks=sinks)
+    specs = set(kernels._DECODE_CACHE)
+    assert any(s.window and not s.sinks and not s.single for s in specs)
+    assert not any(s.sinks and not s.single for s in specs)
+    assert any(s.sinks for s in kernels._MERGE_CACHE)
+    with pytest.raises(ValueError, match="merge"):
+        kernels.decode_kernel(next(s for s in specs if not s.single)._replace(sinks=True))
 
 
 # -- GPU only ------------------------------------------------------------------------------------------
@@ -512,3 +693,35 @@ def test_gpu_page_offsets_beyond_int32(element_offset, gen):
     ref, _ = reference.attention(small.q, small.k_cache, small.v_cache, small.seq_lens, small.block_table,
                                  small.sm_scale)
     assert_close_to_reference(out, ref, torch.bfloat16)
+
+
+VARIANT_GPU_CASES = [
+    pytest.param(Case((32, 8), 128, (4097, 1, 300, 0), page=16, dtype="bf16"), dict(window=1024), (0, 1, 5),
+                 id="window1024-paged"),
+    pytest.param(Case((64, 8), 128, (3000, 17), q_len=4, dtype="fp16"), dict(window=127, cap=30.0), (0, 3),
+                 id="window-softcap-q4"),
+    pytest.param(Case((32, 8), 128, (4097, 16, 0), page=16, dtype="bf16"), dict(fp8=(0.05, 2.0), sinks=True), (0, 1, 4),
+                 id="fp8-sinks-paged"),
+    pytest.param(Case((64, 4), 64, (2048,), dtype="bf16"), dict(fp8=(0.5, 1.5), cap=50.0), (0, 1), id="fp8-softcap-d64"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,variant,splits", VARIANT_GPU_CASES)
+def test_gpu_variants_match_reference(case, variant, splits, gen):
+    """Compiled variant kernels at realistic sizes, through ``attnplan.decode``."""
+    x = _inputs(case, gen)
+    variant = dict(variant)
+    sinks = torch.randn(case.heads[0], generator=gen).cuda() if variant.pop("sinks", False) else None
+    xv = _variant_inputs(x, sinks=sinks, **variant)
+    for n in splits:
+        out = poison(torch.empty_like(x.q))
+        lse = poison(torch.empty(x.q.shape[:3], device="cuda"))
+        attnplan.decode(xv.q, xv.k_cache, xv.v_cache, xv.seq_lens, xv.block_table, out=out, lse=lse, backend="numba",
+                        num_splits=n, window_left=xv.window_left, logits_soft_cap=xv.soft_cap, sinks=sinks,
+                        k_scale=xv.k_scale, v_scale=xv.v_scale)
+        ref, ref_lse = reference.attention(xv.q, xv.k_cache, xv.v_cache, xv.seq_lens, xv.block_table, xv.sm_scale,
+                                           window_left=xv.window_left, soft_cap=xv.soft_cap, sinks=sinks,
+                                           k_scale=xv.k_scale, v_scale=xv.v_scale)
+        assert_close_to_reference(out, ref, DT[case.dtype])
+        assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")

@@ -16,6 +16,15 @@ in the simulator they are the CPU tensors' numpy views, handed over without the 
 copy-in/copy-out. Simulated launches lower Python's thread switch interval while they run (the
 simulator's barriers otherwise cost milliseconds each).
 
+Attention variants (``variants``: window, softcap, sinks, fp8_kv) are flags of the kernel
+specialization, with the semantics of :mod:`attnplan.reference` and the Triton kernels: a sliding
+window moves the chunks' base to the window and masks each query to ``[p - window_left, p]``; the
+soft cap is ``cap * tanh(x / cap)`` on the natural-log scaled scores; sinks join the denominator in
+the merge kernel and the single-pass epilogue (never in partial states); an fp8 (``float8_e4m3fn``)
+cache is passed as its ``uint8`` bits (``int64`` words of 8 codes when the view allows it),
+widened exactly in the kernel, with ``k_scale[h]`` folded into the score scale and ``v_scale[h]``
+into the split's output (``DecodeInputs.k_scale/v_scale``: fp32 ``[num_kv_heads]`` tensors).
+
 Example::
 
     out = attnplan.decode(q, k_cache, v_cache, seq_lens, block_table, backend="numba")
@@ -38,6 +47,7 @@ from attnplan.state import PartialState
 __all__ = ["NumbaBackend"]
 
 _KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # kernels.KIND_FP32/FP16/BF16
+_FP8 = torch.float8_e4m3fn
 
 #: simulator layout: 4 token groups of 2 lanes, 4 positions each per tile (block_n = 16)
 _SIM_LANES, _SIM_THREADS, _SIM_UNROLL, _SIM_MERGE_THREADS = 2, 8, 4, 8
@@ -81,16 +91,16 @@ class NumbaBackend(Backend):
     log-sum-exp; the thread layout and the bit-level dtype handling are documented in
     :mod:`attnplan.backends.numba.kernels`.
 
-    Support: q/KV fp16, bf16, fp32 (same dtype); ``head_dim`` a multiple of 8 in [16, 256];
+    Support: q/KV fp16, bf16, fp32 (same dtype), or q fp16/bf16 with a float8_e4m3fn cache;
+    ``head_dim`` a multiple of 8 in [16, 256]; the variants window, softcap, sinks, fp8_kv;
     ``group_size * q_len <= 64`` rows per program (every row keeps fp32 registers per lane, so
     large row counts spill and run slowly, but stay exact).
 
     ``partial``, ``merge`` and ``single_pass`` only launch (no allocation, no host sync), so ``run``
     can be captured in a CUDA graph once each specialization has run (compiled) outside capture.
-    They raise ``KeyError`` for a dtype outside float16/bfloat16/float32, ``ValueError`` for a plan
-    whose kernel options give an impossible thread layout, and ``NotImplementedError`` for inputs of
-    an attention variant (sliding window, soft cap, sinks, fp8 cache: ``variants`` is empty, so
-    ``supports`` refuses those problems).
+    They raise ``KeyError`` for a dtype outside float16/bfloat16/float32 (float8_e4m3fn for the
+    cache), ``ValueError`` for a plan whose kernel options give an impossible thread layout or for
+    an fp8 cache without ``k_scale``/``v_scale`` or with fp32 q.
 
     Attributes:
         compile_times: ``{kernel specialization tag: seconds}`` of each numba compilation, measured
@@ -104,6 +114,7 @@ class NumbaBackend(Backend):
     head_dim_multiple = 8
     max_rows_per_program = 64
     graph_safe = True
+    variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
 
     compile_times: ClassVar[dict[str, float]] = {}
 
@@ -169,7 +180,8 @@ class NumbaBackend(Backend):
         options = {k: v for k, v in (options or {}).items() if v is not None}
         rows = problem.group_size * problem.q_len
         d = problem.head_dim
-        nwords = -(-d * (4 if problem.q_dtype == "float32" else 2) // 8)  # 8-byte words per row
+        elem = 1 if problem.kv_dtype == "float8_e4m3fn" else 4 if problem.q_dtype == "float32" else 2
+        nwords = -(-d * elem // 8)  # 8-byte words per KV row
         if torch.device(device).type != "cuda":
             lanes, threads, merge_threads = _SIM_LANES, _SIM_THREADS, _SIM_MERGE_THREADS
             unroll = int(options.get("block_n", (threads // lanes) * _SIM_UNROLL)) // (threads // lanes)
@@ -230,32 +242,40 @@ class NumbaBackend(Backend):
             self.compile_times[key] = time.perf_counter() - t0
 
     def _kv_views(self, x: DecodeInputs):
-        """K and V as 8-byte words when both allow an ``int64`` view, else element views; and the
-        elements per word."""
-        kind = _KINDS[x.k_cache.dtype]
+        """K and V as 8-byte words when both allow an ``int64`` view, else element views (``uint8``
+        codes for an fp8 cache); and the elements per word."""
+        if x.k_cache.dtype == _FP8:
+            kc, vc = x.k_cache.view(torch.uint8), x.v_cache.view(torch.uint8)
+        else:
+            kind = _KINDS[x.k_cache.dtype]
+            kc, vc = _elem_view(x.k_cache, kind), _elem_view(x.v_cache, kind)
         try:
             kw, vw = x.k_cache.view(torch.int64), x.v_cache.view(torch.int64)
             return kw, vw, 8 // x.k_cache.element_size()
         except RuntimeError:
             pass
-        return _elem_view(x.k_cache, kind), _elem_view(x.v_cache, kind), 1
+        return kc, vc, 1
 
     def _decode(self, plan: SplitPlan, x: DecodeInputs, o_dst: torch.Tensor, lse_dst: torch.Tensor | None,
                 single: bool) -> None:
-        if (getattr(x, "window_left", -1) != -1 or getattr(x, "soft_cap", 0.0)
-                or getattr(x, "sinks", None) is not None or getattr(x, "k_scale", None) is not None):
-            raise NotImplementedError("the numba backend serves no attention variants (window, soft cap, sinks, fp8)")
         k = self._kernels()
         q = x.q
         _, q_len, hq, d = q.shape
         hkv = x.k_cache.shape[2]
         kind = _KINDS[q.dtype]
+        fp8 = x.k_cache.dtype == _FP8
+        if fp8 and (x.k_scale is None or x.v_scale is None or kind == 0):
+            raise ValueError("an fp8 KV cache needs k_scale and v_scale (fp32 [num_kv_heads]) and fp16/bf16 q")
+        window = x.window_left >= 0
+        softcap = x.soft_cap > 0
+        sinks_on = single and x.sinks is not None  # multi-split: the merge applies the sinks
         kc, vc, ew = self._kv_views(x)
         (kflat, ks), (vflat, vs) = _flat(kc), _flat(vc)
         lanes, threads, unroll = self._layout(plan, x)
         spec = k.DecodeSpec(kind=kind, ew=ew, head_dim=d, group=hq // hkv, q_len=q_len, paged=x.paged,
                             lanes=lanes, threads=threads, unroll=unroll, single=single,
-                            has_lse=lse_dst is not None, kv_same=ks == vs)
+                            has_lse=lse_dst is not None, kv_same=ks == vs, window=window, softcap=softcap,
+                            fp8=fp8, sinks=sinks_on)
         kern = k.decode_kernel(spec)
         table = x.block_table if x.paged else x.seq_lens
         page_shift = int(x.k_cache.shape[1]).bit_length() - 1 if x.paged else 0
@@ -270,7 +290,10 @@ class NumbaBackend(Backend):
         args = (arr(_elem_view(q, kind)), arr(kflat), arr(vflat), *ks, *vs, arr(x.seq_lens), arr(table),
                 arr(o_arr), arr(lse_arr),
                 int(plan.chunk_size), int(plan.num_splits), page_shift,
-                k.numpy.float32(x.sm_scale))
+                k.numpy.float32(x.sm_scale), int(x.window_left) if window else 0,
+                k.numpy.float32(x.soft_cap if softcap else 1.0),
+                arr(x.k_scale if fp8 else x.seq_lens), arr(x.v_scale if fp8 else x.seq_lens),
+                arr(x.sinks if sinks_on else x.seq_lens))
         self._launch(kern, spec.tag(), tuple(plan.grid), threads, args, q.device)
 
     # -- the three entry points ----------------------------------------------------------------------
@@ -296,21 +319,20 @@ class NumbaBackend(Backend):
         dtype) and, if given, ``lse [B, Q, Hq]`` fp32, by :func:`attnplan.state.merge_states`'s
         contract (one program per row, grid ``(B * Q * Hq,)``).
 
-        Raises:
-            NotImplementedError: ``sinks`` given (this backend serves no variants).
+        ``sinks [Hq]`` fp32, if given, join the denominator after the splits are merged (an all-empty
+        row gets ``o = 0, lse = sink``).
         """
-        if sinks is not None:
-            raise NotImplementedError("the numba backend does not serve the sinks variant")
         k = self._kernels()
         b, q_len, hq, d = out.shape
         kind = _KINDS[out.dtype]
         threads = int(plan.kernel.get("merge_threads") or
                       (_SIM_MERGE_THREADS if k.SIM else min(_GPU_MERGE_THREADS, max(32, _next_pow2(d)))))
-        spec = k.MergeSpec(kind=kind, head_dim=d, threads=threads, has_lse=lse is not None)
+        spec = k.MergeSpec(kind=kind, head_dim=d, threads=threads, has_lse=lse is not None, sinks=sinks is not None)
         kern = k.merge_kernel(spec)
         arr = self._array
         args = (arr(state.o), arr(state.lse), arr(_elem_view(out, kind)),
-                arr(lse if lse is not None else state.lse), int(plan.num_splits))
+                arr(lse if lse is not None else state.lse), int(plan.num_splits),
+                arr(sinks if sinks is not None else state.lse))
         self._launch(kern, spec.tag(), (b * q_len * hq,), threads, args, out.device)
 
 

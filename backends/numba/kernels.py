@@ -36,6 +36,25 @@ Method (DESIGN.md, base.py kernel contract; seed 003 §04):
   empty reads no KV and writes empty states for all its rows.
 * Scores are ``(q sm_scale) . k`` in fp32 (q pre-scaled once); accumulation is fp32 throughout.
 
+Attention variants are flags of the specialization (``DecodeSpec.window/softcap/fp8/sinks``,
+``MergeSpec.sinks``), so a kernel without variants compiles exactly as before; their run-time values
+(``window_left``, the cap, the scale and sink tensors) are kernel arguments. Semantics are the
+reference's and the Triton kernels' (:mod:`attnplan.reference`, base.py's ``DecodeInputs``):
+
+* window: split ``s`` starts at ``base + s * chunk`` with ``base = max(0, L - Q - window_left)``
+  (no chunk lies before the first position any query can see) and query ``qi`` (position
+  ``p = L - Q + qi``) sees only positions ``>= p - window_left``; rows with nothing visible in
+  a chunk write the empty state.
+* soft cap: the natural-log scaled score ``x`` becomes ``cap * tanh(x / cap)``, with ``tanh`` from
+  ``e = exp(-2 |x / cap|)`` as ``sign(x) (1 - e) / (1 + e)`` (never overflows).
+* fp8 KV (``float8_e4m3fn``; q fp16/bf16): the caches arrive as ``uint8`` bits (or ``int64`` words
+  of 8 codes) and :func:`fp8_e4m3_to_f32` widens each code exactly in the kernel; ``k_scale[h]``
+  is folded into the score scale (q is pre-scaled by ``sm_scale * k_scale[h]``) and ``v_scale[h]``
+  into the factor that normalizes the split's output.
+* sinks: never part of a partial state; the merge kernel and the single-pass epilogue apply
+  ``lse' = logaddexp(lse, sink[head])``, ``o' = o exp(lse - lse')`` (an empty row: ``o = 0``,
+  ``lse = sink``).
+
 16-bit floats (numba has no usable bf16, and sees torch bf16 tensors as a 2-byte void dtype): the
 host passes 16-bit tensors as ``int16`` (or ``int64``-word) views and the kernels widen the bits:
 
@@ -49,7 +68,14 @@ host passes 16-bit tensors as ``int16`` (or ``int64``-word) views and the kernel
 * 16-bit results are stored into the ``int16`` view as the signed value ``(bits ^ 0x8000) - 0x8000``.
 
 The word unpacking takes element ``e`` of a little-endian ``int64`` word as bits
-``16 e .. 16 e + 15`` (fp16/bf16) or ``32 e .. 32 e + 31`` (fp32).
+``16 e .. 16 e + 15`` (fp16/bf16), ``32 e .. 32 e + 31`` (fp32) or ``8 e .. 8 e + 7`` (fp8).
+
+fp8 e4m3fn -> fp32 (sign 1, exponent 4 with bias 7, mantissa 3, no infinities; exponent 0 holds the
+subnormals ``m 2^-9``; ``0x7F``/``0xFF`` are NaN): the code ``c`` becomes the fp32 bit pattern
+``(c & 0x80) << 24 | (c & 0x7F) << 20``, whose value is exactly ``2^-120`` times the code's value
+(normal codes get exponent ``e - 127`` instead of ``e - 7``; subnormal codes become fp32 subnormals
+``m 2^-129``), multiplied by ``2^120`` (exact: the kernels compile without flush-to-zero); NaN
+codes give NaN.
 
 Kernels are built by :func:`decode_kernel` / :func:`merge_kernel` from a specialization tuple whose
 fields are compile-time constants (closure variables), and cached per specialization.
@@ -72,12 +98,14 @@ from numba import cuda  # noqa: E402
 from numba.core import config as _numba_config  # noqa: E402
 
 __all__ = ["SIM", "DecodeSpec", "MergeSpec", "decode_kernel", "merge_kernel", "KIND_FP32", "KIND_FP16",
-           "KIND_BF16", "f32_to_bits16", "bits16_to_f32"]
+           "KIND_BF16", "KIND_FP8", "f32_to_bits16", "bits16_to_f32", "fp8_e4m3_to_f32", "fp8_decode_kernel"]
 
 #: True when numba runs its CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` when numba was imported).
 SIM: bool = bool(_numba_config.ENABLE_CUDASIM)
 
 KIND_FP32, KIND_FP16, KIND_BF16 = 0, 1, 2
+#: the KV cache's kind when it is float8_e4m3fn (q is then fp16 or bf16; never an output kind)
+KIND_FP8 = 3
 
 float32 = numba.float32
 int64 = numba.int64
@@ -85,6 +113,9 @@ uint64 = numba.uint64
 NEG_INF = numpy.float32(-numpy.inf)
 ZERO = numpy.float32(0.0)
 ONE = numpy.float32(1.0)
+TWO = numpy.float32(2.0)
+NAN = numpy.float32(numpy.nan)
+TWO_POW_120 = numpy.float32(2.0 ** 120)
 FULL_MASK = 0xFFFFFFFF
 
 
@@ -169,6 +200,15 @@ def _bf16_round_bits(u):
 _bf16_round = _device(_bf16_round_bits)
 
 
+@_device
+def fp8_e4m3_to_f32(c):
+    """fp32 value of the float8_e4m3fn code ``c`` (int in [0, 256)), exact (module docstring)."""
+    x = _i2f(((c & 0x80) << 24) | ((c & 0x7F) << 20)) * TWO_POW_120
+    if (c & 0x7F) == 0x7F:
+        x = NAN
+    return x
+
+
 def _make_unpack(kind: int, ew: int):
     """``unpack(word, e) -> float32``: element ``e`` of a word of ``ew`` elements of ``kind``."""
     if kind == KIND_FP32 and ew == 1:
@@ -183,6 +223,10 @@ def _make_unpack(kind: int, ew: int):
         @_device
         def unpack(w, e):
             return _i2f(((_bits(w) >> (16 * e)) & 0xFFFF) << 16)
+    elif kind == KIND_FP8:
+        @_device
+        def unpack(w, e):
+            return fp8_e4m3_to_f32((_bits(w) >> (8 * e)) & 0xFF)
     else:
         @_device
         def unpack(w, e):
@@ -222,6 +266,23 @@ def bits16_to_f32(bits: int, kind: int) -> numpy.float32:
     return _make_unpack(kind, 1)(numpy.int16(numpy.uint16(bits & 0xFFFF).view(numpy.int16)), 0)
 
 
+_FP8_DECODE = []
+
+
+def fp8_decode_kernel():
+    """A small kernel ``(codes, out)``: ``out[i] = fp8_e4m3_to_f32(codes[i])`` for a ``uint8`` array of
+    codes and a float32 ``out`` of the same length (grid-stride loop; any launch shape). It runs the
+    kernels' own decoder, compiled on a GPU or in the simulator, for tests."""
+    if not _FP8_DECODE:
+        def fp8_decode(codes, out):
+            start = cuda.grid(1)
+            step = cuda.gridsize(1)
+            for i in range(start, codes.shape[0], step):
+                out[i] = fp8_e4m3_to_f32(_bits(codes[i]))
+        _FP8_DECODE.append(cuda.jit(fp8_decode))
+    return _FP8_DECODE[0]
+
+
 # -- specializations ---------------------------------------------------------------------------------
 
 class DecodeSpec(NamedTuple):
@@ -232,7 +293,9 @@ class DecodeSpec(NamedTuple):
     <= 32); threads: threads per program (multiple of ``lanes``; of 32 on a GPU); unroll: positions
     per group per tile; single: write ``out``/``lse`` (single pass) instead of a PartialState;
     has_lse: the single pass writes ``lse``; kv_same: K and V have the same strides (one offset
-    computation serves both).
+    computation serves both). Variants (module docstring): window (sliding window), softcap (logits
+    soft cap), fp8 (float8_e4m3fn cache with per-KV-head scales; ``kind`` stays q's), sinks (single
+    pass only: the sink joins the denominator in the epilogue).
     """
 
     kind: int
@@ -247,6 +310,10 @@ class DecodeSpec(NamedTuple):
     single: bool
     has_lse: bool
     kv_same: bool = False
+    window: bool = False
+    softcap: bool = False
+    fp8: bool = False
+    sinks: bool = False
 
     @property
     def block_n(self) -> int:
@@ -254,23 +321,28 @@ class DecodeSpec(NamedTuple):
 
     def tag(self) -> str:
         kind = ("fp32", "fp16", "bf16")[self.kind]
+        variants = "".join(f"-{name}" for name, on in (("window", self.window), ("softcap", self.softcap),
+                                                      ("fp8", self.fp8), ("sinks", self.sinks)) if on)
         return (f"decode-{kind}-w{self.ew}-d{self.head_dim}-g{self.group}-q{self.q_len}-"
                 f"{'paged' if self.paged else 'contig'}-l{self.lanes}-t{self.threads}-u{self.unroll}-"
                 f"{'single' if self.single else 'partial'}{'-lse' if self.has_lse else ''}"
-                f"{'-kvsame' if self.kv_same else ''}")
+                f"{'-kvsame' if self.kv_same else ''}{variants}")
 
 
 class MergeSpec(NamedTuple):
-    """Compile-time constants of the merge kernel: out ``kind``, ``head_dim``, ``threads``, ``has_lse``."""
+    """Compile-time constants of the merge kernel: out ``kind``, ``head_dim``, ``threads``, ``has_lse``,
+    ``sinks`` (the sink logits join the denominator)."""
 
     kind: int
     head_dim: int
     threads: int
     has_lse: bool
+    sinks: bool = False
 
     def tag(self) -> str:
         kind = ("fp32", "fp16", "bf16")[self.kind]
-        return f"merge-{kind}-d{self.head_dim}-t{self.threads}{'-lse' if self.has_lse else ''}"
+        return (f"merge-{kind}-d{self.head_dim}-t{self.threads}{'-lse' if self.has_lse else ''}"
+                f"{'-sinks' if self.sinks else ''}")
 
 
 #: shared-memory floats for the cross-group reduction of ``acc`` (32 KiB)
@@ -316,7 +388,7 @@ def decode_kernel(spec: DecodeSpec):
 
         q         [B, Q, Hq, D]   float32, or int16 bits of fp16/bf16
         k, v      1-D views of the caches' storage, from their first element (float32, int16 bits,
-                  or int64 words of ew elements); element (i0, i1, h, w) of the logical cache
+                  uint8 fp8 codes, or int64 words of ew elements); element (i0, i1, h, w) of the logical cache
                   [B, max_len, Hkv, D / ew] or paged [pages, page_size, Hkv, D / ew] is at
                   i0 * s0 + i1 * s1 + h * s2 + w (64-bit offsets)
         ks, vs    strides (s0, s1, s2) of k and v in words (int32 when all fit, else int64)
@@ -329,6 +401,10 @@ def decode_kernel(spec: DecodeSpec):
         num_splits int, plan.num_splits (the last split runs on to seq_lens[b])
         page_shift int, log2(page_size) (0 when not paged)
         qk_scale  float32, sm_scale
+        window_left int, the sliding window (read only when ``spec.window``)
+        soft_cap  float32, the cap (read only when ``spec.softcap``)
+        k_scale, v_scale [Hkv] float32 (read only when ``spec.fp8``; any array otherwise)
+        sinks     [Hq] float32 sink logits (read only when ``spec.sinks``; any array otherwise)
     """
     kern = _DECODE_CACHE.get(spec)
     if kern is None:
@@ -354,15 +430,22 @@ def _build_decode(spec: DecodeSpec):
     # array sizes must be single constants for numba (it does not fold products of closure variables)
     N_ML, N_ACC_SH, N_QV, N_W, N_VF = NG * R, NG * RB * D, R * EPT, U * NSLOT, U * EPT
     PAGED, SINGLE, HAS_LSE, KV_SAME = spec.paged, spec.single, spec.has_lse, spec.kv_same
+    WINDOW, SOFTCAP, FP8, SINKS = spec.window, spec.softcap, spec.fp8, spec.sinks
+    if SINKS and not SINGLE:
+        raise ValueError(f"numba kernel: sinks are applied by the merge, not in partial states ({spec})")
+    if FP8 and (kind == KIND_FP32 or EW not in (1, 8)):
+        raise ValueError(f"numba kernel: an fp8 cache needs fp16/bf16 q and 1 or 8 codes per word ({spec})")
     if NT % T or (not SIM and NT % 32) or T > 32 or T & (T - 1) or NG * D > _SMEM_ACC_FLOATS:
         raise ValueError(f"numba kernel: bad thread layout {spec} (lanes a power of two <= 32 dividing "
                          f"threads, threads a multiple of 32 on a GPU, groups x head_dim <= {_SMEM_ACC_FLOATS})")
-    if kind == KIND_FP32:
+    if FP8:
+        word_t = numba.uint8 if EW == 1 else numba.int64
+    elif kind == KIND_FP32:
         word_t = numba.float32 if EW == 1 else numba.int64
     else:
         word_t = numba.int16 if EW == 1 else numba.int64
 
-    unpack = _make_unpack(kind, EW)
+    unpack = _make_unpack(KIND_FP8 if FP8 else kind, EW)
     qload = _make_unpack(kind, 1)
     pack = _make_pack(kind)
     allreduce = _make_allreduce(T, NRED, NT)
@@ -379,6 +462,15 @@ def _build_decode(spec: DecodeSpec):
         @_device
         def token_offset(table, b, pos, shift, s0, s1, base):
             return base + int64(numba.int32(pos)) * s1
+
+    if SINKS:
+        @_device
+        def empty_lse(sinks, hq):  # a row with nothing visible: o = 0, lse = the sink
+            return sinks[hq]
+    else:
+        @_device
+        def empty_lse(sinks, hq):
+            return NEG_INF
 
     if SINGLE:
         @_device
@@ -403,7 +495,7 @@ def _build_decode(spec: DecodeSpec):
             dst[b, qi, hq, s] = x
 
     def split_kv_decode(q, k, v, ks0, ks1, ks2, vs0, vs1, vs2, seq_lens, table, o_dst, lse_dst, chunk, num_splits,
-                        page_shift, qk_scale):
+                        page_shift, qk_scale, window_left, soft_cap, k_scale, v_scale, sinks):
         m_sh = cuda.shared.array(N_ML, float32)
         l_sh = cuda.shared.array(N_ML, float32)
         acc_sh = cuda.shared.array(N_ACC_SH, float32)
@@ -419,6 +511,8 @@ def _build_decode(spec: DecodeSpec):
 
         length = int64(seq_lens[b])
         lo = int64(s) * chunk
+        if WINDOW:  # no chunk before the first position any query can see
+            lo += max(length - QL - window_left, 0)
         hi = length
         if s < num_splits - 1:
             hi = min(lo + chunk, length)
@@ -430,10 +524,12 @@ def _build_decode(spec: DecodeSpec):
                 store_o(o_dst, b, qi, hq0 + r - qi * G, s, idx - r * D, ZERO)
             for r in range(tid, R, NT):
                 qi = r // G
-                store_lse(lse_dst, b, qi, hq0 + r - qi * G, s, NEG_INF)
+                store_lse(lse_dst, b, qi, hq0 + r - qi * G, s, empty_lse(sinks, hq0 + r - qi * G))
             return
 
-        # q of this lane's channels, all rows, pre-scaled by sm_scale
+        # q of this lane's channels, all rows, pre-scaled by sm_scale (and the fp8 cache's k_scale)
+        if FP8:
+            qk_scale = qk_scale * k_scale[h]
         qv = cuda.local.array(N_QV, float32)
         for r in range(R):
             qi = r // G
@@ -461,6 +557,10 @@ def _build_decode(spec: DecodeSpec):
         vf = cuda.local.array(N_VF, float32)
         sc = cuda.local.array(NRED, float32)
         lim0 = length - QL + 1  # query qi sees positions < lim0 + qi
+        low0 = lim0 - 1 - window_left  # ... and, with a window, positions >= low0 + qi
+        inv_cap = ONE
+        if SOFTCAP:
+            inv_cap = ONE / soft_cap
         kbase = int64(h) * ks2
         vbase = int64(h) * vs2
         if not PAGED:
@@ -502,8 +602,18 @@ def _build_decode(spec: DecodeSpec):
                 for u in range(U):
                     pos = base + u * NG + grp
                     x = sc[u * R + r]
+                    if SOFTCAP:  # cap * tanh(x / cap), tanh from exp(-2|x / cap|): no overflow
+                        t = x * inv_cap
+                        ex = fexp(-(TWO * abs(t)))
+                        th = (ONE - ex) / (ONE + ex)
+                        if t < ZERO:
+                            th = -th
+                        x = th * soft_cap
                     if not (pos < hi and (QL == 1 or pos < lim0 + r // G)):
                         x = NEG_INF
+                    if WINDOW:
+                        if pos < low0 + r // G:
+                            x = NEG_INF
                     sc[u * R + r] = x
                     mn = max(mn, x)
                 ms = mn
@@ -533,27 +643,38 @@ def _build_decode(spec: DecodeSpec):
         # (constant trip counts), so they stay in registers; the per-row statistics below are read
         # back from shared memory.
         fac = cuda.local.array(R, float32)
+        vsc = ONE
+        if FP8:
+            vsc = v_scale[h]
         for r in range(R):
             mx = NEG_INF
             for g2 in range(NG):
                 mx = max(mx, m_sh[g2 * R + r])
             fac[r] = ZERO
+            qi = r // G
+            hq = hq0 + r - qi * G
             if mx == NEG_INF:
                 if r % NT == tid:
-                    qi = r // G
-                    store_lse(lse_dst, b, qi, hq0 + r - qi * G, s, NEG_INF)
+                    store_lse(lse_dst, b, qi, hq, s, empty_lse(sinks, hq))
             else:
                 tot = ZERO
                 for g2 in range(NG):
                     mg = m_sh[g2 * R + r]
                     if mg != NEG_INF:
                         tot += l_sh[g2 * R + r] * math.exp(mg - mx)
+                lse = mx + math.log(tot)
+                f = vsc / tot  # the fp8 cache's v_scale joins the normalization
+                if SINKS:  # single pass: lse' = logaddexp(lse, sink), o' = o exp(lse - lse')
+                    z = sinks[hq]
+                    top = max(lse, z)
+                    new = top + math.log(math.exp(lse - top) + math.exp(z - top))
+                    f = f * math.exp(lse - new)
+                    lse = new
                 mine = m_sh[grp * R + r]
                 if mine != NEG_INF:
-                    fac[r] = math.exp(mine - mx) / tot
+                    fac[r] = math.exp(mine - mx) * f
                 if r % NT == tid:
-                    qi = r // G
-                    store_lse(lse_dst, b, qi, hq0 + r - qi * G, s, mx + math.log(tot))
+                    store_lse(lse_dst, b, qi, hq, s, lse)
         for r0 in range(0, R, RB):
             for r in range(R):
                 if r >= r0 and r < r0 + RB:
@@ -598,10 +719,13 @@ def merge_kernel(spec: MergeSpec):
         out       [B, Q, H, D] float32 or int16 bits of fp16/bf16
         lse_out   [B, Q, H] float32 (any array when ``not spec.has_lse``)
         num_splits int: merge splits 0 .. num_splits - 1
+        sinks     [H] float32 sink logits (read only when ``spec.sinks``; any array otherwise)
 
     Contract (:func:`attnplan.state.merge_states`): ``lse = logsumexp_s lse_s``,
     ``o = sum_s exp(lse_s - lse) o_s``; splits with ``lse_s = -inf`` are skipped (their ``o_s`` is
-    never read), and a row whose every split is empty gets ``o = 0, lse = -inf``.
+    never read), and a row whose every split is empty gets ``o = 0, lse = -inf``. With
+    ``spec.sinks`` the sink then joins the denominator: ``lse' = logaddexp(lse, sink[h])``,
+    ``o' = o exp(lse - lse')`` (an all-empty row: ``o = 0``, ``lse = sink[h]``).
     """
     kern = _MERGE_CACHE.get(spec)
     if kern is None:
@@ -611,7 +735,7 @@ def merge_kernel(spec: MergeSpec):
 
 
 def _build_merge(spec: MergeSpec):
-    D, NT, HAS_LSE = spec.head_dim, spec.threads, spec.has_lse
+    D, NT, HAS_LSE, SINKS = spec.head_dim, spec.threads, spec.has_lse, spec.sinks
     pack = _make_pack(spec.kind)
 
     if HAS_LSE:
@@ -623,7 +747,7 @@ def _build_merge(spec: MergeSpec):
         def store_lse(dst, b, qi, h, x):
             pass
 
-    def merge_states(o_state, lse_state, out, lse_out, num_splits):
+    def merge_states(o_state, lse_state, out, lse_out, num_splits, sinks):
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         nh = out.shape[2]
@@ -635,18 +759,28 @@ def _build_merge(spec: MergeSpec):
         mx = NEG_INF
         for s in range(num_splits):
             mx = max(mx, lse_state[b, qi, h, s])
-        if mx == NEG_INF:
+        if mx == NEG_INF:  # every split empty: o = 0, lse = -inf (with a sink: lse = the sink)
             for d in range(tid, D, NT):
                 out[b, qi, h, d] = pack(ZERO)
             if tid == 0:
-                store_lse(lse_out, b, qi, h, NEG_INF)
+                if SINKS:
+                    store_lse(lse_out, b, qi, h, sinks[h])
+                else:
+                    store_lse(lse_out, b, qi, h, NEG_INF)
             return
         tot = ZERO
         for s in range(num_splits):
             ls = lse_state[b, qi, h, s]
             if ls != NEG_INF:
                 tot += math.exp(ls - mx)
+        lse = mx + math.log(tot)
         inv = ONE / tot
+        if SINKS:  # the sink joins the denominator once: lse' = logaddexp(lse, sink), o' = o exp(lse - lse')
+            z = sinks[h]
+            top = max(lse, z)
+            new = top + math.log(math.exp(lse - top) + math.exp(z - top))
+            inv = inv * math.exp(lse - new)
+            lse = new
         for d in range(tid, D, NT):
             a = ZERO
             for s in range(num_splits):
@@ -655,7 +789,7 @@ def _build_merge(spec: MergeSpec):
                     a += math.exp(ls - mx) * o_state[b, qi, h, s, d]
             out[b, qi, h, d] = pack(a * inv)
         if tid == 0:
-            store_lse(lse_out, b, qi, h, mx + math.log(tot))
+            store_lse(lse_out, b, qi, h, lse)
 
     merge_states.__name__ = merge_states.__qualname__ = "merge_states_" + spec.tag().replace("-", "_")
     return cuda.jit(merge_states)
