@@ -2,9 +2,9 @@
 
 Registered with a fake (meta) implementation, so models calling it trace under
 ``torch.compile(fullgraph=True)`` without graph breaks, and capture in CUDA graphs that torch
-makes (``mode="reduce-overhead"``): the op keeps one :class:`~attnplan.DecodeWrapper` per input
-signature, planned once for the cache's capacity on the first (eager, warm-up) call, so later
-calls neither plan nor sync the host. A call under capture with no plan for its signature
+makes (``mode="reduce-overhead"``): the op keeps one capacity plan per input signature, made on
+the first (eager, warm-up) call, so later calls neither plan nor sync the host; its workspace is
+a per-call temporary allocated through torch, so torch's graph memory pools own it. A call under capture with no plan for its signature
 raises :class:`~attnplan.PlanNotReadyError`.
 """
 
@@ -15,10 +15,12 @@ import threading
 import torch
 
 from .api import DecodeWrapper, PlanNotReadyError
+from .backends.base import DecodeInputs
+from .state import PartialState
 
 __all__ = ["decode_op", "clear_op_plans"]
 
-_WRAPPERS: dict[tuple, DecodeWrapper] = {}
+_WRAPPERS: dict[tuple, tuple] = {}  # signature -> (backend, plan, sm_scale)
 _LOCK = threading.Lock()
 
 
@@ -51,17 +53,24 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     """
     scale = None if sm_scale <= 0 else sm_scale
     key = _signature(q, k_cache, seq_lens, block_table, sm_scale, backend)
-    w = _WRAPPERS.get(key)
-    if w is None:
+    entry = _WRAPPERS.get(key)
+    if entry is None:
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise PlanNotReadyError("attnplan::decode called for a new input signature during CUDA graph capture; "
                                     "run the model once eagerly (torch.compile's warm-up does) before capturing")
         w = DecodeWrapper(backend=backend or None)
-        w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=scale, capacity=True)
+        plan = w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=scale, capacity=True)
+        entry = (w.backend, plan, w._sm_scale)
         with _LOCK:
-            _WRAPPERS[key] = w
+            _WRAPPERS[key] = entry
+        del w  # keep the plan only: buffers held across calls would escape torch's graph memory pools
+    be, plan, sm = entry
+    # per-call temporaries (allocated through torch, so torch.compile's CUDA graphs own them)
+    b, ql, hq, d = q.shape
+    ws = None if plan.single_pass else PartialState.empty(b, ql, hq, plan.num_splits, d, device=q.device)
+    counters = torch.zeros(b * k_cache.shape[2], dtype=torch.int32, device=q.device) if plan.merge == "fused" else None
     out = torch.empty_like(q)
-    w.run(q, k_cache, v_cache, seq_lens, block_table, out=out)
+    be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm), ws, out, None, counters)
     return out
 
 

@@ -28,13 +28,15 @@ for step in ${STEPS:-tests bench}; do
       sed -n '/^ceiling/,$p' "$OUT/bench.log" | tail -40 ;;
     merge)
       python3 benchmarks/bench_merge.py --backends ${MERGE_BACKENDS:-triton} --out "$OUT/merge.json" > "$OUT/merge.log" 2>&1; echo "merge rc=$?"; tail -12 "$OUT/merge.log" ;;
-    sanitize)
+    sanitize)  # all backends x tools in parallel (one GPU, many cores)
       for be in ${SAN_BACKENDS:-triton numba cuda_ptx}; do
         for tool in memcheck racecheck; do
-          timeout 240 compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize.py --backend $be \
-            > "$OUT/sanitize-$be-$tool.log" 2>&1; echo "sanitize $be $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|equal the reference' "$OUT/sanitize-$be-$tool.log" | tr '\n' ' ')"
+          ( timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize.py --backend $be \
+            > "$OUT/sanitize-$be-$tool.log" 2>&1; echo "rc=$?" >> "$OUT/sanitize-$be-$tool.log" ) &
         done
-      done ;;
+      done
+      wait
+      for f in "$OUT"/sanitize-*.log; do echo "$(basename $f): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|equal the reference|^rc=' $f | tr '\n' ' ')"; done ;;
     tune)
       python3 -m attnplan.cli tune --out "$OUT/h200.yaml" --json "$OUT/tune.json" ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1; echo "tune rc=$?"; tail -25 "$OUT/tune.log" ;;
   esac
