@@ -80,20 +80,14 @@ def split_kv_partial_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = BLOCK_TABLE + b64 * stride_btb
-    if PAGED:  # page ids of the first tile; later tiles' ids are loaded one iteration ahead
-        first = start + tl.arange(0, BLOCK_N)
-        page = tl.load(bt_row + first // PAGE_SIZE, mask=first < end, other=0).to(tl.int64)
-    else:
-        page = tl.zeros([BLOCK_N], tl.int64)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         if PAGED:
+            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
             slot = (offs_n % PAGE_SIZE).to(tl.int64)
             k_row = page * stride_kb + slot * stride_kt
             v_row = page * stride_vb + slot * stride_vt
-            nxt = offs_n + BLOCK_N  # prefetch: the dependent block-table load leaves the K/V critical path
-            page = tl.load(bt_row + nxt // PAGE_SIZE, mask=nxt < end, other=0).to(tl.int64)
         else:
             k_row = b64 * stride_kb + offs_n.to(tl.int64) * stride_kt
             v_row = b64 * stride_vb + offs_n.to(tl.int64) * stride_vt
