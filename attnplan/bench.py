@@ -113,16 +113,6 @@ def time_sdpa(kind, sets, iters):
         torch.cuda.empty_cache()
 
 
-def varlen_lengths(batch: int, max_kv: int, seed: int = 0) -> list[int]:
-    """Long-tailed lengths: lognormal around max_kv / 16, one sequence at max_kv."""
-    import random
-
-    rng = random.Random(seed)
-    lens = [max(1, min(max_kv, int(math.exp(rng.gauss(math.log(max_kv / 16), 1.2))))) for _ in range(batch)]
-    lens[0] = max_kv
-    return lens
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="attnplan bench")
     ap.add_argument("--backends", default="triton,numba,cuda_ptx")
@@ -158,7 +148,7 @@ def main(argv=None):
                 grid.append((layout, page, batch, [kv] * batch, "uniform"))
         for spec in filter(None, args.varlen.split(",")):
             batch, kv = (int(v) for v in spec.split(":"))
-            grid.append((layout, page, batch, varlen_lengths(batch, kv), "varlen"))
+            grid.append((layout, page, batch, attnplan.testing.long_tailed_lengths(batch, kv), "varlen"))
     try:
         from tqdm import tqdm
     except ImportError:  # progress is a nicety

@@ -42,12 +42,9 @@ def _lengths(args, rng) -> list[int]:
         if len(lens) != args.batch:
             raise SystemExit(f"--kv-lens gives {len(lens)} lengths but --batch is {args.batch}")
         return lens
-    # long-tailed: most sequences short, a few long (lognormal), the longest at --max-kv
-    mx = args.max_kv
-    mu = math.log(max(mx / 16, 1))
-    lens = [max(1, min(mx, int(math.exp(rng.gauss(mu, 1.2))))) for _ in range(args.batch)]
-    lens[rng.randrange(args.batch)] = mx
-    return lens
+    from attnplan.testing import long_tailed_lengths
+
+    return long_tailed_lengths(args.batch, args.max_kv, rng.randrange(2**31))
 
 
 def _run(args) -> int:

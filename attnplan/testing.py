@@ -8,12 +8,17 @@ are a few output ulps, because the inputs are exact in their dtype and accumulat
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from .backends.base import DecodeInputs
 from .problem import default_sm_scale
 
-__all__ = ["TOLERANCES", "tolerance", "make_inputs", "assert_close_to_reference", "poison"]
+__all__ = ["TOLERANCES", "tolerance", "make_inputs", "assert_close_to_reference", "poison", "DecodeCase", "DTYPES", "long_tailed_lengths"]
+
+#: short dtype names used in test ids
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 #: dtype -> (atol, rtol) against the float64 reference; the one place tolerances are stated.
 #: float32 allows TF32-free fp32 accumulation error over 10^5 terms; partial states are fp32.
@@ -68,6 +73,54 @@ def make_inputs(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, 
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     scale_ = default_sm_scale(head_dim) if sm_scale is None else sm_scale
     return DecodeInputs(q.to(device), k.to(device), v.to(device), sl, block_table, scale_)
+
+
+@dataclass(frozen=True)
+class DecodeCase:
+    """One test problem, with a readable id (``bf16-gqa4-32x8-paged16-d128-q1-len4097_1``).
+
+    ``heads`` = (num_q_heads, num_kv_heads); ``lens`` in tokens; ``page`` None = contiguous;
+    ``splits``: the split counts to run (0 = planner); window / cap / sinks: variants.
+    """
+
+    heads: tuple[int, int]
+    head_dim: int
+    lens: tuple[int, ...]
+    q_len: int = 1
+    page: int | None = None
+    dtype: str = "fp16"
+    splits: tuple[int, ...] = (0,)
+    scale: float = 1.0
+    window: int = -1
+    cap: float = 0.0
+    sinks: bool = False
+    tags: tuple[str, ...] = field(default=())
+
+    @property
+    def id(self) -> str:
+        hq, hkv = self.heads
+        layout = f"paged{self.page}" if self.page else "contig"
+        extra = [f"w{self.window}"] * (self.window >= 0) + [f"cap{self.cap:g}"] * (self.cap > 0) + ["sinks"] * self.sinks
+        return (f"{self.dtype}-gqa{hq // hkv}-{hq}x{hkv}-{layout}-d{self.head_dim}-q{self.q_len}-"
+                f"len{'_'.join(map(str, self.lens[:4]))}" + "".join("-" + t for t in (*extra, *self.tags)))
+
+    def inputs(self, device="cpu", generator: torch.Generator | None = None) -> DecodeInputs:
+        """Fresh random inputs for this case (:func:`make_inputs`)."""
+        hq, hkv = self.heads
+        return make_inputs(len(self.lens), hq, hkv, self.head_dim, self.lens, q_len=self.q_len, page_size=self.page,
+                           dtype=DTYPES[self.dtype], device=device, generator=generator, scale=self.scale)
+
+
+def long_tailed_lengths(batch: int, max_kv: int, seed: int = 0) -> list[int]:
+    """KV lengths (tokens) as in serving: lognormal around ``max_kv / 16`` (sigma 1.2), clipped to
+    ``[1, max_kv]``, and one sequence (the first) at ``max_kv``."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    lens = [max(1, min(max_kv, int(math.exp(rng.gauss(math.log(max(max_kv / 16, 1)), 1.2))))) for _ in range(batch)]
+    lens[0] = max_kv
+    return lens
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:

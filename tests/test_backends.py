@@ -9,8 +9,6 @@ GPU the same tests run on the device, and the ``gpu``-marked ones add realistic 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
@@ -20,33 +18,15 @@ from attnplan import reference
 from attnplan.backends import get_backend
 from attnplan.problem import dtype_name
 from attnplan.state import PartialState, merge_states
-from attnplan.testing import assert_close_to_reference, make_inputs, poison
+from attnplan.testing import DTYPES as DT, DecodeCase, assert_close_to_reference, poison
 
 from conftest import HAS_CUDA, kernel_backends
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 BACKENDS = kernel_backends(DEVICE)
-DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-@dataclass(frozen=True)
-class Case:
-    heads: tuple[int, int]
-    head_dim: int
-    lens: tuple[int, ...]
-    q_len: int = 1
-    page: int | None = None
-    dtype: str = "fp16"
-    splits: tuple[int, ...] = (0,)
-    scale: float = 1.0
-    tags: tuple[str, ...] = field(default=())
-
-    @property
-    def id(self) -> str:
-        hq, hkv = self.heads
-        layout = f"paged{self.page}" if self.page else "contig"
-        return (f"{self.dtype}-gqa{hq // hkv}-{hq}x{hkv}-{layout}-d{self.head_dim}-q{self.q_len}-"
-                f"len{'_'.join(map(str, self.lens[:4]))}" + ("-" + "-".join(self.tags) if self.tags else ""))
+Case = DecodeCase
 
 
 # The CPU grid is small (interpreter/simulator speed); the GPU runs it too, plus GPU_CASES.
@@ -99,9 +79,7 @@ def _params(cases):
 
 
 def _inputs(case: Case, gen):
-    hq, hkv = case.heads
-    return make_inputs(len(case.lens), hq, hkv, case.head_dim, case.lens, q_len=case.q_len, page_size=case.page,
-                       dtype=DT[case.dtype], device=DEVICE, generator=gen, scale=case.scale)
+    return case.inputs(DEVICE, gen)
 
 
 def _check_decode(backend: str, case: Case, num_splits: int, gen) -> None:

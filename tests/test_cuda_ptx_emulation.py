@@ -8,7 +8,8 @@ performance (tests/test_cuda_ptx_gpu.py covers the device).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+
+import functools
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from attnplan.device import CPU_STANDIN
 from attnplan.planner import make_plan
 from attnplan.problem import DecodeProblem, dtype_name
 from attnplan.state import PartialState, merge_states
-from attnplan.testing import assert_close_to_reference, make_inputs, poison
+from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison
 
 emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
 pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the host emulation")
@@ -32,21 +33,7 @@ def be():
     return emulate.EmulatedCudaPtxBackend()
 
 
-@dataclass(frozen=True)
-class Case:
-    heads: tuple[int, int]
-    head_dim: int
-    lens: tuple[int, ...]
-    q_len: int = 1
-    page: int | None = None
-    dtype: str = "bf16"
-    splits: tuple[int, ...] = (3,)
-
-    @property
-    def id(self) -> str:
-        hq, hkv = self.heads
-        return (f"{self.dtype}-gqa{hq // hkv}-{hq}x{hkv}-{'paged' + str(self.page) if self.page else 'contig'}-"
-                f"d{self.head_dim}-q{self.q_len}-len{'_'.join(map(str, self.lens))}-s{'_'.join(map(str, self.splits))}")
+Case = functools.partial(DecodeCase, dtype="bf16", splits=(3,))
 
 
 CASES = [
@@ -158,24 +145,7 @@ def test_emulated_constants_match_host(be):
         (spec.smem_bytes, spec.tile_tokens, spec.threads, spec.rows_per_group)
 
 
-@dataclass(frozen=True)
-class VariantCase:
-    heads: tuple[int, int]
-    head_dim: int
-    lens: tuple[int, ...]
-    q_len: int = 1
-    page: int | None = None
-    dtype: str = "bf16"
-    splits: tuple[int, ...] = (3,)
-    window: int = -1
-    cap: float = 0.0
-    sinks: bool = False
-
-    @property
-    def id(self) -> str:
-        hq, hkv = self.heads
-        return (f"{self.dtype}-{hq}x{hkv}-{'paged' + str(self.page) if self.page else 'contig'}-d{self.head_dim}"
-                f"-q{self.q_len}-len{'_'.join(map(str, self.lens))}-win{self.window}-cap{self.cap}-sinks{int(self.sinks)}")
+VariantCase = functools.partial(DecodeCase, dtype="bf16", splits=(3,))
 
 
 VARIANT_CASES = [

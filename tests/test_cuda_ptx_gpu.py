@@ -9,7 +9,8 @@ offsets (cases.yaml int32-page-offset). Outputs are NaN-poisoned before every ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+
+import functools
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch
 import attnplan
 from attnplan import reference
 from attnplan.state import PartialState, merge_states
-from attnplan.testing import assert_close_to_reference, make_inputs, poison
+from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison
 
 pytestmark = pytest.mark.gpu
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -33,21 +34,7 @@ def _backend():
     return be
 
 
-@dataclass(frozen=True)
-class Case:
-    heads: tuple[int, int]
-    head_dim: int
-    lens: tuple[int, ...]
-    q_len: int = 1
-    page: int | None = None
-    dtype: str = "bf16"
-    splits: tuple[int, ...] = (0,)
-
-    @property
-    def id(self) -> str:
-        hq, hkv = self.heads
-        return (f"cuda_ptx-{self.dtype}-gqa{hq // hkv}-{hq}x{hkv}-{'paged' + str(self.page) if self.page else 'contig'}"
-                f"-d{self.head_dim}-q{self.q_len}-len{'_'.join(map(str, self.lens))}")
+Case = functools.partial(DecodeCase, dtype="bf16", splits=(0,))
 
 
 CASES = [

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+
+import functools
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from attnplan import reference
 from attnplan.backends import get_backend
 from attnplan.problem import DecodeProblem
 from attnplan.state import PartialState, merge_states
-from attnplan.testing import assert_close_to_reference, make_inputs, poison
+from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison
 
 from conftest import HAS_CUDA
 
@@ -36,23 +37,7 @@ DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 F32_TOL = torch.float32  # partial states are fp32 whatever the input dtype
 
 
-@dataclass(frozen=True)
-class Case:
-    heads: tuple[int, int]
-    head_dim: int
-    lens: tuple[int, ...]
-    q_len: int = 1
-    page: int | None = None
-    dtype: str = "fp16"
-    splits: tuple[int, ...] = (1,)
-    tags: tuple[str, ...] = field(default=())
-
-    @property
-    def id(self) -> str:
-        hq, hkv = self.heads
-        layout = f"paged{self.page}" if self.page else "contig"
-        return (f"{self.dtype}-gqa{hq // hkv}-{hq}x{hkv}-{layout}-d{self.head_dim}-q{self.q_len}-"
-                f"len{'_'.join(map(str, self.lens))}" + ("-" + "-".join(self.tags) if self.tags else ""))
+Case = functools.partial(DecodeCase, dtype="fp16", splits=(1,))
 
 
 def _inputs(case: Case, gen, device=DEVICE):
@@ -700,8 +685,8 @@ VARIANT_GPU_CASES = [
                  id="window1024-paged"),
     pytest.param(Case((64, 8), 128, (3000, 17), q_len=4, dtype="fp16"), dict(window=127, cap=30.0), (0, 3),
                  id="window-softcap-q4"),
-    pytest.param(Case((32, 8), 128, (4097, 16, 0), page=16, dtype="bf16"), dict(fp8=(0.05, 2.0), sinks=True), (0, 1, 4),
-                 id="fp8-sinks-paged"),
+    pytest.param(Case((32, 8), 128, (4097, 16, 0), page=16, dtype="bf16"), dict(fp8=(0.05, 2.0), sinks=True),
+                 (0, 1, 4), id="fp8-sinks-paged"),
     pytest.param(Case((64, 4), 64, (2048,), dtype="bf16"), dict(fp8=(0.5, 1.5), cap=50.0), (0, 1), id="fp8-softcap-d64"),
 ]
 
