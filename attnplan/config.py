@@ -62,6 +62,7 @@ class CostModel(_Strict):
     program_us: float = Field(1.0, ge=0, description="fixed cost of one program (CTA): prologue, q load, epilogue")
     programs_per_sm: int = Field(2, ge=1, le=32, description="programs resident per SM")
     sat_programs_per_sm: float = Field(2.0, gt=0, description="resident programs per SM needed to saturate memory bandwidth")
+    paged_sat_programs_per_sm: float | None = Field(None, gt=0, description="the same for paged caches (null = as contiguous)")
     bandwidth_fraction: float = Field(0.9, gt=0, le=1, description="share of the measured bandwidth a streaming kernel reaches")
     mem_bandwidth_gbs: float | None = Field(None, gt=0, description="measured read bandwidth; overrides the device's estimate")
     merge_split_latency_us: float = Field(0.4, ge=0, description="fused merge: serialized cost per split read by the last program")

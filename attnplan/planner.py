@@ -169,8 +169,9 @@ def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: 
     resident = device.sm_count * cm.programs_per_sm
     waves = math.ceil(hkv * batch * splits / resident)
     kv_bytes = total * hkv * problem.kv_bytes_per_token
-    occupancy = min(1.0, live / (device.sm_count * cm.sat_programs_per_sm))
-    bw_per_program = bw / (device.sm_count * cm.sat_programs_per_sm)
+    sat = cm.paged_sat_programs_per_sm if problem.paged and cm.paged_sat_programs_per_sm else cm.sat_programs_per_sm
+    occupancy = min(1.0, live / (device.sm_count * sat))
+    bw_per_program = bw / (device.sm_count * sat)
     chunk_bytes = min(chunk, max_len) * problem.kv_bytes_per_token
     rows = batch * problem.q_len * problem.num_q_heads
     t = cm.launch_us + waves * cm.program_us + max(kv_bytes / (bw * occupancy), chunk_bytes / bw_per_program)

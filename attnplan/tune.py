@@ -88,7 +88,7 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
     """Kernel options per layout and ``sat_programs_per_sm`` from sweep rows."""
     ok = [r for r in rows if "us" in r]
     opt_keys = [k for k in ("block_n", "num_warps", "num_stages") if k in ok[0]]
-    out = {"kernel_options": {backend: {}}, "sat": []}
+    out = {"kernel_options": {backend: {}}, "sat": [], "sat_by_layout": {}}
     for layout in sorted({r["layout"] for r in ok}):
         lr = [r for r in ok if r["layout"] == layout]
         shapes = {(r["batch"], r["kv"]) for r in lr}
@@ -110,6 +110,7 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
             rs = [r for r in lr if (r["batch"], r["kv"]) == s and tuple(r[k] for k in opt_keys) == cfg]
             b = min(rs, key=lambda r: r["us"])
             out["sat"].append(b["programs"] / sms)
+            out["sat_by_layout"].setdefault(layout, []).append(b["programs"] / sms)
     return out
 
 
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
             pass
     ceiling = read_bandwidth_gbs()
     allrows = {}
-    sats = []
+    sats, paged_sats = [], []
     for backend in args.backends.split(","):
         bar = tqdm(total=2 * len(SHAPES), desc=f"tune {backend}", unit="shape") if tqdm else None
         rows = sweep(backend, iters=args.iters, progress=(lambda *a: bar.update(1)) if bar else None)
@@ -151,10 +152,13 @@ def main(argv=None) -> int:
         allrows[backend] = rows
         f = fit(rows, backend, dev.sm_count, 8)
         table.setdefault("kernel_options", {}).update(f["kernel_options"])
-        sats += f["sat"]
+        sats += f["sat_by_layout"].get("contiguous", [])
+        paged_sats += f["sat_by_layout"].get("paged", [])
     cm = table.setdefault("cost_model", {})
     if sats:
         cm["sat_programs_per_sm"] = round(statistics.median(sats), 2)
+    if paged_sats:
+        cm["paged_sat_programs_per_sm"] = round(statistics.median(paged_sats), 2)
     cm["mem_bandwidth_gbs"] = round(ceiling["ceiling_gbs"], 1)
     table["measured"] = {"device": dev.name, "sm_count": dev.sm_count, "ceiling": ceiling,
                          "torch": torch.__version__, "attnplan": attnplan.__version__}
