@@ -138,7 +138,8 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
         user = {k: v for k, v in ctx.config.options(backend.name).model_dump().items() if v is not None}
         kernel = backend.kernel_config(bucketed, {**tuned, **user}, device)
         return make_plan(bucketed, dev_info, ctx.config, backend.name, kernel,
-                         capacity_mode=capacity_mode, num_splits=num_splits, merge_strategies=backend.merge_strategies)
+                         capacity_mode=capacity_mode, num_splits=num_splits, merge_strategies=backend.merge_strategies,
+                         partitions=backend.partitions)
 
     if not ctx.config.plan_cache.enabled:
         ctx.cache.stats.misses += 1

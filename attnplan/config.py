@@ -46,6 +46,10 @@ class KernelOptions(_Strict):
 class SplitPolicy(_Strict):
     """How the planner splits the KV sequence (DESIGN.md "Planner")."""
 
+    partition: Literal["auto", "split_k", "split_v"] = Field(
+        "auto", description="work partition inside a program (seed 000): split_k = warps take different KV "
+                            "positions and merge through shared memory; split_v = each warp owns a slice of head_dim "
+                            "columns, recomputes the scores, no cross-warp reduction; auto = the backend's measured choice")
     merge: Literal["auto", "separate", "fused"] = Field(
         "auto", description="cross-program merge: separate kernel, fused into the last program of a row "
                             "(atomic completion counter, fixed merge order), or auto = cheaper by the cost model")

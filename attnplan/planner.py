@@ -62,6 +62,10 @@ class SplitPlan:
             (sequence, KV head) to finish, by an atomic completion counter, merges that group's
             rows in fixed split order: one launch fewer, still deterministic; the counter resets
             itself for the next launch or graph replay). ``"none"`` for single pass.
+        partition: work partition inside a program (seed 000): ``"split_k"`` (warps take different
+            KV positions, states merged through shared memory at the end) or ``"split_v"`` (each warp
+            owns a slice of the head_dim columns of V and the output and recomputes the scores:
+            redundant QK^T, no cross-warp reduction). Backends declare which they implement.
         version: :data:`PLAN_VERSION`.
     """
 
@@ -80,6 +84,7 @@ class SplitPlan:
     candidates: tuple[tuple[int, int, float], ...] = field(default=())
     capacity_mode: bool = False
     merge: str = "separate"
+    partition: str = "split_k"
     version: int = PLAN_VERSION
 
     @property
@@ -140,6 +145,9 @@ class SplitPlan:
                else (f"merge fused into the last program of each group" if self.merge == "fused"
                      else f"merge kernel grid {self.merge_grid}") + f", workspace {self.workspace_bytes / 2**20:.2f} MiB")
         )
+        lines.append(f"inside a program: {self.partition.replace('_', '-')} "
+                     + ("(warps take different KV positions; states merged through shared memory)" if self.partition == "split_k"
+                        else "(each warp owns head_dim columns and recomputes the scores; no cross-warp reduction)"))
         lines.append(f"kernel options {self.kernel}; predicted {self.predicted_us:.1f} us per step")
         return "\n".join(lines)
 
@@ -201,7 +209,8 @@ def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_prog
 
 def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: dict,
               *, capacity_mode: bool = False, num_splits: int | None = None,
-              merge_strategies: frozenset[str] = frozenset({"separate"})) -> SplitPlan:
+              merge_strategies: frozenset[str] = frozenset({"separate"}),
+              partitions: frozenset[str] = frozenset({"split_k"})) -> SplitPlan:
     """Plan a problem (usually already :meth:`DecodeProblem.bucketed`).
 
     Args:
@@ -214,6 +223,9 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         num_splits: overrides ``config.split.num_splits`` (0 = heuristic, 1 = no split, >1 forced).
         merge_strategies: the merge strategies the backend implements (``"separate"``, ``"fused"``);
             ``config.split.merge`` picks one, ``auto`` the cheaper by the cost model.
+        partitions: the intra-program partitions the backend implements; ``config.split.partition``
+            forces one it has, ``auto`` takes ``split_k`` (the measured default until a tuned table
+            says otherwise: ``kernel_options.<backend>.<layout>.partition``).
     Returns:
         the :class:`SplitPlan`. Never empty work for a non-empty sequence: ``num_splits * chunk_size``
         always covers ``problem.max_kv_len``.
@@ -261,6 +273,10 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             merge = want if want in merge_strategies else "separate"
         if merge == "fused":
             ws += problem.batch * problem.num_kv_heads * 4  # completion counters
+    want_p = config.split.partition
+    if want_p == "auto":
+        want_p = kernel.get("partition", "split_k")
+    partition = want_p if want_p in partitions else "split_k"
     bucket = problem.bucket()
     bucket["capacity"] = problem.capacity
     return SplitPlan(
@@ -268,5 +284,5 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         single_pass=single, grid=(splits, problem.num_kv_heads, problem.batch),
         merge_grid=(0,) if single or merge == "fused" else (rows,), kernel=dict(kernel), workspace_bytes=ws,
         predicted_us=float(predicted), policy=policy, candidates=tuple(candidates), capacity_mode=capacity_mode,
-        merge=merge,
+        merge=merge, partition=partition,
     )

@@ -92,6 +92,8 @@ class Backend(abc.ABC):
     variants: ClassVar[frozenset[str]] = frozenset()
     #: cross-program merge strategies implemented (``"separate"``; ``"fused"`` needs :meth:`partial_fused_merge`)
     merge_strategies: ClassVar[frozenset[str]] = frozenset({"separate"})
+    #: intra-program work partitions implemented (:attr:`attnplan.SplitPlan.partition`)
+    partitions: ClassVar[frozenset[str]] = frozenset({"split_k"})
 
     @abc.abstractmethod
     def available(self, device: torch.device) -> tuple[bool, str]:

@@ -128,3 +128,14 @@ def test_tune_fit_picks_best_geomean_options_and_saturation():
     f = fit(rows, "triton", 132, 8)
     assert f["kernel_options"]["triton"]["contiguous"] == {"block_n": 64}
     assert sorted(f["sat"]) == [8 * 17 / 132, 8 * 33 / 132]
+
+
+def test_partition_axis_forced_only_where_implemented():
+    only_k = make_plan(P(), H200_LIKE, CFG.with_overrides(split={"partition": "split_v"}), "triton", KERNEL)
+    assert only_k.partition == "split_k"  # the backend offers split_k only
+    both = frozenset({"split_k", "split_v"})
+    v = make_plan(P(), H200_LIKE, CFG.with_overrides(split={"partition": "split_v"}), "x", KERNEL, partitions=both)
+    assert v.partition == "split_v" and "split-v" in v.explain()
+    auto = make_plan(P(), H200_LIKE, CFG, "x", {**KERNEL, "partition": "split_v"}, partitions=both)
+    assert auto.partition == "split_v"
+    assert make_plan(P(), H200_LIKE, CFG, "x", KERNEL, partitions=both).partition == "split_k"
