@@ -3,6 +3,7 @@
 import pytest
 
 import attnplan
+import attnplan.testing
 from attnplan.config import ConfigError, load_config
 
 
