@@ -4,6 +4,7 @@
 #   bench     benchmarks/bench_decode.py (args: BENCH_ARGS) -> $OUT/bench.json, bench.png
 #   sanitize  compute-sanitizer memcheck + racecheck on benchmarks/sanitize.py for each backend
 #   merge     benchmarks/bench_merge.py: separate vs fused merge -> $OUT/merge.json
+#   cp        benchmarks/bench_cp.py: context-parallel decode over 2 GPUs (NCCL) -> $OUT/cp.json
 #   tune      attnplan tune (args: TUNE_ARGS) -> $OUT/h200.yaml, $OUT/tune.json
 # Usage (repository root, on the GPU machine): STEPS="tests bench" bash benchmarks/gpu_run.sh
 set -uo pipefail
@@ -37,6 +38,9 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
       done
       wait
       for f in "$OUT"/sanitize-*.log; do echo "$(basename $f): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|equal the reference|^rc=' $f | tr '\n' ' ')"; done ;;
+    cp)  # needs kind nvidia-h200-x2 (2 GPUs); keep NCCL_NVLS_ENABLE=0 as the machine sets it
+      python3 benchmarks/bench_cp.py --world ${CP_WORLD:-2} --kv ${CP_KV:-1048576,2097152} --out "$OUT/cp.json" \
+        > "$OUT/cp.log" 2>&1; echo "cp rc=$?"; tail -6 "$OUT/cp.log" ;;
     tune)
       python3 -m attnplan.cli tune --out "$OUT/h200.yaml" --json "$OUT/tune.json" ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1; echo "tune rc=$?"; tail -25 "$OUT/tune.log" ;;
   esac
