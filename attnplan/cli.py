@@ -47,6 +47,22 @@ def _lengths(args, rng) -> list[int]:
     return long_tailed_lengths(args.batch, args.max_kv, rng.randrange(2**31))
 
 
+def _time_report(w, x, args, lens) -> dict:
+    """Median time of one decode step (every kernel of ``w.run``) with CUDA events after warm-up,
+    and the bandwidth of the bytes it must move (K + V of the valid tokens, q, out), GB/s."""
+    import attnplan
+    from attnplan.problem import dtype_name
+    from attnplan.timing import time_cuda
+
+    b, ql, hq, d = x.q.shape
+    r = time_cuda(lambda i: w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table), iters=args.iters)
+    nbytes = attnplan.DecodeProblem(batch=b, num_q_heads=hq, num_kv_heads=x.k_cache.shape[2], head_dim=d, q_len=ql,
+                                    q_dtype=dtype_name(x.q.dtype), kv_dtype=dtype_name(x.k_cache.dtype),
+                                    max_kv_len=max(lens), total_kv_len=sum(lens)).bytes_moved()
+    return {**r, "bytes": nbytes, "gbs": nbytes / (r["median_us"] * 1e-6) / 1e9,
+            "note": "one decode step (all kernels), CUDA events after warm-up; inputs not rotated"}
+
+
 def _run(args) -> int:
     import random
 
@@ -93,14 +109,7 @@ def _run(args) -> int:
         report["check"] = {"sequences": n, "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()),
                            "tolerance": [atol, rtol], "pass": ok and lse_ok}
     if not cpu and args.iters > 0:
-        from attnplan.timing import time_cuda
-
-        r = time_cuda(lambda i: w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table), iters=args.iters)
-        nbytes = attnplan.DecodeProblem(batch=args.batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, q_len=args.q_len,
-                                        q_dtype=attnplan.problem.dtype_name(dtype), kv_dtype=attnplan.problem.dtype_name(dtype),
-                                        max_kv_len=max(lens), total_kv_len=sum(lens)).bytes_moved()
-        report["time"] = {**r, "bytes": nbytes, "gbs": nbytes / (r["median_us"] * 1e-6) / 1e9,
-                          "note": "one decode step (all kernels), CUDA events after warm-up; inputs not rotated"}
+        report["time"] = _time_report(w, x, args, lens)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 import pytest
 
 from attnplan import cli
@@ -59,3 +61,25 @@ def test_bench_plot(tmp_path):
         for kv in (4096, 32768, 131072)]}
     plot(res, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_time_report_counts_bytes_and_bandwidth(monkeypatch):
+    """The GPU timing branch of `attnplan run`, with the CUDA-event timer replaced (CPU)."""
+    import argparse
+
+    import attnplan
+    import attnplan.timing
+    from attnplan.testing import make_inputs
+
+    calls = []
+    monkeypatch.setattr(attnplan.timing, "time_cuda",
+                        lambda fn, iters: (calls.append(fn(0)), {"median_us": 100.0, "min_us": 90.0, "p90_us": 120.0,
+                                                                 "iters": iters})[1])
+    x = make_inputs(2, 8, 2, 64, [1000, 24], page_size=16, dtype=torch.bfloat16)
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    rep = cli._time_report(w, x, argparse.Namespace(iters=7), [1000, 24])
+    kv = 1024 * 2 * 2 * 64 * 2  # tokens x kv heads x (K and V) x head_dim x 2 bytes
+    qo = 2 * 2 * 8 * 64 * 2
+    assert rep["bytes"] == kv + qo and rep["iters"] == 7 and len(calls) == 1
+    assert rep["gbs"] == pytest.approx((kv + qo) / 100e-6 / 1e9)
