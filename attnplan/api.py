@@ -110,13 +110,21 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
 
 def _tuned_options(dev_info: DeviceInfo, backend: str, problem: DecodeProblem) -> tuple[dict, str]:
     """Kernel options from the device's tuned table (``plans/<device>.yaml``), and the table's
-    text for the cache key. Tables are measured at head_dim 128; larger heads use the backend's own."""
+    text for the cache key. Tables are measured at head_dim 128; larger heads use the backend's own.
+
+    Keys per backend: ``contiguous`` / ``paged``, and optionally ``contiguous_filled`` /
+    ``paged_filled`` for problems whose ``batch x num_kv_heads`` alone fills the SMs (no split:
+    residency matters more than pipeline depth there).
+    """
     if dev_info.compute_capability == (0, 0):
         return {}, ""
     table = device_table(dev_info.slug())
     if not table:
         return {}, ""
-    opts = table.get("kernel_options", {}).get(backend, {}).get("paged" if problem.paged else "contiguous", {})
+    per_backend = table.get("kernel_options", {}).get(backend, {})
+    layout = "paged" if problem.paged else "contiguous"
+    filled = problem.batch * problem.num_kv_heads >= dev_info.sm_count
+    opts = per_backend.get(f"{layout}_filled") if filled and f"{layout}_filled" in per_backend else per_backend.get(layout, {})
     return (dict(opts) if problem.head_dim <= 128 else {}), json.dumps(table, sort_keys=True, default=str)
 
 

@@ -139,3 +139,10 @@ def test_partition_axis_forced_only_where_implemented():
     auto = make_plan(P(), H200_LIKE, CFG, "x", {**KERNEL, "partition": "split_v"}, partitions=both)
     assert auto.partition == "split_v"
     assert make_plan(P(), H200_LIKE, CFG, "x", KERNEL, partitions=both).partition == "split_k"
+
+
+def test_tuned_options_for_problems_that_fill_the_device():
+    from attnplan.api import _tuned_options
+
+    assert _tuned_options(H200_LIKE, "triton", P(page_size=None, batch=64))[0]["num_stages"] == 2
+    assert _tuned_options(H200_LIKE, "triton", P(page_size=None, batch=1))[0]["num_stages"] == 3
