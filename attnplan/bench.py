@@ -39,6 +39,7 @@ L2_ROTATE_BYTES = 512 << 20  # rotate input copies until this many bytes are cyc
 
 
 def build_sets(batch, hq, hkv, d, lens, page, n_sets, gen):
+    """``n_sets`` independent random input sets (bf16, on the GPU) for one benchmark point, so timed runs rotate through more bytes than L2 holds."""
     sets = []
     for _ in range(n_sets):
         x = attnplan.testing.make_inputs(batch, hq, hkv, d, lens, page_size=page, dtype=torch.bfloat16, device="cuda",
@@ -48,6 +49,7 @@ def build_sets(batch, hq, hkv, d, lens, page, n_sets, gen):
 
 
 def time_backend(name, sets, iters):
+    """Plan and time one attnplan backend on the sets: eager and CUDA-graph replay medians (us), first-run time (s, includes compilation) and the plan. Returns ``(result dict, output of set 0)``."""
     res = {}
     wrappers = []
     for x in sets:
@@ -84,6 +86,7 @@ def _args(x):
 
 
 def time_sdpa(kind, sets, iters):
+    """Time torch SDPA with the ``kind`` backend (``flash`` or ``cudnn``) on a dense ``[B, H, L, D]`` copy of each set (GQA through ``enable_gqa``), eager median (us); a backend that refuses the shape is recorded as an error."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[kind]
@@ -114,6 +117,7 @@ def time_sdpa(kind, sets, iters):
 
 
 def main(argv=None):
+    """``attnplan bench``: the benchmark grid; writes JSON (and a PNG plot) when ``--out`` is given, prints a summary table."""
     ap = argparse.ArgumentParser(prog="attnplan bench")
     ap.add_argument("--backends", default="triton,numba,cuda_ptx")
     ap.add_argument("--batches", default="1,4,16,64")
@@ -264,6 +268,7 @@ def _ver(mod):
 
 
 def summary(result):
+    """Print the result table: time per step (us) and fraction of the read ceiling per point and backend."""
     bw = result["ceiling"][result["ceiling_used"]]
     print(f"\nceiling {bw:.0f} GB/s; time in us (fraction of ceiling); attnplan = graph replay, sdpa = eager")
     names = sorted({n for p in result["points"] for n in p["results"]})

@@ -155,6 +155,7 @@ def _plans(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``attnplan`` console script: ``run``, ``plans show|clear``, ``bench``, ``tune``. Returns the exit status (2 for bad input)."""
     parser = argparse.ArgumentParser(prog="attnplan", description="split-KV decode attention: run, inspect plans")
     parser.add_argument("--config", default=None, help="YAML config file (default: $ATTNPLAN_CONFIG or plans/default.yaml)")
     sub = parser.add_subparsers(dest="cmd", required=True)

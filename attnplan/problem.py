@@ -28,10 +28,12 @@ MAX_Q_LEN = 16
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the names used in problems, plans and cache keys). Raises ``KeyError`` for other dtypes."""
     return DTYPE_NAMES[dtype]
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`."""
     return _NAME_TO_DTYPE[name]
 
 
@@ -171,6 +173,7 @@ class DecodeProblem:
 
 
 def check_heads(num_q_heads: int, num_kv_heads: int) -> None:
+    """Raise ``ValueError`` naming both head counts unless ``num_q_heads`` is a positive multiple of ``num_kv_heads``."""
     if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads}); "
@@ -321,4 +324,5 @@ def validate_values(static: dict, seq_lens: torch.Tensor, block_table: torch.Ten
 
 
 def default_sm_scale(head_dim: int) -> float:
+    """``1 / sqrt(head_dim)``, the usual score scale."""
     return 1.0 / math.sqrt(head_dim)

@@ -115,6 +115,7 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
 
 
 def main(argv=None) -> int:
+    """``attnplan tune``: sweep, fit, write the device table, report planner quality. Returns the exit status."""
     ap = argparse.ArgumentParser(prog="attnplan tune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", default="triton")
     ap.add_argument("--out", default=None, help="YAML to write (default: plans/<device>.yaml in the package)")
@@ -181,6 +182,7 @@ def main(argv=None) -> int:
 
 
 def planner_quality(allrows: dict, iters: int) -> list[dict]:
+    """Time the planner's own choice (with the freshly written table) for every swept shape and compare it with the best split the sweep found: ``within_5pct`` per shape."""
     import attnplan
     import attnplan.testing
 
