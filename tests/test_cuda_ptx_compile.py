@@ -54,8 +54,27 @@ SPECS = [
 
 
 def spec_id(s) -> str:
-    kind, dt, d, g, q, p = s
-    return f"{kind}-{dt}-d{d}-g{g}-q{q}-{'page' + str(p) if p else 'contig'}"
+    kind, dt, d, g, q, p = s[:6]
+    extra = "".join(f"-{v}" for v in (s[6] if len(s) > 6 else {}).values())
+    return f"{kind}-{dt}-d{d}-g{g}-q{q}-{'page' + str(p) if p else 'contig'}{extra}"
+
+
+FP8 = "float8_e4m3fn"
+SV = {"partition": "split_v"}
+# the new specializations: fp8 KV (q fp16 / bf16) and split-V, the same spread of shapes, each
+# (kind, q dtype, head_dim, group, q_len, page_size, make_spec keywords)
+NEW_SPECS = [
+    ("partial", "bfloat16", 128, 4, 1, 16, {"kv_dtype": FP8}),
+    ("single", "float16", 64, 1, 1, None, {"kv_dtype": FP8}),
+    ("partial", "bfloat16", 256, 8, 1, 64, {"kv_dtype": FP8}),
+    ("partial", "float16", 128, 8, 4, 16, {"kv_dtype": FP8}),                # 32 rows: fp8's most
+    ("partial", "bfloat16", 128, 4, 1, 16, SV),
+    ("partial", "float16", 256, 8, 1, 64, SV),
+    ("partial", "bfloat16", 128, 8, 4, 16, SV),                              # 4 row groups, one ring
+    ("single", "float32", 128, 4, 4, 1, SV),
+    ("partial", "bfloat16", 96, 7, 1, 16, SV),                               # 12 vectors: 4 x 3 columns
+    ("partial", "bfloat16", 128, 4, 1, 16, {"kv_dtype": FP8, **SV}),
+]
 
 
 @pytest.fixture
@@ -84,10 +103,31 @@ def test_nvrtc_compiles_cubin_without_spills(s, cc, cache):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("kind,dtype,group,page", [("single", "bfloat16", 8, 16), ("partial", "float32", 4, None)])
-def test_variant_kernels_compile_without_spills(kind, dtype, group, page, cache):
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("s", NEW_SPECS, ids=spec_id)
+def test_fp8_and_split_v_compile_without_spills(s, cc, cache):
+    """fp8 KV and split-V specializations: cubins, no spills, registers within the limit, and the
+    program's split-V barriers / fp8 macros where they belong."""
+    spec = L.make_spec(*s[:6], **s[6])
+    d = spec.defines()
+    assert d["ATTNPLAN_KV_FP8"] == int(s[6].get("kv_dtype") == FP8)
+    assert d["ATTNPLAN_SPLIT_V"] == int(s[6].get("partition") == "split_v")
+    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
+    res = c.resources[spec.entry]
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
+    assert 0 < res["registers"] <= MAX_REGISTERS and res["registers"] * spec.threads <= 65536, res
+    print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
+          f"dynamic smem {spec.smem_bytes}")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("kind,dtype,group,page,kw", [("single", "bfloat16", 8, 16, {}),
+                                                      ("partial", "float32", 4, None, {}),
+                                                      ("single", "bfloat16", 8, 16, {"kv_dtype": FP8}),
+                                                      ("partial", "float16", 4, None, {"kv_dtype": FP8, **SV})])
+def test_variant_kernels_compile_without_spills(kind, dtype, group, page, kw, cache):
     """Sliding window + soft-cap compiled in (sinks are a run-time pointer of every kernel)."""
-    spec = L.make_spec(kind, dtype, 128, group, 1, page, window=True, softcap=True)
+    spec = L.make_spec(kind, dtype, 128, group, 1, page, window=True, softcap=True, **kw)
     assert spec.name.endswith("-window-softcap") and spec.defines()["ATTNPLAN_WINDOW"] == 1
     c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
     res = c.resources[spec.entry]
@@ -110,10 +150,10 @@ NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("s", [SPECS[0], SPECS[4], SPECS[5]], ids=spec_id)
+@pytest.mark.parametrize("s", [SPECS[0], SPECS[4], SPECS[5], NEW_SPECS[0], NEW_SPECS[9]], ids=spec_id)
 def test_nvcc_ptxas_verbose_no_spills(s, tmp_path):
     """The same source through nvcc's ptxas (another toolkit version than the pip NVRTC)."""
-    spec = L.make_spec(*s)
+    spec = L.make_spec(*s[:6], **(s[6] if len(s) > 6 else {}))
     src = tmp_path / "decode.cu"
     src.write_text(L.kernel_source())
     cmd = [NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-Xptxas", "-v", *[o for o in spec.options() if o.startswith("-D")],
@@ -298,8 +338,15 @@ def test_backend_input_checks():
     with pytest.raises(ValueError, match="KV heads"):
         be.partial(plan, DecodeInputs(q, k[:, :, :1], k[:, :, :1], sl, bt, 0.1), st)
     k8 = torch.empty(300, 16, 2, 128, device="meta", dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="fp8 KV is not served"):
+    with pytest.raises(ValueError, match="k_scale"):  # fp8 without its scales
         be.partial(plan, DecodeInputs(q, k8, k8, sl, bt, 0.1), st)
+    sc2, sc1 = torch.empty(2, device="meta"), torch.empty(1, device="meta")
+    with pytest.raises(ValueError, match="v_scale"):  # one scale per KV head
+        be.partial(plan, DecodeInputs(q, k8, k8, sl, bt, 0.1, k_scale=sc2, v_scale=sc1), st)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):  # K fp8, V not
+        be.partial(plan, DecodeInputs(q, k8, k, sl, bt, 0.1, k_scale=sc2, v_scale=sc2), st)
+    with pytest.raises(ValueError, match="without dequantization scales"):  # scales on a bf16 cache
+        be.partial(plan, DecodeInputs(q, k, k, sl, bt, 0.1, k_scale=sc2, v_scale=sc2), st)
     with pytest.raises(ValueError, match="sinks"):
         be.single_pass(dataclasses.replace(plan, num_splits=1, single_pass=True),
                        DecodeInputs(q, k, k, sl, bt, 0.1, sinks=torch.empty(7, device="meta")), q, None)
@@ -317,10 +364,12 @@ def test_check_layout_rejects_misaligned():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("kind,signature", [("partial", L.PARTIAL_SIGNATURE), ("merge", L.MERGE_SIGNATURE)])
+@pytest.mark.parametrize("kind,signature", [("partial", L.PARTIAL_SIGNATURE), ("merge", L.MERGE_SIGNATURE),
+                                            ("fp8-split_v", L.PARTIAL_SIGNATURE)])
 def test_signature_matches_ptx_entry(kind, signature):
     """The host's argument list equals the kernel's parameter list (sizes and float slots) in the PTX."""
-    spec = L.merge_spec("bfloat16", 128) if kind == "merge" else L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    spec = L.merge_spec("bfloat16", 128) if kind == "merge" else L.make_spec(
+        "partial", "bfloat16", 128, 4, 1, 16, **({"kv_dtype": FP8, **SV} if kind.startswith("fp8") else {}))
     c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
     ptx = c.image.rstrip(b"\x00").decode()
     m = re.search(r"\.entry\s+" + spec.entry + r"\s*\((.*?)\)", ptx, re.S)
@@ -342,8 +391,16 @@ def test_backend_declarations_and_reasons():
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 4096)) == []
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 4096, window_left=128,
                                      soft_cap=30.0, has_sinks=True)) == []
-    fp8 = be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head"))
-    assert any("fp8_kv" in r for r in fp8)
+    assert "fp8_kv" in be.variants and be.partitions == {"split_k", "split_v"}
+    assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head",
+                                     window_left=64, soft_cap=30.0, has_sinks=True)) == []
+    assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "float16", "float8_e4m3fn", 4096, kv_scale="tensor")) == []
+    fp8 = be.supports(DecodeProblem(1, 8, 1, 72, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head"))
+    assert any("multiple of 16" in r for r in fp8)
+    fp8 = be.supports(DecodeProblem(1, 64, 1, 128, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head"))
+    assert any("64 rows exceeds 32" in r for r in fp8)
+    assert any("must equal kv_dtype" in r for r in be.supports(DecodeProblem(1, 8, 1, 128, 1, 16, "bfloat16",
+                                                                             "float16", 4096)))
     reasons = be.supports(DecodeProblem(1, 128, 1, 100, 1, None, "bfloat16", "bfloat16", 10))
     assert any("head_dim 100" in r for r in reasons) and any("rows" in r for r in reasons)
 
@@ -360,6 +417,81 @@ def test_kernel_config_options():
     plan = make_plan(prob, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=17)
     assert plan.chunk_size % kc["tile_tokens"] == 0
     assert be.spec_for("partial", plan) == L.make_spec("partial", "bfloat16", 128, 4, 1, 16, smem_limit=99 * 1024)
+
+
+def test_kernel_config_partition_and_fp8():
+    """``partition`` option (default split_k; the planner's ``auto`` takes it), split_v's block_n is one
+    tile, a forced config partition gets that partition's own defaults, fp8 specs follow kv_dtype."""
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    both = be.partitions
+    prob = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 131072)
+    kk = be.kernel_config(prob, {}, "cpu")
+    kv = be.kernel_config(prob, {"partition": "split_v"}, "cpu")
+    assert kk["partition"] == "split_k" and kv["partition"] == "split_v"
+    assert kv["block_n"] == kv["tile_tokens"] and kv["threads"] == 128
+    with pytest.raises(ValueError, match="partition"):
+        be.kernel_config(prob, {"partition": "split_q"}, "cpu")
+    cfg = load_config()
+    auto_k = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kk, num_splits=4, partitions=both)
+    auto_v = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kv, num_splits=4, partitions=both)
+    assert auto_k.partition == "split_k" and auto_v.partition == "split_v"
+    sv = be.spec_for("partial", auto_v)
+    assert sv.split_v and sv.smem_bytes == sv.stages * sv.stage_bytes and "-splitv" in sv.name
+    assert sv == L.make_spec("partial", "bfloat16", 128, 4, 1, 16, smem_limit=99 * 1024, partition="split_v")
+    forced = make_plan(prob, CPU_STANDIN, cfg.with_overrides(split={"partition": "split_v"}), "cuda_ptx",
+                       be.kernel_config(prob, {"num_stages": 3}, "cpu"), num_splits=4, partitions=both)
+    assert forced.partition == "split_v" and be.spec_for("partial", forced) == sv  # split_v's own stages
+    assert not be.spec_for("single", auto_k).split_v and be.spec_for("single", auto_v).split_v
+    p8 = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", FP8, 131072, kv_scale="head")
+    k8 = be.kernel_config(p8, {}, "cpu")
+    assert k8["tile_tokens"] == 16 and k8["block_n"] == 64  # 16 fp8 values per lane: 4 tokens per warp pass
+    s8 = be.spec_for("partial", make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", k8, num_splits=4, partitions=both))
+    assert s8.kv_fp8 and s8.kv_dtype == FP8 and s8.dtype == "bfloat16" and s8.layout["vec"] == 16
+
+
+def test_fp8_and_split_v_layouts():
+    assert L.vector_layout(FP8, 128) == {"vec": 16, "dv": 8, "lpt": 8, "nv": 1, "tpp": 4, "elems": 16}
+    assert L.max_rows(FP8, 128) == 32 and L.max_rows("bfloat16", 128) == 64
+    assert L.split_v_layout("bfloat16", 128, 4) == {"dvw": 4, "lpv": 4, "nvv": 1, "subs": 4}
+    assert L.split_v_layout("float32", 256, 1) == {"dvw": 64, "lpv": 32, "nvv": 2, "subs": 1}
+    assert L.split_v_layout("bfloat16", 96, 4) == {"dvw": 3, "lpv": 4, "nvv": 1, "subs": 4}  # one lane idle in 4
+    with pytest.raises(ValueError, match="divide"):
+        L.split_v_layout("bfloat16", 80, 4)
+    with pytest.raises(ValueError, match="divide"):
+        L.make_spec("partial", "bfloat16", 80, 4, 1, 16, num_warps=4, partition="split_v")
+    s80 = L.make_spec("partial", "bfloat16", 80, 4, 1, 16, partition="split_v")  # default: 2 warps (10 vectors)
+    assert s80.kv_warps == 2 and s80.passes % L.split_v_layout("bfloat16", 80, 2)["subs"] == 0
+    with pytest.raises(ValueError, match="multiple of 16"):
+        L.make_spec("partial", "bfloat16", 72, 4, 1, 16, kv_dtype=FP8)
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        L.make_spec("partial", "float32", 128, 4, 1, 16, kv_dtype=FP8)
+    with pytest.raises(ValueError, match="rows"):
+        L.make_spec("partial", "bfloat16", 128, 16, 4, 16, kv_dtype=FP8)
+    with pytest.raises(ValueError, match="partition"):
+        L.make_spec("partial", "bfloat16", 128, 4, 1, 16, partition="split_q")
+    k8 = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8)
+    assert k8.tile_tokens == 16 and k8.stage_bytes == 4096 and k8.rows_per_group == 4
+    v = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, partition="split_v")
+    assert v.stage_bytes == 8192 and v.smem_bytes == v.stages * 8192 <= L.SMEM_BUDGET
+    assert (v.stages - 1) * v.stage_bytes >= L.INFLIGHT_BYTES  # one ring keeps the same bytes in flight
+
+
+def test_partial_args_scales():
+    from attnplan.testing import make_inputs
+
+    x = make_inputs(1, 8, 2, 64, [33], page_size=16, dtype=torch.bfloat16)
+    k8 = x.k_cache.to(torch.float8_e4m3fn)
+    ks, vs = torch.ones(2), torch.full((2,), 0.5)
+    spec = L.make_spec("partial", "bfloat16", 64, 4, 1, 16, kv_dtype=FP8)
+    st = PartialState.empty(1, 1, 8, 2, 64)
+    vals = L.partial_args(spec, x.q, k8, k8, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse, 32, 2,
+                          k_scale=ks, v_scale=vs)
+    named = dict(zip((n for n, _ in L.PARTIAL_SIGNATURE), vals))
+    assert named["k_scale"] == ks.data_ptr() and named["v_scale"] == vs.data_ptr()
+    assert named["k_s1"] == 2 * 64 and named["k_s0"] == 16 * 2 * 64  # strides in fp8 elements (bytes)
+    plain = dict(zip((n for n, _ in L.PARTIAL_SIGNATURE),
+                     L.partial_args(spec, x.q, k8, k8, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse, 32, 2)))
+    assert plain["k_scale"] == 0 and plain["v_scale"] == 0
 
 
 # --------------------------------------------------------------------------------------------------

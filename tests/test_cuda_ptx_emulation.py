@@ -2,8 +2,10 @@
 against the float64 reference. No GPU: ``decode.cu`` is compiled as C++ with every CUDA thread a
 fiber, and driven through the backend's own spec choice, input checks and ``kernelParams`` packing.
 What it checks: indexing, GQA row mapping, chunk bounds, masks, paging, the online softmax, the
-in-program warp merge and the merge kernel. What it cannot: PTX instruction behaviour, races,
-performance (tests/test_cuda_ptx_gpu.py covers the device).
+in-program warp merge (split-K) and the per-warp column slices (split-V), the fp8 e4m3fn decoder and
+its scales, the merge kernel, and shared-memory races between warps (every emulated launch runs
+simt.h's race check). What it cannot: PTX instruction behaviour, global-memory races, performance
+(tests/test_cuda_ptx_gpu.py covers the device).
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
 pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the host emulation")
 
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+FP8 = torch.float8_e4m3fn
+PARTITIONS = ("split_k", "split_v")
 
 
 @pytest.fixture(scope="module")
 def be():
-    return emulate.EmulatedCudaPtxBackend()
+    b = emulate.EmulatedCudaPtxBackend()
+    b.prebuild(_parametrized_specs(b))  # the parametrized tests' specializations, built in parallel
+    return b
 
 
 Case = functools.partial(DecodeCase, dtype="bf16", splits=(3,))
@@ -51,24 +57,42 @@ CASES = [
 ]
 
 
-def _plan(be, x, splits):
+def _plan(be, x, splits, partition="split_k", **options):
+    """A plan for ``x`` with the backend's kernel options for ``partition`` (the planner's ``auto``)."""
     b, q_len, hq, d = x.q.shape
     lens = x.seq_lens.tolist()
     prob = DecodeProblem(b, hq, x.k_cache.shape[2], d, q_len, x.k_cache.shape[1] if x.paged else None,
-                         dtype_name(x.q.dtype), dtype_name(x.q.dtype), max(lens), sum(lens))
-    kc = be.kernel_config(prob, {}, torch.device("cpu"))
-    return make_plan(prob, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=splits)
+                         dtype_name(x.q.dtype), dtype_name(x.k_cache.dtype), max(lens), sum(lens),
+                         window_left=x.window_left, soft_cap=x.soft_cap, has_sinks=x.sinks is not None,
+                         kv_scale="head" if x.k_scale is not None else "none")
+    assert be.supports(prob) == []
+    kc = be.kernel_config(prob, {"partition": partition, **options}, torch.device("cpu"))
+    plan = make_plan(prob, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=splits, partitions=be.partitions)
+    assert plan.partition == partition
+    return plan
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_emulated_kernels_match_reference(be, case, gen):
+def _partitions(cases, split_v):
+    """``(case, partition)`` params: every case with split_k, the cases at indices ``split_v`` with
+    split_v too (each emulated specialization is a C++ build of ~0.6 s: the subsets keep the file fast
+    while covering contiguous and paged caches, GQA groups 1 / 4 / 7 / 8, several row groups sharing
+    split-V's ring, q_len > 1, head_dim 16-256 and every variant)."""
+    return [pytest.param(c, p, id=f"{c.id}-{p}") for i, c in enumerate(cases) for p in PARTITIONS
+            if p == "split_k" or i in split_v]
+
+
+CASE_PARAMS = _partitions(CASES, split_v=(0, 3, 4, 8, 9))
+
+
+@pytest.mark.parametrize("case,partition", CASE_PARAMS)
+def test_emulated_kernels_match_reference(be, case, partition, gen):
     dtype = DT[case.dtype]
     hq, hkv = case.heads
     x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
                     dtype=dtype, generator=gen)
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     for splits in case.splits:
-        plan = _plan(be, x, splits)
+        plan = _plan(be, x, splits, partition)
         out = poison(torch.empty_like(x.q))
         lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
         if plan.single_pass:
@@ -88,6 +112,20 @@ def test_emulated_kernels_match_reference(be, case, gen):
             assert_close_to_reference(o2, ref, torch.float32 if dtype == torch.float32 else dtype, "merge_states(o)")
         assert_close_to_reference(out, ref, dtype, f"out (splits {splits})")
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (splits {splits})")
+
+
+def test_emulated_split_v_two_vectors_per_lane(be, gen):
+    """split_v with one column warp over an fp32 head_dim-256 row: 64 vectors, two per lane (nvv 2)."""
+    from attnplan.backends.cuda_ptx.launch import split_v_layout
+
+    assert split_v_layout("float32", 256, 1)["nvv"] == 2
+    x = make_inputs(2, 2, 1, 256, [45, 3], q_len=2, page_size=16, dtype=torch.float32, generator=gen)
+    plan = _plan(be, x, 2, "split_v", num_warps=1)
+    st = PartialState.empty(2, 2, 2, 2, 256).fill_(float("nan"))
+    be.partial(plan, x, st)
+    rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size, 2)
+    assert_close_to_reference(st.o, rp.o, torch.float32, "partial o")
+    assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
 
 
 def test_emulated_merge_of_reference_states(be, gen):
@@ -136,13 +174,17 @@ def test_emulation_reports_out_of_bounds_block_table(be, gen):
         be.single_pass(plan, x, torch.empty_like(x.q), None)
 
 
-def test_emulated_constants_match_host(be):
-    from attnplan.backends.cuda_ptx.launch import make_spec
+@pytest.mark.parametrize("kv_dtype,partition", [(None, "split_k"), ("float8_e4m3fn", "split_v")])
+def test_emulated_constants_match_host(be, kv_dtype, partition):
+    from attnplan.backends.cuda_ptx.launch import make_spec, split_v_layout
 
-    spec = make_spec("partial", "bfloat16", 96, 7, 4, 16)
+    spec = make_spec("partial", "bfloat16", 96, 7, 4, 16, kv_dtype=kv_dtype, partition=partition)
     k = be.kernel(spec)
     assert (k.constant("smem"), k.constant("tile"), k.constant("threads"), k.constant("rt")) == \
         (spec.smem_bytes, spec.tile_tokens, spec.threads, spec.rows_per_group)
+    if partition == "split_v":
+        sv = split_v_layout(spec.kv_dtype, 96, spec.kv_warps)
+        assert (k.constant("lpv"), k.constant("subs"), k.constant("dvw")) == (sv["lpv"], sv["subs"], sv["dvw"])
 
 
 VariantCase = functools.partial(DecodeCase, dtype="bf16", splits=(3,))
@@ -158,27 +200,33 @@ VARIANT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: c.id)
-def test_emulated_variants_match_reference(be, case, gen):
+def _variant_inputs(case, gen, fp8=False):
+    """Inputs of a variant case; ``fp8``: the cache in float8_e4m3fn (K / 4, V x 2 before rounding) with
+    per-KV-head scales in [0.5, 1.5)."""
     from attnplan.backends.base import DecodeInputs
 
-    dtype = DT[case.dtype]
     hq, hkv = case.heads
     x0 = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
-                     dtype=dtype, generator=gen, scale=2.0 if case.cap else 1.0)
+                     dtype=DT[case.dtype], generator=gen, scale=2.0 if case.cap else 1.0)
     sinks = (torch.randn(hq, generator=gen) * 2).float() if case.sinks else None
-    x = DecodeInputs(x0.q, x0.k_cache, x0.v_cache, x0.seq_lens, x0.block_table, x0.sm_scale,
-                     window_left=case.window, soft_cap=case.cap, sinks=sinks)
+    kc, vc, ks, vs = x0.k_cache, x0.v_cache, None, None
+    if fp8:
+        kc, vc = (kc.float() / 4).to(FP8), (vc.float() * 2).to(FP8)
+        ks = (torch.rand(hkv, generator=gen) + 0.5).float()
+        vs = (torch.rand(hkv, generator=gen) + 0.5).float()
+    return DecodeInputs(x0.q, kc, vc, x0.seq_lens, x0.block_table, x0.sm_scale, window_left=case.window,
+                        soft_cap=case.cap, sinks=sinks, k_scale=ks, v_scale=vs)
+
+
+def _check_variants(be, x, case, partition):
+    """``run`` (single pass or partial + merge) and ``partial`` against the reference for each split count."""
+    dtype = x.q.dtype
+    kw = dict(window_left=x.window_left, soft_cap=x.soft_cap, k_scale=x.k_scale, v_scale=x.v_scale)
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
-                                       window_left=case.window, soft_cap=case.cap, sinks=sinks)
-    b, q_len, _, d = x.q.shape
-    lens = list(case.lens)
-    prob = DecodeProblem(b, hq, hkv, d, q_len, case.page, dtype_name(dtype), dtype_name(dtype), max(lens), sum(lens),
-                         window_left=case.window, soft_cap=case.cap, has_sinks=case.sinks)
-    assert be.supports(prob) == []
-    kc = be.kernel_config(prob, {}, torch.device("cpu"))
+                                       sinks=x.sinks, **kw)
+    b, q_len, hq, d = x.q.shape
     for splits in case.splits:
-        plan = make_plan(prob, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=splits)
+        plan = _plan(be, x, splits, partition)
         out = poison(torch.empty_like(x.q))
         lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
         be.run(plan, x, None if plan.single_pass else PartialState.empty(b, q_len, hq, plan.num_splits, d), out, lse)
@@ -186,11 +234,84 @@ def test_emulated_variants_match_reference(be, case, gen):
             st = PartialState.empty(b, q_len, hq, plan.num_splits, d).fill_(float("nan"))
             be.partial(plan, x, st)
             rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
-                                   plan.num_splits, window_left=case.window, soft_cap=case.cap)
+                                   plan.num_splits, **kw)
             assert_close_to_reference(st.o, rp.o, torch.float32, "partial o")
             assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse (no sink)")
         assert_close_to_reference(out, ref, dtype, f"out (splits {splits})")
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (splits {splits})")
+
+
+VARIANT_PARAMS = _partitions(VARIANT_CASES, split_v=(0, 3, 5))
+
+
+@pytest.mark.parametrize("case,partition", VARIANT_PARAMS)
+def test_emulated_variants_match_reference(be, case, partition, gen):
+    _check_variants(be, _variant_inputs(case, gen), case, partition)
+
+
+FP8_CASES = [
+    VariantCase((8, 2), 128, (37, 100, 0), splits=(1, 3)),                          # group 4, contiguous, len 0
+    VariantCase((7, 1), 64, (40, 3), page=16, dtype="fp16", splits=(1, 2)),           # group 7, paged, fp16 q
+    VariantCase((4, 4), 32, (33, 5), q_len=3, page=1, splits=(2,)),                   # group 1, page 1, q_len 3
+    VariantCase((16, 2), 64, (80, 7), q_len=2, page=4, window=16, cap=5.0, sinks=True, splits=(1, 4)),
+    VariantCase((8, 2), 256, (50,), page=64, window=20, sinks=True, splits=(3,)),     # head_dim 256
+]
+
+
+FP8_PARAMS = _partitions(FP8_CASES, split_v=(0, 3, 4))
+
+
+@pytest.mark.parametrize("case,partition", FP8_PARAMS)
+def test_emulated_fp8_kv_matches_reference(be, case, partition, gen):
+    """float8_e4m3fn K / V with per-KV-head k_scale / v_scale against the float64 reference (which
+    dequantizes as k * k_scale[h], v * v_scale[h]), with window / soft-cap / sinks."""
+    _check_variants(be, _variant_inputs(case, gen, fp8=True), case, partition)
+
+
+def _e4m3fn(code: int) -> float:
+    """The value of an e4m3fn byte from its definition (sign, 4-bit exponent bias 7, 3-bit mantissa,
+    subnormals at exponent 0, S.1111.111 NaN, no infinities)."""
+    sign = -1.0 if code & 0x80 else 1.0
+    e, m = (code >> 3) & 0xF, code & 0x7
+    if e == 15 and m == 7:
+        return float("nan")
+    return sign * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_emulated_fp8_decoder_all_256_codes(be, partition):
+    """Every e4m3fn byte through the kernel's decoder: V holds all 256 codes in one head_dim-256 row, so
+    a one-token partial state is that row x v_scale[h], exactly (NaN for 0x7f / 0xff); K holds the
+    codes too (NaN codes zeroed) and one-hot queries read one code each into the lse."""
+    from attnplan.backends.base import DecodeInputs
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    table = torch.tensor([_e4m3fn(c) for c in range(256)], dtype=torch.float64)
+    assert torch.equal(codes.view(FP8).to(torch.float64).nan_to_num(7.0), table.nan_to_num(7.0))  # torch agrees
+    hkv, group, d = 8, 32, 256  # 8 programs x 32 one-hot rows = 256 K codes
+    v = codes.view(FP8).view(1, 1, 1, d).expand(1, 1, hkv, d).contiguous()
+    kcodes = codes.clone()
+    kcodes[(kcodes & 0x7F) == 0x7F] = 0  # a NaN in K would poison every row's dot product
+    k = kcodes.view(FP8).view(1, 1, 1, d).expand(1, 1, hkv, d).contiguous()
+    q = torch.zeros(1, 1, hkv * group, d, dtype=torch.bfloat16)
+    for h in range(hkv):
+        for g in range(group):
+            q[0, 0, h * group + g, h * group + g] = 1.0
+    k_scale = torch.tensor([2.0 ** (h - 4) for h in range(hkv)])
+    v_scale = torch.tensor([2.0 ** (3 - h) for h in range(hkv)])
+    x = DecodeInputs(q, k, v, torch.tensor([1], dtype=torch.int32), None, 1.0, k_scale=k_scale, v_scale=v_scale)
+    plan = _plan(be, x, 2, partition)
+    st = PartialState.empty(1, 1, hkv * group, plan.num_splits, d).fill_(float("nan"))
+    be.partial(plan, x, st)
+    want_o = (table.view(1, d) * v_scale.double().view(hkv, 1)).repeat_interleave(group, 0)  # [heads, d]
+    o = st.o[0, 0, :, 0].double()
+    assert torch.equal(torch.isnan(o), torch.isnan(want_o)), "NaN codes"
+    assert torch.equal(o.nan_to_num(0.0), want_o.nan_to_num(0.0)), "V decode x v_scale is exact"
+    ktab = table.clone()
+    ktab[(codes & 0x7F) == 0x7F] = 0.0
+    want_lse = ktab * k_scale.double().repeat_interleave(group)  # row h*32+g reads code h*32+g
+    assert torch.allclose(st.lse[0, 0, :, 0].double(), want_lse, rtol=1e-6, atol=0)
+    assert torch.isneginf(st.lse[0, 0, :, 1]).all() and (st.o[0, 0, :, 1] == 0).all()
 
 
 @pytest.mark.parametrize("chunk", [13, 24, 40])
@@ -207,3 +328,19 @@ def test_emulated_unaligned_chunks(be, chunk, gen):
     rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, chunk, n)
     assert_close_to_reference(st.o, rp.o, torch.float32, "partial o")
     assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
+
+
+def _parametrized_specs(be) -> list:
+    """Every specialization the case-parametrized tests launch (same inputs and plans as the tests)."""
+    g = torch.Generator().manual_seed(0)
+    specs = []
+    for params, fp8 in ((CASE_PARAMS, False), (VARIANT_PARAMS, False), (FP8_PARAMS, True)):
+        for param in params:
+            case, partition = param.values
+            x = _variant_inputs(case, g, fp8)
+            for splits in case.splits:
+                plan = _plan(be, x, splits, partition)
+                specs.append(be.spec_for("single" if plan.single_pass else "partial", plan, inputs=x))
+                if not plan.single_pass:
+                    specs.append(be.spec_for("merge", plan))
+    return specs

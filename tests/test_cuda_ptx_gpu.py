@@ -4,7 +4,10 @@ Covers contiguous and paged caches (page 1, 16, 64), GQA groups 1, 4, 7, 8, 16, 
 lengths 0, 1, page boundaries and 4097, fp16 / bf16 / fp32, forced split counts (more splits than
 chunks included), partial states against ``reference.partial``, mixing with the reference merge,
 CUDA-graph replay after in-place ``seq_lens`` rewrites, launches on a side stream, and 64-bit page
-offsets (cases.yaml int32-page-offset). Outputs are NaN-poisoned before every run.
+offsets (cases.yaml int32-page-offset); the split-V partition (through the config's
+``split.partition``) on the same cases; fp8 e4m3fn KV caches with per-KV-head scales (with window /
+soft-cap / sinks, both partitions) and the fp8 decoder on all 256 codes. Outputs are NaN-poisoned
+before every run.
 """
 
 from __future__ import annotations
@@ -17,11 +20,19 @@ import torch
 
 import attnplan
 from attnplan import reference
+from attnplan.config import load_config
 from attnplan.state import PartialState, merge_states
 from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison
 
 pytestmark = pytest.mark.gpu
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+FP8 = torch.float8_e4m3fn
+PARTITIONS = ("split_k", "split_v")
+
+
+def _config(partition: str):
+    """The default config with ``split.partition`` forced (cuda_ptx implements both)."""
+    return load_config().with_overrides(split={"partition": partition})
 
 
 def _backend():
@@ -53,8 +64,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("partition", PARTITIONS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_decode_matches_reference(case, gen):
+def test_decode_matches_reference(case, partition, gen):
     _backend()
     dtype = DT[case.dtype]
     hq, hkv = case.heads
@@ -65,7 +77,7 @@ def test_decode_matches_reference(case, gen):
         out = poison(torch.empty_like(x.q))
         lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
         attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out, lse=lse,
-                        backend="cuda_ptx", num_splits=splits)
+                        backend="cuda_ptx", num_splits=splits, config=_config(partition))
         torch.cuda.synchronize()
         assert_close_to_reference(out, ref, dtype, f"out (num_splits={splits})")
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (num_splits={splits})")
@@ -73,16 +85,18 @@ def test_decode_matches_reference(case, gen):
         assert torch.all(out[empty] == 0) and torch.all(torch.isneginf(lse[empty]))
 
 
+@pytest.mark.parametrize("partition", PARTITIONS)
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("page", [None, 16])
-def test_partial_states_and_mixing(dtype, page, gen):
+def test_partial_states_and_mixing(dtype, page, partition, gen):
     """Partial states equal reference.partial split by split; they merge with the reference merge, and the
     cuda_ptx merge kernel merges reference states (states are one format whoever wrote them)."""
     be = _backend()
     dt = DT[dtype]
     x = make_inputs(3, 16, 4, 128, [1000, 40, 0], q_len=4, page_size=page, dtype=dt, device="cuda", generator=gen)
-    w = attnplan.DecodeWrapper(backend="cuda_ptx")
+    w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=6)
+    assert plan.partition == partition
     n = plan.num_splits
     st = PartialState.empty(3, 4, 16, n + 2, 128, device="cuda").fill_(float("nan"))  # wider than the plan
     be.partial(plan, x, st)
@@ -105,12 +119,13 @@ def test_partial_states_and_mixing(dtype, page, gen):
     assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
 
 
-def test_cuda_graph_replay_after_in_place_rewrites(gen):
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_cuda_graph_replay_after_in_place_rewrites(partition, gen):
     _backend()
     cap = 8192
     x = make_inputs(4, 32, 8, 128, [100] * 4, q_len=1, page_size=16, dtype=torch.bfloat16, device="cuda", capacity=cap,
                     generator=gen)
-    w = attnplan.DecodeWrapper(backend="cuda_ptx")
+    w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
     w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
     out = torch.empty_like(x.q)
     lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
@@ -180,9 +195,10 @@ def test_int32_page_offset(gen):
     del k_big, v_big
 
 
+@pytest.mark.parametrize("partition", PARTITIONS)
 @pytest.mark.parametrize("page", [None, 16])
 @pytest.mark.parametrize("splits", [1, 5])
-def test_variants_window_softcap_sinks(page, splits, gen):
+def test_variants_window_softcap_sinks(page, splits, partition, gen):
     """Sliding window (chunks start at the window), soft-cap and sinks (merge / single-pass epilogue)."""
     _backend()
     x = make_inputs(3, 32, 8, 128, [4097, 300, 0], q_len=2, page_size=page, dtype=torch.bfloat16, device="cuda",
@@ -192,12 +208,95 @@ def test_variants_window_softcap_sinks(page, splits, gen):
     out = poison(torch.empty_like(x.q))
     lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
     attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out, lse=lse,
-                    backend="cuda_ptx", num_splits=splits, **kw)
+                    backend="cuda_ptx", num_splits=splits, config=_config(partition), **kw)
     torch.cuda.synchronize()
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
                                        window_left=1000, soft_cap=20.0, sinks=sinks)
     assert_close_to_reference(out, ref, torch.bfloat16)
     assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+
+
+FP8_CASES = [
+    Case((32, 8), 128, (4097, 1, 16, 0), page=16, splits=(0, 1, 7)),          # the target shape, paged
+    Case((8, 8), 64, (1, 17, 300), dtype="fp16", splits=(1, 3)),              # group 1, contiguous, fp16 q
+    Case((28, 4), 128, (256, 255, 257), page=16, splits=(0, 2)),              # group 7
+    Case((16, 4), 128, (700, 3), q_len=4, page=64, splits=(1, 5)),            # group 4 x q_len 4 (16 rows)
+    Case((32, 1), 256, (1000,), page=16, splits=(1, 3)),                      # 32 rows, head_dim 256
+    Case((16, 2), 128, (4097, 300), q_len=2, page=16, window=1000, cap=20.0, sinks=True, splits=(1, 5)),
+]
+
+
+def _fp8(x, gen):
+    """x's cache in float8_e4m3fn (K / 4, V x 2 before rounding) and per-KV-head scales in [0.5, 1.5)."""
+    hkv = x.k_cache.shape[2]
+    kc, vc = (x.k_cache.float() / 4).to(FP8), (x.v_cache.float() * 2).to(FP8)
+    ks = (torch.rand(hkv, generator=gen, device=gen.device) + 0.5).float().cuda()
+    vs = (torch.rand(hkv, generator=gen, device=gen.device) + 0.5).float().cuda()
+    return kc, vc, ks, vs
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.id)
+def test_fp8_kv_matches_reference(case, partition, gen):
+    """float8_e4m3fn K / V, per-KV-head scales, q bf16 / fp16, against the float64 reference (which
+    dequantizes k * k_scale[h], v * v_scale[h]); outputs, lse and partial states."""
+    be = _backend()
+    dtype = DT[case.dtype]
+    hq, hkv = case.heads
+    x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
+                    dtype=dtype, device="cuda", generator=gen, scale=2.0 if case.cap else 1.0)
+    kc, vc, ks, vs = _fp8(x, gen)
+    sinks = (torch.randn(hq, generator=gen) * 2).float().cuda() if case.sinks else None
+    kw = dict(window_left=case.window, logits_soft_cap=case.cap, sinks=sinks, k_scale=ks, v_scale=vs)
+    ref, ref_lse = reference.attention(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, window_left=case.window,
+                                       soft_cap=case.cap, sinks=sinks, k_scale=ks, v_scale=vs)
+    for splits in case.splits:
+        w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
+        plan = w.plan(x.q, kc, vc, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=splits, **kw)
+        assert plan.partition == partition
+        out = poison(torch.empty_like(x.q))
+        lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
+        w.run(x.q, kc, vc, x.seq_lens, x.block_table, out=out, lse=lse)
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, ref, dtype, f"out (num_splits={splits})")
+        assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (num_splits={splits})")
+        if not plan.single_pass:
+            from attnplan.backends.base import DecodeInputs
+
+            st = PartialState.empty(*x.q.shape[:3], plan.num_splits, case.head_dim, device="cuda").fill_(float("nan"))
+            be.partial(plan, DecodeInputs(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, window_left=case.window,
+                                          soft_cap=case.cap, k_scale=ks, v_scale=vs), st)
+            torch.cuda.synchronize()
+            rp = reference.partial(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
+                                   plan.num_splits, window_left=case.window, soft_cap=case.cap, k_scale=ks, v_scale=vs)
+            assert_close_to_reference(st.o, rp.o, torch.float32, "partial o")
+            assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_fp8_decoder_all_256_codes(partition):
+    """Every e4m3fn byte through the device decoder: a one-token partial state is V's row (all 256
+    codes) x v_scale[h], exactly, NaN for 0x7f / 0xff, equal to torch's own float8 conversion."""
+    be = _backend()
+    from attnplan.backends.base import DecodeInputs
+
+    hkv, d = 4, 256
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).cuda()
+    v = codes.view(FP8).view(1, 1, 1, d).expand(1, 1, hkv, d).contiguous()
+    k = torch.zeros_like(v)
+    q = torch.randn(1, 1, hkv * 8, d, dtype=torch.bfloat16, device="cuda")
+    v_scale = torch.tensor([2.0 ** (h - 2) for h in range(hkv)], device="cuda")
+    x = DecodeInputs(q, k, v, torch.tensor([1], dtype=torch.int32, device="cuda"), None, 0.1,
+                     k_scale=torch.ones(hkv, device="cuda"), v_scale=v_scale)
+    w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
+    plan = w.plan(q, k, v, x.seq_lens, sm_scale=0.1, num_splits=2, k_scale=x.k_scale, v_scale=v_scale)
+    st = PartialState.empty(1, 1, hkv * 8, plan.num_splits, d, device="cuda").fill_(float("nan"))
+    be.partial(plan, x, st)
+    torch.cuda.synchronize()
+    want = (codes.view(FP8).double().view(1, d) * v_scale.double().view(hkv, 1)).repeat_interleave(8, 0)
+    o = st.o[0, 0, :, 0].double()
+    assert torch.equal(torch.isnan(o), torch.isnan(want))
+    assert torch.equal(o.nan_to_num(0.0), want.nan_to_num(0.0))
 
 
 def test_compiled_for_device_arch():

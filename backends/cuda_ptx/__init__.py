@@ -9,10 +9,49 @@ eager run before capture).
 
 Method: FlashDecoding's split-KV with FlashInfer-style CUDA-core decode kernels. One program per
 (split, KV head, sequence) serves the whole GQA group and all queries (each KV byte read once);
-16-byte ``cp.async`` loads stream K and V through per-warp multi-stage shared-memory rings; fp32
-accumulation with a base-2 online softmax; the warps of a program take different KV tiles and merge
-their states through shared memory at the end. The merge kernel implements
+16-byte ``cp.async`` loads stream K and V through multi-stage shared-memory rings; fp32
+accumulation with a base-2 online softmax. The merge kernel implements
 :func:`attnplan.state.merge_states`'s contract.
+
+fp8 KV (variant ``fp8_kv``): a ``float8_e4m3fn`` cache with per-KV-head fp32 ``k_scale`` /
+``v_scale`` (q fp16 / bf16). A 16-byte load carries 16 fp8 values; the kernel decodes them exactly
+with integer ops and the fp16 conversion (sign, 4-bit exponent bias 7, 3-bit mantissa, subnormals,
+``0x7f`` / ``0xff`` NaN), folds ``k_scale[h]`` into q's score scale and ``v_scale[h]`` into the
+program's normalized output, so partial states and the merge are the same as for fp16 caches. Rows
+per program are at most 32 (16 fp32 q + accumulator registers per lane and row, twice fp16's).
+
+Partition inside a program (``plan.partition``, seed 000; compile-time, ``decode.cu``). A program
+has ``NRG`` row groups of ``RT`` rows (``R = NRG x RT`` rows = GQA group x q_len) and ``W`` warps per
+row group; its chunk has ``T`` tokens of head_dim ``D``, ``e`` bytes per KV element, streamed in
+tiles of ``TILE`` tokens through ``S``-stage rings:
+
+====================================  ===========================================  ==============================================
+cost per program                      ``split_k`` (default)                        ``split_v``
+====================================  ===========================================  ==============================================
+warps split                           KV positions: warp ``w`` takes tiles         head_dim columns: warp ``w`` owns ``D / W``
+                                      ``w, w + W, ...``                            columns of V and of the output
+q.k FLOPs per warp                    ``2 RT D T / W``                             ``2 RT D T`` (every warp scores every token)
+q.k FLOPs per program                 ``2 R D T``                                  ``2 R D T W``: QK^T recomputed ``W`` times
+P.V FLOPs per warp                    ``2 RT D T / W``                             ``2 RT (D / W) T`` (+ selects that route each
+                                                                                   token's probability to its column lanes)
+KV bytes read from L2 / HBM           ``NRG x 2 T D e`` (each row group streams    ``2 T D e`` (one ring for every row group)
+                                      the chunk through its warps' rings)
+shared-memory traffic                 ring: ``NRG x 2 T D e`` written, read once;  ring: ``2 T D e`` written; K read by every
+                                      end merge: ``NRG W RT (D+2) 4`` B written,   warp (``NRG W T D e``), V once per row group
+                                      ``R D W 4`` B read                           (``NRG T D e``); no end merge
+synchronizations                      no CTA barrier in the main loop (private     one ``__syncthreads`` per tile (``T / TILE``),
+                                      per-warp rings, 2 ``__syncwarp`` per tile);  none at the end
+                                      2 ``__syncthreads`` at the end
+cross-warp reduction                  yes: ``(m, l, acc)`` of ``W`` warps merged   none: each warp's running max / sum are the
+                                      per output element (``W`` exp2 each)         row's, it writes its own columns (lse: warp 0)
+dynamic shared memory                 ``NRG W S`` stages, or the end-merge buffer  ``S`` stages (tiles up to 8 KB)
+====================================  ===========================================  ==============================================
+
+On CUDA cores (no tensor cores in these kernels) split-V's ``W``-fold q.k recomputation is
+arithmetic the memory-bound split-K kernel does not do, so ``kernel_config`` defaults to
+``split_k``; split-V trades it for reading KV once per program instead of once per row group
+(large GQA group x q_len), no end-of-program merge (short chunks) and no per-warp rings. Which wins
+where is a measurement (a tuned table's ``kernel_options.cuda_ptx.<layout>.partition``), not yet made.
 
 On CPU the backend is unavailable (it cannot run), but the kernels can be compiled and checked:
 :meth:`CudaPtxBackend.compile` needs only NVRTC.
@@ -31,8 +70,9 @@ from attnplan.state import PartialState
 
 from ._bindings import CudaPtxError, DriverError, NvrtcError
 from .launch import (
-    MERGE_SIGNATURE, PARTIAL_SIGNATURE, DeviceRuntime, KernelSpec, PackedArgs, check_layout,
-    kernel_source, make_spec, merge_args, merge_launch_config, merge_spec, partial_args, partial_launch_config,
+    FP8, MERGE_SIGNATURE, PARTIAL_SIGNATURE, DeviceRuntime, KernelSpec, PackedArgs, check_layout,
+    kernel_source, make_spec, max_rows, merge_args, merge_launch_config, merge_spec, partial_args,
+    partial_launch_config,
 )
 from .nvrtc import CompileCache, Compiled, select_target
 
@@ -45,15 +85,19 @@ _CPU_SMEM_LIMIT = 99 * 1024
 class CudaPtxBackend(Backend):
     """Split-KV decode with NVRTC-compiled CUDA C kernels (see the module docstring for the method).
 
-    Support (as data): q / KV dtypes float16, bfloat16, float32 (q and KV the same); head_dim a
-    multiple of 8 in [16, 256]; GQA group x q_len up to 64 rows per program; contiguous or paged
-    caches with any power-of-two page size; variants sliding window, soft-cap and sinks (not fp8
-    KV); compute capability 8.0 or newer (``cp.async`` and the bf16 conversions).
+    Support (as data): q / KV dtypes float16, bfloat16, float32 (q and KV the same), or a
+    float8_e4m3fn KV cache with fp16 / bf16 q (variant ``fp8_kv``, head_dim a multiple of 16, up to
+    32 rows per program); head_dim a multiple of 8 in [16, 256]; GQA group x q_len up to 64 rows per
+    program; contiguous or paged caches with any power-of-two page size; variants sliding window,
+    soft-cap, sinks and fp8 KV; partitions split_k and split_v; compute capability 8.0 or newer
+    (``cp.async`` and the bf16 conversions).
 
-    Kernel options (``backend_options.cuda_ptx`` in the config): ``num_warps`` = KV warps per row
-    group (default 4), ``num_stages`` = cp.async ring depth (default: enough for ~48 KB in flight),
-    ``block_n`` = chunk alignment in tokens (a multiple of the kernel's tile), ``threads`` = total
-    threads (alternative to ``num_warps``).
+    Kernel options (``backend_options.cuda_ptx`` in the config, or a tuned table's
+    ``kernel_options.cuda_ptx.<layout>``): ``num_warps`` = warps per row group (default 4; split-K's
+    KV warps, split-V's column warps), ``num_stages`` = cp.async ring depth (default: enough for
+    ~48 KB in flight), ``block_n`` = chunk alignment in tokens (a multiple of the kernel's tile),
+    ``threads`` = total threads (alternative to ``num_warps``), ``partition`` = ``split_k`` (default)
+    or ``split_v`` (what the planner takes for ``split.partition: auto``).
 
     Args:
         cache: the NVRTC compile cache; default: memory + ``$ATTNPLAN_CACHE_DIR`` / user cache dir.
@@ -66,7 +110,8 @@ class CudaPtxBackend(Backend):
     head_dim_multiple = 8
     max_rows_per_program = 64
     graph_safe = True
-    variants = frozenset({"window", "softcap", "sinks"})
+    variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
+    partitions = frozenset({"split_k", "split_v"})
     #: oldest compute capability served
     min_compute_capability: tuple[int, int] = (8, 0)
 
@@ -110,8 +155,16 @@ class CudaPtxBackend(Backend):
     def supports(self, problem: DecodeProblem) -> list[str]:
         """Reasons this backend cannot serve ``problem`` (empty list: it can)."""
         reasons = super().supports(problem)
-        if problem.q_dtype != problem.kv_dtype:
-            reasons.append(f"q_dtype {problem.q_dtype} must equal kv_dtype {problem.kv_dtype}")
+        if problem.kv_dtype == FP8:
+            if problem.q_dtype not in ("float16", "bfloat16"):
+                reasons.append(f"an {FP8} KV cache needs q_dtype float16 or bfloat16, got {problem.q_dtype}")
+            if problem.head_dim % 16:
+                reasons.append(f"an {FP8} KV cache needs head_dim a multiple of 16, got {problem.head_dim}")
+            rows, most = problem.group_size * problem.q_len, max_rows(FP8, problem.head_dim)
+            if rows > most:
+                reasons.append(f"GQA group x q_len = {rows} rows exceeds {most} per program with an {FP8} KV cache")
+        elif problem.q_dtype != problem.kv_dtype:
+            reasons.append(f"q_dtype {problem.q_dtype} must equal kv_dtype {problem.kv_dtype} (or be {FP8})")
         return reasons
 
     # -- planning ---------------------------------------------------------------------------------
@@ -122,47 +175,60 @@ class CudaPtxBackend(Backend):
         return _CPU_SMEM_LIMIT
 
     def kernel_config(self, problem: DecodeProblem, options: dict, device: torch.device) -> dict:
-        """Kernel options for ``problem``: ``block_n`` (chunk alignment, tokens) = tile x KV warps by
-        default, plus the specialization's ``num_warps``, ``num_stages``, ``threads``,
-        ``tile_tokens``, ``row_groups`` and ``passes``.
+        """Kernel options for ``problem``: ``block_n`` (chunk alignment, tokens) = the tokens one pass
+        of the program's warps covers by default (split-K: tile x KV warps; split-V: one tile), plus
+        the specialization's ``num_warps``, ``num_stages``, ``threads``, ``tile_tokens``,
+        ``row_groups``, ``passes`` and ``partition`` (option ``partition``, default ``split_k``; the
+        planner takes it for ``split.partition: auto``).
 
         Raises:
             ValueError: options that do not fit the kernel (named, with what is allowed).
         """
         options = options or {}
         limit = self._smem_limit(device)
-        args = (problem.kv_dtype, problem.head_dim, problem.group_size, problem.q_len, problem.page_size)
+        partition = options.get("partition") or "split_k"
+        if partition not in self.partitions:
+            raise ValueError(f"backend_options.cuda_ptx.partition {partition!r} must be one of {sorted(self.partitions)}")
+        args = (problem.q_dtype, problem.head_dim, problem.group_size, problem.q_len, problem.page_size)
+        kw = dict(smem_limit=limit, kv_dtype=problem.kv_dtype, partition=partition)
         warps = options.get("num_warps")
         if warps is None and options.get("threads"):
-            rg = make_spec("partial", *args, smem_limit=limit).row_groups
+            rg = make_spec("partial", *args, **kw).row_groups
             threads = int(options["threads"])
             if threads % (32 * rg):
                 raise ValueError(f"backend_options.cuda_ptx.threads {threads} must be a multiple of 32 x {rg} row group(s)")
             warps = threads // (32 * rg)
-        spec = make_spec("partial", *args, num_warps=warps, num_stages=options.get("num_stages"), smem_limit=limit)
+        spec = make_spec("partial", *args, num_warps=warps, num_stages=options.get("num_stages"), **kw)
         tile = spec.tile_tokens
-        block_n = int(options.get("block_n") or tile * spec.kv_warps)
+        block_n = int(options.get("block_n") or tile * (1 if spec.split_v else spec.kv_warps))
         if block_n % tile:
             raise ValueError(f"backend_options.cuda_ptx.block_n {block_n} must be a multiple of the kernel's tile of "
-                             f"{tile} tokens for {problem.kv_dtype} head_dim {problem.head_dim}")
+                             f"{tile} tokens for {problem.kv_dtype} head_dim {problem.head_dim} ({partition})")
         return {"block_n": block_n, "num_warps": spec.kv_warps, "num_stages": spec.stages, "threads": spec.threads,
-                "tile_tokens": tile, "row_groups": spec.row_groups, "passes": spec.passes}
+                "tile_tokens": tile, "row_groups": spec.row_groups, "passes": spec.passes, "partition": partition}
 
     def spec_for(self, kind: str, plan: SplitPlan, device: torch.device | None = None,
                  inputs: DecodeInputs | None = None) -> KernelSpec:
         """The :class:`KernelSpec` that executes ``plan`` (``kind`` ``"partial"``, ``"single"`` or
-        ``"merge"``); the window / soft-cap variants follow ``inputs`` when given, else the plan's problem."""
+        ``"merge"``) with ``plan.partition``; the window / soft-cap / fp8 variants follow ``inputs``
+        when given, else the plan's problem. When the config forced a partition other than the one
+        ``plan.kernel`` was configured for, the warps and stages are the partition's defaults."""
         p = plan.problem
         if kind == "merge":
             return merge_spec(p["q_dtype"], p["head_dim"])
         k = plan.kernel
         if inputs is not None:
             window, softcap = inputs.window_left >= 0, inputs.soft_cap > 0
+            kv_dtype = dtype_name(inputs.k_cache.dtype) if inputs.k_cache.dtype == torch.float8_e4m3fn else p["q_dtype"]
         else:
             window, softcap = p.get("window_left", -1) >= 0, p.get("soft_cap", 0.0) > 0
-        return make_spec(kind, p["kv_dtype"], p["head_dim"], p["num_q_heads"] // p["num_kv_heads"], p["q_len"],
-                         p["page_size"], num_warps=k.get("num_warps"), num_stages=k.get("num_stages"),
-                         smem_limit=self._smem_limit(device), window=window, softcap=softcap)
+            kv_dtype = p["kv_dtype"]
+        partition = plan.partition
+        same = partition == k.get("partition", "split_k")
+        return make_spec(kind, p["q_dtype"], p["head_dim"], p["num_q_heads"] // p["num_kv_heads"], p["q_len"],
+                         p["page_size"], num_warps=k.get("num_warps") if same else None,
+                         num_stages=k.get("num_stages") if same else None, smem_limit=self._smem_limit(device),
+                         window=window, softcap=softcap, kv_dtype=kv_dtype, partition=partition)
 
     def compile(self, spec: KernelSpec, compute_capability: tuple[int, int] = (9, 0)) -> Compiled:
         """Compile ``spec`` for ``compute_capability`` through the compile cache (no GPU needed).
@@ -206,11 +272,28 @@ class CudaPtxBackend(Backend):
 
     @staticmethod
     def _check_inputs(plan: SplitPlan, x: DecodeInputs, spec: KernelSpec) -> None:
-        if x.k_cache.dtype != x.q.dtype or x.k_scale is not None or x.v_scale is not None:
-            raise ValueError(f"cuda_ptx needs q and the KV cache in one dtype without dequantization scales "
-                             f"(q {x.q.dtype}, k_cache {x.k_cache.dtype}); fp8 KV is not served")
+        fp8 = x.k_cache.dtype == torch.float8_e4m3fn
+        if fp8:
+            if x.v_cache.dtype != x.k_cache.dtype or x.q.dtype not in (torch.float16, torch.bfloat16):
+                raise ValueError(f"cuda_ptx: an fp8 KV cache needs k_cache and v_cache float8_e4m3fn and q float16 or "
+                                 f"bfloat16 (q {x.q.dtype}, k_cache {x.k_cache.dtype}, v_cache {x.v_cache.dtype})")
+            hkv = x.k_cache.shape[2]
+            for name, t in (("k_scale", x.k_scale), ("v_scale", x.v_scale)):
+                if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (hkv,) \
+                        or (hkv > 1 and t.stride(0) != 1) or t.device != x.k_cache.device:
+                    raise ValueError(f"cuda_ptx: an fp8 KV cache needs {name} as a contiguous float32 [{hkv}] tensor "
+                                     f"(one scale per KV head) on {x.k_cache.device}, got "
+                                     f"{getattr(t, 'shape', t)!r} {getattr(t, 'dtype', '')}")
+        elif x.k_cache.dtype != x.q.dtype or x.v_cache.dtype != x.q.dtype or x.k_scale is not None \
+                or x.v_scale is not None:
+            raise ValueError(f"cuda_ptx needs q and the KV cache in one dtype without dequantization scales, or a "
+                             f"float8_e4m3fn cache with k_scale and v_scale (q {x.q.dtype}, k_cache {x.k_cache.dtype}, "
+                             f"v_cache {x.v_cache.dtype})")
+        if spec.kv_fp8 != fp8:
+            raise ValueError(f"plan's kernel {spec.name} is for kv {spec.kv_dtype}, k_cache is {x.k_cache.dtype}")
+        check_layout("q", x.q, 16 // x.q.element_size(), 16)
         vec = spec.layout["vec"]
-        for name, t in (("q", x.q), ("k_cache", x.k_cache), ("v_cache", x.v_cache)):
+        for name, t in (("k_cache", x.k_cache), ("v_cache", x.v_cache)):
             check_layout(name, t, vec, 16)
         if tuple(plan.grid[1:]) != (x.k_cache.shape[2], x.q.shape[0]):
             raise ValueError(f"plan grid {plan.grid} is for {plan.grid[1]} KV heads x batch {plan.grid[2]}, inputs have "
@@ -241,7 +324,8 @@ class CudaPtxBackend(Backend):
         check_layout("state.o", o, 4, 16)
         cfg = partial_launch_config(spec, plan.grid)
         values = partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, o, lse,
-                              plan.chunk_size, plan.num_splits, window_left=x.window_left, soft_cap=x.soft_cap)
+                              plan.chunk_size, plan.num_splits, window_left=x.window_left, soft_cap=x.soft_cap,
+                              k_scale=x.k_scale, v_scale=x.v_scale)
         self._launch(spec, cfg, PARTIAL_SIGNATURE, values, x.q.device)
 
     def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
@@ -263,7 +347,8 @@ class CudaPtxBackend(Backend):
         grid = (1, plan.grid[1], plan.grid[2])
         cfg = partial_launch_config(spec, grid)
         values = partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, out, lse,
-                              plan.chunk_size, 1, window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks)
+                              plan.chunk_size, 1, window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks,
+                              k_scale=x.k_scale, v_scale=x.v_scale)
         self._launch(spec, cfg, PARTIAL_SIGNATURE, values, x.q.device)
 
     @staticmethod

@@ -5,14 +5,18 @@
 //
 //   ATTNPLAN_KIND        0 = split partial (writes PartialState), 1 = single pass (writes out, lse),
 //                        2 = merge
-//   ATTNPLAN_DTYPE       0 = float16, 1 = bfloat16, 2 = float32 (q, KV cache and out share it)
-//   ATTNPLAN_HEAD_DIM    head_dim (multiple of 8)
+//   ATTNPLAN_DTYPE       0 = float16, 1 = bfloat16, 2 = float32 (q and out; also the KV cache unless fp8)
+//   ATTNPLAN_KV_FP8      1 = the KV cache is float8_e4m3fn (q fp16/bf16), dequantized in the kernel
+//                        with the per-KV-head k_scale / v_scale arguments         [partial / single]
+//   ATTNPLAN_HEAD_DIM    head_dim (multiple of 8; of 16 with an fp8 cache)
 //   ATTNPLAN_GROUP       GQA group size (query heads per KV head)          [partial / single]
 //   ATTNPLAN_QLEN        queries per sequence                               [partial / single]
 //   ATTNPLAN_PAGE_SIZE   tokens per page, 0 = contiguous cache              [partial / single]
-//   ATTNPLAN_KV_WARPS    warps that take different KV tiles of one chunk   [partial / single]
+//   ATTNPLAN_SPLIT_V     0 = split-K inside the program, 1 = split-V (see "Method")  [partial / single]
+//   ATTNPLAN_KV_WARPS    warps per row group: split-K: warps taking different KV tiles of the chunk;
+//                        split-V: warps owning different head_dim column slices  [partial / single]
 //   ATTNPLAN_ROW_GROUPS  warp sets that split the GQA-group x q_len rows    [partial / single]
-//   ATTNPLAN_STAGES      cp.async pipeline depth per warp                   [partial / single]
+//   ATTNPLAN_STAGES      cp.async pipeline depth (per warp for split-K, per program for split-V)
 //   ATTNPLAN_PASSES      warp passes per KV tile                            [partial / single]
 //   ATTNPLAN_WINDOW      1 = sliding window (window_left argument)          [partial / single]
 //   ATTNPLAN_SOFTCAP     1 = logits soft-cap (softcap_log2 argument)        [partial / single]
@@ -20,7 +24,8 @@
 //                        against the kernel's by static_assert (a mismatch fails compilation).
 //
 // No #include: only NVRTC built-ins, so no CUDA toolkit headers are needed at run time. fp16/bf16
-// conversions are inline PTX (cvt), which needs sm_80 or newer.
+// conversions are inline PTX (cvt), which needs sm_80 or newer; fp8 e4m3fn is decoded with integer
+// ops and the fp16 conversion (no cuda_fp8.h, same code on every architecture).
 //
 // ATTNPLAN_HOST_EMULATION (tests only): the same source compiles as host C++ against
 // emulation/simt.h, which runs every CUDA thread as a fiber so the kernels' indexing, masking and
@@ -36,19 +41,28 @@
 // natural-log lse at split index s; the single-pass kernel writes out (q's dtype) and lse directly.
 // Variants: the soft-cap c*tanh(score/c) is applied to the scaled scores; a sink logit z (per query
 // head, natural log) joins the denominator in the single-pass epilogue and the merge only (partial
-// states never include it): lse' = logaddexp(lse, z), o' = o * exp(lse - lse').
+// states never include it): lse' = logaddexp(lse, z), o' = o * exp(lse - lse'). An fp8 cache holds
+// K/k_scale[h] and V/v_scale[h]: k_scale[h] is folded into q's score scale, v_scale[h] into the
+// program's normalized output (so lse and the merge never see it).
 //
 // Method (FlashDecoding; FlashInfer's decode kernels for the CUDA-core layout):
 //  * Rows r = i*GROUP + g (query i, head g of the group). Row groups of RT rows; each warp holds its
-//    rows' q (pre-scaled by sm_scale*log2(e)) in fp32 registers, one 16-byte vector of head_dim per lane.
-//  * Tiles are TILE-aligned token ranges starting at or below the row group's first visible position
-//    (positions outside a row's range are masked), so a tile never straddles a page boundary.
-//  * Each warp streams its own KV tiles (tiles kw, kw+KV_WARPS, ... of the chunk) into a private
-//    STAGES-deep shared-memory ring with 16-byte cp.async (zero-filled past the chunk), so several
-//    tiles are in flight per warp and no CTA barrier sits in the main loop (split-K inside the CTA).
+//    rows' q (pre-scaled by sm_scale*log2(e), and k_scale with fp8) in fp32 registers: the elements of
+//    one 16-byte KV vector of head_dim per lane (8 for fp16/bf16, 4 for fp32, 16 for fp8).
+//  * Tiles are TILE-aligned token ranges starting at or below the first visible position (positions
+//    outside a row's range are masked), so a tile never straddles a page boundary. K and V go through
+//    STAGES-deep shared-memory rings with 16-byte cp.async (zero-filled past the chunk).
 //  * Scores: each lane multiplies its head_dim slice, a butterfly over LPT lanes sums the slices.
 //    Online softmax in base 2 (exp2), fp32 accumulation, rescale only when a row's max grows.
-//  * At the end the warps of a row group merge their (m, l, acc) states through shared memory.
+//  * Partition inside the program (seed 000), chosen at compile time (ATTNPLAN_SPLIT_V):
+//    split-K (0): the warps of a row group take different KV tiles (kw, kw+KV_WARPS, ...) through
+//      private per-warp rings, so no CTA barrier sits in the main loop; at the end the warps of a row
+//      group merge their (m, l, acc) states through shared memory (2 __syncthreads).
+//    split-V (1): all warps share one ring that the whole program fills (one __syncthreads per tile);
+//      every warp computes its rows' scores over every tile itself (full K rows: q.k spans head_dim,
+//      so QK^T is recomputed KV_WARPS times per row group) and keeps its own running max and sum,
+//      but accumulates P.V only for its slice of head_dim columns and writes those output columns
+//      directly: no cross-warp reduction, no shared-memory merge. Costs: backends/cuda_ptx/__init__.py.
 //  * 64-bit element offsets everywhere a page/batch index multiplies a stride.
 
 typedef long long i64;
@@ -70,37 +84,59 @@ typedef unsigned short elem_t;
 #define VEC 8
 #endif
 
+#ifndef ATTNPLAN_KV_FP8
+#define ATTNPLAN_KV_FP8 0
+#endif
+#if ATTNPLAN_KV_FP8
+#if ATTNPLAN_DTYPE == 2
+#error "an fp8 KV cache needs q in float16 or bfloat16"
+#endif
+typedef unsigned char kv_t;
+#define KVEC 16  // KV elements per 16-byte vector
+#else
+typedef elem_t kv_t;
+#define KVEC VEC
+#endif
+
 #define NEG_INF (__int_as_float(0xff800000))
+#define QNAN_F (__int_as_float(0x7fffffff))
 #define FULL_MASK 0xffffffffu
 #define LN2_F 0.69314718055994530942f
 
 constexpr int HEAD_DIM = ATTNPLAN_HEAD_DIM;
 static_assert(HEAD_DIM % 8 == 0, "head_dim must be a multiple of 8");
-constexpr int DV = HEAD_DIM / VEC;  // 16-byte vectors per K/V row
 
 __host__ __device__ constexpr int pow2_ceil(int x) { return x <= 1 ? 1 : 2 * pow2_ceil((x + 1) / 2); }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
 // ---------------------------------------------------------------------------------------------
-// conversions (no cuda_fp16.h / cuda_bf16.h)
+// conversions (no cuda_fp16.h / cuda_bf16.h / cuda_fp8.h)
 // ---------------------------------------------------------------------------------------------
+// two packed fp16 (low half first) -> two floats, exactly (subnormals included)
+__device__ __forceinline__ void half2_to_float2(u32 w, float &a, float &b) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    a = emu::half_to_float((unsigned short)(w & 0xffffu));
+    b = emu::half_to_float((unsigned short)(w >> 16));
+#else
+    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;\n\t}"
+        : "=f"(a), "=f"(b) : "r"(w));
+#endif
+}
+
 __device__ __forceinline__ void unpack2(u32 w, float &a, float &b) {
 #if ATTNPLAN_DTYPE == 1
     a = __uint_as_float(w << 16);
     b = __uint_as_float(w & 0xffff0000u);
-#elif ATTNPLAN_DTYPE == 0 && defined(ATTNPLAN_HOST_EMULATION)
-    a = emu::half_to_float((unsigned short)(w & 0xffffu));
-    b = emu::half_to_float((unsigned short)(w >> 16));
 #elif ATTNPLAN_DTYPE == 0
-    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;\n\t}"
-        : "=f"(a), "=f"(b) : "r"(w));
+    half2_to_float2(w, a, b);
 #else
     a = __uint_as_float(w);
     b = 0.f;
 #endif
 }
 
-// one 16-byte vector -> VEC floats
+// one 16-byte vector of q's dtype -> VEC floats
 __device__ __forceinline__ void unpack16(const uint4 u, float (&f)[VEC]) {
 #if ATTNPLAN_DTYPE == 2
     f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
@@ -108,6 +144,46 @@ __device__ __forceinline__ void unpack16(const uint4 u, float (&f)[VEC]) {
 #else
     unpack2(u.x, f[0], f[1]); unpack2(u.y, f[2], f[3]);
     unpack2(u.z, f[4], f[5]); unpack2(u.w, f[6], f[7]);
+#endif
+}
+
+#if ATTNPLAN_KV_FP8
+// float8_e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits, subnormals, no infinities,
+// S.1111.111 (0x7f, 0xff) = NaN. Decoded exactly, but scaled by 2^-8: the 7 exponent + mantissa bits
+// move under an fp16's sign into its low 4 exponent bits and top 3 mantissa bits, so the fp16 holds
+// value x 2^-8 (fp16 bias 15 = 7 + 8; fp16 subnormals are exactly the e4m3 subnormals x 2^-8), and
+// cvt.f32.f16 widens it exactly. FP8_UNIT = 2^8 is folded into k_scale and v_scale.
+constexpr float FP8_UNIT = 256.f;
+
+// 4 e4m3fn bytes (byte 0 first) -> 4 floats x 2^-8 (NaN codes not handled here: fp8x4_nan)
+__device__ __forceinline__ void fp8x4_to_float(u32 w, float &a, float &b, float &c, float &d) {
+    const u32 lo = __byte_perm(w, 0u, 0x1404u);  // byte 0 -> bits 8..15, byte 1 -> bits 24..31, zeros
+    const u32 hi = __byte_perm(w, 0u, 0x3424u);  // byte 2, byte 3 likewise
+    half2_to_float2((lo & 0x80008000u) | ((lo >> 1) & 0x3f803f80u), a, b);
+    half2_to_float2((hi & 0x80008000u) | ((hi >> 1) & 0x3f803f80u), c, d);
+}
+
+// bit 7 of byte j set where byte j of w is a NaN code ((byte & 0x7f) == 0x7f; no carry crosses bytes)
+__device__ __forceinline__ u32 fp8x4_nan(u32 w) { return ((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u; }
+#endif
+
+// one 16-byte vector of the KV cache -> KVEC floats (fp8: x 2^-8, see FP8_UNIT)
+__device__ __forceinline__ void unpack_kv(const uint4 u, float (&f)[KVEC]) {
+#if ATTNPLAN_KV_FP8
+    fp8x4_to_float(u.x, f[0], f[1], f[2], f[3]);
+    fp8x4_to_float(u.y, f[4], f[5], f[6], f[7]);
+    fp8x4_to_float(u.z, f[8], f[9], f[10], f[11]);
+    fp8x4_to_float(u.w, f[12], f[13], f[14], f[15]);
+    const u32 n[4] = {fp8x4_nan(u.x), fp8x4_nan(u.y), fp8x4_nan(u.z), fp8x4_nan(u.w)};
+    if ((n[0] | n[1] | n[2] | n[3]) != 0u) {  // rare: a NaN code
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                if (n[k] & (0x80u << (8 * j))) f[4 * k + j] = QNAN_F;
+    }
+#else
+    unpack16(u, f);
 #endif
 }
 
@@ -152,35 +228,53 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
 #ifndef ATTNPLAN_SOFTCAP
 #define ATTNPLAN_SOFTCAP 0
 #endif
+#ifndef ATTNPLAN_SPLIT_V
+#define ATTNPLAN_SPLIT_V 0
+#endif
 
+static_assert(HEAD_DIM % KVEC == 0, "head_dim must fill whole 16-byte KV vectors (a multiple of 16 for fp8)");
+constexpr int DV = HEAD_DIM / KVEC;                 // 16-byte vectors per K/V row
+constexpr int QPV = KVEC / VEC;                     // 16-byte q vectors per KV vector (2 for fp8)
 constexpr int LPT = DV >= 32 ? 32 : pow2_ceil(DV);  // lanes per token row
 constexpr int NV = (DV + LPT - 1) / LPT;            // 16-byte vectors per lane per row
 constexpr int TPP = 32 / LPT;                       // tokens per warp pass
 constexpr int PASSES = ATTNPLAN_PASSES;
-constexpr int TILE = PASSES * TPP;                  // tokens per warp tile
+constexpr int TILE = PASSES * TPP;                  // tokens per tile
 constexpr int CH = TILE * DV;                       // 16-byte chunks per tile (K or V)
-constexpr int CPL = (CH + 31) / 32;                 // chunks per lane per tile (K or V)
 constexpr int GROUP = ATTNPLAN_GROUP;
 constexpr int QLEN = ATTNPLAN_QLEN;
 constexpr int R = GROUP * QLEN;                     // rows per program
 constexpr int NRG = ATTNPLAN_ROW_GROUPS;
 constexpr int RT = (R + NRG - 1) / NRG;             // rows per row group
-constexpr int NWK = ATTNPLAN_KV_WARPS;
+constexpr int NWK = ATTNPLAN_KV_WARPS;              // warps per row group
 constexpr int NWARPS = NRG * NWK;
 constexpr int NTHREADS = 32 * NWARPS;
 constexpr int STAGES = ATTNPLAN_STAGES;
 constexpr int PAGE = ATTNPLAN_PAGE_SIZE;
+constexpr bool SPLIT_V = ATTNPLAN_SPLIT_V != 0;
+// split-V: warp kw of a row group owns vectors [kw*DVW, (kw+1)*DVW) of every V / output row. In its
+// P.V step a token row's LPT lanes split into SUBS subgroups of LPV lanes, each subgroup taking a
+// different token (one pass in SUBS), each lane NVV vectors of the slice. split-K: DVW = DV, SUBS = 1.
+constexpr int DVW = SPLIT_V ? DV / NWK : DV;
+constexpr int LPV = cmin(pow2_ceil(DVW), LPT);
+constexpr int NVV = (DVW + LPV - 1) / LPV;
+constexpr int SUBS = LPT / LPV;
+constexpr int ACC_NV = SPLIT_V ? NVV : NV;          // accumulator vectors per lane per row
+constexpr int NCOPY = SPLIT_V ? NTHREADS : 32;      // threads filling one ring (program / warp)
+constexpr int CPL = (CH + NCOPY - 1) / NCOPY;       // chunks per copying thread per tile (K or V)
 constexpr bool ONE_PAGE = PAGE >= TILE;             // a (T-aligned) tile lies in one page
-constexpr int NPG = ONE_PAGE ? 1 : CPL;             // block-table entries per lane per tile
+constexpr int NPG = ONE_PAGE ? 1 : CPL;             // block-table entries per copying thread per tile
 constexpr int STAGE_BYTES = 2 * CH * 16;            // K + V of one tile
-constexpr int RING_BYTES = NWARPS * STAGES * STAGE_BYTES;
-constexpr int EPI_BYTES = NWARPS * RT * (HEAD_DIM + 2) * 4;
+constexpr int RING_BYTES = (SPLIT_V ? 1 : NWARPS) * STAGES * STAGE_BYTES;
+constexpr int EPI_BYTES = SPLIT_V ? 0 : NWARPS * RT * (HEAD_DIM + 2) * 4;
 constexpr int SMEM_BYTES = cmax(RING_BYTES, EPI_BYTES);
 
 static_assert((PASSES & (PASSES - 1)) == 0, "passes must be a power of two");
 static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 static_assert(PAGE == 0 || (PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
 static_assert(NRG * RT >= R && NRG >= 1 && NWK >= 1, "bad row groups / warps");
+static_assert(!SPLIT_V || DV % NWK == 0, "split-V: the warps of a row group must divide head_dim's 16-byte vectors");
+static_assert(PASSES % SUBS == 0, "split-V: a tile needs a pass for every lane subgroup");
 #ifdef ATTNPLAN_SMEM_BYTES
 static_assert(SMEM_BYTES == ATTNPLAN_SMEM_BYTES, "host and kernel disagree on dynamic shared memory");
 #endif
@@ -217,9 +311,9 @@ __device__ __forceinline__ float soft_cap(float x, float c) {
 __device__ __forceinline__ void cp_async16(void *smem_ptr, const void *gptr, bool valid) {
     emu::cp_async16(smem_ptr, gptr, valid);
 }
-__device__ __forceinline__ void cp_async_commit() {}
+__device__ __forceinline__ void cp_async_commit() { emu::cp_async_commit(); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() {}
+__device__ __forceinline__ void cp_async_wait() { emu::cp_async_wait(N); }
 #else
 __device__ __forceinline__ void cp_async16(void *smem_ptr, const void *gptr, bool valid) {
     const u32 s = (u32)__cvta_generic_to_shared(smem_ptr);
@@ -231,25 +325,51 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 #endif
 
-// Block-table entries for the chunks this lane copies of tile `ts` (first token); 0 outside [start, end).
+// Shared-memory loads and stores; the host emulation checks them for races between warps (simt.h).
+template <class T>
+__device__ __forceinline__ T lds(const void *p) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    emu::smem_access(p, sizeof(T), 0);
+#endif
+    return *reinterpret_cast<const T *>(p);
+}
+template <class T>
+__device__ __forceinline__ void sts(void *p, const T &v) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    emu::smem_access(p, sizeof(T), 1);
+#endif
+    *reinterpret_cast<T *>(p) = v;
+}
+
+// Visible range [lo, hi) of query i inside the chunk [cs, ce) (empty when lo >= hi).
+__device__ __forceinline__ void query_range(int i, int L, int cs, int ce, int window_left, int &lo, int &hi) {
+    const int p = L - QLEN + i;  // the query's own position
+    hi = p + 1 < ce ? p + 1 : ce;
+    lo = cs;
+#if ATTNPLAN_WINDOW
+    lo = p - window_left > cs ? p - window_left : cs;
+#endif
+}
+
+// Block-table entries for the chunks thread `cid` copies of tile `ts` (first token); 0 outside [start, end).
 __device__ __forceinline__ void load_pages(int (&pg)[NPG], const int *__restrict__ btb, int ts, int start, int end,
-                                           int lane) {
+                                           int cid) {
 #if ATTNPLAN_PAGE_SIZE > 0
     if (ONE_PAGE) {
         pg[0] = (ts < end && ts + TILE > start) ? __ldg(btb + ts / PAGE) : 0;
     } else {
 #pragma unroll
         for (int k = 0; k < NPG; ++k) {
-            const int c = lane + 32 * k;
+            const int c = cid + NCOPY * k;
             const int t = ts + c / DV;
-            pg[k] = ((CH % 32 == 0 || c < CH) && t < end && t >= start) ? __ldg(btb + t / PAGE) : 0;
+            pg[k] = ((CH % NCOPY == 0 || c < CH) && t < end && t >= start) ? __ldg(btb + t / PAGE) : 0;
         }
     }
 #endif
 }
 
-// Per-lane constants of the tile copies: chunk k of this lane is token tok[k] of the tile, vector
-// v of that row, at element offset off[k] from the tile's base (token 0 of the tile; for pages
+// Per-thread constants of the tile copies: chunk k of copying thread `cid` is token tok[k] of the tile,
+// vector v of that row, at element offset off[k] from the tile's base (token 0 of the tile; for pages
 // smaller than the tile, token 0 of the chunk's page). Tiles start at multiples of TILE (and of PAGE
 // when PAGE < TILE), which the host checks, so these do not depend on the tile.
 struct LaneCopies {
@@ -257,26 +377,27 @@ struct LaneCopies {
     int koff[CPL], voff[CPL];  // < 2^31: the host checks (TILE - 1) x token stride + head_dim
 };
 
-__device__ __forceinline__ void lane_copies(LaneCopies &lc, i64 k_s1, i64 v_s1, int lane) {
+__device__ __forceinline__ void lane_copies(LaneCopies &lc, i64 k_s1, i64 v_s1, int cid) {
 #pragma unroll
     for (int k = 0; k < CPL; ++k) {
-        const int c = lane + 32 * k;
+        const int c = cid + NCOPY * k;
         const int tok = c / DV, v = c % DV;
         const int row = (PAGE > 0 && !ONE_PAGE) ? (tok & (PAGE - 1)) : tok;
-        lc.tok[k] = (CH % 32 == 0 || c < CH) ? tok : (1 << 30);  // past CH: never valid
-        lc.koff[k] = (int)((i64)row * k_s1 + v * VEC);
-        lc.voff[k] = (int)((i64)row * v_s1 + v * VEC);
+        lc.tok[k] = (CH % NCOPY == 0 || c < CH) ? tok : (1 << 30);  // past CH: never valid
+        lc.koff[k] = (int)((i64)row * k_s1 + v * KVEC);
+        lc.voff[k] = (int)((i64)row * v_s1 + v * KVEC);
     }
 }
 
-// Issue the cp.async copies of one K tile and one V tile into a ring stage (no commit).
-// Chunks of tokens before `start` or at / past `end` are zero-filled without reading global memory.
-__device__ __forceinline__ void issue_tile(unsigned char *stage, const elem_t *__restrict__ kb,
-                                           const elem_t *__restrict__ vb, int ts, int start, int end,
+// Issue the cp.async copies of thread `cid`'s chunks of one K tile and one V tile into a ring stage
+// (no commit). Chunks of tokens before `start` or at / past `end` are zero-filled without reading
+// global memory.
+__device__ __forceinline__ void issue_tile(unsigned char *stage, const kv_t *__restrict__ kb,
+                                           const kv_t *__restrict__ vb, int ts, int start, int end,
                                            const int (&pg)[NPG], const LaneCopies &lc, i64 k_s0, i64 k_s1,
-                                           i64 v_s0, i64 v_s1, int lane) {
+                                           i64 v_s0, i64 v_s1, int cid) {
     const int first = start - ts, avail = end - ts;  // tile tokens [first, avail) are read
-    const elem_t *kt = kb, *vt = vb;
+    const kv_t *kt = kb, *vt = vb;
 #if ATTNPLAN_PAGE_SIZE > 0
     if (ONE_PAGE) {
         const i64 base_row = (i64)(ts & (PAGE - 1));
@@ -289,10 +410,10 @@ __device__ __forceinline__ void issue_tile(unsigned char *stage, const elem_t *_
 #endif
 #pragma unroll
     for (int k = 0; k < CPL; ++k) {
-        const int c = lane + 32 * k;
-        if (CH % 32 == 0 || c < CH) {
+        const int c = cid + NCOPY * k;
+        if (CH % NCOPY == 0 || c < CH) {
             const bool valid = lc.tok[k] >= first && lc.tok[k] < avail;
-            const elem_t *ksrc = kt, *vsrc = vt;
+            const kv_t *ksrc = kt, *vsrc = vt;
 #if ATTNPLAN_PAGE_SIZE > 0
             if (!ONE_PAGE) {
                 ksrc = kb + (i64)pg[k] * k_s0;
@@ -305,10 +426,131 @@ __device__ __forceinline__ void issue_tile(unsigned char *stage, const elem_t *_
     }
 }
 
+// Scores (base 2) of this warp's rows for one tile in shared memory: sc[p][r] = q_r . k_t for token
+// t = p*TPP + slot of the tile, summed over the LPT lanes of the token row (every one of them holds the
+// sum), soft-capped.
+__device__ __forceinline__ void tile_scores(float (&sc)[PASSES][RT], const float (&qf)[RT][NV][KVEC],
+                                            const unsigned char *ks, int slot, int lv, float softcap_log2) {
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+        const int tok = p * TPP + slot;
+        float kf[NV][KVEC];
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int v = lv + LPT * j;
+            if (DV % LPT == 0 || v < DV) {
+                unpack_kv(lds<uint4>(ks + (tok * DV + v) * 16), kf[j]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < KVEC; ++e) kf[j][e] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            float a = 0.f;
+#pragma unroll
+            for (int j = 0; j < NV; ++j)
+#pragma unroll
+                for (int e = 0; e < KVEC; ++e) a = fmaf(qf[r][j][e], kf[j][e], a);
+            sc[p][r] = a;
+        }
+#pragma unroll
+        for (int off = LPT / 2; off >= 1; off >>= 1)
+#pragma unroll
+            for (int r = 0; r < RT; ++r) sc[p][r] += __shfl_xor_sync(FULL_MASK, sc[p][r], off);
+    }
+#if ATTNPLAN_SOFTCAP
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p)
+#pragma unroll
+        for (int r = 0; r < RT; ++r) sc[p][r] = soft_cap(sc[p][r], softcap_log2);
+#endif
+}
+
+// acc += p * v for one tile. split-K: lane (slot, lv) takes token p*TPP + slot of every pass and its
+// NV vectors of the row. split-V: the warp's DVW-vector column slice (from vector kw*DVW); lane
+// (slot, sub, cv) takes token p*TPP + slot of the passes p = g*SUBS + sub (its probability picked out
+// of its own registers) and vectors cv, cv + LPV, ... of the slice.
+__device__ __forceinline__ void tile_pv(float (&acc)[RT][ACC_NV][KVEC], const float (&sc)[PASSES][RT],
+                                        const unsigned char *vs, int slot, int lv, int kw) {
+#if ATTNPLAN_SPLIT_V
+    const int sub = lv / LPV, cv = lv % LPV;
+#pragma unroll
+    for (int g = 0; g < PASSES / SUBS; ++g) {
+        const int tok = (g * SUBS + sub) * TPP + slot;
+        float pr[RT];
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            float x = sc[g * SUBS][r];
+#pragma unroll
+            for (int k = 1; k < SUBS; ++k) x = sub == k ? sc[g * SUBS + k][r] : x;
+            pr[r] = x;
+        }
+        float vf[NVV][KVEC];
+#pragma unroll
+        for (int j = 0; j < NVV; ++j) {
+            const int c = cv + LPV * j;
+            if (DVW % LPV == 0 || c < DVW) {
+                unpack_kv(lds<uint4>(vs + (tok * DV + kw * DVW + c) * 16), vf[j]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < KVEC; ++e) vf[j][e] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int j = 0; j < NVV; ++j)
+#pragma unroll
+                for (int e = 0; e < KVEC; ++e) acc[r][j][e] = fmaf(pr[r], vf[j][e], acc[r][j][e]);
+    }
+#else
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+        const int tok = p * TPP + slot;
+        float vf[NV][KVEC];
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+            const int v = lv + LPT * j;
+            if (DV % LPT == 0 || v < DV) {
+                unpack_kv(lds<uint4>(vs + (tok * DV + v) * 16), vf[j]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < KVEC; ++e) vf[j][e] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int j = 0; j < NV; ++j)
+#pragma unroll
+                for (int e = 0; e < KVEC; ++e) acc[r][j][e] = fmaf(sc[p][r], vf[j][e], acc[r][j][e]);
+    }
+#endif
+}
+
+// The natural-log lse of a finished row and the factor its accumulator is multiplied by (1 / l, times
+// the fp8 v_scale, times exp(lse - lse') when a sink joins the denominator in the single pass).
+// Empty rows (m = -inf): o = 0, lse = -inf (or the sink).
+__device__ __forceinline__ void finish_row(float m, float l, float vscale, const float *__restrict__ sinks, int head,
+                                           float &lse_n, float &factor) {
+    const bool empty = m == NEG_INF;  // else l >= 1 (the max position has p = 1)
+    lse_n = empty ? NEG_INF : (m + log2f(l)) * LN2_F;
+    float scale = vscale;
+    if (sinks) {  // single pass only (partial states never include the sink)
+        const float z = sinks[head];
+        const float joined = empty ? z : fmaxf(lse_n, z) + log1pf(expf(-fabsf(lse_n - z)));
+        scale = empty ? 0.f : scale * expf(lse_n - joined);
+        lse_n = joined;
+    }
+    factor = empty ? 0.f : scale / l;
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS)
-ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, const elem_t *__restrict__ vc,
+ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const kv_t *__restrict__ vc,
                const int *__restrict__ seq_lens, const int *__restrict__ block_table,
                out_t *__restrict__ o, float *__restrict__ lse, const float *__restrict__ sinks,
+               const float *__restrict__ k_scale, const float *__restrict__ v_scale,
                float scale_log2, float softcap_log2, int chunk_size, int num_splits, int num_kv_heads,
                int window_left,
                i64 q_sb, i64 q_si, i64 q_sh,
@@ -361,13 +603,19 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, cons
         return;
     }
 
-    const int rg = warp / NWK, kw = warp % NWK;
+    const int rg = warp / NWK, kw = warp % NWK;  // row group; warp within it (KV warp / column warp)
     const int slot = lane / LPT, lv = lane % LPT;
 
+    float qscale = scale_log2, vscale = 1.f;
+#if ATTNPLAN_KV_FP8
+    qscale *= k_scale[h] * FP8_UNIT;  // dequantization folded into the score scale ...
+    vscale = v_scale[h] * FP8_UNIT;   // ... and into the normalized output
+#endif
+
     // ---- this warp's rows: q in registers (pre-scaled to base 2), visible range [lo, hi) ----
-    float qf[RT][NV][VEC];
+    float qf[RT][NV][KVEC];
     int lo[RT], hi[RT];
-    int start = ce, end = cs;  // the row group reads KV only in [start, end): its rows' visible union
+    int start = ce, end = cs;  // KV is read only in [start, end): the visible union of the ring's rows
     int max_lo = cs, min_hi = ce;  // tiles inside [max_lo, min_hi) need no mask
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
@@ -376,12 +624,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, cons
         hi[r] = 0;  // padding rows see nothing
         if (rr < R) {
             const int i = rr / GROUP, g = rr % GROUP;
-            const int p = L - QLEN + i;  // the query's own position
-            hi[r] = p + 1 < ce ? p + 1 : ce;
-            lo[r] = cs;
-#if ATTNPLAN_WINDOW
-            lo[r] = p - window_left > cs ? p - window_left : cs;
-#endif
+            query_range(i, L, cs, ce, window_left, lo[r], hi[r]);
             if (lo[r] < hi[r]) {
                 start = lo[r] < start ? lo[r] : start;
                 end = hi[r] > end ? hi[r] : end;
@@ -393,36 +636,52 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, cons
             for (int j = 0; j < NV; ++j) {
                 const int v = lv + LPT * j;
                 if (v < DV) {
-                    float f[VEC];
-                    unpack16(*reinterpret_cast<const uint4 *>(qp + v * VEC), f);
 #pragma unroll
-                    for (int e = 0; e < VEC; ++e) qf[r][j][e] = f[e] * scale_log2;
+                    for (int c = 0; c < QPV; ++c) {
+                        float f[VEC];
+                        unpack16(*reinterpret_cast<const uint4 *>(qp + v * KVEC + c * VEC), f);
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) qf[r][j][c * VEC + e] = f[e] * qscale;
+                    }
                 } else {
 #pragma unroll
-                    for (int e = 0; e < VEC; ++e) qf[r][j][e] = 0.f;
+                    for (int e = 0; e < KVEC; ++e) qf[r][j][e] = 0.f;
                 }
             }
         } else {
 #pragma unroll
             for (int j = 0; j < NV; ++j)
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) qf[r][j][e] = 0.f;
+                for (int e = 0; e < KVEC; ++e) qf[r][j][e] = 0.f;
         }
     }
-    float m[RT], l[RT], acc[RT][NV][VEC];
+#if ATTNPLAN_SPLIT_V
+    // one ring for the whole program: it streams the union over every query's visible range
+    start = ce;
+    end = cs;
+#pragma unroll
+    for (int i = 0; i < QLEN; ++i) {
+        int a, z;
+        query_range(i, L, cs, ce, window_left, a, z);
+        if (a < z) {
+            start = a < start ? a : start;
+            end = z > end ? z : end;
+        }
+    }
+#endif
+    float m[RT], l[RT], acc[RT][ACC_NV][KVEC];
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
         m[r] = NEG_INF;
         l[r] = 0.f;
 #pragma unroll
-        for (int j = 0; j < NV; ++j)
+        for (int j = 0; j < ACC_NV; ++j)
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[r][j][e] = 0.f;
+            for (int e = 0; e < KVEC; ++e) acc[r][j][e] = 0.f;
     }
 
-    // ---- KV streaming: this warp's tiles kw, kw + NWK, ... through its private ring ----
-    const elem_t *kb = kc + (i64)h * k_sh;
-    const elem_t *vb = vc + (i64)h * v_sh;
+    const kv_t *kb = kc + (i64)h * k_sh;
+    const kv_t *vb = vc + (i64)h * v_sh;
     const int *btb = block_table;
 #if ATTNPLAN_PAGE_SIZE > 0
     btb = block_table + (i64)b * bt_sb;
@@ -432,77 +691,67 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, cons
 #endif
     const int tb = start & ~(TILE - 1);  // tiles are TILE-aligned: never across a page boundary
     const int ntiles = end > start ? (end - tb + TILE - 1) / TILE : 0;
+
+#if ATTNPLAN_SPLIT_V
+    // ---- KV streaming: every tile through the program's ring, filled by all threads ----
+    const int cid = tid;
+    const int my_n = ntiles;  // program-uniform: the barrier below is reached by every thread
+    unsigned char *ring = smem;
+#define TILE_START(it) (tb + (it) * TILE)
+#else
+    // ---- KV streaming: this warp's tiles kw, kw + NWK, ... through its private ring ----
+    const int cid = lane;
     const int my_n = ntiles > kw ? (ntiles - kw + NWK - 1) / NWK : 0;
     unsigned char *ring = smem + warp * (STAGES * STAGE_BYTES);
-    LaneCopies lc;
-    lane_copies(lc, k_s1, v_s1, lane);
 #define TILE_START(it) (tb + (kw + NWK * (it)) * TILE)
+#endif
+    LaneCopies lc;
+    lane_copies(lc, k_s1, v_s1, cid);
 
     {  // prologue: block-table entries of the first STAGES-1 tiles together, then their copies
         int pgp[STAGES - 1][NPG];
 #pragma unroll
-        for (int st = 0; st < STAGES - 1; ++st) load_pages(pgp[st], btb, TILE_START(st), start, end, lane);
+        for (int st = 0; st < STAGES - 1; ++st) load_pages(pgp[st], btb, TILE_START(st), start, end, cid);
 #pragma unroll
         for (int st = 0; st < STAGES - 1; ++st) {
             if (st < my_n)
                 issue_tile(ring + st * STAGE_BYTES, kb, vb, TILE_START(st), start, end, pgp[st], lc, k_s0, k_s1, v_s0,
-                           v_s1, lane);
+                           v_s1, cid);
             cp_async_commit();
         }
     }
     int pg[NPG];
-    load_pages(pg, btb, TILE_START(STAGES - 1), start, end, lane);
+    load_pages(pg, btb, TILE_START(STAGES - 1), start, end, cid);
 
     int stage_c = 0, stage_w = STAGES - 1;
     for (int it = 0; it < my_n; ++it) {
+#if ATTNPLAN_SPLIT_V
+        cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
+        __syncthreads();  // everyone's have; and every warp is done with tile it - 1, whose stage is refilled now
         if (it + STAGES - 1 < my_n)
             issue_tile(ring + stage_w * STAGE_BYTES, kb, vb, TILE_START(it + STAGES - 1), start, end, pg, lc, k_s0,
-                       k_s1, v_s0, v_s1, lane);
+                       k_s1, v_s0, v_s1, cid);
         cp_async_commit();
-        load_pages(pg, btb, TILE_START(it + STAGES), start, end, lane);  // used one iteration later
+        load_pages(pg, btb, TILE_START(it + STAGES), start, end, cid);  // used one iteration later
+#else
+        if (it + STAGES - 1 < my_n)
+            issue_tile(ring + stage_w * STAGE_BYTES, kb, vb, TILE_START(it + STAGES - 1), start, end, pg, lc, k_s0,
+                       k_s1, v_s0, v_s1, cid);
+        cp_async_commit();
+        load_pages(pg, btb, TILE_START(it + STAGES), start, end, cid);  // used one iteration later
         cp_async_wait<STAGES - 1>();
         __syncwarp();
-
+#endif
         const int ts = TILE_START(it);
         const unsigned char *ks = ring + stage_c * STAGE_BYTES;
         const unsigned char *vs = ks + CH * 16;
 
-        // scores (base 2): sc[p][r] = q_r . k_t for token t = ts + p*TPP + slot
         float sc[PASSES][RT];
-#pragma unroll
-        for (int p = 0; p < PASSES; ++p) {
-            const int tok = p * TPP + slot;
-            float kf[NV][VEC];
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                const int v = lv + LPT * j;
-                if (DV % LPT == 0 || v < DV) {
-                    unpack16(*reinterpret_cast<const uint4 *>(ks + (tok * DV + v) * 16), kf[j]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) kf[j][e] = 0.f;
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < RT; ++r) {
-                float a = 0.f;
-#pragma unroll
-                for (int j = 0; j < NV; ++j)
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) a = fmaf(qf[r][j][e], kf[j][e], a);
-                sc[p][r] = a;
-            }
-#pragma unroll
-            for (int off = LPT / 2; off >= 1; off >>= 1)
-#pragma unroll
-                for (int r = 0; r < RT; ++r) sc[p][r] += __shfl_xor_sync(FULL_MASK, sc[p][r], off);
-        }
-#if ATTNPLAN_SOFTCAP
-#pragma unroll
-        for (int p = 0; p < PASSES; ++p)
-#pragma unroll
-            for (int r = 0; r < RT; ++r) sc[p][r] = soft_cap(sc[p][r], softcap_log2);
-#endif
+        tile_scores(sc, qf, ks, slot, lv, softcap_log2);
+
+        // mask the tile's positions a row cannot see, then the online-softmax update of (m, l, acc); sc
+        // becomes p = exp2(s - m). The row max is warp-uniform, so the rescale branch is too. (Kept
+        // inline: as a helper function ptxas allocates sm_80 split-K registers worse and spills.)
         if (ts < max_lo || ts + TILE > min_hi) {  // warp-uniform: the tile holds positions a row cannot see
 #pragma unroll
             for (int p = 0; p < PASSES; ++p) {
@@ -512,8 +761,6 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, cons
                     if (t < lo[r] || t >= hi[r]) sc[p][r] = NEG_INF;
             }
         }
-
-        // online softmax; the row max is warp-uniform, so the rescale branch is too
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
             float mx = sc[0][r];
@@ -526,9 +773,9 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, cons
                 m[r] = mx;
                 l[r] *= alpha;
 #pragma unroll
-                for (int j = 0; j < NV; ++j)
+                for (int j = 0; j < ACC_NV; ++j)
 #pragma unroll
-                    for (int e = 0; e < VEC; ++e) acc[r][j][e] *= alpha;
+                    for (int e = 0; e < KVEC; ++e) acc[r][j][e] *= alpha;
             }
             const float mu = m[r] == NEG_INF ? 0.f : m[r];  // never -inf - (-inf)
 #pragma unroll
@@ -539,49 +786,77 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, cons
             }
         }
 
-        // acc += p * v
-#pragma unroll
-        for (int p = 0; p < PASSES; ++p) {
-            const int tok = p * TPP + slot;
-            float vf[NV][VEC];
-#pragma unroll
-            for (int j = 0; j < NV; ++j) {
-                const int v = lv + LPT * j;
-                if (DV % LPT == 0 || v < DV) {
-                    unpack16(*reinterpret_cast<const uint4 *>(vs + (tok * DV + v) * 16), vf[j]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) vf[j][e] = 0.f;
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < RT; ++r)
-#pragma unroll
-                for (int j = 0; j < NV; ++j)
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) acc[r][j][e] = fmaf(sc[p][r], vf[j][e], acc[r][j][e]);
-        }
+        tile_pv(acc, sc, vs, slot, lv, kw);
+#if !ATTNPLAN_SPLIT_V
         __syncwarp();  // every lane is done with this stage before it is refilled
+#endif
         stage_c = stage_c + 1 == STAGES ? 0 : stage_c + 1;
         stage_w = stage_w + 1 == STAGES ? 0 : stage_w + 1;
     }
 #undef TILE_START
     cp_async_wait<0>();
 
-    // ---- lanes of the same head_dim slice hold different tokens: sum their l and acc ----
+    // ---- lanes of one row's token slots hold different tokens: sum l over them ----
 #pragma unroll
-    for (int off = LPT; off < 32; off <<= 1) {
+    for (int off = LPT; off < 32; off <<= 1)
 #pragma unroll
-        for (int r = 0; r < RT; ++r) {
-            l[r] += __shfl_xor_sync(FULL_MASK, l[r], off);
+        for (int r = 0; r < RT; ++r) l[r] += __shfl_xor_sync(FULL_MASK, l[r], off);
+
+#if ATTNPLAN_SPLIT_V
+    // ---- acc: sum over the lanes holding the same vectors of the slice (other slots and subgroups) ----
+#pragma unroll
+    for (int off = LPV; off < 32; off <<= 1)
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int j = 0; j < NVV; ++j)
+#pragma unroll
+                for (int e = 0; e < KVEC; ++e) acc[r][j][e] += __shfl_xor_sync(FULL_MASK, acc[r][j][e], off);
+
+    // ---- every warp writes its own columns of its rows; warp 0 of the row group the lse ----
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        const int rr = rg * RT + r;
+        if (rr >= R) continue;  // warp-uniform
+        const int i = rr / GROUP, g = rr % GROUP;
+        float lse_n, factor;
+        finish_row(m[r], l[r], vscale, sinks, h * GROUP + g, lse_n, factor);
+        out_t *orow = ob + (i64)i * o_si + (i64)(h * GROUP + g) * o_sh;
+        if (lane < LPV) {
+#pragma unroll
+            for (int j = 0; j < NVV; ++j) {
+                const int c = lane + LPV * j;
+                if (DVW % LPV == 0 || c < DVW) {
+                    out_t *dst = orow + (kw * DVW + c) * KVEC;
+#if ATTNPLAN_KIND == ATTNPLAN_KIND_SINGLE
+#pragma unroll
+                    for (int e = 0; e < KVEC; ++e) dst[e] = to_out(acc[r][j][e] * factor);
+#else
+#pragma unroll
+                    for (int e = 0; e < KVEC; e += 4) {  // state.o is 16-byte aligned (host check)
+                        float4 t4;
+                        t4.x = acc[r][j][e] * factor; t4.y = acc[r][j][e + 1] * factor;
+                        t4.z = acc[r][j][e + 2] * factor; t4.w = acc[r][j][e + 3] * factor;
+                        *reinterpret_cast<float4 *>(dst + e) = t4;
+                    }
+#endif
+                }
+            }
+        }
+        if (kw == 0 && lane == 0 && lb) lb[(i64)i * l_si + (i64)(h * GROUP + g) * l_sh] = lse_n;
+    }
+#else
+    // ---- lanes of the same head_dim slice hold different tokens: sum their acc ----
+#pragma unroll
+    for (int off = LPT; off < 32; off <<= 1)
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
 #pragma unroll
             for (int j = 0; j < NV; ++j)
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[r][j][e] += __shfl_xor_sync(FULL_MASK, acc[r][j][e], off);
-        }
-    }
+                for (int e = 0; e < KVEC; ++e) acc[r][j][e] += __shfl_xor_sync(FULL_MASK, acc[r][j][e], off);
 
-    // ---- merge the KV warps of each row group through shared memory (the ring is free now) ----
+    // ---- merge the KV warps of each row group through shared memory (the rings are free now) ----
     __syncthreads();
     float *sm_acc = reinterpret_cast<float *>(smem);  // [NWARPS][RT][HEAD_DIM]
     float *sm_m = sm_acc + NWARPS * RT * HEAD_DIM;    // [NWARPS][RT]
@@ -593,12 +868,12 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, cons
             for (int j = 0; j < NV; ++j) {
                 const int v = lv + LPT * j;
                 if (v < DV) {
-                    float *dst = sm_acc + (warp * RT + r) * HEAD_DIM + v * VEC;
+                    float *dst = sm_acc + (warp * RT + r) * HEAD_DIM + v * KVEC;
 #pragma unroll
-                    for (int e = 0; e < VEC; e += 4) {
+                    for (int e = 0; e < KVEC; e += 4) {
                         float4 t4;
                         t4.x = acc[r][j][e]; t4.y = acc[r][j][e + 1]; t4.z = acc[r][j][e + 2]; t4.w = acc[r][j][e + 3];
-                        *reinterpret_cast<float4 *>(dst + e) = t4;
+                        sts(dst + e, t4);
                     }
                 }
             }
@@ -606,8 +881,8 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, cons
     if (lane == 0) {
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
-            sm_m[warp * RT + r] = m[r];
-            sm_l[warp * RT + r] = l[r];
+            sts(sm_m + warp * RT + r, m[r]);
+            sts(sm_l + warp * RT + r, l[r]);
         }
     }
     __syncthreads();
@@ -617,28 +892,23 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const elem_t *__restrict__ kc, cons
         const int w0 = (rr / RT) * NWK, r = rr % RT;
         float M = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < NWK; ++w) M = fmaxf(M, sm_m[(w0 + w) * RT + r]);
+        for (int w = 0; w < NWK; ++w) M = fmaxf(M, lds<float>(sm_m + (w0 + w) * RT + r));
         float lsum = 0.f, a = 0.f;
         if (M != NEG_INF) {
 #pragma unroll
             for (int w = 0; w < NWK; ++w) {
-                const float f = fast_exp2(sm_m[(w0 + w) * RT + r] - M);  // 0 for a warp that saw nothing
-                lsum = fmaf(f, sm_l[(w0 + w) * RT + r], lsum);
-                a = fmaf(f, sm_acc[((w0 + w) * RT + r) * HEAD_DIM + d], a);
+                const float f = fast_exp2(lds<float>(sm_m + (w0 + w) * RT + r) - M);  // 0 for a warp that saw nothing
+                lsum = fmaf(f, lds<float>(sm_l + (w0 + w) * RT + r), lsum);
+                a = fmaf(f, lds<float>(sm_acc + ((w0 + w) * RT + r) * HEAD_DIM + d), a);
             }
         }
-        const bool empty = M == NEG_INF;  // else lsum >= 1 (the max position has p = 1)
         const int i = rr / GROUP, g = rr % GROUP;
-        float lse_n = empty ? NEG_INF : (M + log2f(lsum)) * LN2_F, scale = 1.f;
-        if (sinks) {  // single pass only (partial states never include the sink)
-            const float z = sinks[h * GROUP + g];
-            const float joined = empty ? z : fmaxf(lse_n, z) + log1pf(expf(-fabsf(lse_n - z)));
-            scale = empty ? 0.f : expf(lse_n - joined);
-            lse_n = joined;
-        }
-        ob[(i64)i * o_si + (i64)(h * GROUP + g) * o_sh + d] = to_out(empty ? 0.f : a / lsum * scale);
+        float lse_n, factor;
+        finish_row(M, lsum, vscale, sinks, h * GROUP + g, lse_n, factor);
+        ob[(i64)i * o_si + (i64)(h * GROUP + g) * o_sh + d] = to_out(a * factor);
         if (d == 0 && lb) lb[(i64)i * l_si + (i64)(h * GROUP + g) * l_sh] = lse_n;
     }
+#endif
 }
 
 #else  // ATTNPLAN_KIND == ATTNPLAN_KIND_MERGE

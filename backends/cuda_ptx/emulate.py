@@ -1,8 +1,9 @@
 """Run the ``cuda_ptx`` kernels on a CPU: ``decode.cu`` compiled as host C++ (a check, not a backend).
 
 ``decode.cu`` builds with ``-DATTNPLAN_HOST_EMULATION`` against ``emulation/simt.h``, which runs
-every CUDA thread of a block as a fiber, warp shuffles and barriers included (see that header for
-what the emulation shows and what it cannot). :class:`EmulatedCudaPtxBackend` is
+every CUDA thread of a block as a fiber, warp shuffles and barriers included, and checks every
+shared-memory access and cp.async copy for races between warps (see that header for what the
+emulation shows and what it cannot). :class:`EmulatedCudaPtxBackend` is
 :class:`~attnplan.backends.cuda_ptx.CudaPtxBackend` with only the final launch replaced: the same
 spec choice, input checks, :func:`~.launch.partial_args` and :class:`~.launch.PackedArgs`
 ``kernelParams`` array go to the emulated kernel instead of ``cuLaunchKernel``. It takes CPU tensors
@@ -67,8 +68,6 @@ class EmulatedKernel:
         EmulationError: no compiler, or compilation failed (message has the compiler's output).
     """
 
-    _lock = threading.Lock()
-
     def __init__(self, spec: KernelSpec, build_dir: str | os.PathLike | None = None):
         cxx = compiler()
         if cxx is None:
@@ -83,15 +82,14 @@ class EmulatedKernel:
         out_dir = root / "emulation"
         out_dir.mkdir(parents=True, exist_ok=True)
         so = out_dir / f"{spec.name}-{h.hexdigest()[:16]}.so"
-        with self._lock:
-            if not so.exists():
-                tmp = so.with_suffix(f".{os.getpid()}.tmp")
-                cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-DATTNPLAN_HOST_EMULATION", *defines,
-                       str(_EMU_DIR / "harness.cpp"), "-o", str(tmp)]
-                r = subprocess.run(cmd, capture_output=True, text=True)
-                if r.returncode:
-                    raise EmulationError(f"building the host emulation of {spec.name} failed:\n{' '.join(cmd)}\n{r.stderr}")
-                os.replace(tmp, so)
+        if not so.exists():  # builders never share a temporary file; os.replace publishes atomically
+            tmp = so.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-DATTNPLAN_HOST_EMULATION", *defines,
+                   str(_EMU_DIR / "harness.cpp"), "-o", str(tmp)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode:
+                raise EmulationError(f"building the host emulation of {spec.name} failed:\n{' '.join(cmd)}\n{r.stderr}")
+            os.replace(tmp, so)
         self.lib = ctypes.CDLL(str(so))
         self.lib.emu_launch.restype = ctypes.c_int
         self.lib.emu_launch.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_ulonglong,
@@ -136,6 +134,22 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
             return False, "the cuda_ptx host emulation runs on CPU tensors"
         return (True, "") if compiler() else (False, "no C++ compiler for the cuda_ptx host emulation")
 
+    def prebuild(self, specs, workers: int | None = None) -> None:
+        """Build the emulations of ``specs`` now, several compiler processes at a time (each build
+        takes ~0.5 s of one core), so that later launches only load them.
+
+        Raises:
+            EmulationError: a build failed.
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = [s for s in dict.fromkeys(specs) if s not in self.kernels]
+        if not todo:
+            return
+        with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+            for spec, k in zip(todo, pool.map(lambda s: EmulatedKernel(s, self.build_dir), todo)):
+                self.kernels[spec] = k
+
     def kernel(self, spec: KernelSpec) -> EmulatedKernel:
         k = self.kernels.get(spec)
         if k is None:
@@ -145,12 +159,16 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
     def _launch(self, spec, cfg, signature, values, device) -> None:
         self.kernel(spec).launch(cfg, PackedArgs(signature, values), self._readable)
 
+    @staticmethod
+    def _inputs(x) -> list:
+        return [x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.k_scale, x.v_scale, x.sinks]
+
     def partial(self, plan, inputs, state) -> None:
-        self._readable = [inputs.q, inputs.k_cache, inputs.v_cache, inputs.seq_lens, inputs.block_table]
+        self._readable = self._inputs(inputs)
         super().partial(plan, inputs, state)
 
     def single_pass(self, plan, inputs, out, lse) -> None:
-        self._readable = [inputs.q, inputs.k_cache, inputs.v_cache, inputs.seq_lens, inputs.block_table]
+        self._readable = self._inputs(inputs)
         super().single_pass(plan, inputs, out, lse)
 
     def merge(self, plan, state, out, lse, sinks=None) -> None:

@@ -15,9 +15,13 @@ driver call is checked (:func:`~._bindings.check_driver`). A launch allocates no
 never synchronizes the host, so it can be captured in a CUDA graph.
 
 Kernel layout (see ``decode.cu`` for the method): a program is ``row_groups x kv_warps`` warps; a
-row group holds ``rows_per_group`` of the ``GQA group x q_len`` rows in registers; the ``kv_warps``
-warps of a row group stream different KV tiles of the chunk through private ``stages``-deep
-``cp.async`` rings and merge their softmax states through shared memory at the end.
+row group holds ``rows_per_group`` of the ``GQA group x q_len`` rows in registers. Split-K
+(``partition="split_k"``): the ``kv_warps`` warps of a row group stream different KV tiles of the
+chunk through private ``stages``-deep ``cp.async`` rings and merge their softmax states through
+shared memory at the end. Split-V (``partition="split_v"``): one ``stages``-deep ring per program,
+filled by all threads; each of the ``kv_warps`` warps of a row group computes the scores of every
+tile and accumulates and writes its own slice of head_dim columns. An fp8 KV cache
+(``kv_dtype="float8_e4m3fn"``) carries 16 values per 16-byte vector; q stays fp16 / bf16.
 """
 
 from __future__ import annotations
@@ -38,22 +42,27 @@ __all__ = [
     "KernelSpec", "make_spec", "merge_spec", "LaunchConfig", "partial_launch_config", "merge_launch_config",
     "PackedArgs", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "partial_args", "merge_args", "check_layout",
     "kernel_source", "DeviceRuntime", "DTYPE_CODES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS",
+    "vector_layout", "split_v_layout", "max_rows", "FP8", "PARTITIONS",
 ]
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
-ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+FP8 = "float8_e4m3fn"
+PARTITIONS = ("split_k", "split_v")
 KIND_CODES = {"partial": 0, "single": 1, "merge": 2}
 ENTRY = {"partial": "attnplan_decode_partial", "single": "attnplan_decode_single", "merge": "attnplan_merge"}
 
-#: bytes of K+V one warp's ring stage holds (the tile), before capping by registers
+#: bytes of K+V one warp's ring stage holds (the tile), before capping by registers (split-K)
 TILE_BYTES = 4096
+#: the same for split-V's program-wide stage (larger: one barrier per tile)
+TILE_BYTES_SPLIT_V = 8192
 #: KV bytes a program should keep in flight (Little's law: ~33 GB/s per H200 SM x ~1.5 us)
 INFLIGHT_BYTES = 48 * 1024
 #: default dynamic shared memory budget per program: two programs fit an H100/H200 SM
 SMEM_BUDGET = 96 * 1024
 #: most warps in one program (keeps >= 255 registers per thread available)
 MAX_WARPS = 8
-#: score registers per lane (passes x rows) the tile is sized for
+#: score registers per lane (passes x rows) the tile is sized for (split-K; split-V: twice that)
 SCORE_REGS = 16
 #: q + accumulator fp32 registers per lane (2 x rows x elements per lane) a row group may hold
 ROW_REGS = 128
@@ -72,7 +81,7 @@ def _pow2_floor(x: int) -> int:
 
 
 def vector_layout(dtype: str, head_dim: int) -> dict:
-    """How one K/V row maps onto a warp (mirrors ``decode.cu``).
+    """How one K/V row of ``dtype`` (the KV cache's) maps onto a warp (mirrors ``decode.cu``).
 
     Returns ``{"vec", "dv", "lpt", "nv", "tpp", "elems"}``: elements per 16-byte vector, vectors per
     row, lanes per token row, vectors per lane, tokens per warp pass, elements per lane.
@@ -84,6 +93,23 @@ def vector_layout(dtype: str, head_dim: int) -> dict:
     return {"vec": vec, "dv": dv, "lpt": lpt, "nv": nv, "tpp": 32 // lpt, "elems": nv * vec}
 
 
+def split_v_layout(dtype: str, head_dim: int, warps: int) -> dict:
+    """Split-V's column slices (mirrors ``decode.cu``): with ``warps`` warps per row group, each owns
+    ``dvw`` 16-byte vectors of every V / output row; in its P.V step a token row's ``lpt`` lanes form
+    ``subs`` subgroups of ``lpv`` lanes (each a different token), each lane ``nvv`` vectors.
+
+    Raises:
+        ValueError: ``warps`` does not divide the row's vectors.
+    """
+    lay = vector_layout(dtype, head_dim)
+    if warps < 1 or lay["dv"] % warps:
+        raise ValueError(f"split_v: {warps} warps per row group must divide the {lay['dv']} 16-byte vectors of a "
+                         f"{dtype} head_dim {head_dim} row")
+    dvw = lay["dv"] // warps
+    lpv = min(_pow2_ceil(dvw), lay["lpt"])
+    return {"dvw": dvw, "lpv": lpv, "nvv": -(-dvw // lpv), "subs": lay["lpt"] // lpv}
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     """One compile-time specialization of ``decode.cu``.
@@ -91,16 +117,19 @@ class KernelSpec:
     Attributes:
         kind: ``"partial"`` (writes :class:`~attnplan.PartialState`), ``"single"`` (writes ``out`` and
             ``lse`` directly) or ``"merge"``.
-        dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"`` (q, KV and out).
-        head_dim: channels per head (multiple of 8).
+        dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"`` (q and out; the KV cache too unless fp8).
+        head_dim: channels per head (multiple of 8; of 16 with an fp8 cache).
         group, q_len: GQA group size and queries per sequence (rows = group x q_len); 1 for merge.
         page_size: tokens per page, 0 for a contiguous cache.
-        kv_warps: warps per row group taking different KV tiles.
+        kv_warps: warps per row group: split-K: warps taking different KV tiles; split-V: warps owning
+            different head_dim column slices.
         row_groups: warp sets splitting the rows.
-        stages: cp.async ring depth per warp.
+        stages: cp.async ring depth (per warp for split-K, per program for split-V).
         passes: warp passes per tile (tile tokens = passes x tokens per pass).
         window: sliding-window masking and chunk base (``window_left`` argument).
         softcap: logits soft-cap (``softcap_log2`` argument).
+        kv_fp8: the KV cache is ``float8_e4m3fn`` (dequantized with the ``k_scale`` / ``v_scale`` arguments).
+        partition: ``"split_k"`` or ``"split_v"`` inside the program (``decode.cu``'s method).
     """
 
     kind: str
@@ -115,11 +144,22 @@ class KernelSpec:
     passes: int = 1
     window: bool = False
     softcap: bool = False
+    kv_fp8: bool = False
+    partition: str = "split_k"
 
     # -- derived, mirrored by decode.cu's static_asserts ----------------------------------------
     @property
+    def kv_dtype(self) -> str:
+        return FP8 if self.kv_fp8 else self.dtype
+
+    @property
+    def split_v(self) -> bool:
+        return self.partition == "split_v"
+
+    @property
     def layout(self) -> dict:
-        return vector_layout(self.dtype, self.head_dim)
+        """The KV cache's :func:`vector_layout`."""
+        return vector_layout(self.kv_dtype, self.head_dim)
 
     @property
     def rows(self) -> int:
@@ -150,9 +190,12 @@ class KernelSpec:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory per program: the cp.async rings, reused by the final warp merge."""
+        """Dynamic shared memory per program: split-K: the per-warp cp.async rings, reused by the final
+        warp merge; split-V: the program's one ring."""
         if self.kind == "merge":
             return 0
+        if self.split_v:
+            return self.stages * self.stage_bytes
         ring = self.num_warps * self.stages * self.stage_bytes
         epilogue = self.num_warps * self.rows_per_group * (self.head_dim + 2) * 4
         return max(ring, epilogue)
@@ -164,12 +207,14 @@ class KernelSpec:
 
     @property
     def name(self) -> str:
-        """File-name form spelling the specialization, e.g. ``partial-bfloat16-d128-g4-q1-page16-w1x4-s4-p4``."""
+        """File-name form spelling the specialization, e.g. ``partial-bfloat16-d128-g4-q1-page16-w1x4-s4-p4``
+        (``-kvfp8`` for an fp8 cache, ``-splitv`` for split-V, then ``-window`` / ``-softcap``)."""
         if self.kind == "merge":
             return f"merge-{self.dtype}-d{self.head_dim}"
         cache = f"page{self.page_size}" if self.page_size else "contig"
         return (f"{self.kind}-{self.dtype}-d{self.head_dim}-g{self.group}-q{self.q_len}-{cache}"
                 f"-w{self.row_groups}x{self.kv_warps}-s{self.stages}-p{self.passes}"
+                + ("-kvfp8" if self.kv_fp8 else "") + ("-splitv" if self.split_v else "")
                 + ("-window" if self.window else "") + ("-softcap" if self.softcap else ""))
 
     def defines(self) -> dict[str, int]:
@@ -181,7 +226,8 @@ class KernelSpec:
                       "ATTNPLAN_KV_WARPS": self.kv_warps, "ATTNPLAN_ROW_GROUPS": self.row_groups,
                       "ATTNPLAN_STAGES": self.stages, "ATTNPLAN_PASSES": self.passes,
                       "ATTNPLAN_SMEM_BYTES": self.smem_bytes, "ATTNPLAN_TILE_TOKENS": self.tile_tokens,
-                      "ATTNPLAN_WINDOW": int(self.window), "ATTNPLAN_SOFTCAP": int(self.softcap)})
+                      "ATTNPLAN_WINDOW": int(self.window), "ATTNPLAN_SOFTCAP": int(self.softcap),
+                      "ATTNPLAN_KV_FP8": int(self.kv_fp8), "ATTNPLAN_SPLIT_V": int(self.split_v)})
         return d
 
     def options(self) -> list[str]:
@@ -189,15 +235,22 @@ class KernelSpec:
         return ["-std=c++17", *(f"-D{k}={v}" for k, v in sorted(self.defines().items()))]
 
 
-def _check_shape_support(dtype: str, head_dim: int) -> None:
+def _check_shape_support(dtype: str, head_dim: int, kv_dtype: str | None = None) -> None:
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_CODES)}, got {dtype!r}")
     if head_dim < 8 or head_dim % 8:
         raise ValueError(f"head_dim must be a positive multiple of 8, got {head_dim}")
+    if kv_dtype not in (None, dtype, FP8):
+        raise ValueError(f"kv_dtype must be q's dtype {dtype} or {FP8}, got {kv_dtype!r}")
+    if kv_dtype == FP8:
+        if dtype == "float32":
+            raise ValueError(f"an {FP8} KV cache needs q in float16 or bfloat16, got float32")
+        if head_dim % 16:
+            raise ValueError(f"an {FP8} KV cache needs head_dim a multiple of 16 (16-byte vectors), got {head_dim}")
 
 
 def max_rows(dtype: str, head_dim: int) -> int:
-    """Most GQA-group x q_len rows one program holds for this dtype and head_dim."""
+    """Most GQA-group x q_len rows one program holds for this KV dtype and head_dim."""
     return MAX_WARPS * _rows_per_warp(dtype, head_dim)
 
 
@@ -208,52 +261,69 @@ def _rows_per_warp(dtype: str, head_dim: int) -> int:
 @functools.lru_cache(maxsize=4096)
 def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page_size: int | None, *,
               num_warps: int | None = None, num_stages: int | None = None,
-              smem_limit: int = SMEM_BUDGET, window: bool = False, softcap: bool = False) -> KernelSpec:
+              smem_limit: int = SMEM_BUDGET, window: bool = False, softcap: bool = False,
+              kv_dtype: str | None = None, partition: str = "split_k") -> KernelSpec:
     """Choose the partial / single-pass specialization for a problem.
 
     Args:
         kind: ``"partial"`` or ``"single"``.
-        dtype, head_dim, group, q_len: the problem's.
+        dtype, head_dim, group, q_len: the problem's (``dtype`` = q's).
         page_size: tokens per page, ``None`` or 0 for a contiguous cache.
-        num_warps: KV warps per row group (config ``backend_options.cuda_ptx.num_warps``); ``None``
-            = 4 for up to 8 rows, fewer as row groups are added (at most 8 warps in all).
+        num_warps: warps per row group (config ``backend_options.cuda_ptx.num_warps``): split-K's KV
+            warps or split-V's column warps; ``None`` = 4 for up to 8 rows, fewer as row groups are
+            added (at most 8 warps in all), and for split-V the largest such count dividing the row's
+            16-byte vectors.
         num_stages: ring depth; ``None`` = enough to keep :data:`INFLIGHT_BYTES` in flight, capped so
             the program stays within ``min(SMEM_BUDGET, smem_limit)``.
         smem_limit: dynamic shared memory the device allows per program (opt-in), bytes; an explicit
             ``num_stages`` may use all of it.
         window, softcap: compile the sliding-window / soft-cap variants in.
+        kv_dtype: the KV cache's dtype: ``None`` or ``dtype``, or ``"float8_e4m3fn"`` (q fp16 / bf16,
+            head_dim a multiple of 16).
+        partition: ``"split_k"`` or ``"split_v"`` (``decode.cu``'s method).
     Returns:
         the :class:`KernelSpec`. Rows are split into row groups of at most ``min(8, ROW_REGS / (2 x
-        elements per lane))`` rows; the tile is sized so a warp
-        holds at most :data:`SCORE_REGS` scores and a stage holds at most :data:`TILE_BYTES`.
+        elements per lane))`` rows; the tile is sized so a warp holds at most :data:`SCORE_REGS`
+        scores and a stage holds at most :data:`TILE_BYTES` (split-V: twice each, and at least one
+        pass per P.V lane subgroup).
     Raises:
-        ValueError: unsupported dtype / head_dim / kind, too many rows, or options that exceed
-        :data:`MAX_WARPS` warps or ``smem_limit``.
+        ValueError: unsupported dtype / head_dim / kind / partition, too many rows, or options that
+        exceed :data:`MAX_WARPS` warps or ``smem_limit`` (or, for split-V, do not divide head_dim).
     """
     if kind not in ("partial", "single"):
         raise ValueError(f"kind must be 'partial' or 'single', got {kind!r}")
-    _check_shape_support(dtype, head_dim)
-    lay = vector_layout(dtype, head_dim)
+    if partition not in PARTITIONS:
+        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
+    _check_shape_support(dtype, head_dim, kv_dtype)
+    kvd = kv_dtype or dtype
+    split_v = partition == "split_v"
+    lay = vector_layout(kvd, head_dim)
     rows = group * q_len
-    rt_max = _rows_per_warp(dtype, head_dim)
+    rt_max = _rows_per_warp(kvd, head_dim)
     row_groups = -(-rows // rt_max)
     if row_groups > MAX_WARPS:
-        raise ValueError(f"GQA group x q_len = {rows} rows exceeds {max_rows(dtype, head_dim)} rows per program "
-                         f"for {dtype} head_dim {head_dim}")
+        raise ValueError(f"GQA group x q_len = {rows} rows exceeds {max_rows(kvd, head_dim)} rows per program "
+                         f"for {kvd} head_dim {head_dim}")
     rt = -(-rows // row_groups)
-    row_bytes = head_dim * ELEM_BYTES[dtype]
-    passes = min(_pow2_floor(max(1, SCORE_REGS // rt)), _pow2_floor(max(1, TILE_BYTES // (2 * lay["tpp"] * row_bytes))))
+    row_bytes = head_dim * ELEM_BYTES[kvd]
+    score_regs, tile_bytes = (2 * SCORE_REGS, TILE_BYTES_SPLIT_V) if split_v else (SCORE_REGS, TILE_BYTES)
+    passes = min(_pow2_floor(max(1, score_regs // rt)), _pow2_floor(max(1, tile_bytes // (2 * lay["tpp"] * row_bytes))))
     if num_warps is None:
         kv_warps = 4 if row_groups == 1 else max(1, MAX_WARPS // row_groups)
+        if split_v:
+            kv_warps = max(w for w in range(1, kv_warps + 1) if lay["dv"] % w == 0)
     else:
         kv_warps = int(num_warps)
         if kv_warps < 1 or kv_warps * row_groups > MAX_WARPS:
             raise ValueError(f"num_warps {num_warps} x {row_groups} row group(s) must be in [1, {MAX_WARPS}] warps")
+    if split_v:
+        passes = max(passes, split_v_layout(kvd, head_dim, kv_warps)["subs"])
     base = KernelSpec(kind, dtype, head_dim, group, q_len, int(page_size or 0), kv_warps, row_groups, 2, passes,
-                      bool(window), bool(softcap))
+                      bool(window), bool(softcap), kvd == FP8, partition)
     if num_stages is None:
         budget = min(SMEM_BUDGET, smem_limit)
-        stages = min(8, max(2, 1 + -(-INFLIGHT_BYTES // (kv_warps * base.stage_bytes))))
+        rings = 1 if split_v else kv_warps  # rings whose stages are in flight together
+        stages = min(8, max(2, 1 + -(-INFLIGHT_BYTES // (rings * base.stage_bytes))))
         while stages > 2 and KernelSpec(**{**base.__dict__, "stages": stages}).smem_bytes > budget:
             stages -= 1
     else:
@@ -321,7 +391,7 @@ def merge_launch_config(spec: KernelSpec, rows: int) -> LaunchConfig:
 #: (name, kind) of each partial / single-pass kernel parameter, in order; kinds: ptr, i32, f32, i64
 PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("q", "ptr"), ("k_cache", "ptr"), ("v_cache", "ptr"), ("seq_lens", "ptr"), ("block_table", "ptr"),
-    ("o", "ptr"), ("lse", "ptr"), ("sinks", "ptr"),
+    ("o", "ptr"), ("lse", "ptr"), ("sinks", "ptr"), ("k_scale", "ptr"), ("v_scale", "ptr"),
     ("scale_log2", "f32"), ("softcap_log2", "f32"), ("chunk_size", "i32"), ("num_splits", "i32"),
     ("num_kv_heads", "i32"), ("window_left", "i32"),
     ("q_sb", "i64"), ("q_si", "i64"), ("q_sh", "i64"),
@@ -413,7 +483,8 @@ def check_layout(name: str, t: torch.Tensor, vec: int, align: int) -> None:
 def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seq_lens: torch.Tensor, block_table: torch.Tensor | None, sm_scale: float,
                  o: torch.Tensor, lse: torch.Tensor | None, chunk_size: int, num_splits: int, *,
-                 window_left: int = -1, soft_cap: float = 0.0, sinks: torch.Tensor | None = None) -> list:
+                 window_left: int = -1, soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> list:
     """Argument values for :data:`PARTIAL_SIGNATURE` (no device access, no sync).
 
     Args:
@@ -428,6 +499,7 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         window_left: sliding window in tokens (used when ``spec.window``); soft_cap: ``c`` of
             ``c * tanh(s / c)`` (used when ``spec.softcap``; the kernel gets ``c * log2(e)``).
         sinks: ``[num_q_heads]`` fp32 sink logits, single pass only (partial states exclude them).
+        k_scale, v_scale: ``[num_kv_heads]`` fp32 dequantization scales of an fp8 cache (``spec.kv_fp8``).
     Strides are in elements; a single-pass output has split stride 0.
     """
     single = spec.kind == "single"
@@ -438,6 +510,7 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr(),
         0 if bt is None else bt.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
         0 if sinks is None else sinks.data_ptr(),
+        0 if k_scale is None else k_scale.data_ptr(), 0 if v_scale is None else v_scale.data_ptr(),
         float(sm_scale) * _LOG2E, float(soft_cap) * _LOG2E, int(chunk_size), int(num_splits), int(k_cache.shape[2]),
         int(window_left),
         *_strides(q, 3), *_strides(k_cache, 3), *_strides(v_cache, 3),

@@ -23,15 +23,16 @@ void body() {
                    arg<i64>(16), arg<i64>(17), arg<i64>(18),
                    arg<i64>(19), arg<i64>(20), arg<i64>(21));
 #else
-    ATTNPLAN_ENTRY(arg<const elem_t *>(0), arg<const elem_t *>(1), arg<const elem_t *>(2), arg<const int *>(3),
+    ATTNPLAN_ENTRY(arg<const elem_t *>(0), arg<const kv_t *>(1), arg<const kv_t *>(2), arg<const int *>(3),
                    arg<const int *>(4), arg<out_t *>(5), arg<float *>(6), arg<const float *>(7),
-                   arg<float>(8), arg<float>(9), arg<int>(10), arg<int>(11), arg<int>(12), arg<int>(13),
-                   arg<i64>(14), arg<i64>(15), arg<i64>(16),
-                   arg<i64>(17), arg<i64>(18), arg<i64>(19),
-                   arg<i64>(20), arg<i64>(21), arg<i64>(22),
-                   arg<i64>(23),
-                   arg<i64>(24), arg<i64>(25), arg<i64>(26), arg<i64>(27),
-                   arg<i64>(28), arg<i64>(29), arg<i64>(30), arg<i64>(31));
+                   arg<const float *>(8), arg<const float *>(9),
+                   arg<float>(10), arg<float>(11), arg<int>(12), arg<int>(13), arg<int>(14), arg<int>(15),
+                   arg<i64>(16), arg<i64>(17), arg<i64>(18),
+                   arg<i64>(19), arg<i64>(20), arg<i64>(21),
+                   arg<i64>(22), arg<i64>(23), arg<i64>(24),
+                   arg<i64>(25),
+                   arg<i64>(26), arg<i64>(27), arg<i64>(28), arg<i64>(29),
+                   arg<i64>(30), arg<i64>(31), arg<i64>(32), arg<i64>(33));
 #endif
 }
 }  // namespace
@@ -67,6 +68,9 @@ extern "C" int emu_constant(const char *name) {
     if (n == "threads") return NTHREADS;
     if (n == "lpt") return LPT;
     if (n == "rt") return RT;
+    if (n == "lpv") return LPV;
+    if (n == "subs") return SUBS;
+    if (n == "dvw") return DVW;
 #else
     if (n == "threads") return MERGE_THREADS;
 #endif

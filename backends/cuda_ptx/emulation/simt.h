@@ -7,10 +7,19 @@
 // reported as a deadlock, never hangs). cp.async copies synchronously (src-size 0 writes zeros) and
 // checks that its source lies inside one of the registered input buffers and its destination inside
 // the block's dynamic shared memory, which starts filled with 0xff bytes (NaN) so unwritten reads show.
-// fp16 / bf16 conversions round to nearest even like cvt.rn; ex2.approx.ftz is exp2f with denormal
-// results flushed. What this cannot show: the real PTX instructions' behaviour, memory-model races
-// between warps (each fiber runs until it blocks), alignment faults other than the ones checked,
-// and performance.
+// fp16 / bf16 conversions round to nearest even like cvt.rn (fp16 -> fp32 exactly, subnormals included,
+// which the fp8 decoder relies on); __byte_perm is prmt's default mode; ex2.approx.ftz is exp2f with denormal
+// results flushed.
+// Shared-memory race check: the kernel's shared-memory loads and stores (decode.cu's lds / sts helpers)
+// and cp.async copies are recorded per 4-byte word with the warp and the __syncthreads epoch. A copy
+// counts as written only when its issuing thread's cp.async.wait_group retires its group (then in that
+// epoch); it is an error to read a word whose copy is still in flight, to read a word another warp
+// wrote in the current epoch (no __syncthreads between), to write (or copy into) a word another warp
+// read or wrote in the current epoch, or to copy into a word with a copy still in flight. Lanes of one
+// warp are not checked against each other (they order through __syncwarp and shuffles).
+// What this cannot show: the real PTX instructions' behaviour, races through global memory, orders
+// the fiber schedule (each fiber runs until it blocks) happens not to produce for intra-warp hazards,
+// alignment faults other than the ones checked, and performance.
 #pragma once
 
 #include <cmath>
@@ -52,6 +61,17 @@ struct Fiber {
     Barrier *bar = nullptr;
     unsigned gen = 0;
     std::vector<char> stack;
+    std::vector<size_t> open_copies;                // words of cp.async copies not yet committed
+    std::vector<std::vector<size_t>> copy_groups;   // committed cp.async groups, oldest first
+};
+
+// race-check state of one 4-byte word of shared memory
+struct Word {
+    int w_warp = -1;           // warp of the last completed write
+    unsigned w_epoch = ~0u;    // __syncthreads epoch of that write
+    int pending = 0;           // cp.async copies in flight into this word
+    unsigned r_epoch = ~0u;    // epoch of the reads in r_warps
+    uint64_t r_warps = 0;      // warps that read the word in r_epoch
 };
 
 struct Block {
@@ -62,6 +82,8 @@ struct Block {
     Barrier block_bar;
     std::vector<uint32_t> slots;  // 32 per warp
     std::vector<unsigned char> smem;
+    std::vector<Word> words;      // one per 4 bytes of smem
+    unsigned epoch = 0;           // completed __syncthreads
 };
 
 struct Range {
@@ -95,6 +117,7 @@ inline void barrier_wait(Barrier &b) {
     if (++b.arrived == b.count) {  // last to arrive releases the others
         b.arrived = 0;
         b.gen++;
+        if (&b == &g_block->block_bar) g_block->epoch++;
         for (Fiber &f : g_block->fibers)
             if (f.state == BLOCKED && f.bar == &b && f.gen == gen) f.state = RUNNABLE;
         return;
@@ -123,12 +146,87 @@ inline T shfl_xor(T v, int off) {
     return r;
 }
 
-inline void cp_async16(void *dst, const void *src, bool valid) {
-    unsigned char *s0 = g_block->smem.data();
-    if ((unsigned char *)dst < s0 || (unsigned char *)dst + 16 > s0 + g_block->smem.size() || ((uintptr_t)dst & 15)) {
-        fail("cp.async destination outside the dynamic shared memory or not 16-byte aligned");
-        return;
+// Record an access of n bytes at p (shared memory) for the race check; false (and g_error) if it
+// leaves the dynamic shared memory or races.
+inline bool smem_access(const void *p, size_t n, int kind /* 0 load, 1 store, 2 cp.async */) {
+    Block &blk = *g_block;
+    unsigned char *s0 = blk.smem.data();
+    const unsigned char *c = (const unsigned char *)p;
+    if (c < s0 || c + n > s0 + blk.smem.size() || ((uintptr_t)c & (n >= 16 ? 15 : n - 1))) {
+        fail(kind == 2 ? "cp.async destination outside the dynamic shared memory or not 16-byte aligned"
+                       : "shared-memory access outside the dynamic shared memory or misaligned");
+        return false;
     }
+    Fiber &f = cur();
+    const int warp = (int)(f.tid.x / 32);
+    const uint64_t me = 1ull << (warp & 63);
+    const unsigned ep = blk.epoch;
+    const size_t w0 = (size_t)(c - s0) / 4, w1 = ((size_t)(c - s0) + n + 3) / 4;
+    for (size_t i = w0; i < w1; ++i) {
+        Word &w = blk.words[i];
+        if (kind == 0) {
+            if (w.pending) {
+                fail("shared-memory race: a read of a word whose cp.async copy its issuing thread has not waited "
+                     "for (cp.async.wait_group)");
+                return false;
+            }
+            if (w.w_epoch == ep && w.w_warp != warp) {
+                fail("shared-memory race: a warp reads a word another warp wrote with no __syncthreads between");
+                return false;
+            }
+            if (w.r_epoch != ep) {
+                w.r_epoch = ep;
+                w.r_warps = 0;
+            }
+            w.r_warps |= me;
+        } else {
+            if (w.pending) {
+                fail("shared-memory race: a write to a word with a cp.async copy still in flight");
+                return false;
+            }
+            if (w.r_epoch == ep && (w.r_warps & ~me)) {
+                fail("shared-memory race: a warp overwrites a word another warp read with no __syncthreads between");
+                return false;
+            }
+            if (w.w_epoch == ep && w.w_warp != warp) {
+                fail("shared-memory race: two warps write one word with no __syncthreads between");
+                return false;
+            }
+            if (kind == 2) {
+                w.pending++;
+                f.open_copies.push_back(i);
+            } else {
+                w.w_warp = warp;
+                w.w_epoch = ep;
+            }
+        }
+    }
+    return true;
+}
+
+inline void cp_async_commit() {
+    Fiber &f = cur();
+    f.copy_groups.push_back(std::move(f.open_copies));
+    f.open_copies.clear();
+}
+
+// cp.async.wait_group n: the calling thread's committed groups but the newest n have landed
+inline void cp_async_wait(int n) {
+    Fiber &f = cur();
+    const int warp = (int)(f.tid.x / 32);
+    while ((int)f.copy_groups.size() > n) {
+        for (size_t i : f.copy_groups.front()) {
+            Word &w = g_block->words[i];
+            w.pending--;
+            w.w_warp = warp;
+            w.w_epoch = g_block->epoch;
+        }
+        f.copy_groups.erase(f.copy_groups.begin());
+    }
+}
+
+inline void cp_async16(void *dst, const void *src, bool valid) {
+    if (!smem_access(dst, 16, 2)) return;
     if (!valid) {
         std::memset(dst, 0, 16);
         return;
@@ -181,6 +279,7 @@ inline bool run_block(uint3 block_idx, int threads, size_t smem_bytes, void (*bo
     blk.block_bar.count = threads;
     blk.slots.assign(blk.warp_bar.size() * 32, 0);
     blk.smem.assign(smem_bytes ? smem_bytes : 16, 0xff);
+    blk.words.assign(blk.smem.size() / 4, Word{});
     for (int t = 0; t < threads; ++t) {
         Fiber &f = blk.fibers[t];
         f.tid = uint3{(unsigned)t, 0, 0};
@@ -224,6 +323,13 @@ inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; 
 inline float __int_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned x; std::memcpy(&x, &f, 4); return x; }
+// prmt's default mode: byte i of the result is byte (s >> 4i) & 7 of the 8-byte value {y, x}
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const uint64_t v = ((uint64_t)y << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+    return r;
+}
 inline void __syncthreads() { emu::barrier_wait(emu::g_block->block_bar); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barrier(); }
 template <class T>
