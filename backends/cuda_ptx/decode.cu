@@ -426,6 +426,21 @@ __device__ __forceinline__ void issue_tile(unsigned char *stage, const kv_t *__r
     }
 }
 
+// This lane's NV 16-byte vectors (v = lv, lv + LPT, ...) of token row `tok` of a K or V tile in
+// shared memory, widened to fp32; vectors past head_dim read as zeros.
+__device__ __forceinline__ void load_row(float (&f)[NV][KVEC], const unsigned char *tile, int tok, int lv) {
+#pragma unroll
+    for (int j = 0; j < NV; ++j) {
+        const int v = lv + LPT * j;
+        if (DV % LPT == 0 || v < DV) {
+            unpack_kv(lds<uint4>(tile + (tok * DV + v) * 16), f[j]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < KVEC; ++e) f[j][e] = 0.f;
+        }
+    }
+}
+
 // Scores (base 2) of this warp's rows for one tile in shared memory: sc[p][r] = q_r . k_t for token
 // t = p*TPP + slot of the tile, summed over the LPT lanes of the token row (every one of them holds the
 // sum), soft-capped.
@@ -435,16 +450,7 @@ __device__ __forceinline__ void tile_scores(float (&sc)[PASSES][RT], const float
     for (int p = 0; p < PASSES; ++p) {
         const int tok = p * TPP + slot;
         float kf[NV][KVEC];
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-            const int v = lv + LPT * j;
-            if (DV % LPT == 0 || v < DV) {
-                unpack_kv(lds<uint4>(ks + (tok * DV + v) * 16), kf[j]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < KVEC; ++e) kf[j][e] = 0.f;
-            }
-        }
+        load_row(kf, ks, tok, lv);
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
             float a = 0.f;
@@ -509,16 +515,7 @@ __device__ __forceinline__ void tile_pv(float (&acc)[RT][ACC_NV][KVEC], const fl
     for (int p = 0; p < PASSES; ++p) {
         const int tok = p * TPP + slot;
         float vf[NV][KVEC];
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-            const int v = lv + LPT * j;
-            if (DV % LPT == 0 || v < DV) {
-                unpack_kv(lds<uint4>(vs + (tok * DV + v) * 16), vf[j]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < KVEC; ++e) vf[j][e] = 0.f;
-            }
-        }
+        load_row(vf, vs, tok, lv);
 #pragma unroll
         for (int r = 0; r < RT; ++r)
 #pragma unroll
