@@ -8,7 +8,7 @@ repeats. :func:`read_bandwidth_gbs` measures the streaming-read ceiling in the s
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -61,7 +61,7 @@ def read_bandwidth_gbs(nbytes: int = 4 << 30, iters: int = 20) -> dict:
         from ._read_kernel import streaming_read
 
         block = 32768
-        partial = torch.empty(triton_cdiv(x.numel(), block), device="cuda", dtype=torch.float32)
+        partial = torch.empty(-(-x.numel() // block), device="cuda", dtype=torch.float32)
         r = time_cuda(lambda i: streaming_read(x, partial, block), warmup=3, iters=iters)
         res["triton_read"] = nbytes / r["median_us"] / 1e3
     except Exception as e:  # noqa: BLE001 - triton missing: the torch figure stands alone
@@ -73,12 +73,3 @@ def read_bandwidth_gbs(nbytes: int = 4 << 30, iters: int = 20) -> dict:
     torch.cuda.empty_cache()
     res["ceiling_gbs"] = max(v for k, v in res.items() if k in ("torch_sum", "triton_read"))
     return res
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def rotate(sets: Sequence) -> Callable[[int], object]:
-    """``i -> sets[i % len(sets)]``: cycle through input sets."""
-    return lambda i: sets[i % len(sets)]

@@ -165,8 +165,8 @@ def test_states_of_two_backends_merge_across_split_points(backend, gen):
     st = PartialState.empty(*x.q.shape[:3], 4, x.q.shape[3], device=DEVICE)
     w.backend.partial(plan, x, st)
     ref_st = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, plan.chunk_size, 4)
-    mixed = PartialState(torch.cat([st.o[:, :, :, :2].cpu().double(), ref_st.o[:, :, :, 2:]], 3),
-                         torch.cat([st.lse[:, :, :, :2].cpu().double(), ref_st.lse[:, :, :, 2:]], 3))
+    mine = PartialState(st.o[:, :, :, :2].cpu().double(), st.lse[:, :, :, :2].cpu().double())
+    mixed = PartialState.concat([mine, PartialState(ref_st.o[:, :, :, 2:], ref_st.lse[:, :, :, 2:])])
     o, _ = merge_states(mixed)
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
     assert_close_to_reference(o, ref, torch.float16)
