@@ -8,6 +8,7 @@ captured in a CUDA graph (FlashInfer's plan/run split, STYLE.md habit 6).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -51,7 +52,7 @@ class Context:
         if backend not in fp:
             c = self.config
             fp[backend] = json.dumps([c.split.model_dump(), c.cost_model.model_dump(),
-                                      c.options(backend).model_dump()], sort_keys=True)
+                                      c.options(backend).model_dump(), c.deterministic], sort_keys=True)
         return fp[backend]
 
 
@@ -125,7 +126,19 @@ def _tuned_options(dev_info: DeviceInfo, backend: str, problem: DecodeProblem) -
     layout = "paged" if problem.paged else "contiguous"
     filled = problem.batch * problem.num_kv_heads >= dev_info.sm_count
     opts = per_backend.get(f"{layout}_filled") if filled and f"{layout}_filled" in per_backend else per_backend.get(layout, {})
-    return (dict(opts) if problem.head_dim <= 128 else {}), json.dumps(table, sort_keys=True, default=str)
+    return (dict(opts) if problem.head_dim <= 128 else {}), _table_text(dev_info.slug())
+
+
+@functools.lru_cache(maxsize=64)
+def _device_key(dev_info: DeviceInfo) -> str:
+    """The device part of the plan-cache key (computed once per device)."""
+    return repr(sorted(dev_info.fingerprint().items()))
+
+
+@functools.lru_cache(maxsize=None)
+def _table_text(slug: str) -> str:
+    """The device table as canonical text, part of the plan-cache key (computed once: a cache hit must stay cheap)."""
+    return json.dumps(device_table(slug), sort_keys=True, default=str)
 
 
 def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device, ctx: Context, *,
@@ -136,13 +149,14 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
     else the backend's defaults.
     """
     dev_info = dev_info or device_info(device)
-    bucketed = problem.bucketed()
-    tuned, table_text = _tuned_options(dev_info, backend.name, bucketed)
-    key = (repr(sorted(dev_info.fingerprint().items())), backend.name,
-           tuple(sorted(bucketed.bucket().items())), bucketed.capacity, capacity_mode,
+    # the key is built from the live problem's bucket (the same as the bucketed problem's); the
+    # bucketed problem itself is made only on a miss: a cache hit must cost microseconds (#7)
+    tuned, table_text = _tuned_options(dev_info, backend.name, problem)
+    key = (_device_key(dev_info), backend.name, tuple(problem.bucket().items()), problem.capacity, capacity_mode,
            -1 if num_splits is None else num_splits, ctx.planning_fingerprint(backend.name), table_text)
 
     def build() -> SplitPlan:
+        bucketed = problem.bucketed()
         user = {k: v for k, v in ctx.config.options(backend.name).model_dump().items() if v is not None}
         kernel = backend.kernel_config(bucketed, {**tuned, **user}, device)
         return make_plan(bucketed, dev_info, ctx.config, backend.name, kernel,
@@ -238,12 +252,11 @@ class DecodeWrapper:
         if not plan.single_pass:
             ws = self.workspace
             if ws is None or tuple(ws.lse.shape[:3]) != (b, ql, hq) or ws.o.shape[-1] != d \
-                    or ws.num_splits < plan.num_splits or ws.o.device != q.device:
-                self.workspace = PartialState.empty(b, ql, hq, plan.num_splits, d, device=q.device)
-            if plan.merge == "fused":
-                n = b * static["num_kv_heads"]
-                if self.counters is None or self.counters.numel() < n or self.counters.device != q.device:
-                    self.counters = torch.zeros(n, dtype=torch.int32, device=q.device)
+                    or ws.num_splits < plan.state_slots or ws.o.device != q.device:
+                self.workspace = PartialState.empty(b, ql, hq, plan.state_slots, d, device=q.device)
+            n = plan.sync_words  # in-kernel merges' counters (and locks): zero at rest, kernels leave them zero
+            if n and (self.counters is None or self.counters.numel() < n or self.counters.device != q.device):
+                self.counters = torch.zeros(n, dtype=torch.int32, device=q.device)
         if self._out is None or self._out.shape != q.shape or self._out.dtype != q.dtype or self._out.device != q.device:
             self._out = torch.empty_like(q)
         self._sig = self._signature(q, k_cache, v_cache, seq_lens, block_table)

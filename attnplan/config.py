@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = ["Config", "ConfigError", "load_config", "device_table", "CostModel", "BACKEND_NAMES"]
 
@@ -41,6 +41,9 @@ class KernelOptions(_Strict):
     threads: int | None = Field(None, ge=32, le=1024, description="threads per CTA (numba, cuda_ptx)")
     lanes: int | None = Field(None, ge=1, le=32, description="threads sharing one KV row (numba)")
     unroll: int | None = Field(None, ge=1, le=16, description="KV positions per thread group per step (numba)")
+    block_dv: int | None = Field(None, ge=16, le=256, description="split_v (triton): V / output columns per column "
+                                 "program, a power of two; null = the backend's default (triton: half the padded "
+                                 "head_dim, i.e. 2 column programs); ignored under split_k")
 
 
 class SplitPolicy(_Strict):
@@ -50,9 +53,12 @@ class SplitPolicy(_Strict):
         "auto", description="work partition inside a program (seed 000): split_k = warps take different KV "
                             "positions and merge through shared memory; split_v = each warp owns a slice of head_dim "
                             "columns, recomputes the scores, no cross-warp reduction; auto = the backend's measured choice")
-    merge: Literal["auto", "separate", "fused"] = Field(
+    merge: Literal["auto", "separate", "fused", "atomic"] = Field(
         "auto", description="cross-program merge: separate kernel, fused into the last program of a row "
-                            "(atomic completion counter, fixed merge order), or auto = cheaper by the cost model")
+                            "(atomic completion counter, fixed merge order), atomic (every program merges its state "
+                            "into a locked accumulator in completion order: NOT bitwise reproducible, needs "
+                            "deterministic: false; never chosen by auto), or auto = cheaper of separate / fused by the "
+                            "cost model")
     num_splits: int = Field(0, ge=0, le=1024, description="0 = heuristic, 1 = never split, >1 = forced")
     max_splits: int = Field(128, ge=1, le=1024, description="most splits a sequence may get")
     min_chunk_tokens: int = Field(256, ge=16, description="smallest chunk the heuristic makes, tokens")
@@ -90,6 +96,13 @@ class Config(_Strict):
     plan_cache: PlanCacheConfig = PlanCacheConfig()
     backend_options: dict[BackendName, KernelOptions] = Field(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _atomic_needs_nondeterminism(self) -> "Config":
+        if self.split.merge == "atomic" and self.deterministic:
+            raise ValueError("split.merge: atomic merges partial states in completion order, so reruns may differ "
+                             "bitwise; it needs deterministic: false (got deterministic: true)")
+        return self
+
     def options(self, backend: str) -> KernelOptions:
         return self.backend_options.get(backend, KernelOptions())
 
@@ -117,6 +130,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
+        if not e["loc"]:  # a cross-key check (Config's model validator): its message names the keys
+            lines.append("  " + msg.removeprefix("Value error, "))
+            continue
         lines.append(f"  {key}: {msg} (got {val!r})")
     return f"invalid attnplan config ({source}):\n" + "\n".join(lines)
 
@@ -176,15 +192,18 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
 def device_table(slug: str) -> dict:
     """The tuned table ``plans/<slug>.yaml`` as a dict (``{}`` when there is none).
 
-    Keys: ``cost_model`` (a :class:`CostModel` mapping) and optionally ``measured`` notes.
+    Keys: ``cost_model`` (a :class:`CostModel` mapping), ``cost_model_by_backend`` (per backend
+    name, :class:`CostModel` keys that override ``cost_model`` for that backend's plans),
+    ``kernel_options`` and optionally ``measured`` notes.
     """
     f = resources.files("attnplan.plans") / f"{slug}.yaml"
     if not f.is_file():
         return {}
     data = _read_yaml(f, f"plans/{slug}.yaml")
-    if "cost_model" in data:
-        try:
-            CostModel.model_validate(data["cost_model"])
-        except ValidationError as e:
-            raise ConfigError(_format_errors(e, f"plans/{slug}.yaml")) from None
+    try:
+        CostModel.model_validate(data.get("cost_model") or {})
+        for entry in (data.get("cost_model_by_backend") or {}).values():
+            CostModel.model_validate({**(data.get("cost_model") or {}), **(entry or {})})
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, f"plans/{slug}.yaml")) from None
     return data

@@ -67,8 +67,8 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     be, plan, sm = entry
     # per-call temporaries (allocated through torch, so torch.compile's CUDA graphs own them)
     b, ql, hq, d = q.shape
-    ws = None if plan.single_pass else PartialState.empty(b, ql, hq, plan.num_splits, d, device=q.device)
-    counters = torch.zeros(b * k_cache.shape[2], dtype=torch.int32, device=q.device) if plan.merge == "fused" else None
+    ws = None if plan.single_pass else PartialState.empty(b, ql, hq, plan.state_slots, d, device=q.device)
+    counters = torch.zeros(plan.sync_words, dtype=torch.int32, device=q.device) if plan.sync_words else None
     out = torch.empty_like(q)
     be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm), ws, out, None, counters)
     return out

@@ -12,6 +12,11 @@ is taken (fewer splits = less workspace and merge traffic for the same time):
                chunk_bytes(n) / bw_per_program)                      critical path of one chunk
          + [n > 1] * (launch + merge_bytes(n) / BW_eff)             merge kernel
 
+With a split-V partition whose workers are programs (Triton: ``c`` column programs per split, each
+owning ``block_dv`` V / output columns and recomputing QK^T over full K rows), programs are
+``batch x num_kv_heads x splits x c`` and K is read ``c`` times: ``kv_bytes`` counts
+``(c + 1) / 2`` times the K + V bytes, a program's chunk ``K + V / c``.
+
 Worked example (batch 1, 32/8/128 bf16, 32K tokens, 132 SMs, 4.35 TB/s, default constants):
 8 KV heads give 8 programs unsplit, so one program would have to stream 16 MiB alone (~570 us);
 at 17 splits the 136 programs cover every SM and the step is bandwidth-bound (~35 us); more
@@ -35,7 +40,7 @@ from .problem import DecodeProblem, torch_dtype
 
 __all__ = ["SplitPlan", "make_plan", "PLAN_VERSION", "cost_model_for"]
 
-PLAN_VERSION = 1
+PLAN_VERSION = 1  # new fields default to the old meaning (column_programs=1: grid axis 0 = splits)
 
 
 @dataclass(frozen=True)
@@ -49,11 +54,15 @@ class SplitPlan:
         num_splits: most splits per sequence = the split axis of the grid and of the workspace.
         chunk_size: tokens per split; a multiple of the page size and of ``block_n``.
         single_pass: one chunk per sequence, the partial kernel writes the output, no merge.
-        grid: partial-kernel grid ``(num_splits, num_kv_heads, batch)``; one program per
-            (split, KV head, sequence), serving the whole GQA group and all ``q_len`` queries.
-        merge_grid: merge-kernel grid ``(batch * q_len * num_q_heads,)``; ``(0,)`` if single pass.
-        kernel: backend kernel options (``block_n``, ``num_warps``, ``num_stages``, ``threads``).
-        workspace_bytes: bytes of the :class:`~attnplan.PartialState` buffer (0 if single pass).
+        grid: the partial kernel's launch grid ``(num_splits * column_programs, num_kv_heads, batch)``;
+            one program per (split, column slice, KV head, sequence), serving the whole GQA group and
+            all ``q_len`` queries; axis 0 is ``split * column_programs + column``.
+        merge_grid: merge-kernel grid ``(batch * q_len * num_q_heads,)``; ``(0,)`` if single pass or
+            the merge runs inside the partial kernel (fused, atomic).
+        kernel: backend kernel options (``block_n``, ``num_warps``, ``num_stages``, ``threads``;
+            Triton's ``block_dv``: V columns per column program, ``None`` under split_k).
+        workspace_bytes: bytes of the :class:`~attnplan.PartialState` buffer (:attr:`state_slots`
+            slots) plus the in-kernel merge's int32 :attr:`sync_words` (0 if single pass).
         predicted_us: the cost model's time for a step at the planned lengths, microseconds.
         policy: ``"heuristic"``, ``"forced"`` (config ``split.num_splits``) or ``"no-split"``.
         candidates: ``(splits, chunk_tokens, predicted_us)`` of the split counts scored.
@@ -61,11 +70,19 @@ class SplitPlan:
         merge: ``"separate"`` (a merge kernel) or ``"fused"`` (the last program of each
             (sequence, KV head) to finish, by an atomic completion counter, merges that group's
             rows in fixed split order: one launch fewer, still deterministic; the counter resets
-            itself for the next launch or graph replay). ``"none"`` for single pass.
+            itself for the next launch or graph replay), or ``"atomic"`` (opt-in, config
+            ``split.merge: atomic`` with ``deterministic: false``; never chosen by the planner: each
+            program merges its state into a per-(sequence, KV head, column slice) fp32 accumulator
+            under a spin lock, in completion order, so reruns may differ bitwise within rounding; the
+            last program writes the output and resets the counter and lock). ``"none"`` for single pass.
         partition: work partition inside a program (seed 000): ``"split_k"`` (warps take different
             KV positions, states merged through shared memory at the end) or ``"split_v"`` (each warp
             owns a slice of the head_dim columns of V and the output and recomputes the scores:
-            redundant QK^T, no cross-warp reduction). Backends declare which they implement.
+            redundant QK^T, no cross-warp reduction). Backends declare which they implement. Triton
+            cannot address warps: its split-V workers are *column programs* (see ``column_programs``).
+        column_programs: programs per split that share its KV chunk, each owning ``kernel["block_dv"]``
+            columns of V and of the output (Triton's split-V); 1 otherwise.
+        partition_why: where ``partition`` came from (config, kernel option, default, or a fallback).
         version: :data:`PLAN_VERSION`.
     """
 
@@ -85,6 +102,8 @@ class SplitPlan:
     capacity_mode: bool = False
     merge: str = "separate"
     partition: str = "split_k"
+    column_programs: int = 1
+    partition_why: str = ""
     version: int = PLAN_VERSION
 
     @property
@@ -95,6 +114,19 @@ class SplitPlan:
     @property
     def num_programs(self) -> int:
         return self.grid[0] * self.grid[1] * self.grid[2]
+
+    @property
+    def state_slots(self) -> int:
+        """Split slots of the :class:`~attnplan.PartialState` workspace: ``num_splits``, or for the
+        atomic merge one accumulator slot per column program (0 for single pass)."""
+        return 0 if self.single_pass else self.column_programs if self.merge == "atomic" else self.num_splits
+
+    @property
+    def sync_words(self) -> int:
+        """int32 words of the in-kernel merge's zeroed sync buffer: fused, one completion counter per
+        (sequence, KV head); atomic, a counter then a lock per (sequence, KV head, column program)."""
+        groups = self.grid[1] * self.grid[2]
+        return {"fused": groups, "atomic": 2 * groups * self.column_programs}.get(self.merge, 0)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -139,27 +171,45 @@ class SplitPlan:
             lines.append("cost model (splits: chunk tokens, predicted us): " + ", ".join(
                 f"{n}: {c}, {t:.1f}" for n, c, t in sorted(shown)))
             lines.append(f"chose the fewest splits within 2% of the best ({best:.1f} us)")
+        cols = self.column_programs
+        merge = {"fused": "merge fused into the last program of each group (fixed split order)",
+                 "atomic": "atomic merge: each program merges its state into the accumulator of its (sequence, "
+                           "KV head, column program) under a spin lock, in completion order (NOT bitwise reproducible; chosen by config split.merge: atomic "
+                           "with deterministic: false); the last program writes the output"}
         lines.append(
-            f"=> {self.num_splits} split(s) of {self.chunk_size} tokens; grid {self.grid} = {self.num_programs} programs; "
+            f"=> {self.num_splits} split(s) of {self.chunk_size} tokens; grid {self.grid} = {self.num_programs} programs"
+            + (f" ({self.num_splits} splits x {cols} column programs)" if cols > 1 else "") + "; "
             + ("single pass (the partial kernel writes the output, no merge)" if self.single_pass
-               else (f"merge fused into the last program of each group" if self.merge == "fused"
-                     else f"merge kernel grid {self.merge_grid}") + f", workspace {self.workspace_bytes / 2**20:.2f} MiB")
+               else merge.get(self.merge, f"merge kernel grid {self.merge_grid}")
+               + f", workspace {self.workspace_bytes / 2**20:.2f} MiB")
         )
-        lines.append(f"inside a program: {self.partition.replace('_', '-')} "
-                     + ("(warps take different KV positions; states merged through shared memory)" if self.partition == "split_k"
-                        else "(each warp owns head_dim columns and recomputes the scores; no cross-warp reduction)"))
+        d, why = p["head_dim"], self.partition.replace("_", "-")
+        if "block_dv" not in self.kernel:  # a backend whose split-V workers are warps
+            why += (" (warps take different KV positions; states merged through shared memory)" if self.partition == "split_k"
+                    else " (each warp owns head_dim columns and recomputes the scores; no cross-warp reduction)")
+        elif self.partition == "split_k":
+            why += " (one program per split covers all head_dim columns; its warps are the compiler's)"
+        else:
+            why += (f" ({cols} column program(s) per split, each owns {self.kernel['block_dv']} of the {d} V/output "
+                    f"columns and recomputes QK^T over full K rows: programs x{cols}, K bytes x{cols} "
+                    f"(KV traffic x{(cols + 1) / 2:g} in the cost model); no cross-program reduction, lse written by "
+                    "column program 0)")
+        lines.append(f"inside a program: {why}" + (f"; chosen by {self.partition_why}" if self.partition_why else ""))
         lines.append(f"kernel options {self.kernel}; predicted {self.predicted_us:.1f} us per step")
         return "\n".join(lines)
 
 
-def cost_model_for(device: DeviceInfo, config: Config) -> tuple[CostModel, float]:
-    """The cost model for ``device`` and its read bandwidth in GB/s.
+def cost_model_for(device: DeviceInfo, config: Config, backend: str | None = None) -> tuple[CostModel, float]:
+    """The cost model for ``device`` (and ``backend``) and its read bandwidth in GB/s.
 
-    The tuned table ``plans/<device>.yaml`` wins over the config's defaults; an explicit
-    ``cost_model.mem_bandwidth_gbs`` in either wins over the device's estimate.
+    The tuned table ``plans/<device>.yaml`` wins over the config's defaults: its ``cost_model``,
+    then ``cost_model_by_backend.<backend>`` (constants measured for one backend's kernels, e.g. the
+    programs per SM its kernel needs to saturate bandwidth). An explicit ``mem_bandwidth_gbs`` in
+    either wins over the device's estimate.
     """
-    table = device_table(device.slug()).get("cost_model") if device.compute_capability != (0, 0) else None
-    cm = CostModel.model_validate({**config.cost_model.model_dump(), **table}) if table else config.cost_model
+    table = device_table(device.slug()) if device.compute_capability != (0, 0) else {}
+    over = {**(table.get("cost_model") or {}), **((table.get("cost_model_by_backend") or {}).get(backend) or {})}
+    cm = CostModel.model_validate({**config.cost_model.model_dump(), **over}) if over else config.cost_model
     return cm, float(cm.mem_bandwidth_gbs or device.mem_bandwidth_gbs)
 
 
@@ -168,27 +218,30 @@ def _align_up(x: int, a: int) -> int:
 
 
 def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: float,
-             splits: int, chunk: int) -> float:
+             splits: int, chunk: int, cols: int = 1, merges: tuple[str, ...] = ("separate", "fused")) -> float:
+    """Predicted step time in microseconds (the module docstring's T(n)); ``cols`` column programs per
+    split (Triton split-V), the merge term is the cheapest of ``merges``."""
     bw = bw_gbs * 1e3 * cm.bandwidth_fraction  # bytes per microsecond
     hkv, batch = problem.num_kv_heads, problem.batch
     max_len, total = max(problem.max_kv_len, 1), max(problem.total_kv_len, 1)
     # live programs: each sequence's ceil(len / chunk) programs; sum approximated from the total.
-    live = hkv * min(batch * splits, max(batch, math.ceil(total / chunk)))
+    live = hkv * cols * min(batch * splits, max(batch, math.ceil(total / chunk)))
     resident = device.sm_count * cm.programs_per_sm
-    waves = math.ceil(hkv * batch * splits / resident)
-    kv_bytes = total * hkv * problem.kv_bytes_per_token
+    waves = math.ceil(hkv * batch * splits * cols / resident)
+    kv_bytes = total * hkv * problem.kv_bytes_per_token * (cols + 1) / 2  # K read by every column program
     sat = cm.paged_sat_programs_per_sm if problem.paged and cm.paged_sat_programs_per_sm else cm.sat_programs_per_sm
     occupancy = min(1.0, live / (device.sm_count * sat))
     bw_per_program = bw / (device.sm_count * sat)
-    chunk_bytes = min(chunk, max_len) * problem.kv_bytes_per_token
-    rows = batch * problem.q_len * problem.num_q_heads
+    chunk_bytes = min(chunk, max_len) * problem.kv_bytes_per_token * (1 + 1 / cols) / 2  # all of K, 1/cols of V
     t = cm.launch_us + waves * cm.program_us + max(kv_bytes / (bw * occupancy), chunk_bytes / bw_per_program)
     if splits > 1:
-        t += min(_merge_cost_us(problem, cm, bw, bw_per_program, splits).values())
+        costs = _merge_cost_us(problem, cm, bw, bw_per_program, splits, cols)
+        t += min(costs[m] for m in merges)
     return t
 
 
-def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_program: float, splits: int) -> dict:
+def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_program: float, splits: int,
+                   cols: int = 1) -> dict:
     """Cost of each merge strategy after the partial kernel, microseconds.
 
     separate: one more launch, then all rows' states read at full bandwidth.
@@ -197,14 +250,20 @@ def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_prog
     while the other groups' last programs do the same in parallel. Measured on the H200 under graph
     replay (benchmarks/results/2026-11-30-merge): the fused merge was 1-8 us slower than a separate
     merge kernel at every point, so with the measured latency the model picks ``separate`` there.
+    atomic (not measured; only costed for its own plans, never chosen): the ``splits`` programs of a
+    (sequence, KV head, column program) pass its lock one after another, each with two dependent
+    round trips (lock, accumulator load) and a read and write of its group's accumulator columns.
     """
     rows = problem.batch * problem.q_len * problem.num_q_heads
     state_bytes = (problem.head_dim + 1) * 4 * splits
     out_bytes = problem.head_dim * torch_dtype(problem.q_dtype).itemsize
     group_rows = problem.q_len * problem.group_size
+    acc_bytes = 2 * (problem.head_dim / cols + 1) * 4  # one program's accumulator columns, read and written
     return {"separate": cm.launch_us + rows * (2 * state_bytes + out_bytes) / bw,
             "fused": cm.program_us + 2 * splits * cm.merge_split_latency_us
-                     + group_rows * (state_bytes + out_bytes) / bw_per_program}
+                     + group_rows * (state_bytes + out_bytes) / bw_per_program,
+            "atomic": splits * (2 * cm.merge_split_latency_us + group_rows * acc_bytes / bw_per_program)
+                      + group_rows * out_bytes / cols / bw_per_program}
 
 
 def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: dict,
@@ -221,16 +280,35 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         kernel: the backend's kernel options; ``kernel["block_n"]`` (tokens) aligns chunks.
         capacity_mode: mark the plan as sized for the cache capacity (CUDA graphs).
         num_splits: overrides ``config.split.num_splits`` (0 = heuristic, 1 = no split, >1 forced).
-        merge_strategies: the merge strategies the backend implements (``"separate"``, ``"fused"``);
-            ``config.split.merge`` picks one, ``auto`` the cheaper by the cost model.
+        merge_strategies: the merge strategies the backend implements (``"separate"``, ``"fused"``,
+            ``"atomic"``); ``config.split.merge`` picks one (a strategy the backend lacks falls back to
+            ``separate``), ``auto`` the cheaper of separate / fused by the cost model (never atomic).
         partitions: the intra-program partitions the backend implements; ``config.split.partition``
-            forces one it has, ``auto`` takes ``split_k`` (the measured default until a tuned table
-            says otherwise: ``kernel_options.<backend>.<layout>.partition``).
+            forces one it has, ``auto`` takes ``kernel["partition"]`` or else ``split_k`` (the measured
+            default until a tuned table says otherwise: ``kernel_options.<backend>.<layout>.partition``).
+            A backend whose split-V workers are programs gives ``kernel["block_dv"]`` (V columns per
+            column program): under ``split_v`` the plan gets ``ceil(head_dim / block_dv)`` column
+            programs per split, under ``split_k`` one and ``block_dv = None``.
     Returns:
         the :class:`SplitPlan`. Never empty work for a non-empty sequence: ``num_splits * chunk_size``
         always covers ``problem.max_kv_len``.
     """
-    cm, bw = cost_model_for(device, config)
+    cm, bw = cost_model_for(device, config, backend)
+    want_p = config.split.partition
+    why_p = "config split.partition"
+    if want_p == "auto":
+        want_p, why_p = kernel.get("partition", "split_k"), ("kernel option partition" if "partition" in kernel
+                                                             else "default (split.partition: auto)")
+    partition = want_p if want_p in partitions else "split_k"
+    if partition != want_p:
+        why_p = f"the fallback ({why_p} asks for {want_p}, which {backend} does not implement)"
+    kernel, cols = dict(kernel), 1
+    if "block_dv" in kernel:  # split-V workers are programs: column programs per split
+        if partition == "split_v":
+            cols = -(-problem.head_dim // int(kernel["block_dv"]))
+        else:
+            kernel["block_dv"] = None
+    merges = ("atomic",) if config.split.merge == "atomic" and "atomic" in merge_strategies else ("separate", "fused")
     forced = config.split.num_splits if num_splits is None else num_splits
     align = math.lcm(int(kernel["block_n"]), problem.page_size or 1)
     # with a sliding window the chunks start at the window's first position: plan its span only
@@ -245,7 +323,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         policy = "forced" if forced > 1 else "no-split"
         if forced == 1:
             chunk = _align_up(max_len, align)
-        predicted = _cost_us(problem, device, cm, bw, splits, chunk)
+        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges)
     else:
         policy = "heuristic"
         limit = max(1, min(config.split.max_splits, -(-max_len // max(config.split.min_chunk_tokens, align))))
@@ -256,33 +334,28 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             if n_eff in seen:
                 continue
             seen.add(n_eff)
-            candidates.append((n_eff, chunk, round(_cost_us(problem, device, cm, bw, n_eff, chunk), 3)))
+            candidates.append((n_eff, chunk, round(_cost_us(problem, device, cm, bw, n_eff, chunk, cols, merges), 3)))
         best = min(c[2] for c in candidates)
         splits, chunk, predicted = min((c for c in candidates if c[2] <= best * 1.02), key=lambda c: c[0])
     single = splits == 1
     rows = problem.batch * problem.q_len * problem.num_q_heads
-    ws = 0 if single else rows * splits * (problem.head_dim + 1) * 4
     merge = "none"
     if not single:
         want = config.split.merge
         if want == "auto":
             costs = _merge_cost_us(problem, cm, bw * 1e3 * cm.bandwidth_fraction,
                                    bw * 1e3 * cm.bandwidth_fraction / (device.sm_count * cm.sat_programs_per_sm), splits)
-            merge = min((c, m) for m, c in costs.items() if m in merge_strategies)[1]
+            merge = min((c, m) for m, c in costs.items() if m in merge_strategies and m != "atomic")[1]
         else:
             merge = want if want in merge_strategies else "separate"
-        if merge == "fused":
-            ws += problem.batch * problem.num_kv_heads * 4  # completion counters
-    want_p = config.split.partition
-    if want_p == "auto":
-        want_p = kernel.get("partition", "split_k")
-    partition = want_p if want_p in partitions else "split_k"
     bucket = problem.bucket()
     bucket["capacity"] = problem.capacity
-    return SplitPlan(
+    plan = SplitPlan(
         backend=backend, problem=bucket, device=device.fingerprint(), num_splits=splits, chunk_size=chunk,
-        single_pass=single, grid=(splits, problem.num_kv_heads, problem.batch),
-        merge_grid=(0,) if single or merge == "fused" else (rows,), kernel=dict(kernel), workspace_bytes=ws,
+        single_pass=single, grid=(splits * cols, problem.num_kv_heads, problem.batch),
+        merge_grid=(0,) if single or merge in ("fused", "atomic") else (rows,), kernel=kernel, workspace_bytes=0,
         predicted_us=float(predicted), policy=policy, candidates=tuple(candidates), capacity_mode=capacity_mode,
-        merge=merge, partition=partition,
+        merge=merge, partition=partition, column_programs=cols, partition_why=why_p,
     )
+    # the PartialState workspace (or the atomic merge's accumulator) plus the in-kernel merge's sync words
+    return replace(plan, workspace_bytes=rows * plan.state_slots * (problem.head_dim + 1) * 4 + plan.sync_words * 4)

@@ -12,13 +12,36 @@ from typing import Callable
 
 import torch
 
-__all__ = ["time_cuda", "read_bandwidth_gbs"]
+__all__ = ["time_cuda", "read_bandwidth_gbs", "l2_flush"]
 
 
-def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50) -> dict:
+#: bytes the L2 flush writes before each timed step (the H200's L2 is 60 MB)
+FLUSH_BYTES = 256 << 20
+_flush_buf: dict = {}
+
+
+def l2_flush() -> None:
+    """Write :data:`FLUSH_BYTES` on the current device: evicts L2 and keeps the GPU busy for tens of
+    microseconds, so the launches queued after it are not waiting on the host when they start."""
+    dev = torch.cuda.current_device()
+    if dev not in _flush_buf:
+        _flush_buf[dev] = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    _flush_buf[dev].zero_()
+
+
+def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50, flush: bool = False) -> dict:
     """Median time of ``fn(i)`` (``i`` = iteration index, for rotating input sets), microseconds.
 
     Each iteration is bracketed by its own pair of CUDA events on the current stream.
+
+    Two kinds of time (METHOD.md; ``triton.testing.do_bench`` does the same as ``flush=True``):
+
+    - ``flush=False``: the events bracket the host's call, so when the GPU drains faster than the
+      host enqueues, the time includes the host's launch latency (the step as an eager caller sees
+      it: Python, argument packing, driver calls).
+    - ``flush=True``: :func:`l2_flush` is queued before each start event; the GPU is still busy with
+      it while the host enqueues the step, so the time is the step's device time (all its kernels
+      and the gaps between them, not the host), and L2 is cold at its start.
 
     Returns:
         ``{"median_us", "min_us", "p90_us", "iters"}``.
@@ -33,6 +56,8 @@ def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50) -
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):
+        if flush:
+            l2_flush()
         starts[i].record()
         fn(i)
         ends[i].record()

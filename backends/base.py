@@ -5,8 +5,10 @@ Support is declared as data and refusals come back as reasons (xformers' habit, 
 
 Kernel contract shared by all backends (what "executes the plan as given" means):
 
-* Grid ``plan.grid = (num_splits, num_kv_heads, batch)``; program ``(s, h, b)`` serves every query
-  head of KV head ``h``'s GQA group and all ``q_len`` queries of sequence ``b``.
+* Grid ``plan.grid = (num_splits * plan.column_programs, num_kv_heads, batch)``; program
+  ``(s * column_programs + c, h, b)`` serves every query head of KV head ``h``'s GQA group and all
+  ``q_len`` queries of sequence ``b`` (``column_programs`` is 1 except for Triton's split-V, whose
+  column program ``c`` owns V / output columns ``[c * block_dv, (c + 1) * block_dv)``).
 * Its chunk is ``[s * plan.chunk_size, min((s + 1) * plan.chunk_size, seq_lens[b]))``, read from
   ``seq_lens`` in device memory at run time, except that the last split (``s == num_splits - 1``)
   runs on to ``seq_lens[b]``: a sequence that outgrew the plan's bucket is still computed exactly
@@ -90,7 +92,8 @@ class Backend(abc.ABC):
     graph_safe: ClassVar[bool] = True
     #: attention variants served (:attr:`attnplan.DecodeProblem.variants`): window, softcap, sinks, fp8_kv
     variants: ClassVar[frozenset[str]] = frozenset()
-    #: cross-program merge strategies implemented (``"separate"``; ``"fused"`` needs :meth:`partial_fused_merge`)
+    #: cross-program merge strategies implemented (``"separate"``; ``"fused"`` and ``"atomic"`` need
+    #: :meth:`partial_fused_merge`)
     merge_strategies: ClassVar[frozenset[str]] = frozenset({"separate"})
     #: intra-program work partitions implemented (:attr:`attnplan.SplitPlan.partition`)
     partitions: ClassVar[frozenset[str]] = frozenset({"split_k"})
@@ -144,10 +147,15 @@ class Backend(abc.ABC):
 
     def partial_fused_merge(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState, out: torch.Tensor,
                             lse: torch.Tensor | None, counters: torch.Tensor) -> None:
-        """Partial states plus the merge by the last program of each (sequence, KV head) group.
+        """Partial states plus the merge inside the same launch (``plan.merge`` ``"fused"`` or ``"atomic"``).
 
-        ``counters``: ``[batch * num_kv_heads]`` int32, zero before the launch and left zero after.
-        Only for backends whose :attr:`merge_strategies` include ``"fused"``.
+        fused: every program writes its split's state into ``state``; the last program of each
+        (sequence, KV head) group, by an atomic completion counter, merges the group in split order.
+        atomic (non-deterministic): ``state`` holds ``plan.state_slots`` accumulator slots (one per
+        column program); each program merges its own state into its slot under a spin lock, in
+        completion order; the last one writes ``out`` / ``lse``. ``counters``: at least
+        ``plan.sync_words`` int32, zero before the launch and left zero after (graph replays).
+        Only for backends whose :attr:`merge_strategies` include the plan's strategy.
         """
         raise NotImplementedError(f"{self.name} has no fused merge")
 
@@ -156,7 +164,7 @@ class Backend(abc.ABC):
         """Execute ``plan``: single pass, or partial into ``workspace`` then merge. Launch-only."""
         if plan.single_pass:
             self.single_pass(plan, inputs, out, lse)
-        elif plan.merge == "fused":
+        elif plan.merge in ("fused", "atomic"):
             self.partial_fused_merge(plan, inputs, workspace, out, lse, counters)
         else:
             self.partial(plan, inputs, workspace)

@@ -1,47 +1,71 @@
 #!/usr/bin/env bash
 # One device-machine call: install, then the steps named in STEPS (default "tests bench"):
-#   tests     the whole test suite on the GPU (gpu-marked tests included)
-#   bench     benchmarks/bench_decode.py (args: BENCH_ARGS) -> $OUT/bench.json, bench.png
+#   tests     the test suite on the GPU (gpu-marked tests included; TESTS, PYTEST_K, XDIST workers)
+#   tests_bg  the same, in the background while the next steps run (sanitize only: not for timing)
+#   wait      wait for tests_bg to finish (put it before any timing step)
+#   bench     benchmarks/bench_decode.py (args: BENCH_ARGS) -> bench.json, bench.png
+#   bench2    a second bench (args: BENCH2_ARGS) -> bench2.json (e.g. fp8 KV or q_len 4)
 #   sanitize  compute-sanitizer memcheck + racecheck on benchmarks/sanitize.py for each backend
-#   merge     benchmarks/bench_merge.py: separate vs fused merge -> $OUT/merge.json
-#   cp        benchmarks/bench_cp.py: context-parallel decode over 2 GPUs (NCCL) -> $OUT/cp.json
-#   tune      attnplan tune (args: TUNE_ARGS) -> $OUT/h200.yaml, $OUT/tune.json
+#   sweep     benchmarks/sweep_kernel.py (SWEEP_BACKEND, SWEEP_ARGS) -> sweep.json
+#   merge     benchmarks/bench_merge.py: merge strategies side by side -> merge.json
+#   cp        benchmarks/bench_cp.py: context-parallel decode over 2 GPUs (NCCL) -> cp.json
+#   tune      attnplan tune (args: TUNE_ARGS): writes the package's plans/<device>.yaml, copied out
+# Everything lands in $OUT/run/ and is packed into $OUT/run.tgz (the device tool returns at most
+# 8 files); short summaries are printed last.
 # Usage (repository root, on the GPU machine): STEPS="tests bench" bash benchmarks/gpu_run.sh
 set -uo pipefail
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+OUT=${OUT:-gpu-out}; R="$OUT/run"; mkdir -p "$R"
 export PYTHONUNBUFFERED=1 ATTNPLAN_CACHE_DIR=$(mktemp -d)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1 || { cat "$R/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+t0=$SECONDS
+run_tests() {
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --timeout 250 \
+    ${XDIST:+-n $XDIST} ${PYTEST_ARGS:-} ${TESTS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} > "$R/pytest-gpu.log" 2>&1
+  echo "pytest rc=$?" >> "$R/pytest-gpu.log"
+}
 for step in ${STEPS-tests bench}; do  # STEPS="" installs only
+  echo "== $step (t=$((SECONDS - t0)) s)"
   case $step in
-    tests)
-      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --timeout 200 ${TESTS:-tests} \
-        ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/pytest-gpu.log" 2>&1; echo "pytest rc=$?"
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu.log" | tail -25 ;;
-    numba-first-failure)
-      timeout 120 python3 -m pytest -x -q --tb=long -p no:cacheprovider tests/test_numba_backend.py -m gpu \
-        > "$OUT/numba-gpu.log" 2>&1; echo "numba rc=$?"; grep -E "Error|error|^E " "$OUT/numba-gpu.log" | head -30 ;;
+    tests) run_tests ;;
+    tests_bg) run_tests & TESTS_PID=$! ;;
+    wait) [ -n "${TESTS_PID:-}" ] && wait $TESTS_PID; TESTS_PID= ;;
     bench)
-      python3 benchmarks/bench_decode.py --out "$OUT/bench.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; echo "bench rc=$?"
-      sed -n '/^ceiling/,$p' "$OUT/bench.log" | tail -40 ;;
+      python3 benchmarks/bench_decode.py --out "$R/bench.json" ${BENCH_ARGS:-} > "$R/bench.log" 2>&1; echo "bench rc=$?" ;;
+    bench2)
+      python3 benchmarks/bench_decode.py --out "$R/bench2.json" ${BENCH2_ARGS:-} > "$R/bench2.log" 2>&1; echo "bench2 rc=$?" ;;
+    sweep)
+      python3 benchmarks/sweep_kernel.py --backend ${SWEEP_BACKEND:-cuda_ptx} --out "$R/sweep.json" ${SWEEP_ARGS:-} \
+        > "$R/sweep.log" 2>&1; echo "sweep rc=$?" ;;
     merge)
-      python3 benchmarks/bench_merge.py --backends ${MERGE_BACKENDS:-triton} --out "$OUT/merge.json" > "$OUT/merge.log" 2>&1; echo "merge rc=$?"; tail -12 "$OUT/merge.log" ;;
-    sanitize)  # all backends x tools in parallel (one GPU, many cores)
+      python3 benchmarks/bench_merge.py --backends ${MERGE_BACKENDS:-triton} --out "$R/merge.json" > "$R/merge.log" 2>&1; echo "merge rc=$?" ;;
+    sanitize)  # all backends x tools in parallel (one GPU, many cores); device-side errors only
       for be in ${SAN_BACKENDS:-triton numba cuda_ptx}; do
         for tool in memcheck racecheck; do
-          ( timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize.py --backend $be \
-            > "$OUT/sanitize-$be-$tool.log" 2>&1; echo "rc=$?" >> "$OUT/sanitize-$be-$tool.log" ) &
+          ( timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool $tool --report-api-errors no --print-limit 1000 \
+            python3 benchmarks/sanitize.py --backend $be > "$R/sanitize-$be-$tool.log" 2>&1; echo "rc=$?" >> "$R/sanitize-$be-$tool.log" ) &
         done
       done
-      wait
-      for f in "$OUT"/sanitize-*.log; do echo "$(basename $f): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|equal the reference|^rc=' $f | tr '\n' ' ')"; done ;;
+      wait $(jobs -p | grep -v "^${TESTS_PID:-none}$") 2>/dev/null ;;
     cp)  # needs kind nvidia-h200-x2 (2 GPUs); keep NCCL_NVLS_ENABLE=0 as the machine sets it
-      python3 benchmarks/bench_cp.py --world ${CP_WORLD:-2} --kv ${CP_KV:-1048576,2097152} --out "$OUT/cp.json" \
-        > "$OUT/cp.log" 2>&1; echo "cp rc=$?"; tail -6 "$OUT/cp.log" ;;
+      python3 benchmarks/bench_cp.py --world ${CP_WORLD:-2} --kv ${CP_KV:-1048576,2097152} --out "$R/cp.json" \
+        > "$R/cp.log" 2>&1; echo "cp rc=$?" ;;
     tune)
-      python3 -m attnplan.cli tune --out "$OUT/h200.yaml" --json "$OUT/tune.json" ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1; echo "tune rc=$?"; tail -25 "$OUT/tune.log" ;;
+      python3 -m attnplan.cli tune --json "$R/tune.json" ${TUNE_ARGS:-} > "$R/tune.log" 2>&1; echo "tune rc=$?"
+      cp plans/*.yaml "$R/" 2>/dev/null ;;
   esac
 done
+[ -n "${TESTS_PID:-}" ] && wait $TESTS_PID
+echo "== done (t=$((SECONDS - t0)) s)"
+# summaries, last
+[ -f "$R/pytest-gpu.log" ] && { grep -E "FAILED|ERROR" "$R/pytest-gpu.log" | grep -v "^E " | head -40; tail -3 "$R/pytest-gpu.log"; }
+for f in "$R"/sanitize-*.log; do [ -f "$f" ] && echo "$(basename $f): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|equal the reference|^rc=' $f | tr '\n' ' ')"; done
+[ -f "$R/sweep.log" ] && grep -E "^(contiguous|paged) " "$R/sweep.log" | awk 'NR%3==1' | head -20
+[ -f "$R/tune.log" ] && tail -32 "$R/tune.log"
+[ -f "$R/merge.log" ] && tail -12 "$R/merge.log"
+[ -f "$R/cp.log" ] && tail -6 "$R/cp.log"
+for b in bench bench2; do [ -f "$R/$b.log" ] && sed -n '/^ceiling/,$p' "$R/$b.log" | tail -70; done
+tar czf "$OUT/run.tgz" -C "$OUT" run && rm -rf "$R"

@@ -19,12 +19,23 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--shapes", default=None, help="batch:kv,... (default: attnplan.tune.SHAPES)")
+    ap.add_argument("--layouts", default="contiguous,paged")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    rows = sweep(args.backend, iters=args.iters, progress=lambda layout, b, kv: print(f"{layout} b{b} kv{kv} done", flush=True))
+    kw = {"layouts": tuple(args.layouts.split(","))}
+    if args.shapes:
+        kw["shapes"] = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
+    rows = sweep(args.backend, iters=args.iters, progress=lambda layout, b, kv: print(f"{layout} b{b} kv{kv} done", flush=True), **kw)
     with open(args.out, "w") as f:
         json.dump({"backend": args.backend, "sms": torch.cuda.get_device_properties(0).multi_processor_count,
                    "rows": rows}, f, indent=1)
+    # best per shape and layout, last: the table a reader wants
+    for key in sorted({(r["layout"], r["batch"], r["kv"]) for r in rows}):
+        rs = sorted((r for r in rows if (r["layout"], r["batch"], r["kv"]) == key and "us" in r), key=lambda r: r["us"])
+        for r in rs[:3]:
+            opts = {k: v for k, v in r.items() if k not in ("layout", "batch", "kv", "us")}
+            print(f"{key[0]:10s} b{key[1]:<3d} kv{key[2]:<7d} {r['us']:8.1f} us  {opts}")
 
 
 if __name__ == "__main__":

@@ -144,3 +144,36 @@ def test_lru_evicts(tmp_path):
     for k in range(3):
         cache.get_or_create(("k", k), lambda k=k: made.append(k) or k)
     assert cache.lookup(("k", 0)) is None and cache.lookup(("k", 2)) == 2
+
+
+def test_plan_cache_hit_and_miss_host_cost():
+    """Host overhead targets (#7): a plan-cache hit costs at most 10 us, a miss (planning) at most 1 ms.
+    Medians of repeated batches, so one slow scheduling slice does not decide."""
+    import statistics
+    import time
+
+    import torch
+
+    import attnplan
+    import attnplan.api as api
+    from attnplan.device import device_info
+
+    ctx = api.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+    cold = api.Context.from_config(attnplan.load_config(plan_cache={"enabled": False}))
+    prob = attnplan.DecodeProblem(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, max_kv_len=4096,
+                                  total_kv_len=4 * 4000, q_dtype="float16", kv_dtype="float16")
+    be, dev = attnplan.backends.get_backend("reference"), torch.device("cpu")
+    di = device_info(dev)
+    api.plan_problem(prob, be, dev, ctx, dev_info=di)
+
+    def per_call(c, n):
+        t = time.perf_counter()
+        for _ in range(n):
+            api.plan_problem(prob, be, dev, c, dev_info=di)
+        return (time.perf_counter() - t) / n * 1e6
+
+    hit = statistics.median(per_call(ctx, 500) for _ in range(7))
+    miss = statistics.median(per_call(cold, 20) for _ in range(5))
+    assert ctx.cache.stats.misses == 1
+    assert hit <= 10.0, f"plan-cache hit {hit:.1f} us"
+    assert miss <= 1000.0, f"plan-cache miss {miss:.1f} us"

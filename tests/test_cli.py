@@ -63,6 +63,21 @@ def test_bench_plot(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_bench_summary_speedup(capsys):
+    """The summary's speedup column: best attnplan backend over the best peer, by graph device time."""
+    from attnplan.bench import summary
+
+    res = {"ceiling": {"ceiling_gbs": 4000.0}, "ceiling_used": "ceiling_gbs", "attnplan_backends": ["triton", "cuda_ptx"],
+           "points": [{"layout": "contig", "kind": "uniform", "batch": 1, "kv_len": kv, "heads": [32, 8, 128],
+                       "results": {"triton": {"graph_us": t, "graph_frac": 0.5}, "cuda_ptx": {"graph_us": 2 * t, "graph_frac": 0.2},
+                                   "sdpa_cudnn": {"graph_us": p, "graph_frac": 0.4}, "flex": {"error": "x"}}}
+                      for kv, t, p in ((4096, 10.0, 20.0), (32768, 40.0, 20.0))]}
+    summary(res)
+    out = capsys.readouterr().out
+    assert "2.00x" in out and "0.50x" in out
+    assert "geometric mean 1.00x, min 0.50x over 2 points" in out
+
+
 def test_time_report_counts_bytes_and_bandwidth(monkeypatch):
     """The GPU timing branch of `attnplan run`, with the CUDA-event timer replaced (CPU)."""
     import argparse

@@ -166,3 +166,34 @@ def test_graph_replay_with_fused_merge(backend, gen):
         torch.cuda.synchronize()
         check(x, out, lse, torch.bfloat16)
     assert int(w.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("partition", ["split_k", "split_v"])
+def test_graph_replay_with_atomic_merge(backend, partition, gen):
+    """The atomic merge (opt-in, deterministic: false) under graph replay: captured once, replayed 5
+    times with seq_lens rewritten in place; every replay equals the reference, so the counters, locks
+    and the accumulator's first-writer state are reset by each launch (counters and locks end at 0)."""
+    from attnplan.backends import get_backend
+
+    be = get_backend(backend)
+    if "atomic" not in be.merge_strategies or partition not in be.partitions:
+        pytest.skip(f"{backend} has no atomic merge / {partition}")
+    cfg = attnplan.load_config(split={"merge": "atomic", "partition": partition}, deterministic=False,
+                               plan_cache={"disk": False})
+    x = make_inputs(2, 32, 8, 128, [500, 9], page_size=16, dtype=torch.bfloat16, device="cuda", capacity=8192,
+                    generator=gen)
+    w = attnplan.DecodeWrapper(cfg, backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+    assert plan.merge == "atomic" and plan.partition == partition and not plan.single_pass
+    out = torch.empty_like(x.q)
+    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
+    g = capture(w, x, out, lse)
+    for lens in ([8192, 0], [1, 4000], [300, 301], [0, 0], [17, 8192]):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(x, out, lse, torch.bfloat16)
+    assert int(w.counters.abs().sum()) == 0

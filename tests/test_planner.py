@@ -127,7 +127,7 @@ def test_tune_fit_picks_best_geomean_options_and_saturation():
     rows.append({"layout": "contiguous", "batch": 1, "kv": 4096, "block_n": 128, "splits": 17, "error": "x"})
     f = fit(rows, "triton", 132, 8)
     assert f["kernel_options"]["triton"]["contiguous"] == {"block_n": 64}
-    assert sorted(f["sat"]) == [8 * 17 / 132, 8 * 33 / 132]
+    assert sorted(f["sat_by_layout"]["contiguous"]) == [8 * 17 / 132, 8 * 33 / 132]
 
 
 def test_partition_axis_forced_only_where_implemented():
@@ -146,3 +146,19 @@ def test_tuned_options_for_problems_that_fill_the_device():
 
     assert _tuned_options(H200_LIKE, "triton", P(page_size=None, batch=64))[0]["num_stages"] == 2
     assert _tuned_options(H200_LIKE, "triton", P(page_size=None, batch=1))[0]["num_stages"] == 3
+
+
+def test_cost_model_by_backend_overrides_device_constants(monkeypatch):
+    """A tuned table's per-backend constants apply to that backend's plans only."""
+    import attnplan.config
+    from attnplan.planner import cost_model_for
+
+    table = {"cost_model": {"sat_programs_per_sm": 2.0, "mem_bandwidth_gbs": 4400.0},
+             "cost_model_by_backend": {"cuda_ptx": {"sat_programs_per_sm": 4.0}}}
+    monkeypatch.setattr(attnplan.planner, "device_table", lambda slug: table)
+    assert cost_model_for(H200_LIKE, CFG, "triton")[0].sat_programs_per_sm == 2.0
+    assert cost_model_for(H200_LIKE, CFG, "cuda_ptx")[0].sat_programs_per_sm == 4.0
+    assert cost_model_for(H200_LIKE, CFG, "cuda_ptx")[1] == 4400.0
+    more = make_plan(P(max_kv_len=131072, total_kv_len=131072), H200_LIKE, CFG, "cuda_ptx", KERNEL)
+    fewer = make_plan(P(max_kv_len=131072, total_kv_len=131072), H200_LIKE, CFG, "triton", KERNEL)
+    assert more.num_splits > fewer.num_splits

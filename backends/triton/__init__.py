@@ -5,6 +5,20 @@ Precision: fp32 inputs use ``tl.dot(..., input_precision="ieee")`` so compiled c
 interpreter agree (no TF32; cases.yaml interpreter-vs-gpu-tf32). Under the interpreter, bf16
 operands are widened to fp32 before ``tl.dot`` because Triton's interpreter (3.6, 3.9) returns
 garbage from ``tl.dot`` on bf16 operands; the compiled GPU path keeps bf16 tensor-core dots.
+
+Partitions (``plan.partition``, seed 000). ``split_k`` (default): one program per split covers all
+head_dim columns. ``split_v``: Triton cannot address warps, so the workers are *column programs*:
+each split gets ``plan.column_programs = ceil(head_dim / block_dv)`` programs (grid axis 0 =
+``split * column_programs + column``); each scores the chunk against full K rows (QK^T recomputed,
+K read once per column program) and accumulates P.V for its ``block_dv`` columns only, with its own
+running max and sum and no cross-program reduction; column program 0 writes the lse. ``block_dv``
+(option ``backend_options.triton.block_dv``, a power of two of at least 16 for ``tl.dot``) defaults
+to half the padded head_dim: 2 column programs (1 for head_dim 16). Partial states are unchanged.
+
+Merges (``plan.merge``): ``separate`` (merge kernel), ``fused`` (the last program of each (sequence,
+KV head), by a completion counter, merges in split order) and ``atomic`` (opt-in, non-deterministic:
+every program merges its state into a per-(sequence, KV head, column program) accumulator under a
+spin lock, in completion order; the last one writes the output and leaves counter and lock at zero).
 """
 
 from __future__ import annotations
@@ -31,8 +45,8 @@ def _next_pow2(x: int) -> int:
 
 
 class TritonBackend(Backend):
-    """Split-KV decode in Triton. One program per (split, KV head, sequence); the whole GQA group
-    and all queries of a sequence are the rows of one ``tl.dot`` tile (at least 16 rows)."""
+    """Split-KV decode in Triton. One program per (split, column program, KV head, sequence); the whole
+    GQA group and all queries of a sequence are the rows of one ``tl.dot`` tile (at least 16 rows)."""
 
     name = "triton"
     min_head_dim = 16
@@ -40,7 +54,8 @@ class TritonBackend(Backend):
     head_dim_multiple = 8
     max_rows_per_program = 128
     variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
-    merge_strategies = frozenset({"separate", "fused"})
+    merge_strategies = frozenset({"separate", "fused", "atomic"})
+    partitions = frozenset({"split_k", "split_v"})
 
     def __init__(self) -> None:
         self._triton = None
@@ -66,6 +81,16 @@ class TritonBackend(Backend):
         return False, f"unsupported device type {device.type}"
 
     def kernel_config(self, problem, options: dict, device) -> dict:
+        """``block_n``, ``num_warps``, ``num_stages``, ``block_dv`` (split_v's columns per column
+        program; the planner sets it to ``None`` under split_k) and, when given (a tuned table), the
+        ``partition``. Raises ``ValueError`` naming the option for a bad ``block_dv`` or ``partition``."""
+        block_d = max(16, _next_pow2(problem.head_dim))
+        block_dv = options.get("block_dv") or max(16, block_d // 2)
+        if block_dv & (block_dv - 1) or block_dv < 16:
+            raise ValueError(f"backend_options.triton.block_dv must be a power of two >= 16, got {block_dv}")
+        partition = options.get("partition")
+        if partition is not None and partition not in self.partitions:
+            raise ValueError(f"kernel option triton partition {partition!r} must be one of {sorted(self.partitions)}")
         interp = _interpreting() or torch.device(device).type != "cuda"
         if interp:
             block_n, warps, stages = 16, 1, 1
@@ -79,6 +104,8 @@ class TritonBackend(Backend):
             "block_n": options.get("block_n") or block_n,
             "num_warps": options.get("num_warps") or warps,
             "num_stages": options.get("num_stages") or stages,
+            "block_dv": min(block_dv, block_d),
+            **({"partition": partition} if partition else {}),
         }
 
     # -- launches ---------------------------------------------------------------------------------
@@ -100,6 +127,12 @@ class TritonBackend(Backend):
         dummy = x.seq_lens
         out, out_lse, counters = fused if fused is not None else (o, None, dummy)
         ol = out_lse if out_lse is not None else dummy
+        block_d = max(16, _next_pow2(d))
+        block_dv = kc.get("block_dv") or block_d
+        cols = plan.column_programs
+        if -(-d // block_dv) != cols or plan.grid[0] != plan.num_splits * cols:
+            raise ValueError(f"plan has {cols} column programs of {block_dv} columns and grid {plan.grid}; "
+                             f"inputs have head_dim {d}: re-plan")
         k.split_kv_partial_kernel[plan.grid](
             q, x.k_cache, x.v_cache, x.seq_lens, bt, o, lse if lse is not None else o,
             x.k_scale if fp8 else dummy, x.v_scale if fp8 else dummy, x.sinks if sinks_on else dummy,
@@ -112,14 +145,14 @@ class TritonBackend(Backend):
             *o_strides, *lse_strides,
             out.stride(0), out.stride(1), out.stride(2),
             *((out_lse.stride(0), out_lse.stride(1), out_lse.stride(2)) if out_lse is not None else (0, 0, 0)),
-            plan.chunk_size, plan.num_splits, hkv,
-            Q_LEN=q_len, GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)),
+            plan.chunk_size, plan.num_splits, hkv, plan.sync_words // 2 if plan.merge == "atomic" else 0,
+            Q_LEN=q_len, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DV=block_dv, N_COLS=cols,
             BLOCK_M=max(16, _next_pow2(q_len * group)), BLOCK_N=kc["block_n"],
             PAGE_SIZE=x.k_cache.shape[1] if x.paged else 1, PAGED=x.paged,
             WRITE_LSE=lse is not None, UPCAST=upcast,
             DOT_PRECISION="ieee" if (fp32 or upcast) else "tf32",
             WINDOW=x.window_left >= 0, SOFTCAP=x.soft_cap > 0, FP8=fp8, SINKS_ON=sinks_on,
-            FUSED_MERGE=fused is not None, WRITE_OUT_LSE=out_lse is not None,
+            MERGE=plan.merge if fused is not None else "none", WRITE_OUT_LSE=out_lse is not None,
             num_warps=kc["num_warps"], num_stages=kc["num_stages"],
         )
 

@@ -5,6 +5,13 @@ Triton tutorial 06); one program per (split, KV head, sequence) holds the whole 
 ``q_len`` queries as the rows of one ``tl.dot`` tile, so every KV byte is read once (vLLM's and
 FlashInfer's grouped decode). Chunk bounds are derived from ``seq_lens`` in the kernel (vLLM's
 Triton decode), so one plan and one grid serve all lengths, and CUDA-graph replays.
+
+Split-V (seed 000) with programs as the workers: ``N_COLS`` column programs per split each own
+``BLOCK_DV`` V / output columns and recompute QK^T over full K rows. In-kernel merges: ``fused``
+(the last program of a (sequence, KV head) group merges in split order: deterministic) and
+``atomic`` (seed 000 cost 1: each program merges into a locked accumulator in completion order, the
+spin lock as in Triton's layer-norm-backward tutorial; acquire CAS, volatile accumulator loads,
+release exchange; not bitwise reproducible).
 """
 
 from __future__ import annotations
@@ -14,6 +21,31 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _add_sink(o, lse, SINKS, head, row_ok):
+    """The sink logit ``z`` joins the denominator: ``lse' = logaddexp(lse, z)``, ``o' = o exp(lse - lse')``
+    (an empty row, ``lse = -inf``, gets ``o = 0, lse = z``)."""
+    z = tl.load(SINKS + head, mask=row_ok, other=0.0)
+    hi = tl.maximum(lse, z)
+    new = hi + tl.log(tl.exp(lse - hi) + tl.exp(z - hi))
+    return o * tl.exp(lse - new)[:, None], new
+
+
+@triton.jit
+def _merge_pair(o_a, lse_a, o_b, lse_b):
+    """Two normalized states of the same rows into one (:func:`attnplan.state.merge_states`'s contract:
+    empty states weigh 0, two empty states give ``o = 0, lse = -inf``, never ``-inf - (-inf)``).
+    Merging into the empty state ``(0, -inf)`` returns ``(o_b, lse_b)`` bit for bit."""
+    mx = tl.maximum(lse_a, lse_b)
+    empty = mx == float("-inf")
+    base = tl.where(empty, 0.0, mx)
+    wa = tl.exp(lse_a - base)
+    wb = tl.exp(lse_b - base)
+    tot = tl.where(empty, 1.0, wa + wb)
+    o = (o_a * wa[:, None] + o_b * wb[:, None]) / tot[:, None]
+    return o, tl.where(empty, float("-inf"), base + tl.log(tot))
 
 
 @triton.jit
@@ -27,26 +59,43 @@ def split_kv_partial_kernel(
     stride_ob, stride_ot, stride_oh, stride_os,
     stride_lb, stride_lt, stride_lh, stride_ls,
     stride_outb, stride_outt, stride_outh, stride_lob, stride_lot, stride_loh,
-    chunk_size, num_splits, num_kv_heads,
+    chunk_size, num_splits, num_kv_heads, lock_offset,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, N_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
     WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, SINKS_ON: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, WRITE_OUT_LSE: tl.constexpr,
+    MERGE: tl.constexpr, WRITE_OUT_LSE: tl.constexpr,
 ):
-    """Program (split s, KV head h, sequence b). Rows m = i * GROUP + g are query i of q-head h*GROUP+g.
+    """Program (split s, column program c, KV head h, sequence b), axis 0 = ``s * N_COLS + c``.
+    Rows m = i * GROUP + g are query i of q-head h*GROUP+g.
 
-    Writes ``O[b, i, head, s, :]`` and ``LSE[b, i, head, s]`` (for the single-pass path the caller
+    Columns (split-V, seed 000, with programs as the workers): column program ``c`` owns V / output
+    columns ``[c * BLOCK_DV, (c + 1) * BLOCK_DV)``; it scores its chunk against full K rows (all
+    head_dim: QK^T recomputed by each of the ``N_COLS`` programs), keeps its own running max and
+    sum and accumulates P.V for its columns only; no cross-program reduction. Every column program
+    computes the same lse (same code, same scores), column program 0 writes it. ``N_COLS = 1``,
+    ``BLOCK_DV = BLOCK_D`` is the split-K plan (one program, all columns).
+
+    Writes ``O[b, i, head, s, cols]`` and ``LSE[b, i, head, s]`` (for the single-pass path the caller
     passes ``out``/``lse`` with ``stride_os = stride_ls = 0``). ``O`` takes the dtype of the buffer.
     Variants: ``WINDOW`` (chunks start at the window, rows see ``[p - window_left, p]``), ``SOFTCAP``
     (``cap * tanh(s / cap)`` on scaled scores, tanh from ``exp(-2|x|)`` so it cannot overflow),
     ``FP8`` (K/V widened to q's dtype, ``K_SCALE[h]`` folded into the score scale and ``V_SCALE[h]``
-    into the output), ``SINKS_ON`` (single pass, or the fused merge: the sink joins the denominator).
-    ``FUSED_MERGE``: after writing its state, the program bumps its (sequence, KV head) completion
-    counter; the program that finishes last merges the group's rows over all splits in split order
-    (the :func:`attnplan.state.merge_states` contract), writes ``OUT``/``LSE_OUT`` and resets the counter.
+    into the output), ``SINKS_ON`` (single pass, or an in-kernel merge: the sink joins the denominator).
+    ``MERGE``: ``"none"`` (write the state / the single-pass output), ``"fused"`` (after writing its
+    state, the program bumps its (sequence, KV head) completion counter ``COUNTERS[b * Hkv + h]``; the
+    one that finishes last of the ``num_splits * N_COLS`` merges the group's rows over all splits in
+    split order, the :func:`attnplan.state.merge_states` contract, writes ``OUT``/``LSE_OUT`` and
+    resets the counter) or ``"atomic"`` (``O``/``LSE`` are one accumulator slot per column program:
+    the program takes the spin lock ``COUNTERS[lock_offset + g]`` of its group ``g = (b * Hkv + h) *
+    N_COLS + c``, counts itself in ``COUNTERS[g]``, merges its state into the accumulator, unless it
+    is the first, which finds none, and releases the lock; the last of the ``num_splits`` writes
+    ``OUT``/``LSE_OUT`` and resets the counter. Merge order = lock order: not bitwise reproducible).
     """
-    split = tl.program_id(0)
+    pid = tl.program_id(0)
+    split = pid // N_COLS
+    col = pid % N_COLS
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     b64 = b.to(tl.int64)
@@ -67,6 +116,8 @@ def split_kv_partial_kernel(
     lowest = visible - 1 - window_left  # ... and, with a window, >= lowest
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    offs_v = col * BLOCK_DV + tl.arange(0, BLOCK_DV)  # this column program's V / output columns
+    v_ok = offs_v < HEAD_DIM
 
     q_ptrs = Q + b64 * stride_qb + qi[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
@@ -78,7 +129,7 @@ def split_kv_partial_kernel(
         qk_scale = qk_scale * tl.load(K_SCALE + kvh)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     bt_row = BLOCK_TABLE + b64 * stride_btb
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -91,9 +142,8 @@ def split_kv_partial_kernel(
         else:
             k_row = b64 * stride_kb + offs_n.to(tl.int64) * stride_kt
             v_row = b64 * stride_vb + offs_n.to(tl.int64) * stride_vt
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + k_row[:, None] + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + v_row[:, None] + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(K + k_row[:, None] + kvh * stride_kh + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + v_row[:, None] + kvh * stride_vh + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0)
         if FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -124,20 +174,44 @@ def split_kv_partial_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     if FP8:
         o = o * tl.load(V_SCALE + kvh)
-    if SINKS_ON and not FUSED_MERGE:  # single pass: lse' = logaddexp(lse, sink); o' = o * exp(lse - lse')
-        z = tl.load(SINKS + head, mask=row_ok, other=0.0)
-        hi = tl.maximum(lse, z)
-        new = hi + tl.log(tl.exp(lse - hi) + tl.exp(z - hi))
-        o = o * tl.exp(lse - new)[:, None]
-        lse = new
-    o_ptrs = O + b64 * stride_ob + qi[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    if WRITE_LSE:
-        tl.store(LSE + b64 * stride_lb + qi * stride_lt + head * stride_lh + split * stride_ls, lse, mask=row_ok)
-    if FUSED_MERGE:
+    if SINKS_ON and MERGE == "none":  # single pass: the sink joins the denominator here
+        o, lse = _add_sink(o, lse, SINKS, head, row_ok)
+    ov_ok = row_ok[:, None] & v_ok[None, :]
+    lse_ok = row_ok & (col == 0)  # every column program has the same lse: column program 0 writes it
+    out_ptrs = OUT + b64 * stride_outb + qi[:, None] * stride_outt + head[:, None] * stride_outh + offs_v[None, :]
+    lse_out_ptrs = LSE_OUT + b64 * stride_lob + qi * stride_lot + head * stride_loh
+    if MERGE == "atomic":
+        grp = (b * num_kv_heads + kvh) * N_COLS + col
+        acc_o_ptrs = O + b64 * stride_ob + qi[:, None] * stride_ot + head[:, None] * stride_oh + col * stride_os + offs_v[None, :]
+        acc_lse_ptrs = LSE + b64 * stride_lb + qi * stride_lt + head * stride_lh + col * stride_ls
+        while tl.atomic_cas(COUNTERS + lock_offset + grp, 0, 1, sem="acquire", scope="gpu") == 1:
+            pass  # spin lock (Triton's layer-norm-backward tutorial); the holder is resident, so it finishes
+        done = tl.atomic_add(COUNTERS + grp, 1, sem="relaxed", scope="gpu")  # states merged before this one
+        seen = done > 0  # the first program finds no accumulator: (0, -inf), so it stores its own state
+        acc_lse = tl.load(acc_lse_ptrs, mask=row_ok & seen, other=float("-inf"), volatile=True)
+        acc_o = tl.load(acc_o_ptrs, mask=ov_ok & seen, other=0.0, volatile=True)
+        o, lse = _merge_pair(acc_o, acc_lse, o, lse)
+        if done == num_splits - 1:  # the last of the group: write the output, leave the counter at zero
+            if SINKS_ON:
+                o, lse = _add_sink(o, lse, SINKS, head, row_ok)
+            tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=ov_ok)
+            if WRITE_OUT_LSE:
+                tl.store(lse_out_ptrs, lse, mask=lse_ok)
+            tl.atomic_xchg(COUNTERS + grp, 0, sem="relaxed", scope="gpu")
+        else:
+            tl.store(acc_o_ptrs, o, mask=ov_ok)
+            tl.store(acc_lse_ptrs, lse, mask=row_ok)
+        tl.debug_barrier()  # every thread's accumulator stores precede the release below
+        tl.atomic_xchg(COUNTERS + lock_offset + grp, 0, sem="release", scope="gpu")
+    else:
+        o_ptrs = O + b64 * stride_ob + qi[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + offs_v[None, :]
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=ov_ok)
+        if WRITE_LSE:
+            tl.store(LSE + b64 * stride_lb + qi * stride_lt + head * stride_lh + split * stride_ls, lse, mask=lse_ok)
+    if MERGE == "fused":
         tl.debug_barrier()  # every thread's state stores precede the release below
         done = tl.atomic_add(COUNTERS + b * num_kv_heads + kvh, 1, sem="acq_rel", scope="gpu")
-        if done == num_splits - 1:  # the last program of this group merges it, in split order
+        if done == num_splits * N_COLS - 1:  # the last program of this group merges it, in split order
             lse_rows = LSE + b64 * stride_lb + qi * stride_lt + head * stride_lh
             o_rows = O + b64 * stride_ob + qi[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
             mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -157,15 +231,11 @@ def split_kv_partial_kernel(
             res = acc2 / tot_safe[:, None]
             res_lse = tl.where(empty_row, float("-inf"), mbase + tl.log(tot_safe))
             if SINKS_ON:
-                z = tl.load(SINKS + head, mask=row_ok, other=0.0)
-                hi2 = tl.maximum(res_lse, z)
-                new2 = hi2 + tl.log(tl.exp(res_lse - hi2) + tl.exp(z - hi2))
-                res = res * tl.exp(res_lse - new2)[:, None]
-                res_lse = new2
-            out_ptrs = OUT + b64 * stride_outb + qi[:, None] * stride_outt + head[:, None] * stride_outh + offs_d[None, :]
-            tl.store(out_ptrs, res.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                res, res_lse = _add_sink(res, res_lse, SINKS, head, row_ok)
+            out_all = OUT + b64 * stride_outb + qi[:, None] * stride_outt + head[:, None] * stride_outh + offs_d[None, :]
+            tl.store(out_all, res.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
             if WRITE_OUT_LSE:
-                tl.store(LSE_OUT + b64 * stride_lob + qi * stride_lot + head * stride_loh, res_lse, mask=row_ok)
+                tl.store(lse_out_ptrs, res_lse, mask=row_ok)
             tl.atomic_xchg(COUNTERS + b * num_kv_heads + kvh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
