@@ -212,6 +212,29 @@ def host_overheads(backend: str = "triton") -> dict:
             "wrapper_plan_hit_us": statistics.median(per_call(lambda: w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table), 50) for _ in range(5))}
 
 
+def _result(args, ceiling, points, backends, host) -> dict:
+    """The benchmark's JSON document: command, environment, ceiling, host costs and the points so far."""
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(),
+           "python": platform.python_version(), "attnplan": attnplan.__version__,
+           "triton": _ver("triton"), "numba_cuda": _ver("numba_cuda"), "cuda_bindings": _ver("cuda.bindings")}
+    result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "env": env, "ceiling": ceiling,
+              "ceiling_used": "ceiling_gbs", "points": points, "attnplan_backends": backends, "host": host,
+              "notes": "times are medians of CUDA-event-timed steps (us). graph_us: CUDA-graph replay, device time "
+                       "(an L2 flush queued in front hides the host's launch latency, as triton.testing.do_bench); "
+                       "graph_host_us: the same replay without the flush (host launch latency included); eager_us: "
+                       "the eager call, host included. Peers run on a dense [B,H,L,D] bf16 copy padded to the "
+                       "longest sequence."}
+    return result
+
+
+def _write(path, result) -> None:
+    """Write ``result`` as JSON to ``path`` (nothing when ``path`` is ``None``)."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main(argv=None):
     """``attnplan bench``: the benchmark grid; writes JSON (and a PNG plot) when ``--out`` is given, prints a summary table."""
     ap = argparse.ArgumentParser(prog="attnplan bench")
@@ -300,26 +323,15 @@ def main(argv=None):
                     r[key.replace("_us", "_gbs")] = nbytes / r[key] / 1e3
                     r[key.replace("_us", "_frac")] = nbytes / r[key] / 1e3 / bw
         points.append(pt)
+        _write(args.out, _result(args, ceiling, points, backends, host))  # a run cut short keeps its points
         row = " ".join(f"{n}={r.get('graph_us', r.get('eager_us')):.1f}us" if "eager_us" in r else f"{n}=err"
                        for n, r in pt["results"].items())
         msg = f"{hq}/{hkv}/{d} {layout:8s} {kind:7s} b{batch:<3d} kv{kv:<7d} {row}"
         tqdm.write(msg) if hasattr(tqdm, "write") else print(msg)
         del sets
         torch.cuda.empty_cache()
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": torch.cuda.get_device_name(),
-           "python": platform.python_version(), "attnplan": attnplan.__version__,
-           "triton": _ver("triton"), "numba_cuda": _ver("numba_cuda"), "cuda_bindings": _ver("cuda.bindings")}
-    result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "env": env, "ceiling": ceiling,
-              "ceiling_used": "ceiling_gbs", "points": points, "attnplan_backends": backends, "host": host,
-              "notes": "times are medians of CUDA-event-timed steps (us). graph_us: CUDA-graph replay, device time "
-                       "(an L2 flush queued in front hides the host's launch latency, as triton.testing.do_bench); "
-                       "graph_host_us: the same replay without the flush (host launch latency included); eager_us: "
-                       "the eager call, host included. Peers run on a dense [B,H,L,D] bf16 copy padded to the "
-                       "longest sequence."}
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    result = _result(args, ceiling, points, backends, host)
+    _write(args.out, result)
     summary(result)
     png = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
     if png:

@@ -34,11 +34,11 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
     tests_bg) run_tests & TESTS_PID=$! ;;
     wait) [ -n "${TESTS_PID:-}" ] && wait $TESTS_PID; TESTS_PID= ;;
     bench)
-      python3 benchmarks/bench_decode.py --out "$R/bench.json" ${BENCH_ARGS:-} > "$R/bench.log" 2>&1; echo "bench rc=$?" ;;
+      timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_decode.py --out "$R/bench.json" ${BENCH_ARGS:-} > "$R/bench.log" 2>&1; echo "bench rc=$?" ;;
     bench2)
-      python3 benchmarks/bench_decode.py --out "$R/bench2.json" ${BENCH2_ARGS:-} > "$R/bench2.log" 2>&1; echo "bench2 rc=$?" ;;
+      timeout ${BENCH2_TIMEOUT:-300} python3 benchmarks/bench_decode.py --out "$R/bench2.json" ${BENCH2_ARGS:-} > "$R/bench2.log" 2>&1; echo "bench2 rc=$?" ;;
     sweep)
-      python3 benchmarks/sweep_kernel.py --backend ${SWEEP_BACKEND:-cuda_ptx} --out "$R/sweep.json" ${SWEEP_ARGS:-} \
+      timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_kernel.py --backend ${SWEEP_BACKEND:-cuda_ptx} --out "$R/sweep.json" ${SWEEP_ARGS:-} \
         > "$R/sweep.log" 2>&1; echo "sweep rc=$?" ;;
     merge)
       python3 benchmarks/bench_merge.py --backends ${MERGE_BACKENDS:-triton} --out "$R/merge.json" > "$R/merge.log" 2>&1; echo "merge rc=$?" ;;
@@ -54,7 +54,7 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
       python3 benchmarks/bench_cp.py --world ${CP_WORLD:-2} --kv ${CP_KV:-1048576,2097152} --out "$R/cp.json" \
         > "$R/cp.log" 2>&1; echo "cp rc=$?" ;;
     tune)
-      python3 -m attnplan.cli tune --json "$R/tune.json" ${TUNE_ARGS:-} > "$R/tune.log" 2>&1; echo "tune rc=$?"
+      timeout ${TUNE_TIMEOUT:-300} python3 -m attnplan.cli tune --json "$R/tune.json" ${TUNE_ARGS:-} > "$R/tune.log" 2>&1; echo "tune rc=$?"
       cp plans/*.yaml "$R/" 2>/dev/null ;;
   esac
 done
