@@ -64,7 +64,9 @@ class SplitPlan:
         workspace_bytes: bytes of the :class:`~attnplan.PartialState` buffer (:attr:`state_slots`
             slots) plus the in-kernel merge's int32 :attr:`sync_words` (0 if single pass).
         predicted_us: the cost model's time for a step at the planned lengths, microseconds.
-        policy: ``"heuristic"``, ``"forced"`` (config ``split.num_splits``) or ``"no-split"``.
+        policy: ``"heuristic"`` (cost model), ``"tuned"`` (the device's measured split table, see
+            ``table_entry``), ``"forced"`` (config ``split.num_splits``) or ``"no-split"``.
+        table_entry: for ``"tuned"``: the table row used, ``(pairs, kv_len, programs_per_sm, ...)``.
         candidates: ``(splits, chunk_tokens, predicted_us)`` of the split counts scored.
         capacity_mode: sized for the cache capacity (CUDA-graph capture) instead of live lengths.
         merge: ``"separate"`` (a merge kernel) or ``"fused"`` (the last program of each
@@ -104,6 +106,7 @@ class SplitPlan:
     partition: str = "split_k"
     column_programs: int = 1
     partition_why: str = ""
+    table_entry: tuple = ()
     version: int = PLAN_VERSION
 
     @property
@@ -133,6 +136,7 @@ class SplitPlan:
         d["grid"] = list(self.grid)
         d["merge_grid"] = list(self.merge_grid)
         d["candidates"] = [list(c) for c in self.candidates]
+        d["table_entry"] = list(self.table_entry)
         return d
 
     def to_json(self) -> str:
@@ -145,6 +149,7 @@ class SplitPlan:
         d["grid"] = tuple(d["grid"])
         d["merge_grid"] = tuple(d["merge_grid"])
         d["candidates"] = tuple(tuple(c) for c in d.get("candidates", ()))
+        d["table_entry"] = tuple(d.get("table_entry", ()))
         return SplitPlan(**d)
 
     def explain(self) -> str:
@@ -165,6 +170,10 @@ class SplitPlan:
             lines.append(f"split count forced by config: {self.num_splits}")
         elif self.policy == "no-split":
             lines.append("splitting disabled by config (split.num_splits = 1)")
+        if self.policy == "tuned":
+            w, kv, ppsm = self.table_entry[:3]
+            lines.append(f"split count from the device's measured split table: nearest entry {w} (sequence, KV head) pairs x "
+                         f"KV {kv} tokens, best at {ppsm:g} programs per SM (attnplan tune)")
         if self.candidates and self.policy == "heuristic":
             best = min(c[2] for c in self.candidates)
             shown = sorted(self.candidates, key=lambda c: c[2])[:5]
@@ -266,6 +275,34 @@ def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_prog
                       + group_rows * out_bytes / cols / bw_per_program}
 
 
+#: a split-table entry serves problems within this factor of its work and length (log-space box)
+TABLE_REACH = 4.0
+
+
+def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols: int) -> tuple | None:
+    """The nearest entry of the device's measured split table for ``problem``, or ``None`` (cost model).
+
+    ``plans/<device>.yaml`` key ``split_table.<backend>.<layout>``: rows ``[pairs, kv_len,
+    programs_per_sm, ...]`` written by ``attnplan tune`` (``pairs`` = batch x KV heads; the best
+    split count of an exhaustive search, as programs per SM). Used for the table's own conditions
+    only: 2-byte KV, head_dim <= 128, split-K (one column program), near-uniform lengths (the mean at
+    least half the maximum), and an entry within :data:`TABLE_REACH` of the problem in both pairs
+    and length; the nearest in log space wins.
+    """
+    if device.compute_capability == (0, 0) or cols != 1 or problem.head_dim > 128 \
+            or torch_dtype(problem.kv_dtype).itemsize != 2 or problem.total_kv_len * 2 < problem.batch * problem.max_kv_len:
+        return None
+    rows = ((device_table(device.slug()).get("split_table") or {}).get(backend) or {}).get(
+        "paged" if problem.paged else "contiguous") or []
+    work, kv = problem.batch * problem.num_kv_heads, max(problem.max_kv_len, 1)
+    best, best_d = None, math.inf
+    for row in rows:
+        dw, dk = abs(math.log(row[0] / work)), abs(math.log(row[1] / kv))
+        if max(dw, dk) <= math.log(TABLE_REACH) and dw + dk < best_d:
+            best, best_d = tuple(row), dw + dk
+    return best
+
+
 def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: dict,
               *, capacity_mode: bool = False, num_splits: int | None = None,
               merge_strategies: frozenset[str] = frozenset({"separate"}),
@@ -324,6 +361,14 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         if forced == 1:
             chunk = _align_up(max_len, align)
         predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges)
+    elif (entry := _table_entry(problem, device, backend, cols)) is not None:
+        policy = "tuned"
+        work = problem.batch * problem.num_kv_heads
+        limit = max(1, min(config.split.max_splits, -(-max_len // align)))
+        want = min(limit, max(1, round(entry[2] * device.sm_count / work)))
+        chunk = _align_up(-(-max_len // want), align)
+        splits = -(-max_len // chunk)
+        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges)
     else:
         policy = "heuristic"
         limit = max(1, min(config.split.max_splits, -(-max_len // max(config.split.min_chunk_tokens, align))))
@@ -356,6 +401,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         merge_grid=(0,) if single or merge in ("fused", "atomic") else (rows,), kernel=kernel, workspace_bytes=0,
         predicted_us=float(predicted), policy=policy, candidates=tuple(candidates), capacity_mode=capacity_mode,
         merge=merge, partition=partition, column_programs=cols, partition_why=why_p,
+        table_entry=tuple(entry) if policy == "tuned" else (),
     )
     # the PartialState workspace (or the atomic merge's accumulator) plus the in-kernel merge's sync words
     return replace(plan, workspace_bytes=rows * plan.state_slots * (problem.head_dim + 1) * 4 + plan.sync_words * 4)

@@ -21,12 +21,17 @@ _flush_buf: dict = {}
 
 
 def l2_flush() -> None:
-    """Write :data:`FLUSH_BYTES` on the current device: evicts L2 and keeps the GPU busy for tens of
-    microseconds, so the launches queued after it are not waiting on the host when they start."""
+    """Read :data:`FLUSH_BYTES` on the current device (a sum into one value): evicts L2 and keeps the
+    GPU busy for tens of microseconds, so the launches queued after it are not waiting on the host
+    when they start. A read, not a write: a written buffer leaves ~60 MB of dirty lines in L2 whose
+    write-back then lands inside the timed step (measured on the H200: +8-10 us per step with
+    ``zero_()``, ``results/2026-11-30-s2-bench``)."""
     dev = torch.cuda.current_device()
     if dev not in _flush_buf:
-        _flush_buf[dev] = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    _flush_buf[dev].zero_()
+        _flush_buf[dev] = (torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda"),
+                           torch.empty((), dtype=torch.float32, device="cuda"))
+    buf, out = _flush_buf[dev]
+    torch.sum(buf, dim=0, out=out)
 
 
 def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50, flush: bool = False) -> dict:

@@ -35,8 +35,8 @@ OPTION_GRIDS = {
 }
 #: programs per SM the sweep's split counts aim at
 SWEEP_PROGRAMS_PER_SM = (1, 2, 3, 4, 6, 8)
-#: split counts of the exhaustive search in the planner-quality check (those that fit the length)
-EXHAUSTIVE_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+#: programs per SM the exhaustive split search tries (split counts deduplicated after alignment)
+SEARCH_PROGRAMS_PER_SM = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16)
 
 
 def _graph_time(w, x, iters: int) -> float:
@@ -148,6 +148,54 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
     return out
 
 
+def _inputs(layout: str, batch: int, kv: int, heads, gen):
+    import attnplan.testing
+
+    hq, hkv, d = heads
+    return attnplan.testing.make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=16 if layout == "paged" else None,
+                                        dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
+
+
+def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, progress=None) -> list[dict]:
+    """Exhaustive split search with the planner's kernel options: for every ``(layout, batch, kv)``
+    point, every split count that puts :data:`SEARCH_PROGRAMS_PER_SM` programs on each SM (deduplicated
+    after chunk alignment), timed under CUDA-graph replay. One row per timing:
+    ``layout, batch, kv, splits, programs, ppsm, us``."""
+    import attnplan
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+    rows = []
+    for layout, batch, kv in points:
+        x = _inputs(layout, batch, kv, heads, gen)
+        pairs = batch * heads[1]
+        seen = set()
+        for ppsm in SEARCH_PROGRAMS_PER_SM:
+            w = attnplan.DecodeWrapper(ctx, backend=backend)
+            plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=max(1, math.ceil(ppsm * sms / pairs)))
+            if plan.num_splits in seen:
+                continue
+            seen.add(plan.num_splits)
+            rows.append({"layout": layout, "batch": batch, "kv": kv, "splits": plan.num_splits,
+                         "programs": plan.num_programs, "ppsm": round(plan.num_programs / sms, 3),
+                         "us": _graph_time(w, x, iters)})
+        if progress:
+            progress()
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def split_table(rows: list[dict], hkv: int) -> dict:
+    """``{layout: [[pairs, kv, programs_per_sm, us], ...]}``: the best split of each searched point."""
+    out = {}
+    for key in sorted({(r["layout"], r["batch"], r["kv"]) for r in rows}):
+        best = min((r for r in rows if (r["layout"], r["batch"], r["kv"]) == key), key=lambda r: r["us"])
+        out.setdefault(key[0], []).append([key[1] * hkv, key[2], best["ppsm"], round(best["us"], 2)])
+    return out
+
+
 def main(argv=None) -> int:
     """``attnplan tune``: sweep, fit, write the device table, report planner quality. Returns the exit status."""
     ap = argparse.ArgumentParser(prog="attnplan tune", description=__doc__.split("\n\n")[0])
@@ -155,6 +203,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="YAML to write (default: plans/<device>.yaml in the package)")
     ap.add_argument("--json", default=None, help="also write every timing here")
     ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--no-options", action="store_true", help="keep the table's kernel options (skip their sweep)")
+    ap.add_argument("--batches", default="1,4,16,64", help="split search grid: batches")
+    ap.add_argument("--kv", default="1024,4096,16384,65536,131072", help="split search grid: KV lengths")
+    ap.add_argument("--max-gb", type=float, default=16.0, help="skip grid points whose K+V exceed this many GB")
     args = ap.parse_args(argv)
     import attnplan
     from attnplan.device import device_info
@@ -176,88 +228,119 @@ def main(argv=None) -> int:
                 table.update(yaml.safe_load(fh) or {})
         except OSError:
             pass
+    heads = (32, 8, 128)
+    points = [(layout, b, kv) for layout in ("contiguous", "paged") for b in map(int, args.batches.split(","))
+              for kv in map(int, args.kv.split(",")) if 4 * b * kv * heads[1] * heads[2] <= args.max_gb * 1e9]
     ceiling = read_bandwidth_gbs()
-    allrows = {}
+    allrows, searches = {}, {}
     cm = table.setdefault("cost_model", {})
     for i, backend in enumerate(args.backends.split(",")):
-        bar = tqdm(total=2 * len(SHAPES), desc=f"tune {backend}", unit="shape") if tqdm else None
-        rows = sweep(backend, iters=args.iters, progress=(lambda *a: bar.update(1)) if bar else None)
+        if not args.no_options:
+            bar = tqdm(total=2 * len(SHAPES), desc=f"options {backend}", unit="shape") if tqdm else None
+            rows = sweep(backend, iters=args.iters, progress=(lambda *a: bar.update(1)) if bar else None)
+            if bar:
+                bar.close()
+            allrows[backend] = rows
+            f = fit(rows, backend, dev.sm_count, heads[1])
+            # keep hand-written keys of the backend (e.g. ``contiguous_filled``) the sweep did not measure
+            table.setdefault("kernel_options", {}).setdefault(backend, {}).update(f["kernel_options"][backend])
+            sats = {"sat_programs_per_sm": f["sat_by_layout"].get("contiguous"),
+                    "paged_sat_programs_per_sm": f["sat_by_layout"].get("paged")}
+            sats = {k: round(statistics.median(v), 2) for k, v in sats.items() if v}
+            # the first backend's constants are the device's; every backend's also go under its name
+            if i == 0:
+                cm.update(sats)
+            table.setdefault("cost_model_by_backend", {}).setdefault(backend, {}).update(sats)
+            _write_table(path, table)  # the split search below uses the new kernel options
+            _reload()
+        bar = tqdm(total=len(points), desc=f"splits {backend}", unit="point") if tqdm else None
+        searches[backend] = split_search(backend, points, heads, args.iters, progress=bar.update if bar else None)
         if bar:
             bar.close()
-        allrows[backend] = rows
-        f = fit(rows, backend, dev.sm_count, 8)
-        # keep hand-written keys of the backend (e.g. ``contiguous_filled``) the sweep did not measure
-        table.setdefault("kernel_options", {}).setdefault(backend, {}).update(f["kernel_options"][backend])
-        sats = {"sat_programs_per_sm": f["sat_by_layout"].get("contiguous"),
-                "paged_sat_programs_per_sm": f["sat_by_layout"].get("paged")}
-        sats = {k: round(statistics.median(v), 2) for k, v in sats.items() if v}
-        # the first backend's constants are the device's; every backend's also go under its name
-        if i == 0:
-            cm.update(sats)
-        table.setdefault("cost_model_by_backend", {}).setdefault(backend, {}).update(sats)
+        table.setdefault("split_table", {})[backend] = split_table(searches[backend], heads[1])
     cm["mem_bandwidth_gbs"] = round(ceiling["ceiling_gbs"], 1)
     table["measured"] = {"device": dev.name, "sm_count": dev.sm_count, "ceiling": ceiling,
                          "torch": torch.__version__, "attnplan": attnplan.__version__}
-    with open(path, "w") as fh:
-        fh.write("# Written by `attnplan tune`; edit by re-running it on the device.\n")
-        yaml.safe_dump(table, fh, sort_keys=False)
-    print(f"wrote {path}: {json.dumps({k: table[k] for k in ('cost_model', 'kernel_options')})}")
-    # planner quality against the sweep's best split, with the new table
-    attnplan.config.device_table.cache_clear()
-    attnplan.api._table_text.cache_clear()
+    _write_table(path, table)
+    print(f"wrote {path}: {json.dumps({k: table[k] for k in ('cost_model', 'kernel_options') if k in table})}")
+    _reload()
     if path != shipped:
         print(f"note: the planner reads {shipped}; the quality check below uses that table, not {path}")
-    quality = planner_quality(allrows, args.iters)
+    quality = planner_quality(searches, heads, args.iters)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"rows": allrows, "quality": quality, "table": table}, fh, indent=1)
-    good = sum(q["within_5pct"] for q in quality)
-    print(f"planner within 5% of the exhaustive split search on {good}/{len(quality)} shapes")
+            json.dump({"option_sweep": allrows, "split_search": searches, "quality": quality, "table": table}, fh, indent=1)
+    for name, key in (("in-sample", "within_5pct"), ("leave-one-out", "loo_within_5pct")):
+        good = sum(q[key] for q in quality)
+        print(f"planner within 5% of the exhaustive split search ({name}): {good}/{len(quality)} points")
     for q in quality:
         print(f"  {q['backend']:8s} {q['layout']:10s} b{q['batch']:<3d} kv{q['kv']:<7d} planner {q['planner_us']:8.1f} us "
-              f"({q['planner_splits']} splits)  exhaustive {q['exhaustive_best_us']:8.1f} us ({q['exhaustive_best_splits']} splits)"
-              f"  sweep best {q['sweep_best_us']:8.1f} us")
+              f"({q['planner_splits']} splits, {q['policy']})  exhaustive best {q['best_us']:8.1f} us ({q['best_splits']})"
+              f"  leave-one-out {q['loo_us']:8.1f} us ({q['loo_splits']})")
     return 0
 
 
-def planner_quality(allrows: dict, iters: int) -> list[dict]:
-    """For every swept shape and backend: the planner's own choice (with the freshly written table)
-    timed beside an exhaustive search over :data:`EXHAUSTIVE_SPLITS` with the planner's kernel
-    options (and the sweep's best over all options). ``within_5pct``: the planner's time is within
-    5% of the exhaustive search's best."""
+def _write_table(path: str, table: dict) -> None:
+    with open(path, "w") as fh:
+        fh.write("# Written by `attnplan tune` (see attnplan/tune.py); re-run it on the device to refresh.\n")
+        yaml.safe_dump(table, fh, sort_keys=False)
+
+
+def _reload() -> None:
+    import attnplan.api
+    import attnplan.config
+
+    attnplan.config.device_table.cache_clear()
+    attnplan.api._table_text.cache_clear()
+
+
+def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15) -> list[dict]:
+    """For every searched point: the planner's own choice with the new table, timed, beside the
+    exhaustive search's best (``within_5pct``), and a leave-one-out check that is not in-sample: the
+    split the planner picks when the point's own table row is removed (``loo_*``; its time from the
+    search when that split count was searched, else timed)."""
     import attnplan
-    import attnplan.testing
+    import attnplan.planner as planner
+    from attnplan.config import device_table
+    from attnplan.device import device_info
 
     out = []
     gen = torch.Generator(device="cuda").manual_seed(11)
-    for backend, rows in allrows.items():
-        ok = [r for r in rows if "us" in r]
-        for layout, (batch, kv) in itertools.product(("contiguous", "paged"), SHAPES):
-            rs = [r for r in ok if r["layout"] == layout and r["batch"] == batch and r["kv"] == kv]
-            if not rs:
-                continue
-            best = min(rs, key=lambda r: r["us"])
-            x = attnplan.testing.make_inputs(batch, 32, 8, 128, [kv] * batch, page_size=16 if layout == "paged" else None,
-                                             dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
+    slug = device_info("cuda").slug()
+    full = device_table(slug)
+    for backend, rows in searches.items():
+        for key in sorted({(r["layout"], r["batch"], r["kv"]) for r in rows}):
+            layout, batch, kv = key
+            rs = {r["splits"]: r["us"] for r in rows if (r["layout"], r["batch"], r["kv"]) == key}
+            best = min(rs, key=rs.get)
+            x = _inputs(layout, batch, kv, heads, gen)
             ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
-            w = attnplan.DecodeWrapper(ctx, backend=backend)
-            plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
-            t = _graph_time(w, x, iters)
-            search = {}
-            for n in EXHAUSTIVE_SPLITS:
-                if n > 1 and kv / n < plan.kernel.get("block_n", 16):
-                    continue
-                ws = attnplan.DecodeWrapper(ctx, backend=backend)
-                p = ws.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=n)
-                if p.num_splits not in search:
-                    search[p.num_splits] = _graph_time(ws, x, iters)
-            ex_best = min(search, key=search.get)
+
+            def plan_and_time(ctx, x, reuse: bool):
+                # the planner's own choice is always timed afresh; the leave-one-out choice reuses
+                # the search's time for the same split count when it has one
+                w = attnplan.DecodeWrapper(ctx, backend=backend)
+                p = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+                return p, (rs[p.num_splits] if reuse and p.num_splits in rs else _graph_time(w, x, iters))
+
+            plan, t = plan_and_time(ctx, x, reuse=False)
+            pairs = batch * heads[1]
+            loo = json.loads(json.dumps(full))
+            lay = loo.get("split_table", {}).get(backend, {}).get(layout, [])
+            lay[:] = [r for r in lay if (r[0], r[1]) != (pairs, kv)]
+            saved = planner.device_table
+            planner.device_table = lambda s, _t=loo: _t
+            try:
+                ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+                loo_plan, loo_t = plan_and_time(ctx, x, reuse=True)
+            finally:
+                planner.device_table = saved
             out.append({"backend": backend, "layout": layout, "batch": batch, "kv": kv, "planner_us": t,
-                        "planner_splits": plan.num_splits, "planner_merge": plan.merge, "planner_partition": plan.partition,
-                        "exhaustive": search, "exhaustive_best_us": search[ex_best], "exhaustive_best_splits": ex_best,
-                        "sweep_best_us": best["us"],
-                        "sweep_best": {k: v for k, v in best.items() if k not in ("layout", "batch", "kv")},
-                        "within_5pct": t <= 1.05 * search[ex_best]})
+                        "planner_splits": plan.num_splits, "policy": plan.policy, "merge": plan.merge,
+                        "search": rs, "best_us": rs[best], "best_splits": best,
+                        "within_5pct": t <= 1.05 * rs[best],
+                        "loo_splits": loo_plan.num_splits, "loo_policy": loo_plan.policy, "loo_us": loo_t,
+                        "loo_within_5pct": loo_t <= 1.05 * rs[best]})
             del x
     return out
 

@@ -162,3 +162,40 @@ def test_cost_model_by_backend_overrides_device_constants(monkeypatch):
     more = make_plan(P(max_kv_len=131072, total_kv_len=131072), H200_LIKE, CFG, "cuda_ptx", KERNEL)
     fewer = make_plan(P(max_kv_len=131072, total_kv_len=131072), H200_LIKE, CFG, "triton", KERNEL)
     assert more.num_splits > fewer.num_splits
+
+
+def test_measured_split_table_drives_the_split_where_it_applies(monkeypatch):
+    """`attnplan tune`'s split table: nearest entry within reach sets programs per SM; elsewhere the cost model."""
+    import attnplan.planner as planner
+
+    table = {"split_table": {"triton": {"paged": [[8, 131072, 4.0], [32, 32768, 8.0]],
+                                        "contiguous": [[8, 131072, 2.0]]}}}
+    monkeypatch.setattr(planner, "device_table", lambda slug: table)
+    big = P(max_kv_len=131072, total_kv_len=131072)
+    plan = make_plan(big, H200_LIKE, CFG, "triton", KERNEL)
+    assert plan.policy == "tuned" and plan.table_entry == (8, 131072, 4.0)
+    assert plan.num_splits == 64  # round(4.0 * 132 / 8) = 66 splits of 1986 tokens -> 2048-token chunks -> 64
+    assert "measured split table" in plan.explain() and "4 programs per SM" in plan.explain()
+    b4 = make_plan(P(batch=4, max_kv_len=32768, total_kv_len=4 * 32768), H200_LIKE, CFG, "triton", KERNEL)
+    assert b4.policy == "tuned" and b4.table_entry[0] == 32 and b4.num_splits == 32  # 33 -> 1024-token chunks
+    contig = make_plan(P(page_size=None, max_kv_len=65536, total_kv_len=65536), H200_LIKE, CFG, "triton", KERNEL)
+    assert contig.policy == "tuned" and contig.num_splits == 32  # 33 -> 2048-token chunks
+    # out of reach (16x fewer tokens), long-tailed lengths, large heads, other backends: the cost model
+    assert make_plan(P(max_kv_len=4096, total_kv_len=4096), H200_LIKE, CFG, "triton", KERNEL).policy == "heuristic"
+    assert make_plan(P(batch=4, max_kv_len=131072, total_kv_len=131072 + 3000), H200_LIKE, CFG, "triton",
+                     KERNEL).policy == "heuristic"
+    assert make_plan(P(head_dim=256, num_q_heads=16, max_kv_len=131072, total_kv_len=131072), H200_LIKE, CFG,
+                     "triton", KERNEL).policy == "heuristic"
+    assert make_plan(big, H200_LIKE, CFG, "cuda_ptx", KERNEL).policy == "heuristic"
+    # a plan from the table survives the cache's JSON round trip
+    assert SplitPlan.from_dict(json.loads(plan.to_json())) == plan
+
+
+def test_tune_split_table_keeps_the_best_split_per_point():
+    from attnplan.tune import split_table
+
+    rows = [{"layout": "paged", "batch": 4, "kv": 32768, "splits": s, "programs": 32 * s, "ppsm": round(32 * s / 132, 3), "us": us}
+            for s, us in ((9, 176.0), (17, 162.0), (33, 135.0), (66, 150.0))]
+    rows += [{"layout": "contiguous", "batch": 1, "kv": 4096, "splits": 16, "programs": 128, "ppsm": 0.97, "us": 14.0}]
+    assert split_table(rows, 8) == {"paged": [[32, 32768, round(32 * 33 / 132, 3), 135.0]],
+                                    "contiguous": [[8, 4096, 0.97, 14.0]]}

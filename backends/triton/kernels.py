@@ -177,7 +177,9 @@ def split_kv_partial_kernel(
     if SINKS_ON and MERGE == "none":  # single pass: the sink joins the denominator here
         o, lse = _add_sink(o, lse, SINKS, head, row_ok)
     ov_ok = row_ok[:, None] & v_ok[None, :]
-    lse_ok = row_ok & (col == 0)  # every column program has the same lse: column program 0 writes it
+    # every column program has the same lse: column program 0 writes it (a tensor compare: the
+    # Triton 3.9 interpreter rejects a mask made of a tensor & a scalar bool)
+    lse_ok = row_ok & ((offs_m * 0 + col) == 0)
     out_ptrs = OUT + b64 * stride_outb + qi[:, None] * stride_outt + head[:, None] * stride_outh + offs_v[None, :]
     lse_out_ptrs = LSE_OUT + b64 * stride_lob + qi * stride_lot + head * stride_loh
     if MERGE == "atomic":
@@ -187,9 +189,11 @@ def split_kv_partial_kernel(
         while tl.atomic_cas(COUNTERS + lock_offset + grp, 0, 1, sem="acquire", scope="gpu") == 1:
             pass  # spin lock (Triton's layer-norm-backward tutorial); the holder is resident, so it finishes
         done = tl.atomic_add(COUNTERS + grp, 1, sem="relaxed", scope="gpu")  # states merged before this one
-        seen = done > 0  # the first program finds no accumulator: (0, -inf), so it stores its own state
+        # the first program finds no accumulator: (0, -inf), so it stores its own state (a tensor
+        # compare, as for lse_ok: masks must not mix tensors and scalar bools)
+        seen = (offs_m * 0 + done) > 0
         acc_lse = tl.load(acc_lse_ptrs, mask=row_ok & seen, other=float("-inf"), volatile=True)
-        acc_o = tl.load(acc_o_ptrs, mask=ov_ok & seen, other=0.0, volatile=True)
+        acc_o = tl.load(acc_o_ptrs, mask=ov_ok & seen[:, None], other=0.0, volatile=True)
         o, lse = _merge_pair(acc_o, acc_lse, o, lse)
         if done == num_splits - 1:  # the last of the group: write the output, leave the counter at zero
             if SINKS_ON:
