@@ -4,10 +4,10 @@
 #   tests_bg  the same, in the background while the next steps run (sanitize only: not for timing)
 #   wait      wait for tests_bg to finish (put it before any timing step)
 #   bench     benchmarks/bench_decode.py (args: BENCH_ARGS) -> bench.json, bench.png
-#   bench2    a second bench (args: BENCH2_ARGS) -> bench2.json (e.g. fp8 KV or q_len 4)
+#   bench2/3  more benches (args: BENCH2_ARGS / BENCH3_ARGS) -> bench2.json / bench3.json (e.g. fp8 KV, q_len 4)
 #   sanitize  compute-sanitizer memcheck + racecheck on benchmarks/sanitize.py for each backend
 #   sweep     benchmarks/sweep_kernel.py (SWEEP_BACKEND, SWEEP_ARGS) -> sweep.json
-#   merge     benchmarks/bench_merge.py: merge strategies side by side -> merge.json
+#   merge     benchmarks/bench_merge.py (MERGE_MODE=merge,partition): the plan axes side by side -> merge.json
 #   cp        benchmarks/bench_cp.py: context-parallel decode over 2 GPUs (NCCL) -> cp.json
 #   tune      attnplan tune (args: TUNE_ARGS): writes the package's plans/<device>.yaml, copied out
 # Everything lands in $OUT/run/ and is packed into $OUT/run.tgz (the device tool returns at most
@@ -35,13 +35,15 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
     wait) [ -n "${TESTS_PID:-}" ] && wait $TESTS_PID; TESTS_PID= ;;
     bench)
       timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_decode.py --out "$R/bench.json" ${BENCH_ARGS:-} > "$R/bench.log" 2>&1; echo "bench rc=$?" ;;
-    bench2)
-      timeout ${BENCH2_TIMEOUT:-300} python3 benchmarks/bench_decode.py --out "$R/bench2.json" ${BENCH2_ARGS:-} > "$R/bench2.log" 2>&1; echo "bench2 rc=$?" ;;
+    bench2|bench3|bench4)  # BENCH2_ARGS / BENCH3_ARGS / BENCH4_ARGS
+      args_var="${step^^}_ARGS"; to_var="${step^^}_TIMEOUT"
+      timeout ${!to_var:-300} python3 benchmarks/bench_decode.py --out "$R/$step.json" ${!args_var:-} > "$R/$step.log" 2>&1; echo "$step rc=$?" ;;
     sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_kernel.py --backend ${SWEEP_BACKEND:-cuda_ptx} --out "$R/sweep.json" ${SWEEP_ARGS:-} \
         > "$R/sweep.log" 2>&1; echo "sweep rc=$?" ;;
     merge)
-      python3 benchmarks/bench_merge.py --backends ${MERGE_BACKENDS:-triton} --out "$R/merge.json" > "$R/merge.log" 2>&1; echo "merge rc=$?" ;;
+      timeout ${MERGE_TIMEOUT:-200} python3 benchmarks/bench_merge.py --mode ${MERGE_MODE:-merge} --backends ${MERGE_BACKENDS:-triton} \
+        --iters ${MERGE_ITERS:-30} --out "$R/merge.json" > "$R/merge.log" 2>&1; echo "merge rc=$?" ;;
     sanitize)  # all backends x tools in parallel (one GPU, many cores); device-side errors only
       for be in ${SAN_BACKENDS:-triton numba cuda_ptx}; do
         for tool in memcheck racecheck; do
@@ -65,7 +67,7 @@ echo "== done (t=$((SECONDS - t0)) s)"
 for f in "$R"/sanitize-*.log; do [ -f "$f" ] && echo "$(basename $f): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|equal the reference|^rc=' $f | tr '\n' ' ')"; done
 [ -f "$R/sweep.log" ] && grep -E "^(contiguous|paged) " "$R/sweep.log" | awk 'NR%3==1' | head -20
 [ -f "$R/tune.log" ] && tail -32 "$R/tune.log"
-[ -f "$R/merge.log" ] && tail -12 "$R/merge.log"
+[ -f "$R/merge.log" ] && grep -E "^(merge|partition) " "$R/merge.log" | cut -c1-150 | tail -60
 [ -f "$R/cp.log" ] && tail -6 "$R/cp.log"
-for b in bench bench2; do [ -f "$R/$b.log" ] && sed -n '/^ceiling/,$p' "$R/$b.log" | tail -70; done
+for b in bench bench2 bench3 bench4; do [ -f "$R/$b.log" ] && sed -n '/^ceiling/,$p' "$R/$b.log" | tail -70; done
 tar czf "$OUT/run.tgz" -C "$OUT" run && rm -rf "$R"
