@@ -41,6 +41,8 @@ class KernelOptions(_Strict):
     threads: int | None = Field(None, ge=32, le=1024, description="threads per CTA (numba, cuda_ptx)")
     lanes: int | None = Field(None, ge=1, le=32, description="threads sharing one KV row (numba)")
     unroll: int | None = Field(None, ge=1, le=16, description="KV positions per thread group per step (numba)")
+    mma: bool | None = Field(None, description="cuda_ptx: tensor-core (mma.sync) path; null = wherever it serves "
+                                                 "(fp16/bf16, head_dim a multiple of 16, split-K)")
     block_dv: int | None = Field(None, ge=16, le=256, description="split_v (triton): V / output columns per column "
                                  "program, a power of two; null = the backend's default (triton: half the padded "
                                  "head_dim, i.e. 2 column programs); ignored under split_k")

@@ -61,6 +61,8 @@ def spec_id(s) -> str:
 
 FP8 = "float8_e4m3fn"
 SV = {"partition": "split_v"}
+CORE = {"mma": False}
+WS = {"window": True, "softcap": True}
 # the new specializations: fp8 KV (q fp16 / bf16) and split-V, the same spread of shapes, each
 # (kind, q dtype, head_dim, group, q_len, page_size, make_spec keywords)
 NEW_SPECS = [
@@ -77,6 +79,25 @@ NEW_SPECS = [
 ]
 
 
+# the tensor-core path (mma.sync m16n8k16; the default for fp16 / bf16 with head_dim % 16 == 0, split-K):
+# the target problem, 1-8 n8-tiles of rows in 1-4 row groups, head_dim 64-256 with swizzled (64, 128,
+# 256) and padded (80, 96) ring rows, pages 1-64, single pass, window + soft-cap
+MMA_SPECS = [
+    ("partial", "bfloat16", 128, 4, 1, 16, {}),
+    ("partial", "bfloat16", 128, 4, 1, None, {}),
+    ("single", "bfloat16", 128, 4, 1, None, {}),
+    ("partial", "float16", 64, 1, 1, None, {}),
+    ("partial", "float16", 256, 8, 1, 64, {}),
+    ("partial", "bfloat16", 128, 8, 4, 16, {}),                              # 32 rows: 2 x 2 n8-tiles
+    ("partial", "bfloat16", 128, 16, 4, 16, {}),                             # 64 rows: 4 x 2 n8-tiles
+    ("partial", "bfloat16", 96, 7, 1, 16, {}),                               # 12 chunks: padded rows
+    ("partial", "bfloat16", 80, 8, 3, 1, {}),                                # page 1, 24 rows
+    ("partial", "float16", 64, 16, 3, None, {}),                             # 48 rows: 2 x 3 n8-tiles
+    ("partial", "bfloat16", 128, 4, 1, 16, WS),
+    ("single", "float16", 128, 8, 1, 16, WS),
+]
+
+
 @pytest.fixture
 def cache(tmp_path) -> N.CompileCache:
     return N.CompileCache(tmp_path / "cc")
@@ -89,7 +110,7 @@ def cache(tmp_path) -> N.CompileCache:
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
 @pytest.mark.parametrize("s", SPECS, ids=spec_id)
 def test_nvrtc_compiles_cubin_without_spills(s, cc, cache):
-    spec = L.make_spec(*s)
+    spec = L.make_spec(*s, mma=False)  # the CUDA-core path (MMA_SPECS: the tensor-core one)
     c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
     assert c.target.kind == "cubin" and c.target.arch == f"sm_{cc[0]}{cc[1]}"
     assert len(c.image) > 1000 and c.image[:4] == b"\x7fELF"
@@ -118,6 +139,41 @@ def test_fp8_and_split_v_compile_without_spills(s, cc, cache):
     assert 0 < res["registers"] <= MAX_REGISTERS and res["registers"] * spec.threads <= 65536, res
     print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
           f"dynamic smem {spec.smem_bytes}")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("s", MMA_SPECS, ids=spec_id)
+def test_mma_compiles_without_spills(s, cc, cache):
+    """Tensor-core specializations (mma.sync, ldmatrix(.trans), movmatrix, cvt.rn.{bf16,f16}x2): cubins for
+    sm_90 and sm_80, no spills, no stack, registers within the limit, two programs' registers per SM for
+    one-row-group specs (the 2-programs-per-SM target), and the instructions in the SASS-bound PTX."""
+    spec = L.make_spec(*s[:6], **s[6])
+    assert spec.mma and spec.defines()["ATTNPLAN_MMA"] == 1 and spec.name.endswith(
+        "-mma" + ("-window-softcap" if s[6] else ""))
+    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
+    res = c.resources[spec.entry]
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
+    assert 0 < res["registers"] <= MAX_REGISTERS and res["registers"] * spec.threads <= 65536, res
+    if spec.row_groups == 1 and spec.threads <= 128:
+        assert 2 * res["registers"] * spec.threads <= 65536, res
+    print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
+          f"dynamic smem {spec.smem_bytes}, tile {spec.tile_tokens}, {spec.row_groups}x{spec.n_tiles} n8-tiles")
+
+
+@needs_nvrtc
+def test_mma_ptx_uses_tensor_core_instructions():
+    """The tensor-core spec's PTX holds the mma / ldmatrix / movmatrix instructions; the CUDA-core one none."""
+    def ptx(**kw):
+        spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, **kw)
+        c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
+        return c.image.rstrip(b"\x00").decode()
+
+    on, off = ptx(), ptx(mma=False)
+    for ins in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "movmatrix.sync.aligned.m8n8.trans.b16",
+                "cvt.rn.bf16x2.f32"):
+        assert ins in on and ins not in off, ins
 
 
 @needs_nvrtc
@@ -150,7 +206,8 @@ NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("s", [SPECS[0], SPECS[4], SPECS[5], NEW_SPECS[0], NEW_SPECS[9]], ids=spec_id)
+@pytest.mark.parametrize("s", [(*SPECS[0], CORE), (*SPECS[4], CORE), SPECS[5], NEW_SPECS[0], NEW_SPECS[9],
+                               MMA_SPECS[0], MMA_SPECS[6]], ids=spec_id)
 def test_nvcc_ptxas_verbose_no_spills(s, tmp_path):
     """The same source through nvcc's ptxas (another toolkit version than the pip NVRTC)."""
     spec = L.make_spec(*s[:6], **(s[6] if len(s) > 6 else {}))
@@ -212,16 +269,56 @@ def test_vector_layout_and_spec_defaults():
     assert L.vector_layout("bfloat16", 128) == {"vec": 8, "dv": 16, "lpt": 16, "nv": 1, "tpp": 2, "elems": 8}
     assert L.vector_layout("float32", 256) == {"vec": 4, "dv": 64, "lpt": 32, "nv": 2, "tpp": 1, "elems": 8}
     assert L.vector_layout("float16", 96)["lpt"] == 16  # 12 vectors padded to 16 lanes
-    s = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)  # the target problem: 32/8/128 bf16
+    s = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, mma=False)  # the target problem: 32/8/128 bf16
     assert (s.row_groups, s.kv_warps, s.passes, s.tile_tokens, s.threads) == (1, 4, 4, 8, 128)
     assert s.stage_bytes == 4096 and (s.stages - 1) * s.kv_warps * s.stage_bytes >= 48 * 1024
-    assert s.smem_bytes == 4 * s.stages * 4096
-    g16 = L.make_spec("partial", "bfloat16", 128, 16, 1, 16)
+    assert s.smem_bytes == 4 * s.stages * 4096 and not s.mma and s.row_chunks == 16
+    g16 = L.make_spec("partial", "bfloat16", 128, 16, 1, 16, mma=False)
     assert (g16.row_groups, g16.rows_per_group, g16.num_warps) == (2, 8, 8)
-    g28 = L.make_spec("partial", "bfloat16", 128, 7, 4, 16)
+    g28 = L.make_spec("partial", "bfloat16", 128, 7, 4, 16, mma=False)
     assert g28.row_groups == 4 and g28.rows_per_group == 7 and g28.num_warps <= L.MAX_WARPS
     assert L.make_spec("partial", "bfloat16", 128, 4, 1, None).page_size == 0
     assert "page16" in s.name and "contig" in L.make_spec("single", "bfloat16", 128, 4, 1, None).name
+
+
+def test_mma_spec_defaults_and_fallbacks():
+    """The tensor-core path is make_spec's default where it serves: one 16-token m-tile per warp tile for
+    head_dim 128 (8 KB stages, 2 stages x 4 warps = 64 KB: up to 3 programs per H200 SM, 32 KB in flight
+    per program: MMA_INFLIGHT_BYTES, measured),
+    rows in n8-tiles (<= 256 / head_dim per warp), XOR-swizzled or padded ring rows; CUDA cores for fp32,
+    fp8 KV, split-V, head_dim % 16 != 0, and where the tensor-core program would not fit."""
+    s = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    assert s.mma and s.name == "partial-bfloat16-d128-g4-q1-page16-w1x4-s2-p1-mma"
+    assert (s.row_groups, s.kv_warps, s.passes, s.tile_tokens, s.threads, s.rows_per_group, s.n_tiles) == \
+        (1, 4, 1, 16, 128, 8, 1)
+    assert s.row_chunks == 16 and s.stage_bytes == 8192 and s.smem_bytes == 64 * 1024 and s.stages == 2
+    assert (s.stages - 1) * s.kv_warps * s.stage_bytes >= L.MMA_INFLIGHT_BYTES
+    d64 = L.make_spec("partial", "float16", 64, 4, 1, None)
+    assert d64.mma and d64.tile_tokens == 32 and d64.stage_bytes == 8192  # two m-tiles per warp tile
+    d96 = L.make_spec("partial", "bfloat16", 96, 4, 1, None)
+    assert d96.row_chunks == 13 and d96.stage_bytes == 2 * 16 * 13 * 16  # 12 chunks + 1 padding
+    d256 = L.make_spec("partial", "bfloat16", 256, 8, 1, 64)
+    assert d256.mma and d256.kv_warps == 3 and d256.smem_bytes <= L.SMEM_BUDGET  # 16 KB stages: fewer warps
+    r32 = L.make_spec("partial", "bfloat16", 128, 8, 4, 16)  # 32 rows: 2 row groups of 2 n8-tiles
+    assert (r32.row_groups, r32.rows_per_group, r32.n_tiles) == (2, 16, 2)
+    r48 = L.make_spec("partial", "float16", 64, 16, 3, None)  # 48 rows at head_dim 64: 3 n8-tiles per warp
+    assert (r48.row_groups, r48.n_tiles, r48.passes) == (2, 3, 1)
+    r24 = L.make_spec("partial", "bfloat16", 128, 8, 3, 16)  # 24 rows: 3 n8-tiles, 2 per warp, one padded
+    assert (r24.row_groups, r24.rows_per_group) == (2, 16)
+    # the CUDA-core path where the tensor-core one cannot serve
+    for kw, why in (({"dtype": "float32"}, "float16 or bfloat16"), ({"kv_dtype": FP8}, "KV cache"),
+                    ({"partition": "split_v"}, "split-K"), ({"head_dim": 72}, "multiple of 16")):
+        a = {"kind": "partial", "dtype": "bfloat16", "head_dim": 128, "group": 4, "q_len": 1, "page_size": 16, **kw}
+        assert not L.make_spec(**a).mma
+        assert why in L.mma_unsupported(a["dtype"], a["head_dim"], a.get("kv_dtype"), a.get("partition", "split_k"))
+        with pytest.raises(ValueError, match="mma=True"):
+            L.make_spec(**a, mma=True)
+    assert L.mma_unsupported("float16", 128) == ""
+    big = L.make_spec("partial", "bfloat16", 256, 16, 4, 16, smem_limit=99 * 1024)  # 8 row groups x 16 KB stages
+    assert not big.mma
+    with pytest.raises(ValueError, match="shared memory"):
+        L.make_spec("partial", "bfloat16", 256, 16, 4, 16, smem_limit=99 * 1024, mma=True)
+    assert L.make_spec("partial", "bfloat16", 128, 4, 1, 16, num_warps=2, num_stages=5).stages == 5
 
 
 def test_spec_limits_raise():
@@ -240,9 +337,12 @@ def test_spec_limits_raise():
 
 
 def test_stage_choice_respects_smem_limit():
-    full = L.make_spec("partial", "bfloat16", 128, 8, 1, 16)
-    s = L.make_spec("partial", "bfloat16", 128, 8, 1, 16, smem_limit=40 * 1024)
+    full = L.make_spec("partial", "bfloat16", 128, 8, 1, 16, mma=False)
+    s = L.make_spec("partial", "bfloat16", 128, 8, 1, 16, smem_limit=40 * 1024, mma=False)
     assert s.smem_bytes <= 40 * 1024 < full.smem_bytes and 2 <= s.stages < full.stages
+    # tensor cores: two stages of every warp must fit, so the default KV warps shrink instead
+    m = L.make_spec("partial", "bfloat16", 128, 8, 1, 16, smem_limit=40 * 1024)
+    assert m.mma and m.smem_bytes <= 40 * 1024 and m.kv_warps == 2 and m.stages == 2
     assert L.make_spec("partial", "bfloat16", 256, 8, 8, 16, smem_limit=227 * 1024).smem_bytes <= L.SMEM_BUDGET
 
 
@@ -365,11 +465,12 @@ def test_check_layout_rejects_misaligned():
 
 @needs_nvrtc
 @pytest.mark.parametrize("kind,signature", [("partial", L.PARTIAL_SIGNATURE), ("merge", L.MERGE_SIGNATURE),
-                                            ("fp8-split_v", L.PARTIAL_SIGNATURE)])
+                                            ("fp8-split_v", L.PARTIAL_SIGNATURE), ("core", L.PARTIAL_SIGNATURE)])
 def test_signature_matches_ptx_entry(kind, signature):
     """The host's argument list equals the kernel's parameter list (sizes and float slots) in the PTX."""
+    extra = {"fp8-split_v": {"kv_dtype": FP8, **SV}, "core": CORE}.get(kind, {})
     spec = L.merge_spec("bfloat16", 128) if kind == "merge" else L.make_spec(
-        "partial", "bfloat16", 128, 4, 1, 16, **({"kv_dtype": FP8, **SV} if kind.startswith("fp8") else {}))
+        "partial", "bfloat16", 128, 4, 1, 16, **extra)
     c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
     ptx = c.image.rstrip(b"\x00").decode()
     m = re.search(r"\.entry\s+" + spec.entry + r"\s*\((.*?)\)", ptx, re.S)
@@ -409,7 +510,9 @@ def test_kernel_config_options():
     be = CudaPtxBackend(N.CompileCache(disk=False))
     prob = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 131072)
     kc = be.kernel_config(prob, {}, torch.device("cpu"))
-    assert kc["block_n"] == kc["tile_tokens"] * kc["num_warps"] == 32
+    assert kc["mma"] is True and kc["block_n"] == kc["tile_tokens"] * kc["num_warps"] == 64
+    core = be.kernel_config(prob, {"mma": False}, torch.device("cpu"))
+    assert core["mma"] is False and core["block_n"] == core["tile_tokens"] * core["num_warps"] == 32
     assert be.kernel_config(prob, {"num_warps": 2, "num_stages": 3}, "cpu")["num_stages"] == 3
     assert be.kernel_config(prob, {"threads": 256}, "cpu")["num_warps"] == 8
     with pytest.raises(ValueError, match="block_n"):
@@ -417,6 +520,35 @@ def test_kernel_config_options():
     plan = make_plan(prob, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=17)
     assert plan.chunk_size % kc["tile_tokens"] == 0
     assert be.spec_for("partial", plan) == L.make_spec("partial", "bfloat16", 128, 4, 1, 16, smem_limit=99 * 1024)
+
+
+def test_kernel_config_mma_option():
+    """Option ``mma``: auto (default) / false / true; the plan's kernel options and ``explain()`` show
+    the choice and ``spec_for`` follows it; true where the path cannot serve is an error naming why."""
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    prob = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 131072)
+    cfg = load_config()
+    for opt, want in ((None, True), (True, True), (False, False)):
+        kc = be.kernel_config(prob, {"mma": opt}, "cpu")
+        plan = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=8, partitions=be.partitions)
+        assert kc["mma"] is want and f"'mma': {want}" in plan.explain()
+        assert be.spec_for("partial", plan).mma is want and be.spec_for("single", plan).mma is want
+        assert plan.chunk_size % kc["block_n"] == 0
+    for p, why in ((DecodeProblem(1, 32, 8, 128, 1, 16, "float32", "float32", 4096), "float16 or bfloat16"),
+                   (DecodeProblem(1, 32, 8, 72, 1, 16, "bfloat16", "bfloat16", 4096), "multiple of 16"),
+                   (DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", FP8, 4096, kv_scale="head"), "KV cache")):
+        assert be.kernel_config(p, {}, "cpu")["mma"] is False
+        with pytest.raises(ValueError, match=why):
+            be.kernel_config(p, {"mma": True}, "cpu")
+    with pytest.raises(ValueError, match="split-K"):
+        be.kernel_config(prob, {"mma": True, "partition": "split_v"}, "cpu")
+    with pytest.raises(ValueError, match="mma"):
+        be.kernel_config(prob, {"mma": "yes"}, "cpu")
+    # a config that forces split_v over a split_k + mma kernel config runs split-V on CUDA cores
+    forced = make_plan(prob, CPU_STANDIN, cfg.with_overrides(split={"partition": "split_v"}), "cuda_ptx",
+                       be.kernel_config(prob, {}, "cpu"), num_splits=4, partitions=be.partitions)
+    sv = be.spec_for("partial", forced)
+    assert sv.split_v and not sv.mma
 
 
 def test_kernel_config_partition_and_fp8():

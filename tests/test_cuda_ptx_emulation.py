@@ -2,10 +2,17 @@
 against the float64 reference. No GPU: ``decode.cu`` is compiled as C++ with every CUDA thread a
 fiber, and driven through the backend's own spec choice, input checks and ``kernelParams`` packing.
 What it checks: indexing, GQA row mapping, chunk bounds, masks, paging, the online softmax, the
-in-program warp merge (split-K) and the per-warp column slices (split-V), the fp8 e4m3fn decoder and
-its scales, the merge kernel, and shared-memory races between warps (every emulated launch runs
-simt.h's race check). What it cannot: PTX instruction behaviour, global-memory races, performance
+in-program warp merge (split-K) and the per-warp column slices (split-V), the tensor-core split-K path
+(mode ``mma``: ldmatrix / mma.sync / movmatrix through simt.h's warp-collective twins, fragment
+layouts, swizzled / padded ring rows, online softmax on fragments), the fp8 e4m3fn decoder and its
+scales, the merge kernel, and shared-memory races between warps (every emulated launch runs simt.h's
+race check). What it cannot: PTX instruction behaviour (the twins implement the PTX ISA's documented
+fragment layouts; the device's mma rounding differs), global-memory races, performance
 (tests/test_cuda_ptx_gpu.py covers the device).
+
+Modes: ``mma`` = split-K on tensor cores (the default for fp16 / bf16 with head_dim % 16 == 0),
+``split_k`` = split-K on CUDA cores (``mma: false``), ``split_v``. Partial ``o`` of the ``mma`` mode is
+compared at q's dtype tolerance (P is rounded to q's dtype for the P.V mma, as in FlashAttention-2).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compi
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 FP8 = torch.float8_e4m3fn
 PARTITIONS = ("split_k", "split_v")
+#: mode -> (partition, kernel option mma)
+MODES = {"mma": ("split_k", True), "split_k": ("split_k", False), "split_v": ("split_v", None)}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +67,11 @@ CASES = [
 
 
 def _plan(be, x, splits, partition="split_k", **options):
-    """A plan for ``x`` with the backend's kernel options for ``partition`` (the planner's ``auto``)."""
+    """A plan for ``x`` with the backend's kernel options for ``partition`` (the planner's ``auto``);
+    ``partition`` may also be a mode of :data:`MODES`."""
+    if partition == "mma" or "mma" not in options and partition in MODES:
+        partition, mma = MODES[partition]
+        options = {**options, "mma": mma}
     b, q_len, hq, d = x.q.shape
     lens = x.seq_lens.tolist()
     prob = DecodeProblem(b, hq, x.k_cache.shape[2], d, q_len, x.k_cache.shape[1] if x.paged else None,
@@ -69,19 +82,43 @@ def _plan(be, x, splits, partition="split_k", **options):
     kc = be.kernel_config(prob, {"partition": partition, **options}, torch.device("cpu"))
     plan = make_plan(prob, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=splits, partitions=be.partitions)
     assert plan.partition == partition
+    if "mma" in options:
+        assert plan.kernel["mma"] == bool(options["mma"]), plan.kernel
+        assert be.spec_for("partial", plan, inputs=x).mma == bool(options["mma"])
     return plan
 
 
-def _partitions(cases, split_v):
-    """``(case, partition)`` params: every case with split_k, the cases at indices ``split_v`` with
-    split_v too (each emulated specialization is a C++ build of ~0.6 s: the subsets keep the file fast
-    while covering contiguous and paged caches, GQA groups 1 / 4 / 7 / 8, several row groups sharing
-    split-V's ring, q_len > 1, head_dim 16-256 and every variant)."""
-    return [pytest.param(c, p, id=f"{c.id}-{p}") for i, c in enumerate(cases) for p in PARTITIONS
-            if p == "split_k" or i in split_v]
+def _mma_ok(case) -> bool:
+    return case.dtype in ("fp16", "bf16") and case.head_dim % 16 == 0
 
 
-CASE_PARAMS = _partitions(CASES, split_v=(0, 3, 4, 8, 9))
+def _partitions(cases, split_v, mma=None):
+    """``(case, mode)`` params: every case with split_k (CUDA cores), the cases at indices ``split_v``
+    with split_v too, and those at indices ``mma`` (default: every fp16 / bf16 case with head_dim a
+    multiple of 16) on tensor cores (each emulated specialization is a C++ build of ~0.6 s: the subsets
+    keep the file fast while covering contiguous and paged caches, GQA groups 1 / 4 / 7 / 8, several row
+    groups sharing split-V's ring, q_len > 1, head_dim 16-256 and every variant)."""
+    return [pytest.param(c, p, id=f"{c.id}-{p}") for i, c in enumerate(cases) for p in MODES
+            if p == "split_k" or (p == "split_v" and i in split_v)
+            or (p == "mma" and _mma_ok(c) and (mma is None or i in mma))]
+
+
+def _o_dtype(mode, dtype):
+    """Tolerance dtype of partial ``o``: fp32, or q's dtype on tensor cores (P rounded to it)."""
+    return dtype if mode == "mma" else torch.float32
+
+
+# tensor-core cases beyond CASES: group 1 with q_len 3, head_dim 80 (padded ring rows) with 24 rows in
+# two n8-tiles, head_dim 96, 64 rows in 4 row groups of 2 n8-tiles
+MMA_CASES = [
+    Case((4, 4), 64, (9, 1, 0), q_len=3, page=4, dtype="fp16", splits=(1, 3)),
+    Case((8, 1), 80, (77, 5), q_len=3, page=8, splits=(1, 2)),
+    Case((8, 1), 96, (45, 2), q_len=2, dtype="fp16", splits=(2,)),
+    Case((64, 2), 128, (50, 3), q_len=2, page=16, splits=(2,)),
+]
+
+CASE_PARAMS = _partitions(CASES, split_v=(0, 3, 4, 8, 9)) + \
+    [pytest.param(c, "mma", id=f"{c.id}-mma") for c in MMA_CASES]
 
 
 @pytest.mark.parametrize("case,partition", CASE_PARAMS)
@@ -103,7 +140,7 @@ def test_emulated_kernels_match_reference(be, case, partition, gen):
             rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
                                    plan.chunk_size, plan.num_splits)
             n = plan.num_splits
-            assert_close_to_reference(st.o[:, :, :, :n], rp.o, torch.float32, "partial o")
+            assert_close_to_reference(st.o[:, :, :, :n], rp.o, _o_dtype(partition, dtype), "partial o")
             assert_close_to_reference(st.lse[:, :, :, :n], rp.lse, torch.float32, "partial lse")
             assert torch.isnan(st.lse[:, :, :, n:]).all(), "a split beyond the plan was written"
             be.merge(plan, st, out, lse)
@@ -174,14 +211,19 @@ def test_emulation_reports_out_of_bounds_block_table(be, gen):
         be.single_pass(plan, x, torch.empty_like(x.q), None)
 
 
-@pytest.mark.parametrize("kv_dtype,partition", [(None, "split_k"), ("float8_e4m3fn", "split_v")])
-def test_emulated_constants_match_host(be, kv_dtype, partition):
+@pytest.mark.parametrize("kv_dtype,partition,mma", [(None, "split_k", False), ("float8_e4m3fn", "split_v", None),
+                                                    (None, "split_k", True)])
+def test_emulated_constants_match_host(be, kv_dtype, partition, mma):
     from attnplan.backends.cuda_ptx.launch import make_spec, split_v_layout
 
-    spec = make_spec("partial", "bfloat16", 96, 7, 4, 16, kv_dtype=kv_dtype, partition=partition)
+    spec = make_spec("partial", "bfloat16", 96, 7, 4, 16, kv_dtype=kv_dtype, partition=partition, mma=mma)
     k = be.kernel(spec)
     assert (k.constant("smem"), k.constant("tile"), k.constant("threads"), k.constant("rt")) == \
         (spec.smem_bytes, spec.tile_tokens, spec.threads, spec.rows_per_group)
+    assert (k.constant("mma"), k.constant("ntw"), k.constant("rs")) == \
+        (int(spec.mma), spec.n_tiles, spec.row_chunks)
+    if mma:  # 28 rows: 4 n8-tiles in 2 row groups of 16 rows; 12 chunks per row, padded to 13
+        assert (spec.row_groups, spec.rows_per_group, spec.n_tiles, spec.row_chunks) == (2, 16, 2, 13)
     if partition == "split_v":
         sv = split_v_layout(spec.kv_dtype, 96, spec.kv_warps)
         assert (k.constant("lpv"), k.constant("subs"), k.constant("dvw")) == (sv["lpv"], sv["subs"], sv["dvw"])
@@ -197,6 +239,7 @@ VARIANT_CASES = [
     VariantCase((8, 2), 64, (60, 1), q_len=2, cap=2.0, dtype="fp32", splits=(1, 3)),       # soft-cap bites
     VariantCase((8, 2), 64, (60, 0), page=16, sinks=True, dtype="fp16", splits=(1, 3)),     # sinks, empty row
     VariantCase((16, 2), 64, (80, 7), q_len=2, page=4, window=16, cap=5.0, sinks=True, splits=(1, 4)),
+    VariantCase((8, 2), 128, (61, 1), q_len=3, cap=2.0, window=40, splits=(1, 3), tags=("tc",)),  # tensor cores
 ]
 
 
@@ -219,7 +262,8 @@ def _variant_inputs(case, gen, fp8=False):
 
 
 def _check_variants(be, x, case, partition):
-    """``run`` (single pass or partial + merge) and ``partial`` against the reference for each split count."""
+    """``run`` (single pass or partial + merge) and ``partial`` against the reference for each split count
+    (``partition``: a mode of :data:`MODES`)."""
     dtype = x.q.dtype
     kw = dict(window_left=x.window_left, soft_cap=x.soft_cap, k_scale=x.k_scale, v_scale=x.v_scale)
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
@@ -235,13 +279,14 @@ def _check_variants(be, x, case, partition):
             be.partial(plan, x, st)
             rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
                                    plan.num_splits, **kw)
-            assert_close_to_reference(st.o, rp.o, torch.float32, "partial o")
+            assert_close_to_reference(st.o, rp.o, _o_dtype(partition, dtype), "partial o")
             assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse (no sink)")
         assert_close_to_reference(out, ref, dtype, f"out (splits {splits})")
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (splits {splits})")
 
 
-VARIANT_PARAMS = _partitions(VARIANT_CASES, split_v=(0, 3, 5))
+VARIANT_PARAMS = [p for p in _partitions(VARIANT_CASES, split_v=(0, 3, 5))
+                  if p.values[1] == "mma" or "tc" not in p.values[0].tags]
 
 
 @pytest.mark.parametrize("case,partition", VARIANT_PARAMS)
@@ -258,7 +303,7 @@ FP8_CASES = [
 ]
 
 
-FP8_PARAMS = _partitions(FP8_CASES, split_v=(0, 3, 4))
+FP8_PARAMS = _partitions(FP8_CASES, split_v=(0, 3, 4), mma=())  # fp8 KV stays on CUDA cores
 
 
 @pytest.mark.parametrize("case,partition", FP8_PARAMS)
@@ -314,19 +359,20 @@ def test_emulated_fp8_decoder_all_256_codes(be, partition):
     assert torch.isneginf(st.lse[0, 0, :, 1]).all() and (st.o[0, 0, :, 1] == 0).all()
 
 
+@pytest.mark.parametrize("mode", ["split_k", "mma"])
 @pytest.mark.parametrize("chunk", [13, 24, 40])
-def test_emulated_unaligned_chunks(be, chunk, gen):
+def test_emulated_unaligned_chunks(be, chunk, mode, gen):
     """Chunk sizes that are not multiples of the tile or the page: tiles self-align and mask."""
     import dataclasses
 
     x = make_inputs(2, 8, 2, 64, [100, 41], q_len=2, page_size=8, dtype=torch.float16, generator=gen)
-    plan = _plan(be, x, 2)
+    plan = _plan(be, x, 2, mode)
     n = -(-100 // chunk)
     plan = dataclasses.replace(plan, chunk_size=chunk, num_splits=n, grid=(n, 2, 2), merge_grid=(2 * 2 * 8,))
     st = PartialState.empty(2, 2, 8, n, 64).fill_(float("nan"))
     be.partial(plan, x, st)
     rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, chunk, n)
-    assert_close_to_reference(st.o, rp.o, torch.float32, "partial o")
+    assert_close_to_reference(st.o, rp.o, _o_dtype(mode, torch.float16), "partial o")
     assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
 
 

@@ -8,6 +8,13 @@ offsets (cases.yaml int32-page-offset); the split-V partition (through the confi
 ``split.partition``) on the same cases; fp8 e4m3fn KV caches with per-KV-head scales (with window /
 soft-cap / sinks, both partitions) and the fp8 decoder on all 256 codes. Outputs are NaN-poisoned
 before every run.
+
+Tensor cores: split-K runs the ``mma.sync`` path by default for fp16 / bf16 with head_dim % 16 == 0
+(the public API's cases above); mode ``core`` forces the CUDA-core split-K kernel (kernel option
+``mma: false``, planned through the backend directly) on the same cases, and
+:func:`test_mma_and_core_agree` compares the two kernels' partial states. Partial ``o`` of the
+tensor-core kernel carries P's rounding to q's dtype (as in FlashAttention-2 / Triton's ``tl.dot``),
+so it is compared at q's dtype tolerance; ``lse`` at fp32's.
 """
 
 from __future__ import annotations
@@ -33,6 +40,28 @@ PARTITIONS = ("split_k", "split_v")
 def _config(partition: str):
     """The default config with ``split.partition`` forced (cuda_ptx implements both)."""
     return load_config().with_overrides(split={"partition": partition})
+
+
+def _direct_plan(be, x, splits, **options):
+    """A plan for ``x`` on this device with the backend's kernel options ``options`` (e.g. ``mma``),
+    bypassing the public API (whose config has no ``mma`` key) and the plan cache."""
+    from attnplan.device import device_info
+    from attnplan.planner import make_plan
+    from attnplan.problem import DecodeProblem, dtype_name
+
+    b, q_len, hq, d = x.q.shape
+    lens = x.seq_lens.tolist()
+    prob = DecodeProblem(b, hq, x.k_cache.shape[2], d, q_len, x.k_cache.shape[1] if x.paged else None,
+                         dtype_name(x.q.dtype), dtype_name(x.k_cache.dtype), max(lens), sum(lens),
+                         window_left=x.window_left, soft_cap=x.soft_cap, has_sinks=x.sinks is not None)
+    kc = be.kernel_config(prob, options, x.q.device)
+    return make_plan(prob, device_info(x.q.device), load_config(), "cuda_ptx", kc, num_splits=splits,
+                     partitions=be.partitions, merge_strategies=be.merge_strategies)
+
+
+def _o_dtype(be, plan, x):
+    """Tolerance dtype of partial ``o``: q's dtype on tensor cores (P rounded to it), else fp32."""
+    return x.q.dtype if be.spec_for("partial", plan, x.q.device, x).mma else torch.float32
 
 
 def _backend():
@@ -64,11 +93,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("partition", (*PARTITIONS, "core"))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_decode_matches_reference(case, partition, gen):
-    _backend()
+    """``split_k`` / ``split_v`` through the public API (split_k: tensor cores where they serve);
+    ``core``: the CUDA-core split-K kernel (fp16 / bf16 cases with head_dim % 16 == 0 only)."""
+    be = _backend()
     dtype = DT[case.dtype]
+    if partition == "core" and (case.dtype == "fp32" or case.head_dim % 16):
+        pytest.skip("the split_k cases already run on CUDA cores")
     hq, hkv = case.heads
     x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
                     dtype=dtype, device="cuda", generator=gen)
@@ -76,8 +109,15 @@ def test_decode_matches_reference(case, partition, gen):
     for splits in case.splits:
         out = poison(torch.empty_like(x.q))
         lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
-        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out, lse=lse,
-                        backend="cuda_ptx", num_splits=splits, config=_config(partition))
+        if partition == "core":
+            plan = _direct_plan(be, x, splits, mma=False)
+            assert not be.spec_for("partial", plan, x.q.device, x).mma
+            st = None if plan.single_pass else PartialState.empty(*x.q.shape[:3], plan.num_splits, case.head_dim,
+                                                                  device="cuda")
+            be.run(plan, x, st, out, lse)
+        else:
+            attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out,
+                            lse=lse, backend="cuda_ptx", num_splits=splits, config=_config(partition))
         torch.cuda.synchronize()
         assert_close_to_reference(out, ref, dtype, f"out (num_splits={splits})")
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (num_splits={splits})")
@@ -102,7 +142,7 @@ def test_partial_states_and_mixing(dtype, page, partition, gen):
     be.partial(plan, x, st)
     torch.cuda.synchronize()
     rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size, n)
-    assert_close_to_reference(st.o[:, :, :, :n], rp.o, torch.float32, "partial o")
+    assert_close_to_reference(st.o[:, :, :, :n], rp.o, _o_dtype(be, plan, x), "partial o")
     assert_close_to_reference(st.lse[:, :, :, :n], rp.lse, torch.float32, "partial lse")
     assert torch.isnan(st.lse[:, :, :, n:]).all(), "splits past the plan must stay untouched"
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
@@ -271,6 +311,55 @@ def test_fp8_kv_matches_reference(case, partition, gen):
                                    plan.num_splits, window_left=case.window, soft_cap=case.cap, k_scale=ks, v_scale=vs)
             assert_close_to_reference(st.o, rp.o, torch.float32, "partial o")
             assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
+
+
+MMA_CASES = [
+    Case((32, 8), 128, (131072,), splits=(0,)),                                 # the target problem
+    Case((32, 8), 128, (4097, 1, 16, 0), page=16, splits=(1, 7)),
+    Case((64, 4), 128, (3000, 17), page=16, splits=(3,)),                       # group 16: 2 n8-tiles
+    Case((64, 2), 128, (700, 3), q_len=2, page=16, splits=(1, 3)),              # 64 rows: 4 row groups
+    Case((16, 2), 80, (700, 1), page=16, q_len=3, splits=(2,)),                 # padded ring rows
+    Case((8, 1), 256, (1000, 5), q_len=4, page=64, dtype="fp16", splits=(1, 3)),
+    Case((8, 8), 64, (1, 17, 300), dtype="fp16", splits=(1, 3)),                # group 1
+    Case((16, 4), 128, (100, 33, 3), q_len=4, page=1, splits=(3,)),             # page 1, L < q_len
+]
+
+
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: c.id)
+def test_mma_and_core_agree(case, gen):
+    """The tensor-core and CUDA-core split-K kernels on the same inputs and plans: partial states within
+    q's dtype tolerance of the reference (o) and fp32's (lse), and of each other."""
+    be = _backend()
+    dtype = DT[case.dtype]
+    hq, hkv = case.heads
+    x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
+                    dtype=dtype, device="cuda", generator=gen)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    for splits in case.splits:
+        states = {}
+        for mma in (True, False):
+            plan = _direct_plan(be, x, splits, mma=mma)
+            assert be.spec_for("partial", plan, x.q.device, x).mma is mma and plan.kernel["mma"] is mma
+            out = poison(torch.empty_like(x.q))
+            lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
+            if plan.single_pass:
+                be.single_pass(plan, x, out, lse)
+            else:
+                st = PartialState.empty(*x.q.shape[:3], plan.num_splits, case.head_dim, device="cuda")
+                be.partial(plan, x, st)
+                be.merge(plan, st, out, lse)
+                states[mma] = (plan.chunk_size, plan.num_splits, st)
+            torch.cuda.synchronize()
+            assert_close_to_reference(out, ref, dtype, f"out (mma={mma}, splits={splits})")
+            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (mma={mma}, splits={splits})")
+        if True in states:
+            chunk, n, st = states[True]
+            rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, chunk, n)
+            assert_close_to_reference(st.o, rp.o, dtype, "partial o (mma)")
+            assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse (mma)")
+            if False in states and states[False][:2] == (chunk, n):  # same chunks: the kernels' states agree
+                assert_close_to_reference(st.o, states[False][2].o.double(), dtype, "partial o mma vs core")
+                assert_close_to_reference(st.lse, states[False][2].lse.double(), torch.float32, "lse mma vs core")
 
 
 @pytest.mark.parametrize("partition", PARTITIONS)

@@ -7,11 +7,29 @@ on ``torch.cuda.current_stream()``. Launches allocate nothing and never sync the
 can be captured in a CUDA graph (compile and load first: :meth:`CudaPtxBackend.prepare`, or one
 eager run before capture).
 
-Method: FlashDecoding's split-KV with FlashInfer-style CUDA-core decode kernels. One program per
-(split, KV head, sequence) serves the whole GQA group and all queries (each KV byte read once);
-16-byte ``cp.async`` loads stream K and V through multi-stage shared-memory rings; fp32
-accumulation with a base-2 online softmax. The merge kernel implements
-:func:`attnplan.state.merge_states`'s contract.
+Method: FlashDecoding's split-KV. One program per (split, KV head, sequence) serves the whole GQA
+group and all queries (each KV byte read once); 16-byte ``cp.async`` loads stream K and V through
+multi-stage shared-memory rings; fp32 accumulation with a base-2 online softmax. The merge kernel
+implements :func:`attnplan.state.merge_states`'s contract.
+
+Tensor-core path (kernel option ``mma``, the default for fp16 / bf16 q with a cache of the same
+dtype, head_dim a multiple of 16, split-K; ``decode.cu``'s ``ATTNPLAN_MMA``). Sources: FlashAttention-2's
+register-level online softmax on mma fragments, FlashInfer's tensor-core decode for GQA, the PTX ISA's
+"Matrix fragments for mma.m16n8k16". With few query rows the products are computed transposed
+("swap AB"): ``S^T[tokens, rows] = K . Q^T`` with ``mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}``
+(M = 16 KV tokens, N = 8 of the GQA group x q_len rows, K-dim = 16 of head_dim; q's B fragments in
+registers, K's A fragments by ``ldmatrix`` from the warp's cp.async ring), the online softmax on the
+accumulator fragments (row max: a 3-step shuffle over the 8 lanes sharing a row; row sums per lane,
+reduced once at the end; exp2, fp32), then ``O^T[d, rows] += V^T . P^T`` (M = 16 head_dim columns,
+K-dim = 16 tokens; V^T by ``ldmatrix.trans``, P rounded to q's dtype as in FlashAttention-2 and moved
+into the B layout with ``movmatrix.trans``). A warp holds up to ``256 / head_dim`` n8-tiles of rows;
+more rows take more row groups. Ring rows are XOR-swizzled (or padded by 16 bytes when head_dim / 8 is
+not a multiple of 8) so ``ldmatrix`` is free of bank conflicts. Per 16 tokens and 8 rows a warp issues
+``head_dim / 16`` ldmatrix + mma for each product instead of per-lane dot products and shuffle trees:
+the CUDA-core split-K kernel is instruction-bound on an H200, the tensor-core one should not be.
+Partial ``o`` then carries P's rounding (relative ~2^-9 for bf16, 2^-12 for fp16), as the Triton
+backend's ``tl.dot`` does; ``lse`` stays fp32-exact up to accumulation order. fp32, fp8 KV caches,
+split-V and head_dims that are not multiples of 16 keep the CUDA-core path.
 
 fp8 KV (variant ``fp8_kv``): a ``float8_e4m3fn`` cache with per-KV-head fp32 ``k_scale`` /
 ``v_scale`` (q fp16 / bf16). A 16-byte load carries 16 fp8 values; the kernel decodes them exactly
@@ -47,7 +65,7 @@ cross-warp reduction                  yes: ``(m, l, acc)`` of ``W`` warps merged
 dynamic shared memory                 ``NRG W S`` stages, or the end-merge buffer  ``S`` stages (tiles up to 8 KB)
 ====================================  ===========================================  ==============================================
 
-On CUDA cores (no tensor cores in these kernels) split-V's ``W``-fold q.k recomputation is
+On CUDA cores (the split-V and CUDA-core split-K kernels) split-V's ``W``-fold q.k recomputation is
 arithmetic the memory-bound split-K kernel does not do, so ``kernel_config`` defaults to
 ``split_k``; split-V trades it for reading KV once per program instead of once per row group
 (large GQA group x q_len), no end-of-program merge (short chunks) and no per-warp rings. Which wins
@@ -71,7 +89,7 @@ from attnplan.state import PartialState
 from ._bindings import CudaPtxError, DriverError, NvrtcError
 from .launch import (
     FP8, MERGE_SIGNATURE, PARTIAL_SIGNATURE, DeviceRuntime, KernelSpec, PackedArgs, check_layout,
-    kernel_source, make_spec, max_rows, merge_args, merge_launch_config, merge_spec, partial_args,
+    kernel_source, make_spec, max_rows, merge_args, merge_launch_config, merge_spec, mma_unsupported, partial_args,
     partial_launch_config,
 )
 from .nvrtc import CompileCache, Compiled, select_target
@@ -97,7 +115,9 @@ class CudaPtxBackend(Backend):
     KV warps, split-V's column warps), ``num_stages`` = cp.async ring depth (default: enough for
     ~48 KB in flight), ``block_n`` = chunk alignment in tokens (a multiple of the kernel's tile),
     ``threads`` = total threads (alternative to ``num_warps``), ``partition`` = ``split_k`` (default)
-    or ``split_v`` (what the planner takes for ``split.partition: auto``).
+    or ``split_v`` (what the planner takes for ``split.partition: auto``), ``mma`` = the tensor-core
+    path: ``None`` (auto: on wherever it serves), ``False`` (CUDA cores), ``True`` (required; an
+    error where it cannot serve). The plan's kernel options show the choice (``"mma": true``).
 
     Args:
         cache: the NVRTC compile cache; default: memory + ``$ATTNPLAN_CACHE_DIR`` / user cache dir.
@@ -178,8 +198,11 @@ class CudaPtxBackend(Backend):
         """Kernel options for ``problem``: ``block_n`` (chunk alignment, tokens) = the tokens one pass
         of the program's warps covers by default (split-K: tile x KV warps; split-V: one tile), plus
         the specialization's ``num_warps``, ``num_stages``, ``threads``, ``tile_tokens``,
-        ``row_groups``, ``passes`` and ``partition`` (option ``partition``, default ``split_k``; the
-        planner takes it for ``split.partition: auto``).
+        ``row_groups``, ``passes``, ``partition`` (option ``partition``, default ``split_k``; the
+        planner takes it for ``split.partition: auto``) and ``mma`` (option ``mma``: ``None`` = the
+        tensor-core path wherever it serves, see :func:`~.launch.make_spec`; ``False`` = CUDA cores;
+        ``True`` = required). ``mma`` describes the ``partition`` configured here: a plan whose config
+        forces another partition runs that partition's default (split-V: CUDA cores).
 
         Raises:
             ValueError: options that do not fit the kernel (named, with what is allowed).
@@ -189,8 +212,15 @@ class CudaPtxBackend(Backend):
         partition = options.get("partition") or "split_k"
         if partition not in self.partitions:
             raise ValueError(f"backend_options.cuda_ptx.partition {partition!r} must be one of {sorted(self.partitions)}")
+        mma = options.get("mma")
+        if mma is not None and not isinstance(mma, bool):
+            raise ValueError(f"backend_options.cuda_ptx.mma {mma!r} must be true, false or null (auto)")
+        if mma:
+            why = mma_unsupported(problem.q_dtype, problem.head_dim, problem.kv_dtype, partition)
+            if why:
+                raise ValueError(f"backend_options.cuda_ptx.mma true: {why}")
         args = (problem.q_dtype, problem.head_dim, problem.group_size, problem.q_len, problem.page_size)
-        kw = dict(smem_limit=limit, kv_dtype=problem.kv_dtype, partition=partition)
+        kw = dict(smem_limit=limit, kv_dtype=problem.kv_dtype, partition=partition, mma=mma)
         warps = options.get("num_warps")
         if warps is None and options.get("threads"):
             rg = make_spec("partial", *args, **kw).row_groups
@@ -205,7 +235,8 @@ class CudaPtxBackend(Backend):
             raise ValueError(f"backend_options.cuda_ptx.block_n {block_n} must be a multiple of the kernel's tile of "
                              f"{tile} tokens for {problem.kv_dtype} head_dim {problem.head_dim} ({partition})")
         return {"block_n": block_n, "num_warps": spec.kv_warps, "num_stages": spec.stages, "threads": spec.threads,
-                "tile_tokens": tile, "row_groups": spec.row_groups, "passes": spec.passes, "partition": partition}
+                "tile_tokens": tile, "row_groups": spec.row_groups, "passes": spec.passes, "partition": partition,
+                "mma": spec.mma}
 
     def spec_for(self, kind: str, plan: SplitPlan, device: torch.device | None = None,
                  inputs: DecodeInputs | None = None) -> KernelSpec:
@@ -225,10 +256,13 @@ class CudaPtxBackend(Backend):
             kv_dtype = p["kv_dtype"]
         partition = plan.partition
         same = partition == k.get("partition", "split_k")
+        # the plan's CUDA-core choice stays; its tensor-core one is taken as "auto" (make_spec falls back to
+        # CUDA cores where the tensor-core program does not fit this device's shared memory, never raises)
+        mma = False if same and k.get("mma") is False else None
         return make_spec(kind, p["q_dtype"], p["head_dim"], p["num_q_heads"] // p["num_kv_heads"], p["q_len"],
                          p["page_size"], num_warps=k.get("num_warps") if same else None,
                          num_stages=k.get("num_stages") if same else None, smem_limit=self._smem_limit(device),
-                         window=window, softcap=softcap, kv_dtype=kv_dtype, partition=partition)
+                         window=window, softcap=softcap, kv_dtype=kv_dtype, partition=partition, mma=mma)
 
     def compile(self, spec: KernelSpec, compute_capability: tuple[int, int] = (9, 0)) -> Compiled:
         """Compile ``spec`` for ``compute_capability`` through the compile cache (no GPU needed).

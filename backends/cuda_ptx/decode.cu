@@ -20,6 +20,9 @@
 //   ATTNPLAN_PASSES      warp passes per KV tile                            [partial / single]
 //   ATTNPLAN_WINDOW      1 = sliding window (window_left argument)          [partial / single]
 //   ATTNPLAN_SOFTCAP     1 = logits soft-cap (softcap_log2 argument)        [partial / single]
+//   ATTNPLAN_MMA         1 = tensor-core split-K path (mma.sync m16n8k16, see "Method"): fp16 / bf16 q
+//                        and KV, head_dim a multiple of 16, split-K; PASSES is then the 16-token m-tiles
+//                        of a warp's KV tile                                  [partial / single]
 //   ATTNPLAN_SMEM_BYTES, ATTNPLAN_TILE_TOKENS, ATTNPLAN_THREADS: the host's own arithmetic, checked
 //                        against the kernel's by static_assert (a mismatch fails compilation).
 //
@@ -45,7 +48,29 @@
 // K/k_scale[h] and V/v_scale[h]: k_scale[h] is folded into q's score scale, v_scale[h] into the
 // program's normalized output (so lse and the merge never see it).
 //
-// Method (FlashDecoding; FlashInfer's decode kernels for the CUDA-core layout):
+// Method, tensor-core path (ATTNPLAN_MMA=1; FlashAttention-2's register-level online softmax on mma
+// fragments, FlashInfer's decode with tensor cores for GQA, PTX ISA "Matrix fragments for
+// mma.m16n8k16"). Decode has few query rows, so the product is computed transposed ("swap AB"):
+//  * S^T[tok, row] = K[tok, :] . Q^T[:, row] with mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: M = 16
+//    KV tokens, N = 8 rows (GQA group x q_len rows r = i*GROUP + g, a warp holding NTW n8-tiles of them,
+//    rows past R zero and masked), K-dim = 16 of head_dim. Q^T's B fragments sit in registers (raw q, loaded
+//    once; sm_scale*log2(e) multiplies the fp32 scores); K's A fragments come from the warp's cp.async ring
+//    with ldmatrix.x4. Lane (groupID g = lane/4, t = lane%4) holds S^T(tok g / g+8, rows 2t, 2t+1).
+//  * Online softmax on those fragments, base 2, fp32: a row's tile max is the max over the lane's tokens and
+//    a 3-step butterfly (xor 4, 8, 16) over the 8 lanes sharing the row; the accumulator is rescaled only
+//    when the max grows; the row sums stay per lane (their tokens) and are summed across lanes once, at the end.
+//  * O^T[d, row] += V^T[d, tok] . P^T[tok, row]: M = 16 head_dim columns, N = 8 rows, K-dim = 16 tokens.
+//    V^T's A fragments: ldmatrix.x4.trans of the V tile. P^T's B fragments: P rounded to bf16 / fp16 (as
+//    FlashAttention-2 does) and packed in the S^T fragment's layout (an 8x8 (token, row) matrix per half),
+//    transposed across the warp with movmatrix.trans into (row g; tokens 2t, 2t+1 / +8). The O^T accumulator
+//    fragments (d g / g+8, rows 2t, 2t+1) are fp32 registers; the warp merge at the end is split-K's.
+//  * Ring rows of the MMA layout: RS 16-byte chunks per token (head_dim/8; +1 padding chunk when that is not
+//    a multiple of 8), chunk v of token t stored at column v ^ (t & 7) when unpadded (XOR swizzle): the 8
+//    row addresses of each 8x8 ldmatrix read hit 8 different 16-byte bank groups either way.
+//  * Per 16 tokens a warp issues head_dim/16 ldmatrix + NTW x head_dim/16 mma for each of QK^T and P.V,
+//    instead of the CUDA-core path's per-lane dot products and 4-level shuffle reductions per token.
+//
+// Method, CUDA-core path (FlashDecoding; FlashInfer's decode kernels for the CUDA-core layout):
 //  * Rows r = i*GROUP + g (query i, head g of the group). Row groups of RT rows; each warp holds its
 //    rows' q (pre-scaled by sm_scale*log2(e), and k_scale with fp8) in fp32 registers: the elements of
 //    one 16-byte KV vector of head_dim per lane (8 for fp16/bf16, 4 for fp32, 16 for fp8).
@@ -231,6 +256,12 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
 #ifndef ATTNPLAN_SPLIT_V
 #define ATTNPLAN_SPLIT_V 0
 #endif
+#ifndef ATTNPLAN_MMA
+#define ATTNPLAN_MMA 0
+#endif
+#if ATTNPLAN_MMA && (ATTNPLAN_DTYPE == 2 || ATTNPLAN_KV_FP8 || ATTNPLAN_SPLIT_V)
+#error "the tensor-core path (ATTNPLAN_MMA) needs fp16 / bf16 q and KV and split-K"
+#endif
 
 static_assert(HEAD_DIM % KVEC == 0, "head_dim must fill whole 16-byte KV vectors (a multiple of 16 for fp8)");
 constexpr int DV = HEAD_DIM / KVEC;                 // 16-byte vectors per K/V row
@@ -238,14 +269,21 @@ constexpr int QPV = KVEC / VEC;                     // 16-byte q vectors per KV 
 constexpr int LPT = DV >= 32 ? 32 : pow2_ceil(DV);  // lanes per token row
 constexpr int NV = (DV + LPT - 1) / LPT;            // 16-byte vectors per lane per row
 constexpr int TPP = 32 / LPT;                       // tokens per warp pass
-constexpr int PASSES = ATTNPLAN_PASSES;
-constexpr int TILE = PASSES * TPP;                  // tokens per tile
+constexpr bool MMA = ATTNPLAN_MMA != 0;
+constexpr int PASSES = ATTNPLAN_PASSES;             // MMA: 16-token m-tiles per tile
+constexpr int TILE = PASSES * (MMA ? 16 : TPP);     // tokens per tile
 constexpr int CH = TILE * DV;                       // 16-byte chunks per tile (K or V)
 constexpr int GROUP = ATTNPLAN_GROUP;
 constexpr int QLEN = ATTNPLAN_QLEN;
 constexpr int R = GROUP * QLEN;                     // rows per program
 constexpr int NRG = ATTNPLAN_ROW_GROUPS;
-constexpr int RT = (R + NRG - 1) / NRG;             // rows per row group
+// rows per row group (MMA: whole n8-tiles, NTW of them per warp)
+constexpr int RT = MMA ? 8 * (((R + NRG - 1) / NRG + 7) / 8) : (R + NRG - 1) / NRG;
+constexpr int NTW = MMA ? RT / 8 : 1;               // MMA: n8-tiles (8 rows each) per warp
+constexpr int KS = HEAD_DIM / 16;                   // MMA: k16-steps of QK^T = m16-tiles of O^T over head_dim
+// ring row stride in 16-byte chunks; MMA rows are XOR-swizzled (DV % 8 == 0) or padded by one chunk
+constexpr int RS = !MMA ? DV : (DV % 8 == 0 ? DV : DV + 1);
+constexpr bool SWZ = MMA && DV % 8 == 0;
 constexpr int NWK = ATTNPLAN_KV_WARPS;              // warps per row group
 constexpr int NWARPS = NRG * NWK;
 constexpr int NTHREADS = 32 * NWARPS;
@@ -264,7 +302,8 @@ constexpr int NCOPY = SPLIT_V ? NTHREADS : 32;      // threads filling one ring 
 constexpr int CPL = (CH + NCOPY - 1) / NCOPY;       // chunks per copying thread per tile (K or V)
 constexpr bool ONE_PAGE = PAGE >= TILE;             // a (T-aligned) tile lies in one page
 constexpr int NPG = ONE_PAGE ? 1 : CPL;             // block-table entries per copying thread per tile
-constexpr int STAGE_BYTES = 2 * CH * 16;            // K + V of one tile
+constexpr int KT_BYTES = TILE * RS * 16;            // the K (or V) tile of a stage
+constexpr int STAGE_BYTES = 2 * KT_BYTES;           // K + V of one tile
 constexpr int RING_BYTES = (SPLIT_V ? 1 : NWARPS) * STAGES * STAGE_BYTES;
 constexpr int EPI_BYTES = SPLIT_V ? 0 : NWARPS * RT * (HEAD_DIM + 2) * 4;
 constexpr int SMEM_BYTES = cmax(RING_BYTES, EPI_BYTES);
@@ -275,6 +314,7 @@ static_assert(PAGE == 0 || (PAGE & (PAGE - 1)) == 0, "page size must be a power 
 static_assert(NRG * RT >= R && NRG >= 1 && NWK >= 1, "bad row groups / warps");
 static_assert(!SPLIT_V || DV % NWK == 0, "split-V: the warps of a row group must divide head_dim's 16-byte vectors");
 static_assert(PASSES % SUBS == 0, "split-V: a tile needs a pass for every lane subgroup");
+static_assert(!MMA || HEAD_DIM % 16 == 0, "the tensor-core path needs head_dim a multiple of 16");
 #ifdef ATTNPLAN_SMEM_BYTES
 static_assert(SMEM_BYTES == ATTNPLAN_SMEM_BYTES, "host and kernel disagree on dynamic shared memory");
 #endif
@@ -341,6 +381,73 @@ __device__ __forceinline__ void sts(void *p, const T &v) {
     *reinterpret_cast<T *>(p) = v;
 }
 
+#if ATTNPLAN_MMA
+// ---- tensor-core helpers (warp-collective: every lane of the warp executes them together) ----
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lanes 8j..8j+7 give the row addresses (16 bytes each) of
+// 8x8 matrix j; r[j] is this lane's fragment of matrix j (row lane/4, columns 2*(lane%4), +1; .trans: of
+// the transposed matrix).
+template <bool TRANS>
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const unsigned char *row) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    emu::ldmatrix_x4(r, row, TRANS);
+#else
+    const u32 a = (u32)__cvta_generic_to_shared(row);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#endif
+}
+
+// d += A . B: mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 (fragments per the PTX ISA)
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], const u32 b0, const u32 b1) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    const u32 b[2] = {b0, b1};
+    emu::mma_m16n8k16(d, a, b, ATTNPLAN_DTYPE == 1);
+#elif ATTNPLAN_DTYPE == 1
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// movmatrix.sync.aligned.m8n8.trans.b16: this lane's fragment (row lane/4, columns 2*(lane%4), +1) of the
+// transpose of the 8x8 matrix whose fragments the warp holds in x
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    return emu::movmatrix_trans(x);
+#else
+    u32 y;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+#endif
+}
+
+// two floats -> q's 16-bit dtype, packed (lo in the low half), round to nearest even
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    return (u32)from_float(lo) | ((u32)from_float(hi) << 16);
+#else
+    u32 r;
+#if ATTNPLAN_DTYPE == 1
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));  // d = {cvt(a) hi, cvt(b) lo}
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+#endif
+}
+#endif
+
+// Byte offset of 16-byte chunk v of token row `tok` in a K or V tile of a ring stage (see RS / SWZ).
+__host__ __device__ constexpr int chunk_off(int tok, int v) { return (tok * RS + (SWZ ? (v ^ (tok & 7)) : v)) * 16; }
+
 // Visible range [lo, hi) of query i inside the chunk [cs, ce) (empty when lo >= hi).
 __device__ __forceinline__ void query_range(int i, int L, int cs, int ce, int window_left, int &lo, int &hi) {
     const int p = L - QLEN + i;  // the query's own position
@@ -375,6 +482,7 @@ __device__ __forceinline__ void load_pages(int (&pg)[NPG], const int *__restrict
 struct LaneCopies {
     int tok[CPL];
     int koff[CPL], voff[CPL];  // < 2^31: the host checks (TILE - 1) x token stride + head_dim
+    int soff[MMA ? CPL : 1];   // MMA: byte offset in the stage's K / V tile (chunk_off); else c * 16
 };
 
 __device__ __forceinline__ void lane_copies(LaneCopies &lc, i64 k_s1, i64 v_s1, int cid) {
@@ -386,6 +494,7 @@ __device__ __forceinline__ void lane_copies(LaneCopies &lc, i64 k_s1, i64 v_s1, 
         lc.tok[k] = (CH % NCOPY == 0 || c < CH) ? tok : (1 << 30);  // past CH: never valid
         lc.koff[k] = (int)((i64)row * k_s1 + v * KVEC);
         lc.voff[k] = (int)((i64)row * v_s1 + v * KVEC);
+        if (MMA) lc.soff[MMA ? k : 0] = chunk_off(tok < TILE ? tok : 0, v);
     }
 }
 
@@ -420,8 +529,9 @@ __device__ __forceinline__ void issue_tile(unsigned char *stage, const kv_t *__r
                 vsrc = vb + (i64)pg[k] * v_s0;
             }
 #endif
-            cp_async16(stage + c * 16, valid ? (const void *)(ksrc + lc.koff[k]) : (const void *)kb, valid);
-            cp_async16(stage + CH * 16 + c * 16, valid ? (const void *)(vsrc + lc.voff[k]) : (const void *)vb, valid);
+            const int so = MMA ? lc.soff[MMA ? k : 0] : c * 16;
+            cp_async16(stage + so, valid ? (const void *)(ksrc + lc.koff[k]) : (const void *)kb, valid);
+            cp_async16(stage + KT_BYTES + so, valid ? (const void *)(vsrc + lc.voff[k]) : (const void *)vb, valid);
         }
     }
 }
@@ -526,6 +636,114 @@ __device__ __forceinline__ void tile_pv(float (&acc)[RT][ACC_NV][KVEC], const fl
 #endif
 }
 
+#if ATTNPLAN_MMA
+// One KV tile on the tensor cores (see "Method"): S^T = K . Q^T, mask, online softmax, O^T += V^T . P^T.
+// Fragment coordinates: g = lane / 4, t = lane % 4. s[mt][nt][e] is token mt*16 + g + 8*(e/2), row
+// nt*8 + 2t + e%2 of the row group; acc[md][nt][e] is head_dim column md*16 + g + 8*(e/2) of that row;
+// m / l [nt][j] belong to row nt*8 + 2t + j (l: the lane's tokens only). `masked` (warp-uniform): the tile
+// holds positions some row cannot see.
+__device__ __forceinline__ void mma_tile(float (&m)[NTW][2], float (&l)[NTW][2], float (&acc)[KS][NTW][4],
+                                         const u32 (&qb)[NTW][KS][2], const unsigned char *ks,
+                                         const unsigned char *vs, int ts, const int (&lo)[NTW][2],
+                                         const int (&hi)[NTW][2], bool masked, int lane, float scale_log2,
+                                         float softcap_log2) {
+    const int g = lane >> 2, r8 = lane & 7;
+    // ldmatrix row addresses: K (A of S^T, 16 tokens x 16 dims): matrices (tokens 0-7 | 8-15) x (dims 0-7 | 8-15);
+    // V (A of O^T, read transposed): matrices (dims 0-7 | 8-15) x (tokens 0-7 | 8-15)
+    const int ktok = r8 + (lane & 8), kv = lane >> 4;
+    const int vtok = r8 + ((lane >> 4) << 3), vv = (lane >> 3) & 1;
+
+    float s[PASSES][NTW][4];
+#pragma unroll
+    for (int mt = 0; mt < PASSES; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+            u32 a[4];
+            ldsm_x4<false>(a, ks + chunk_off(mt * 16 + ktok, 2 * kk + kv));
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) mma_16816(s[mt][nt], a, qb[nt][kk][0], qb[nt][kk][1]);
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < PASSES; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[mt][nt][e] * scale_log2;
+#if ATTNPLAN_SOFTCAP
+                x = soft_cap(x, softcap_log2);
+#endif
+                s[mt][nt][e] = x;
+            }
+    if (masked) {
+#pragma unroll
+        for (int mt = 0; mt < PASSES; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = ts + mt * 16 + g + 8 * (e >> 1);
+#pragma unroll
+                for (int nt = 0; nt < NTW; ++nt)
+                    if (t < lo[nt][e & 1] || t >= hi[nt][e & 1]) s[mt][nt][e] = NEG_INF;
+            }
+    }
+
+    // online softmax per row; s becomes p = exp2(s - m) (0 where masked)
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            float mx = fmaxf(s[0][nt][j], s[0][nt][j + 2]);
+#pragma unroll
+            for (int mt = 1; mt < PASSES; ++mt) mx = fmaxf(mx, fmaxf(s[mt][nt][j], s[mt][nt][j + 2]));
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, off));
+            if (mx > m[nt][j]) {  // uniform over the 8 lanes of the row
+                const float alpha = fast_exp2(m[nt][j] - mx);  // 0 while m = -inf
+                m[nt][j] = mx;
+                l[nt][j] *= alpha;
+#pragma unroll
+                for (int md = 0; md < KS; ++md) {
+                    acc[md][nt][j] *= alpha;
+                    acc[md][nt][j + 2] *= alpha;
+                }
+            }
+            const float mu = m[nt][j] == NEG_INF ? 0.f : m[nt][j];  // never -inf - (-inf)
+#pragma unroll
+            for (int mt = 0; mt < PASSES; ++mt) {
+                const float p0 = fast_exp2(s[mt][nt][j] - mu), p1 = fast_exp2(s[mt][nt][j + 2] - mu);
+                s[mt][nt][j] = p0;
+                s[mt][nt][j + 2] = p1;
+                l[nt][j] += p0 + p1;
+            }
+        }
+
+    // P^T as B fragments: each half of an S^T fragment is an 8x8 (token, row) matrix; transposed across the
+    // warp it is the (row g; tokens 2t, 2t+1) layout B wants
+    u32 pb[PASSES][NTW][2];
+#pragma unroll
+    for (int mt = 0; mt < PASSES; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt) {
+            pb[mt][nt][0] = movmatrix_trans(pack2(s[mt][nt][0], s[mt][nt][1]));
+            pb[mt][nt][1] = movmatrix_trans(pack2(s[mt][nt][2], s[mt][nt][3]));
+        }
+#pragma unroll
+    for (int md = 0; md < KS; ++md)
+#pragma unroll
+        for (int mt = 0; mt < PASSES; ++mt) {
+            u32 a[4];
+            ldsm_x4<true>(a, vs + chunk_off(mt * 16 + vtok, 2 * md + vv));
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) mma_16816(acc[md][nt], a, pb[mt][nt][0], pb[mt][nt][1]);
+        }
+}
+#endif
+
 // The natural-log lse of a finished row and the factor its accumulator is multiplied by (1 / l, times
 // the fp8 v_scale, times exp(lse - lse') when a sink joins the denominator in the single pass).
 // Empty rows (m = -inf): o = 0, lse = -inf (or the sink).
@@ -609,6 +827,60 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
     vscale = v_scale[h] * FP8_UNIT;   // ... and into the normalized output
 #endif
 
+#if ATTNPLAN_MMA
+    // ---- this warp's rows (row group rg: rows rg*RT + nt*8 + n): Q^T's B fragments (raw q) in registers;
+    // the visible ranges [lo, hi) of the lane's C-fragment rows nt*8 + 2t + j; the row group's union ----
+    const int fg = lane >> 2, ft = lane & 3;  // fragment groupID, thread in group
+    int start = ce, end = cs;  // KV is read only in [start, end): the visible union of the row group's rows
+    int max_lo = cs, min_hi = ce;  // tiles inside [max_lo, min_hi) need no mask
+#pragma unroll
+    for (int i = 0; i < QLEN; ++i) {
+        if ((i + 1) * GROUP > rg * RT && i * GROUP < rg * RT + RT) {  // warp-uniform: query i has rows here
+            int a, z;
+            query_range(i, L, cs, ce, window_left, a, z);
+            if (a < z) {
+                start = a < start ? a : start;
+                end = z > end ? z : end;
+            }
+            max_lo = a > max_lo ? a : max_lo;
+            min_hi = z < min_hi ? z : min_hi;
+        }
+    }
+    int lo[NTW][2], hi[NTW][2];
+    u32 qb[NTW][KS][2];
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int rr = rg * RT + nt * 8 + 2 * ft + j;
+            lo[nt][j] = 0;
+            hi[nt][j] = 0;  // padding rows see nothing
+            if (rr < R) query_range(rr / GROUP, L, cs, ce, window_left, lo[nt][j], hi[nt][j]);
+        }
+        const int rq = rg * RT + nt * 8 + fg;  // this lane's B-fragment row
+        if (rq < R) {
+            const elem_t *qp = q + (i64)b * q_sb + (i64)(rq / GROUP) * q_si + (i64)(h * GROUP + rq % GROUP) * q_sh;
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                qb[nt][kk][0] = *reinterpret_cast<const u32 *>(qp + kk * 16 + 2 * ft);
+                qb[nt][kk][1] = *reinterpret_cast<const u32 *>(qp + kk * 16 + 8 + 2 * ft);
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) qb[nt][kk][0] = qb[nt][kk][1] = 0u;
+        }
+    }
+    float m[NTW][2], l[NTW][2], acc[KS][NTW][4];
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+        m[nt][0] = m[nt][1] = NEG_INF;
+        l[nt][0] = l[nt][1] = 0.f;
+#pragma unroll
+        for (int md = 0; md < KS; ++md)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[md][nt][e] = 0.f;
+    }
+#else
     // ---- this warp's rows: q in registers (pre-scaled to base 2), visible range [lo, hi) ----
     float qf[RT][NV][KVEC];
     int lo[RT], hi[RT];
@@ -676,6 +948,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 #pragma unroll
             for (int e = 0; e < KVEC; ++e) acc[r][j][e] = 0.f;
     }
+#endif
 
     const kv_t *kb = kc + (i64)h * k_sh;
     const kv_t *vb = vc + (i64)h * v_sh;
@@ -741,8 +1014,11 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 #endif
         const int ts = TILE_START(it);
         const unsigned char *ks = ring + stage_c * STAGE_BYTES;
-        const unsigned char *vs = ks + CH * 16;
+        const unsigned char *vs = ks + KT_BYTES;
 
+#if ATTNPLAN_MMA
+        mma_tile(m, l, acc, qb, ks, vs, ts, lo, hi, ts < max_lo || ts + TILE > min_hi, lane, scale_log2, softcap_log2);
+#else
         float sc[PASSES][RT];
         tile_scores(sc, qf, ks, slot, lv, softcap_log2);
 
@@ -784,6 +1060,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         }
 
         tile_pv(acc, sc, vs, slot, lv, kw);
+#endif
 #if !ATTNPLAN_SPLIT_V
         __syncwarp();  // every lane is done with this stage before it is refilled
 #endif
@@ -793,11 +1070,21 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 #undef TILE_START
     cp_async_wait<0>();
 
+#if ATTNPLAN_MMA
+    // ---- the 8 lanes of a row (fragment groupIDs) hold different tokens: sum l over them ----
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1)
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) l[nt][j] += __shfl_xor_sync(FULL_MASK, l[nt][j], off);
+#else
     // ---- lanes of one row's token slots hold different tokens: sum l over them ----
 #pragma unroll
     for (int off = LPT; off < 32; off <<= 1)
 #pragma unroll
         for (int r = 0; r < RT; ++r) l[r] += __shfl_xor_sync(FULL_MASK, l[r], off);
+#endif
 
 #if ATTNPLAN_SPLIT_V
     // ---- acc: sum over the lanes holding the same vectors of the slice (other slots and subgroups) ----
@@ -843,6 +1130,29 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         if (kw == 0 && lane == 0 && lb) lb[(i64)i * l_si + (i64)(h * GROUP + g) * l_sh] = lse_n;
     }
 #else
+#if ATTNPLAN_MMA
+    // ---- merge the KV warps of each row group through shared memory (the rings are free now) ----
+    __syncthreads();
+    float *sm_acc = reinterpret_cast<float *>(smem);  // [NWARPS][RT][HEAD_DIM]
+    float *sm_m = sm_acc + NWARPS * RT * HEAD_DIM;    // [NWARPS][RT]
+    float *sm_l = sm_m + NWARPS * RT;                 // [NWARPS][RT]
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+#pragma unroll
+        for (int md = 0; md < KS; ++md)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                sts(sm_acc + (warp * RT + nt * 8 + 2 * ft + (e & 1)) * HEAD_DIM + md * 16 + fg + 8 * (e >> 1),
+                    acc[md][nt][e]);
+        if (fg == 0) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                sts(sm_m + warp * RT + nt * 8 + 2 * ft + j, m[nt][j]);
+                sts(sm_l + warp * RT + nt * 8 + 2 * ft + j, l[nt][j]);
+            }
+        }
+    }
+#else
     // ---- lanes of the same head_dim slice hold different tokens: sum their acc ----
 #pragma unroll
     for (int off = LPT; off < 32; off <<= 1)
@@ -882,6 +1192,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
             sts(sm_l + warp * RT + r, l[r]);
         }
     }
+#endif
     __syncthreads();
 
     for (int idx = tid; idx < R * HEAD_DIM; idx += NTHREADS) {

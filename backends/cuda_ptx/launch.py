@@ -22,6 +22,9 @@ shared memory at the end. Split-V (``partition="split_v"``): one ``stages``-deep
 filled by all threads; each of the ``kv_warps`` warps of a row group computes the scores of every
 tile and accumulates and writes its own slice of head_dim columns. An fp8 KV cache
 (``kv_dtype="float8_e4m3fn"``) carries 16 values per 16-byte vector; q stays fp16 / bf16.
+Tensor-core split-K (``mma=True``): the same rings and end merge, tiles of ``passes`` 16-token
+m-tiles, rows in whole n8-tiles (``n_tiles`` per warp), ring rows of ``row_chunks`` 16-byte chunks
+(XOR-swizzled, or padded by one chunk) for conflict-free ``ldmatrix``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ __all__ = [
     "KernelSpec", "make_spec", "merge_spec", "LaunchConfig", "partial_launch_config", "merge_launch_config",
     "PackedArgs", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "partial_args", "merge_args", "check_layout",
     "kernel_source", "DeviceRuntime", "DTYPE_CODES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS",
-    "vector_layout", "split_v_layout", "max_rows", "FP8", "PARTITIONS",
+    "vector_layout", "split_v_layout", "max_rows", "FP8", "PARTITIONS", "mma_unsupported",
 ]
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -68,6 +71,15 @@ SCORE_REGS = 16
 ROW_REGS = 128
 #: most rows one warp holds whatever the lane width (16 fp32 rows reach 255 registers)
 MAX_ROWS_PER_WARP = 8
+#: tensor-core path: bytes of K+V one warp's ring stage holds (tiles of whole 16-token m-tiles)
+MMA_TILE_BYTES = 8192
+#: tensor-core path: KV bytes a program keeps in flight. Measured on an H200 (bf16 32/8/128, batch 1 KV
+#: 128K paged 16 and batch 16 KV 32K): 4 warps x 2 stages (32 KB in flight, 64 KB smem, up to 3 programs
+#: per SM) was as fast or ~2-3% faster than 3 stages (48 KB, 96 KB smem); 4+ stages (1 program per SM) slower
+MMA_INFLIGHT_BYTES = 32 * 1024
+#: tensor-core path: n8-tiles per warp x head_dim at most (q B fragments + O^T accumulators:
+#: 6 x head_dim / 16 registers per n8-tile, so 256 keeps them within 96 registers)
+MMA_NTILE_DIMS = 256
 _MAX_GRID_YZ = 65535
 _MAX_GRID_X = 2**31 - 1
 
@@ -78,6 +90,23 @@ def _pow2_ceil(x: int) -> int:
 
 def _pow2_floor(x: int) -> int:
     return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def mma_unsupported(dtype: str, head_dim: int, kv_dtype: str | None = None, partition: str = "split_k") -> str:
+    """Why the tensor-core path (``mma.sync`` m16n8k16) cannot serve these shapes; ``""`` if it can.
+
+    It needs fp16 / bf16 q and the same dtype in the KV cache (fp8 and fp32 stay on CUDA cores),
+    head_dim a multiple of 16 (the mma's K-dim) and the split-K partition.
+    """
+    if dtype not in ("float16", "bfloat16"):
+        return f"the tensor-core path needs float16 or bfloat16, got {dtype}"
+    if kv_dtype not in (None, dtype):
+        return f"the tensor-core path needs the KV cache in q's dtype {dtype}, got {kv_dtype}"
+    if head_dim % 16:
+        return f"the tensor-core path needs head_dim a multiple of 16, got {head_dim}"
+    if partition != "split_k":
+        return f"the tensor-core path is split-K only, got partition {partition}"
+    return ""
 
 
 def vector_layout(dtype: str, head_dim: int) -> dict:
@@ -130,6 +159,8 @@ class KernelSpec:
         softcap: logits soft-cap (``softcap_log2`` argument).
         kv_fp8: the KV cache is ``float8_e4m3fn`` (dequantized with the ``k_scale`` / ``v_scale`` arguments).
         partition: ``"split_k"`` or ``"split_v"`` inside the program (``decode.cu``'s method).
+        mma: the tensor-core path (``ATTNPLAN_MMA``; split-K, fp16 / bf16): ``passes`` is then the
+            16-token m-tiles of a warp's tile, rows go to warps in whole n8-tiles.
     """
 
     kind: str
@@ -146,6 +177,7 @@ class KernelSpec:
     softcap: bool = False
     kv_fp8: bool = False
     partition: str = "split_k"
+    mma: bool = False
 
     # -- derived, mirrored by decode.cu's static_asserts ----------------------------------------
     @property
@@ -167,16 +199,30 @@ class KernelSpec:
 
     @property
     def rows_per_group(self) -> int:
-        return -(-self.rows // self.row_groups)
+        """Rows of one row group (tensor-core path: whole n8-tiles, padding rows included)."""
+        rt = -(-self.rows // self.row_groups)
+        return 8 * -(-rt // 8) if self.mma else rt
+
+    @property
+    def n_tiles(self) -> int:
+        """Tensor-core path: n8-tiles (8 rows each) per warp; 1 otherwise."""
+        return self.rows_per_group // 8 if self.mma else 1
 
     @property
     def tile_tokens(self) -> int:
-        return self.passes * self.layout["tpp"]
+        return self.passes * (16 if self.mma else self.layout["tpp"])
+
+    @property
+    def row_chunks(self) -> int:
+        """16-byte chunks per token row of a ring tile: head_dim's, plus one padding chunk on the
+        tensor-core path when that is not a multiple of 8 (else the rows are XOR-swizzled)."""
+        dv = self.layout["dv"]
+        return dv + 1 if self.mma and dv % 8 else dv
 
     @property
     def stage_bytes(self) -> int:
         """K + V bytes of one ring stage (one warp tile)."""
-        return 2 * self.tile_tokens * self.layout["dv"] * 16
+        return 2 * self.tile_tokens * self.row_chunks * 16
 
     @property
     def num_warps(self) -> int:
@@ -208,13 +254,15 @@ class KernelSpec:
     @property
     def name(self) -> str:
         """File-name form spelling the specialization, e.g. ``partial-bfloat16-d128-g4-q1-page16-w1x4-s4-p4``
-        (``-kvfp8`` for an fp8 cache, ``-splitv`` for split-V, then ``-window`` / ``-softcap``)."""
+        (``-kvfp8`` for an fp8 cache, ``-splitv`` for split-V, ``-mma`` for the tensor-core path, then
+        ``-window`` / ``-softcap``)."""
         if self.kind == "merge":
             return f"merge-{self.dtype}-d{self.head_dim}"
         cache = f"page{self.page_size}" if self.page_size else "contig"
         return (f"{self.kind}-{self.dtype}-d{self.head_dim}-g{self.group}-q{self.q_len}-{cache}"
                 f"-w{self.row_groups}x{self.kv_warps}-s{self.stages}-p{self.passes}"
                 + ("-kvfp8" if self.kv_fp8 else "") + ("-splitv" if self.split_v else "")
+                + ("-mma" if self.mma else "")
                 + ("-window" if self.window else "") + ("-softcap" if self.softcap else ""))
 
     def defines(self) -> dict[str, int]:
@@ -227,7 +275,8 @@ class KernelSpec:
                       "ATTNPLAN_STAGES": self.stages, "ATTNPLAN_PASSES": self.passes,
                       "ATTNPLAN_SMEM_BYTES": self.smem_bytes, "ATTNPLAN_TILE_TOKENS": self.tile_tokens,
                       "ATTNPLAN_WINDOW": int(self.window), "ATTNPLAN_SOFTCAP": int(self.softcap),
-                      "ATTNPLAN_KV_FP8": int(self.kv_fp8), "ATTNPLAN_SPLIT_V": int(self.split_v)})
+                      "ATTNPLAN_KV_FP8": int(self.kv_fp8), "ATTNPLAN_SPLIT_V": int(self.split_v),
+                      "ATTNPLAN_MMA": int(self.mma)})
         return d
 
     def options(self) -> list[str]:
@@ -262,7 +311,7 @@ def _rows_per_warp(dtype: str, head_dim: int) -> int:
 def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page_size: int | None, *,
               num_warps: int | None = None, num_stages: int | None = None,
               smem_limit: int = SMEM_BUDGET, window: bool = False, softcap: bool = False,
-              kv_dtype: str | None = None, partition: str = "split_k") -> KernelSpec:
+              kv_dtype: str | None = None, partition: str = "split_k", mma: bool | None = None) -> KernelSpec:
     """Choose the partial / single-pass specialization for a problem.
 
     Args:
@@ -270,9 +319,9 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
         dtype, head_dim, group, q_len: the problem's (``dtype`` = q's).
         page_size: tokens per page, ``None`` or 0 for a contiguous cache.
         num_warps: warps per row group (config ``backend_options.cuda_ptx.num_warps``): split-K's KV
-            warps or split-V's column warps; ``None`` = 4 for up to 8 rows, fewer as row groups are
-            added (at most 8 warps in all), and for split-V the largest such count dividing the row's
-            16-byte vectors.
+            warps or split-V's column warps; ``None`` = 4 for one row group, fewer as row groups are
+            added (at most 8 warps in all), for split-V the largest such count dividing the row's
+            16-byte vectors, on the tensor-core path fewer while two stages exceed the budget.
         num_stages: ring depth; ``None`` = enough to keep :data:`INFLIGHT_BYTES` in flight, capped so
             the program stays within ``min(SMEM_BUDGET, smem_limit)``.
         smem_limit: dynamic shared memory the device allows per program (opt-in), bytes; an explicit
@@ -281,20 +330,66 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
         kv_dtype: the KV cache's dtype: ``None`` or ``dtype``, or ``"float8_e4m3fn"`` (q fp16 / bf16,
             head_dim a multiple of 16).
         partition: ``"split_k"`` or ``"split_v"`` (``decode.cu``'s method).
+        mma: the tensor-core path (``decode.cu``'s ``ATTNPLAN_MMA``): ``None`` = wherever
+            :func:`mma_unsupported` has no objection and the program fits ``smem_limit`` (else the
+            CUDA-core path), ``True`` = required, ``False`` = CUDA cores.
     Returns:
-        the :class:`KernelSpec`. Rows are split into row groups of at most ``min(8, ROW_REGS / (2 x
-        elements per lane))`` rows; the tile is sized so a warp holds at most :data:`SCORE_REGS`
-        scores and a stage holds at most :data:`TILE_BYTES` (split-V: twice each, and at least one
-        pass per P.V lane subgroup).
+        the :class:`KernelSpec`. CUDA-core path: rows are split into row groups of at most ``min(8,
+        ROW_REGS / (2 x elements per lane))`` rows; the tile is sized so a warp holds at most
+        :data:`SCORE_REGS` scores and a stage holds at most :data:`TILE_BYTES` (split-V: twice each,
+        and at least one pass per P.V lane subgroup). Tensor-core path: rows go to warps in n8-tiles,
+        at most ``MMA_NTILE_DIMS / head_dim`` per warp (fewest row groups, tiles spread evenly); the
+        tile is whole 16-token m-tiles within :data:`MMA_TILE_BYTES` and :data:`SCORE_REGS` scores; the
+        default KV warps shrink until two stages of every warp fit ``min(SMEM_BUDGET, smem_limit)``;
+        stages keep :data:`MMA_INFLIGHT_BYTES` in flight.
     Raises:
-        ValueError: unsupported dtype / head_dim / kind / partition, too many rows, or options that
-        exceed :data:`MAX_WARPS` warps or ``smem_limit`` (or, for split-V, do not divide head_dim).
+        ValueError: unsupported dtype / head_dim / kind / partition, too many rows, ``mma=True`` where
+        the tensor-core path cannot serve, or options that exceed :data:`MAX_WARPS` warps or
+        ``smem_limit`` (or, for split-V, do not divide head_dim).
     """
     if kind not in ("partial", "single"):
         raise ValueError(f"kind must be 'partial' or 'single', got {kind!r}")
     if partition not in PARTITIONS:
         raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
     _check_shape_support(dtype, head_dim, kv_dtype)
+    args = (kind, dtype, head_dim, group, q_len, int(page_size or 0), num_warps, num_stages, smem_limit,
+            bool(window), bool(softcap))
+    if mma is None or mma:
+        why = mma_unsupported(dtype, head_dim, kv_dtype, partition)
+        if mma and why:
+            raise ValueError(f"mma=True: {why}")
+        if not why:
+            try:
+                return _mma_spec(*args)
+            except ValueError:
+                if mma:
+                    raise
+    return _core_spec(*args, kv_dtype, partition)
+
+
+def _stages_and_check(base: KernelSpec, num_stages: int | None, smem_limit: int, rings: int,
+                      inflight: int = INFLIGHT_BYTES) -> KernelSpec:
+    """``base`` with its ring depth: enough stages for ``inflight`` bytes over ``rings`` rings within
+    ``min(SMEM_BUDGET, smem_limit)`` (or ``num_stages``); raises if the program exceeds ``smem_limit``."""
+    if num_stages is None:
+        budget = min(SMEM_BUDGET, smem_limit)
+        stages = min(8, max(2, 1 + -(-inflight // (rings * base.stage_bytes))))
+        while stages > 2 and KernelSpec(**{**base.__dict__, "stages": stages}).smem_bytes > budget:
+            stages -= 1
+    else:
+        stages = int(num_stages)
+        if stages < 2:
+            raise ValueError(f"num_stages must be >= 2 for the cp.async ring, got {num_stages}")
+    spec = KernelSpec(**{**base.__dict__, "stages": stages})
+    if spec.smem_bytes > smem_limit:
+        raise ValueError(f"{spec.name} needs {spec.smem_bytes} bytes of shared memory per program, "
+                         f"over the limit of {smem_limit}; lower num_stages or num_warps")
+    return spec
+
+
+def _core_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_stages, smem_limit, window, softcap,
+               kv_dtype, partition) -> KernelSpec:
+    """The CUDA-core specialization (see :func:`make_spec`)."""
     kvd = kv_dtype or dtype
     split_v = partition == "split_v"
     lay = vector_layout(kvd, head_dim)
@@ -318,23 +413,36 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
             raise ValueError(f"num_warps {num_warps} x {row_groups} row group(s) must be in [1, {MAX_WARPS}] warps")
     if split_v:
         passes = max(passes, split_v_layout(kvd, head_dim, kv_warps)["subs"])
-    base = KernelSpec(kind, dtype, head_dim, group, q_len, int(page_size or 0), kv_warps, row_groups, 2, passes,
-                      bool(window), bool(softcap), kvd == FP8, partition)
-    if num_stages is None:
+    base = KernelSpec(kind, dtype, head_dim, group, q_len, page_size, kv_warps, row_groups, 2, passes,
+                      window, softcap, kvd == FP8, partition)
+    return _stages_and_check(base, num_stages, smem_limit, 1 if split_v else kv_warps)
+
+
+def _mma_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_stages, smem_limit, window,
+              softcap) -> KernelSpec:
+    """The tensor-core specialization (see :func:`make_spec`)."""
+    rows = group * q_len
+    n8 = -(-rows // 8)
+    row_groups = -(-n8 // max(1, MMA_NTILE_DIMS // head_dim))
+    if row_groups > MAX_WARPS:
+        raise ValueError(f"GQA group x q_len = {rows} rows needs {row_groups} row groups of n8-tiles on the tensor-core "
+                         f"path for head_dim {head_dim}, more than {MAX_WARPS} warps")
+    ntw = -(-n8 // row_groups)
+    passes = max(1, min(_pow2_floor(max(1, MMA_TILE_BYTES // (2 * 16 * head_dim * 2))),
+                        _pow2_floor(max(1, SCORE_REGS // (4 * ntw)))))
+    base = KernelSpec(kind, dtype, head_dim, group, q_len, page_size, 1, row_groups, 2, passes, window, softcap,
+                      False, "split_k", True)
+    if num_warps is None:
+        kv_warps = 4 if row_groups == 1 else max(1, MAX_WARPS // row_groups)
         budget = min(SMEM_BUDGET, smem_limit)
-        rings = 1 if split_v else kv_warps  # rings whose stages are in flight together
-        stages = min(8, max(2, 1 + -(-INFLIGHT_BYTES // (rings * base.stage_bytes))))
-        while stages > 2 and KernelSpec(**{**base.__dict__, "stages": stages}).smem_bytes > budget:
-            stages -= 1
+        while kv_warps > 1 and KernelSpec(**{**base.__dict__, "kv_warps": kv_warps}).smem_bytes > budget:
+            kv_warps -= 1
     else:
-        stages = int(num_stages)
-        if stages < 2:
-            raise ValueError(f"num_stages must be >= 2 for the cp.async ring, got {num_stages}")
-    spec = KernelSpec(**{**base.__dict__, "stages": stages})
-    if spec.smem_bytes > smem_limit:
-        raise ValueError(f"{spec.name} needs {spec.smem_bytes} bytes of shared memory per program, "
-                         f"over the limit of {smem_limit}; lower num_stages or num_warps")
-    return spec
+        kv_warps = int(num_warps)
+        if kv_warps < 1 or kv_warps * row_groups > MAX_WARPS:
+            raise ValueError(f"num_warps {num_warps} x {row_groups} row group(s) must be in [1, {MAX_WARPS}] warps")
+    base = KernelSpec(**{**base.__dict__, "kv_warps": kv_warps})
+    return _stages_and_check(base, num_stages, smem_limit, kv_warps, MMA_INFLIGHT_BYTES)
 
 
 @functools.lru_cache(maxsize=256)

@@ -71,6 +71,9 @@ extern "C" int emu_constant(const char *name) {
     if (n == "lpv") return LPV;
     if (n == "subs") return SUBS;
     if (n == "dvw") return DVW;
+    if (n == "mma") return MMA ? 1 : 0;
+    if (n == "ntw") return NTW;
+    if (n == "rs") return RS;
 #else
     if (n == "threads") return MERGE_THREADS;
 #endif

@@ -7,6 +7,13 @@
 // reported as a deadlock, never hangs). cp.async copies synchronously (src-size 0 writes zeros) and
 // checks that its source lies inside one of the registered input buffers and its destination inside
 // the block's dynamic shared memory, which starts filled with 0xff bytes (NaN) so unwritten reads show.
+// The tensor-core instructions of decode.cu's MMA path are warp-collective twins built the same way: each
+// lane publishes its operands (ldmatrix: its row address; mma.sync / movmatrix: its fragment registers) in
+// the warp's exchange slots, a barrier, each lane assembles its result fragment from the others' per the
+// PTX ISA's fragment layouts, another barrier. mma.sync m16n8k16 with fp16 / bf16 inputs sums the exact
+// products and the accumulator in double and rounds once to fp32 (the hardware's fp32 accumulation order
+// is unspecified; this is at least as accurate). ldmatrix records each lane's 16-byte row read for the
+// race check.
 // fp16 / bf16 conversions round to nearest even like cvt.rn (fp16 -> fp32 exactly, subnormals included,
 // which the fp8 decoder relies on); __byte_perm is prmt's default mode; ex2.approx.ftz is exp2f with denormal
 // results flushed.
@@ -81,6 +88,7 @@ struct Block {
     std::vector<Barrier> warp_bar;
     Barrier block_bar;
     std::vector<uint32_t> slots;  // 32 per warp
+    std::vector<uint64_t> xch;    // 32 x 8 per warp: operands of the warp-collective tensor-core twins
     std::vector<unsigned char> smem;
     std::vector<Word> words;      // one per 4 bytes of smem
     unsigned epoch = 0;           // completed __syncthreads
@@ -239,6 +247,77 @@ inline void cp_async16(void *dst, const void *src, bool valid) {
     std::memcpy(dst, src, 16);
 }
 
+inline float half_to_float(unsigned short h);
+
+// ---- tensor-core twins (warp-collective; see the header comment) ----
+inline uint64_t *warp_xch() { return &g_block->xch[(cur().tid.x / 32) * 32 * 8]; }
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8j..8j+7 address the rows of matrix j; r[j] is
+// this lane's fragment of matrix j (row lane/4, columns 2*(lane%4), +1), of its transpose with .trans
+inline void ldmatrix_x4(unsigned (&r)[4], const void *row, bool trans) {
+    const unsigned lane = cur().tid.x & 31;
+    uint64_t *x = warp_xch();
+    x[lane * 8] = smem_access(row, 16, 0) ? (uint64_t)(uintptr_t)row : 0;  // 0: reported, reads as zeros
+    warp_barrier();
+    const unsigned g = lane / 4, t = lane % 4;
+    for (int j = 0; j < 4; ++j) {
+        unsigned short e[2] = {0, 0};
+        for (int i = 0; i < 2; ++i) {
+            // element (row, col) of matrix j is at byte 2*col of row `row`'s address
+            const unsigned rw = trans ? 2 * t + i : g, col = trans ? g : 2 * t + i;
+            const unsigned char *p = (const unsigned char *)(uintptr_t)x[(8 * j + rw) * 8];
+            if (p) std::memcpy(&e[i], p + 2 * col, 2);
+        }
+        r[j] = (unsigned)e[0] | ((unsigned)e[1] << 16);
+    }
+    warp_barrier();
+}
+
+inline float b16_to_float(unsigned bits, bool bf16) {
+    return bf16 ? __builtin_bit_cast(float, bits << 16) : half_to_float((unsigned short)bits);
+}
+
+// d += A . B, mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32. Fragments (g = lane/4,
+// t = lane%4): A[16x16] a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..); B[16x8] b0
+// (2t..2t+1, g), b1 (2t+8.., g); C/D[16x8] d0, d1 (g, 2t, 2t+1), d2, d3 (g+8, 2t, 2t+1); the lower
+// column / row index in the low half.
+inline void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], bool bf16) {
+    const unsigned lane = cur().tid.x & 31;
+    uint64_t *x = warp_xch();
+    for (int i = 0; i < 4; ++i) x[lane * 8 + i] = a[i];
+    for (int i = 0; i < 2; ++i) x[lane * 8 + 4 + i] = b[i];
+    warp_barrier();
+    auto half = [&](unsigned ln, unsigned reg, unsigned hi) { return (unsigned)(x[ln * 8 + reg] >> (16 * hi)) & 0xffffu; };
+    auto A = [&](unsigned i, unsigned k) {
+        return b16_to_float(half((i % 8) * 4 + (k % 8) / 2, (i >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0), k & 1), bf16);
+    };
+    auto B = [&](unsigned k, unsigned j) { return b16_to_float(half(j * 4 + (k % 8) / 2, 4 + (k >= 8 ? 1 : 0), k & 1), bf16); };
+    const unsigned g = lane / 4, t = lane % 4;
+    float out[4];
+    for (int e = 0; e < 4; ++e) {
+        const unsigned i = g + 8 * (e >> 1), j = 2 * t + (e & 1);
+        double acc = d[e];
+        for (unsigned k = 0; k < 16; ++k) acc += (double)A(i, k) * (double)B(k, j);
+        out[e] = (float)acc;
+    }
+    warp_barrier();
+    for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+
+// movmatrix.sync.aligned.m8n8.trans.b16: this lane's fragment of the transposed 8x8 matrix
+inline unsigned movmatrix_trans(unsigned v) {
+    const unsigned lane = cur().tid.x & 31;
+    uint64_t *x = warp_xch();
+    x[lane * 8] = v;
+    warp_barrier();
+    const unsigned g = lane / 4, t = lane % 4;
+    // element (row, col) of the source sits in lane row*4 + col/2, half col%2
+    auto el = [&](unsigned rw, unsigned col) { return (unsigned)(x[(rw * 4 + col / 2) * 8] >> (16 * (col & 1))) & 0xffffu; };
+    const unsigned r = el(2 * t, g) | (el(2 * t + 1, g) << 16);
+    warp_barrier();
+    return r;
+}
+
 inline float half_to_float(unsigned short h) {
     _Float16 x;
     std::memcpy(&x, &h, 2);
@@ -278,6 +357,7 @@ inline bool run_block(uint3 block_idx, int threads, size_t smem_bytes, void (*bo
     for (Barrier &b : blk.warp_bar) b.count = 32;
     blk.block_bar.count = threads;
     blk.slots.assign(blk.warp_bar.size() * 32, 0);
+    blk.xch.assign(blk.warp_bar.size() * 32 * 8, 0);
     blk.smem.assign(smem_bytes ? smem_bytes : 16, 0xff);
     blk.words.assign(blk.smem.size() / 4, Word{});
     for (int t = 0; t < threads; ++t) {
