@@ -19,7 +19,7 @@ from .cache import PlanCache
 from .config import Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import SplitPlan, make_plan
-from .problem import DecodeProblem, default_sm_scale, validate_inputs, validate_values
+from .problem import DecodeProblem, default_sm_scale, torch_dtype, validate_inputs, validate_values
 from .state import PartialState
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
@@ -115,18 +115,35 @@ def _tuned_options(dev_info: DeviceInfo, backend: str, problem: DecodeProblem) -
 
     Keys per backend: ``contiguous`` / ``paged``, and optionally ``contiguous_filled`` /
     ``paged_filled`` for problems whose ``batch x num_kv_heads`` alone fills the SMs (no split:
-    residency matters more than pipeline depth there).
+    residency matters more than pipeline depth there), and ``contiguous_fp8`` / ``paged_fp8`` for a
+    1-byte KV cache (without them, the 2-byte entry with ``block_n`` doubled).
     """
     if dev_info.compute_capability == (0, 0):
         return {}, ""
-    table = device_table(dev_info.slug())
+    opts, text = _tuned_lookup(dev_info.slug(), backend, problem.paged,
+                               problem.batch * problem.num_kv_heads >= dev_info.sm_count,
+                               torch_dtype(problem.kv_dtype).itemsize == 1, problem.head_dim <= 128)
+    return dict(opts), text
+
+
+@functools.lru_cache(maxsize=256)
+def _tuned_lookup(slug: str, backend: str, paged: bool, filled: bool, fp8: bool, tuned_head: bool) -> tuple[tuple, str]:
+    """:func:`_tuned_options` for the few facts it depends on, cached (a plan-cache hit stays cheap)."""
+    table = device_table(slug)
     if not table:
-        return {}, ""
+        return (), ""
     per_backend = table.get("kernel_options", {}).get(backend, {})
-    layout = "paged" if problem.paged else "contiguous"
-    filled = problem.batch * problem.num_kv_heads >= dev_info.sm_count
-    opts = per_backend.get(f"{layout}_filled") if filled and f"{layout}_filled" in per_backend else per_backend.get(layout, {})
-    return (dict(opts) if problem.head_dim <= 128 else {}), _table_text(dev_info.slug())
+    layout = "paged" if paged else "contiguous"
+    if fp8 and f"{layout}_fp8" in per_backend:
+        opts = dict(per_backend[f"{layout}_fp8"])
+    else:
+        opts = dict(per_backend.get(f"{layout}_filled") if filled and f"{layout}_filled" in per_backend
+                    else per_backend.get(layout, {}))
+        if fp8 and opts.get("block_n"):
+            # tables measured with a 2-byte cache: a 1-byte cache keeps a tile's bytes (and so the
+            # bytes in flight per program) by doubling its tokens (NOTES.md change 6)
+            opts["block_n"] = 2 * int(opts["block_n"])
+    return (tuple(opts.items()) if tuned_head else ()), _table_text(slug)
 
 
 @functools.lru_cache(maxsize=64)
@@ -151,12 +168,13 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
     dev_info = dev_info or device_info(device)
     # the key is built from the live problem's bucket (the same as the bucketed problem's); the
     # bucketed problem itself is made only on a miss: a cache hit must cost microseconds (#7)
-    tuned, table_text = _tuned_options(dev_info, backend.name, problem)
-    key = (_device_key(dev_info), backend.name, tuple(problem.bucket().items()), problem.capacity, capacity_mode,
+    table_text = _table_text(dev_info.slug()) if dev_info.compute_capability != (0, 0) else ""
+    key = (_device_key(dev_info), backend.name, problem.bucket_key(), problem.capacity, capacity_mode,
            -1 if num_splits is None else num_splits, ctx.planning_fingerprint(backend.name), table_text)
 
     def build() -> SplitPlan:
         bucketed = problem.bucketed()
+        tuned, _ = _tuned_options(dev_info, backend.name, bucketed)
         user = {k: v for k, v in ctx.config.options(backend.name).model_dump().items() if v is not None}
         kernel = backend.kernel_config(bucketed, {**tuned, **user}, device)
         return make_plan(bucketed, dev_info, ctx.config, backend.name, kernel,

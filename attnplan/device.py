@@ -49,11 +49,16 @@ class DeviceInfo:
 
     def slug(self) -> str:
         """File-name form of the device name, used for ``plans/<slug>.yaml`` (``NVIDIA H200`` -> ``h200``)."""
-        n = self.name.lower().replace("nvidia", "").strip()
-        return "".join(c if c.isalnum() else "_" for c in n).strip("_").split("_")[0] or "unknown"
+        return _slug(self.name)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _slug(name: str) -> str:
+    n = name.lower().replace("nvidia", "").strip()
+    return "".join(c if c.isalnum() else "_" for c in n).strip("_").split("_")[0] or "unknown"
 
 
 CPU_STANDIN = DeviceInfo(

@@ -162,6 +162,13 @@ class DecodeProblem:
             "kv_scale": self.kv_scale,
         }
 
+    def bucket_key(self) -> tuple:
+        """:meth:`bucket`'s values as a tuple, in its order (the plan-cache key; built without a dict
+        because a cache hit must cost microseconds)."""
+        return (self.batch, self.num_q_heads, self.num_kv_heads, self.head_dim, self.q_len, self.page_size,
+                self.q_dtype, self.kv_dtype, len_bucket(self.max_kv_len), len_bucket(-(-self.total_kv_len // self.batch)),
+                self.window_left, self.soft_cap, self.has_sinks, self.kv_scale)
+
     def bucketed(self) -> "DecodeProblem":
         """The problem the plan is made for: lengths raised to their bucket's upper bound, so one
         plan serves every length in the bucket."""

@@ -292,6 +292,7 @@ def _reload() -> None:
 
     attnplan.config.device_table.cache_clear()
     attnplan.api._table_text.cache_clear()
+    attnplan.api._tuned_lookup.cache_clear()
 
 
 def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15) -> list[dict]:

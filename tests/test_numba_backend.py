@@ -124,13 +124,15 @@ def test_row_with_no_visible_position_in_a_live_chunk(gen):
 
 
 def test_last_split_runs_on_past_the_planned_length(gen):
-    """A plan made for length 20 (2 splits of 16) serves length 50: the last split covers [16, 50)."""
+    """A plan made for length 20 (2 splits) serves a length 30 tokens past the plan's reach: the last
+    split covers [chunk, L). The chunk is the backend's tile-aligned one (16 tokens under the
+    simulator, up to 256 on a GPU), so L is taken from the plan."""
     hq, hkv, d = 4, 1, 16
-    x = make_inputs(1, hq, hkv, d, [20], page_size=4, capacity=64, dtype=torch.bfloat16, device=DEVICE,
+    x = make_inputs(1, hq, hkv, d, [20], page_size=4, capacity=1024, dtype=torch.bfloat16, device=DEVICE,
                     generator=gen)
     plan = _plan(x, 2)
-    assert plan.max_tokens < 50
-    x.seq_lens.fill_(50)
+    assert plan.num_splits == 2 and plan.max_tokens + 30 <= 1024
+    x.seq_lens.fill_(plan.max_tokens + 30)
     state = PartialState.empty(1, 1, hq, 2, d, device=DEVICE).fill_(float("nan"))
     BACKEND.partial(plan, x, state)
     ref = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size, 2)

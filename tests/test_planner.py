@@ -112,6 +112,9 @@ def test_tuned_kernel_options_come_from_the_device_table():
     assert _tuned_options(H200_LIKE, "triton", P())[0]["num_stages"] == 2
     assert _tuned_options(H200_LIKE, "triton", P(head_dim=256, num_q_heads=16))[0] == {}
     assert _tuned_options(attnplan.CPU_STANDIN, "triton", contig) == ({}, "")
+    # a 1-byte (fp8) cache keeps the tile's bytes: block_n doubled from the 2-byte entry
+    fp8 = _tuned_options(H200_LIKE, "triton", P(page_size=None, kv_dtype="float8_e4m3fn"))[0]
+    assert fp8 == {**opts, "block_n": 2 * opts["block_n"]}
 
 
 def test_tune_fit_picks_best_geomean_options_and_saturation():
@@ -199,3 +202,9 @@ def test_tune_split_table_keeps_the_best_split_per_point():
     rows += [{"layout": "contiguous", "batch": 1, "kv": 4096, "splits": 16, "programs": 128, "ppsm": 0.97, "us": 14.0}]
     assert split_table(rows, 8) == {"paged": [[32, 32768, round(32 * 33 / 132, 3), 135.0]],
                                     "contiguous": [[8, 4096, 0.97, 14.0]]}
+
+
+def test_bucket_key_is_the_bucket_in_order():
+    p = P(max_kv_len=3000, total_kv_len=2500)
+    assert p.bucket_key() == tuple(p.bucket().values())
+    assert p.bucketed().bucket_key() == p.bucket_key()

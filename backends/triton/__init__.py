@@ -27,6 +27,8 @@ import os
 
 import torch
 
+from attnplan.problem import torch_dtype
+
 from attnplan.backends.base import Backend, DecodeInputs
 from attnplan.planner import SplitPlan
 from attnplan.state import PartialState
@@ -98,6 +100,8 @@ class TritonBackend(Backend):
             # measured on an H200 (benchmarks/results/2026-11-30-sweep-triton): BLOCK_N 64 with
             # 4 warps is best or within 4% everywhere; 3 stages for contiguous caches, 2 for paged.
             block_n = 64 if problem.head_dim <= 128 else 32
+            if torch_dtype(problem.kv_dtype).itemsize == 1:
+                block_n *= 2  # a 1-byte cache keeps the tile's bytes in flight (NOTES.md change 6)
             warps = 4
             stages = 2 if problem.paged or problem.head_dim > 128 else 3
         return {
