@@ -72,7 +72,8 @@ class CostModel(_Strict):
 
     launch_us: float = Field(3.0, ge=0, description="fixed cost of one kernel launch")
     program_us: float = Field(1.0, ge=0, description="fixed cost of one program (CTA): prologue, q load, epilogue")
-    programs_per_sm: int = Field(2, ge=1, le=32, description="programs resident per SM")
+    programs_per_sm: int = Field(2, ge=1, le=32, description="programs resident per SM (a wave is this x SMs)")
+    paged_programs_per_sm: int | None = Field(None, ge=1, le=32, description="the same for paged caches (null = as contiguous)")
     sat_programs_per_sm: float = Field(2.0, gt=0, description="resident programs per SM needed to saturate memory bandwidth")
     paged_sat_programs_per_sm: float | None = Field(None, gt=0, description="the same for paged caches (null = as contiguous)")
     bandwidth_fraction: float = Field(0.9, gt=0, le=1, description="share of the measured bandwidth a streaming kernel reaches")

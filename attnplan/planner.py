@@ -235,14 +235,28 @@ def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: 
     max_len, total = max(problem.max_kv_len, 1), max(problem.total_kv_len, 1)
     # live programs: each sequence's ceil(len / chunk) programs; sum approximated from the total.
     live = hkv * cols * min(batch * splits, max(batch, math.ceil(total / chunk)))
-    resident = device.sm_count * cm.programs_per_sm
-    waves = math.ceil(hkv * batch * splits * cols / resident)
+    paged = problem.paged
+    per_sm = cm.paged_programs_per_sm if paged and cm.paged_programs_per_sm else cm.programs_per_sm
+    resident = device.sm_count * per_sm
+    programs = hkv * batch * splits * cols
+    waves = math.ceil(programs / resident)
     kv_bytes = total * hkv * problem.kv_bytes_per_token * (cols + 1) / 2  # K read by every column program
-    sat = cm.paged_sat_programs_per_sm if problem.paged and cm.paged_sat_programs_per_sm else cm.sat_programs_per_sm
+    sat = cm.paged_sat_programs_per_sm if paged and cm.paged_sat_programs_per_sm else cm.sat_programs_per_sm
     occupancy = min(1.0, live / (device.sm_count * sat))
     bw_per_program = bw / (device.sm_count * sat)
     chunk_bytes = min(chunk, max_len) * problem.kv_bytes_per_token * (1 + 1 / cols) / 2  # all of K, 1/cols of V
-    t = cm.launch_us + waves * cm.program_us + max(kv_bytes / (bw * occupancy), chunk_bytes / bw_per_program)
+    if 2 * total >= batch * max_len:
+        # near-uniform lengths: programs run in waves of `resident`; a wave of n programs streams
+        # n chunks at the device's bandwidth, but no program faster than its own rate, so a last
+        # wave of a few long programs costs a whole program (wave quantization, NOTES.md change 7)
+        def wave(n: int) -> float:
+            return max(n * chunk_bytes / bw, chunk_bytes / bw_per_program)
+
+        full, rest = divmod(programs, resident)
+        stream = full * wave(resident) + (wave(rest) if rest else 0.0)
+    else:  # long-tailed lengths: short sequences' programs finish early and free their slots
+        stream = max(kv_bytes / (bw * occupancy), chunk_bytes / bw_per_program)
+    t = cm.launch_us + waves * cm.program_us + stream
     if splits > 1:
         costs = _merge_cost_us(problem, cm, bw, bw_per_program, splits, cols)
         t += min(costs[m] for m in merges)

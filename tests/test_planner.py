@@ -156,7 +156,7 @@ def test_cost_model_by_backend_overrides_device_constants(monkeypatch):
     import attnplan.config
     from attnplan.planner import cost_model_for
 
-    table = {"cost_model": {"sat_programs_per_sm": 2.0, "mem_bandwidth_gbs": 4400.0},
+    table = {"cost_model": {"sat_programs_per_sm": 2.0, "programs_per_sm": 4, "mem_bandwidth_gbs": 4400.0},
              "cost_model_by_backend": {"cuda_ptx": {"sat_programs_per_sm": 4.0}}}
     monkeypatch.setattr(attnplan.planner, "device_table", lambda slug: table)
     assert cost_model_for(H200_LIKE, CFG, "triton")[0].sat_programs_per_sm == 2.0
