@@ -169,8 +169,9 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
     # the key is built from the live problem's bucket (the same as the bucketed problem's); the
     # bucketed problem itself is made only on a miss: a cache hit must cost microseconds (#7)
     table_text = _table_text(dev_info.slug()) if dev_info.compute_capability != (0, 0) else ""
+    extra = backend.plan_key_extra() if hasattr(backend, "plan_key_extra") else ""
     key = (_device_key(dev_info), backend.name, problem.bucket_key(), problem.capacity, capacity_mode,
-           -1 if num_splits is None else num_splits, ctx.planning_fingerprint(backend.name), table_text)
+           -1 if num_splits is None else num_splits, ctx.planning_fingerprint(backend.name), table_text, extra)
 
     def build() -> SplitPlan:
         bucketed = problem.bucketed()
@@ -254,6 +255,10 @@ class DecodeWrapper:
             TypeError, ValueError: bad inputs (named argument, value and expectation), before any kernel.
             NoBackendError: no backend fits.
         """
+        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                       or not 0 <= num_splits <= 1024):
+            raise ValueError(f"num_splits must be an int in [0, 1024] (0 = planner, 1 = no split, >1 = forced) "
+                             f"or None (the config's split.num_splits), got {num_splits!r}")
         static = validate_inputs(q, k_cache, v_cache, seq_lens, block_table, window_left=window_left,
                                  soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
         num_pages = int(k_cache.shape[0]) if block_table is not None else 0

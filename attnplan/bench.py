@@ -51,6 +51,13 @@ def build_sets(batch, hq, hkv, d, lens, page, n_sets, gen, q_len=1, kv_dtype="bf
     return sets
 
 
+def _bf16(x):
+    """The peers' view of a set: its KV cache in bf16 (an fp8 cache widened; the peers have no fp8 KV)."""
+    if x.k_cache.dtype != torch.float8_e4m3fn:
+        return x
+    return dataclasses.replace(x, k_cache=x.k_cache.to(torch.bfloat16), v_cache=x.v_cache.to(torch.bfloat16))
+
+
 def _capture(step, n):
     """CUDA graphs of ``step(j)`` for ``j < n`` (after a warm-up on a side stream, as torch's docs do)."""
     s = torch.cuda.Stream()
@@ -115,7 +122,7 @@ def _dense(sets):
     """Dense ``[B, H, L, D]`` copies of each set's q, K, V (the peers' layout), padded to the longest
     sequence as a serving system pads for them; made once, outside the timed region."""
     dense = []
-    for x in sets:
+    for x in map(_bf16, sets):
         lmax = int(x.seq_lens.max())
         if x.block_table is not None:
             ps = x.k_cache.shape[1]
@@ -228,11 +235,12 @@ def _result(args, ceiling, points, backends, host) -> dict:
 
 
 def _write(path, result) -> None:
-    """Write ``result`` as JSON to ``path`` (nothing when ``path`` is ``None``)."""
+    """Write ``result`` as JSON to ``path``, atomically (nothing when ``path`` is ``None``)."""
     if path:
+        from attnplan.tune import _atomic_write
+
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        _atomic_write(path, json.dumps(result, indent=1))
 
 
 def main(argv=None):

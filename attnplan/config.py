@@ -47,6 +47,12 @@ class KernelOptions(_Strict):
                                  "program, a power of two; null = the backend's default (triton: half the padded "
                                  "head_dim, i.e. 2 column programs); ignored under split_k")
 
+    @model_validator(mode="after")
+    def _block_dv_power_of_two(self):
+        if self.block_dv is not None and self.block_dv & (self.block_dv - 1):
+            raise ValueError(f"block_dv must be a power of two (16..256), got {self.block_dv}")
+        return self
+
 
 class SplitPolicy(_Strict):
     """How the planner splits the KV sequence (DESIGN.md "Planner")."""

@@ -174,6 +174,10 @@ class SplitPlan:
             w, kv, ppsm = self.table_entry[:3]
             lines.append(f"split count from the device's measured split table: nearest entry {w} (sequence, KV head) pairs x "
                          f"KV {kv} tokens, best at {ppsm:g} programs per SM (attnplan tune)")
+            actual = self.num_programs / dev["sm_count"]
+            if abs(actual - ppsm) > 0.25 * ppsm:
+                lines.append(f"  ... runs at {actual:.2f} programs per SM: the table's count was clamped by "
+                             "split.max_splits or the length, or rounded by chunk alignment")
         if self.candidates and self.policy == "heuristic":
             best = min(c[2] for c in self.candidates)
             shown = sorted(self.candidates, key=lambda c: c[2])[:5]
@@ -299,8 +303,9 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
     ``plans/<device>.yaml`` key ``split_table.<backend>.<layout>``: rows ``[pairs, kv_len,
     programs_per_sm, ...]`` written by ``attnplan tune`` (``pairs`` = batch x KV heads; the best
     split count of an exhaustive search, as programs per SM). Used for the table's own conditions
-    only: 2-byte KV, head_dim <= 128, split-K (one column program), near-uniform lengths (the mean at
-    least half the maximum), and an entry within :data:`TABLE_REACH` of the problem in both pairs
+    only: 2-byte KV, head_dim <= 128, split-K (one column program), near-uniform lengths (the mean
+    at least half the maximum on the bucketed problem the planner sees, i.e. a live mean above about a
+    quarter of the maximum), and an entry within :data:`TABLE_REACH` of the problem in both pairs
     and length; the nearest in log space wins.
     """
     if device.compute_capability == (0, 0) or cols != 1 or problem.head_dim > 128 \

@@ -55,6 +55,8 @@ def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50, f
     """
     if not torch.cuda.is_available():
         raise RuntimeError("time_cuda needs a CUDA device")
+    if flush:
+        l2_flush()  # allocates its buffer outside the timed iterations
     for i in range(warmup):
         fn(i)
     torch.cuda.synchronize()

@@ -165,18 +165,24 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(5)
-    ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+    cfg = attnplan.load_config(plan_cache={"disk": False})
+    ctx = attnplan.Context.from_config(cfg)
     rows = []
     for layout, batch, kv in points:
         x = _inputs(layout, batch, kv, heads, gen)
         pairs = batch * heads[1]
         seen = set()
         for ppsm in SEARCH_PROGRAMS_PER_SM:
+            want = min(cfg.split.max_splits, max(1, math.ceil(ppsm * sms / pairs)))
             w = attnplan.DecodeWrapper(ctx, backend=backend)
-            plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=max(1, math.ceil(ppsm * sms / pairs)))
-            if plan.num_splits in seen:
+            probe = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=want)
+            # a forced count keeps empty trailing splits when chunk alignment rounds up: time the
+            # count that actually has work, ceil(kv / chunk), once per distinct chunk
+            splits = max(1, -(-kv // probe.chunk_size))
+            if probe.chunk_size in seen:
                 continue
-            seen.add(plan.num_splits)
+            seen.add(probe.chunk_size)
+            plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=splits) if splits != want else probe
             rows.append({"layout": layout, "batch": batch, "kv": kv, "splits": plan.num_splits,
                          "programs": plan.num_programs, "ppsm": round(plan.num_programs / sms, 3),
                          "us": _graph_time(w, x, iters)})
@@ -260,16 +266,19 @@ def main(argv=None) -> int:
         table.setdefault("split_table", {})[backend] = split_table(searches[backend], heads[1])
     cm["mem_bandwidth_gbs"] = round(ceiling["ceiling_gbs"], 1)
     table["measured"] = {"device": dev.name, "sm_count": dev.sm_count, "ceiling": ceiling,
-                         "torch": torch.__version__, "attnplan": attnplan.__version__}
+                         "torch": str(torch.__version__), "attnplan": str(attnplan.__version__)}
     _write_table(path, table)
     print(f"wrote {path}: {json.dumps({k: table[k] for k in ('cost_model', 'kernel_options') if k in table})}")
     _reload()
     if path != shipped:
         print(f"note: the planner reads {shipped}; the quality check below uses that table, not {path}")
+    if args.json:  # the measurements so far, in case the quality check is cut short
+        _atomic_write(args.json, json.dumps({"option_sweep": allrows, "split_search": searches, "table": table},
+                                            indent=1, default=str))
     quality = planner_quality(searches, heads, args.iters)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"option_sweep": allrows, "split_search": searches, "quality": quality, "table": table}, fh, indent=1)
+        _atomic_write(args.json, json.dumps({"option_sweep": allrows, "split_search": searches, "quality": quality,
+                                             "table": table}, indent=1, default=str))
     for name, key in (("in-sample", "within_5pct"), ("leave-one-out", "loo_within_5pct")):
         good = sum(q[key] for q in quality)
         print(f"planner within 5% of the exhaustive split search ({name}): {good}/{len(quality)} points")
@@ -281,9 +290,25 @@ def main(argv=None) -> int:
 
 
 def _write_table(path: str, table: dict) -> None:
-    with open(path, "w") as fh:
-        fh.write("# Written by `attnplan tune` (see attnplan/tune.py); re-run it on the device to refresh.\n")
-        yaml.safe_dump(table, fh, sort_keys=False)
+    """Write the device table as YAML, atomically (a failed dump never leaves a truncated table)."""
+    text = ("# Written by `attnplan tune` (see attnplan/tune.py); re-run it on the device to refresh.\n"
+            + yaml.safe_dump(json.loads(json.dumps(table, default=str)), sort_keys=False))
+    _atomic_write(path, text)
+
+
+def _atomic_write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _reload() -> None:

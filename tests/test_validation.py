@@ -102,3 +102,23 @@ def test_forced_unsupported_backend_gives_reasons():
         attnplan.decode(torch.zeros(1, 1, 4, 12, dtype=torch.float16), torch.zeros(1, 4, 2, 12, dtype=torch.float16),
                         torch.zeros(1, 4, 2, 12, dtype=torch.float16), torch.tensor([3], dtype=torch.int32),
                         backend="triton")
+
+
+@pytest.mark.parametrize("bad", [-3, 5000, 2.5, True, "4"])
+def test_plan_num_splits_is_checked(bad):
+    import attnplan
+    from attnplan.testing import make_inputs
+
+    x = make_inputs(1, 4, 1, 16, [20], dtype=torch.float32)
+    w = attnplan.DecodeWrapper(backend="reference")
+    with pytest.raises(ValueError, match="num_splits"):
+        w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=bad)
+
+
+@pytest.mark.parametrize("bad", [24, 48, 17])
+def test_config_block_dv_must_be_a_power_of_two(bad):
+    import attnplan
+    from attnplan.config import ConfigError
+
+    with pytest.raises(ConfigError, match="block_dv"):
+        attnplan.load_config(backend_options={"triton": {"block_dv": bad}})

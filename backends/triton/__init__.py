@@ -82,13 +82,18 @@ class TritonBackend(Backend):
             return (True, "") if _interpreting() else (False, "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)")
         return False, f"unsupported device type {device.type}"
 
+    def plan_key_extra(self) -> str:
+        """What besides the problem and config changes this backend's kernel options: the
+        interpreter (``TRITON_INTERPRET=1`` plans 16-token tiles and one warp)."""
+        return "interpreter" if _interpreting() else ""
+
     def kernel_config(self, problem, options: dict, device) -> dict:
         """``block_n``, ``num_warps``, ``num_stages``, ``block_dv`` (split_v's columns per column
         program; the planner sets it to ``None`` under split_k) and, when given (a tuned table), the
         ``partition``. Raises ``ValueError`` naming the option for a bad ``block_dv`` or ``partition``."""
         block_d = max(16, _next_pow2(problem.head_dim))
         block_dv = options.get("block_dv") or max(16, block_d // 2)
-        if block_dv & (block_dv - 1) or block_dv < 16:
+        if (block_dv & (block_dv - 1) or block_dv < 16) and options.get("partition", "split_v") == "split_v":
             raise ValueError(f"backend_options.triton.block_dv must be a power of two >= 16, got {block_dv}")
         partition = options.get("partition")
         if partition is not None and partition not in self.partitions:
