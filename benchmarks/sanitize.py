@@ -1,6 +1,7 @@
 """Small decode workloads for compute-sanitizer (memcheck, racecheck, initcheck) on each backend.
 
-Shapes cover page boundaries (lengths 15/16/17 with page 16), zero lengths, q_len > 1, a
+Every merge strategy and intra-program partition the backend implements runs every case. Shapes
+cover page boundaries (lengths 15/16/17 with page 16), zero lengths, q_len > 1, a
 padded capacity grid, GQA group 16, and the largest head_dim (256). Each result is compared
 with the float64 reference so a run that "passes" the sanitizer also computed the right thing.
 
@@ -30,16 +31,26 @@ def main() -> int:
     ap.add_argument("--backend", required=True)
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    for c in CASES:
-        x = make_inputs(len(c["lens"]), c["hq"], c["hkv"], c["d"], c["lens"], q_len=c["q_len"], page_size=c["page"],
-                        dtype=torch.bfloat16, device="cuda", generator=g, capacity=max(c["lens"]) + 40)
-        lse = torch.empty(x.q.shape[:3], device="cuda")
-        out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=args.backend,
-                              num_splits=c["splits"], lse=lse)
-        torch.cuda.synchronize()
-        ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
-        assert_close_to_reference(out, ref, torch.bfloat16)
-    print(f"sanitize workload for {args.backend}: {len(CASES)} cases equal the reference")
+    backend = attnplan.backends.get_backend(args.backend)
+    # every plan axis the backend implements: merge strategies (atomic needs deterministic: false)
+    # and intra-program partitions, each over every case
+    axes = [(m, p) for m in sorted(backend.merge_strategies) for p in sorted(backend.partitions)]
+    n = 0
+    for merge, partition in axes:
+        cfg = attnplan.load_config(split={"merge": merge, "partition": partition}, deterministic=merge != "atomic",
+                                   plan_cache={"disk": False})
+        for c in CASES:
+            x = make_inputs(len(c["lens"]), c["hq"], c["hkv"], c["d"], c["lens"], q_len=c["q_len"], page_size=c["page"],
+                            dtype=torch.bfloat16, device="cuda", generator=g, capacity=max(c["lens"]) + 40)
+            lse = torch.empty(x.q.shape[:3], device="cuda")
+            out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=args.backend,
+                                  num_splits=c["splits"], lse=lse, config=cfg)
+            torch.cuda.synchronize()
+            ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+            assert_close_to_reference(out, ref, torch.bfloat16)
+            n += 1
+    print(f"sanitize workload for {args.backend}: {n} cases equal the reference "
+          f"(merge x partition: {', '.join(f'{m}/{p}' for m, p in axes)})")
     return 0
 
 
