@@ -360,6 +360,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
         TypeError, ValueError: bad inputs, before any kernel runs. NoBackendError: no backend fits.
     """
     w = DecodeWrapper(config, backend=backend)
+    if out is not None:
+        w._out = out  # the caller's buffer: plan() then allocates no output of its own
     w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=sm_scale, num_splits=num_splits,
            window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     return w.run(q, k_cache, v_cache, seq_lens, block_table, out=out, lse=lse)
