@@ -233,7 +233,8 @@ class DecodeWrapper:
              block_table: torch.Tensor | None = None, *, sm_scale: float | None = None,
              num_splits: int | None = None, capacity: bool = False, window_left: int = -1,
              logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
-             k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None) -> SplitPlan:
+             k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None,
+             seq_lens_host=None) -> SplitPlan:
         """Validate the inputs, choose a backend, plan (through the cache) and size the workspace.
 
         Args:
@@ -249,6 +250,9 @@ class DecodeWrapper:
             sinks: ``[num_q_heads]`` fp32 sink logits (gpt-oss), kept by reference for ``run()``.
             k_scale, v_scale: dequantization scales of a ``float8_e4m3fn`` cache: floats (per
                 tensor) or fp32 ``[num_kv_heads]`` tensors (kept by reference).
+            seq_lens_host: ``seq_lens`` as host integers (a list of ``batch`` ints), when the caller
+                has them: planning then reads nothing back from the GPU (no sync) unless a block
+                table is given. The caller vouches that they equal ``seq_lens``.
         Returns:
             the :class:`SplitPlan` (also kept as ``self.plan_``).
         Raises:
@@ -262,7 +266,7 @@ class DecodeWrapper:
         static = validate_inputs(q, k_cache, v_cache, seq_lens, block_table, window_left=window_left,
                                  soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
         num_pages = int(k_cache.shape[0]) if block_table is not None else 0
-        max_len, total = validate_values(static, seq_lens, block_table, num_pages)
+        max_len, total = validate_values(static, seq_lens, block_table, num_pages, seq_lens_host)
         if capacity:
             max_len, total = static["capacity"], static["capacity"] * static["batch"]
         problem = DecodeProblem(max_kv_len=max_len, total_kv_len=total, **static)
@@ -335,7 +339,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
            out: torch.Tensor | None = None, lse: torch.Tensor | None = None, backend: str | None = None,
            num_splits: int | None = None, config: Config | Context | str | None = None, window_left: int = -1,
            logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
-           k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None) -> torch.Tensor:
+           k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None,
+           seq_lens_host=None) -> torch.Tensor:
     """Split-KV decode attention in one call (plan through the cache, then run).
 
     Args:
@@ -353,6 +358,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
         config: Config, YAML path, Context or ``None`` (default context).
         window_left, logits_soft_cap, sinks, k_scale, v_scale: attention variants, see
             :meth:`DecodeWrapper.plan` (fp8 caches: ``k_cache.dtype == torch.float8_e4m3fn``).
+        seq_lens_host: ``seq_lens`` as host ints when known (no device read while planning), see
+            :meth:`DecodeWrapper.plan`.
     Returns:
         ``out`` in q's dtype. Query ``i`` of a sequence of length ``L`` attends to KV positions
         ``< L - q_len + i + 1``; a row with none gets zeros.
@@ -363,5 +370,6 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
     if out is not None:
         w._out = out  # the caller's buffer: plan() then allocates no output of its own
     w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=sm_scale, num_splits=num_splits,
-           window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+           window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+           seq_lens_host=seq_lens_host)
     return w.run(q, k_cache, v_cache, seq_lens, block_table, out=out, lse=lse)

@@ -297,16 +297,25 @@ def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> str:
 
 
 def validate_values(static: dict, seq_lens: torch.Tensor, block_table: torch.Tensor | None,
-                    num_pages: int) -> tuple[int, int]:
+                    num_pages: int, seq_lens_host=None) -> tuple[int, int]:
     """Check the values of ``seq_lens`` and ``block_table`` (reads them to the host: plan-time only).
+
+    ``seq_lens_host``: the same lengths as host integers, when the caller has them; they are checked
+    instead of ``seq_lens``, which is then not read (no device-to-host copy, no sync, unless a block
+    table must be checked).
 
     Returns ``(max_kv_len, total_kv_len)`` in tokens.
 
     Raises:
         ValueError: a length is negative or beyond the cache's capacity; a block-table entry a
-            sequence uses is outside ``[0, num_pages)``.
+            sequence uses is outside ``[0, num_pages)``; ``seq_lens_host`` has the wrong length.
     """
-    lens = seq_lens.detach().to("cpu", torch.int64)
+    if seq_lens_host is not None:
+        lens = torch.as_tensor(list(seq_lens_host), dtype=torch.int64)
+        if lens.ndim != 1 or lens.numel() != seq_lens.shape[0]:
+            raise ValueError(f"seq_lens_host must hold {seq_lens.shape[0]} lengths (one per sequence), got {lens.numel()}")
+    else:
+        lens = seq_lens.detach().to("cpu", torch.int64)
     if lens.numel() and int(lens.min()) < 0:
         raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()[:16]}")
     cap = static["capacity"]
