@@ -65,11 +65,12 @@ CORE = {"mma": False}
 WS = {"window": True, "softcap": True}
 # the new specializations: fp8 KV (q fp16 / bf16) and split-V, the same spread of shapes, each
 # (kind, q dtype, head_dim, group, q_len, page_size, make_spec keywords)
+# (fp8 split-K on CUDA cores: mma False; the fp8 tensor-core specs are FP8_MMA_SPECS)
 NEW_SPECS = [
-    ("partial", "bfloat16", 128, 4, 1, 16, {"kv_dtype": FP8}),
-    ("single", "float16", 64, 1, 1, None, {"kv_dtype": FP8}),
-    ("partial", "bfloat16", 256, 8, 1, 64, {"kv_dtype": FP8}),
-    ("partial", "float16", 128, 8, 4, 16, {"kv_dtype": FP8}),                # 32 rows: fp8's most
+    ("partial", "bfloat16", 128, 4, 1, 16, {"kv_dtype": FP8, **CORE}),
+    ("single", "float16", 64, 1, 1, None, {"kv_dtype": FP8, **CORE}),
+    ("partial", "bfloat16", 256, 8, 1, 64, {"kv_dtype": FP8, **CORE}),
+    ("partial", "float16", 128, 8, 4, 16, {"kv_dtype": FP8, **CORE}),        # 32 rows: fp8's most
     ("partial", "bfloat16", 128, 4, 1, 16, SV),
     ("partial", "float16", 256, 8, 1, 64, SV),
     ("partial", "bfloat16", 128, 8, 4, 16, SV),                              # 4 row groups, one ring
@@ -95,6 +96,27 @@ MMA_SPECS = [
     ("partial", "float16", 64, 16, 3, None, {}),                             # 48 rows: 2 x 3 n8-tiles
     ("partial", "bfloat16", 128, 4, 1, 16, WS),
     ("single", "float16", 128, 8, 1, 16, WS),
+]
+
+
+# fp8 e4m3fn KV on the tensor cores (the default for fp8 split-K): 32-token tiles for head_dim 128 (16 for 256),
+# 1-4 n8-tiles in 1-2 row groups, head_dim 64-256 with swizzled (128, 256) and padded (64:
+# 4 -> 5 chunks, 96: 6 -> 7; 80: 5 chunks, odd, unpadded) rows, fp16 and bf16 q (bf16: q moved to fp16),
+# contiguous and paged, single pass, window + soft-cap
+F8 = {"kv_dtype": FP8}
+FP8_MMA_SPECS = [
+    ("partial", "bfloat16", 128, 4, 1, 16, F8),                              # the target problem
+    ("partial", "float16", 128, 4, 1, 16, F8),
+    ("partial", "bfloat16", 128, 4, 1, None, F8),
+    ("single", "bfloat16", 128, 4, 1, None, F8),
+    ("partial", "bfloat16", 64, 1, 1, None, F8),                             # 64-token tiles
+    ("partial", "float16", 256, 8, 1, 64, F8),
+    ("partial", "bfloat16", 128, 8, 4, 16, F8),                              # 32 rows: 2 x 2 n8-tiles
+    ("partial", "bfloat16", 96, 7, 1, 16, F8),
+    ("partial", "bfloat16", 80, 8, 3, 1, F8),                                # page 1, 24 rows, odd chunks
+    ("partial", "bfloat16", 128, 1, 3, 16, F8),                              # group 1, q_len 3
+    ("partial", "bfloat16", 128, 4, 1, 16, {**F8, **WS}),
+    ("single", "float16", 128, 8, 1, 16, {**F8, **WS}),
 ]
 
 
@@ -162,6 +184,52 @@ def test_mma_compiles_without_spills(s, cc, cache):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("cc", [*ARCHS, (8, 9)], ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("s", FP8_MMA_SPECS, ids=spec_id)
+def test_fp8_mma_compiles_without_spills(s, cc, cache):
+    """fp8 KV on the tensor cores: cubins for sm_90 and sm_89 (cvt.rn.f16x2.e4m3x2) and sm_80 (the integer
+    decoder), no spills, no stack, registers within the limit, two programs' registers per SM for
+    one-row-group specs; the tile keeps the bf16 default's bytes (8 KB stages). (These kernels state
+    __launch_bounds__(threads, 1): see decode.cu.)"""
+    spec = L.make_spec(*s[:6], **s[6])
+    suffix = "-kvfp8-mma" + ("-window-softcap" if "window" in s[6] else "")
+    assert spec.mma and spec.kv_fp8 and spec.name.endswith(suffix)
+    d = spec.defines()
+    assert d["ATTNPLAN_MMA"] == 1 and d["ATTNPLAN_KV_FP8"] == 1
+    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
+    res = c.resources[spec.entry]
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
+    assert 0 < res["registers"] <= MAX_REGISTERS and res["registers"] * spec.threads <= 65536, res
+    if spec.row_groups == 1 and spec.threads <= 128:
+        assert 2 * res["registers"] * spec.threads <= 65536, res
+    print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
+          f"dynamic smem {spec.smem_bytes}, tile {spec.tile_tokens}, stages {spec.stages}, "
+          f"{spec.row_groups}x{spec.n_tiles} n8-tiles")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fp8_mma_ptx_instructions(dtype):
+    """The fp8 tensor-core spec's PTX: fp16 mma.sync (q bf16 or fp16), ldmatrix(.trans), movmatrix, and for
+    sm_90 cvt.rn.f16x2.e4m3x2 (no integer fallback's mul.rn.f16x2); for sm_80 the fallback, no e4m3 cvt."""
+    spec = L.make_spec("partial", dtype, 128, 4, 1, 16, kv_dtype=FP8)
+
+    def ptx(arch):
+        c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget(arch, "ptx"))
+        return c.image.rstrip(b"\x00").decode()
+
+    p90, p80 = ptx("compute_90"), ptx("compute_80")
+    for p in (p90, p80):
+        for ins in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "movmatrix.sync.aligned.m8n8.trans.b16",
+                    "cvt.rn.f16x2.f32"):
+            assert ins in p, ins
+        assert "bf16.bf16" not in p and "cvt.rn.bf16x2.f32" not in p  # every fp8 mma is fp16
+    assert "cvt.rn.f16x2.e4m3x2" in p90 and "mul.rn.f16x2" not in p90
+    assert "cvt.rn.f16x2.e4m3x2" not in p80 and "mul.rn.f16x2" in p80
+
+
+@needs_nvrtc
 def test_mma_ptx_uses_tensor_core_instructions():
     """The tensor-core spec's PTX holds the mma / ldmatrix / movmatrix instructions; the CUDA-core one none."""
     def ptx(**kw):
@@ -180,6 +248,7 @@ def test_mma_ptx_uses_tensor_core_instructions():
 @pytest.mark.parametrize("kind,dtype,group,page,kw", [("single", "bfloat16", 8, 16, {}),
                                                       ("partial", "float32", 4, None, {}),
                                                       ("single", "bfloat16", 8, 16, {"kv_dtype": FP8}),
+                                                      ("single", "bfloat16", 8, 16, {"kv_dtype": FP8, **CORE}),
                                                       ("partial", "float16", 4, None, {"kv_dtype": FP8, **SV})])
 def test_variant_kernels_compile_without_spills(kind, dtype, group, page, kw, cache):
     """Sliding window + soft-cap compiled in (sinks are a run-time pointer of every kernel)."""
@@ -207,7 +276,7 @@ NVCC = shutil.which("nvcc")
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 @pytest.mark.parametrize("s", [(*SPECS[0], CORE), (*SPECS[4], CORE), SPECS[5], NEW_SPECS[0], NEW_SPECS[9],
-                               MMA_SPECS[0], MMA_SPECS[6]], ids=spec_id)
+                               MMA_SPECS[0], MMA_SPECS[6], FP8_MMA_SPECS[0]], ids=spec_id)
 def test_nvcc_ptxas_verbose_no_spills(s, tmp_path):
     """The same source through nvcc's ptxas (another toolkit version than the pip NVRTC)."""
     spec = L.make_spec(*s[:6], **(s[6] if len(s) > 6 else {}))
@@ -285,8 +354,9 @@ def test_mma_spec_defaults_and_fallbacks():
     """The tensor-core path is make_spec's default where it serves: one 16-token m-tile per warp tile for
     head_dim 128 (8 KB stages, 2 stages x 4 warps = 64 KB: up to 3 programs per H200 SM, 32 KB in flight
     per program: MMA_INFLIGHT_BYTES, measured),
-    rows in n8-tiles (<= 256 / head_dim per warp), XOR-swizzled or padded ring rows; CUDA cores for fp32,
-    fp8 KV, split-V, head_dim % 16 != 0, and where the tensor-core program would not fit."""
+    rows in n8-tiles (<= 256 / head_dim per warp), XOR-swizzled or padded ring rows; fp8 KV on tensor cores
+    too with the tile sized in bytes (twice the tokens); CUDA cores for fp32, split-V, head_dim % 16 != 0,
+    and where the tensor-core program would not fit."""
     s = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
     assert s.mma and s.name == "partial-bfloat16-d128-g4-q1-page16-w1x4-s2-p1-mma"
     assert (s.row_groups, s.kv_warps, s.passes, s.tile_tokens, s.threads, s.rows_per_group, s.n_tiles) == \
@@ -306,14 +376,31 @@ def test_mma_spec_defaults_and_fallbacks():
     r24 = L.make_spec("partial", "bfloat16", 128, 8, 3, 16)  # 24 rows: 3 n8-tiles, 2 per warp, one padded
     assert (r24.row_groups, r24.rows_per_group) == (2, 16)
     # the CUDA-core path where the tensor-core one cannot serve
-    for kw, why in (({"dtype": "float32"}, "float16 or bfloat16"), ({"kv_dtype": FP8}, "KV cache"),
-                    ({"partition": "split_v"}, "split-K"), ({"head_dim": 72}, "multiple of 16")):
+    for kw, why in (({"dtype": "float32"}, "float16 or bfloat16"), ({"partition": "split_v"}, "split-K"),
+                    ({"kv_dtype": FP8, "partition": "split_v"}, "split-K"), ({"head_dim": 72}, "multiple of 16")):
         a = {"kind": "partial", "dtype": "bfloat16", "head_dim": 128, "group": 4, "q_len": 1, "page_size": 16, **kw}
         assert not L.make_spec(**a).mma
         assert why in L.mma_unsupported(a["dtype"], a["head_dim"], a.get("kv_dtype"), a.get("partition", "split_k"))
         with pytest.raises(ValueError, match="mma=True"):
             L.make_spec(**a, mma=True)
-    assert L.mma_unsupported("float16", 128) == ""
+    assert L.mma_unsupported("float16", 128) == "" and L.mma_unsupported("bfloat16", 128, FP8) == ""
+    assert "KV cache" in L.mma_unsupported("bfloat16", 128, "float16")
+    # fp8 e4m3fn KV: the same 8 KB stages hold 32 tokens (2 m-tiles) at head_dim 128: 2 stages x 4 warps = 64 KB,
+    # the bf16 default's 32 KB in flight (twice its tokens), soft-cap or not
+    f8 = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8)
+    assert f8.mma and f8.kv_fp8 and f8.name == "partial-bfloat16-d128-g4-q1-page16-w1x4-s2-p2-kvfp8-mma"
+    assert (f8.passes, f8.tile_tokens, f8.row_chunks, f8.stage_bytes, f8.stages, f8.smem_bytes) == \
+        (2, 32, 8, 8192, 2, 64 * 1024)
+    inflight = (s.stages - 1) * s.kv_warps * s.stage_bytes
+    assert (f8.stages - 1) * f8.kv_warps * f8.stage_bytes == inflight == L.MMA_INFLIGHT_BYTES
+    f8c = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8, window=True, softcap=True)
+    assert (f8c.tile_tokens, f8c.stage_bytes, f8c.stages, f8c.smem_bytes) == (32, 8192, 2, 64 * 1024)
+    assert L.make_spec("partial", "float16", 64, 1, 1, None, kv_dtype=FP8).row_chunks == 5  # 4 chunks + 1 padding
+    assert L.make_spec("partial", "float16", 80, 1, 1, None, kv_dtype=FP8).row_chunks == 5  # odd: no padding
+    assert L.make_spec("partial", "float16", 256, 8, 1, 64, kv_dtype=FP8).smem_bytes == 64 * 1024  # 4 warps fit
+    assert not L.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8, mma=False).mma
+    with pytest.raises(ValueError, match="rows"):  # fp8 keeps the CUDA-core path's 32 rows as its fallback
+        L.make_spec("partial", "bfloat16", 128, 16, 4, 16, kv_dtype=FP8, mma=True)
     big = L.make_spec("partial", "bfloat16", 256, 16, 4, 16, smem_limit=99 * 1024)  # 8 row groups x 16 KB stages
     assert not big.mma
     with pytest.raises(ValueError, match="shared memory"):
@@ -535,11 +622,15 @@ def test_kernel_config_mma_option():
         assert be.spec_for("partial", plan).mma is want and be.spec_for("single", plan).mma is want
         assert plan.chunk_size % kc["block_n"] == 0
     for p, why in ((DecodeProblem(1, 32, 8, 128, 1, 16, "float32", "float32", 4096), "float16 or bfloat16"),
-                   (DecodeProblem(1, 32, 8, 72, 1, 16, "bfloat16", "bfloat16", 4096), "multiple of 16"),
-                   (DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", FP8, 4096, kv_scale="head"), "KV cache")):
+                   (DecodeProblem(1, 32, 8, 72, 1, 16, "bfloat16", "bfloat16", 4096), "multiple of 16")):
         assert be.kernel_config(p, {}, "cpu")["mma"] is False
         with pytest.raises(ValueError, match=why):
             be.kernel_config(p, {"mma": True}, "cpu")
+    p8 = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", FP8, 4096, kv_scale="head")  # fp8 KV: tensor cores too
+    for opt, want in ((None, True), (True, True), (False, False)):
+        kc = be.kernel_config(p8, {"mma": opt}, "cpu")
+        plan = make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=8, partitions=be.partitions)
+        assert kc["mma"] is want and be.spec_for("partial", plan).mma is want and be.spec_for("partial", plan).kv_fp8
     with pytest.raises(ValueError, match="split-K"):
         be.kernel_config(prob, {"mma": True, "partition": "split_v"}, "cpu")
     with pytest.raises(ValueError, match="mma"):
@@ -576,7 +667,9 @@ def test_kernel_config_partition_and_fp8():
     assert not be.spec_for("single", auto_k).split_v and be.spec_for("single", auto_v).split_v
     p8 = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", FP8, 131072, kv_scale="head")
     k8 = be.kernel_config(p8, {}, "cpu")
-    assert k8["tile_tokens"] == 16 and k8["block_n"] == 64  # 16 fp8 values per lane: 4 tokens per warp pass
+    assert k8["mma"] and k8["tile_tokens"] == 32 and k8["block_n"] == 128  # tensor cores: 2 m-tiles per warp tile
+    k8c = be.kernel_config(p8, {"mma": False}, "cpu")
+    assert k8c["tile_tokens"] == 16 and k8c["block_n"] == 64  # CUDA cores: 16 fp8 values per lane, 4 tokens a pass
     s8 = be.spec_for("partial", make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", k8, num_splits=4, partitions=both))
     assert s8.kv_fp8 and s8.kv_dtype == FP8 and s8.dtype == "bfloat16" and s8.layout["vec"] == 16
 
@@ -601,7 +694,7 @@ def test_fp8_and_split_v_layouts():
         L.make_spec("partial", "bfloat16", 128, 16, 4, 16, kv_dtype=FP8)
     with pytest.raises(ValueError, match="partition"):
         L.make_spec("partial", "bfloat16", 128, 4, 1, 16, partition="split_q")
-    k8 = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8)
+    k8 = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8, mma=False)
     assert k8.tile_tokens == 16 and k8.stage_bytes == 4096 and k8.rows_per_group == 4
     v = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, partition="split_v")
     assert v.stage_bytes == 8192 and v.smem_bytes == v.stages * 8192 <= L.SMEM_BUDGET

@@ -5,14 +5,17 @@ What it checks: indexing, GQA row mapping, chunk bounds, masks, paging, the onli
 in-program warp merge (split-K) and the per-warp column slices (split-V), the tensor-core split-K path
 (mode ``mma``: ldmatrix / mma.sync / movmatrix through simt.h's warp-collective twins, fragment
 layouts, swizzled / padded ring rows, online softmax on fragments), the fp8 e4m3fn decoder and its
-scales, the merge kernel, and shared-memory races between warps (every emulated launch runs simt.h's
-race check). What it cannot: PTX instruction behaviour (the twins implement the PTX ISA's documented
-fragment layouts; the device's mma rounding differs), global-memory races, performance
-(tests/test_cuda_ptx_gpu.py covers the device).
+scales (CUDA cores), the fp8 tensor-core path (fp8 tiles read by ldmatrix as byte pairs, the permuted
+K-dim / head_dim orders, e4m3 -> fp16 through the integer twin of cvt.rn.f16x2.e4m3x2, which is also
+the sm_80 fallback, bf16 q moved to fp16 with a power of two per n8-tile), the merge kernel, and
+shared-memory races between warps (every emulated launch runs simt.h's race check). What it cannot:
+PTX instruction behaviour (the twins implement the PTX ISA's documented fragment layouts; the device's
+mma rounding differs), global-memory races, performance (tests/test_cuda_ptx_gpu.py covers the device).
 
 Modes: ``mma`` = split-K on tensor cores (the default for fp16 / bf16 with head_dim % 16 == 0),
 ``split_k`` = split-K on CUDA cores (``mma: false``), ``split_v``. Partial ``o`` of the ``mma`` mode is
-compared at q's dtype tolerance (P is rounded to q's dtype for the P.V mma, as in FlashAttention-2).
+compared at q's dtype tolerance (P is rounded to q's dtype for the P.V mma, as in FlashAttention-2), with
+an fp8 cache at fp16's (every fp8 mma is fp16: P rounds to fp16 whatever q's dtype).
 """
 
 from __future__ import annotations
@@ -103,9 +106,10 @@ def _partitions(cases, split_v, mma=None):
             or (p == "mma" and _mma_ok(c) and (mma is None or i in mma))]
 
 
-def _o_dtype(mode, dtype):
-    """Tolerance dtype of partial ``o``: fp32, or q's dtype on tensor cores (P rounded to it)."""
-    return dtype if mode == "mma" else torch.float32
+def _o_dtype(mode, dtype, fp8=False):
+    """Tolerance dtype of partial ``o``: fp32, or on tensor cores the dtype P is rounded to: q's, fp16
+    with an fp8 cache."""
+    return (torch.float16 if fp8 else dtype) if mode == "mma" else torch.float32
 
 
 # tensor-core cases beyond CASES: group 1 with q_len 3, head_dim 80 (padded ring rows) with 24 rows in
@@ -212,7 +216,7 @@ def test_emulation_reports_out_of_bounds_block_table(be, gen):
 
 
 @pytest.mark.parametrize("kv_dtype,partition,mma", [(None, "split_k", False), ("float8_e4m3fn", "split_v", None),
-                                                    (None, "split_k", True)])
+                                                    (None, "split_k", True), ("float8_e4m3fn", "split_k", True)])
 def test_emulated_constants_match_host(be, kv_dtype, partition, mma):
     from attnplan.backends.cuda_ptx.launch import make_spec, split_v_layout
 
@@ -222,8 +226,9 @@ def test_emulated_constants_match_host(be, kv_dtype, partition, mma):
         (spec.smem_bytes, spec.tile_tokens, spec.threads, spec.rows_per_group)
     assert (k.constant("mma"), k.constant("ntw"), k.constant("rs")) == \
         (int(spec.mma), spec.n_tiles, spec.row_chunks)
-    if mma:  # 28 rows: 4 n8-tiles in 2 row groups of 16 rows; 12 chunks per row, padded to 13
-        assert (spec.row_groups, spec.rows_per_group, spec.n_tiles, spec.row_chunks) == (2, 16, 2, 13)
+    if mma:  # 28 rows: 4 n8-tiles in 2 row groups of 16 rows; 12 (fp8: 6) chunks per row, padded to 13 (7)
+        assert (spec.row_groups, spec.rows_per_group, spec.n_tiles, spec.row_chunks) == \
+            (2, 16, 2, 7 if kv_dtype else 13)
     if partition == "split_v":
         sv = split_v_layout(spec.kv_dtype, 96, spec.kv_warps)
         assert (k.constant("lpv"), k.constant("subs"), k.constant("dvw")) == (sv["lpv"], sv["subs"], sv["dvw"])
@@ -279,7 +284,7 @@ def _check_variants(be, x, case, partition):
             be.partial(plan, x, st)
             rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
                                    plan.num_splits, **kw)
-            assert_close_to_reference(st.o, rp.o, _o_dtype(partition, dtype), "partial o")
+            assert_close_to_reference(st.o, rp.o, _o_dtype(partition, dtype, x.k_cache.dtype == FP8), "partial o")
             assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse (no sink)")
         assert_close_to_reference(out, ref, dtype, f"out (splits {splits})")
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (splits {splits})")
@@ -303,14 +308,42 @@ FP8_CASES = [
 ]
 
 
-FP8_PARAMS = _partitions(FP8_CASES, split_v=(0, 3, 4), mma=())  # fp8 KV stays on CUDA cores
+# fp8 on tensor cores beyond FP8_CASES (which run there too): group 8 x q_len 3 = 24 rows in two row groups,
+# lengths 1 and odd, paged; group 1 with head_dim 80 (5 fp8 chunks per row: the last ldmatrix.x4 reads one
+# twice), fp16 q; head_dim 128 with soft-cap + window + q_len 3
+FP8_MMA_CASES = [
+    VariantCase((8, 1), 128, (1, 64, 129), q_len=3, page=16, splits=(1, 3)),
+    VariantCase((4, 4), 80, (45, 2), dtype="fp16", splits=(2,)),
+    VariantCase((8, 2), 128, (61, 1), q_len=3, cap=2.0, window=40, splits=(1, 3)),
+]
+
+FP8_PARAMS = _partitions(FP8_CASES, split_v=(0, 3, 4)) + \
+    [pytest.param(c, "mma", id=f"{c.id}-mma") for c in FP8_MMA_CASES]
 
 
 @pytest.mark.parametrize("case,partition", FP8_PARAMS)
 def test_emulated_fp8_kv_matches_reference(be, case, partition, gen):
     """float8_e4m3fn K / V with per-KV-head k_scale / v_scale against the float64 reference (which
-    dequantizes as k * k_scale[h], v * v_scale[h]), with window / soft-cap / sinks."""
+    dequantizes as k * k_scale[h], v * v_scale[h]), with window / soft-cap / sinks; CUDA cores (split_k,
+    split_v) and tensor cores (mma: group 1 / 4 / 7 / 8, q_len 1 / 2 / 3, head_dim 32-256, contiguous and
+    paged, lengths 0 / 1 / odd)."""
     _check_variants(be, _variant_inputs(case, gen, fp8=True), case, partition)
+
+
+def test_emulated_fp8_mma_q_magnitudes(be, gen):
+    """bf16 q with an fp8 cache moves to fp16 for the mmas as q x 2^e, one power of two per n8-tile (the
+    tile's largest |q| into [2^14, 2^15)): rows of one tile 2^40 apart in magnitude, and tiles at 2^-60 and
+    2^60 (far outside fp16's range) still match the reference; 2^-e rejoins the score scale exactly."""
+    from attnplan.backends.base import DecodeInputs
+
+    case = VariantCase((24, 3), 64, (50, 7), page=16, splits=(1, 2))
+    x = _variant_inputs(case, gen, fp8=True)
+    e = torch.tensor([-20, 0, 20, -10, 5, 0, 3, 20] + [-60] * 8 + [60] * 8, dtype=torch.float64)
+    q = (x.q.double() * torch.exp2(e).view(1, 1, 24, 1)).to(torch.bfloat16)  # powers of two: exact
+    assert torch.equal(q.double(), x.q.double() * torch.exp2(e).view(1, 1, 24, 1))
+    x = DecodeInputs(q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, k_scale=x.k_scale,
+                     v_scale=x.v_scale)
+    _check_variants(be, x, case, "mma")
 
 
 def _e4m3fn(code: int) -> float:
@@ -323,18 +356,20 @@ def _e4m3fn(code: int) -> float:
     return sign * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
 
 
-@pytest.mark.parametrize("partition", PARTITIONS)
+@pytest.mark.parametrize("partition", [*PARTITIONS, "mma"])
 def test_emulated_fp8_decoder_all_256_codes(be, partition):
-    """Every e4m3fn byte through the kernel's decoder: V holds all 256 codes in one head_dim-256 row, so
-    a one-token partial state is that row x v_scale[h], exactly (NaN for 0x7f / 0xff); K holds the
-    codes too (NaN codes zeroed) and one-hot queries read one code each into the lse."""
+    """Every e4m3fn byte through the kernel's decoder (mma: the integer twin of cvt.rn.f16x2.e4m3x2, the
+    sm_80 fallback): V holds all 256 codes in one head_dim-256 row, rotated by h for KV head h (so every
+    code takes several byte positions of a 4-byte word), and a one-token partial state is that row x
+    v_scale[h], exactly (NaN for 0x7f / 0xff); K holds the codes too (NaN codes zeroed) and one-hot
+    queries read one code each into the lse."""
     from attnplan.backends.base import DecodeInputs
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     table = torch.tensor([_e4m3fn(c) for c in range(256)], dtype=torch.float64)
     assert torch.equal(codes.view(FP8).to(torch.float64).nan_to_num(7.0), table.nan_to_num(7.0))  # torch agrees
     hkv, group, d = 8, 32, 256  # 8 programs x 32 one-hot rows = 256 K codes
-    v = codes.view(FP8).view(1, 1, 1, d).expand(1, 1, hkv, d).contiguous()
+    v = torch.stack([codes.roll(h) for h in range(hkv)]).view(FP8).view(1, 1, hkv, d)
     kcodes = codes.clone()
     kcodes[(kcodes & 0x7F) == 0x7F] = 0  # a NaN in K would poison every row's dot product
     k = kcodes.view(FP8).view(1, 1, 1, d).expand(1, 1, hkv, d).contiguous()
@@ -348,7 +383,8 @@ def test_emulated_fp8_decoder_all_256_codes(be, partition):
     plan = _plan(be, x, 2, partition)
     st = PartialState.empty(1, 1, hkv * group, plan.num_splits, d).fill_(float("nan"))
     be.partial(plan, x, st)
-    want_o = (table.view(1, d) * v_scale.double().view(hkv, 1)).repeat_interleave(group, 0)  # [heads, d]
+    vtab = torch.stack([table.roll(h) for h in range(hkv)])
+    want_o = (vtab * v_scale.double().view(hkv, 1)).repeat_interleave(group, 0)  # [heads, d]
     o = st.o[0, 0, :, 0].double()
     assert torch.equal(torch.isnan(o), torch.isnan(want_o)), "NaN codes"
     assert torch.equal(o.nan_to_num(0.0), want_o.nan_to_num(0.0)), "V decode x v_scale is exact"
@@ -359,20 +395,24 @@ def test_emulated_fp8_decoder_all_256_codes(be, partition):
     assert torch.isneginf(st.lse[0, 0, :, 1]).all() and (st.o[0, 0, :, 1] == 0).all()
 
 
-@pytest.mark.parametrize("mode", ["split_k", "mma"])
+@pytest.mark.parametrize("mode,fp8", [("split_k", False), ("mma", False), ("mma", True)])
 @pytest.mark.parametrize("chunk", [13, 24, 40])
-def test_emulated_unaligned_chunks(be, chunk, mode, gen):
-    """Chunk sizes that are not multiples of the tile or the page: tiles self-align and mask."""
+def test_emulated_unaligned_chunks(be, chunk, mode, fp8, gen):
+    """Chunk sizes that are not multiples of the tile or the page: tiles self-align and mask (fp8 on tensor
+    cores: 64-token tiles over 8-token pages)."""
     import dataclasses
 
     x = make_inputs(2, 8, 2, 64, [100, 41], q_len=2, page_size=8, dtype=torch.float16, generator=gen)
+    if fp8:
+        x = _variant_inputs(VariantCase((8, 2), 64, (100, 41), q_len=2, page=8, dtype="fp16"), gen, fp8=True)
     plan = _plan(be, x, 2, mode)
     n = -(-100 // chunk)
     plan = dataclasses.replace(plan, chunk_size=chunk, num_splits=n, grid=(n, 2, 2), merge_grid=(2 * 2 * 8,))
     st = PartialState.empty(2, 2, 8, n, 64).fill_(float("nan"))
     be.partial(plan, x, st)
-    rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, chunk, n)
-    assert_close_to_reference(st.o, rp.o, _o_dtype(mode, torch.float16), "partial o")
+    rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, chunk, n,
+                           k_scale=x.k_scale, v_scale=x.v_scale)
+    assert_close_to_reference(st.o, rp.o, _o_dtype(mode, torch.float16, fp8), "partial o")
     assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
 
 

@@ -6,15 +6,18 @@ chunks included), partial states against ``reference.partial``, mixing with the 
 CUDA-graph replay after in-place ``seq_lens`` rewrites, launches on a side stream, and 64-bit page
 offsets (cases.yaml int32-page-offset); the split-V partition (through the config's
 ``split.partition``) on the same cases; fp8 e4m3fn KV caches with per-KV-head scales (with window /
-soft-cap / sinks, both partitions) and the fp8 decoder on all 256 codes. Outputs are NaN-poisoned
-before every run.
+soft-cap / sinks, both partitions, split-K on tensor cores by default and on CUDA cores as mode
+``core``) and the fp8 decoders on all 256 codes. Outputs are NaN-poisoned before every run.
 
 Tensor cores: split-K runs the ``mma.sync`` path by default for fp16 / bf16 with head_dim % 16 == 0
 (the public API's cases above); mode ``core`` forces the CUDA-core split-K kernel (kernel option
 ``mma: false``, planned through the backend directly) on the same cases, and
 :func:`test_mma_and_core_agree` compares the two kernels' partial states. Partial ``o`` of the
 tensor-core kernel carries P's rounding to q's dtype (as in FlashAttention-2 / Triton's ``tl.dot``),
-so it is compared at q's dtype tolerance; ``lse`` at fp32's.
+so it is compared at q's dtype tolerance; ``lse`` at fp32's. fp8 KV caches run split-K on the tensor cores
+too (fp16 mmas: K / V by cvt.rn.f16x2.e4m3x2, bf16 q moved to fp16 with a power of two per n8-tile, P
+rounded to fp16), so their partial ``o`` is compared at fp16's tolerance;
+:func:`test_fp8_mma_and_core_agree` compares them with the CUDA-core fp8 kernel.
 """
 
 from __future__ import annotations
@@ -53,15 +56,19 @@ def _direct_plan(be, x, splits, **options):
     lens = x.seq_lens.tolist()
     prob = DecodeProblem(b, hq, x.k_cache.shape[2], d, q_len, x.k_cache.shape[1] if x.paged else None,
                          dtype_name(x.q.dtype), dtype_name(x.k_cache.dtype), max(lens), sum(lens),
-                         window_left=x.window_left, soft_cap=x.soft_cap, has_sinks=x.sinks is not None)
+                         window_left=x.window_left, soft_cap=x.soft_cap, has_sinks=x.sinks is not None,
+                         kv_scale="head" if x.k_scale is not None else "none")
     kc = be.kernel_config(prob, options, x.q.device)
     return make_plan(prob, device_info(x.q.device), load_config(), "cuda_ptx", kc, num_splits=splits,
                      partitions=be.partitions, merge_strategies=be.merge_strategies)
 
 
 def _o_dtype(be, plan, x):
-    """Tolerance dtype of partial ``o``: q's dtype on tensor cores (P rounded to it), else fp32."""
-    return x.q.dtype if be.spec_for("partial", plan, x.q.device, x).mma else torch.float32
+    """Tolerance dtype of partial ``o``: on tensor cores the dtype P is rounded to (q's; fp16 with an fp8
+    cache), else fp32."""
+    if not be.spec_for("partial", plan, x.q.device, x).mma:
+        return torch.float32
+    return torch.float16 if x.k_cache.dtype == FP8 else x.q.dtype
 
 
 def _backend():
@@ -275,41 +282,57 @@ def _fp8(x, gen):
     return kc, vc, ks, vs
 
 
-@pytest.mark.parametrize("partition", PARTITIONS)
+def _fp8_inputs(case, gen):
+    """A case's inputs with the cache in float8_e4m3fn and per-KV-head scales (:func:`_fp8`), as DecodeInputs."""
+    from attnplan.backends.base import DecodeInputs
+
+    hq, hkv = case.heads
+    x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
+                    dtype=DT[case.dtype], device="cuda", generator=gen, scale=2.0 if case.cap else 1.0)
+    kc, vc, ks, vs = _fp8(x, gen)
+    sinks = (torch.randn(hq, generator=gen) * 2).float().cuda() if case.sinks else None
+    return DecodeInputs(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, window_left=case.window,
+                        soft_cap=case.cap, sinks=sinks, k_scale=ks, v_scale=vs)
+
+
+@pytest.mark.parametrize("partition", (*PARTITIONS, "core"))
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.id)
 def test_fp8_kv_matches_reference(case, partition, gen):
     """float8_e4m3fn K / V, per-KV-head scales, q bf16 / fp16, against the float64 reference (which
-    dequantizes k * k_scale[h], v * v_scale[h]); outputs, lse and partial states."""
+    dequantizes k * k_scale[h], v * v_scale[h]); outputs, lse and partial states. ``split_k`` (public API)
+    runs the tensor cores, ``core`` the CUDA-core split-K kernel (kernel option ``mma: false``)."""
     be = _backend()
     dtype = DT[case.dtype]
-    hq, hkv = case.heads
-    x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
-                    dtype=dtype, device="cuda", generator=gen, scale=2.0 if case.cap else 1.0)
-    kc, vc, ks, vs = _fp8(x, gen)
-    sinks = (torch.randn(hq, generator=gen) * 2).float().cuda() if case.sinks else None
+    x = _fp8_inputs(case, gen)
+    kc, vc, ks, vs, sinks = x.k_cache, x.v_cache, x.k_scale, x.v_scale, x.sinks
     kw = dict(window_left=case.window, logits_soft_cap=case.cap, sinks=sinks, k_scale=ks, v_scale=vs)
     ref, ref_lse = reference.attention(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, window_left=case.window,
                                        soft_cap=case.cap, sinks=sinks, k_scale=ks, v_scale=vs)
     for splits in case.splits:
-        w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
-        plan = w.plan(x.q, kc, vc, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=splits, **kw)
-        assert plan.partition == partition
         out = poison(torch.empty_like(x.q))
         lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
-        w.run(x.q, kc, vc, x.seq_lens, x.block_table, out=out, lse=lse)
+        if partition == "core":
+            plan = _direct_plan(be, x, splits, mma=False)
+            st = None if plan.single_pass else PartialState.empty(*x.q.shape[:3], plan.num_splits, case.head_dim,
+                                                                  device="cuda")
+            be.run(plan, x, st, out, lse)
+        else:
+            w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
+            plan = w.plan(x.q, kc, vc, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=splits, **kw)
+            assert plan.partition == partition
+            w.run(x.q, kc, vc, x.seq_lens, x.block_table, out=out, lse=lse)
+        spec = be.spec_for("partial", plan, x.q.device, x)
+        assert spec.kv_fp8 and spec.mma is (partition == "split_k")
         torch.cuda.synchronize()
         assert_close_to_reference(out, ref, dtype, f"out (num_splits={splits})")
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (num_splits={splits})")
         if not plan.single_pass:
-            from attnplan.backends.base import DecodeInputs
-
             st = PartialState.empty(*x.q.shape[:3], plan.num_splits, case.head_dim, device="cuda").fill_(float("nan"))
-            be.partial(plan, DecodeInputs(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, window_left=case.window,
-                                          soft_cap=case.cap, k_scale=ks, v_scale=vs), st)
+            be.partial(plan, x, st)
             torch.cuda.synchronize()
             rp = reference.partial(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
                                    plan.num_splits, window_left=case.window, soft_cap=case.cap, k_scale=ks, v_scale=vs)
-            assert_close_to_reference(st.o, rp.o, torch.float32, "partial o")
+            assert_close_to_reference(st.o, rp.o, _o_dtype(be, plan, x), "partial o")
             assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
 
 
@@ -362,27 +385,82 @@ def test_mma_and_core_agree(case, gen):
                 assert_close_to_reference(st.lse, states[False][2].lse.double(), torch.float32, "lse mma vs core")
 
 
-@pytest.mark.parametrize("partition", PARTITIONS)
+FP8_MMA_CASES = [
+    Case((32, 8), 128, (131072,), splits=(0,)),                                 # the target problem
+    Case((32, 8), 128, (4097, 1, 16, 0), page=16, splits=(1, 7)),
+    Case((16, 2), 128, (700, 3, 1), q_len=3, page=16, splits=(1, 3)),           # 24 rows: 2 row groups
+    Case((8, 8), 64, (1, 17, 300), dtype="fp16", splits=(1, 3)),                # group 1, padded rows
+    Case((8, 1), 256, (1000, 5), q_len=4, page=64, dtype="fp16", splits=(1, 3)),  # 32 rows, head_dim 256
+    Case((16, 2), 80, (700, 1), page=16, q_len=3, splits=(2,)),                 # 5 fp8 chunks per row (odd)
+    Case((16, 2), 128, (4097, 300), q_len=2, page=16, window=1000, cap=20.0, splits=(1, 5)),  # window + soft-cap
+]
+
+
+@pytest.mark.parametrize("case", FP8_MMA_CASES, ids=lambda c: c.id)
+def test_fp8_mma_and_core_agree(case, gen):
+    """fp8 KV: the tensor-core and CUDA-core split-K kernels on the same inputs: outputs and lse against the
+    float64 reference; partial states within fp16's tolerance (mma: P rounded to fp16) / fp32's of the
+    reference, and of each other where the two plans chunk alike."""
+    be = _backend()
+    dtype = DT[case.dtype]
+    x = _fp8_inputs(case, gen)
+    vkw = dict(window_left=case.window, soft_cap=case.cap, k_scale=x.k_scale, v_scale=x.v_scale)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, **vkw)
+    for splits in case.splits:
+        states = {}
+        for mma in (True, False):
+            plan = _direct_plan(be, x, splits, mma=mma)
+            spec = be.spec_for("partial", plan, x.q.device, x)
+            assert spec.mma is mma and spec.kv_fp8 and plan.kernel["mma"] is mma
+            out = poison(torch.empty_like(x.q))
+            lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
+            if plan.single_pass:
+                be.single_pass(plan, x, out, lse)
+            else:
+                st = PartialState.empty(*x.q.shape[:3], plan.num_splits, case.head_dim, device="cuda")
+                be.partial(plan, x, st)
+                be.merge(plan, st, out, lse)
+                states[mma] = (plan.chunk_size, plan.num_splits, st)
+            torch.cuda.synchronize()
+            assert_close_to_reference(out, ref, dtype, f"out (mma={mma}, splits={splits})")
+            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (mma={mma}, splits={splits})")
+        if True in states:
+            chunk, n, st = states[True]
+            rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, chunk, n, **vkw)
+            assert_close_to_reference(st.o, rp.o, torch.float16, "partial o (fp8 mma)")
+            assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse (fp8 mma)")
+            if False in states and states[False][:2] == (chunk, n):  # same chunks: the kernels' states agree
+                assert_close_to_reference(st.o, states[False][2].o.double(), torch.float16, "partial o mma vs core")
+                assert_close_to_reference(st.lse, states[False][2].lse.double(), torch.float32, "lse mma vs core")
+
+
+@pytest.mark.parametrize("partition", (*PARTITIONS, "core"))
 def test_fp8_decoder_all_256_codes(partition):
-    """Every e4m3fn byte through the device decoder: a one-token partial state is V's row (all 256
-    codes) x v_scale[h], exactly, NaN for 0x7f / 0xff, equal to torch's own float8 conversion."""
+    """Every e4m3fn byte through the device decoders (split_k: the tensor cores' cvt.rn.f16x2.e4m3x2, or its
+    integer fallback below sm_89; core / split_v: the CUDA-core integer decoder): a one-token partial state is
+    V's row (all 256 codes, rotated by h for KV head h so each code takes several byte positions) x
+    v_scale[h], exactly, NaN for 0x7f / 0xff, equal to torch's own float8 conversion."""
     be = _backend()
     from attnplan.backends.base import DecodeInputs
 
     hkv, d = 4, 256
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).cuda()
-    v = codes.view(FP8).view(1, 1, 1, d).expand(1, 1, hkv, d).contiguous()
+    v = torch.stack([codes.roll(h) for h in range(hkv)]).view(FP8).view(1, 1, hkv, d)
     k = torch.zeros_like(v)
     q = torch.randn(1, 1, hkv * 8, d, dtype=torch.bfloat16, device="cuda")
     v_scale = torch.tensor([2.0 ** (h - 2) for h in range(hkv)], device="cuda")
     x = DecodeInputs(q, k, v, torch.tensor([1], dtype=torch.int32, device="cuda"), None, 0.1,
                      k_scale=torch.ones(hkv, device="cuda"), v_scale=v_scale)
-    w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
-    plan = w.plan(q, k, v, x.seq_lens, sm_scale=0.1, num_splits=2, k_scale=x.k_scale, v_scale=v_scale)
+    if partition == "core":
+        plan = _direct_plan(be, x, 2, mma=False)
+    else:
+        w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
+        plan = w.plan(q, k, v, x.seq_lens, sm_scale=0.1, num_splits=2, k_scale=x.k_scale, v_scale=v_scale)
+    assert be.spec_for("partial", plan, q.device, x).mma is (partition == "split_k")
     st = PartialState.empty(1, 1, hkv * 8, plan.num_splits, d, device="cuda").fill_(float("nan"))
     be.partial(plan, x, st)
     torch.cuda.synchronize()
-    want = (codes.view(FP8).double().view(1, d) * v_scale.double().view(hkv, 1)).repeat_interleave(8, 0)
+    want = (v[0, 0].double() * v_scale.double().view(hkv, 1)).repeat_interleave(8, 0)
     o = st.o[0, 0, :, 0].double()
     assert torch.equal(torch.isnan(o), torch.isnan(want))
     assert torch.equal(o.nan_to_num(0.0), want.nan_to_num(0.0))

@@ -13,9 +13,9 @@ multi-stage shared-memory rings; fp32 accumulation with a base-2 online softmax.
 implements :func:`attnplan.state.merge_states`'s contract.
 
 Tensor-core path (kernel option ``mma``, the default for fp16 / bf16 q with a cache of the same
-dtype, head_dim a multiple of 16, split-K; ``decode.cu``'s ``ATTNPLAN_MMA``). Sources: FlashAttention-2's
-register-level online softmax on mma fragments, FlashInfer's tensor-core decode for GQA, the PTX ISA's
-"Matrix fragments for mma.m16n8k16". With few query rows the products are computed transposed
+dtype or float8_e4m3fn, head_dim a multiple of 16, split-K; ``decode.cu``'s ``ATTNPLAN_MMA``). Sources:
+FlashAttention-2's register-level online softmax on mma fragments, FlashInfer's tensor-core decode for
+GQA, the PTX ISA's "Matrix fragments for mma.m16n8k16". With few query rows the products are computed transposed
 ("swap AB"): ``S^T[tokens, rows] = K . Q^T`` with ``mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}``
 (M = 16 KV tokens, N = 8 of the GQA group x q_len rows, K-dim = 16 of head_dim; q's B fragments in
 registers, K's A fragments by ``ldmatrix`` from the warp's cp.async ring), the online softmax on the
@@ -28,15 +28,32 @@ not a multiple of 8) so ``ldmatrix`` is free of bank conflicts. Per 16 tokens an
 ``head_dim / 16`` ldmatrix + mma for each product instead of per-lane dot products and shuffle trees:
 the CUDA-core split-K kernel is instruction-bound on an H200, the tensor-core one should not be.
 Partial ``o`` then carries P's rounding (relative ~2^-9 for bf16, 2^-12 for fp16), as the Triton
-backend's ``tl.dot`` does; ``lse`` stays fp32-exact up to accumulation order. fp32, fp8 KV caches,
-split-V and head_dims that are not multiples of 16 keep the CUDA-core path.
+backend's ``tl.dot`` does; ``lse`` stays fp32-exact up to accumulation order. fp32, split-V and head_dims
+that are not multiples of 16 keep the CUDA-core path.
+
+fp8 KV on the tensor cores: the K / V tiles stay fp8 through the same cp.async rings (a stage of the bf16
+default's 8 KB holds twice the tokens: 32 for head_dim 128, so 4 warps x 2 stages keep the same 32 KB in
+flight) and are converted in registers right after ``ldmatrix`` (no 16-bit staging copy in shared memory: it would
+cost a shared-memory pass of twice the tile's bytes for the same conversions). ``ldmatrix`` moves byte
+pairs, which suffices because the mma's K-dim and O^T's head_dim order may be permuted: lane ``(g, t)``
+gets 4 consecutive K bytes (dims ``4t..4t+3`` of a 16-dim step, q's B fragments loaded in that order), and
+from ``ldmatrix.trans`` of V two tokens' dim pairs, regrouped per dim by one ``prmt``.
+``cvt.rn.f16x2.e4m3x2`` (sm_89+) converts 2 values per instruction, exactly; sm_80 / sm_86 compiles use the
+CUDA-core integer decoder plus one exact ``mul.rn.f16x2`` by 256 instead (the same spec, chosen in the
+kernel by ``__CUDA_ARCH__``; the host emulation runs that form as the cvt's twin). Every fp8 mma is f16:
+P rounds to fp16 whatever q's dtype, and bf16 q moves to fp16 once per program scaled by a power of two
+per n8-tile (its largest |q| into [2^14, 2^15), the inverse folded into the score scale), so bf16 q also
+converts K / V with one instruction per 2 values. The scales fold as on CUDA cores (``k_scale`` into the
+score scale, ``v_scale`` into the normalized output); partial ``o`` carries fp16's P rounding.
 
 fp8 KV (variant ``fp8_kv``): a ``float8_e4m3fn`` cache with per-KV-head fp32 ``k_scale`` /
-``v_scale`` (q fp16 / bf16). A 16-byte load carries 16 fp8 values; the kernel decodes them exactly
-with integer ops and the fp16 conversion (sign, 4-bit exponent bias 7, 3-bit mantissa, subnormals,
-``0x7f`` / ``0xff`` NaN), folds ``k_scale[h]`` into q's score scale and ``v_scale[h]`` into the
-program's normalized output, so partial states and the merge are the same as for fp16 caches. Rows
-per program are at most 32 (16 fp32 q + accumulator registers per lane and row, twice fp16's).
+``v_scale`` (q fp16 / bf16). Split-K runs on the tensor cores (above) unless ``mma: false``; on the
+CUDA cores (that option, and split-V) a 16-byte load carries 16 fp8 values and the kernel decodes them
+exactly with integer ops and the fp16 conversion (sign, 4-bit exponent bias 7, 3-bit mantissa,
+subnormals, ``0x7f`` / ``0xff`` NaN). Either way ``k_scale[h]`` folds into q's score scale and
+``v_scale[h]`` into the program's normalized output, so partial states and the merge are the same as
+for fp16 caches. Rows per program are at most 32 (the CUDA-core kernel's 16 fp32 q + accumulator
+registers per lane and row, twice fp16's; it is the tensor-core path's fallback).
 
 Partition inside a program (``plan.partition``, seed 000; compile-time, ``decode.cu``). A program
 has ``NRG`` row groups of ``RT`` rows (``R = NRG x RT`` rows = GQA group x q_len) and ``W`` warps per
@@ -116,8 +133,8 @@ class CudaPtxBackend(Backend):
     ~48 KB in flight), ``block_n`` = chunk alignment in tokens (a multiple of the kernel's tile),
     ``threads`` = total threads (alternative to ``num_warps``), ``partition`` = ``split_k`` (default)
     or ``split_v`` (what the planner takes for ``split.partition: auto``), ``mma`` = the tensor-core
-    path: ``None`` (auto: on wherever it serves), ``False`` (CUDA cores), ``True`` (required; an
-    error where it cannot serve). The plan's kernel options show the choice (``"mma": true``).
+    path: ``None`` (auto: on wherever it serves, fp8 KV included), ``False`` (CUDA cores), ``True``
+    (required; an error where it cannot serve). The plan's kernel options show the choice (``"mma": true``).
 
     Args:
         cache: the NVRTC compile cache; default: memory + ``$ATTNPLAN_CACHE_DIR`` / user cache dir.

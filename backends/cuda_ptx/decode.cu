@@ -20,15 +20,16 @@
 //   ATTNPLAN_PASSES      warp passes per KV tile                            [partial / single]
 //   ATTNPLAN_WINDOW      1 = sliding window (window_left argument)          [partial / single]
 //   ATTNPLAN_SOFTCAP     1 = logits soft-cap (softcap_log2 argument)        [partial / single]
-//   ATTNPLAN_MMA         1 = tensor-core split-K path (mma.sync m16n8k16, see "Method"): fp16 / bf16 q
-//                        and KV, head_dim a multiple of 16, split-K; PASSES is then the 16-token m-tiles
-//                        of a warp's KV tile                                  [partial / single]
+//   ATTNPLAN_MMA         1 = tensor-core split-K path (mma.sync m16n8k16, see "Method"): fp16 / bf16 q,
+//                        KV in q's dtype or fp8 e4m3fn, head_dim a multiple of 16, split-K; PASSES is then
+//                        the 16-token m-tiles of a warp's KV tile                [partial / single]
 //   ATTNPLAN_SMEM_BYTES, ATTNPLAN_TILE_TOKENS, ATTNPLAN_THREADS: the host's own arithmetic, checked
 //                        against the kernel's by static_assert (a mismatch fails compilation).
 //
 // No #include: only NVRTC built-ins, so no CUDA toolkit headers are needed at run time. fp16/bf16
 // conversions are inline PTX (cvt), which needs sm_80 or newer; fp8 e4m3fn is decoded with integer
-// ops and the fp16 conversion (no cuda_fp8.h, same code on every architecture).
+// ops and the fp16 conversion on the CUDA-core path (no cuda_fp8.h, same code on every architecture),
+// and with cvt.rn.f16x2.e4m3x2 on the tensor-core path from sm_89 on (the integer decoder below sm_89).
 //
 // ATTNPLAN_HOST_EMULATION (tests only): the same source compiles as host C++ against
 // emulation/simt.h, which runs every CUDA thread as a fiber so the kernels' indexing, masking and
@@ -64,11 +65,54 @@
 //    FlashAttention-2 does) and packed in the S^T fragment's layout (an 8x8 (token, row) matrix per half),
 //    transposed across the warp with movmatrix.trans into (row g; tokens 2t, 2t+1 / +8). The O^T accumulator
 //    fragments (d g / g+8, rows 2t, 2t+1) are fp32 registers; the warp merge at the end is split-K's.
-//  * Ring rows of the MMA layout: RS 16-byte chunks per token (head_dim/8; +1 padding chunk when that is not
+//  * Ring rows of the MMA layout: RS 16-byte chunks per token (head_dim/8; padded to an odd count when not
 //    a multiple of 8), chunk v of token t stored at column v ^ (t & 7) when unpadded (XOR swizzle): the 8
 //    row addresses of each 8x8 ldmatrix read hit 8 different 16-byte bank groups either way.
 //  * Per 16 tokens a warp issues head_dim/16 ldmatrix + NTW x head_dim/16 mma for each of QK^T and P.V,
 //    instead of the CUDA-core path's per-lane dot products and 4-level shuffle reductions per token.
+//  fp8 e4m3fn KV on the tensor cores (ATTNPLAN_KV_FP8 with ATTNPLAN_MMA): the same rings, masks, softmax,
+//  P fragments and merge; only the K / V fragment loads and q's B fragments differ.
+//  * The tiles stay fp8 in shared memory (cp.async 16-byte chunks = 16 dims of a token; RS = head_dim/16
+//    chunks, swizzled as above when a multiple of 8, else padded to an odd count), so a stage of the bf16
+//    default's bytes holds twice the tokens. They are converted in registers right after ldmatrix, not in a
+//    16-bit shared-memory staging copy: that would add a shared-memory write + read of twice the tile's bytes
+//    and a sync per tile to save nothing (the register conversion is one cvt per 2 values either way).
+//  * ldmatrix moves b16 elements, i.e. byte pairs, which is all it needs to: the mma's K-dim (head_dim for
+//    QK^T, tokens for P.V) and O^T's M-dim may be permuted freely if both operands / the output agree.
+//    K: the bf16 path's ldmatrix.x4 addresses (tokens 0-7 | 8-15) x (chunks 2c | 2c+1) give lane (g, t) bytes
+//    4t..4t+3 of tokens g / g+8 in chunks 2c / 2c+1, i.e. two k16-steps per x4 (head_dim/32 per 16 tokens);
+//    k-indices 2t, 2t+1 are dims 4t, 4t+1 of the step and 2t+8, 2t+9 dims 4t+2, 4t+3, so cvt of the low / high
+//    byte pair of a register is the A fragment's a0 / a2 (token g) or a1 / a3 (token g+8), and q's B
+//    fragments are loaded in the same dim order (columns 16kk + 4t.. / 4t+2..).
+//    V: ldmatrix.x4.trans with the same addresses gives lane (g, t) the pairs (dims 2g, 2g+1) of tokens 2t
+//    and 2t+1 of a chunk; one prmt (bytes 0, 2, 1, 3) regroups them per dim into (dim 2g | dim 2g+1) x
+//    (tokens 2t, 2t+1), the A fragment's rows g / g+8 (tokens 8-15 likewise for a2 / a3). So m16-tile md of
+//    O^T holds head_dim columns 16md + 2g (row g) and 16md + 2g + 1 (row g+8): acc_col(), used by the end
+//    merge. Tokens keep their order, so P^T's movmatrix fragments are the bf16 path's.
+//  * e4m3 -> fp16 with cvt.rn.f16x2.e4m3x2 (sm_89+; one instruction per 2 values, exact: every e4m3fn value
+//    is an fp16 normal or zero, NaN stays NaN). Below sm_89 (sm_80 / sm_86 compiles) the same helper is the
+//    CUDA-core path's integer decoder (value x 2^-8 in fp16 bits), NaN codes set, and one exact mul.rn.f16x2 by
+//    256; the host emulation runs that integer form as the cvt's twin. So the values, and the scales
+//    (k_scale folded into the score scale, v_scale into the normalized output, FP8_UNIT = 1 here), are the
+//    same on every architecture.
+//  * Every fp8 mma is f16.f16 (K and V are exact in fp16), whatever q's dtype: P rounds to fp16 (2^-11, finer
+//    than bf16's 2^-8), and bf16 q moves to fp16 once per program as q x 2^e, one power of two per n8-tile
+//    putting the tile's largest |q| in [2^14, 2^15) (bf16's 8 significant bits fit fp16's 11 down to 2^-32 of
+//    it; never an overflow), with 2^-e folded into that tile's score scale rs[nt]. This keeps bf16 q on the
+//    one-cvt-per-2-values conversion; converting K to bf16 would take e4m3 -> f16x2 -> 2 x f32 -> bf16x2
+//    (4 instructions per 2 values).
+//  * Per 16 tokens and head_dim 128 a warp adds 64 cvt (32 for K, 32 for V) and 16 prmt (V) to the bf16 path's
+//    instructions and issues half the ldmatrix; with 32-token tiles (below) its loop issues slightly fewer
+//    instructions per token than the bf16 kernel while it reads half the bytes (sm_90 SASS, head_dim 128,
+//    group 4: 717 / 771 per 32 tokens contiguous / 16-token pages, against bf16's 409 / 439 per 16).
+//  * Tiles are sized in bytes (launch.py, MMA_TILE_BYTES): head_dim 128 fp8 takes 2 m-tiles (32 tokens) per
+//    8 KB stage, so the bf16 default of 4 warps x 2 stages x 8 KB (64 KB of shared memory, 32 KB in flight)
+//    keeps its bytes in flight with twice the tokens, and the online softmax's row-max shuffles and rescales
+//    run once per 32 tokens.
+//  * Registers: the conversions need some, so the fp8 kernels keep fewer copy constants (LC_COMPACT: a
+//    lane's chunks are one column of tokens tok0 + k*TPR, offsets affine in k), load the block table once
+//    per page of the tile when a 32-token tile spans 16-token pages (PAGE_REG, any MMA kernel: TILE / PAGE
+//    warp-uniform entries instead of one per chunk) and state __launch_bounds__(threads, 1) (below).
 //
 // Method, CUDA-core path (FlashDecoding; FlashInfer's decode kernels for the CUDA-core layout):
 //  * Rows r = i*GROUP + g (query i, head g of the group). Row groups of RT rows; each warp holds its
@@ -190,6 +234,38 @@ __device__ __forceinline__ void fp8x4_to_float(u32 w, float &a, float &b, float 
 
 // bit 7 of byte j set where byte j of w is a NaN code ((byte & 0x7f) == 0x7f; no carry crosses bytes)
 __device__ __forceinline__ u32 fp8x4_nan(u32 w) { return ((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u; }
+
+// Tensor-core path: e4m3fn -> fp16 holding the exact value (unscaled: every e4m3fn value, subnormals
+// included, is an fp16 normal number or zero; NaN codes give NaN).
+// Integer twin of cvt.rn.f16x2.e4m3x2 (the sm_80 fallback and the host emulation's cvt): x holds one
+// byte in bits 8..15 of each half (__byte_perm 0x1404 / 0x3424 of the bytes); the CUDA-core decoder's
+// bit move gives value x 2^-8, the NaN codes are set to NaN, and one exact f16x2 multiply by 2^8
+// (mul.rn.f16x2, fp16 subnormals supported) restores the value.
+__device__ __forceinline__ u32 fp8x2_to_half2_int(u32 x) {
+    u32 h = (x & 0x80008000u) | ((x >> 1) & 0x3f803f80u);
+    h |= ((((x & 0x7f007f00u) + 0x01000100u) >> 15) & 0x00010001u) * 0x7fffu;  // (byte & 0x7f) == 0x7f: NaN
+#ifdef ATTNPLAN_HOST_EMULATION
+    const u32 lo = emu::float_to_half_rn(emu::half_to_float((unsigned short)(h & 0xffffu)) * 256.f);
+    const u32 hi = emu::float_to_half_rn(emu::half_to_float((unsigned short)(h >> 16)) * 256.f);
+    return lo | (hi << 16);
+#else
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(h), "r"(0x5c005c00u));  // x {256, 256}
+    return r;
+#endif
+}
+
+// 4 e4m3fn bytes -> two f16x2 words: lo = bytes 0, 1 (byte 0 in the low half), hi = bytes 2, 3.
+// sm_89+: cvt.rn.f16x2.e4m3x2 (PTX ISA: the upper byte of the .b16 source goes to the upper half).
+__device__ __forceinline__ void fp8x4_to_half2x2(u32 w, u32 &lo, u32 &hi) {
+#if defined(ATTNPLAN_HOST_EMULATION) || __CUDA_ARCH__ < 890
+    lo = fp8x2_to_half2_int(__byte_perm(w, 0u, 0x1404u));
+    hi = fp8x2_to_half2_int(__byte_perm(w, 0u, 0x3424u));
+#else
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+        : "=r"(lo), "=r"(hi) : "r"(w));
+#endif
+}
 #endif
 
 // one 16-byte vector of the KV cache -> KVEC floats (fp8: x 2^-8, see FP8_UNIT)
@@ -259,8 +335,8 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
 #ifndef ATTNPLAN_MMA
 #define ATTNPLAN_MMA 0
 #endif
-#if ATTNPLAN_MMA && (ATTNPLAN_DTYPE == 2 || ATTNPLAN_KV_FP8 || ATTNPLAN_SPLIT_V)
-#error "the tensor-core path (ATTNPLAN_MMA) needs fp16 / bf16 q and KV and split-K"
+#if ATTNPLAN_MMA && (ATTNPLAN_DTYPE == 2 || ATTNPLAN_SPLIT_V)
+#error "the tensor-core path (ATTNPLAN_MMA) needs fp16 / bf16 q (KV in q's dtype or fp8) and split-K"
 #endif
 
 static_assert(HEAD_DIM % KVEC == 0, "head_dim must fill whole 16-byte KV vectors (a multiple of 16 for fp8)");
@@ -270,6 +346,10 @@ constexpr int LPT = DV >= 32 ? 32 : pow2_ceil(DV);  // lanes per token row
 constexpr int NV = (DV + LPT - 1) / LPT;            // 16-byte vectors per lane per row
 constexpr int TPP = 32 / LPT;                       // tokens per warp pass
 constexpr bool MMA = ATTNPLAN_MMA != 0;
+constexpr bool KV8 = ATTNPLAN_KV_FP8 != 0;
+// MMA: the mma.sync input type is bf16 only for bf16 q with a bf16 cache; with an fp8 cache every mma is
+// fp16 (K and V convert to fp16 exactly; bf16 q moves to fp16 with a power of two per n8-tile; P rounds to fp16)
+constexpr bool MMA_BF16 = ATTNPLAN_DTYPE == 1 && !KV8;
 constexpr int PASSES = ATTNPLAN_PASSES;             // MMA: 16-token m-tiles per tile
 constexpr int TILE = PASSES * (MMA ? 16 : TPP);     // tokens per tile
 constexpr int CH = TILE * DV;                       // 16-byte chunks per tile (K or V)
@@ -281,8 +361,10 @@ constexpr int NRG = ATTNPLAN_ROW_GROUPS;
 constexpr int RT = MMA ? 8 * (((R + NRG - 1) / NRG + 7) / 8) : (R + NRG - 1) / NRG;
 constexpr int NTW = MMA ? RT / 8 : 1;               // MMA: n8-tiles (8 rows each) per warp
 constexpr int KS = HEAD_DIM / 16;                   // MMA: k16-steps of QK^T = m16-tiles of O^T over head_dim
-// ring row stride in 16-byte chunks; MMA rows are XOR-swizzled (DV % 8 == 0) or padded by one chunk
-constexpr int RS = !MMA ? DV : (DV % 8 == 0 ? DV : DV + 1);
+// MMA: ldmatrix.x4 per 16 tokens and KV tile: one covers 2 chunks (bf16 / fp16: one k16-step; fp8: two)
+constexpr int NLD = (DV + 1) / 2;
+// ring row stride in 16-byte chunks; MMA rows are XOR-swizzled (DV % 8 == 0) or padded to an odd count
+constexpr int RS = !MMA ? DV : (DV % 8 == 0 ? DV : (DV | 1));
 constexpr bool SWZ = MMA && DV % 8 == 0;
 constexpr int NWK = ATTNPLAN_KV_WARPS;              // warps per row group
 constexpr int NWARPS = NRG * NWK;
@@ -301,7 +383,12 @@ constexpr int ACC_NV = SPLIT_V ? NVV : NV;          // accumulator vectors per l
 constexpr int NCOPY = SPLIT_V ? NTHREADS : 32;      // threads filling one ring (program / warp)
 constexpr int CPL = (CH + NCOPY - 1) / NCOPY;       // chunks per copying thread per tile (K or V)
 constexpr bool ONE_PAGE = PAGE >= TILE;             // a (T-aligned) tile lies in one page
-constexpr int NPG = ONE_PAGE ? 1 : CPL;             // block-table entries per copying thread per tile
+// MMA with pages smaller than the tile (e.g. fp8's 32-token tiles over 16-token pages): when a copy round's
+// tokens (NCOPY / DV) divide the page, chunk k of every copying thread lies in page PSLOT(k) of the tile, so
+// the tile needs its TILE / PAGE block-table entries (the same for every lane) instead of one per chunk
+constexpr bool PAGE_REG = MMA && PAGE > 0 && !ONE_PAGE && NCOPY % DV == 0 && PAGE % (NCOPY / DV) == 0;
+constexpr int NPG = ONE_PAGE ? 1 : (PAGE_REG ? TILE / PAGE : CPL);  // block-table entries per copying thread per tile
+__host__ __device__ constexpr int pslot(int k) { return PAGE_REG ? k * (NCOPY / DV) / PAGE : k; }
 constexpr int KT_BYTES = TILE * RS * 16;            // the K (or V) tile of a stage
 constexpr int STAGE_BYTES = 2 * KT_BYTES;           // K + V of one tile
 constexpr int RING_BYTES = (SPLIT_V ? 1 : NWARPS) * STAGES * STAGE_BYTES;
@@ -401,12 +488,13 @@ __device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const unsigned char *row) {
 #endif
 }
 
-// d += A . B: mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 (fragments per the PTX ISA)
+// d += A . B: mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 (fragments per the PTX ISA;
+// bf16 iff MMA_BF16)
 __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], const u32 b0, const u32 b1) {
 #ifdef ATTNPLAN_HOST_EMULATION
     const u32 b[2] = {b0, b1};
-    emu::mma_m16n8k16(d, a, b, ATTNPLAN_DTYPE == 1);
-#elif ATTNPLAN_DTYPE == 1
+    emu::mma_m16n8k16(d, a, b, MMA_BF16);
+#elif ATTNPLAN_DTYPE == 1 && !ATTNPLAN_KV_FP8
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -429,20 +517,43 @@ __device__ __forceinline__ u32 movmatrix_trans(u32 x) {
 #endif
 }
 
-// two floats -> q's 16-bit dtype, packed (lo in the low half), round to nearest even
+// two floats -> the mma input type (bf16 iff BF16), packed (lo in the low half), round to nearest even
+template <bool BF16 = MMA_BF16>
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
 #ifdef ATTNPLAN_HOST_EMULATION
-    return (u32)from_float(lo) | ((u32)from_float(hi) << 16);
+    return BF16 ? (u32)emu::float_to_bf16_rn(lo) | ((u32)emu::float_to_bf16_rn(hi) << 16)
+                : (u32)emu::float_to_half_rn(lo) | ((u32)emu::float_to_half_rn(hi) << 16);
 #else
     u32 r;
-#if ATTNPLAN_DTYPE == 1
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));  // d = {cvt(a) hi, cvt(b) lo}
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
+    if (BF16)
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));  // d = {cvt(a) hi, cvt(b) lo}
+    else
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 #endif
 }
+
+#if ATTNPLAN_KV_FP8 && ATTNPLAN_DTYPE == 1
+// 2^e for |e| <= 126, exactly
+__device__ __forceinline__ float pow2i(int e) { return __uint_as_float((u32)(127 + e) << 23); }
+
+// The power of two 2^e that puts amax (the largest |q| of some rows, > 0 and finite) in [2^14, 2^15): e =
+// 14 - floor(log2(amax)), clamped to [-113, 113] (2^e and 2^-e stay normal floats; only an amax under 2^-99
+// ends below 2^14). 0 for zero rows (or an inf / NaN amax, which propagate as on any path).
+__device__ __forceinline__ int q_exp_shift(float amax) {
+    if (!(amax > 0.f) || amax == __int_as_float(0x7f800000)) return 0;
+    const int e = 14 - ((int)((__float_as_uint(amax) >> 23) & 0xffu) - 127);  // bf16 subnormals: 141, clamped
+    return e < -113 ? -113 : (e > 113 ? 113 : e);
+}
+#endif
+
+// ldmatrix chunk index: with an odd chunk count (fp8 only) the last x4 reads the last chunk twice
+__device__ __forceinline__ int ld_chunk(int v) { return DV % 2 == 0 ? v : cmin(v, DV - 1); }
+
+// Head_dim column of the O^T accumulator element acc[md][nt][e] held by fragment groupID g (h = e / 2):
+// bf16 / fp16 KV: M-row g + 8h of m16-tile md; fp8 KV: V's A fragments come from ldmatrix of byte pairs
+// (see "Method"), so M-rows g / g+8 are the columns 2g / 2g+1 of the tile's 16.
+__host__ __device__ constexpr int acc_col(int md, int g, int h) { return md * 16 + (KV8 ? 2 * g + h : g + 8 * h); }
 #endif
 
 // Byte offset of 16-byte chunk v of token row `tok` in a K or V tile of a ring stage (see RS / SWZ).
@@ -464,6 +575,12 @@ __device__ __forceinline__ void load_pages(int (&pg)[NPG], const int *__restrict
 #if ATTNPLAN_PAGE_SIZE > 0
     if (ONE_PAGE) {
         pg[0] = (ts < end && ts + TILE > start) ? __ldg(btb + ts / PAGE) : 0;
+    } else if (PAGE_REG) {
+#pragma unroll
+        for (int j = 0; j < NPG; ++j) {  // page j of the tile: tokens [t0, t0 + PAGE)
+            const int t0 = ts + j * PAGE;
+            pg[j] = (t0 < end && t0 + PAGE > start) ? __ldg(btb + t0 / PAGE) : 0;
+        }
     } else {
 #pragma unroll
         for (int k = 0; k < NPG; ++k) {
@@ -479,22 +596,43 @@ __device__ __forceinline__ void load_pages(int (&pg)[NPG], const int *__restrict
 // vector v of that row, at element offset off[k] from the tile's base (token 0 of the tile; for pages
 // smaller than the tile, token 0 of the chunk's page). Tiles start at multiples of TILE (and of PAGE
 // when PAGE < TILE), which the host checks, so these do not depend on the tile.
+// fp8 tensor-core path (LC_COMPACT): a copy round of NCOPY threads covers TPR whole token rows, so thread
+// `cid`'s chunks are one column v of tokens tok0 + k*TPR: the token is computed at issue time, the ring
+// offsets repeat per XOR-swizzle phase (NSW of them, the rest a constant apart) and the global offsets per
+// row within a page (NKO: with pages smaller than the tile the rows restart every PAGE / TPR chunks). This
+// keeps the fp8 kernel's registers for its conversions (head_dim 128, 16-token pages: 11 instead of 32).
+constexpr bool LC_COMPACT = MMA && KV8 && NCOPY % DV == 0;
+constexpr int TPR = NCOPY % DV == 0 ? NCOPY / DV : 1;                       // tokens per copy round
+constexpr int NSW = LC_COMPACT && SWZ && TPR < 8 ? cmin(CPL, 8 / TPR) : 1;  // swizzle phases of tok0 + k*TPR
+constexpr int NKO = LC_COMPACT && PAGE > 0 && !ONE_PAGE ? cmin(CPL, cmax(1, PAGE / TPR)) : CPL;  // distinct rows
 struct LaneCopies {
-    int tok[CPL];
-    int koff[CPL], voff[CPL];  // < 2^31: the host checks (TILE - 1) x token stride + head_dim
-    int soff[MMA ? CPL : 1];   // MMA: byte offset in the stage's K / V tile (chunk_off); else c * 16
+    int tok[LC_COMPACT ? 1 : CPL];
+    int koff[NKO], voff[NKO];  // < 2^31: the host checks (TILE - 1) x token stride + head_dim
+    int soff[LC_COMPACT ? NSW : (MMA ? CPL : 1)];  // MMA: byte offset in the stage's K / V tile (chunk_off)
 };
 
+__device__ __forceinline__ int lc_tok(const LaneCopies &lc, int k) {
+    return LC_COMPACT ? lc.tok[0] + k * TPR : lc.tok[k];
+}
+__device__ __forceinline__ int lc_soff(const LaneCopies &lc, int k) {
+    return LC_COMPACT ? lc.soff[k % NSW] + (k / NSW) * (NSW * TPR * RS * 16) : lc.soff[MMA ? k : 0];
+}
+
 __device__ __forceinline__ void lane_copies(LaneCopies &lc, i64 k_s1, i64 v_s1, int cid) {
+    constexpr int N = LC_COMPACT ? cmax(NKO, NSW) : CPL;  // LC_COMPACT: the first chunks hold every distinct offset
 #pragma unroll
-    for (int k = 0; k < CPL; ++k) {
+    for (int k = 0; k < N; ++k) {
         const int c = cid + NCOPY * k;
         const int tok = c / DV, v = c % DV;
         const int row = (PAGE > 0 && !ONE_PAGE) ? (tok & (PAGE - 1)) : tok;
-        lc.tok[k] = (CH % NCOPY == 0 || c < CH) ? tok : (1 << 30);  // past CH: never valid
-        lc.koff[k] = (int)((i64)row * k_s1 + v * KVEC);
-        lc.voff[k] = (int)((i64)row * v_s1 + v * KVEC);
-        if (MMA) lc.soff[MMA ? k : 0] = chunk_off(tok < TILE ? tok : 0, v);
+        if (k < (LC_COMPACT ? 1 : CPL))
+            lc.tok[LC_COMPACT ? 0 : k] = (CH % NCOPY == 0 || c < CH) ? tok : (1 << 30);  // past CH: never valid
+        if (k < NKO) {
+            lc.koff[k % NKO] = (int)((i64)row * k_s1 + v * KVEC);
+            lc.voff[k % NKO] = (int)((i64)row * v_s1 + v * KVEC);
+        }
+        if (MMA && k < (LC_COMPACT ? NSW : CPL))
+            lc.soff[k % (LC_COMPACT ? NSW : CPL)] = chunk_off(tok < TILE ? tok : 0, v);
     }
 }
 
@@ -517,21 +655,33 @@ __device__ __forceinline__ void issue_tile(unsigned char *stage, const kv_t *__r
     kt = kb + (i64)ts * k_s1;
     vt = vb + (i64)ts * v_s1;
 #endif
+#if ATTNPLAN_PAGE_SIZE > 0
+    const kv_t *kp[PAGE_REG ? NPG : 1], *vp[PAGE_REG ? NPG : 1];  // PAGE_REG: the tile's pages, once per tile
+#pragma unroll
+    for (int j = 0; j < (PAGE_REG ? NPG : 0); ++j) {
+        kp[j] = kb + (i64)pg[j] * k_s0;
+        vp[j] = vb + (i64)pg[j] * v_s0;
+    }
+#endif
 #pragma unroll
     for (int k = 0; k < CPL; ++k) {
         const int c = cid + NCOPY * k;
         if (CH % NCOPY == 0 || c < CH) {
-            const bool valid = lc.tok[k] >= first && lc.tok[k] < avail;
+            const bool valid = lc_tok(lc, k) >= first && lc_tok(lc, k) < avail;
             const kv_t *ksrc = kt, *vsrc = vt;
 #if ATTNPLAN_PAGE_SIZE > 0
-            if (!ONE_PAGE) {
+            if (PAGE_REG) {
+                ksrc = kp[PAGE_REG ? pslot(k) : 0];
+                vsrc = vp[PAGE_REG ? pslot(k) : 0];
+            } else if (!ONE_PAGE) {
                 ksrc = kb + (i64)pg[k] * k_s0;
                 vsrc = vb + (i64)pg[k] * v_s0;
             }
 #endif
-            const int so = MMA ? lc.soff[MMA ? k : 0] : c * 16;
-            cp_async16(stage + so, valid ? (const void *)(ksrc + lc.koff[k]) : (const void *)kb, valid);
-            cp_async16(stage + KT_BYTES + so, valid ? (const void *)(vsrc + lc.voff[k]) : (const void *)vb, valid);
+            const int so = MMA ? lc_soff(lc, k) : c * 16;
+            cp_async16(stage + so, valid ? (const void *)(ksrc + lc.koff[k % NKO]) : (const void *)kb, valid);
+            cp_async16(stage + KT_BYTES + so, valid ? (const void *)(vsrc + lc.voff[k % NKO]) : (const void *)vb,
+                       valid);
         }
     }
 }
@@ -639,19 +789,22 @@ __device__ __forceinline__ void tile_pv(float (&acc)[RT][ACC_NV][KVEC], const fl
 #if ATTNPLAN_MMA
 // One KV tile on the tensor cores (see "Method"): S^T = K . Q^T, mask, online softmax, O^T += V^T . P^T.
 // Fragment coordinates: g = lane / 4, t = lane % 4. s[mt][nt][e] is token mt*16 + g + 8*(e/2), row
-// nt*8 + 2t + e%2 of the row group; acc[md][nt][e] is head_dim column md*16 + g + 8*(e/2) of that row;
-// m / l [nt][j] belong to row nt*8 + 2t + j (l: the lane's tokens only). `masked` (warp-uniform): the tile
-// holds positions some row cannot see.
+// nt*8 + 2t + e%2 of the row group; acc[md][nt][e] is head_dim column acc_col(md, g, e/2) of that row;
+// m / l [nt][j] belong to row nt*8 + 2t + j (l: the lane's tokens only); rs[nt] is n8-tile nt's score scale
+// (base 2). `masked` (warp-uniform): the tile holds positions some row cannot see.
 __device__ __forceinline__ void mma_tile(float (&m)[NTW][2], float (&l)[NTW][2], float (&acc)[KS][NTW][4],
                                          const u32 (&qb)[NTW][KS][2], const unsigned char *ks,
                                          const unsigned char *vs, int ts, const int (&lo)[NTW][2],
-                                         const int (&hi)[NTW][2], bool masked, int lane, float scale_log2,
+                                         const int (&hi)[NTW][2], bool masked, int lane, const float (&rs)[NTW],
                                          float softcap_log2) {
     const int g = lane >> 2, r8 = lane & 7;
-    // ldmatrix row addresses: K (A of S^T, 16 tokens x 16 dims): matrices (tokens 0-7 | 8-15) x (dims 0-7 | 8-15);
-    // V (A of O^T, read transposed): matrices (dims 0-7 | 8-15) x (tokens 0-7 | 8-15)
+    // ldmatrix row addresses: matrices (tokens 0-7 | 8-15) x (chunks 2c | 2c+1): lanes 8j..8j+7 give matrix j's
+    // rows. K (A of S^T, bf16 / fp16): chunks 2c, 2c+1 are dims 0-7 / 8-15 of k16-step c. fp8 (K and V): each
+    // chunk is one k16-step / m16-tile, its bytes read as 8 b16 pairs (see "Method"); an odd last chunk is read
+    // twice and its second copy ignored. V (A of O^T, read transposed, bf16 / fp16): matrices (dims 0-7 | 8-15)
+    // x (tokens 0-7 | 8-15).
     const int ktok = r8 + (lane & 8), kv = lane >> 4;
-    const int vtok = r8 + ((lane >> 4) << 3), vv = (lane >> 3) & 1;
+    const int vtok = KV8 ? ktok : r8 + ((lane >> 4) << 3), vv = KV8 ? kv : (lane >> 3) & 1;
 
     float s[PASSES][NTW][4];
 #pragma unroll
@@ -661,11 +814,27 @@ __device__ __forceinline__ void mma_tile(float (&m)[NTW][2], float (&l)[NTW][2],
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) {
-            u32 a[4];
-            ldsm_x4<false>(a, ks + chunk_off(mt * 16 + ktok, 2 * kk + kv));
+        for (int c = 0; c < NLD; ++c) {
+            u32 r[4];
+            ldsm_x4<false>(r, ks + chunk_off(mt * 16 + ktok, ld_chunk(2 * c + kv)));
+#if ATTNPLAN_KV_FP8
+            // r[2j] / r[2j+1]: tokens g / g+8, bytes 4t..4t+3 of chunk 2c+j = k16-step kk: the A fragment's
+            // k-indices 2t, 2t+1 are dims 4t, 4t+1 of the step, 2t+8, 2t+9 dims 4t+2, 4t+3 (qb follows)
 #pragma unroll
-            for (int nt = 0; nt < NTW; ++nt) mma_16816(s[mt][nt], a, qb[nt][kk][0], qb[nt][kk][1]);
+            for (int j = 0; j < 2; ++j) {
+                const int kk = 2 * c + j;
+                if (kk < KS) {
+                    u32 a[4];
+                    fp8x4_to_half2x2(r[2 * j], a[0], a[2]);
+                    fp8x4_to_half2x2(r[2 * j + 1], a[1], a[3]);
+#pragma unroll
+                    for (int nt = 0; nt < NTW; ++nt) mma_16816(s[mt][nt], a, qb[nt][kk][0], qb[nt][kk][1]);
+                }
+            }
+#else
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) mma_16816(s[mt][nt], r, qb[nt][c][0], qb[nt][c][1]);
+#endif
         }
     }
 #pragma unroll
@@ -674,7 +843,7 @@ __device__ __forceinline__ void mma_tile(float (&m)[NTW][2], float (&l)[NTW][2],
         for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float x = s[mt][nt][e] * scale_log2;
+                float x = s[mt][nt][e] * rs[nt];
 #if ATTNPLAN_SOFTCAP
                 x = soft_cap(x, softcap_log2);
 #endif
@@ -733,13 +902,30 @@ __device__ __forceinline__ void mma_tile(float (&m)[NTW][2], float (&l)[NTW][2],
             pb[mt][nt][1] = movmatrix_trans(pack2(s[mt][nt][2], s[mt][nt][3]));
         }
 #pragma unroll
-    for (int md = 0; md < KS; ++md)
+    for (int c = 0; c < NLD; ++c)
 #pragma unroll
         for (int mt = 0; mt < PASSES; ++mt) {
-            u32 a[4];
-            ldsm_x4<true>(a, vs + chunk_off(mt * 16 + vtok, 2 * md + vv));
+            u32 r[4];
+            ldsm_x4<true>(r, vs + chunk_off(mt * 16 + vtok, ld_chunk(2 * c + vv)));
+#if ATTNPLAN_KV_FP8
+            // r[2j] / r[2j+1]: tokens 2t, 2t+1 / 2t+8, 2t+9 of chunk md = 2c+j, transposed b16 pairs: bytes
+            // (tok 2t: dims 2g, 2g+1 | tok 2t+1: dims 2g, 2g+1); regrouped per dim (byte order 0, 2, 1, 3) they are
+            // the (M-row g = dim 2g | M-row g+8 = dim 2g+1) x (k-indices 2t, 2t+1) pairs of the A fragment
 #pragma unroll
-            for (int nt = 0; nt < NTW; ++nt) mma_16816(acc[md][nt], a, pb[mt][nt][0], pb[mt][nt][1]);
+            for (int j = 0; j < 2; ++j) {
+                const int md = 2 * c + j;
+                if (md < KS) {
+                    u32 a[4];
+                    fp8x4_to_half2x2(__byte_perm(r[2 * j], 0u, 0x3120u), a[0], a[1]);
+                    fp8x4_to_half2x2(__byte_perm(r[2 * j + 1], 0u, 0x3120u), a[2], a[3]);
+#pragma unroll
+                    for (int nt = 0; nt < NTW; ++nt) mma_16816(acc[md][nt], a, pb[mt][nt][0], pb[mt][nt][1]);
+                }
+            }
+#else
+#pragma unroll
+            for (int nt = 0; nt < NTW; ++nt) mma_16816(acc[c][nt], r, pb[mt][nt][0], pb[mt][nt][1]);
+#endif
         }
 }
 #endif
@@ -761,7 +947,17 @@ __device__ __forceinline__ void finish_row(float m, float l, float vscale, const
     factor = empty ? 0.f : scale / l;
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
+// fp8 tensor-core kernels state minBlocksPerMultiprocessor = 1: left open, ptxas (NVRTC 13.5) trades small
+// spills for register occupancy (96 / 128 / 168 registers = 5 / 4 / 3 programs of 128 threads) that the
+// shared memory (64 KB per program: 3 per H200 SM, 2 per A100 SM) never allows; stated, it allocates
+// without spilling (head_dim 128, sm_90: 130-165 registers, still 3 programs per SM). The bf16 / fp16 and
+// CUDA-core kernels keep the measured open form.
+#if ATTNPLAN_MMA && ATTNPLAN_KV_FP8
+#define ATTNPLAN_LAUNCH_BOUNDS __launch_bounds__(NTHREADS, 1)
+#else
+#define ATTNPLAN_LAUNCH_BOUNDS __launch_bounds__(NTHREADS)
+#endif
+extern "C" __global__ void ATTNPLAN_LAUNCH_BOUNDS
 ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const kv_t *__restrict__ vc,
                const int *__restrict__ seq_lens, const int *__restrict__ block_table,
                out_t *__restrict__ o, float *__restrict__ lse, const float *__restrict__ sinks,
@@ -823,8 +1019,10 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 
     float qscale = scale_log2, vscale = 1.f;
 #if ATTNPLAN_KV_FP8
-    qscale *= k_scale[h] * FP8_UNIT;  // dequantization folded into the score scale ...
-    vscale = v_scale[h] * FP8_UNIT;   // ... and into the normalized output
+    // dequantization folded into the score scale and into the normalized output (the CUDA-core decoder's
+    // values carry 2^-8, FP8_UNIT; the tensor-core path's fp16 values are exact)
+    qscale *= k_scale[h] * (MMA ? 1.f : FP8_UNIT);
+    vscale = v_scale[h] * (MMA ? 1.f : FP8_UNIT);
 #endif
 
 #if ATTNPLAN_MMA
@@ -848,6 +1046,10 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
     }
     int lo[NTW][2], hi[NTW][2];
     u32 qb[NTW][KS][2];
+    float rs[NTW];  // score scale (base 2) of n8-tile nt
+    // B fragment (k-indices 2t, 2t+1 | 2t+8, 2t+9 of k16-step kk) = q columns kk*16 + (2t | 2t+8) for a bf16 /
+    // fp16 cache, kk*16 + (4t | 4t+2) for fp8 (the K-dim order of the fp8 K fragments, see "Method")
+    constexpr int QC0 = KV8 ? 4 : 2, QC1 = KV8 ? 2 : 8;
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt) {
 #pragma unroll
@@ -857,18 +1059,48 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
             hi[nt][j] = 0;  // padding rows see nothing
             if (rr < R) query_range(rr / GROUP, L, cs, ce, window_left, lo[nt][j], hi[nt][j]);
         }
+        rs[nt] = qscale;
         const int rq = rg * RT + nt * 8 + fg;  // this lane's B-fragment row
         if (rq < R) {
             const elem_t *qp = q + (i64)b * q_sb + (i64)(rq / GROUP) * q_si + (i64)(h * GROUP + rq % GROUP) * q_sh;
 #pragma unroll
             for (int kk = 0; kk < KS; ++kk) {
-                qb[nt][kk][0] = *reinterpret_cast<const u32 *>(qp + kk * 16 + 2 * ft);
-                qb[nt][kk][1] = *reinterpret_cast<const u32 *>(qp + kk * 16 + 8 + 2 * ft);
+                qb[nt][kk][0] = *reinterpret_cast<const u32 *>(qp + kk * 16 + QC0 * ft);
+                qb[nt][kk][1] = *reinterpret_cast<const u32 *>(qp + kk * 16 + QC0 * ft + QC1);
             }
         } else {
 #pragma unroll
             for (int kk = 0; kk < KS; ++kk) qb[nt][kk][0] = qb[nt][kk][1] = 0u;
         }
+#if ATTNPLAN_KV_FP8 && ATTNPLAN_DTYPE == 1
+        // bf16 q with an fp8 cache: the mmas are fp16, so the rows of n8-tile nt move to fp16 as q x 2^e, e
+        // putting the tile's largest |q| in [2^14, 2^15): no overflow, and bf16's 8 significant bits fit fp16's
+        // 11 for every element down to 2^-32 of that largest |q| (smaller ones round to fp16's subnormal grid,
+        // or flush in the mma: an absolute score error under ~2^-28 x max |q| x |k|); 2^-e joins the tile's
+        // score scale (exact)
+        float amax = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float x0, x1;
+                unpack2(qb[nt][kk][i], x0, x1);
+                amax = fmaxf(amax, fmaxf(fabsf(x0), fabsf(x1)));
+            }
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, off));
+        const int ex = q_exp_shift(amax);
+        const float up = pow2i(ex);
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                float x0, x1;
+                unpack2(qb[nt][kk][i], x0, x1);
+                qb[nt][kk][i] = pack2<false>(x0 * up, x1 * up);
+            }
+        rs[nt] = qscale * pow2i(-ex);
+#endif
     }
     float m[NTW][2], l[NTW][2], acc[KS][NTW][4];
 #pragma unroll
@@ -1017,7 +1249,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         const unsigned char *vs = ks + KT_BYTES;
 
 #if ATTNPLAN_MMA
-        mma_tile(m, l, acc, qb, ks, vs, ts, lo, hi, ts < max_lo || ts + TILE > min_hi, lane, scale_log2, softcap_log2);
+        mma_tile(m, l, acc, qb, ks, vs, ts, lo, hi, ts < max_lo || ts + TILE > min_hi, lane, rs, softcap_log2);
 #else
         float sc[PASSES][RT];
         tile_scores(sc, qf, ks, slot, lv, softcap_log2);
@@ -1142,7 +1374,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         for (int md = 0; md < KS; ++md)
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                sts(sm_acc + (warp * RT + nt * 8 + 2 * ft + (e & 1)) * HEAD_DIM + md * 16 + fg + 8 * (e >> 1),
+                sts(sm_acc + (warp * RT + nt * 8 + 2 * ft + (e & 1)) * HEAD_DIM + acc_col(md, fg, e >> 1),
                     acc[md][nt][e]);
         if (fg == 0) {
 #pragma unroll

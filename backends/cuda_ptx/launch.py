@@ -22,9 +22,10 @@ shared memory at the end. Split-V (``partition="split_v"``): one ``stages``-deep
 filled by all threads; each of the ``kv_warps`` warps of a row group computes the scores of every
 tile and accumulates and writes its own slice of head_dim columns. An fp8 KV cache
 (``kv_dtype="float8_e4m3fn"``) carries 16 values per 16-byte vector; q stays fp16 / bf16.
-Tensor-core split-K (``mma=True``): the same rings and end merge, tiles of ``passes`` 16-token
-m-tiles, rows in whole n8-tiles (``n_tiles`` per warp), ring rows of ``row_chunks`` 16-byte chunks
-(XOR-swizzled, or padded by one chunk) for conflict-free ``ldmatrix``.
+Tensor-core split-K (``mma=True``; fp16 / bf16 caches and fp8 ones): the same rings and end merge, tiles
+of ``passes`` 16-token m-tiles, rows in whole n8-tiles (``n_tiles`` per warp), ring rows of
+``row_chunks`` 16-byte chunks (XOR-swizzled, or padded to an odd count) for conflict-free ``ldmatrix``;
+the tile is sized in bytes, so an fp8 one holds twice the tokens (see :func:`_mma_spec`).
 """
 
 from __future__ import annotations
@@ -95,13 +96,13 @@ def _pow2_floor(x: int) -> int:
 def mma_unsupported(dtype: str, head_dim: int, kv_dtype: str | None = None, partition: str = "split_k") -> str:
     """Why the tensor-core path (``mma.sync`` m16n8k16) cannot serve these shapes; ``""`` if it can.
 
-    It needs fp16 / bf16 q and the same dtype in the KV cache (fp8 and fp32 stay on CUDA cores),
-    head_dim a multiple of 16 (the mma's K-dim) and the split-K partition.
+    It needs fp16 / bf16 q with the KV cache in q's dtype or in ``float8_e4m3fn`` (fp32 stays on CUDA
+    cores), head_dim a multiple of 16 (the mma's K-dim) and the split-K partition.
     """
     if dtype not in ("float16", "bfloat16"):
         return f"the tensor-core path needs float16 or bfloat16, got {dtype}"
-    if kv_dtype not in (None, dtype):
-        return f"the tensor-core path needs the KV cache in q's dtype {dtype}, got {kv_dtype}"
+    if kv_dtype not in (None, dtype, FP8):
+        return f"the tensor-core path needs the KV cache in q's dtype {dtype} or {FP8}, got {kv_dtype}"
     if head_dim % 16:
         return f"the tensor-core path needs head_dim a multiple of 16, got {head_dim}"
     if partition != "split_k":
@@ -159,8 +160,8 @@ class KernelSpec:
         softcap: logits soft-cap (``softcap_log2`` argument).
         kv_fp8: the KV cache is ``float8_e4m3fn`` (dequantized with the ``k_scale`` / ``v_scale`` arguments).
         partition: ``"split_k"`` or ``"split_v"`` inside the program (``decode.cu``'s method).
-        mma: the tensor-core path (``ATTNPLAN_MMA``; split-K, fp16 / bf16): ``passes`` is then the
-            16-token m-tiles of a warp's tile, rows go to warps in whole n8-tiles.
+        mma: the tensor-core path (``ATTNPLAN_MMA``; split-K, fp16 / bf16 q, KV in q's dtype or fp8):
+            ``passes`` is then the 16-token m-tiles of a warp's tile, rows go to warps in whole n8-tiles.
     """
 
     kind: str
@@ -214,10 +215,10 @@ class KernelSpec:
 
     @property
     def row_chunks(self) -> int:
-        """16-byte chunks per token row of a ring tile: head_dim's, plus one padding chunk on the
-        tensor-core path when that is not a multiple of 8 (else the rows are XOR-swizzled)."""
+        """16-byte chunks per token row of a ring tile: head_dim's; on the tensor-core path rounded up to
+        an odd count (one padding chunk) when that is not a multiple of 8 (else the rows are XOR-swizzled)."""
         dv = self.layout["dv"]
-        return dv + 1 if self.mma and dv % 8 else dv
+        return dv | 1 if self.mma and dv % 8 else dv
 
     @property
     def stage_bytes(self) -> int:
@@ -331,19 +332,23 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
             head_dim a multiple of 16).
         partition: ``"split_k"`` or ``"split_v"`` (``decode.cu``'s method).
         mma: the tensor-core path (``decode.cu``'s ``ATTNPLAN_MMA``): ``None`` = wherever
-            :func:`mma_unsupported` has no objection and the program fits ``smem_limit`` (else the
-            CUDA-core path), ``True`` = required, ``False`` = CUDA cores.
+            :func:`mma_unsupported` has no objection (fp8 KV included) and the program fits
+            ``smem_limit`` (else the CUDA-core path), ``True`` = required, ``False`` = CUDA cores. An fp8
+            spec is the same for every architecture: the kernel converts with ``cvt.rn.f16x2.e4m3x2`` from
+            sm_89 on and with the integer decoder below (sm_80 / sm_86 compiles).
     Returns:
         the :class:`KernelSpec`. CUDA-core path: rows are split into row groups of at most ``min(8,
         ROW_REGS / (2 x elements per lane))`` rows; the tile is sized so a warp holds at most
         :data:`SCORE_REGS` scores and a stage holds at most :data:`TILE_BYTES` (split-V: twice each,
         and at least one pass per P.V lane subgroup). Tensor-core path: rows go to warps in n8-tiles,
         at most ``MMA_NTILE_DIMS / head_dim`` per warp (fewest row groups, tiles spread evenly); the
-        tile is whole 16-token m-tiles within :data:`MMA_TILE_BYTES` and :data:`SCORE_REGS` scores; the
+        tile is whole 16-token m-tiles within :data:`MMA_TILE_BYTES` (of the KV dtype: fp8 tiles hold
+        twice the tokens) and :data:`SCORE_REGS` scores; the
         default KV warps shrink until two stages of every warp fit ``min(SMEM_BUDGET, smem_limit)``;
         stages keep :data:`MMA_INFLIGHT_BYTES` in flight.
     Raises:
-        ValueError: unsupported dtype / head_dim / kind / partition, too many rows, ``mma=True`` where
+        ValueError: unsupported dtype / head_dim / kind / partition, too many rows (fp8 KV: more than
+        :func:`max_rows`, the CUDA-core fallback's, on either path), ``mma=True`` where
         the tensor-core path cannot serve, or options that exceed :data:`MAX_WARPS` warps or
         ``smem_limit`` (or, for split-V, do not divide head_dim).
     """
@@ -354,13 +359,16 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
     _check_shape_support(dtype, head_dim, kv_dtype)
     args = (kind, dtype, head_dim, group, q_len, int(page_size or 0), num_warps, num_stages, smem_limit,
             bool(window), bool(softcap))
+    if kv_dtype == FP8 and group * q_len > max_rows(FP8, head_dim):  # either path: the CUDA-core one is the fallback
+        raise ValueError(f"GQA group x q_len = {group * q_len} rows exceeds {max_rows(FP8, head_dim)} rows per program "
+                         f"for {FP8} head_dim {head_dim}")
     if mma is None or mma:
         why = mma_unsupported(dtype, head_dim, kv_dtype, partition)
         if mma and why:
             raise ValueError(f"mma=True: {why}")
         if not why:
             try:
-                return _mma_spec(*args)
+                return _mma_spec(*args, kv_dtype)
             except ValueError:
                 if mma:
                     raise
@@ -419,8 +427,18 @@ def _core_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_st
 
 
 def _mma_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_stages, smem_limit, window,
-              softcap) -> KernelSpec:
-    """The tensor-core specialization (see :func:`make_spec`)."""
+              softcap, kv_dtype=None) -> KernelSpec:
+    """The tensor-core specialization (see :func:`make_spec`).
+
+    The warp tile is sized in bytes (:data:`MMA_TILE_BYTES` of K + V per stage), not tokens: an fp8 cache
+    (1 byte per element) gets twice the tokens per tile of a bf16 / fp16 one (head_dim 128: 2 m-tiles = 32
+    tokens instead of 16), so the default 4 warps x 2 stages x 8 KB (64 KB of shared memory, 32 KB =
+    :data:`MMA_INFLIGHT_BYTES` in flight per program) keeps the bytes in flight of the measured bf16
+    default, i.e. twice its tokens. The larger tile also halves the per-token cost of the online softmax's
+    row-max shuffles and rescales; its registers (2 m-tiles x n8-tiles x 4 scores + the P fragments) stay
+    within :data:`SCORE_REGS` (head_dim 128, sm_90: 130-165 registers without spills, soft-cap included,
+    with the fp8 kernels' ``__launch_bounds__(threads, 1)``: ``decode.cu``).
+    """
     rows = group * q_len
     n8 = -(-rows // 8)
     row_groups = -(-n8 // max(1, MMA_NTILE_DIMS // head_dim))
@@ -428,10 +446,11 @@ def _mma_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_sta
         raise ValueError(f"GQA group x q_len = {rows} rows needs {row_groups} row groups of n8-tiles on the tensor-core "
                          f"path for head_dim {head_dim}, more than {MAX_WARPS} warps")
     ntw = -(-n8 // row_groups)
-    passes = max(1, min(_pow2_floor(max(1, MMA_TILE_BYTES // (2 * 16 * head_dim * 2))),
+    eb = ELEM_BYTES[kv_dtype or dtype]
+    passes = max(1, min(_pow2_floor(max(1, MMA_TILE_BYTES // (2 * 16 * head_dim * eb))),
                         _pow2_floor(max(1, SCORE_REGS // (4 * ntw)))))
     base = KernelSpec(kind, dtype, head_dim, group, q_len, page_size, 1, row_groups, 2, passes, window, softcap,
-                      False, "split_k", True)
+                      kv_dtype == FP8, "split_k", True)
     if num_warps is None:
         kv_warps = 4 if row_groups == 1 else max(1, MAX_WARPS // row_groups)
         budget = min(SMEM_BUDGET, smem_limit)

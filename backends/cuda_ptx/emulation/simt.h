@@ -16,7 +16,8 @@
 // race check.
 // fp16 / bf16 conversions round to nearest even like cvt.rn (fp16 -> fp32 exactly, subnormals included,
 // which the fp8 decoder relies on); __byte_perm is prmt's default mode; ex2.approx.ftz is exp2f with denormal
-// results flushed.
+// results flushed. cvt.rn.f16x2.e4m3x2's twin is decode.cu's integer decoder (fp8x2_to_half2_int, also the
+// sm_80 fallback), built on these. __shfl_sync / __shfl_xor_sync share one exchange.
 // Shared-memory race check: the kernel's shared-memory loads and stores (decode.cu's lds / sts helpers)
 // and cp.async copies are recorded per 4-byte word with the warp and the __syncthreads epoch. A copy
 // counts as written only when its issuing thread's cp.async.wait_group retires its group (then in that
@@ -139,15 +140,16 @@ inline void barrier_wait(Barrier &b) {
 
 inline void warp_barrier() { barrier_wait(g_block->warp_bar[cur().tid.x / 32]); }
 
+// __shfl_xor_sync (xor = true: partner lane ^ arg) or __shfl_sync (xor = false: source lane arg)
 template <class T>
-inline T shfl_xor(T v, int off) {
+inline T shfl(T v, int arg, bool xor_) {
     static_assert(sizeof(T) == 4, "32-bit shuffles only");
     const unsigned t = cur().tid.x, lane = t & 31, w = t / 32;
     uint32_t bits;
     std::memcpy(&bits, &v, 4);
     g_block->slots[w * 32 + lane] = bits;
     warp_barrier();
-    bits = g_block->slots[w * 32 + ((lane ^ (unsigned)off) & 31)];
+    bits = g_block->slots[w * 32 + ((xor_ ? lane ^ (unsigned)arg : (unsigned)arg) & 31)];
     warp_barrier();
     T r;
     std::memcpy(&r, &bits, 4);
@@ -413,7 +415,9 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 inline void __syncthreads() { emu::barrier_wait(emu::g_block->block_bar); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barrier(); }
 template <class T>
-inline T __shfl_xor_sync(unsigned, T v, int off) { return emu::shfl_xor(v, off); }
+inline T __shfl_xor_sync(unsigned, T v, int off) { return emu::shfl(v, off, true); }
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) { return emu::shfl(v, src, false); }
 template <class T>
 inline T __ldg(const T *p) {
     if (!emu::readable(p, sizeof(T))) {
