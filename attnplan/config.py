@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 __all__ = ["Config", "ConfigError", "load_config", "device_table", "CostModel", "BACKEND_NAMES"]
 
-BACKEND_NAMES = ("cuda_ptx", "triton", "numba", "reference")
+BACKEND_NAMES = ("triton", "cuda_ptx", "numba", "reference")
 BackendName = Literal["cuda_ptx", "triton", "numba", "reference"]
 
 
