@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import attnplan
 import attnplan.testing
-from attnplan.timing import read_bandwidth_gbs, time_cuda
+from attnplan.timing import capture_graphs, read_bandwidth_gbs, time_cuda
 
 L2_ROTATE_BYTES = 512 << 20  # rotate input copies until this many bytes are cycled
 
@@ -58,23 +58,6 @@ def _bf16(x):
     return dataclasses.replace(x, k_cache=x.k_cache.to(torch.bfloat16), v_cache=x.v_cache.to(torch.bfloat16))
 
 
-def _capture(step, n):
-    """CUDA graphs of ``step(j)`` for ``j < n`` (after a warm-up on a side stream, as torch's docs do)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for j in range(n):
-            step(j)
-    torch.cuda.current_stream().wait_stream(s)
-    graphs = []
-    for j in range(n):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step(j)
-        graphs.append(g)
-    return graphs
-
-
 def _time_step(step, n, iters, res):
     """Fill ``res`` with a step's three times (us): ``eager_us`` (host call included, as an eager caller
     sees it), ``graph_us`` (CUDA-graph replay, device time: an L2 flush is queued in front so the
@@ -82,7 +65,7 @@ def _time_step(step, n, iters, res):
     latency, the replay as a lone step sees it)."""
     res["eager_us"] = time_cuda(lambda i: step(i % n), warmup=10, iters=iters)["median_us"]
     try:
-        graphs = _capture(step, n)
+        graphs = capture_graphs(step, n)
     except Exception as e:  # noqa: BLE001 - a peer that cannot be captured keeps its eager time
         res["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         torch.cuda.synchronize()

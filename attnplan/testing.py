@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .backends.base import DecodeInputs
-from .problem import default_sm_scale
+from .problem import DecodeProblem, default_sm_scale, dtype_name
 
-__all__ = ["TOLERANCES", "tolerance", "make_inputs", "assert_close_to_reference", "poison", "DecodeCase", "DTYPES", "long_tailed_lengths"]
+__all__ = ["TOLERANCES", "tolerance", "make_inputs", "problem_of", "assert_close_to_reference", "poison", "DecodeCase", "DTYPES", "long_tailed_lengths"]
 
 #: short dtype names used in test ids
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -147,3 +147,15 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch
         i = int((err - bound).argmax())
         raise AssertionError(f"{what}: max error {float(err.max()):.3e} (worst {float(err[i]):.3e} vs bound "
                              f"{float(bound[i]):.3e}, ref {float(r[fin][i]):.4f}); atol {atol}, rtol {rtol}")
+
+
+def problem_of(x: DecodeInputs) -> DecodeProblem:
+    """The :class:`~attnplan.DecodeProblem` of inputs ``x`` with their live lengths (tokens; reads
+    ``seq_lens`` to the host, so tests only) and variants (window, soft-cap, sinks, per-head fp8
+    scales), for planning without the public API and its plan cache."""
+    b, q_len, hq, d = x.q.shape
+    lens = x.seq_lens.tolist()
+    return DecodeProblem(b, hq, x.k_cache.shape[2], d, q_len, x.k_cache.shape[1] if x.paged else None,
+                         dtype_name(x.q.dtype), dtype_name(x.k_cache.dtype), max(lens), sum(lens),
+                         window_left=x.window_left, soft_cap=x.soft_cap, has_sinks=x.sinks is not None,
+                         kv_scale="head" if x.k_scale is not None else "none")

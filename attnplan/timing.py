@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["time_cuda", "read_bandwidth_gbs", "l2_flush"]
+__all__ = ["time_cuda", "read_bandwidth_gbs", "l2_flush", "capture_graphs"]
 
 
 #: bytes the L2 flush writes before each timed step (the H200's L2 is 60 MB)
@@ -71,6 +71,25 @@ def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50, f
     torch.cuda.synchronize()
     t = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
     return {"median_us": statistics.median(t), "min_us": t[0], "p90_us": t[int(0.9 * (len(t) - 1))], "iters": iters}
+
+
+def capture_graphs(step: Callable[[int], object], n: int) -> list:
+    """One CUDA graph of ``step(j)`` for each ``j < n``, after running every step once on a side
+    stream (the warm-up PyTorch's CUDA-graph docs prescribe: lazy allocations and compilation happen
+    outside the capture). Returns the ``torch.cuda.CUDAGraph`` objects; replay them on the current stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for j in range(n):
+            step(j)
+    torch.cuda.current_stream().wait_stream(s)
+    graphs = []
+    for j in range(n):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step(j)
+        graphs.append(g)
+    return graphs
 
 
 def read_bandwidth_gbs(nbytes: int = 4 << 30, iters: int = 20) -> dict:

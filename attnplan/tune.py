@@ -42,18 +42,10 @@ SEARCH_PROGRAMS_PER_SM = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16)
 def _graph_time(w, x, iters: int) -> float:
     """Device time (us) of one CUDA-graph replay of ``w.run`` (an L2 flush queued in front, see
     :func:`attnplan.timing.time_cuda`)."""
-    from .timing import time_cuda
+    from .timing import capture_graphs, time_cuda
 
     args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        w.run(*args)
-        w.run(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        w.run(*args)
+    (g,) = capture_graphs(lambda j: w.run(*args), 1)
     return time_cuda(lambda i: g.replay(), warmup=5, iters=iters, flush=True)["median_us"]
 
 
@@ -68,6 +60,16 @@ def _context(backend: str, opts: dict):
                                                     split=split, plan_cache={"disk": False}))
 
 
+def _inputs(layout: str, batch: int, kv: int, heads, gen):
+    """Random bf16 inputs on the GPU for one tuning point: ``batch`` sequences of ``kv`` tokens,
+    ``heads = (num_q_heads, num_kv_heads, head_dim)``, a contiguous or page-16 cache."""
+    import attnplan.testing
+
+    hq, hkv, d = heads
+    return attnplan.testing.make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=16 if layout == "paged" else None,
+                                        dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
+
+
 def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous", "paged"), iters: int = 15,
           option_grid: dict | None = None, progress=None) -> list[dict]:
     """Time every (shape, layout, kernel options, split count) under CUDA-graph replay.
@@ -76,18 +78,15 @@ def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous"
     ``error`` for options that do not compile or fit).
     """
     import attnplan
-    import attnplan.testing
 
-    hq, hkv, d = heads
+    hkv = heads[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid = option_grid or OPTION_GRIDS.get(backend, {})
     keys = list(grid)
     gen = torch.Generator(device="cuda").manual_seed(7)
     rows = []
     for layout, (batch, kv) in itertools.product(layouts, shapes):
-        page = 16 if layout == "paged" else None
-        x = attnplan.testing.make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=page, dtype=torch.bfloat16,
-                                         device="cuda", generator=gen, extra_pages=0)
+        x = _inputs(layout, batch, kv, heads, gen)
         for values in itertools.product(*(grid[k] for k in keys)):
             opts = dict(zip(keys, values))
             ctx = _context(backend, opts)
@@ -146,14 +145,6 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
             b = min(rs, key=lambda r: r["us"])
             out["sat_by_layout"].setdefault(layout, []).append(b["programs"] / sms)
     return out
-
-
-def _inputs(layout: str, batch: int, kv: int, heads, gen):
-    import attnplan.testing
-
-    hq, hkv, d = heads
-    return attnplan.testing.make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=16 if layout == "paged" else None,
-                                        dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
 
 
 def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, progress=None) -> list[dict]:

@@ -46,3 +46,20 @@ def kernel_backends(device: str) -> list[str]:
     from attnplan.backends import get_backend
 
     return [n for n in ("triton", "numba", "cuda_ptx") if get_backend(n).available(torch.device(device))[0]]
+
+
+def run_spawned(target, arg_tuples, timeout: float = 120) -> list:
+    """Run ``target(*args, queue)`` in one spawned process per ``args`` in ``arg_tuples`` and return
+    what each put on the queue (in arrival order), after checking every process exited with 0."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, q)) for args in arg_tuples]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=timeout) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return results

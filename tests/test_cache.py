@@ -1,7 +1,6 @@
 """The plan cache: memory LRU, disk files, versioning, faults, concurrency, key contents."""
 
 import json
-import multiprocessing as mp
 import os
 import stat
 import warnings
@@ -14,6 +13,8 @@ from attnplan.api import Context, plan_problem
 from attnplan.backends import get_backend
 from attnplan.cache import PlanCache
 from attnplan.device import DeviceInfo
+
+from conftest import run_spawned
 
 DEV_A = DeviceInfo("NVIDIA H200", 132, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
 DEV_B = DeviceInfo("NVIDIA H200", 66, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")  # MIG-like slice
@@ -116,14 +117,7 @@ def _worker(path, n, q):
 
 
 def test_concurrent_processes_never_read_half_written_files(tmp_path):
-    q = mp.get_context("spawn").Queue()
-    procs = [mp.get_context("spawn").Process(target=_worker, args=(str(tmp_path), 12, q)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    results = [q.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = run_spawned(_worker, [(str(tmp_path), 12)] * 4)
     assert all(r == results[0] for r in results)
     for f in (tmp_path / "v1").glob("*.json"):
         json.loads(f.read_text())  # every file complete

@@ -145,6 +145,19 @@ def test_nvrtc_compiles_cubin_without_spills(s, cc, cache):
           f"stack {res['stack']}, dynamic smem {spec.smem_bytes}")
 
 
+def _compiled_resources(spec, cc, cache, two_programs: bool = False) -> dict:
+    """Compile ``spec`` for ``cc`` and check ptxas's report: no spills, no stack, registers within
+    :data:`MAX_REGISTERS` and one program within an SM's register file (with ``two_programs``: two
+    programs, for one-row-group specs of at most 128 threads). Returns the resources."""
+    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
+    res = c.resources[spec.entry]
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
+    assert 0 < res["registers"] <= MAX_REGISTERS and res["registers"] * spec.threads <= 65536, res
+    if two_programs and spec.row_groups == 1 and spec.threads <= 128:
+        assert 2 * res["registers"] * spec.threads <= 65536, res
+    return res
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
 @pytest.mark.parametrize("s", NEW_SPECS, ids=spec_id)
@@ -155,10 +168,7 @@ def test_fp8_and_split_v_compile_without_spills(s, cc, cache):
     d = spec.defines()
     assert d["ATTNPLAN_KV_FP8"] == int(s[6].get("kv_dtype") == FP8)
     assert d["ATTNPLAN_SPLIT_V"] == int(s[6].get("partition") == "split_v")
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
-    res = c.resources[spec.entry]
-    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
-    assert 0 < res["registers"] <= MAX_REGISTERS and res["registers"] * spec.threads <= 65536, res
+    res = _compiled_resources(spec, cc, cache)
     print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
           f"dynamic smem {spec.smem_bytes}")
 
@@ -173,12 +183,7 @@ def test_mma_compiles_without_spills(s, cc, cache):
     spec = L.make_spec(*s[:6], **s[6])
     assert spec.mma and spec.defines()["ATTNPLAN_MMA"] == 1 and spec.name.endswith(
         "-mma" + ("-window-softcap" if s[6] else ""))
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
-    res = c.resources[spec.entry]
-    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
-    assert 0 < res["registers"] <= MAX_REGISTERS and res["registers"] * spec.threads <= 65536, res
-    if spec.row_groups == 1 and spec.threads <= 128:
-        assert 2 * res["registers"] * spec.threads <= 65536, res
+    res = _compiled_resources(spec, cc, cache, two_programs=True)
     print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
           f"dynamic smem {spec.smem_bytes}, tile {spec.tile_tokens}, {spec.row_groups}x{spec.n_tiles} n8-tiles")
 
@@ -196,12 +201,7 @@ def test_fp8_mma_compiles_without_spills(s, cc, cache):
     assert spec.mma and spec.kv_fp8 and spec.name.endswith(suffix)
     d = spec.defines()
     assert d["ATTNPLAN_MMA"] == 1 and d["ATTNPLAN_KV_FP8"] == 1
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
-    res = c.resources[spec.entry]
-    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
-    assert 0 < res["registers"] <= MAX_REGISTERS and res["registers"] * spec.threads <= 65536, res
-    if spec.row_groups == 1 and spec.threads <= 128:
-        assert 2 * res["registers"] * spec.threads <= 65536, res
+    res = _compiled_resources(spec, cc, cache, two_programs=True)
     print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
           f"dynamic smem {spec.smem_bytes}, tile {spec.tile_tokens}, stages {spec.stages}, "
           f"{spec.row_groups}x{spec.n_tiles} n8-tiles")

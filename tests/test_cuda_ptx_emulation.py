@@ -30,9 +30,8 @@ from attnplan import reference
 from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN
 from attnplan.planner import make_plan
-from attnplan.problem import DecodeProblem, dtype_name
 from attnplan.state import PartialState, merge_states
-from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison
+from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison, problem_of
 
 emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
 pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the host emulation")
@@ -75,12 +74,7 @@ def _plan(be, x, splits, partition="split_k", **options):
     if partition == "mma" or "mma" not in options and partition in MODES:
         partition, mma = MODES[partition]
         options = {**options, "mma": mma}
-    b, q_len, hq, d = x.q.shape
-    lens = x.seq_lens.tolist()
-    prob = DecodeProblem(b, hq, x.k_cache.shape[2], d, q_len, x.k_cache.shape[1] if x.paged else None,
-                         dtype_name(x.q.dtype), dtype_name(x.k_cache.dtype), max(lens), sum(lens),
-                         window_left=x.window_left, soft_cap=x.soft_cap, has_sinks=x.sinks is not None,
-                         kv_scale="head" if x.k_scale is not None else "none")
+    prob = problem_of(x)
     assert be.supports(prob) == []
     kc = be.kernel_config(prob, {"partition": partition, **options}, torch.device("cpu"))
     plan = make_plan(prob, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=splits, partitions=be.partitions)

@@ -50,14 +50,9 @@ def _direct_plan(be, x, splits, **options):
     bypassing the public API (whose config has no ``mma`` key) and the plan cache."""
     from attnplan.device import device_info
     from attnplan.planner import make_plan
-    from attnplan.problem import DecodeProblem, dtype_name
+    from attnplan.testing import problem_of
 
-    b, q_len, hq, d = x.q.shape
-    lens = x.seq_lens.tolist()
-    prob = DecodeProblem(b, hq, x.k_cache.shape[2], d, q_len, x.k_cache.shape[1] if x.paged else None,
-                         dtype_name(x.q.dtype), dtype_name(x.k_cache.dtype), max(lens), sum(lens),
-                         window_left=x.window_left, soft_cap=x.soft_cap, has_sinks=x.sinks is not None,
-                         kv_scale="head" if x.k_scale is not None else "none")
+    prob = problem_of(x)
     kc = be.kernel_config(prob, options, x.q.device)
     return make_plan(prob, device_info(x.q.device), load_config(), "cuda_ptx", kc, num_splits=splits,
                      partitions=be.partitions, merge_strategies=be.merge_strategies)
@@ -352,17 +347,28 @@ MMA_CASES = [
 def test_mma_and_core_agree(case, gen):
     """The tensor-core and CUDA-core split-K kernels on the same inputs and plans: partial states within
     q's dtype tolerance of the reference (o) and fp32's (lse), and of each other."""
-    be = _backend()
     dtype = DT[case.dtype]
     hq, hkv = case.heads
     x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
                     dtype=dtype, device="cuda", generator=gen)
-    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    _check_mma_and_core(case, x, {}, partial_o_dtype=dtype, fp8=False)
+
+
+def _check_mma_and_core(case, x, vkw: dict, partial_o_dtype: torch.dtype, fp8: bool) -> None:
+    """Run the tensor-core and CUDA-core kernels on ``x`` for each of the case's split counts: outputs and
+    lse against the float64 reference (variants ``vkw``); the mma path's partial states against
+    ``reference.partial`` (o at ``partial_o_dtype``'s tolerance, lse at fp32's), and against the CUDA-core
+    states where both plans chunk alike."""
+    be = _backend()
+    dtype = DT[case.dtype]
+    tag = "fp8 mma" if fp8 else "mma"
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, **vkw)
     for splits in case.splits:
         states = {}
         for mma in (True, False):
             plan = _direct_plan(be, x, splits, mma=mma)
-            assert be.spec_for("partial", plan, x.q.device, x).mma is mma and plan.kernel["mma"] is mma
+            spec = be.spec_for("partial", plan, x.q.device, x)
+            assert spec.mma is mma and plan.kernel["mma"] is mma and (spec.kv_fp8 or not fp8)
             out = poison(torch.empty_like(x.q))
             lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
             if plan.single_pass:
@@ -377,11 +383,11 @@ def test_mma_and_core_agree(case, gen):
             assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (mma={mma}, splits={splits})")
         if True in states:
             chunk, n, st = states[True]
-            rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, chunk, n)
-            assert_close_to_reference(st.o, rp.o, dtype, "partial o (mma)")
-            assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse (mma)")
+            rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, chunk, n, **vkw)
+            assert_close_to_reference(st.o, rp.o, partial_o_dtype, f"partial o ({tag})")
+            assert_close_to_reference(st.lse, rp.lse, torch.float32, f"partial lse ({tag})")
             if False in states and states[False][:2] == (chunk, n):  # same chunks: the kernels' states agree
-                assert_close_to_reference(st.o, states[False][2].o.double(), dtype, "partial o mma vs core")
+                assert_close_to_reference(st.o, states[False][2].o.double(), partial_o_dtype, "partial o mma vs core")
                 assert_close_to_reference(st.lse, states[False][2].lse.double(), torch.float32, "lse mma vs core")
 
 
@@ -401,37 +407,9 @@ def test_fp8_mma_and_core_agree(case, gen):
     """fp8 KV: the tensor-core and CUDA-core split-K kernels on the same inputs: outputs and lse against the
     float64 reference; partial states within fp16's tolerance (mma: P rounded to fp16) / fp32's of the
     reference, and of each other where the two plans chunk alike."""
-    be = _backend()
-    dtype = DT[case.dtype]
     x = _fp8_inputs(case, gen)
     vkw = dict(window_left=case.window, soft_cap=case.cap, k_scale=x.k_scale, v_scale=x.v_scale)
-    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, **vkw)
-    for splits in case.splits:
-        states = {}
-        for mma in (True, False):
-            plan = _direct_plan(be, x, splits, mma=mma)
-            spec = be.spec_for("partial", plan, x.q.device, x)
-            assert spec.mma is mma and spec.kv_fp8 and plan.kernel["mma"] is mma
-            out = poison(torch.empty_like(x.q))
-            lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
-            if plan.single_pass:
-                be.single_pass(plan, x, out, lse)
-            else:
-                st = PartialState.empty(*x.q.shape[:3], plan.num_splits, case.head_dim, device="cuda")
-                be.partial(plan, x, st)
-                be.merge(plan, st, out, lse)
-                states[mma] = (plan.chunk_size, plan.num_splits, st)
-            torch.cuda.synchronize()
-            assert_close_to_reference(out, ref, dtype, f"out (mma={mma}, splits={splits})")
-            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (mma={mma}, splits={splits})")
-        if True in states:
-            chunk, n, st = states[True]
-            rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, chunk, n, **vkw)
-            assert_close_to_reference(st.o, rp.o, torch.float16, "partial o (fp8 mma)")
-            assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse (fp8 mma)")
-            if False in states and states[False][:2] == (chunk, n):  # same chunks: the kernels' states agree
-                assert_close_to_reference(st.o, states[False][2].o.double(), torch.float16, "partial o mma vs core")
-                assert_close_to_reference(st.lse, states[False][2].lse.double(), torch.float32, "lse mma vs core")
+    _check_mma_and_core(case, x, vkw, partial_o_dtype=torch.float16, fp8=True)
 
 
 @pytest.mark.parametrize("partition", (*PARTITIONS, "core"))

@@ -7,9 +7,8 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, run_spawned
 
 
 def _free_port() -> int:
@@ -21,7 +20,6 @@ def _free_port() -> int:
 def _worker(rank, world, port, page, backend, lens, seed, q):
     import torch.distributed as dist
 
-    import attnplan
     from attnplan import reference
     from attnplan.distributed import ContextParallelDecode
     from attnplan.testing import make_inputs
@@ -62,17 +60,9 @@ def test_context_parallel_gloo_two_ranks(backend):
         pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
     if HAS_CUDA and backend == "triton":
         pytest.skip("the gloo test runs CPU tensors; the GPU path is benchmarks/bench_cp.py")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     port = _free_port()
     lens = [37, 0, 5, 64]
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, None, backend, lens, 1234, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = [q.get(timeout=180) for _ in procs]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    res = run_spawned(_worker, [(r, 2, port, None, backend, lens, 1234) for r in range(2)], timeout=180)
     for rank, err, nan in res:
         assert not nan and err < 4e-3, (rank, err)
 
