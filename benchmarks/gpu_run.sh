@@ -10,6 +10,7 @@
 #   merge     benchmarks/bench_merge.py (MERGE_MODE=merge,partition): the plan axes side by side -> merge.json
 #   cp        benchmarks/bench_cp.py: context-parallel decode over 2 GPUs (NCCL) -> cp.json
 #   tune      attnplan tune (args: TUNE_ARGS): writes the package's plans/<device>.yaml, copied out
+#   cmd       the shell command in CMD (output: cmd.log); cmd_bg runs it in the background (untimed work only)
 # Everything lands in $OUT/run/ and is packed into $OUT/run.tgz (the device tool returns at most
 # 8 files); short summaries are printed last.
 # Usage (repository root, on the GPU machine): STEPS="tests bench" bash benchmarks/gpu_run.sh
@@ -32,6 +33,8 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
   case $step in
     tests) run_tests ;;
     tests_bg) run_tests & TESTS_PID=$! ;;
+    cmd) bash -c "$CMD" > "$R/cmd.log" 2>&1; echo "cmd rc=$?" ;;
+    cmd_bg) bash -c "$CMD" > "$R/cmd.log" 2>&1 & CMD_PID=$! ;;
     wait) [ -n "${TESTS_PID:-}" ] && wait $TESTS_PID; TESTS_PID= ;;
     bench)
       timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_decode.py --out "$R/bench.json" ${BENCH_ARGS:-} > "$R/bench.log" 2>&1; echo "bench rc=$?" ;;
@@ -51,7 +54,7 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
             python3 benchmarks/sanitize.py --backend $be > "$R/sanitize-$be-$tool.log" 2>&1; echo "rc=$?" >> "$R/sanitize-$be-$tool.log" ) &
         done
       done
-      wait $(jobs -p | grep -v "^${TESTS_PID:-none}$") 2>/dev/null ;;
+      wait $(jobs -p | grep -v -x -e "${TESTS_PID:-none}" -e "${CMD_PID:-none}") 2>/dev/null ;;
     cp)  # needs kind nvidia-h200-x2 (2 GPUs); keep NCCL_NVLS_ENABLE=0 as the machine sets it
       python3 benchmarks/bench_cp.py --world ${CP_WORLD:-2} --kv ${CP_KV:-1048576,2097152} --out "$R/cp.json" \
         > "$R/cp.log" 2>&1; echo "cp rc=$?" ;;
@@ -61,6 +64,7 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
   esac
 done
 [ -n "${TESTS_PID:-}" ] && wait $TESTS_PID
+[ -n "${CMD_PID:-}" ] && wait $CMD_PID
 echo "== done (t=$((SECONDS - t0)) s)"
 # summaries, last
 [ -f "$R/pytest-gpu.log" ] && { grep -E "FAILED|ERROR" "$R/pytest-gpu.log" | grep -v "^E " | head -40; tail -3 "$R/pytest-gpu.log"; }
@@ -69,5 +73,6 @@ for f in "$R"/sanitize-*.log; do [ -f "$f" ] && echo "$(basename $f): $(grep -E 
 [ -f "$R/tune.log" ] && tail -32 "$R/tune.log"
 [ -f "$R/merge.log" ] && grep -E "^(merge|partition) " "$R/merge.log" | cut -c1-150 | tail -60
 [ -f "$R/cp.log" ] && tail -6 "$R/cp.log"
+[ -f "$R/cmd.log" ] && tail -${CMD_TAIL:-8} "$R/cmd.log"
 for b in bench bench2 bench3 bench4; do [ -f "$R/$b.log" ] && sed -n '/^ceiling/,$p' "$R/$b.log" | tail -70; done
 tar czf "$OUT/run.tgz" -C "$OUT" run && rm -rf "$R"

@@ -178,7 +178,10 @@ def test_fp16_qk_products_do_not_overflow(backend, gen):
 
     With scores near 3e4 the fp32 rounding of the scores alone moves the softmax weights by ~0.1%,
     so the bound is the precision floor (STYLE.md habit 3, FlashAttention's practice): the
-    table's fp16 atol plus 4x the largest error of the same attention computed by PyTorch in fp32.
+    table's fp16 atol plus 4x the largest error of the same attention computed by PyTorch in fp32,
+    plus the rounding of P to fp16 before a tensor-core P.V (``tl.dot``, cuda_ptx's mma; as in
+    FlashAttention): each weight moves by at most u = 2^-11 relative, the output by at most
+    u * sum_n P_n |v_n| <= u * max|v|.
     """
     x = _inputs(Case((4, 1), 128, (48,)), gen)
     x.q[..., :4] = 300.0
@@ -192,7 +195,9 @@ def test_fp16_qk_products_do_not_overflow(backend, gen):
     assert torch.isfinite(out).all()
     err = (out.double().cpu() - ref).abs()
     atol, _ = attnplan.testing.tolerance(torch.float16)
-    assert float(err.max()) <= atol + 4 * float(floor.max()), f"max err {float(err.max()):.3e}, fp32 floor {float(floor.max()):.3e}"
+    p_rounding = 2.0**-11 * float(v32.abs().max())
+    bound = atol + 4 * float(floor.max()) + p_rounding
+    assert float(err.max()) <= bound, f"max err {float(err.max()):.3e}, fp32 floor {float(floor.max()):.3e}, bound {bound:.3e}"
 
 
 #: every cross-program merge strategy and whether reruns of one plan must be bitwise identical.
