@@ -156,6 +156,14 @@ def _plans(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``attnplan`` console script: ``run``, ``plans show|clear``, ``bench``, ``tune``. Returns the exit status (2 for bad input)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # ``bench`` and ``tune`` own their options: hand everything after the word to them unparsed
+    # (argparse's REMAINDER drops a tail that starts with an option, e.g. ``tune --json out.json``)
+    passthrough = []
+    for i, tok in enumerate(argv):
+        if tok in ("bench", "tune") and (i == 0 or argv[i - 1] != "--config"):
+            argv, passthrough = argv[: i + 1], argv[i + 1:]
+            break
     parser = argparse.ArgumentParser(prog="attnplan", description="split-KV decode attention: run, inspect plans")
     parser.add_argument("--config", default=None, help="YAML config file (default: $ATTNPLAN_CONFIG or plans/default.yaml)")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -183,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     tune = sub.add_parser("tune", help="measure this GPU and write plans/<device>.yaml; --help for options", add_help=False)
     tune.add_argument("tune_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.cmd in ("bench", "tune"):
+        setattr(args, f"{args.cmd}_args", passthrough)
     if args.cmd == "tune":
         if _cpu_mode() and not {"-h", "--help"} & set(args.tune_args):
             print("attnplan: error: tune needs a CUDA GPU", file=sys.stderr)

@@ -47,6 +47,18 @@ def test_plans_show_and_clear(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU-only behaviour")
+@pytest.mark.parametrize("cmd,module", [("tune", "attnplan.tune"), ("bench", "attnplan.bench")])
+def test_tool_options_reach_the_tool(cmd, module, monkeypatch):
+    """``attnplan tune --json x --iters 3``: options first in the tail reach the tool's own parser."""
+    import importlib
+
+    seen = []
+    monkeypatch.setattr(importlib.import_module(module), "main", lambda a: seen.append(a) or 0)
+    monkeypatch.setattr(cli, "_cpu_mode", lambda: False)
+    assert cli.main(["--config", "x.yaml", cmd, "--json", "out.json", "--iters", "3"]) == 0
+    assert seen == [["--json", "out.json", "--iters", "3"]]
+
+
 def test_bench_needs_gpu(capsys):
     assert cli.main(["bench"]) == 2
 
