@@ -281,9 +281,20 @@ def main(argv=None) -> int:
 
 
 def _write_table(path: str, table: dict) -> None:
-    """Write the device table as YAML, atomically (a failed dump never leaves a truncated table)."""
-    text = ("# Written by `attnplan tune` (see attnplan/tune.py); re-run it on the device to refresh.\n"
-            + yaml.safe_dump(json.loads(json.dumps(table, default=str)), sort_keys=False))
+    """Write the device table as YAML, atomically (a failed dump never leaves a truncated table),
+    keeping the leading comment block of the file it replaces."""
+    stamp = "# Written by `attnplan tune` (see attnplan/tune.py); re-run it on the device to refresh.\n"
+    header = []
+    try:  # keep the file's leading comment block (provenance notes written by hand)
+        with open(path) as fh:
+            for line in fh:
+                if not line.startswith("#"):
+                    break
+                if line != stamp:
+                    header.append(line)
+    except OSError:
+        pass
+    text = "".join(header) + stamp + yaml.safe_dump(json.loads(json.dumps(table, default=str)), sort_keys=False)
     _atomic_write(path, text)
 
 
