@@ -93,6 +93,16 @@ def test_fp8_kv_per_head_scales(backend, hq, hkv, page, gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_kv_with_bf16_q_beyond_fp16_range(backend, gen):
+    """bf16 q entries ~1e5 (past fp16's 65504) with a tiny k_scale (scores O(1)) and an all-zero q row:
+    a backend that widens fp8 K/V to fp16 and casts q to fp16 must scale q into range first."""
+    x = make_inputs(3, 8, 2, 64, [40, 17, 9], page_size=None, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    x.q.mul_(1e5)
+    x.q[1].zero_()
+    _run(backend, x, torch.bfloat16, 2, fp8=(1e-5, 1.5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_scale_is_not_dropped(backend, gen):
     """cases.yaml fp8-scale-dropped: k_scale 0.05, v_scale 2.0 with q in bf16, single pass and split."""
     x = make_inputs(2, 8, 2, 64, [33, 20], page_size=16, dtype=torch.bfloat16, device=DEVICE, generator=gen)

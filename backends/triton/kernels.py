@@ -81,8 +81,8 @@ def split_kv_partial_kernel(
     passes ``out``/``lse`` with ``stride_os = stride_ls = 0``). ``O`` takes the dtype of the buffer.
     Variants: ``WINDOW`` (chunks start at the window, rows see ``[p - window_left, p]``), ``SOFTCAP``
     (``cap * tanh(s / cap)`` on scaled scores, tanh from ``exp(-2|x|)`` so it cannot overflow),
-    ``FP8`` (K/V widened to q's dtype, ``K_SCALE[h]`` folded into the score scale and ``V_SCALE[h]``
-    into the output), ``SINKS_ON`` (single pass, or an in-kernel merge: the sink joins the denominator).
+    ``FP8`` (K/V widened to fp16, a bf16 q row scaled into fp16 by a power of two, ``K_SCALE[h]``
+    folded into the score scale and ``V_SCALE[h]`` into the output), ``SINKS_ON`` (single pass, or an in-kernel merge: the sink joins the denominator).
     ``MERGE``: ``"none"`` (write the state / the single-pass output), ``"fused"`` (after writing its
     state, the program bumps its (sequence, KV head) completion counter ``COUNTERS[b * Hkv + h]``; the
     one that finishes last of the ``num_splits * N_COLS`` merges the group's rows over all splits in
@@ -121,12 +121,22 @@ def split_kv_partial_kernel(
 
     q_ptrs = Q + b64 * stride_qb + qi[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-
     qk_scale = sm_scale_log2
     if FP8:
         qk_scale = qk_scale * tl.load(K_SCALE + kvh)
+    # fp8 K/V widen natively to fp16 (cvt.rn.f16x2.e4m3x2); to bf16 each pair also goes through
+    # f16 -> bf16 (PTX counts in NOTES.md change 8). So with fp8 KV the dots run in fp16: a bf16 q
+    # row is scaled by a power of two into fp16's range (max |q| -> 2^14, no overflow; values
+    # 2^28 below the row's max would go subnormal), and the scale comes back out of its scores.
+    row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+    if FP8 and Q.dtype.element_ty == tl.bfloat16:
+        qf = q.to(tl.float32)
+        qmax = tl.max(tl.abs(qf), 1)
+        up = tl.exp2(14.0 - tl.ceil(tl.log2(tl.where(qmax > 0.0, qmax, 1.0))))
+        q = (qf * up[:, None]).to(tl.float16)
+        row_scale = 1.0 / up
+    if UPCAST:
+        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -145,12 +155,16 @@ def split_kv_partial_kernel(
         k = tl.load(K + k_row[:, None] + kvh * stride_kh + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + v_row[:, None] + kvh * stride_vh + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0)
         if FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+            k = k.to(tl.float16)
+            v = v.to(tl.float16)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if FP8:
+            s = s * (qk_scale * row_scale)[:, None]
+        else:
+            s = s * qk_scale
         if SOFTCAP:  # on natural-log-scaled scores: cap * tanh(x / cap), tanh via exp(-2|x|) (no overflow)
             x = s * (0.6931471805599453 / soft_cap)
             e = tl.exp(-2.0 * tl.abs(x))
