@@ -1,0 +1,100 @@
+"""Per-kernel device time of one decode step: which kernel of the step (partial, merge, ...) costs
+what, from CUPTI kernel records (``torch.profiler``), L2 flushed before every step.
+
+The bench times whole steps (graph replay); this splits a step into its kernels, to see where a
+short-context step's time goes (e.g. issue #4: cuda_ptx vs cuDNN at KV 4K).
+
+    python benchmarks/profile_kernels.py --backends triton,cuda_ptx --kv 4096,32768 --out prof.json
+
+Each kernel's time is the median over ``--iters`` steps of its CUPTI duration (start to end on the
+GPU); "gap" is the step's span minus the sum of its kernels: eager launch latency between kernels, which
+a CUDA graph replay mostly removes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+
+def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int) -> dict:
+    """Kernel durations (us) of ``iters`` eager decode steps of one shape, L2 flushed before each."""
+    import attnplan
+    from attnplan.testing import make_inputs
+    from attnplan.timing import l2_flush
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    hq, hkv, d = heads
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=16 if layout == "paged" else None,
+                    dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
+    w = attnplan.DecodeWrapper(backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    for _ in range(5):
+        w.run(*args)
+    l2_flush()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            l2_flush()
+            torch.cuda.synchronize()  # each step alone on the GPU: its kernels, nothing queued behind
+            w.run(*args)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    steps, cur = [], []
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        if "reduce_kernel" in e.name:  # the flush (torch.sum) that starts every step
+            if cur:
+                steps.append(cur)
+            cur = []
+            continue
+        cur.append(e)
+    if cur:
+        steps.append(cur)
+    by_name: dict[str, list[float]] = {}
+    spans, sums = [], []
+    for st in steps:
+        for e in st:
+            by_name.setdefault(e.name[:60], []).append(e.time_range.elapsed_us())
+        spans.append(st[-1].time_range.end - st[0].time_range.start)
+        sums.append(sum(e.time_range.elapsed_us() for e in st))
+    return {"backend": backend, "batch": batch, "kv": kv, "heads": list(heads), "layout": layout,
+            "splits": plan.num_splits, "programs": plan.num_programs, "steps": len(steps),
+            "kernels_us": {k: statistics.median(v) for k, v in by_name.items()},
+            "span_us": statistics.median(spans) if spans else None,
+            "gap_us": statistics.median(s - k for s, k in zip(spans, sums)) if spans else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="triton,cuda_ptx")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--kv", default="4096,32768,131072")
+    ap.add_argument("--heads", default="32,8,128")
+    ap.add_argument("--layouts", default="contiguous")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    heads = tuple(int(v) for v in a.heads.split(","))
+    rows = []
+    for layout in a.layouts.split(","):
+        for batch in map(int, a.batches.split(",")):
+            for kv in map(int, a.kv.split(",")):
+                for be in a.backends.split(","):
+                    r = profile(be, batch, kv, heads, layout, a.iters)
+                    rows.append(r)
+                    ks = "  ".join(f"{k}={v:.1f}" for k, v in r["kernels_us"].items())
+                    print(f"{be:8s} {layout:10s} b{batch:<3d} kv{kv:<7d} {r['splits']:3d} splits  span {r['span_us']:.1f} us"
+                          f"  gap {r['gap_us']:.1f}  | {ks}", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
