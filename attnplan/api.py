@@ -80,7 +80,8 @@ def _context(config: Config | Context | str | None) -> Context:
 def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
                    backend: str | None = None) -> tuple[Backend, list[tuple[str, list[str]]]]:
     """First backend of the config's order (or only ``backend`` when forced) that is available on
-    ``device`` and supports ``problem``.
+    ``device`` and supports ``problem``. The order is ``config.backends``, or
+    ``config.backends_fp8_kv`` (when set) for a 1-byte KV cache.
 
     Returns:
         ``(backend, skipped)`` where ``skipped`` lists ``(name, reasons)`` of each earlier backend.
@@ -88,7 +89,8 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
         NoBackendError: none fits; the message gives the problem and every backend's reasons.
         ValueError: ``backend`` is not a known backend name.
     """
-    order = [backend] if backend else list(config.backends)
+    fp8 = torch_dtype(problem.kv_dtype).itemsize == 1
+    order = [backend] if backend else list(config.backends_fp8_kv if fp8 and config.backends_fp8_kv else config.backends)
     skipped: list[tuple[str, list[str]]] = []
     for name in order:
         be = get_backend(name)

@@ -43,6 +43,8 @@ class KernelOptions(_Strict):
     unroll: int | None = Field(None, ge=1, le=16, description="KV positions per thread group per step (numba)")
     mma: bool | None = Field(None, description="cuda_ptx: tensor-core (mma.sync) path; null = wherever it serves "
                                                  "(fp16/bf16, head_dim a multiple of 16, split-K)")
+    pdl: bool | None = Field(None, description="cuda_ptx: programmatic dependent launch of the merge kernel "
+                                                "(sm_90+); null = on")
     block_dv: int | None = Field(None, ge=16, le=256, description="split_v (triton): V / output columns per column "
                                  "program, a power of two; null = the backend's default (triton: half the padded "
                                  "head_dim, i.e. 2 column programs); ignored under split_k")
@@ -99,6 +101,8 @@ class Config(_Strict):
 
     version: Literal[1] = 1
     backends: list[BackendName] = Field(default_factory=lambda: list(BACKEND_NAMES), min_length=1)
+    backends_fp8_kv: list[BackendName] | None = Field(
+        None, min_length=1, description="dispatch order for a 1-byte (fp8) KV cache; null = backends")
     deterministic: bool = True
     split: SplitPolicy = SplitPolicy()
     cost_model: CostModel = CostModel()
@@ -149,8 +153,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
 def _validate(data: Any, source: str) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid attnplan config ({source}): top level must be a mapping, got {type(data).__name__}")
-    if isinstance(data.get("backends"), list) and len(set(data["backends"])) != len(data["backends"]):
-        raise ConfigError(f"invalid attnplan config ({source}):\n  backends: duplicate entries (got {data['backends']!r})")
+    for key in ("backends", "backends_fp8_kv"):
+        if isinstance(data.get(key), list) and len(set(data[key])) != len(data[key]):
+            raise ConfigError(f"invalid attnplan config ({source}):\n  {key}: duplicate entries (got {data[key]!r})")
     try:
         return Config.model_validate(data)
     except ValidationError as e:

@@ -1,6 +1,7 @@
 """YAML config: defaults, user overrides, environment variable, clear errors."""
 
 import pytest
+import torch
 
 import attnplan
 import attnplan.testing
@@ -53,3 +54,19 @@ def test_forced_backend_order_is_followed(tmp_path):
     w = attnplan.DecodeWrapper(str(f))
     w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens)
     assert w.backend.name == "reference"
+
+
+def test_fp8_kv_cache_follows_its_own_dispatch_order(tmp_path):
+    """``backends_fp8_kv`` orders the backends for a 1-byte KV cache only; a 2-byte cache keeps ``backends``."""
+    f = tmp_path / "c.yaml"
+    f.write_text("backends: [triton, reference]\nbackends_fp8_kv: [reference, triton]\n")
+    x = attnplan.testing.make_inputs(1, 4, 2, 16, [5])
+    fp8 = (x.k_cache.float() / 4).to(torch.float8_e4m3fn), (x.v_cache.float() / 4).to(torch.float8_e4m3fn)
+    w = attnplan.DecodeWrapper(str(f))
+    w.plan(x.q, *fp8, x.seq_lens, k_scale=4.0, v_scale=4.0)
+    assert w.backend.name == "reference"
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens)
+    assert w.backend.name == "triton"
+    f.write_text("backends_fp8_kv: [reference, reference]\n")
+    with pytest.raises(ConfigError, match="backends_fp8_kv: duplicate"):
+        load_config(f)

@@ -445,6 +445,26 @@ def test_partial_launch_config():
     assert m.grid == (128, 1, 1) and m.block == (64, 1, 1) and m.smem == 0
 
 
+@needs_nvrtc
+def test_pdl_launch_config_and_griddepcontrol():
+    """Programmatic dependent launch: the host config carries the one attribute, the sm_90 PTX has the
+    partial kernel's trigger and the merge kernel's wait, and sm_80 code has neither (no such PTX)."""
+    from cuda.bindings import driver
+
+    m = L.merge_launch_config(L.merge_spec("bfloat16", 128), 96)
+    c = L.pdl_launch_config(m, stream=1234)
+    assert (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.sharedMemBytes) == (96, 1, 1, 32, 0)
+    assert c.numAttrs == 1 and int(c.hStream) == 1234
+    assert c.attrs[0].id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert c.attrs[0].value.programmaticStreamSerializationAllowed == 1
+    partial = L.make_spec("partial", "bfloat16", 128, 4, 1, None)
+    for arch, present in (("compute_90", True), ("compute_80", False)):
+        for spec, insn in ((L.merge_spec("bfloat16", 128), "griddepcontrol.wait"),
+                           (partial, "griddepcontrol.launch_dependents")):
+            ptx = N.compile_source(L.kernel_source(), spec.name, spec.options(), N.CompileTarget(arch, "ptx")).image
+            assert (insn in ptx.decode()) == present, (arch, spec.name)
+
+
 def test_packed_args_layout():
     sig = (("p", "ptr"), ("f", "f32"), ("i", "i32"), ("big", "i64"), ("null", "ptr"))
     vals = [0x7F00DEADBEE0, 0.5, -7, 3 * 2**40, None]

@@ -219,7 +219,9 @@ class CudaPtxBackend(Backend):
         planner takes it for ``split.partition: auto``) and ``mma`` (option ``mma``: ``None`` = the
         tensor-core path wherever it serves, see :func:`~.launch.make_spec`; ``False`` = CUDA cores;
         ``True`` = required). ``mma`` describes the ``partition`` configured here: a plan whose config
-        forces another partition runs that partition's default (split-V: CUDA cores).
+        forces another partition runs that partition's default (split-V: CUDA cores). ``pdl``
+        (option ``pdl``, default on): the merge kernel is launched with programmatic dependent launch
+        on sm_90+ (see :meth:`~.launch.DeviceRuntime.launch`).
 
         Raises:
             ValueError: options that do not fit the kernel (named, with what is allowed).
@@ -251,9 +253,12 @@ class CudaPtxBackend(Backend):
         if block_n % tile:
             raise ValueError(f"backend_options.cuda_ptx.block_n {block_n} must be a multiple of the kernel's tile of "
                              f"{tile} tokens for {problem.kv_dtype} head_dim {problem.head_dim} ({partition})")
+        pdl = options.get("pdl")
+        if pdl is not None and not isinstance(pdl, bool):
+            raise ValueError(f"backend_options.cuda_ptx.pdl {pdl!r} must be true, false or null (on)")
         return {"block_n": block_n, "num_warps": spec.kv_warps, "num_stages": spec.stages, "threads": spec.threads,
                 "tile_tokens": tile, "row_groups": spec.row_groups, "passes": spec.passes, "partition": partition,
-                "mma": spec.mma}
+                "mma": spec.mma, "pdl": True if pdl is None else pdl}
 
     def spec_for(self, kind: str, plan: SplitPlan, device: torch.device | None = None,
                  inputs: DecodeInputs | None = None) -> KernelSpec:
@@ -312,14 +317,14 @@ class CudaPtxBackend(Backend):
             raise ValueError(f"cuda_ptx runs only on CUDA tensors, got tensors on {device}")
         return self._runtime(device.index if device.index is not None else torch.cuda.current_device())
 
-    def _launch(self, spec: KernelSpec, cfg, signature, values, device: torch.device) -> None:
+    def _launch(self, spec: KernelSpec, cfg, signature, values, device: torch.device, pdl: bool = False) -> None:
         rt = self._runtime_for(device)
         args = PackedArgs(signature, values)
         if rt.index != torch.cuda.current_device():
             with torch.cuda.device(rt.index):
-                rt.launch(spec, cfg, args, torch.cuda.current_stream(rt.index).cuda_stream)
+                rt.launch(spec, cfg, args, torch.cuda.current_stream(rt.index).cuda_stream, pdl)
         else:
-            rt.launch(spec, cfg, args, torch.cuda.current_stream(rt.index).cuda_stream)
+            rt.launch(spec, cfg, args, torch.cuda.current_stream(rt.index).cuda_stream, pdl)
 
     @staticmethod
     def _check_inputs(plan: SplitPlan, x: DecodeInputs, spec: KernelSpec) -> None:
@@ -436,5 +441,6 @@ class CudaPtxBackend(Backend):
         check_layout("state.o", o, 4, 16)
         check_layout("out", out, 4, out.element_size() * 4)
         cfg = merge_launch_config(spec, b * ql * h)
-        self._launch(spec, cfg, MERGE_SIGNATURE, merge_args(o, ls, out, lse, plan.num_splits, sinks), o.device)
+        self._launch(spec, cfg, MERGE_SIGNATURE, merge_args(o, ls, out, lse, plan.num_splits, sinks), o.device,
+                     pdl=bool(plan.kernel.get("pdl", True)))
 

@@ -314,6 +314,21 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
 #endif
 }
 
+// Programmatic dependent launch (sm_90+, PTX griddepcontrol): the partial kernel lets the merge kernel
+// that follows it in the stream launch as soon as every partial CTA is resident; the merge kernel's
+// first act is to wait for the partial grid to complete with its memory visible. Both are no-ops when the
+// launch does not opt in (host: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION) and below sm_90.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if !defined(ATTNPLAN_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if !defined(ATTNPLAN_HOST_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 #if ATTNPLAN_KIND != ATTNPLAN_KIND_MERGE
 // =============================================================================================
 // split partial / single-pass kernel
@@ -976,6 +991,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
     extern __shared__ __align__(16) unsigned char smem[];
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    pdl_launch_dependents();  // the merge kernel may launch now; it waits for this grid to finish
 
     // program -> (split, kv head, sequence); the grid is (S, Hkv, B) or flattened along x.
     const i64 lin = (i64)blockIdx.x + (i64)gridDim.x * ((i64)blockIdx.y + (i64)gridDim.y * (i64)blockIdx.z);
@@ -1453,7 +1469,8 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 
 #else  // ATTNPLAN_KIND == ATTNPLAN_KIND_MERGE
 // =============================================================================================
-// merge kernel: one CTA per row (b, i, head); each thread owns 4 consecutive dims
+// merge kernel: one CTA per row (b, i, head); each thread owns 4 consecutive dims, lanes share the
+// splits' lse reductions (warp shuffles)
 //   lse = logsumexp_s(lse_s);  o = sum_s exp(lse_s - lse) o_s;  all-empty row: o = 0, lse = -inf
 //   optional sinks [num_heads]: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z)
 // =============================================================================================
@@ -1481,6 +1498,7 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, elem_
                i64 l_sb, i64 l_si, i64 l_sh, i64 l_ss,
                i64 out_sb, i64 out_si, i64 out_sh,
                i64 ol_sb, i64 ol_si, i64 ol_sh) {
+    pdl_wait();  // launched early (programmatic dependent launch): the partial states are complete after this
     const i64 row = (i64)blockIdx.x + (i64)gridDim.x * (i64)blockIdx.y;
     const int hh = (int)(row % num_heads);
     const int i = (int)((row / num_heads) % q_len);
@@ -1489,9 +1507,15 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, elem_
     const float *orow = o + (i64)b * o_sb + (i64)i * o_si + (i64)hh * o_sh;
     elem_t *outp = out + (i64)b * out_sb + (i64)i * out_si + (i64)hh * out_sh;
     const int d = threadIdx.x * 4;
+    const int lane = threadIdx.x & 31;
 
+    // Lanes take the splits (lane s, s + 32, ...): the max and the sum are warp reductions, so the
+    // row costs a few memory round trips instead of one per split. Every warp of the CTA (two at
+    // head_dim 256) reduces the same splits by itself: no shared memory, no __syncthreads.
     float M = NEG_INF;
-    for (int s = 0; s < num_splits; ++s) M = fmaxf(M, lr[(i64)s * l_ss]);
+    for (int s = lane; s < num_splits; s += 32) M = fmaxf(M, lr[(i64)s * l_ss]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
     if (M == NEG_INF) {  // every split empty: never -inf - (-inf)
         if (d < HEAD_DIM) store4(outp + d, 0.f, 0.f, 0.f, 0.f);
         if (threadIdx.x == 0 && out_lse)
@@ -1499,18 +1523,28 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, elem_
         return;
     }
     float tot = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma unroll 4
-    for (int s = 0; s < num_splits; ++s) {
-        const float ls = lr[(i64)s * l_ss];
-        if (ls != NEG_INF) {  // empty splits get weight 0 and their o is never read
-            const float w = expf(ls - M);
-            tot += w;
+    for (int s0 = 0; s0 < num_splits; s0 += 32) {
+        // this lane's split weight; empty splits (lse -inf) weigh 0
+        const float ls = s0 + lane < num_splits ? lr[(i64)(s0 + lane) * l_ss] : NEG_INF;
+        const float w = ls == NEG_INF ? 0.f : expf(ls - M);
+        tot += w;
+        const int n = num_splits - s0 < 32 ? num_splits - s0 : 32;
+        // o_s for the lane's 4 dims, weights broadcast by shuffle; the loads do not wait on a branch
+        // (unrolled, they are in flight together). An empty split's o may be unwritten (poison):
+        // it is read but selected out, never multiplied in.
+#pragma unroll (MERGE_THREADS == 32 ? 8 : 4)  // 8 at head_dim 256 spills (ptxas caps it at 32 registers)
+        for (int j = 0; j < n; ++j) {
+            const float wj = __shfl_sync(FULL_MASK, w, j);
             if (d < HEAD_DIM) {
-                const float4 x = *reinterpret_cast<const float4 *>(orow + (i64)s * o_ss + d);
-                a0 = fmaf(w, x.x, a0); a1 = fmaf(w, x.y, a1); a2 = fmaf(w, x.z, a2); a3 = fmaf(w, x.w, a3);
+                const float4 x = *reinterpret_cast<const float4 *>(orow + (i64)(s0 + j) * o_ss + d);
+                if (wj != 0.f) {
+                    a0 = fmaf(wj, x.x, a0); a1 = fmaf(wj, x.y, a1); a2 = fmaf(wj, x.z, a2); a3 = fmaf(wj, x.w, a3);
+                }
             }
         }
     }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(FULL_MASK, tot, off);
     float lse_n = M + logf(tot), inv = 1.f / tot;  // tot >= 1: the split holding the max has weight 1
     if (sinks) {  // the sink joins the denominator: lse' = logaddexp(lse, z), o' = o * exp(lse - lse')
         const float z = sinks[hh];

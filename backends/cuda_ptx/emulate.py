@@ -156,7 +156,7 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
             k = self.kernels[spec] = EmulatedKernel(spec, self.build_dir)
         return k
 
-    def _launch(self, spec, cfg, signature, values, device) -> None:
+    def _launch(self, spec, cfg, signature, values, device, pdl: bool = False) -> None:
         self.kernel(spec).launch(cfg, PackedArgs(signature, values), self._readable)
 
     @staticmethod

@@ -45,6 +45,7 @@ from .nvrtc import CompileCache, CompileTarget, Compiled, nvrtc_version, select_
 __all__ = [
     "KernelSpec", "make_spec", "merge_spec", "LaunchConfig", "partial_launch_config", "merge_launch_config",
     "PackedArgs", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "partial_args", "merge_args", "check_layout",
+    "pdl_launch_config",
     "kernel_source", "DeviceRuntime", "DTYPE_CODES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS",
     "vector_layout", "split_v_layout", "max_rows", "FP8", "PARTITIONS", "mma_unsupported",
 ]
@@ -693,6 +694,7 @@ class DeviceRuntime:
         self._lock = threading.Lock()
         self._functions: dict[KernelSpec, object] = {}
         self._modules: list = []
+        self._tls = threading.local()
         with torch.cuda.device(self.index):
             torch.cuda.init()
             check_driver(driver.cuInit(0), "cuInit")
@@ -758,13 +760,60 @@ class DeviceRuntime:
                     f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={spec.smem_bytes})")
         return fn
 
-    def launch(self, spec: KernelSpec, cfg: LaunchConfig, args: PackedArgs, stream: int) -> None:
-        """``cuLaunchKernel`` of ``spec`` on ``stream`` (torch's current stream handle). Launch only."""
+    @property
+    def pdl_supported(self) -> bool:
+        """Programmatic dependent launch (``griddepcontrol``): sm_90 and newer."""
+        return self.compute_capability >= (9, 0)
+
+    def launch(self, spec: KernelSpec, cfg: LaunchConfig, args: PackedArgs, stream: int, pdl: bool = False) -> None:
+        """Launch ``spec`` on ``stream`` (torch's current stream handle). Launch only.
+
+        ``pdl``: programmatic dependent launch (CUDA 12.x "PDL", as FlashInfer and TensorRT-LLM chain
+        their decode kernels): ``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``,
+        so the kernel may start before the previous kernel of the stream has finished; the kernel must
+        begin with ``griddepcontrol.wait`` (the merge kernel does). Ignored below sm_90. Otherwise
+        ``cuLaunchKernel``. Captured by CUDA graphs either way (a programmatic edge for ``pdl``).
+        """
         driver, _ = bindings()
         fn = self.function(spec)
         self.ensure_context()
+        if pdl and self.pdl_supported:
+            config = self._pdl_config(cfg)
+            config.hStream = driver.CUstream(stream)
+            check_driver(driver.cuLaunchKernelEx(config, fn, args.kernel_params, 0),
+                         f"cuLaunchKernelEx({spec.name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem}, pdl)")
+            return
         check_driver(driver.cuLaunchKernel(fn, *cfg.grid, *cfg.block, cfg.smem, stream, args.kernel_params, 0),
                      f"cuLaunchKernel({spec.name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem})")
+
+    def _pdl_config(self, cfg: LaunchConfig):
+        """A ``CUlaunchConfig`` for ``cfg`` with the programmatic-serialization attribute, cached per
+        thread (its stream is set at each launch; building one costs ~2 us of Python)."""
+        cache = getattr(self._tls, "pdl", None)
+        if cache is None:
+            cache = self._tls.pdl = {}
+        config = cache.get(cfg)
+        if config is None:
+            config = cache[cfg] = pdl_launch_config(cfg)
+        return config
+
+
+def pdl_launch_config(cfg: LaunchConfig, stream: int = 0):
+    """``CUlaunchConfig`` of ``cfg`` (grid, block, dynamic shared memory) on ``stream`` with one
+    attribute, ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 1`` (programmatic dependent
+    launch). Host structures only: built and checked without a GPU."""
+    driver, _ = bindings()
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = cfg.grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = cfg.block
+    config.sharedMemBytes = cfg.smem
+    config.hStream = driver.CUstream(stream)
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
 
 
 def expected_param_sizes(signature: tuple[tuple[str, str], ...]) -> list[int]:
