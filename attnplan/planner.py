@@ -383,7 +383,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     elif (entry := _table_entry(problem, device, backend, cols)) is not None:
         policy = "tuned"
         work = problem.batch * problem.num_kv_heads
-        limit = max(1, min(config.split.max_splits, -(-max_len // align)))
+        limit = max(1, min(config.split.max_splits, -(-max_len // max(config.split.min_chunk_tokens, align))))
         want = min(limit, max(1, round(entry[2] * device.sm_count / work)))
         chunk = _align_up(-(-max_len // want), align)
         splits = -(-max_len // chunk)
