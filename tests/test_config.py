@@ -60,7 +60,7 @@ def test_fp8_kv_cache_follows_its_own_dispatch_order(tmp_path):
     """``backends_fp8_kv`` orders the backends for a 1-byte KV cache only; a 2-byte cache keeps ``backends``."""
     f = tmp_path / "c.yaml"
     f.write_text("backends: [triton, reference]\nbackends_fp8_kv: [reference, triton]\n")
-    x = attnplan.testing.make_inputs(1, 4, 2, 16, [5])
+    x = attnplan.testing.make_inputs(1, 4, 2, 16, [5], device="cuda" if torch.cuda.is_available() else "cpu")
     fp8 = (x.k_cache.float() / 4).to(torch.float8_e4m3fn), (x.v_cache.float() / 4).to(torch.float8_e4m3fn)
     w = attnplan.DecodeWrapper(str(f))
     w.plan(x.q, *fp8, x.seq_lens, k_scale=4.0, v_scale=4.0)
