@@ -2,8 +2,7 @@
 
 Each rank computes, with any backend, the attention of the queries over its own shard, i.e. one
 partial state per row (normalized ``o`` and natural-log ``lse``, the :class:`PartialState`
-contract). The states, packed as one fp32 ``[..., head_dim + 1]`` buffer (``o`` then ``lse``),
-are exchanged with one ``torch.distributed.all_gather_into_tensor`` and merged with
+contract). The states are exchanged with ``torch.distributed.all_gather`` and merged with
 :func:`attnplan.merge_states`, so the result equals single-device decode within rounding
 (Flash-Decoding's merge applied across devices, seed 003 §06: cross-device split reduction).
 Works with NCCL on GPUs and gloo on CPUs.
@@ -40,8 +39,8 @@ class ContextParallelDecode:
         self.group = group
         self.local = DecodeWrapper(config, backend=backend)
         self._lse: torch.Tensor | None = None
-        self._pack: torch.Tensor | None = None
-        self._gathered: torch.Tensor | None = None
+        self._gather_o: list[torch.Tensor] = []
+        self._gather_lse: list[torch.Tensor] = []
         self.comm_bytes = 0
 
     def plan(self, q, k_shard, v_shard, shard_lens, block_table=None, *, sm_scale=None, num_splits=None,
@@ -64,35 +63,24 @@ class ContextParallelDecode:
         b, ql, hq, d = q.shape
         self._lse = torch.empty(b, ql, hq, dtype=torch.float32, device=q.device)
         self._out = torch.empty(b, ql, hq, d, dtype=q.dtype, device=q.device)
-        # one collective per step: o (fp32) and lse side by side, gathered rank-major
-        self._pack = torch.empty(b, ql, hq, d + 1, dtype=torch.float32, device=q.device)
-        # rank-major along dim 0, as gloo requires ([world * batch, ...]; NCCL accepts this too)
-        self._gathered = torch.empty(world * b, ql, hq, d + 1, dtype=torch.float32, device=q.device)
-        self.comm_bytes = self._gathered.numel() * 4
+        self._gather_o = [torch.empty(b, ql, hq, d, dtype=q.dtype, device=q.device) for _ in range(world)]
+        self._gather_lse = [torch.empty(b, ql, hq, dtype=torch.float32, device=q.device) for _ in range(world)]
+        self.comm_bytes = world * (self._out.numel() * self._out.element_size() + self._lse.numel() * 4)
         return plan
 
     def run(self, q, k_shard, v_shard, shard_lens, block_table=None) -> torch.Tensor:
         """Local partial, all-gather of ``(o, lse)``, merge. Returns ``out`` in q's dtype.
 
-        The local ``o`` is rounded to q's dtype by the local decode (within the output dtype's
-        tolerance) and travels in fp32 beside the fp32 ``lse``: a single small collective per
-        step costs less than two (decode states are KBs; the collective's latency dominates).
+        The local ``o`` travels in q's dtype (half the bytes of fp32; its rounding is within
+        the output dtype's tolerance) and ``lse`` in fp32.
         """
         self.local.run(q, k_shard, v_shard, shard_lens, block_table, out=self._out, lse=self._lse)
         o, lse = self.exchange(self._out, self._lse)
         return o.to(q.dtype)
 
     def exchange(self, o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gather the ranks' states and merge them (fp32 result ``(o, lse)``).
-
-        Args:
-            o: ``[batch, q_len, num_q_heads, head_dim]`` this rank's normalized output.
-            lse: ``[batch, q_len, num_q_heads]`` fp32, natural log.
-        """
-        d = o.shape[-1]
-        self._pack[..., :d].copy_(o)
-        self._pack[..., d].copy_(lse)
-        dist.all_gather_into_tensor(self._gathered, self._pack, group=self.group)
-        world = self._gathered.shape[0] // self._pack.shape[0]
-        g = self._gathered.view(world, *self._pack.shape).movedim(0, 3)  # [batch, q_len, heads, world, d + 1]
-        return merge_states(PartialState(g[..., :d], g[..., d]))
+        """All-gather the ranks' states and merge them (fp32 result ``(o, lse)``)."""
+        dist.all_gather(self._gather_o, o, group=self.group)
+        dist.all_gather(self._gather_lse, lse, group=self.group)
+        state = PartialState(torch.stack(self._gather_o, dim=3).float(), torch.stack(self._gather_lse, dim=3))
+        return merge_states(state)

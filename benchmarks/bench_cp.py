@@ -4,9 +4,8 @@ communication (issue: ecosystem and scale-out).
 Each of ``world`` processes (one per GPU, NCCL) holds a contiguous 1/world of every sequence's KV
 cache, computes its shard's partial state with attnplan, all-gathers ``(o, lse)`` and merges
 (:class:`attnplan.distributed.ContextParallelDecode`). Rank 0 also runs single-GPU decode on the
-whole cache (when it fits) and compares. Timing: CUDA events, median of eager steps, each begun
-after a barrier and a synchronize (so a collective does not time a late rank); the whole step
-and the exchange (all-gather + merge) alone.
+whole cache (when it fits) and compares. Timing: CUDA events, median, whole step and the
+all-gather alone.
 
     python benchmarks/bench_cp.py --world 2 --kv 1048576,2097152 --out cp.json      # 2 GPUs
     python benchmarks/bench_cp.py --cpu --world 2 --kv 256                          # gloo dry run
@@ -46,9 +45,6 @@ def _events_median(fn, iters, device):
     torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
-        # line the ranks up first: otherwise a collective's time includes waiting for a late rank
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-        torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
