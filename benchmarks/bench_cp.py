@@ -4,8 +4,10 @@ communication (issue: ecosystem and scale-out).
 Each of ``world`` processes (one per GPU, NCCL) holds a contiguous 1/world of every sequence's KV
 cache, computes its shard's partial state with attnplan, all-gathers ``(o, lse)`` and merges
 (:class:`attnplan.distributed.ContextParallelDecode`). Rank 0 also runs single-GPU decode on the
-whole cache (when it fits) and compares. Timing: CUDA events, median, whole step and the
-all-gather alone.
+whole cache (when it fits) and compares. Timing: CUDA events, median of eager calls, the whole
+step and the exchange (all-gather + merge) alone, every rank starting each timed call after a
+barrier and a synchronize (results/2026-11-30-s3-cp was timed without them: its all-gather time
+includes waiting for the later rank).
 
     python benchmarks/bench_cp.py --world 2 --kv 1048576,2097152 --out cp.json      # 2 GPUs
     python benchmarks/bench_cp.py --cpu --world 2 --kv 256                          # gloo dry run
@@ -30,12 +32,25 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _events_median(fn, iters, device):
+def _events_median(fn, iters, device, aligned: bool = False):
+    """Median time (us) of ``fn()``: CUDA events on a GPU, the host clock on the CPU (gloo dry run).
+
+    ``aligned``: every rank calls this together and each timed call starts after a barrier (and, on
+    a GPU, a synchronize), so a collective inside ``fn`` does not time a rank that arrives late.
+    Only for code every rank runs: rank 0's single-GPU reference timing must pass ``False``.
+    """
+    def line_up():
+        if aligned:
+            dist.barrier()
+            if device != "cpu":
+                torch.cuda.synchronize()
+
     if device == "cpu":
         import time
 
         ts = []
         for _ in range(iters):
+            line_up()
             t = time.perf_counter()
             fn()
             ts.append((time.perf_counter() - t) * 1e6)
@@ -45,6 +60,7 @@ def _events_median(fn, iters, device):
     torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
+        line_up()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -79,8 +95,9 @@ def worker(rank, args, port, queue):
             cp = ContextParallelDecode(backend=args.backend)
             plan = cp.plan(q, k, v, lens)
             out = cp.run(q, k, v, lens)
-            step_us = _events_median(lambda: cp.run(q, k, v, lens), args.iters, device)
-            comm_us = _events_median(lambda: cp.exchange(cp._out, cp._lse), args.iters, device)
+            # every rank times these together, each call after a barrier (no late-rank waiting in them)
+            step_us = _events_median(lambda: cp.run(q, k, v, lens), args.iters, device, aligned=True)
+            comm_us = _events_median(lambda: cp.exchange(cp._out, cp._lse), args.iters, device, aligned=True)
             # single-device check: gather the shards on rank 0 and decode the whole sequence there
             ks = [torch.empty(1, total * (r + 1) // args.world - total * r // args.world, hkv, d, dtype=dtype, device=device)
                   for r in range(args.world)]
