@@ -76,3 +76,28 @@ def test_context_parallel_refuses_q_len_above_one(monkeypatch):
     k = torch.zeros(1, 8, 2, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match="q_len 1"):
         cp.plan(q, k, k, torch.tensor([8], dtype=torch.int32))
+
+
+def test_bench_cp_dry_run_two_ranks(tmp_path):
+    """benchmarks/bench_cp.py end to end with 2 gloo ranks and two cache sizes: it must finish (a
+    collective or barrier that only one rank reaches hangs it; the timeout turns that into a failure)
+    and its context-parallel output must match single-device decode."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "cp.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cp.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    subprocess.run([sys.executable, str(script), "--cpu", "--world", "2", "--kv", "64,96", "--iters", "2",
+                    "--backend", "reference", "--out", str(out)], check=True, timeout=240, env=env,
+                   capture_output=True)
+    from attnplan.testing import tolerance
+
+    results = json.loads(out.read_text())["results"]
+    assert [r["total_kv"] for r in results] == [64, 96]
+    atol, _ = tolerance(torch.float16)  # the dry run's dtype; outputs are O(1)
+    for r in results:
+        assert r["max_abs_diff_vs_single"] <= atol
+        assert r["step_us"] > 0 and r["allgather_us"] > 0
