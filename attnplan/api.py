@@ -77,11 +77,22 @@ def _context(config: Config | Context | str | None) -> Context:
     return Context.from_config(load_config(config))
 
 
+def dispatch_order(config: Config, fp8_kv: bool) -> list[str]:
+    """The backends to try, in order: ``config.backends``; for a 1-byte (fp8) KV cache the
+    backends listed in ``config.backends_fp8_kv`` come first, in that list's order. Only backends
+    in ``config.backends`` are ever used: a user's ``backends: [triton, reference]`` keeps fp8
+    caches off cuda_ptx even though the default ``backends_fp8_kv`` names it first."""
+    order = list(config.backends)
+    if not fp8_kv or not config.backends_fp8_kv:
+        return order
+    first = [b for b in config.backends_fp8_kv if b in order]
+    return first + [b for b in order if b not in first]
+
+
 def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
                    backend: str | None = None) -> tuple[Backend, list[tuple[str, list[str]]]]:
     """First backend of the config's order (or only ``backend`` when forced) that is available on
-    ``device`` and supports ``problem``. The order is ``config.backends``, or
-    ``config.backends_fp8_kv`` (when set) for a 1-byte KV cache.
+    ``device`` and supports ``problem``, in :func:`dispatch_order`.
 
     Returns:
         ``(backend, skipped)`` where ``skipped`` lists ``(name, reasons)`` of each earlier backend.
@@ -89,8 +100,7 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
         NoBackendError: none fits; the message gives the problem and every backend's reasons.
         ValueError: ``backend`` is not a known backend name.
     """
-    fp8 = torch_dtype(problem.kv_dtype).itemsize == 1
-    order = [backend] if backend else list(config.backends_fp8_kv if fp8 and config.backends_fp8_kv else config.backends)
+    order = [backend] if backend else dispatch_order(config, torch_dtype(problem.kv_dtype).itemsize == 1)
     skipped: list[tuple[str, list[str]]] = []
     for name in order:
         be = get_backend(name)

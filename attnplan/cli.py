@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         if tok in ("bench", "tune") and (i == 0 or argv[i - 1] != "--config"):
             argv, passthrough = argv[: i + 1], argv[i + 1:]
             break
-    parser = argparse.ArgumentParser(prog="attnplan", description="split-KV decode attention: run, inspect plans")
+    parser = argparse.ArgumentParser(prog="attnplan", description="split-KV decode attention: run, inspect plans",
+                                     allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML config file (default: $ATTNPLAN_CONFIG or plans/default.yaml)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a decode workload and check it against the float64 reference")
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd in ("bench", "tune"):
         setattr(args, f"{args.cmd}_args", passthrough)
+        if args.config:  # their planning contexts read the config from the environment
+            os.environ["ATTNPLAN_CONFIG"] = args.config
     if args.cmd == "tune":
         if _cpu_mode() and not {"-h", "--help"} & set(args.tune_args):
             print("attnplan: error: tune needs a CUDA GPU", file=sys.stderr)

@@ -103,7 +103,8 @@ class Config(_Strict):
     version: Literal[1] = 1
     backends: list[BackendName] = Field(default_factory=lambda: list(BACKEND_NAMES), min_length=1)
     backends_fp8_kv: list[BackendName] | None = Field(
-        None, min_length=1, description="dispatch order for a 1-byte (fp8) KV cache; null = backends")
+        None, min_length=1, description="for a 1-byte (fp8) KV cache these go first, in this order; only backends "
+                                        "also in `backends` are used; null = backends' order")
     deterministic: bool = True
     split: SplitPolicy = SplitPolicy()
     cost_model: CostModel = CostModel()

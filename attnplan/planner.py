@@ -383,14 +383,14 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     elif (entry := _table_entry(problem, device, backend, cols)) is not None:
         policy = "tuned"
         work = problem.batch * problem.num_kv_heads
-        limit = max(1, min(config.split.max_splits, -(-max_len // max(config.split.min_chunk_tokens, align))))
+        limit = max(1, min(config.split.max_splits, max_len // _align_up(config.split.min_chunk_tokens, align)))
         want = min(limit, max(1, round(entry[2] * device.sm_count / work)))
         chunk = _align_up(-(-max_len // want), align)
         splits = -(-max_len // chunk)
         predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges)
     else:
         policy = "heuristic"
-        limit = max(1, min(config.split.max_splits, -(-max_len // max(config.split.min_chunk_tokens, align))))
+        limit = max(1, min(config.split.max_splits, max_len // _align_up(config.split.min_chunk_tokens, align)))
         seen = set()
         for n in range(1, limit + 1):
             chunk = _align_up(-(-max_len // n), align)

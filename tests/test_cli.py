@@ -1,6 +1,7 @@
 """The command line: `attnplan run` on the CPU, `plans show|clear`, and the benchmark's plot."""
 
 import json
+import os
 
 import torch
 
@@ -54,8 +55,10 @@ def test_tool_options_reach_the_tool(cmd, module, monkeypatch):
     seen = []
     monkeypatch.setattr(importlib.import_module(module), "main", lambda a: seen.append(a) or 0)
     monkeypatch.setattr(cli, "_cpu_mode", lambda: False)
+    monkeypatch.setenv("ATTNPLAN_CONFIG", "unset")  # restored (removed) after the test
     assert cli.main(["--config", "x.yaml", cmd, "--json", "out.json", "--iters", "3"]) == 0
     assert seen == [["--json", "out.json", "--iters", "3"]]
+    assert os.environ["ATTNPLAN_CONFIG"] == "x.yaml"  # --config reaches the tool's planning contexts
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU-only behaviour")

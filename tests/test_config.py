@@ -67,6 +67,14 @@ def test_fp8_kv_cache_follows_its_own_dispatch_order(tmp_path):
     assert w.backend.name == "reference"
     w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens)
     assert w.backend.name == "triton"
+    # a user's backends list bounds the fp8 order too (the default fp8 order names cuda_ptx first)
+    f.write_text("backends: [triton, reference]\n")
+    w = attnplan.DecodeWrapper(str(f))
+    w.plan(x.q, *fp8, x.seq_lens, k_scale=4.0, v_scale=4.0)
+    assert w.backend.name == "triton"
+    from attnplan.api import dispatch_order
+
+    assert dispatch_order(load_config(f), fp8_kv=True) == ["triton", "reference"]
     f.write_text("backends_fp8_kv: [reference, reference]\n")
     with pytest.raises(ConfigError, match="backends_fp8_kv: duplicate"):
         load_config(f)

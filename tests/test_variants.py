@@ -94,11 +94,15 @@ def test_fp8_kv_per_head_scales(backend, hq, hkv, page, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_kv_with_bf16_q_beyond_fp16_range(backend, gen):
-    """bf16 q entries ~1e5 (past fp16's 65504) with a tiny k_scale (scores O(1)) and an all-zero q row:
-    a backend that widens fp8 K/V to fp16 and casts q to fp16 must scale q into range first."""
+    """bf16 q entries ~1e5 (past fp16's 65504) with a tiny k_scale (scores O(1)), an all-zero q row,
+    then a row of ~1e-36: a backend that widens fp8 K/V to fp16 and casts q to fp16 must scale q
+    into range first, with a bounded shift."""
     x = make_inputs(3, 8, 2, 64, [40, 17, 9], page_size=None, dtype=torch.bfloat16, device=DEVICE, generator=gen)
     x.q.mul_(1e5)
     x.q[1].zero_()
+    _run(backend, x, torch.bfloat16, 2, fp8=(1e-5, 1.5))
+    # and rows far below 1 (|q| ~ 1e-36, a shift past 2^113 would overflow): scores ~0, uniform weights
+    x.q[0].mul_(1e-41)
     _run(backend, x, torch.bfloat16, 2, fp8=(1e-5, 1.5))
 
 

@@ -762,8 +762,10 @@ class DeviceRuntime:
 
     @property
     def pdl_supported(self) -> bool:
-        """Programmatic dependent launch (``griddepcontrol``): sm_90 and newer."""
-        return self.compute_capability >= (9, 0)
+        """Programmatic dependent launch: an sm_90+ device running code compiled for sm_90+ (the
+        kernels' ``griddepcontrol.wait`` exists only there; an older PTX fallback must not launch early)."""
+        digits = "".join(ch for ch in self.target.arch if ch.isdigit())
+        return self.compute_capability >= (9, 0) and int(digits or 0) >= 90
 
     def launch(self, spec: KernelSpec, cfg: LaunchConfig, args: PackedArgs, stream: int, pdl: bool = False) -> None:
         """Launch ``spec`` on ``stream`` (torch's current stream handle). Launch only.
