@@ -302,17 +302,20 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
 
     ``plans/<device>.yaml`` key ``split_table.<backend>.<layout>``: rows ``[pairs, kv_len,
     programs_per_sm, ...]`` written by ``attnplan tune`` (``pairs`` = batch x KV heads; the best
-    split count of an exhaustive search, as programs per SM). Used for the table's own conditions
-    only: 2-byte KV, head_dim <= 128, split-K (one column program), near-uniform lengths (the mean
+    split count of an exhaustive search, as programs per SM); a 1-byte (fp8) cache reads
+    ``<layout>_fp8`` (``attnplan tune --kv-dtype float8_e4m3fn``) and has no table without it.
+    Used for the table's own conditions only: head_dim <= 128, split-K (one column program),
+    near-uniform lengths (the mean
     at least half the maximum on the bucketed problem the planner sees, i.e. a live mean above about a
     quarter of the maximum), and an entry within :data:`TABLE_REACH` of the problem in both pairs
     and length; the nearest in log space wins.
     """
+    itemsize = torch_dtype(problem.kv_dtype).itemsize
     if device.compute_capability == (0, 0) or cols != 1 or problem.head_dim > 128 \
-            or torch_dtype(problem.kv_dtype).itemsize != 2 or problem.total_kv_len * 2 < problem.batch * problem.max_kv_len:
+            or itemsize not in (1, 2) or problem.total_kv_len * 2 < problem.batch * problem.max_kv_len:
         return None
-    rows = ((device_table(device.slug()).get("split_table") or {}).get(backend) or {}).get(
-        "paged" if problem.paged else "contiguous") or []
+    layout = ("paged" if problem.paged else "contiguous") + ("_fp8" if itemsize == 1 else "")
+    rows = ((device_table(device.slug()).get("split_table") or {}).get(backend) or {}).get(layout) or []
     work, kv = problem.batch * problem.num_kv_heads, max(problem.max_kv_len, 1)
     best, best_d = None, math.inf
     for row in rows:

@@ -60,14 +60,42 @@ def _context(backend: str, opts: dict):
                                                     split=split, plan_cache={"disk": False}))
 
 
-def _inputs(layout: str, batch: int, kv: int, heads, gen):
-    """Random bf16 inputs on the GPU for one tuning point: ``batch`` sequences of ``kv`` tokens,
-    ``heads = (num_q_heads, num_kv_heads, head_dim)``, a contiguous or page-16 cache."""
+def _inputs(layout: str, batch: int, kv: int, heads, gen, kv_dtype: str = "bfloat16", device: str = "cuda"):
+    """Random bf16 inputs for one tuning point: ``batch`` sequences of ``kv`` tokens,
+    ``heads = (num_q_heads, num_kv_heads, head_dim)``, a contiguous or page-16 cache; with
+    ``kv_dtype="float8_e4m3fn"`` the cache is e4m3 with per-KV-head scales (``k_scale``, ``v_scale``)."""
+    import dataclasses
+
     import attnplan.testing
 
     hq, hkv, d = heads
-    return attnplan.testing.make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=16 if layout == "paged" else None,
-                                        dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
+    x = attnplan.testing.make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=16 if layout == "paged" else None,
+                                     dtype=torch.bfloat16, device=device, generator=gen, extra_pages=0)
+    if kv_dtype == "bfloat16":
+        return x
+    fp8 = getattr(torch, kv_dtype)
+    scale = torch.full((hkv,), 0.25, dtype=torch.float32, device=device)
+    return dataclasses.replace(x, k_cache=(x.k_cache.float() * 4).to(fp8), v_cache=(x.v_cache.float() * 4).to(fp8),
+                               k_scale=scale, v_scale=scale.clone())
+
+
+def _plan(w, x, num_splits=None):
+    """``w.plan`` for a tuning point's inputs (fp8 scales included)."""
+    return w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits,
+                  k_scale=x.k_scale, v_scale=x.v_scale)
+
+
+def _table_suffix(kv_dtype: str) -> str:
+    """Split-table layout key suffix for a KV dtype (the planner reads ``<layout>_fp8`` for 1-byte caches)."""
+    return "_fp8" if getattr(torch, kv_dtype).itemsize == 1 else ""
+
+
+def merge_rows(old: list, new: list) -> list:
+    """Split-table rows of a layout after a new tune: ``new`` replaces the rows of the points
+    (pairs, KV length) it measured, the rest of ``old`` stays; sorted by point."""
+    rows = {(r[0], r[1]): list(r) for r in old}
+    rows.update({(r[0], r[1]): list(r) for r in new})
+    return [rows[k] for k in sorted(rows)]
 
 
 def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous", "paged"), iters: int = 15,
@@ -96,7 +124,7 @@ def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous"
                 row = {"layout": layout, "batch": batch, "kv": kv, **opts}
                 try:
                     w = attnplan.DecodeWrapper(ctx, backend=backend)
-                    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=splits)
+                    plan = _plan(w, x, splits)
                     if plan.num_splits in seen:
                         continue
                     seen.add(plan.num_splits)
@@ -147,7 +175,8 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
     return out
 
 
-def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, progress=None) -> list[dict]:
+def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, progress=None,
+                 kv_dtype: str = "bfloat16") -> list[dict]:
     """Exhaustive split search with the planner's kernel options: for every ``(layout, batch, kv)``
     point, every split count that puts :data:`SEARCH_PROGRAMS_PER_SM` programs on each SM (deduplicated
     after chunk alignment), timed under CUDA-graph replay. One row per timing:
@@ -160,20 +189,20 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
     ctx = attnplan.Context.from_config(cfg)
     rows = []
     for layout, batch, kv in points:
-        x = _inputs(layout, batch, kv, heads, gen)
+        x = _inputs(layout, batch, kv, heads, gen, kv_dtype)
         pairs = batch * heads[1]
         seen = set()
         for ppsm in SEARCH_PROGRAMS_PER_SM:
             want = min(cfg.split.max_splits, max(1, math.ceil(ppsm * sms / pairs)))
             w = attnplan.DecodeWrapper(ctx, backend=backend)
-            probe = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=want)
+            probe = _plan(w, x, want)
             # a forced count keeps empty trailing splits when chunk alignment rounds up: time the
             # count that actually has work, ceil(kv / chunk), once per distinct chunk
             splits = max(1, -(-kv // probe.chunk_size))
             if probe.chunk_size in seen:
                 continue
             seen.add(probe.chunk_size)
-            plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=splits) if splits != want else probe
+            plan = _plan(w, x, splits) if splits != want else probe
             rows.append({"layout": layout, "batch": batch, "kv": kv, "splits": plan.num_splits,
                          "programs": plan.num_programs, "ppsm": round(plan.num_programs / sms, 3),
                          "us": _graph_time(w, x, iters)})
@@ -204,7 +233,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,4,16,64", help="split search grid: batches")
     ap.add_argument("--kv", default="1024,4096,16384,65536,131072", help="split search grid: KV lengths")
     ap.add_argument("--max-gb", type=float, default=16.0, help="skip grid points whose K+V exceed this many GB")
+    ap.add_argument("--heads", default="32,8,128", help="num_q_heads,num_kv_heads,head_dim of the split search "
+                    "(the table is keyed by batch x KV heads, so e.g. 8,1,128 adds rows for 1-8 pairs)")
+    ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
+                    help="KV cache dtype of the split search; fp8 rows go to split_table.<backend>.<layout>_fp8")
     args = ap.parse_args(argv)
+    if args.kv_dtype != "bfloat16" and not args.no_options:
+        ap.error("--kv-dtype float8_e4m3fn needs --no-options (the kernel-option sweep is bf16; fp8 options go "
+                 "under kernel_options.<backend>.<layout>_fp8 by hand)")
     import attnplan
     from attnplan.device import device_info
     from attnplan.timing import read_bandwidth_gbs
@@ -225,9 +261,10 @@ def main(argv=None) -> int:
                 table.update(yaml.safe_load(fh) or {})
         except OSError:
             pass
-    heads = (32, 8, 128)
+    heads = tuple(int(v) for v in args.heads.split(","))
+    kv_bytes = getattr(torch, args.kv_dtype).itemsize
     points = [(layout, b, kv) for layout in ("contiguous", "paged") for b in map(int, args.batches.split(","))
-              for kv in map(int, args.kv.split(",")) if 4 * b * kv * heads[1] * heads[2] <= args.max_gb * 1e9]
+              for kv in map(int, args.kv.split(",")) if 2 * kv_bytes * b * kv * heads[1] * heads[2] <= args.max_gb * 1e9]
     ceiling = read_bandwidth_gbs()
     allrows, searches = {}, {}
     cm = table.setdefault("cost_model", {})
@@ -251,10 +288,14 @@ def main(argv=None) -> int:
             _write_table(path, table)  # the split search below uses the new kernel options
             _reload()
         bar = tqdm(total=len(points), desc=f"splits {backend}", unit="point") if tqdm else None
-        searches[backend] = split_search(backend, points, heads, args.iters, progress=bar.update if bar else None)
+        searches[backend] = split_search(backend, points, heads, args.iters, progress=bar.update if bar else None,
+                                         kv_dtype=args.kv_dtype)
         if bar:
             bar.close()
-        table.setdefault("split_table", {})[backend] = split_table(searches[backend], heads[1])
+        mine = table.setdefault("split_table", {}).setdefault(backend, {})
+        for layout, rows in split_table(searches[backend], heads[1]).items():
+            key = layout + _table_suffix(args.kv_dtype)  # earlier tunes' other points and dtypes stay
+            mine[key] = merge_rows(mine.get(key, []), rows)
     cm["mem_bandwidth_gbs"] = round(ceiling["ceiling_gbs"], 1)
     table["measured"] = {"device": dev.name, "sm_count": dev.sm_count, "ceiling": ceiling,
                          "torch": str(torch.__version__), "attnplan": str(attnplan.__version__)}
@@ -266,7 +307,7 @@ def main(argv=None) -> int:
     if args.json:  # the measurements so far, in case the quality check is cut short
         _atomic_write(args.json, json.dumps({"option_sweep": allrows, "split_search": searches, "table": table},
                                             indent=1, default=str))
-    quality = planner_quality(searches, heads, args.iters)
+    quality = planner_quality(searches, heads, args.iters, args.kv_dtype)
     if args.json:
         _atomic_write(args.json, json.dumps({"option_sweep": allrows, "split_search": searches, "quality": quality,
                                              "table": table}, indent=1, default=str))
@@ -322,7 +363,7 @@ def _reload() -> None:
     attnplan.api._tuned_lookup.cache_clear()
 
 
-def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15) -> list[dict]:
+def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtype: str = "bfloat16") -> list[dict]:
     """For every searched point: the planner's own choice with the new table, timed beside the
     exhaustive search's best split count on the same inputs (``within_5pct``), and a leave-one-out
     check that is not in-sample: the split the planner picks when the point's own table row is
@@ -342,12 +383,12 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15) -> list
             layout, batch, kv = key
             rs = {r["splits"]: r["us"] for r in rows if (r["layout"], r["batch"], r["kv"]) == key}
             best = min(rs, key=rs.get)
-            x = _inputs(layout, batch, kv, heads, gen)
+            x = _inputs(layout, batch, kv, heads, gen, kv_dtype)
             ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
 
             def plan_and_time(ctx, x, num_splits=None):
                 w = attnplan.DecodeWrapper(ctx, backend=backend)
-                p = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits)
+                p = _plan(w, x, num_splits)
                 return p, _graph_time(w, x, iters)
 
             # the planner's choice and the search's best split count are timed afresh side by side on
@@ -357,14 +398,14 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15) -> list
             t_best = t if plan.num_splits == best else plan_and_time(ctx, x, best)[1]
             pairs = batch * heads[1]
             loo = json.loads(json.dumps(full))
-            lay = loo.get("split_table", {}).get(backend, {}).get(layout, [])
+            lay = loo.get("split_table", {}).get(backend, {}).get(layout + _table_suffix(kv_dtype), [])
             lay[:] = [r for r in lay if (r[0], r[1]) != (pairs, kv)]
             saved = planner.device_table
             planner.device_table = lambda s, _t=loo: _t
             try:
                 ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
                 w = attnplan.DecodeWrapper(ctx, backend=backend)
-                loo_plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+                loo_plan = _plan(w, x)
             finally:
                 planner.device_table = saved
             # leave-one-out: the search's own ratio when that count was searched, else timed afresh

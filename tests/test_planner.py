@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import attnplan
 from attnplan.device import DeviceInfo
@@ -190,6 +191,12 @@ def test_measured_split_table_drives_the_split_where_it_applies(monkeypatch):
     assert make_plan(P(head_dim=256, num_q_heads=16, max_kv_len=131072, total_kv_len=131072), H200_LIKE, CFG,
                      "triton", KERNEL).policy == "heuristic"
     assert make_plan(big, H200_LIKE, CFG, "cuda_ptx", KERNEL).policy == "heuristic"
+    # an fp8 cache has its own rows (`tune --kv-dtype float8_e4m3fn`); without them, the cost model
+    fp8 = P(max_kv_len=131072, total_kv_len=131072, kv_dtype="float8_e4m3fn")
+    assert make_plan(fp8, H200_LIKE, CFG, "triton", KERNEL).policy == "heuristic"
+    table["split_table"]["triton"]["paged_fp8"] = [[8, 131072, 2.0]]
+    f = make_plan(fp8, H200_LIKE, CFG, "triton", KERNEL)
+    assert f.policy == "tuned" and f.table_entry == (8, 131072, 2.0) and f.num_splits == 33  # round(2 * 132 / 8)
     # a plan from the table survives the cache's JSON round trip
     assert SplitPlan.from_dict(json.loads(plan.to_json())) == plan
 
@@ -202,6 +209,34 @@ def test_tune_split_table_keeps_the_best_split_per_point():
     rows += [{"layout": "contiguous", "batch": 1, "kv": 4096, "splits": 16, "programs": 128, "ppsm": 0.97, "us": 14.0}]
     assert split_table(rows, 8) == {"paged": [[32, 32768, round(32 * 33 / 132, 3), 135.0]],
                                     "contiguous": [[8, 4096, 0.97, 14.0]]}
+
+
+def test_tune_table_rows_merge_by_point():
+    """A later tune (other heads, another KV dtype) replaces the rows of the points it measured and keeps the rest."""
+    from attnplan.tune import merge_rows
+
+    old = [[8, 4096, 0.97, 14.0], [32, 32768, 8.0, 135.0]]
+    assert merge_rows(old, [[8, 4096, 1.9, 13.0], [1, 131072, 2.0, 40.0]]) == [
+        [1, 131072, 2.0, 40.0], [8, 4096, 1.9, 13.0], [32, 32768, 8.0, 135.0]]
+
+
+def test_tune_inputs_and_planning_for_an_fp8_cache():
+    """`tune --kv-dtype float8_e4m3fn` builds e4m3 caches with per-head scales that plan and decode."""
+    from attnplan.tune import _inputs, _plan, _table_suffix
+
+    x = _inputs("paged", 2, 40, (8, 2, 64), torch.Generator().manual_seed(0), "float8_e4m3fn", device="cpu")
+    assert x.k_cache.dtype == x.v_cache.dtype == torch.float8_e4m3fn and tuple(x.k_scale.shape) == (2,)
+    w = attnplan.DecodeWrapper(backend="reference")
+    plan = _plan(w, x, 2)
+    assert plan.num_splits == 2 and plan.problem["kv_dtype"] == "float8_e4m3fn"
+    out = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    ref, _ = attnplan.reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, None,
+                                          k_scale=x.k_scale, v_scale=x.v_scale)
+    attnplan.testing.assert_close_to_reference(out, ref, torch.bfloat16)
+    assert _table_suffix("float8_e4m3fn") == "_fp8" and _table_suffix("bfloat16") == ""
+    with pytest.raises(SystemExit):  # the option sweep is bf16 only
+        from attnplan.tune import main
+        main(["--kv-dtype", "float8_e4m3fn"])
 
 
 def test_bucket_key_is_the_bucket_in_order():
