@@ -38,7 +38,7 @@ from .config import Config, CostModel, device_table
 from .device import DeviceInfo
 from .problem import DecodeProblem, torch_dtype
 
-__all__ = ["SplitPlan", "make_plan", "PLAN_VERSION", "cost_model_for"]
+__all__ = ["SplitPlan", "make_plan", "PLAN_VERSION", "cost_model_for", "split_table_layout"]
 
 PLAN_VERSION = 1  # new fields default to the old meaning (column_programs=1: grid axis 0 = splits)
 
@@ -297,6 +297,12 @@ def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_prog
 TABLE_REACH = 4.0
 
 
+def split_table_layout(layout: str, kv_itemsize: int) -> str:
+    """The key of a split table's rows: ``layout`` (``"contiguous"`` or ``"paged"``), with ``"_fp8"``
+    for a 1-byte KV cache (``kv_itemsize`` in bytes), as ``attnplan tune`` writes and the planner reads."""
+    return layout + ("_fp8" if kv_itemsize == 1 else "")
+
+
 def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols: int) -> tuple | None:
     """The nearest entry of the device's measured split table for ``problem``, or ``None`` (cost model).
 
@@ -314,7 +320,7 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
     if device.compute_capability == (0, 0) or cols != 1 or problem.head_dim > 128 \
             or itemsize not in (1, 2) or problem.total_kv_len * 2 < problem.batch * problem.max_kv_len:
         return None
-    layout = ("paged" if problem.paged else "contiguous") + ("_fp8" if itemsize == 1 else "")
+    layout = split_table_layout("paged" if problem.paged else "contiguous", itemsize)
     rows = ((device_table(device.slug()).get("split_table") or {}).get(backend) or {}).get(layout) or []
     work, kv = problem.batch * problem.num_kv_heads, max(problem.max_kv_len, 1)
     best, best_d = None, math.inf
@@ -376,6 +382,8 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         problem = replace(problem, max_kv_len=max_len,
                           total_kv_len=min(problem.total_kv_len, problem.batch * max_len))
     candidates: list[tuple[int, int, float]] = []
+    # most splits the planner itself makes: chunks of at least min_chunk_tokens (aligned), max_splits
+    limit = max(1, min(config.split.max_splits, max_len // _align_up(config.split.min_chunk_tokens, align)))
     if forced >= 1:
         splits = forced
         chunk = _align_up(max(-(-max_len // splits), 1), align)
@@ -386,14 +394,12 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     elif (entry := _table_entry(problem, device, backend, cols)) is not None:
         policy = "tuned"
         work = problem.batch * problem.num_kv_heads
-        limit = max(1, min(config.split.max_splits, max_len // _align_up(config.split.min_chunk_tokens, align)))
         want = min(limit, max(1, round(entry[2] * device.sm_count / work)))
         chunk = _align_up(-(-max_len // want), align)
         splits = -(-max_len // chunk)
         predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges)
     else:
         policy = "heuristic"
-        limit = max(1, min(config.split.max_splits, max_len // _align_up(config.split.min_chunk_tokens, align)))
         seen = set()
         for n in range(1, limit + 1):
             chunk = _align_up(-(-max_len // n), align)

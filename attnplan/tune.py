@@ -85,9 +85,11 @@ def _plan(w, x, num_splits=None):
                   k_scale=x.k_scale, v_scale=x.v_scale)
 
 
-def _table_suffix(kv_dtype: str) -> str:
-    """Split-table layout key suffix for a KV dtype (the planner reads ``<layout>_fp8`` for 1-byte caches)."""
-    return "_fp8" if getattr(torch, kv_dtype).itemsize == 1 else ""
+def _table_key(layout: str, kv_dtype: str) -> str:
+    """The split table's key for ``layout`` rows measured with ``kv_dtype`` (the planner's own naming)."""
+    from .planner import split_table_layout
+
+    return split_table_layout(layout, getattr(torch, kv_dtype).itemsize)
 
 
 def merge_rows(old: list, new: list) -> list:
@@ -294,7 +296,7 @@ def main(argv=None) -> int:
             bar.close()
         mine = table.setdefault("split_table", {}).setdefault(backend, {})
         for layout, rows in split_table(searches[backend], heads[1]).items():
-            key = layout + _table_suffix(args.kv_dtype)  # earlier tunes' other points and dtypes stay
+            key = _table_key(layout, args.kv_dtype)  # earlier tunes' other points and dtypes stay
             mine[key] = merge_rows(mine.get(key, []), rows)
     cm["mem_bandwidth_gbs"] = round(ceiling["ceiling_gbs"], 1)
     table["measured"] = {"device": dev.name, "sm_count": dev.sm_count, "ceiling": ceiling,
@@ -398,7 +400,7 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtyp
             t_best = t if plan.num_splits == best else plan_and_time(ctx, x, best)[1]
             pairs = batch * heads[1]
             loo = json.loads(json.dumps(full))
-            lay = loo.get("split_table", {}).get(backend, {}).get(layout + _table_suffix(kv_dtype), [])
+            lay = loo.get("split_table", {}).get(backend, {}).get(_table_key(layout, kv_dtype), [])
             lay[:] = [r for r in lay if (r[0], r[1]) != (pairs, kv)]
             saved = planner.device_table
             planner.device_table = lambda s, _t=loo: _t

@@ -222,7 +222,7 @@ def test_tune_table_rows_merge_by_point():
 
 def test_tune_inputs_and_planning_for_an_fp8_cache():
     """`tune --kv-dtype float8_e4m3fn` builds e4m3 caches with per-head scales that plan and decode."""
-    from attnplan.tune import _inputs, _plan, _table_suffix
+    from attnplan.tune import _inputs, _plan, _table_key
 
     x = _inputs("paged", 2, 40, (8, 2, 64), torch.Generator().manual_seed(0), "float8_e4m3fn", device="cpu")
     assert x.k_cache.dtype == x.v_cache.dtype == torch.float8_e4m3fn and tuple(x.k_scale.shape) == (2,)
@@ -233,7 +233,7 @@ def test_tune_inputs_and_planning_for_an_fp8_cache():
     ref, _ = attnplan.reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, None,
                                           k_scale=x.k_scale, v_scale=x.v_scale)
     attnplan.testing.assert_close_to_reference(out, ref, torch.bfloat16)
-    assert _table_suffix("float8_e4m3fn") == "_fp8" and _table_suffix("bfloat16") == ""
+    assert _table_key("paged", "float8_e4m3fn") == "paged_fp8" and _table_key("paged", "bfloat16") == "paged"
     with pytest.raises(SystemExit):  # the option sweep is bf16 only
         from attnplan.tune import main
         main(["--kv-dtype", "float8_e4m3fn"])

@@ -117,6 +117,18 @@ __all__ = ["CudaPtxBackend", "CudaPtxError", "NvrtcError", "DriverError", "Kerne
 _CPU_SMEM_LIMIT = 99 * 1024
 
 
+def _tristate(options: dict, name: str, null_means: str) -> bool | None:
+    """Option ``name`` of ``options``: ``True``, ``False`` or ``None`` (= ``null_means``).
+
+    Raises:
+        ValueError: any other value (named, with what is allowed).
+    """
+    value = options.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"backend_options.cuda_ptx.{name} {value!r} must be true, false or null ({null_means})")
+    return value
+
+
 class CudaPtxBackend(Backend):
     """Split-KV decode with NVRTC-compiled CUDA C kernels (see the module docstring for the method).
 
@@ -231,9 +243,7 @@ class CudaPtxBackend(Backend):
         partition = options.get("partition") or "split_k"
         if partition not in self.partitions:
             raise ValueError(f"backend_options.cuda_ptx.partition {partition!r} must be one of {sorted(self.partitions)}")
-        mma = options.get("mma")
-        if mma is not None and not isinstance(mma, bool):
-            raise ValueError(f"backend_options.cuda_ptx.mma {mma!r} must be true, false or null (auto)")
+        mma = _tristate(options, "mma", "auto")
         if mma:
             why = mma_unsupported(problem.q_dtype, problem.head_dim, problem.kv_dtype, partition)
             if why:
@@ -253,9 +263,7 @@ class CudaPtxBackend(Backend):
         if block_n % tile:
             raise ValueError(f"backend_options.cuda_ptx.block_n {block_n} must be a multiple of the kernel's tile of "
                              f"{tile} tokens for {problem.kv_dtype} head_dim {problem.head_dim} ({partition})")
-        pdl = options.get("pdl")
-        if pdl is not None and not isinstance(pdl, bool):
-            raise ValueError(f"backend_options.cuda_ptx.pdl {pdl!r} must be true, false or null (on)")
+        pdl = _tristate(options, "pdl", "on")
         return {"block_n": block_n, "num_warps": spec.kv_warps, "num_stages": spec.stages, "threads": spec.threads,
                 "tile_tokens": tile, "row_groups": spec.row_groups, "passes": spec.passes, "partition": partition,
                 "mma": spec.mma, "pdl": True if pdl is None else pdl}

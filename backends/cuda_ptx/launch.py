@@ -707,6 +707,11 @@ class DeviceRuntime:
                 "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)"))
             self.ensure_context()
         self.target: CompileTarget = select_target(self.compute_capability)
+        # programmatic dependent launch: an sm_90+ device running code compiled for sm_90+ (the kernels'
+        # griddepcontrol.wait exists only there; an older PTX fallback must not launch early). Fixed per
+        # device: decided here, not on every launch
+        arch = int("".join(ch for ch in self.target.arch if ch.isdigit()) or 0)
+        self.pdl_supported: bool = self.compute_capability >= (9, 0) and arch >= 90
 
     def ensure_context(self) -> None:
         """Make this device's primary context current in the calling thread if it is not."""
@@ -760,21 +765,15 @@ class DeviceRuntime:
                     f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={spec.smem_bytes})")
         return fn
 
-    @property
-    def pdl_supported(self) -> bool:
-        """Programmatic dependent launch: an sm_90+ device running code compiled for sm_90+ (the
-        kernels' ``griddepcontrol.wait`` exists only there; an older PTX fallback must not launch early)."""
-        digits = "".join(ch for ch in self.target.arch if ch.isdigit())
-        return self.compute_capability >= (9, 0) and int(digits or 0) >= 90
-
     def launch(self, spec: KernelSpec, cfg: LaunchConfig, args: PackedArgs, stream: int, pdl: bool = False) -> None:
         """Launch ``spec`` on ``stream`` (torch's current stream handle). Launch only.
 
         ``pdl``: programmatic dependent launch (CUDA 12.x "PDL", as FlashInfer and TensorRT-LLM chain
         their decode kernels): ``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``,
         so the kernel may start before the previous kernel of the stream has finished; the kernel must
-        begin with ``griddepcontrol.wait`` (the merge kernel does). Ignored below sm_90. Otherwise
-        ``cuLaunchKernel``. Captured by CUDA graphs either way (a programmatic edge for ``pdl``).
+        begin with ``griddepcontrol.wait`` (the merge kernel does). Ignored unless
+        ``pdl_supported``. Otherwise ``cuLaunchKernel``. Captured by CUDA graphs either way (a
+        programmatic edge for ``pdl``).
         """
         driver, _ = bindings()
         fn = self.function(spec)

@@ -82,7 +82,8 @@ def split_kv_partial_kernel(
     Variants: ``WINDOW`` (chunks start at the window, rows see ``[p - window_left, p]``), ``SOFTCAP``
     (``cap * tanh(s / cap)`` on scaled scores, tanh from ``exp(-2|x|)`` so it cannot overflow),
     ``FP8`` (K/V widened to fp16, a bf16 q row scaled into fp16 by a power of two, ``K_SCALE[h]``
-    folded into the score scale and ``V_SCALE[h]`` into the output), ``SINKS_ON`` (single pass, or an in-kernel merge: the sink joins the denominator).
+    folded into the score scale and ``V_SCALE[h]`` into the output), ``SINKS_ON`` (single pass, or an
+    in-kernel merge: the sink joins the denominator).
     ``MERGE``: ``"none"`` (write the state / the single-pass output), ``"fused"`` (after writing its
     state, the program bumps its (sequence, KV head) completion counter ``COUNTERS[b * Hkv + h]``; the
     one that finishes last of the ``num_splits * N_COLS`` merges the group's rows over all splits in
