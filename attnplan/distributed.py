@@ -2,8 +2,9 @@
 
 Each rank computes, with any backend, the attention of the queries over its own shard, i.e. one
 partial state per row (normalized ``o`` and natural-log ``lse``, the :class:`PartialState`
-contract). The states are exchanged with ``torch.distributed.all_gather`` and merged with
-:func:`attnplan.merge_states`, so the result equals single-device decode within rounding
+contract). The states are exchanged with one ``torch.distributed.all_gather_into_tensor`` of a
+packed message per rank and merged by the local backend's merge kernel (the contract of
+:func:`attnplan.merge_states`), so the result equals single-device decode within rounding
 (Flash-Decoding's merge applied across devices, seed 003 §06: cross-device split reduction).
 Works with NCCL on GPUs and gloo on CPUs.
 
@@ -15,11 +16,13 @@ need query-dependent visibility.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
 from .api import DecodeWrapper
-from .state import PartialState, merge_states
+from .state import PartialState
 
 __all__ = ["ContextParallelDecode"]
 
@@ -38,9 +41,7 @@ class ContextParallelDecode:
     def __init__(self, group: dist.ProcessGroup | None = None, *, config=None, backend: str | None = None):
         self.group = group
         self.local = DecodeWrapper(config, backend=backend)
-        self._lse: torch.Tensor | None = None
-        self._gather_o: list[torch.Tensor] = []
-        self._gather_lse: list[torch.Tensor] = []
+        self._send: torch.Tensor | None = None
         self.comm_bytes = 0
 
     def plan(self, q, k_shard, v_shard, shard_lens, block_table=None, *, sm_scale=None, num_splits=None,
@@ -61,26 +62,47 @@ class ContextParallelDecode:
         plan = self.local.plan(q, k_shard, v_shard, shard_lens, block_table, sm_scale=sm_scale, num_splits=num_splits,
                                capacity=capacity)
         b, ql, hq, d = q.shape
-        self._lse = torch.empty(b, ql, hq, dtype=torch.float32, device=q.device)
-        self._out = torch.empty(b, ql, hq, d, dtype=q.dtype, device=q.device)
-        self._gather_o = [torch.empty(b, ql, hq, d, dtype=q.dtype, device=q.device) for _ in range(world)]
-        self._gather_lse = [torch.empty(b, ql, hq, dtype=torch.float32, device=q.device) for _ in range(world)]
-        self.comm_bytes = world * (self._out.numel() * self._out.element_size() + self._lse.numel() * 4)
+        # one packed message per rank: o in q's dtype, then lse fp32 at a 16-byte offset; the local
+        # decode writes straight into it, so the exchange is one all-gather with no copies
+        o_bytes = b * ql * hq * d * q.element_size()
+        self._lse_off = -(-o_bytes // 16) * 16
+        self._msg = -(-(self._lse_off + b * ql * hq * 4) // 16) * 16
+        self._shape = (b, ql, hq, d)
+        self._send = torch.empty(self._msg, dtype=torch.uint8, device=q.device)
+        self._recv = torch.empty(world * self._msg, dtype=torch.uint8, device=q.device)
+        self._out, self._lse = self._views(self._send, q.dtype)
+        self._result = torch.empty(b, ql, hq, d, dtype=q.dtype, device=q.device)
+        # the backend's own merge kernel merges the world's states (one launch instead of ~12 torch ops)
+        self._merge_plan = replace(plan, num_splits=world, kernel={**plan.kernel, "pdl": False})
+        self.comm_bytes = world * self._msg
         return plan
 
-    def run(self, q, k_shard, v_shard, shard_lens, block_table=None) -> torch.Tensor:
-        """Local partial, all-gather of ``(o, lse)``, merge. Returns ``out`` in q's dtype.
+    def _views(self, buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(o, lse)`` views of packed messages ``buf [..., msg]`` (uint8): ``o [..., B, Q, H, D]`` in
+        ``dtype``, ``lse [..., B, Q, H]`` fp32."""
+        lead = buf.shape[:-1]
+        b, ql, hq, d = self._shape
+        o = buf[..., : b * ql * hq * d * torch.empty((), dtype=dtype).element_size()].view(dtype).view(*lead, b, ql, hq, d)
+        lse = buf[..., self._lse_off: self._lse_off + b * ql * hq * 4].view(torch.float32).view(*lead, b, ql, hq)
+        return o, lse
 
-        The local ``o`` travels in q's dtype (half the bytes of fp32; its rounding is within
-        the output dtype's tolerance) and ``lse`` in fp32.
+    def run(self, q, k_shard, v_shard, shard_lens, block_table=None) -> torch.Tensor:
+        """Local partial, one all-gather of the packed ``(o, lse)`` messages, merge.
+
+        Returns ``out [batch, 1, num_q_heads, head_dim]`` in q's dtype (the wrapper's buffer, valid
+        until the next ``run``). The local ``o`` travels in q's dtype (half the bytes of fp32; its
+        rounding is within the output dtype's tolerance) and ``lse`` in fp32.
         """
         self.local.run(q, k_shard, v_shard, shard_lens, block_table, out=self._out, lse=self._lse)
-        o, lse = self.exchange(self._out, self._lse)
-        return o.to(q.dtype)
+        return self.exchange()
 
-    def exchange(self, o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gather the ranks' states and merge them (fp32 result ``(o, lse)``)."""
-        dist.all_gather(self._gather_o, o, group=self.group)
-        dist.all_gather(self._gather_lse, lse, group=self.group)
-        state = PartialState(torch.stack(self._gather_o, dim=3).float(), torch.stack(self._gather_lse, dim=3))
-        return merge_states(state)
+    def exchange(self) -> torch.Tensor:
+        """All-gather the ranks' packed states (one collective) and merge them with the local
+        backend's merge kernel into the result buffer, in q's dtype."""
+        dist.all_gather_into_tensor(self._recv, self._send, group=self.group)
+        world = self._recv.numel() // self._msg
+        o, lse = self._views(self._recv.view(world, self._msg), self._out.dtype)
+        # [world, B, Q, H, D] -> the PartialState layout [B, Q, H, world, D] (a strided view), fp32
+        state = PartialState(o.permute(1, 2, 3, 0, 4).float(), lse.permute(1, 2, 3, 0))
+        self.local.backend.merge(self._merge_plan, state, self._result, None)
+        return self._result

@@ -4,10 +4,16 @@ communication (issue: ecosystem and scale-out).
 Each of ``world`` processes (one per GPU, NCCL) holds a contiguous 1/world of every sequence's KV
 cache, computes its shard's partial state with attnplan, all-gathers ``(o, lse)`` and merges
 (:class:`attnplan.distributed.ContextParallelDecode`). Rank 0 also runs single-GPU decode on the
-whole cache (when it fits) and compares. Timing: CUDA events, median of eager calls, the whole
-step and the exchange (all-gather + merge) alone, every rank starting each timed call after a
+whole cache (when it fits) and compares. Timing, every rank starting each timed call after a
 barrier and a synchronize (results/2026-11-30-s3-cp was timed without them: its all-gather time
-includes waiting for the later rank).
+includes waiting for the later rank):
+
+- ``step_us``: CUDA events around the whole eager step (local decode, all-gather, merge), median;
+- ``exchange_us``: the same around the exchange alone (all-gather + merge, launch latency included);
+- ``comm_kernel_us``: the communication itself, the device time of the NCCL kernels inside the
+  step (``torch.profiler``, CUPTI), per step and per rank. It still includes any wait for the
+  other rank's data (ranks whose local decode ends later); the smaller rank's figure is the closer
+  to the pure transfer. ``comm_share`` = the larger rank's ``comm_kernel_us`` / ``step_us``.
 
     python benchmarks/bench_cp.py --world 2 --kv 1048576,2097152 --out cp.json      # 2 GPUs
     python benchmarks/bench_cp.py --cpu --world 2 --kv 256                          # gloo dry run
@@ -70,6 +76,26 @@ def _events_median(fn, iters, device, aligned: bool = False):
     return statistics.median(ts)
 
 
+def _collective_kernel_us(fn, iters) -> float | None:
+    """Device time per call of ``fn`` spent in NCCL kernels (CUPTI via ``torch.profiler``), after a
+    barrier and a synchronize before each call; ``None`` on the CPU (gloo has no kernels)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            dist.barrier()
+            torch.cuda.synchronize()
+            fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for ev in prof.key_averages():
+        if "nccl" in ev.key.lower():
+            total += getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+    return total / iters
+
+
 def worker(rank, args, port, queue):
     import attnplan
     from attnplan.distributed import ContextParallelDecode
@@ -94,10 +120,13 @@ def worker(rank, args, port, queue):
             lens = torch.tensor([hi - lo], dtype=torch.int32, device=device)
             cp = ContextParallelDecode(backend=args.backend)
             plan = cp.plan(q, k, v, lens)
-            out = cp.run(q, k, v, lens)
+            out = cp.run(q, k, v, lens).clone()  # run() returns its reused buffer
             # every rank times these together, each call after a barrier (no late-rank waiting in them)
             step_us = _events_median(lambda: cp.run(q, k, v, lens), args.iters, device, aligned=True)
-            comm_us = _events_median(lambda: cp.exchange(cp._out, cp._lse), args.iters, device, aligned=True)
+            exchange_us = _events_median(cp.exchange, args.iters, device, aligned=True)
+            comm_kernel = _collective_kernel_us(lambda: cp.run(q, k, v, lens), args.iters) if not cpu else None
+            per_rank = [None] * args.world
+            dist.all_gather_object(per_rank, comm_kernel)
             # single-device check: gather the shards on rank 0 and decode the whole sequence there
             ks = [torch.empty(1, total * (r + 1) // args.world - total * r // args.world, hkv, d, dtype=dtype, device=device)
                   for r in range(args.world)]
@@ -124,10 +153,13 @@ def worker(rank, args, port, queue):
                     ref, _ = reference.attention(q, kf, vf, torch.tensor([total], dtype=torch.int32))
                     ref_err = float((out.double().cpu() - ref).abs().max())
                 results.append({"total_kv": total, "world": args.world, "plan_local": plan.to_dict(),
-                                "step_us": step_us, "allgather_us": comm_us, "comm_share": comm_us / step_us,
+                                "step_us": step_us, "exchange_us": exchange_us, "comm_kernel_us_per_rank": per_rank,
+                                "comm_share": max(per_rank) / step_us if per_rank[0] is not None else None,
                                 "single_device_us_eager": single_us, "max_abs_diff_vs_single": diff,
                                 "max_abs_err_vs_reference": ref_err, "comm_bytes": cp.comm_bytes})
-                print(f"kv {total}: cp step {step_us:.1f} us (all-gather {comm_us:.1f} us, {comm_us / step_us:.0%}); "
+                comm = ("NCCL kernels " + " / ".join(f"{c:.1f}" for c in per_rank) + f" us per rank, "
+                        f"{max(per_rank) / step_us:.1%}" if per_rank[0] is not None else "no kernel times on CPU")
+                print(f"kv {total}: cp step {step_us:.1f} us ({comm}; exchange incl. merge {exchange_us:.1f} us); "
                       f"single device {single_us:.1f} us; max |cp - single| {diff:.2e}"
                       + (f"; max |cp - ref| {ref_err:.2e}" if ref_err is not None else ""), flush=True)
             del k, v
