@@ -135,9 +135,9 @@ def split_kv_partial_kernel(
         qmax = tl.max(tl.abs(qf), 1)
         # the shift stays within +-113 (2^113 and its inverse are normal fp32; a row as small as
         # 2^-114 is then left below 2^-1, still exact in fp16) and is 0 for an all-zero or non-finite row
-        ok = (qmax > 0.0) & (qmax < float("inf"))
-        e = tl.minimum(tl.maximum(14.0 - tl.ceil(tl.log2(tl.where(ok, qmax, 1.0))), -113.0), 113.0)
-        up = tl.exp2(tl.where(ok, e, 0.0))
+        q_ok = (qmax > 0.0) & (qmax < float("inf"))
+        e = tl.minimum(tl.maximum(14.0 - tl.ceil(tl.log2(tl.where(q_ok, qmax, 1.0))), -113.0), 113.0)
+        up = tl.exp2(tl.where(q_ok, e, 0.0))
         q = (qf * up[:, None]).to(tl.float16)
         row_scale = 1.0 / up
     if UPCAST:
