@@ -10,7 +10,7 @@ includes waiting for the later rank):
 
 - ``step_us``: CUDA events around the whole eager step (local decode, all-gather, merge), median;
 - ``exchange_us``: the same around the exchange alone (all-gather + merge, launch latency included);
-- ``comm_kernel_us``: the communication itself, the device time of the NCCL kernels inside the
+- ``comm_kernel_us``: the communication itself, the device time of the NCCL all-gather kernels in the
   step (``torch.profiler``, CUPTI), per step and per rank. It still includes any wait for the
   other rank's data (ranks whose local decode ends later); the smaller rank's figure is the closer
   to the pure transfer. ``comm_share`` = the larger rank's ``comm_kernel_us`` / ``step_us``.
@@ -76,9 +76,11 @@ def _events_median(fn, iters, device, aligned: bool = False):
     return statistics.median(ts)
 
 
-def _collective_kernel_us(fn, iters) -> float | None:
-    """Device time per call of ``fn`` spent in NCCL kernels (CUPTI via ``torch.profiler``), after a
-    barrier and a synchronize before each call; ``None`` on the CPU (gloo has no kernels)."""
+def _nccl_kernel_us(fn, iters) -> dict | None:
+    """Device time per call of ``fn`` in each NCCL kernel (CUPTI via ``torch.profiler``), by kernel
+    name, after a barrier and a synchronize before each call; ``None`` on the CPU (gloo has no
+    kernels). The barrier's own all-reduce kernel waits for the later rank: it is listed, but only
+    the all-gather kernels are the step's communication (s4-call2 summed both: 22 ms on one rank)."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -89,11 +91,15 @@ def _collective_kernel_us(fn, iters) -> float | None:
             torch.cuda.synchronize()
             fn()
         torch.cuda.synchronize()
-    total = 0.0
-    for ev in prof.key_averages():
-        if "nccl" in ev.key.lower():
-            total += getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-    return total / iters
+    return {ev.key: (getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)) / iters
+            for ev in prof.key_averages() if "nccl" in ev.key.lower()}
+
+
+def _allgather_us(kernels: dict | None) -> float | None:
+    """The all-gather kernels' share of :func:`_nccl_kernel_us`."""
+    if kernels is None:
+        return None
+    return sum(us for name, us in kernels.items() if "allgather" in name.lower().replace("_", ""))
 
 
 def worker(rank, args, port, queue):
@@ -124,9 +130,9 @@ def worker(rank, args, port, queue):
             # every rank times these together, each call after a barrier (no late-rank waiting in them)
             step_us = _events_median(lambda: cp.run(q, k, v, lens), args.iters, device, aligned=True)
             exchange_us = _events_median(cp.exchange, args.iters, device, aligned=True)
-            comm_kernel = _collective_kernel_us(lambda: cp.run(q, k, v, lens), args.iters) if not cpu else None
+            nccl = _nccl_kernel_us(lambda: cp.run(q, k, v, lens), args.iters) if not cpu else None
             per_rank = [None] * args.world
-            dist.all_gather_object(per_rank, comm_kernel)
+            dist.all_gather_object(per_rank, _allgather_us(nccl))
             # single-device check: gather the shards on rank 0 and decode the whole sequence there
             ks = [torch.empty(1, total * (r + 1) // args.world - total * r // args.world, hkv, d, dtype=dtype, device=device)
                   for r in range(args.world)]
@@ -154,6 +160,7 @@ def worker(rank, args, port, queue):
                     ref_err = float((out.double().cpu() - ref).abs().max())
                 results.append({"total_kv": total, "world": args.world, "plan_local": plan.to_dict(),
                                 "step_us": step_us, "exchange_us": exchange_us, "comm_kernel_us_per_rank": per_rank,
+                                "nccl_kernels_us_rank0": nccl,
                                 "comm_share": max(per_rank) / step_us if per_rank[0] is not None else None,
                                 "single_device_us_eager": single_us, "max_abs_diff_vs_single": diff,
                                 "max_abs_err_vs_reference": ref_err, "comm_bytes": cp.comm_bytes})
