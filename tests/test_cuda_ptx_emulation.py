@@ -424,3 +424,28 @@ def _parametrized_specs(be) -> list:
                 if not plan.single_pass:
                     specs.append(be.spec_for("merge", plan))
     return specs
+
+
+@pytest.mark.parametrize("head_dim,splits", [(128, 45), (256, 20), (64, 33)])
+def test_emulated_merge_many_splits(be, head_dim, splits, gen):
+    """The merge kernel over more splits than one chunk of prefetched o rows (16 at one warp per CTA,
+    8 at head_dim 256) and than a warp's 32 lanes: random states with empty splits (lse -inf, o NaN
+    poison) scattered through the chunks, one all-empty row, sinks; against merge_states in float64."""
+    from types import SimpleNamespace
+
+    b, h = 2, 4
+    o = torch.randn(b, 1, h, splits + 2, head_dim, generator=gen)
+    ls = torch.randn(b, 1, h, splits + 2, generator=gen) * 3
+    empty = torch.rand(b, 1, h, splits + 2, generator=gen) < 0.3
+    empty[1, 0, 0] = True  # a row with no visible token
+    ls[empty] = float("-inf")
+    o[empty] = float("nan")
+    sinks = torch.randn(h, generator=gen)
+    out = poison(torch.empty(b, 1, h, head_dim, dtype=torch.bfloat16))
+    out_lse = poison(torch.empty(b, 1, h))
+    be.merge(SimpleNamespace(num_splits=splits, kernel={}), PartialState(o, ls), out, out_lse, sinks)
+    ref, ref_lse = merge_states(PartialState(o[:, :, :, :splits].double(), ls[:, :, :, :splits].double()),
+                                sinks.double())
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    assert_close_to_reference(out_lse, ref_lse, torch.float32, "lse")
+    assert torch.all(out[1, 0, 0] == 0)

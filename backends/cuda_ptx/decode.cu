@@ -1475,6 +1475,9 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 //   optional sinks [num_heads]: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z)
 // =============================================================================================
 constexpr int MERGE_THREADS = ((HEAD_DIM / 4 + 31) / 32) * 32;
+// splits whose o rows one thread loads before using any (a divisor of 32): 64 registers of
+// float4 at one warp per CTA, 32 at two (head_dim 256)
+constexpr int MERGE_CHUNK = MERGE_THREADS == 32 ? 16 : 8;
 #ifdef ATTNPLAN_THREADS
 static_assert(MERGE_THREADS == ATTNPLAN_THREADS, "host and kernel disagree on merge threads per block");
 #endif
@@ -1509,36 +1512,50 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, elem_
     const int d = threadIdx.x * 4;
     const int lane = threadIdx.x & 31;
 
-    // Lanes take the splits (lane s, s + 32, ...): the max and the sum are warp reductions, so the
-    // row costs a few memory round trips instead of one per split. Every warp of the CTA (two at
-    // head_dim 256) reduces the same splits by itself: no shared memory, no __syncthreads.
-    float M = NEG_INF;
-    for (int s = lane; s < num_splits; s += 32) M = fmaxf(M, lr[(i64)s * l_ss]);
+    // Lanes take the splits (lane s, s + 32, ...): the max and the sum are warp reductions. Every
+    // warp of the CTA (two at head_dim 256) reduces the same splits by itself: no shared memory, no
+    // __syncthreads. The o rows of the first MERGE_CHUNK splits do not depend on the lse values, so
+    // they are loaded together with them: a row of up to MERGE_CHUNK splits costs one memory round
+    // trip (results/2026-11-30-s4-call2: the version that loaded o after the max took 4.1 us at b1
+    // 4K, 16 splits, against triton's 2.5 us, whose [splits, dims] block loads are all in flight).
+    // An empty split's o may be unwritten (poison): it is read but selected out, never multiplied in.
+    const bool dv = d < HEAD_DIM;
+    const float ls0 = lane < num_splits ? lr[(i64)lane * l_ss] : NEG_INF;
+    float4 x[MERGE_CHUNK];
+#pragma unroll
+    for (int j = 0; j < MERGE_CHUNK; ++j)
+        x[j] = j < num_splits && dv ? *reinterpret_cast<const float4 *>(orow + (i64)j * o_ss + d)
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+    float M = ls0;
+    for (int s = lane + 32; s < num_splits; s += 32) M = fmaxf(M, lr[(i64)s * l_ss]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
     if (M == NEG_INF) {  // every split empty: never -inf - (-inf)
-        if (d < HEAD_DIM) store4(outp + d, 0.f, 0.f, 0.f, 0.f);
+        if (dv) store4(outp + d, 0.f, 0.f, 0.f, 0.f);
         if (threadIdx.x == 0 && out_lse)
             out_lse[(i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh] = sinks ? sinks[hh] : NEG_INF;
         return;
     }
     float tot = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
     for (int s0 = 0; s0 < num_splits; s0 += 32) {
-        // this lane's split weight; empty splits (lse -inf) weigh 0
-        const float ls = s0 + lane < num_splits ? lr[(i64)(s0 + lane) * l_ss] : NEG_INF;
+        // this lane's split weight; empty splits (lse -inf) and lanes past the last split weigh 0
+        const float ls = s0 == 0 ? ls0 : s0 + lane < num_splits ? lr[(i64)(s0 + lane) * l_ss] : NEG_INF;
         const float w = ls == NEG_INF ? 0.f : expf(ls - M);
         tot += w;
-        const int n = num_splits - s0 < 32 ? num_splits - s0 : 32;
-        // o_s for the lane's 4 dims, weights broadcast by shuffle; the loads do not wait on a branch
-        // (unrolled, they are in flight together). An empty split's o may be unwritten (poison):
-        // it is read but selected out, never multiplied in.
-#pragma unroll (MERGE_THREADS == 32 ? 8 : 4)  // 8 at head_dim 256 spills (ptxas caps it at 32 registers)
-        for (int j = 0; j < n; ++j) {
-            const float wj = __shfl_sync(FULL_MASK, w, j);
-            if (d < HEAD_DIM) {
-                const float4 x = *reinterpret_cast<const float4 *>(orow + (i64)(s0 + j) * o_ss + d);
+        for (int c0 = 0; c0 < 32 && s0 + c0 < num_splits; c0 += MERGE_CHUNK) {
+            if (s0 + c0 > 0) {  // later chunks: all MERGE_CHUNK loads in flight before their use
+#pragma unroll
+                for (int j = 0; j < MERGE_CHUNK; ++j)
+                    x[j] = s0 + c0 + j < num_splits && dv
+                               ? *reinterpret_cast<const float4 *>(orow + (i64)(s0 + c0 + j) * o_ss + d)
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int j = 0; j < MERGE_CHUNK; ++j) {
+                const float wj = __shfl_sync(FULL_MASK, w, c0 + j);
                 if (wj != 0.f) {
-                    a0 = fmaf(wj, x.x, a0); a1 = fmaf(wj, x.y, a1); a2 = fmaf(wj, x.z, a2); a3 = fmaf(wj, x.w, a3);
+                    a0 = fmaf(wj, x[j].x, a0); a1 = fmaf(wj, x[j].y, a1);
+                    a2 = fmaf(wj, x[j].z, a2); a3 = fmaf(wj, x[j].w, a3);
                 }
             }
         }
