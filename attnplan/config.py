@@ -70,7 +70,7 @@ class SplitPolicy(_Strict):
                             "deterministic: false; never chosen by auto), or auto = cheaper of separate / fused by the "
                             "cost model")
     num_splits: int = Field(0, ge=0, le=1024, description="0 = heuristic, 1 = never split, >1 = forced")
-    max_splits: int = Field(128, ge=1, le=1024, description="most splits a sequence may get")
+    max_splits: int = Field(256, ge=1, le=1024, description="most splits a sequence may get")
     min_chunk_tokens: int = Field(64, ge=16, description="smallest chunk the planner makes (cost model and tuned "
                                                         "table; not a forced num_splits), tokens")
 

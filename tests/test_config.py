@@ -18,7 +18,7 @@ def test_user_file_overrides_and_env(tmp_path, monkeypatch):
     f.write_text("backends: [triton, reference]\nsplit:\n  num_splits: 4\n")
     c = load_config(f)
     assert c.backends == ["triton", "reference"] and c.split.num_splits == 4
-    assert c.split.max_splits == 128  # untouched keys keep their defaults
+    assert c.split.max_splits == 256  # untouched keys keep their defaults
     monkeypatch.setenv("ATTNPLAN_CONFIG", str(f))
     assert load_config().split.num_splits == 4
 
