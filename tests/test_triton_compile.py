@@ -2,7 +2,8 @@
 
 CPU-only CI runs the kernels in Triton's interpreter, which skips the compiler's type checks: in
 session 4 a partial kernel that passed every interpreted test failed to compile on the H200
-(``Loop-carried variable ok ... re-assigned`` in the fp8 q-shift prologue). Each case here is a
+(``Loop-carried variable ok ... re-assigned``, then ``e``: names of the fp8 q-shift prologue reused
+in the KV loop). Each case here is a
 specialization the backend launches (variants, fp8 with bf16 / fp16 q, paged, split-V column
 programs, the in-kernel merges); compiling it is the check (``backends/triton/offline.py``).
 """
@@ -19,6 +20,10 @@ PARTIAL_CASES = [
     ("fp16-paged16-window-softcap", "fp16", "fp16",
      {"PAGED": True, "PAGE_SIZE": 16, "WINDOW": True, "SOFTCAP": True}),
     ("fp8-bf16q", "bf16", "fp8e4nv", {}),
+    # the bf16-q shift prologue's names must not be reused inside the KV loop (softcap, window, paged)
+    ("fp8-bf16q-qlen8-window-softcap-sinks-fused", "bf16", "fp8e4nv",
+     {"PAGED": True, "PAGE_SIZE": 16, "Q_LEN": 8, "BLOCK_M": 32, "WINDOW": True, "SOFTCAP": True, "SINKS_ON": True,
+      "MERGE": "fused", "WRITE_OUT_LSE": True}),
     ("fp8-fp16q-paged-qlen4-fused-sinks", "fp16", "fp8e4nv",
      {"PAGED": True, "PAGE_SIZE": 32, "Q_LEN": 4, "BLOCK_M": 16, "MERGE": "fused", "SINKS_ON": True,
       "WRITE_OUT_LSE": True}),

@@ -131,15 +131,15 @@ def split_kv_partial_kernel(
     # 2^28 below the row's max would go subnormal), and the scale comes back out of its scores.
     row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
     if FP8 and Q.dtype.element_ty == tl.bfloat16:
-        qf = q.to(tl.float32)
-        qmax = tl.max(tl.abs(qf), 1)
+        q_f32 = q.to(tl.float32)
+        q_amax = tl.max(tl.abs(q_f32), 1)
         # the shift stays within +-113 (2^113 and its inverse are normal fp32; a row as small as
         # 2^-114 is then left below 2^-1, still exact in fp16) and is 0 for an all-zero or non-finite row
-        q_ok = (qmax > 0.0) & (qmax < float("inf"))
-        e = tl.minimum(tl.maximum(14.0 - tl.ceil(tl.log2(tl.where(q_ok, qmax, 1.0))), -113.0), 113.0)
-        up = tl.exp2(tl.where(q_ok, e, 0.0))
-        q = (qf * up[:, None]).to(tl.float16)
-        row_scale = 1.0 / up
+        q_ok = (q_amax > 0.0) & (q_amax < float("inf"))
+        q_exp = tl.minimum(tl.maximum(14.0 - tl.ceil(tl.log2(tl.where(q_ok, q_amax, 1.0))), -113.0), 113.0)
+        q_up = tl.exp2(tl.where(q_ok, q_exp, 0.0))
+        q = (q_f32 * q_up[:, None]).to(tl.float16)
+        row_scale = 1.0 / q_up
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
