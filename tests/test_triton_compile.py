@@ -31,6 +31,16 @@ PARTIAL_CASES = [
     ("d80-group7-qlen3", "bf16", "bf16", {"HEAD_DIM": 80, "BLOCK_D": 128, "BLOCK_DV": 128, "GROUP": 7, "Q_LEN": 3,
                                            "BLOCK_M": 32}),
 ]
+#: every variant on at once for each (q, KV) dtype pair and both in-kernel merges: a name a variant's
+#: branch assigns before the KV loop and the loop reassigns with another shape fails here
+_ALL_ON = {"PAGED": True, "PAGE_SIZE": 16, "Q_LEN": 4, "BLOCK_M": 16, "WINDOW": True, "SOFTCAP": True,
+           "SINKS_ON": True, "WRITE_OUT_LSE": True}
+PARTIAL_CASES += [
+    (f"all-variants-{q}q-{kv}-{merge}", q, kv, {**_ALL_ON, "MERGE": merge,
+                                                  **({"BLOCK_DV": 64, "N_COLS": 2} if merge == "atomic" else {})})
+    for q, kv in (("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp8e4nv"), ("fp16", "fp8e4nv"))
+    for merge in ("fused", "atomic")
+]
 
 
 @pytest.mark.parametrize("q,kv,const", [pytest.param(*c[1:], id=c[0]) for c in PARTIAL_CASES])
