@@ -329,6 +329,137 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// the merge kernel's per-row merge math, as device functions other kernels can share (one piece of code for
+// one contract: attnplan.state.merge_states). The single-pass epilogue (finish_row) keeps its own inline sink
+// join: calling join_sink there changes ptxas's allocation of the measured kernels (fp8 tensor-core sm_80:
+// 158 -> 197 registers) for the same arithmetic.
+// ---------------------------------------------------------------------------------------------
+constexpr int ROW_MERGE_THREADS = ((HEAD_DIM / 4 + 31) / 32) * 32;  // 4 dims per thread, whole warps
+
+// Loads of partial states. CG (for states other programs of the running grid wrote): ld.global.cg, served by
+// L2 (the coherence point), never by L1 or the non-coherent (__ldg) path, and volatile with a "memory" clobber
+// so the compiler cannot move it above a synchronization. Otherwise (the merge kernel: the states come from an
+// earlier launch) a plain load.
+template <bool CG>
+__device__ __forceinline__ float ld_state(const float *p) {
+    if (!CG) return *p;
+#ifdef ATTNPLAN_HOST_EMULATION
+    return __ldcg(p);
+#else
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+#endif
+}
+template <bool CG>
+__device__ __forceinline__ float4 ld_state4(const float *p) {  // p 16-byte aligned
+    if (!CG) return *reinterpret_cast<const float4 *>(p);
+#ifdef ATTNPLAN_HOST_EMULATION
+    return __ldcg(reinterpret_cast<const float4 *>(p));
+#else
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p)
+                 : "memory");
+    return v;
+#endif
+}
+
+// 4 consecutive output elements in q's dtype (p 8-byte aligned; 16-byte for fp32)
+__device__ __forceinline__ void store4(elem_t *p, float a, float b, float c, float d) {
+#if ATTNPLAN_DTYPE == 2
+    float4 t; t.x = a; t.y = b; t.z = c; t.w = d;
+    *reinterpret_cast<float4 *>(p) = t;
+#else
+    uint2 t;
+    t.x = (u32)from_float(a) | ((u32)from_float(b) << 16);
+    t.y = (u32)from_float(c) | ((u32)from_float(d) << 16);
+    *reinterpret_cast<uint2 *>(p) = t;
+#endif
+}
+
+// A sink logit z joins the denominator of a row whose log-sum-exp is lse: returns lse' = logaddexp(lse, z)
+// and sets factor = exp(lse - lse'), what the row's normalized o is multiplied by. An empty row (lse = -inf)
+// gets lse' = z and factor 0 (never -inf - (-inf)).
+__device__ __forceinline__ float join_sink(float lse, float z, float &factor) {
+    if (lse == NEG_INF) {
+        factor = 0.f;
+        return z;
+    }
+    const float joined = fmaxf(lse, z) + log1pf(expf(-fabsf(lse - z)));
+    factor = expf(lse - joined);
+    return joined;
+}
+
+// Merge the first n split states of one row, lse_s at lr[s * l_ss] and normalized o_s at orow[s * o_ss + d],
+// into outp[0, HEAD_DIM) (q's dtype) and, if out_lse is given, *out_lse:
+//   lse = logsumexp_s(lse_s);  o = sum_s exp(lse_s - lse) o_s;  every split empty: o = 0, lse = -inf
+// then, with a sink logit z = *sink: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z).
+// Splits are summed in index order (deterministic). Run by a team of TW threads (whole warps; t = the thread's
+// index in the team), each owning the 4-dim slots d = 4 (t + k TW). Lanes take the splits (lane s, s + 32, ...):
+// the max and the sum are warp reductions, so a row costs a few memory round trips instead of one per split;
+// every warp of a team reduces the same splits by itself (no shared memory, no barrier). The o loads of UNROLL
+// splits are issued together (unrolled, not behind the weight test). An empty split's o may be unwritten
+// (poison): it is read but selected out, never multiplied in.
+template <int TW, int UNROLL, bool CG>
+__device__ __forceinline__ void merge_row(const float *lr, i64 l_ss, const float *orow, i64 o_ss, int n,
+                                          const float *sink, elem_t *outp, float *out_lse, int t) {
+    static_assert(TW % 32 == 0, "a merge team is whole warps");
+    constexpr int NSLOT = (HEAD_DIM / 4 + TW - 1) / TW;  // 4-dim slots per thread
+    const int lane = t & 31;
+    float M = NEG_INF;
+    for (int s = lane; s < n; s += 32) M = fmaxf(M, ld_state<CG>(lr + (i64)s * l_ss));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
+    if (M == NEG_INF) {  // every split empty: never -inf - (-inf)
+#pragma unroll
+        for (int k = 0; k < NSLOT; ++k)
+            if (4 * (t + k * TW) < HEAD_DIM) store4(outp + 4 * (t + k * TW), 0.f, 0.f, 0.f, 0.f);
+        if (t == 0 && out_lse) *out_lse = sink ? *sink : NEG_INF;
+        return;
+    }
+    float tot = 0.f, a[NSLOT][4];
+#pragma unroll
+    for (int k = 0; k < NSLOT; ++k) a[k][0] = a[k][1] = a[k][2] = a[k][3] = 0.f;
+    for (int s0 = 0; s0 < n; s0 += 32) {
+        // this lane's split weight; empty splits (lse -inf) weigh 0
+        const float ls = s0 + lane < n ? ld_state<CG>(lr + (i64)(s0 + lane) * l_ss) : NEG_INF;
+        const float w = ls == NEG_INF ? 0.f : expf(ls - M);
+        tot += w;
+        const int nn = n - s0 < 32 ? n - s0 : 32;
+        // o_s for the thread's slots, weights broadcast by shuffle; the loads do not wait on a branch
+#pragma unroll UNROLL
+        for (int j = 0; j < nn; ++j) {
+            const float wj = __shfl_sync(FULL_MASK, w, j);
+#pragma unroll
+            for (int k = 0; k < NSLOT; ++k) {
+                const int d = 4 * (t + k * TW);
+                if (d < HEAD_DIM) {
+                    const float4 x = ld_state4<CG>(orow + (i64)(s0 + j) * o_ss + d);
+                    if (wj != 0.f) {
+                        a[k][0] = fmaf(wj, x.x, a[k][0]); a[k][1] = fmaf(wj, x.y, a[k][1]);
+                        a[k][2] = fmaf(wj, x.z, a[k][2]); a[k][3] = fmaf(wj, x.w, a[k][3]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(FULL_MASK, tot, off);
+    float lse_n = M + logf(tot), inv = 1.f / tot;  // tot >= 1: the split holding the max has weight 1
+    if (sink) {  // the sink joins the denominator once, after the splits are merged
+        float f;
+        lse_n = join_sink(lse_n, *sink, f);
+        inv *= f;
+    }
+#pragma unroll
+    for (int k = 0; k < NSLOT; ++k) {
+        const int d = 4 * (t + k * TW);
+        if (d < HEAD_DIM) store4(outp + d, a[k][0] * inv, a[k][1] * inv, a[k][2] * inv, a[k][3] * inv);
+    }
+    if (t == 0 && out_lse) *out_lse = lse_n;
+}
+
 #if ATTNPLAN_KIND != ATTNPLAN_KIND_MERGE
 // =============================================================================================
 // split partial / single-pass kernel
@@ -1469,27 +1600,15 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 
 #else  // ATTNPLAN_KIND == ATTNPLAN_KIND_MERGE
 // =============================================================================================
-// merge kernel: one CTA per row (b, i, head); each thread owns 4 consecutive dims, lanes share the
-// splits' lse reductions (warp shuffles)
+// merge kernel: one CTA per row (b, i, head) = one merge_row team; each thread owns 4 consecutive
+// dims, lanes share the splits' lse reductions (warp shuffles)
 //   lse = logsumexp_s(lse_s);  o = sum_s exp(lse_s - lse) o_s;  all-empty row: o = 0, lse = -inf
 //   optional sinks [num_heads]: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z)
 // =============================================================================================
-constexpr int MERGE_THREADS = ((HEAD_DIM / 4 + 31) / 32) * 32;
+constexpr int MERGE_THREADS = ROW_MERGE_THREADS;
 #ifdef ATTNPLAN_THREADS
 static_assert(MERGE_THREADS == ATTNPLAN_THREADS, "host and kernel disagree on merge threads per block");
 #endif
-
-__device__ __forceinline__ void store4(elem_t *p, float a, float b, float c, float d) {
-#if ATTNPLAN_DTYPE == 2
-    float4 t; t.x = a; t.y = b; t.z = c; t.w = d;
-    *reinterpret_cast<float4 *>(p) = t;
-#else
-    uint2 t;
-    t.x = (u32)from_float(a) | ((u32)from_float(b) << 16);
-    t.y = (u32)from_float(c) | ((u32)from_float(d) << 16);
-    *reinterpret_cast<uint2 *>(p) = t;
-#endif
-}
 
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
 attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, elem_t *__restrict__ out,
@@ -1503,56 +1622,12 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, elem_
     const int hh = (int)(row % num_heads);
     const int i = (int)((row / num_heads) % q_len);
     const int b = (int)(row / ((i64)num_heads * q_len));
-    const float *lr = lse + (i64)b * l_sb + (i64)i * l_si + (i64)hh * l_sh;
-    const float *orow = o + (i64)b * o_sb + (i64)i * o_si + (i64)hh * o_sh;
-    elem_t *outp = out + (i64)b * out_sb + (i64)i * out_si + (i64)hh * out_sh;
-    const int d = threadIdx.x * 4;
-    const int lane = threadIdx.x & 31;
-
-    // Lanes take the splits (lane s, s + 32, ...): the max and the sum are warp reductions, so the
-    // row costs a few memory round trips instead of one per split. Every warp of the CTA (two at
-    // head_dim 256) reduces the same splits by itself: no shared memory, no __syncthreads.
-    float M = NEG_INF;
-    for (int s = lane; s < num_splits; s += 32) M = fmaxf(M, lr[(i64)s * l_ss]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
-    if (M == NEG_INF) {  // every split empty: never -inf - (-inf)
-        if (d < HEAD_DIM) store4(outp + d, 0.f, 0.f, 0.f, 0.f);
-        if (threadIdx.x == 0 && out_lse)
-            out_lse[(i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh] = sinks ? sinks[hh] : NEG_INF;
-        return;
-    }
-    float tot = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    for (int s0 = 0; s0 < num_splits; s0 += 32) {
-        // this lane's split weight; empty splits (lse -inf) weigh 0
-        const float ls = s0 + lane < num_splits ? lr[(i64)(s0 + lane) * l_ss] : NEG_INF;
-        const float w = ls == NEG_INF ? 0.f : expf(ls - M);
-        tot += w;
-        const int n = num_splits - s0 < 32 ? num_splits - s0 : 32;
-        // o_s for the lane's 4 dims, weights broadcast by shuffle; the loads do not wait on a branch
-        // (unrolled, they are in flight together). An empty split's o may be unwritten (poison):
-        // it is read but selected out, never multiplied in.
-#pragma unroll (MERGE_THREADS == 32 ? 8 : 4)  // 8 at head_dim 256 spills (ptxas caps it at 32 registers)
-        for (int j = 0; j < n; ++j) {
-            const float wj = __shfl_sync(FULL_MASK, w, j);
-            if (d < HEAD_DIM) {
-                const float4 x = *reinterpret_cast<const float4 *>(orow + (i64)(s0 + j) * o_ss + d);
-                if (wj != 0.f) {
-                    a0 = fmaf(wj, x.x, a0); a1 = fmaf(wj, x.y, a1); a2 = fmaf(wj, x.z, a2); a3 = fmaf(wj, x.w, a3);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(FULL_MASK, tot, off);
-    float lse_n = M + logf(tot), inv = 1.f / tot;  // tot >= 1: the split holding the max has weight 1
-    if (sinks) {  // the sink joins the denominator: lse' = logaddexp(lse, z), o' = o * exp(lse - lse')
-        const float z = sinks[hh];
-        const float joined = fmaxf(lse_n, z) + log1pf(expf(-fabsf(lse_n - z)));
-        inv *= expf(lse_n - joined);
-        lse_n = joined;
-    }
-    if (d < HEAD_DIM) store4(outp + d, a0 * inv, a1 * inv, a2 * inv, a3 * inv);
-    if (threadIdx.x == 0 && out_lse) out_lse[(i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh] = lse_n;
+    // the states come from an earlier launch: plain loads; unrolled 8 splits deep for one warp per row, 4 for
+    // two (8 at head_dim 256 spills: ptxas caps it at 32 registers)
+    merge_row<MERGE_THREADS, (MERGE_THREADS == 32 ? 8 : 4), false>(
+        lse + (i64)b * l_sb + (i64)i * l_si + (i64)hh * l_sh, l_ss,
+        o + (i64)b * o_sb + (i64)i * o_si + (i64)hh * o_sh, o_ss, num_splits, sinks ? sinks + hh : nullptr,
+        out + (i64)b * out_sb + (i64)i * out_si + (i64)hh * out_sh,
+        out_lse ? out_lse + (i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh : nullptr, threadIdx.x);
 }
 #endif

@@ -25,6 +25,7 @@
 // wrote in the current epoch (no __syncthreads between), to write (or copy into) a word another warp
 // read or wrote in the current epoch, or to copy into a word with a copy still in flight. Lanes of one
 // warp are not checked against each other (they order through __syncwarp and shuffles).
+// __ldcg (ld.global.cg) is a load from a registered buffer, like __ldg.
 // What this cannot show: the real PTX instructions' behaviour, races through global memory, orders
 // the fiber schedule (each fiber runs until it blocks) happens not to produce for intra-warp hazards,
 // alignment faults other than the ones checked, and performance.
@@ -422,6 +423,14 @@ template <class T>
 inline T __ldg(const T *p) {
     if (!emu::readable(p, sizeof(T))) {
         emu::fail("__ldg outside every input buffer (block table read out of bounds?)");
+        return T{};
+    }
+    return *p;
+}
+template <class T>
+inline T __ldcg(const T *p) {
+    if (((uintptr_t)p & (alignof(T) - 1)) || !emu::readable(p, sizeof(T))) {
+        emu::fail("__ldcg (ld.global.cg) outside every registered buffer or misaligned");
         return T{};
     }
     return *p;
