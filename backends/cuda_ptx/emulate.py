@@ -182,3 +182,7 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
     def merge(self, plan, state, out, lse, sinks=None) -> None:
         self._readable = [state.o, state.lse]
         super().merge(plan, state, out, lse, sinks)
+
+    def partial_fused_merge(self, plan, inputs, state, out, lse, counters) -> None:
+        self._readable = [*self._inputs(inputs), state.o, state.lse, counters]  # states read back, counters updated
+        super().partial_fused_merge(plan, inputs, state, out, lse, counters)

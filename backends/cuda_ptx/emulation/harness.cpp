@@ -36,7 +36,10 @@ void body() {
                    arg<i64>(22), arg<i64>(23), arg<i64>(24),
                    arg<i64>(25),
                    arg<i64>(26), arg<i64>(27), arg<i64>(28), arg<i64>(29),
-                   arg<i64>(30), arg<i64>(31), arg<i64>(32), arg<i64>(33));
+                   arg<i64>(30), arg<i64>(31), arg<i64>(32), arg<i64>(33),
+                   arg<elem_t *>(34), arg<float *>(35), arg<int *>(36), arg<int>(37),
+                   arg<i64>(38), arg<i64>(39), arg<i64>(40),
+                   arg<i64>(41), arg<i64>(42), arg<i64>(43));
 #endif
 }
 }  // namespace
