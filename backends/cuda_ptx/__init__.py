@@ -164,8 +164,9 @@ class CudaPtxBackend(Backend):
     float8_e4m3fn KV cache with fp16 / bf16 q (variant ``fp8_kv``, head_dim a multiple of 16, up to
     32 rows per program); head_dim a multiple of 8 in [16, 256]; GQA group x q_len up to 64 rows per
     program; contiguous or paged caches with any power-of-two page size; variants sliding window,
-    soft-cap, sinks and fp8 KV; partitions split_k and split_v; compute capability 8.0 or newer
-    (``cp.async`` and the bf16 conversions).
+    soft-cap, sinks and fp8 KV; partitions split_k and split_v; cross-program merges separate, fused
+    and atomic (:meth:`partial_fused_merge`); compute capability 8.0 or newer (``cp.async`` and the
+    bf16 conversions).
 
     Kernel options (``backend_options.cuda_ptx`` in the config, or a tuned table's
     ``kernel_options.cuda_ptx.<layout>``): ``num_warps`` = warps per row group (default 4; split-K's
