@@ -207,6 +207,87 @@ def test_fp8_mma_compiles_without_spills(s, cc, cache):
           f"{spec.row_groups}x{spec.n_tiles} n8-tiles")
 
 
+# the in-kernel merges (plan.merge fused / atomic; decode.cu's ATTNPLAN_MERGE): the target problem on tensor cores,
+# 2 row groups, head_dim 256 (a row's merge team of 2 warps; 1 warp with num_warps 1: 2 slots per thread), fp8 KV,
+# CUDA cores, split-V (the atomic stage past the ring), window + soft-cap
+FU, AT = {"merge": "fused"}, {"merge": "atomic"}
+MERGE_SPECS = [
+    ("partial", "bfloat16", 128, 4, 1, 16, FU),
+    ("partial", "bfloat16", 128, 4, 1, 16, AT),
+    ("partial", "bfloat16", 128, 8, 4, 16, FU),
+    ("partial", "float16", 256, 8, 1, 64, FU),
+    ("partial", "float16", 256, 1, 1, None, {**FU, **CORE, "num_warps": 1}),
+    ("partial", "bfloat16", 128, 4, 1, 16, {**F8, **FU}),
+    ("partial", "bfloat16", 128, 4, 1, 16, {**F8, **AT}),
+    ("partial", "float32", 128, 4, 4, 1, {**FU, **CORE}),
+    ("partial", "bfloat16", 128, 8, 4, 16, {**SV, **AT}),
+    ("partial", "bfloat16", 96, 7, 1, 16, {**SV, **FU}),
+    ("partial", "bfloat16", 128, 4, 1, 16, {**WS, **FU}),
+]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("s", MERGE_SPECS, ids=spec_id)
+def test_in_kernel_merge_compiles_without_spills(s, cc, cache):
+    """Fused / atomic partial kernels: cubins for sm_90 and sm_80, no spills, no stack, registers within the
+    limit; printed next to the same specialization without the merge (the epilogue runs after the main loop,
+    so it should not raise the register peak much)."""
+    spec = L.make_spec(*s[:6], **s[6])
+    plain = dataclasses.replace(spec, merge="none")
+    assert spec.name == plain.name + "-" + s[6]["merge"]
+    assert spec.defines()["ATTNPLAN_MERGE"] == L.MERGE_CODES[spec.merge] == (1 if spec.merge == "fused" else 2)
+    res, base = _compiled_resources(spec, cc, cache), _compiled_resources(plain, cc, cache)
+    print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs (without the merge {base['registers']}), spills "
+          f"{res['spill_stores']}/{res['spill_loads']}, dynamic smem {spec.smem_bytes} (without {plain.smem_bytes})")
+
+
+@needs_nvrtc
+def test_in_kernel_merge_ptx():
+    """The fused kernel counts with atom.acq_rel.gpu and reads the states with ld.global.cg, never the
+    non-coherent path, and triggers no dependent launch (no merge kernel follows); the atomic one takes its lock
+    with atom.acquire.gpu CAS and releases it with atom.release.gpu; the plain partial kernel has none of them
+    (and the PDL trigger)."""
+    def ptx(**kw):
+        spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, **kw)
+        c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
+        return c.image.rstrip(b"\x00").decode()
+
+    plain, fused, atomic = ptx(), ptx(merge="fused"), ptx(merge="atomic")
+    merge = N.compile_source(L.kernel_source(), "decode.cu", L.merge_spec("bfloat16", 128).options(),
+                             N.CompileTarget("compute_90", "ptx")).image.decode(errors="replace")
+    assert "atom.acq_rel.gpu.global.add.s32" in fused and "ld.global.cg.v4.f32" in fused and "ld.global.cg.f32" in fused
+    assert "membar.gl" in fused  # __threadfence
+    # the merge kernel's merge_row reads the states of an earlier launch through the non-coherent path; the
+    # in-kernel merges' never do (fp32 vector loads are only the states')
+    assert "ld.global.nc.v4.f32" in merge and "ld.global.nc.v4.f32" not in fused + atomic
+    assert "atom.acquire.gpu.global.cas.b32" in atomic and "atom.release.gpu.global.exch.b32" in atomic
+    assert "ld.global.cg.v4.f32" in atomic
+    for p in (fused, atomic):
+        assert "griddepcontrol.launch_dependents" not in p
+    assert "griddepcontrol.launch_dependents" in plain
+    assert not any(ins in plain for ins in ("atom.", "ld.global.cg", "membar.gl"))
+
+
+def test_in_kernel_merge_specs():
+    """merge is a partial kernel's option; the atomic stage's shared memory (rows x (head_dim + 4) fp32) goes
+    past the end merge's buffer (split-K, usually inside the rings) or the ring (split-V)."""
+    with pytest.raises(ValueError, match="merge must be one of"):
+        L.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge="tree")
+    with pytest.raises(ValueError, match="in-kernel merge of the 'partial' kernel"):
+        L.make_spec("single", "bfloat16", 128, 4, 1, 16, merge="fused")
+    plain = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    assert L.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge="fused").smem_bytes == plain.smem_bytes
+    assert L.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge="atomic").smem_bytes == plain.smem_bytes
+    sv = L.make_spec("partial", "bfloat16", 128, 8, 4, 16, partition="split_v")
+    sva = L.make_spec("partial", "bfloat16", 128, 8, 4, 16, partition="split_v", merge="atomic")
+    assert sva.stages == sv.stages and sva.smem_bytes == sv.smem_bytes + 32 * (128 + 4) * 4
+    assert "ATTNPLAN_MERGE" not in L.merge_spec("bfloat16", 128).defines()
+    tight = L.make_spec("partial", "bfloat16", 128, 8, 4, 16, partition="split_v", merge="atomic",
+                        smem_limit=sv.smem_bytes)
+    assert tight.smem_bytes <= sv.smem_bytes and tight.stages < sv.stages  # the stage choice counts the stage
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fp8_mma_ptx_instructions(dtype):
@@ -561,6 +642,50 @@ def test_backend_input_checks():
         be.merge(plan, PartialState(st.o[:, :, :, :2], st.lse[:, :, :, :2]), q, None)
 
 
+def test_in_kernel_merge_input_checks():
+    """partial_fused_merge's host checks, each tripped once (meta tensors: no data), and its plans' specs:
+    the partial kernel carries the plan's merge, :meth:`partial` (the state only) and the merge kernel do not."""
+    from attnplan.backends.base import DecodeInputs
+
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    assert be.merge_strategies == {"separate", "fused", "atomic"}
+    prob = DecodeProblem(2, 8, 2, 128, 1, 16, "bfloat16", "bfloat16", 4096)
+    kc = be.kernel_config(prob, {}, torch.device("cpu"))
+    plans = {m: make_plan(prob, CPU_STANDIN, load_config(split={"merge": m}, deterministic=m != "atomic"), "cuda_ptx",
+                          kc, num_splits=4, merge_strategies=be.merge_strategies) for m in ("separate", "fused", "atomic")}
+    fused, atomic = plans["fused"], plans["atomic"]
+    assert fused.merge == "fused" and atomic.merge == "atomic" and (fused.sync_words, atomic.sync_words) == (4, 8)
+    assert be.spec_for("partial", fused).merge == "fused" and be.spec_for("partial", atomic).merge == "atomic"
+    assert be.spec_for("partial", fused, in_kernel_merge=False).merge == "none"
+    assert be.spec_for("partial", plans["separate"]).merge == "none" and be.spec_for("merge", fused).kind == "merge"
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(2, 1, 8, 128, **meta)
+    k = torch.empty(600, 16, 2, 128, **meta)
+    x = DecodeInputs(q, k, k, torch.empty(2, device="meta", dtype=torch.int32),
+                     torch.empty(2, 256, device="meta", dtype=torch.int32), 0.1)
+    st = PartialState(torch.empty(2, 1, 8, 4, 128, device="meta"), torch.empty(2, 1, 8, 4, device="meta"))
+    cnt = torch.empty(8, device="meta", dtype=torch.int32)
+    with pytest.raises(ValueError, match="merge 'fused' or 'atomic'"):
+        be.partial_fused_merge(plans["separate"], x, st, q, None, cnt)
+    with pytest.raises(ValueError, match="counters"):
+        be.partial_fused_merge(fused, x, st, q, None, cnt[:3])  # fewer than sync_words
+    with pytest.raises(ValueError, match="counters"):
+        be.partial_fused_merge(fused, x, st, q, None, torch.empty(8, device="meta", dtype=torch.int64))
+    with pytest.raises(ValueError, match="counters"):
+        be.partial_fused_merge(fused, x, st, q, None, torch.empty(8, 2, device="meta", dtype=torch.int32)[:, 0])
+    with pytest.raises(ValueError, match="state o"):
+        be.partial_fused_merge(fused, x, PartialState(st.o[:, :, :, :3], st.lse[:, :, :, :3]), q, None, cnt)
+    with pytest.raises(ValueError, match="out must be"):
+        be.partial_fused_merge(fused, x, st, torch.empty(2, 1, 8, 128, device="meta"), None, cnt)
+    with pytest.raises(ValueError, match="lse must be"):
+        be.partial_fused_merge(atomic, x, st, q, torch.empty(2, 1, 8, device="meta", dtype=torch.float16), cnt)
+    with pytest.raises(ValueError, match="sinks"):
+        be.partial_fused_merge(fused, DecodeInputs(q, k, k, x.seq_lens, x.block_table, 0.1,
+                                                   sinks=torch.empty(4, device="meta")), st, q, None, cnt)
+    with pytest.raises(ValueError, match="column program"):
+        be.partial_fused_merge(dataclasses.replace(fused, column_programs=2), x, st, q, None, cnt)
+
+
 def test_check_layout_rejects_misaligned():
     t = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     L.check_layout("q", t, 8, 16)
@@ -572,10 +697,12 @@ def test_check_layout_rejects_misaligned():
 
 @needs_nvrtc
 @pytest.mark.parametrize("kind,signature", [("partial", L.PARTIAL_SIGNATURE), ("merge", L.MERGE_SIGNATURE),
-                                            ("fp8-split_v", L.PARTIAL_SIGNATURE), ("core", L.PARTIAL_SIGNATURE)])
+                                            ("fp8-split_v", L.PARTIAL_SIGNATURE), ("core", L.PARTIAL_SIGNATURE),
+                                            ("fused", L.PARTIAL_SIGNATURE), ("atomic-split_v", L.PARTIAL_SIGNATURE)])
 def test_signature_matches_ptx_entry(kind, signature):
     """The host's argument list equals the kernel's parameter list (sizes and float slots) in the PTX."""
-    extra = {"fp8-split_v": {"kv_dtype": FP8, **SV}, "core": CORE}.get(kind, {})
+    extra = {"fp8-split_v": {"kv_dtype": FP8, **SV}, "core": CORE, "fused": {"merge": "fused"},
+             "atomic-split_v": {"merge": "atomic", **SV}}.get(kind, {})
     spec = L.merge_spec("bfloat16", 128) if kind == "merge" else L.make_spec(
         "partial", "bfloat16", 128, 4, 1, 16, **extra)
     c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))

@@ -7,10 +7,13 @@ in-program warp merge (split-K) and the per-warp column slices (split-V), the te
 layouts, swizzled / padded ring rows, online softmax on fragments), the fp8 e4m3fn decoder and its
 scales (CUDA cores), the fp8 tensor-core path (fp8 tiles read by ldmatrix as byte pairs, the permuted
 K-dim / head_dim orders, e4m3 -> fp16 through the integer twin of cvt.rn.f16x2.e4m3x2, which is also
-the sm_80 fallback, bf16 q moved to fp16 with a power of two per n8-tile), the merge kernel, and
+the sm_80 fallback, bf16 q moved to fp16 with a power of two per n8-tile), the merge kernel, the fused
+and atomic merges inside the partial kernel (completion counters and locks back at zero, the atomic
+merge's shared-memory stage, programs run in permuted orders so another program is last), and
 shared-memory races between warps (every emulated launch runs simt.h's race check). What it cannot:
 PTX instruction behaviour (the twins implement the PTX ISA's documented fragment layouts; the device's
-mma rounding differs), global-memory races, performance (tests/test_cuda_ptx_gpu.py covers the device).
+mma rounding differs), global-memory races and memory ordering between programs running at once (the
+emulation runs them one at a time), performance (tests/test_cuda_ptx_gpu.py covers the device).
 
 Modes: ``mma`` = split-K on tensor cores (the default for fp16 / bf16 with head_dim % 16 == 0),
 ``split_k`` = split-K on CUDA cores (``mma: false``), ``split_v``. Partial ``o`` of the ``mma`` mode is
@@ -410,6 +413,105 @@ def test_emulated_unaligned_chunks(be, chunk, mode, fp8, gen):
     assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
 
 
+# -- in-kernel merges (plan.merge fused / atomic: no merge kernel) --------------------------------------
+# (merge, mode, case, fp8, kernel options): every mode once per merge; an empty sequence, q_len > 1, sinks,
+# both layouts, fp8 on tensor cores, window + soft-cap; the fused merge's row teams: 8 one-warp teams of 4 rows
+# each (group 8 x q_len 4 on CUDA cores: 4 row groups x 2 warps), and one warp over head_dim 256 (2 slots per thread)
+IN_KERNEL = [
+    ("fused", "mma", VariantCase((8, 2), 64, (70, 0, 33), q_len=2, page=16, sinks=True, splits=(5,)), False, {}),
+    ("fused", "split_k", VariantCase((16, 2), 64, (45, 0, 7), q_len=4, dtype="fp16", splits=(4,)), False, {}),
+    ("fused", "split_k", VariantCase((4, 1), 256, (33, 0), dtype="fp32", sinks=True, splits=(3,)), False,
+     {"num_warps": 1}),
+    ("fused", "split_v", VariantCase((7, 1), 96, (40, 0, 3), page=4, dtype="fp32", sinks=True, splits=(3,)), False, {}),
+    ("fused", "mma", VariantCase((8, 2), 128, (61, 0, 1), q_len=3, page=16, window=40, cap=2.0, sinks=True,
+                                 splits=(3,)), True, {}),
+    ("atomic", "mma", VariantCase((8, 2), 128, (61, 0, 9), q_len=3, cap=2.0, sinks=True, splits=(4,)), False, {}),
+    ("atomic", "split_k", VariantCase((8, 2), 64, (50, 0, 17), q_len=2, page=8, dtype="fp16", sinks=True,
+                                      splits=(5,)), False, {}),
+    ("atomic", "split_v", VariantCase((16, 2), 64, (80, 0, 7), q_len=2, page=4, window=16, splits=(4,)), False, {}),
+    ("atomic", "mma", VariantCase((8, 2), 64, (44, 0, 20), q_len=2, page=16, sinks=True, splits=(3,)), True, {}),
+]
+IN_KERNEL_PARAMS = [pytest.param(m, mode, c, f, o, id=f"{m}-{c.id}-{mode}" + ("-kvfp8" if f else "")
+                                 + "".join(f"-{k}{v}" for k, v in o.items()))
+                    for m, mode, c, f, o in IN_KERNEL]
+
+
+def _merge_plan(be, x, case, merge, mode, options=None):
+    """A plan for ``x`` with ``merge`` (the config's ``split.merge``; atomic with ``deterministic: false``)."""
+    partition, mma = MODES[mode]
+    prob = problem_of(x)
+    kc = be.kernel_config(prob, {"partition": partition, "mma": mma, **(options or {})}, torch.device("cpu"))
+    cfg = load_config(split={"merge": merge, "partition": partition}, deterministic=merge != "atomic")
+    plan = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=case.splits[0], partitions=be.partitions,
+                     merge_strategies=be.merge_strategies)
+    assert plan.merge == merge and plan.partition == partition and plan.merge_grid == (0,), plan.explain()
+    assert be.spec_for("partial", plan, inputs=x).merge == merge
+    return plan
+
+
+@pytest.mark.parametrize("merge,mode,case,fp8,options", IN_KERNEL_PARAMS)
+def test_emulated_in_kernel_merge_matches_reference(be, merge, mode, case, fp8, options, gen):
+    """``run`` with the fused / atomic merge inside the partial kernel (one launch) against the float64
+    reference, blocks in order and in two permuted orders (so the program that counts last, or the atomic
+    lock order, differs): poisoned ``out`` / ``lse`` are fully written, the counters (and locks) are back at
+    zero after every launch, and the fused merge is bitwise the same whichever program merged (split order)
+    and leaves every split's partial state in the workspace."""
+    x = _variant_inputs(case, gen, fp8=fp8)
+    plan = _merge_plan(be, x, case, merge, mode, options)
+    kw = dict(window_left=x.window_left, soft_cap=x.soft_cap, k_scale=x.k_scale, v_scale=x.v_scale)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                       sinks=x.sinks, **kw)
+    b, q_len, hq, d = x.q.shape
+    counters = torch.zeros(plan.sync_words, dtype=torch.int32)
+    assert plan.sync_words == (2 if merge == "atomic" else 1) * b * plan.grid[1]
+    outs = []
+    try:
+        for order in (0, 1, 2):
+            be.block_order = order
+            ws = PartialState.empty(b, q_len, hq, plan.state_slots, d).fill_(float("nan"))
+            out = poison(torch.empty_like(x.q))
+            lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
+            be.run(plan, x, ws, out, lse, counters)
+            assert int(counters.abs().sum()) == 0, f"counters / locks not reset: {counters.tolist()}"
+            assert_close_to_reference(out, ref, x.q.dtype, f"out (block order {order})")
+            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (block order {order})")
+            outs.append((out, lse))
+    finally:
+        be.block_order = 0
+    if merge == "fused":
+        assert all(torch.equal(o, outs[0][0]) and torch.equal(ls, outs[0][1]) for o, ls in outs[1:])
+        rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
+                               plan.num_splits, **kw)
+        assert_close_to_reference(ws.o, rp.o, _o_dtype(mode, x.q.dtype, fp8), "partial o (fused workspace)")
+        assert_close_to_reference(ws.lse, rp.lse, torch.float32, "partial lse (fused workspace)")
+    else:
+        assert plan.state_slots == 1
+
+
+def test_emulated_atomic_merge_reports_a_lock_left_taken(be, gen):
+    """The emulation runs one block at a time: a group's lock found taken can never be released, and is
+    reported (rather than spun on). A fused merge whose counter did not start at zero has no last program
+    (at num_splits: every count is past it): that group's rows stay unwritten, the others are merged."""
+    merge, mode, case, _, _ = IN_KERNEL[6]
+    x = _variant_inputs(case, gen)
+    plan = _merge_plan(be, x, case, merge, mode)
+    b, q_len, hq, d = x.q.shape
+    ws = PartialState.empty(b, q_len, hq, plan.state_slots, d)
+    counters = torch.zeros(plan.sync_words, dtype=torch.int32)
+    counters[plan.sync_words // 2 + 1] = 1  # the lock of (sequence 0, KV head 1)
+    with pytest.raises(emulate.EmulationError, match="lock taken"):
+        be.run(plan, x, ws, torch.empty_like(x.q), None, counters)
+    merge, mode, case, _, _ = IN_KERNEL[0]
+    x = _variant_inputs(case, gen)
+    plan = _merge_plan(be, x, case, merge, mode)
+    counters = torch.zeros(plan.sync_words, dtype=torch.int32)
+    counters[1] = plan.num_splits  # (sequence 0, KV head 1): query heads 4-7
+    out = poison(torch.empty_like(x.q))
+    be.run(plan, x, PartialState.empty(b, q_len, hq, plan.state_slots, d), out, None, counters)
+    assert torch.isnan(out[0, :, 4:8]).all() and not torch.isnan(out[0, :, :4]).any()
+    assert counters.tolist() == [0, 2 * plan.num_splits] + [0] * (plan.sync_words - 2)
+
+
 def _parametrized_specs(be) -> list:
     """Every specialization the case-parametrized tests launch (same inputs and plans as the tests)."""
     g = torch.Generator().manual_seed(0)
@@ -423,6 +525,9 @@ def _parametrized_specs(be) -> list:
                 specs.append(be.spec_for("single" if plan.single_pass else "partial", plan, inputs=x))
                 if not plan.single_pass:
                     specs.append(be.spec_for("merge", plan))
+    for merge, mode, case, fp8, options in IN_KERNEL:
+        x = _variant_inputs(case, g, fp8)
+        specs.append(be.spec_for("partial", _merge_plan(be, x, case, merge, mode, options), inputs=x))
     return specs
 
 

@@ -451,3 +451,55 @@ def test_compiled_for_device_arch():
 
     c = be.compile(make_spec("partial", "bfloat16", 128, 4, 1, 16), (major, minor))
     assert c.target.kind == "cubin" and c.target.arch == f"sm_{major}{minor}"
+
+
+@pytest.mark.parametrize("merge", ["fused", "atomic"])
+@pytest.mark.parametrize("mode", ["mma", "core", "split_v"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "kvfp8"])
+def test_in_kernel_merges_gpu(merge, mode, fp8, gen):
+    """The fused / atomic merges inside the partial kernel with programs racing on the device: b=3, 32/8/128,
+    lengths 4096 / 0 / 1000, q_len 2, paged 16, sinks, 16 and 64 splits, bf16 or fp8 KV; 5 runs each into
+    poisoned buffers: every run within tolerance of the reference, the fused runs bitwise identical, the
+    counters and locks back at zero."""
+    from attnplan.backends.base import DecodeInputs
+    from attnplan.device import device_info
+    from attnplan.planner import make_plan
+    from attnplan.testing import problem_of
+
+    be = _backend()
+    x = make_inputs(3, 32, 8, 128, [4096, 0, 1000], q_len=2, page_size=16, dtype=torch.bfloat16, device="cuda",
+                    generator=gen)
+    sinks = (torch.randn(32, generator=gen) * 2).float().cuda()
+    kc, vc, ks, vs = x.k_cache, x.v_cache, None, None
+    if fp8:
+        kc, vc = (kc.float() / 4).to(FP8), (vc.float() * 2).to(FP8)
+        ks, vs = (torch.rand(8, generator=gen) + 0.5).cuda(), (torch.rand(8, generator=gen) + 0.5).cuda()
+    x = DecodeInputs(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, sinks=sinks, k_scale=ks, v_scale=vs)
+    ref, ref_lse = reference.attention(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, sinks=sinks,
+                                       k_scale=ks, v_scale=vs)
+    partition = "split_v" if mode == "split_v" else "split_k"
+    options = {"partition": partition} if mode == "split_v" else {"partition": partition, "mma": mode == "mma"}
+    prob = problem_of(x)
+    kcfg = be.kernel_config(prob, options, x.q.device)
+    cfg = load_config(split={"merge": merge, "partition": partition}, deterministic=merge != "atomic")
+    b, q_len, hq, d = x.q.shape
+    for splits in (16, 64):
+        plan = make_plan(prob, device_info(x.q.device), cfg, "cuda_ptx", kcfg, num_splits=splits,
+                         partitions=be.partitions, merge_strategies=be.merge_strategies)
+        assert plan.merge == merge and plan.num_splits == splits
+        assert be.spec_for("partial", plan, x.q.device, x).merge == merge
+        be.prepare(plan, x.q.device)
+        ws = PartialState.empty(b, q_len, hq, plan.state_slots, d, device="cuda")
+        counters = torch.zeros(plan.sync_words, dtype=torch.int32, device="cuda")
+        runs = []
+        for _ in range(5):
+            out = poison(torch.empty_like(x.q))
+            lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
+            be.run(plan, x, ws, out, lse, counters)
+            torch.cuda.synchronize()
+            assert_close_to_reference(out, ref, torch.bfloat16, f"out ({merge}, {splits} splits)")
+            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse ({merge}, {splits} splits)")
+            assert int(counters.abs().sum()) == 0, "counters / locks not reset"
+            runs.append((out.clone(), lse.clone()))
+        if merge == "fused":
+            assert all(torch.equal(o, runs[0][0]) and torch.equal(ls, runs[0][1]) for o, ls in runs[1:])

@@ -12,6 +12,34 @@ group and all queries (each KV byte read once); 16-byte ``cp.async`` loads strea
 multi-stage shared-memory rings; fp32 accumulation with a base-2 online softmax. The merge kernel
 implements :func:`attnplan.state.merge_states`'s contract.
 
+Cross-program merges (``plan.merge``; seed 000's split-K "cost 1", the global reduction, paid either by
+another kernel or inside the partial one, and "cost 3", atomics' order-dependent rounding; peers: FlashInfer's
+and FlashAttention-2's split-KV combine, done there by a separate kernel):
+
+* ``separate`` (default): the partial kernel writes every split's state, then the merge kernel (one CTA per
+  output row; lanes over splits, warp-shuffle max / sum, unrolled o loads; launched with PDL on sm_90+)
+  merges them in split order. Deterministic.
+* ``fused``: one launch. Every program writes its split's state, fences it (``__threadfence``), gathers at
+  a barrier, and one thread counts the program in its (sequence, KV head)'s completion counter with an
+  ``atom.acq_rel.gpu`` add; the program that counts last (the others have released their states before) resets
+  the counter to 0 and merges the group's GQA group x ``q_len`` rows over all splits in split order, reading
+  the states through L2 (``ld.global.cg``) with the merge kernel's own per-row code (``decode.cu``'s
+  ``merge_row``; the program's warps split into teams of one row's merge threads). Same math, same empty-row
+  and sink handling as the merge kernel, deterministic (bitwise the same whichever program finishes last);
+  the counters (``plan.sync_words`` int32, zero at rest) are back at zero after every launch, so graph replays
+  work. The merge runs in the group's last program, on the step's critical path; whether it beats the
+  separate launch is a measurement (the planner's cost model; Triton's fused merge measured slower on an H200).
+* ``atomic`` (opt-in, ``deterministic: false``; not bitwise reproducible): the program stages its own state in
+  shared memory, takes its group's spin lock (``atom.acquire.gpu`` CAS), counts itself, merges the staged state
+  into the group's accumulator (``plan.state_slots`` = 1 slot of the workspace) in lock order (the first finds
+  none), and releases the lock (fenced stores, barrier, ``atom.release.gpu`` exchange); the last adds the sink,
+  writes ``out`` / ``lse`` and resets the counter. Its stage adds ``rows x (head_dim + 4)`` fp32 of shared memory
+  past the end merge's buffer (split-K; usually inside the rings' footprint) or the ring (split-V).
+
+Both in-kernel merges sit after the state write, so they serve every path (tensor-core and CUDA-core split-K,
+split-V, fp8 KV, both cache layouts, window / soft-cap / sinks, ``q_len`` > 1). cuda_ptx's split-V workers
+are warps, so its plans have one column program per split.
+
 Tensor-core path (kernel option ``mma``, the default for fp16 / bf16 q with a cache of the same
 dtype or float8_e4m3fn, head_dim a multiple of 16, split-K; ``decode.cu``'s ``ATTNPLAN_MMA``). Sources:
 FlashAttention-2's register-level online softmax on mma fragments, FlashInfer's tensor-core decode for
@@ -136,8 +164,9 @@ class CudaPtxBackend(Backend):
     float8_e4m3fn KV cache with fp16 / bf16 q (variant ``fp8_kv``, head_dim a multiple of 16, up to
     32 rows per program); head_dim a multiple of 8 in [16, 256]; GQA group x q_len up to 64 rows per
     program; contiguous or paged caches with any power-of-two page size; variants sliding window,
-    soft-cap, sinks and fp8 KV; partitions split_k and split_v; compute capability 8.0 or newer
-    (``cp.async`` and the bf16 conversions).
+    soft-cap, sinks and fp8 KV; partitions split_k and split_v; cross-program merges separate, fused
+    and atomic (:meth:`partial_fused_merge`); compute capability 8.0 or newer (``cp.async`` and the
+    bf16 conversions).
 
     Kernel options (``backend_options.cuda_ptx`` in the config, or a tuned table's
     ``kernel_options.cuda_ptx.<layout>``): ``num_warps`` = warps per row group (default 4; split-K's
@@ -161,6 +190,7 @@ class CudaPtxBackend(Backend):
     graph_safe = True
     variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
     partitions = frozenset({"split_k", "split_v"})
+    merge_strategies = frozenset({"separate", "fused", "atomic"})
     #: oldest compute capability served
     min_compute_capability: tuple[int, int] = (8, 0)
 
@@ -269,11 +299,13 @@ class CudaPtxBackend(Backend):
                 "mma": spec.mma, "pdl": True if pdl is None else pdl}
 
     def spec_for(self, kind: str, plan: SplitPlan, device: torch.device | None = None,
-                 inputs: DecodeInputs | None = None) -> KernelSpec:
+                 inputs: DecodeInputs | None = None, in_kernel_merge: bool = True) -> KernelSpec:
         """The :class:`KernelSpec` that executes ``plan`` (``kind`` ``"partial"``, ``"single"`` or
         ``"merge"``) with ``plan.partition``; the window / soft-cap / fp8 variants follow ``inputs``
         when given, else the plan's problem. When the config forced a partition other than the one
-        ``plan.kernel`` was configured for, the warps and stages are the partition's defaults."""
+        ``plan.kernel`` was configured for, the warps and stages are the partition's defaults. A
+        ``"partial"`` spec carries the plan's in-kernel merge (``plan.merge`` fused / atomic) unless
+        ``in_kernel_merge`` is false (:meth:`partial`: the state only)."""
         p = plan.problem
         if kind == "merge":
             return merge_spec(p["q_dtype"], p["head_dim"])
@@ -289,10 +321,12 @@ class CudaPtxBackend(Backend):
         # the plan's CUDA-core choice stays; its tensor-core one is taken as "auto" (make_spec falls back to
         # CUDA cores where the tensor-core program does not fit this device's shared memory, never raises)
         mma = False if same and k.get("mma") is False else None
+        merge = plan.merge if kind == "partial" and in_kernel_merge and plan.merge in ("fused", "atomic") else "none"
         return make_spec(kind, p["q_dtype"], p["head_dim"], p["num_q_heads"] // p["num_kv_heads"], p["q_len"],
                          p["page_size"], num_warps=k.get("num_warps") if same else None,
                          num_stages=k.get("num_stages") if same else None, smem_limit=self._smem_limit(device),
-                         window=window, softcap=softcap, kv_dtype=kv_dtype, partition=partition, mma=mma)
+                         window=window, softcap=softcap, kv_dtype=kv_dtype, partition=partition, mma=mma,
+                         merge=merge)
 
     def compile(self, spec: KernelSpec, compute_capability: tuple[int, int] = (9, 0)) -> Compiled:
         """Compile ``spec`` for ``compute_capability`` through the compile cache (no GPU needed).
@@ -305,7 +339,8 @@ class CudaPtxBackend(Backend):
     def prepare(self, plan: SplitPlan, device: torch.device) -> None:
         """Compile and load every kernel ``plan`` launches on ``device`` (call before CUDA-graph capture)."""
         rt = self._runtime_for(torch.device(device))
-        kinds = ("single",) if plan.single_pass else ("partial", "merge")
+        kinds = ("single",) if plan.single_pass else ("partial",) if plan.merge in ("fused", "atomic") \
+            else ("partial", "merge")
         for kind in kinds:
             rt.function(self.spec_for(kind, plan, device))
 
@@ -378,7 +413,7 @@ class CudaPtxBackend(Backend):
             ValueError: dtypes, shapes, strides or alignment the kernel cannot take (named).
         """
         x = inputs
-        spec = self.spec_for("partial", plan, x.q.device, x)
+        spec = self.spec_for("partial", plan, x.q.device, x, in_kernel_merge=False)
         self._check_inputs(plan, x, spec)
         o, lse = state.o, state.lse
         if o.dtype != torch.float32 or lse.dtype != torch.float32:
@@ -391,6 +426,64 @@ class CudaPtxBackend(Backend):
                               plan.chunk_size, plan.num_splits, window_left=x.window_left, soft_cap=x.soft_cap,
                               k_scale=x.k_scale, v_scale=x.v_scale)
         self._launch(spec, cfg, PARTIAL_SIGNATURE, values, x.q.device)
+
+    def partial_fused_merge(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState, out: torch.Tensor,
+                            lse: torch.Tensor | None, counters: torch.Tensor) -> None:
+        """One launch: partial states and the cross-program merge inside the partial kernel (``plan.merge``
+        ``"fused"`` or ``"atomic"``, see the module docstring). Writes ``out [B, Q, H, D]`` (q's dtype) and,
+        if given, ``lse [B, Q, H]`` fp32; ``inputs.sinks`` join the denominator in the merge. Launch only.
+
+        Args:
+            state: fused: the workspace, fp32 ``o [B, Q, H, S, D]`` / ``lse [B, Q, H, S]`` with ``S >=
+                plan.num_splits`` (every split's state is written, as by :meth:`partial`); atomic: the
+                accumulator, ``S >= plan.state_slots`` (1), slot 0 used.
+            counters: int32, contiguous, at least ``plan.sync_words`` words on q's device, zero before the
+                launch and left zero after (fused: a completion counter per (sequence, KV head); atomic: those,
+                then a lock each).
+
+        Raises:
+            ValueError: a plan without an in-kernel merge, or dtypes, shapes, strides, alignment or devices
+                the kernel cannot take (named).
+        """
+        x = inputs
+        if plan.single_pass or plan.merge not in ("fused", "atomic"):
+            raise ValueError(f"partial_fused_merge needs a plan with merge 'fused' or 'atomic', got merge "
+                             f"{plan.merge!r} (single_pass {plan.single_pass})")
+        if plan.column_programs != 1:
+            raise ValueError(f"cuda_ptx plans have one column program per split, got {plan.column_programs}: re-plan")
+        spec = self.spec_for("partial", plan, x.q.device, x)
+        self._check_inputs(plan, x, spec)
+        o, ls = state.o, state.lse
+        slots = plan.state_slots
+        if o.dtype != torch.float32 or ls.dtype != torch.float32:
+            raise ValueError(f"cuda_ptx writes float32 partial states, got state o {o.dtype}, lse {ls.dtype}")
+        if tuple(o.shape[:3]) != tuple(x.q.shape[:3]) or o.shape[4] != x.q.shape[3] or o.shape[3] < slots \
+                or tuple(ls.shape) != tuple(o.shape[:4]):
+            raise ValueError(f"state o {tuple(o.shape)} / lse {tuple(ls.shape)} must be [B, Q, H, >= {slots}, D] / "
+                             f"[B, Q, H, >= {slots}] for q {tuple(x.q.shape)} ({plan.merge} merge)")
+        check_layout("state.o", o, 4, 16)
+        if out.dtype != x.q.dtype or tuple(out.shape) != tuple(x.q.shape):
+            raise ValueError(f"out must be {tuple(x.q.shape)} {x.q.dtype}, got {tuple(out.shape)} {out.dtype}")
+        check_layout("out", out, 4, out.element_size() * 4)
+        if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != tuple(x.q.shape[:3])):
+            raise ValueError(f"lse must be {tuple(x.q.shape[:3])} float32, got {tuple(lse.shape)} {lse.dtype}")
+        if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1 \
+                or counters.numel() < plan.sync_words or (counters.numel() > 1 and counters.stride(0) != 1) \
+                or counters.device != x.q.device:
+            raise ValueError(f"counters must be a contiguous int32 tensor of at least plan.sync_words = "
+                             f"{plan.sync_words} words on {x.q.device}, got {getattr(counters, 'shape', counters)!r} "
+                             f"{getattr(counters, 'dtype', '')} on {getattr(counters, 'device', '')}")
+        for name, t in (("state.o", o), ("state.lse", ls), ("out", out), ("lse", lse)):
+            if t is not None and t.device != x.q.device:
+                raise ValueError(f"{name} is on {t.device}, q on {x.q.device}")
+        self._check_sinks(x.sinks, x.q.shape[2])
+        cfg = partial_launch_config(spec, plan.grid)
+        groups = plan.grid[1] * plan.grid[2]  # the atomic merge's locks follow the counters
+        values = partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, o, ls,
+                              plan.chunk_size, plan.num_splits, window_left=x.window_left, soft_cap=x.soft_cap,
+                              sinks=x.sinks, k_scale=x.k_scale, v_scale=x.v_scale, out=out, out_lse=lse,
+                              counters=counters, lock_offset=groups if plan.merge == "atomic" else 0)
+        self._launch(spec, cfg, PARTIAL_SIGNATURE, values, x.q.device)  # no PDL: no merge kernel follows
 
     def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
         """One chunk per sequence: write ``out [B, Q, H, D]`` (q's dtype) and, if given, ``lse

@@ -23,6 +23,8 @@
 //   ATTNPLAN_MMA         1 = tensor-core split-K path (mma.sync m16n8k16, see "Method"): fp16 / bf16 q,
 //                        KV in q's dtype or fp8 e4m3fn, head_dim a multiple of 16, split-K; PASSES is then
 //                        the 16-token m-tiles of a warp's KV tile                [partial / single]
+//   ATTNPLAN_MERGE       the cross-program merge inside the partial kernel (see "Method, cross-program merge"):
+//                        0 = none (the merge kernel follows), 1 = fused, 2 = atomic            [partial]
 //   ATTNPLAN_SMEM_BYTES, ATTNPLAN_TILE_TOKENS, ATTNPLAN_THREADS: the host's own arithmetic, checked
 //                        against the kernel's by static_assert (a mismatch fails compilation).
 //
@@ -42,12 +44,41 @@
 // to L; base = 0, or with a sliding window max(0, L - QLEN - window_left). Query i sits at position
 // p = L - QLEN + i and sees positions <= p (and >= p - window_left with a window). A row with no
 // visible position writes o = 0, lse = -inf. The partial kernel writes fp32 o (normalized) and
-// natural-log lse at split index s; the single-pass kernel writes out (q's dtype) and lse directly.
+// natural-log lse at split index s (and, with an in-kernel merge, out and lse of the group at the end);
+// the single-pass kernel writes out (q's dtype) and lse directly.
 // Variants: the soft-cap c*tanh(score/c) is applied to the scaled scores; a sink logit z (per query
 // head, natural log) joins the denominator in the single-pass epilogue and the merge only (partial
 // states never include it): lse' = logaddexp(lse, z), o' = o * exp(lse - lse'). An fp8 cache holds
 // K/k_scale[h] and V/v_scale[h]: k_scale[h] is folded into q's score scale, v_scale[h] into the
 // program's normalized output (so lse and the merge never see it).
+//
+// Method, cross-program merge (seed 000's split-K "cost 1": the global reduction, by another kernel or
+// inside this one; "cost 3": atomics make the reduction order, hence the rounding, run-dependent; peers:
+// FlashInfer's merge_states / FlashAttention-2's split-KV combine, both separate kernels). One per-row code,
+// merge_row, serves the merge kernel and the fused merge: lanes take the splits for the lse max and sum (warp
+// shuffles), each thread 4 head_dim columns whose o loads of 8 (4) splits are in flight together, splits summed
+// in index order, empty splits (lse = -inf) weigh 0 and an all-empty row gives o = 0, lse = -inf, the sink joins
+// the denominator once at the end (join_sink).
+//  * ATTNPLAN_MERGE 0: the partial kernel writes its state; the merge kernel (KIND 2, PDL-launched) merges.
+//  * fused (1): the counters argument holds one int32 completion counter per (sequence, KV head), zero before
+//    the launch. After writing its split's state (every path: tensor-core or CUDA-core split-K, split-V, the
+//    empty program), every thread fences its stores (__threadfence), a barrier gathers the program and one
+//    thread counts it with atom.acq_rel.gpu add (release: cumulative over the program's stores the barrier
+//    ordered before it; acquire: every program counted before has released its state). The program that
+//    counts last sees the whole group written: it resets the counter to 0 (ready for the next launch and graph
+//    replays) and merges the group's R rows over all num_splits splits in split order, its threads in teams of
+//    one row's merge_row threads (fewer if the program has fewer warps: several slots per thread), the rows
+//    spread over the teams, reading the states with ld.global.cg (L2, the coherence point; never L1 or the
+//    non-coherent path), and writes out (q's dtype) and out_lse. Which program is last does not change the
+//    result: deterministic. The merge is in the last program's critical path.
+//  * atomic (2; opt-in, not bitwise reproducible): state slot 0 of the workspace is the group's accumulator;
+//    counters holds the completion counters, then (at lock_offset) one spin lock per group. The program writes
+//    its own state to a shared-memory stage (STAGE_OFF: past what is still being read, so the paths' stores are
+//    unchanged but for their destination), one thread takes the lock (atom.acquire.gpu CAS loop; the holder
+//    is resident and waits for nothing) and counts the program; the program merges its staged state into the
+//    accumulator pairwise (merge_pair; the first finds none and reads nothing), or, the last of num_splits,
+//    adds the sink and writes out / out_lse and resets the counter; its threads fence their stores, a barrier
+//    gathers them and the lock is released (atom.release.gpu exchange). Merge order = lock order.
 //
 // Method, tensor-core path (ATTNPLAN_MMA=1; FlashAttention-2's register-level online softmax on mma
 // fragments, FlashInfer's decode with tensor cores for GQA, PTX ISA "Matrix fragments for
@@ -329,6 +360,150 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// the merge math of the merge kernel and the in-kernel merges (one piece of code for one contract:
+// attnplan.state.merge_states). The single-pass epilogue (finish_row) keeps its own inline sink join:
+// calling join_sink there changes ptxas's allocation of the measured kernels (fp8 tensor-core sm_80: 158 -> 197
+// registers) for the same arithmetic.
+// ---------------------------------------------------------------------------------------------
+constexpr int ROW_MERGE_THREADS = ((HEAD_DIM / 4 + 31) / 32) * 32;  // 4 dims per thread, whole warps
+
+// Loads of partial states. CG (the in-kernel merges: states other programs of the running grid wrote):
+// ld.global.cg, served by L2 (the coherence point), never by L1 or the non-coherent (__ldg) path, and
+// volatile with a "memory" clobber so the compiler cannot move it above the completion counter's barrier.
+// Otherwise (the merge kernel: the states come from an earlier launch) a plain load.
+template <bool CG>
+__device__ __forceinline__ float ld_state(const float *p) {
+    if (!CG) return *p;
+#ifdef ATTNPLAN_HOST_EMULATION
+    return __ldcg(p);
+#else
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+#endif
+}
+template <bool CG>
+__device__ __forceinline__ float4 ld_state4(const float *p) {  // p 16-byte aligned
+    if (!CG) return *reinterpret_cast<const float4 *>(p);
+#ifdef ATTNPLAN_HOST_EMULATION
+    return __ldcg(reinterpret_cast<const float4 *>(p));
+#else
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p)
+                 : "memory");
+    return v;
+#endif
+}
+
+// 4 consecutive output elements in q's dtype (p 8-byte aligned; 16-byte for fp32)
+__device__ __forceinline__ void store4(elem_t *p, float a, float b, float c, float d) {
+#if ATTNPLAN_DTYPE == 2
+    float4 t; t.x = a; t.y = b; t.z = c; t.w = d;
+    *reinterpret_cast<float4 *>(p) = t;
+#else
+    uint2 t;
+    t.x = (u32)from_float(a) | ((u32)from_float(b) << 16);
+    t.y = (u32)from_float(c) | ((u32)from_float(d) << 16);
+    *reinterpret_cast<uint2 *>(p) = t;
+#endif
+}
+
+// A sink logit z joins the denominator of a row whose log-sum-exp is lse: returns lse' = logaddexp(lse, z)
+// and sets factor = exp(lse - lse'), what the row's normalized o is multiplied by. An empty row (lse = -inf)
+// gets lse' = z and factor 0 (never -inf - (-inf)).
+__device__ __forceinline__ float join_sink(float lse, float z, float &factor) {
+    if (lse == NEG_INF) {
+        factor = 0.f;
+        return z;
+    }
+    const float joined = fmaxf(lse, z) + log1pf(expf(-fabsf(lse - z)));
+    factor = expf(lse - joined);
+    return joined;
+}
+
+// Merge the first n split states of one row, lse_s at lr[s * l_ss] and normalized o_s at orow[s * o_ss + d],
+// into outp[0, HEAD_DIM) (q's dtype) and, if out_lse is given, *out_lse:
+//   lse = logsumexp_s(lse_s);  o = sum_s exp(lse_s - lse) o_s;  every split empty: o = 0, lse = -inf
+// then, with a sink logit z = *sink: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z).
+// Splits are summed in index order (deterministic). Run by a team of TW threads (whole warps; t = the thread's
+// index in the team), each owning the 4-dim slots d = 4 (t + k TW). Lanes take the splits (lane s, s + 32, ...):
+// the max and the sum are warp reductions; every warp of a team reduces the same splits by itself (no shared
+// memory, no barrier). The o rows do not depend on the lse values, so the first CHUNK splits' o loads are issued
+// together with the lse loads, and later chunks' CHUNK loads all before their use: a row of up to CHUNK splits
+// costs one memory round trip (results/2026-11-30-s4-call2: loading o only after the max took 4.1 us at b1 4K,
+// 16 splits, against triton's 2.5, whose [splits, dims] block loads are all in flight; with this, 2.8 us in
+// s4-call3). An empty split's o may be unwritten (poison): it is read but selected out, never multiplied in.
+template <int TW, int CHUNK, bool CG>
+__device__ __forceinline__ void merge_row(const float *lr, i64 l_ss, const float *orow, i64 o_ss, int n,
+                                          const float *sink, elem_t *outp, float *out_lse, int t) {
+    static_assert(TW % 32 == 0, "a merge team is whole warps");
+    static_assert(CHUNK >= 1 && 32 % CHUNK == 0, "a chunk of splits divides a warp's 32");
+    constexpr int NSLOT = (HEAD_DIM / 4 + TW - 1) / TW;  // 4-dim slots per thread
+    const int lane = t & 31;
+    float4 x[CHUNK][NSLOT];
+    auto load_chunk = [&](int s) {  // the o rows of splits s .. s + CHUNK - 1 (zeros past n or HEAD_DIM)
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j)
+#pragma unroll
+            for (int k = 0; k < NSLOT; ++k) {
+                const int d = 4 * (t + k * TW);
+                x[j][k] = s + j < n && d < HEAD_DIM ? ld_state4<CG>(orow + (i64)(s + j) * o_ss + d)
+                                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+    };
+    const float ls0 = lane < n ? ld_state<CG>(lr + (i64)lane * l_ss) : NEG_INF;
+    load_chunk(0);
+    float M = ls0;
+    for (int s = lane + 32; s < n; s += 32) M = fmaxf(M, ld_state<CG>(lr + (i64)s * l_ss));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
+    if (M == NEG_INF) {  // every split empty: never -inf - (-inf)
+#pragma unroll
+        for (int k = 0; k < NSLOT; ++k)
+            if (4 * (t + k * TW) < HEAD_DIM) store4(outp + 4 * (t + k * TW), 0.f, 0.f, 0.f, 0.f);
+        if (t == 0 && out_lse) *out_lse = sink ? *sink : NEG_INF;
+        return;
+    }
+    float tot = 0.f, a[NSLOT][4];
+#pragma unroll
+    for (int k = 0; k < NSLOT; ++k) a[k][0] = a[k][1] = a[k][2] = a[k][3] = 0.f;
+    for (int s0 = 0; s0 < n; s0 += 32) {
+        // this lane's split weight; empty splits (lse -inf) and lanes past the last split weigh 0
+        const float ls = s0 == 0 ? ls0 : s0 + lane < n ? ld_state<CG>(lr + (i64)(s0 + lane) * l_ss) : NEG_INF;
+        const float w = ls == NEG_INF ? 0.f : expf(ls - M);
+        tot += w;
+        for (int c0 = 0; c0 < 32 && s0 + c0 < n; c0 += CHUNK) {
+            if (s0 + c0 > 0) load_chunk(s0 + c0);  // the first chunk is in flight since the start
+#pragma unroll
+            for (int j = 0; j < CHUNK; ++j) {
+                const float wj = __shfl_sync(FULL_MASK, w, c0 + j);
+                if (wj != 0.f) {
+#pragma unroll
+                    for (int k = 0; k < NSLOT; ++k) {
+                        a[k][0] = fmaf(wj, x[j][k].x, a[k][0]); a[k][1] = fmaf(wj, x[j][k].y, a[k][1]);
+                        a[k][2] = fmaf(wj, x[j][k].z, a[k][2]); a[k][3] = fmaf(wj, x[j][k].w, a[k][3]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(FULL_MASK, tot, off);
+    float lse_n = M + logf(tot), inv = 1.f / tot;  // tot >= 1: the split holding the max has weight 1
+    if (sink) {  // the sink joins the denominator once, after the splits are merged
+        float f;
+        lse_n = join_sink(lse_n, *sink, f);
+        inv *= f;
+    }
+#pragma unroll
+    for (int k = 0; k < NSLOT; ++k) {
+        const int d = 4 * (t + k * TW);
+        if (d < HEAD_DIM) store4(outp + d, a[k][0] * inv, a[k][1] * inv, a[k][2] * inv, a[k][3] * inv);
+    }
+    if (t == 0 && out_lse) *out_lse = lse_n;
+}
+
 #if ATTNPLAN_KIND != ATTNPLAN_KIND_MERGE
 // =============================================================================================
 // split partial / single-pass kernel
@@ -352,6 +527,12 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 #if ATTNPLAN_MMA && (ATTNPLAN_DTYPE == 2 || ATTNPLAN_SPLIT_V)
 #error "the tensor-core path (ATTNPLAN_MMA) needs fp16 / bf16 q (KV in q's dtype or fp8) and split-K"
+#endif
+#ifndef ATTNPLAN_MERGE
+#define ATTNPLAN_MERGE 0
+#endif
+#if ATTNPLAN_MERGE && ATTNPLAN_KIND != ATTNPLAN_KIND_PARTIAL
+#error "an in-kernel merge (ATTNPLAN_MERGE) belongs to the split partial kernel"
 #endif
 
 static_assert(HEAD_DIM % KVEC == 0, "head_dim must fill whole 16-byte KV vectors (a multiple of 16 for fp8)");
@@ -408,7 +589,15 @@ constexpr int KT_BYTES = TILE * RS * 16;            // the K (or V) tile of a st
 constexpr int STAGE_BYTES = 2 * KT_BYTES;           // K + V of one tile
 constexpr int RING_BYTES = (SPLIT_V ? 1 : NWARPS) * STAGES * STAGE_BYTES;
 constexpr int EPI_BYTES = SPLIT_V ? 0 : NWARPS * RT * (HEAD_DIM + 2) * 4;
-constexpr int SMEM_BYTES = cmax(RING_BYTES, EPI_BYTES);
+constexpr int MERGE_MODE = ATTNPLAN_MERGE;          // 0 none, 1 fused, 2 atomic (see "Method, cross-program merge")
+// atomic: the program's own state goes to shared memory ([R][HEAD_DIM] o, [R] lse, then 3 x [R] merge weights
+// and lse), past whatever is still being read when it is written (split-K: the end merge's buffer; split-V: the ring)
+constexpr int STAGE_OFF = ((SPLIT_V ? RING_BYTES : EPI_BYTES) + 15) / 16 * 16;
+constexpr int STAGE_BYTES_ATOMIC = MERGE_MODE == 2 ? R * (HEAD_DIM + 4) * 4 : 0;
+constexpr int SMEM_BYTES = MERGE_MODE == 2 ? cmax(RING_BYTES, STAGE_OFF + STAGE_BYTES_ATOMIC)
+                                           : cmax(RING_BYTES, EPI_BYTES);
+static_assert(MERGE_MODE == 0 || SMEM_BYTES >= 16, "the in-kernel merge broadcasts through shared memory word 0");
+static_assert(MERGE_MODE != 2 || STAGE_OFF >= 16, "the atomic merge's stage must not hold word 0");
 
 static_assert((PASSES & (PASSES - 1)) == 0, "passes must be a power of two");
 static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
@@ -962,6 +1151,180 @@ __device__ __forceinline__ void finish_row(float m, float l, float vscale, const
     factor = empty ? 0.f : scale / l;
 }
 
+// A store of the program's state (or of the single-pass output). With the atomic merge the state goes to
+// the shared-memory stage: the host emulation then records the store for its race check.
+template <class T>
+__device__ __forceinline__ void st_state(T *p, const T &v) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    if (MERGE_MODE == 2) emu::smem_access(p, sizeof(T), 1);
+#endif
+    *p = v;
+}
+
+#if ATTNPLAN_MERGE
+// ---- the in-kernel merges' synchronization: gpu-scope atomics of the PTX memory model (sm_70+) ----
+// The host emulation runs one block at a time: plain read-modify-writes, and a lock found taken is an error
+// (its holder has finished, so it never released it) rather than a spin that would never end.
+__device__ __forceinline__ int atom_add_acq_rel(int *p, int v) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    return atomicAdd(p, v);
+#else
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+#endif
+}
+__device__ __forceinline__ void lock_acquire(int *lock) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    if (atomicCAS(lock, 0, 1) != 0) emu::fail("atomic merge: a program found its group's lock taken (never released)");
+#else
+    int old;
+    do {  // the holder is resident and waits for nothing: it releases
+        asm volatile("atom.acquire.gpu.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(lock), "r"(0), "r"(1)
+                     : "memory");
+    } while (old != 0);
+#endif
+}
+__device__ __forceinline__ void lock_release(int *lock) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    atomicExch(lock, 0);
+#else
+    int old;
+    asm volatile("atom.release.gpu.global.exch.b32 %0, [%1], %2;" : "=r"(old) : "l"(lock), "r"(0) : "memory");
+#endif
+}
+#endif
+
+#if ATTNPLAN_MERGE == 1
+// Fused merge: every thread of the program calls it once its split's state is written (o at ob0 + s * o_ss,
+// lse at lb0 + s * l_ss; rows r = i*GROUP + g at i * _si + g * _sh; out / out_lse / sinks likewise at the
+// group's first head). Release: each thread fences its own state stores (__threadfence), the barrier gathers
+// the program, then one thread counts the program in the (sequence, KV head) completion counter with an
+// acq_rel atomic: its release is cumulative over the stores the barrier ordered before it, so the whole state
+// is visible at gpu scope before the count moves; its acquire makes every state released before it visible
+// to that thread, and through the second barrier to the program. The program that counts last resets the
+// counter (no other program of the launch touches it again: zero for the next launch and graph replays) and
+// merges the group's rows over all splits in split order with the merge kernel's merge_row, reading the
+// states through L2 (ld.global.cg). Its threads form teams of TW (one row's merge_row team, fewer warps if the
+// program has fewer) that take the rows r, r + TEAMS, ...; each thread keeps 8 splits' o loads in flight.
+__device__ __forceinline__ void fused_merge(unsigned char *smem, int tid, int num_splits, int *counter,
+                                            const float *ob0, i64 o_si, i64 o_sh, i64 o_ss,
+                                            const float *lb0, i64 l_si, i64 l_sh, i64 l_ss,
+                                            elem_t *outb, i64 out_si, i64 out_sh, float *olb, i64 ol_si, i64 ol_sh,
+                                            const float *sinkb) {
+    __threadfence();
+    __syncthreads();
+    int *flag = reinterpret_cast<int *>(smem);  // the program is done with its shared memory
+    if (tid == 0) {
+        const bool last = atom_add_acq_rel(counter, 1) == num_splits - 1;
+        if (last) atomicExch(counter, 0);
+        sts(flag, last ? 1 : 0);
+    }
+    __syncthreads();
+    if (!lds<int>(flag)) return;
+    constexpr int TW = cmin(NTHREADS, ROW_MERGE_THREADS), TEAMS = NTHREADS / TW;
+    constexpr int NSLOT = (HEAD_DIM / 4 + TW - 1) / TW;
+    const int team = tid / TW;
+    if (team >= TEAMS) return;  // whole warps
+    for (int rr = team; rr < R; rr += TEAMS) {
+        const int i = rr / GROUP, g = rr % GROUP;
+        merge_row<TW, 8 / NSLOT, true>(lb0 + (i64)i * l_si + (i64)g * l_sh, l_ss, ob0 + (i64)i * o_si + (i64)g * o_sh,
+                                       o_ss, num_splits, sinkb ? sinkb + g : nullptr,
+                                       outb + (i64)i * out_si + (i64)g * out_sh,
+                                       olb ? olb + (i64)i * ol_si + (i64)g * ol_sh : nullptr, tid % TW);
+    }
+}
+#elif ATTNPLAN_MERGE == 2
+// Two normalized states (lse_a, o_a), (lse_b, o_b) of one row into one: returns lse = logaddexp(lse_a, lse_b)
+// and sets the weights with o = wa o_a + wb o_b; both empty: lse = -inf, weights 0 (never -inf - (-inf)).
+__device__ __forceinline__ float merge_pair(float la, float lb, float &wa, float &wb) {
+    const float mx = fmaxf(la, lb);
+    if (mx == NEG_INF) {
+        wa = wb = 0.f;
+        return NEG_INF;
+    }
+    const float ea = expf(la - mx), eb = expf(lb - mx), tot = ea + eb, inv = 1.f / tot;  // tot >= 1
+    wa = ea * inv;
+    wb = eb * inv;
+    return mx + logf(tot);
+}
+
+// Atomic merge (opt-in, not bitwise reproducible): every thread of the program calls it once the program's
+// state is complete in the shared-memory stage. One thread takes the group's spin lock (acquire CAS: the
+// previous holder's accumulator is visible) and counts the program in the group's counter (under the lock);
+// the program merges its state into the accumulator (state slot 0 of the group's rows, read through L2) with
+// merge_pair, in lock order; the first finds no accumulator (nothing read, poison allowed). The last of the
+// num_splits programs adds the sink and writes out / out_lse instead, and resets the counter. Every thread
+// fences its stores, the barrier gathers them, and the lock's release exchange (cumulative) publishes them.
+__device__ __forceinline__ void atomic_merge(unsigned char *smem, int tid, int num_splits, int *counter, int *lock,
+                                             float *acc_o, i64 o_si, i64 o_sh, float *acc_l, i64 l_si, i64 l_sh,
+                                             elem_t *outb, i64 out_si, i64 out_sh, float *olb, i64 ol_si, i64 ol_sh,
+                                             const float *sinkb) {
+    float *stage = reinterpret_cast<float *>(smem + STAGE_OFF);  // [R][HEAD_DIM] o, then [R] lse
+    float *sl = stage + R * HEAD_DIM, *wa = sl + R, *wb = wa + R, *wl = wb + R;
+    __syncthreads();  // the stage is complete; shared memory word 0 is free
+    int *flag = reinterpret_cast<int *>(smem);
+    if (tid == 0) {
+        lock_acquire(lock);
+        sts(flag, atomicAdd(counter, 1));  // the programs merged before this one (relaxed: under the lock)
+    }
+    __syncthreads();
+    const int done = lds<int>(flag);
+    const bool last = done == num_splits - 1;
+    for (int rr = tid; rr < R; rr += NTHREADS) {  // per row: the pair's weights and lse (+ the sink, last)
+        const int i = rr / GROUP, g = rr % GROUP;
+        const float la = done > 0 ? ld_state<true>(acc_l + (i64)i * l_si + (i64)g * l_sh) : NEG_INF;
+        float ea, eb;
+        float lse_n = merge_pair(la, lds<float>(sl + rr), ea, eb);
+        if (last && sinkb) {
+            float f;
+            lse_n = join_sink(lse_n, sinkb[g], f);
+            ea *= f;
+            eb *= f;
+        }
+        sts(wa + rr, ea);
+        sts(wb + rr, eb);
+        sts(wl + rr, lse_n);
+    }
+    __syncthreads();  // every old accumulator lse is read before one is overwritten
+    constexpr int D4 = HEAD_DIM / 4;
+#pragma unroll 4
+    for (int idx = tid; idx < R * D4; idx += NTHREADS) {
+        const int rr = idx / D4, d = (idx % D4) * 4, i = rr / GROUP, g = rr % GROUP;
+        const float ea = lds<float>(wa + rr), eb = lds<float>(wb + rr);
+        const float4 me = lds<float4>(stage + rr * HEAD_DIM + d);
+        float *ap = acc_o + (i64)i * o_si + (i64)g * o_sh + d;
+        float4 ac;
+        ac.x = ac.y = ac.z = ac.w = 0.f;
+        if (ea != 0.f) ac = ld_state4<true>(ap);
+        // a weight of 0 selects its state out (an empty state's o is never multiplied in)
+        const float rx = (ea != 0.f ? ea * ac.x : 0.f) + (eb != 0.f ? eb * me.x : 0.f);
+        const float ry = (ea != 0.f ? ea * ac.y : 0.f) + (eb != 0.f ? eb * me.y : 0.f);
+        const float rz = (ea != 0.f ? ea * ac.z : 0.f) + (eb != 0.f ? eb * me.z : 0.f);
+        const float rw = (ea != 0.f ? ea * ac.w : 0.f) + (eb != 0.f ? eb * me.w : 0.f);
+        if (last) {
+            store4(outb + (i64)i * out_si + (i64)g * out_sh + d, rx, ry, rz, rw);
+        } else {
+            float4 r;
+            r.x = rx; r.y = ry; r.z = rz; r.w = rw;
+            *reinterpret_cast<float4 *>(ap) = r;
+        }
+    }
+    for (int rr = tid; rr < R; rr += NTHREADS) {
+        const int i = rr / GROUP, g = rr % GROUP;
+        const float lse_n = lds<float>(wl + rr);
+        if (!last) acc_l[(i64)i * l_si + (i64)g * l_sh] = lse_n;
+        else if (olb) olb[(i64)i * ol_si + (i64)g * ol_sh] = lse_n;
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+        if (last) atomicExch(counter, 0);  // zero for the next launch and graph replays
+        lock_release(lock);
+    }
+}
+#endif
+
 // fp8 tensor-core kernels state minBlocksPerMultiprocessor = 1: left open, ptxas (NVRTC 13.5) trades small
 // spills for register occupancy (96 / 128 / 168 registers = 5 / 4 / 3 programs of 128 threads) that the
 // shared memory (64 KB per program: 3 per H200 SM, 2 per A100 SM) never allows; stated, it allocates
@@ -984,14 +1347,19 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
                i64 v_s0, i64 v_s1, i64 v_sh,
                i64 bt_sb,
                i64 o_sb, i64 o_si, i64 o_sh, i64 o_ss,
-               i64 l_sb, i64 l_si, i64 l_sh, i64 l_ss) {
+               i64 l_sb, i64 l_si, i64 l_sh, i64 l_ss,
+               elem_t *__restrict__ out, float *__restrict__ out_lse, int *__restrict__ counters, int lock_offset,
+               i64 out_sb, i64 out_si, i64 out_sh,
+               i64 ol_sb, i64 ol_si, i64 ol_sh) {
 #ifdef ATTNPLAN_HOST_EMULATION
     unsigned char *smem = emu::dynamic_smem();
 #else
     extern __shared__ __align__(16) unsigned char smem[];
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+#if !ATTNPLAN_MERGE
     pdl_launch_dependents();  // the merge kernel may launch now; it waits for this grid to finish
+#endif
 
     // program -> (split, kv head, sequence); the grid is (S, Hkv, B) or flattened along x.
     const i64 lin = (i64)blockIdx.x + (i64)gridDim.x * ((i64)blockIdx.y + (i64)gridDim.y * (i64)blockIdx.z);
@@ -1012,21 +1380,58 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         ce = (s == num_splits - 1) ? L : (int)(cs64 + chunk_size < (i64)L ? cs64 + chunk_size : (i64)L);
     }
 
+    // Where the program's rows r = i*GROUP + g go (query i, head h*GROUP + g): the split's slot of the partial
+    // state (single pass: out and lse), or with the atomic merge the shared-memory stage ([R][HEAD_DIM] o, [R] lse),
+    // merged into the group's accumulator at the end. Partial states never include a sink: with an in-kernel merge
+    // `sinks` is the merge's (it joins there), so the state's rows see none.
+    // (row r at ob + i * osi + (hb + g) * osh, its lse at lb + i * lsi + (hb + g) * lsh)
+#if ATTNPLAN_MERGE == 2
+    out_t *__restrict__ ob = reinterpret_cast<float *>(smem + STAGE_OFF);
+    float *__restrict__ lb = ob + R * HEAD_DIM;
+    const i64 osi = GROUP * HEAD_DIM, osh = HEAD_DIM, lsi = GROUP, lsh = 1;
+    const int hb = 0;
+#else
     out_t *__restrict__ ob = o + (i64)b * o_sb + (i64)s * o_ss;
     float *__restrict__ lb = lse ? lse + (i64)b * l_sb + (i64)s * l_ss : lse;
+    const i64 osi = o_si, osh = o_sh, lsi = l_si, lsh = l_sh;
+    const int hb = h * GROUP;
+#endif
+    const float *__restrict__ state_sinks = MERGE_MODE ? nullptr : sinks;
+#if ATTNPLAN_MERGE
+    // the group's merge, once this program's state is written (every thread, every path; see fused_merge /
+    // atomic_merge): counters[grp] counts the group's programs, counters[lock_offset + grp] is the atomic lock
+    const i64 grp = rest;
+    auto merge_group = [&]() {
+        elem_t *outb = out + (i64)b * out_sb + (i64)h * GROUP * out_sh;
+        float *olb = out_lse ? out_lse + (i64)b * ol_sb + (i64)h * GROUP * ol_sh : nullptr;
+        const float *sinkb = sinks ? sinks + h * GROUP : nullptr;
+#if ATTNPLAN_MERGE == 1
+        fused_merge(smem, tid, num_splits, counters + grp, o + (i64)b * o_sb + (i64)h * GROUP * o_sh, o_si, o_sh, o_ss,
+                    lse + (i64)b * l_sb + (i64)h * GROUP * l_sh, l_si, l_sh, l_ss, outb, out_si, out_sh, olb, ol_si,
+                    ol_sh, sinkb);
+#else
+        atomic_merge(smem, tid, num_splits, counters + grp, counters + lock_offset + grp,
+                     o + (i64)b * o_sb + (i64)h * GROUP * o_sh, o_si, o_sh, lse + (i64)b * l_sb + (i64)h * GROUP * l_sh,
+                     l_si, l_sh, outb, out_si, out_sh, olb, ol_si, ol_sh, sinkb);
+#endif
+    };
+#endif
 
     if (cs >= ce) {  // empty program: read nothing, write the empty state of every row
         for (int idx = tid; idx < R * HEAD_DIM; idx += NTHREADS) {
             const int rr = idx / HEAD_DIM, d = idx % HEAD_DIM;
             const int i = rr / GROUP, g = rr % GROUP;
-            ob[(i64)i * o_si + (i64)(h * GROUP + g) * o_sh + d] = to_out(0.f);
+            st_state(ob + (i64)i * osi + (i64)(hb + g) * osh + d, to_out(0.f));
         }
         if (lb) {
             for (int rr = tid; rr < R; rr += NTHREADS) {
                 const int i = rr / GROUP, g = rr % GROUP;
-                lb[(i64)i * l_si + (i64)(h * GROUP + g) * l_sh] = sinks ? sinks[h * GROUP + g] : NEG_INF;
+                st_state(lb + (i64)i * lsi + (i64)(hb + g) * lsh, state_sinks ? state_sinks[h * GROUP + g] : NEG_INF);
             }
         }
+#if ATTNPLAN_MERGE
+        merge_group();
+#endif
         return;
     }
 
@@ -1352,8 +1757,8 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         if (rr >= R) continue;  // warp-uniform
         const int i = rr / GROUP, g = rr % GROUP;
         float lse_n, factor;
-        finish_row(m[r], l[r], vscale, sinks, h * GROUP + g, lse_n, factor);
-        out_t *orow = ob + (i64)i * o_si + (i64)(h * GROUP + g) * o_sh;
+        finish_row(m[r], l[r], vscale, state_sinks, h * GROUP + g, lse_n, factor);
+        out_t *orow = ob + (i64)i * osi + (i64)(hb + g) * osh;
         if (lane < LPV) {
 #pragma unroll
             for (int j = 0; j < NVV; ++j) {
@@ -1362,20 +1767,20 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
                     out_t *dst = orow + (kw * DVW + c) * KVEC;
 #if ATTNPLAN_KIND == ATTNPLAN_KIND_SINGLE
 #pragma unroll
-                    for (int e = 0; e < KVEC; ++e) dst[e] = to_out(acc[r][j][e] * factor);
+                    for (int e = 0; e < KVEC; ++e) st_state(dst + e, to_out(acc[r][j][e] * factor));
 #else
 #pragma unroll
                     for (int e = 0; e < KVEC; e += 4) {  // state.o is 16-byte aligned (host check)
                         float4 t4;
                         t4.x = acc[r][j][e] * factor; t4.y = acc[r][j][e + 1] * factor;
                         t4.z = acc[r][j][e + 2] * factor; t4.w = acc[r][j][e + 3] * factor;
-                        *reinterpret_cast<float4 *>(dst + e) = t4;
+                        st_state(reinterpret_cast<float4 *>(dst + e), t4);
                     }
 #endif
                 }
             }
         }
-        if (kw == 0 && lane == 0 && lb) lb[(i64)i * l_si + (i64)(h * GROUP + g) * l_sh] = lse_n;
+        if (kw == 0 && lane == 0 && lb) st_state(lb + (i64)i * lsi + (i64)(hb + g) * lsh, lse_n);
     }
 #else
 #if ATTNPLAN_MMA
@@ -1460,39 +1865,30 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         }
         const int i = rr / GROUP, g = rr % GROUP;
         float lse_n, factor;
-        finish_row(M, lsum, vscale, sinks, h * GROUP + g, lse_n, factor);
-        ob[(i64)i * o_si + (i64)(h * GROUP + g) * o_sh + d] = to_out(a * factor);
-        if (d == 0 && lb) lb[(i64)i * l_si + (i64)(h * GROUP + g) * l_sh] = lse_n;
+        finish_row(M, lsum, vscale, state_sinks, h * GROUP + g, lse_n, factor);
+        st_state(ob + (i64)i * osi + (i64)(hb + g) * osh + d, to_out(a * factor));
+        if (d == 0 && lb) st_state(lb + (i64)i * lsi + (i64)(hb + g) * lsh, lse_n);
     }
+#endif
+#if ATTNPLAN_MERGE
+    merge_group();
 #endif
 }
 
 #else  // ATTNPLAN_KIND == ATTNPLAN_KIND_MERGE
 // =============================================================================================
-// merge kernel: one CTA per row (b, i, head); each thread owns 4 consecutive dims, lanes share the
-// splits' lse reductions (warp shuffles)
+// merge kernel: one CTA per row (b, i, head) = one merge_row team; each thread owns 4 consecutive
+// dims, lanes share the splits' lse reductions (warp shuffles)
 //   lse = logsumexp_s(lse_s);  o = sum_s exp(lse_s - lse) o_s;  all-empty row: o = 0, lse = -inf
 //   optional sinks [num_heads]: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z)
 // =============================================================================================
-constexpr int MERGE_THREADS = ((HEAD_DIM / 4 + 31) / 32) * 32;
-// splits whose o rows one thread loads before using any (a divisor of 32): 64 registers of
-// float4 at one warp per CTA, 32 at two (head_dim 256)
+constexpr int MERGE_THREADS = ROW_MERGE_THREADS;
+// splits whose o rows one thread loads before using any (merge_row's CHUNK): 64 registers of float4 at one
+// warp per CTA, 32 at two (head_dim 256)
 constexpr int MERGE_CHUNK = MERGE_THREADS == 32 ? 16 : 8;
 #ifdef ATTNPLAN_THREADS
 static_assert(MERGE_THREADS == ATTNPLAN_THREADS, "host and kernel disagree on merge threads per block");
 #endif
-
-__device__ __forceinline__ void store4(elem_t *p, float a, float b, float c, float d) {
-#if ATTNPLAN_DTYPE == 2
-    float4 t; t.x = a; t.y = b; t.z = c; t.w = d;
-    *reinterpret_cast<float4 *>(p) = t;
-#else
-    uint2 t;
-    t.x = (u32)from_float(a) | ((u32)from_float(b) << 16);
-    t.y = (u32)from_float(c) | ((u32)from_float(d) << 16);
-    *reinterpret_cast<uint2 *>(p) = t;
-#endif
-}
 
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
 attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, elem_t *__restrict__ out,
@@ -1506,70 +1902,11 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, elem_
     const int hh = (int)(row % num_heads);
     const int i = (int)((row / num_heads) % q_len);
     const int b = (int)(row / ((i64)num_heads * q_len));
-    const float *lr = lse + (i64)b * l_sb + (i64)i * l_si + (i64)hh * l_sh;
-    const float *orow = o + (i64)b * o_sb + (i64)i * o_si + (i64)hh * o_sh;
-    elem_t *outp = out + (i64)b * out_sb + (i64)i * out_si + (i64)hh * out_sh;
-    const int d = threadIdx.x * 4;
-    const int lane = threadIdx.x & 31;
-
-    // Lanes take the splits (lane s, s + 32, ...): the max and the sum are warp reductions. Every
-    // warp of the CTA (two at head_dim 256) reduces the same splits by itself: no shared memory, no
-    // __syncthreads. The o rows of the first MERGE_CHUNK splits do not depend on the lse values, so
-    // they are loaded together with them: a row of up to MERGE_CHUNK splits costs one memory round
-    // trip (results/2026-11-30-s4-call2: the version that loaded o after the max took 4.1 us at b1
-    // 4K, 16 splits, against triton's 2.5 us, whose [splits, dims] block loads are all in flight).
-    // An empty split's o may be unwritten (poison): it is read but selected out, never multiplied in.
-    const bool dv = d < HEAD_DIM;
-    const float ls0 = lane < num_splits ? lr[(i64)lane * l_ss] : NEG_INF;
-    float4 x[MERGE_CHUNK];
-#pragma unroll
-    for (int j = 0; j < MERGE_CHUNK; ++j)
-        x[j] = j < num_splits && dv ? *reinterpret_cast<const float4 *>(orow + (i64)j * o_ss + d)
-                                    : make_float4(0.f, 0.f, 0.f, 0.f);
-    float M = ls0;
-    for (int s = lane + 32; s < num_splits; s += 32) M = fmaxf(M, lr[(i64)s * l_ss]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
-    if (M == NEG_INF) {  // every split empty: never -inf - (-inf)
-        if (dv) store4(outp + d, 0.f, 0.f, 0.f, 0.f);
-        if (threadIdx.x == 0 && out_lse)
-            out_lse[(i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh] = sinks ? sinks[hh] : NEG_INF;
-        return;
-    }
-    float tot = 0.f, a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    for (int s0 = 0; s0 < num_splits; s0 += 32) {
-        // this lane's split weight; empty splits (lse -inf) and lanes past the last split weigh 0
-        const float ls = s0 == 0 ? ls0 : s0 + lane < num_splits ? lr[(i64)(s0 + lane) * l_ss] : NEG_INF;
-        const float w = ls == NEG_INF ? 0.f : expf(ls - M);
-        tot += w;
-        for (int c0 = 0; c0 < 32 && s0 + c0 < num_splits; c0 += MERGE_CHUNK) {
-            if (s0 + c0 > 0) {  // later chunks: all MERGE_CHUNK loads in flight before their use
-#pragma unroll
-                for (int j = 0; j < MERGE_CHUNK; ++j)
-                    x[j] = s0 + c0 + j < num_splits && dv
-                               ? *reinterpret_cast<const float4 *>(orow + (i64)(s0 + c0 + j) * o_ss + d)
-                               : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-#pragma unroll
-            for (int j = 0; j < MERGE_CHUNK; ++j) {
-                const float wj = __shfl_sync(FULL_MASK, w, c0 + j);
-                if (wj != 0.f) {
-                    a0 = fmaf(wj, x[j].x, a0); a1 = fmaf(wj, x[j].y, a1);
-                    a2 = fmaf(wj, x[j].z, a2); a3 = fmaf(wj, x[j].w, a3);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(FULL_MASK, tot, off);
-    float lse_n = M + logf(tot), inv = 1.f / tot;  // tot >= 1: the split holding the max has weight 1
-    if (sinks) {  // the sink joins the denominator: lse' = logaddexp(lse, z), o' = o * exp(lse - lse')
-        const float z = sinks[hh];
-        const float joined = fmaxf(lse_n, z) + log1pf(expf(-fabsf(lse_n - z)));
-        inv *= expf(lse_n - joined);
-        lse_n = joined;
-    }
-    if (d < HEAD_DIM) store4(outp + d, a0 * inv, a1 * inv, a2 * inv, a3 * inv);
-    if (threadIdx.x == 0 && out_lse) out_lse[(i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh] = lse_n;
+    // the states come from an earlier launch: plain loads
+    merge_row<MERGE_THREADS, MERGE_CHUNK, false>(
+        lse + (i64)b * l_sb + (i64)i * l_si + (i64)hh * l_sh, l_ss,
+        o + (i64)b * o_sb + (i64)i * o_si + (i64)hh * o_sh, o_ss, num_splits, sinks ? sinks + hh : nullptr,
+        out + (i64)b * out_sb + (i64)i * out_si + (i64)hh * out_sh,
+        out_lse ? out_lse + (i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh : nullptr, threadIdx.x);
 }
 #endif

@@ -96,19 +96,25 @@ class EmulatedKernel:
                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         self.lib.emu_constant.restype = ctypes.c_int
         self.lib.emu_constant.argtypes = [ctypes.c_char_p]
+        self.lib.emu_block_order.restype = None
+        self.lib.emu_block_order.argtypes = [ctypes.c_uint]
 
     def constant(self, name: str) -> int:
         """A kernel constant as the compiled kernel computes it (``smem``, ``tile``, ``threads``, ``lpt``, ``rt``)."""
         return int(self.lib.emu_constant(name.encode()))
 
-    def launch(self, cfg: LaunchConfig, args: PackedArgs, readable: list[torch.Tensor]) -> None:
-        """Run the grid; ``readable`` are the tensors cp.async / ``__ldg`` may read.
+    def launch(self, cfg: LaunchConfig, args: PackedArgs, readable: list[torch.Tensor], block_order: int = 0) -> None:
+        """Run the grid; ``readable`` are the tensors cp.async / ``__ldg`` / ``__ldcg`` may read (and
+        atomics update). ``block_order``: 0 runs the blocks in order (x fastest), another value in a
+        permutation drawn from it (blocks run one at a time either way).
 
         Raises:
-            EmulationError: the kernel read outside ``readable`` or deadlocked at a barrier.
+            EmulationError: the kernel read outside ``readable``, deadlocked at a barrier, or found an
+            atomic merge's lock taken.
         """
         if cfg.block[1:] != (1, 1):
             raise EmulationError(f"block {cfg.block}: only 1-D blocks are emulated")
+        self.lib.emu_block_order(int(block_order))
         ranges = [x for t in readable if t is not None for x in tensor_range(t)]
         arr = (ctypes.c_ulonglong * max(1, len(ranges)))(*ranges)
         err = ctypes.create_string_buffer(512)
@@ -128,6 +134,8 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
         self.build_dir = build_dir
         self.kernels: dict[KernelSpec, EmulatedKernel] = {}
         self._readable: list[torch.Tensor] = []
+        #: the order launches run their blocks in (:meth:`EmulatedKernel.launch`'s ``block_order``)
+        self.block_order = 0
 
     def available(self, device: torch.device) -> tuple[bool, str]:
         if torch.device(device).type != "cpu":
@@ -157,7 +165,7 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
         return k
 
     def _launch(self, spec, cfg, signature, values, device, pdl: bool = False) -> None:
-        self.kernel(spec).launch(cfg, PackedArgs(signature, values), self._readable)
+        self.kernel(spec).launch(cfg, PackedArgs(signature, values), self._readable, self.block_order)
 
     @staticmethod
     def _inputs(x) -> list:
@@ -174,3 +182,7 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
     def merge(self, plan, state, out, lse, sinks=None) -> None:
         self._readable = [state.o, state.lse]
         super().merge(plan, state, out, lse, sinks)
+
+    def partial_fused_merge(self, plan, inputs, state, out, lse, counters) -> None:
+        self._readable = [*self._inputs(inputs), state.o, state.lse, counters]  # states read back, counters updated
+        super().partial_fused_merge(plan, inputs, state, out, lse, counters)

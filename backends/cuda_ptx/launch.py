@@ -26,6 +26,9 @@ Tensor-core split-K (``mma=True``; fp16 / bf16 caches and fp8 ones): the same ri
 of ``passes`` 16-token m-tiles, rows in whole n8-tiles (``n_tiles`` per warp), ring rows of
 ``row_chunks`` 16-byte chunks (XOR-swizzled, or padded to an odd count) for conflict-free ``ldmatrix``;
 the tile is sized in bytes, so an fp8 one holds twice the tokens (see :func:`_mma_spec`).
+In-kernel merges (``merge="fused"`` / ``"atomic"``, partial kernels only; ``decode.cu``'s ``ATTNPLAN_MERGE``):
+the partial kernel also takes ``out``, ``out_lse``, the zeroed int32 ``counters`` (``plan.sync_words``) and
+``lock_offset``, and merges the group's states itself, so no merge kernel is launched.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ __all__ = [
     "PackedArgs", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "partial_args", "merge_args", "check_layout",
     "pdl_launch_config",
     "kernel_source", "DeviceRuntime", "DTYPE_CODES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS",
-    "vector_layout", "split_v_layout", "max_rows", "FP8", "PARTITIONS", "mma_unsupported",
+    "vector_layout", "split_v_layout", "max_rows", "FP8", "PARTITIONS", "mma_unsupported", "MERGE_CODES",
 ]
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -55,6 +58,9 @@ ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 FP8 = "float8_e4m3fn"
 PARTITIONS = ("split_k", "split_v")
 KIND_CODES = {"partial": 0, "single": 1, "merge": 2}
+#: the partial kernel's cross-program merge (``plan.merge``): none (a merge kernel follows, or single pass),
+#: fused or atomic (inside the partial kernel)
+MERGE_CODES = {"none": 0, "fused": 1, "atomic": 2}
 ENTRY = {"partial": "attnplan_decode_partial", "single": "attnplan_decode_single", "merge": "attnplan_merge"}
 
 #: bytes of K+V one warp's ring stage holds (the tile), before capping by registers (split-K)
@@ -163,6 +169,10 @@ class KernelSpec:
         partition: ``"split_k"`` or ``"split_v"`` inside the program (``decode.cu``'s method).
         mma: the tensor-core path (``ATTNPLAN_MMA``; split-K, fp16 / bf16 q, KV in q's dtype or fp8):
             ``passes`` is then the 16-token m-tiles of a warp's tile, rows go to warps in whole n8-tiles.
+        merge: ``"none"``, or the in-kernel merge of a ``"partial"`` kernel (``ATTNPLAN_MERGE``):
+            ``"fused"`` (the last program of each (sequence, KV head) merges the group in split order) or
+            ``"atomic"`` (each program merges into the group's accumulator under a lock; its own state is
+            staged in shared memory first: :attr:`smem_bytes`).
     """
 
     kind: str
@@ -180,6 +190,7 @@ class KernelSpec:
     kv_fp8: bool = False
     partition: str = "split_k"
     mma: bool = False
+    merge: str = "none"
 
     # -- derived, mirrored by decode.cu's static_asserts ----------------------------------------
     @property
@@ -239,13 +250,16 @@ class KernelSpec:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory per program: split-K: the per-warp cp.async rings, reused by the final
-        warp merge; split-V: the program's one ring."""
+        warp merge; split-V: the program's one ring. The atomic merge adds its stage (the program's state
+        and merge weights, ``rows x (head_dim + 4)`` fp32) past the end merge's buffer (split-K) or the ring
+        (split-V), 16-byte aligned."""
         if self.kind == "merge":
             return 0
-        if self.split_v:
-            return self.stages * self.stage_bytes
-        ring = self.num_warps * self.stages * self.stage_bytes
-        epilogue = self.num_warps * self.rows_per_group * (self.head_dim + 2) * 4
+        ring = (1 if self.split_v else self.num_warps) * self.stages * self.stage_bytes
+        epilogue = 0 if self.split_v else self.num_warps * self.rows_per_group * (self.head_dim + 2) * 4
+        if self.merge == "atomic":
+            stage_off = -(-(ring if self.split_v else epilogue) // 16) * 16
+            return max(ring, stage_off + self.rows * (self.head_dim + 4) * 4)
         return max(ring, epilogue)
 
     @property
@@ -257,7 +271,7 @@ class KernelSpec:
     def name(self) -> str:
         """File-name form spelling the specialization, e.g. ``partial-bfloat16-d128-g4-q1-page16-w1x4-s4-p4``
         (``-kvfp8`` for an fp8 cache, ``-splitv`` for split-V, ``-mma`` for the tensor-core path, then
-        ``-window`` / ``-softcap``)."""
+        ``-window`` / ``-softcap``, then ``-fused`` / ``-atomic`` for an in-kernel merge)."""
         if self.kind == "merge":
             return f"merge-{self.dtype}-d{self.head_dim}"
         cache = f"page{self.page_size}" if self.page_size else "contig"
@@ -265,7 +279,8 @@ class KernelSpec:
                 f"-w{self.row_groups}x{self.kv_warps}-s{self.stages}-p{self.passes}"
                 + ("-kvfp8" if self.kv_fp8 else "") + ("-splitv" if self.split_v else "")
                 + ("-mma" if self.mma else "")
-                + ("-window" if self.window else "") + ("-softcap" if self.softcap else ""))
+                + ("-window" if self.window else "") + ("-softcap" if self.softcap else "")
+                + ("" if self.merge == "none" else f"-{self.merge}"))
 
     def defines(self) -> dict[str, int]:
         """The -D macros of this specialization (``decode.cu`` header lists them)."""
@@ -278,7 +293,7 @@ class KernelSpec:
                       "ATTNPLAN_SMEM_BYTES": self.smem_bytes, "ATTNPLAN_TILE_TOKENS": self.tile_tokens,
                       "ATTNPLAN_WINDOW": int(self.window), "ATTNPLAN_SOFTCAP": int(self.softcap),
                       "ATTNPLAN_KV_FP8": int(self.kv_fp8), "ATTNPLAN_SPLIT_V": int(self.split_v),
-                      "ATTNPLAN_MMA": int(self.mma)})
+                      "ATTNPLAN_MMA": int(self.mma), "ATTNPLAN_MERGE": MERGE_CODES[self.merge]})
         return d
 
     def options(self) -> list[str]:
@@ -313,7 +328,8 @@ def _rows_per_warp(dtype: str, head_dim: int) -> int:
 def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page_size: int | None, *,
               num_warps: int | None = None, num_stages: int | None = None,
               smem_limit: int = SMEM_BUDGET, window: bool = False, softcap: bool = False,
-              kv_dtype: str | None = None, partition: str = "split_k", mma: bool | None = None) -> KernelSpec:
+              kv_dtype: str | None = None, partition: str = "split_k", mma: bool | None = None,
+              merge: str = "none") -> KernelSpec:
     """Choose the partial / single-pass specialization for a problem.
 
     Args:
@@ -337,6 +353,9 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
             ``smem_limit`` (else the CUDA-core path), ``True`` = required, ``False`` = CUDA cores. An fp8
             spec is the same for every architecture: the kernel converts with ``cvt.rn.f16x2.e4m3x2`` from
             sm_89 on and with the integer decoder below (sm_80 / sm_86 compiles).
+        merge: the in-kernel merge of a ``"partial"`` kernel: ``"none"`` (a merge kernel follows),
+            ``"fused"`` or ``"atomic"`` (the plan's ``merge``; the atomic merge's shared-memory stage counts
+            toward the stage choice and the limit).
     Returns:
         the :class:`KernelSpec`. CUDA-core path: rows are split into row groups of at most ``min(8,
         ROW_REGS / (2 x elements per lane))`` rows; the tile is sized so a warp holds at most
@@ -351,10 +370,15 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
         ValueError: unsupported dtype / head_dim / kind / partition, too many rows (fp8 KV: more than
         :func:`max_rows`, the CUDA-core fallback's, on either path), ``mma=True`` where
         the tensor-core path cannot serve, or options that exceed :data:`MAX_WARPS` warps or
-        ``smem_limit`` (or, for split-V, do not divide head_dim).
+        ``smem_limit`` (or, for split-V, do not divide head_dim), an unknown ``merge`` or one on a
+        ``"single"`` kernel.
     """
     if kind not in ("partial", "single"):
         raise ValueError(f"kind must be 'partial' or 'single', got {kind!r}")
+    if merge not in MERGE_CODES:
+        raise ValueError(f"merge must be one of {sorted(MERGE_CODES)}, got {merge!r}")
+    if merge != "none" and kind != "partial":
+        raise ValueError(f"merge {merge!r} is an in-kernel merge of the 'partial' kernel, not of {kind!r}")
     if partition not in PARTITIONS:
         raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
     _check_shape_support(dtype, head_dim, kv_dtype)
@@ -369,11 +393,11 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
             raise ValueError(f"mma=True: {why}")
         if not why:
             try:
-                return _mma_spec(*args, kv_dtype)
+                return _mma_spec(*args, kv_dtype, merge=merge)
             except ValueError:
                 if mma:
                     raise
-    return _core_spec(*args, kv_dtype, partition)
+    return _core_spec(*args, kv_dtype, partition, merge=merge)
 
 
 def _stages_and_check(base: KernelSpec, num_stages: int | None, smem_limit: int, rings: int,
@@ -397,7 +421,7 @@ def _stages_and_check(base: KernelSpec, num_stages: int | None, smem_limit: int,
 
 
 def _core_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_stages, smem_limit, window, softcap,
-               kv_dtype, partition) -> KernelSpec:
+               kv_dtype, partition, merge="none") -> KernelSpec:
     """The CUDA-core specialization (see :func:`make_spec`)."""
     kvd = kv_dtype or dtype
     split_v = partition == "split_v"
@@ -423,12 +447,12 @@ def _core_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_st
     if split_v:
         passes = max(passes, split_v_layout(kvd, head_dim, kv_warps)["subs"])
     base = KernelSpec(kind, dtype, head_dim, group, q_len, page_size, kv_warps, row_groups, 2, passes,
-                      window, softcap, kvd == FP8, partition)
+                      window, softcap, kvd == FP8, partition, merge=merge)
     return _stages_and_check(base, num_stages, smem_limit, 1 if split_v else kv_warps)
 
 
 def _mma_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_stages, smem_limit, window,
-              softcap, kv_dtype=None) -> KernelSpec:
+              softcap, kv_dtype=None, merge="none") -> KernelSpec:
     """The tensor-core specialization (see :func:`make_spec`).
 
     The warp tile is sized in bytes (:data:`MMA_TILE_BYTES` of K + V per stage), not tokens: an fp8 cache
@@ -451,7 +475,7 @@ def _mma_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_sta
     passes = max(1, min(_pow2_floor(max(1, MMA_TILE_BYTES // (2 * 16 * head_dim * eb))),
                         _pow2_floor(max(1, SCORE_REGS // (4 * ntw)))))
     base = KernelSpec(kind, dtype, head_dim, group, q_len, page_size, 1, row_groups, 2, passes, window, softcap,
-                      kv_dtype == FP8, "split_k", True)
+                      kv_dtype == FP8, "split_k", True, merge)
     if num_warps is None:
         kv_warps = 4 if row_groups == 1 else max(1, MAX_WARPS // row_groups)
         budget = min(SMEM_BUDGET, smem_limit)
@@ -528,6 +552,10 @@ PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("bt_sb", "i64"),
     ("o_sb", "i64"), ("o_si", "i64"), ("o_sh", "i64"), ("o_ss", "i64"),
     ("l_sb", "i64"), ("l_si", "i64"), ("l_sh", "i64"), ("l_ss", "i64"),
+    # the in-kernel merges' (null / 0 otherwise): out, out_lse, counters (+ the atomic locks' offset)
+    ("out", "ptr"), ("out_lse", "ptr"), ("counters", "ptr"), ("lock_offset", "i32"),
+    ("out_sb", "i64"), ("out_si", "i64"), ("out_sh", "i64"),
+    ("ol_sb", "i64"), ("ol_si", "i64"), ("ol_sh", "i64"),
 )
 #: (name, kind) of each merge kernel parameter, in order
 MERGE_SIGNATURE: tuple[tuple[str, str], ...] = (
@@ -612,7 +640,9 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
                  seq_lens: torch.Tensor, block_table: torch.Tensor | None, sm_scale: float,
                  o: torch.Tensor, lse: torch.Tensor | None, chunk_size: int, num_splits: int, *,
                  window_left: int = -1, soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> list:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
+                 counters: torch.Tensor | None = None, lock_offset: int = 0) -> list:
     """Argument values for :data:`PARTIAL_SIGNATURE` (no device access, no sync).
 
     Args:
@@ -621,13 +651,19 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
             ``[pages, page_size, Hkv, D]``; seq_lens ``[B]`` int32; block_table ``[B, max_pages]``
             int32 or ``None``.
         sm_scale: score scale; the kernel gets ``sm_scale * log2(e)`` (base-2 softmax).
-        o: partial: ``PartialState.o [B, Q, Hq, S, D]`` fp32; single: ``out [B, Q, Hq, D]``.
+        o: partial: ``PartialState.o [B, Q, Hq, S, D]`` fp32 (the atomic merge: ``S`` = 1 accumulator slot);
+            single: ``out [B, Q, Hq, D]``.
         lse: partial: ``[B, Q, Hq, S]`` fp32; single: ``[B, Q, Hq]`` fp32 or ``None``.
         chunk_size: tokens per split; num_splits: splits of the grid (1 for single pass).
         window_left: sliding window in tokens (used when ``spec.window``); soft_cap: ``c`` of
             ``c * tanh(s / c)`` (used when ``spec.softcap``; the kernel gets ``c * log2(e)``).
-        sinks: ``[num_q_heads]`` fp32 sink logits, single pass only (partial states exclude them).
+        sinks: ``[num_q_heads]`` fp32 sink logits, for the single pass and the in-kernel merges (partial
+            states exclude them).
         k_scale, v_scale: ``[num_kv_heads]`` fp32 dequantization scales of an fp8 cache (``spec.kv_fp8``).
+        out, out_lse, counters, lock_offset: the in-kernel merge's (``spec.merge`` fused / atomic): ``out
+            [B, Q, Hq, D]`` in q's dtype, ``out_lse [B, Q, Hq]`` fp32 or ``None``, the zeroed int32
+            ``counters`` (``plan.sync_words``: one completion counter per (sequence, KV head), then for the
+            atomic merge one lock each, at ``lock_offset`` = batch x KV heads); ``None`` / 0 otherwise.
     Strides are in elements; a single-pass output has split stride 0.
     """
     single = spec.kind == "single"
@@ -644,6 +680,9 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         *_strides(q, 3), *_strides(k_cache, 3), *_strides(v_cache, 3),
         0 if bt is None else int(bt.stride(0)),
         *o_str, *l_str,
+        0 if out is None else out.data_ptr(), 0 if out_lse is None else out_lse.data_ptr(),
+        0 if counters is None else counters.data_ptr(), int(lock_offset),
+        *_strides(out, 3), *_strides(out_lse, 3),
     ]
 
 

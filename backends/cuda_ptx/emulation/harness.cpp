@@ -4,8 +4,12 @@
 #include "simt.h"
 #include "../decode.cu"
 
+#include <algorithm>
+#include <random>
+
 namespace {
 void **g_params = nullptr;
+unsigned g_order_seed = 0;  // 0: blocks in order (x fastest); else a permutation drawn from this seed
 
 template <class T>
 T arg(int i) {
@@ -32,14 +36,21 @@ void body() {
                    arg<i64>(22), arg<i64>(23), arg<i64>(24),
                    arg<i64>(25),
                    arg<i64>(26), arg<i64>(27), arg<i64>(28), arg<i64>(29),
-                   arg<i64>(30), arg<i64>(31), arg<i64>(32), arg<i64>(33));
+                   arg<i64>(30), arg<i64>(31), arg<i64>(32), arg<i64>(33),
+                   arg<elem_t *>(34), arg<float *>(35), arg<int *>(36), arg<int>(37),
+                   arg<i64>(38), arg<i64>(39), arg<i64>(40),
+                   arg<i64>(41), arg<i64>(42), arg<i64>(43));
 #endif
 }
 }  // namespace
 
+// The order later launches run their blocks in: seed 0 = in order (x fastest, then y, then z), else a
+// permutation drawn from `seed` (so the in-kernel merges' last program, or the atomic merge's lock order, varies).
+extern "C" void emu_block_order(unsigned seed) { g_order_seed = seed; }
+
 // Launch grid (gx, gy, gz) x `threads` threads with `smem` bytes of dynamic shared memory.
-// `ranges` holds `nranges` (start, end) byte ranges the kernel may read through cp.async / __ldg.
-// Returns 0, or 1 with the first error copied into `err`.
+// `ranges` holds `nranges` (start, end) byte ranges the kernel may read through cp.async / __ldg / __ldcg
+// (and update with atomics). Returns 0, or 1 with the first error copied into `err`.
 extern "C" int emu_launch(unsigned gx, unsigned gy, unsigned gz, int threads, unsigned long long smem,
                           void **params, const unsigned long long *ranges, int nranges, char *err, int errlen) {
     emu::g_error.clear();
@@ -48,10 +59,16 @@ extern "C" int emu_launch(unsigned gx, unsigned gy, unsigned gz, int threads, un
     emu::g_grid_dim = uint3{gx, gy, gz};
     emu::g_block_dim = uint3{(unsigned)threads, 1, 1};
     g_params = params;
-    for (unsigned z = 0; z < gz && emu::g_error.empty(); ++z)
-        for (unsigned y = 0; y < gy && emu::g_error.empty(); ++y)
-            for (unsigned x = 0; x < gx && emu::g_error.empty(); ++x)
-                emu::run_block(uint3{x, y, z}, threads, (size_t)smem, body);
+    std::vector<uint3> blocks;
+    for (unsigned z = 0; z < gz; ++z)
+        for (unsigned y = 0; y < gy; ++y)
+            for (unsigned x = 0; x < gx; ++x) blocks.push_back(uint3{x, y, z});
+    if (g_order_seed) {
+        std::mt19937 rng(g_order_seed);
+        std::shuffle(blocks.begin(), blocks.end(), rng);
+    }
+    for (size_t k = 0; k < blocks.size() && emu::g_error.empty(); ++k)
+        emu::run_block(blocks[k], threads, (size_t)smem, body);
     if (!emu::g_error.empty()) {
         std::snprintf(err, (size_t)errlen, "%s", emu::g_error.c_str());
         return 1;

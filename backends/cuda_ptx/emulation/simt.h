@@ -25,9 +25,15 @@
 // wrote in the current epoch (no __syncthreads between), to write (or copy into) a word another warp
 // read or wrote in the current epoch, or to copy into a word with a copy still in flight. Lanes of one
 // warp are not checked against each other (they order through __syncwarp and shuffles).
-// What this cannot show: the real PTX instructions' behaviour, races through global memory, orders
-// the fiber schedule (each fiber runs until it blocks) happens not to produce for intra-warp hazards,
-// alignment faults other than the ones checked, and performance.
+// Global-memory atomics (atomicAdd / atomicCAS / atomicExch on int) and __threadfence, for decode.cu's
+// in-kernel merges: blocks run one after another on one OS thread, so a read-modify-write is atomic as
+// written and a fence has nothing to order; they check that the word lies in a registered buffer. __ldcg
+// (ld.global.cg) is a load from a registered buffer, like __ldg. emu_launch may run the blocks in a
+// permuted order (harness.cpp), so the program that finishes a group last is not always its last split.
+// What this cannot show: the real PTX instructions' behaviour, races through global memory (concurrent
+// blocks, memory ordering, forward progress of spinning blocks), orders the fiber schedule (each fiber
+// runs until it blocks) happens not to produce for intra-warp hazards, alignment faults other than the
+// ones checked, and performance.
 #pragma once
 
 #include <cmath>
@@ -426,4 +432,38 @@ inline T __ldg(const T *p) {
         return T{};
     }
     return *p;
+}
+template <class T>
+inline T __ldcg(const T *p) {
+    if (((uintptr_t)p & (alignof(T) - 1)) || !emu::readable(p, sizeof(T))) {
+        emu::fail("__ldcg (ld.global.cg) outside every registered buffer or misaligned");
+        return T{};
+    }
+    return *p;
+}
+inline void __threadfence() {}
+inline bool emu_atomic_ok(const int *p) {
+    if (((uintptr_t)p & 3) || !emu::readable(p, 4)) {
+        emu::fail("atomic on a word outside every registered buffer (counters) or misaligned");
+        return false;
+    }
+    return true;
+}
+inline int atomicAdd(int *p, int v) {
+    if (!emu_atomic_ok(p)) return 0;
+    const int old = *p;
+    *p = old + v;
+    return old;
+}
+inline int atomicCAS(int *p, int cmp, int v) {
+    if (!emu_atomic_ok(p)) return 0;
+    const int old = *p;
+    if (old == cmp) *p = v;
+    return old;
+}
+inline int atomicExch(int *p, int v) {
+    if (!emu_atomic_ok(p)) return 0;
+    const int old = *p;
+    *p = v;
+    return old;
 }
