@@ -1883,9 +1883,9 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 //   optional sinks [num_heads]: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z)
 // =============================================================================================
 constexpr int MERGE_THREADS = ROW_MERGE_THREADS;
-// splits whose o rows one thread loads before using any (merge_row's CHUNK): 64 registers of float4 at one
-// warp per CTA, 32 at two (head_dim 256)
-constexpr int MERGE_CHUNK = MERGE_THREADS == 32 ? 16 : 8;
+// splits whose o rows one thread loads before using any (merge_row's CHUNK): a whole warp's 32 at one warp per
+// CTA (128 registers of float4: up to 32 splits in one round trip; NOTES change 13), 8 at two (head_dim 256)
+constexpr int MERGE_CHUNK = MERGE_THREADS == 32 ? 32 : 8;
 #ifdef ATTNPLAN_THREADS
 static_assert(MERGE_THREADS == ATTNPLAN_THREADS, "host and kernel disagree on merge threads per block");
 #endif
