@@ -231,7 +231,8 @@ def _align_up(x: int, a: int) -> int:
 
 
 def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: float,
-             splits: int, chunk: int, cols: int = 1, merges: tuple[str, ...] = ("separate", "fused")) -> float:
+             splits: int, chunk: int, cols: int = 1, merges: tuple[str, ...] = ("separate", "fused"),
+             fused_parallelism: int = 1) -> float:
     """Predicted step time in microseconds (the module docstring's T(n)); ``cols`` column programs per
     split (Triton split-V), the merge term is the cheapest of ``merges``."""
     bw = bw_gbs * 1e3 * cm.bandwidth_fraction  # bytes per microsecond
@@ -262,13 +263,13 @@ def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: 
         stream = max(kv_bytes / (bw * occupancy), chunk_bytes / bw_per_program)
     t = cm.launch_us + waves * cm.program_us + stream
     if splits > 1:
-        costs = _merge_cost_us(problem, cm, bw, bw_per_program, splits, cols)
+        costs = _merge_cost_us(problem, cm, bw, bw_per_program, splits, cols, fused_parallelism)
         t += min(costs[m] for m in merges)
     return t
 
 
 def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_program: float, splits: int,
-                   cols: int = 1) -> dict:
+                   cols: int = 1, fused_parallelism: int = 1) -> dict:
     """Cost of each merge strategy after the partial kernel, microseconds.
 
     separate: one more launch, then all rows' states read at full bandwidth.
@@ -277,6 +278,8 @@ def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_prog
     while the other groups' last programs do the same in parallel. Measured on the H200 under graph
     replay (benchmarks/results/2026-11-30-merge): the fused merge was 1-8 us slower than a separate
     merge kernel at every point, so with the measured latency the model picks ``separate`` there.
+    ``fused_parallelism`` (the backend's :attr:`~attnplan.backends.base.Backend.fused_merge_parallelism`)
+    divides that serialized part: a last program whose threads read many splits per round trip.
     atomic (not measured; only costed for its own plans, never chosen): the ``splits`` programs of a
     (sequence, KV head, column program) pass its lock one after another, each with two dependent
     round trips (lock, accumulator load) and a read and write of its group's accumulator columns.
@@ -287,8 +290,8 @@ def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_prog
     group_rows = problem.q_len * problem.group_size
     acc_bytes = 2 * (problem.head_dim / cols + 1) * 4  # one program's accumulator columns, read and written
     return {"separate": cm.launch_us + rows * (2 * state_bytes + out_bytes) / bw,
-            "fused": cm.program_us + 2 * splits * cm.merge_split_latency_us
-                     + group_rows * (state_bytes + out_bytes) / bw_per_program,
+            "fused": cm.program_us + (2 * splits * cm.merge_split_latency_us
+                                      + group_rows * (state_bytes + out_bytes) / bw_per_program) / fused_parallelism,
             "atomic": splits * (2 * cm.merge_split_latency_us + group_rows * acc_bytes / bw_per_program)
                       + group_rows * out_bytes / cols / bw_per_program}
 
@@ -334,7 +337,7 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
 def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: dict,
               *, capacity_mode: bool = False, num_splits: int | None = None,
               merge_strategies: frozenset[str] = frozenset({"separate"}),
-              partitions: frozenset[str] = frozenset({"split_k"})) -> SplitPlan:
+              partitions: frozenset[str] = frozenset({"split_k"}), fused_merge_parallelism: int = 1) -> SplitPlan:
     """Plan a problem (usually already :meth:`DecodeProblem.bucketed`).
 
     Args:
@@ -390,14 +393,14 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         policy = "forced" if forced > 1 else "no-split"
         if forced == 1:
             chunk = _align_up(max_len, align)
-        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges)
+        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges, fused_merge_parallelism)
     elif (entry := _table_entry(problem, device, backend, cols)) is not None:
         policy = "tuned"
         work = problem.batch * problem.num_kv_heads
         want = min(limit, max(1, round(entry[2] * device.sm_count / work)))
         chunk = _align_up(-(-max_len // want), align)
         splits = -(-max_len // chunk)
-        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges)
+        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges, fused_merge_parallelism)
     else:
         policy = "heuristic"
         seen = set()
@@ -407,7 +410,8 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             if n_eff in seen:
                 continue
             seen.add(n_eff)
-            candidates.append((n_eff, chunk, round(_cost_us(problem, device, cm, bw, n_eff, chunk, cols, merges), 3)))
+            candidates.append((n_eff, chunk, round(_cost_us(problem, device, cm, bw, n_eff, chunk, cols, merges,
+                                                            fused_merge_parallelism), 3)))
         best = min(c[2] for c in candidates)
         splits, chunk, predicted = min((c for c in candidates if c[2] <= best * 1.02), key=lambda c: c[0])
     single = splits == 1
@@ -417,7 +421,8 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         want = config.split.merge
         if want == "auto":
             costs = _merge_cost_us(problem, cm, bw * 1e3 * cm.bandwidth_fraction,
-                                   bw * 1e3 * cm.bandwidth_fraction / (device.sm_count * cm.sat_programs_per_sm), splits)
+                                   bw * 1e3 * cm.bandwidth_fraction / (device.sm_count * cm.sat_programs_per_sm), splits,
+                                   fused_parallelism=fused_merge_parallelism)
             merge = min((c, m) for m, c in costs.items() if m in merge_strategies and m != "atomic")[1]
         else:
             merge = want if want in merge_strategies else "separate"

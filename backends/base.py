@@ -95,6 +95,10 @@ class Backend(abc.ABC):
     #: cross-program merge strategies implemented (``"separate"``; ``"fused"`` and ``"atomic"`` need
     #: :meth:`partial_fused_merge`)
     merge_strategies: ClassVar[frozenset[str]] = frozenset({"separate"})
+    #: the planner's cost model charges the fused merge's last program one dependent round trip per
+    #: split and pass; a backend whose last program reads many splits per round trip divides that
+    #: serialized cost by this (1: splits one after another, as triton's)
+    fused_merge_parallelism: ClassVar[int] = 1
     #: intra-program work partitions implemented (:attr:`attnplan.SplitPlan.partition`)
     partitions: ClassVar[frozenset[str]] = frozenset({"split_k"})
 

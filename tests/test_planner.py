@@ -243,3 +243,18 @@ def test_bucket_key_is_the_bucket_in_order():
     p = P(max_kv_len=3000, total_kv_len=2500)
     assert p.bucket_key() == tuple(p.bucket().values())
     assert p.bucketed().bucket_key() == p.bucket_key()
+
+
+def test_fused_merge_parallelism_moves_the_merge_choice():
+    """The cost model charges the fused merge's last program one round trip per split; a backend whose
+    last program reads many splits at once (cuda_ptx's merge_row: fused_merge_parallelism 16, fitted to
+    results/2026-11-30-s4-call5, where its fused merge was 1.1-2.1 us faster than the merge kernel up to
+    16 splits) gets ``fused`` at short KV, and still ``separate`` at 64 splits; parallelism 1 (triton,
+    fused 1-8 us slower) never gets it."""
+    both = frozenset({"separate", "fused"})
+    forced = {n: make_plan(P(page_size=None, max_kv_len=4096), H200_LIKE, CFG, "x", KERNEL, num_splits=n,
+                           merge_strategies=both, fused_merge_parallelism=16) for n in (16, 64)}
+    assert forced[16].merge == "fused" and forced[64].merge == "separate"
+    serial = make_plan(P(page_size=None, max_kv_len=4096), H200_LIKE, CFG, "x", KERNEL, num_splits=16,
+                       merge_strategies=both, fused_merge_parallelism=1)
+    assert serial.merge == "separate"

@@ -191,6 +191,11 @@ class CudaPtxBackend(Backend):
     variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
     partitions = frozenset({"split_k", "split_v"})
     merge_strategies = frozenset({"separate", "fused", "atomic"})
+    #: merge_row spreads a group's splits over lanes with 8 o loads in flight per thread and its rows over
+    #: the program's teams; 16 fitted to bench_merge in results/2026-11-30-s4-call5 (fused 1.1-2.1 us faster
+    #: than separate up to 16 splits, even at 32, 1.4 us slower at 25 splits of 128K): the cost model then picks
+    #: the faster strategy on 7 of its 8 points and is within 1% on the eighth
+    fused_merge_parallelism = 16
     #: oldest compute capability served
     min_compute_capability: tuple[int, int] = (8, 0)
 

@@ -1883,9 +1883,10 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 //   optional sinks [num_heads]: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z)
 // =============================================================================================
 constexpr int MERGE_THREADS = ROW_MERGE_THREADS;
-// splits whose o rows one thread loads before using any (merge_row's CHUNK): a whole warp's 32 at one warp per
-// CTA (128 registers of float4: up to 32 splits in one round trip; NOTES change 13), 8 at two (head_dim 256)
-constexpr int MERGE_CHUNK = MERGE_THREADS == 32 ? 32 : 8;
+// splits whose o rows one thread loads before using any (merge_row's CHUNK): 16 at one warp per CTA (64
+// registers of float4), 8 at two (head_dim 256). 32 (NOTES change 13) measured slower: 3.6 against 2.8 us at
+// 16 splits, no gain at 32 (results/2026-11-30-s4-call5)
+constexpr int MERGE_CHUNK = MERGE_THREADS == 32 ? 16 : 8;
 #ifdef ATTNPLAN_THREADS
 static_assert(MERGE_THREADS == ATTNPLAN_THREADS, "host and kernel disagree on merge threads per block");
 #endif

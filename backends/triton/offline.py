@@ -14,13 +14,18 @@ GPU run.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import kernels
+from . import kernels as _kernels
 
-__all__ = ["compile_partial", "compile_merge"]
+__all__ = ["compile_partial", "compile_merge", "compile_cases"]
 
 _PARTIAL_INTS = ["stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
                  "stride_vt", "stride_vh", "stride_btb", "stride_ob", "stride_ot", "stride_oh", "stride_os",
@@ -28,6 +33,17 @@ _PARTIAL_INTS = ["stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kt"
                  "stride_lob", "stride_lot", "stride_loh", "chunk_size", "num_splits", "num_kv_heads", "lock_offset"]
 #: strides that are not multiples of 16 elements in general (LSE strides, the block table's row)
 _NOT_DIVISIBLE = ("_lh", "_ls", "_lt", "_loh", "_lot", "_btb")
+
+
+def _jit_kernels():
+    """The kernels module, checked to hold real ``JITFunction`` objects: under ``TRITON_INTERPRET=1``
+    ``@triton.jit`` makes interpreter objects and the interpreter's patches also break compilation,
+    so offline compiles run in a process without it (:func:`compile_cases`)."""
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(_kernels.split_kv_partial_kernel, JITFunction):
+        raise RuntimeError("offline Triton compiles need TRITON_INTERPRET unset (use compile_cases)")
+    return _kernels
 
 
 def _compile(fn, sig: dict, const: dict, arch: int, warps: int, stages: int):
@@ -68,7 +84,7 @@ def compile_partial(q: str = "bf16", kv: str = "bf16", *, arch: int = 90, warps:
     if unknown:
         raise ValueError(f"unknown constexpr(s) {sorted(unknown)}; the kernel's are {sorted(const)}")
     const.update(constexprs)
-    return _compile(kernels.split_kv_partial_kernel, sig, const, arch, warps, stages)
+    return _compile(_jit_kernels().split_kv_partial_kernel, sig, const, arch, warps, stages)
 
 
 def compile_merge(out: str = "bf16", *, head_dim: int = 128, arch: int = 90, **constexprs):
@@ -81,4 +97,39 @@ def compile_merge(out: str = "bf16", *, head_dim: int = 128, arch: int = 90, **c
     const = dict(NUM_HEADS=32, Q_LEN=1, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=32,
                  WRITE_LSE=True, SINKS_ON=False)
     const.update(constexprs)
-    return _compile(kernels.merge_kernel, sig, const, arch, 4, 1)
+    return _compile(_jit_kernels().merge_kernel, sig, const, arch, 4, 1)
+
+
+def _run_case(case: dict) -> dict:
+    try:
+        if case["kind"] == "partial":
+            c = compile_partial(case.get("q", "bf16"), case.get("kv", "bf16"), arch=case.get("arch", 90),
+                                **case.get("const", {}))
+            entry = ".entry split_kv_partial_kernel"
+        else:
+            c = compile_merge(case.get("out", "bf16"), arch=case.get("arch", 90), **case.get("const", {}))
+            entry = ".entry merge_kernel"
+        return {"ok": entry in c.asm["ptx"], "error": "" if entry in c.asm["ptx"] else "entry missing from PTX",
+                "shared_bytes": c.metadata.shared}
+    except Exception as e:  # noqa: BLE001 - reported per case
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
+
+
+def compile_cases(cases: list[dict], timeout: float = 900) -> list[dict]:
+    """Compile each case (``{"kind": "partial" | "merge", "q", "kv", "out", "arch", "const": {...}}``)
+    in one child process without ``TRITON_INTERPRET``; returns ``{"ok", "error", "shared_bytes"}`` per
+    case, in order.
+
+    Raises:
+        RuntimeError: the child process failed as a whole (its stderr attached).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(cases), capture_output=True, text=True,
+                       env=env, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"offline compile process failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps([_run_case(c) for c in json.loads(sys.stdin.read())]))
