@@ -1330,7 +1330,7 @@ __device__ __forceinline__ void atomic_merge(unsigned char *smem, int tid, int n
 // shared memory (64 KB per program: 3 per H200 SM, 2 per A100 SM) never allows; stated, it allocates
 // without spilling (head_dim 128, sm_90: 130-165 registers, still 3 programs per SM). The bf16 / fp16 and
 // CUDA-core kernels keep the measured open form.
-#if ATTNPLAN_MMA && ATTNPLAN_KV_FP8
+#if (ATTNPLAN_MMA && ATTNPLAN_KV_FP8) || ATTNPLAN_MERGE
 #define ATTNPLAN_LAUNCH_BOUNDS __launch_bounds__(NTHREADS, 1)
 #else
 #define ATTNPLAN_LAUNCH_BOUNDS __launch_bounds__(NTHREADS)
