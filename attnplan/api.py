@@ -192,7 +192,8 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
         kernel = backend.kernel_config(bucketed, {**tuned, **user}, device)
         return make_plan(bucketed, dev_info, ctx.config, backend.name, kernel,
                          capacity_mode=capacity_mode, num_splits=num_splits, merge_strategies=backend.merge_strategies,
-                         partitions=backend.partitions, fused_merge_parallelism=backend.fused_merge_parallelism)
+                         partitions=backend.partitions, fused_merge_parallelism=backend.fused_merge_parallelism,
+                         fused_merge_max_chunk=backend.fused_merge_max_chunk)
 
     if not ctx.config.plan_cache.enabled:
         ctx.cache.stats.misses += 1

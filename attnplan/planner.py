@@ -232,7 +232,7 @@ def _align_up(x: int, a: int) -> int:
 
 def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: float,
              splits: int, chunk: int, cols: int = 1, merges: tuple[str, ...] = ("separate", "fused"),
-             fused_parallelism: int = 1) -> float:
+             fused_parallelism: int = 1, fused_max_chunk: int = 0) -> float:
     """Predicted step time in microseconds (the module docstring's T(n)); ``cols`` column programs per
     split (Triton split-V), the merge term is the cheapest of ``merges``."""
     bw = bw_gbs * 1e3 * cm.bandwidth_fraction  # bytes per microsecond
@@ -264,8 +264,15 @@ def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: 
     t = cm.launch_us + waves * cm.program_us + stream
     if splits > 1:
         costs = _merge_cost_us(problem, cm, bw, bw_per_program, splits, cols, fused_parallelism)
-        t += min(costs[m] for m in merges)
+        t += min(costs[m] for m in _merges_for(merges, chunk, fused_max_chunk))
     return t
+
+
+def _merges_for(merges: tuple[str, ...], chunk: int, fused_max_chunk: int) -> tuple[str, ...]:
+    """``merges`` without ``fused`` where the backend caps its chunk (``fused_max_chunk`` tokens, 0 = no cap)."""
+    if fused_max_chunk and chunk > fused_max_chunk and len(merges) > 1:
+        return tuple(m for m in merges if m != "fused")
+    return merges
 
 
 def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_program: float, splits: int,
@@ -337,7 +344,8 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
 def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: dict,
               *, capacity_mode: bool = False, num_splits: int | None = None,
               merge_strategies: frozenset[str] = frozenset({"separate"}),
-              partitions: frozenset[str] = frozenset({"split_k"}), fused_merge_parallelism: int = 1) -> SplitPlan:
+              partitions: frozenset[str] = frozenset({"split_k"}), fused_merge_parallelism: int = 1,
+              fused_merge_max_chunk: int = 0) -> SplitPlan:
     """Plan a problem (usually already :meth:`DecodeProblem.bucketed`).
 
     Args:
@@ -393,14 +401,16 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         policy = "forced" if forced > 1 else "no-split"
         if forced == 1:
             chunk = _align_up(max_len, align)
-        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges, fused_merge_parallelism)
+        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges, fused_merge_parallelism,
+                             fused_merge_max_chunk)
     elif (entry := _table_entry(problem, device, backend, cols)) is not None:
         policy = "tuned"
         work = problem.batch * problem.num_kv_heads
         want = min(limit, max(1, round(entry[2] * device.sm_count / work)))
         chunk = _align_up(-(-max_len // want), align)
         splits = -(-max_len // chunk)
-        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges, fused_merge_parallelism)
+        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges, fused_merge_parallelism,
+                             fused_merge_max_chunk)
     else:
         policy = "heuristic"
         seen = set()
@@ -411,7 +421,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
                 continue
             seen.add(n_eff)
             candidates.append((n_eff, chunk, round(_cost_us(problem, device, cm, bw, n_eff, chunk, cols, merges,
-                                                            fused_merge_parallelism), 3)))
+                                                            fused_merge_parallelism, fused_merge_max_chunk), 3)))
         best = min(c[2] for c in candidates)
         splits, chunk, predicted = min((c for c in candidates if c[2] <= best * 1.02), key=lambda c: c[0])
     single = splits == 1
@@ -423,7 +433,8 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             costs = _merge_cost_us(problem, cm, bw * 1e3 * cm.bandwidth_fraction,
                                    bw * 1e3 * cm.bandwidth_fraction / (device.sm_count * cm.sat_programs_per_sm), splits,
                                    fused_parallelism=fused_merge_parallelism)
-            merge = min((c, m) for m, c in costs.items() if m in merge_strategies and m != "atomic")[1]
+            allowed = _merges_for(("separate", "fused"), chunk, fused_merge_max_chunk)
+            merge = min((c, m) for m, c in costs.items() if m in merge_strategies and m in allowed)[1]
         else:
             merge = want if want in merge_strategies else "separate"
     bucket = problem.bucket()

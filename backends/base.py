@@ -99,6 +99,8 @@ class Backend(abc.ABC):
     #: split and pass; a backend whose last program reads many splits per round trip divides that
     #: serialized cost by this (1: splits one after another, as triton's)
     fused_merge_parallelism: ClassVar[int] = 1
+    #: longest chunk (tokens) for which the planner's ``auto`` considers the fused merge (0: no cap)
+    fused_merge_max_chunk: ClassVar[int] = 0
     #: intra-program work partitions implemented (:attr:`attnplan.SplitPlan.partition`)
     partitions: ClassVar[frozenset[str]] = frozenset({"split_k"})
 

@@ -258,3 +258,16 @@ def test_fused_merge_parallelism_moves_the_merge_choice():
     serial = make_plan(P(page_size=None, max_kv_len=4096), H200_LIKE, CFG, "x", KERNEL, num_splits=16,
                        merge_strategies=both, fused_merge_parallelism=1)
     assert serial.merge == "separate"
+
+
+def test_fused_merge_max_chunk_caps_the_fused_choice():
+    """A backend whose fused specialization streams long chunks slower (cuda_ptx: 2048 tokens) gets
+    ``fused`` from ``auto`` only up to its cap."""
+    both = frozenset({"separate", "fused"})
+
+    def merge_at(kv):
+        return make_plan(P(page_size=None, max_kv_len=kv), H200_LIKE, CFG, "x", KERNEL, num_splits=4,
+                         merge_strategies=both, fused_merge_parallelism=16, fused_merge_max_chunk=2048).merge
+
+    assert merge_at(4096) == "fused"       # 4 chunks of 1024 tokens
+    assert merge_at(65536) == "separate"   # 4 chunks of 16384

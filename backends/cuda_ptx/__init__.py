@@ -196,6 +196,10 @@ class CudaPtxBackend(Backend):
     #: than separate up to 16 splits, even at 32, 1.4 us slower at 25 splits of 128K): the cost model then picks
     #: the faster strategy on 7 of its 8 points and is within 1% on the eighth
     fused_merge_parallelism = 16
+    #: its fused specialization streams long chunks 4-9% slower than the plain one (b4 16K-128K, b16 64K in
+    #: results/2026-11-30-s4-call6 and -call7, with or without a stated register budget; cause not found), while
+    #: up to 2048-token chunks it is 0.5-2 us faster: auto picks fused only there
+    fused_merge_max_chunk = 2048
     #: oldest compute capability served
     min_compute_capability: tuple[int, int] = (8, 0)
 
