@@ -69,8 +69,14 @@ class ContextParallelDecode:
         self._msg = -(-(self._lse_off + b * ql * hq * 4) // 16) * 16
         self._shape = (b, ql, hq, d)
         self._send = torch.empty(self._msg, dtype=torch.uint8, device=q.device)
-        self._recv = torch.empty(world * self._msg, dtype=torch.uint8, device=q.device)
+        self._recv = torch.empty(world * self._msg, dtype=torch.uint8, device=q.device)  # flat: gloo wants it so
         self._out, self._lse = self._views(self._send, q.dtype)
+        self._gather_o, gather_lse = self._views(self._recv.view(world, self._msg), q.dtype)
+        # the gathered states in the PartialState layout [B, Q, H, world, D]: o as an fp32 copy (the merge
+        # kernels read fp32), lse as a strided view of the received messages; all made here, so run()
+        # allocates nothing
+        self._state = PartialState(torch.empty(b, ql, hq, world, d, dtype=torch.float32, device=q.device),
+                                   gather_lse.permute(1, 2, 3, 0))
         self._result = torch.empty(b, ql, hq, d, dtype=q.dtype, device=q.device)
         # the backend's own merge kernel merges the world's states (one launch instead of ~12 torch ops)
         self._merge_plan = replace(plan, num_splits=world, kernel={**plan.kernel, "pdl": False})
@@ -82,7 +88,7 @@ class ContextParallelDecode:
         ``dtype``, ``lse [..., B, Q, H]`` fp32."""
         lead = buf.shape[:-1]
         b, ql, hq, d = self._shape
-        o = buf[..., : b * ql * hq * d * torch.empty((), dtype=dtype).element_size()].view(dtype).view(*lead, b, ql, hq, d)
+        o = buf[..., : b * ql * hq * d * dtype.itemsize].view(dtype).view(*lead, b, ql, hq, d)
         lse = buf[..., self._lse_off: self._lse_off + b * ql * hq * 4].view(torch.float32).view(*lead, b, ql, hq)
         return o, lse
 
@@ -97,12 +103,17 @@ class ContextParallelDecode:
         return self.exchange()
 
     def exchange(self) -> torch.Tensor:
-        """All-gather the ranks' packed states (one collective) and merge them with the local
-        backend's merge kernel into the result buffer, in q's dtype."""
+        """All-gather the ranks' packed states (one collective), widen the gathered ``o`` to fp32 in
+        place and merge the ``world`` states with the local backend's merge kernel.
+
+        Returns:
+            ``[batch, 1, num_q_heads, head_dim]`` in q's dtype (the same buffer every call).
+        Raises:
+            RuntimeError: no :meth:`plan` yet.
+        """
+        if self._send is None:
+            raise RuntimeError("ContextParallelDecode.exchange() before plan()")
         dist.all_gather_into_tensor(self._recv, self._send, group=self.group)
-        world = self._recv.numel() // self._msg
-        o, lse = self._views(self._recv.view(world, self._msg), self._out.dtype)
-        # [world, B, Q, H, D] -> the PartialState layout [B, Q, H, world, D] (a strided view), fp32
-        state = PartialState(o.permute(1, 2, 3, 0, 4).float(), lse.permute(1, 2, 3, 0))
-        self.local.backend.merge(self._merge_plan, state, self._result, None)
+        self._state.o.copy_(self._gather_o.permute(1, 2, 3, 0, 4))  # [world, B, Q, H, D] -> [B, Q, H, world, D]
+        self.local.backend.merge(self._merge_plan, self._state, self._result, None)
         return self._result
