@@ -46,6 +46,14 @@ def _jit_kernels():
     return _kernels
 
 
+def _override(defaults: dict, overrides: dict) -> dict:
+    """``defaults`` updated by ``overrides``; a name that is not one of the kernel's constexprs raises ValueError."""
+    unknown = set(overrides) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown constexpr(s) {sorted(unknown)}; the kernel's are {sorted(defaults)}")
+    return {**defaults, **overrides}
+
+
 def _compile(fn, sig: dict, const: dict, arch: int, warps: int, stages: int):
     sig = {**sig, **{k: "constexpr" for k in const}}
     names = list(sig)
@@ -67,6 +75,8 @@ def compile_partial(q: str = "bf16", kv: str = "bf16", *, arch: int = 90, warps:
             head_dim 128, block_n 64, contiguous cache, separate merge, no variant).
     Raises:
         triton.compiler.errors.CompilationError: the specialization does not compile.
+        ValueError: a name in ``constexprs`` is not one of the kernel's constexprs.
+        RuntimeError: called under ``TRITON_INTERPRET=1`` (use :func:`compile_cases`).
     """
     sig = {"Q": "*" + q, "K": "*" + kv, "V": "*" + kv, "SEQ_LENS": "*i32", "BLOCK_TABLE": "*i32", "O": "*fp32",
            "LSE": "*fp32", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "SINKS": "*fp32", "OUT": "*" + q,
@@ -80,11 +90,7 @@ def compile_partial(q: str = "bf16", kv: str = "bf16", *, arch: int = 90, warps:
                  BLOCK_N=64, PAGE_SIZE=1, PAGED=False, WRITE_LSE=True, UPCAST=False, DOT_PRECISION="tf32",
                  WINDOW=False, SOFTCAP=False, FP8=kv.startswith("fp8"), SINKS_ON=False, MERGE="none",
                  WRITE_OUT_LSE=False)
-    unknown = set(constexprs) - set(const)
-    if unknown:
-        raise ValueError(f"unknown constexpr(s) {sorted(unknown)}; the kernel's are {sorted(const)}")
-    const.update(constexprs)
-    return _compile(_jit_kernels().split_kv_partial_kernel, sig, const, arch, warps, stages)
+    return _compile(_jit_kernels().split_kv_partial_kernel, sig, _override(const, constexprs), arch, warps, stages)
 
 
 def compile_merge(out: str = "bf16", *, head_dim: int = 128, arch: int = 90, **constexprs):
@@ -96,8 +102,7 @@ def compile_merge(out: str = "bf16", *, head_dim: int = 128, arch: int = 90, **c
                                    "stride_lob", "stride_lot", "stride_loh"]})
     const = dict(NUM_HEADS=32, Q_LEN=1, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=32,
                  WRITE_LSE=True, SINKS_ON=False)
-    const.update(constexprs)
-    return _compile(_jit_kernels().merge_kernel, sig, const, arch, 4, 1)
+    return _compile(_jit_kernels().merge_kernel, sig, _override(const, constexprs), arch, 4, 1)
 
 
 def _run_case(case: dict) -> dict:
