@@ -471,11 +471,8 @@ class CudaPtxBackend(Backend):
             raise ValueError(f"state o {tuple(o.shape)} / lse {tuple(ls.shape)} must be [B, Q, H, >= {slots}, D] / "
                              f"[B, Q, H, >= {slots}] for q {tuple(x.q.shape)} ({plan.merge} merge)")
         check_layout("state.o", o, 4, 16)
-        if out.dtype != x.q.dtype or tuple(out.shape) != tuple(x.q.shape):
-            raise ValueError(f"out must be {tuple(x.q.shape)} {x.q.dtype}, got {tuple(out.shape)} {out.dtype}")
+        self._check_out_lse(x.q, out, lse)
         check_layout("out", out, 4, out.element_size() * 4)
-        if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != tuple(x.q.shape[:3])):
-            raise ValueError(f"lse must be {tuple(x.q.shape[:3])} float32, got {tuple(lse.shape)} {lse.dtype}")
         if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1 \
                 or counters.numel() < plan.sync_words or (counters.numel() > 1 and counters.stride(0) != 1) \
                 or counters.device != x.q.device:
@@ -504,11 +501,7 @@ class CudaPtxBackend(Backend):
         x = inputs
         spec = self.spec_for("single", plan, x.q.device, x)
         self._check_inputs(plan, x, spec)
-        if out.dtype != x.q.dtype or tuple(out.shape) != tuple(x.q.shape) or out.stride(-1) != 1:
-            raise ValueError(f"out must be {tuple(x.q.shape)} {x.q.dtype} with unit last stride, got "
-                             f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
-        if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != tuple(x.q.shape[:3])):
-            raise ValueError(f"lse must be {tuple(x.q.shape[:3])} float32, got {tuple(lse.shape)} {lse.dtype}")
+        self._check_out_lse(x.q, out, lse)
         self._check_sinks(x.sinks, x.q.shape[2])
         grid = (1, plan.grid[1], plan.grid[2])
         cfg = partial_launch_config(spec, grid)
@@ -516,6 +509,16 @@ class CudaPtxBackend(Backend):
                               plan.chunk_size, 1, window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks,
                               k_scale=x.k_scale, v_scale=x.v_scale)
         self._launch(spec, cfg, PARTIAL_SIGNATURE, values, x.q.device)
+
+    @staticmethod
+    def _check_out_lse(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """The kernels' final output: ``out`` shaped and typed like ``q`` with unit last stride, ``lse``
+        ``[B, Q, H]`` fp32 (or None). Raises ValueError naming the tensor."""
+        if out.dtype != q.dtype or tuple(out.shape) != tuple(q.shape) or out.stride(-1) != 1:
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with unit last stride, got "
+                             f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
+        if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:3])):
+            raise ValueError(f"lse must be {tuple(q.shape[:3])} float32, got {tuple(lse.shape)} {lse.dtype}")
 
     @staticmethod
     def _check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
