@@ -270,7 +270,7 @@ def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: 
 
 def _merges_for(merges: tuple[str, ...], chunk: int, fused_max_chunk: int) -> tuple[str, ...]:
     """``merges`` without ``fused`` where the backend caps its chunk (``fused_max_chunk`` tokens, 0 = no cap)."""
-    if fused_max_chunk and chunk > fused_max_chunk and len(merges) > 1:
+    if fused_max_chunk and chunk > fused_max_chunk:
         return tuple(m for m in merges if m != "fused")
     return merges
 
@@ -365,6 +365,11 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             A backend whose split-V workers are programs gives ``kernel["block_dv"]`` (V columns per
             column program): under ``split_v`` the plan gets ``ceil(head_dim / block_dv)`` column
             programs per split, under ``split_k`` one and ``block_dv = None``.
+        fused_merge_parallelism: the backend's
+            :attr:`~attnplan.backends.base.Backend.fused_merge_parallelism` (divides the fused merge's
+            serialized cost in the cost model; 1 = splits read one after another).
+        fused_merge_max_chunk: the backend's :attr:`~attnplan.backends.base.Backend.fused_merge_max_chunk`:
+            longest chunk (tokens) for which ``auto`` and the split search consider ``fused`` (0 = no cap).
     Returns:
         the :class:`SplitPlan`. Never empty work for a non-empty sequence: ``num_splits * chunk_size``
         always covers ``problem.max_kv_len``.
