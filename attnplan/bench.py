@@ -101,6 +101,43 @@ def _args(x):
     return (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
 
 
+_BOUND = {}
+
+
+def read_bound(nbytes: int, iters: int) -> dict:
+    """What a perfect step of ``nbytes`` could take under this benchmark's method: the graph-replay
+    device time (L2 flushed in front, :func:`attnplan.timing.time_cuda`) of one streaming-read kernel
+    over ``nbytes`` bytes (``read_us``, at least 4 programs per SM), and of a graph holding one
+    1-element kernel (``floor_us``: what any one-kernel step pays for its launch, ramp and event
+    pair on this device, whatever it reads). No step that reads ``nbytes`` can beat ``read_us`` by
+    much; the issue's per-point speedups are bounded by ``best peer / read_us``.
+
+    Returns ``{"read_us", "floor_us"}`` (microseconds); memoized per byte count.
+    Raises:
+        ImportError: triton is missing (the read kernel is a Triton kernel).
+    """
+    from ._read_kernel import streaming_read
+
+    if "floor_us" not in _BOUND:
+        one = torch.zeros(1, device="cuda")
+        (g,) = capture_graphs(lambda j: one.add_(1.0), 1)
+        _BOUND["floor_us"] = time_cuda(lambda i: g.replay(), warmup=10, iters=iters, flush=True)["median_us"]
+        _BOUND["buf"] = torch.randn(0, device="cuda", dtype=torch.bfloat16)
+    n = -(-nbytes // 2)
+    if _BOUND["buf"].numel() < n:
+        _BOUND["buf"] = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    if nbytes not in _BOUND:
+        x = _BOUND["buf"][:n]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        block = 32768
+        while block > 1024 and -(-n // block) < 4 * sms:
+            block //= 2
+        partial = torch.empty(-(-n // block), device="cuda", dtype=torch.float32)
+        (g,) = capture_graphs(lambda j: streaming_read(x, partial, block), 1)
+        _BOUND[nbytes] = time_cuda(lambda i: g.replay(), warmup=10, iters=iters, flush=True)["median_us"]
+    return {"read_us": _BOUND[nbytes], "floor_us": _BOUND["floor_us"]}
+
+
 def _dense(sets):
     """Dense ``[B, H, L, D]`` copies of each set's q, K, V (the peers' layout), padded to the longest
     sequence as a serving system pads for them; made once, outside the timed region."""
@@ -243,6 +280,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--max-gb", type=float, default=16.0, help="skip points whose K+V exceed this many GB")
     ap.add_argument("--varlen", default="16:131072,64:32768", help="batch:max_kv long-tailed points ('' for none)")
+    ap.add_argument("--bound", action=argparse.BooleanOptionalAction, default=True,
+                    help="time a streaming read of each point's bytes and a one-kernel graph (the method's floor)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None, help="PNG path for the bandwidth-fraction plot (default: next to --out)")
     args = ap.parse_args(argv)
@@ -292,6 +331,11 @@ def main(argv=None):
         nbytes = prob.bytes_moved()
         pt = {"layout": layout, "kind": kind, "batch": batch, "kv_len": kv, "total_kv": sum(lens), "heads": [hq, hkv, d],
               "q_len": args.q_len, "kv_dtype": args.kv_dtype, "bytes": nbytes, "input_sets": n_sets, "results": {}}
+        if args.bound:
+            try:
+                pt["bound"] = read_bound(nbytes, args.iters)
+            except Exception as e:  # noqa: BLE001 - the bound is context, not a contender
+                pt["bound"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         ref_out = None
         for peer in filter(None, args.peers.split(",")):
             if peer == "flex" and (str(batch) not in args.flex_batches.split(",") or kind != "uniform"):
@@ -394,13 +438,14 @@ def best(point: dict, names) -> tuple[str | None, float]:
 def summary(result):
     """Print the result table: device time per step under graph replay (us) and fraction of the read
     ceiling per point and backend, the best attnplan backend's speedup over the best torch peer,
-    and the geometric mean of those speedups."""
+    and the geometric mean of those speedups; with the points' read bounds (:func:`read_bound`), the
+    speedup a streaming read of the same bytes would have (the bound on any kernel's)."""
     bw = result["ceiling"][result["ceiling_used"]]
     print(f"\nceiling {bw:.0f} GB/s; us per step (fraction of ceiling), CUDA-graph replay device time for all")
     names = sorted({n for p in result["points"] for n in p["results"]})
     ours = set(result.get("attnplan_backends") or [n for n in names if n in ("triton", "numba", "cuda_ptx")])
     print(f"{'heads':9s} {'layout':8s} {'kind':7s} {'batch':>5s} {'kv':>7s} " + " ".join(f"{n:>15s}" for n in names) + "  speedup")
-    speedups = []
+    speedups, bounds = [], []
     for p in result["points"]:
         cells = []
         for n in names:
@@ -410,14 +455,24 @@ def summary(result):
         _, ours_t = best(p, ours)
         _, peer_t = best(p, set(names) - ours)
         sp = peer_t / ours_t if math.isfinite(peer_t) and math.isfinite(ours_t) else float("nan")
+        read_t = p.get("bound", {}).get("read_us")
+        bound = peer_t / read_t if read_t and math.isfinite(peer_t) else float("nan")
         if sp == sp:
             speedups.append(sp)
+            if bound == bound:
+                bounds.append(bound)
         heads = "/".join(map(str, p["heads"]))
         print(f"{heads:9s} {p['layout']:8s} {p.get('kind', 'uniform'):7s} {p['batch']:5d} {p['kv_len']:7d} "
-              + " ".join(f"{c:>15s}" for c in cells) + f"  {sp:5.2f}x")
+              + " ".join(f"{c:>15s}" for c in cells) + f"  {sp:5.2f}x"
+              + (f"  read {read_t:7.1f} ({bound:4.2f}x)" if read_t else ""))
     if speedups:
         gm = math.exp(sum(map(math.log, speedups)) / len(speedups))
         print(f"best attnplan vs best peer: geometric mean {gm:.2f}x, min {min(speedups):.2f}x over {len(speedups)} points")
+    if bounds and len(bounds) == len(speedups):
+        gm = math.exp(sum(map(math.log, bounds)) / len(bounds))
+        floor = next(p["bound"]["floor_us"] for p in result["points"] if "floor_us" in p.get("bound", {}))
+        print(f"a streaming read of each point's bytes vs best peer: geometric mean {gm:.2f}x (the bound on the "
+              f"speedup; a one-kernel graph takes {floor:.1f} us under this method)")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,21 @@ SWEEP_PROGRAMS_PER_SM = (1, 2, 3, 4, 6, 8)
 SEARCH_PROGRAMS_PER_SM = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16)
 
 
+def parse_option_grid(text: str) -> dict:
+    """``'num_warps=4,8;num_stages=2,3'`` -> ``{"num_warps": [4, 8], "num_stages": [2, 3]}`` (integer
+    values become ints). Raises ``argparse.ArgumentTypeError`` on an empty or malformed entry."""
+    grid = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        key, sep, vals = part.partition("=")
+        values = [v.strip() for v in vals.split(",") if v.strip()]
+        if not sep or not key.strip() or not values:
+            raise argparse.ArgumentTypeError(f"option grid entry {part!r}: expected name=v1,v2,...")
+        grid[key.strip()] = [int(v) if v.lstrip("-").isdigit() else v for v in values]
+    if not grid:
+        raise argparse.ArgumentTypeError("empty option grid")
+    return grid
+
+
 def _graph_time(w, x, iters: int) -> float:
     """Device time (us) of one CUDA-graph replay of ``w.run`` (an L2 flush queued in front, see
     :func:`attnplan.timing.time_cuda`)."""
@@ -232,6 +247,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write every timing here")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--no-options", action="store_true", help="keep the table's kernel options (skip their sweep)")
+    ap.add_argument("--option-grid", default=None, type=parse_option_grid,
+                    help="kernel options to sweep instead of the backend's default grid, e.g. "
+                         "'num_warps=4,8;num_stages=2,3,4' (integers; partition=split_k,split_v)")
     ap.add_argument("--batches", default="1,4,16,64", help="split search grid: batches")
     ap.add_argument("--kv", default="1024,4096,16384,65536,131072", help="split search grid: KV lengths")
     ap.add_argument("--max-gb", type=float, default=16.0, help="skip grid points whose K+V exceed this many GB")
@@ -273,7 +291,7 @@ def main(argv=None) -> int:
     for i, backend in enumerate(args.backends.split(",")):
         if not args.no_options:
             bar = tqdm(total=2 * len(SHAPES), desc=f"options {backend}", unit="shape") if tqdm else None
-            rows = sweep(backend, iters=args.iters, progress=(lambda *a: bar.update(1)) if bar else None)
+            rows = sweep(backend, iters=args.iters, option_grid=args.option_grid, progress=(lambda *a: bar.update(1)) if bar else None)
             if bar:
                 bar.close()
             allrows[backend] = rows
