@@ -47,7 +47,10 @@ ARCHS = [90, 80]
 _PARTIAL = [(f"{c[0]}-sm{arch}", {"kind": "partial", "q": c[1], "kv": c[2], "arch": arch, "const": c[3]})
             for c in PARTIAL_CASES for arch in ARCHS if not (c[2].startswith("fp8") and arch < 89)]
 _MERGE = [(f"merge-d{d}", {"kind": "merge", "out": "bf16", "const": {"HEAD_DIM": d, "BLOCK_D": d, "SINKS_ON": True}})
-          for d in (128, 256)]
+          for d in (128, 256)] + [
+    # the few-rows geometry (merge_geometry): a 16-column slice, 256 splits per load
+    ("merge-d128-slice16", {"kind": "merge", "out": "bf16",
+                            "const": {"HEAD_DIM": 128, "BLOCK_D": 16, "BLOCK_S": 256, "SINKS_ON": True}})]
 
 
 @pytest.fixture(scope="module")

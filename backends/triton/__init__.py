@@ -42,6 +42,29 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def merge_geometry(rows: int, num_splits: int, head_dim: int, sm_count: int) -> tuple[int, int, int]:
+    """The merge kernel's ``(column slices per row, BLOCK_D, BLOCK_S)``: its grid is ``(rows, slices)``,
+    each program merges ``BLOCK_D`` output columns over all splits, ``BLOCK_S`` splits per load.
+
+    One program per row with 32 splits per load is the default. When the rows do not fill the SMs
+    (``rows < sm_count``; e.g. one sequence and one KV head: 8 rows), each row is cut into up to
+    ``head_dim / 16`` column slices (at most about ``2 * sm_count`` programs in all) and each program
+    loads up to 256 splits at once (``BLOCK_S * BLOCK_D <= 4096`` fp32 per load), so a row over
+    hundreds of splits costs one or two memory round trips instead of ``num_splits / 32``
+    (measured on the H200, results/2026-11-30-s5-call1: 6.0-10.8 us at 8 rows x 128-256 splits, one
+    program per row). ``sm_count`` 0 (unknown) keeps the default.
+    """
+    block_d = max(16, _next_pow2(head_dim))
+    slices = 1
+    if 0 < rows < sm_count:
+        want = -(-2 * sm_count // rows)
+        while slices * 2 <= min(block_d // 16, want):
+            slices *= 2
+    block_d //= slices
+    block_s = min(max(2, _next_pow2(num_splits)), 32 if slices == 1 else min(256, max(32, 4096 // block_d)))
+    return slices, block_d, block_s
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
@@ -187,13 +210,15 @@ class TritonBackend(Backend):
         b, q_len, hq, _, d = o.shape
         lo = lse if lse is not None else out
         lo_strides = (lse.stride(0), lse.stride(1), lse.stride(2)) if lse is not None else (0, 0, 0)
-        k.merge_kernel[(b * q_len * hq,)](
+        rows = b * q_len * hq
+        slices, block_d, block_s = merge_geometry(rows, plan.num_splits, d, int(plan.device.get("sm_count") or 0))
+        k.merge_kernel[(rows, slices)](
             o, ls, out, lo, sinks if sinks is not None else ls, plan.num_splits,
             o.stride(0), o.stride(1), o.stride(2), o.stride(3),
             ls.stride(0), ls.stride(1), ls.stride(2), ls.stride(3),
             out.stride(0), out.stride(1), out.stride(2),
             *lo_strides,
-            NUM_HEADS=hq, Q_LEN=q_len, HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)),
-            BLOCK_S=min(32, max(2, _next_pow2(plan.num_splits))), WRITE_LSE=lse is not None, SINKS_ON=sinks is not None,
+            NUM_HEADS=hq, Q_LEN=q_len, HEAD_DIM=d, BLOCK_D=block_d,
+            BLOCK_S=block_s, WRITE_LSE=lse is not None, SINKS_ON=sinks is not None,
             num_warps=1 if _interpreting() else 4,
         )

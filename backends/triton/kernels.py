@@ -272,19 +272,25 @@ def merge_kernel(
     NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, SINKS_ON: tl.constexpr,
 ):
-    """One program per row (b, i, head): the merge contract of :func:`attnplan.state.merge_states`.
+    """Program (row, column slice): row = (b, i, head), slice ``c`` owns output columns
+    ``[c * BLOCK_D, (c + 1) * BLOCK_D)``; the merge contract of :func:`attnplan.state.merge_states`.
 
     Two passes over the splits in fixed order (deterministic): the LSEs give the common base
-    and total weight, then the weighted sum of the normalized partial outputs.
+    and total weight, then the weighted sum of the normalized partial outputs, ``BLOCK_S`` splits
+    per load (all in flight together). Every slice computes the same lse from the same values;
+    slice 0 writes it. Slices exist for few rows over many splits: one program per row walks
+    ``num_splits / BLOCK_S`` dependent round trips, and 8 rows leave all but 8 SMs idle
+    (results/2026-11-30-s5-call1: 6.0-10.8 us at 8 rows x 128-256 splits).
     """
     row = tl.program_id(0)
+    col = tl.program_id(1)
     h = row % NUM_HEADS
     t = (row // NUM_HEADS) % Q_LEN
     b = (row // NUM_HEADS // Q_LEN).to(tl.int64)
     lse_base = LSE_PART + b * stride_lb + t * stride_lt + h * stride_lh
     o_base = O_PART + b * stride_pb + t * stride_pt + h * stride_ph
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = col * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
     m = tl.full([BLOCK_S], float("-inf"), tl.float32)
@@ -317,4 +323,5 @@ def merge_kernel(
         lse = new
     tl.store(OUT + b * stride_outb + t * stride_outt + h * stride_outh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
-        tl.store(LSE_OUT + b * stride_lob + t * stride_lot + h * stride_loh, lse)
+        if col == 0:
+            tl.store(LSE_OUT + b * stride_lob + t * stride_lot + h * stride_loh, lse)
