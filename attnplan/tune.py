@@ -257,7 +257,12 @@ def main(argv=None) -> int:
                     "(the table is keyed by batch x KV heads, so e.g. 8,1,128 adds rows for 1-8 pairs)")
     ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
                     help="KV cache dtype of the split search; fp8 rows go to split_table.<backend>.<layout>_fp8")
+    ap.add_argument("--check-only", action="store_true",
+                    help="no table is written: the split search and the planner-quality check against the table "
+                         "as it is (for shapes the table was not tuned on, the check is out of sample)")
     args = ap.parse_args(argv)
+    if args.check_only:
+        args.no_options = True
     if args.kv_dtype != "bfloat16" and not args.no_options:
         ap.error("--kv-dtype float8_e4m3fn needs --no-options (the kernel-option sweep is bf16; fp8 options go "
                  "under kernel_options.<backend>.<layout>_fp8 by hand)")
@@ -312,17 +317,20 @@ def main(argv=None) -> int:
                                          kv_dtype=args.kv_dtype)
         if bar:
             bar.close()
+        if args.check_only:
+            continue
         mine = table.setdefault("split_table", {}).setdefault(backend, {})
         for layout, rows in split_table(searches[backend], heads[1]).items():
             key = _table_key(layout, args.kv_dtype)  # earlier tunes' other points and dtypes stay
             mine[key] = merge_rows(mine.get(key, []), rows)
-    cm["mem_bandwidth_gbs"] = round(ceiling["ceiling_gbs"], 1)
-    table["measured"] = {"device": dev.name, "sm_count": dev.sm_count, "ceiling": ceiling,
-                         "torch": str(torch.__version__), "attnplan": str(attnplan.__version__)}
-    _write_table(path, table)
-    print(f"wrote {path}: {json.dumps({k: table[k] for k in ('cost_model', 'kernel_options') if k in table})}")
-    _reload()
-    if path != shipped:
+    if not args.check_only:
+        cm["mem_bandwidth_gbs"] = round(ceiling["ceiling_gbs"], 1)
+        table["measured"] = {"device": dev.name, "sm_count": dev.sm_count, "ceiling": ceiling,
+                             "torch": str(torch.__version__), "attnplan": str(attnplan.__version__)}
+        _write_table(path, table)
+        print(f"wrote {path}: {json.dumps({k: table[k] for k in ('cost_model', 'kernel_options') if k in table})}")
+        _reload()
+    if path != shipped and not args.check_only:
         print(f"note: the planner reads {shipped}; the quality check below uses that table, not {path}")
     if args.json:  # the measurements so far, in case the quality check is cut short
         _atomic_write(args.json, json.dumps({"option_sweep": allrows, "split_search": searches, "table": table},

@@ -113,3 +113,32 @@ def test_time_report_counts_bytes_and_bandwidth(monkeypatch):
     qo = 2 * 2 * 8 * 64 * 2
     assert rep["bytes"] == kv + qo and rep["iters"] == 7 and len(calls) == 1
     assert rep["gbs"] == pytest.approx((kv + qo) / 100e-6 / 1e9)
+
+
+def test_tune_option_grid_parsing():
+    """``--option-grid``: integers become ints, names keep their values; a malformed entry is an argparse error."""
+    import argparse
+
+    from attnplan.tune import parse_option_grid
+
+    assert parse_option_grid("num_warps=4,8;num_stages=2, 3;") == {"num_warps": [4, 8], "num_stages": [2, 3]}
+    assert parse_option_grid("partition=split_k,split_v") == {"partition": ["split_k", "split_v"]}
+    for bad in ("", ";", "num_warps", "num_warps=", "=4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_option_grid(bad)
+
+
+def test_bench_summary_reports_the_read_bound(capsys):
+    """With per-point read bounds the summary prints each point's bound and the bound's geometric mean."""
+    from attnplan.bench import summary
+
+    pts = [{"layout": "contig", "kind": "uniform", "batch": 1, "kv_len": kv, "heads": [32, 8, 128],
+            "bound": {"read_us": 5.0 * i, "floor_us": 3.8},
+            "results": {"triton": {"graph_us": 10.0 * i, "graph_frac": 0.5},
+                        "sdpa_cudnn": {"graph_us": 12.0 * i, "graph_frac": 0.4}}}
+           for i, kv in enumerate((1024, 4096), start=1)]
+    summary({"ceiling": {"ceiling_gbs": 4000.0}, "ceiling_used": "ceiling_gbs", "points": pts,
+             "attnplan_backends": ["triton"]})
+    out = capsys.readouterr().out
+    assert "geometric mean 1.20x" in out  # 12 / 10 at both points
+    assert "read     5.0 (2.40x)" in out and "geometric mean 2.40x (the bound" in out and "3.8 us" in out
