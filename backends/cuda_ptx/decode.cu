@@ -25,6 +25,8 @@
 //                        the 16-token m-tiles of a warp's KV tile                [partial / single]
 //   ATTNPLAN_MERGE       the cross-program merge inside the partial kernel (see "Method, cross-program merge"):
 //                        0 = none (the merge kernel follows), 1 = fused, 2 = atomic            [partial]
+//   ATTNPLAN_MERGE_TEAMS merge teams per merge-kernel CTA: 1 (default), 2, 4 or 8; each merges a range of the
+//                        row's splits, combined through shared memory (see the merge kernel)   [merge]
 //   ATTNPLAN_SMEM_BYTES, ATTNPLAN_TILE_TOKENS, ATTNPLAN_THREADS: the host's own arithmetic, checked
 //                        against the kernel's by static_assert (a mismatch fails compilation).
 //
@@ -59,7 +61,9 @@
 // splits for the lse max and sum (warp shuffles), each thread 4 head_dim columns whose o loads of 8 (4) splits
 // are in flight together, splits summed in index order, empty splits (lse = -inf) weigh 0 and an all-empty row
 // gives o = 0, lse = -inf, the sink joins the denominator once at the end (join_sink).
-//  * ATTNPLAN_MERGE 0: the partial kernel writes its state; the merge kernel (KIND 2, PDL-launched) merges.
+//  * ATTNPLAN_MERGE 0: the partial kernel writes its state; the merge kernel (KIND 2, PDL-launched) merges, one
+//    merge_row team per row or, with few rows and many splits, ATTNPLAN_MERGE_TEAMS teams per row that each
+//    accumulate a range of the splits (merge_accumulate) and combine through shared memory (see the kernel).
 //  * fused (1): the counters argument holds one int32 completion counter per (sequence, KV head), zero before
 //    the launch. After writing its split's state (every path: tensor-core or CUDA-core split-K, split-V, the
 //    empty program), every thread fences its stores (__threadfence), a barrier gathers the program and one
@@ -1905,18 +1909,44 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 
 #else  // ATTNPLAN_KIND == ATTNPLAN_KIND_MERGE
 // =============================================================================================
-// merge kernel: one CTA per row (b, i, head) = one merge_row team; each thread owns 4 consecutive
-// dims, lanes share the splits' lse reductions (warp shuffles)
+// merge kernel: one CTA per row (b, i, head), ATTNPLAN_MERGE_TEAMS (T) merge teams of ROW_MERGE_THREADS threads
+// per CTA; each thread owns 4 consecutive dims of every slot, lanes share the splits' lse reductions (warp
+// shuffles)
 //   lse = logsumexp_s(lse_s);  o = sum_s exp(lse_s - lse) o_s;  all-empty row: o = 0, lse = -inf
 //   optional sinks [num_heads]: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z)
+// T = 1: the team merges the row's splits (merge_row); no shared memory, no barrier.
+// T > 1 (2, 4, 8): with few rows and many splits one team is latency bound: it walks ceil(n / MERGE_CHUNK)
+// dependent memory round trips (H200, CUPTI: batch 1, 1 KV head, 8 query heads = 8 rows, 128 splits: 9.3 us,
+// 8 round trips per CTA). Team k merges the contiguous splits [k per, min(n, (k + 1) per)), per = ceil(n / T)
+// rounded up to whole chunks (a team's range may be empty), with merge_row's accumulation (merge_accumulate:
+// M_k, tot_k, a_k; an empty range or one of empty splits gives M_k = -inf, tot_k = 0, a_k = 0). The teams
+// publish them in shared memory (a_k[HEAD_DIM] of every team, then M_k, tot_k), one barrier, and team 0
+// combines them in team order 0 .. T-1 (deterministic: same inputs and T, same bits):
+//   M = max_k M_k;  tot = sum_k exp(M_k - M) tot_k;  a = sum_k exp(M_k - M) a_k  (teams with M_k = -inf skipped)
+// and writes the row with merge_write (M = -inf: o = 0, lse = -inf or the sink; the sink joins once, here).
+// The host chooses T (launch.merge_teams): 1 when the rows fill the SMs or one chunk holds the splits, else the
+// smallest power of two with T x 16 >= n, at most 8.
 // =============================================================================================
-constexpr int MERGE_THREADS = ROW_MERGE_THREADS;
-// splits whose o rows one thread loads before using any (merge_row's CHUNK): 16 at one warp per CTA (64
+#ifndef ATTNPLAN_MERGE_TEAMS
+#define ATTNPLAN_MERGE_TEAMS 1
+#endif
+constexpr int MERGE_TEAMS = ATTNPLAN_MERGE_TEAMS;
+static_assert(MERGE_TEAMS == 1 || MERGE_TEAMS == 2 || MERGE_TEAMS == 4 || MERGE_TEAMS == 8,
+              "merge teams per CTA: 1, 2, 4 or 8");
+constexpr int TEAM_THREADS = ROW_MERGE_THREADS;  // one row's merge_row team
+constexpr int MERGE_THREADS = MERGE_TEAMS * TEAM_THREADS;
+// splits whose o rows one thread loads before using any (merge_row's CHUNK): 16 at one warp per team (64
 // registers of float4), 8 at two (head_dim 256). 32 (NOTES change 13) measured slower: 3.6 against 2.8 us at
 // 16 splits, no gain at 32 (results/2026-11-30-s4-call5)
-constexpr int MERGE_CHUNK = MERGE_THREADS == 32 ? 16 : 8;
+constexpr int MERGE_CHUNK = TEAM_THREADS == 32 ? 16 : 8;
+constexpr int MERGE_SLOTS = merge_slots<TEAM_THREADS>();
+// dynamic shared memory of the teams' combine: a_k[HEAD_DIM] of each team, then M_k, then tot_k (T > 1 only)
+constexpr int MERGE_SMEM_BYTES = MERGE_TEAMS == 1 ? 0 : MERGE_TEAMS * (HEAD_DIM + 2) * 4;
 #ifdef ATTNPLAN_THREADS
 static_assert(MERGE_THREADS == ATTNPLAN_THREADS, "host and kernel disagree on merge threads per block");
+#endif
+#ifdef ATTNPLAN_SMEM_BYTES
+static_assert(MERGE_SMEM_BYTES == ATTNPLAN_SMEM_BYTES, "host and kernel disagree on dynamic shared memory");
 #endif
 
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
@@ -1931,11 +1961,64 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, elem_
     const int hh = (int)(row % num_heads);
     const int i = (int)((row / num_heads) % q_len);
     const int b = (int)(row / ((i64)num_heads * q_len));
+    const float *lr = lse + (i64)b * l_sb + (i64)i * l_si + (i64)hh * l_sh;
+    const float *orow = o + (i64)b * o_sb + (i64)i * o_si + (i64)hh * o_sh;
+    const float *sink = sinks ? sinks + hh : nullptr;
+    elem_t *outp = out + (i64)b * out_sb + (i64)i * out_si + (i64)hh * out_sh;
+    float *olp = out_lse ? out_lse + (i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh : nullptr;
     // the states come from an earlier launch: plain loads
-    merge_row<MERGE_THREADS, MERGE_CHUNK, false>(
-        lse + (i64)b * l_sb + (i64)i * l_si + (i64)hh * l_sh, l_ss,
-        o + (i64)b * o_sb + (i64)i * o_si + (i64)hh * o_sh, o_ss, num_splits, sinks ? sinks + hh : nullptr,
-        out + (i64)b * out_sb + (i64)i * out_si + (i64)hh * out_sh,
-        out_lse ? out_lse + (i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh : nullptr, threadIdx.x);
+#if ATTNPLAN_MERGE_TEAMS == 1
+    merge_row<TEAM_THREADS, MERGE_CHUNK, false>(lr, l_ss, orow, o_ss, num_splits, sink, outp, olp, threadIdx.x);
+#else
+#ifdef ATTNPLAN_HOST_EMULATION
+    unsigned char *smem = emu::dynamic_smem();
+#else
+    extern __shared__ __align__(16) unsigned char smem[];
+#endif
+    float *sm_a = reinterpret_cast<float *>(smem);  // [MERGE_TEAMS][HEAD_DIM]
+    float *sm_m = sm_a + MERGE_TEAMS * HEAD_DIM, *sm_tot = sm_m + MERGE_TEAMS;
+    const int team = threadIdx.x / TEAM_THREADS, t = threadIdx.x % TEAM_THREADS;
+    const int per = ((num_splits + MERGE_TEAMS - 1) / MERGE_TEAMS + MERGE_CHUNK - 1) / MERGE_CHUNK * MERGE_CHUNK;
+    const int s0 = cmin(num_splits, team * per), cnt = cmin(num_splits - s0, per);
+    float M, tot, a[MERGE_SLOTS][4];
+    merge_accumulate<TEAM_THREADS, MERGE_CHUNK, false>(lr + (i64)s0 * l_ss, l_ss, orow + (i64)s0 * o_ss, o_ss, cnt, t,
+                                                       M, tot, a);
+#pragma unroll
+    for (int k = 0; k < MERGE_SLOTS; ++k) {
+        const int d = 4 * (t + k * TEAM_THREADS);
+        if (d < HEAD_DIM) sts(sm_a + team * HEAD_DIM + d, make_float4(a[k][0], a[k][1], a[k][2], a[k][3]));
+    }
+    if (t == 0) {
+        sts(sm_m + team, M);
+        sts(sm_tot + team, tot);
+    }
+    __syncthreads();
+    if (team != 0) return;
+    M = NEG_INF;
+#pragma unroll
+    for (int k = 0; k < MERGE_TEAMS; ++k) M = fmaxf(M, lds<float>(sm_m + k));
+    tot = 0.f;
+#pragma unroll
+    for (int k = 0; k < MERGE_SLOTS; ++k) a[k][0] = a[k][1] = a[k][2] = a[k][3] = 0.f;
+    if (M != NEG_INF) {
+#pragma unroll
+        for (int j = 0; j < MERGE_TEAMS; ++j) {  // team order: deterministic
+            const float mj = lds<float>(sm_m + j);
+            if (mj == NEG_INF) continue;  // a team of empty splits (or none) weighs 0
+            const float f = expf(mj - M);
+            tot = fmaf(f, lds<float>(sm_tot + j), tot);
+#pragma unroll
+            for (int k = 0; k < MERGE_SLOTS; ++k) {
+                const int d = 4 * (t + k * TEAM_THREADS);
+                if (d < HEAD_DIM) {
+                    const float4 v = lds<float4>(sm_a + j * HEAD_DIM + d);
+                    a[k][0] = fmaf(f, v.x, a[k][0]); a[k][1] = fmaf(f, v.y, a[k][1]);
+                    a[k][2] = fmaf(f, v.z, a[k][2]); a[k][3] = fmaf(f, v.w, a[k][3]);
+                }
+            }
+        }
+    }
+    merge_write<TEAM_THREADS>(M, tot, a, sink, outp, olp, t);
+#endif
 }
 #endif
