@@ -414,6 +414,29 @@ def test_merge_teams_spec_and_launch_config():
         L.merge_launch_config(L.make_spec("partial", "bfloat16", 128, 4, 1, 16), 8)
 
 
+def test_backend_merge_teams_from_plan():
+    """The backend's merge spec takes its teams from the plan's rows (batch x q_len x q heads) and splits and the
+    device's SM count (the CPU stand-in's 8 without a GPU; the plan's fingerprint when no device is given)."""
+    be = CudaPtxBackend()
+    cfg = load_config(split={"merge": "separate"})
+
+    def plan(batch, q_heads, splits, q_len=1):
+        prob = DecodeProblem(batch, q_heads, 1, 128, q_len, 16, "bfloat16", "bfloat16", 4096, 4096 * batch)
+        kc = be.kernel_config(prob, {}, torch.device("cpu"))
+        p = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=splits)
+        assert p.num_splits == splits and p.merge == "separate"
+        return p
+
+    few = plan(1, 4, 40)  # 4 rows < 8 SMs, 40 splits: 4 teams of 16 splits
+    assert CPU_STANDIN.sm_count == 8 and be.merge_teams_for(few) == 4 == be.merge_teams_for(few, torch.device("cpu"))
+    assert be.spec_for("merge", few) == L.merge_spec("bfloat16", 128, 4)
+    assert be.spec_for("merge", few).name == "merge-bfloat16-d128-t4"
+    assert be.merge_teams_for(plan(1, 4, 16)) == 1  # one chunk
+    assert be.merge_teams_for(plan(2, 4, 128)) == 1  # 8 rows fill the 8 SMs
+    assert be.merge_teams_for(plan(1, 2, 128, q_len=3)) == 8  # 6 rows (q_len counts)
+    assert be.merge_teams_for(dataclasses.replace(few, device={**few.device, "sm_count": 4})) == 1
+
+
 @needs_nvrtc
 def test_merge_teams_host_kernel_disagreement_fails_compile(cache):
     """decode.cu static_asserts the host's merge threads and dynamic shared memory for a teams spec, and the
