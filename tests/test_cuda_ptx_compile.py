@@ -2,7 +2,8 @@
 packing and the compile cache. Needs NVRTC (pip ``nvidia-cuda-nvrtc``), no GPU; nvcc is optional.
 
 Register limit: the kernels use ``__launch_bounds__(threads)`` with at most 256 threads, so ptxas
-may use up to 255 registers; the tests require no spill at all and at most :data:`MAX_REGISTERS`.
+may use up to 255 registers (the merge kernel with 8 teams at head_dim 256: 512 threads, 128 registers);
+the tests require no spill at all, at most :data:`MAX_REGISTERS` and one program within an SM's register file.
 """
 
 from __future__ import annotations
@@ -350,6 +351,127 @@ def test_merge_kernel_compiles(dtype, head_dim, cache):
     res = c.resources["attnplan_merge"]
     assert res["spill_stores"] == 0 and res["registers"] <= 128
     assert spec.threads == max(32, -(-head_dim // 4 // 32) * 32)
+    assert res["barriers"] == 0 and res["smem"] == 0 and spec.smem_bytes == 0  # one team: no barrier, no smem
+
+
+# the merge kernel with several teams per CTA (decode.cu's ATTNPLAN_MERGE_TEAMS; launch.merge_teams): 2 and 8
+# teams, head_dim 64 / 128 (one-warp teams, 16-split chunks) and 256 (two-warp teams, 8-split chunks)
+MERGE_TEAM_SPECS = [(dt, d, t) for t in (2, 8) for d in (64, 128, 256) for dt in ("bfloat16", "float16")]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("dtype,head_dim,teams", MERGE_TEAM_SPECS, ids=lambda v: str(v))
+def test_merge_teams_compile_without_spills(dtype, head_dim, teams, cc, cache):
+    """Merge kernels of 2 and 8 teams: cubins for sm_90 and sm_80, no spills, no stack, registers within the
+    limit and one CTA within an SM's register file (``__launch_bounds__`` of teams x team threads: 512 at
+    head_dim 256 x 8 teams), one barrier (the teams' combine), the teams' results in dynamic shared memory."""
+    spec = L.merge_spec(dtype, head_dim, teams)
+    res = _compiled_resources(spec, cc, cache)
+    assert res["barriers"] == 1 and res["smem"] == 0, res  # dynamic, not static, shared memory
+    assert spec.threads == teams * (64 if head_dim == 256 else 32) and spec.smem_bytes == teams * (head_dim + 2) * 4
+    print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
+          f"stack {res['stack']}, threads {spec.threads}, dynamic smem {spec.smem_bytes}")
+
+
+def test_merge_teams_rule():
+    """launch.merge_teams: one team when the rows fill the SMs or one 16-split chunk holds the splits, else the
+    smallest power of two with teams x 16 >= splits, at most 8; counts below 1 are errors."""
+    assert L.MERGE_CHUNK == 16 and L.MAX_MERGE_TEAMS == 8
+    assert L.merge_teams(8, 128, 132) == 8  # the measured case: b1, 1 KV head, 8 query heads, 128 splits
+    assert [L.merge_teams(8, n, 132) for n in (1, 16, 17, 32, 33, 64, 65, 128, 129, 4096)] == \
+        [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
+    assert L.merge_teams(131, 128, 132) == 8 and L.merge_teams(132, 128, 132) == 1 and L.merge_teams(500, 128, 132) == 1
+    assert L.merge_teams(1, 40, 1) == 1  # one SM: the row fills it
+    for bad in ((0, 8, 132), (8, 0, 132), (8, 8, 0)):
+        with pytest.raises(ValueError, match="merge_teams"):
+            L.merge_teams(*bad)
+
+
+def test_merge_teams_spec_and_launch_config():
+    """The teams count goes into the spec's name, defines, threads and dynamic shared memory, and the launch
+    config passes them; one team keeps the old name, no shared memory; bad counts and kinds are refused."""
+    one, t8, t2 = L.merge_spec("bfloat16", 128), L.merge_spec("bfloat16", 128, 8), L.merge_spec("float16", 256, 2)
+    assert one == L.merge_spec("bfloat16", 128, 1) and one.teams == 1
+    assert (one.name, one.threads, one.smem_bytes) == ("merge-bfloat16-d128", 32, 0)
+    assert (t8.name, t8.threads, t8.smem_bytes) == ("merge-bfloat16-d128-t8", 256, 8 * 130 * 4)
+    assert (t2.name, t2.threads, t2.smem_bytes) == ("merge-float16-d256-t2", 128, 2 * 258 * 4)
+    assert L.merge_spec("float16", 64, 4).threads == 128  # head_dim 64: a whole warp per team (16 column threads)
+    assert one.defines()["ATTNPLAN_MERGE_TEAMS"] == 1 and one.defines()["ATTNPLAN_SMEM_BYTES"] == 0
+    assert t8.defines()["ATTNPLAN_MERGE_TEAMS"] == 8 and t8.defines()["ATTNPLAN_SMEM_BYTES"] == 4160
+    assert t8.defines()["ATTNPLAN_THREADS"] == 256 and "-DATTNPLAN_MERGE_TEAMS=8" in t8.options()
+    cfg = L.merge_launch_config(t8, 8)
+    assert cfg.grid == (8, 1, 1) and cfg.block == (256, 1, 1) and cfg.smem == 4160
+    assert L.merge_launch_config(one, 8).smem == 0
+    for bad in (0, 3, 16, -2):
+        with pytest.raises(ValueError, match="merge teams must be one of"):
+            L.merge_spec("bfloat16", 128, bad)
+    with pytest.raises(ValueError, match="teams"):
+        L.KernelSpec("partial", "bfloat16", 128, teams=2)
+    with pytest.raises(ValueError, match="teams"):
+        L.KernelSpec("merge", "bfloat16", 128, teams=3)
+    with pytest.raises(ValueError, match="merge kernel's spec"):
+        L.merge_launch_config(L.make_spec("partial", "bfloat16", 128, 4, 1, 16), 8)
+
+
+def test_backend_merge_teams_from_plan():
+    """The backend's merge spec takes its teams from the plan's rows (batch x q_len x q heads) and splits and the
+    device's SM count (the CPU stand-in's 8 without a GPU; the plan's fingerprint when no device is given)."""
+    be = CudaPtxBackend()
+    cfg = load_config(split={"merge": "separate"})
+
+    def plan(batch, q_heads, splits, q_len=1):
+        prob = DecodeProblem(batch, q_heads, 1, 128, q_len, 16, "bfloat16", "bfloat16", 4096, 4096 * batch)
+        kc = be.kernel_config(prob, {}, torch.device("cpu"))
+        p = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=splits)
+        assert p.num_splits == splits and p.merge == "separate"
+        return p
+
+    few = plan(1, 4, 40)  # 4 rows < 8 SMs, 40 splits: 4 teams of 16 splits
+    assert CPU_STANDIN.sm_count == 8 and be.merge_teams_for(few) == 4 == be.merge_teams_for(few, torch.device("cpu"))
+    assert be.spec_for("merge", few) == L.merge_spec("bfloat16", 128, 4)
+    assert be.spec_for("merge", few).name == "merge-bfloat16-d128-t4"
+    assert be.merge_teams_for(plan(1, 4, 16)) == 1  # one chunk
+    assert be.merge_teams_for(plan(2, 4, 128)) == 1  # 8 rows fill the 8 SMs
+    assert be.merge_teams_for(plan(1, 2, 128, q_len=3)) == 8  # 6 rows (q_len counts)
+    assert be.merge_teams_for(dataclasses.replace(few, device={**few.device, "sm_count": 4})) == 1
+
+
+@needs_nvrtc
+def test_merge_teams_host_kernel_disagreement_fails_compile(cache):
+    """decode.cu static_asserts the host's merge threads and dynamic shared memory for a teams spec, and the
+    teams count itself."""
+    spec = L.merge_spec("bfloat16", 128, 8)
+
+    def with_(name, value):
+        return [o if not o.startswith(f"-D{name}=") else f"-D{name}={value}" for o in spec.options()]
+
+    target = N.CompileTarget("sm_90", "cubin")
+    with pytest.raises(NvrtcError, match="disagree on dynamic shared memory"):
+        cache.get("mismatch-smem", L.kernel_source(), with_("ATTNPLAN_SMEM_BYTES", spec.smem_bytes + 16), target)
+    with pytest.raises(NvrtcError, match="disagree on merge threads"):
+        cache.get("mismatch-threads", L.kernel_source(), with_("ATTNPLAN_THREADS", 128), target)
+    with pytest.raises(NvrtcError, match="merge teams per CTA"):
+        cache.get("mismatch-teams", L.kernel_source(), with_("ATTNPLAN_MERGE_TEAMS", 3), target)
+
+
+@needs_nvrtc
+def test_merge_teams_ptx():
+    """One team: no barrier, no shared memory in the PTX; 8 teams: one bar.sync and shared-memory stores and
+    loads; both wait for the partial grid first (griddepcontrol.wait on sm_90) and read the states through the
+    non-coherent path (an earlier launch's)."""
+    def ptx(teams):
+        spec = L.merge_spec("bfloat16", 128, teams)
+        return N.compile_source(L.kernel_source(), "decode.cu", spec.options(),
+                                N.CompileTarget("compute_90", "ptx")).image.rstrip(b"\x00").decode()
+
+    one, eight = ptx(1), ptx(8)
+    assert "bar.sync" not in one and "st.shared" not in one and "ld.shared" not in one
+    assert eight.count("bar.sync") == 1 and "st.shared.v4.f32" in eight and "ld.shared.v4.f32" in eight
+    for p in (one, eight):
+        body = p[p.index(".entry attnplan_merge"):]
+        assert "griddepcontrol.wait" in body and "ld.global.nc.v4.f32" in body
+        assert body.index("griddepcontrol.wait") < body.index("ld.global")
 
 
 NVCC = shutil.which("nvcc")
@@ -524,6 +646,8 @@ def test_partial_launch_config():
         L.partial_launch_config(s, (0, 8, 1))
     m = L.merge_launch_config(L.merge_spec("float16", 256), 4 * 32)
     assert m.grid == (128, 1, 1) and m.block == (64, 1, 1) and m.smem == 0
+    m = L.merge_launch_config(L.merge_spec("float16", 256, 4), 3)
+    assert m.grid == (3, 1, 1) and m.block == (256, 1, 1) and m.smem == 4 * 258 * 4
 
 
 @needs_nvrtc
@@ -535,6 +659,8 @@ def test_pdl_launch_config_and_griddepcontrol():
     m = L.merge_launch_config(L.merge_spec("bfloat16", 128), 96)
     c = L.pdl_launch_config(m, stream=1234)
     assert (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.sharedMemBytes) == (96, 1, 1, 32, 0)
+    c8 = L.pdl_launch_config(L.merge_launch_config(L.merge_spec("bfloat16", 128, 8), 8))
+    assert (c8.gridDimX, c8.blockDimX, c8.sharedMemBytes) == (8, 256, 8 * 130 * 4)  # the teams' dynamic smem
     assert c.numAttrs == 1 and int(c.hStream) == 1234
     assert c.attrs[0].id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert c.attrs[0].value.programmaticStreamSerializationAllowed == 1

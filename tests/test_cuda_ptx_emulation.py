@@ -7,7 +7,8 @@ in-program warp merge (split-K) and the per-warp column slices (split-V), the te
 layouts, swizzled / padded ring rows, online softmax on fragments), the fp8 e4m3fn decoder and its
 scales (CUDA cores), the fp8 tensor-core path (fp8 tiles read by ldmatrix as byte pairs, the permuted
 K-dim / head_dim orders, e4m3 -> fp16 through the integer twin of cvt.rn.f16x2.e4m3x2, which is also
-the sm_80 fallback, bf16 q moved to fp16 with a power of two per n8-tile), the merge kernel, the fused
+the sm_80 fallback, bf16 q moved to fp16 with a power of two per n8-tile), the merge kernel (one team per
+row, and several teams per row combined through shared memory), the fused
 and atomic merges inside the partial kernel (completion counters and locks back at zero, the atomic
 merge's shared-memory stage, programs run in permuted orders so another program is last), and
 shared-memory races between warps (every emulated launch runs simt.h's race check). What it cannot:
@@ -33,10 +34,12 @@ from attnplan import reference
 from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN
 from attnplan.planner import make_plan
+from attnplan.problem import DecodeProblem, dtype_name
 from attnplan.state import PartialState, merge_states
 from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison, problem_of
 
 emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
+from attnplan.backends.cuda_ptx.launch import merge_spec  # noqa: E402 (after the import check)
 pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the host emulation")
 
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -528,16 +531,43 @@ def _parametrized_specs(be) -> list:
     for merge, mode, case, fp8, options in IN_KERNEL:
         x = _variant_inputs(case, g, fp8)
         specs.append(be.spec_for("partial", _merge_plan(be, x, case, merge, mode, options), inputs=x))
+    specs += [merge_spec(dtype_name(DT[dt]), d, t) for dt, d, t in MERGE_TEAMS]
     return specs
+
+
+def _separate_merge_plan(be, batch, q_len, heads, head_dim, dtype, splits):
+    """A plan of ``splits`` splits with a merge kernel (``separate``; single pass for 1 split, whose state the merge
+    kernel still merges: a distributed merge of one rank) for ``batch x q_len x heads`` rows (one KV head, a paged
+    cache of 16 tokens per split), planned for the CPU stand-in (8 SMs)."""
+    prob = DecodeProblem(batch, heads, 1, head_dim, q_len, 16, dtype_name(dtype), dtype_name(dtype), 16 * splits,
+                         16 * splits * batch)
+    kc = be.kernel_config(prob, {}, torch.device("cpu"))
+    plan = make_plan(prob, CPU_STANDIN, load_config(split={"merge": "separate"}), "cuda_ptx", kc, num_splits=splits)
+    assert plan.num_splits == splits and (plan.single_pass if splits == 1 else plan.merge == "separate")
+    return plan
+
+
+def _random_states(shape, splits, head_dim, gen, pad=3):
+    """fp32 states ``o [*shape, splits + pad, head_dim]`` / ``lse [*shape, splits + pad]``: ~30% empty splits
+    (lse -inf, o poisoned with NaN: unwritten), row 0 wholly empty, and the ``pad`` splits past ``splits`` NaN
+    (never read)."""
+    o = torch.randn(*shape, splits + pad, head_dim, generator=gen)
+    ls = torch.randn(*shape, splits + pad, generator=gen) * 3
+    empty = torch.rand(*shape, splits + pad, generator=gen) < 0.3
+    empty.view(-1, splits + pad)[0] = True  # a row with no visible token
+    ls[empty] = float("-inf")
+    o[empty] = float("nan")
+    ls[..., splits:] = float("nan")
+    o[..., splits:, :] = float("nan")
+    return o, ls
 
 
 @pytest.mark.parametrize("head_dim,splits", [(128, 45), (256, 20), (64, 33)])
 def test_emulated_merge_many_splits(be, head_dim, splits, gen):
-    """The merge kernel over more splits than one chunk of prefetched o rows (16 at one warp per CTA,
-    8 at head_dim 256) and than a warp's 32 lanes: random states with empty splits (lse -inf, o NaN
-    poison) scattered through the chunks, one all-empty row, sinks; against merge_states in float64."""
-    from types import SimpleNamespace
-
+    """The merge kernel (one team per row: 8 rows fill the stand-in's 8 SMs) over more splits than one chunk of
+    prefetched o rows (16 at one warp per CTA, 8 at head_dim 256) and than a warp's 32 lanes: random states with
+    empty splits (lse -inf, o NaN poison) scattered through the chunks, one all-empty row, sinks; against
+    merge_states in float64."""
     b, h = 2, 4
     o = torch.randn(b, 1, h, splits + 2, head_dim, generator=gen)
     ls = torch.randn(b, 1, h, splits + 2, generator=gen) * 3
@@ -548,9 +578,80 @@ def test_emulated_merge_many_splits(be, head_dim, splits, gen):
     sinks = torch.randn(h, generator=gen)
     out = poison(torch.empty(b, 1, h, head_dim, dtype=torch.bfloat16))
     out_lse = poison(torch.empty(b, 1, h))
-    be.merge(SimpleNamespace(num_splits=splits, kernel={}), PartialState(o, ls), out, out_lse, sinks)
+    plan = _separate_merge_plan(be, b, 1, h, head_dim, torch.bfloat16, splits)
+    assert be.merge_teams_for(plan, out.device) == 1
+    be.merge(plan, PartialState(o, ls), out, out_lse, sinks)
     ref, ref_lse = merge_states(PartialState(o[:, :, :, :splits].double(), ls[:, :, :, :splits].double()),
                                 sinks.double())
     assert_close_to_reference(out, ref, torch.bfloat16)
     assert_close_to_reference(out_lse, ref_lse, torch.float32, "lse")
     assert torch.all(out[1, 0, 0] == 0)
+
+
+# -- the merge kernel's teams (decode.cu's ATTNPLAN_MERGE_TEAMS) -----------------------------------------------
+#: (dtype, head_dim, teams): 1 (the single-team path), 2 and 8 teams per CTA; head_dim 64 / 128 (one-warp teams,
+#: 16-split chunks, 64 with half the lanes owning no columns) and 256 (two-warp teams, 8-split chunks)
+MERGE_TEAMS = [(dt, d, t) for dt in ("bf16", "fp16") for d in (64, 128, 256) for t in (1, 2, 8)]
+#: split counts: one, fewer than a chunk (8 teams: seven empty ranges), one past a chunk, not a multiple of a team's
+#: range, past four 32-lane rounds (130 over 8 teams: ranges of 32, the last of 2, three empty)
+TEAM_SPLITS = (1, 5, 17, 40, 130)
+
+
+@pytest.mark.parametrize("dtype,head_dim,teams", [pytest.param(*m, id=f"{m[0]}-d{m[1]}-t{m[2]}") for m in MERGE_TEAMS])
+def test_emulated_merge_teams_match_reference(be, dtype, head_dim, teams, gen, monkeypatch):
+    """The merge kernel with ``teams`` teams per CTA (pinned; :meth:`merge_teams_for` chooses it otherwise),
+    through the backend's merge (input checks, spec, launch config with the teams' dynamic shared memory,
+    kernelParams): 4 rows (q_len 2 x 2 heads) over each of :data:`TEAM_SPLITS`, random states with empty splits
+    (lse -inf, o NaN: read but selected out), an all-empty row, NaN past the plan's splits, sinks on every other
+    split count, outputs poisoned with NaN; against merge_states in float64 at the output dtype's tolerance. A
+    second launch gives the same bits (fixed team order)."""
+    dt = DT[dtype]
+    monkeypatch.setattr(be, "merge_teams_for", lambda plan, device=None: teams)
+    b, q_len, h = 1, 2, 2
+    for i, n in enumerate(TEAM_SPLITS):
+        plan = _separate_merge_plan(be, b, q_len, h, head_dim, dt, n)
+        o, ls = _random_states((b, q_len, h), n, head_dim, gen)
+        sinks = torch.randn(h, generator=gen) * 2 if i % 2 else None
+        runs = []
+        for _ in range(2):
+            out = poison(torch.empty(b, q_len, h, head_dim, dtype=dt))
+            out_lse = poison(torch.empty(b, q_len, h))
+            be.merge(plan, PartialState(o, ls), out, out_lse, sinks)
+            runs.append((out, out_lse))
+        ref, ref_lse = merge_states(PartialState(o[..., :n, :].double(), ls[..., :n].double()),
+                                    None if sinks is None else sinks.double())
+        (out, out_lse), (out2, out_lse2) = runs
+        what = f"{teams} teams, {n} splits{', sinks' if sinks is not None else ''}"
+        assert_close_to_reference(out, ref, dt, f"out ({what})")
+        assert_close_to_reference(out_lse, ref_lse, torch.float32, f"lse ({what})")
+        assert torch.all(out[0, 0, 0] == 0), what  # the all-empty row: o = 0, lse = -inf or the sink
+        assert out_lse[0, 0, 0] == (float("-inf") if sinks is None else sinks[0]), what
+        assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), f"out not deterministic ({what})"
+        assert torch.equal(out_lse.view(torch.int32), out_lse2.view(torch.int32)), f"lse not deterministic ({what})"
+    assert merge_spec(dtype_name(dt), head_dim, teams) in be.kernels  # the pinned teams' kernel ran
+
+
+def test_emulated_merge_teams_chosen_by_the_backend(be, gen):
+    """Unpinned, the backend picks the teams from the plan's rows, its splits and the SM count
+    (launch.merge_teams; the CPU stand-in's 8): 3 rows x 40 splits -> 4 teams of 16 splits (the last of 8),
+    against merge_states; 8 rows of the same splits -> one team."""
+    assert be.merge_teams_for(_separate_merge_plan(be, 2, 1, 4, 128, torch.bfloat16, 40)) == 1
+    plan = _separate_merge_plan(be, 1, 1, 3, 128, torch.bfloat16, 40)
+    assert be.merge_teams_for(plan, torch.device("cpu")) == 4 and be.spec_for("merge", plan).teams == 4
+    o, ls = _random_states((1, 1, 3), 40, 128, gen)
+    out = poison(torch.empty(1, 1, 3, 128, dtype=torch.bfloat16))
+    out_lse = poison(torch.empty(1, 1, 3))
+    be.merge(plan, PartialState(o, ls), out, out_lse)
+    ref, ref_lse = merge_states(PartialState(o[..., :40, :].double(), ls[..., :40].double()))
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    assert_close_to_reference(out_lse, ref_lse, torch.float32, "lse")
+    assert merge_spec("bfloat16", 128, 4) in be.kernels
+
+
+@pytest.mark.parametrize("teams", [1, 8])
+def test_emulated_merge_teams_constants_match_host(be, teams):
+    """The compiled merge kernel's teams, threads and dynamic shared memory equal the host spec's."""
+    spec = merge_spec("bfloat16", 256, teams)
+    k = be.kernel(spec)
+    assert (k.constant("teams"), k.constant("threads"), k.constant("smem"), k.constant("chunk")) == \
+        (teams, spec.threads, spec.smem_bytes, 8)

@@ -18,7 +18,11 @@ and FlashAttention-2's split-KV combine, done there by a separate kernel):
 
 * ``separate`` (default): the partial kernel writes every split's state, then the merge kernel (one CTA per
   output row; lanes over splits, warp-shuffle max / sum, unrolled o loads; launched with PDL on sm_90+)
-  merges them in split order. Deterministic.
+  merges them in split order. Deterministic. With few rows and many splits one team of threads per row is
+  latency bound (H200, CUPTI: 8 rows x 128 splits took 9.3 us, 8 dependent round trips of 16 splits' o rows per
+  CTA), so the CTA then holds several merge teams (:func:`~.launch.merge_teams`: 1 when the rows fill the SMs or
+  16 splits hold them all, else up to 8), each merging a contiguous range of the splits, combined through shared
+  memory in team order (still deterministic for a given team count).
 * ``fused``: one launch. Every program writes its split's state, fences it (``__threadfence``), gathers at
   a barrier, and one thread counts the program in its (sequence, KV head)'s completion counter with an
   ``atom.acq_rel.gpu`` add; the program that counts last (the others have released their states before) resets
@@ -127,6 +131,7 @@ import threading
 import torch
 
 from attnplan.backends.base import Backend, DecodeInputs
+from attnplan.device import device_info
 from attnplan.planner import SplitPlan
 from attnplan.problem import DecodeProblem, dtype_name
 from attnplan.state import PartialState
@@ -134,8 +139,8 @@ from attnplan.state import PartialState
 from ._bindings import CudaPtxError, DriverError, NvrtcError
 from .launch import (
     FP8, MERGE_SIGNATURE, PARTIAL_SIGNATURE, DeviceRuntime, KernelSpec, PackedArgs, check_layout,
-    kernel_source, make_spec, max_rows, merge_args, merge_launch_config, merge_spec, mma_unsupported, partial_args,
-    partial_launch_config,
+    kernel_source, make_spec, max_rows, merge_args, merge_launch_config, merge_spec, merge_teams, mma_unsupported,
+    partial_args, partial_launch_config,
 )
 from .nvrtc import CompileCache, Compiled, select_target
 
@@ -314,10 +319,12 @@ class CudaPtxBackend(Backend):
         when given, else the plan's problem. When the config forced a partition other than the one
         ``plan.kernel`` was configured for, the warps and stages are the partition's defaults. A
         ``"partial"`` spec carries the plan's in-kernel merge (``plan.merge`` fused / atomic) unless
-        ``in_kernel_merge`` is false (:meth:`partial`: the state only)."""
+        ``in_kernel_merge`` is false (:meth:`partial`: the state only). A ``"merge"`` spec has
+        :meth:`merge_teams_for` teams per CTA (``device``'s SM count; the plan's device without one), as :meth:`merge`
+        launches for a state on ``device``."""
         p = plan.problem
         if kind == "merge":
-            return merge_spec(p["q_dtype"], p["head_dim"])
+            return merge_spec(p["q_dtype"], p["head_dim"], self.merge_teams_for(plan, device))
         k = plan.kernel
         if inputs is not None:
             window, softcap = inputs.window_left >= 0, inputs.soft_cap > 0
@@ -336,6 +343,17 @@ class CudaPtxBackend(Backend):
                          num_stages=k.get("num_stages") if same else None, smem_limit=self._smem_limit(device),
                          window=window, softcap=softcap, kv_dtype=kv_dtype, partition=partition, mma=mma,
                          merge=merge)
+
+    @staticmethod
+    def merge_teams_for(plan: SplitPlan, device: torch.device | None = None) -> int:
+        """Merge teams per merge-kernel CTA for ``plan`` (:func:`~.launch.merge_teams`, where the rule and the
+        measurement behind it are): the plan's rows ``batch x q_len x num_q_heads``, its ``num_splits`` and the SM
+        count of ``device`` (:func:`attnplan.device.device_info`; the plan's device fingerprint when ``device`` is
+        None). E.g. batch 1, 8 query heads, 128 splits on an H200 (132 SMs): 8; batch 32 (256 rows): 1."""
+        p = plan.problem
+        rows = p["batch"] * p["q_len"] * p["num_q_heads"]
+        sm_count = device_info(device).sm_count if device is not None else plan.device["sm_count"]
+        return merge_teams(rows, plan.num_splits, sm_count)
 
     def compile(self, spec: KernelSpec, compute_capability: tuple[int, int] = (9, 0)) -> Compiled:
         """Compile ``spec`` for ``compute_capability`` through the compile cache (no GPU needed).
@@ -534,7 +552,8 @@ class CudaPtxBackend(Backend):
         ``lse = logsumexp_s(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``, an all-empty row gives
         ``o = 0, lse = -inf`` (no ``-inf - (-inf)``); ``sinks [H]`` fp32 logits then join the
         denominator (``lse' = logaddexp(lse, z)``, ``o' = o exp(lse - lse')``). Deterministic (fixed
-        order, no atomics). Launch only.
+        order, no atomics; bitwise reproducible for a given :meth:`merge_teams_for`, which depends on the plan's
+        rows and splits and the device's SM count). Launch only.
 
         Raises:
             ValueError: dtypes, shapes, strides or alignment the kernel cannot take (named).
@@ -550,7 +569,7 @@ class CudaPtxBackend(Backend):
         if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (b, ql, h)):
             raise ValueError(f"lse must be [{b}, {ql}, {h}] float32, got {tuple(lse.shape)} {lse.dtype}")
         self._check_sinks(sinks, h)
-        spec = merge_spec(dtype_name(out.dtype), d)
+        spec = merge_spec(dtype_name(out.dtype), d, self.merge_teams_for(plan, o.device))
         check_layout("state.o", o, 4, 16)
         check_layout("out", out, 4, out.element_size() * 4)
         cfg = merge_launch_config(spec, b * ql * h)

@@ -25,6 +25,8 @@
 //                        the 16-token m-tiles of a warp's KV tile                [partial / single]
 //   ATTNPLAN_MERGE       the cross-program merge inside the partial kernel (see "Method, cross-program merge"):
 //                        0 = none (the merge kernel follows), 1 = fused, 2 = atomic            [partial]
+//   ATTNPLAN_MERGE_TEAMS merge teams per merge-kernel CTA: 1 (default), 2, 4 or 8; each merges a range of the
+//                        row's splits, combined through shared memory (see the merge kernel)   [merge]
 //   ATTNPLAN_SMEM_BYTES, ATTNPLAN_TILE_TOKENS, ATTNPLAN_THREADS: the host's own arithmetic, checked
 //                        against the kernel's by static_assert (a mismatch fails compilation).
 //
@@ -55,11 +57,13 @@
 // Method, cross-program merge (seed 000's split-K "cost 1": the global reduction, by another kernel or
 // inside this one; "cost 3": atomics make the reduction order, hence the rounding, run-dependent; peers:
 // FlashInfer's merge_states / FlashAttention-2's split-KV combine, both separate kernels). One per-row code,
-// merge_row, serves the merge kernel and the fused merge: lanes take the splits for the lse max and sum (warp
-// shuffles), each thread 4 head_dim columns whose o loads of 8 (4) splits are in flight together, splits summed
-// in index order, empty splits (lse = -inf) weigh 0 and an all-empty row gives o = 0, lse = -inf, the sink joins
-// the denominator once at the end (join_sink).
-//  * ATTNPLAN_MERGE 0: the partial kernel writes its state; the merge kernel (KIND 2, PDL-launched) merges.
+// merge_row (merge_accumulate, then merge_write), serves the merge kernel and the fused merge: lanes take the
+// splits for the lse max and sum (warp shuffles), each thread 4 head_dim columns whose o loads of 8 (4) splits
+// are in flight together, splits summed in index order, empty splits (lse = -inf) weigh 0 and an all-empty row
+// gives o = 0, lse = -inf, the sink joins the denominator once at the end (join_sink).
+//  * ATTNPLAN_MERGE 0: the partial kernel writes its state; the merge kernel (KIND 2, PDL-launched) merges, one
+//    merge_row team per row or, with few rows and many splits, ATTNPLAN_MERGE_TEAMS teams per row that each
+//    accumulate a range of the splits (merge_accumulate) and combine through shared memory (see the kernel).
 //  * fused (1): the counters argument holds one int32 completion counter per (sequence, KV head), zero before
 //    the launch. After writing its split's state (every path: tensor-core or CUDA-core split-K, split-V, the
 //    empty program), every thread fences its stores (__threadfence), a barrier gathers the program and one
@@ -360,6 +364,23 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Shared-memory loads and stores; the host emulation checks them for races between warps and for accesses
+// outside the launch's dynamic shared memory (simt.h), which it reports instead of making them.
+template <class T>
+__device__ __forceinline__ T lds(const void *p) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    if (!emu::smem_access(p, sizeof(T), 0)) return T{};
+#endif
+    return *reinterpret_cast<const T *>(p);
+}
+template <class T>
+__device__ __forceinline__ void sts(void *p, const T &v) {
+#ifdef ATTNPLAN_HOST_EMULATION
+    if (!emu::smem_access(p, sizeof(T), 1)) return;
+#endif
+    *reinterpret_cast<T *>(p) = v;
+}
+
 // ---------------------------------------------------------------------------------------------
 // the merge math of the merge kernel and the in-kernel merges (one piece of code for one contract:
 // attnplan.state.merge_states). The single-pass epilogue (finish_row) keeps its own inline sink join:
@@ -422,24 +443,29 @@ __device__ __forceinline__ float join_sink(float lse, float z, float &factor) {
     return joined;
 }
 
-// Merge the first n split states of one row, lse_s at lr[s * l_ss] and normalized o_s at orow[s * o_ss + d],
-// into outp[0, HEAD_DIM) (q's dtype) and, if out_lse is given, *out_lse:
-//   lse = logsumexp_s(lse_s);  o = sum_s exp(lse_s - lse) o_s;  every split empty: o = 0, lse = -inf
-// then, with a sink logit z = *sink: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z).
-// Splits are summed in index order (deterministic). Run by a team of TW threads (whole warps; t = the thread's
-// index in the team), each owning the 4-dim slots d = 4 (t + k TW). Lanes take the splits (lane s, s + 32, ...):
-// the max and the sum are warp reductions; every warp of a team reduces the same splits by itself (no shared
-// memory, no barrier). The o rows do not depend on the lse values, so the first CHUNK splits' o loads are issued
-// together with the lse loads, and later chunks' CHUNK loads all before their use: a row of up to CHUNK splits
-// costs one memory round trip (results/2026-11-30-s4-call2: loading o only after the max took 4.1 us at b1 4K,
-// 16 splits, against triton's 2.5, whose [splits, dims] block loads are all in flight; with this, 2.8 us in
-// s4-call3). An empty split's o may be unwritten (poison): it is read but selected out, never multiplied in.
+// 4-dim column slots per thread of a merge team of TW threads (thread t owns d = 4 (t + k TW), k < slots)
+template <int TW>
+__host__ __device__ constexpr int merge_slots() { return (HEAD_DIM / 4 + TW - 1) / TW; }
+
+// The per-row accumulation of every merge (merge_row, and the merge kernel's teams, each over its range of
+// splits): the first n split states of one row, lse_s at lr[s * l_ss] and normalized o_s at orow[s * o_ss + d],
+// into the running max M = max_s lse_s, the total weight tot = sum_s exp(lse_s - M) and the weighted column sums
+// a = sum_s exp(lse_s - M) o_s (this thread's slots), splits summed in index order (deterministic). Empty splits
+// (lse = -inf) weigh 0; every split empty (or n = 0): M = -inf, tot = 0, a = 0 (never -inf - (-inf)). Run by a
+// team of TW threads (whole warps; t = the thread's index in the team), each owning the 4-dim slots
+// d = 4 (t + k TW). Lanes take the splits (lane s, s + 32, ...): the max and the sum are warp reductions (every
+// lane ends with M and tot); every warp of a team reduces the same splits by itself (no shared memory, no
+// barrier). The o rows do not depend on the lse values, so the first CHUNK splits' o loads are issued together
+// with the lse loads, and later chunks' CHUNK loads all before their use: up to CHUNK splits cost one memory
+// round trip (results/2026-11-30-s4-call2: loading o only after the max took 4.1 us at b1 4K, 16 splits, against
+// triton's 2.5, whose [splits, dims] block loads are all in flight; with this, 2.8 us in s4-call3). An empty
+// split's o may be unwritten (poison): it is read but selected out, never multiplied in.
 template <int TW, int CHUNK, bool CG>
-__device__ __forceinline__ void merge_row(const float *lr, i64 l_ss, const float *orow, i64 o_ss, int n,
-                                          const float *sink, elem_t *outp, float *out_lse, int t) {
+__device__ __forceinline__ void merge_accumulate(const float *lr, i64 l_ss, const float *orow, i64 o_ss, int n, int t,
+                                                 float &M, float &tot, float (&a)[merge_slots<TW>()][4]) {
     static_assert(TW % 32 == 0, "a merge team is whole warps");
     static_assert(CHUNK >= 1 && 32 % CHUNK == 0, "a chunk of splits divides a warp's 32");
-    constexpr int NSLOT = (HEAD_DIM / 4 + TW - 1) / TW;  // 4-dim slots per thread
+    constexpr int NSLOT = merge_slots<TW>();
     const int lane = t & 31;
     float4 x[CHUNK][NSLOT];
     auto load_chunk = [&](int s) {  // the o rows of splits s .. s + CHUNK - 1 (zeros past n or HEAD_DIM)
@@ -454,20 +480,14 @@ __device__ __forceinline__ void merge_row(const float *lr, i64 l_ss, const float
     };
     const float ls0 = lane < n ? ld_state<CG>(lr + (i64)lane * l_ss) : NEG_INF;
     load_chunk(0);
-    float M = ls0;
+    M = ls0;
     for (int s = lane + 32; s < n; s += 32) M = fmaxf(M, ld_state<CG>(lr + (i64)s * l_ss));
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
-    if (M == NEG_INF) {  // every split empty: never -inf - (-inf)
-#pragma unroll
-        for (int k = 0; k < NSLOT; ++k)
-            if (4 * (t + k * TW) < HEAD_DIM) store4(outp + 4 * (t + k * TW), 0.f, 0.f, 0.f, 0.f);
-        if (t == 0 && out_lse) *out_lse = sink ? *sink : NEG_INF;
-        return;
-    }
-    float tot = 0.f, a[NSLOT][4];
+    tot = 0.f;
 #pragma unroll
     for (int k = 0; k < NSLOT; ++k) a[k][0] = a[k][1] = a[k][2] = a[k][3] = 0.f;
+    if (M == NEG_INF) return;  // every split empty: never -inf - (-inf)
     for (int s0 = 0; s0 < n; s0 += 32) {
         // this lane's split weight; empty splits (lse -inf) and lanes past the last split weigh 0
         const float ls = s0 == 0 ? ls0 : s0 + lane < n ? ld_state<CG>(lr + (i64)(s0 + lane) * l_ss) : NEG_INF;
@@ -490,6 +510,23 @@ __device__ __forceinline__ void merge_row(const float *lr, i64 l_ss, const float
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) tot += __shfl_xor_sync(FULL_MASK, tot, off);
+}
+
+// Normalize a row's merged (M, tot, a) (merge_accumulate's form, this thread's slots) and write it: outp[0,
+// HEAD_DIM) in q's dtype and, if out_lse is given, *out_lse:
+//   lse = M + log(tot);  o = a / tot;  M = -inf (every split empty): o = 0, lse = -inf
+// then, with a sink logit z = *sink: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z).
+template <int TW>
+__device__ __forceinline__ void merge_write(float M, float tot, const float (&a)[merge_slots<TW>()][4],
+                                            const float *sink, elem_t *outp, float *out_lse, int t) {
+    constexpr int NSLOT = merge_slots<TW>();
+    if (M == NEG_INF) {  // every split empty: never -inf - (-inf)
+#pragma unroll
+        for (int k = 0; k < NSLOT; ++k)
+            if (4 * (t + k * TW) < HEAD_DIM) store4(outp + 4 * (t + k * TW), 0.f, 0.f, 0.f, 0.f);
+        if (t == 0 && out_lse) *out_lse = sink ? *sink : NEG_INF;
+        return;
+    }
     float lse_n = M + logf(tot), inv = 1.f / tot;  // tot >= 1: the split holding the max has weight 1
     if (sink) {  // the sink joins the denominator once, after the splits are merged
         float f;
@@ -502,6 +539,17 @@ __device__ __forceinline__ void merge_row(const float *lr, i64 l_ss, const float
         if (d < HEAD_DIM) store4(outp + d, a[k][0] * inv, a[k][1] * inv, a[k][2] * inv, a[k][3] * inv);
     }
     if (t == 0 && out_lse) *out_lse = lse_n;
+}
+
+// Merge the first n split states of one row (merge_accumulate's layout and team) into outp / out_lse
+// (merge_write): lse = logsumexp_s(lse_s); o = sum_s exp(lse_s - lse) o_s; every split empty: o = 0, lse = -inf;
+// then the sink, if given. One team per row: the single-team merge kernel and the fused merge.
+template <int TW, int CHUNK, bool CG>
+__device__ __forceinline__ void merge_row(const float *lr, i64 l_ss, const float *orow, i64 o_ss, int n,
+                                          const float *sink, elem_t *outp, float *out_lse, int t) {
+    float M, tot, a[merge_slots<TW>()][4];
+    merge_accumulate<TW, CHUNK, CG>(lr, l_ss, orow, o_ss, n, t, M, tot, a);
+    merge_write<TW>(M, tot, a, sink, outp, out_lse, t);
 }
 
 #if ATTNPLAN_KIND != ATTNPLAN_KIND_MERGE
@@ -655,22 +703,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 #endif
-
-// Shared-memory loads and stores; the host emulation checks them for races between warps (simt.h).
-template <class T>
-__device__ __forceinline__ T lds(const void *p) {
-#ifdef ATTNPLAN_HOST_EMULATION
-    emu::smem_access(p, sizeof(T), 0);
-#endif
-    return *reinterpret_cast<const T *>(p);
-}
-template <class T>
-__device__ __forceinline__ void sts(void *p, const T &v) {
-#ifdef ATTNPLAN_HOST_EMULATION
-    emu::smem_access(p, sizeof(T), 1);
-#endif
-    *reinterpret_cast<T *>(p) = v;
-}
 
 #if ATTNPLAN_MMA
 // ---- tensor-core helpers (warp-collective: every lane of the warp executes them together) ----
@@ -1223,7 +1255,7 @@ __device__ __forceinline__ void fused_merge(unsigned char *smem, int tid, int nu
     __syncthreads();
     if (!lds<int>(flag)) return;
     constexpr int TW = cmin(NTHREADS, ROW_MERGE_THREADS), TEAMS = NTHREADS / TW;
-    constexpr int NSLOT = (HEAD_DIM / 4 + TW - 1) / TW;
+    constexpr int NSLOT = merge_slots<TW>();
     const int team = tid / TW;
     if (team >= TEAMS) return;  // whole warps
     for (int rr = team; rr < R; rr += TEAMS) {
@@ -1877,18 +1909,44 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 
 #else  // ATTNPLAN_KIND == ATTNPLAN_KIND_MERGE
 // =============================================================================================
-// merge kernel: one CTA per row (b, i, head) = one merge_row team; each thread owns 4 consecutive
-// dims, lanes share the splits' lse reductions (warp shuffles)
+// merge kernel: one CTA per row (b, i, head), ATTNPLAN_MERGE_TEAMS (T) merge teams of ROW_MERGE_THREADS threads
+// per CTA; each thread owns 4 consecutive dims of every slot, lanes share the splits' lse reductions (warp
+// shuffles)
 //   lse = logsumexp_s(lse_s);  o = sum_s exp(lse_s - lse) o_s;  all-empty row: o = 0, lse = -inf
 //   optional sinks [num_heads]: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z)
+// T = 1: the team merges the row's splits (merge_row); no shared memory, no barrier.
+// T > 1 (2, 4, 8): with few rows and many splits one team is latency bound: it walks ceil(n / MERGE_CHUNK)
+// dependent memory round trips (H200, CUPTI: batch 1, 1 KV head, 8 query heads = 8 rows, 128 splits: 9.3 us,
+// 8 round trips per CTA). Team k merges the contiguous splits [k per, min(n, (k + 1) per)), per = ceil(n / T)
+// rounded up to whole chunks (a team's range may be empty), with merge_row's accumulation (merge_accumulate:
+// M_k, tot_k, a_k; an empty range or one of empty splits gives M_k = -inf, tot_k = 0, a_k = 0). The teams
+// publish them in shared memory (a_k[HEAD_DIM] of every team, then M_k, tot_k), one barrier, and team 0
+// combines them in team order 0 .. T-1 (deterministic: same inputs and T, same bits):
+//   M = max_k M_k;  tot = sum_k exp(M_k - M) tot_k;  a = sum_k exp(M_k - M) a_k  (teams with M_k = -inf skipped)
+// and writes the row with merge_write (M = -inf: o = 0, lse = -inf or the sink; the sink joins once, here).
+// The host chooses T (launch.merge_teams): 1 when the rows fill the SMs or one chunk holds the splits, else the
+// smallest power of two with T x 16 >= n, at most 8.
 // =============================================================================================
-constexpr int MERGE_THREADS = ROW_MERGE_THREADS;
-// splits whose o rows one thread loads before using any (merge_row's CHUNK): 16 at one warp per CTA (64
+#ifndef ATTNPLAN_MERGE_TEAMS
+#define ATTNPLAN_MERGE_TEAMS 1
+#endif
+constexpr int MERGE_TEAMS = ATTNPLAN_MERGE_TEAMS;
+static_assert(MERGE_TEAMS == 1 || MERGE_TEAMS == 2 || MERGE_TEAMS == 4 || MERGE_TEAMS == 8,
+              "merge teams per CTA: 1, 2, 4 or 8");
+constexpr int TEAM_THREADS = ROW_MERGE_THREADS;  // one row's merge_row team
+constexpr int MERGE_THREADS = MERGE_TEAMS * TEAM_THREADS;
+// splits whose o rows one thread loads before using any (merge_row's CHUNK): 16 at one warp per team (64
 // registers of float4), 8 at two (head_dim 256). 32 (NOTES change 13) measured slower: 3.6 against 2.8 us at
 // 16 splits, no gain at 32 (results/2026-11-30-s4-call5)
-constexpr int MERGE_CHUNK = MERGE_THREADS == 32 ? 16 : 8;
+constexpr int MERGE_CHUNK = TEAM_THREADS == 32 ? 16 : 8;
+constexpr int MERGE_SLOTS = merge_slots<TEAM_THREADS>();
+// dynamic shared memory of the teams' combine: a_k[HEAD_DIM] of each team, then M_k, then tot_k (T > 1 only)
+constexpr int MERGE_SMEM_BYTES = MERGE_TEAMS == 1 ? 0 : MERGE_TEAMS * (HEAD_DIM + 2) * 4;
 #ifdef ATTNPLAN_THREADS
 static_assert(MERGE_THREADS == ATTNPLAN_THREADS, "host and kernel disagree on merge threads per block");
+#endif
+#ifdef ATTNPLAN_SMEM_BYTES
+static_assert(MERGE_SMEM_BYTES == ATTNPLAN_SMEM_BYTES, "host and kernel disagree on dynamic shared memory");
 #endif
 
 extern "C" __global__ void __launch_bounds__(MERGE_THREADS)
@@ -1903,11 +1961,64 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, elem_
     const int hh = (int)(row % num_heads);
     const int i = (int)((row / num_heads) % q_len);
     const int b = (int)(row / ((i64)num_heads * q_len));
+    const float *lr = lse + (i64)b * l_sb + (i64)i * l_si + (i64)hh * l_sh;
+    const float *orow = o + (i64)b * o_sb + (i64)i * o_si + (i64)hh * o_sh;
+    const float *sink = sinks ? sinks + hh : nullptr;
+    elem_t *outp = out + (i64)b * out_sb + (i64)i * out_si + (i64)hh * out_sh;
+    float *olp = out_lse ? out_lse + (i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh : nullptr;
     // the states come from an earlier launch: plain loads
-    merge_row<MERGE_THREADS, MERGE_CHUNK, false>(
-        lse + (i64)b * l_sb + (i64)i * l_si + (i64)hh * l_sh, l_ss,
-        o + (i64)b * o_sb + (i64)i * o_si + (i64)hh * o_sh, o_ss, num_splits, sinks ? sinks + hh : nullptr,
-        out + (i64)b * out_sb + (i64)i * out_si + (i64)hh * out_sh,
-        out_lse ? out_lse + (i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh : nullptr, threadIdx.x);
+#if ATTNPLAN_MERGE_TEAMS == 1
+    merge_row<TEAM_THREADS, MERGE_CHUNK, false>(lr, l_ss, orow, o_ss, num_splits, sink, outp, olp, threadIdx.x);
+#else
+#ifdef ATTNPLAN_HOST_EMULATION
+    unsigned char *smem = emu::dynamic_smem();
+#else
+    extern __shared__ __align__(16) unsigned char smem[];
+#endif
+    float *sm_a = reinterpret_cast<float *>(smem);  // [MERGE_TEAMS][HEAD_DIM]
+    float *sm_m = sm_a + MERGE_TEAMS * HEAD_DIM, *sm_tot = sm_m + MERGE_TEAMS;
+    const int team = threadIdx.x / TEAM_THREADS, t = threadIdx.x % TEAM_THREADS;
+    const int per = ((num_splits + MERGE_TEAMS - 1) / MERGE_TEAMS + MERGE_CHUNK - 1) / MERGE_CHUNK * MERGE_CHUNK;
+    const int s0 = cmin(num_splits, team * per), cnt = cmin(num_splits - s0, per);
+    float M, tot, a[MERGE_SLOTS][4];
+    merge_accumulate<TEAM_THREADS, MERGE_CHUNK, false>(lr + (i64)s0 * l_ss, l_ss, orow + (i64)s0 * o_ss, o_ss, cnt, t,
+                                                       M, tot, a);
+#pragma unroll
+    for (int k = 0; k < MERGE_SLOTS; ++k) {
+        const int d = 4 * (t + k * TEAM_THREADS);
+        if (d < HEAD_DIM) sts(sm_a + team * HEAD_DIM + d, make_float4(a[k][0], a[k][1], a[k][2], a[k][3]));
+    }
+    if (t == 0) {
+        sts(sm_m + team, M);
+        sts(sm_tot + team, tot);
+    }
+    __syncthreads();
+    if (team != 0) return;
+    M = NEG_INF;
+#pragma unroll
+    for (int k = 0; k < MERGE_TEAMS; ++k) M = fmaxf(M, lds<float>(sm_m + k));
+    tot = 0.f;
+#pragma unroll
+    for (int k = 0; k < MERGE_SLOTS; ++k) a[k][0] = a[k][1] = a[k][2] = a[k][3] = 0.f;
+    if (M != NEG_INF) {
+#pragma unroll
+        for (int j = 0; j < MERGE_TEAMS; ++j) {  // team order: deterministic
+            const float mj = lds<float>(sm_m + j);
+            if (mj == NEG_INF) continue;  // a team of empty splits (or none) weighs 0
+            const float f = expf(mj - M);
+            tot = fmaf(f, lds<float>(sm_tot + j), tot);
+#pragma unroll
+            for (int k = 0; k < MERGE_SLOTS; ++k) {
+                const int d = 4 * (t + k * TEAM_THREADS);
+                if (d < HEAD_DIM) {
+                    const float4 v = lds<float4>(sm_a + j * HEAD_DIM + d);
+                    a[k][0] = fmaf(f, v.x, a[k][0]); a[k][1] = fmaf(f, v.y, a[k][1]);
+                    a[k][2] = fmaf(f, v.z, a[k][2]); a[k][3] = fmaf(f, v.w, a[k][3]);
+                }
+            }
+        }
+    }
+    merge_write<TEAM_THREADS>(M, tot, a, sink, outp, olp, t);
+#endif
 }
 #endif

@@ -51,6 +51,7 @@ __all__ = [
     "pdl_launch_config",
     "kernel_source", "DeviceRuntime", "DTYPE_CODES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS",
     "vector_layout", "split_v_layout", "max_rows", "FP8", "PARTITIONS", "mma_unsupported", "MERGE_CODES",
+    "merge_teams", "MERGE_CHUNK", "MAX_MERGE_TEAMS",
 ]
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -88,6 +89,11 @@ MMA_INFLIGHT_BYTES = 32 * 1024
 #: tensor-core path: n8-tiles per warp x head_dim at most (q B fragments + O^T accumulators:
 #: 6 x head_dim / 16 registers per n8-tile, so 256 keeps them within 96 registers)
 MMA_NTILE_DIMS = 256
+#: merge kernel: splits whose o rows a one-warp merge team (head_dim <= 128) loads per memory round trip
+#: (``decode.cu``'s ``MERGE_CHUNK``; 8 for head_dim 256's two-warp teams)
+MERGE_CHUNK = 16
+#: merge kernel: most teams per CTA (``decode.cu``'s ``ATTNPLAN_MERGE_TEAMS``: 1, 2, 4 or 8)
+MAX_MERGE_TEAMS = 8
 _MAX_GRID_YZ = 65535
 _MAX_GRID_X = 2**31 - 1
 
@@ -173,6 +179,9 @@ class KernelSpec:
             ``"fused"`` (the last program of each (sequence, KV head) merges the group in split order) or
             ``"atomic"`` (each program merges into the group's accumulator under a lock; its own state is
             staged in shared memory first: :attr:`smem_bytes`).
+        teams: merge kernel only (``ATTNPLAN_MERGE_TEAMS``): merge teams per CTA (1, 2, 4 or 8), each merging a
+            contiguous range of the row's splits, combined through shared memory (:attr:`smem_bytes`); 1 = one
+            team per row, no shared memory, no barrier. Chosen by :func:`merge_teams`.
     """
 
     kind: str
@@ -191,6 +200,12 @@ class KernelSpec:
     partition: str = "split_k"
     mma: bool = False
     merge: str = "none"
+    teams: int = 1
+
+    def __post_init__(self) -> None:
+        if self.teams != 1 and (self.kind != "merge" or self.teams not in (2, 4, 8)):
+            raise ValueError(f"teams {self.teams}: merge teams are a 'merge' kernel's, one of 1, 2, 4, 8 "
+                             f"(kind {self.kind!r})")
 
     # -- derived, mirrored by decode.cu's static_asserts ----------------------------------------
     @property
@@ -243,8 +258,8 @@ class KernelSpec:
 
     @property
     def threads(self) -> int:
-        if self.kind == "merge":
-            return -(-self.head_dim // 4 // 32) * 32
+        if self.kind == "merge":  # teams x one row's team (4 head_dim columns per thread, whole warps)
+            return self.teams * -(-self.head_dim // 4 // 32) * 32
         return 32 * self.num_warps
 
     @property
@@ -252,9 +267,10 @@ class KernelSpec:
         """Dynamic shared memory per program: split-K: the per-warp cp.async rings, reused by the final
         warp merge; split-V: the program's one ring. The atomic merge adds its stage (the program's state
         and merge weights, ``rows x (head_dim + 4)`` fp32) past the end merge's buffer (split-K) or the ring
-        (split-V), 16-byte aligned."""
+        (split-V), 16-byte aligned. The merge kernel with ``teams`` > 1: each team's partial result, ``teams x
+        (head_dim + 2)`` fp32 (weighted column sums, then the running maxima and total weights); 0 for one team."""
         if self.kind == "merge":
-            return 0
+            return 0 if self.teams == 1 else self.teams * (self.head_dim + 2) * 4
         ring = (1 if self.split_v else self.num_warps) * self.stages * self.stage_bytes
         epilogue = 0 if self.split_v else self.num_warps * self.rows_per_group * (self.head_dim + 2) * 4
         if self.merge == "atomic":
@@ -271,9 +287,10 @@ class KernelSpec:
     def name(self) -> str:
         """File-name form spelling the specialization, e.g. ``partial-bfloat16-d128-g4-q1-page16-w1x4-s4-p4``
         (``-kvfp8`` for an fp8 cache, ``-splitv`` for split-V, ``-mma`` for the tensor-core path, then
-        ``-window`` / ``-softcap``, then ``-fused`` / ``-atomic`` for an in-kernel merge)."""
+        ``-window`` / ``-softcap``, then ``-fused`` / ``-atomic`` for an in-kernel merge); a merge kernel:
+        ``merge-bfloat16-d128``, ``-t8`` for 8 teams per CTA."""
         if self.kind == "merge":
-            return f"merge-{self.dtype}-d{self.head_dim}"
+            return f"merge-{self.dtype}-d{self.head_dim}" + (f"-t{self.teams}" if self.teams > 1 else "")
         cache = f"page{self.page_size}" if self.page_size else "contig"
         return (f"{self.kind}-{self.dtype}-d{self.head_dim}-g{self.group}-q{self.q_len}-{cache}"
                 f"-w{self.row_groups}x{self.kv_warps}-s{self.stages}-p{self.passes}"
@@ -286,7 +303,9 @@ class KernelSpec:
         """The -D macros of this specialization (``decode.cu`` header lists them)."""
         d = {"ATTNPLAN_KIND": KIND_CODES[self.kind], "ATTNPLAN_DTYPE": DTYPE_CODES[self.dtype],
              "ATTNPLAN_HEAD_DIM": self.head_dim, "ATTNPLAN_THREADS": self.threads}
-        if self.kind != "merge":
+        if self.kind == "merge":
+            d.update({"ATTNPLAN_MERGE_TEAMS": self.teams, "ATTNPLAN_SMEM_BYTES": self.smem_bytes})
+        else:
             d.update({"ATTNPLAN_GROUP": self.group, "ATTNPLAN_QLEN": self.q_len, "ATTNPLAN_PAGE_SIZE": self.page_size,
                       "ATTNPLAN_KV_WARPS": self.kv_warps, "ATTNPLAN_ROW_GROUPS": self.row_groups,
                       "ATTNPLAN_STAGES": self.stages, "ATTNPLAN_PASSES": self.passes,
@@ -490,10 +509,47 @@ def _mma_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_sta
 
 
 @functools.lru_cache(maxsize=256)
-def merge_spec(dtype: str, head_dim: int) -> KernelSpec:
-    """The merge kernel's specialization (output dtype and head_dim)."""
+def merge_spec(dtype: str, head_dim: int, teams: int = 1) -> KernelSpec:
+    """The merge kernel's specialization: output dtype, head_dim and merge ``teams`` per CTA (1, 2, 4 or 8;
+    :func:`merge_teams` chooses it).
+
+    Raises:
+        ValueError: an unsupported dtype or head_dim, or ``teams`` not one of 1, 2, 4, 8.
+    """
     _check_shape_support(dtype, head_dim)
-    return KernelSpec("merge", dtype, head_dim)
+    if teams not in (1, 2, 4, 8):
+        raise ValueError(f"merge teams must be one of 1, 2, 4, 8, got {teams!r}")
+    return KernelSpec("merge", dtype, head_dim, teams=int(teams))
+
+
+def merge_teams(rows: int, num_splits: int, sm_count: int) -> int:
+    """Merge teams per CTA for ``rows`` output rows ``(batch, query, q_head)`` of ``num_splits`` splits each on a
+    device of ``sm_count`` SMs.
+
+    One team per CTA walks a row's splits in ``ceil(num_splits / MERGE_CHUNK)`` dependent memory round trips
+    (each thread loads ``MERGE_CHUNK`` = 16 splits' o rows per trip): with few rows and many splits the merge is
+    latency bound. Measured on an H200 (CUPTI): batch 1, 1 KV head, 8 query heads (8 rows), 128 splits, one
+    team: 9.3 us, each of the 8 CTAs walking 8 round trips. Several teams split a row's splits (contiguous
+    ranges of whole chunks) and combine their partial results through shared memory.
+
+    Rule: 1 team when the rows alone fill the device (``rows >= sm_count``: every SM already has a CTA, more
+    threads per row add no latency hiding that other rows' CTAs do not) or one chunk holds the splits
+    (``num_splits <= MERGE_CHUNK``: one round trip already); otherwise the smallest power of two ``T`` with
+    ``T x MERGE_CHUNK >= num_splits`` (one round trip per team), capped at :data:`MAX_MERGE_TEAMS` (8: 256
+    threads per CTA at head_dim <= 128, 512 at 256; with ``rows < sm_count`` that is fewer than ``8 x sm_count``
+    CTAs). Only the 8-row point above was measured; the rule's other choices (the cap, rows just below the SM
+    count) are unmeasured. Example: 8 rows, 128 splits, 132 SMs -> 8 teams of 16 splits each (one round trip
+    each); 8 rows, 40 splits -> 4; 8 rows, 1000 splits -> 8; 200 rows -> 1.
+
+    Raises:
+        ValueError: a count below 1.
+    """
+    rows, num_splits, sm_count = int(rows), int(num_splits), int(sm_count)
+    if min(rows, num_splits, sm_count) < 1:
+        raise ValueError(f"merge_teams needs rows, num_splits and sm_count >= 1, got {rows}, {num_splits}, {sm_count}")
+    if rows >= sm_count or num_splits <= MERGE_CHUNK:
+        return 1
+    return min(MAX_MERGE_TEAMS, _pow2_ceil(-(-num_splits // MERGE_CHUNK)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -530,11 +586,19 @@ def partial_launch_config(spec: KernelSpec, grid: tuple[int, int, int]) -> Launc
 
 
 def merge_launch_config(spec: KernelSpec, rows: int) -> LaunchConfig:
-    """One program per output row ``(batch, query, q_head)``: grid ``(rows, 1, 1)``."""
+    """One program per output row ``(batch, query, q_head)``: grid ``(rows, 1, 1)``, ``spec.threads`` threads
+    (``spec.teams`` merge teams) and ``spec.smem_bytes`` of dynamic shared memory (the teams' combine; 0 for
+    one team).
+
+    Raises:
+        ValueError: ``spec`` is not a merge kernel's, or ``rows`` is outside ``[1, 2**31 - 1]``.
+    """
+    if spec.kind != "merge":
+        raise ValueError(f"merge_launch_config needs a merge kernel's spec, got {spec.name}")
     rows = int(rows)
     if rows < 1 or rows > _MAX_GRID_X:
         raise ValueError(f"merge rows must be in [1, {_MAX_GRID_X}], got {rows}")
-    return LaunchConfig((rows, 1, 1), (spec.threads, 1, 1), 0)
+    return LaunchConfig((rows, 1, 1), (spec.threads, 1, 1), spec.smem_bytes)
 
 
 # ------------------------------------------------------------------------------------------------

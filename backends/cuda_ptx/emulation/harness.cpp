@@ -93,6 +93,9 @@ extern "C" int emu_constant(const char *name) {
     if (n == "rs") return RS;
 #else
     if (n == "threads") return MERGE_THREADS;
+    if (n == "teams") return MERGE_TEAMS;
+    if (n == "smem") return MERGE_SMEM_BYTES;
+    if (n == "chunk") return MERGE_CHUNK;
 #endif
     return -1;
 }
