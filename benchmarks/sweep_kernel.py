@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from attnplan.tune import sweep
+from attnplan.tune import parse_option_grid, sweep
 
 
 def main():
@@ -21,9 +21,11 @@ def main():
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--shapes", default=None, help="batch:kv,... (default: attnplan.tune.SHAPES)")
     ap.add_argument("--layouts", default="contiguous,paged")
+    ap.add_argument("--option-grid", default=None, type=parse_option_grid,
+                    help="options to sweep instead of the backend's grid, e.g. 'num_warps=2,4;num_stages=2,3'")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    kw = {"layouts": tuple(args.layouts.split(","))}
+    kw = {"layouts": tuple(args.layouts.split(",")), "option_grid": args.option_grid}
     if args.shapes:
         kw["shapes"] = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
     rows = sweep(args.backend, iters=args.iters, progress=lambda layout, b, kv: print(f"{layout} b{b} kv{kv} done", flush=True), **kw)
