@@ -8,8 +8,12 @@ CUDA-graph replay and 64-bit page offsets on a device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import sys
+import threading
+import time
 
 import functools
 
@@ -32,6 +36,7 @@ if not _OK:
     pytest.skip(f"numba backend unavailable on {DEVICE}: {_WHY}", allow_module_level=True)
 
 from attnplan.backends.numba import NumbaBackend, kernels  # noqa: E402  (numba importable from here on)
+from numba import cuda  # noqa: E402
 
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 F32_TOL = torch.float32  # partial states are fp32 whatever the input dtype
@@ -561,6 +566,90 @@ def test_variant_flags_are_specializations(gen):
     assert any(s.sinks for s in kernels._MERGE_CACHE)
     with pytest.raises(ValueError, match="merge"):
         kernels.decode_kernel(next(s for s in specs if not s.single)._replace(sinks=True))
+
+
+# -- simulator thread safety ---------------------------------------------------------------------------
+# numba's simulator runs each CUDA thread as a Python thread, so a race between them (a missing barrier,
+# or check-then-act on state the simulator fills lazily) only shows when a thread switch lands inside a
+# window of a few bytecodes: the shared-array race below failed 3 of 3000 runs of the fp8 variant test
+# (CI once: test_fp8_kv_per_head_scales[numba-7x1-paged16-fp8], max error 0.24). Under a "switch storm"
+# every C call of a simulated thread yields the GIL first, which makes such a window likely to be hit.
+
+def _yield_before_c_calls(frame, event, arg):
+    if event == "c_call":
+        time.sleep(0)  # releases the GIL: another simulated thread runs
+
+
+@contextlib.contextmanager
+def _thread_switch_storm():
+    """Simulated threads started inside yield the GIL before every C call (a ``threading`` profile
+    hook); Python's switch interval is 1 us. Restores both."""
+    old_interval, old_hook = sys.getswitchinterval(), threading.getprofile()
+    sys.setswitchinterval(1e-6)
+    threading.setprofile(_yield_before_c_calls)
+    try:
+        yield
+    finally:
+        threading.setprofile(old_hook)
+        sys.setswitchinterval(old_interval)
+
+
+def _shared_probe(out):
+    """Each thread stores its index into two shared arrays, then sums both as every thread sees them."""
+    a = cuda.shared.array(32, kernels.numpy.float32)
+    b = cuda.shared.array(32, kernels.numpy.float32)
+    t = cuda.threadIdx.x
+    a[t] = t
+    b[t] = 2 * t
+    cuda.syncthreads()
+    sa = 0.0
+    sb = 0.0
+    for i in range(cuda.blockDim.x):
+        sa += a[i]
+        sb += b[i]
+    out[cuda.blockIdx.x, t, 0] = sa
+    out[cuda.blockIdx.x, t, 1] = sb
+
+
+@pytest.mark.skipif(not kernels.SIM, reason="numba's simulator only")
+def test_simulated_shared_arrays_are_one_per_block_under_thread_switches():
+    """Every thread of a simulated block gets the same ``cuda.shared.array`` per call site, even when
+    the block's threads reach the allocations at once. (numba-cuda's simulator fills its per-launch
+    {call site: array} dict by an unlocked check-then-insert, so two threads could each make their own
+    array; kernels.py makes it atomic. Without that, this test failed 6 runs of 6.)"""
+    n = 32
+    kern = cuda.jit(_shared_probe)
+    want = torch.tensor([n * (n - 1) / 2, n * (n - 1)]).expand(2, n, 2)
+    with _thread_switch_storm():
+        for _ in range(12):
+            out = torch.full((2, n, 2), float("nan"))
+            kern[2, n](kernels.sim_array(out.numpy()))
+            assert torch.equal(out, want)
+
+
+@pytest.mark.skipif(not kernels.SIM, reason="numba's simulator only")
+def test_simulated_decode_is_identical_under_thread_switches(gen):
+    """The CI failure's configuration (fp8 cache with per-head scales, bf16 q, GQA group 8, paged) run
+    partial + merge (3 splits) and single pass 4 times each under a thread-switch storm: every run
+    matches the reference and is bitwise identical to the first (a race between simulated threads
+    would make some runs differ; before the shared-array fix about half the launches did)."""
+    x = make_inputs(1, 8, 1, 32, [40], page_size=16, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    kc, vc = (x.k_cache.float() / 4).to(FP8), (x.v_cache.float() * 2).to(FP8)
+    ks, vs = (torch.rand(1, generator=gen) + 0.5).float(), (torch.rand(1, generator=gen) + 0.5).float()
+    ref, ref_lse = reference.attention(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, k_scale=ks, v_scale=vs)
+    with _thread_switch_storm():
+        for splits in (3, 1):
+            first = None
+            for _ in range(4):
+                out = poison(torch.empty_like(x.q))
+                lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
+                attnplan.decode(x.q, kc, vc, x.seq_lens, x.block_table, backend="numba", num_splits=splits,
+                                out=out, lse=lse, k_scale=ks, v_scale=vs)
+                assert_close_to_reference(out, ref, torch.bfloat16)
+                assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+                if first is None:
+                    first = out.clone(), lse.clone()
+                assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), f"splits {splits}: runs differ"
 
 
 # -- GPU only ------------------------------------------------------------------------------------------

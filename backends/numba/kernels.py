@@ -79,6 +79,10 @@ codes give NaN.
 
 Kernels are built by :func:`decode_kernel` / :func:`merge_kernel` from a specialization tuple whose
 fields are compile-time constants (closure variables), and cached per specialization.
+
+In the simulator, importing this module makes numba's static ``cuda.shared.array`` allocation
+atomic (:func:`_race_free_sim_shared_arrays`): the simulator's own check-then-insert could hand two
+threads of a launch's first block different "shared" arrays, a rare wrong result (CI flake).
 """
 
 from __future__ import annotations
@@ -147,6 +151,79 @@ if SIM:
 
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _FakeCUDAArray
 
+    def _race_free_sim_shared_arrays() -> bool:
+        """Make the simulator's static ``cuda.shared.array`` allocation atomic; True when installed.
+
+        The simulator gives a block's threads one array per ``cuda.shared.array`` call site by
+        looking the site up in a per-launch dict that it fills lazily (numba-cuda
+        ``simulator/kernelapi.py``, ``FakeCUDAShared.array``)::
+
+            res = self._allocations.get(caller)
+            if res is None:
+                res = np.empty(shape, dtype)
+                self._allocations[caller] = res
+            return res
+
+        Every simulated thread is a Python thread, and the first block of every launch runs this
+        check-then-insert in all its threads at once. A thread switch between the lookup and the
+        store lets two threads both see no array and each make its own: the one whose store is
+        overwritten keeps a private "shared" array for the whole launch. Its writes are lost to
+        the others and it reads ``np.empty`` garbage for theirs (scores of the butterfly, a token
+        group's ``m``/``l``, the accumulator exchange), so block ``(0, 0, 0)`` writes wrong,
+        usually finite, values (or ``log`` of a garbage sum raises). Rare at the default switch
+        interval (the window is a few bytecodes), but any kernel with a shared array is exposed.
+
+        Replaced by the same lookup, keyed the same way (the caller's file and line), under a lock.
+        A simulator whose ``FakeCUDAShared`` does not look like that is left alone (with a warning).
+        """
+        import sys
+        import threading
+        import warnings
+
+        from numba.cuda.simulator import kernelapi
+        from numba.core import types as _types
+        from numba.np import numpy_support
+
+        cls = getattr(kernelapi, "FakeCUDAShared", None)
+        if cls is None:
+            return False
+        if getattr(cls.array, "_attnplan_race_free", False):
+            return True
+        try:
+            ok = isinstance(cls(0)._allocations, dict)
+        except Exception:  # noqa: BLE001 - another simulator version: leave it as it is
+            ok = False
+        if not ok:
+            warnings.warn("attnplan: numba's CUDA simulator has no FakeCUDAShared._allocations dict; its "
+                          "cuda.shared.array allocation was not made thread-safe", RuntimeWarning, stacklevel=2)
+            return False
+        original = cls.array
+        lock = threading.Lock()
+
+        def array(self, shape, dtype, alignment=None):
+            if alignment is not None or shape == 0:
+                # alignment: the simulator refuses it; size 0: the dynamic buffer, made when the launch
+                # starts (no lazy state, no caller lookup)
+                return original(self, shape, dtype, alignment)
+            if isinstance(dtype, _types.Type):
+                dtype = numpy_support.as_dtype(dtype)
+            frame = sys._getframe(1)  # the kernel's frame: the call site is the array's identity
+            site = (frame.f_code.co_filename, frame.f_lineno)
+            del frame
+            with lock:
+                res = self._allocations.get(site)
+                if res is None:
+                    res = self._allocations[site] = numpy.empty(shape, dtype)
+            return res
+
+        array._attnplan_race_free = True
+        array.__doc__ = original.__doc__
+        cls.array = array
+        return True
+
+    #: the simulator's shared-array allocation is atomic (:func:`_race_free_sim_shared_arrays`)
+    SIM_SHARED_RACE_FREE: bool = _race_free_sim_shared_arrays()
+
     def sim_array(ary: numpy.ndarray):
         """Hand a numpy view to a simulated kernel without the simulator's copy-in/copy-out (which
         refuses non-contiguous arrays): the kernel reads and writes the tensor's memory directly."""
@@ -156,6 +233,8 @@ if SIM:
         return numpy.float32(x)
 else:
     from numba.cuda import libdevice
+
+    SIM_SHARED_RACE_FREE = False  # no simulator: real shared memory
 
     def _device(fn):
         return cuda.jit(device=True, forceinline=True)(fn)
