@@ -317,17 +317,21 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
     """The nearest entry of the device's measured split table for ``problem``, or ``None`` (cost model).
 
     ``plans/<device>.yaml`` key ``split_table.<backend>.<layout>``: rows ``[pairs, kv_len,
-    programs_per_sm, ...]`` written by ``attnplan tune`` (``pairs`` = batch x KV heads; the best
-    split count of an exhaustive search, as programs per SM); a 1-byte (fp8) cache reads
-    ``<layout>_fp8`` (``attnplan tune --kv-dtype float8_e4m3fn``) and has no table without it.
-    Used for the table's own conditions only: head_dim <= 128, split-K (one column program),
-    near-uniform lengths (the mean
-    at least half the maximum on the bucketed problem the planner sees, i.e. a live mean above about a
-    quarter of the maximum), and an entry within :data:`TABLE_REACH` of the problem in both pairs
-    and length; the nearest in log space wins.
+    programs_per_sm, us, group, head_dim]`` written by ``attnplan tune`` (``pairs`` = batch x KV heads;
+    the best split count of an exhaustive search, as programs per SM; ``group`` = the GQA group size and
+    ``head_dim`` of the heads it was measured with; rows without them count as head_dim 128, any group);
+    a 1-byte (fp8) cache reads ``<layout>_fp8`` (``attnplan tune --kv-dtype float8_e4m3fn``) and has no
+    table without it. Used for the table's own conditions only: split-K (one column program),
+    near-uniform lengths (the mean at least half the maximum on the bucketed problem the planner sees,
+    i.e. a live mean above about a quarter of the maximum), rows of the problem's head_dim (rows measured
+    at head_dim <= 128 serve every head_dim <= 128), and an entry within :data:`TABLE_REACH` of the
+    problem in both pairs and length. The nearest wins, in log space over pairs and length, with half
+    the log distance of the group sizes as a tie-breaker: a row of the problem's own heads first (the
+    best split depends on the group's work per token too: measured in results/2026-11-30-s5-call4, where
+    32/32/128 and 16/8/256 planned from other heads' rows or the cost model missed the best by 5-25%).
     """
     itemsize = torch_dtype(problem.kv_dtype).itemsize
-    if device.compute_capability == (0, 0) or cols != 1 or problem.head_dim > 128 \
+    if device.compute_capability == (0, 0) or cols != 1 \
             or itemsize not in (1, 2) or problem.total_kv_len * 2 < problem.batch * problem.max_kv_len:
         return None
     layout = split_table_layout("paged" if problem.paged else "contiguous", itemsize)
@@ -335,9 +339,13 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
     work, kv = problem.batch * problem.num_kv_heads, max(problem.max_kv_len, 1)
     best, best_d = None, math.inf
     for row in rows:
+        group, head_dim = (row[4], row[5]) if len(row) >= 6 else (None, 128)
+        if not (head_dim == problem.head_dim or (head_dim <= 128 and problem.head_dim <= 128)):
+            continue
         dw, dk = abs(math.log(row[0] / work)), abs(math.log(row[1] / kv))
-        if max(dw, dk) <= math.log(TABLE_REACH) and dw + dk < best_d:
-            best, best_d = tuple(row), dw + dk
+        dg = abs(math.log(group / problem.group_size)) if group else 0.0
+        if max(dw, dk) <= math.log(TABLE_REACH) and dw + dk + 0.5 * dg < best_d:
+            best, best_d = tuple(row), dw + dk + 0.5 * dg
     return best
 
 

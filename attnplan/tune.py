@@ -109,10 +109,10 @@ def _table_key(layout: str, kv_dtype: str) -> str:
 
 def merge_rows(old: list, new: list) -> list:
     """Split-table rows of a layout after a new tune: ``new`` replaces the rows of the points
-    (pairs, KV length) it measured, the rest of ``old`` stays; sorted by point."""
-    rows = {(r[0], r[1]): list(r) for r in old}
-    rows.update({(r[0], r[1]): list(r) for r in new})
-    return [rows[k] for k in sorted(rows)]
+    (pairs, KV length, group, head_dim) it measured, the rest of ``old`` stays; sorted by point."""
+    rows = {_row_key(r): list(r) for r in old}
+    rows.update({_row_key(r): list(r) for r in new})
+    return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1], k[2] or 0, k[3]))]
 
 
 def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous", "paged"), iters: int = 15,
@@ -230,13 +230,22 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
     return rows
 
 
-def split_table(rows: list[dict], hkv: int) -> dict:
-    """``{layout: [[pairs, kv, programs_per_sm, us], ...]}``: the best split of each searched point."""
+def split_table(rows: list[dict], heads) -> dict:
+    """``{layout: [[pairs, kv, programs_per_sm, us, group, head_dim], ...]}``: the best split of each
+    searched point, for ``heads = (num_q_heads, num_kv_heads, head_dim)`` (the planner prefers rows of
+    a problem's own group and head_dim: :func:`attnplan.planner._table_entry`)."""
+    hq, hkv, d = heads
     out = {}
     for key in sorted({(r["layout"], r["batch"], r["kv"]) for r in rows}):
         best = min((r for r in rows if (r["layout"], r["batch"], r["kv"]) == key), key=lambda r: r["us"])
-        out.setdefault(key[0], []).append([key[1] * hkv, key[2], best["ppsm"], round(best["us"], 2)])
+        out.setdefault(key[0], []).append([key[1] * hkv, key[2], best["ppsm"], round(best["us"], 2), hq // hkv, d])
     return out
+
+
+def _row_key(r) -> tuple:
+    """A split-table row's point: pairs, KV length, and the heads' group and head_dim (untagged rows:
+    ``(None, 128)``, as the planner reads them)."""
+    return (r[0], r[1]) + ((r[4], r[5]) if len(r) >= 6 else (None, 128))
 
 
 def main(argv=None) -> int:
@@ -320,7 +329,7 @@ def main(argv=None) -> int:
         if args.check_only:
             continue
         mine = table.setdefault("split_table", {}).setdefault(backend, {})
-        for layout, rows in split_table(searches[backend], heads[1]).items():
+        for layout, rows in split_table(searches[backend], heads).items():
             key = _table_key(layout, args.kv_dtype)  # earlier tunes' other points and dtypes stay
             mine[key] = merge_rows(mine.get(key, []), rows)
     if not args.check_only:
@@ -339,7 +348,9 @@ def main(argv=None) -> int:
     if args.json:
         _atomic_write(args.json, json.dumps({"option_sweep": allrows, "split_search": searches, "quality": quality,
                                              "table": table}, indent=1, default=str))
-    for name, key in (("in-sample", "within_5pct"), ("leave-one-out", "loo_within_5pct")):
+    names = ((("out of sample: the table as it was", "within_5pct"),) if args.check_only
+             else (("in-sample", "within_5pct"), ("leave-one-out", "loo_within_5pct")))
+    for name, key in names:
         good = sum(q[key] for q in quality)
         print(f"planner within 5% of the exhaustive split search ({name}): {good}/{len(quality)} points")
     for q in quality:
@@ -427,7 +438,8 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtyp
             pairs = batch * heads[1]
             loo = json.loads(json.dumps(full))
             lay = loo.get("split_table", {}).get(backend, {}).get(_table_key(layout, kv_dtype), [])
-            lay[:] = [r for r in lay if (r[0], r[1]) != (pairs, kv)]
+            lay[:] = [r for r in lay if _row_key(r) not in ((pairs, kv, heads[0] // heads[1], heads[2]),
+                                                            (pairs, kv, None, 128))]
             saved = planner.device_table
             planner.device_table = lambda s, _t=loo: _t
             try:

@@ -207,17 +207,45 @@ def test_tune_split_table_keeps_the_best_split_per_point():
     rows = [{"layout": "paged", "batch": 4, "kv": 32768, "splits": s, "programs": 32 * s, "ppsm": round(32 * s / 132, 3), "us": us}
             for s, us in ((9, 176.0), (17, 162.0), (33, 135.0), (66, 150.0))]
     rows += [{"layout": "contiguous", "batch": 1, "kv": 4096, "splits": 16, "programs": 128, "ppsm": 0.97, "us": 14.0}]
-    assert split_table(rows, 8) == {"paged": [[32, 32768, round(32 * 33 / 132, 3), 135.0]],
-                                    "contiguous": [[8, 4096, 0.97, 14.0]]}
+    assert split_table(rows, (32, 8, 128)) == {"paged": [[32, 32768, round(32 * 33 / 132, 3), 135.0, 4, 128]],
+                                               "contiguous": [[8, 4096, 0.97, 14.0, 4, 128]]}
 
 
 def test_tune_table_rows_merge_by_point():
     """A later tune (other heads, another KV dtype) replaces the rows of the points it measured and keeps the rest."""
     from attnplan.tune import merge_rows
 
-    old = [[8, 4096, 0.97, 14.0], [32, 32768, 8.0, 135.0]]
-    assert merge_rows(old, [[8, 4096, 1.9, 13.0], [1, 131072, 2.0, 40.0]]) == [
-        [1, 131072, 2.0, 40.0], [8, 4096, 1.9, 13.0], [32, 32768, 8.0, 135.0]]
+    old = [[8, 4096, 0.97, 14.0, 4, 128], [32, 32768, 8.0, 135.0, 4, 128]]
+    assert merge_rows(old, [[8, 4096, 1.9, 13.0, 4, 128], [1, 131072, 2.0, 40.0, 8, 128]]) == [
+        [1, 131072, 2.0, 40.0, 8, 128], [8, 4096, 1.9, 13.0, 4, 128], [32, 32768, 8.0, 135.0, 4, 128]]
+    # another group or head_dim at the same (pairs, length) is another point: both rows stay
+    assert merge_rows(old, [[8, 4096, 4.0, 50.0, 2, 256]]) == [
+        [8, 4096, 4.0, 50.0, 2, 256], [8, 4096, 0.97, 14.0, 4, 128], [32, 32768, 8.0, 135.0, 4, 128]]
+
+
+def test_split_table_prefers_rows_of_the_problems_own_heads(monkeypatch):
+    """Rows carry the group and head_dim they were measured with: a problem takes its own heads' row,
+    then the nearest of another group with the same head_dim class (group distance only breaks ties of
+    pairs and length); head_dim 256 only from head_dim-256 rows."""
+    import attnplan.planner as planner
+
+    table = {"split_table": {"triton": {"contiguous": [
+        [8, 131072, 2.0, 100.0, 4, 128], [4, 131072, 8.0, 100.0, 8, 128], [8, 131072, 4.0, 100.0, 1, 128],
+        [8, 65536, 4.0, 100.0, 2, 256]]}}}
+    monkeypatch.setattr(planner, "device_table", lambda slug: table)
+    big = dict(page_size=None, max_kv_len=131072, total_kv_len=131072)
+    g4 = make_plan(P(**big), H200_LIKE, CFG, "triton", KERNEL)  # 32/8: group 4
+    assert g4.table_entry == (8, 131072, 2.0, 100.0, 4, 128)
+    g8 = make_plan(P(num_q_heads=64, **big), H200_LIKE, CFG, "triton", KERNEL)  # 64/8: group 8, no own row at 8 pairs
+    assert g8.table_entry == (8, 131072, 2.0, 100.0, 4, 128)  # same pairs, group 4 beats 4 pairs of group 8
+    g1 = make_plan(P(num_q_heads=8, **big), H200_LIKE, CFG, "triton", KERNEL)  # 8/8: group 1
+    assert g1.table_entry == (8, 131072, 4.0, 100.0, 1, 128)
+    d256 = make_plan(P(num_q_heads=16, head_dim=256, **big), H200_LIKE, CFG, "triton", KERNEL)
+    assert d256.policy == "tuned" and d256.table_entry == (8, 65536, 4.0, 100.0, 2, 256)
+    assert make_plan(P(num_q_heads=16, head_dim=192, **big), H200_LIKE, CFG, "triton", KERNEL).policy == "heuristic"
+    # untagged rows (tables written before the tags) count as head_dim 128, any group
+    table["split_table"]["triton"]["contiguous"] = [[8, 131072, 2.0]]
+    assert make_plan(P(num_q_heads=8, **big), H200_LIKE, CFG, "triton", KERNEL).table_entry == (8, 131072, 2.0)
 
 
 def test_tune_inputs_and_planning_for_an_fp8_cache():
