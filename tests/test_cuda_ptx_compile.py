@@ -190,6 +190,32 @@ def test_mma_compiles_without_spills(s, cc, cache):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("passes,warps,page", [(2, 2, None), (2, 2, 16), (4, 1, None)])
+def test_mma_larger_warp_tiles_compile_without_spills(passes, warps, page, cc, cache):
+    """Option ``passes`` (16-token m-tiles per warp tile, tensor-core path): the tile, the ring and the
+    name follow it; cubins without spills within the register limit."""
+    spec = L.make_spec("partial", "bfloat16", 128, 4, 1, page, num_warps=warps, passes=passes, mma=True)
+    assert spec.mma and spec.passes == passes and spec.tile_tokens == 16 * passes and f"-p{passes}" in spec.name
+    assert spec.stage_bytes == 2 * 16 * passes * 128 * 2
+    res = _compiled_resources(spec, cc, cache, two_programs=False)
+    print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
+          f"dynamic smem {spec.smem_bytes}")
+
+
+def test_mma_passes_option_is_checked():
+    with pytest.raises(ValueError, match="passes 3"):
+        L.make_spec("partial", "bfloat16", 128, 4, 1, None, passes=3, mma=True)
+    with pytest.raises(ValueError, match="passes 8"):  # 64 rows: 4 n8-tiles per warp take at most 2 m-tiles
+        L.make_spec("partial", "bfloat16", 128, 16, 4, None, passes=8, mma=True)
+    # a tile whose ring does not fit takes the CUDA-core path under mma auto, as other options do
+    assert not L.make_spec("partial", "bfloat16", 128, 4, 1, None, num_warps=4, passes=4).mma
+    # the CUDA-core path ignores it (its tile follows its registers)
+    assert L.make_spec("partial", "float32", 128, 4, 1, None, passes=2).passes == \
+        L.make_spec("partial", "float32", 128, 4, 1, None).passes
+
+
+@needs_nvrtc
 @pytest.mark.parametrize("cc", [*ARCHS, (8, 9)], ids=lambda c: f"sm_{c[0]}{c[1]}")
 @pytest.mark.parametrize("s", FP8_MMA_SPECS, ids=spec_id)
 def test_fp8_mma_compiles_without_spills(s, cc, cache):

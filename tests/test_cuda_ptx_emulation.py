@@ -655,3 +655,25 @@ def test_emulated_merge_teams_constants_match_host(be, teams):
     k = be.kernel(spec)
     assert (k.constant("teams"), k.constant("threads"), k.constant("smem"), k.constant("chunk")) == \
         (teams, spec.threads, spec.smem_bytes, 8)
+
+
+@pytest.mark.parametrize("passes,warps,page", [(2, 2, None), (2, 2, 16), (4, 1, 8)])
+def test_emulated_mma_larger_warp_tiles_match_reference(be, passes, warps, page, gen):
+    """Option ``passes`` (32- / 64-token warp tiles on the tensor cores): chunks that end inside a tile,
+    pages smaller than the tile, an empty sequence; partial states and the merged output against the
+    float64 reference."""
+    x = make_inputs(3, 8, 2, 64, [150, 0, 37], page_size=page, dtype=torch.bfloat16, generator=gen)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    plan = _plan(be, x, 3, "mma", passes=passes, num_warps=warps)
+    assert plan.kernel["passes"] == passes and be.spec_for("partial", plan, inputs=x).passes == passes
+    st = PartialState.empty(*x.q.shape[:3], plan.num_splits, 64).fill_(float("nan"))
+    be.partial(plan, x, st)
+    rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
+                           plan.num_splits)
+    assert_close_to_reference(st.o, rp.o, torch.bfloat16, "partial o")
+    assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
+    out = poison(torch.empty_like(x.q))
+    lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
+    be.merge(plan, st, out, lse)
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")

@@ -177,7 +177,8 @@ class CudaPtxBackend(Backend):
     ``kernel_options.cuda_ptx.<layout>``): ``num_warps`` = warps per row group (default 4; split-K's
     KV warps, split-V's column warps), ``num_stages`` = cp.async ring depth (default: enough for
     ~48 KB in flight), ``block_n`` = chunk alignment in tokens (a multiple of the kernel's tile),
-    ``threads`` = total threads (alternative to ``num_warps``), ``partition`` = ``split_k`` (default)
+    ``threads`` = total threads (alternative to ``num_warps``), ``passes`` = 16-token m-tiles per warp tile on
+    the tensor-core path (default: 8 KB of K + V per stage), ``partition`` = ``split_k`` (default)
     or ``split_v`` (what the planner takes for ``split.partition: auto``), ``mma`` = the tensor-core
     path: ``None`` (auto: on wherever it serves, fp8 KV included), ``False`` (CUDA cores), ``True``
     (required; an error where it cannot serve). The plan's kernel options show the choice (``"mma": true``).
@@ -301,7 +302,8 @@ class CudaPtxBackend(Backend):
             if threads % (32 * rg):
                 raise ValueError(f"backend_options.cuda_ptx.threads {threads} must be a multiple of 32 x {rg} row group(s)")
             warps = threads // (32 * rg)
-        spec = make_spec("partial", *args, num_warps=warps, num_stages=options.get("num_stages"), **kw)
+        spec = make_spec("partial", *args, num_warps=warps, num_stages=options.get("num_stages"),
+                         passes=options.get("passes"), **kw)
         tile = spec.tile_tokens
         block_n = int(options.get("block_n") or tile * (1 if spec.split_v else spec.kv_warps))
         if block_n % tile:
@@ -342,7 +344,7 @@ class CudaPtxBackend(Backend):
                          p["page_size"], num_warps=k.get("num_warps") if same else None,
                          num_stages=k.get("num_stages") if same else None, smem_limit=self._smem_limit(device),
                          window=window, softcap=softcap, kv_dtype=kv_dtype, partition=partition, mma=mma,
-                         merge=merge)
+                         merge=merge, passes=k.get("passes") if same and k.get("mma") else None)
 
     @staticmethod
     def merge_teams_for(plan: SplitPlan, device: torch.device | None = None) -> int:

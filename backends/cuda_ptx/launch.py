@@ -348,7 +348,7 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
               num_warps: int | None = None, num_stages: int | None = None,
               smem_limit: int = SMEM_BUDGET, window: bool = False, softcap: bool = False,
               kv_dtype: str | None = None, partition: str = "split_k", mma: bool | None = None,
-              merge: str = "none") -> KernelSpec:
+              merge: str = "none", passes: int | None = None) -> KernelSpec:
     """Choose the partial / single-pass specialization for a problem.
 
     Args:
@@ -375,6 +375,9 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
         merge: the in-kernel merge of a ``"partial"`` kernel: ``"none"`` (a merge kernel follows),
             ``"fused"`` or ``"atomic"`` (the plan's ``merge``; the atomic merge's shared-memory stage counts
             toward the stage choice and the limit).
+        passes: tensor-core path only: 16-token m-tiles per warp tile (config
+            ``backend_options.cuda_ptx.passes``, a power of two up to 8); ``None`` = the tile of
+            :data:`MMA_TILE_BYTES`. Ignored on the CUDA-core path (its tile follows its registers).
     Returns:
         the :class:`KernelSpec`. CUDA-core path: rows are split into row groups of at most ``min(8,
         ROW_REGS / (2 x elements per lane))`` rows; the tile is sized so a warp holds at most
@@ -412,7 +415,7 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
             raise ValueError(f"mma=True: {why}")
         if not why:
             try:
-                return _mma_spec(*args, kv_dtype, merge=merge)
+                return _mma_spec(*args, kv_dtype, merge=merge, passes=passes)
             except ValueError:
                 if mma:
                     raise
@@ -471,7 +474,7 @@ def _core_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_st
 
 
 def _mma_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_stages, smem_limit, window,
-              softcap, kv_dtype=None, merge="none") -> KernelSpec:
+              softcap, kv_dtype=None, merge="none", passes=None) -> KernelSpec:
     """The tensor-core specialization (see :func:`make_spec`).
 
     The warp tile is sized in bytes (:data:`MMA_TILE_BYTES` of K + V per stage), not tokens: an fp8 cache
@@ -491,8 +494,12 @@ def _mma_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_sta
                          f"path for head_dim {head_dim}, more than {MAX_WARPS} warps")
     ntw = -(-n8 // row_groups)
     eb = ELEM_BYTES[kv_dtype or dtype]
-    passes = max(1, min(_pow2_floor(max(1, MMA_TILE_BYTES // (2 * 16 * head_dim * eb))),
-                        _pow2_floor(max(1, SCORE_REGS // (4 * ntw)))))
+    if passes is None:
+        passes = max(1, min(_pow2_floor(max(1, MMA_TILE_BYTES // (2 * 16 * head_dim * eb))),
+                            _pow2_floor(max(1, SCORE_REGS // (4 * ntw)))))
+    elif passes not in (1, 2, 4, 8) or 4 * ntw * passes > 2 * SCORE_REGS:
+        raise ValueError(f"passes {passes}: the tensor-core tile takes 1, 2, 4 or 8 m-tiles, and at most "
+                         f"{2 * SCORE_REGS // (4 * ntw)} for {ntw} n8-tile(s) per warp")
     base = KernelSpec(kind, dtype, head_dim, group, q_len, page_size, 1, row_groups, 2, passes, window, softcap,
                       kv_dtype == FP8, "split_k", True, merge)
     if num_warps is None:
