@@ -45,7 +45,7 @@ class KernelOptions(_Strict):
                                                  "(fp16/bf16, head_dim a multiple of 16, split-K)")
     pdl: bool | None = Field(None, description="cuda_ptx: programmatic dependent launch of the merge kernel "
                                                 "(sm_90+); null = on")
-    passes: int | None = Field(None, ge=1, le=8, description="cuda_ptx: 16-token m-tiles per warp tile on the "
+    passes: Literal[1, 2, 4, 8] | None = Field(None, description="cuda_ptx: 16-token m-tiles per warp tile on the "
                                "tensor-core path (1, 2, 4 or 8); null = 8 KB of K + V per stage")
     block_dv: int | None = Field(None, ge=16, le=256, description="split_v (triton): V / output columns per column "
                                  "program, a power of two; null = the backend's default (triton: half the padded "

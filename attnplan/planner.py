@@ -325,10 +325,12 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
     near-uniform lengths (the mean at least half the maximum on the bucketed problem the planner sees,
     i.e. a live mean above about a quarter of the maximum), rows of the problem's head_dim (rows measured
     at head_dim <= 128 serve every head_dim <= 128), and an entry within :data:`TABLE_REACH` of the
-    problem in both pairs and length. The nearest wins, in log space over pairs and length, with half
-    the log distance of the group sizes as a tie-breaker: a row of the problem's own heads first (the
-    best split depends on the group's work per token too: measured in results/2026-11-30-s5-call4, where
-    32/32/128 and 16/8/256 planned from other heads' rows or the cost model missed the best by 5-25%).
+    problem in both pairs and length. The nearest wins: log distance in pairs plus log distance in
+    length plus half the log distance of the group sizes (so at the same point a row of the problem's
+    own group wins, and one grid step away a row of another group may), ties going to a tagged row of
+    the problem's own head_dim. The group term exists because the best split depends on the group's
+    work per token too: in results/2026-11-30-s5-call4, 32/32/128 and 16/8/256 planned from other heads'
+    rows or the cost model missed the best by 5-25%.
     """
     itemsize = torch_dtype(problem.kv_dtype).itemsize
     if device.compute_capability == (0, 0) or cols != 1 \
@@ -344,8 +346,10 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
             continue
         dw, dk = abs(math.log(row[0] / work)), abs(math.log(row[1] / kv))
         dg = abs(math.log(group / problem.group_size)) if group else 0.0
-        if max(dw, dk) <= math.log(TABLE_REACH) and dw + dk + 0.5 * dg < best_d:
-            best, best_d = tuple(row), dw + dk + 0.5 * dg
+        # equal distances: a tagged row of the problem's own head_dim before an untagged or other one
+        d = dw + dk + 0.5 * dg + (0.0 if group and head_dim == problem.head_dim else 1e-3)
+        if max(dw, dk) <= math.log(TABLE_REACH) and d < best_d:
+            best, best_d = tuple(row), d
     return best
 
 

@@ -109,8 +109,12 @@ def _table_key(layout: str, kv_dtype: str) -> str:
 
 def merge_rows(old: list, new: list) -> list:
     """Split-table rows of a layout after a new tune: ``new`` replaces the rows of the points
-    (pairs, KV length, group, head_dim) it measured, the rest of ``old`` stays; sorted by point."""
-    rows = {_row_key(r): list(r) for r in old}
+    (pairs, KV length, group, head_dim) it measured, and untagged rows (written before rows carried
+    group and head_dim) at the (pairs, KV length) it measured at head_dim <= 128; the rest of ``old``
+    stays; sorted by point."""
+    measured = {(r[0], r[1]) for r in new if _row_key(r)[3] <= 128}
+    # an untagged row (a table written before the tags) at a point the new rows measure is superseded
+    rows = {_row_key(r): list(r) for r in old if not (len(r) < 6 and (r[0], r[1]) in measured)}
     rows.update({_row_key(r): list(r) for r in new})
     return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1], k[2] or 0, k[3]))]
 
@@ -164,7 +168,7 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
     best geometric mean of (time / the shape's best time) over the layout's shapes.
     """
     ok = [r for r in rows if "us" in r]
-    opt_keys = [k for k in ("block_n", "num_warps", "num_stages", "partition") if ok and k in ok[0]]
+    opt_keys = [k for k in (ok[0] if ok else {}) if k not in ("layout", "batch", "kv", "splits", "programs", "us")]
     out = {"kernel_options": {backend: {}}, "sat_by_layout": {}}
     for layout in sorted({r["layout"] for r in ok}):
         lr = [r for r in ok if r["layout"] == layout]
@@ -348,7 +352,7 @@ def main(argv=None) -> int:
     if args.json:
         _atomic_write(args.json, json.dumps({"option_sweep": allrows, "split_search": searches, "quality": quality,
                                              "table": table}, indent=1, default=str))
-    names = ((("out of sample: the table as it was", "within_5pct"),) if args.check_only
+    names = ((("against the table as it is", "within_5pct"),) if args.check_only
              else (("in-sample", "within_5pct"), ("leave-one-out", "loo_within_5pct")))
     for name, key in names:
         good = sum(q[key] for q in quality)

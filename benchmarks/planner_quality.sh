@@ -12,6 +12,6 @@ for heads in ${HEADS:-32,8,128 64,8,128 28,4,128 32,32,128 16,8,256 8,1,128}; do
     timeout ${EACH_TIMEOUT:-120} python3 -m attnplan.cli tune --check-only --backends "$be" --heads "$heads" \
       --iters ${ITERS:-15} --batches ${BATCHES:-1,4,16,64,256} --kv ${KV:-1024,4096,16384,65536,131072} \
       --json "$OUT/quality-$tag.json" > "$OUT/quality-$tag.log" 2>&1
-    echo "$tag rc=$? $(grep -E 'in-sample' "$OUT/quality-$tag.log")"
+    echo "$tag rc=$? $(grep -E 'planner within 5%' "$OUT/quality-$tag.log")"
   done
 done

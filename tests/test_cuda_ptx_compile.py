@@ -208,8 +208,11 @@ def test_mma_passes_option_is_checked():
         L.make_spec("partial", "bfloat16", 128, 4, 1, None, passes=3, mma=True)
     with pytest.raises(ValueError, match="passes 8"):  # 64 rows: 4 n8-tiles per warp take at most 2 m-tiles
         L.make_spec("partial", "bfloat16", 128, 16, 4, None, passes=8, mma=True)
-    # a tile whose ring does not fit takes the CUDA-core path under mma auto, as other options do
-    assert not L.make_spec("partial", "bfloat16", 128, 4, 1, None, num_warps=4, passes=4).mma
+    # an explicit tile never turns into the CUDA-core path: a ring that does not fit, or an invalid count, raises
+    with pytest.raises(ValueError, match="shared memory"):
+        L.make_spec("partial", "bfloat16", 128, 4, 1, None, num_warps=4, passes=4)
+    with pytest.raises(ValueError, match="passes 3"):
+        L.make_spec("partial", "bfloat16", 128, 4, 1, None, passes=3)
     # the CUDA-core path ignores it (its tile follows its registers)
     assert L.make_spec("partial", "float32", 128, 4, 1, None, passes=2).passes == \
         L.make_spec("partial", "float32", 128, 4, 1, None).passes

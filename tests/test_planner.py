@@ -221,12 +221,15 @@ def test_tune_table_rows_merge_by_point():
     # another group or head_dim at the same (pairs, length) is another point: both rows stay
     assert merge_rows(old, [[8, 4096, 4.0, 50.0, 2, 256]]) == [
         [8, 4096, 4.0, 50.0, 2, 256], [8, 4096, 0.97, 14.0, 4, 128], [32, 32768, 8.0, 135.0, 4, 128]]
+    # an untagged row (an older table) at a point the new tune measured is replaced, elsewhere kept
+    assert merge_rows([[8, 4096, 1.0, 9.9], [16, 4096, 1.0, 9.9]], [[8, 4096, 4.0, 5.0, 4, 128]]) == [
+        [8, 4096, 4.0, 5.0, 4, 128], [16, 4096, 1.0, 9.9]]
 
 
 def test_split_table_prefers_rows_of_the_problems_own_heads(monkeypatch):
-    """Rows carry the group and head_dim they were measured with: a problem takes its own heads' row,
-    then the nearest of another group with the same head_dim class (group distance only breaks ties of
-    pairs and length); head_dim 256 only from head_dim-256 rows."""
+    """Rows carry the group and head_dim they were measured with: a problem takes its own heads' row at
+    its point, else the nearest with half the group distance added; head_dim 256 only from head_dim-256
+    rows; untagged rows lose ties to tagged ones."""
     import attnplan.planner as planner
 
     table = {"split_table": {"triton": {"contiguous": [
@@ -243,9 +246,13 @@ def test_split_table_prefers_rows_of_the_problems_own_heads(monkeypatch):
     d256 = make_plan(P(num_q_heads=16, head_dim=256, **big), H200_LIKE, CFG, "triton", KERNEL)
     assert d256.policy == "tuned" and d256.table_entry == (8, 65536, 4.0, 100.0, 2, 256)
     assert make_plan(P(num_q_heads=16, head_dim=192, **big), H200_LIKE, CFG, "triton", KERNEL).policy == "heuristic"
-    # untagged rows (tables written before the tags) count as head_dim 128, any group
+    # untagged rows (tables written before the tags) count as head_dim 128, any group; a tagged row of the
+    # problem's head_dim at the same point wins the tie
     table["split_table"]["triton"]["contiguous"] = [[8, 131072, 2.0]]
     assert make_plan(P(num_q_heads=8, **big), H200_LIKE, CFG, "triton", KERNEL).table_entry == (8, 131072, 2.0)
+    table["split_table"]["triton"]["contiguous"] = [[8, 131072, 2.0], [8, 131072, 3.0, 90.0, 4, 128],
+                                                    [8, 131072, 5.0, 90.0, 4, 64]]
+    assert make_plan(P(**big), H200_LIKE, CFG, "triton", KERNEL).table_entry == (8, 131072, 3.0, 90.0, 4, 128)
 
 
 def test_tune_inputs_and_planning_for_an_fp8_cache():
@@ -299,3 +306,16 @@ def test_fused_merge_max_chunk_caps_the_fused_choice():
 
     assert merge_at(4096) == "fused"       # 4 chunks of 1024 tokens
     assert merge_at(65536) == "separate"   # 4 chunks of 16384
+
+
+def test_tune_fit_keeps_every_swept_option():
+    """``tune --option-grid`` may sweep any backend option: the fit keeps configurations apart by every
+    swept key and writes all of them."""
+    from attnplan.tune import fit
+
+    rows = [{"layout": "contiguous", "batch": 1, "kv": 32768, "passes": p, "num_warps": w, "splits": 32,
+             "programs": 256, "us": us} for p, w, us in ((1, 4, 41.0), (2, 4, 44.0), (1, 2, 42.0), (2, 2, 40.0))]
+    rows += [{"layout": "contiguous", "batch": 4, "kv": 32768, "passes": p, "num_warps": w, "splits": 8,
+              "programs": 256, "us": us} for p, w, us in ((1, 4, 130.0), (2, 4, 150.0), (1, 2, 131.0), (2, 2, 129.0))]
+    out = fit(rows, "cuda_ptx", 132, 8)
+    assert out["kernel_options"]["cuda_ptx"]["contiguous"] == {"passes": 2, "num_warps": 2}

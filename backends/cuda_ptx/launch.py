@@ -376,8 +376,9 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
             ``"fused"`` or ``"atomic"`` (the plan's ``merge``; the atomic merge's shared-memory stage counts
             toward the stage choice and the limit).
         passes: tensor-core path only: 16-token m-tiles per warp tile (config
-            ``backend_options.cuda_ptx.passes``, a power of two up to 8); ``None`` = the tile of
-            :data:`MMA_TILE_BYTES`. Ignored on the CUDA-core path (its tile follows its registers).
+            ``backend_options.cuda_ptx.passes``, 1, 2, 4 or 8); ``None`` = the tile of :data:`MMA_TILE_BYTES`.
+            A tile that does not fit (registers, shared memory) raises instead of falling back to the CUDA-core
+            path; with ``mma=False`` it is ignored (the CUDA-core tile follows its registers).
     Returns:
         the :class:`KernelSpec`. CUDA-core path: rows are split into row groups of at most ``min(8,
         ROW_REGS / (2 x elements per lane))`` rows; the tile is sized so a warp holds at most
@@ -417,7 +418,7 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
             try:
                 return _mma_spec(*args, kv_dtype, merge=merge, passes=passes)
             except ValueError:
-                if mma:
+                if mma or passes is not None:  # an explicit tensor-core tile never turns into the CUDA-core path
                     raise
     return _core_spec(*args, kv_dtype, partition, merge=merge)
 
