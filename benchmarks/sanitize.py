@@ -2,7 +2,7 @@
 
 Every merge strategy and intra-program partition the backend implements runs every case. Shapes
 cover page boundaries (lengths 15/16/17 with page 16), zero lengths, q_len > 1, a
-padded capacity grid, GQA group 16, and the largest head_dim (256). Each result is compared
+padded capacity grid, GQA group 16, the largest head_dim (256), and few rows over many splits. Each result is compared
 with the float64 reference so a run that "passes" the sanitizer also computed the right thing.
 
     compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py --backend triton
@@ -23,6 +23,8 @@ CASES = [
     dict(hq=64, hkv=4, d=128, lens=[300, 7], page=None, q_len=1, splits=5),
     dict(hq=16, hkv=8, d=256, lens=[513, 64], page=16, q_len=1, splits=2),
     dict(hq=28, hkv=4, d=128, lens=[256, 255], page=64, q_len=3, splits=0),
+    # few rows over many splits: Triton's column-sliced merge and cuda_ptx's multi-team merge
+    dict(hq=8, hkv=1, d=128, lens=[9000], page=16, q_len=1, splits=130),
 ]
 
 
