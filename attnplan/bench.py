@@ -438,7 +438,7 @@ def summary(result):
     """Print the result table: device time per step under graph replay (us) and fraction of the read
     ceiling per point and backend, the best attnplan backend's speedup over the best torch peer,
     and the geometric mean of those speedups; with the points' read bounds (:func:`read_bound`), the
-    speedup a streaming read of the same bytes would have (the bound on any kernel's)."""
+    speedup a step as fast as one streaming read of the same bytes would have (a reference)."""
     bw = result["ceiling"][result["ceiling_used"]]
     print(f"\nceiling {bw:.0f} GB/s; us per step (fraction of ceiling), CUDA-graph replay device time for all")
     names = sorted({n for p in result["points"] for n in p["results"]})

@@ -38,7 +38,7 @@ from .config import Config, CostModel, device_table
 from .device import DeviceInfo
 from .problem import DecodeProblem, torch_dtype
 
-__all__ = ["SplitPlan", "make_plan", "PLAN_VERSION", "cost_model_for", "split_table_layout"]
+__all__ = ["SplitPlan", "make_plan", "PLAN_VERSION", "cost_model_for", "split_table_layout", "split_row_heads"]
 
 PLAN_VERSION = 1  # new fields default to the old meaning (column_programs=1: grid axis 0 = splits)
 
@@ -313,6 +313,12 @@ def split_table_layout(layout: str, kv_itemsize: int) -> str:
     return layout + ("_fp8" if kv_itemsize == 1 else "")
 
 
+def split_row_heads(row) -> tuple[int | None, int]:
+    """``(group, head_dim)`` a split-table row was measured with: its fifth and sixth fields, or
+    ``(None, 128)`` for a row written before rows carried them (any group, head_dim 128)."""
+    return (row[4], row[5]) if len(row) >= 6 else (None, 128)
+
+
 def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols: int) -> tuple | None:
     """The nearest entry of the device's measured split table for ``problem``, or ``None`` (cost model).
 
@@ -341,7 +347,7 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
     work, kv = problem.batch * problem.num_kv_heads, max(problem.max_kv_len, 1)
     best, best_d = None, math.inf
     for row in rows:
-        group, head_dim = (row[4], row[5]) if len(row) >= 6 else (None, 128)
+        group, head_dim = split_row_heads(row)
         if not (head_dim == problem.head_dim or (head_dim <= 128 and problem.head_dim <= 128)):
             continue
         dw, dk = abs(math.log(row[0] / work)), abs(math.log(row[1] / kv))

@@ -114,7 +114,7 @@ def merge_rows(old: list, new: list) -> list:
     stays; sorted by point."""
     measured = {(r[0], r[1]) for r in new if _row_key(r)[3] <= 128}
     # an untagged row (a table written before the tags) at a point the new rows measure is superseded
-    rows = {_row_key(r): list(r) for r in old if not (len(r) < 6 and (r[0], r[1]) in measured)}
+    rows = {_row_key(r): list(r) for r in old if not (_row_key(r)[2] is None and (r[0], r[1]) in measured)}
     rows.update({_row_key(r): list(r) for r in new})
     return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1], k[2] or 0, k[3]))]
 
@@ -247,9 +247,11 @@ def split_table(rows: list[dict], heads) -> dict:
 
 
 def _row_key(r) -> tuple:
-    """A split-table row's point: pairs, KV length, and the heads' group and head_dim (untagged rows:
-    ``(None, 128)``, as the planner reads them)."""
-    return (r[0], r[1]) + ((r[4], r[5]) if len(r) >= 6 else (None, 128))
+    """A split-table row's point: pairs, KV length, and the heads' group and head_dim as the planner
+    reads them (:func:`attnplan.planner.split_row_heads`)."""
+    from .planner import split_row_heads
+
+    return (r[0], r[1]) + split_row_heads(r)
 
 
 def main(argv=None) -> int:
@@ -267,7 +269,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv", default="1024,4096,16384,65536,131072", help="split search grid: KV lengths")
     ap.add_argument("--max-gb", type=float, default=16.0, help="skip grid points whose K+V exceed this many GB")
     ap.add_argument("--heads", default="32,8,128", help="num_q_heads,num_kv_heads,head_dim of the split search "
-                    "(the table is keyed by batch x KV heads, so e.g. 8,1,128 adds rows for 1-8 pairs)")
+                    "(rows are keyed by batch x KV heads, KV length, GQA group and head_dim)")
     ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
                     help="KV cache dtype of the split search; fp8 rows go to split_table.<backend>.<layout>_fp8")
     ap.add_argument("--check-only", action="store_true",

@@ -203,9 +203,9 @@ class KernelSpec:
     teams: int = 1
 
     def __post_init__(self) -> None:
-        if self.teams != 1 and (self.kind != "merge" or self.teams not in (2, 4, 8)):
-            raise ValueError(f"teams {self.teams}: merge teams are a 'merge' kernel's, one of 1, 2, 4, 8 "
-                             f"(kind {self.kind!r})")
+        if self.teams not in (1, 2, 4, 8) or (self.teams != 1 and self.kind != "merge"):
+            raise ValueError(f"merge teams must be one of 1, 2, 4, 8, and > 1 only for a 'merge' kernel; got "
+                             f"teams {self.teams!r} (kind {self.kind!r})")
 
     # -- derived, mirrored by decode.cu's static_asserts ----------------------------------------
     @property
@@ -525,9 +525,7 @@ def merge_spec(dtype: str, head_dim: int, teams: int = 1) -> KernelSpec:
         ValueError: an unsupported dtype or head_dim, or ``teams`` not one of 1, 2, 4, 8.
     """
     _check_shape_support(dtype, head_dim)
-    if teams not in (1, 2, 4, 8):
-        raise ValueError(f"merge teams must be one of 1, 2, 4, 8, got {teams!r}")
-    return KernelSpec("merge", dtype, head_dim, teams=int(teams))
+    return KernelSpec("merge", dtype, head_dim, teams=teams)  # KernelSpec checks the team count
 
 
 def merge_teams(rows: int, num_splits: int, sm_count: int) -> int:
