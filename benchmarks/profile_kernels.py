@@ -70,6 +70,26 @@ def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int) -
             "gap_us": statistics.median(s - k for s, k in zip(spans, sums)) if spans else None}
 
 
+def plain_steps(backend: str, batch: int, kv: int, heads, layout: str, iters: int) -> None:
+    """``iters`` eager decode steps of one shape with no profiler attached, L2 flushed before each: the
+    process for an outside profiler (``ncu``, see ``benchmarks/ncu_partial.sh``) to attach to."""
+    import attnplan
+    from attnplan.testing import make_inputs
+    from attnplan.timing import l2_flush
+
+    hq, hkv, d = heads
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=16 if layout == "paged" else None,
+                    dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
+    w = attnplan.DecodeWrapper(backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    for _ in range(iters):
+        l2_flush()
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    torch.cuda.synchronize()
+    print(f"{backend} {layout} b{batch} kv{kv}: {iters} plain steps, {plan.num_splits} splits", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", default="triton,cuda_ptx")
@@ -79,6 +99,8 @@ def main() -> None:
     ap.add_argument("--layouts", default="contiguous")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plain", action="store_true",
+                    help="run the steps with no profiler attached (for ncu), print nothing but a line per shape")
     a = ap.parse_args()
     heads = tuple(int(v) for v in a.heads.split(","))
     rows = []
@@ -86,6 +108,9 @@ def main() -> None:
         for batch in map(int, a.batches.split(",")):
             for kv in map(int, a.kv.split(",")):
                 for be in a.backends.split(","):
+                    if a.plain:
+                        plain_steps(be, batch, kv, heads, layout, a.iters)
+                        continue
                     r = profile(be, batch, kv, heads, layout, a.iters)
                     rows.append(r)
                     ks = "  ".join(f"{k}={v:.1f}" for k, v in r["kernels_us"].items())
