@@ -1394,11 +1394,19 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 #endif
 
     // program -> (split, kv head, sequence); the grid is (S, Hkv, B) or flattened along x.
-    const i64 lin = (i64)blockIdx.x + (i64)gridDim.x * ((i64)blockIdx.y + (i64)gridDim.y * (i64)blockIdx.z);
-    const int s = (int)(lin % num_splits);
-    const i64 rest = lin / num_splits;
-    const int h = (int)(rest % num_kv_heads);
-    const int b = (int)(rest / num_kv_heads);
+    // (the 3-D grid without any division: the 64-bit ones sit before the first load, seq_lens[b])
+    int s, h, b;
+    if (gridDim.x == (unsigned)num_splits && gridDim.y == (unsigned)num_kv_heads) {
+        s = (int)blockIdx.x;
+        h = (int)blockIdx.y;
+        b = (int)blockIdx.z;
+    } else {
+        const i64 lin = (i64)blockIdx.x + (i64)gridDim.x * ((i64)blockIdx.y + (i64)gridDim.y * (i64)blockIdx.z);
+        s = (int)(lin % num_splits);
+        h = (int)((lin / num_splits) % num_kv_heads);
+        b = (int)(lin / num_splits / num_kv_heads);
+    }
+    const i64 rest = (i64)h + (i64)num_kv_heads * b;  // the program's (sequence, KV head) group
 
     const int L = seq_lens[b];
     int base = 0;
@@ -1880,25 +1888,40 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 #endif
     __syncthreads();
 
-    for (int idx = tid; idx < R * HEAD_DIM; idx += NTHREADS) {
-        const int rr = idx / HEAD_DIM, d = idx % HEAD_DIM;
+    // each thread 4 consecutive head_dim columns of one row: the row's warp weights once per 4 columns, 16-byte
+    // shared-memory loads and (partial state, 16-byte aligned: host check) stores; warps summed in index order
+    constexpr int D4 = HEAD_DIM / 4;
+    for (int idx = tid; idx < R * D4; idx += NTHREADS) {
+        const int rr = idx / D4, d = (idx % D4) * 4;
         const int w0 = (rr / RT) * NWK, r = rr % RT;
         float M = NEG_INF;
 #pragma unroll
         for (int w = 0; w < NWK; ++w) M = fmaxf(M, lds<float>(sm_m + (w0 + w) * RT + r));
-        float lsum = 0.f, a = 0.f;
+        float lsum = 0.f, a[4] = {0.f, 0.f, 0.f, 0.f};
         if (M != NEG_INF) {
 #pragma unroll
             for (int w = 0; w < NWK; ++w) {
                 const float f = fast_exp2(lds<float>(sm_m + (w0 + w) * RT + r) - M);  // 0 for a warp that saw nothing
                 lsum = fmaf(f, lds<float>(sm_l + (w0 + w) * RT + r), lsum);
-                a = fmaf(f, lds<float>(sm_acc + ((w0 + w) * RT + r) * HEAD_DIM + d), a);
+                const float4 x = lds<float4>(sm_acc + ((w0 + w) * RT + r) * HEAD_DIM + d);
+                a[0] = fmaf(f, x.x, a[0]);
+                a[1] = fmaf(f, x.y, a[1]);
+                a[2] = fmaf(f, x.z, a[2]);
+                a[3] = fmaf(f, x.w, a[3]);
             }
         }
         const int i = rr / GROUP, g = rr % GROUP;
         float lse_n, factor;
         finish_row(M, lsum, vscale, state_sinks, h * GROUP + g, lse_n, factor);
-        st_state(ob + (i64)i * osi + (i64)(hb + g) * osh + d, to_out(a * factor));
+        out_t *dst = ob + (i64)i * osi + (i64)(hb + g) * osh + d;
+#if ATTNPLAN_KIND == ATTNPLAN_KIND_SINGLE
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st_state(dst + e, to_out(a[e] * factor));  // out: unit stride, any alignment
+#else
+        float4 t4;
+        t4.x = a[0] * factor; t4.y = a[1] * factor; t4.z = a[2] * factor; t4.w = a[3] * factor;
+        st_state(reinterpret_cast<float4 *>(dst), t4);
+#endif
         if (d == 0 && lb) st_state(lb + (i64)i * lsi + (i64)(hb + g) * lsh, lse_n);
     }
 #endif
