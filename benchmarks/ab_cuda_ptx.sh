@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# A/B of two cuda_ptx kernel trees in one GPU call: runs CMD_AB (a shell command writing under $R, with
+# $TAG = "new" / "old" / "new2") with this tree's backends/cuda_ptx, then with OLD's (a copy of an earlier
+# commit's backends/cuda_ptx, e.g. `git archive <rev> backends/cuda_ptx | tar x -C .snap/old`), then with this
+# tree's again (new2: drift between the two new runs bounds the noise). Each tree compiles its own kernels
+# (separate ATTNPLAN_CACHE_DIR). The tree is restored afterwards.
+#   OLD=.snap/old/backends/cuda_ptx CMD_AB='python3 benchmarks/profile_kernels.py ... --out $R/prof-$TAG.json' \
+#     bash benchmarks/ab_cuda_ptx.sh
+set -u
+R=${OUT:-ab-out}/run; mkdir -p "$R"
+NEW=$(mktemp -d)/cuda_ptx; cp -r backends/cuda_ptx "$NEW"
+run() {
+  export TAG=$1 ATTNPLAN_CACHE_DIR=$(mktemp -d)
+  rm -rf backends/cuda_ptx && cp -r "$2" backends/cuda_ptx
+  echo "== $TAG"; bash -c "$CMD_AB"
+}
+run new "$NEW"; run old "$OLD"; run new2 "$NEW"
+rm -rf backends/cuda_ptx && cp -r "$NEW" backends/cuda_ptx
