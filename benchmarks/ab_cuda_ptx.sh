@@ -7,7 +7,7 @@
 #   OLD=.snap/old/backends/cuda_ptx CMD_AB='python3 benchmarks/profile_kernels.py ... --out $R/prof-$TAG.json' \
 #     bash benchmarks/ab_cuda_ptx.sh
 set -u
-R=${OUT:-ab-out}/run; mkdir -p "$R"
+export R=${OUT:-ab-out}/run; mkdir -p "$R"
 NEW=$(mktemp -d)/cuda_ptx; cp -r backends/cuda_ptx "$NEW"
 run() {
   export TAG=$1 ATTNPLAN_CACHE_DIR=$(mktemp -d)
