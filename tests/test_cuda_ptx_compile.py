@@ -137,7 +137,7 @@ def test_nvrtc_compiles_cubin_without_spills(s, cc, cache):
     c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
     assert c.target.kind == "cubin" and c.target.arch == f"sm_{cc[0]}{cc[1]}"
     assert len(c.image) > 1000 and c.image[:4] == b"\x7fELF"
-    res = c.resources[spec.entry]
+    res = _ptxas(c, spec.entry)
     assert res["arch"] == f"sm_{cc[0]}{cc[1]}"
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0, res
     assert 0 < res["registers"] <= MAX_REGISTERS, res
@@ -146,12 +146,20 @@ def test_nvrtc_compiles_cubin_without_spills(s, cc, cache):
           f"stack {res['stack']}, dynamic smem {spec.smem_bytes}")
 
 
+def _ptxas(c, entry: str) -> dict:
+    """ptxas's report for ``entry`` in a compile's log; fails with the log (and where the image came from) when
+    the log holds none, so a toolchain that prints no ``-v`` report is told apart from a kernel over its limits."""
+    assert entry in c.resources, (f"no ptxas report for {entry} ({c.source}, {c.target.arch} {c.target.kind}, "
+                                  f"{len(c.image)} bytes); log: {c.log!r}")
+    return c.resources[entry]
+
+
 def _compiled_resources(spec, cc, cache, two_programs: bool = False) -> dict:
     """Compile ``spec`` for ``cc`` and check ptxas's report: no spills, no stack, registers within
     :data:`MAX_REGISTERS` and one program within an SM's register file (with ``two_programs``: two
     programs, for one-row-group specs of at most 128 threads). Returns the resources."""
     c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
-    res = c.resources[spec.entry]
+    res = _ptxas(c, spec.entry)
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
     assert 0 < res["registers"] <= MAX_REGISTERS and res["registers"] * spec.threads <= 65536, res
     if two_programs and spec.row_groups == 1 and spec.threads <= 128:
@@ -366,7 +374,7 @@ def test_variant_kernels_compile_without_spills(kind, dtype, group, page, kw, ca
     spec = L.make_spec(kind, dtype, 128, group, 1, page, window=True, softcap=True, **kw)
     assert spec.name.endswith("-window-softcap") and spec.defines()["ATTNPLAN_WINDOW"] == 1
     c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
-    res = c.resources[spec.entry]
+    res = _ptxas(c, spec.entry)
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["registers"] <= MAX_REGISTERS, res
     print(f"{spec.name} sm_90: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}")
 
@@ -377,7 +385,7 @@ def test_variant_kernels_compile_without_spills(kind, dtype, group, page, kw, ca
 def test_merge_kernel_compiles(dtype, head_dim, cache):
     spec = L.merge_spec(dtype, head_dim)
     c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
-    res = c.resources["attnplan_merge"]
+    res = _ptxas(c, "attnplan_merge")
     assert res["spill_stores"] == 0 and res["registers"] <= 128
     assert spec.threads == max(32, -(-head_dim // 4 // 32) * 32)
     assert res["barriers"] == 0 and res["smem"] == 0 and spec.smem_bytes == 0  # one team: no barrier, no smem
