@@ -121,9 +121,10 @@ FP8_MMA_SPECS = [
 ]
 
 
-@pytest.fixture
-def cache(tmp_path) -> N.CompileCache:
-    return N.CompileCache(tmp_path / "cc")
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> N.CompileCache:
+    """One compile cache per test process: each specialization compiles once (several tests share some)."""
+    return N.CompileCache(tmp_path_factory.mktemp("cc"))
 
 
 # --------------------------------------------------------------------------------------------------

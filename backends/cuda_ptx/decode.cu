@@ -1406,7 +1406,6 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         h = (int)((lin / num_splits) % num_kv_heads);
         b = (int)(lin / num_splits / num_kv_heads);
     }
-    const i64 rest = (i64)h + (i64)num_kv_heads * b;  // the program's (sequence, KV head) group
 
     const int L = seq_lens[b];
     int base = 0;
@@ -1440,7 +1439,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 #if ATTNPLAN_MERGE
     // the group's merge, once this program's state is written (every thread, every path; see fused_merge /
     // atomic_merge): counters[grp] counts the group's programs, counters[lock_offset + grp] is the atomic lock
-    const i64 grp = rest;
+    const i64 grp = (i64)h + (i64)num_kv_heads * b;
     auto merge_group = [&]() {
         elem_t *outb = out + (i64)b * out_sb + (i64)h * GROUP * out_sh;
         float *olb = out_lse ? out_lse + (i64)b * ol_sb + (i64)h * GROUP * ol_sh : nullptr;
