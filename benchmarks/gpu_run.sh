@@ -23,9 +23,19 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1 || { cat "$R/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 t0=$SECONDS
+# The NVRTC compile tests run in a process of their own, before the rest: the machine's NVRTC 13.0 (driver 580)
+# prints no ptxas report for a program it has already compiled in the process (benchmarks/diag/nvrtc_log_probe.py,
+# results/2026-11-30-s6-call7), and the GPU tests compile the same programs.
 run_tests() {
+  local tests=${TESTS:-tests} ign=""
+  if [ "$tests" = tests ]; then
+    timeout 200 python3 -m pytest -q -rfE --tb=short -p no:cacheprovider ${XDIST:+-n $XDIST} tests/test_cuda_ptx_compile.py \
+      > "$R/pytest-gpu.log" 2>&1
+    echo "pytest (compile tests) rc=$?" >> "$R/pytest-gpu.log"
+    ign="--ignore=tests/test_cuda_ptx_compile.py"
+  fi
   timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider --timeout 250 \
-    ${XDIST:+-n $XDIST} ${PYTEST_ARGS:-} ${TESTS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} > "$R/pytest-gpu.log" 2>&1
+    ${XDIST:+-n $XDIST} ${PYTEST_ARGS:-} $tests $ign ${PYTEST_K:+-k "$PYTEST_K"} >> "$R/pytest-gpu.log" 2>&1
   echo "pytest rc=$?" >> "$R/pytest-gpu.log"
 }
 for step in ${STEPS-tests bench}; do  # STEPS="" installs only
@@ -67,7 +77,7 @@ done
 [ -n "${CMD_PID:-}" ] && wait $CMD_PID
 echo "== done (t=$((SECONDS - t0)) s)"
 # summaries, last
-[ -f "$R/pytest-gpu.log" ] && { grep -E "FAILED|ERROR" "$R/pytest-gpu.log" | grep -v "^E " | head -40; tail -3 "$R/pytest-gpu.log"; }
+[ -f "$R/pytest-gpu.log" ] && { grep -E "FAILED|ERROR" "$R/pytest-gpu.log" | grep -v "^E " | head -40; grep -E "passed|failed|rc=" "$R/pytest-gpu.log" | tail -4; }
 for f in "$R"/sanitize-*.log; do [ -f "$f" ] && echo "$(basename $f): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|equal the reference|^rc=' $f | tr '\n' ' ')"; done
 [ -f "$R/sweep.log" ] && grep -E "^(contiguous|paged) " "$R/sweep.log" | awk 'NR%3==1' | head -20
 [ -f "$R/tune.log" ] && tail -32 "$R/tune.log"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import json
 import os
 import re
@@ -74,8 +73,10 @@ class Compiled:
         image: cubin bytes, or NUL-terminated PTX bytes for the PTX fallback.
         target: the :class:`CompileTarget`.
         log: NVRTC's program log (ptxas ``-v`` lines for cubins).
-        resources: :func:`parse_ptxas_info` of the log, keyed by kernel name (empty if ptxas reported nothing:
-            see :func:`compile_source`).
+        resources: :func:`parse_ptxas_info` of the log, keyed by kernel name; empty when ptxas printed no report:
+            NVRTC 13.0 with driver 580 (the H200 machines) prints none when a program it has already compiled in
+            this process is compiled again, even with an extra unused macro (``benchmarks/diag/nvrtc_log_probe.py``,
+            results/2026-11-30-s6-call7). The image is unaffected.
         source: ``"compiled"``, ``"memory"`` or ``"disk"`` (where this object came from).
         path: the on-disk cache file, or ``None``.
     """
@@ -176,16 +177,8 @@ def _program_log(nvrtc, prog) -> str:
     return buf.rstrip(b"\x00").decode(errors="replace").strip()
 
 
-_report_nonce = itertools.count(1)
-
-
 def compile_source(source: str, name: str, options: list[str], target: CompileTarget) -> Compiled:
     """Compile CUDA C ``source`` with NVRTC to ``target`` (no cache).
-
-    A cubin compile whose log holds no ptxas report is compiled once more with a one-off macro
-    (``-DATTNPLAN_REPORT_NONCE=<n>``, used nowhere in the source): NVRTC 13.0 with driver 580 (the H200
-    machines) prints no report when a program it has already compiled in this process is compiled again
-    (``benchmarks/diag/nvrtc_log_probe.py``, results/2026-11-30-s6-call6). The image is the same either way.
 
     Args:
         source: CUDA C source text (no ``#include`` is resolved beyond NVRTC's built-ins).
@@ -193,22 +186,10 @@ def compile_source(source: str, name: str, options: list[str], target: CompileTa
         options: NVRTC options besides the architecture (``-D...``, ``-std=c++17``).
         target: :func:`select_target`'s answer.
     Returns:
-        :class:`Compiled` with the cubin (or PTX) image, the log and the parsed ptxas resources (empty if
-        ptxas reported nothing even on the second try).
+        :class:`Compiled` with the cubin (or PTX) image, the log and the parsed ptxas resources.
     Raises:
         NvrtcError: any NVRTC call fails; for a compile error the message ends with NVRTC's log.
     """
-    image, log = compile_once(source, name, options, target)
-    resources = parse_ptxas_info(log)
-    if target.kind == "cubin" and not resources:
-        image, log = compile_once(source, name, [*options, f"-DATTNPLAN_REPORT_NONCE={next(_report_nonce)}"], target)
-        resources = parse_ptxas_info(log)
-    return Compiled(image=image, target=target, log=log, resources=resources)
-
-
-def compile_once(source: str, name: str, options: list[str], target: CompileTarget) -> tuple[bytes, str]:
-    """One NVRTC compile of ``source`` to ``target`` (ptxas ``-v`` for cubins): ``(image, log)``.
-    Raises :class:`NvrtcError` as :func:`compile_source` does."""
     _, nvrtc = bindings()
     prog = check_nvrtc(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
@@ -229,7 +210,7 @@ def compile_once(source: str, name: str, options: list[str], target: CompileTarg
             check_nvrtc(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
         if not size or not image.strip(b"\x00 "):
             raise NvrtcError(f"NVRTC produced an empty {target.kind} for {name} ({' '.join(opts)})", log)
-        return bytes(image), log
+        return Compiled(image=bytes(image), target=target, log=log, resources=parse_ptxas_info(log))
     finally:
         check_nvrtc(nvrtc.nvrtcDestroyProgram(prog), "nvrtcDestroyProgram")
 
