@@ -1087,3 +1087,21 @@ def test_select_target_cubin_else_ptx():
     assert N.select_target((8, 7), archs) == N.CompileTarget("compute_86", "ptx")
     with pytest.raises(NvrtcError):
         N.select_target((7, 0), archs)
+
+
+@needs_nvrtc
+def test_missing_ptxas_report_taken_from_identical_cubin(monkeypatch):
+    """NVRTC 13.0 on driver 580 prints no ptxas report for a program compiled again in the process
+    (results/2026-11-30-s6-call6): compile_source then takes the report of the identical cubin compiled before,
+    and gives none for a cubin it has not seen (never a made-up one)."""
+    monkeypatch.setattr(N, "_reports_by_image", {})  # this process's earlier compiles do not count here
+    spec = L.make_spec("partial", "bfloat16", 64, 2, 1, None)
+    target = N.select_target((9, 0))
+    first = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+    assert spec.entry in first.resources
+    monkeypatch.setattr(N, "_program_log", lambda nvrtc, prog: "")  # what the device's NVRTC printed
+    again = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+    assert again.image == first.image and again.log == "" and again.resources == first.resources
+    other = L.make_spec("partial", "bfloat16", 64, 3, 1, None)  # a different program, never compiled here
+    fresh = N.compile_source(L.kernel_source(), "decode.cu", other.options(), target)
+    assert fresh.image != first.image and fresh.resources == {}

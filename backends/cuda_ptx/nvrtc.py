@@ -76,7 +76,8 @@ class Compiled:
         resources: :func:`parse_ptxas_info` of the log, keyed by kernel name; empty when ptxas printed no report:
             NVRTC 13.0 with driver 580 (the H200 machines) prints none when a program it has already compiled in
             this process is compiled again, even with an extra unused macro (``benchmarks/diag/nvrtc_log_probe.py``,
-            results/2026-11-30-s6-call7). The image is unaffected.
+            results/2026-11-30-s6-call7). The image is unaffected; :func:`compile_source` then takes the report of
+            an identical cubin compiled earlier in the process, if there is one (same bytes, same registers).
         source: ``"compiled"``, ``"memory"`` or ``"disk"`` (where this object came from).
         path: the on-disk cache file, or ``None``.
     """
@@ -177,6 +178,11 @@ def _program_log(nvrtc, prog) -> str:
     return buf.rstrip(b"\x00").decode(errors="replace").strip()
 
 
+#: ptxas reports of the cubins compiled in this process, by the image's SHA-256 (see Compiled.resources)
+_reports_by_image: dict[bytes, dict] = {}
+_reports_lock = threading.Lock()
+
+
 def compile_source(source: str, name: str, options: list[str], target: CompileTarget) -> Compiled:
     """Compile CUDA C ``source`` with NVRTC to ``target`` (no cache).
 
@@ -210,7 +216,16 @@ def compile_source(source: str, name: str, options: list[str], target: CompileTa
             check_nvrtc(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
         if not size or not image.strip(b"\x00 "):
             raise NvrtcError(f"NVRTC produced an empty {target.kind} for {name} ({' '.join(opts)})", log)
-        return Compiled(image=bytes(image), target=target, log=log, resources=parse_ptxas_info(log))
+        image = bytes(image)
+        resources = parse_ptxas_info(log)
+        if target.kind == "cubin":
+            digest = hashlib.sha256(image).digest()
+            with _reports_lock:
+                if resources:
+                    _reports_by_image[digest] = resources
+                else:  # no report (see Compiled.resources): an identical cubin compiled earlier has the same one
+                    resources = dict(_reports_by_image.get(digest, {}))
+        return Compiled(image=image, target=target, log=log, resources=resources)
     finally:
         check_nvrtc(nvrtc.nvrtcDestroyProgram(prog), "nvrtcDestroyProgram")
 
