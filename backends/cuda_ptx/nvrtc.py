@@ -73,11 +73,12 @@ class Compiled:
         image: cubin bytes, or NUL-terminated PTX bytes for the PTX fallback.
         target: the :class:`CompileTarget`.
         log: NVRTC's program log (ptxas ``-v`` lines for cubins).
-        resources: :func:`parse_ptxas_info` of the log, keyed by kernel name; empty when ptxas printed no report:
-            NVRTC 13.0 with driver 580 (the H200 machines) prints none when a program it has already compiled in
-            this process is compiled again, even with an extra unused macro (``benchmarks/diag/nvrtc_log_probe.py``,
-            results/2026-11-30-s6-call7). The image is unaffected; :func:`compile_source` then takes the report of
-            an identical cubin compiled earlier in the process, if there is one (same bytes, same registers).
+        resources: :func:`parse_ptxas_info` of the log, keyed by kernel name; empty when ptxas printed no report.
+            NVRTC 13.0 with driver 580 (the H200 machines) sometimes prints none: always for a program compiled
+            again in the process, even with an extra unused macro (``benchmarks/diag/nvrtc_log_probe.py``,
+            results/2026-11-30-s6-call7), and for some programs compiled once (s6-call8; cause not found). The
+            image is unaffected. A cubin without a report takes that of an identical cubin compiled or read from
+            disk earlier in the process (same bytes, same registers), if any, and is not written to the disk cache.
         source: ``"compiled"``, ``"memory"`` or ``"disk"`` (where this object came from).
         path: the on-disk cache file, or ``None``.
     """
@@ -178,9 +179,23 @@ def _program_log(nvrtc, prog) -> str:
     return buf.rstrip(b"\x00").decode(errors="replace").strip()
 
 
-#: ptxas reports of the cubins compiled in this process, by the image's SHA-256 (see Compiled.resources)
+#: ptxas reports of the cubins compiled (or read from the disk cache) in this process, by the image's SHA-256
+#: (see Compiled.resources)
 _reports_by_image: dict[bytes, dict] = {}
 _reports_lock = threading.Lock()
+
+
+def _report(image: bytes, target: CompileTarget, resources: dict) -> dict:
+    """``resources`` (a ptxas report) for a cubin, recorded under the image's hash; when empty, the report recorded
+    for an identical cubin earlier in this process (a copy), else ``{}``. PTX images: ``resources`` as given."""
+    if target.kind != "cubin":
+        return resources
+    digest = hashlib.sha256(image).digest()
+    with _reports_lock:
+        if resources:
+            _reports_by_image[digest] = {k: dict(v) for k, v in resources.items()}
+            return resources
+        return {k: dict(v) for k, v in _reports_by_image.get(digest, {}).items()}
 
 
 def compile_source(source: str, name: str, options: list[str], target: CompileTarget) -> Compiled:
@@ -217,15 +232,7 @@ def compile_source(source: str, name: str, options: list[str], target: CompileTa
         if not size or not image.strip(b"\x00 "):
             raise NvrtcError(f"NVRTC produced an empty {target.kind} for {name} ({' '.join(opts)})", log)
         image = bytes(image)
-        resources = parse_ptxas_info(log)
-        if target.kind == "cubin":
-            digest = hashlib.sha256(image).digest()
-            with _reports_lock:
-                if resources:
-                    _reports_by_image[digest] = resources
-                else:  # no report (see Compiled.resources): an identical cubin compiled earlier has the same one
-                    resources = dict(_reports_by_image.get(digest, {}))
-        return Compiled(image=image, target=target, log=log, resources=resources)
+        return Compiled(image=image, target=target, log=log, resources=_report(image, target, parse_ptxas_info(log)))
     finally:
         check_nvrtc(nvrtc.nvrtcDestroyProgram(prog), "nvrtcDestroyProgram")
 
@@ -354,7 +361,8 @@ class CompileCache:
                     or hashlib.sha256(image).hexdigest() != meta["sha256"] or not image:
                 raise ValueError("checksum or size mismatch")
             return Compiled(image=image, target=target, log=meta.get("log", ""),
-                            resources=meta.get("resources", {}), source="disk", path=str(path)), False
+                            resources=_report(image, target, meta.get("resources", {})), source="disk",
+                            path=str(path)), False
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             warnings.warn(f"attnplan cuda_ptx: corrupt compile-cache file {path} ({e}); rebuilding",
                           RuntimeWarning, stacklevel=3)
@@ -395,6 +403,10 @@ class CompileCache:
             compiled = compile_source(source, program_name, options, target)
             self.stats.compiles += 1
             self.stats.rebuilt += int(corrupt or corrupt2)
+            if target.kind == "cubin" and not compiled.resources:
+                # no ptxas report (see Compiled.resources): not cached on disk, so a later process compiles it
+                # afresh and records the report with the image
+                return compiled
             try:
                 self._write(path, compiled)
             except OSError as e:
