@@ -39,7 +39,7 @@ from pathlib import Path
 from ._bindings import NvrtcError, bindings, check_nvrtc
 
 __all__ = [
-    "CompileTarget", "Compiled", "CompileCache", "CacheStats", "compile_source", "select_target",
+    "CompileTarget", "Compiled", "CompileCache", "CacheStats", "compile_source", "cubin_resources", "select_target",
     "nvrtc_version", "supported_archs", "parse_ptxas_info", "default_cache_dir", "CACHE_FORMAT",
 ]
 
@@ -73,12 +73,11 @@ class Compiled:
         image: cubin bytes, or NUL-terminated PTX bytes for the PTX fallback.
         target: the :class:`CompileTarget`.
         log: NVRTC's program log (ptxas ``-v`` lines for cubins).
-        resources: :func:`parse_ptxas_info` of the log, keyed by kernel name; empty when ptxas printed no report.
-            NVRTC 13.0 with driver 580 (the H200 machines) sometimes prints none: always for a program compiled
-            again in the process, even with an extra unused macro (``benchmarks/diag/nvrtc_log_probe.py``,
-            results/2026-11-30-s6-call7), and for some programs compiled once (s6-call8; cause not found). The
-            image is unaffected. A cubin without a report takes that of an identical cubin compiled or read from
-            disk earlier in the process (same bytes, same registers), if any, and is not written to the disk cache.
+        resources: :func:`parse_ptxas_info` of the log, keyed by kernel name. When the log holds no ptxas report
+            (cubins only), :func:`cubin_resources` of the image instead (``"from": "cubin"``). NVRTC 13.0 with
+            driver 580 (the H200 machines) sometimes prints none: always for a program compiled again in the
+            process, even with an extra unused macro, and for some programs compiled once
+            (``benchmarks/diag/nvrtc_log_probe.py``, results/2026-11-30-s6-call6 to -call8).
         source: ``"compiled"``, ``"memory"`` or ``"disk"`` (where this object came from).
         path: the on-disk cache file, or ``None``.
     """
@@ -179,23 +178,75 @@ def _program_log(nvrtc, prog) -> str:
     return buf.rstrip(b"\x00").decode(errors="replace").strip()
 
 
-#: ptxas reports of the cubins compiled (or read from the disk cache) in this process, by the image's SHA-256
-#: (see Compiled.resources)
-_reports_by_image: dict[bytes, dict] = {}
-_reports_lock = threading.Lock()
+# EIATTR records of a cubin's .nv.info sections (NVIDIA's ELF notes; read as cuobjdump shows them): a 1-byte
+# format, a 1-byte attribute, then 2 bytes (value, formats 1-3) or a 2-byte size and that many bytes (format 4)
+_EIFMT_SVAL = 4
+_EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT, _EIATTR_NUM_BARRIERS = 0x11, 0x2F, 0x4C
+#: shared memory sm_90+ cubins reserve per block inside each kernel's .nv.shared section (a
+#: .nv.shared.reserved.* section marks them); ptxas's static "smem" leaves it out
+_RESERVED_SMEM = 1024
 
 
-def _report(image: bytes, target: CompileTarget, resources: dict) -> dict:
-    """``resources`` (a ptxas report) for a cubin, recorded under the image's hash; when empty, the report recorded
-    for an identical cubin earlier in this process (a copy), else ``{}``. PTX images: ``resources`` as given."""
-    if target.kind != "cubin":
-        return resources
-    digest = hashlib.sha256(image).digest()
-    with _reports_lock:
-        if resources:
-            _reports_by_image[digest] = {k: dict(v) for k, v in resources.items()}
-            return resources
-        return {k: dict(v) for k, v in _reports_by_image.get(digest, {}).items()}
+def _eiattr_records(data: bytes):
+    i = 0
+    while i + 4 <= len(data):
+        fmt, attr = data[i], data[i + 1]
+        if fmt == _EIFMT_SVAL:
+            n = int.from_bytes(data[i + 2:i + 4], "little")
+            yield attr, data[i + 4:i + 4 + n]
+            i += 4 + n
+        elif fmt in (1, 2, 3):
+            yield attr, int.from_bytes(data[i + 2:i + 4], "little")
+            i += 4
+        else:
+            raise ValueError(f"unknown EIATTR format {fmt} at byte {i}")
+
+
+def cubin_resources(image: bytes, arch: str) -> dict[str, dict]:
+    """What ptxas reports, read from a cubin instead of NVRTC's log: per kernel (an entry with a
+    ``.nv.info.<kernel>`` section) ``{"arch", "registers", "spill_stores", "spill_loads", "stack", "smem",
+    "barriers", "from": "cubin"}``.
+
+    Registers, the stack frame (bytes; spills live in it, so 0 means no spills and no stack) and the barrier
+    count come from the ``.nv.info`` EIATTR records (REGCOUNT 0x2f, FRAME_SIZE 0x11, NUM_BARRIERS 0x4c),
+    static shared memory from the size of ``.nv.shared.<kernel>`` less the block's reserved 1 KB on sm_90+.
+    The spill byte counts are not in the cubin: 0 with a zero frame, else ``None``. Checked against ptxas's
+    own report for every specialization the compile tests build (``test_cubin_resources_match_ptxas``).
+    Parsing uses pyelftools. Raises ValueError for an image that is not a cubin or a malformed record.
+    """
+    import io
+
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+
+    try:
+        elf = ELFFile(io.BytesIO(image))
+        sections = {sec.name: sec for sec in elf.iter_sections()}
+    except ELFError as e:
+        raise ValueError(f"not a cubin: {e}") from None
+    symtab = sections.get(".symtab")
+    names = [sym.name for sym in symtab.iter_symbols()] if symtab is not None else []
+    regs, frame = {}, {}
+    if ".nv.info" in sections:
+        for attr, val in _eiattr_records(sections[".nv.info"].data()):
+            if attr in (_EIATTR_REGCOUNT, _EIATTR_FRAME_SIZE) and isinstance(val, bytes) and len(val) == 8:
+                sym, v = int.from_bytes(val[:4], "little"), int.from_bytes(val[4:], "little")
+                if sym < len(names):
+                    (regs if attr == _EIATTR_REGCOUNT else frame)[names[sym]] = v
+    reserved = _RESERVED_SMEM if any(n.startswith(".nv.shared.reserved") for n in sections) else 0
+    out = {}
+    for sec_name, sec in sections.items():
+        if not sec_name.startswith(".nv.info."):
+            continue
+        kernel = sec_name[len(".nv.info."):]
+        barriers = next((v for a, v in _eiattr_records(sec.data()) if a == _EIATTR_NUM_BARRIERS), 0)
+        shared = sections.get(f".nv.shared.{kernel}")
+        stack = frame.get(kernel, 0)
+        out[kernel] = {"arch": arch, "registers": regs.get(kernel, 0), "spill_stores": 0 if stack == 0 else None,
+                       "spill_loads": 0 if stack == 0 else None, "stack": stack,
+                       "smem": max(0, (shared["sh_size"] if shared is not None else 0) - reserved),
+                       "barriers": int(barriers), "from": "cubin"}
+    return out
 
 
 def compile_source(source: str, name: str, options: list[str], target: CompileTarget) -> Compiled:
@@ -232,7 +283,10 @@ def compile_source(source: str, name: str, options: list[str], target: CompileTa
         if not size or not image.strip(b"\x00 "):
             raise NvrtcError(f"NVRTC produced an empty {target.kind} for {name} ({' '.join(opts)})", log)
         image = bytes(image)
-        return Compiled(image=image, target=target, log=log, resources=_report(image, target, parse_ptxas_info(log)))
+        resources = parse_ptxas_info(log)
+        if not resources and target.kind == "cubin":  # no report in the log (see Compiled.resources)
+            resources = cubin_resources(image, target.arch)
+        return Compiled(image=image, target=target, log=log, resources=resources)
     finally:
         check_nvrtc(nvrtc.nvrtcDestroyProgram(prog), "nvrtcDestroyProgram")
 
@@ -361,8 +415,7 @@ class CompileCache:
                     or hashlib.sha256(image).hexdigest() != meta["sha256"] or not image:
                 raise ValueError("checksum or size mismatch")
             return Compiled(image=image, target=target, log=meta.get("log", ""),
-                            resources=_report(image, target, meta.get("resources", {})), source="disk",
-                            path=str(path)), False
+                            resources=meta.get("resources", {}), source="disk", path=str(path)), False
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             warnings.warn(f"attnplan cuda_ptx: corrupt compile-cache file {path} ({e}); rebuilding",
                           RuntimeWarning, stacklevel=3)
@@ -403,10 +456,6 @@ class CompileCache:
             compiled = compile_source(source, program_name, options, target)
             self.stats.compiles += 1
             self.stats.rebuilt += int(corrupt or corrupt2)
-            if target.kind == "cubin" and not compiled.resources:
-                # no ptxas report (see Compiled.resources): not cached on disk, so a later process compiles it
-                # afresh and records the report with the image
-                return compiled
             try:
                 self._write(path, compiled)
             except OSError as e:
