@@ -20,13 +20,11 @@ import statistics
 import torch
 
 
-def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int) -> dict:
-    """Kernel durations (us) of ``iters`` eager decode steps of one shape, L2 flushed before each."""
+def _setup(backend: str, batch: int, kv: int, heads, layout: str):
+    """Random bf16 inputs of one shape (page 16 for ``layout == "paged"``), a wrapper and its plan:
+    ``(wrapper, plan, run arguments)``."""
     import attnplan
     from attnplan.testing import make_inputs
-    from attnplan.timing import l2_flush
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
 
     hq, hkv, d = heads
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -34,7 +32,16 @@ def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int) -
                     dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
     w = attnplan.DecodeWrapper(backend=backend)
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
-    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    return w, plan, (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+
+
+def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int) -> dict:
+    """Kernel durations (us) of ``iters`` eager decode steps of one shape, L2 flushed before each."""
+    from attnplan.timing import l2_flush
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    w, plan, args = _setup(backend, batch, kv, heads, layout)
     for _ in range(5):
         w.run(*args)
     l2_flush()
@@ -73,19 +80,12 @@ def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int) -
 def plain_steps(backend: str, batch: int, kv: int, heads, layout: str, iters: int) -> None:
     """``iters`` eager decode steps of one shape with no profiler attached, L2 flushed before each: the
     process for an outside profiler (``ncu``, see ``benchmarks/ncu_partial.sh``) to attach to."""
-    import attnplan
-    from attnplan.testing import make_inputs
     from attnplan.timing import l2_flush
 
-    hq, hkv, d = heads
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    x = make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=16 if layout == "paged" else None,
-                    dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
-    w = attnplan.DecodeWrapper(backend=backend)
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    w, plan, args = _setup(backend, batch, kv, heads, layout)
     for _ in range(iters):
         l2_flush()
-        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+        w.run(*args)
     torch.cuda.synchronize()
     print(f"{backend} {layout} b{batch} kv{kv}: {iters} plain steps, {plan.num_splits} splits", flush=True)
 
