@@ -1146,3 +1146,20 @@ def test_cubin_resources_with_spills_and_static_smem(cc):
         == (1024, 1, res["registers"])
     with pytest.raises(ValueError, match="not a cubin"):
         N.cubin_resources(b"not an ELF image", target.arch)
+
+
+@needs_nvrtc
+def test_unreadable_cubin_report_never_fails_a_compile(monkeypatch):
+    """The cubin report is a diagnostic: when neither the log nor the cubin gives one, the compile still succeeds
+    with empty resources (and the image a logged compile gives)."""
+    spec = L.make_spec("partial", "bfloat16", 64, 1, 1, None)
+    target = N.select_target((9, 0))
+    logged = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+
+    def unreadable(image, arch):
+        raise ValueError("unknown EIATTR format 9 at byte 0")
+
+    monkeypatch.setattr(N, "_program_log", lambda nvrtc, prog: "")
+    monkeypatch.setattr(N, "cubin_resources", unreadable)
+    c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+    assert c.resources == {} and c.image == logged.image

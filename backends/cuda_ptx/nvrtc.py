@@ -77,7 +77,8 @@ class Compiled:
             (cubins only), :func:`cubin_resources` of the image instead (``"from": "cubin"``). NVRTC 13.0 with
             driver 580 (the H200 machines) sometimes prints none: always for a program compiled again in the
             process, even with an extra unused macro, and for some programs compiled once
-            (``benchmarks/diag/nvrtc_log_probe.py``, results/2026-11-30-s6-call6 to -call8).
+            (``benchmarks/diag/nvrtc_log_probe.py``, results/2026-11-30-s6-call6 to -call8). Empty if the cubin
+            cannot be read either (pyelftools missing, an unknown record layout): the image is good regardless.
         source: ``"compiled"``, ``"memory"`` or ``"disk"`` (where this object came from).
         path: the on-disk cache file, or ``None``.
     """
@@ -285,7 +286,10 @@ def compile_source(source: str, name: str, options: list[str], target: CompileTa
         image = bytes(image)
         resources = parse_ptxas_info(log)
         if not resources and target.kind == "cubin":  # no report in the log (see Compiled.resources)
-            resources = cubin_resources(image, target.arch)
+            try:
+                resources = cubin_resources(image, target.arch)
+            except Exception:  # noqa: BLE001 - a diagnostic: never fail a good compile over it (pyelftools missing,
+                resources = {}  # a record layout this reader does not know)
         return Compiled(image=image, target=target, log=log, resources=resources)
     finally:
         check_nvrtc(nvrtc.nvrtcDestroyProgram(prog), "nvrtcDestroyProgram")
