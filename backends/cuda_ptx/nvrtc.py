@@ -204,16 +204,25 @@ def _eiattr_records(data: bytes):
 
 
 def cubin_resources(image: bytes, arch: str) -> dict[str, dict]:
-    """What ptxas reports, read from a cubin instead of NVRTC's log: per kernel (an entry with a
-    ``.nv.info.<kernel>`` section) ``{"arch", "registers", "spill_stores", "spill_loads", "stack", "smem",
-    "barriers", "from": "cubin"}``.
+    """What ptxas reports, read from a cubin instead of NVRTC's log (:attr:`Compiled.resources` when the log has
+    no report).
 
-    Registers, the stack frame (bytes; spills live in it, so 0 means no spills and no stack) and the barrier
-    count come from the ``.nv.info`` EIATTR records (REGCOUNT 0x2f, FRAME_SIZE 0x11, NUM_BARRIERS 0x4c),
-    static shared memory from the size of ``.nv.shared.<kernel>`` less the block's reserved 1 KB on sm_90+.
-    The spill byte counts are not in the cubin: 0 with a zero frame, else ``None``. Checked against ptxas's
-    own report for every specialization the compile tests build (``test_cubin_resources_match_ptxas``).
-    Parsing uses pyelftools. Raises ValueError for an image that is not a cubin or a malformed record.
+    Args:
+        image: the cubin's bytes (an ELF image, as :func:`compile_source` returns for a cubin target).
+        arch: its architecture, e.g. ``"sm_90"`` (copied into each entry; not read from the image).
+    Returns:
+        per kernel (an entry with a ``.nv.info.<kernel>`` section) ``{"arch", "registers", "spill_stores",
+        "spill_loads", "stack", "smem", "barriers", "from": "cubin"}``, sizes in bytes, as
+        :func:`parse_ptxas_info` gives them. Registers, the stack frame (spills live in it, so 0 means no spills
+        and no stack) and the barrier count come from the ``.nv.info`` EIATTR records (REGCOUNT 0x2f,
+        FRAME_SIZE 0x11, NUM_BARRIERS 0x4c); static shared memory is the size of ``.nv.shared.<kernel>`` less
+        the block's reserved 1 KB on sm_90+. The spill byte counts are not in the cubin: 0 with a zero frame,
+        else ``None``. Every compile test checks these against ptxas's printed report
+        (``tests/test_cuda_ptx_compile.py``: ``_ptxas``, and the synthetic kernels of
+        ``test_cubin_resources_with_spills_and_static_smem``). Parsed with pyelftools.
+    Raises:
+        ValueError: the image is not an ELF cubin, or holds an EIATTR record of an unknown format.
+        ImportError: pyelftools is not installed.
     """
     import io
 
