@@ -1,0 +1,112 @@
+"""Diagnostic (s7): why is the paged cache slower than the contiguous one at the same point?
+
+Issue #7's points under 0.95x are mostly paged (page 16), where attnplan's step runs 2-12% slower than on the
+contiguous cache of the same shape (``results/2026-11-30-s6-call5``), while the peers always get a dense copy.
+Two suspects:
+
+- the DRAM order of a randomly permuted page pool (the benchmark's block tables are a random permutation);
+- the kernel's own cost of paging (the block-table load chain, per-page address arithmetic).
+
+Per shape and backend this times, by CUDA-graph replay (L2 flushed in front, medians, input sets rotated,
+the same method as ``bench_decode.py``): the contiguous cache, the paged cache with a random block table, and the
+same paged cache with the pages in order (block table = arange). Beside them, a Triton read of the same bytes
+page by page through each block table (``gather read``) and the plain streaming read (``attnplan.bench.read_bound``).
+If the in-order paged step matches the contiguous one, the loss is the page order (memory); if it matches the
+random one, it is the kernel.
+
+    python benchmarks/diag/paged_order.py --out order.json
+"""
+
+import argparse
+import dataclasses
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+import attnplan
+from attnplan.bench import build_sets, read_bound
+from attnplan.timing import capture_graphs, time_cuda
+
+
+@triton.jit
+def _gather_read(K, V, TBL, PARTIAL, PAGE_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    page = tl.load(TBL + pid).to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(0, PAGE_ELEMS, BLOCK):
+        offs = page * PAGE_ELEMS + off + tl.arange(0, BLOCK)
+        acc += tl.load(K + offs).to(tl.float32) + tl.load(V + offs).to(tl.float32)
+    tl.store(PARTIAL + pid, tl.sum(acc, 0))
+
+
+def gather_read_us(x, table, iters):
+    """Graph-replay time (us) of reading every page of ``table`` (flattened) from K and V, one program per page."""
+    page_elems = x.k_cache[0].numel()
+    block = min(page_elems, 8192)
+    tbl = table.flatten().contiguous()
+    partial = torch.empty(tbl.numel(), device="cuda", dtype=torch.float32)
+    (g,) = capture_graphs(lambda j: _gather_read[(tbl.numel(),)](x.k_cache, x.v_cache, tbl, partial,
+                                                               PAGE_ELEMS=page_elems, BLOCK=block, num_warps=8), 1)
+    return time_cuda(lambda i: g.replay(), warmup=10, iters=iters, flush=True)["median_us"]
+
+
+def step_us(backend, sets, iters):
+    wrappers = []
+    for x in sets:
+        w = attnplan.DecodeWrapper(backend=backend)
+        w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+        wrappers.append(w)
+    args = [(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table) for x in sets]
+    graphs = capture_graphs(lambda j: wrappers[j].run(*args[j]), len(sets))
+    t = time_cuda(lambda i: graphs[i % len(sets)].replay(), warmup=10, iters=iters, flush=True)["median_us"]
+    p = wrappers[0].plan_
+    return t, p.num_splits, p.merge
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="64/8/128:16:1024,32/8/128:16:1024,32/32/128:4:1024,64/8/128:16:4096,"
+                                        "8/1/128:16:16384,32/8/128:4:32768,32/8/128:16:16384")
+    ap.add_argument("--backends", default="cuda_ptx,triton")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(7)
+    rows = []
+    for s in a.shapes.split(","):
+        heads, batch, kv = s.split(":")
+        hq, hkv, d = map(int, heads.split("/"))
+        batch, kv = int(batch), int(kv)
+        nbytes = 2 * batch * kv * hkv * d * 2
+        n_sets = max(2, min(8, (512 << 20) // nbytes))
+        contig = build_sets(batch, hq, hkv, d, [kv] * batch, None, n_sets, gen)
+        paged = build_sets(batch, hq, hkv, d, [kv] * batch, 16, n_sets, gen)
+        ordered = [dataclasses.replace(x, block_table=torch.arange(x.block_table.numel(), device="cuda", dtype=torch.int32)
+                                       .view_as(x.block_table)) for x in paged]
+        row = {"heads": [hq, hkv, d], "batch": batch, "kv": kv, "bytes": nbytes,
+               "read_us": read_bound(nbytes, a.iters)["read_us"],
+               "gather_random_us": gather_read_us(paged[0], paged[0].block_table, a.iters),
+               "gather_ordered_us": gather_read_us(paged[0], ordered[0].block_table, a.iters)}
+        for b in a.backends.split(","):
+            for name, sets in (("contig", contig), ("random", paged), ("ordered", ordered)):
+                t, ns, merge = step_us(b, sets, a.iters)
+                row[f"{b}_{name}_us"] = t
+                row[f"{b}_{name}_plan"] = [ns, merge]
+        rows.append(row)
+        del contig, paged, ordered
+        torch.cuda.empty_cache()
+        line = (f"{heads:10s} b{batch:<3d} kv{kv:<6d} read {row['read_us']:6.1f} gather rnd/ord "
+                f"{row['gather_random_us']:6.1f}/{row['gather_ordered_us']:6.1f}")
+        for b in a.backends.split(","):
+            line += (f" | {b} contig/rnd/ord {row[f'{b}_contig_us']:6.1f}/{row[f'{b}_random_us']:6.1f}/"
+                     f"{row[f'{b}_ordered_us']:6.1f} splits {row[f'{b}_contig_plan'][0]}/{row[f'{b}_random_plan'][0]}")
+        print(line, flush=True)
+    if a.out:
+        json.dump({"rows": rows}, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
