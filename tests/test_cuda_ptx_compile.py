@@ -1103,6 +1103,8 @@ def test_missing_ptxas_report_read_from_cubin(monkeypatch):
     spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
     target = N.select_target((9, 0))
     logged = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+    if "from" in logged.resources[spec.entry]:  # the GPU machine's NVRTC 13.0 (results/2026-11-30-s7-call1)
+        pytest.skip("this NVRTC printed no ptxas report to compare the cubin's counts with")
     monkeypatch.setattr(N, "_program_log", lambda nvrtc, prog: "")  # what the device's NVRTC printed
     silent = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
     assert silent.log == "" and silent.image == logged.image
