@@ -805,6 +805,39 @@ __device__ __forceinline__ void query_range(int i, int L, int cs, int ce, int wi
 #endif
 }
 
+// The block-table window (PAGE_WIN: one page per tile, or PAGE_REG's TILE / PAGE pages; either way the same
+// entries for every lane). A copying unit (split-K: a warp; split-V: the program, each warp a copy) visits its
+// tiles n = 0, 1, 2, ... (first token base + n * step) and their page slots q = n * NPG + j. Lane L holds the entry
+// of slot 32 * b + L of the current batch b in `cur` and of batch b + 1 in `nxt`; a tile's entries reach every lane
+// by shuffle, and batch b + 2 is loaded when b + 1 becomes current, 32 / NPG tiles before its first use. Before it,
+// each tile's entry was loaded one tile ahead, and at 1-2 programs per SM the copies waited on that load
+// (ncu, results/2026-11-30-s7-call1: the top stall of the paged loop, b16 1K). 0 outside [start, end).
+constexpr bool PAGE_WIN = PAGE > 0 && (ONE_PAGE || PAGE_REG);
+struct PageWindow {
+    const int *btb;
+    int base, step, start, end, cur, nxt;
+    __device__ __forceinline__ int entry(int q) const {
+        const int t0 = base + (q / NPG) * step + (q % NPG) * PAGE;  // first token of slot q's page (in the tile)
+        return (t0 < end && t0 + PAGE > start) ? __ldg(btb + t0 / (PAGE > 0 ? PAGE : 1)) : 0;
+    }
+    __device__ __forceinline__ void init(const int *b, int base_, int step_, int start_, int end_, int lane) {
+        btb = b, base = base_, step = step_, start = start_, end = end_;
+        cur = entry(lane);
+        nxt = entry(32 + lane);
+    }
+    // The entries of tile n; called for n = 0, 1, 2, ... in order, by every lane of the warp together.
+    __device__ __forceinline__ void tile(int (&pg)[NPG], int n, int lane) {
+        const int q0 = n * NPG;
+        if (n > 0 && (q0 & 31) == 0) {  // warp-uniform
+            cur = nxt;
+            nxt = entry(q0 + 32 + lane);
+        }
+#pragma unroll
+        for (int j = 0; j < NPG; ++j) pg[j] = __shfl_sync(FULL_MASK, cur, (q0 + j) & 31);
+    }
+};
+static_assert(!PAGE_WIN || (32 % NPG == 0), "a tile's page slots must lie in one batch of 32");
+
 // Block-table entries for the chunks thread `cid` copies of tile `ts` (first token); 0 outside [start, end).
 __device__ __forceinline__ void load_pages(int (&pg)[NPG], const int *__restrict__ btb, int ts, int start, int end,
                                            int cid) {
@@ -1670,10 +1703,17 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
     LaneCopies lc;
     lane_copies(lc, k_s1, v_s1, cid);
 
+    PageWindow pw;
+    if (PAGE_WIN) pw.init(btb, TILE_START(0), TILE_START(1) - TILE_START(0), start, end, lane);
     {  // prologue: block-table entries of the first STAGES-1 tiles together, then their copies
         int pgp[STAGES - 1][NPG];
 #pragma unroll
-        for (int st = 0; st < STAGES - 1; ++st) load_pages(pgp[st], btb, TILE_START(st), start, end, cid);
+        for (int st = 0; st < STAGES - 1; ++st) {
+            if (PAGE_WIN)
+                pw.tile(pgp[st], st, lane);
+            else
+                load_pages(pgp[st], btb, TILE_START(st), start, end, cid);
+        }
 #pragma unroll
         for (int st = 0; st < STAGES - 1; ++st) {
             if (st < my_n)
@@ -1683,24 +1723,26 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         }
     }
     int pg[NPG];
-    load_pages(pg, btb, TILE_START(STAGES - 1), start, end, cid);
+    if (!PAGE_WIN) load_pages(pg, btb, TILE_START(STAGES - 1), start, end, cid);
 
     int stage_c = 0, stage_w = STAGES - 1;
     for (int it = 0; it < my_n; ++it) {
 #if ATTNPLAN_SPLIT_V
         cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
         __syncthreads();  // everyone's have; and every warp is done with tile it - 1, whose stage is refilled now
+        if (PAGE_WIN) pw.tile(pg, it + STAGES - 1, lane);
         if (it + STAGES - 1 < my_n)
             issue_tile(ring + stage_w * STAGE_BYTES, kb, vb, TILE_START(it + STAGES - 1), start, end, pg, lc, k_s0,
                        k_s1, v_s0, v_s1, cid);
         cp_async_commit();
-        load_pages(pg, btb, TILE_START(it + STAGES), start, end, cid);  // used one iteration later
+        if (!PAGE_WIN) load_pages(pg, btb, TILE_START(it + STAGES), start, end, cid);  // used one iteration later
 #else
+        if (PAGE_WIN) pw.tile(pg, it + STAGES - 1, lane);
         if (it + STAGES - 1 < my_n)
             issue_tile(ring + stage_w * STAGE_BYTES, kb, vb, TILE_START(it + STAGES - 1), start, end, pg, lc, k_s0,
                        k_s1, v_s0, v_s1, cid);
         cp_async_commit();
-        load_pages(pg, btb, TILE_START(it + STAGES), start, end, cid);  // used one iteration later
+        if (!PAGE_WIN) load_pages(pg, btb, TILE_START(it + STAGES), start, end, cid);  // used one iteration later
         cp_async_wait<STAGES - 1>();
         __syncwarp();
 #endif
