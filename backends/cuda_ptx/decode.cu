@@ -905,6 +905,21 @@ __device__ __forceinline__ void lane_copies(LaneCopies &lc, i64 k_s1, i64 v_s1, 
     }
 }
 
+// A pointer the compiler must keep as computed (an empty asm that "changes" it): the tile's base pointers are
+// formed once per tile and each chunk's source is one wide add of its 32-bit lane offset. Without it, ptxas
+// (register-capped at 3 programs per SM) re-derived every chunk's address from the kernel parameter: a
+// constant-bank load, then 4 dependent integer instructions before each cp.async (ncu source page,
+// results/2026-11-30-s7-call5: the paged single pass's top loop stall, short scoreboard on those adds).
+// Tensor-core kernels only: the CUDA-core ones hold more live registers per tile, and there the pinned pointers
+// made ptxas spill under sm_80's 128-register cap.
+template <typename T>
+__device__ __forceinline__ const T *opaque(const T *p) {
+#ifndef ATTNPLAN_HOST_EMULATION
+    if (MMA) asm volatile("" : "+l"(p));
+#endif
+    return p;
+}
+
 // Issue the cp.async copies of thread `cid`'s chunks of one K tile and one V tile into a ring stage
 // (no commit). Chunks of tokens before `start` or at / past `end` are zero-filled without reading
 // global memory.
@@ -924,12 +939,14 @@ __device__ __forceinline__ void issue_tile(unsigned char *stage, const kv_t *__r
     kt = kb + (i64)ts * k_s1;
     vt = vb + (i64)ts * v_s1;
 #endif
+    kt = opaque(kt);
+    vt = opaque(vt);
 #if ATTNPLAN_PAGE_SIZE > 0
     const kv_t *kp[PAGE_REG ? NPG : 1], *vp[PAGE_REG ? NPG : 1];  // PAGE_REG: the tile's pages, once per tile
 #pragma unroll
     for (int j = 0; j < (PAGE_REG ? NPG : 0); ++j) {
-        kp[j] = kb + (i64)pg[j] * k_s0;
-        vp[j] = vb + (i64)pg[j] * v_s0;
+        kp[j] = opaque(kb + (i64)pg[j] * k_s0);
+        vp[j] = opaque(vb + (i64)pg[j] * v_s0);
     }
 #endif
 #pragma unroll
@@ -948,8 +965,9 @@ __device__ __forceinline__ void issue_tile(unsigned char *stage, const kv_t *__r
             }
 #endif
             const int so = MMA ? lc_soff(lc, k) : c * 16;
-            cp_async16(stage + so, valid ? (const void *)(ksrc + lc.koff[k % NKO]) : (const void *)kb, valid);
-            cp_async16(stage + KT_BYTES + so, valid ? (const void *)(vsrc + lc.voff[k % NKO]) : (const void *)vb,
+            // an invalid chunk reads nothing (src-size 0); its address is the chunk's page / tile base, in range
+            cp_async16(stage + so, valid ? (const void *)(ksrc + lc.koff[k % NKO]) : (const void *)ksrc, valid);
+            cp_async16(stage + KT_BYTES + so, valid ? (const void *)(vsrc + lc.voff[k % NKO]) : (const void *)vsrc,
                        valid);
         }
     }
