@@ -6,6 +6,12 @@ the geometric-mean and minimum speedup of the best attnplan backend over the bes
     python benchmarks/diag/grid_stats.py results/2026-11-30-s6-call5/bench.json results/2026-11-30-s6-call5/bench2.json
 
 Made the session-6 whole-grid tables of benchmarks/README.md (and, on session 5's files, the comparison column).
+
+A file may carry ``@heads`` to count only some head configurations from it, e.g. a newer run of two heads
+beside an older run of the rest (each point keeps its own run's ceiling):
+
+    python benchmarks/diag/grid_stats.py s7-call3/bench.json s7-call3/bench2.json@64/8/128,28/4/128,8/1/128 \
+        s7-call7/bench.json
 """
 
 import argparse
@@ -26,10 +32,13 @@ def main() -> None:
     ap.add_argument("json", nargs="+")
     a = ap.parse_args()
     by_heads, big, per_backend, losses = {}, [], {}, []
-    for path in a.json:
+    for arg in a.json:
+        path, _, only = arg.partition("@")
         d = json.load(open(path))
         bw = d["ceiling"][d["ceiling_used"]]  # GB/s
         for p in d["points"]:
+            if only and "/".join(map(str, p["heads"])) not in only.split(","):
+                continue
             names = set(p["results"])
             ours = names & set(OURS)
             _, t_ours = best(p, ours)
