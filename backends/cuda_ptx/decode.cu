@@ -156,6 +156,11 @@
 //  * Tiles are TILE-aligned token ranges starting at or below the first visible position (positions
 //    outside a row's range are masked), so a tile never straddles a page boundary. K and V go through
 //    STAGES-deep shared-memory rings with 16-byte cp.async (zero-filled past the chunk).
+//  * Paged caches (both paths): where a tile's block-table entries are the same for every lane (a tile in one
+//    page, or PAGE_REG), each warp holds its next 32 entries across its lanes and loads the 32 after them
+//    16-32 tiles ahead (PageWindow; FlashInfer's batch decode kernel likewise computes the offsets of a run of
+//    tiles ahead, into shared memory); a tile's entries reach the lanes by shuffle. Tensor-core kernels form
+//    each tile's K / V base pointer once and add each chunk's 32-bit lane offset to it (opaque()).
 //  * Scores: each lane multiplies its head_dim slice, a butterfly over LPT lanes sums the slices.
 //    Online softmax in base 2 (exp2), fp32 accumulation, rescale only when a row's max grows.
 //  * Partition inside the program (seed 000), chosen at compile time (ATTNPLAN_SPLIT_V):
