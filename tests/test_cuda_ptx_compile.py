@@ -219,6 +219,19 @@ def test_mma_larger_warp_tiles_compile_without_spills(passes, warps, page, cc, c
           f"dynamic smem {spec.smem_bytes}")
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("args,passes", [(("single", "bfloat16", 128, 1, 1, 2), 8), (("partial", "bfloat16", 256, 1, 1, 1), 4)],
+                         ids=["d128-page2-p8", "d256-page1-p4"])
+def test_mma_tiles_over_more_than_32_pages_compile(args, passes, cache):
+    """Tensor-core tiles spanning more than 32 pages (64 here) keep the per-page block-table loads: the
+    block-table window holds 32 slots per batch (decode.cu, PAGE_WIN). They compiled before the window came
+    and must still (review of change 21)."""
+    spec = L.make_spec(*args, mma=True, passes=passes, smem_limit=227 * 1024)
+    assert spec.mma and spec.tile_tokens // (args[5]) > 32
+    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
+    assert c.image[:4] == b"\x7fELF"
+
+
 def test_mma_passes_option_is_checked():
     with pytest.raises(ValueError, match="passes 3"):
         L.make_spec("partial", "bfloat16", 128, 4, 1, None, passes=3, mma=True)

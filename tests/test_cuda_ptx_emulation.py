@@ -70,8 +70,10 @@ CASES = [
     Case((8, 2), 128, (21, 4), q_len=5, page=32, dtype="fp16", splits=(1, 3)),  # odd q_len, L < q_len
     Case((4, 4), 16, (9, 3), page=1, dtype="fp32", splits=(1, 3)),          # MHA, head_dim 16
     Case((28, 4), 64, (33,), q_len=2, page=16, splits=(2,)),               # 14 rows
-    Case((8, 2), 128, (4097,), page=16, splits=(1, 3)),                     # a few hundred tiles; one split:
-]  # 2 block-table batches of 32 per split-K warp, 8 for split-V's program (decode.cu, PageWindow)
+    Case((8, 2), 128, (4097,), page=16, splits=(1, 3)),                     # a few hundred tiles
+]  # one split crosses block-table batches of 32 tiles (decode.cu, PageWindow): split-V's program 257 tiles (9
+#    batches), a CUDA-core split-K warp ~129 of 8 tokens (5), a tensor-core warp 64-65 (3; warp 0's last tile
+#    holds one token)
 
 
 def _plan(be, x, splits, partition="split_k", **options):
@@ -315,9 +317,9 @@ FP8_MMA_CASES = [
     VariantCase((8, 1), 128, (1, 64, 129), q_len=3, page=16, splits=(1, 3)),
     VariantCase((4, 4), 80, (45, 2), dtype="fp16", splits=(2,)),
     VariantCase((8, 2), 128, (61, 1), q_len=3, cap=2.0, window=40, splits=(1, 3)),
-    # 32-token tiles over 16-token pages, one split: a warp's 20 tiles reach its second batch of 32 block-table
-    # entries (decode.cu, PageWindow)
-    VariantCase((8, 2), 128, (2600, 5), page=16, splits=(1,)),
+    # 32-token tiles over 16-token pages (2 block-table slots per tile), one split: a warp's 34-35 tiles use three
+    # batches of 32 slots, the third loaded when the window moves on (decode.cu, PageWindow)
+    VariantCase((8, 2), 128, (4400, 5), page=16, splits=(1,)),
 ]
 
 FP8_PARAMS = _partitions(FP8_CASES, split_v=(0, 3, 4)) + \

@@ -817,7 +817,7 @@ __device__ __forceinline__ void query_range(int i, int L, int cs, int ce, int wi
 // by shuffle, and batch b + 2 is loaded when b + 1 becomes current, 32 / NPG tiles before its first use. Before it,
 // each tile's entry was loaded one tile ahead, and at 1-2 programs per SM the copies waited on that load
 // (ncu, results/2026-11-30-s7-call1: the top stall of the paged loop, b16 1K). 0 outside [start, end).
-constexpr bool PAGE_WIN = PAGE > 0 && (ONE_PAGE || PAGE_REG);
+constexpr bool PAGE_WIN = PAGE > 0 && (ONE_PAGE || (PAGE_REG && NPG <= 32));  // a tile's slots in one batch
 struct PageWindow {
     const int *btb;
     int base, step, start, end, cur, nxt;
@@ -841,7 +841,6 @@ struct PageWindow {
         for (int j = 0; j < NPG; ++j) pg[j] = __shfl_sync(FULL_MASK, cur, (q0 + j) & 31);
     }
 };
-static_assert(!PAGE_WIN || (32 % NPG == 0), "a tile's page slots must lie in one batch of 32");
 
 // Block-table entries for the chunks thread `cid` copies of tile `ts` (first token); 0 outside [start, end).
 __device__ __forceinline__ void load_pages(int (&pg)[NPG], const int *__restrict__ btb, int ts, int start, int end,

@@ -244,7 +244,9 @@ inline void cp_async_wait(int n) {
 
 inline void cp_async16(void *dst, const void *src, bool valid) {
     if (!smem_access(dst, 16, 2)) return;
-    if (!valid) {
+    if (!valid) {  // src-size 0 reads nothing, but the kernel still passes an in-range, aligned address
+        if (((uintptr_t)src & 15) || !readable(src, 16))
+            fail("zero-filled cp.async chunk's source outside every input buffer or not 16-byte aligned");
         std::memset(dst, 0, 16);
         return;
     }
