@@ -818,6 +818,7 @@ __device__ __forceinline__ void query_range(int i, int L, int cs, int ce, int wi
 // each tile's entry was loaded one tile ahead, and at 1-2 programs per SM the copies waited on that load
 // (ncu, results/2026-11-30-s7-call1: the top stall of the paged loop, b16 1K). 0 outside [start, end).
 constexpr bool PAGE_WIN = PAGE > 0 && (ONE_PAGE || (PAGE_REG && NPG <= 32));  // a tile's slots in one batch
+static_assert(!PAGE_WIN || 32 % NPG == 0, "a tile's page slots must lie in one batch of 32");
 struct PageWindow {
     const int *btb;
     int base, step, start, end, cur, nxt;

@@ -37,14 +37,14 @@ def main() -> None:
         d = json.load(open(path))
         bw = d["ceiling"][d["ceiling_used"]]  # GB/s
         for p in d["points"]:
-            if only and "/".join(map(str, p["heads"])) not in only.split(","):
+            heads = "/".join(map(str, p["heads"]))
+            if only and heads not in only.split(","):
                 continue
             names = set(p["results"])
             ours = names & set(OURS)
             _, t_ours = best(p, ours)
             _, t_peer = best(p, names - ours)
             sp = t_peer / t_ours
-            heads = "/".join(map(str, p["heads"]))
             by_heads.setdefault(heads, []).append(sp)
             for n in ours:
                 per_backend.setdefault(n, []).append(t_peer / best(p, {n})[1])

@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-import attnplan
-from attnplan.bench import build_sets, read_bound
+from attnplan.bench import build_sets, read_bound, time_backend
 from attnplan.timing import capture_graphs, time_cuda
 
 
@@ -53,16 +52,10 @@ def gather_read_us(x, table, iters):
 
 
 def step_us(backend, sets, iters):
-    wrappers = []
-    for x in sets:
-        w = attnplan.DecodeWrapper(backend=backend)
-        w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
-        wrappers.append(w)
-    args = [(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table) for x in sets]
-    graphs = capture_graphs(lambda j: wrappers[j].run(*args[j]), len(sets))
-    t = time_cuda(lambda i: graphs[i % len(sets)].replay(), warmup=10, iters=iters, flush=True)["median_us"]
-    p = wrappers[0].plan_
-    return t, p.num_splits, p.merge
+    """Graph-replay step time (us) of ``backend`` on ``sets`` and its plan's ``(num_splits, merge)``: the
+    benchmark's own :func:`attnplan.bench.time_backend` (which also times the eager call)."""
+    res, _ = time_backend(backend, sets, iters)
+    return res["graph_us"], res["plan"]["num_splits"], res["plan"]["merge"]
 
 
 def main():
