@@ -35,8 +35,11 @@ OPTION_GRIDS = {
 }
 #: programs per SM the sweep's split counts aim at
 SWEEP_PROGRAMS_PER_SM = (1, 2, 3, 4, 6, 8)
-#: programs per SM the exhaustive split search tries (split counts deduplicated after alignment)
-SEARCH_PROGRAMS_PER_SM = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16)
+#: programs per SM the exhaustive split search tries (split counts deduplicated after alignment). Up to
+#: 64: at batch 256 x 8 KV heads (2,048 pairs on 132 SMs) one split is already 15.5 programs per SM, so
+#: 3 and 4 splits (46.5, 62) are only searched with the top entries; at small pair counts those entries
+#: reach ``split.max_splits`` or the length and are deduplicated away
+SEARCH_PROGRAMS_PER_SM = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def parse_option_grid(text: str) -> dict:
