@@ -75,15 +75,16 @@ def _time_step(step, n, iters, res):
     del graphs
 
 
-def time_backend(name, sets, iters):
+def time_backend(name, sets, iters, num_splits=None):
     """Plan and time one attnplan backend on the sets (see :func:`_time_step` for the times), plus
-    first-run time (s, includes compilation) and the plan. Returns ``(result dict, output of set 0)``."""
+    first-run time (s, includes compilation) and the plan. ``num_splits`` forces the split count
+    (``None``: the planner's). Returns ``(result dict, output of set 0)``."""
     res = {}
     wrappers = []
     fp8 = sets[0].k_cache.dtype == torch.float8_e4m3fn
     for x in sets:
         w = attnplan.DecodeWrapper(backend=name)
-        w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table,
+        w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits,
                **({"k_scale": 1.0, "v_scale": 1.0} if fp8 else {}))
         wrappers.append(w)
     t0 = time.perf_counter()

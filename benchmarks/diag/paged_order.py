@@ -14,7 +14,14 @@ page by page through each block table (``gather read``) and the plain streaming 
 If the in-order paged step matches the contiguous one, the loss is the page order (memory); if it matches the
 random one, it is the kernel.
 
+Session 8 added, for the large-batch points: ``--splits`` (forced split counts, 0 = the planner's) and a fourth
+cache, ``padded``: the contiguous cache with ``--pad`` tokens of unused room after each sequence, so sequences
+start ``(kv + pad) x kv_heads x head_dim`` elements apart instead of a power of two (same bytes read, same
+kernel). If ``padded`` (or the random page order) beats ``contig``, concurrently running programs reading at
+the same offset of power-of-two-strided sequences collide in DRAM (partition camping), not the kernel.
+
     python benchmarks/diag/paged_order.py --out order.json
+    python benchmarks/diag/paged_order.py --shapes 64/8/128:256:1024 --splits 1,2 --out order.json
 """
 
 import argparse
@@ -51,10 +58,10 @@ def gather_read_us(x, table, iters):
     return time_cuda(lambda i: g.replay(), warmup=10, iters=iters, flush=True)["median_us"]
 
 
-def step_us(backend, sets, iters):
+def step_us(backend, sets, iters, num_splits=None):
     """Graph-replay step time (us) of ``backend`` on ``sets`` and its plan's ``(num_splits, merge)``: the
     benchmark's own :func:`attnplan.bench.time_backend` (which also times the eager call)."""
-    res, _ = time_backend(backend, sets, iters)
+    res, _ = time_backend(backend, sets, iters, num_splits=num_splits or None)
     return res["graph_us"], res["plan"]["num_splits"], res["plan"]["merge"]
 
 
@@ -64,6 +71,9 @@ def main():
                                         "8/1/128:16:16384,32/8/128:4:32768,32/8/128:16:16384")
     ap.add_argument("--backends", default="cuda_ptx,triton")
     ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--splits", default="0", help="split counts to force, comma-separated (0 = the planner's)")
+    ap.add_argument("--pad", type=int, default=0, help="also time a contiguous cache with this many tokens of room "
+                    "after each sequence (0 = not timed)")
     ap.add_argument("--out")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda")
@@ -79,24 +89,36 @@ def main():
         paged = build_sets(batch, hq, hkv, d, [kv] * batch, 16, n_sets, gen)
         ordered = [dataclasses.replace(x, block_table=torch.arange(x.block_table.numel(), device="cuda", dtype=torch.int32)
                                        .view_as(x.block_table)) for x in paged]
-        row = {"heads": [hq, hkv, d], "batch": batch, "kv": kv, "bytes": nbytes,
+        caches = [("contig", contig), ("random", paged), ("ordered", ordered)]
+        if a.pad:
+            def padded(t):
+                room = t.new_empty(t.shape[0], t.shape[1] + a.pad, *t.shape[2:])
+                room[:, : t.shape[1]].copy_(t)
+                return room[:, : t.shape[1]]
+            caches.append(("padded", [dataclasses.replace(x, k_cache=padded(x.k_cache), v_cache=padded(x.v_cache))
+                                      for x in contig]))
+        row = {"heads": [hq, hkv, d], "batch": batch, "kv": kv, "bytes": nbytes, "pad": a.pad,
                "read_us": read_bound(nbytes, a.iters)["read_us"],
                "gather_random_us": gather_read_us(paged[0], paged[0].block_table, a.iters),
                "gather_ordered_us": gather_read_us(paged[0], ordered[0].block_table, a.iters)}
+        names = [n for n, _ in caches]
         for b in a.backends.split(","):
-            for name, sets in (("contig", contig), ("random", paged), ("ordered", ordered)):
-                t, ns, merge = step_us(b, sets, a.iters)
-                row[f"{b}_{name}_us"] = t
-                row[f"{b}_{name}_plan"] = [ns, merge]
+            for ns in map(int, a.splits.split(",")):
+                tag = f"{b}_s{ns}" if ns else b  # forced counts get their own keys; the planner's keep the old ones
+                for name, sets in caches:
+                    t, got, merge = step_us(b, sets, a.iters, ns)
+                    row[f"{tag}_{name}_us"] = t
+                    row[f"{tag}_{name}_plan"] = [got, merge]
         rows.append(row)
-        del contig, paged, ordered
+        del contig, paged, ordered, caches
         torch.cuda.empty_cache()
-        line = (f"{heads:10s} b{batch:<3d} kv{kv:<6d} read {row['read_us']:6.1f} gather rnd/ord "
-                f"{row['gather_random_us']:6.1f}/{row['gather_ordered_us']:6.1f}")
+        print(f"{heads:10s} b{batch:<3d} kv{kv:<6d} read {row['read_us']:6.1f} gather rnd/ord "
+              f"{row['gather_random_us']:6.1f}/{row['gather_ordered_us']:6.1f}", flush=True)
         for b in a.backends.split(","):
-            line += (f" | {b} contig/rnd/ord {row[f'{b}_contig_us']:6.1f}/{row[f'{b}_random_us']:6.1f}/"
-                     f"{row[f'{b}_ordered_us']:6.1f} splits {row[f'{b}_contig_plan'][0]}/{row[f'{b}_random_plan'][0]}")
-        print(line, flush=True)
+            for ns in map(int, a.splits.split(",")):
+                tag = f"{b}_s{ns}" if ns else b
+                print(f"    {b:8s} splits {row[f'{tag}_contig_plan'][0]:3d}/{row[f'{tag}_random_plan'][0]:<3d} "
+                      + " ".join(f"{n} {row[f'{tag}_{n}_us']:7.1f}" for n in names), flush=True)
     if a.out:
         json.dump({"rows": rows}, open(a.out, "w"), indent=1)
 
