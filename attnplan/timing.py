@@ -8,6 +8,7 @@ repeats. :func:`read_bandwidth_gbs` measures the streaming-read ceiling in the s
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -34,10 +35,21 @@ def l2_flush() -> None:
     torch.sum(buf, dim=0, out=out)
 
 
-def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50, flush: bool = False) -> dict:
+#: least warm-up (milliseconds of calls) before :func:`time_cuda` times anything: ``triton.testing.do_bench``'s
+#: default. Counted warm-up calls alone were too short for steps timed right after their inputs were built:
+#: in ``results/2026-11-30-s8-call2`` the tune's 5 warm-up replays left the first split count timed at a
+#: b256 4K point 10-14% slow (1,085 us against 952 when timed warm, ``-s8-call3``/``-call4``), and its
+#: planner-quality check timed a plan 11% slower than its split search had minutes before.
+WARMUP_MS = 25.0
+
+
+def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50, flush: bool = False,
+              warmup_ms: float = WARMUP_MS) -> dict:
     """Median time of ``fn(i)`` (``i`` = iteration index, for rotating input sets), microseconds.
 
-    Each iteration is bracketed by its own pair of CUDA events on the current stream.
+    Warm-up: at least ``warmup`` calls and at least ``warmup_ms`` milliseconds of them (synchronized call by
+    call once the count is reached, so the host clock measures the device's work). Then each timed iteration
+    is bracketed by its own pair of CUDA events on the current stream.
 
     Two kinds of time (METHOD.md; ``triton.testing.do_bench`` does the same as ``flush=True``):
 
@@ -57,8 +69,12 @@ def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50, f
         raise RuntimeError("time_cuda needs a CUDA device")
     if flush:
         l2_flush()  # allocates its buffer outside the timed iterations
-    for i in range(warmup):
+    t0, i = time.perf_counter(), 0
+    while i < warmup or (time.perf_counter() - t0) * 1e3 < warmup_ms:
         fn(i)
+        i += 1
+        if i >= warmup:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
