@@ -142,3 +142,41 @@ def test_bench_summary_reports_the_read_bound(capsys):
     out = capsys.readouterr().out
     assert "geometric mean 1.20x" in out  # 12 / 10 at both points
     assert "read     5.0 (2.40x)" in out and "geometric mean 2.40x (what a step as fast" in out and "3.8 us" in out
+
+
+def test_time_cuda_warms_up_by_time_as_well_as_count(monkeypatch):
+    """``time_cuda`` keeps warming up until both ``warmup`` calls and ``warmup_ms`` have passed (results
+    2026-11-30-s8-call2..4: a 5-call warm-up timed a fresh-input step 11-14% slow). CPU: CUDA's events and
+    synchronize are faked, and each call of the timed function advances a fake host clock by 1 ms."""
+    import attnplan.timing as timing
+
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, enable_timing=True):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 0.002
+
+    monkeypatch.setattr(timing.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(timing.torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    calls = []
+
+    def fn(i):
+        calls.append(i)
+        clock[0] += 1e-3
+
+    r = timing.time_cuda(fn, warmup=3, iters=4, warmup_ms=25.0)
+    assert len(calls) == 25 + 4 and r["iters"] == 4 and r["median_us"] == pytest.approx(2.0)
+    calls.clear()
+    timing.time_cuda(fn, warmup=3, iters=4, warmup_ms=0.0)
+    assert len(calls) == 3 + 4
+    calls.clear()
+    timing.time_cuda(fn, warmup=30, iters=4, warmup_ms=5.0)  # the count, when it is the longer
+    assert len(calls) == 30 + 4
