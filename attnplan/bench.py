@@ -77,8 +77,10 @@ def _time_step(step, n, iters, res):
 
 def time_backend(name, sets, iters, num_splits=None):
     """Plan and time one attnplan backend on the sets (see :func:`_time_step` for the times), plus
-    first-run time (s, includes compilation) and the plan. ``num_splits`` forces the split count
-    (``None``: the planner's). Returns ``(result dict, output of set 0)``."""
+    first-run time (s, includes compilation) and the plan. ``num_splits`` goes to
+    :meth:`attnplan.DecodeWrapper.plan`: ``None`` = the config's ``split.num_splits``, 0 = the planner's
+    choice, 1 = no split, >1 = forced. Returns ``(result dict, output of set 0)``. Raises ``ValueError``
+    (from ``plan``) for a count outside [0, 1024]."""
     res = {}
     wrappers = []
     fp8 = sets[0].k_cache.dtype == torch.float8_e4m3fn

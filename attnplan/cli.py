@@ -59,6 +59,7 @@ def _time_report(w, x, args, lens) -> dict:
     nbytes = attnplan.DecodeProblem(batch=b, num_q_heads=hq, num_kv_heads=x.k_cache.shape[2], head_dim=d, q_len=ql,
                                     q_dtype=dtype_name(x.q.dtype), kv_dtype=dtype_name(x.k_cache.dtype),
                                     max_kv_len=max(lens), total_kv_len=sum(lens)).bytes_moved()
+    r = {k: v for k, v in r.items() if k != "samples_us"}
     return {**r, "bytes": nbytes, "gbs": nbytes / (r["median_us"] * 1e-6) / 1e9,
             "note": "one decode step (all kernels), CUDA events after warm-up; inputs not rotated"}
 

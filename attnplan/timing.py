@@ -7,6 +7,7 @@ repeats. :func:`read_bandwidth_gbs` measures the streaming-read ceiling in the s
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -36,20 +37,24 @@ def l2_flush() -> None:
 
 
 #: least warm-up (milliseconds of calls) before :func:`time_cuda` times anything: ``triton.testing.do_bench``'s
-#: default. Counted warm-up calls alone were too short for steps timed right after their inputs were built:
-#: in ``results/2026-11-30-s8-call2`` the tune's 5 warm-up replays left the first split count timed at a
-#: b256 4K point 10-14% slow (1,085 us against 952 when timed warm, ``-s8-call3``/``-call4``), and its
-#: planner-quality check timed a plan 11% slower than its split search had minutes before.
+#: default. Counted warm-up calls alone were too short for steps timed right after their inputs were built. In
+#: ``results/2026-11-30-s8-call2`` the tune (5 warm-up replays) timed the single pass 11-14% slower than a warm
+#: timing (``-s8-call3``) at 9 of 10 cuda_ptx b256 points (64/8/128 b256 4K: 1,085 us against 952), and its
+#: planner-quality check timed a plan 11% slower than its split search had minutes before; in ``-s8-call4``
+#: three back-to-back tune timings on fresh b256 1K inputs gave 278 / 248 / 248 us (the SM clock at 1,980 MHz).
+#: The cause below the driver is not known; ``benchmarks/diag/warmup_ramp.py`` looks at it.
 WARMUP_MS = 25.0
 
 
 def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50, flush: bool = False,
               warmup_ms: float = WARMUP_MS) -> dict:
-    """Median time of ``fn(i)`` (``i`` = iteration index, for rotating input sets), microseconds.
+    """Median time of ``fn(i)``, microseconds. ``i`` counts the calls from 0, warm-up calls included (so
+    it runs into the thousands for a short ``fn``): a caller rotating ``n`` input sets takes ``i % n``.
 
-    Warm-up: at least ``warmup`` calls and at least ``warmup_ms`` milliseconds of them (synchronized call by
-    call once the count is reached, so the host clock measures the device's work). Then each timed iteration
-    is bracketed by its own pair of CUDA events on the current stream.
+    Warm-up: ``warmup`` calls, then more until at least ``warmup_ms`` milliseconds have passed since the
+    first, queued back to back in rounds sized from the time per call so far (``triton.testing.do_bench``'s
+    way; each round ends with a synchronize, so the host clock measures the device's work). Then each of the
+    ``iters`` timed calls is bracketed by its own pair of CUDA events on the current stream.
 
     Two kinds of time (METHOD.md; ``triton.testing.do_bench`` does the same as ``flush=True``):
 
@@ -61,7 +66,8 @@ def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50, f
       and the gaps between them, not the host), and L2 is cold at its start.
 
     Returns:
-        ``{"median_us", "min_us", "p90_us", "iters"}``.
+        ``{"median_us", "min_us", "p90_us", "iters", "samples_us"}`` (``samples_us``: every timed call's
+        time in call order).
     Raises:
         RuntimeError: CUDA is not available.
     """
@@ -69,24 +75,30 @@ def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50, f
         raise RuntimeError("time_cuda needs a CUDA device")
     if flush:
         l2_flush()  # allocates its buffer outside the timed iterations
-    t0, i = time.perf_counter(), 0
-    while i < warmup or (time.perf_counter() - t0) * 1e3 < warmup_ms:
-        fn(i)
-        i += 1
-        if i >= warmup:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
+    t0, i, want = time.perf_counter(), 0, max(warmup, 0)
+    while True:
+        while i < want:
+            fn(i)
+            i += 1
+        torch.cuda.synchronize()
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+        if elapsed_ms >= warmup_ms:
+            break
+        # the rest of warmup_ms at the rate so far (at least one call; the first round may be a single call)
+        want = i + max(1, math.ceil((warmup_ms - elapsed_ms) / max(elapsed_ms / i, 1e-3))) if i else 1
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
+    for j in range(iters):
         if flush:
             l2_flush()
-        starts[i].record()
-        fn(i)
-        ends[i].record()
+        starts[j].record()
+        fn(i + j)
+        ends[j].record()
     torch.cuda.synchronize()
-    t = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
-    return {"median_us": statistics.median(t), "min_us": t[0], "p90_us": t[int(0.9 * (len(t) - 1))], "iters": iters}
+    samples = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    t = sorted(samples)
+    return {"median_us": statistics.median(t), "min_us": t[0], "p90_us": t[int(0.9 * (len(t) - 1))], "iters": iters,
+            "samples_us": samples}
 
 
 def capture_graphs(step: Callable[[int], object], n: int) -> list:

@@ -65,6 +65,11 @@ def step_us(backend, sets, iters, num_splits=None):
     return res["graph_us"], res["plan"]["num_splits"], res["plan"]["merge"]
 
 
+def tag(backend: str, splits: int) -> str:
+    """JSON key prefix of one timing: forced split counts get their own keys, the planner's (0) keeps the old ones."""
+    return f"{backend}_s{splits}" if splits else backend
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="64/8/128:16:1024,32/8/128:16:1024,32/32/128:4:1024,64/8/128:16:4096,"
@@ -104,11 +109,10 @@ def main():
         names = [n for n, _ in caches]
         for b in a.backends.split(","):
             for ns in map(int, a.splits.split(",")):
-                tag = f"{b}_s{ns}" if ns else b  # forced counts get their own keys; the planner's keep the old ones
                 for name, sets in caches:
                     t, got, merge = step_us(b, sets, a.iters, ns)
-                    row[f"{tag}_{name}_us"] = t
-                    row[f"{tag}_{name}_plan"] = [got, merge]
+                    row[f"{tag(b, ns)}_{name}_us"] = t
+                    row[f"{tag(b, ns)}_{name}_plan"] = [got, merge]
         rows.append(row)
         del contig, paged, ordered, caches
         torch.cuda.empty_cache()
@@ -116,9 +120,9 @@ def main():
               f"{row['gather_random_us']:6.1f}/{row['gather_ordered_us']:6.1f}", flush=True)
         for b in a.backends.split(","):
             for ns in map(int, a.splits.split(",")):
-                tag = f"{b}_s{ns}" if ns else b
-                print(f"    {b:8s} splits {row[f'{tag}_contig_plan'][0]:3d}/{row[f'{tag}_random_plan'][0]:<3d} "
-                      + " ".join(f"{n} {row[f'{tag}_{n}_us']:7.1f}" for n in names), flush=True)
+                k = tag(b, ns)
+                print(f"    {b:8s} splits {row[f'{k}_contig_plan'][0]:3d}/{row[f'{k}_random_plan'][0]:<3d} "
+                      + " ".join(f"{n} {row[f'{k}_{n}_us']:7.1f}" for n in names), flush=True)
     if a.out:
         json.dump({"rows": rows}, open(a.out, "w"), indent=1)
 

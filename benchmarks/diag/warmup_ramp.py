@@ -3,13 +3,15 @@
 In ``results/2026-11-30-s8-call2`` the tune's split search timed 64/8/128 b256 4K (cuda_ptx, contiguous) at
 1,085 us with one split and 987 us with two, and its planner-quality check minutes later timed the same
 two-split plan at 1,098 us; ``paged_order.py`` (``-s8-call3``), timing inside a longer run, measured 952 / 988.
-The tune times each split count with 5 warm-up replays (``attnplan.tune._graph_time``), right after building
-the point's inputs and planning (host work; the GPU idles meanwhile).
+The tune then timed each split count with 5 warm-up replays, right after building the point's inputs and planning
+(host work; the GPU idles meanwhile). Since change 24 (NOTES, session 8) ``attnplan.timing.time_cuda`` warms up
+for at least 25 ms and the tune's first timing on fresh inputs (``attnplan.tune._graph_time``) for 100 ms.
 
 This prints, after the GPU has idled ``--idle`` seconds, each replay's own time (CUDA events, L2 flushed in front)
-for the first ``--iters`` replays of a step, so a clock ramp shows as a falling series; and the tune's own
-measurement (``_graph_time``) three times in a row on fresh inputs. The SM clock (NVML, when available) is
-sampled before and after each series.
+for the first ``--iters`` replays of a step with no warm-up at all, so a ramp shows as a falling series; and the
+tune's own measurement (``_graph_time``, as the code now is) three times in a row on fresh inputs, so the first
+of the three should match the other two. The SM clock (NVML, when available) is sampled before and after each
+series. (``results/2026-11-30-s8-call4`` ran it with the old 5-replay warm-up.)
 
     python benchmarks/diag/warmup_ramp.py --out ramp.json
 """
@@ -22,7 +24,7 @@ import time
 import torch
 
 import attnplan
-from attnplan.timing import capture_graphs, l2_flush
+from attnplan.timing import capture_graphs, time_cuda
 from attnplan.tune import _graph_time, _inputs, _plan
 
 
@@ -34,19 +36,13 @@ def sm_clock_mhz():
 
 
 def series(fn, iters, idle_s):
-    """Per-replay device times (us) of ``fn`` for ``iters`` replays after ``idle_s`` seconds of idle GPU."""
+    """Per-replay device times (us) of ``fn`` for ``iters`` replays, no warm-up, after ``idle_s`` seconds of
+    idle GPU; and the SM clock (MHz) before and after."""
     torch.cuda.synchronize()
     time.sleep(idle_s)
     c0 = sm_clock_mhz()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        l2_flush()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)], c0, sm_clock_mhz()
+    ts = time_cuda(lambda i: fn(), warmup=0, iters=iters, flush=True, warmup_ms=0.0)["samples_us"]
+    return ts, c0, sm_clock_mhz()
 
 
 def main():
