@@ -1,17 +1,25 @@
 """``attnplan tune``: measure a device and write its planner table ``plans/<device>.yaml``.
 
-For each backend it sweeps kernel options (``block_n`` x ``num_warps`` x ``num_stages`` for
-Triton, ``block_n`` for the others) and forced split counts (about 1, 2, 4 and 8 programs per SM)
-over a set of decode shapes, timing CUDA-graph replays. From that it writes:
+Unless ``--no-options``, it first sweeps each backend's kernel options (:data:`OPTION_GRIDS`: ``block_n`` x
+``num_warps`` x ``num_stages`` for Triton; ``num_warps`` x ``num_stages`` x partition for cuda_ptx) with split
+counts of about 1-8 programs per SM over :data:`SHAPES`, and writes:
 
 - ``kernel_options.<backend>.{contiguous,paged}``: the options with the best geometric-mean
   time relative to each shape's best;
 - ``cost_model.sat_programs_per_sm``: the median programs-per-SM of the best split counts on
-  shapes that need splitting (fewer sequence x KV-head pairs than SMs);
-- ``cost_model.mem_bandwidth_gbs``: the streaming-read ceiling measured in the same run.
+  shapes that need splitting (fewer sequence x KV-head pairs than SMs).
 
-It then re-plans every shape with the new table, times the planner's choice, and reports how
-many shapes land within 5% of the best split found by the sweep (the planner-quality check).
+Then, for every ``(layout, batch, KV length)`` of ``--batches`` x ``--kv`` at ``--heads``, an exhaustive split
+search (:data:`SEARCH_PROGRAMS_PER_SM`) writes ``split_table.<backend>.<layout>`` rows (the planner's
+``tuned`` policy; rows of other points and heads stay), and ``cost_model.mem_bandwidth_gbs``, the
+streaming-read ceiling measured in the same run.
+
+It then re-plans every searched point with the new table, times the planner's choice beside the search's
+best, and reports how many points land within 5% (in sample, and leave-one-out without the point's own row).
+
+Every timing is a CUDA-graph replay's device time (L2 flushed in front; :func:`attnplan.timing.time_cuda`),
+after at least 25 ms of warm-up, 100 ms for the first timing on a point's freshly built inputs
+(:data:`FIRST_WARMUP_MS`; NOTES.md, session 8, change 24).
 """
 
 from __future__ import annotations
