@@ -41,7 +41,7 @@ def l2_flush() -> None:
 #: ``results/2026-11-30-s8-call2`` the tune (5 warm-up replays) timed the single pass 11-14% slower than a warm
 #: timing (``-s8-call3``) at 9 of 10 cuda_ptx b256 points (64/8/128 b256 4K: 1,085 us against 952), and its
 #: planner-quality check timed a plan 11% slower than its split search had minutes before; in ``-s8-call4``
-#: three back-to-back tune timings on fresh b256 1K inputs gave 278 / 248 / 248 us (the SM clock at 1,980 MHz).
+#: three back-to-back tune timings on fresh b256 1K inputs gave 278 / 248 / 248 us (the SM clock at 1,965-1,980 MHz).
 #: The cause below the driver is not known; ``benchmarks/diag/warmup_ramp.py`` looks at it.
 WARMUP_MS = 25.0
 

@@ -29,6 +29,7 @@ import itertools
 import json
 import math
 import statistics
+import weakref
 
 import torch
 import yaml
@@ -75,8 +76,6 @@ def _graph_time(w, x, iters: int) -> float:
     """Device time (us) of one CUDA-graph replay of ``w.run`` on inputs ``x`` (median of ``iters``, an L2 flush
     queued in front, see :func:`attnplan.timing.time_cuda`). The first timing on a given KV cache warms up for
     :data:`FIRST_WARMUP_MS` milliseconds, later ones for :data:`attnplan.timing.WARMUP_MS`."""
-    import weakref
-
     from .timing import WARMUP_MS, capture_graphs, time_cuda
 
     key = id(x.k_cache)

@@ -142,4 +142,3 @@ def test_bench_summary_reports_the_read_bound(capsys):
     out = capsys.readouterr().out
     assert "geometric mean 1.20x" in out  # 12 / 10 at both points
     assert "read     5.0 (2.40x)" in out and "geometric mean 2.40x (what a step as fast" in out and "3.8 us" in out
-
