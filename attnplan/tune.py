@@ -145,10 +145,12 @@ def merge_rows(old: list, new: list) -> list:
 
 
 def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous", "paged"), iters: int = 15,
-          option_grid: dict | None = None, progress=None) -> list[dict]:
+          option_grid: dict | None = None, progress=None,
+          programs_per_sm=SWEEP_PROGRAMS_PER_SM) -> list[dict]:
     """Time every (shape, layout, kernel options, split count) under CUDA-graph replay.
 
-    Returns one row per timing: ``layout, batch, kv``, the options, ``splits, programs, us`` (or
+    ``heads`` = (query heads, KV heads, head_dim); ``shapes`` = (batch, KV tokens) pairs; the split counts
+    aim at ``programs_per_sm`` programs per SM. Returns one row per timing: ``layout, batch, kv``, the options, ``splits, programs, us`` (or
     ``error`` for options that do not compile or fit).
     """
     import attnplan
@@ -164,7 +166,7 @@ def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous"
         for values in itertools.product(*(grid[k] for k in keys)):
             opts = dict(zip(keys, values))
             ctx = _context(backend, opts)
-            cands = sorted({max(1, math.ceil(sms * k / (batch * hkv))) for k in SWEEP_PROGRAMS_PER_SM})
+            cands = sorted({max(1, math.ceil(sms * k / (batch * hkv))) for k in programs_per_sm})
             seen = set()
             for splits in cands:
                 row = {"layout": layout, "batch": batch, "kv": kv, **opts}
