@@ -18,7 +18,7 @@ from .backends import Backend, DecodeInputs, get_backend
 from .cache import PlanCache
 from .config import Config, device_table, load_config
 from .device import DeviceInfo, device_info
-from .planner import SplitPlan, make_plan
+from .planner import SplitPlan, make_plan, table_row_options
 from .problem import DecodeProblem, default_sm_scale, torch_dtype, validate_inputs, validate_values
 from .state import PartialState
 
@@ -189,11 +189,28 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
         bucketed = problem.bucketed()
         tuned, _ = _tuned_options(dev_info, backend.name, bucketed)
         user = {k: v for k, v in ctx.config.options(backend.name).model_dump().items() if v is not None}
-        kernel = backend.kernel_config(bucketed, {**tuned, **user}, device)
-        return make_plan(bucketed, dev_info, ctx.config, backend.name, kernel,
-                         capacity_mode=capacity_mode, num_splits=num_splits, merge_strategies=backend.merge_strategies,
-                         partitions=backend.partitions, fused_merge_parallelism=backend.fused_merge_parallelism,
-                         fused_merge_max_chunk=backend.fused_merge_max_chunk)
+        forced = ctx.config.split.num_splits if num_splits is None else num_splits
+        # a tuned row's own kernel options (planner.table_row_options): only for the plan the row makes, and
+        # not over options the config sets (e.g. cuda_ptx's threads and num_warps name the same thing)
+        row = {} if user or forced or dev_info.compute_capability == (0, 0) else \
+            table_row_options(bucketed, dev_info, backend.name)
+
+        def plan_with(opts: dict) -> SplitPlan:
+            kernel = backend.kernel_config(bucketed, opts, device)
+            return make_plan(bucketed, dev_info, ctx.config, backend.name, kernel,
+                             capacity_mode=capacity_mode, num_splits=num_splits,
+                             merge_strategies=backend.merge_strategies, partitions=backend.partitions,
+                             fused_merge_parallelism=backend.fused_merge_parallelism,
+                             fused_merge_max_chunk=backend.fused_merge_max_chunk)
+
+        if row:
+            try:
+                plan = plan_with({**tuned, **row})
+                if plan.policy == "tuned":
+                    return plan
+            except ValueError:  # options measured at other heads that do not fit this problem's kernel
+                pass
+        return plan_with({**tuned, **user})
 
     if not ctx.config.plan_cache.enabled:
         ctx.cache.stats.misses += 1

@@ -10,9 +10,10 @@ counts of about 1-8 programs per SM over :data:`SHAPES`, and writes:
   shapes that need splitting (fewer sequence x KV-head pairs than SMs).
 
 Then, for every ``(layout, batch, KV length)`` of ``--batches`` x ``--kv`` at ``--heads``, an exhaustive split
-search (:data:`SEARCH_PROGRAMS_PER_SM`) writes ``split_table.<backend>.<layout>`` rows (the planner's
-``tuned`` policy; rows of other points and heads stay), and ``cost_model.mem_bandwidth_gbs``, the
-streaming-read ceiling measured in the same run.
+search (:data:`SEARCH_PROGRAMS_PER_SM`; with ``--row-options``, under each combination of those kernel options
+too) writes ``split_table.<backend>.<layout>`` rows (the planner's ``tuned`` policy; a row found under
+``--row-options`` carries its options, which the planner runs with the row's split count; rows of other points
+and heads stay), and ``cost_model.mem_bandwidth_gbs``, the streaming-read ceiling measured in the same run.
 
 It then re-plans every searched point with the new table, times the planner's choice beside the search's
 best, and reports how many points land within 5% (in sample, and leave-one-out without the point's own row).
@@ -224,36 +225,41 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
 
 
 def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, progress=None,
-                 kv_dtype: str = "bfloat16") -> list[dict]:
+                 kv_dtype: str = "bfloat16", row_options: dict | None = None) -> list[dict]:
     """Exhaustive split search with the planner's kernel options: for every ``(layout, batch, kv)``
     point, every split count that puts :data:`SEARCH_PROGRAMS_PER_SM` programs on each SM (deduplicated
-    after chunk alignment), timed under CUDA-graph replay. One row per timing:
-    ``layout, batch, kv, splits, programs, ppsm, us``."""
+    after chunk alignment), timed under CUDA-graph replay; with ``row_options`` (a grid such as
+    ``{"num_warps": [4, 8]}``), every split count under every combination of those kernel options too.
+    One row per timing: ``layout, batch, kv, options, splits, programs, ppsm, us`` (``options`` = the
+    combination, ``{}`` without ``row_options``)."""
     import attnplan
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(5)
     cfg = attnplan.load_config(plan_cache={"disk": False})
-    ctx = attnplan.Context.from_config(cfg)
+    grid = row_options or {}
+    combos = [dict(zip(grid, vals)) for vals in itertools.product(*grid.values())]
     rows = []
     for layout, batch, kv in points:
         x = _inputs(layout, batch, kv, heads, gen, kv_dtype)
         pairs = batch * heads[1]
-        seen = set()
-        for ppsm in SEARCH_PROGRAMS_PER_SM:
-            want = min(cfg.split.max_splits, max(1, math.ceil(ppsm * sms / pairs)))
-            w = attnplan.DecodeWrapper(ctx, backend=backend)
-            probe = _plan(w, x, want)
-            # a forced count keeps empty trailing splits when chunk alignment rounds up: time the
-            # count that actually has work, ceil(kv / chunk), once per distinct chunk
-            splits = max(1, -(-kv // probe.chunk_size))
-            if probe.chunk_size in seen:
-                continue
-            seen.add(probe.chunk_size)
-            plan = _plan(w, x, splits) if splits != want else probe
-            rows.append({"layout": layout, "batch": batch, "kv": kv, "splits": plan.num_splits,
-                         "programs": plan.num_programs, "ppsm": round(plan.num_programs / sms, 3),
-                         "us": _graph_time(w, x, iters)})
+        for opts in combos:
+            ctx = _context(backend, opts) if opts else attnplan.Context.from_config(cfg)
+            seen = set()
+            for ppsm in SEARCH_PROGRAMS_PER_SM:
+                want = min(cfg.split.max_splits, max(1, math.ceil(ppsm * sms / pairs)))
+                w = attnplan.DecodeWrapper(ctx, backend=backend)
+                probe = _plan(w, x, want)
+                # a forced count keeps empty trailing splits when chunk alignment rounds up: time the
+                # count that actually has work, ceil(kv / chunk), once per distinct chunk
+                splits = max(1, -(-kv // probe.chunk_size))
+                if probe.chunk_size in seen:
+                    continue
+                seen.add(probe.chunk_size)
+                plan = _plan(w, x, splits) if splits != want else probe
+                rows.append({"layout": layout, "batch": batch, "kv": kv, "options": opts, "splits": plan.num_splits,
+                             "programs": plan.num_programs, "ppsm": round(plan.num_programs / sms, 3),
+                             "us": _graph_time(w, x, iters)})
         if progress:
             progress()
         del x
@@ -262,14 +268,17 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
 
 
 def split_table(rows: list[dict], heads) -> dict:
-    """``{layout: [[pairs, kv, programs_per_sm, us, group, head_dim], ...]}``: the best split of each
-    searched point, for ``heads = (num_q_heads, num_kv_heads, head_dim)`` (the planner prefers rows of
-    a problem's own group and head_dim: :func:`attnplan.planner._table_entry`)."""
+    """``{layout: [[pairs, kv, programs_per_sm, us, group, head_dim(, options)], ...]}``: the best split (and,
+    when the search varied them, kernel options) of each searched point, for ``heads = (num_q_heads,
+    num_kv_heads, head_dim)`` (the planner prefers rows of a problem's own group and head_dim:
+    :func:`attnplan.planner._table_entry`; it runs a row's options with the row's split count:
+    :func:`attnplan.planner.table_row_options`)."""
     hq, hkv, d = heads
     out = {}
     for key in sorted({(r["layout"], r["batch"], r["kv"]) for r in rows}):
         best = min((r for r in rows if (r["layout"], r["batch"], r["kv"]) == key), key=lambda r: r["us"])
-        out.setdefault(key[0], []).append([key[1] * hkv, key[2], best["ppsm"], round(best["us"], 2), hq // hkv, d])
+        row = [key[1] * hkv, key[2], best["ppsm"], round(best["us"], 2), hq // hkv, d]
+        out.setdefault(key[0], []).append(row + [dict(best["options"])] if best.get("options") else row)
     return out
 
 
@@ -292,6 +301,9 @@ def main(argv=None) -> int:
     ap.add_argument("--option-grid", default=None, type=parse_option_grid,
                     help="kernel options to sweep instead of the backend's default grid, e.g. "
                          "'num_warps=4,8;num_stages=2,3,4' (integers; partition=split_k,split_v)")
+    ap.add_argument("--row-options", default=None, type=parse_option_grid,
+                    help="kernel options the split search also varies per point, e.g. 'num_warps=4,8': each row "
+                         "records the options of its best time and the planner runs them with the row's split count")
     ap.add_argument("--batches", default="1,4,16,64", help="split search grid: batches")
     ap.add_argument("--kv", default="1024,4096,16384,65536,131072", help="split search grid: KV lengths")
     ap.add_argument("--max-gb", type=float, default=16.0, help="skip grid points whose K+V exceed this many GB")
@@ -356,7 +368,7 @@ def main(argv=None) -> int:
             _reload()
         bar = tqdm(total=len(points), desc=f"splits {backend}", unit="point") if tqdm else None
         searches[backend] = split_search(backend, points, heads, args.iters, progress=bar.update if bar else None,
-                                         kv_dtype=args.kv_dtype)
+                                         kv_dtype=args.kv_dtype, row_options=args.row_options)
         if bar:
             bar.close()
         if args.check_only:
@@ -387,9 +399,12 @@ def main(argv=None) -> int:
         good = sum(q[key] for q in quality)
         print(f"planner within 5% of the exhaustive split search ({name}): {good}/{len(quality)} points")
     for q in quality:
+        def opt(d):
+            return "".join(f" {k}={v}" for k, v in d.items())
         print(f"  {q['backend']:8s} {q['layout']:10s} b{q['batch']:<3d} kv{q['kv']:<7d} planner {q['planner_us']:8.1f} us "
-              f"({q['planner_splits']} splits, {q['policy']})  exhaustive best {q['best_us']:8.1f} us ({q['best_splits']})"
-              f"  leave-one-out {q['loo_us']:8.1f} us ({q['loo_splits']})")
+              f"({q['planner_splits']} splits{opt(q['planner_options'])}, {q['policy']})  exhaustive best "
+              f"{q['best_us']:8.1f} us ({q['best_splits']}{opt(q['best_options'])})"
+              f"  leave-one-out {q['loo_us']:8.1f} us ({q['loo_splits']}{opt(q['loo_options'])})")
     return 0
 
 
@@ -437,10 +452,11 @@ def _reload() -> None:
 
 def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtype: str = "bfloat16") -> list[dict]:
     """For every searched point: the planner's own choice with the new table, timed beside the
-    exhaustive search's best split count on the same inputs (``within_5pct``), and a leave-one-out
-    check that is not in-sample: the split the planner picks when the point's own table row is
-    removed (``loo_*``; judged by the search's own ratio when that count was searched, else timed).
-    ``best_us`` is the fresh time of the best count, ``best_search_us`` the search's."""
+    exhaustive search's best choice (split count, and the searched kernel options when the search varied
+    them: ``--row-options``) on the same inputs (``within_5pct``), and a leave-one-out check that is not
+    in-sample: the choice the planner makes when the point's own table row is removed (``loo_*``; judged by
+    the search's own ratio when that choice was searched, else timed). ``best_us`` is the fresh time of the
+    best choice, ``best_search_us`` the search's."""
     import attnplan
     import attnplan.planner as planner
     from attnplan.config import device_table
@@ -453,21 +469,32 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtyp
     for backend, rows in searches.items():
         for key in sorted({(r["layout"], r["batch"], r["kv"]) for r in rows}):
             layout, batch, kv = key
-            rs = {r["splits"]: r["us"] for r in rows if (r["layout"], r["batch"], r["kv"]) == key}
+            # (options, splits) -> us; options as a sorted tuple of items ((), without --row-options)
+            rs = {(tuple(sorted(r.get("options", {}).items())), r["splits"]): r["us"]
+                  for r in rows if (r["layout"], r["batch"], r["kv"]) == key}
             best = min(rs, key=rs.get)
             x = _inputs(layout, batch, kv, heads, gen, kv_dtype)
-            ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+            plain = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
 
-            def plan_and_time(ctx, x, num_splits=None):
-                w = attnplan.DecodeWrapper(ctx, backend=backend)
-                p = _plan(w, x, num_splits)
-                return p, _graph_time(w, x, iters)
+            def choice(plan, opts=best[0]):
+                """The plan as a search key: its split count, and its values of the searched options."""
+                return tuple((k, plan.kernel.get(k)) for k, _ in opts), plan.num_splits
 
-            # the planner's choice and the search's best split count are timed afresh side by side on
-            # the same inputs: timings of one point taken minutes apart differ by up to ~15% on the H200
-            # (seen in the first tune run), more than the 5% the check resolves
-            plan, t = plan_and_time(ctx, x)
-            t_best = t if plan.num_splits == best else plan_and_time(ctx, x, best)[1]
+            def time_choice(c, x=x):
+                """Time a (options, splits) choice afresh on this point's inputs."""
+                opts, n = c
+                w = attnplan.DecodeWrapper(_context(backend, dict(opts)) if opts else plain, backend=backend)
+                _plan(w, x, n)
+                return _graph_time(w, x, iters)
+
+            # the planner's choice and the search's best are timed afresh side by side on the same inputs:
+            # timings of one point taken minutes apart differ by up to ~15% on the H200 (seen in the first
+            # tune run), more than the 5% the check resolves
+            w = attnplan.DecodeWrapper(plain, backend=backend)
+            plan = _plan(w, x)
+            t = _graph_time(w, x, iters)
+            mine = choice(plan)
+            t_best = t if mine == best else time_choice(best)
             pairs = batch * heads[1]
             loo = json.loads(json.dumps(full))
             lay = loo.get("split_table", {}).get(backend, {}).get(_table_key(layout, kv_dtype), [])
@@ -477,22 +504,24 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtyp
             planner.device_table = lambda s, _t=loo: _t
             try:
                 ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
-                w = attnplan.DecodeWrapper(ctx, backend=backend)
-                loo_plan = _plan(w, x)
+                loo_plan = _plan(attnplan.DecodeWrapper(ctx, backend=backend), x)
             finally:
                 planner.device_table = saved
-            # leave-one-out: the search's own ratio when that count was searched, else timed afresh
-            if loo_plan.num_splits == plan.num_splits:
+            # leave-one-out: the search's own ratio when that choice was searched, else timed afresh
+            loo_choice = choice(loo_plan)
+            if loo_choice == mine:
                 loo_ratio = t / t_best
-            elif loo_plan.num_splits in rs:
-                loo_ratio = rs[loo_plan.num_splits] / rs[best]
+            elif loo_choice in rs:
+                loo_ratio = rs[loo_choice] / rs[best]
             else:
-                loo_ratio = plan_and_time(ctx, x, loo_plan.num_splits)[1] / t_best
+                loo_ratio = time_choice(loo_choice) / t_best
             out.append({"backend": backend, "layout": layout, "batch": batch, "kv": kv, "planner_us": t,
-                        "planner_splits": plan.num_splits, "policy": plan.policy, "merge": plan.merge,
-                        "search": rs, "best_us": t_best, "best_search_us": rs[best], "best_splits": best,
-                        "within_5pct": t <= 1.05 * t_best,
-                        "loo_splits": loo_plan.num_splits, "loo_policy": loo_plan.policy, "loo_us": loo_ratio * t_best,
+                        "planner_splits": plan.num_splits, "planner_options": dict(mine[0]), "policy": plan.policy,
+                        "merge": plan.merge, "search": [[dict(o), n, us] for (o, n), us in rs.items()],
+                        "best_us": t_best, "best_search_us": rs[best], "best_splits": best[1],
+                        "best_options": dict(best[0]), "within_5pct": t <= 1.05 * t_best,
+                        "loo_splits": loo_plan.num_splits, "loo_options": dict(loo_choice[0]),
+                        "loo_policy": loo_plan.policy, "loo_us": loo_ratio * t_best,
                         "loo_within_5pct": loo_ratio <= 1.05})
             del x
             torch.cuda.empty_cache()

@@ -503,3 +503,38 @@ def test_in_kernel_merges_gpu(merge, mode, fp8, gen):
             runs.append((out.clone(), lse.clone()))
         if merge == "fused":
             assert all(torch.equal(o, runs[0][0]) and torch.equal(ls, runs[0][1]) for o, ls in runs[1:])
+
+
+WARPS_CASES = [
+    Case((8, 1), 128, (2048, 1000, 17, 0), splits=(1, 5)),           # group 1, contiguous
+    Case((8, 1), 128, (4097, 16, 1), page=16, splits=(0, 5)),         # group 1, paged
+    Case((28, 4), 128, (4097, 255), page=16, splits=(1, 5)),          # group 7
+    Case((64, 8), 128, (1000, 65), splits=(2, 5)),                    # group 8
+    Case((16, 8), 256, (1000, 33), page=16, splits=(1, 5)),           # head_dim 256
+]
+
+
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+@pytest.mark.parametrize("options", [{"num_warps": 8, "num_stages": 2}, {"num_warps": 8}, {"num_warps": 2}],
+                         ids=["w8s2", "w8", "w2"])
+@pytest.mark.parametrize("case", WARPS_CASES, ids=lambda c: c.id)
+def test_kv_warps_options_match_reference(case, options, merge, gen):
+    """Split-table rows may carry kernel options (``attnplan tune --row-options``; session 9 measured 8 KV warps
+    per program with 2 stages fastest at 16-64 pairs): 2 and 8 KV warps, through the config's backend_options,
+    single pass and split with the separate and the fused merge, against the reference."""
+    _backend()
+    hq, hkv = case.heads
+    x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), page_size=case.page,
+                    dtype=torch.bfloat16, device="cuda", generator=gen)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    cfg = load_config(backend_options={"cuda_ptx": options}, split={"merge": merge})
+    for splits in case.splits:
+        out = poison(torch.empty_like(x.q))
+        lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
+        w = attnplan.DecodeWrapper(cfg, backend="cuda_ptx")
+        plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=splits)
+        assert plan.kernel["num_warps"] == options["num_warps"]
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, ref, torch.bfloat16, f"out ({options}, {splits} splits, {plan.merge})")
+        assert_close_to_reference(lse, ref_lse, torch.float32, f"lse ({options}, {splits} splits)")

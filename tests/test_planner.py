@@ -319,3 +319,50 @@ def test_tune_fit_keeps_every_swept_option():
               "programs": 256, "us": us} for p, w, us in ((1, 4, 130.0), (2, 4, 150.0), (1, 2, 131.0), (2, 2, 129.0))]
     out = fit(rows, "cuda_ptx", 132, 8)
     assert out["kernel_options"]["cuda_ptx"]["contiguous"] == {"passes": 2, "num_warps": 2}
+
+
+def test_a_tuned_rows_kernel_options_go_with_its_split_count(monkeypatch):
+    """``tune --row-options`` writes the kernel options a row's split count was measured with as its seventh
+    field; the planner runs them with that count (results/2026-11-30-s9-call1: cuda_ptx with 8 KV warps at
+    16 pairs x 16K), and not when the count is forced, the config sets the backend's options itself, or the
+    options do not fit the problem's kernel."""
+    import attnplan.planner as planner
+    from attnplan.api import Context, plan_problem
+    from attnplan.backends import get_backend
+
+    table = {"split_table": {"cuda_ptx": {"contiguous": [[16, 16384, 0.61, 40.6, 8, 128, {"num_warps": 8}]],
+                                          "paged": [[16, 16384, 0.61, 42.2, 8, 128]]}}}
+    monkeypatch.setattr(planner, "device_table", lambda slug: table)
+    be = get_backend("cuda_ptx")
+
+    def plan(page_size=None, cfg=None, **kw):
+        prob = P(batch=16, num_q_heads=8, num_kv_heads=1, page_size=page_size, max_kv_len=16384,
+                 total_kv_len=16 * 16384)
+        ctx = Context.from_config(cfg or attnplan.load_config(plan_cache={"disk": False}))
+        return plan_problem(prob, be, torch.device("cpu"), ctx, dev_info=H200_LIKE, **kw)
+
+    p = plan()
+    assert p.policy == "tuned" and p.table_entry[6] == {"num_warps": 8}
+    assert p.kernel["num_warps"] == 8 and p.kernel["threads"] == 256
+    assert p.num_splits == 5  # round(0.61 x 132 / 16) splits of 16384 tokens, chunks aligned to 8 warps x 16 tokens
+    assert "{'num_warps': 8}" in p.explain()
+    assert SplitPlan.from_dict(json.loads(p.to_json())) == p
+    assert plan(page_size=16).kernel["num_warps"] == 4  # a row without options: the table's (default) options
+    forced = plan(num_splits=5)
+    assert forced.policy == "forced" and forced.kernel["num_warps"] == 4
+    own = plan(cfg=attnplan.load_config(plan_cache={"disk": False}, backend_options={"cuda_ptx": {"threads": 64}}))
+    assert own.policy == "tuned" and own.kernel["num_warps"] == 2  # the config's threads, not the row's warps
+    table["split_table"]["cuda_ptx"]["contiguous"][0][6] = {"block_n": 24}  # not a multiple of the tile: the count only
+    bad = plan()
+    assert bad.policy == "tuned" and bad.kernel["num_warps"] == 4 and bad.num_splits == 5
+
+
+def test_tune_split_table_records_the_best_rows_options():
+    """With ``--row-options`` the best (options, split count) of a point wins and its options go into the row."""
+    from attnplan.tune import split_table
+
+    rows = [{"layout": "contiguous", "batch": 16, "kv": 16384, "options": {"num_warps": w}, "splits": s,
+             "programs": 16 * s, "ppsm": round(16 * s / 132, 3), "us": us}
+            for w, s, us in ((4, 13, 42.2), (4, 5, 44.0), (8, 5, 40.6), (8, 13, 43.0))]
+    assert split_table(rows, (8, 1, 128)) == {"contiguous": [[16, 16384, round(80 / 132, 3), 40.6, 8, 128,
+                                                              {"num_warps": 8}]]}
