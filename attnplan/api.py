@@ -18,7 +18,7 @@ from .backends import Backend, DecodeInputs, get_backend
 from .cache import PlanCache
 from .config import Config, device_table, load_config
 from .device import DeviceInfo, device_info
-from .planner import SplitPlan, make_plan, table_row_options
+from .planner import SplitPlan, entry_options, make_plan
 from .problem import DecodeProblem, default_sm_scale, torch_dtype, validate_inputs, validate_values
 from .state import PartialState
 
@@ -174,8 +174,15 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
                  capacity_mode: bool = False, num_splits: int | None = None, dev_info: DeviceInfo | None = None) -> SplitPlan:
     """Plan ``problem`` for ``backend`` through ``ctx``'s plan cache (bucketed lengths).
 
-    Kernel options: the config's ``backend_options`` where set, else the device's tuned table,
-    else the backend's defaults.
+    Kernel options: the config's ``backend_options`` where set, else the device's tuned table
+    (``kernel_options.<backend>.<layout>``), else the backend's defaults. A split-K plan whose split count comes
+    from a tuned row that carries kernel options (``attnplan tune --row-options``) runs the row's options over the
+    table's, unless the config sets any of the backend's options, the options raise ``ValueError`` for this
+    problem's kernel, or the plan with them would come from another row (:func:`attnplan.planner.entry_options`).
+    Such a miss plans twice.
+
+    Raises:
+        ValueError: the config's options do not fit the backend's kernel for this problem.
     """
     dev_info = dev_info or device_info(device)
     # the key is built from the live problem's bucket (the same as the bucketed problem's); the
@@ -189,11 +196,9 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
         bucketed = problem.bucketed()
         tuned, _ = _tuned_options(dev_info, backend.name, bucketed)
         user = {k: v for k, v in ctx.config.options(backend.name).model_dump().items() if v is not None}
-        forced = ctx.config.split.num_splits if num_splits is None else num_splits
-        # a tuned row's own kernel options (planner.table_row_options): only for the plan the row makes, and
-        # not over options the config sets (e.g. cuda_ptx's threads and num_warps name the same thing)
-        row = {} if user or forced or dev_info.compute_capability == (0, 0) else \
-            table_row_options(bucketed, dev_info, backend.name)
+        # the config's choice wins over the table's values of options that name the same thing
+        tuned = {k: v for k, v in tuned.items()
+                 if not any(k in group and group & user.keys() for group in backend.option_aliases)}
 
         def plan_with(opts: dict) -> SplitPlan:
             kernel = backend.kernel_config(bucketed, opts, device)
@@ -203,14 +208,19 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
                              fused_merge_parallelism=backend.fused_merge_parallelism,
                              fused_merge_max_chunk=backend.fused_merge_max_chunk)
 
-        if row:
+        plan = plan_with({**tuned, **user})
+        # the tuned row's own kernel options (planner.entry_options) go with its split count: only for a split-K plan
+        # that row made, kept only if the same row makes the plan again (a windowed problem plans its window's
+        # span), and not over options the config sets (e.g. cuda_ptx's threads and num_warps name the same thing)
+        row = entry_options(plan.table_entry) if plan.policy == "tuned" and plan.partition == "split_k" else {}
+        if row and not user:
             try:
-                plan = plan_with({**tuned, **row})
-                if plan.policy == "tuned":
-                    return plan
+                again = plan_with({**tuned, **row})
             except ValueError:  # options measured at other heads that do not fit this problem's kernel
-                pass
-        return plan_with({**tuned, **user})
+                return plan
+            if again.policy == "tuned" and again.table_entry == plan.table_entry and again.partition == "split_k":
+                return again
+        return plan
 
     if not ctx.config.plan_cache.enabled:
         ctx.cache.stats.misses += 1

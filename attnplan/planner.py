@@ -39,7 +39,7 @@ from .device import DeviceInfo
 from .problem import DecodeProblem, torch_dtype
 
 __all__ = ["SplitPlan", "make_plan", "PLAN_VERSION", "cost_model_for", "split_table_layout", "split_row_heads",
-           "table_row_options"]
+           "entry_options"]
 
 PLAN_VERSION = 1  # new fields default to the old meaning (column_programs=1: grid axis 0 = splits)
 
@@ -179,8 +179,11 @@ class SplitPlan:
             if abs(actual - ppsm) > 0.25 * ppsm:
                 lines.append(f"  ... runs at {actual:.2f} programs per SM: the table's count was clamped by "
                              "split.max_splits or the length, or rounded by chunk alignment")
-            if len(self.table_entry) >= 7 and self.table_entry[6]:
-                lines.append(f"  the entry's kernel options, measured with its split count: {self.table_entry[6]}")
+            if opts := entry_options(self.table_entry):
+                ran = all(self.kernel.get(k) == v for k, v in opts.items())
+                lines.append(f"  the entry's kernel options, measured with its split count: {opts} "
+                             + ("(applied)" if ran else "(not applied: the config sets the backend's options, the "
+                                "plan is not split-K, or they do not fit this problem's kernel)"))
         if self.candidates and self.policy == "heuristic":
             best = min(c[2] for c in self.candidates)
             shown = sorted(self.candidates, key=lambda c: c[2])[:5]
@@ -322,19 +325,20 @@ def split_row_heads(row) -> tuple[int | None, int]:
     return (row[4], row[5]) if len(row) >= 6 else (None, 128)
 
 
-def table_row_options(problem: DecodeProblem, device: DeviceInfo, backend: str) -> dict:
-    """The kernel options of the split-table row that would plan ``problem`` (its optional seventh field, a
-    mapping such as ``{"num_warps": 8}`` written by ``attnplan tune --row-options``), or ``{}``.
+def entry_options(entry) -> dict:
+    """The kernel options a split-table row (``SplitPlan.table_entry``) carries: its optional seventh field, a
+    mapping such as ``{"num_warps": 8, "num_stages": 2}`` written by ``attnplan tune --row-options``; ``{}`` for a
+    row without one (or with anything else there).
 
-    The row's split count was measured with those options, so they go with it: :func:`attnplan.api.plan_problem`
-    applies them (over the table's ``kernel_options``) to a plan the row makes, i.e. one whose policy is
-    ``"tuned"``, and not when the config sets the backend's options itself. Why per row: in
-    results/2026-11-30-s9-call1, cuda_ptx with 8 KV warps per program and about 0.6 programs per SM beat 4 warps
-    at its best split by 3-7% at 16-64 (sequence, KV head) pairs, 1K-16K tokens, while 4 warps keep 3 programs
-    resident per SM where a single pass fills the SMs (benchmarks/NOTES.md, session 9).
+    The row's split count was measured with those options, so :func:`attnplan.api.plan_problem` runs them with
+    it: only for a split-K plan that row makes (policy ``"tuned"``, the same row again once the options are
+    applied), and not when the config sets the backend's options or the options do not fit the problem's kernel
+    (``ValueError`` from the backend's ``kernel_config``). Why per row: in results/2026-11-30-s9-call1, cuda_ptx
+    with 8 KV warps per program beat the table's 4 warps, each at its best split count, by 3-11% at 16-64
+    (sequence, KV head) pairs and 1K-16K tokens, while single passes that fill the SMs keep 4 warps, 3 programs
+    resident per SM (benchmarks/NOTES.md, session 9, change 25).
     """
-    entry = _table_entry(problem, device, backend, 1)
-    return dict(entry[6]) if entry is not None and len(entry) >= 7 and isinstance(entry[6], dict) else {}
+    return dict(entry[6]) if len(entry) >= 7 and isinstance(entry[6], dict) else {}
 
 
 def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols: int) -> tuple | None:
@@ -344,7 +348,7 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
     programs_per_sm, us, group, head_dim, options]`` written by ``attnplan tune`` (``pairs`` = batch x KV heads;
     the best split count of an exhaustive search, as programs per SM; ``group`` = the GQA group size and
     ``head_dim`` of the heads it was measured with; rows without them count as head_dim 128, any group;
-    ``options``, optional: the kernel options that split count was measured with, :func:`table_row_options`);
+    ``options``, optional: the kernel options that split count was measured with, :func:`entry_options`);
     a 1-byte (fp8) cache reads ``<layout>_fp8`` (``attnplan tune --kv-dtype float8_e4m3fn``) and has no
     table without it. Used for the table's own conditions only: split-K (one column program),
     near-uniform lengths (the mean at least half the maximum on the bucketed problem the planner sees,

@@ -272,7 +272,7 @@ def split_table(rows: list[dict], heads) -> dict:
     when the search varied them, kernel options) of each searched point, for ``heads = (num_q_heads,
     num_kv_heads, head_dim)`` (the planner prefers rows of a problem's own group and head_dim:
     :func:`attnplan.planner._table_entry`; it runs a row's options with the row's split count:
-    :func:`attnplan.planner.table_row_options`)."""
+    :func:`attnplan.planner.entry_options`)."""
     hq, hkv, d = heads
     out = {}
     for key in sorted({(r["layout"], r["batch"], r["kv"]) for r in rows}):
@@ -450,6 +450,16 @@ def _reload() -> None:
     attnplan.api._tuned_lookup.cache_clear()
 
 
+def _choice(plan, searched_keys) -> tuple:
+    """A plan as a key of the split search's timings: ``(((option, value), ...), num_splits)`` with the values the
+    plan's kernel actually has for the searched options and for the options its table row carries (a row's options
+    can reach a plan even when the search did not vary them), sorted by name as the search's keys are."""
+    from .planner import entry_options
+
+    keys = sorted(set(searched_keys) | set(entry_options(plan.table_entry)))
+    return tuple((k, plan.kernel.get(k)) for k in keys), plan.num_splits
+
+
 def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtype: str = "bfloat16") -> list[dict]:
     """For every searched point: the planner's own choice with the new table, timed beside the
     exhaustive search's best choice (split count, and the searched kernel options when the search varied
@@ -476,10 +486,6 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtyp
             x = _inputs(layout, batch, kv, heads, gen, kv_dtype)
             plain = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
 
-            def choice(plan, opts=best[0]):
-                """The plan as a search key: its split count, and its values of the searched options."""
-                return tuple((k, plan.kernel.get(k)) for k, _ in opts), plan.num_splits
-
             def time_choice(c, x=x):
                 """Time a (options, splits) choice afresh on this point's inputs."""
                 opts, n = c
@@ -493,7 +499,8 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtyp
             w = attnplan.DecodeWrapper(plain, backend=backend)
             plan = _plan(w, x)
             t = _graph_time(w, x, iters)
-            mine = choice(plan)
+            searched = [k for k, _ in best[0]]
+            mine = _choice(plan, searched)
             t_best = t if mine == best else time_choice(best)
             pairs = batch * heads[1]
             loo = json.loads(json.dumps(full))
@@ -508,7 +515,7 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtyp
             finally:
                 planner.device_table = saved
             # leave-one-out: the search's own ratio when that choice was searched, else timed afresh
-            loo_choice = choice(loo_plan)
+            loo_choice = _choice(loo_plan, searched)
             if loo_choice == mine:
                 loo_ratio = t / t_best
             elif loo_choice in rs:

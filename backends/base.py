@@ -103,6 +103,9 @@ class Backend(abc.ABC):
     fused_merge_max_chunk: ClassVar[int] = 0
     #: intra-program work partitions implemented (:attr:`attnplan.SplitPlan.partition`)
     partitions: ClassVar[frozenset[str]] = frozenset({"split_k"})
+    #: kernel options that name the same thing (e.g. cuda_ptx's ``num_warps`` and ``threads``): where the config
+    #: sets one of a group, the tuned table's values for the others are dropped (the config's choice wins)
+    option_aliases: ClassVar[tuple[frozenset[str], ...]] = ()
 
     @abc.abstractmethod
     def available(self, device: torch.device) -> tuple[bool, str]:

@@ -321,40 +321,87 @@ def test_tune_fit_keeps_every_swept_option():
     assert out["kernel_options"]["cuda_ptx"]["contiguous"] == {"passes": 2, "num_warps": 2}
 
 
-def test_a_tuned_rows_kernel_options_go_with_its_split_count(monkeypatch):
-    """``tune --row-options`` writes the kernel options a row's split count was measured with as its seventh
-    field; the planner runs them with that count (results/2026-11-30-s9-call1: cuda_ptx with 8 KV warps at
-    16 pairs x 16K), and not when the count is forced, the config sets the backend's options itself, or the
-    options do not fit the problem's kernel."""
+@pytest.fixture
+def fake_h200_table(monkeypatch):
+    """A stand-in for ``plans/h200.yaml`` (a dict the test may change), read by the planner and by the API's kernel
+    options; the API's table caches are cleared around the test."""
+    import attnplan.api as api
     import attnplan.planner as planner
+
+    table = {}
+    monkeypatch.setattr(planner, "device_table", lambda slug: table)
+    monkeypatch.setattr(api, "device_table", lambda slug: table)
+    for f in (api._tuned_lookup, api._table_text):
+        f.cache_clear()
+    yield table
+    for f in (api._tuned_lookup, api._table_text):
+        f.cache_clear()
+
+
+def _plan_cuda_ptx(page_size=None, cfg=None, window_left=-1, **kw):
+    """plan_problem for cuda_ptx on an H200-like device, 16 sequences of 16K tokens, 8/1/128."""
     from attnplan.api import Context, plan_problem
     from attnplan.backends import get_backend
 
-    table = {"split_table": {"cuda_ptx": {"contiguous": [[16, 16384, 0.61, 40.6, 8, 128, {"num_warps": 8}]],
-                                          "paged": [[16, 16384, 0.61, 42.2, 8, 128]]}}}
-    monkeypatch.setattr(planner, "device_table", lambda slug: table)
-    be = get_backend("cuda_ptx")
+    prob = P(batch=16, num_q_heads=8, num_kv_heads=1, page_size=page_size, max_kv_len=16384,
+             total_kv_len=16 * 16384, window_left=window_left)
+    ctx = Context.from_config(cfg or attnplan.load_config(plan_cache={"disk": False}))
+    return plan_problem(prob, get_backend("cuda_ptx"), torch.device("cpu"), ctx, dev_info=H200_LIKE, **kw)
 
-    def plan(page_size=None, cfg=None, **kw):
-        prob = P(batch=16, num_q_heads=8, num_kv_heads=1, page_size=page_size, max_kv_len=16384,
-                 total_kv_len=16 * 16384)
-        ctx = Context.from_config(cfg or attnplan.load_config(plan_cache={"disk": False}))
-        return plan_problem(prob, be, torch.device("cpu"), ctx, dev_info=H200_LIKE, **kw)
 
-    p = plan()
+def test_a_tuned_rows_kernel_options_go_with_its_split_count(fake_h200_table):
+    """``tune --row-options`` writes the kernel options a row's split count was measured with as its seventh
+    field; the planner runs them with that count (results/2026-11-30-s9-call1: cuda_ptx with 8 KV warps at
+    16 pairs x 16K) over the table's per-layout options, and not when the count is forced, the config sets the
+    backend's options itself, the plan is split-V, or the options do not fit the problem's kernel."""
+    fake_h200_table.update({
+        "kernel_options": {"cuda_ptx": {"contiguous": {"num_warps": 4}}},
+        "split_table": {"cuda_ptx": {"contiguous": [[16, 16384, 0.61, 40.6, 8, 128, {"num_warps": 8}]],
+                                     "paged": [[16, 16384, 0.61, 42.2, 8, 128]]}}})
+    p = _plan_cuda_ptx()
     assert p.policy == "tuned" and p.table_entry[6] == {"num_warps": 8}
-    assert p.kernel["num_warps"] == 8 and p.kernel["threads"] == 256
+    assert p.kernel["num_warps"] == 8 and p.kernel["threads"] == 256  # the row's, over the table's 4
     assert p.num_splits == 5  # round(0.61 x 132 / 16) splits of 16384 tokens, chunks aligned to 8 warps x 16 tokens
-    assert "{'num_warps': 8}" in p.explain()
+    assert "{'num_warps': 8} (applied)" in p.explain()
     assert SplitPlan.from_dict(json.loads(p.to_json())) == p
-    assert plan(page_size=16).kernel["num_warps"] == 4  # a row without options: the table's (default) options
-    forced = plan(num_splits=5)
+    assert _plan_cuda_ptx(page_size=16).kernel["num_warps"] == 4  # a row without options: the table's options
+    forced = _plan_cuda_ptx(num_splits=5)
     assert forced.policy == "forced" and forced.kernel["num_warps"] == 4
-    own = plan(cfg=attnplan.load_config(plan_cache={"disk": False}, backend_options={"cuda_ptx": {"threads": 64}}))
+    own = _plan_cuda_ptx(cfg=attnplan.load_config(plan_cache={"disk": False},
+                                                  backend_options={"cuda_ptx": {"threads": 64}}))
     assert own.policy == "tuned" and own.kernel["num_warps"] == 2  # the config's threads, not the row's warps
-    table["split_table"]["cuda_ptx"]["contiguous"][0][6] = {"block_n": 24}  # not a multiple of the tile: the count only
-    bad = plan()
+    assert "(not applied" in own.explain()
+    split_v = _plan_cuda_ptx(cfg=attnplan.load_config(plan_cache={"disk": False}, split={"partition": "split_v"}))
+    assert split_v.partition == "split_v" and split_v.kernel["num_warps"] == 4  # rows are measured split-K
+    fake_h200_table["split_table"]["cuda_ptx"]["contiguous"][0][6] = {"block_n": 24}  # not a multiple of the tile
+    bad = _plan_cuda_ptx()
     assert bad.policy == "tuned" and bad.kernel["num_warps"] == 4 and bad.num_splits == 5
+    fake_h200_table["split_table"]["cuda_ptx"]["contiguous"][0][6] = "num_warps=8"  # not a mapping: no options
+    assert _plan_cuda_ptx().kernel["num_warps"] == 4
+
+
+def test_a_windowed_problem_takes_options_and_splits_from_one_row(fake_h200_table):
+    """A sliding window plans its window's span, so its split count can come from another row than the full
+    length's, or from the cost model: the options must come with the row that made the plan (review of change 25)."""
+    fake_h200_table.update({"split_table": {"cuda_ptx": {"contiguous": [
+        [16, 16384, 0.61, 40.6, 8, 128, {"num_warps": 8}], [16, 1024, 1.0, 12.0, 8, 128, {"num_warps": 2}]]}}})
+    w = _plan_cuda_ptx(window_left=1023)
+    assert w.policy == "tuned" and w.table_entry[1] == 1024 and w.kernel["num_warps"] == 2
+    tiny = _plan_cuda_ptx(window_left=63)  # a 64-token span: no row within reach, the cost model plans it
+    assert tiny.policy == "heuristic" and tiny.kernel["num_warps"] == 4
+
+
+def test_tune_choice_keys_a_plan_by_the_options_it_runs(fake_h200_table):
+    """The tune's quality check keys a plan by the options its kernel has, for the searched options and for its
+    row's (a row's options reach the plan even when the search did not vary them)."""
+    from attnplan.tune import _choice
+
+    fake_h200_table.update({"split_table": {"cuda_ptx": {"contiguous": [
+        [16, 16384, 0.61, 40.6, 8, 128, {"num_warps": 8, "num_stages": 2}]]}}})
+    p = _plan_cuda_ptx()
+    assert _choice(p, []) == ((("num_stages", 2), ("num_warps", 8)), 5)
+    assert _choice(_plan_cuda_ptx(num_splits=3), []) == ((), 3)
+    assert _choice(_plan_cuda_ptx(num_splits=3), ["num_warps"]) == ((("num_warps", 4),), 3)
 
 
 def test_tune_split_table_records_the_best_rows_options():
@@ -366,3 +413,6 @@ def test_tune_split_table_records_the_best_rows_options():
             for w, s, us in ((4, 13, 42.2), (4, 5, 44.0), (8, 5, 40.6), (8, 13, 43.0))]
     assert split_table(rows, (8, 1, 128)) == {"contiguous": [[16, 16384, round(80 / 132, 3), 40.6, 8, 128,
                                                               {"num_warps": 8}]]}
+    # a search without --row-options records empty options: rows keep six fields
+    plain = [dict(r, options={}) for r in rows if r["options"]["num_warps"] == 4]
+    assert split_table(plain, (8, 1, 128)) == {"contiguous": [[16, 16384, round(208 / 132, 3), 42.2, 8, 128]]}

@@ -206,6 +206,7 @@ class CudaPtxBackend(Backend):
     #: results/2026-11-30-s4-call6 and -call7, with or without a stated register budget; cause not found), while
     #: up to 2048-token chunks it is 0.5-2 us faster: auto picks fused only there
     fused_merge_max_chunk = 2048
+    option_aliases = (frozenset({"num_warps", "threads"}),)
     #: oldest compute capability served
     min_compute_capability: tuple[int, int] = (8, 0)
 
