@@ -151,8 +151,8 @@ def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous"
     """Time every (shape, layout, kernel options, split count) under CUDA-graph replay.
 
     ``heads`` = (query heads, KV heads, head_dim); ``shapes`` = (batch, KV tokens) pairs; the split counts
-    aim at ``programs_per_sm`` programs per SM. Returns one row per timing: ``layout, batch, kv``, the options, ``splits, programs, us`` (or
-    ``error`` for options that do not compile or fit).
+    aim at ``programs_per_sm`` programs per SM. Returns one row per timing: ``layout, batch, kv``, the
+    options, ``splits, programs, us`` (or ``error`` for options that do not compile or fit).
     """
     import attnplan
 
@@ -244,7 +244,7 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
         x = _inputs(layout, batch, kv, heads, gen, kv_dtype)
         pairs = batch * heads[1]
         for opts in combos:
-            ctx = _context(backend, opts) if opts else attnplan.Context.from_config(cfg)
+            ctx = _context(backend, opts)
             seen = set()
             for ppsm in SEARCH_PROGRAMS_PER_SM:
                 want = min(cfg.split.max_splits, max(1, math.ceil(ppsm * sms / pairs)))
@@ -398,9 +398,10 @@ def main(argv=None) -> int:
     for name, key in names:
         good = sum(q[key] for q in quality)
         print(f"planner within 5% of the exhaustive split search ({name}): {good}/{len(quality)} points")
+    def opt(d):
+        return "".join(f" {k}={v}" for k, v in d.items())
+
     for q in quality:
-        def opt(d):
-            return "".join(f" {k}={v}" for k, v in d.items())
         print(f"  {q['backend']:8s} {q['layout']:10s} b{q['batch']:<3d} kv{q['kv']:<7d} planner {q['planner_us']:8.1f} us "
               f"({q['planner_splits']} splits{opt(q['planner_options'])}, {q['policy']})  exhaustive best "
               f"{q['best_us']:8.1f} us ({q['best_splits']}{opt(q['best_options'])})"
@@ -489,7 +490,7 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtyp
             def time_choice(c, x=x):
                 """Time a (options, splits) choice afresh on this point's inputs."""
                 opts, n = c
-                w = attnplan.DecodeWrapper(_context(backend, dict(opts)) if opts else plain, backend=backend)
+                w = attnplan.DecodeWrapper(_context(backend, dict(opts)), backend=backend)
                 _plan(w, x, n)
                 return _graph_time(w, x, iters)
 
