@@ -236,7 +236,7 @@ def main():
                 ok = word_sum(out[:grid]) == want
             rows.append({"family": family, "config": config, "us": t, "ok": ok})
 
-        timed("torch_sum", {}, lambda: torch.sum(x.view(torch.bfloat16), dtype=torch.float32, out=fsum))
+        timed("torch_sum", {}, lambda: torch.sum(x.view(torch.bfloat16), dim=0, dtype=torch.float32, out=fsum))
         xb = x.view(torch.bfloat16)
         for block, warps in itertools.product((1024, 2048, 4096, 8192, 16384, 32768), (4, 8)):
             tiles = -(-xb.numel() // block)
