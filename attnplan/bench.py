@@ -105,17 +105,20 @@ def _args(x):
 
 
 _BOUND = {}
+READ_TILE = 4096  # elements per program of the reference read (read_bound)
 
 
 def read_bound(nbytes: int, iters: int) -> dict:
     """What a perfect step of ``nbytes`` could take under this benchmark's method: the graph-replay
     device time (L2 flushed in front, :func:`attnplan.timing.time_cuda`) of one streaming-read kernel
-    over ``nbytes`` bytes (``read_us``, at least 4 programs per SM), and of a graph holding one
-    1-element kernel (``floor_us``: what any one-kernel step pays for its launch, ramp and event
-    pair on this device, whatever it reads). ``read_us`` is a reference, not a strict bound: one plain
-    read kernel is close to the best a step of those bytes can do, but on the H200 the peers came in up
-    to ~12% under it at some large batches (results/2026-11-30-s5-call6); ``best peer / read_us`` is
-    what a step as fast as that read would gain.
+    over ``nbytes`` bytes (``read_us``: 4,096-element tiles of 8 KiB, one per program, 8 warps), and of a
+    graph holding one 1-element kernel (``floor_us``: what any one-kernel step pays for its launch, ramp
+    and event pair on this device, whatever it reads). On the H200 that tile was within 0.5% of the
+    fastest of 101 read kernels (Triton tiles, CUDA C 16-byte loads, Hopper bulk copies) at 16.8 MB to
+    537 MB (``benchmarks/diag/read_floor.py``, results/2026-12-01-s10-call2); the earlier choice (the
+    largest tile leaving 4 programs per SM) was up to 3.6% slower. ``read_us`` is still a reference, not
+    a strict bound: the peers came in up to ~12% under the older reference at some large batches
+    (results/2026-11-30-s5-call6); ``best peer / read_us`` is what a step as fast as that read would gain.
 
     Returns ``{"read_us", "floor_us"}`` (microseconds); memoized per byte count.
     Raises:
@@ -130,10 +133,7 @@ def read_bound(nbytes: int, iters: int) -> dict:
     n = -(-nbytes // 2)
     if nbytes not in _BOUND:
         x = torch.randn(n, device="cuda", dtype=torch.bfloat16)  # freed on return: no memory held between points
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        block = 32768
-        while block > 1024 and -(-n // block) < 4 * sms:
-            block //= 2
+        block = READ_TILE
         partial = torch.empty(-(-n // block), device="cuda", dtype=torch.float32)
         (g,) = capture_graphs(lambda j: streaming_read(x, partial, block), 1)
         _BOUND[nbytes] = time_cuda(lambda i: g.replay(), warmup=10, iters=iters, flush=True)["median_us"]
