@@ -7,15 +7,21 @@ for a step's bytes, one Triton read kernel (``read_us``), and the step floor (``
 searches for a faster read: for each byte count, every configuration of
 
 - ``triton``: the reference kernel (one tile per program), tile 1-32K elements x 4 / 8 warps;
-- ``ldg``: CUDA C (NVRTC), 16-byte ``ld.global.nc.L1::no_allocate`` loads, ``U`` independent loads in flight per
-  thread, 1-16 CTAs per SM, 256 / 512 / 1024 threads, the buffer walked grid-stride or one contiguous chunk per CTA;
+- ``ldg``: CUDA C (NVRTC), 16-byte ``ld.global.nc.L1::no_allocate`` loads unrolled ``U`` times per thread (ptxas
+  keeps at most about 4 of them outstanding per thread at U = 4 and 8: 32 registers), 1-16 CTAs per SM,
+  256 / 512 / 1024 threads, the buffer walked grid-stride or one contiguous chunk per CTA;
 - ``bulk``: CUDA C, Hopper's bulk copy engine (``cp.async.bulk`` global -> shared with an mbarrier, as TMA
-  kernels stream; no tensor map needed for 1-D), ``S`` chunks of ``C`` bytes in flight per CTA, 1-4 CTAs per SM;
+  kernels stream; no tensor map needed for 1-D), ``S`` chunks of ``C`` bytes in flight per CTA, 1-4 CTAs per SM
+  (configurations over 220 KB of shared memory per SM are left out and listed as skipped); the bytes past the last
+  whole chunk are read with 16-byte loads by the last CTA;
 - ``torch_sum``: ``torch.sum`` of the buffer,
 
 timed as the benchmark times a step (CUDA-graph replay, L2 flushed in front, CUDA events, median of ``--iters``;
-:func:`attnplan.timing.time_cuda`). Each CUDA C kernel writes one uint32 word-sum per CTA; their total mod 2**32
-must equal torch's sum of the buffer's 32-bit words, so a kernel that skipped bytes is reported as wrong, not fast.
+:func:`attnplan.timing.time_cuda`). Every kernel's result is checked after its timing: the buffer holds bf16 integers
+in [-8, 8], so the Triton tiles' fp32 partial sums and ``torch.sum``'s fp32 total are exact and must equal the
+buffer's sum, and each CUDA C kernel writes one uint32 word-sum per CTA whose total mod 2**32 must equal torch's sum
+of the buffer's 32-bit words. A kernel that skipped bytes is reported as wrong, not fast. Byte counts are rounded
+down to a multiple of 16 (the bytes actually read are reported).
 
     python benchmarks/diag/read_floor.py --bytes 16793600,67125248,268451840,536887296 --out read_floor.json
 
@@ -90,7 +96,7 @@ LDG(1, 0) LDG(2, 0) LDG(4, 0) LDG(8, 0) LDG(1, 1) LDG(2, 1) LDG(4, 1) LDG(8, 1)
 
 // Hopper bulk copy: CTA b streams chunks b, b + grid, ... of CHUNK bytes through a ring of S shared-memory
 // stages; thread 0 issues each copy with an mbarrier expecting CHUNK bytes; every thread then sums its words of
-// the stage. nbytes must be a multiple of CHUNK (the host passes the tail to read_ldg).
+// the stage. nbytes: a multiple of 16; the bytes past the last whole chunk are read by the last CTA with loads.
 template <int S, int CHUNK>
 __device__ __forceinline__ void read_bulk(const char* __restrict__ x, long long nbytes, u32* __restrict__ out) {
 #if __CUDA_ARCH__ >= 900
@@ -136,6 +142,11 @@ __device__ __forceinline__ void read_bulk(const char* __restrict__ x, long long 
         if (threadIdx.x == 0 && next < nchunks) issue(s, next);
         if (++s == S) { s = 0; phase ^= 1u; }
     }
+    if (blockIdx.x == gridDim.x - 1)
+        for (long long i = nchunks * (CHUNK / 16) + threadIdx.x; i < nbytes / 16; i += blockDim.x) {
+            uint4 v = ldg_stream(reinterpret_cast<const uint4*>(x) + i);
+            acc += v.x + v.y + v.z + v.w;
+        }
     block_sum_store(acc, out);
 #endif
 }
@@ -218,61 +229,65 @@ def main():
     print(f"floor (one 1-element kernel, graph replay) {floor:.2f} us", flush=True)
     for nbytes in map(int, a.bytes.split(",")):
         n16 = nbytes // 16
-        x = torch.randint(-2**31, 2**31 - 1, (n16 * 4,), dtype=torch.int32, device="cuda")
-        want = word_sum(x)
+        nbytes = n16 * 16  # what is read
+        xb = torch.randint(-8, 9, (n16 * 8,), dtype=torch.int16, device="cuda").to(torch.bfloat16)
+        x = xb.view(torch.int32)
+        want_words = word_sum(x)
+        want_sum = float(xb.double().sum().item())  # exact: integers
         out = torch.empty(64 * sms, dtype=torch.int32, device="cuda")
         fsum = torch.empty((), dtype=torch.float32, device="cuda")
-        rows = []
+        rows, skipped = [], []
 
-        def timed(family, config, step, grid=None):
+        def timed(family, config, step, check, outputs):
+            """Time ``step`` (graph replay); then zero its ``outputs``, replay it once more and ``check()`` them."""
             keep = []
             (gr,) = capture_graphs(lambda j: keep.append(step()), 1)
             t = time_cuda(lambda i: gr.replay(), warmup=10, iters=a.iters, flush=True)["median_us"]
-            ok = None
-            if grid is not None:
-                out.zero_()
-                gr.replay()
-                torch.cuda.synchronize()
-                ok = word_sum(out[:grid]) == want
-            rows.append({"family": family, "config": config, "us": t, "ok": ok})
+            for o in outputs:
+                o.zero_()
+            gr.replay()
+            torch.cuda.synchronize()
+            rows.append({"family": family, "config": config, "us": t, "ok": bool(check())})
 
-        timed("torch_sum", {}, lambda: torch.sum(x.view(torch.bfloat16), dim=0, dtype=torch.float32, out=fsum))
-        xb = x.view(torch.bfloat16)
+        timed("torch_sum", {}, lambda: torch.sum(xb, dim=0, dtype=torch.float32, out=fsum),
+              lambda: float(fsum.item()) == want_sum, [fsum])
         for block, warps in itertools.product((1024, 2048, 4096, 8192, 16384, 32768), (4, 8)):
             tiles = -(-xb.numel() // block)
             part = torch.empty(tiles, device="cuda", dtype=torch.float32)
             timed("triton", {"block": block, "num_warps": warps},
-                  lambda: _read_kernel[(tiles,)](xb, part, xb.numel(), BLOCK=block, num_warps=warps))
+                  lambda: _read_kernel[(tiles,)](xb, part, xb.numel(), BLOCK=block, num_warps=warps),
+                  lambda: float(part.double().sum().item()) == want_sum, [part])
         for (u, c), threads, per_sm in itertools.product(LDG_KERNELS, (256, 512, 1024), (1, 2, 4, 8, 16)):
             if threads * per_sm > 2048:
                 continue
             grid = per_sm * sms
-            timed("ldg", {"loads_in_flight": u, "chunked": c, "threads": threads, "ctas_per_sm": per_sm},
+            timed("ldg", {"unroll": u, "chunked": c, "threads": threads, "ctas_per_sm": per_sm},
                   lambda: cuda.launch(f"read_ldg_u{u}_c{c}", grid, threads, 0,
-                                      (x.data_ptr(), "p"), (n16, "q"), (out.data_ptr(), "p")), grid)
+                                      (x.data_ptr(), "p"), (n16, "q"), (out.data_ptr(), "p")),
+                  lambda: word_sum(out[:grid]) == want_words, [out])
         if cuda.has_bulk:
             for (s, k), threads, per_sm in itertools.product(BULK_KERNELS, (128, 256), (1, 2, 3, 4)):
+                config = {"stages": s, "chunk_kb": k, "threads": threads, "ctas_per_sm": per_sm}
                 if per_sm * s * k > 220:  # KB of shared memory per SM
+                    skipped.append({"family": "bulk", "config": config, "why": "over 220 KB of shared memory per SM"})
                     continue
-                chunk = k * 1024
-                if nbytes % chunk:
-                    continue  # (the default sizes are multiples of 64 KiB... or skipped)
                 grid = per_sm * sms
-                timed("bulk", {"stages": s, "chunk_kb": k, "threads": threads, "ctas_per_sm": per_sm},
-                      lambda: cuda.launch(f"read_bulk_s{s}_k{k}", grid, threads, s * chunk,
-                                          (x.data_ptr(), "p"), (nbytes, "q"), (out.data_ptr(), "p")), grid)
+                timed("bulk", config,
+                      lambda: cuda.launch(f"read_bulk_s{s}_k{k}", grid, threads, s * k * 1024,
+                                          (x.data_ptr(), "p"), (nbytes, "q"), (out.data_ptr(), "p")),
+                      lambda: word_sum(out[:grid]) == want_words, [out])
         bad = [r for r in rows if r["ok"] is False]
         best = {}
         for r in rows:
             if r["ok"] is not False and (r["family"] not in best or r["us"] < best[r["family"]]["us"]):
                 best[r["family"]] = r
-        result["sizes"].append({"bytes": nbytes, "rows": rows, "best": best, "wrong": len(bad)})
-        print(f"\n{nbytes / 1e6:.1f} MB ({len(rows)} kernels, {len(bad)} wrong checksums)")
+        result["sizes"].append({"bytes": nbytes, "rows": rows, "skipped": skipped, "best": best, "wrong": len(bad)})
+        print(f"\n{nbytes / 1e6:.1f} MB ({len(rows)} kernels, {len(bad)} wrong results, {len(skipped)} skipped)")
         for fam, r in sorted(best.items(), key=lambda kv: kv[1]["us"]):
             print(f"  {fam:9s} {r['us']:8.2f} us  {nbytes / r['us'] / 1e3:6.0f} GB/s  {r['config']}")
         med = statistics.median(r["us"] for r in rows if r["family"] == "ldg")
         print(f"  (ldg median over its configurations {med:.2f} us)", flush=True)
-        del x, out
+        del x, xb, out
         torch.cuda.empty_cache()
     print("\n| MB | floor us | best read us | family | GB/s | read - floor us |\n|---|---|---|---|---|---|")
     for s in result["sizes"]:
