@@ -113,10 +113,10 @@ def read_bound(nbytes: int, iters: int) -> dict:
     device time (L2 flushed in front, :func:`attnplan.timing.time_cuda`) of one streaming-read kernel
     over ``nbytes`` bytes (``read_us``: 4,096-element tiles of 8 KiB, one per program, 8 warps), and of a
     graph holding one 1-element kernel (``floor_us``: what any one-kernel step pays for its launch, ramp
-    and event pair on this device, whatever it reads). On the H200 that tile was within 1.1% of the
+    and event pair on this device, whatever it reads). On the H200 that tile was within 0.6% of the
     fastest of 101 read kernels (Triton tiles, CUDA C 16-byte loads, Hopper bulk copies) at 16.8 MB to
     537 MB (``benchmarks/diag/read_floor.py``, results/2026-12-01-s10-call2); the earlier choice (the
-    largest tile leaving 4 programs per SM) was up to 3.7% slower. ``read_us`` is still a reference, not
+    largest tile leaving 4 programs per SM) was up to 4.0% slower. ``read_us`` is still a reference, not
     a strict bound: the peers came in up to ~12% under the older reference at some large batches
     (results/2026-11-30-s5-call6); ``best peer / read_us`` is what a step as fast as that read would gain.
 
