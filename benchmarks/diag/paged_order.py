@@ -12,7 +12,11 @@ the same method as ``bench_decode.py``): the contiguous cache, the paged cache w
 same paged cache with the pages in order (block table = arange). Beside them, a Triton read of the same bytes
 page by page through each block table (``gather read``) and the plain streaming read (``attnplan.bench.read_bound``).
 If the in-order paged step matches the contiguous one, the loss is the page order (memory); if it matches the
-random one, it is the kernel.
+random one, it is the kernel. Session 10 added a per-head read (``head_read``): one program per (chunk, KV head,
+sequence) reading only its head's 16 rows of each page, the decode kernels' access pattern without their compute,
+through the random and the in-order table. Session 7 found cuda_ptx 4% slower on random pages than in order at
+b4 32K and b16 16K while the whole-page gather read was not; if the per-head read shows the same gap, the cause is
+the access pattern's DRAM locality, not the kernel.
 
 Session 8 added, for the large-batch points: ``--splits`` (forced split counts, 0 = the planner's) and a fourth
 cache, ``padded``: the contiguous cache with ``--pad`` tokens of unused room after each sequence, so sequences
@@ -58,6 +62,40 @@ def gather_read_us(x, table, iters):
     return time_cuda(lambda i: g.replay(), warmup=10, iters=iters, flush=True)["median_us"]
 
 
+@triton.jit
+def _head_read(K, V, TBL, PARTIAL, pages_per_seq, pages_per_prog, HKV: tl.constexpr, D: tl.constexpr,
+               PAGE: tl.constexpr):
+    """One program per (chunk of pages, KV head, sequence), as the decode kernels' programs: it reads its head's
+    ``PAGE`` rows of ``D`` elements (stride ``HKV * D``) from each page of its chunk, in block-table order."""
+    chunk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = tl.arange(0, PAGE)[:, None] * (HKV * D) + h * D + tl.arange(0, D)[None, :]
+    acc = tl.zeros([PAGE, D], dtype=tl.float32)
+    first = chunk * pages_per_prog
+    for i in range(first, tl.minimum(first + pages_per_prog, pages_per_seq)):
+        page = tl.load(TBL + b * pages_per_seq + i).to(tl.int64)
+        offs = page * (PAGE * HKV * D) + rows
+        acc += tl.load(K + offs).to(tl.float32) + tl.load(V + offs).to(tl.float32)
+    tl.store(PARTIAL + (b * HKV + h) * tl.num_programs(0) + chunk, tl.sum(tl.sum(acc, 1), 0))
+
+
+def head_read(x, table, splits):
+    """Launch :func:`_head_read` over ``x``'s paged cache through ``table`` ([batch, pages per sequence]) with
+    ``splits`` chunks per sequence; returns the per-program partial sums (fp32)."""
+    batch, pps = table.shape
+    _, page, hkv, d = x.k_cache.shape
+    ppp = -(-pps // splits)
+    partial = torch.empty(batch * hkv * splits, device=x.k_cache.device, dtype=torch.float32)
+    _head_read[(splits, hkv, batch)](x.k_cache, x.v_cache, table.contiguous(), partial, pps, ppp, HKV=hkv, D=d,
+                                     PAGE=page, num_warps=4)
+    return partial
+
+
+def head_read_us(x, table, splits, iters):
+    """Graph-replay time (us) of :func:`head_read`: the decode kernels' per-head access pattern, with no compute."""
+    (g,) = capture_graphs(lambda j: head_read(x, table, splits), 1)
+    return time_cuda(lambda i: g.replay(), warmup=10, iters=iters, flush=True)["median_us"]
+
+
 def step_us(backend, sets, iters, num_splits=None):
     """Graph-replay step time (us) of ``backend`` on ``sets`` and its plan's ``(num_splits, merge)``: the
     benchmark's own :func:`attnplan.bench.time_backend` (which also times the eager call)."""
@@ -79,6 +117,7 @@ def main():
     ap.add_argument("--splits", default="0", help="split counts to force, comma-separated (0 = the planner's)")
     ap.add_argument("--pad", type=int, default=0, help="also time a contiguous cache with this many tokens of room "
                     "after each sequence (0 = not timed)")
+    ap.add_argument("--head-splits", type=int, default=8, help="chunks per sequence of the per-head read")
     ap.add_argument("--out")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda")
@@ -105,7 +144,10 @@ def main():
         row = {"heads": [hq, hkv, d], "batch": batch, "kv": kv, "bytes": nbytes, "pad": a.pad,
                "read_us": read_bound(nbytes, a.iters)["read_us"],
                "gather_random_us": gather_read_us(paged[0], paged[0].block_table, a.iters),
-               "gather_ordered_us": gather_read_us(paged[0], ordered[0].block_table, a.iters)}
+               "gather_ordered_us": gather_read_us(paged[0], ordered[0].block_table, a.iters),
+               "head_splits": a.head_splits,
+               "head_random_us": head_read_us(paged[0], paged[0].block_table, a.head_splits, a.iters),
+               "head_ordered_us": head_read_us(paged[0], ordered[0].block_table, a.head_splits, a.iters)}
         names = [n for n, _ in caches]
         for b in a.backends.split(","):
             for ns in map(int, a.splits.split(",")):
@@ -117,7 +159,8 @@ def main():
         del contig, paged, ordered, caches
         torch.cuda.empty_cache()
         print(f"{heads:10s} b{batch:<3d} kv{kv:<6d} read {row['read_us']:6.1f} gather rnd/ord "
-              f"{row['gather_random_us']:6.1f}/{row['gather_ordered_us']:6.1f}", flush=True)
+              f"{row['gather_random_us']:6.1f}/{row['gather_ordered_us']:6.1f} per-head ({a.head_splits} chunks) "
+              f"rnd/ord {row['head_random_us']:6.1f}/{row['head_ordered_us']:6.1f}", flush=True)
         for b in a.backends.split(","):
             for ns in map(int, a.splits.split(",")):
                 k = tag(b, ns)
