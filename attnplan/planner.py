@@ -342,7 +342,15 @@ def entry_options(entry) -> dict:
 
 
 def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols: int) -> tuple | None:
-    """The nearest entry of the device's measured split table for ``problem``, or ``None`` (cost model).
+    """The nearest entry of the device's measured split table for ``problem`` (the first of
+    :func:`table_candidates`), or ``None`` (cost model)."""
+    near = table_candidates(problem, device, backend, cols)
+    return near[0][1] if near else None
+
+
+def table_candidates(problem: DecodeProblem, device: DeviceInfo, backend: str, cols: int) -> list[tuple[float, tuple]]:
+    """The entries of the device's measured split table that may serve ``problem``, nearest first, as
+    ``(distance, row)`` (equal distances in table order); empty where the table does not apply.
 
     ``plans/<device>.yaml`` key ``split_table.<backend>.<layout>``: rows ``[pairs, kv_len,
     programs_per_sm, us, group, head_dim, options]`` written by ``attnplan tune`` (``pairs`` = batch x KV heads;
@@ -364,11 +372,11 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
     itemsize = torch_dtype(problem.kv_dtype).itemsize
     if device.compute_capability == (0, 0) or cols != 1 \
             or itemsize not in (1, 2) or problem.total_kv_len * 2 < problem.batch * problem.max_kv_len:
-        return None
+        return []
     layout = split_table_layout("paged" if problem.paged else "contiguous", itemsize)
     rows = ((device_table(device.slug()).get("split_table") or {}).get(backend) or {}).get(layout) or []
     work, kv = problem.batch * problem.num_kv_heads, max(problem.max_kv_len, 1)
-    best, best_d = None, math.inf
+    near = []
     for row in rows:
         group, head_dim = split_row_heads(row)
         if not (head_dim == problem.head_dim or (head_dim <= 128 and problem.head_dim <= 128)):
@@ -377,9 +385,10 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
         dg = abs(math.log(group / problem.group_size)) if group else 0.0
         # equal distances: a tagged row of the problem's own head_dim before an untagged or other one
         d = dw + dk + 0.5 * dg + (0.0 if group and head_dim == problem.head_dim else 1e-3)
-        if max(dw, dk) <= math.log(TABLE_REACH) and d < best_d:
-            best, best_d = tuple(row), d
-    return best
+        if max(dw, dk) <= math.log(TABLE_REACH):
+            near.append((d, tuple(row)))
+    near.sort(key=lambda t: t[0])  # stable: of equal distances the first row in the table wins
+    return near
 
 
 def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: dict,

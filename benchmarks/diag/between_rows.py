@@ -96,27 +96,12 @@ def idw_entry(k=4, power=1.0, eps=0.05):
     geometric mean over the ``k`` nearest rows (weights ``1 / (distance + eps) ** power``)."""
 
     def entry(problem, device, backend, cols):
-        near = ORIGINAL_ENTRY(problem, device, backend, cols)
-        if near is None:
+        top = planner.table_candidates(problem, device, backend, cols)[:k]
+        if not top:
             return None
-        itemsize = 1 if "float8" in problem.kv_dtype else 2
-        layout = planner.split_table_layout("paged" if problem.paged else "contiguous", itemsize)
-        rows = ((planner.device_table(device.slug()).get("split_table") or {}).get(backend) or {}).get(layout) or []
-        work, kvl = problem.batch * problem.num_kv_heads, max(problem.max_kv_len, 1)
-        scored = []
-        for row in rows:
-            group, head_dim = planner.split_row_heads(row)
-            if not (head_dim == problem.head_dim or (head_dim <= 128 and problem.head_dim <= 128)):
-                continue
-            dw, dk = abs(math.log(row[0] / work)), abs(math.log(row[1] / kvl))
-            dg = abs(math.log(group / problem.group_size)) if group else 0.0
-            if max(dw, dk) <= math.log(planner.TABLE_REACH):
-                scored.append((dw + dk + 0.5 * dg, row))
-        scored.sort(key=lambda t: t[0])
-        top = scored[:k]
         ws = [1 / (d + eps) ** power for d, _ in top]
         ppsm = math.exp(sum(w * math.log(r[2]) for w, (_, r) in zip(ws, top)) / sum(ws))
-        out = list(near)
+        out = list(top[0][1])
         out[2] = round(ppsm, 3)
         return tuple(out)
 
@@ -127,24 +112,12 @@ def biased_entry(bias_pairs=0.0, bias_kv=0.0):
     """The planner's nearest row, with ties (equal distances) broken toward more (bias > 0) or fewer pairs / tokens."""
 
     def entry(problem, device, backend, cols):
-        if ORIGINAL_ENTRY(problem, device, backend, cols) is None:
+        near = planner.table_candidates(problem, device, backend, cols)
+        if not near:
             return None
-        itemsize = 1 if "float8" in problem.kv_dtype else 2
-        layout = planner.split_table_layout("paged" if problem.paged else "contiguous", itemsize)
-        rows = ((planner.device_table(device.slug()).get("split_table") or {}).get(backend) or {}).get(layout) or []
         work, kvl = problem.batch * problem.num_kv_heads, max(problem.max_kv_len, 1)
-        best, best_d = None, math.inf
-        for row in rows:
-            group, head_dim = planner.split_row_heads(row)
-            if not (head_dim == problem.head_dim or (head_dim <= 128 and problem.head_dim <= 128)):
-                continue
-            dw, dk = abs(math.log(row[0] / work)), abs(math.log(row[1] / kvl))
-            dg = abs(math.log(group / problem.group_size)) if group else 0.0
-            d = dw + dk + 0.5 * dg + (0.0 if group and head_dim == problem.head_dim else 1e-3)
-            d -= 1e-4 * (bias_pairs * math.log(row[0] / work) + bias_kv * math.log(row[1] / kvl))
-            if max(dw, dk) <= math.log(planner.TABLE_REACH) and d < best_d:
-                best, best_d = tuple(row), d
-        return best
+        return min(near, key=lambda t: t[0] - 1e-4 * (bias_pairs * math.log(t[1][0] / work)
+                                                      + bias_kv * math.log(t[1][1] / kvl)))[1]
 
     return entry
 
