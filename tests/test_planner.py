@@ -1,5 +1,6 @@
 """The split planner: program counting per KV head, coverage, single pass, forcing, serialization."""
 
+import dataclasses
 import json
 
 import pytest
@@ -253,6 +254,34 @@ def test_split_table_prefers_rows_of_the_problems_own_heads(monkeypatch):
     table["split_table"]["triton"]["contiguous"] = [[8, 131072, 2.0], [8, 131072, 3.0, 90.0, 4, 128],
                                                     [8, 131072, 5.0, 90.0, 4, 64]]
     assert make_plan(P(**big), H200_LIKE, CFG, "triton", KERNEL).table_entry == (8, 131072, 3.0, 90.0, 4, 128)
+
+
+def test_table_candidates_are_the_rows_in_reach_nearest_first(monkeypatch):
+    """``table_candidates`` lists the rows that may serve a problem with their distances, nearest first, equal
+    distances in table order (so ``_table_entry``, its first, keeps the first of tied rows); rows beyond
+    ``TABLE_REACH`` in pairs or length and rows of another head_dim are left out; it is empty where the table
+    does not apply (long-tailed lengths, a CPU)."""
+    import math
+
+    import attnplan.planner as planner
+
+    rows = [[4, 65536, 0.5, 1.0, 4, 128], [16, 65536, 6.0, 1.0, 4, 128], [8, 16384, 1.0, 1.0, 4, 128],
+            [8, 65536, 2.0, 1.0, 4, 128], [8, 1024, 3.0, 1.0, 4, 128], [8, 65536, 9.0, 1.0, 2, 256]]
+    monkeypatch.setattr(planner, "device_table", lambda slug: {"split_table": {"triton": {"contiguous": rows}}})
+    prob = P(page_size=None, batch=1, max_kv_len=45000, total_kv_len=45000)  # 8 pairs, 45000 tokens
+    near = planner.table_candidates(prob, H200_LIKE, "triton", 1)
+    # distances: log(65536 / 45000) = 0.38; log(45000 / 16384) = 1.01; log 2 + 0.38 = 1.07 for 4 and 16 pairs
+    assert [r for _, r in near] == [tuple(rows[3]), tuple(rows[2]), tuple(rows[0]), tuple(rows[1])]
+    d = [x for x, _ in near]
+    assert d == sorted(d) and math.isclose(d[0], math.log(65536 / 45000))
+    assert d[2] == d[3]  # 4 and 16 pairs: equidistant, kept in table order
+    assert planner._table_entry(prob, H200_LIKE, "triton", 1) == tuple(rows[3])
+    b2 = P(page_size=None, batch=2, num_q_heads=16, num_kv_heads=8, max_kv_len=65536, total_kv_len=2 * 65536)
+    assert planner._table_entry(b2, H200_LIKE, "triton", 1) == tuple(rows[1])  # 16 pairs at distance 0
+    assert planner.table_candidates(P(page_size=None, batch=4, max_kv_len=45000, total_kv_len=45000 + 3 * 100),
+                                    H200_LIKE, "triton", 1) == []  # long-tailed lengths: the cost model
+    cpu = dataclasses.replace(H200_LIKE, compute_capability=(0, 0))
+    assert planner.table_candidates(prob, cpu, "triton", 1) == []
 
 
 def test_tune_inputs_and_planning_for_an_fp8_cache():
