@@ -39,7 +39,7 @@ from .device import DeviceInfo
 from .problem import DecodeProblem, torch_dtype
 
 __all__ = ["SplitPlan", "make_plan", "PLAN_VERSION", "cost_model_for", "split_table_layout", "split_row_heads",
-           "entry_options"]
+           "entry_options", "table_candidates"]
 
 PLAN_VERSION = 1  # new fields default to the old meaning (column_programs=1: grid axis 0 = splits)
 
@@ -350,7 +350,9 @@ def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols:
 
 def table_candidates(problem: DecodeProblem, device: DeviceInfo, backend: str, cols: int) -> list[tuple[float, tuple]]:
     """The entries of the device's measured split table that may serve ``problem``, nearest first, as
-    ``(distance, row)`` (equal distances in table order); empty where the table does not apply.
+    ``(distance, row)``: ``distance`` is dimensionless (a sum of absolute natural-log ratios, below), ``row`` the
+    table row as a tuple; equal distances keep table order. Empty where the table does not apply. ``cols``: column
+    programs per split (1 for split-K). A missing table or section gives an empty list, not an error.
 
     ``plans/<device>.yaml`` key ``split_table.<backend>.<layout>``: rows ``[pairs, kv_len,
     programs_per_sm, us, group, head_dim, options]`` written by ``attnplan tune`` (``pairs`` = batch x KV heads;

@@ -14,7 +14,8 @@ choice of rules, and scores the plan with the measured times:
 Rules (``--rules``): ``nearest`` (the planner's), ties broken toward more / fewer pairs or longer / shorter KV,
 and inverse-distance-weighted programs per SM over the k nearest rows (``idw*``). ``--tol``: a row records, among its
 choices within ``tol`` of its best, the one with the most programs. ``--drop-stale``: rows no tune file measured
-are dropped (cuda_ptx's 2-pair rows, session 5's kernel).
+are dropped (cuda_ptx's 2-pair rows, session 5's kernel; the shipped table no longer has them, so it is a no-op
+there: pass ``--table`` a table from before 1a2fa20 to see their effect).
 
 Findings (NOTES, session 10): dropping the stale rows lifts the check to 43 / 54 (geomean 1.030x) with in sample
 and leave-one-out unchanged or better; ``--tol`` and ``idw*`` make both worse; the tie-breaks move a few points
