@@ -14,13 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import Backend, DecodeInputs, get_backend
+from .backends import Backend, DecodeInputs, Workspace, get_backend
 from .cache import PlanCache
 from .config import Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import SplitPlan, entry_options, make_plan
 from .problem import DecodeProblem, default_sm_scale, torch_dtype, validate_inputs, validate_values
-from .state import PartialState
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem"]
@@ -90,9 +89,11 @@ def dispatch_order(config: Config, fp8_kv: bool) -> list[str]:
 
 
 def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
-                   backend: str | None = None) -> tuple[Backend, list[tuple[str, list[str]]]]:
+                   backend: str | None = None, graph: bool = False) -> tuple[Backend, list[tuple[str, list[str]]]]:
     """First backend of the config's order (or only ``backend`` when forced) that is available on
-    ``device`` and supports ``problem``, in :func:`dispatch_order`.
+    ``device`` and supports ``problem``, in :func:`dispatch_order`. ``graph``: the plan is for CUDA-graph capture
+    (a capacity plan on a CUDA device), so a backend that cannot run under capture (``graph_safe = False``) is
+    skipped with that reason.
 
     Returns:
         ``(backend, skipped)`` where ``skipped`` lists ``(name, reasons)`` of each earlier backend.
@@ -109,6 +110,8 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
             skipped.append((name, [why]))
             continue
         reasons = be.supports(problem)
+        if graph and not be.graph_safe:
+            reasons = [*reasons, "not graph-safe: it cannot run under CUDA-graph capture (a capacity plan)"]
         if reasons:
             skipped.append((name, reasons))
             continue
@@ -121,19 +124,21 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
     )
 
 
-def _tuned_options(dev_info: DeviceInfo, backend: str, problem: DecodeProblem) -> tuple[dict, str]:
+def _tuned_options(dev_info: DeviceInfo, backend: str, problem: DecodeProblem,
+                   batch_free: bool = False) -> tuple[dict, str]:
     """Kernel options from the device's tuned table (``plans/<device>.yaml``), and the table's
     text for the cache key. Tables are measured at head_dim 128; larger heads use the backend's own.
 
     Keys per backend: ``contiguous`` / ``paged``, and optionally ``contiguous_filled`` /
     ``paged_filled`` for problems whose ``batch x num_kv_heads`` alone fills the SMs (no split:
     residency matters more than pipeline depth there), and ``contiguous_fp8`` / ``paged_fp8`` for a
-    1-byte KV cache (without them, the 2-byte entry with ``block_n`` doubled).
+    1-byte KV cache (without them, the 2-byte entry with ``block_n`` doubled). ``batch_free``: never the
+    ``_filled`` entry (batch-invariant plans).
     """
     if dev_info.compute_capability == (0, 0):
         return {}, ""
     opts, text = _tuned_lookup(dev_info.slug(), backend, problem.paged,
-                               problem.batch * problem.num_kv_heads >= dev_info.sm_count,
+                               not batch_free and problem.batch * problem.num_kv_heads >= dev_info.sm_count,
                                torch_dtype(problem.kv_dtype).itemsize == 1, problem.head_dim <= 128)
     return dict(opts), text
 
@@ -153,7 +158,7 @@ def _tuned_lookup(slug: str, backend: str, paged: bool, filled: bool, fp8: bool,
                     else per_backend.get(layout, {}))
         if fp8 and opts.get("block_n"):
             # tables measured with a 2-byte cache: a 1-byte cache keeps a tile's bytes (and so the
-            # bytes in flight per program) by doubling its tokens (NOTES.md change 6)
+            # bytes in flight per program) by doubling its tokens
             opts["block_n"] = 2 * int(opts["block_n"])
     return (tuple(opts.items()) if tuned_head else ()), _table_text(slug)
 
@@ -175,18 +180,19 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
     """Plan ``problem`` for ``backend`` through ``ctx``'s plan cache (bucketed lengths).
 
     Kernel options: the config's ``backend_options`` where set, else the device's tuned table
-    (``kernel_options.<backend>.<layout>``), else the backend's defaults. A split-K plan whose split count comes
-    from a tuned row that carries kernel options (``attnplan tune --row-options``) runs the row's options over the
+    (``kernel_options.<backend>.<layout>``), else the backend's defaults. A plan whose split count comes from a
+    tuned row that carries kernel options (``attnplan tune --row-options``) runs the row's options over the
     table's, unless the config sets any of the backend's options, the options raise ``ValueError`` for this
     problem's kernel, or the plan with them would come from another row (:func:`attnplan.planner.entry_options`).
-    Such a miss plans twice.
+    Such a miss plans twice. A batch-invariant plan takes no option that depends on the batch (no row options, no
+    ``*_filled`` table entry).
 
     Raises:
         ValueError: the config's options do not fit the backend's kernel for this problem.
     """
     dev_info = dev_info or device_info(device)
-    # the key is built from the live problem's bucket (the same as the bucketed problem's); the
-    # bucketed problem itself is made only on a miss: a cache hit must cost microseconds (#7)
+    # the key is built from the live problem's bucket (the same as the bucketed problem's); the bucketed problem
+    # itself is made only on a miss: a cache hit must cost microseconds
     table_text = _table_text(dev_info.slug()) if dev_info.compute_capability != (0, 0) else ""
     extra = backend.plan_key_extra() if hasattr(backend, "plan_key_extra") else ""
     key = (_device_key(dev_info), backend.name, problem.bucket_key(), problem.capacity, capacity_mode,
@@ -194,7 +200,8 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
 
     def build() -> SplitPlan:
         bucketed = problem.bucketed()
-        tuned, _ = _tuned_options(dev_info, backend.name, bucketed)
+        invariant = ctx.config.split.batch_invariant
+        tuned, _ = _tuned_options(dev_info, backend.name, bucketed, batch_free=invariant)
         user = {k: v for k, v in ctx.config.options(backend.name).model_dump().items() if v is not None}
         # the config's choice wins over the table's values of options that name the same thing
         tuned = {k: v for k, v in tuned.items()
@@ -204,21 +211,21 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
             kernel = backend.kernel_config(bucketed, opts, device)
             return make_plan(bucketed, dev_info, ctx.config, backend.name, kernel,
                              capacity_mode=capacity_mode, num_splits=num_splits,
-                             merge_strategies=backend.merge_strategies, partitions=backend.partitions,
+                             merge_strategies=backend.merge_strategies,
                              fused_merge_parallelism=backend.fused_merge_parallelism,
                              fused_merge_max_chunk=backend.fused_merge_max_chunk)
 
         plan = plan_with({**tuned, **user})
-        # the tuned row's own kernel options (planner.entry_options) go with its split count: only for a split-K plan
-        # that row made, kept only if the same row makes the plan again (a windowed problem plans its window's
-        # span), and not over options the config sets (e.g. cuda_ptx's threads and num_warps name the same thing)
-        row = entry_options(plan.table_entry) if plan.policy == "tuned" and plan.partition == "split_k" else {}
+        # the tuned row's own kernel options (planner.entry_options) go with its split count: only for a plan that
+        # row made, kept only if the same row makes the plan again (a windowed problem plans its window's span),
+        # and not over options the config sets (e.g. cuda_ptx's threads and num_warps name the same thing)
+        row = entry_options(plan.table_entry) if plan.policy == "tuned" and not invariant else {}
         if row and not user:
             try:
                 again = plan_with({**tuned, **row})
             except ValueError:  # options measured at other heads that do not fit this problem's kernel
                 return plan
-            if again.policy == "tuned" and again.table_entry == plan.table_entry and again.partition == "split_k":
+            if again.policy == "tuned" and again.table_entry == plan.table_entry:
                 return again
         return plan
 
@@ -257,9 +264,9 @@ class DecodeWrapper:
         self.plan_: SplitPlan | None = None
         self.backend: Backend | None = None
         self.skipped: list[tuple[str, list[str]]] = []
-        self.workspace: PartialState | None = None
-        self.counters: torch.Tensor | None = None
+        self.workspace: Workspace | None = None
         self._out: torch.Tensor | None = None
+        self._lens_host: list[int] | None = None
         self._sig: tuple | None = None
         self._sm_scale = 0.0
 
@@ -310,24 +317,19 @@ class DecodeWrapper:
         if capacity:
             max_len, total = static["capacity"], static["capacity"] * static["batch"]
         problem = DecodeProblem(max_kv_len=max_len, total_kv_len=total, **static)
-        self.backend, self.skipped = select_backend(problem, q.device, self.ctx.config, self.forced_backend)
+        graph = capacity and q.is_cuda
+        self.backend, self.skipped = select_backend(problem, q.device, self.ctx.config, self.forced_backend, graph)
         plan = plan_problem(problem, self.backend, q.device, self.ctx, capacity_mode=capacity, num_splits=num_splits)
         prepare = getattr(self.backend, "prepare", None)
         if prepare is not None:  # compile / load kernels now, never inside a CUDA-graph capture
             prepare(plan, q.device)
-        b, ql, hq, d = q.shape
-        if not plan.single_pass:
-            ws = self.workspace
-            if ws is None or tuple(ws.lse.shape[:3]) != (b, ql, hq) or ws.o.shape[-1] != d \
-                    or ws.num_splits < plan.state_slots or ws.o.device != q.device:
-                self.workspace = PartialState.empty(b, ql, hq, plan.state_slots, d, device=q.device)
-            n = plan.sync_words  # in-kernel merges' counters (and locks): zero at rest, kernels leave them zero
-            if n and (self.counters is None or self.counters.numel() < n or self.counters.device != q.device):
-                self.counters = torch.zeros(n, dtype=torch.int32, device=q.device)
+        if self.workspace is None or not self.workspace.serves(plan, q.device):
+            self.workspace = Workspace.allocate(plan, q.device)
+        self._lens_host = None if seq_lens_host is None else [int(x) for x in seq_lens_host]
         if self._out is None or self._out.shape != q.shape or self._out.dtype != q.dtype or self._out.device != q.device:
             self._out = torch.empty_like(q)
         self._sig = self._signature(q, k_cache, v_cache, seq_lens, block_table)
-        self._sm_scale = float(default_sm_scale(d) if sm_scale is None else sm_scale)
+        self._sm_scale = float(default_sm_scale(static["head_dim"]) if sm_scale is None else sm_scale)
         hkv = static["num_kv_heads"]
         self._variant = dict(window_left=static["window_left"], soft_cap=static["soft_cap"], sinks=sinks,
                              k_scale=_scale_tensor(k_scale, hkv, q.device), v_scale=_scale_tensor(v_scale, hkv, q.device))
@@ -362,16 +364,21 @@ class DecodeWrapper:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
         if lse is not None and (lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device):
             raise ValueError(f"lse must be {tuple(q.shape[:3])} float32 on {q.device}, got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
+        if not self.backend.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise PlanNotReadyError(f"backend {self.backend.name} cannot run under CUDA-graph capture; plan with "
+                                    "capacity=True before capturing (it picks a graph-safe backend)")
         inputs = DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, self._sm_scale, **self._variant)
-        self.backend.run(self.plan_, inputs, self.workspace, out, lse, self.counters)
+        self.backend.run(self.plan_, inputs, self.workspace, out, lse)
         return out
 
-    def explain(self) -> str:
-        """The plan's :meth:`SplitPlan.explain` plus why earlier backends were skipped."""
+    def explain(self, seq_lens=None) -> str:
+        """The plan's :meth:`SplitPlan.explain` at ``seq_lens`` (host ints; default: the ``seq_lens_host`` given to
+        ``plan()``, else the planned lengths), plus why earlier backends were skipped."""
         if self.plan_ is None:
             return "no plan yet"
+        lens = self._lens_host if seq_lens is None else seq_lens
         skipped = "".join(f"\nskipped {n}: " + "; ".join(r) for n, r in self.skipped)
-        return self.plan_.explain() + skipped
+        return self.plan_.explain(lens) + skipped
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,

@@ -47,34 +47,24 @@ class KernelOptions(_Strict):
                                                 "(sm_90+); null = on")
     passes: Literal[1, 2, 4, 8] | None = Field(None, description="cuda_ptx: 16-token m-tiles per warp tile on the "
                                "tensor-core path (1, 2, 4 or 8); null = 8 KB of K + V per stage")
-    block_dv: int | None = Field(None, ge=16, le=256, description="split_v (triton): V / output columns per column "
-                                 "program, a power of two; null = the backend's default (triton: half the padded "
-                                 "head_dim, i.e. 2 column programs); ignored under split_k")
-
-    @model_validator(mode="after")
-    def _block_dv_power_of_two(self):
-        if self.block_dv is not None and self.block_dv & (self.block_dv - 1):
-            raise ValueError(f"block_dv must be a power of two (16..256), got {self.block_dv}")
-        return self
 
 
 class SplitPolicy(_Strict):
     """How the planner splits the KV sequence (DESIGN.md "Planner")."""
 
-    partition: Literal["auto", "split_k", "split_v"] = Field(
-        "auto", description="work partition inside a program (seed 000): split_k = warps take different KV "
-                            "positions and merge through shared memory; split_v = each warp owns a slice of head_dim "
-                            "columns, recomputes the scores, no cross-warp reduction; auto = the backend's measured choice")
-    merge: Literal["auto", "separate", "fused", "atomic"] = Field(
-        "auto", description="cross-program merge: separate kernel, fused into the last program of a row "
-                            "(atomic completion counter, fixed merge order), atomic (every program merges its state "
-                            "into a locked accumulator in completion order: NOT bitwise reproducible, needs "
-                            "deterministic: false; never chosen by auto), or auto = cheaper of separate / fused by the "
-                            "cost model")
+    merge: Literal["auto", "separate", "fused"] = Field(
+        "auto", description="cross-program merge of sequences with several units: separate kernel, fused into the "
+                            "last program of each (sequence, KV head) (atomic completion counter, fixed merge order), "
+                            "or auto = the cheaper by the cost model")
     num_splits: int = Field(0, ge=0, le=1024, description="0 = heuristic, 1 = never split, >1 = forced")
     max_splits: int = Field(256, ge=1, le=1024, description="most splits a sequence may get")
     min_chunk_tokens: int = Field(64, ge=16, description="smallest chunk the planner makes (cost model and tuned "
                                                         "table; not a forced num_splits), tokens")
+    batch_invariant: bool = Field(False, description="fix each sequence's units from its own length alone (units of "
+                                  "invariant_chunk_tokens), so its output is bitwise independent of its batchmates, "
+                                  "under CUDA-graph replay too; kernel options then do not depend on the batch")
+    invariant_chunk_tokens: int = Field(2048, ge=16, le=1 << 20, description="unit size of the batch-invariant "
+                                        "schedule, tokens (rounded up to the granule)")
 
 
 class CostModel(_Strict):
@@ -112,13 +102,6 @@ class Config(_Strict):
     cost_model: CostModel = CostModel()
     plan_cache: PlanCacheConfig = PlanCacheConfig()
     backend_options: dict[BackendName, KernelOptions] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _atomic_needs_nondeterminism(self) -> "Config":
-        if self.split.merge == "atomic" and self.deterministic:
-            raise ValueError("split.merge: atomic merges partial states in completion order, so reruns may differ "
-                             "bitwise; it needs deterministic: false (got deterministic: true)")
-        return self
 
     def options(self, backend: str) -> KernelOptions:
         return self.backend_options.get(backend, KernelOptions())

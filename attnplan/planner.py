@@ -1,230 +1,393 @@
 """The split planner: from a problem, a device and the config to a frozen, cached `SplitPlan`.
 
-Method (DESIGN.md "Planner"; seed 000's decision path; seed 003 §05; FlashAttention's
-``num_splits_heuristic``): programs are counted per KV head, ``batch x num_kv_heads x splits``,
-because one program serves a whole GQA group (so each KV byte is read once; counting query
-heads would under-split GQA, cases.yaml heuristic-counts-q-heads). Each candidate split count is
-scored by a small cost model in microseconds and the smallest split count within 2% of the best
-is taken (fewer splits = less workspace and merge traffic for the same time):
+A plan fixes what a CUDA graph needs: the backend, the kernel options, the grid and the workspace, and the
+constants of the device-side schedule (:mod:`attnplan.schedule`), which maps the live ``seq_lens`` to programs
+at every launch. The planner's job is to choose those constants.
+
+How many splits a sequence should get (FlashAttention's ``num_splits_heuristic`` and Flash-Decoding's argument):
+programs are counted per KV head, ``batch x num_kv_heads x splits``, because one program serves a whole GQA group
+(each KV byte is read once; counting query heads would under-split GQA). For a batch of uniform length the split
+count comes from the device's measured split table (``plans/<device>.yaml``, written by ``attnplan tune``: the
+best split count of an exhaustive search, as programs per SM, at the nearest measured (sequence x KV head pairs,
+KV length, GQA group, head_dim)), or else from a small cost model in microseconds, taking the fewest splits within
+2% of the best:
 
     T(n) = launch + waves(n) * program_us                         partial kernel fixed costs
          + max(kv_bytes / (BW_eff * min(1, live(n) / (SMs * sat))),  bandwidth-bound time
                chunk_bytes(n) / bw_per_program)                      critical path of one chunk
-         + [n > 1] * (launch + merge_bytes(n) / BW_eff)             merge kernel
+         + [n > 1] * merge(n)                                       separate merge kernel or fused
 
-With a split-V partition whose workers are programs (Triton: ``c`` column programs per split, each
-owning ``block_dv`` V / output columns and recomputing QK^T over full K rows), programs are
-``batch x num_kv_heads x splits x c`` and K is read ``c`` times: ``kv_bytes`` counts
-``(c + 1) / 2`` times the K + V bytes, a program's chunk ``K + V / c``.
+Worked example (batch 1, 32/8/128 bf16, 32K tokens, 132 SMs, 4.35 TB/s, default constants): 8 KV heads give 8
+programs unsplit, so one program would stream 16 MiB alone (~570 us); at 17 splits the 136 programs cover every SM
+and the step is bandwidth-bound (~35 us); more splits buy nothing, so the planner stops near there.
 
-Worked example (batch 1, 32/8/128 bf16, 32K tokens, 132 SMs, 4.35 TB/s, default constants):
-8 KV heads give 8 programs unsplit, so one program would have to stream 16 MiB alone (~570 us);
-at 17 splits the 136 programs cover every SM and the step is bandwidth-bound (~35 us); more
-splits buy nothing, so the planner stops near there.
+The schedule turns that choice into a rule the GPU applies to any lengths: for every size of batch work (total
+granules ``T``, bucketed by powers of two) the plan stores the number of work units a uniform batch of that size
+would get (``targets``: splits x batch); a live batch of ``T`` granules then gets units of about ``T / targets``
+granules each, so a long sequence among short ones gets many units and each short one one unit. A capacity plan
+(CUDA graphs) and a live plan thus schedule the same lengths the same way; only kernel options (compile-time)
+come from the planned length.
 
-A plan is parametric in the live lengths (vLLM's Triton decode, DESIGN.md): it fixes the chunk
-size in tokens and the most splits a sequence may have; a program ``s`` of sequence ``b`` covers
-``[s * chunk, min((s + 1) * chunk, seq_lens[b]))`` and writes an empty state when that range is
-empty. So one plan serves every step whose lengths fall in its bucket, and CUDA-graph replays.
+Policies (``SplitPlan.policy``): ``tuned`` (the split table), ``heuristic`` (the cost model), ``forced``
+(``num_splits > 1``: up to that many equal units per sequence), ``no-split`` (``num_splits = 1``, or a live plan of
+near-uniform lengths whose best split count is 1: single pass) and ``batch-invariant`` (config
+``split.batch_invariant``: units of a fixed size from each sequence's own length, so a sequence's output is
+bitwise independent of its batchmates).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 from .config import Config, CostModel, device_table
 from .device import DeviceInfo
 from .problem import DecodeProblem, torch_dtype
+from .schedule import NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
 
-__all__ = ["SplitPlan", "make_plan", "PLAN_VERSION", "cost_model_for", "split_table_layout", "split_row_heads",
-           "entry_options", "table_candidates"]
+__all__ = ["SplitPlan", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION", "cost_model_for",
+           "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
 
-PLAN_VERSION = 1  # new fields default to the old meaning (column_programs=1: grid axis 0 = splits)
+PLAN_VERSION = 2  # 2: device-side schedule (a 1 plan had a host-fixed chunk size)
+#: cross-program merges: ``none`` (single pass), ``separate`` (merge kernel), ``fused`` (last program merges)
+MERGES = ("none", "separate", "fused")
+PLAN_POLICIES = ("tuned", "heuristic", "forced", "no-split", "batch-invariant")
+
+
+class KernelOptions(Mapping):
+    """A backend's kernel options (``block_n``, ``num_warps``, ``num_stages``, ...): a frozen, hashable mapping of
+    option name to a JSON scalar, so plans are hashable and backends can cache per-plan launch state."""
+
+    __slots__ = ("_items", "_hash")
+
+    def __init__(self, items: Mapping | None = None, **kw):
+        d = {**(dict(items) if items is not None else {}), **kw}
+        for k, v in d.items():
+            if not isinstance(k, str) or not (v is None or isinstance(v, (bool, int, float, str))):
+                raise TypeError(f"kernel option {k!r} must map a name to a JSON scalar, got {v!r}")
+        self._items = tuple(sorted(d.items()))
+        self._hash = hash(self._items)
+
+    def __getitem__(self, k):
+        for key, v in self._items:
+            if key == k:
+                return v
+        raise KeyError(k)
+
+    def __iter__(self):
+        return (k for k, _ in self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+    def __repr__(self):
+        return repr(dict(self._items))
+
+    def to_dict(self) -> dict:
+        return dict(self._items)
+
+
+class TableRow(NamedTuple):
+    """One row of a device's measured split table (``split_table.<backend>.<layout>`` in ``plans/<device>.yaml``).
+
+    Attributes:
+        pairs: batch x KV heads it was measured at; kv_len: KV tokens per sequence.
+        programs_per_sm: the exhaustive search's best split count, as programs per SM.
+        us: that step's time, microseconds (CUDA-graph replay).
+        group: GQA group of the heads measured (``None`` for an untagged row: any group); head_dim: its head_dim.
+        options: the kernel options that split count was measured with (``attnplan tune --row-options``), as
+            sorted ``(name, value)`` pairs; empty when the row carries none.
+    """
+
+    pairs: int
+    kv_len: int
+    programs_per_sm: float
+    us: float
+    group: int | None = None
+    head_dim: int = 128
+    options: tuple = ()
+
+    @staticmethod
+    def from_row(row) -> "TableRow":
+        """A YAML row ``[pairs, kv_len, programs_per_sm, us, group?, head_dim?, options?]``. Raises ``ValueError``."""
+        if not isinstance(row, (list, tuple)) or len(row) < 4:
+            raise ValueError(f"a split-table row needs [pairs, kv_len, programs_per_sm, us, ...], got {row!r}")
+        group, head_dim = (row[4], row[5]) if len(row) >= 6 else (None, 128)
+        opts = row[6] if len(row) >= 7 else {}
+        opts = tuple(sorted(dict(opts).items())) if isinstance(opts, Mapping) else tuple(tuple(o) for o in opts)
+        return TableRow(int(row[0]), int(row[1]), float(row[2]), float(row[3]),
+                        None if group is None else int(group), int(head_dim), opts)
+
+
+def entry_options(entry: TableRow | None) -> dict:
+    """The kernel options a split-table row carries (``{}`` for none or no row). The row's split count was measured
+    with them, so :func:`attnplan.api.plan_problem` runs them with it: only for a plan that row makes (policy
+    ``tuned``, the same row again once the options are applied), not when the config sets the backend's options,
+    and not when they do not fit the problem's kernel (``ValueError`` from the backend's ``kernel_config``). Measured
+    on an H200: cuda_ptx with 8 KV warps per program beat 4 warps, each at its best split count, by 3-11% at 16-64
+    (sequence, KV head) pairs and 1K-16K tokens, while single passes that fill the SMs keep 4 warps."""
+    return dict(entry.options) if entry is not None else {}
+
+
+class DeviceKey(NamedTuple):
+    """The device a plan is for (its fingerprint; part of the plan-cache key)."""
+
+    name: str
+    sm_count: int
+    cc: tuple[int, int]
+    driver: str = ""
+
+    @staticmethod
+    def of(device: DeviceInfo) -> "DeviceKey":
+        return DeviceKey(device.name, device.sm_count, tuple(device.compute_capability), device.driver)
 
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """A frozen, serializable split-KV plan.
+    """A frozen, hashable, serializable split-KV plan.
 
     Attributes:
-        backend: name of the backend the plan is for.
-        problem: the bucketed problem fields (:meth:`DecodeProblem.bucket`) plus ``capacity``.
-        device: the device fingerprint (:meth:`DeviceInfo.fingerprint`).
-        num_splits: most splits per sequence = the split axis of the grid and of the workspace.
-        chunk_size: tokens per split; a multiple of the page size and of ``block_n``.
-        single_pass: one chunk per sequence, the partial kernel writes the output, no merge.
-        grid: the partial kernel's launch grid ``(num_splits * column_programs, num_kv_heads, batch)``;
-            one program per (split, column slice, KV head, sequence), serving the whole GQA group and
-            all ``q_len`` queries; axis 0 is ``split * column_programs + column``.
-        merge_grid: merge-kernel grid ``(batch * q_len * num_q_heads,)``; ``(0,)`` if single pass or
-            the merge runs inside the partial kernel (fused, atomic).
-        kernel: backend kernel options (``block_n``, ``num_warps``, ``num_stages``, ``threads``;
-            Triton's ``block_dv``: V columns per column program, ``None`` under split_k).
-        workspace_bytes: bytes of the :class:`~attnplan.PartialState` buffer (:attr:`state_slots`
-            slots) plus the in-kernel merge's int32 :attr:`sync_words` (0 if single pass).
-        predicted_us: the cost model's time for a step at the planned lengths, microseconds.
-        policy: ``"heuristic"`` (cost model), ``"tuned"`` (the device's measured split table, see
-            ``table_entry``), ``"forced"`` (config ``split.num_splits``) or ``"no-split"``.
-        table_entry: for ``"tuned"``: the table row used, ``(pairs, kv_len, programs_per_sm, ...)``.
-        candidates: ``(splits, chunk_tokens, predicted_us)`` of the split counts scored.
-        capacity_mode: sized for the cache capacity (CUDA-graph capture) instead of live lengths.
-        merge: ``"separate"`` (a merge kernel) or ``"fused"`` (the last program of each
-            (sequence, KV head) to finish, by an atomic completion counter, merges that group's
-            rows in fixed split order: one launch fewer, still deterministic; the counter resets
-            itself for the next launch or graph replay), or ``"atomic"`` (opt-in, config
-            ``split.merge: atomic`` with ``deterministic: false``; never chosen by the planner: each
-            program merges its state into a per-(sequence, KV head, column slice) fp32 accumulator
-            under a spin lock, in completion order, so reruns may differ bitwise within rounding; the
-            last program writes the output and resets the counter and lock). ``"none"`` for single pass.
-        partition: work partition inside a program (seed 000): ``"split_k"`` (warps take different
-            KV positions, states merged through shared memory at the end) or ``"split_v"`` (each warp
-            owns a slice of the head_dim columns of V and the output and recomputes the scores:
-            redundant QK^T, no cross-warp reduction). Backends declare which they implement. Triton
-            cannot address warps: its split-V workers are *column programs* (see ``column_programs``).
-        column_programs: programs per split that share its KV chunk, each owning ``kernel["block_dv"]``
-            columns of V and of the output (Triton's split-V); 1 otherwise.
-        partition_why: where ``partition`` came from (config, kernel option, default, or a fallback).
+        backend: the backend's name.
+        problem: the (bucketed) :class:`~attnplan.DecodeProblem` planned for: lengths raised to their bucket's
+            bound, or the capacity for a capacity plan.
+        device: the device's :class:`DeviceKey`.
+        schedule: the device-side schedule's constants (:class:`~attnplan.schedule.Schedule`).
+        kernel: the backend's :class:`KernelOptions` (``block_n``: tokens per KV tile, ...).
+        merge: ``"none"`` (single pass: every sequence has one unit, programs write ``out``), ``"separate"`` (a
+            merge kernel combines the partial states of sequences with several units) or ``"fused"`` (the last
+            program of each (sequence, KV head) to finish, by an atomic completion counter, merges its rows in unit
+            order; the counter resets itself for the next launch or graph replay).
+        policy: how the split count was chosen (:data:`PLAN_POLICIES`, module docstring).
+        predicted_us: the cost model's step time at the planned lengths, microseconds (not measured).
+        capacity_mode: planned for the cache's capacity (the plan to capture in a CUDA graph).
+        table_entry: for ``tuned``: the split-table row used.
+        candidates: ``(splits, chunk_tokens, predicted_us)`` the cost model scored at the planned lengths.
         version: :data:`PLAN_VERSION`.
     """
 
     backend: str
-    problem: dict
-    device: dict
-    num_splits: int
-    chunk_size: int
-    single_pass: bool
-    grid: tuple[int, int, int]
-    merge_grid: tuple[int]
-    kernel: dict
-    workspace_bytes: int
-    predicted_us: float
+    problem: DecodeProblem
+    device: DeviceKey
+    schedule: Schedule
+    kernel: KernelOptions
+    merge: str
     policy: str
-    candidates: tuple[tuple[int, int, float], ...] = field(default=())
+    predicted_us: float
     capacity_mode: bool = False
-    merge: str = "separate"
-    partition: str = "split_k"
-    column_programs: int = 1
-    partition_why: str = ""
-    table_entry: tuple = ()
+    table_entry: TableRow | None = None
+    candidates: tuple[tuple[int, int, float], ...] = field(default=())
     version: int = PLAN_VERSION
 
+    # -- derived --------------------------------------------------------------------------------------
     @property
-    def max_tokens(self) -> int:
-        """Longest sequence this plan can serve (``num_splits * chunk_size`` tokens)."""
-        return self.num_splits * self.chunk_size
+    def num_splits(self) -> int:
+        """Most units (splits) one sequence may get (``schedule.max_units_per_seq``)."""
+        return self.schedule.max_units_per_seq
+
+    @property
+    def single_pass(self) -> bool:
+        return self.schedule.single_pass
+
+    @property
+    def grid(self) -> tuple[int]:
+        """The partial kernel's 1-D grid: ``max_units x num_kv_heads`` programs, unit-major."""
+        return (self.schedule.max_units * self.problem.num_kv_heads,)
 
     @property
     def num_programs(self) -> int:
-        return self.grid[0] * self.grid[1] * self.grid[2]
+        return self.grid[0]
 
     @property
     def state_slots(self) -> int:
-        """Split slots of the :class:`~attnplan.PartialState` workspace: ``num_splits``, or for the
-        atomic merge one accumulator slot per column program (0 for single pass)."""
-        return 0 if self.single_pass else self.column_programs if self.merge == "atomic" else self.num_splits
+        """Split slots of the workspace's :class:`~attnplan.PartialState` (``max_units``; 0 for single pass)."""
+        return 0 if self.single_pass else self.schedule.max_units
+
+    @property
+    def meta_words(self) -> int:
+        """int32 words of the schedule's per-sequence table the partial kernel writes for the separate merge:
+        ``indptr[b]`` then ``units[b]`` (``2 x batch``; 0 without a separate merge)."""
+        return 2 * self.problem.batch if self.merge == "separate" else 0
 
     @property
     def sync_words(self) -> int:
-        """int32 words of the in-kernel merge's zeroed sync buffer: fused, one completion counter per
-        (sequence, KV head); atomic, a counter then a lock per (sequence, KV head, column program)."""
-        groups = self.grid[1] * self.grid[2]
-        return {"fused": groups, "atomic": 2 * groups * self.column_programs}.get(self.merge, 0)
+        """int32 completion counters of the fused merge, one per (sequence, KV head), zero at rest."""
+        return self.problem.batch * self.problem.num_kv_heads if self.merge == "fused" else 0
+
+    @property
+    def workspace_bytes(self) -> int:
+        p = self.problem
+        return (self.state_slots * p.q_len * p.num_q_heads * (p.head_dim + 1) * 4
+                + 4 * (self.meta_words + self.sync_words + NUM_TARGETS))
+
+    # -- checks and serialization ---------------------------------------------------------------------
+    def validate(self, problem: DecodeProblem | None = None) -> None:
+        """Check the plan's internal consistency, and that it serves ``problem`` when given (a plan loaded from
+        disk is validated so before use).
+
+        Raises:
+            ValueError: naming what does not fit.
+        """
+        s, p, k = self.schedule, self.problem, self.kernel
+        if self.version != PLAN_VERSION:
+            raise ValueError(f"plan version {self.version} is not {PLAN_VERSION}")
+        if self.merge not in MERGES or self.policy not in PLAN_POLICIES:
+            raise ValueError(f"plan merge {self.merge!r} / policy {self.policy!r} unknown")
+        if (self.merge == "none") != s.single_pass:
+            raise ValueError(f"merge {self.merge!r} does not fit max_units_per_seq {s.max_units_per_seq}")
+        bn = k.get("block_n")
+        if isinstance(bn, bool) or not isinstance(bn, int) or bn < 1 or s.granule % bn:
+            raise ValueError(f"kernel block_n {bn!r} must be a positive int dividing the granule {s.granule}")
+        if p.page_size and s.granule % p.page_size:
+            raise ValueError(f"granule {s.granule} must be a multiple of the page size {p.page_size}")
+        if s.max_units < p.batch or (s.single_pass and s.max_units != p.batch):
+            raise ValueError(f"max_units {s.max_units} must cover the batch {p.batch}")
+        per_seq = min(s.max_units_per_seq, -(-(-(-_capacity_span(p) // s.granule)) // s.min_unit_granules))
+        bound = p.batch * per_seq
+        if s.policy == "balanced":
+            bound = min(bound, max_units_bound(s.targets, p.batch, s.max_units_per_seq))
+        if not s.single_pass and s.max_units < bound:
+            raise ValueError(f"max_units {s.max_units} is below the schedule's bound {bound} for this problem")
+        if problem is not None:
+            fields = ("batch", "num_q_heads", "num_kv_heads", "head_dim", "q_len", "page_size", "q_dtype",
+                      "kv_dtype", "window_left", "soft_cap", "has_sinks", "kv_scale")
+            bad = [f for f in fields if getattr(problem, f) != getattr(p, f)]
+            if bad:
+                raise ValueError(f"plan does not fit the problem: {', '.join(bad)} differ")
+            if problem.capacity > p.capacity:
+                raise ValueError(f"plan serves a capacity of {p.capacity} tokens, the problem has {problem.capacity}")
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["grid"] = list(self.grid)
-        d["merge_grid"] = list(self.merge_grid)
-        d["candidates"] = [list(c) for c in self.candidates]
-        d["table_entry"] = list(self.table_entry)
-        return d
+        return {"backend": self.backend, "problem": self.problem.to_dict(), "device": list(self.device),
+                "schedule": self.schedule.to_dict(), "kernel": self.kernel.to_dict(), "merge": self.merge,
+                "policy": self.policy, "predicted_us": self.predicted_us, "capacity_mode": self.capacity_mode,
+                "table_entry": None if self.table_entry is None else
+                [*self.table_entry[:6], [list(o) for o in self.table_entry.options]],
+                "candidates": [list(c) for c in self.candidates], "version": self.version}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @staticmethod
-    def from_dict(d: dict) -> "SplitPlan":
-        """Rebuild a plan from :meth:`to_dict` output. Raises ``KeyError``/``TypeError`` on bad input."""
-        d = dict(d)
-        d["grid"] = tuple(d["grid"])
-        d["merge_grid"] = tuple(d["merge_grid"])
-        d["candidates"] = tuple(tuple(c) for c in d.get("candidates", ()))
-        d["table_entry"] = tuple(d.get("table_entry", ()))
-        return SplitPlan(**d)
+    def from_dict(d: Any) -> "SplitPlan":
+        """Rebuild a plan from :meth:`to_dict` output, strictly.
 
-    def explain(self) -> str:
-        """Why this split: the shapes, the program count against the SMs, and the scored candidates."""
-        p, dev = self.problem, self.device
-        group = p["num_q_heads"] // p["num_kv_heads"]
-        base = p["batch"] * p["num_kv_heads"]
+        Raises:
+            TypeError, KeyError, ValueError: not a plan of this version (unknown or missing keys, bad values).
+        """
+        if not isinstance(d, dict):
+            raise TypeError(f"a plan must be a mapping, got {type(d).__name__}")
+        want = {"backend", "problem", "device", "schedule", "kernel", "merge", "policy", "predicted_us",
+                "capacity_mode", "table_entry", "candidates", "version"}
+        if set(d) != want:
+            raise KeyError(f"plan keys {sorted(set(d) ^ want)} missing or unknown")
+        if d["version"] != PLAN_VERSION:
+            raise ValueError(f"plan version {d['version']!r} is not {PLAN_VERSION}")
+        if not isinstance(d["problem"], dict) or not isinstance(d["device"], list) or len(d["device"]) != 4:
+            raise TypeError("plan problem must be a mapping and device [name, sm_count, cc, driver]")
+        name, sms, cc, driver = d["device"]
+        te = d["table_entry"]
+        plan = SplitPlan(
+            backend=str(d["backend"]), problem=DecodeProblem(**d["problem"]),
+            device=DeviceKey(str(name), int(sms), (int(cc[0]), int(cc[1])), str(driver)),
+            schedule=Schedule.from_dict(d["schedule"]), kernel=KernelOptions(d["kernel"]), merge=d["merge"],
+            policy=d["policy"], predicted_us=float(d["predicted_us"]), capacity_mode=bool(d["capacity_mode"]),
+            table_entry=None if te is None else TableRow.from_row(te),
+            candidates=tuple((int(a), int(b), float(c)) for a, b, c in d["candidates"]), version=d["version"])
+        plan.validate()
+        return plan
+
+    # -- explanation ----------------------------------------------------------------------------------
+    def explain(self, seq_lens=None) -> str:
+        """Why this plan: shapes, the split choice, the schedule and what it does at ``seq_lens`` (host ints; by
+        default the planned lengths: every sequence at the planned maximum). Words: ``docs/glossary.md``."""
+        p, dev, s = self.problem, self.device, self.schedule
+        cpu = tuple(dev.cc) == (0, 0)
+        base = p.batch * p.num_kv_heads
+        head = (f"backend {self.backend} on {dev.name} ({dev.sm_count} SMs"
+                + (": the planner's stand-in for a CPU run; times below are not predictions for this machine)"
+                   if cpu else f", compute capability {dev.cc[0]}.{dev.cc[1]})"))
         lines = [
-            f"backend {self.backend} on {dev['name']} ({dev['sm_count']} SMs, cc {dev['cc'][0]}.{dev['cc'][1]})",
-            f"problem: batch {p['batch']}, heads {p['num_q_heads']}/{p['num_kv_heads']} (GQA group {group}), "
-            f"head_dim {p['head_dim']}, q_len {p['q_len']}, "
-            f"{'paged, page ' + str(p['page_size']) if p['page_size'] else 'contiguous'}, q {p['q_dtype']} / kv {p['kv_dtype']}, "
-            f"planned for KV length <= {p['max_kv_len']} tokens (mean bucket {p['mean_kv_len']})"
-            + (" [capacity plan for CUDA graphs]" if self.capacity_mode else ""),
-            f"programs without splitting: batch x kv_heads = {base} (one program per GQA group) vs {dev['sm_count']} SMs",
+            head,
+            f"problem: batch {p.batch}, heads {p.num_q_heads}/{p.num_kv_heads} (GQA group {p.group_size}), "
+            f"head_dim {p.head_dim}, q_len {p.q_len}, "
+            f"{'paged, page ' + str(p.page_size) if p.paged else 'contiguous'}, q {p.q_dtype} / kv {p.kv_dtype}; "
+            + (f"capacity plan (CUDA graphs): any lengths up to {p.capacity} tokens" if self.capacity_mode else
+               f"planned for sequences of up to {p.max_kv_len} tokens, {p.total_kv_len // max(p.batch, 1)} on average "
+               "(lengths rounded up to powers of two)"),
+            f"(sequence, KV head) pairs: {base} (one program per GQA group and unit) on {dev.sm_count} SMs",
         ]
         if self.policy == "forced":
-            lines.append(f"split count forced by config: {self.num_splits}")
+            lines.append(f"split count forced: up to {self.num_splits} equal units per sequence")
         elif self.policy == "no-split":
-            lines.append("splitting disabled by config (split.num_splits = 1)")
-        if self.policy == "tuned":
-            w, kv, ppsm = self.table_entry[:3]
-            lines.append(f"split count from the device's measured split table: nearest entry {w} (sequence, KV head) pairs x "
-                         f"KV {kv} tokens, best at {ppsm:g} programs per SM (attnplan tune)")
-            actual = self.num_programs / dev["sm_count"]
-            if abs(actual - ppsm) > 0.25 * ppsm:
-                lines.append(f"  ... runs at {actual:.2f} programs per SM: the table's count was clamped by "
-                             "split.max_splits or the length, or rounded by chunk alignment")
-            if opts := entry_options(self.table_entry):
-                ran = all(self.kernel.get(k) == v for k, v in opts.items())
-                lines.append(f"  the entry's kernel options, measured with its split count: {opts} "
-                             + ("(applied)" if ran else "(not applied: the config sets the backend's options, the "
-                                "plan is not split-K, or they do not fit this problem's kernel)"))
-        if self.candidates and self.policy == "heuristic":
+            lines.append("single pass: one program per (sequence, KV head), no partial states, no merge "
+                         "(num_splits = 1, or the best split count at these lengths is 1)")
+        elif self.policy == "batch-invariant":
+            lines.append(f"batch-invariant: units of {s.min_unit_granules * s.granule} tokens from each sequence's "
+                         "own length (outputs bitwise independent of the batchmates)")
+        elif self.policy == "tuned":
+            e = self.table_entry
+            lines.append(f"split counts from the device's measured split table (attnplan tune): at the planned "
+                         f"length the nearest row is {e.pairs} pairs x {e.kv_len} tokens, best at "
+                         f"{e.programs_per_sm:g} programs per SM")
+            if e.options:
+                ran = all(self.kernel.get(k) == v for k, v in e.options)
+                lines.append(f"  the row's kernel options {dict(e.options)} "
+                             + ("(applied)" if ran else "(not applied: the config sets the backend's options, or they "
+                                                        "do not fit this problem's kernel)"))
+        elif self.candidates:
             best = min(c[2] for c in self.candidates)
             shown = sorted(self.candidates, key=lambda c: c[2])[:5]
-            lines.append("cost model (splits: chunk tokens, predicted us): " + ", ".join(
-                f"{n}: {c}, {t:.1f}" for n, c, t in sorted(shown)))
-            lines.append(f"chose the fewest splits within 2% of the best ({best:.1f} us)")
-        cols = self.column_programs
-        merge = {"fused": "merge fused into the last program of each group (fixed split order)",
-                 "atomic": "atomic merge: each program merges its state into the accumulator of its (sequence, "
-                           "KV head, column program) under a spin lock, in completion order (NOT bitwise reproducible; chosen by config split.merge: atomic "
-                           "with deterministic: false); the last program writes the output"}
-        lines.append(
-            f"=> {self.num_splits} split(s) of {self.chunk_size} tokens; grid {self.grid} = {self.num_programs} programs"
-            + (f" ({self.num_splits} splits x {cols} column programs)" if cols > 1 else "") + "; "
-            + ("single pass (the partial kernel writes the output, no merge)" if self.single_pass
-               else merge.get(self.merge, f"merge kernel grid {self.merge_grid}")
-               + f", workspace {self.workspace_bytes / 2**20:.2f} MiB")
-        )
-        d, why = p["head_dim"], self.partition.replace("_", "-")
-        if "block_dv" not in self.kernel:  # a backend whose split-V workers are warps
-            why += (" (warps take different KV positions; states merged through shared memory)" if self.partition == "split_k"
-                    else " (each warp owns head_dim columns and recomputes the scores; no cross-warp reduction)")
-        elif self.partition == "split_k":
-            why += " (one program per split covers all head_dim columns; its warps are the compiler's)"
+            lines.append("cost model at the planned length (splits: chunk tokens, predicted us): " + ", ".join(
+                f"{n}: {c}, {t:.1f}" for n, c, t in sorted(shown)) + f"; the fewest splits within 2% of {best:.1f}")
+        if s.single_pass:
+            lines.append(f"schedule: single pass, grid {self.num_programs} programs (one per sequence x KV head)")
         else:
-            why += (f" ({cols} column program(s) per split, each owns {self.kernel['block_dv']} of the {d} V/output "
-                    f"columns and recomputes QK^T over full K rows: programs x{cols}, K bytes x{cols} "
-                    f"(KV traffic x{(cols + 1) / 2:g} in the cost model); no cross-program reduction, lse written by "
-                    "column program 0)")
-        lines.append(f"inside a program: {why}" + (f"; chosen by {self.partition_why}" if self.partition_why else ""))
-        lines.append(f"kernel options {self.kernel}; predicted {self.predicted_us:.1f} us per step")
+            lines.append(
+                f"schedule ({s.policy}, computed on the GPU at every launch from seq_lens): granule {s.granule} "
+                f"tokens, units of at least {s.min_unit_granules * s.granule} tokens, at most {s.max_units_per_seq} "
+                f"units per sequence; grid {s.max_units} unit slots x {p.num_kv_heads} KV heads = "
+                f"{self.num_programs} programs (slots without a unit exit)")
+            lens = [p.max_kv_len] * p.batch if seq_lens is None else [int(x) for x in seq_lens]
+            lines.append("  " + describe_units(self, lens, "planned" if seq_lens is None else "these"))
+            lines.append("  merge: " + {"separate": "a merge kernel combines each row's unit states in unit order "
+                                                    "(sequences with one unit are written directly)",
+                                        "fused": "the last program of each (sequence, KV head) merges its rows in unit "
+                                                 "order (no extra launch)"}[self.merge])
+        lines.append(f"kernel options {dict(self.kernel)}; workspace {self.workspace_bytes / 2**20:.2f} MiB"
+                     + ("" if cpu else f"; predicted {self.predicted_us:.1f} us per step at the planned lengths"))
         return "\n".join(lines)
+
+
+def describe_units(plan: SplitPlan, seq_lens, which: str = "these") -> str:
+    """One line: what the schedule does at ``seq_lens`` (units, programs, heaviest program's KV bytes vs the mean)."""
+    p = plan.problem
+    u = schedule_units(seq_lens, plan.schedule, p.q_len, p.window_left)
+    sizes = (u.end - u.start).clamp(min=0)
+    real = sizes[sizes > 0]
+    per_tok = p.kv_bytes_per_token
+    if not real.numel():
+        return f"at {which} lengths: {u.num_units} units, all empty"
+    heavy, mean = int(real.max()) * per_tok, float(real.double().mean()) * per_tok
+    return (f"at {which} lengths: {u.num_units} units ({int(u.units.min())}-{int(u.units.max())} per sequence) = "
+            f"{u.num_units * p.num_kv_heads} programs with work; heaviest program {heavy / 2**20:.2f} MiB of KV vs "
+            f"mean {mean / 2**20:.2f} MiB ({heavy / mean:.2f}x)")
 
 
 def cost_model_for(device: DeviceInfo, config: Config, backend: str | None = None) -> tuple[CostModel, float]:
     """The cost model for ``device`` (and ``backend``) and its read bandwidth in GB/s.
 
-    The tuned table ``plans/<device>.yaml`` wins over the config's defaults: its ``cost_model``,
-    then ``cost_model_by_backend.<backend>`` (constants measured for one backend's kernels, e.g. the
-    programs per SM its kernel needs to saturate bandwidth). An explicit ``mem_bandwidth_gbs`` in
-    either wins over the device's estimate.
+    The tuned table ``plans/<device>.yaml`` wins over the config's defaults: its ``cost_model``, then
+    ``cost_model_by_backend.<backend>`` (constants measured for one backend's kernels). An explicit
+    ``mem_bandwidth_gbs`` in either wins over the device's estimate.
     """
     table = device_table(device.slug()) if device.compute_capability != (0, 0) else {}
     over = {**(table.get("cost_model") or {}), **((table.get("cost_model_by_backend") or {}).get(backend) or {})}
@@ -236,30 +399,30 @@ def _align_up(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
-def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: float,
-             splits: int, chunk: int, cols: int = 1, merges: tuple[str, ...] = ("separate", "fused"),
-             fused_parallelism: int = 1, fused_max_chunk: int = 0) -> float:
-    """Predicted step time in microseconds (the module docstring's T(n)); ``cols`` column programs per
-    split (Triton split-V), the merge term is the cheapest of ``merges``."""
+def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: float, splits: int, chunk: int,
+             merges: tuple[str, ...] = ("separate", "fused"), fused_parallelism: int = 1,
+             fused_max_chunk: int = 0) -> float:
+    """Predicted step time in microseconds (the module docstring's T(n)); the merge term is the cheapest of
+    ``merges``."""
     bw = bw_gbs * 1e3 * cm.bandwidth_fraction  # bytes per microsecond
     hkv, batch = problem.num_kv_heads, problem.batch
     max_len, total = max(problem.max_kv_len, 1), max(problem.total_kv_len, 1)
     # live programs: each sequence's ceil(len / chunk) programs; sum approximated from the total.
-    live = hkv * cols * min(batch * splits, max(batch, math.ceil(total / chunk)))
+    live = hkv * min(batch * splits, max(batch, math.ceil(total / chunk)))
     paged = problem.paged
     per_sm = cm.paged_programs_per_sm if paged and cm.paged_programs_per_sm else cm.programs_per_sm
     resident = device.sm_count * per_sm
-    programs = hkv * batch * splits * cols
+    programs = hkv * batch * splits
     waves = math.ceil(programs / resident)
-    kv_bytes = total * hkv * problem.kv_bytes_per_token * (cols + 1) / 2  # K read by every column program
+    kv_bytes = total * hkv * problem.kv_bytes_per_token
     sat = cm.paged_sat_programs_per_sm if paged and cm.paged_sat_programs_per_sm else cm.sat_programs_per_sm
     occupancy = min(1.0, live / (device.sm_count * sat))
     bw_per_program = bw / (device.sm_count * sat)
-    chunk_bytes = min(chunk, max_len) * problem.kv_bytes_per_token * (1 + 1 / cols) / 2  # all of K, 1/cols of V
+    chunk_bytes = min(chunk, max_len) * problem.kv_bytes_per_token
     if 2 * total >= batch * max_len:
-        # near-uniform lengths: programs run in waves of `resident`; a wave of n programs streams
-        # n chunks at the device's bandwidth, but no program faster than its own rate, so a last
-        # wave of a few long programs costs a whole program (wave quantization, NOTES.md change 7)
+        # near-uniform lengths: programs run in waves of `resident`; a wave of n programs streams n chunks at the
+        # device's bandwidth, but no program faster than its own rate, so a last wave of a few long programs costs
+        # a whole program (wave quantization)
         def wave(n: int) -> float:
             return max(n * chunk_bytes / bw, chunk_bytes / bw_per_program)
 
@@ -269,7 +432,7 @@ def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: 
         stream = max(kv_bytes / (bw * occupancy), chunk_bytes / bw_per_program)
     t = cm.launch_us + waves * cm.program_us + stream
     if splits > 1:
-        costs = _merge_cost_us(problem, cm, bw, bw_per_program, splits, cols, fused_parallelism)
+        costs = _merge_cost_us(problem, cm, bw, bw_per_program, splits, fused_parallelism)
         t += min(costs[m] for m in _merges_for(merges, chunk, fused_max_chunk))
     return t
 
@@ -277,36 +440,29 @@ def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: 
 def _merges_for(merges: tuple[str, ...], chunk: int, fused_max_chunk: int) -> tuple[str, ...]:
     """``merges`` without ``fused`` where the backend caps its chunk (``fused_max_chunk`` tokens, 0 = no cap)."""
     if fused_max_chunk and chunk > fused_max_chunk:
-        return tuple(m for m in merges if m != "fused")
+        return tuple(m for m in merges if m != "fused") or ("separate",)
     return merges
 
 
 def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_program: float, splits: int,
-                   cols: int = 1, fused_parallelism: int = 1) -> dict:
+                   fused_parallelism: int = 1) -> dict:
     """Cost of each merge strategy after the partial kernel, microseconds.
 
     separate: one more launch, then all rows' states read at full bandwidth.
-    fused: no launch; the last program of each (sequence, KV head) reads its group's states alone
-    (at one program's bandwidth, and a dependent load per split and pass: ``merge_split_latency_us``),
-    while the other groups' last programs do the same in parallel. Measured on the H200 under graph
-    replay (benchmarks/results/2026-11-30-merge): the fused merge was 1-8 us slower than a separate
-    merge kernel at every point, so with the measured latency the model picks ``separate`` there.
-    ``fused_parallelism`` (the backend's :attr:`~attnplan.backends.base.Backend.fused_merge_parallelism`)
-    divides that serialized part: a last program whose threads read many splits per round trip.
-    atomic (not measured; only costed for its own plans, never chosen): the ``splits`` programs of a
-    (sequence, KV head, column program) pass its lock one after another, each with two dependent
-    round trips (lock, accumulator load) and a read and write of its group's accumulator columns.
+    fused: no launch; the last program of each (sequence, KV head) reads its group's states alone (at one
+    program's bandwidth, and a dependent load per split and pass: ``merge_split_latency_us``), while the other
+    groups' last programs do the same in parallel. Measured on an H200 under graph replay, Triton's fused merge was
+    1-8 us slower than its separate merge kernel; cuda_ptx's last program reads many splits per round trip, so
+    ``fused_parallelism`` (:attr:`~attnplan.backends.base.Backend.fused_merge_parallelism`) divides that
+    serialized part.
     """
     rows = problem.batch * problem.q_len * problem.num_q_heads
     state_bytes = (problem.head_dim + 1) * 4 * splits
     out_bytes = problem.head_dim * torch_dtype(problem.q_dtype).itemsize
     group_rows = problem.q_len * problem.group_size
-    acc_bytes = 2 * (problem.head_dim / cols + 1) * 4  # one program's accumulator columns, read and written
     return {"separate": cm.launch_us + rows * (2 * state_bytes + out_bytes) / bw,
             "fused": cm.program_us + (2 * splits * cm.merge_split_latency_us
-                                      + group_rows * (state_bytes + out_bytes) / bw_per_program) / fused_parallelism,
-            "atomic": splits * (2 * cm.merge_split_latency_us + group_rows * acc_bytes / bw_per_program)
-                      + group_rows * out_bytes / cols / bw_per_program}
+                                      + group_rows * (state_bytes + out_bytes) / bw_per_program) / fused_parallelism}
 
 
 #: a split-table entry serves problems within this factor of its work and length (log-space box)
@@ -314,195 +470,227 @@ TABLE_REACH = 4.0
 
 
 def split_table_layout(layout: str, kv_itemsize: int) -> str:
-    """The key of a split table's rows: ``layout`` (``"contiguous"`` or ``"paged"``), with ``"_fp8"``
-    for a 1-byte KV cache (``kv_itemsize`` in bytes), as ``attnplan tune`` writes and the planner reads."""
+    """The key of a split table's rows: ``layout`` (``"contiguous"`` or ``"paged"``), with ``"_fp8"`` for a 1-byte
+    KV cache (``kv_itemsize`` in bytes), as ``attnplan tune`` writes and the planner reads."""
     return layout + ("_fp8" if kv_itemsize == 1 else "")
 
 
-def split_row_heads(row) -> tuple[int | None, int]:
-    """``(group, head_dim)`` a split-table row was measured with: its fifth and sixth fields, or
-    ``(None, 128)`` for a row written before rows carried them (any group, head_dim 128)."""
-    return (row[4], row[5]) if len(row) >= 6 else (None, 128)
-
-
-def entry_options(entry) -> dict:
-    """The kernel options a split-table row (``SplitPlan.table_entry``) carries: its optional seventh field, a
-    mapping such as ``{"num_warps": 8, "num_stages": 2}`` written by ``attnplan tune --row-options``; ``{}`` for a
-    row without one (or with anything else there).
-
-    The row's split count was measured with those options, so :func:`attnplan.api.plan_problem` runs them with
-    it: only for a split-K plan that row makes (policy ``"tuned"``, the same row again once the options are
-    applied), and not when the config sets the backend's options or the options do not fit the problem's kernel
-    (``ValueError`` from the backend's ``kernel_config``). Why per row: in results/2026-11-30-s9-call1, cuda_ptx
-    with 8 KV warps per program beat the table's 4 warps, each at its best split count, by 3-11% at 16-64
-    (sequence, KV head) pairs and 1K-16K tokens, while single passes that fill the SMs keep 4 warps, 3 programs
-    resident per SM (benchmarks/NOTES.md, session 9, change 25).
-    """
-    return dict(entry[6]) if len(entry) >= 7 and isinstance(entry[6], dict) else {}
-
-
-def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str, cols: int) -> tuple | None:
-    """The nearest entry of the device's measured split table for ``problem`` (the first of
+def _table_entry(problem: DecodeProblem, device: DeviceInfo, backend: str) -> TableRow | None:
+    """The nearest row of the device's measured split table for ``problem`` (the first of
     :func:`table_candidates`), or ``None`` (cost model)."""
-    near = table_candidates(problem, device, backend, cols)
+    near = table_candidates(problem, device, backend)
     return near[0][1] if near else None
 
 
-def table_candidates(problem: DecodeProblem, device: DeviceInfo, backend: str, cols: int) -> list[tuple[float, tuple]]:
-    """The entries of the device's measured split table that may serve ``problem``, nearest first, as
-    ``(distance, row)``: ``distance`` is dimensionless (a sum of absolute natural-log ratios, below), ``row`` the
-    table row as a tuple; equal distances keep table order. Empty where the table does not apply. ``cols``: column
-    programs per split (1 for split-K). A missing table or section gives an empty list, not an error.
+def table_candidates(problem: DecodeProblem, device: DeviceInfo, backend: str) -> list[tuple[float, TableRow]]:
+    """The rows of the device's measured split table that may serve ``problem``, nearest first, as
+    ``(distance, row)``: ``distance`` is dimensionless (a sum of absolute natural-log ratios, below); equal
+    distances keep table order. Empty where the table does not apply (no table, no section, CPU stand-in).
 
-    ``plans/<device>.yaml`` key ``split_table.<backend>.<layout>``: rows ``[pairs, kv_len,
-    programs_per_sm, us, group, head_dim, options]`` written by ``attnplan tune`` (``pairs`` = batch x KV heads;
-    the best split count of an exhaustive search, as programs per SM; ``group`` = the GQA group size and
-    ``head_dim`` of the heads it was measured with; rows without them count as head_dim 128, any group;
-    ``options``, optional: the kernel options that split count was measured with, :func:`entry_options`);
-    a 1-byte (fp8) cache reads ``<layout>_fp8`` (``attnplan tune --kv-dtype float8_e4m3fn``) and has no
-    table without it. Used for the table's own conditions only: split-K (one column program),
-    near-uniform lengths (the mean at least half the maximum on the bucketed problem the planner sees,
-    i.e. a live mean above about a quarter of the maximum), rows of the problem's head_dim (rows measured
-    at head_dim <= 128 serve every head_dim <= 128), and an entry within :data:`TABLE_REACH` of the
-    problem in both pairs and length. The nearest wins: log distance in pairs plus log distance in
-    length plus half the log distance of the group sizes (so at the same point a row of the problem's
-    own group wins, and one grid step away a row of another group may), ties going to a tagged row of
-    the problem's own head_dim. The group term exists because the best split depends on the group's
-    work per token too: in results/2026-11-30-s5-call4, 32/32/128 and 16/8/256 planned from other heads'
-    rows or the cost model missed the best by 5-25%.
+    ``plans/<device>.yaml`` key ``split_table.<backend>.<layout>`` (:class:`TableRow` fields); a 1-byte (fp8) cache
+    reads ``<layout>_fp8``. Used for near-uniform lengths only (the mean at least half the maximum), rows of the
+    problem's head_dim (rows measured at head_dim <= 128 serve every head_dim <= 128), and a row within
+    :data:`TABLE_REACH` of the problem in both pairs and length. The nearest wins: log distance in pairs plus log
+    distance in length plus half the log distance of the group sizes (at the same point a row of the problem's own
+    group wins; one grid step away a row of another group may), ties going to a tagged row of the problem's own
+    head_dim. The group term exists because the best split depends on the group's work per token too: measured on
+    an H200, 32/32/128 and 16/8/256 planned from other heads' rows or the cost model missed the best by 5-25%.
     """
     itemsize = torch_dtype(problem.kv_dtype).itemsize
-    if device.compute_capability == (0, 0) or cols != 1 \
-            or itemsize not in (1, 2) or problem.total_kv_len * 2 < problem.batch * problem.max_kv_len:
+    if device.compute_capability == (0, 0) or itemsize not in (1, 2) \
+            or problem.total_kv_len * 2 < problem.batch * problem.max_kv_len:
         return []
     layout = split_table_layout("paged" if problem.paged else "contiguous", itemsize)
-    rows = ((device_table(device.slug()).get("split_table") or {}).get(backend) or {}).get(layout) or []
+    rows = _table_rows(device.slug(), backend, layout)
     work, kv = problem.batch * problem.num_kv_heads, max(problem.max_kv_len, 1)
     near = []
     for row in rows:
-        group, head_dim = split_row_heads(row)
-        if not (head_dim == problem.head_dim or (head_dim <= 128 and problem.head_dim <= 128)):
+        if not (row.head_dim == problem.head_dim or (row.head_dim <= 128 and problem.head_dim <= 128)):
             continue
-        dw, dk = abs(math.log(row[0] / work)), abs(math.log(row[1] / kv))
-        dg = abs(math.log(group / problem.group_size)) if group else 0.0
-        # equal distances: a tagged row of the problem's own head_dim before an untagged or other one
-        d = dw + dk + 0.5 * dg + (0.0 if group and head_dim == problem.head_dim else 1e-3)
+        dw, dk = abs(math.log(row.pairs / work)), abs(math.log(row.kv_len / kv))
+        dg = abs(math.log(row.group / problem.group_size)) if row.group else 0.0
+        d = dw + dk + 0.5 * dg + (0.0 if row.group and row.head_dim == problem.head_dim else 1e-3)
         if max(dw, dk) <= math.log(TABLE_REACH):
-            near.append((d, tuple(row)))
+            near.append((d, row))
     near.sort(key=lambda t: t[0])  # stable: of equal distances the first row in the table wins
     return near
 
 
-def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: dict,
+_ROWS: dict = {}
+
+
+def _table_rows(slug: str, backend: str, layout: str) -> tuple[TableRow, ...]:
+    """The split table's rows as :class:`TableRow` (parsed once per table object)."""
+    table = device_table(slug)
+    key = (id(table), backend, layout)
+    rows = _ROWS.get(key)
+    if rows is None:
+        raw = ((table.get("split_table") or {}).get(backend) or {}).get(layout) or []
+        rows = _ROWS[key] = tuple(TableRow.from_row(r) for r in raw)
+    return rows
+
+
+class _Choice(NamedTuple):
+    splits: int  # after chunk alignment at the problem's length
+    chunk: int
+    predicted: float
+    policy: str
+    entry: TableRow | None
+    candidates: tuple
+    want: int  # before alignment: the split count the table or the cost model asks for
+
+
+def _choose_splits(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostModel, bw: float, limit: int,
+                   align: int, merges: tuple[str, ...], fused_parallelism: int, fused_max_chunk: int) -> _Choice:
+    """The split count for ``problem`` at its lengths (the table's row, else the cost model's fewest splits within
+    2% of the best); ``limit``: most splits; ``align``: chunk alignment in tokens."""
+    max_len = max(problem.visible_span, 1)
+    if (entry := _table_entry(problem, device, backend)) is not None:
+        asked = max(1, round(entry.programs_per_sm * device.sm_count / (problem.batch * problem.num_kv_heads)))
+        want = min(limit, asked)
+        chunk = _align_up(-(-max_len // want), align)
+        splits = -(-max_len // chunk)
+        return _Choice(splits, chunk, _cost_us(problem, device, cm, bw, splits, chunk, merges, fused_parallelism,
+                                               fused_max_chunk), "tuned", entry, (), asked)
+    candidates, seen = [], set()
+    for n in range(1, limit + 1):
+        chunk = _align_up(-(-max_len // n), align)
+        n_eff = -(-max_len // chunk)
+        if n_eff in seen:
+            continue
+        seen.add(n_eff)
+        candidates.append((n_eff, chunk, round(_cost_us(problem, device, cm, bw, n_eff, chunk, merges,
+                                                        fused_parallelism, fused_max_chunk), 3)))
+    best = min(c[2] for c in candidates)
+    splits, chunk, predicted = min((c for c in candidates if c[2] <= best * 1.02), key=lambda c: c[0])
+    return _Choice(splits, chunk, predicted, "heuristic", None, tuple(candidates), splits)
+
+
+def _capacity_span(problem: DecodeProblem) -> int:
+    """Most positions any query of a sequence at the cache's capacity can see, tokens (the window bounds it)."""
+    cap = max(problem.capacity, problem.max_kv_len, 1)
+    return cap if problem.window_left < 0 else min(cap, problem.window_left + problem.q_len)
+
+
+def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: Mapping,
               *, capacity_mode: bool = False, num_splits: int | None = None,
-              merge_strategies: frozenset[str] = frozenset({"separate"}),
-              partitions: frozenset[str] = frozenset({"split_k"}), fused_merge_parallelism: int = 1,
+              merge_strategies: frozenset[str] = frozenset({"separate"}), fused_merge_parallelism: int = 1,
               fused_merge_max_chunk: int = 0) -> SplitPlan:
     """Plan a problem (usually already :meth:`DecodeProblem.bucketed`).
 
     Args:
-        problem: shapes, dtypes and the lengths to plan for (``max_kv_len`` tokens).
+        problem: shapes, dtypes and the lengths to plan for (``max_kv_len`` tokens; the capacity for a capacity plan).
         device: the device the kernels run on.
         config: split policy and cost-model constants.
         backend: backend name recorded in the plan.
-        kernel: the backend's kernel options; ``kernel["block_n"]`` (tokens) aligns chunks.
-        capacity_mode: mark the plan as sized for the cache capacity (CUDA graphs).
-        num_splits: overrides ``config.split.num_splits`` (0 = heuristic, 1 = no split, >1 forced).
-        merge_strategies: the merge strategies the backend implements (``"separate"``, ``"fused"``,
-            ``"atomic"``); ``config.split.merge`` picks one (a strategy the backend lacks falls back to
-            ``separate``), ``auto`` the cheaper of separate / fused by the cost model (never atomic).
-        partitions: the intra-program partitions the backend implements; ``config.split.partition``
-            forces one it has, ``auto`` takes ``kernel["partition"]`` or else ``split_k`` (the measured
-            default until a tuned table says otherwise: ``kernel_options.<backend>.<layout>.partition``).
-            A backend whose split-V workers are programs gives ``kernel["block_dv"]`` (V columns per
-            column program): under ``split_v`` the plan gets ``ceil(head_dim / block_dv)`` column
-            programs per split, under ``split_k`` one and ``block_dv = None``.
-        fused_merge_parallelism: the backend's
-            :attr:`~attnplan.backends.base.Backend.fused_merge_parallelism` (divides the fused merge's
-            serialized cost in the cost model; 1 = splits read one after another).
-        fused_merge_max_chunk: the backend's :attr:`~attnplan.backends.base.Backend.fused_merge_max_chunk`:
-            longest chunk (tokens) for which ``auto`` and the split search consider ``fused`` (0 = no cap).
+        kernel: the backend's kernel options; ``kernel["block_n"]`` (tokens) aligns the granule.
+        capacity_mode: plan for any lengths up to the capacity (the plan to capture in a CUDA graph): never single
+            pass unless ``num_splits == 1``, so a long sequence in a later batch is still spread over programs.
+        num_splits: overrides ``config.split.num_splits`` (0 = planner, 1 = single pass, >1 = up to that many units).
+        merge_strategies: the merges the backend implements (``"separate"``, ``"fused"``); ``config.split.merge``
+            picks one (one the backend lacks falls back to ``separate``), ``auto`` the cheaper by the cost model.
+        fused_merge_parallelism: the backend's :attr:`~attnplan.backends.base.Backend.fused_merge_parallelism`.
+        fused_merge_max_chunk: the backend's :attr:`~attnplan.backends.base.Backend.fused_merge_max_chunk`
+            (longest chunk in tokens for which ``auto`` considers ``fused``; 0 = no cap).
     Returns:
-        the :class:`SplitPlan`. Never empty work for a non-empty sequence: ``num_splits * chunk_size``
-        always covers ``problem.max_kv_len``.
+        the :class:`SplitPlan`; it serves any lengths up to the cache's capacity.
+    Raises:
+        ValueError: ``kernel`` has no positive ``block_n``.
     """
     cm, bw = cost_model_for(device, config, backend)
-    want_p = config.split.partition
-    why_p = "config split.partition"
-    if want_p == "auto":
-        want_p, why_p = kernel.get("partition", "split_k"), ("kernel option partition" if "partition" in kernel
-                                                             else "default (split.partition: auto)")
-    partition = want_p if want_p in partitions else "split_k"
-    if partition != want_p:
-        why_p = f"the fallback ({why_p} asks for {want_p}, which {backend} does not implement)"
-    kernel, cols = dict(kernel), 1
-    if "block_dv" in kernel:  # split-V workers are programs: column programs per split
-        if partition == "split_v":
-            cols = -(-problem.head_dim // int(kernel["block_dv"]))
-        else:
-            kernel["block_dv"] = None
-    merges = ("atomic",) if config.split.merge == "atomic" and "atomic" in merge_strategies else ("separate", "fused")
     forced = config.split.num_splits if num_splits is None else num_splits
-    align = math.lcm(int(kernel["block_n"]), problem.page_size or 1)
-    # with a sliding window the chunks start at the window's first position: plan its span only
-    max_len = max(problem.visible_span, 1)
-    if problem.window_left >= 0:
-        problem = replace(problem, max_kv_len=max_len,
-                          total_kv_len=min(problem.total_kv_len, problem.batch * max_len))
-    candidates: list[tuple[int, int, float]] = []
-    # most splits the planner itself makes: chunks of at least min_chunk_tokens (aligned), max_splits
-    limit = max(1, min(config.split.max_splits, max_len // _align_up(config.split.min_chunk_tokens, align)))
-    if forced >= 1:
-        splits = forced
-        chunk = _align_up(max(-(-max_len // splits), 1), align)
-        policy = "forced" if forced > 1 else "no-split"
-        if forced == 1:
-            chunk = _align_up(max_len, align)
-        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges, fused_merge_parallelism,
-                             fused_merge_max_chunk)
-    elif (entry := _table_entry(problem, device, backend, cols)) is not None:
-        policy = "tuned"
-        work = problem.batch * problem.num_kv_heads
-        want = min(limit, max(1, round(entry[2] * device.sm_count / work)))
-        chunk = _align_up(-(-max_len // want), align)
-        splits = -(-max_len // chunk)
-        predicted = _cost_us(problem, device, cm, bw, splits, chunk, cols, merges, fused_merge_parallelism,
-                             fused_merge_max_chunk)
+    block_n = kernel.get("block_n")
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1:
+        raise ValueError(f"kernel option block_n must be a positive int, got {block_n!r}")
+    granule = math.lcm(block_n, problem.page_size or 1)
+    batch = problem.batch
+    merges = tuple(m for m in ("separate", "fused") if m in merge_strategies) or ("separate",)
+    span = max(problem.visible_span, 1)
+    if problem.window_left >= 0:  # with a sliding window only the window's span is planned
+        problem_w = replace(problem, max_kv_len=span, total_kv_len=min(problem.total_kv_len, batch * span))
     else:
-        policy = "heuristic"
-        seen = set()
-        for n in range(1, limit + 1):
-            chunk = _align_up(-(-max_len // n), align)
-            n_eff = -(-max_len // chunk)
-            if n_eff in seen:
-                continue
-            seen.add(n_eff)
-            candidates.append((n_eff, chunk, round(_cost_us(problem, device, cm, bw, n_eff, chunk, cols, merges,
-                                                            fused_merge_parallelism, fused_merge_max_chunk), 3)))
-        best = min(c[2] for c in candidates)
-        splits, chunk, predicted = min((c for c in candidates if c[2] <= best * 1.02), key=lambda c: c[0])
-    single = splits == 1
-    rows = problem.batch * problem.q_len * problem.num_q_heads
-    merge = "none"
-    if not single:
-        want = config.split.merge
-        if want == "auto":
-            costs = _merge_cost_us(problem, cm, bw * 1e3 * cm.bandwidth_fraction,
-                                   bw * 1e3 * cm.bandwidth_fraction / (device.sm_count * cm.sat_programs_per_sm), splits,
-                                   fused_parallelism=fused_merge_parallelism)
-            allowed = _merges_for(("separate", "fused"), chunk, fused_merge_max_chunk)
-            merge = min((c, m) for m, c in costs.items() if m in merge_strategies and m in allowed)[1]
+        problem_w = problem
+    cap_granules = -(-_capacity_span(problem) // granule)
+    min_c = max(1, -(-config.split.min_chunk_tokens // granule))
+    limit = max(1, min(config.split.max_splits, span // (min_c * granule)))
+    zeros = (0,) * NUM_TARGETS
+    choice = None
+    if forced == 1:
+        policy, sched = "no-split", Schedule("single", granule, 1, 1, zeros, batch)
+        splits, chunk = 1, _align_up(span, granule)
+    elif forced > 1:
+        policy = "forced"
+        sched = Schedule("forced", granule, 1, forced, zeros, batch * min(forced, cap_granules))
+        splits = min(forced, -(-span // granule))
+        chunk = granule * -(-(-(-span // granule)) // splits)
+    elif config.split.batch_invariant:
+        policy = "batch-invariant"
+        c = max(min_c, -(-_align_up(config.split.invariant_chunk_tokens, granule) // granule))
+        s_cap = config.split.max_splits
+        sched = Schedule("batch_invariant", granule, c, s_cap, zeros, batch * min(s_cap, -(-cap_granules // c)))
+        splits, chunk = min(s_cap, -(-span // (c * granule))), c * granule
+    else:
+        choice = _choose_splits(problem_w, device, backend, cm, bw, limit, granule, merges, fused_merge_parallelism,
+                                fused_merge_max_chunk)
+        policy, splits, chunk = choice.policy, choice.splits, choice.chunk
+        uniform = 2 * problem.total_kv_len >= batch * problem.max_kv_len
+        if choice.splits == 1 and uniform and not capacity_mode:
+            sched = Schedule("single", granule, 1, 1, zeros, batch)
+            policy = "no-split" if policy == "heuristic" else policy
         else:
-            merge = want if want in merge_strategies else "separate"
-    bucket = problem.bucket()
-    bucket["capacity"] = problem.capacity
-    plan = SplitPlan(
-        backend=backend, problem=bucket, device=device.fingerprint(), num_splits=splits, chunk_size=chunk,
-        single_pass=single, grid=(splits * cols, problem.num_kv_heads, problem.batch),
-        merge_grid=(0,) if single or merge in ("fused", "atomic") else (rows,), kernel=kernel, workspace_bytes=0,
-        predicted_us=float(predicted), policy=policy, candidates=tuple(candidates), capacity_mode=capacity_mode,
-        merge=merge, partition=partition, column_programs=cols, partition_why=why_p,
-        table_entry=tuple(entry) if policy == "tuned" else (),
-    )
-    # the PartialState workspace (or the atomic merge's accumulator) plus the in-kernel merge's sync words
-    return replace(plan, workspace_bytes=rows * plan.state_slots * (problem.head_dim + 1) * 4 + plan.sync_words * 4)
+            targets = _targets(problem_w, device, backend, cm, bw, config, granule, min_c, merges,
+                               fused_merge_parallelism, fused_merge_max_chunk, cap_granules, capacity_mode, choice)
+            s_cap = config.split.max_splits
+            sched = Schedule("balanced", granule, min_c, s_cap, targets,
+                             min(max_units_bound(targets, batch, s_cap), batch * min(s_cap, -(-cap_granules // min_c))))
+    predicted = choice.predicted if choice is not None else _cost_us(
+        problem_w, device, cm, bw, splits, chunk, merges, fused_merge_parallelism, fused_merge_max_chunk)
+    merge = "none"
+    if not sched.single_pass:
+        want = config.split.merge
+        if want == "auto" and sched.policy != "batch_invariant":
+            bwp = bw * 1e3 * cm.bandwidth_fraction
+            costs = _merge_cost_us(problem_w, cm, bwp, bwp / (device.sm_count * cm.sat_programs_per_sm),
+                                   max(splits, 2), fused_parallelism=fused_merge_parallelism)
+            merge = min((costs[m], m) for m in _merges_for(merges, chunk, fused_merge_max_chunk))[1]
+        else:
+            merge = want if want in merges else "separate"
+    return SplitPlan(backend=backend, problem=problem, device=DeviceKey.of(device), schedule=sched,
+                     kernel=KernelOptions(kernel), merge=merge, policy=policy, predicted_us=float(predicted),
+                     capacity_mode=capacity_mode, table_entry=choice.entry if choice is not None else None,
+                     candidates=choice.candidates if choice is not None else ())
+
+
+def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostModel, bw: float, config: Config,
+             granule: int, min_c: int, merges, fused_parallelism: int, fused_max_chunk: int, cap_granules: int,
+             capacity_mode: bool, choice: _Choice) -> tuple[int, ...]:
+    """The balanced schedule's targets: for each bucket ``k`` of total granules, the units a uniform batch of that
+    much work gets (the split count :func:`_choose_splits` asks for, before chunk alignment, x batch; the schedule
+    aligns on the device at the live total, and clamps to ``min_unit_granules``). A capacity plan fills every
+    bucket up to the capacity; a live plan computes the buckets its (bucketed) lengths can reach and extends the
+    ends."""
+    batch = problem.batch
+    k_max = bucket_of(batch * cap_granules)
+    if capacity_mode:
+        k_lo, k_hi = 1, k_max
+    else:
+        span = max(problem.max_kv_len, 1)
+        k_hi = min(k_max, bucket_of(batch * -(-span // granule)))
+        k_lo = max(1, min(k_hi, bucket_of(max(1, problem.total_kv_len // granule))))
+    targets = [0] * NUM_TARGETS
+    memo: dict[int, int] = {}
+    for k in range(k_lo, k_hi + 1):
+        t_rep = min((1 << k) - 1, max(1 << (k - 1), round(2 ** (k - 0.5))))  # a batch of about 2^(k - 1/2) granules
+        m = max(1, t_rep * granule // batch)  # tokens per sequence of that uniform batch
+        if m not in memo:
+            virt = replace(problem, max_kv_len=m, total_kv_len=m * batch, window_left=-1, capacity=max(m, 1))
+            limit = max(1, min(config.split.max_splits, m // (min_c * granule)))
+            ch = _choose_splits(virt, device, backend, cm, bw, limit, granule, merges, fused_parallelism,
+                                fused_max_chunk)
+            memo[m] = min(config.split.max_splits, ch.want)
+        targets[k] = memo[m] * batch
+    for k in range(k_hi + 1, NUM_TARGETS):
+        targets[k] = targets[k_hi]
+    for k in range(1, k_lo):
+        targets[k] = targets[k_lo]
+    return tuple(targets)

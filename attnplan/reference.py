@@ -1,10 +1,10 @@
 """The CPU float64 reference: exact decode attention, split partial states, and the merge.
 
-Every backend is checked against these functions, never against another kernel (STYLE.md).
+Every backend is checked against these functions, never against another kernel.
 They copy their inputs to the CPU in float64, so they are slow and exact and run anywhere.
 
 Visibility: query ``i`` of a sequence of length ``L`` with ``q_len`` queries sits at position
-``p = L - q_len + i`` and sees KV positions ``<= p`` (DESIGN.md tensor conventions), and with a
+``p = L - q_len + i`` and sees KV positions ``<= p``, and with a
 sliding window only ``>= p - window_left``. A row with no visible position has ``o = 0,
 lse = -inf`` (with a sink: ``lse`` = the sink logit).
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .problem import default_sm_scale
+from .schedule import Schedule, Units, schedule_units
 from .state import PartialState, merge_states
 
 __all__ = ["attention", "partial", "merge", "gather_kv"]
@@ -62,7 +63,10 @@ def _scores(q_b: torch.Tensor, k: torch.Tensor, sm_scale: float, soft_cap: float
 
 
 def _attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-weighted V over the visible positions: ``o [Q, H, D]``, ``lse [Q, H]``; empty rows 0 / -inf."""
+    """Softmax-weighted V over the visible positions: ``o [Q, H, D]``, ``lse [Q, H]``; empty rows 0 / -inf.
+
+    Positions a row cannot see never touch it, NaN included: scores are selected (not multiplied) away, and a
+    non-finite V entry reaches only the rows that see its position (there it makes the output NaN)."""
     group = scores.shape[1] // v.shape[1]
     s = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"), dtype=F64)
@@ -70,7 +74,11 @@ def _attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> tup
     p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse).unsqueeze(-1))
     p = p.masked_fill(~visible, 0.0)
     v_rep = v.repeat_interleave(group, dim=1)  # [n, Hq, D]
-    o = torch.einsum("qhn,nhd->qhd", p, v_rep)
+    finite = torch.isfinite(v_rep)
+    o = torch.einsum("qhn,nhd->qhd", p, torch.where(finite, v_rep, torch.zeros_like(v_rep)))
+    if not bool(finite.all()):  # rows that see a non-finite V entry: NaN in those columns
+        seen = torch.einsum("qhn,nhd->qhd", visible.to(F64), (~finite).to(F64)) > 0
+        o = torch.where(seen, torch.full_like(o, float("nan")), o)
     return o, lse
 
 
@@ -115,43 +123,46 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     if sinks is not None:  # the sink joins the denominator: the plain softmax over [scores, sink]
         z = sinks.to("cpu", F64).view(1, 1, hq).expand_as(lse)
         new = torch.logaddexp(lse, z)
-        out = out * torch.exp(lse - new).unsqueeze(-1)
+        scale = torch.where(torch.isneginf(new), torch.zeros_like(new), torch.exp(lse - new))  # -inf sink: no sink
+        out = out * scale.unsqueeze(-1)
         lse = new
     return out, lse
 
 
 def partial(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-            block_table: torch.Tensor | None, sm_scale: float | None, chunk_size: int, num_splits: int, *,
-            window_left: int = -1, soft_cap: float = 0.0, k_scale=None, v_scale=None) -> PartialState:
-    """Reference partial states: split ``s`` covers positions ``[base + s * chunk_size, base + (s + 1) * chunk_size)``
-    clipped to each sequence's length, and the last split ``num_splits - 1`` runs on to the end of the
-    sequence (the plan's parametric chunking, :mod:`attnplan.backends.base`); ``base`` is 0, or with
-    a window ``max(0, L - q_len - window_left)``. Sinks are not part of partial states.
+            block_table: torch.Tensor | None, sm_scale: float | None, schedule: Schedule, *,
+            window_left: int = -1, soft_cap: float = 0.0, k_scale=None, v_scale=None) -> tuple[PartialState, Units]:
+    """Reference partial states of the device-side schedule: one state per work unit of
+    :func:`attnplan.schedule.schedule_units`, in the ragged workspace layout (``o [1, q_len, num_q_heads, U, D]``,
+    ``lse [1, q_len, num_q_heads, U]``; sequence ``b``'s units are slots ``[indptr[b], indptr[b + 1])``). Rows with
+    no visible position in a unit get the empty state (``o = 0``, ``lse = -inf``). Sinks are not part of partial
+    states.
 
-    Returns a float64 :class:`PartialState` on the CPU with ``num_splits`` splits per row; splits
-    with no visible position are empty (``o = 0``, ``lse = -inf``).
+    Returns:
+        ``(state, units)``: a float64 :class:`PartialState` on the CPU and the batch's :class:`~attnplan.schedule.Units`.
     """
     batch, q_len, hq, d = q.shape
     scale = default_sm_scale(d) if sm_scale is None else sm_scale
     qf = q.to("cpu", F64)
     lens = seq_lens.to("cpu", torch.int64).tolist()
-    st = PartialState(torch.zeros(batch, q_len, hq, num_splits, d, dtype=F64),
-                      torch.full((batch, q_len, hq, num_splits), float("-inf"), dtype=F64))
+    units = schedule_units(lens, schedule, q_len, window_left)
+    n = units.num_units
+    st = PartialState(torch.zeros(1, q_len, hq, n, d, dtype=F64), torch.full((1, q_len, hq, n), float("-inf"), dtype=F64))
     for b, length in enumerate(lens):
         k, v = gather_kv(k_cache, v_cache, b, length, block_table, k_scale, v_scale)
-        base = max(0, length - q_len - window_left) if window_left >= 0 else 0
-        for s in range(num_splits):
-            lo = min(base + s * chunk_size, length)
-            hi = length if s == num_splits - 1 else min(base + (s + 1) * chunk_size, length)
+        for u in range(int(units.indptr[b]), int(units.indptr[b + 1])):
+            lo, hi = int(units.start[u]), int(units.end[u])
             if hi <= lo:
                 continue
             o_s, lse_s = _attend(_scores(qf[b], k[lo:hi], scale, soft_cap),
                                  _visible(q_len, length, lo, hi, hq, window_left), v[lo:hi])
-            st.o[b, :, :, s], st.lse[b, :, :, s] = o_s, lse_s
-    return st
+            st.o[0, :, :, u], st.lse[0, :, :, u] = o_s, lse_s
+    return st, units
 
 
-def merge(state: PartialState, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference merge: :func:`attnplan.state.merge_states` in float64 on the CPU."""
+def merge(state: PartialState, sinks: torch.Tensor | None = None,
+          indptr: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference merge: :func:`attnplan.state.merge_states` in float64 on the CPU (``indptr``: ragged state)."""
     return merge_states(PartialState(state.o.to("cpu", F64), state.lse.to("cpu", F64)),
-                        None if sinks is None else sinks.to("cpu", F64))
+                        None if sinks is None else sinks.to("cpu", F64),
+                        indptr=None if indptr is None else indptr.to("cpu"))

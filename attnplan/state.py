@@ -1,10 +1,9 @@
 """The partial-state format and the merge contract, written once.
 
 Every backend writes :class:`PartialState` and every merge reads it, bit for bit the same
-layout whichever backend produced it (DESIGN.md, "Partial-state format and merge contract";
-seed 003 §03-04 for the math).
+layout whichever backend produced it.
 
-Method (seed 003 §04, Flash-Decoding): each split ``s`` of a row keeps the normalized partial
+Method (Flash-Decoding, Dao et al. 2023; the "online softmax" merge of Milakov & Gimelshein 2018): each split ``s`` of a row keeps the normalized partial
 output ``o_s = sum_j p_j v_j / sum_j p_j`` and its natural-log log-sum-exp
 ``lse_s = m_s + log(l_s)`` of the split's scaled scores. The merge rescales every state to a
 common base::
@@ -39,9 +38,13 @@ class PartialState:
             the split's scaled scores ``sm_scale * q.k`` (``-inf`` for an empty split).
 
     A row is one ``(batch, query, q_head)``; its splits lie next to each other so a merge
-    program reads one contiguous block. Splits a row does not use are empty splits, so a
-    buffer sized for the capacity serves every CUDA-graph replay. Other float dtypes (the
-    float64 reference) use the same layout.
+    program reads one contiguous block. Splits a row does not use are empty splits. Other float
+    dtypes (the float64 reference) use the same layout.
+
+    The device-side schedule's workspace is the same format in its *ragged* form: batch axis 1 and
+    the split axis holding every sequence's units one after another, ``o [1, q_len, num_q_heads,
+    max_units, head_dim]``; sequence ``b``'s states are slots ``[indptr[b], indptr[b + 1])``
+    (:func:`merge_states` with ``indptr``; :mod:`attnplan.schedule`).
 
     Raises:
         ValueError: if the two tensors' shapes or devices do not agree.
@@ -88,41 +91,93 @@ class PartialState:
         return self
 
 
-def merge_states(state: PartialState, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
+                 indptr: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge every row's splits into the final output: the one merge contract.
 
-    ``lse = logsumexp_s(lse_s)``; ``o = sum_s exp(lse_s - lse) * o_s``; a row whose every
-    ``lse_s`` is ``-inf`` gives ``o = 0, lse = -inf`` (no ``-inf - (-inf)``, no NaN).
+    ``lse = logsumexp_s(lse_s)``; ``o = sum_s exp(lse_s - lse) * o_s``; a row whose every ``lse_s`` is ``-inf`` (or
+    that has no split at all) gives ``o = 0, lse = -inf`` (no ``-inf - (-inf)``, no NaN). An empty split's ``o`` is
+    never read. NaN in a non-empty split's ``o`` or ``lse`` makes the row NaN: it never passes for an empty row.
 
-    Attention sinks (gpt-oss) are applied here, once, after the splits are merged: a sink logit
-    ``z_h`` joins the softmax denominator only, ``lse' = logaddexp(lse, z_h)``,
-    ``o' = o * exp(lse - lse')`` (an empty row gets ``o = 0, lse = z_h``). Partial states never
-    include the sink, so splitting stays exact.
+    Attention sinks (gpt-oss) are applied here, once, after the splits are merged: a sink logit ``z_h`` joins the
+    softmax denominator only, ``lse' = logaddexp(lse, z_h)``, ``o' = o * exp(lse - lse')``. An empty row gets
+    ``o = 0, lse = z_h``; a ``-inf`` sink is no sink; a ``+inf`` sink takes all the weight (``o = 0, lse = +inf``).
+    Partial states never include the sink, so splitting stays exact.
 
     Args:
-        state: ``o [B, Q, H, S, D]``, ``lse [B, Q, H, S]`` in any float dtype on any device.
-        sinks: optional ``[H]`` sink logits (natural-log units of the scaled scores).
+        state: dense: ``o [B, Q, H, S, D]``, ``lse [B, Q, H, S]`` in any float dtype on any device (``S`` may be 0).
+            Ragged (with ``indptr``): the workspace layout of the device-side schedule, ``o [1, Q, H, U, D]``,
+            ``lse [1, Q, H, U]``, sequence ``b``'s states in slots ``[indptr[b], indptr[b + 1])``.
+        sinks: optional ``[H]`` float sink logits (natural-log units of the scaled scores), on the state's device.
+        indptr: optional ``[B + 1]`` integer tensor, non-decreasing, ``indptr[0] = 0``, ``indptr[B] <= U``.
     Returns:
         ``(o, lse)``: ``o [B, Q, H, D]`` and ``lse [B, Q, H]`` in the state's dtype.
+    Raises:
+        TypeError: ``state`` is not a :class:`PartialState`, or ``sinks`` / ``indptr`` have the wrong dtype.
+        ValueError: ``sinks`` or ``indptr`` have the wrong shape or device, or ``indptr`` is not a valid offset array
+            (read to the host: ragged merges are for the host, not for CUDA-graph capture).
     """
+    if not isinstance(state, PartialState):
+        raise TypeError(f"merge_states: state must be a PartialState, got {type(state).__name__}")
+    heads = state.o.shape[2]
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+            raise TypeError(f"merge_states: sinks must be a float tensor [num_heads = {heads}], got "
+                            f"{getattr(sinks, 'dtype', type(sinks).__name__)}")
+        if tuple(sinks.shape) != (heads,) or sinks.device != state.o.device:
+            raise ValueError(f"merge_states: sinks must have shape [{heads}] on {state.o.device}, got "
+                             f"{tuple(sinks.shape)} on {sinks.device}")
+    if indptr is not None:
+        state = _ragged_to_dense(state, indptr)
     o, lse = _merge(state)
     if sinks is not None:
-        z = sinks.to(lse.dtype).to(lse.device).view(1, 1, -1)
-        new = torch.logaddexp(lse, z.expand_as(lse))
-        o = o * torch.exp(lse - new).unsqueeze(-1)  # exp(-inf - finite) = 0 for empty rows
+        z = sinks.to(lse.dtype).view(1, 1, -1).expand_as(lse)
+        new = torch.logaddexp(lse, z)
+        # exp(lse - new): 0 for an empty row under a finite sink; both -inf (empty row, no sink) keeps o = 0
+        scale = torch.where(torch.isneginf(new), torch.zeros_like(new), torch.exp(lse - new))
+        o = o * scale.unsqueeze(-1)
         lse = new
     return o, lse
 
 
+def _ragged_to_dense(state: PartialState, indptr: torch.Tensor) -> PartialState:
+    """The ragged (scheduled) workspace as a dense state padded with empty splits."""
+    if not isinstance(indptr, torch.Tensor) or indptr.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"merge_states: indptr must be an int32/int64 tensor, got "
+                        f"{getattr(indptr, 'dtype', type(indptr).__name__)}")
+    if state.o.shape[0] != 1 or indptr.dim() != 1 or indptr.numel() < 1:
+        raise ValueError(f"merge_states: a ragged state has batch axis 1 and indptr [B + 1]; got o "
+                         f"{tuple(state.o.shape)}, indptr {tuple(indptr.shape)}")
+    ip = indptr.to("cpu", torch.int64)
+    slots = state.o.shape[3]
+    counts = ip[1:] - ip[:-1]
+    if int(ip[0]) != 0 or (counts.numel() and int(counts.min()) < 0) or int(ip[-1]) > slots:
+        raise ValueError(f"merge_states: indptr must start at 0, not decrease and end <= {slots}, got {ip.tolist()[:16]}")
+    batch, width = counts.numel(), max(int(counts.max()) if counts.numel() else 0, 0)
+    s = torch.arange(width)
+    idx = (ip[:-1, None] + s[None, :]).clamp(max=max(slots - 1, 0))  # [B, W]
+    valid = (s[None, :] < counts[:, None]).to(state.o.device)
+    idx = idx.to(state.o.device)
+    q, h, d = state.o.shape[1], state.o.shape[2], state.o.shape[4]
+    if slots == 0 or width == 0:
+        return PartialState(state.o.new_zeros(batch, q, h, 0, d), state.lse.new_zeros(batch, q, h, 0))
+    o = state.o[0][:, :, idx]  # [Q, H, B, W, D]
+    lse = state.lse[0][:, :, idx]  # [Q, H, B, W]
+    lse = torch.where(valid, lse, torch.full_like(lse, float("-inf")))
+    return PartialState(o.permute(2, 0, 1, 3, 4).contiguous(), lse.permute(2, 0, 1, 3).contiguous())
+
+
 def _merge(state: PartialState) -> tuple[torch.Tensor, torch.Tensor]:
     lse_s = state.lse
-    m = lse_s.amax(dim=-1, keepdim=True)  # [B, Q, H, 1]
+    if lse_s.shape[-1] == 0:  # no split at all: every row is empty
+        return state.o.new_zeros(*state.o.shape[:3], state.o.shape[4]), lse_s.new_full(lse_s.shape[:3], float("-inf"))
+    m = lse_s.amax(dim=-1, keepdim=True)  # [B, Q, H, 1]; NaN if any lse_s is NaN
     empty = torch.isneginf(m)
     m_safe = torch.where(empty, torch.zeros_like(m), m)
     w = torch.exp(lse_s - m_safe)  # exp(-inf - finite) = 0 for empty splits
     total = w.sum(dim=-1, keepdim=True)
     total_safe = torch.where(empty, torch.ones_like(total), total)
-    # o_s of an empty split is 0 by contract; mask anyway so a stray value cannot leak.
+    # o_s of an empty split is 0 by contract and never read: mask it so a stray value (NaN included) cannot leak
     o_s = torch.where(torch.isneginf(lse_s).unsqueeze(-1), torch.zeros_like(state.o), state.o)
     o = ((w / total_safe).unsqueeze(-1) * o_s).sum(dim=-2)
     lse = torch.where(empty, m, m_safe + torch.log(total_safe)).squeeze(-1)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib
 
-from .base import Backend, DecodeInputs
+from .base import Backend, DecodeInputs, Workspace
 
-__all__ = ["Backend", "DecodeInputs", "get_backend", "BACKEND_CLASSES"]
+__all__ = ["Backend", "DecodeInputs", "Workspace", "get_backend", "BACKEND_CLASSES"]
 
 BACKEND_CLASSES = {
     "reference": ("attnplan.backends.reference", "ReferenceBackend"),
@@ -35,7 +35,7 @@ class UnavailableBackend(Backend):
     def kernel_config(self, problem, options, device):
         raise RuntimeError(self._error)
 
-    partial = merge = single_pass = kernel_config
+    partial = merge = kernel_config
 
 
 def get_backend(name: str) -> Backend:

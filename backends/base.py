@@ -1,24 +1,33 @@
-"""The backend interface every attnplan backend implements (DESIGN.md "Backends").
+"""The backend interface every attnplan backend implements.
 
-Support is declared as data and refusals come back as reasons (xformers' habit, STYLE.md):
+Support is declared as data and refusals come back as reasons (xformers' ``xformers/ops/fmha/common.py`` habit):
 ``supports(problem)`` returns a list of strings, empty when the backend can serve the problem.
 
-Kernel contract shared by all backends (what "executes the plan as given" means):
+Kernel contract shared by all backends (what "executes the plan as given" means); the schedule's integers are
+defined once in :mod:`attnplan.schedule` and every backend computes exactly those:
 
-* Grid ``plan.grid = (num_splits * plan.column_programs, num_kv_heads, batch)``; program
-  ``(s * column_programs + c, h, b)`` serves every query head of KV head ``h``'s GQA group and all
-  ``q_len`` queries of sequence ``b`` (``column_programs`` is 1 except for Triton's split-V, whose
-  column program ``c`` owns V / output columns ``[c * block_dv, (c + 1) * block_dv)``).
-* Its chunk is ``[s * plan.chunk_size, min((s + 1) * plan.chunk_size, seq_lens[b]))``, read from
-  ``seq_lens`` in device memory at run time, except that the last split (``s == num_splits - 1``)
-  runs on to ``seq_lens[b]``: a sequence that outgrew the plan's bucket is still computed exactly
-  (only more slowly), never truncated. Query ``i`` additionally sees only positions
-  ``< seq_lens[b] - q_len + i + 1``.
-* Rows with no visible position in the chunk write ``o = 0, lse = -inf`` (the empty state) and
-  read no KV; programs whose chunk starts past the sequence read nothing at all.
-* Multi-split plans write :class:`~attnplan.PartialState` (fp32 ``o`` normalized, natural-log
-  ``lse``) at split index ``s``; the merge applies :func:`attnplan.state.merge_states`'s contract.
-  Single-pass plans (``plan.single_pass``) write ``out`` (q's dtype) and ``lse`` directly.
+* **Grid**: ``plan.grid = (plan.schedule.max_units * num_kv_heads,)``, 1-D. Program ``p`` serves unit
+  ``u = p // num_kv_heads`` for KV head ``h = p % num_kv_heads``: every query head of ``h``'s GQA group and all
+  ``q_len`` queries of the unit's sequence. Unit-major, so programs without a unit come last.
+* **Prologue** (``plan.schedule.max_units_per_seq > 1``): the program reads ``seq_lens`` (all ``batch`` of them,
+  from device memory, at every launch) and ``workspace.targets``, and computes the schedule: each sequence's
+  granules, the batch's total, the granules per unit, each sequence's units and their exclusive prefix sum
+  ``indptr``, hence its own sequence ``b``, unit index ``j`` and token range ``[start, end)``. A program with
+  ``u >= indptr[batch]`` exits at once, writing nothing. Program 0 also writes ``workspace.meta`` (``indptr[b]`` at
+  ``b``, ``units[b]`` at ``batch + b``) when the plan's merge is ``separate``. With ``max_units_per_seq == 1``
+  (single pass) there is no prologue: ``u = b``, ``[start, end) = [base_b, seq_lens[b])``.
+* **Rows**: query ``i`` of sequence ``b`` (length ``L``) sees positions ``< L - q_len + i + 1`` (and, with a sliding
+  window, ``>= L - q_len + i - window_left``). A row with no visible position in the unit gets the empty state
+  ``o = 0, lse = -inf``; a program reads no KV outside ``[start, end)``. Positions a row cannot see never affect it,
+  NaN included.
+* **Output**: a sequence with ``units[b] == 1`` is written directly: ``out[b, i, hq, :]`` in q's dtype and, if
+  requested, ``lse[b, i, hq]`` fp32, the sink applied (:func:`attnplan.state.merge_states`'s sink rule). Otherwise
+  the unit writes its normalized fp32 partial state into ``workspace.state`` slot ``u`` (``o[0, i, hq, u, :]``,
+  ``lse[0, i, hq, u]``, natural-log LSE, no sink), and the merge combines slots ``[indptr[b], indptr[b] +
+  units[b])`` of each row in slot order: ``separate``, a merge kernel over all rows that reads ``workspace.meta``
+  and skips rows of one-unit sequences; ``fused``, after its state is stored and fenced the program increments
+  ``workspace.counters[b * num_kv_heads + h]`` (acquire-release); the one that brings it to ``units[b]`` merges
+  the (sequence, KV head)'s rows and resets the counter to 0 (zero at rest: graph replays work).
 * ``run`` launches on torch's current stream, allocates nothing and never syncs the host.
 """
 
@@ -34,7 +43,53 @@ from attnplan.planner import SplitPlan
 from attnplan.problem import DecodeProblem
 from attnplan.state import PartialState
 
-__all__ = ["Backend", "DecodeInputs"]
+__all__ = ["Backend", "DecodeInputs", "Workspace"]
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """The device buffers a plan needs, allocated by ``plan()`` and reused by every ``run()``.
+
+    Attributes:
+        state: the ragged :class:`~attnplan.PartialState`: ``o [1, q_len, num_q_heads, max_units, head_dim]`` fp32,
+            ``lse [1, q_len, num_q_heads, max_units]`` fp32; ``None`` for a single-pass plan.
+        meta: int32 ``[2 * batch]``: ``indptr[b]`` then ``units[b]``, written by program 0 for the separate merge;
+            ``None`` otherwise.
+        counters: int32 ``[batch * num_kv_heads]``, zero at rest: the fused merge's completion counters; ``None``
+            otherwise.
+        targets: int32 ``[32]``: the schedule's targets table on the device.
+        targets_host: the same values on the host (so checking a workspace reads nothing from the device).
+    """
+
+    state: PartialState | None
+    meta: torch.Tensor | None
+    counters: torch.Tensor | None
+    targets: torch.Tensor
+    targets_host: tuple = ()
+
+    @staticmethod
+    def allocate(plan: SplitPlan, device: torch.device) -> "Workspace":
+        """Buffers for ``plan`` on ``device`` (the state uninitialized: kernels write what they own)."""
+        p = plan.problem
+        state = None if plan.single_pass else PartialState.empty(1, p.q_len, p.num_q_heads, plan.state_slots,
+                                                                 p.head_dim, device=device)
+        meta = torch.zeros(plan.meta_words, dtype=torch.int32, device=device) if plan.meta_words else None
+        counters = torch.zeros(plan.sync_words, dtype=torch.int32, device=device) if plan.sync_words else None
+        targets = torch.tensor(plan.schedule.targets, dtype=torch.int32, device=device)
+        return Workspace(state, meta, counters, targets, plan.schedule.targets)
+
+    def serves(self, plan: SplitPlan, device: torch.device) -> bool:
+        """Whether these buffers are large enough for ``plan`` on ``device`` (same targets)."""
+        p = plan.problem
+        if self.targets.device != torch.device(device) or self.targets_host != plan.schedule.targets:
+            return False
+        if plan.single_pass:
+            return True
+        st = self.state
+        return (st is not None and tuple(st.lse.shape[1:3]) == (p.q_len, p.num_q_heads)
+                and st.o.shape[-1] == p.head_dim and st.num_splits >= plan.state_slots
+                and (self.meta is not None and self.meta.numel() >= plan.meta_words or not plan.meta_words)
+                and (self.counters is not None and self.counters.numel() >= plan.sync_words or not plan.sync_words))
 
 
 @dataclass(frozen=True)
@@ -49,8 +104,7 @@ class DecodeInputs:
         block_table: ``[batch, max_pages_per_seq]`` int32, or ``None`` for a contiguous cache.
         sm_scale: score scale (float).
         window_left: sliding window in tokens (query at position ``p`` sees ``[p - window_left, p]``),
-            ``-1`` = none. Split ``s`` then covers ``[base + s * chunk, ...)`` with
-            ``base = max(0, seq_len - q_len - window_left)``: no chunk lies before the window.
+            ``-1`` = none; units then start at ``base = max(0, seq_len - q_len - window_left)``.
         soft_cap: ``cap * tanh(score / cap)`` on the scaled scores, ``0`` = off.
         sinks: ``[num_q_heads]`` fp32 sink logits (joins the softmax denominator at merge /
             single-pass epilogue only; partial states never include it), or ``None``.
@@ -76,8 +130,7 @@ class DecodeInputs:
 
 class Backend(abc.ABC):
     """Base class. Subclasses set the class attributes (support as data) and implement
-    :meth:`available`, :meth:`kernel_config`, :meth:`partial`, :meth:`merge` and
-    :meth:`single_pass`."""
+    :meth:`available`, :meth:`kernel_config`, :meth:`partial` and (for the separate merge) :meth:`merge`."""
 
     name: ClassVar[str]
     #: dtypes of q and the KV cache this backend serves
@@ -92,8 +145,7 @@ class Backend(abc.ABC):
     graph_safe: ClassVar[bool] = True
     #: attention variants served (:attr:`attnplan.DecodeProblem.variants`): window, softcap, sinks, fp8_kv
     variants: ClassVar[frozenset[str]] = frozenset()
-    #: cross-program merge strategies implemented (``"separate"``; ``"fused"`` and ``"atomic"`` need
-    #: :meth:`partial_fused_merge`)
+    #: cross-program merges implemented: ``"separate"`` (:meth:`merge`), ``"fused"`` (inside :meth:`partial`)
     merge_strategies: ClassVar[frozenset[str]] = frozenset({"separate"})
     #: the planner's cost model charges the fused merge's last program one dependent round trip per
     #: split and pass; a backend whose last program reads many splits per round trip divides that
@@ -101,8 +153,6 @@ class Backend(abc.ABC):
     fused_merge_parallelism: ClassVar[int] = 1
     #: longest chunk (tokens) for which the planner's ``auto`` considers the fused merge (0: no cap)
     fused_merge_max_chunk: ClassVar[int] = 0
-    #: intra-program work partitions implemented (:attr:`attnplan.SplitPlan.partition`)
-    partitions: ClassVar[frozenset[str]] = frozenset({"split_k"})
     #: kernel options that name the same thing (e.g. cuda_ptx's ``num_warps`` and ``threads``): where the config
     #: sets one of a group, the tuned table's values for the others are dropped (the config's choice wins)
     option_aliases: ClassVar[tuple[frozenset[str], ...]] = ()
@@ -136,48 +186,29 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def kernel_config(self, problem: DecodeProblem, options: dict, device: torch.device) -> dict:
-        """Kernel options for ``problem``: at least ``block_n`` (tokens, chunks align to it);
-        ``options`` are the config's ``backend_options`` for this backend (``None`` = choose)."""
+        """Kernel options for ``problem``: at least ``block_n`` (tokens per KV tile; the schedule's granule is a
+        multiple of it); ``options`` are the config's ``backend_options`` for this backend (``None`` = choose).
 
-    @abc.abstractmethod
-    def partial(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState) -> None:
-        """Write every split's partial state into ``state`` (``o [B, Q, H, S, D]``, ``lse [B, Q, H, S]``, fp32)."""
-
-    @abc.abstractmethod
-    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None,
-              sinks: torch.Tensor | None = None) -> None:
-        """Merge ``state``'s first ``plan.num_splits`` splits into ``out [B, Q, H, D]`` (q's dtype)
-        and, if given, ``lse [B, Q, H]`` fp32; ``sinks [H]`` fp32 join the denominator (see
-        :func:`attnplan.state.merge_states`)."""
-
-    @abc.abstractmethod
-    def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        """One chunk per sequence: write ``out`` and ``lse`` directly, no workspace, no merge."""
-
-    def partial_fused_merge(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState, out: torch.Tensor,
-                            lse: torch.Tensor | None, counters: torch.Tensor) -> None:
-        """Partial states plus the merge inside the same launch (``plan.merge`` ``"fused"`` or ``"atomic"``).
-
-        fused: every program writes its split's state into ``state``; the last program of each
-        (sequence, KV head) group, by an atomic completion counter, merges the group in split order.
-        atomic (non-deterministic): ``state`` holds ``plan.state_slots`` accumulator slots (one per
-        column program); each program merges its own state into its slot under a spin lock, in
-        completion order; the last one writes ``out`` / ``lse``. ``counters``: at least
-        ``plan.sync_words`` int32, zero before the launch and left zero after (graph replays).
-        Only for backends whose :attr:`merge_strategies` include the plan's strategy.
+        Raises:
+            ValueError: an option does not fit this problem's kernel (names the option).
         """
-        raise NotImplementedError(f"{self.name} has no fused merge")
 
-    def run(self, plan: SplitPlan, inputs: DecodeInputs, workspace: PartialState | None,
-            out: torch.Tensor, lse: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> None:
-        """Execute ``plan``: single pass, or partial into ``workspace`` then merge. Launch-only."""
-        if plan.single_pass:
-            self.single_pass(plan, inputs, out, lse)
-        elif plan.merge in ("fused", "atomic"):
-            self.partial_fused_merge(plan, inputs, workspace, out, lse, counters)
-        else:
-            self.partial(plan, inputs, workspace)
-            if inputs.sinks is None:
-                self.merge(plan, workspace, out, lse)
-            else:
-                self.merge(plan, workspace, out, lse, inputs.sinks)
+    @abc.abstractmethod
+    def partial(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
+                lse: torch.Tensor | None) -> None:
+        """The scheduled partial kernel (module docstring): one-unit sequences into ``out`` / ``lse``, the others'
+        units into ``workspace.state``; ``workspace.meta`` for the separate merge; the fused merge inside."""
+
+    def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
+              sinks: torch.Tensor | None = None) -> None:
+        """The separate merge kernel: rows of sequences with ``units[b] >= 2`` (``workspace.meta``) into ``out``
+        ``[B, Q, H, D]`` (q's dtype) and, if given, ``lse [B, Q, H]`` fp32; ``sinks [H]`` fp32 join the denominator.
+        Only for plans whose merge is ``separate``."""
+        raise NotImplementedError(f"{self.name} has no separate merge")
+
+    def run(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
+            lse: torch.Tensor | None = None) -> None:
+        """Execute ``plan``: the partial kernel, then the separate merge if the plan has one. Launch-only."""
+        self.partial(plan, inputs, workspace, out, lse)
+        if plan.merge == "separate":
+            self.merge(plan, workspace, out, lse, inputs.sinks)

@@ -1,9 +1,10 @@
-"""The float64 reference checked against an independent dense computation (STYLE.md habit 4)."""
+"""The float64 reference checked against an independent dense computation."""
 
 import pytest
 import torch
 
 from attnplan import reference
+from attnplan.schedule import Schedule
 from attnplan.testing import make_inputs
 
 
@@ -54,10 +55,31 @@ def test_reference_matches_naive(heads, q_len, gen):
                 assert torch.all(torch.isfinite(lse[b, i]))
 
 
-def test_reference_partial_last_split_runs_to_the_end(gen):
-    """A sequence longer than num_splits * chunk is still fully covered (by the last split)."""
-    x = make_inputs(1, 4, 2, 16, [50], dtype=torch.float32, generator=gen)
+def test_reference_partial_follows_the_schedule(gen):
+    """Partial states of the schedule's units merge to the full attention, whatever the unit sizes."""
+    x = make_inputs(2, 4, 2, 16, [50, 9], dtype=torch.float32, generator=gen)
     full, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
-    st = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, 8, 3)
-    o, _ = reference.merge(st)
-    assert torch.allclose(o, full, atol=1e-12)
+    for sched in (Schedule("forced", 8, 1, 3, (0,) * 32, 6), Schedule("batch_invariant", 8, 2, 8, (0,) * 32, 16)):
+        st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, sched)
+        assert st.num_splits == units.num_units
+        o, _ = reference.merge(st, indptr=units.indptr)
+        assert torch.allclose(o, full, atol=1e-12)
+
+
+def test_positions_a_row_cannot_see_never_affect_it(gen):
+    """NaN in K or V past a query's position (q_len 2) or before its window reaches only the rows that see it."""
+    x = make_inputs(1, 4, 2, 16, [20], q_len=2, dtype=torch.float32, generator=gen)
+    k, v = x.k_cache.clone(), x.v_cache.clone()
+    clean, clean_lse = reference.attention(x.q, k, v, x.seq_lens, None, x.sm_scale, window_left=5)
+    k[0, 19], v[0, 19] = float("nan"), float("nan")  # the last position: query 1 sees it, query 0 does not
+    k[0, 13], v[0, 13] = float("nan"), float("nan")  # query 0's window starts at 13, query 1's at 14
+    out, lse = reference.attention(x.q, k, v, x.seq_lens, None, x.sm_scale, window_left=5)
+    assert torch.isnan(out[0, 1]).all() and torch.isnan(out[0, 0]).all()
+    k[0, 13], v[0, 13] = x.k_cache[0, 13], x.v_cache[0, 13]
+    out, lse = reference.attention(x.q, k, v, x.seq_lens, None, x.sm_scale, window_left=5)
+    assert torch.equal(out[0, 0], clean[0, 0]) and torch.equal(lse[0, 0], clean_lse[0, 0])
+    assert torch.isnan(out[0, 1]).all()
+    k[0, 19], v[0, 19] = x.k_cache[0, 19], x.v_cache[0, 19]
+    v[0, 13] = float("inf")  # V outside query 1's window
+    out, _ = reference.attention(x.q, k, v, x.seq_lens, None, x.sm_scale, window_left=5)
+    assert torch.equal(out[0, 1], clean[0, 1]) and torch.isnan(out[0, 0]).all()

@@ -1,4 +1,4 @@
-"""The partial-state format and the merge contract (DESIGN.md; seed 003 §03-04; cases.yaml)."""
+"""The partial-state format and the merge contract (dense and ragged), against float64 worked examples."""
 
 import math
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnplan import reference
+from attnplan.schedule import Schedule
 from attnplan.state import PartialState, merge_state_pair, merge_states
 from attnplan.testing import make_inputs
 
@@ -26,7 +27,7 @@ def _row_state(parts):
     return PartialState(o, lse)
 
 
-def test_seed_003_worked_example():
+def test_worked_example_merge_of_two_halves():
     """scores [0, ln2, ln3, ln4], V [1, 2, 4, 8]: output 4.9; averaging the halves gives 3.976."""
     s = [0.0, math.log(2), math.log(3), math.log(4)]
     v = [1.0, 2.0, 4.0, 8.0]
@@ -77,24 +78,28 @@ def test_merging_empty_state_leaves_other_unchanged(gen):
 def test_result_independent_of_split_count_and_order(page_size, gen):
     x = make_inputs(3, 8, 2, 32, [70, 0, 33], q_len=2, page_size=page_size, dtype=torch.float32, generator=gen)
     ref_o, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
-    for chunk, splits in [(80, 1), (16, 5), (8, 9), (16, 12), (5, 3)]:
-        st = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, chunk, splits)
-        o, lse = merge_states(st)
+    for granule, splits in [(16, 1), (16, 5), (8, 9), (16, 12), (8, 3)]:
+        sched = Schedule("forced" if splits > 1 else "single", granule, 1, splits, (0,) * 32, 3 * splits)
+        st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, sched)
+        o, lse = merge_states(st, indptr=units.indptr)
         assert torch.allclose(o, ref_o, atol=1e-12) and torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
         assert torch.allclose(lse[~torch.isinf(lse)], ref_lse[~torch.isinf(ref_lse)], atol=1e-12)
-        perm = torch.randperm(splits, generator=gen)
-        o2, lse2 = merge_states(PartialState(st.o[:, :, :, perm], st.lse[:, :, :, perm]))
+        n = int(units.indptr[1])  # sequence 0's units, reversed
+        perm = torch.cat([torch.arange(n).flip(0), torch.arange(n, units.num_units)])
+        o2, lse2 = merge_states(PartialState(st.o[:, :, :, perm], st.lse[:, :, :, perm]), indptr=units.indptr)
         assert torch.allclose(o2, o, atol=1e-12) and torch.allclose(lse2[~torch.isinf(lse2)], lse[~torch.isinf(lse)])
 
 
 def test_zero_length_row_is_zero_neg_inf_without_nan(gen):
-    """cases.yaml zero-length-padding-row / zero-length-lse-sign."""
+    """A padding slot of length 0 (vLLM PR 57094) and the lse sign of an empty row (FlashAttention PR 978)."""
     x = make_inputs(4, 16, 2, 32, [100, 200, 7, 0], dtype=torch.float32, generator=gen)
-    st = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, 16, 13)
-    o, lse = merge_states(st)
+    sched = Schedule("forced", 16, 1, 13, (0,) * 32, 52)
+    st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, sched)
+    o, lse = merge_states(st, indptr=units.indptr)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
     assert torch.all(o[3] == 0) and torch.all(torch.isneginf(lse[3]))
-    assert torch.all(torch.isneginf(st.lse[3])) and torch.all(st.o[3] == 0)
+    last = int(units.indptr[3])  # the empty sequence's one unit holds the empty state
+    assert torch.all(torch.isneginf(st.lse[0, :, :, last])) and torch.all(st.o[0, :, :, last] == 0)
 
 
 def test_noncontiguous_state_buffers(gen):
@@ -112,3 +117,76 @@ def test_partial_state_validates_shapes():
         PartialState(torch.zeros(1, 1, 2, 3, 4), torch.zeros(1, 1, 2, 4))
     with pytest.raises(ValueError, match="5-D"):
         PartialState(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3))
+
+
+# -- the ragged (scheduled) form, sinks edge cases, NaN, zero splits -------------------------------------------------
+
+def _random_state(gen, b, q, h, s, d, empty_frac=0.3):
+    o = torch.randn(b, q, h, s, d, generator=gen, dtype=torch.float64)
+    lse = torch.randn(b, q, h, s, generator=gen, dtype=torch.float64) * 3
+    empty = torch.rand(b, q, h, s, generator=gen) < empty_frac
+    lse = lse.masked_fill(empty, NEG_INF)
+    o = o.masked_fill(empty.unsqueeze(-1), 0.0)
+    return PartialState(o, lse)
+
+
+def test_ragged_merge_equals_dense_merge(gen):
+    """Sequence b's units at slots [indptr[b], indptr[b+1]) of a batch-1 state merge like a dense state whose
+    unused splits are empty."""
+    counts = [3, 1, 0, 5]
+    dense = _random_state(gen, 4, 2, 3, 5, 8)
+    for b, c in enumerate(counts):  # splits past a sequence's count are empty in the dense form
+        dense.lse[b, :, :, c:] = NEG_INF
+        dense.o[b, :, :, c:] = 0.0
+    indptr = torch.tensor([0, 3, 4, 4, 9])
+    o_r = torch.cat([dense.o[b, :, :, :c] for b, c in enumerate(counts)], dim=2).unsqueeze(0)
+    l_r = torch.cat([dense.lse[b, :, :, :c] for b, c in enumerate(counts)], dim=2).unsqueeze(0)
+    pad = torch.full((1, 2, 3, 2), float("nan"), dtype=torch.float64)  # unused slots past indptr[-1] are never read
+    ragged = PartialState(torch.cat([o_r, pad.unsqueeze(-1).expand(1, 2, 3, 2, 8)], 3), torch.cat([l_r, pad], 3))
+    sinks = torch.randn(3, generator=gen, dtype=torch.float64)
+    for z in (None, sinks):
+        o1, l1 = merge_states(dense, z)
+        o2, l2 = merge_states(ragged, z, indptr=indptr)
+        assert torch.allclose(o1, o2, atol=1e-12) and torch.equal(torch.isneginf(l1), torch.isneginf(l2))
+        assert torch.allclose(l1[torch.isfinite(l1)], l2[torch.isfinite(l2)], atol=1e-12)
+    o, lse = merge_states(ragged, indptr=indptr)
+    assert (o[2] == 0).all() and torch.isneginf(lse[2]).all()  # a sequence with no unit is an empty row
+    with pytest.raises(ValueError, match="indptr"):
+        merge_states(ragged, indptr=torch.tensor([0, 3, 2, 4, 9]))
+    with pytest.raises(ValueError, match="indptr"):
+        merge_states(ragged, indptr=torch.tensor([0, 3, 4, 4, 12]))
+    with pytest.raises(TypeError, match="indptr"):
+        merge_states(ragged, indptr=torch.tensor([0.0, 9.0]))
+
+
+def test_zero_splits_give_empty_rows():
+    st = PartialState(torch.zeros(2, 1, 3, 0, 4), torch.zeros(2, 1, 3, 0))
+    o, lse = merge_states(st)
+    assert o.shape == (2, 1, 3, 4) and (o == 0).all() and torch.isneginf(lse).all()
+    o, lse = merge_states(st, torch.tensor([0.5, float("-inf"), 1.0]))
+    assert (o == 0).all() and lse[..., 0].eq(0.5).all() and torch.isneginf(lse[..., 1]).all()
+
+
+def test_sinks_edge_values_and_checks():
+    empty = PartialState(torch.zeros(1, 1, 2, 2, 3), torch.full((1, 1, 2, 2), NEG_INF))
+    o, lse = merge_states(empty, torch.tensor([float("-inf"), float("-inf")]))
+    assert not torch.isnan(o).any() and (o == 0).all() and torch.isneginf(lse).all()  # -inf sink = no sink
+    full = PartialState(torch.ones(1, 1, 2, 1, 3), torch.zeros(1, 1, 2, 1))
+    o, lse = merge_states(full, torch.tensor([float("inf"), float("-inf")]))
+    assert (o[..., 0, :] == 0).all() and torch.isposinf(lse[..., 0]).all()  # +inf sink takes all the weight
+    assert (o[..., 1, :] == 1).all() and (lse[..., 1] == 0).all()
+    with pytest.raises(ValueError, match="sinks"):
+        merge_states(full, torch.zeros(1))  # not broadcast to every head
+    with pytest.raises(TypeError, match="sinks"):
+        merge_states(full, torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(TypeError, match="PartialState"):
+        merge_states((full.o, full.lse))
+
+
+def test_nan_in_is_nan_out_never_an_empty_row():
+    st = PartialState(torch.ones(1, 1, 1, 3, 2), torch.tensor([[[[0.0, float("nan"), NEG_INF]]]]))
+    o, lse = merge_states(st)
+    assert torch.isnan(lse).all() and torch.isnan(o).all()
+    st = PartialState(torch.tensor([[[[[1.0, float("nan")], [2.0, 2.0]]]]]), torch.tensor([[[[0.0, 0.0]]]]))
+    o, lse = merge_states(st)
+    assert torch.isnan(o[..., 1]).all() and torch.isfinite(o[..., 0]).all() and torch.isfinite(lse).all()

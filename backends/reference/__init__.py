@@ -1,7 +1,9 @@
 """The ``reference`` backend: the CPU float64 implementation behind the backend interface.
 
-Slow and exact; always available. It copies inputs to the CPU, so it syncs the host and is
-not capturable in a CUDA graph (``graph_safe = False``).
+It runs the plan's device-side schedule on the host (:func:`attnplan.schedule.schedule_units`): one float64 partial
+state per work unit, one-unit sequences written directly, the others merged by the one merge contract
+(:func:`attnplan.state.merge_states` over the ragged workspace). Slow and exact; always available. It copies inputs
+to the CPU, so it syncs the host and cannot be captured in a CUDA graph (``graph_safe = False``).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from attnplan import reference
-from attnplan.backends.base import Backend, DecodeInputs
+from attnplan.backends.base import Backend, DecodeInputs, Workspace
 from attnplan.planner import SplitPlan
 from attnplan.state import PartialState
 
@@ -31,27 +33,49 @@ class ReferenceBackend(Backend):
     def kernel_config(self, problem, options, device) -> dict:
         return {"block_n": 16}
 
-    def partial(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState) -> None:
+    def partial(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
+                lse: torch.Tensor | None) -> None:
         x = inputs
-        st = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
-                               plan.num_splits, window_left=x.window_left, soft_cap=x.soft_cap, k_scale=x.k_scale,
-                               v_scale=x.v_scale)
-        state.o[:, :, :, : plan.num_splits].copy_(st.o)
-        state.lse[:, :, :, : plan.num_splits].copy_(st.lse)
+        st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                      plan.schedule, window_left=x.window_left, soft_cap=x.soft_cap,
+                                      k_scale=x.k_scale, v_scale=x.v_scale)
+        # one-unit sequences: written directly, the sink applied (merging one state is that state)
+        o, ls = reference.merge(st, x.sinks, indptr=units.indptr)
+        one = units.units == 1
+        dev = out.device
+        if bool(one.any()):
+            idx = one.nonzero().flatten()
+            out[idx.to(dev)] = o[idx].to(out.dtype).to(dev)
+            if lse is not None:
+                lse[idx.to(dev)] = ls[idx].to(lse.dtype).to(dev)
+        if plan.single_pass:
+            return
+        n = units.num_units
+        ws = workspace.state
+        ws.o[:, :, :, :n].copy_(st.o.to(ws.o.dtype))
+        ws.lse[:, :, :, :n].copy_(st.lse.to(ws.lse.dtype))
+        if workspace.meta is not None:
+            b = units.units.numel()
+            workspace.meta[:b].copy_(units.indptr[:-1].to(torch.int32))
+            workspace.meta[b:2 * b].copy_(units.units.to(torch.int32))
+        if plan.merge == "fused":
+            self._merge_rows(units.indptr, units.units, ws, out, lse, x.sinks)
 
-    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None,
+    def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
               sinks: torch.Tensor | None = None) -> None:
-        sub = PartialState(state.o[:, :, :, : plan.num_splits], state.lse[:, :, :, : plan.num_splits])
-        o, l = reference.merge(sub, sinks)
-        out.copy_(o)
-        if lse is not None:
-            lse.copy_(l)
+        b = out.shape[0]
+        meta = workspace.meta.to("cpu", torch.int64)
+        indptr = torch.cat([meta[:b], (meta[b - 1:b] + meta[2 * b - 1:2 * b])]) if b else meta[:1]
+        self._merge_rows(indptr, meta[b:2 * b], workspace.state, out, lse, sinks)
 
-    def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        x = inputs
-        o, l = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
-                                   window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks, k_scale=x.k_scale,
-                                   v_scale=x.v_scale)
-        out.copy_(o)
+    @staticmethod
+    def _merge_rows(indptr, units, state: PartialState, out, lse, sinks) -> None:
+        """Merge the rows of sequences with two or more units (the others were written directly)."""
+        many = units >= 2
+        if not bool(many.any()):
+            return
+        o, ls = reference.merge(state, sinks, indptr=indptr.to(torch.int64))
+        idx = many.nonzero().flatten().to(out.device)
+        out[idx] = o[many.nonzero().flatten()].to(out.dtype).to(out.device)
         if lse is not None:
-            lse.copy_(l)
+            lse[idx] = ls[many.nonzero().flatten()].to(lse.dtype).to(lse.device)

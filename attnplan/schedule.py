@@ -1,0 +1,224 @@
+"""The device-side split-KV schedule: which program does which (sequence, KV head, token range).
+
+A plan fixes what a CUDA graph needs (the grid, the work granularity, the workspace); the mapping of the
+live lengths to programs is recomputed at every launch, on the GPU, from ``seq_lens`` (FlashAttention-3's
+``hopper/flash_prepare_scheduler.cu`` chooses splits per batch on the device the same way; FlashInfer's
+balanced decode plan and stream-K / LeanAttention balance work per program). So one plan made for the
+cache's capacity before capture serves every replay, and a long sequence among short ones is spread over
+many programs instead of one.
+
+This module is the schedule written once, in host code: every backend's kernels compute exactly these
+integers (in int32) in a prologue, and the reference backend, the tests and :meth:`SplitPlan.explain`
+call :func:`schedule_units` directly.
+
+Definitions (all integers; ``B`` sequences, ``Q`` queries per sequence, ``G`` tokens per granule):
+
+* Sequence ``b`` of length ``L`` sees the positions ``[base, L)``, ``base = max(0, L - Q - window_left)``
+  with a sliding window, else ``0``; its span ``n = L - base`` covers ``nb = ceil(n / G)`` granules.
+* The batch holds ``T = sum_b nb`` granules. The plan's ``targets`` table (32 entries) gives the wanted
+  number of work units for a batch of that size: ``t = targets[k]`` with ``k = min(bit_length(T), 31)``.
+* Granules per unit: ``c = max(min_unit_granules, ceil(T / t))``, or ``min_unit_granules`` when ``t == 0``
+  (batch-invariant and forced schedules: no dependence on the batchmates).
+* Units of ``b``: ``u = min(max_units_per_seq, ceil(nb / c))``, then equal sizes ``cb = ceil(nb / u)``
+  granules and ``units = ceil(nb / cb)`` (``<= u``: every unit non-empty). A sequence with ``nb == 0``
+  (length 0, or no visible position) still gets one (empty) unit, so its output is written.
+* ``indptr`` is the exclusive prefix sum of ``units`` in sequence order; the batch has ``U = indptr[B]``
+  units, ``U <= max_units`` always (``max_units`` is chosen by the planner from this bound:
+  ``sum_b ceil(nb / c) <= T / c + B <= max(targets) + B``).
+* Unit ``j`` of ``b`` covers tokens ``[base + j * cb * G, min(base + (j + 1) * cb * G, L))``.
+
+Programs: a 1-D grid of ``max_units * num_kv_heads`` programs; program ``p`` serves unit ``u = p //
+num_kv_heads`` for KV head ``h = p % num_kv_heads`` (unit-major: programs without a unit, ``u >= U``, come last
+and exit). A sequence with one unit writes ``out`` / ``lse`` directly (sinks applied there); with more, each
+unit writes its partial state into workspace slot ``u`` and the merge combines slots
+``[indptr[b], indptr[b] + units[b])`` in slot order.
+
+Invariants (tested for many length vectors, :func:`check_invariants`): every visible position of every
+sequence lies in exactly one unit; units of a sequence are contiguous, in order and non-empty (except the
+one empty unit of an empty sequence); ``1 <= units[b] <= max_units_per_seq``; ``U <= max_units``; with
+``targets`` all zero, a sequence's units depend on its own length alone (batch invariance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Schedule", "Units", "schedule_units", "check_invariants", "NUM_TARGETS", "POLICIES",
+           "bucket_of", "max_units_bound"]
+
+#: entries of the targets table: bucket ``k = bit_length(total granules)``, clamped to ``NUM_TARGETS - 1``
+NUM_TARGETS = 32
+#: ``balanced``: units from the batch's total work (default); ``batch_invariant``: from each sequence's own length;
+#: ``forced``: up to ``max_units_per_seq`` units per sequence (a forced split count); ``single``: one unit each
+POLICIES = ("balanced", "batch_invariant", "forced", "single")
+
+
+def bucket_of(total_granules: int) -> int:
+    """Index into the targets table for a batch of ``total_granules`` granules: its bit length, at most 31."""
+    return min(int(total_granules).bit_length(), NUM_TARGETS - 1)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The schedule's plan-time constants (part of :class:`attnplan.SplitPlan`).
+
+    Attributes:
+        policy: one of :data:`POLICIES`.
+        granule: tokens per granule; a multiple of the kernel's KV tile (``block_n``) and of the page size.
+        min_unit_granules: fewest granules a unit gets (``c``'s floor; the planner's smallest chunk).
+        max_units_per_seq: most units (splits) one sequence may get; 1 = single pass (no partial states, no merge).
+        targets: :data:`NUM_TARGETS` ints, the wanted units per batch by bucket of total granules (0 = none).
+        max_units: unit slots: the grid's unit axis and the workspace's split axis, at least the batch.
+    Raises:
+        ValueError: on construction, when a field is out of range (names the field).
+    """
+
+    policy: str
+    granule: int
+    min_unit_granules: int
+    max_units_per_seq: int
+    targets: tuple[int, ...]
+    max_units: int
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"Schedule.policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("granule", "min_unit_granules", "max_units_per_seq", "max_units"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v >= 1 << 31:
+                raise ValueError(f"Schedule.{name} must be an int in [1, 2^31), got {v!r}")
+        t = self.targets
+        if not isinstance(t, tuple) or len(t) != NUM_TARGETS or any(
+                isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < 1 << 31 for x in t):
+            raise ValueError(f"Schedule.targets must be a tuple of {NUM_TARGETS} ints in [0, 2^31), got {t!r}")
+        if self.policy == "single" and self.max_units_per_seq != 1:
+            raise ValueError("a single-pass schedule has max_units_per_seq 1")
+        if self.policy in ("batch_invariant", "forced", "single") and any(t):
+            raise ValueError(f"a {self.policy} schedule has no targets (all zero)")
+
+    @property
+    def single_pass(self) -> bool:
+        """One unit per sequence: programs write the output directly; no workspace, no merge."""
+        return self.max_units_per_seq == 1
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "granule": self.granule, "min_unit_granules": self.min_unit_granules,
+                "max_units_per_seq": self.max_units_per_seq, "targets": list(self.targets),
+                "max_units": self.max_units}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Schedule":
+        """Inverse of :meth:`to_dict`. Raises ``TypeError``/``KeyError``/``ValueError`` on bad input."""
+        if not isinstance(d, dict):
+            raise TypeError(f"schedule must be a mapping, got {type(d).__name__}")
+        return Schedule(policy=d["policy"], granule=d["granule"], min_unit_granules=d["min_unit_granules"],
+                        max_units_per_seq=d["max_units_per_seq"], targets=tuple(d["targets"]),
+                        max_units=d["max_units"])
+
+
+def max_units_bound(schedule_targets, batch: int, max_units_per_seq: int) -> int:
+    """The most units any length vector can produce under a balanced schedule: ``min(B * S, max(t) + B)``."""
+    return min(batch * max_units_per_seq, max(schedule_targets) + batch)
+
+
+@dataclass(frozen=True)
+class Units:
+    """The schedule of one batch (host integers, int64 CPU tensors).
+
+    Attributes:
+        base: ``[B]`` first visible position of each sequence.
+        granules: ``[B]`` granules of each sequence's span (``nb``).
+        unit_granules: ``[B]`` granules per unit (``cb``; 0 for an empty sequence).
+        units: ``[B]`` units per sequence (>= 1).
+        indptr: ``[B + 1]`` first unit of each sequence; ``indptr[B]`` = total units ``U``.
+        seq, start, end: ``[U]`` each unit's sequence and token range ``[start, end)``.
+        total_granules: ``T``; granules_per_unit: ``c``.
+    """
+
+    base: torch.Tensor
+    granules: torch.Tensor
+    unit_granules: torch.Tensor
+    units: torch.Tensor
+    indptr: torch.Tensor
+    seq: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    total_granules: int
+    granules_per_unit: int
+
+    @property
+    def num_units(self) -> int:
+        return int(self.indptr[-1])
+
+
+def schedule_units(seq_lens, schedule: Schedule, q_len: int = 1, window_left: int = -1) -> Units:
+    """The schedule of a batch: the module docstring's definitions, computed on the host.
+
+    Args:
+        seq_lens: ``[B]`` lengths in tokens (a list or a tensor; read to the host).
+        schedule: the plan's :class:`Schedule`.
+        q_len: queries per sequence; window_left: sliding window in tokens, ``-1`` = none.
+    Returns:
+        :class:`Units`.
+    Raises:
+        ValueError: a negative length.
+    """
+    lens = torch.as_tensor(seq_lens).to("cpu", torch.int64).reshape(-1)
+    if lens.numel() and int(lens.min()) < 0:
+        raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()[:16]}")
+    g = schedule.granule
+    if window_left >= 0:
+        base = (lens - q_len - window_left).clamp(min=0)
+    else:
+        base = torch.zeros_like(lens)
+    nb = (lens - base + g - 1) // g
+    total = int(nb.sum())
+    t = schedule.targets[bucket_of(total)]
+    c = schedule.min_unit_granules if t == 0 else max(schedule.min_unit_granules, -(-total // t))
+    u = torch.clamp((nb + c - 1) // c, max=schedule.max_units_per_seq)
+    empty = nb == 0
+    u = torch.where(empty, torch.ones_like(u), u)
+    cb = torch.where(empty, torch.zeros_like(nb), (nb + u - 1) // u)
+    units = torch.where(empty, torch.ones_like(u), (nb + cb.clamp(min=1) - 1) // cb.clamp(min=1))
+    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(units, 0)
+    seq = torch.repeat_interleave(torch.arange(lens.numel()), units)
+    j = torch.arange(int(indptr[-1])) - indptr[:-1][seq]
+    start = base[seq] + j * cb[seq] * g
+    end = torch.minimum(start + cb[seq] * g, lens[seq])
+    start = torch.where(empty[seq], lens[seq], start)
+    end = torch.where(empty[seq], lens[seq], end)
+    return Units(base, nb, cb, units, indptr, seq, start, end, total, c)
+
+
+def check_invariants(seq_lens, schedule: Schedule, q_len: int = 1, window_left: int = -1) -> Units:
+    """Assert the module docstring's invariants for one batch; returns its :class:`Units`.
+
+    Raises:
+        AssertionError: naming the invariant and the first sequence that breaks it.
+    """
+    lens = torch.as_tensor(seq_lens).to("cpu", torch.int64).reshape(-1)
+    s = schedule_units(lens, schedule, q_len, window_left)
+    assert s.num_units <= schedule.max_units, f"{s.num_units} units exceed max_units {schedule.max_units}"
+    if s.units.numel():
+        assert int(s.units.min()) >= 1, "a sequence has no unit"
+        assert int(s.units.max()) <= schedule.max_units_per_seq, \
+            f"a sequence has more than max_units_per_seq = {schedule.max_units_per_seq} units"
+    for b in range(lens.numel()):
+        lo, hi = int(s.indptr[b]), int(s.indptr[b + 1])
+        starts, ends = s.start[lo:hi].tolist(), s.end[lo:hi].tolist()
+        assert (s.seq[lo:hi] == b).all(), f"sequence {b}: units out of order"
+        length, base = int(lens[b]), int(s.base[b])
+        if base >= length:
+            assert hi - lo == 1 and starts[0] == ends[0], f"sequence {b}: an empty sequence has one empty unit"
+            continue
+        assert starts[0] == base and ends[-1] == length, f"sequence {b}: units cover [{starts[0]}, {ends[-1]}) " \
+                                                           f"instead of [{base}, {length})"
+        for a in range(len(starts)):
+            assert starts[a] < ends[a], f"sequence {b}: unit {a} is empty"
+            if a:
+                assert starts[a] == ends[a - 1], f"sequence {b}: units {a - 1} and {a} do not abut"
+            assert ends[a] - starts[a] <= int(s.unit_granules[b]) * schedule.granule, f"sequence {b}: unit {a} too long"
+    return s

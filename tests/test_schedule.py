@@ -1,0 +1,221 @@
+"""The device-side schedule's invariants (attnplan.schedule), for many length vectors, and the plans that use it.
+
+Every backend computes the schedule of :func:`attnplan.schedule.schedule_units` on the device; these tests pin that
+function: coverage (every visible position in exactly one unit), bounds (units per sequence, total units against
+the plan's slots), order, balance, and batch invariance when the schedule has no targets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from attnplan.config import load_config
+from attnplan.device import CPU_STANDIN, DeviceInfo
+from attnplan.planner import SplitPlan, make_plan
+from attnplan.problem import DecodeProblem
+from attnplan.schedule import NUM_TARGETS, Schedule, bucket_of, check_invariants, max_units_bound, schedule_units
+
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+H200 = DeviceInfo("NVIDIA H200", 132, (9, 0), 232448, 60 * 2**20, 4800.0, "cuda-13.0")
+
+
+@st.composite
+def balanced_schedules(draw):
+    granule = draw(st.sampled_from([16, 32, 64, 128]))
+    min_c = draw(st.integers(1, 4))
+    s_cap = draw(st.integers(1, 64))
+    batch = draw(st.integers(1, 12))
+    raw = draw(st.lists(st.integers(0, 300), min_size=NUM_TARGETS, max_size=NUM_TARGETS))
+    targets = (0, *raw[1:])
+    policy = "single" if s_cap == 1 else "balanced"
+    if policy == "single":
+        targets = (0,) * NUM_TARGETS
+    bound = batch if s_cap == 1 else max(batch, max_units_bound(targets, batch, s_cap))
+    return Schedule(policy, granule, min_c, s_cap, targets, bound), batch
+
+
+@given(sched_batch=balanced_schedules(), data=st.data(), q_len=st.integers(1, 4),
+       window=st.sampled_from([-1, 0, 5, 100]))
+@SETTINGS
+def test_invariants_hold_for_any_lengths(sched_batch, data, q_len, window):
+    sched, batch = sched_batch
+    lens = data.draw(st.lists(st.integers(0, 5000), min_size=batch, max_size=batch))
+    u = check_invariants(lens, sched, q_len, window)
+    for b, length in enumerate(lens):  # coverage, position by position, against the visible span
+        base = max(0, length - q_len - window) if window >= 0 else 0
+        covered = torch.zeros(max(length, 1), dtype=torch.int64)
+        for j in range(int(u.indptr[b]), int(u.indptr[b + 1])):
+            covered[int(u.start[j]):int(u.end[j])] += 1
+        assert covered[base:length].eq(1).all() and covered[:base].eq(0).all()
+
+
+@given(st.lists(st.integers(0, 20000), min_size=1, max_size=16), st.integers(1, 16), st.integers(1, 8))
+@SETTINGS
+def test_no_targets_means_batch_invariant(lens, chunk_granules, s_cap):
+    """With all targets zero a sequence's units depend on its own length alone: the same sequence with other
+    batchmates (and another batch size) gets the same token ranges."""
+    sched = Schedule("batch_invariant", 64, chunk_granules, s_cap, (0,) * NUM_TARGETS, 64 * s_cap)
+    alone = schedule_units([lens[0]], sched)
+    mates = schedule_units(lens + [lens[0]], sched)
+    last = len(lens)
+    lo, hi = int(mates.indptr[last]), int(mates.indptr[last + 1])
+    assert mates.start[lo:hi].tolist() == alone.start.tolist() and mates.end[lo:hi].tolist() == alone.end.tolist()
+
+
+def test_balanced_spreads_a_long_sequence_and_packs_short_ones():
+    """One 128K sequence among 15 short ones: the long one gets many units, each short one one unit, and no unit is
+    longer than about the batch's work / target."""
+    targets = tuple([0] + [264] * (NUM_TARGETS - 1))
+    sched = Schedule("balanced", 64, 1, 256, targets, max_units_bound(targets, 16, 256))
+    lens = [131072] + [500] * 15  # 8 granules each, below the 9 granules per unit
+    u = check_invariants(lens, sched)
+    assert int(u.units[0]) >= 100 and u.units[1:].eq(1).all()
+    c = u.granules_per_unit
+    assert c == math.ceil(u.total_granules / 264)
+    assert int((u.end - u.start).max()) <= c * 64
+
+
+def test_forced_gives_equal_units_up_to_the_count():
+    sched = Schedule("forced", 16, 1, 4, (0,) * NUM_TARGETS, 12)
+    u = check_invariants([100, 16, 0], sched)
+    assert u.units.tolist() == [4, 1, 1]
+    assert (u.end - u.start)[:4].tolist() == [32, 32, 32, 4]  # 7 granules in units of 2
+
+
+def test_bucket_of():
+    assert [bucket_of(t) for t in (0, 1, 2, 3, 4, 255, 256)] == [0, 1, 2, 2, 3, 8, 9]
+    assert bucket_of(1 << 40) == NUM_TARGETS - 1
+
+
+def test_schedule_refuses_bad_fields():
+    good = dict(policy="balanced", granule=64, min_unit_granules=1, max_units_per_seq=8,
+                targets=(0,) * NUM_TARGETS, max_units=8)
+    Schedule(**good)
+    for key, bad in (("policy", "stream_k"), ("granule", 0), ("max_units", -1), ("targets", (0,) * 3),
+                     ("min_unit_granules", True), ("max_units_per_seq", 2.0)):
+        with pytest.raises(ValueError, match=key if key != "targets" else "targets"):
+            Schedule(**{**good, key: bad})
+    with pytest.raises(ValueError, match="single"):
+        Schedule(**{**good, "policy": "single"})
+
+
+# -- plans: the planner's max_units bounds every length vector up to the capacity -----------------------------------
+
+PLAN_SHAPES = [  # (batch, hq, hkv, d, q_len, page, capacity)
+    (1, 32, 8, 128, 1, 16, 131072), (4, 8, 1, 128, 1, None, 65536), (16, 64, 8, 128, 1, 16, 131072),
+    (64, 28, 4, 128, 4, 16, 32768), (3, 16, 8, 256, 1, 32, 90000), (256, 32, 32, 128, 1, 16, 4096),
+]
+
+
+@pytest.mark.parametrize("shape", PLAN_SHAPES, ids=lambda s: "b{}-{}x{}-d{}-q{}-p{}-cap{}".format(*s))
+@pytest.mark.parametrize("device", [CPU_STANDIN, H200], ids=["cpu", "h200"])
+@pytest.mark.parametrize("capacity_mode", [True, False], ids=["capacity", "live"])
+def test_plan_bounds_hold_for_random_lengths(shape, device, capacity_mode):
+    b, hq, hkv, d, ql, page, cap = shape
+    cfg = load_config()
+    live = max(1, cap // 3)
+    prob = DecodeProblem(b, hq, hkv, d, ql, page, max_kv_len=cap if capacity_mode else live,
+                         total_kv_len=b * (cap if capacity_mode else live), capacity=cap).bucketed()
+    plan = make_plan(prob, device, cfg, "triton", {"block_n": 64}, capacity_mode=capacity_mode,
+                     merge_strategies=frozenset({"separate", "fused"}))
+    plan.validate(prob)
+    assert plan.schedule.granule % 64 == 0 and plan.schedule.granule % (page or 1) == 0
+    if capacity_mode:
+        assert not plan.single_pass, "a capacity plan must be able to spread a long sequence"
+    g = torch.Generator().manual_seed(b * 1000 + cap)
+    for _ in range(25):
+        lens = torch.randint(0, cap + 1, (b,), generator=g)
+        if bool(torch.rand(1, generator=g) < 0.3):
+            lens = torch.where(torch.rand(b, generator=g) < 0.8, lens % 64, lens)
+        check_invariants(lens, plan.schedule, ql, prob.window_left)
+    check_invariants([cap] * b, plan.schedule, ql)
+    check_invariants([0] * b, plan.schedule, ql)
+
+
+def test_capacity_plan_schedules_uniform_batches_like_live_plans():
+    """On the H200 table a capacity plan gives a uniform batch the units a live plan gives it (the targets are the
+    live plans' split counts), at the table's measured points."""
+    cfg = load_config()
+    same = total = 0
+    for backend in ("triton", "cuda_ptx"):
+        for page in (16, None):
+            for b in (1, 4, 16, 64):
+                cap = DecodeProblem(b, 32, 8, 128, 1, page, max_kv_len=131072, capacity=131072).bucketed()
+                cplan = make_plan(cap, H200, cfg, backend, {"block_n": 64}, capacity_mode=True)
+                for length in (1024, 4096, 16384, 65536, 131072):
+                    live = DecodeProblem(b, 32, 8, 128, 1, page, max_kv_len=length, capacity=131072).bucketed()
+                    lplan = make_plan(live, H200, cfg, backend, {"block_n": 64})
+                    a = schedule_units([length] * b, lplan.schedule).units.tolist()
+                    c = schedule_units([length] * b, cplan.schedule).units.tolist()
+                    same += a == c
+                    total += 1
+    assert same >= 0.95 * total, f"only {same} of {total} uniform points schedule alike"
+
+
+def test_batch_invariant_plan_and_forced_plan():
+    cfg = load_config(split={"batch_invariant": True, "invariant_chunk_tokens": 1000})
+    prob = DecodeProblem(8, 32, 8, 128, 1, 16, max_kv_len=32768, capacity=32768).bucketed()
+    plan = make_plan(prob, H200, cfg, "triton", {"block_n": 64}, capacity_mode=True)
+    assert plan.policy == "batch-invariant" and plan.schedule.policy == "batch_invariant"
+    assert plan.schedule.min_unit_granules * plan.schedule.granule == 1024 and plan.merge == "separate"
+    assert not any(plan.schedule.targets)
+    forced = make_plan(prob, H200, load_config(), "triton", {"block_n": 64}, num_splits=5)
+    assert forced.policy == "forced" and forced.num_splits == 5
+    assert schedule_units([32768, 10], forced.schedule).units.tolist() == [5, 1]
+
+
+def test_plan_round_trips_and_validates_strictly():
+    prob = DecodeProblem(4, 32, 8, 128, 1, 16, max_kv_len=8192, capacity=8192).bucketed()
+    plan = make_plan(prob, H200, load_config(), "triton", {"block_n": 64, "num_warps": 4}, capacity_mode=True)
+    again = SplitPlan.from_dict(plan.to_dict())
+    assert again == plan and hash(again) == hash(plan)
+    d = plan.to_dict()
+    for mutate in (lambda d: d.pop("schedule"), lambda d: d.update(extra=1), lambda d: d.update(version=1),
+                   lambda d: d["schedule"].update(max_units=1), lambda d: d["kernel"].update(block_n=48),
+                   lambda d: d.update(merge="atomic"), lambda d: d.update(problem=[1, 2])):
+        bad = plan.to_dict()
+        mutate(bad)
+        with pytest.raises((ValueError, TypeError, KeyError)):
+            SplitPlan.from_dict(bad)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        plan.validate(DecodeProblem(4, 32, 4, 128, 1, 16, max_kv_len=8192, capacity=8192))
+    assert "heaviest program" in plan.explain([8192, 100, 0, 50])
+
+
+# -- the reference backend runs the schedule: end to end against the float64 reference ------------------------------
+
+CASES = [  # (lens, q_len, page, window, num_splits, capacity)
+    ([100, 0, 37, 700], 1, 16, -1, None, False), ([100, 0, 37, 700], 1, 16, -1, None, True),
+    ([5000, 3, 0, 64], 4, None, -1, 3, False), ([300, 299, 1], 2, 8, 40, None, True),
+    ([0, 0], 1, 16, -1, None, True), ([1024], 3, 32, 7, 8, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"lens{'_'.join(map(str, c[0][:3]))}-q{c[1]}-p{c[2]}-w{c[3]}-"
+                                                      f"s{c[4]}-{'cap' if c[5] else 'live'}")
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["balanced", "invariant"])
+def test_reference_backend_runs_the_schedule(case, batch_invariant, gen):
+    import attnplan
+    from attnplan import reference
+    from attnplan.testing import assert_close_to_reference, make_inputs
+
+    lens, q_len, page, window, splits, capacity = case
+    cfg = load_config(split={"batch_invariant": batch_invariant, "invariant_chunk_tokens": 64})
+    x = make_inputs(len(lens), 8, 2, 32, lens, q_len=q_len, page_size=page, dtype=torch.float32, generator=gen,
+                    capacity=max(lens) + 5)
+    sinks = torch.randn(8, generator=gen)
+    w = attnplan.DecodeWrapper(cfg, backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=splits, capacity=capacity,
+           window_left=window, sinks=sinks)
+    out = torch.full_like(x.q, float("nan"))
+    lse = torch.full(x.q.shape[:3], float("nan"))
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, window_left=window,
+                                       sinks=sinks)
+    assert_close_to_reference(out, ref)
+    assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
