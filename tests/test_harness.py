@@ -62,3 +62,13 @@ def test_gen_draws_the_same_inputs_on_every_run_and_reports_its_seed_on_failure(
     (a1, b1, a2, a3) = [d for _, d in draws]
     assert [n for n, _ in draws] == ["a", "b", "a", "a"]
     assert a1 == a2 and a1 != b1 and a3 != a1
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """``.ci/run`` ends with the README's test command, character for character, and that command runs the
+    suite in two pytest-xdist workers with the interpreter and the simulator switched on."""
+    root = Path(__file__).resolve().parents[1]
+    command = (root / ".ci" / "run").read_text().strip().splitlines()[-1]
+    readme = (root / "README.md").read_text()
+    assert f"```bash\n{command}\n```" in readme
+    assert command.endswith("TRITON_INTERPRET=1 NUMBA_ENABLE_CUDASIM=1 python -m pytest -q -n 2")
