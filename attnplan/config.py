@@ -191,20 +191,42 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
 
 @functools.lru_cache(maxsize=None)
 def device_table(slug: str) -> dict:
-    """The tuned table ``plans/<slug>.yaml`` as a dict (``{}`` when there is none).
+    """The tuned table of the device ``slug`` (e.g. ``"h200"``) as a dict (``{}`` when there is none).
+
+    Looked up in order, the first file found being the whole table (files are not merged):
+
+    1. the user's table, :func:`attnplan.device.user_table_path` (``<cache dir>/plans/<slug>.yaml``,
+       the cache dir being ``$ATTNPLAN_CACHE_DIR`` or the platform's user cache directory), where
+       ``attnplan tune`` writes by default;
+    2. the packaged ``plans/<slug>.yaml``.
 
     Keys: ``cost_model`` (a :class:`CostModel` mapping), ``cost_model_by_backend`` (per backend
     name, :class:`CostModel` keys that override ``cost_model`` for that backend's plans),
-    ``kernel_options`` and optionally ``measured`` notes.
+    ``kernel_options``, ``split_table`` and optionally ``measured`` notes.
+
+    Memoized per ``slug`` for the process: after writing a table or changing ``$ATTNPLAN_CACHE_DIR``,
+    call ``device_table.cache_clear()`` (``attnplan tune`` does).
+
+    Raises:
+        ConfigError: the file found is unreadable, not YAML, or its cost-model constants are invalid;
+            the message names the file.
     """
-    f = resources.files("attnplan.plans") / f"{slug}.yaml"
-    if not f.is_file():
-        return {}
-    data = _read_yaml(f, f"plans/{slug}.yaml")
+    from .device import user_table_path
+
+    user = user_table_path(slug)
+    if user.is_file():
+        f, source = user, str(user)
+    else:
+        f, source = resources.files("attnplan.plans") / f"{slug}.yaml", f"plans/{slug}.yaml"
+        if not f.is_file():
+            return {}
+    data = _read_yaml(f, source)
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid device table ({source}): top level must be a mapping, got {type(data).__name__}")
     try:
         CostModel.model_validate(data.get("cost_model") or {})
         for entry in (data.get("cost_model_by_backend") or {}).values():
             CostModel.model_validate({**(data.get("cost_model") or {}), **(entry or {})})
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, f"plans/{slug}.yaml")) from None
+        raise ConfigError(_format_errors(e, source)) from None
     return data

@@ -1,18 +1,20 @@
 """`DeviceInfo`: the device facts the planner and the cache key use, read from the device.
 
-Never assume an SM count (STYLE.md habit 8): facts come from ``torch.cuda.get_device_properties``
-of the tensors' device. CPU interpreter / simulator runs use :data:`CPU_STANDIN`, a documented
-stand-in small enough that plans for small test shapes still split.
+Never assume an SM count (an older revision of PyTorch's flex-decoding hard-coded 128 SMs): facts
+come from ``torch.cuda.get_device_properties`` of the tensors' device. CPU interpreter / simulator
+runs use :data:`CPU_STANDIN`, a documented stand-in small enough that plans for small test shapes
+still split. :func:`user_table_path` is where a device's tuned table is looked for first.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-__all__ = ["DeviceInfo", "CPU_STANDIN", "device_info"]
+__all__ = ["DeviceInfo", "CPU_STANDIN", "device_info", "user_table_path"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,8 @@ class DeviceInfo:
         return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
 
     def fingerprint(self) -> dict:
-        """What the plan cache keys on (cases.yaml: cache-key-missing-arch)."""
+        """What the plan cache keys on: name, SM count, compute capability (a cubin or a tuned split is
+        only valid for its architecture and SM count) and driver."""
         return {"name": self.name, "sm_count": self.sm_count, "cc": list(self.compute_capability), "driver": self.driver}
 
     def slug(self) -> str:
@@ -95,3 +98,14 @@ def device_info(device: torch.device | str | None = None) -> DeviceInfo:
     if dev.type != "cuda":
         return CPU_STANDIN
     return _cuda_device_info(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def user_table_path(slug: str) -> Path:
+    """The user's tuned table for the device ``slug`` (:meth:`DeviceInfo.slug`):
+    ``<cache dir>/plans/<slug>.yaml``, the cache dir being ``$ATTNPLAN_CACHE_DIR`` if set, else
+    ``platformdirs.user_cache_dir("attnplan")`` (the plan cache's directory). ``attnplan tune`` writes
+    there unless given ``--out``; :func:`attnplan.config.device_table` reads it before the packaged
+    ``plans/<slug>.yaml``. The file need not exist."""
+    from .cache import default_cache_dir  # at call time: cache imports the planner, which imports this module
+
+    return default_cache_dir() / "plans" / f"{slug}.yaml"

@@ -5,7 +5,8 @@ partial state per row (normalized ``o`` and natural-log ``lse``, the :class:`Par
 contract). The states are exchanged with one ``torch.distributed.all_gather_into_tensor`` of a
 packed message per rank and merged by the local backend's merge kernel (the contract of
 :func:`attnplan.merge_states`), so the result equals single-device decode within rounding
-(Flash-Decoding's merge applied across devices, seed 003 §06: cross-device split reduction).
+(Flash-Decoding's merge, Dao et al. 2023, applied across devices: the split reduction runs over ranks
+instead of programs).
 Works with NCCL on GPUs and gloo on CPUs.
 
 Visibility: shards are any disjoint sets of a sequence's positions (contiguous ranges in

@@ -10,6 +10,9 @@ batch/token/head strides with unit stride in head_dim), with no copy. Everything
 padded batches with an attention mask, soft-capping, dropout) goes to transformers' own SDPA
 implementation.
 
+Needs the ``hf`` extra (``pip install -e '.[hf]'`` from the repository, i.e. transformers >= 4.56);
+importing this module does not import transformers, :func:`register` does.
+
 Example::
 
     import attnplan.hf
@@ -72,7 +75,10 @@ def register() -> None:
     Raises:
         ImportError: transformers is not installed (``pip install 'attnplan[hf]'``).
     """
-    from transformers import AttentionInterface
+    try:
+        from transformers import AttentionInterface
+    except ImportError as e:
+        raise ImportError(f"attnplan.hf.register() needs transformers >= 4.56: pip install 'attnplan[hf]' ({e})") from e
 
     AttentionInterface.register(NAME, attnplan_attention_forward)
     try:

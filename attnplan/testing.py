@@ -1,6 +1,6 @@
 """Test and benchmark helpers: the one tolerance table and random decode inputs.
 
-Tolerances (STYLE.md habit 3, FlashAttention's practice): a kernel's error against the float64
+Tolerances (FlashAttention's and xformers' practice): a kernel's error against the float64
 reference must stay within a small multiple of the rounding of the output dtype itself. ``atol``
 and ``rtol`` are used as ``|out - ref| <= atol + rtol * |ref|`` elementwise; the values below
 are a few output ulps, because the inputs are exact in their dtype and accumulation is fp32.

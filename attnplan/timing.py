@@ -1,4 +1,4 @@
-"""GPU timing shared by the CLI and the benchmarks (METHOD.md: events, warm-up, medians).
+"""GPU timing shared by the CLI, the tuner and the benchmarks: CUDA events, warm-up by count and time, medians.
 
 :func:`time_cuda` times a callable with CUDA events after warm-up and returns the median in
 microseconds; callers rotate their inputs (a list of argument sets) so L2 does not serve
@@ -26,8 +26,8 @@ def l2_flush() -> None:
     """Read :data:`FLUSH_BYTES` on the current device (a sum into one value): evicts L2 and keeps the
     GPU busy for tens of microseconds, so the launches queued after it are not waiting on the host
     when they start. A read, not a write: a written buffer leaves ~60 MB of dirty lines in L2 whose
-    write-back then lands inside the timed step (measured on the H200: +8-10 us per step with
-    ``zero_()``, ``results/2026-11-30-s2-bench``)."""
+    write-back then lands inside the timed step (measured on an H200: +8-10 us per step with
+    ``zero_()``)."""
     dev = torch.cuda.current_device()
     if dev not in _flush_buf:
         _flush_buf[dev] = (torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda"),
@@ -37,12 +37,12 @@ def l2_flush() -> None:
 
 
 #: least warm-up (milliseconds of calls) before :func:`time_cuda` times anything: ``triton.testing.do_bench``'s
-#: default. Counted warm-up calls alone were too short for steps timed right after their inputs were built. In
-#: ``results/2026-11-30-s8-call2`` the tune (5 warm-up replays) timed the single pass 11-14% slower than a warm
-#: timing (``-s8-call3``) at 9 of 10 cuda_ptx b256 points (64/8/128 b256 4K: 1,085 us against 952), and its
-#: planner-quality check timed a plan 11% slower than its split search had minutes before; in ``-s8-call4``
-#: three back-to-back tune timings on fresh b256 1K inputs gave 278 / 248 / 248 us (the SM clock at 1,965-1,980 MHz).
-#: The cause below the driver is not known; ``benchmarks/diag/warmup_ramp.py`` looks at it.
+#: default. Counted warm-up calls alone were too short for steps timed right after their inputs were built.
+#: Measured on an H200: a tune with 5 warm-up replays timed the single pass 11-14% slower than a warm timing at
+#: 9 of 10 cuda_ptx batch-256 points (64/8/128 b256 4K: 1,085 us against 952), and three back-to-back timings on
+#: fresh b256 1K inputs gave 278 / 248 / 248 us with the SM clock at 1,965-1,980 MHz throughout. With this
+#: warm-up, three timings in a row on fresh inputs agree within 0.4%. The cause below the driver is not known;
+#: ``benchmarks/warmup_ramp.py`` looks at it.
 WARMUP_MS = 25.0
 
 
@@ -56,7 +56,7 @@ def time_cuda(fn: Callable[[int], None], *, warmup: int = 10, iters: int = 50, f
     way; each round ends with a synchronize, so the host clock measures the device's work). Then each of the
     ``iters`` timed calls is bracketed by its own pair of CUDA events on the current stream.
 
-    Two kinds of time (METHOD.md; ``triton.testing.do_bench`` does the same as ``flush=True``):
+    Two kinds of time (``triton.testing.do_bench`` does the same as ``flush=True``):
 
     - ``flush=False``: the events bracket the host's call, so when the GPU drains faster than the
       host enqueues, the time includes the host's launch latency (the step as an eager caller sees

@@ -1,4 +1,10 @@
-"""``attnplan tune``: measure a device and write its planner table ``plans/<device>.yaml``.
+"""``attnplan tune``: measure a device and write its planner table ``<device>.yaml``.
+
+The table goes to the user's table directory, :func:`attnplan.device.user_table_path`
+(``<cache dir>/plans/<device>.yaml``; ``$ATTNPLAN_CACHE_DIR`` overrides the platform's user cache
+directory), unless ``--out`` names another file; the planner reads that user table before the packaged
+``plans/<device>.yaml`` (:func:`attnplan.config.device_table`). Nothing is written into the installed
+package. To ship a table, copy the written file to the repository's ``plans/``.
 
 Unless ``--no-options``, it first sweeps each backend's kernel options (:data:`OPTION_GRIDS`: ``block_n`` x
 ``num_warps`` x ``num_stages`` for Triton; ``num_warps`` x ``num_stages`` x partition for cuda_ptx) with split
@@ -20,7 +26,8 @@ best, and reports how many points land within 5% (in sample, and leave-one-out w
 
 Every timing is a CUDA-graph replay's device time (L2 flushed in front; :func:`attnplan.timing.time_cuda`),
 after at least 25 ms of warm-up, 100 ms for the first timing on a point's freshly built inputs
-(:data:`FIRST_WARMUP_MS`; NOTES.md, session 8, change 24).
+(:data:`FIRST_WARMUP_MS`; measured on an H200: with 5 warm-up replays, single passes timed right after
+their inputs were built ran 11-14% slow, and the tune wrote 2-split rows where one split was faster).
 """
 
 from __future__ import annotations
@@ -294,7 +301,8 @@ def main(argv=None) -> int:
     """``attnplan tune``: sweep, fit, write the device table, report planner quality. Returns the exit status."""
     ap = argparse.ArgumentParser(prog="attnplan tune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", default="triton")
-    ap.add_argument("--out", default=None, help="YAML to write (default: plans/<device>.yaml in the package)")
+    ap.add_argument("--out", default=None, help="YAML to write (default: the user's table, <cache dir>/plans/<device>.yaml, "
+                                                "which the planner reads before the packaged plans/<device>.yaml)")
     ap.add_argument("--json", default=None, help="also write every timing here")
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--no-options", action="store_true", help="keep the table's kernel options (skip their sweep)")
@@ -324,22 +332,13 @@ def main(argv=None) -> int:
     from attnplan.device import device_info
     from attnplan.timing import read_bandwidth_gbs
 
-    from importlib import resources
-
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
     dev = device_info("cuda")
-    shipped = str(resources.files("attnplan.plans") / f"{dev.slug()}.yaml")
-    path = args.out or shipped
-    table = {}
-    for src in (shipped, path):  # start from the shipped table, then the target's own
-        try:
-            with open(src) as fh:
-                table.update(yaml.safe_load(fh) or {})
-        except OSError:
-            pass
+    path, planner_reads = table_paths(dev.slug(), args.out)
+    table = start_table(dev.slug(), path)
     heads = tuple(int(v) for v in args.heads.split(","))
     kv_bytes = getattr(torch, args.kv_dtype).itemsize
     points = [(layout, b, kv) for layout in ("contiguous", "paged") for b in map(int, args.batches.split(","))
@@ -364,7 +363,7 @@ def main(argv=None) -> int:
             if i == 0:
                 cm.update(sats)
             table.setdefault("cost_model_by_backend", {}).setdefault(backend, {}).update(sats)
-            _write_table(path, table)  # the split search below uses the new kernel options
+            _write_table(path, table, dev.slug())  # the split search below uses the new kernel options
             _reload()
         bar = tqdm(total=len(points), desc=f"splits {backend}", unit="point") if tqdm else None
         searches[backend] = split_search(backend, points, heads, args.iters, progress=bar.update if bar else None,
@@ -381,11 +380,12 @@ def main(argv=None) -> int:
         cm["mem_bandwidth_gbs"] = round(ceiling["ceiling_gbs"], 1)
         table["measured"] = {"device": dev.name, "sm_count": dev.sm_count, "ceiling": ceiling,
                              "torch": str(torch.__version__), "attnplan": str(attnplan.__version__)}
-        _write_table(path, table)
+        _write_table(path, table, dev.slug())
         print(f"wrote {path}: {json.dumps({k: table[k] for k in ('cost_model', 'kernel_options') if k in table})}")
         _reload()
-    if path != shipped and not args.check_only:
-        print(f"note: the planner reads {shipped}; the quality check below uses that table, not {path}")
+    if path != planner_reads and not args.check_only:
+        print(f"note: the planner reads {planner_reads} (if it exists, else the packaged table); the quality check "
+              f"below uses that table, not {path}")
     if args.json:  # the measurements so far, in case the quality check is cut short
         _atomic_write(args.json, json.dumps({"option_sweep": allrows, "split_search": searches, "table": table},
                                             indent=1, default=str))
@@ -409,30 +409,75 @@ def main(argv=None) -> int:
     return 0
 
 
-def _write_table(path: str, table: dict) -> None:
-    """Write the device table as YAML, atomically (a failed dump never leaves a truncated table),
-    keeping the leading comment block of the file it replaces."""
-    stamp = "# Written by `attnplan tune` (see attnplan/tune.py); re-run it on the device to refresh.\n"
-    header = []
-    try:  # keep the file's leading comment block (provenance notes written by hand)
+def _packaged_table(slug: str) -> str:
+    """Path of the packaged ``plans/<slug>.yaml`` (it need not exist)."""
+    from importlib import resources
+
+    return str(resources.files("attnplan.plans") / f"{slug}.yaml")
+
+
+def table_paths(slug: str, out: str | None = None) -> tuple[str, str]:
+    """``(target, planner_reads)``: the file ``attnplan tune`` writes (``out``, else the user's table
+    :func:`attnplan.device.user_table_path`) and the user table the planner reads first. They differ only
+    when ``out`` names another file."""
+    from .device import user_table_path
+
+    user = str(user_table_path(slug))
+    return (str(out) if out else user), user
+
+
+def start_table(slug: str, path: str) -> dict:
+    """The table a tune starts from and updates: the packaged ``plans/<slug>.yaml``, then the user's table,
+    then the target ``path``'s own, each file's top-level keys replacing the earlier ones (files that do not
+    exist are left out). So a first tune into the user directory keeps the packaged rows it does not measure."""
+    from .device import user_table_path
+
+    table: dict = {}
+    for src in dict.fromkeys((_packaged_table(slug), str(user_table_path(slug)), str(path))):
+        try:
+            with open(src) as fh:
+                table.update(yaml.safe_load(fh) or {})
+        except OSError:
+            pass
+    return table
+
+
+def _leading_comments(path: str, stamp: str) -> list[str] | None:
+    """The leading ``#`` lines of ``path`` except ``stamp`` (``None`` when the file cannot be read)."""
+    try:
         with open(path) as fh:
+            lines = []
             for line in fh:
                 if not line.startswith("#"):
                     break
                 if line != stamp:
-                    header.append(line)
+                    lines.append(line)
+            return lines
     except OSError:
-        pass
+        return None
+
+
+def _write_table(path: str, table: dict, slug: str | None = None) -> None:
+    """Write the device table as YAML, atomically (a failed dump never leaves a truncated table; missing
+    folders are made), keeping the leading comment block (provenance notes written by hand) of the file it
+    replaces, or, for a new file, of the packaged ``plans/<slug>.yaml`` it starts from."""
+    stamp = "# Written by `attnplan tune` (see attnplan/tune.py); re-run it on the device to refresh.\n"
+    header = _leading_comments(path, stamp)
+    if header is None:
+        header = (_leading_comments(_packaged_table(slug), stamp) if slug else None) or []
     text = "".join(header) + stamp + yaml.safe_dump(json.loads(json.dumps(table, default=str)), sort_keys=False)
     _atomic_write(path, text)
 
 
 def _atomic_write(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace`` (the
+    folder is made if missing)."""
     import os
     import tempfile
 
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".tmp-")
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)

@@ -1,12 +1,12 @@
 """Context-parallel decode across GPUs: correctness against one GPU, time per step, share in
-communication (issue: ecosystem and scale-out).
+communication.
 
 Each of ``world`` processes (one per GPU, NCCL) holds a contiguous 1/world of every sequence's KV
 cache, computes its shard's partial state with attnplan, all-gathers ``(o, lse)`` and merges
 (:class:`attnplan.distributed.ContextParallelDecode`). Rank 0 also runs single-GPU decode on the
 whole cache (when it fits) and compares. Timing, every rank starting each timed call after a
-barrier and a synchronize (results/2026-11-30-s3-cp was timed without them: its all-gather time
-includes waiting for the later rank):
+barrier and a synchronize (without them, a rank's all-gather time includes waiting for the later
+rank):
 
 - ``step_us``: CUDA events around the whole eager step (local decode, all-gather, merge), median;
 - ``exchange_us``: the same around the exchange alone (all-gather + merge, launch latency included);
@@ -80,7 +80,7 @@ def _nccl_kernel_us(fn, iters) -> dict | None:
     """Device time per call of ``fn`` in each NCCL kernel (CUPTI via ``torch.profiler``), by kernel
     name, after a barrier and a synchronize before each call; ``None`` on the CPU (gloo has no
     kernels). The barrier's own all-reduce kernel waits for the later rank: it is listed, but only
-    the all-gather kernels are the step's communication (s4-call2 summed both: 22 ms on one rank)."""
+    the all-gather kernels are the step's communication (summing both gave 22 ms on one rank of two H200s)."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile

@@ -1,6 +1,7 @@
-"""The seed's two other plan axes side by side (issue #10), CUDA-graph replay device time, one run.
+"""Two plan axes besides the split count, side by side, CUDA-graph replay device time, one run.
 
-- ``--mode partition``: split-K vs split-V inside a program (seed 000) for head_dim 64 / 128 / 256,
+- ``--mode partition``: split-K (warps over KV positions, merged through shared memory) vs split-V (warps
+  over head_dim columns, scores recomputed) inside a program for head_dim 64 / 128 / 256,
   GQA group 1 / 4 / 8 and KV 4K / 128K (batch 1, contiguous bf16, 8 KV heads), each with the
   planner's split count for that partition, plus the planner's own choice (``auto``).
 - ``--mode merge``: separate merge kernel vs merge fused into the last program vs the opt-in atomic

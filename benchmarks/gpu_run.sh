@@ -3,16 +3,17 @@
 #   tests     the test suite on the GPU (gpu-marked tests included; TESTS, PYTEST_K, XDIST workers)
 #   tests_bg  the same, in the background while the next steps run (sanitize only: not for timing)
 #   wait      wait for tests_bg to finish (put it before any timing step)
-#   bench     benchmarks/bench_decode.py (args: BENCH_ARGS) -> bench.json, bench.png
-#   bench2/3  more benches (args: BENCH2_ARGS / BENCH3_ARGS) -> bench2.json / bench3.json (e.g. fp8 KV, q_len 4)
+#   bench     benchmarks/bench_decode.py (args: BENCH_ARGS) -> decode_grid.csv, .json, .png
+#   bench2/3  more of the same grid, merged into those files (args: BENCH2_ARGS / BENCH3_ARGS, run with --merge);
+#             copy decode_grid.* to benchmarks/results/ when the run is the new baseline
 #   sanitize  compute-sanitizer memcheck + racecheck on benchmarks/sanitize.py for each backend
 #   sweep     benchmarks/sweep_kernel.py (SWEEP_BACKEND, SWEEP_ARGS) -> sweep.json
 #   merge     benchmarks/bench_merge.py (MERGE_MODE=merge,partition): the plan axes side by side -> merge.json
 #   cp        benchmarks/bench_cp.py: context-parallel decode over 2 GPUs (NCCL) -> cp.json
-#   tune      attnplan tune (args: TUNE_ARGS): writes the package's plans/<device>.yaml, copied out
+#   tune      attnplan tune (args: TUNE_ARGS): writes $ATTNPLAN_CACHE_DIR/plans/<device>.yaml, copied out
 #   cmd       the shell command in CMD (output: cmd.log); cmd_bg runs it in the background (untimed work only)
-# Everything lands in $OUT/run/ and is packed into $OUT/run.tgz (the device tool returns at most
-# 8 files); short summaries are printed last.
+# Everything lands in $OUT/run/ and is packed into $OUT/run.tgz (one file to copy back);
+# short summaries are printed last.
 # Usage (repository root, on the GPU machine): STEPS="tests bench" bash benchmarks/gpu_run.sh
 set -uo pipefail
 OUT=${OUT:-gpu-out}; R="$OUT/run"; mkdir -p "$R"
@@ -23,10 +24,9 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1 || { cat "$R/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 t0=$SECONDS
-# With the default TESTS, the NVRTC compile tests run first, in a process of their own: the machine's NVRTC 13.0
-# (driver 580) prints no ptxas report for a program compiled again in a process, and for some others
-# (benchmarks/diag/nvrtc_log_probe.py, results/2026-11-30-s6-call7 / -call8), and the GPU tests compile the same
-# programs. TEST_TIMEOUT bounds both runs together.
+# With the default TESTS, the NVRTC compile tests run first, in a process of their own: NVRTC 13.0 with driver
+# 580 printed no ptxas report for a program compiled a second time in a process (and for some first compiles),
+# and the GPU tests compile the same programs. TEST_TIMEOUT bounds both runs together.
 run_tests() {
   local tests=${TESTS:-tests} ign="" t0=$SECONDS to=${TEST_TIMEOUT:-300} rc0=skipped
   : > "$R/pytest-gpu.log"
@@ -50,10 +50,10 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
     cmd_bg) bash -c "$CMD" > "$R/cmd.log" 2>&1 & CMD_PID=$! ;;
     wait) [ -n "${TESTS_PID:-}" ] && wait $TESTS_PID; TESTS_PID= ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_decode.py --out "$R/bench.json" ${BENCH_ARGS:-} > "$R/bench.log" 2>&1; echo "bench rc=$?" ;;
-    bench2|bench3|bench4)  # BENCH2_ARGS / BENCH3_ARGS / BENCH4_ARGS
+      timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_decode.py --out "$R/decode_grid" ${BENCH_ARGS:-} > "$R/bench.log" 2>&1; echo "bench rc=$?" ;;
+    bench2|bench3|bench4)  # BENCH2_ARGS / BENCH3_ARGS / BENCH4_ARGS, merged into decode_grid.*
       args_var="${step^^}_ARGS"; to_var="${step^^}_TIMEOUT"
-      timeout ${!to_var:-300} python3 benchmarks/bench_decode.py --out "$R/$step.json" ${!args_var:-} > "$R/$step.log" 2>&1; echo "$step rc=$?" ;;
+      timeout ${!to_var:-300} python3 benchmarks/bench_decode.py --out "$R/decode_grid" --merge ${!args_var:-} > "$R/$step.log" 2>&1; echo "$step rc=$?" ;;
     sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_kernel.py --backend ${SWEEP_BACKEND:-cuda_ptx} --out "$R/sweep.json" ${SWEEP_ARGS:-} \
         > "$R/sweep.log" 2>&1; echo "sweep rc=$?" ;;
@@ -73,7 +73,7 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
         > "$R/cp.log" 2>&1; echo "cp rc=$?" ;;
     tune)
       timeout ${TUNE_TIMEOUT:-300} python3 -m attnplan.cli tune --json "$R/tune.json" ${TUNE_ARGS:-} > "$R/tune.log" 2>&1; echo "tune rc=$?"
-      cp plans/*.yaml "$R/" 2>/dev/null ;;
+      cp "$ATTNPLAN_CACHE_DIR"/plans/*.yaml "$R/" 2>/dev/null ;;
   esac
 done
 [ -n "${TESTS_PID:-}" ] && wait $TESTS_PID
@@ -87,5 +87,6 @@ for f in "$R"/sanitize-*.log; do [ -f "$f" ] && echo "$(basename $f): $(grep -E 
 [ -f "$R/merge.log" ] && grep -E "^(merge|partition) " "$R/merge.log" | cut -c1-150 | tail -60
 [ -f "$R/cp.log" ] && tail -6 "$R/cp.log"
 [ -f "$R/cmd.log" ] && tail -${CMD_TAIL:-8} "$R/cmd.log"
-for b in bench bench2 bench3 bench4; do [ -f "$R/$b.log" ] && sed -n '/^ceiling/,$p' "$R/$b.log" | tail -70; done
+for b in bench bench2 bench3 bench4; do [ -f "$R/$b.log" ] && sed -n '/^us per step/,$p' "$R/$b.log" | tail -70; done
+[ -f "$R/decode_grid.csv" ] && python3 benchmarks/grid_stats.py "$R/decode_grid.csv" --baseline benchmarks/results/decode_grid.csv
 tar czf "$OUT/run.tgz" -C "$OUT" run && rm -rf "$R"

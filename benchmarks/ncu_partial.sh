@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute (ncu) profile of the split-KV partial (or single-pass) kernel of one decode step per backend, on the GPU
 # machine: hardware counters (DRAM throughput, occupancy, warp stall reasons) to see why one backend's
-# partial streams slower than another's (issue #4). Clocks left alone (--clock-control none, METHOD.md).
+# partial streams slower than another's. Clocks left alone (--clock-control none), as the timings leave them.
 #   OUT=dir BACKENDS="triton cuda_ptx" KVS="32768" BATCH=1 LAYOUT=contiguous HEADS=32,8,128 bash benchmarks/ncu_partial.sh
 # cuda_ptx runs with benchmarks/configs/cuda-ptx-no-pdl.yaml (one kernel at a time, no early launch).
 set -uo pipefail

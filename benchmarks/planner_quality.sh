@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The planner-quality check of issue #7 over the bench grid's head configurations: for each heads
+# The planner-quality check over the decode grid's head configurations: for each heads
 # setting and backend, `attnplan tune --check-only` (exhaustive split search, then the planner's own
 # choice timed beside the best split; nothing is written to the device table). Heads the table was
 # tuned on (32,8,128 and 8,1,128) are in-sample there; the others are out of sample.

@@ -2,7 +2,7 @@
 what, from CUPTI kernel records (``torch.profiler``), L2 flushed before every step.
 
 The bench times whole steps (graph replay); this splits a step into its kernels, to see where a
-short-context step's time goes (e.g. issue #4: cuda_ptx vs cuDNN at KV 4K).
+short-context step's time goes (e.g. cuda_ptx against cuDNN at b1 KV 4K).
 
     python benchmarks/profile_kernels.py --backends triton,cuda_ptx --kv 4096,32768 --out prof.json
 

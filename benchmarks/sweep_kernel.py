@@ -1,8 +1,7 @@
 """Sweep a backend's kernel options and split counts on the GPU and dump every timing as JSON.
 
 The sweep itself is :func:`attnplan.tune.sweep` (``attnplan tune`` also fits and writes
-``plans/<device>.yaml`` from it); this script only records it. The first sweep in
-``results/2026-11-30-sweep-triton`` was made by an earlier, standalone version of this file.
+a device table from it); this script only records it.
 
     python benchmarks/sweep_kernel.py --backend triton --out sweep.json
 """

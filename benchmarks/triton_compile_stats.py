@@ -1,7 +1,7 @@
 """Compile the Triton split-KV partial kernel for sm_90 on a machine without a GPU and print what the
 compiler made of it: shared memory (the cp.async ring), cp.async and vector-load counts, mma count,
 fp8 conversions. A diagnostic for changes that should not need a GPU to check their premise (e.g.
-NOTES.md change 6: an fp8 tile of 64 tokens keeps half the bytes of a bf16 one in its ring).
+``benchmarks/NOTES.md``, fp8 tiles: an fp8 tile of 64 tokens keeps half the bytes of a bf16 one in its ring).
 
     python benchmarks/triton_compile_stats.py
 

@@ -1,13 +1,20 @@
-"""Shared test setup: an isolated plan/compile cache directory, the gpu marker, backend lists.
+"""Shared test setup: an isolated plan/compile cache directory, the gpu marker, backend lists, and
+the seeded generator of random inputs.
 
 CI runs on CPU with TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1 (README's test command);
-tests marked ``gpu`` are skipped there and run on the device machine.
+tests marked ``gpu`` are skipped there and run on a GPU machine.
+
+Seeds: each test's generator is seeded from its own id (CRC32 of ``request.node.nodeid``), so a
+rerun of one test, alone or under pytest-xdist in any worker and order, draws the same inputs. The
+environment variable ``ATTNPLAN_TEST_SEED`` (an integer, default 0) is added to every seed to draw
+other inputs; a failing test's report carries a section with its seed and how to reproduce it.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import zlib
 
 import pytest
 import torch
@@ -33,12 +40,45 @@ def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
 
 
+#: the stash key of a test's generator seed (read by :func:`pytest_runtest_makereport`)
+SEED_KEY = pytest.StashKey[int]()
+
+
+def seed_of(nodeid: str, offset: int | None = None) -> int:
+    """The generator seed of the test ``nodeid``: CRC32 of its UTF-8 bytes plus ``offset`` (default:
+    ``$ATTNPLAN_TEST_SEED`` or 0), modulo 2**32.
+
+    Raises:
+        ValueError: ``$ATTNPLAN_TEST_SEED`` is set but not an integer.
+    """
+    if offset is None:
+        raw = os.environ.get("ATTNPLAN_TEST_SEED", "0") or "0"
+        try:
+            offset = int(raw)
+        except ValueError:
+            raise ValueError(f"ATTNPLAN_TEST_SEED must be an integer, got {raw!r}") from None
+    return (zlib.crc32(nodeid.encode()) + offset) % 2**32
+
+
 @pytest.fixture
-def gen() -> torch.Generator:
-    """A freshly seeded generator per test: fresh random inputs, reproducible on failure."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"generator seed {seed}")
+def gen(request) -> torch.Generator:
+    """A CPU ``torch.Generator`` seeded by :func:`seed_of` of this test's id: the same inputs on every
+    run of this test (whatever the worker or order), other inputs with ``ATTNPLAN_TEST_SEED``."""
+    seed = seed_of(request.node.nodeid)
+    request.node.stash[SEED_KEY] = seed
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Add the generator seed to the report of a failing test that drew from ``gen``."""
+    report = yield
+    seed = item.stash.get(SEED_KEY, None)
+    if seed is not None and report.failed:
+        offset = os.environ.get("ATTNPLAN_TEST_SEED", "0") or "0"
+        report.sections.append(("attnplan generator seed", f"seed {seed} (CRC32 of the test id + ATTNPLAN_TEST_SEED="
+                                f"{offset}); rerun: ATTNPLAN_TEST_SEED={offset} python -m pytest '{item.nodeid}'"))
+    return report
 
 
 def kernel_backends(device: str) -> list[str]:

@@ -1,6 +1,8 @@
 """Every kernel backend against the float64 reference, on a grid generated from the backends'
-declarations (STYLE.md habit 2), plus the cases of ``shared/cases/cases.yaml`` and the
-mixed-backend merge (partial states of one backend merged by another).
+declarations (xformers' practice: each case with a readable id), plus known edge cases (zero-length
+rows, more splits than chunks, GQA groups 7 and 16, page size 1, fp16 score overflow), the
+mixed-backend merge (partial states of one backend merged by another), and dispatch (a backend that
+refuses a problem is skipped with its reasons).
 
 On CPU (CI) the backends run in Triton's interpreter / numba's simulator at small sizes; on a
 GPU the same tests run on the device, and the ``gpu``-marked ones add realistic sizes.
@@ -176,10 +178,11 @@ def test_states_of_two_backends_merge_across_split_points(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp16_qk_products_do_not_overflow(backend, gen):
-    """cases.yaml fp16-qk-overflow: q and k entries around 300 in a few dims (products of 9e4 > fp16 max).
+    """fp16 score overflow: q and k entries around 300 in a few dims (products of 9e4 > fp16 max).
 
     With scores near 3e4 the fp32 rounding of the scores alone moves the softmax weights by ~0.1%,
-    so the bound is the precision floor (STYLE.md habit 3, FlashAttention's practice): the
+    so the bound is the precision floor (FlashAttention's practice: a kernel's error against what PyTorch
+    itself gets in the same dtype): the
     table's fp16 atol plus 4x the largest error of the same attention computed by PyTorch in fp32,
     plus the rounding of P to fp16 before a tensor-core P.V (``tl.dot``, cuda_ptx's mma; as in
     FlashAttention): each weight moves by at most u = 2^-11 relative, the output by at most
@@ -189,7 +192,7 @@ def test_fp16_qk_products_do_not_overflow(backend, gen):
     truncates (each m16n8k16 k-step may lose up to one ulp of the running sum, here |q.k| ~ 3.6e5,
     ulp 2^-5): scores move by up to eps = (head_dim / 16) * ulp(max sum|q_d k_d|) * sm_scale and
     the output by up to (e^(2 eps) - 1) * max|v|. Seen on the H200: cuda_ptx once 1.5e-2 against
-    the bound without this term, 8.8e-3 (1 of 15 fresh draws, results/2026-11-30-s3-gpu-tests).
+    the bound without this term, 8.8e-3 (1 of 15 random draws).
     """
     x = _inputs(Case((4, 1), 128, (48,)), gen)
     x.q[..., :4] = 300.0
@@ -314,8 +317,9 @@ def _merge_params():
 @pytest.mark.parametrize("backend,merge", _merge_params())
 @pytest.mark.parametrize("page", [None, 16])
 def test_merge_strategies_match_reference_and_are_deterministic(backend, merge, page, gen):
-    """Both cross-program merges (seed 000 cost 1 / cost 3) give the reference, bitwise stable across
-    runs; the fused one's completion counters are back at zero after every launch."""
+    """Both cross-program merges (a separate merge kernel, or the last program of each group merging)
+    give the reference, bitwise stable across runs; the fused one's completion counters are back at
+    zero after every launch."""
     if merge not in get_backend(backend).merge_strategies:
         pytest.skip(f"{backend} has no {merge} merge")
     cfg = attnplan.load_config(split={"merge": merge}, plan_cache={"disk": False})
@@ -334,3 +338,53 @@ def test_merge_strategies_match_reference_and_are_deterministic(backend, merge, 
         ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, sinks=s)
         assert_close_to_reference(a, ref, torch.bfloat16)
         assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+def _refusing(monkeypatch, name: str, variant: str) -> None:
+    """Make backend ``name`` declare every variant but ``variant`` (support as data: its ``supports`` then
+    gives the reason), for this test only."""
+    be = get_backend(name)
+    monkeypatch.setattr(be, "variants", be.variants - {variant})
+
+
+@pytest.mark.parametrize("variant,kwargs", [
+    ("softcap", {"logits_soft_cap": 10.0}),
+    ("window", {"window_left": 4}),
+])
+def test_dispatch_falls_through_to_a_backend_that_serves_the_variant(variant, kwargs, monkeypatch, gen):
+    """The config's first backend refuses the variant (declared so for this test): dispatch skips it with
+    the reason naming the variant, runs the next backend in the order, and the output equals the reference."""
+    first, *rest = BACKENDS + ["reference"]
+    _refusing(monkeypatch, first, variant)
+    cfg = attnplan.load_config(backends=[first, *rest], plan_cache={"disk": False})
+    x = make_inputs(2, 4, 2, 32, [10, 3], device=DEVICE, generator=gen)
+    w = attnplan.DecodeWrapper(cfg)
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, **kwargs)
+    assert w.backend.name == rest[0]
+    assert [n for n, _ in w.skipped] == [first]
+    (reasons,) = [r for _, r in w.skipped]
+    assert any(variant in r and "not served" in r for r in reasons), reasons
+    assert variant in w.explain() and f"skipped {first}" in w.explain()
+    out = poison(torch.empty_like(x.q))
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, out=out)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale,
+                                 window_left=kwargs.get("window_left", -1), soft_cap=kwargs.get("logits_soft_cap", 0.0))
+    assert_close_to_reference(out, ref, torch.float16)
+
+
+def test_dispatch_error_names_every_backend_and_its_reason(monkeypatch):
+    """No backend in the order serves the variant: ``NoBackendError`` gives the problem's shapes and every
+    backend's reason; a forced backend that refuses gets its reason in the error too."""
+    order = BACKENDS + ["reference"]
+    for name in order:
+        _refusing(monkeypatch, name, "softcap")
+    x = make_inputs(1, 4, 2, 32, [10], device=DEVICE)
+    cfg = attnplan.load_config(backends=order, plan_cache={"disk": False})
+    with pytest.raises(attnplan.NoBackendError) as e:
+        attnplan.DecodeWrapper(cfg).plan(x.q, x.k_cache, x.v_cache, x.seq_lens, logits_soft_cap=10.0)
+    msg = str(e.value)
+    assert "heads 4/2, head_dim 32" in msg
+    for name in order:
+        assert f"  {name}: " in msg and "['softcap'] not served" in msg
+    with pytest.raises(attnplan.NoBackendError, match=r"reference: variants \['softcap'\] not served"):
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, logits_soft_cap=10.0, backend="reference")

@@ -48,3 +48,12 @@ def test_larger_llama_long_prompt_gpu():
     cfg = dict(vocab_size=1000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=16,
                num_key_value_heads=4, head_dim=64, max_position_embeddings=8192)
     _compare(cfg, prompt_len=3000, device="cuda", dtype=torch.float32)
+
+
+def test_register_without_transformers_names_the_extra(monkeypatch):
+    """``register()`` with transformers missing: an ImportError that says which extra to install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes ``from transformers import ...`` fail
+    with pytest.raises(ImportError, match=r"pip install 'attnplan\[hf\]'"):
+        attnplan.hf.register()

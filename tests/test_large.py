@@ -1,4 +1,4 @@
-"""Large caches: offsets past 2^31 elements (cases.yaml int32-page-offset). GPU only."""
+"""Large caches: offsets past 2^31 elements (int32 page offsets would wrap). GPU only."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """Every backend's merge kernel against the float64 merge contract (:func:`attnplan.state.merge_states`),
-at the launch geometries it takes for few rows over many splits (issue #7: one sequence, one KV head).
+at the launch geometries it takes for few rows over many splits (e.g. one sequence with one KV head: 8 rows over hundreds of splits).
 
 The plan's device is given a real SM count so the backends take their few-rows geometry (Triton:
 column slices, :func:`attnplan.backends.triton.merge_geometry`) even on the CPU interpreter.

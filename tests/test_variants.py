@@ -2,8 +2,8 @@
 sliding window, logits soft-cap, attention sinks, fp8 KV with per-tensor / per-head scales,
 head dims 64-256 (non-powers of two masked), page sizes 1-64, q_len up to 8.
 
-A backend that does not declare a variant is skipped with its own reason (the dispatch test
-below checks that the config's order then falls through to one that does).
+A backend that does not declare a variant is skipped with its own reason (the dispatch tests in
+``tests/test_backends.py`` check that the config's order then falls through to one that does).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_fp8_kv_with_bf16_q_beyond_fp16_range(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_scale_is_not_dropped(backend, gen):
-    """cases.yaml fp8-scale-dropped: k_scale 0.05, v_scale 2.0 with q in bf16, single pass and split."""
+    """fp8 scales must not be dropped: k_scale 0.05, v_scale 2.0 with q in bf16, single pass and split."""
     x = make_inputs(2, 8, 2, 64, [33, 20], page_size=16, dtype=torch.bfloat16, device=DEVICE, generator=gen)
     for splits in (1, 2):
         _run(backend, x, torch.bfloat16, splits, fp8=(0.05, 2.0))
@@ -116,7 +116,7 @@ def test_fp8_scale_is_not_dropped(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_window_all_masked_rows(backend, gen):
-    """cases.yaml window-all-masked: q_len 4, window 2, some queries see nothing (length < q_len)."""
+    """Sliding window with rows that see nothing: q_len 4, window 2, some queries see nothing (length < q_len)."""
     x = make_inputs(3, 8, 2, 32, [2, 3, 30], q_len=4, device=DEVICE, generator=gen)
     out, ref = _run(backend, x, torch.float16, 2, window=2)
     assert torch.all(out[0, :2] == 0)  # queries 0 and 1 of a length-2 sequence sit before position 0
@@ -124,7 +124,7 @@ def test_window_all_masked_rows(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_window_trailing_empty_splits_ignore_workspace(backend, gen):
-    """cases.yaml window-trailing-empty-splits: 1/8/1, length 8192 (CPU: 600), window 128, 64 splits,
+    """Sliding window with empty trailing splits: 1/8/1, length 8192 (CPU: 600), window 128, 64 splits,
     workspace prefilled with NaN: equals the reference over the last 128 keys."""
     n = 8192 if HAS_CUDA else 600
     x = make_inputs(1, 8, 1, 128 if HAS_CUDA else 32, [n], dtype=torch.bfloat16, device=DEVICE, generator=gen)
@@ -156,7 +156,7 @@ def test_window_plans_only_the_window(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_spec_verify_masked_tile(backend, gen):
-    """cases.yaml spec-verify-masked-tile: q_len 4, length = k * chunk + 3 so the last split holds only
+    """Speculative verification with a masked tile: q_len 4, length = k * chunk + 3 so the last split holds only
     positions query 0 cannot see: no NaN, that split has weight 0 for query 0."""
     x = make_inputs(1, 8, 2, 32, [2 * 16 + 3], q_len=4, device=DEVICE, generator=gen)
     w = attnplan.DecodeWrapper(backend=backend)
@@ -173,7 +173,7 @@ def test_spec_verify_masked_tile(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_softcap_overflow(backend, gen):
-    """cases.yaml softcap-overflow: cap 50, raw scores near 5000 and -10000: capped at +-50, finite."""
+    """Soft-cap overflow: cap 50, raw scores near 5000 and -10000: capped at +-50, finite."""
     x = make_inputs(1, 4, 1, 32, [24], device=DEVICE, generator=gen, dtype=torch.float16)
     x.q.zero_()
     x.q[..., 0] = 1.0
@@ -205,16 +205,6 @@ def test_q_len_8_with_window_softcap_sinks_fp8(backend, gen):
     x = make_inputs(2, 8, 2, 64, [40, 5], q_len=8, page_size=16, dtype=torch.bfloat16, device=DEVICE, generator=gen)
     sinks = torch.randn(8, generator=gen).float().to(DEVICE)
     _run(backend, x, torch.bfloat16, 3, window=11, cap=20.0, sinks=sinks, fp8=(0.5, 1.5))
-
-
-def test_dispatch_falls_through_to_a_backend_that_serves_the_variant(gen):
-    """A config whose first backend refuses a variant dispatches to the next that serves it."""
-    x = make_inputs(1, 4, 2, 32, [10], device=DEVICE, generator=gen)
-    w = attnplan.DecodeWrapper()
-    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, logits_soft_cap=10.0)
-    assert "softcap" in get_backend(w.backend.name).variants
-    for name, reasons in w.skipped:
-        assert reasons
 
 
 def test_variant_validation_errors():

@@ -1,0 +1,126 @@
+"""The decode benchmark's host-side code (``benchmarks/``), on the CPU: rows of the results CSV, the speedup,
+merging runs, the printed table, the plot, the grid statistics, and the peers' dense copies of the cache."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnplan import reference
+from attnplan.testing import make_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_decode as bd  # noqa: E402
+import grid_stats  # noqa: E402
+import peers  # noqa: E402
+
+
+def _point(heads=(32, 8, 128), layout="contig", kind="uniform", batch=1, kv=4096, ours=(10.0, 20.0), peer=12.0, read=5.0):
+    """A measured point as ``bench_decode.main`` builds it; 512 B per token per KV head of K + V."""
+    nbytes = batch * kv * heads[1] * heads[2] * 4
+    return {"heads": list(heads), "layout": layout, "kind": kind, "batch": batch, "kv_len": kv, "total_kv": batch * kv,
+            "bytes": nbytes, "bound": {"read_us": read, "floor_us": 3.8},
+            "results": {"sdpa_cudnn": {"graph_us": peer, "eager_us": 50.0},
+                        "sdpa_flash": {"error": "refused"},
+                        "triton": {"graph_us": ours[0], "plan": {"num_splits": 16}},
+                        "cuda_ptx": {"graph_us": ours[1], "plan": {"num_splits": 8}}}}
+
+
+def test_row_times_splits_and_speedup():
+    row = bd.to_row(_point(ours=(10.04, 20.0), peer=12.0), ["triton", "cuda_ptx"], 4000.0)
+    assert row["heads"] == "32/8/128" and row["kv"] == 4096 and row["bytes"] == 4096 * 8 * 128 * 4
+    assert row["triton_us"] == 10.0 and row["triton_splits"] == 16 and row["cuda_ptx_splits"] == 8
+    assert row["sdpa_flash_us"] == "" and "sdpa_flash_splits" not in row
+    assert row["speedup"] == round(12.0 / 10.04, 4)  # from the unrounded time
+    assert row["read_us"] == 5.0 and row["floor_us"] == 3.8
+    none = bd.to_row({**_point(), "results": {"triton": {"error": "x"}, "sdpa_cudnn": {"graph_us": 3.0}}}, ["triton"], 1.0)
+    assert none["speedup"] == "" and none["triton_us"] == ""
+
+
+def test_csv_round_trip_and_merge(tmp_path):
+    """write_results: a run replaces the files; with merge, its points replace the old rows of the same point and
+    the others stay, and the JSON lists both runs."""
+    ours = ["triton", "cuda_ptx"]
+    first = [bd.to_row(_point(kv=kv, peer=12.0), ours, 4000.0) for kv in (1024, 4096)]
+    prefix = str(tmp_path / "grid")
+    bd.write_results(prefix, first, {"command": "first"})
+    back = bd.read_csv(prefix + ".csv")
+    assert back == first
+    second = [bd.to_row(_point(kv=4096, peer=30.0), ours, 4000.0), bd.to_row(_point(heads=(8, 1, 128)), ours, 4000.0)]
+    rows = bd.write_results(prefix, second, {"command": "second"}, merge=True)
+    assert [(r["heads"], r["kv"], r["speedup"]) for r in bd.read_csv(prefix + ".csv")] == \
+        [("32/8/128", 1024, 1.2), ("32/8/128", 4096, 3.0), ("8/1/128", 4096, 1.2)] == \
+        [(r["heads"], r["kv"], r["speedup"]) for r in rows]
+    meta = json.loads(Path(prefix + ".json").read_text())
+    assert [r["command"] for r in meta["runs"]] == ["first", "second"] and "speedup" in meta["columns"]
+    bd.write_results(prefix, first[:1], {"command": "third"})
+    assert len(bd.read_csv(prefix + ".csv")) == 1 and len(json.loads(Path(prefix + ".json").read_text())["runs"]) == 1
+
+
+def test_summary_prints_speedups_bounds_and_geomeans(capsys):
+    rows = [bd.to_row(_point(kv=kv, ours=(10.0 * i, 20.0 * i), peer=12.0 * i, read=5.0 * i), ["triton", "cuda_ptx"], 4000.0)
+            for i, kv in enumerate((1024, 4096), start=1)]
+    rows.append(bd.to_row(_point(heads=(8, 1, 128), ours=(40.0, 20.0), peer=10.0), ["triton", "cuda_ptx"], 4000.0))
+    bd.summary(rows, {"triton", "cuda_ptx"})
+    out = capsys.readouterr().out
+    assert "1.20x" in out and "0.50x" in out
+    assert "32/8/128: best attnplan vs best peer: geometric mean 1.200x, min 1.20x over 2 points" in out
+    assert "all: geometric mean 0.896x, min 0.50x over 3 points; 2 at 0.95x or better" in out  # (1.2 * 1.2 * 0.5)^(1/3)
+    assert "5.0 (2.40x)" in out and "3.8-3.8 us" in out
+
+
+def test_plot_writes_a_small_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [bd.to_row(_point(layout=lay, batch=b, kv=kv), ["triton", "cuda_ptx"], 4000.0)
+            for lay in ("contig", "paged16") for b in (1, 16) for kv in (4096, 32768, 131072)]
+    bd.plot(rows, str(tmp_path / "p.png"))
+    size = (tmp_path / "p.png").stat().st_size
+    assert 1000 < size < 200_000
+
+
+def test_grid_stats_and_baseline_comparison():
+    ours = ["triton", "cuda_ptx"]
+    base = [bd.to_row(_point(kv=kv, ours=(10.0, 11.0), peer=p), ours, 4000.0) for kv, p in ((1024, 12.0), (4096, 9.0))]
+    big = bd.to_row(_point(batch=64, kv=131072, ours=(2000.0, 1900.0), peer=1850.0), ours, 4697.0)
+    s = grid_stats.stats(base + [big])
+    assert s["all"]["points"] == 3 and s["at_095"] == 2 and [u[0] for u in s["under_095"]] == [0.9]
+    assert s["big"] == 1 and s["big_at_092"] == 1  # 64 x 131072 x 8 x 128 x 4 B in 1,900 us: 94% of 4,697 GB/s
+    assert s["backends"]["cuda_ptx"]["min"] == pytest.approx(9.0 / 11.0)
+    new = [bd.to_row(_point(kv=1024, ours=(11.0, 12.0), peer=12.0), ours, 4000.0), base[1]]
+    c = grid_stats.compare(new, base, tolerance=0.05)
+    assert c["by_heads"]["32/8/128"]["ours"] == pytest.approx(math.sqrt(1.1))
+    assert c["by_heads"]["32/8/128"]["peers"] == pytest.approx(1.0)
+    assert [m[0] for m in c["moved"]] == [pytest.approx(1.1)]
+
+
+def test_committed_baseline_is_complete():
+    """The committed decode-grid baseline: 264 points, every contender timed at every point, a speedup per point,
+    and the command, environment and commit of each of its runs."""
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    rows = bd.read_csv(str(root / "decode_grid.csv"))
+    assert len(rows) == 264 and len({bd._key(r) for r in rows}) == 264
+    for r in rows:
+        assert all(r[f"{n}_us"] != "" for n in ("triton", "cuda_ptx", "sdpa_cudnn", "sdpa_flash")), r
+        assert r["speedup"] != "" and r["read_us"] != ""
+    for run in json.loads((root / "decode_grid.json").read_text())["runs"]:
+        assert run["command"].startswith("python benchmarks/bench_decode.py")
+        assert run["env"]["gpu"] and run["env"]["commit"] and run["env"]["torch"] and run["env"]["triton"]
+
+
+@pytest.mark.parametrize("page", [None, 4])
+def test_dense_copies_hold_each_sequence_padded_to_the_longest(page, gen):
+    """The peers' dense [B, H, L, D] copies: q transposed, and per sequence its first seq_len KV rows (gathered
+    through the block table for a paged cache) equal the reference's gather."""
+    x = make_inputs(3, 8, 2, 16, [7, 13, 1], page_size=page, dtype=torch.bfloat16, generator=gen)
+    ((q, k, v),) = peers.dense_copies([x])
+    assert q.shape == (3, 8, 1, 16) and k.shape == v.shape == (3, 2, 13, 16)
+    assert torch.equal(q, x.q.transpose(1, 2))
+    for b, n in enumerate([7, 13, 1]):
+        rk, rv = reference.gather_kv(x.k_cache, x.v_cache, b, n, x.block_table)
+        assert torch.equal(k[b, :, :n].transpose(0, 1).double(), rk.double())
+        assert torch.equal(v[b, :, :n].transpose(0, 1).double(), rv.double())
