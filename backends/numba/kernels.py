@@ -709,12 +709,25 @@ def schedule_probe_kernel(threads: int, q_len: int = 1, window: bool = False):
     return kern
 
 
+def _make_head_base(paged: bool):
+    """The plain function ``head_base(h, b, s0, s2) -> int64``: the word offset of KV head ``h`` (plus
+    sequence ``b``'s for a contiguous cache), 64-bit: ``h`` and ``b`` are widened before they multiply a
+    stride (a head stride of 2^30 with 3 KV heads is past 2^31 at ``h = 2``)."""
+    if paged:
+        def head_base(h, b, s0, s2):
+            return int64(h) * s2
+    else:
+        def head_base(h, b, s0, s2):
+            return int64(h) * s2 + int64(b) * s0
+    return head_base
+
+
 def _make_token_offset(paged: bool):
     """The plain function ``token_offset(table, b, pos, shift, s0, s1, base) -> int64``: the word offset
-    of position ``pos`` of sequence ``b`` (``base`` = the KV head's offset ``h * s2``, plus ``b * s0`` for a
-    contiguous cache). 64-bit: the page id and the position are widened before they multiply a stride,
-    so an offset past 2^31 never wraps (the kernels compile it as a device function; the tests compile it
-    with ``numba.njit`` to check the typed arithmetic)."""
+    of position ``pos`` of sequence ``b`` from ``base`` (:func:`_make_head_base`). 64-bit: the page id and
+    the position are widened before they multiply a stride, so an offset past 2^31 never wraps. The
+    kernels compile both as device functions; the tests compile them with ``numba.njit`` to check the
+    typed arithmetic (the simulator computes with Python integers, which never wrap)."""
     if paged:
         def token_offset(table, b, pos, shift, s0, s1, base):
             # physical page from the block table; page * page stride can exceed 2^31
@@ -830,6 +843,7 @@ def _build_decode(spec: DecodeSpec):
     allreduce = _make_allreduce(T, NRED, NT)
     prologue, unit_range, seq_span = _make_schedule(NT, QL, WINDOW)
     token_offset = _device(_make_token_offset(PAGED))
+    head_base = _device(_make_head_base(PAGED))
 
     if SINKS:
         @_device
@@ -952,11 +966,8 @@ def _build_decode(spec: DecodeSpec):
         inv_cap = ONE
         if SOFTCAP:
             inv_cap = ONE / soft_cap
-        kbase = int64(h) * ks2
-        vbase = int64(h) * vs2
-        if not PAGED:
-            kbase += b * ks0
-            vbase += b * vs0
+        kbase = head_base(h, b, ks0, ks2)
+        vbase = head_base(h, b, vs0, vs2)
 
         for t0 in range(lo, hi, BLOCK_N):
             # issue all loads of this tile first (clamped positions: unconditional, never past the unit)
