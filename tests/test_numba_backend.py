@@ -698,6 +698,87 @@ def test_nan_query_gives_nan_rows_not_empty_rows(num_splits, gen):
     assert torch.isneginf(lse[1, 0, 2]) and torch.equal(out[1, 0, 2], torch.zeros_like(out[1, 0, 2]))
 
 
+# -- the GPU compile of the kernels, checked on the CPU -----------------------------------------------------
+# The simulator runs the kernels as Python and type-checks nothing; numba's NVVM compiles them to PTX for a
+# compute capability without a driver, in a process where the simulator is off.
+
+_PTX_SCRIPT = r"""
+import os, re, sys
+os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+import numba, torch
+from numba import cuda
+import numba.cuda.dispatcher as dispatcher
+from numba.cuda.cudadrv.error import NvvmSupportError
+
+
+class Sm90:
+    compute_capability = (9, 0)
+
+
+dispatcher.get_current_device = lambda: Sm90()  # device functions compile for sm_90 without a driver
+from attnplan.backends import get_backend
+from attnplan.backends.base import Workspace
+from attnplan.config import load_config
+from attnplan.device import CPU_STANDIN
+from attnplan.planner import make_plan
+from attnplan.testing import make_inputs, problem_of
+import dataclasses
+
+be = get_backend("numba")
+k = be._kernels()
+assert not k.SIM
+launches = []
+be._array = lambda t: (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+be._launch = lambda kern, tag, grid, block, args, device: launches.append((kern, tag, args))
+
+
+def run(q_len, page, window, sinks, splits, dtype, hq, hkv, d):
+    x = make_inputs(2, hq, hkv, d, [40, 7], q_len=q_len, page_size=page, dtype=dtype, capacity=64)
+    x = dataclasses.replace(x, window_left=window, sinks=torch.zeros(hq) if sinks else None)
+    p = problem_of(x)
+    plan = make_plan(p, CPU_STANDIN, load_config(), "numba", be.kernel_config(p, {}, torch.device("cuda")),
+                     num_splits=splits)
+    be.run(plan, x, Workspace.allocate(plan, "cpu"), torch.empty_like(x.q), torch.empty(x.q.shape[:3]))
+
+
+run(1, 16, -1, False, 4, torch.bfloat16, 32, 8, 128)  # the common case: must keep its arrays in registers
+run(3, 16, 9, True, 3, torch.float16, 8, 2, 64)  # q_len 3: the careful tiles; window, sinks
+try:
+    for kern, tag, args in launches:
+        sig = tuple(numba.typeof(a).copy(layout="A") if isinstance(numba.typeof(a), numba.types.Array)
+                    else numba.typeof(a) for a in args)
+        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+        local = re.findall(r"__local_depot0\[(\d+)\]", ptx)
+        print(tag, "local", local[0] if local else 0)
+    probe = k.schedule_probe_kernel(256, 2, True)
+    i64, i32 = numba.int64, numba.int32
+    cuda.compile_ptx(probe.py_func, (i32[:], i32[:], i32[:], i64[:], i64[:, :], i64, i64, i64, i64, i64), cc=(9, 0))
+except NvvmSupportError as e:
+    print("NO-NVVM", e)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU runs the compiled kernels themselves")
+def test_gpu_kernels_compile_to_ptx_without_a_gpu():
+    """The scheduled kernel (q_len 1, paged bf16; q_len 3 with window and sinks), the merge and the prologue
+    probe compile for sm_90 through numba's NVVM (typing the GPU path the simulator never types), and the
+    common case keeps its per-row arrays in registers (no local-memory depot: a loop that stops unrolling
+    spills the accumulators)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode == 3 or "NvvmSupportError" in proc.stderr or "libnvvm" in proc.stderr.lower():
+        pytest.skip(f"numba's NVVM is not available: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = dict(line.split(" local ") for line in proc.stdout.splitlines() if " local " in line)
+    plain = [t for t in lines if "-q1-paged-" in t and t.startswith("decode-bf16")]
+    assert plain and lines[plain[0]] == "0", lines
+    assert any(t.startswith("merge-") for t in lines) and any("-q3-" in t for t in lines)
+
+
 # -- declarations, availability, configuration, compilation ----------------------------------------
 
 def _problem(**kw):

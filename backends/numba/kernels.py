@@ -16,7 +16,8 @@ Method (the kernel contract of :mod:`attnplan.backends.base`; Flash-Decoding, Da
   sequences, so any batch works) and compute :func:`attnplan.schedule.schedule_units`'s integers
   exactly: each sequence's granules ``nb``, the total ``T`` (a block reduction), the granules per
   unit ``c`` from ``targets[min(bit_length(T), 31)]``, each sequence's units and their exclusive
-  prefix sum (a block scan per chunk, carried across chunks), hence the program's sequence ``b``,
+  prefix sum (a block scan per chunk, carried across chunks; warp shuffles and one shared word per
+  warp on the GPU, a shared-memory tree in the simulator), hence the program's sequence ``b``,
   unit index ``j`` and token range ``[start, end)``. ``ceil(a / b)`` is computed as
   ``(a - 1) // b + 1`` for ``a >= 1`` (no ``a + b - 1`` overflow); the total is 64-bit. A program
   with ``u >= indptr[batch]`` exits before reading any KV. Program 0 writes ``meta`` (``indptr``
@@ -57,9 +58,11 @@ propagates NaN (Python's and numba's ``max`` skip a NaN second argument, which w
 scores look empty). ``P @ V`` would multiply a V row a query cannot see by ``p = 0`` and ``0 * NaN = NaN``;
 with ``q_len > 1`` (compile time) a tile holding positions that some rows of the program see and others do
 not (the last ``q_len - 1`` positions of the sequence, the first ``q_len - 1`` of a sliding window: only
-there do rows disagree) takes a careful update: a row adds nothing for a position it does not see, and NaN
-in a column for a non-finite V entry of a position it sees. Other tiles (and every tile with ``q_len = 1``,
-where the program's only query sees the whole unit) keep the plain multiply-add.
+there do rows disagree; the test is block-uniform) gets its non-finite V entries zeroed before the plain
+multiply-add, and afterwards NaN is added to the columns of those entries in the rows that see their
+position. Other tiles (and every tile with ``q_len = 1``, where the program's only query sees the whole
+unit) are untouched, and the per-row update loop keeps its old size (so it still unrolls and the
+accumulators stay in registers).
 
 Attention variants are flags of the specialization (``DecodeSpec.window/softcap/fp8/sinks``,
 ``MergeSpec.sinks``), so a kernel without variants compiles without their code; their run-time values
@@ -545,22 +548,112 @@ def _next_pow2(x: int) -> int:
 
 # -- the device-side schedule (attnplan.schedule.schedule_units, on the GPU) -----------------------------
 
+def _sched_buffer_words(threads: int) -> int:
+    """int64 words of shared memory the schedule prologue's block reductions use: one per thread in the
+    simulator (a shared-memory tree; it has no shuffles), one per warp on the GPU (warp shuffles, then the
+    warps' sums)."""
+    return threads if SIM else max(1, threads // 32)
+
+
+def _make_block_reductions(threads: int):
+    """``(block_sum, block_scan)`` over the ``threads`` threads of a program, of one int64 per thread:
+    ``block_sum(x, tid, buf) -> total`` and ``block_scan(x, tid, buf) -> (inclusive prefix, total)``; every
+    thread gets the same total. ``buf``: shared int64 ``[_sched_buffer_words(threads)]``; both end with a
+    barrier, so ``buf`` may be reused at once."""
+    NT = threads
+    if SIM:
+        P2 = _next_pow2(NT)
+
+        def block_sum(x, tid, buf):
+            buf[tid] = x
+            cuda.syncthreads()
+            s = P2 // 2
+            while s >= 1:  # tree
+                if tid < s and tid + s < NT:
+                    buf[tid] += buf[tid + s]
+                cuda.syncthreads()
+                s //= 2
+            total = buf[0]
+            cuda.syncthreads()
+            return total
+
+        def block_scan(x, tid, buf):
+            buf[tid] = x
+            cuda.syncthreads()
+            off = 1
+            while off < NT:  # inclusive scan (Hillis-Steele)
+                add = int64(0)
+                if tid >= off:
+                    add = buf[tid - off]
+                cuda.syncthreads()
+                buf[tid] += add
+                cuda.syncthreads()
+                off *= 2
+            incl = buf[tid]
+            total = buf[NT - 1]
+            cuda.syncthreads()
+            return incl, total
+
+        return block_sum, block_scan
+
+    NW = max(1, NT // 32)
+
+    @_device
+    def block_sum(x, tid, buf):
+        v = x
+        for lv in range(5):  # butterfly over the warp's 32 lanes
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 16 >> lv)
+        if tid % 32 == 0:
+            buf[tid // 32] = v
+        cuda.syncthreads()
+        total = int64(0)
+        for w in range(NW):
+            total += buf[w]
+        cuda.syncthreads()
+        return total
+
+    @_device
+    def block_scan(x, tid, buf):
+        lane = tid % 32
+        warp = tid // 32
+        v = x
+        for lv in range(5):  # inclusive scan within the warp
+            y = cuda.shfl_up_sync(FULL_MASK, v, 1 << lv)
+            if lane >= (1 << lv):
+                v += y
+        if lane == 31:
+            buf[warp] = v
+        cuda.syncthreads()
+        before = int64(0)
+        total = int64(0)
+        for w in range(NW):
+            t = buf[w]
+            if w < warp:
+                before += t
+            total += t
+        cuda.syncthreads()
+        return before + v, total
+
+    return block_sum, block_scan
+
+
 def _make_schedule(threads: int, q_len: int, window: bool):
     """``(prologue, unit_range, seq_span)`` device functions for ``threads`` threads per program.
 
     * ``seq_span(length, window_left, granule) -> (base, nb)``: first visible position and granules.
-    * ``prologue(seq_lens, targets, meta, u, tid, isum, info, window_left, granule, min_unit_granules,
+    * ``prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_unit_granules,
       max_units_per_seq, write_meta) -> (b, j, c)``: called by all threads of the program (it has barriers);
-      ``isum`` is a shared int64 ``[threads]`` array and ``info`` a shared int64 ``[2]``. Returns unit ``u``'s
-      sequence ``b`` (``-1`` when ``u`` is past the batch's units) and index ``j`` in it, and the granules
-      per unit ``c``; with ``write_meta`` it writes ``meta[i] = indptr[i]``, ``meta[batch + i] = units[i]``
-      for every sequence (and scans the whole batch; otherwise it stops at ``u``'s chunk).
+      ``buf`` is a shared int64 ``[_sched_buffer_words(threads)]`` array and ``info`` a shared int64 ``[2]``.
+      Returns unit ``u``'s sequence ``b`` (``-1`` when ``u`` is past the batch's units) and index ``j`` in
+      it, and the granules per unit ``c``; with ``write_meta`` it writes ``meta[i] = indptr[i]``,
+      ``meta[batch + i] = units[i]`` for every sequence (and scans the whole batch; otherwise it stops
+      after ``u``'s chunk).
     * ``unit_range(seq_lens, b, j, c, window_left, granule, max_units_per_seq) -> (start, end, units_b)``.
     """
     NT, QL, WINDOW, PER = threads, q_len, window, SCHED_PER
     CH = NT * PER
-    P2 = _next_pow2(NT)
     LAST_TARGET = NUM_TARGETS - 1
+    block_sum, block_scan = _make_block_reductions(NT)
 
     @_device
     def seq_span(length, window_left, granule):
@@ -585,26 +678,17 @@ def _make_schedule(threads: int, q_len: int, window: bool):
         return (nb - 1) // cb + 1, cb
 
     @_device
-    def prologue(seq_lens, targets, meta, u, tid, isum, info, window_left, granule, min_c, max_per, write_meta):
+    def prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_c, max_per, write_meta):
         nbatch = seq_lens.shape[0]
-        # the batch's total granules: per-thread sums, then a tree over the block
+        if tid == 0:
+            info[0] = -1
+            info[1] = 0
+        # the batch's total granules
         tot = int64(0)
         for i in range(tid, nbatch, NT):
             _, nb = seq_span(int64(seq_lens[i]), window_left, granule)
             tot += nb
-        isum[tid] = tot
-        if tid == 0:
-            info[0] = -1
-            info[1] = 0
-        cuda.syncthreads()
-        s = P2 // 2
-        while s >= 1:
-            if tid < s and tid + s < NT:
-                isum[tid] += isum[tid + s]
-            cuda.syncthreads()
-            s //= 2
-        total = isum[0]
-        cuda.syncthreads()  # isum is reused by the scan
+        total = block_sum(tot, tid, buf)  # its barriers also publish info's reset
         k = 0  # bucket: bit_length(total), at most NUM_TARGETS - 1
         while k < LAST_TARGET and (total >> k) != 0:
             k += 1
@@ -627,18 +711,8 @@ def _make_schedule(threads: int, q_len: int, window: bool):
                     x, _ = seq_units(nb, c, max_per)
                 un[e] = x
                 mine += x
-            isum[tid] = mine
-            cuda.syncthreads()
-            off = 1
-            while off < NT:  # inclusive scan of the threads' sums (Hillis-Steele)
-                add = int64(0)
-                if tid >= off:
-                    add = isum[tid - off]
-                cuda.syncthreads()
-                isum[tid] += add
-                cuda.syncthreads()
-                off *= 2
-            start = running + isum[tid] - mine
+            incl, chunk_total = block_scan(mine, tid, buf)
+            start = running + incl - mine
             for e in range(PER):
                 if i0 + e < nbatch:
                     if write_meta:
@@ -648,7 +722,7 @@ def _make_schedule(threads: int, q_len: int, window: bool):
                         info[0] = i0 + e
                         info[1] = start
                     start += un[e]
-            running += isum[NT - 1]
+            running += chunk_total
             cuda.syncthreads()
             if info[0] >= 0 and not write_meta:  # block-uniform: read after the barrier
                 break
@@ -685,15 +759,15 @@ def schedule_probe_kernel(threads: int, q_len: int = 1, window: bool = False):
     kern = _PROBE_CACHE.get(key)
     if kern is None:
         prologue, unit_range, _ = _make_schedule(threads, q_len, window)
-        NT = threads
+        NBUF = _sched_buffer_words(threads)
 
         def schedule_probe(seq_lens, targets, meta, units, res, granule, min_c, max_per, write_meta, window_left):
-            isum = cuda.shared.array(NT, int64)
+            buf = cuda.shared.array(NBUF, int64)
             info = cuda.shared.array(2, int64)
             blk = cuda.blockIdx.x
             tid = cuda.threadIdx.x
             u = int64(units[blk])
-            b, j, c = prologue(seq_lens, targets, meta, u, tid, isum, info, window_left, granule, min_c, max_per,
+            b, j, c = prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_c, max_per,
                                write_meta != 0 and blk == 0)
             if tid == 0:
                 res[blk, 0] = b
@@ -842,6 +916,7 @@ def _build_decode(spec: DecodeSpec):
     pack = _make_pack(kind)
     allreduce = _make_allreduce(T, NRED, NT)
     prologue, unit_range, seq_span = _make_schedule(NT, QL, WINDOW)
+    NBUF = _sched_buffer_words(NT)
     token_offset = _device(_make_token_offset(PAGED))
     head_base = _device(_make_head_base(PAGED))
 
@@ -895,7 +970,8 @@ def _build_decode(spec: DecodeSpec):
         l_sh = cuda.shared.array(N_ML, float32)
         acc_sh = cuda.shared.array(N_ACC_SH, float32)
         scratch = cuda.shared.array(SCRATCH, float32)
-        isum = cuda.shared.array(NT, int64)
+        lse_sh = cuda.shared.array(R, float32)
+        sched_buf = cuda.shared.array(NBUF, int64)
         info = cuda.shared.array(2, int64)
 
         p = cuda.blockIdx.x
@@ -907,7 +983,7 @@ def _build_decode(spec: DecodeSpec):
         hq0 = h * G
 
         if SCHED:
-            b, j, c = prologue(seq_lens, targets, meta, int64(u), tid, isum, info, window_left, granule,
+            b, j, c = prologue(seq_lens, targets, meta, int64(u), tid, sched_buf, info, window_left, granule,
                                min_unit_granules, max_units_per_seq, write_meta != 0 and p == 0)
             if b < 0:  # no unit for this program: write nothing
                 return
@@ -960,7 +1036,7 @@ def _build_decode(spec: DecodeSpec):
         kf = cuda.local.array(EPT, float32)
         vf = cuda.local.array(N_VF, float32)
         sc = cuda.local.array(NRED, float32)
-        seen = cuda.local.array(NRED, float32)  # 1 where row r sees tile position u (careful tiles)
+        bad = cuda.local.array(N_VF, float32)  # careful tiles: 0, or NaN for a non-finite V entry
         lim0 = length - QL + 1  # query qi sees positions < lim0 + qi
         low0 = lim0 - 1 - window_left  # ... and, with a window, positions >= low0 + qi
         inv_cap = ONE
@@ -997,13 +1073,21 @@ def _build_decode(spec: DecodeSpec):
                 for i in range(NSLOT):
                     for e in range(EW):
                         vf[(uu * NSLOT + i) * EW + e] = unpack(vw[uu * NSLOT + i], e)
-            # a tile holding positions some rows see and others do not (block-uniform)
+            # a tile holding positions some rows see and others do not (block-uniform): its non-finite V
+            # entries are zeroed for the multiply-add and added back as NaN to the rows that see them, below
             careful = False
             if CARE:
                 careful = t0 + BLOCK_N > lim0
                 if WINDOW:
                     if t0 < low0 + WIN_EDGE and t0 + BLOCK_N > low0:
                         careful = True
+                if careful:
+                    for jj in range(N_VF):
+                        vx = vf[jj]
+                        bad[jj] = ZERO
+                        if vx - vx != ZERO:  # inf or NaN
+                            bad[jj] = NAN
+                            vf[jj] = ZERO
             # online softmax, once per tile and row: masked scores become -inf (selected, not multiplied)
             for r in range(R):
                 mo = m[r]
@@ -1024,8 +1108,6 @@ def _build_decode(spec: DecodeSpec):
                             vis = False
                     if not vis:
                         x = NEG_INF
-                    if CARE:
-                        seen[uu * R + r] = ONE if vis else ZERO
                     sc[uu * R + r] = x
                     if not (x <= mn) and mn == mn:  # max that keeps a NaN (max() would drop it)
                         mn = x
@@ -1040,25 +1122,23 @@ def _build_decode(spec: DecodeSpec):
                     psum += pe
                 l[r] = l[r] * alpha + psum
                 m[r] = mn
-                if CARE and careful:
-                    # nothing from a position the row does not see (0 * NaN would be NaN); NaN in a column
-                    # for a non-finite V entry of a position it sees (the reference's rule)
-                    for jj in range(EPT):
-                        a = acc[r * EPT + jj] * alpha
+                for jj in range(EPT):
+                    a = acc[r * EPT + jj] * alpha
+                    for uu in range(U):
+                        a += sc[uu * R + r] * vf[uu * EPT + jj]
+                    acc[r * EPT + jj] = a
+            if CARE:
+                if careful:  # NaN in a column for a non-finite V entry of a position the row sees
+                    for r in range(R):
                         for uu in range(U):
-                            if seen[uu * R + r] != ZERO:
-                                vx = vf[uu * EPT + jj]
-                                if vx - vx != ZERO:
-                                    a = NAN
-                                else:
-                                    a += sc[uu * R + r] * vx
-                        acc[r * EPT + jj] = a
-                else:
-                    for jj in range(EPT):
-                        a = acc[r * EPT + jj] * alpha
-                        for uu in range(U):
-                            a += sc[uu * R + r] * vf[uu * EPT + jj]
-                        acc[r * EPT + jj] = a
+                            pos = t0 + uu * NG + grp
+                            vis = pos < hi and pos < lim0 + r // G
+                            if WINDOW:
+                                if pos < low0 + r // G:
+                                    vis = False
+                            if vis:
+                                for jj in range(EPT):
+                                    acc[r * EPT + jj] += bad[uu * EPT + jj]
 
         # merge the token groups' states through shared memory
         if lane == 0:
@@ -1080,12 +1160,8 @@ def _build_decode(spec: DecodeSpec):
                 if not (mg <= mx) and mx == mx:  # NaN-keeping max
                     mx = mg
             fac[r] = ZERO
-            qi = r // G
-            hq = hq0 + r - qi * G
-            if mx == NEG_INF:
-                if r % NT == tid:
-                    store_lse(lse_out, ws_lse, direct, b, qi, hq, u, empty_lse(sinks, hq, direct))
-            else:
+            lse = NEG_INF
+            if mx != NEG_INF:
                 tot = ZERO
                 for g2 in range(NG):
                     mg = m_sh[g2 * R + r]
@@ -1095,13 +1171,20 @@ def _build_decode(spec: DecodeSpec):
                 f = vsc / tot  # the fp8 cache's v_scale joins the normalization
                 if SINKS:
                     if direct:  # lse' = logaddexp(lse, sink), o' = o exp(lse - lse')
-                        lse, fs = _sink_join(lse, sinks[hq])
+                        lse, fs = _sink_join(lse, sinks[hq0 + r - (r // G) * G])
                         f = f * fs
                 mine = m_sh[grp * R + r]
                 if mine != NEG_INF:
                     fac[r] = math.exp(mine - mx) * f
-                if r % NT == tid:
-                    store_lse(lse_out, ws_lse, direct, b, qi, hq, u, lse)
+            if r % NT == tid:  # the row's lse, stored below by this same thread (small unrolled body)
+                lse_sh[r] = lse
+        for r in range(tid, R, NT):
+            qi = r // G
+            hq = hq0 + r - qi * G
+            x = lse_sh[r]
+            if x == NEG_INF:  # nothing visible: -inf, or the sink for a direct row
+                x = empty_lse(sinks, hq, direct)
+            store_lse(lse_out, ws_lse, direct, b, qi, hq, u, x)
         for r0 in range(0, R, RB):
             for r in range(R):
                 if r >= r0 and r < r0 + RB:
