@@ -120,7 +120,12 @@ def _check_partial_launch(x, plan, workspace, out, lse):
 
 # -- the device-side schedule's integers --------------------------------------------------------------
 
-def _probe(lens, sched: Schedule, probe_units, *, threads=8, q_len=1, window_left=-1, write_meta=True):
+#: threads per program of the prologue tests: the simulator's few (down to 1), whole warps on a GPU
+PROBE_THREADS = [1, 2, 8] if kernels.SIM else [32, 64, 256]
+
+
+def _probe(lens, sched: Schedule, probe_units, *, threads=PROBE_THREADS[-1], q_len=1, window_left=-1,
+           write_meta=True):
     """Run the kernels' schedule prologue alone: ``(res [n, 6], meta [2B])`` (kernels.schedule_probe_kernel)."""
     lens = torch.as_tensor(lens, dtype=torch.int32)
     units = torch.as_tensor(probe_units, dtype=torch.int64)
@@ -180,12 +185,12 @@ def _schedules(draw):
 
 
 @given(sl=_schedules(), q_len=st.integers(1, 3), window=st.sampled_from([-1, 0, 7, 100]),
-       threads=st.sampled_from([1, 2, 8]))
+       threads=st.sampled_from(PROBE_THREADS))
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 def test_prologue_equals_schedule_units(sl, q_len, window, threads):
     """The kernels' prologue computes exactly :func:`attnplan.schedule.schedule_units`'s integers (sequence,
     unit index, token range, units, granules per unit, and ``meta``) for every unit and one past the last,
-    with blocks of 1, 2 and 8 threads (several scan chunks per batch)."""
+    with blocks of 1, 2 and 8 threads in the simulator (several scan chunks per batch; 32 to 256 on a GPU)."""
     sched, lens = sl
     n = schedule_units(lens, sched, q_len, window).num_units
     probe = list(range(n + 1))
@@ -194,9 +199,9 @@ def test_prologue_equals_schedule_units(sl, q_len, window, threads):
 
 
 def test_prologue_over_many_scan_chunks(gen):
-    """3,000 sequences (94 chunks of 8 threads x SCHED_PER): block 0 writes the whole ``meta``; a unit in
-    the middle, the last unit and one past it find their sequence; the targets' bucket and ``c`` come from
-    a total of several thousand granules (a long sequence among short ones gets many units)."""
+    """3,000 sequences (94 chunks of 8 threads x SCHED_PER in the simulator): block 0 writes the whole
+    ``meta``; a unit in the middle, the last unit and one past it find their sequence; the targets' bucket and
+    ``c`` come from a total of several thousand granules (a long sequence among short ones gets many units)."""
     lens = torch.randint(0, 60, (3000,), generator=gen, dtype=torch.int32)
     lens[1234] = 9000
     targets = tuple([0] + [min(3 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)])
@@ -1171,19 +1176,30 @@ def test_gpu_partial_kernel_unit_by_unit(page, gen):
 
 @pytest.mark.gpu
 def test_gpu_decode_batch_65536(gen):
-    """A batch of 65,536 short sequences and one long one under a capacity plan: the prologue loops over the
-    whole batch in every program."""
-    batch = 65536
-    lens = torch.randint(0, 40, (batch,), generator=gen).tolist()
-    lens[12345] = 4000
-    x = make_inputs(batch, 1, 1, 64, lens, page_size=16, capacity=4000, dtype=torch.bfloat16, device="cuda",
-                    generator=torch.Generator("cuda").manual_seed(gen.initial_seed()))
+    """A batch of 65,536 short sequences (0-48 tokens) and one of 4,000 under a capacity plan: every program's
+    prologue loops over the whole batch; every row is written, and a sample of rows (the long one included)
+    equals the reference."""
+    batch, page, long_b = 65536, 16, 12345
+    lens = torch.randint(0, 49, (batch,), generator=gen)
+    x = make_inputs(batch, 1, 1, 64, lens.tolist(), page_size=page, capacity=48, extra_pages=260,
+                    dtype=torch.bfloat16, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    used = torch.zeros(x.k_cache.shape[0], dtype=torch.bool, device="cuda")
+    used[x.block_table.flatten().long()] = True
+    table = torch.zeros(batch, 250, dtype=torch.int32, device="cuda")
+    table[:, :3] = x.block_table
+    table[long_b] = (~used).nonzero().flatten()[:250].to(torch.int32)
+    x.seq_lens[long_b] = 4000
+    x = dataclasses.replace(x, block_table=table)
     w, plan = _plan(x, capacity=True)
     out, lse = _poisoned_io(x)
     w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
-    ref, ref_lse = _reference(x)
-    assert_close_to_reference(out, ref, torch.bfloat16)
-    assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    idx = torch.tensor([0, 1, long_b, batch // 2, batch - 1, *torch.randint(0, batch, (27,), generator=gen).tolist()])
+    sub = idx.cuda()
+    ref, ref_lse = reference.attention(x.q[sub], x.k_cache, x.v_cache, x.seq_lens[sub], table[sub], x.sm_scale)
+    assert_close_to_reference(out[sub], ref, torch.bfloat16)
+    assert_close_to_reference(lse[sub], ref_lse, F32_TOL, what="lse")
+    assert int(schedule_units(x.seq_lens.cpu(), plan.schedule).units[long_b]) > 1
 
 
 @pytest.mark.gpu

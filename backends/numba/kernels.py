@@ -743,7 +743,8 @@ def _make_schedule(threads: int, q_len: int, window: bool):
 
 
 def schedule_probe_kernel(threads: int, q_len: int = 1, window: bool = False):
-    """A kernel that runs only the schedule prologue, for tests of the device-side integers.
+    """A kernel that runs only the schedule prologue, for tests of the device-side integers (``threads`` a
+    multiple of 32 on a GPU; ``ValueError`` otherwise).
 
     Arguments (grid ``(n,)``, ``threads`` threads)::
 
@@ -755,6 +756,8 @@ def schedule_probe_kernel(threads: int, q_len: int = 1, window: bool = False):
                   batch's units
         granule, min_unit_granules, max_units_per_seq, write_meta, window_left: ints
     """
+    if not SIM and threads % 32:
+        raise ValueError(f"the schedule prologue runs whole warps on a GPU: threads {threads} is not a multiple of 32")
     key = (threads, q_len, window)
     kern = _PROBE_CACHE.get(key)
     if kern is None:
