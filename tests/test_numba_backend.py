@@ -1,30 +1,35 @@
-"""The ``numba`` backend against the float64 reference: partial states split by split, the merge
-against :func:`attnplan.state.merge_states`, the single pass, and ``attnplan.decode``.
+"""The ``numba`` backend against the float64 reference: the device-side schedule's integers, the scheduled
+kernel's outputs unit by unit (direct rows, workspace slots, ``meta``), the separate merge against
+:func:`attnplan.state.merge_states`, the single pass, ``attnplan.decode``, strides, 64-bit offsets, NaN
+isolation, the variants, and numba's process-wide patches kept to launches.
 
 On CPU (CI: ``NUMBA_ENABLE_CUDASIM=1``) the kernels run in numba's CUDA simulator at small sizes;
 the module is skipped when the backend is not available. ``gpu``-marked tests add realistic sizes,
-CUDA-graph replay and 64-bit page offsets on a device.
+CUDA-graph replay, a batch of 65,536 and offsets past 2^31 on a device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import threading
 import time
 
-import functools
-
+import numpy
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import attnplan
 from attnplan import reference
 from attnplan.backends import get_backend
+from attnplan.backends.base import Workspace
 from attnplan.problem import DecodeProblem
-from attnplan.state import PartialState, merge_states
+from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
+from attnplan.state import PartialState
 from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison
 
 from conftest import HAS_CUDA
@@ -40,152 +45,383 @@ from numba import cuda  # noqa: E402
 
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 F32_TOL = torch.float32  # partial states are fp32 whatever the input dtype
-
+FP8 = torch.float8_e4m3fn
 
 Case = functools.partial(DecodeCase, dtype="fp16", splits=(1,))
 
 
-def _inputs(case: Case, gen, device=DEVICE):
+def _inputs(case, gen, device=DEVICE, **kw):
+    """Random inputs for ``case`` (``kw``: :func:`attnplan.testing.make_inputs`' other arguments)."""
     hq, hkv = case.heads
     return make_inputs(len(case.lens), hq, hkv, case.head_dim, case.lens, q_len=case.q_len, page_size=case.page,
-                       dtype=DT[case.dtype], device=device, generator=gen)
+                       dtype=DT[case.dtype], device=device, generator=gen, **kw)
 
 
-def _plan(x, num_splits: int, **kernel):
-    """A numba plan for ``x`` with ``num_splits`` forced; ``kernel`` overrides thread-layout keys."""
+def _plan(x, num_splits=None, *, capacity=False, **kernel):
+    """A numba wrapper planned for ``x`` (its variants included) and its plan; ``kernel`` overrides
+    thread-layout keys of the plan."""
     w = attnplan.DecodeWrapper(backend="numba")
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits, capacity=capacity,
+                  window_left=x.window_left, logits_soft_cap=x.soft_cap, sinks=x.sinks, k_scale=x.k_scale,
+                  v_scale=x.v_scale)
     assert plan.backend == "numba"
     if kernel:
-        plan = dataclasses.replace(plan, kernel={**plan.kernel, **kernel})
-    return plan
+        plan = dataclasses.replace(plan, kernel=attnplan.planner.KernelOptions({**plan.kernel, **kernel}))
+    return w, plan
+
+
+def _poisoned_io(x, with_lse=True):
+    out = poison(torch.empty_like(x.q))
+    lse = poison(torch.empty(x.q.shape[:3], device=x.q.device)) if with_lse else None
+    return out, lse
+
+
+def _reference(x, **kw):
+    return reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                               window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks, k_scale=x.k_scale,
+                               v_scale=x.v_scale, **kw)
+
+
+def _check_partial_launch(x, plan, workspace, out, lse):
+    """After ``BACKEND.partial`` alone: one-unit sequences' rows in ``out``/``lse`` equal the reference (sink
+    applied), their workspace slot untouched; every unit of a sequence with several units equals the
+    reference's partial state in its slot, its ``out`` rows untouched; slots past the batch's units untouched;
+    ``meta`` equals the host schedule. Returns the schedule's :class:`~attnplan.schedule.Units`."""
+    ref_st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                      plan.schedule, window_left=x.window_left, soft_cap=x.soft_cap,
+                                      k_scale=x.k_scale, v_scale=x.v_scale)
+    ref_o, ref_lse = _reference(x)
+    n = units.num_units
+    st = workspace.state
+    for b in range(x.q.shape[0]):
+        lo = int(units.indptr[b])
+        if int(units.units[b]) == 1:
+            assert_close_to_reference(out[b], ref_o[b], x.q.dtype, what=f"out of one-unit sequence {b}")
+            if lse is not None:
+                assert_close_to_reference(lse[b], ref_lse[b], F32_TOL, what=f"lse of one-unit sequence {b}")
+            if st is not None:
+                assert torch.isnan(st.lse[0, :, :, lo]).all(), f"one-unit sequence {b} wrote its workspace slot"
+        else:
+            hi = int(units.indptr[b + 1])
+            assert_close_to_reference(st.o[0, :, :, lo:hi], ref_st.o[0, :, :, lo:hi], F32_TOL,
+                                      what=f"o of units {lo}..{hi - 1} (sequence {b})")
+            assert_close_to_reference(st.lse[0, :, :, lo:hi], ref_st.lse[0, :, :, lo:hi], F32_TOL,
+                                      what=f"lse of units {lo}..{hi - 1} (sequence {b})")
+            assert torch.isnan(out[b].float()).all(), f"the partial kernel wrote out rows of sequence {b}"
+    if st is not None:
+        assert torch.isnan(st.o[0, :, :, n:]).all() and torch.isnan(st.lse[0, :, :, n:]).all(), \
+            "a program without a unit wrote its slot"
+    if workspace.meta is not None:
+        bsz = x.q.shape[0]
+        assert workspace.meta[:bsz].tolist() == units.indptr[:-1].tolist()
+        assert workspace.meta[bsz:2 * bsz].tolist() == units.units.tolist()
+    return units
+
+
+# -- the device-side schedule's integers --------------------------------------------------------------
+
+#: threads per program of the prologue tests: the simulator's few (down to 1), whole warps on a GPU
+PROBE_THREADS = [1, 2, 8] if kernels.SIM else [32, 64, 256]
+
+
+def _probe(lens, sched: Schedule, probe_units, *, threads=PROBE_THREADS[-1], q_len=1, window_left=-1,
+           write_meta=True):
+    """Run the kernels' schedule prologue alone: ``(res [n, 6], meta [2B])`` (kernels.schedule_probe_kernel)."""
+    lens = torch.as_tensor(lens, dtype=torch.int32)
+    units = torch.as_tensor(probe_units, dtype=torch.int64)
+    res = torch.full((units.numel(), 6), -7, dtype=torch.int64)
+    meta = torch.full((2 * lens.numel(),), -7, dtype=torch.int32)
+    targets = torch.tensor(sched.targets, dtype=torch.int32)
+    kern = kernels.schedule_probe_kernel(threads, q_len, window_left >= 0)
+    args = (lens, targets, meta, units, res)
+    if HAS_CUDA and not kernels.SIM:
+        dev = [a.cuda() for a in args]
+        with kernels.launch_scope():
+            kern[units.numel(), threads](*(cuda.as_cuda_array(a) for a in dev), sched.granule,
+                                         sched.min_unit_granules, sched.max_units_per_seq, int(write_meta),
+                                         max(window_left, 0))
+        torch.cuda.synchronize()
+        res, meta = dev[4].cpu(), dev[2].cpu()
+    else:
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(5e-5)
+        try:
+            with kernels.launch_scope():
+                kern[units.numel(), threads](*(kernels.sim_array(a.numpy()) for a in args), sched.granule,
+                                             sched.min_unit_granules, sched.max_units_per_seq, int(write_meta),
+                                             max(window_left, 0))
+        finally:
+            sys.setswitchinterval(old)
+    return res, meta
+
+
+def _check_probe(lens, sched, probe_units, res, meta, q_len=1, window_left=-1, write_meta=True):
+    u = schedule_units(lens, sched, q_len, window_left)
+    for row, unit in zip(res.tolist(), probe_units):
+        if unit >= u.num_units:
+            assert row[0] == -1 and row[1:] == [-7] * 5, f"unit {unit} past {u.num_units}: {row}"
+            continue
+        b = int(u.seq[unit])
+        want = [b, unit - int(u.indptr[b]), int(u.start[unit]), int(u.end[unit]), int(u.units[b]),
+                u.granules_per_unit]
+        assert row == want, f"unit {unit}: kernel {row}, schedule_units {want}"
+    if write_meta:
+        bsz = len(lens)
+        assert meta[:bsz].tolist() == u.indptr[:-1].tolist() and meta[bsz:].tolist() == u.units.tolist()
+
+
+@st.composite
+def _schedules(draw):
+    granule = draw(st.sampled_from([16, 32, 48]))
+    min_c = draw(st.integers(1, 3))
+    s_cap = draw(st.integers(2, 9))
+    batch = draw(st.integers(1, 11))
+    raw = draw(st.lists(st.integers(0, 40), min_size=NUM_TARGETS, max_size=NUM_TARGETS))
+    policy = draw(st.sampled_from(["balanced", "forced"]))
+    targets = (0, *raw[1:]) if policy == "balanced" else (0,) * NUM_TARGETS
+    bound = max(batch, max_units_bound(targets, batch, s_cap)) if policy == "balanced" else batch * s_cap
+    lens = draw(st.lists(st.integers(0, 700), min_size=batch, max_size=batch))
+    return Schedule(policy, granule, min_c, s_cap, targets, bound), lens
+
+
+@given(sl=_schedules(), q_len=st.integers(1, 3), window=st.sampled_from([-1, 0, 7, 100]),
+       threads=st.sampled_from(PROBE_THREADS))
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+def test_prologue_equals_schedule_units(sl, q_len, window, threads):
+    """The kernels' prologue computes exactly :func:`attnplan.schedule.schedule_units`'s integers (sequence,
+    unit index, token range, units, granules per unit, and ``meta``) for every unit and one past the last,
+    with blocks of 1, 2 and 8 threads in the simulator (several scan chunks per batch; 32 to 256 on a GPU)."""
+    sched, lens = sl
+    n = schedule_units(lens, sched, q_len, window).num_units
+    probe = list(range(n + 1))
+    res, meta = _probe(lens, sched, probe, threads=threads, q_len=q_len, window_left=window)
+    _check_probe(lens, sched, probe, res, meta, q_len, window)
+
+
+def test_prologue_over_many_scan_chunks(gen):
+    """3,000 sequences (94 chunks of 8 threads x SCHED_PER in the simulator): block 0 writes the whole
+    ``meta``; a unit in the middle, the last unit and one past it find their sequence; the targets' bucket and
+    ``c`` come from a total of several thousand granules (a long sequence among short ones gets many units)."""
+    lens = torch.randint(0, 60, (3000,), generator=gen, dtype=torch.int32)
+    lens[1234] = 9000
+    targets = tuple([0] + [min(3 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)])
+    sched = Schedule("balanced", 16, 1, 64, targets, max_units_bound(targets, 3000, 64))
+    u = schedule_units(lens, sched)
+    assert u.num_units > 3000 and int(u.units[1234]) > 8
+    probe = [u.num_units - 1, int(u.indptr[1234]) + 3, u.num_units]
+    res, meta = _probe(lens, sched, probe)
+    _check_probe(lens, sched, probe, res, meta)
+
+
+@pytest.mark.gpu
+def test_gpu_prologue_batch_65536(gen):
+    """A batch of 65,536 (and one past 2^16) on the device: every unit's integers and ``meta``."""
+    for batch in (65536, 70001):
+        lens = torch.randint(0, 3000, (batch,), generator=gen, dtype=torch.int32)
+        lens[batch // 2] = 2**20
+        targets = tuple([0] + [min(2 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)])
+        sched = Schedule("balanced", 64, 1, 128, targets, max_units_bound(targets, batch, 128))
+        u = schedule_units(lens, sched)
+        probe = list(range(0, u.num_units, 97)) + [u.num_units - 1, u.num_units]
+        res, meta = _probe(lens, sched, probe, threads=256)
+        _check_probe(lens, sched, probe, res, meta)
+
+
+# -- the scheduled kernel, unit by unit ------------------------------------------------------------------
+
+# Small shapes: the simulator runs every CUDA thread in Python. Lengths cover 0, 1, a page boundary (16)
+# and one past it (17), several units; groups 1, 4 and 7; q_len 1 and 3.
+PARTIAL_CASES = [
+    Case((2, 2), 16, (0, 1, 33), dtype="fp16", splits=(3,), tags=("gqa1",)),
+    Case((4, 1), 32, (16, 17, 40), q_len=3, page=16, dtype="bf16", splits=(3,), tags=("page-boundary",)),
+    Case((7, 1), 16, (45, 1, 0), page=4, dtype="fp32", splits=(2,), tags=("group7",)),
+    Case((8, 2), 24, (39, 4), page=1, dtype="bf16", splits=(4,), tags=("page1",)),
+    Case((4, 1), 16, (40,), page=16, dtype="fp16", splits=(16,), tags=("more-splits-than-granules",)),
+    Case((4, 1), 32, (33, 2), q_len=3, dtype="bf16", splits=(3,), tags=("rows-with-nothing-visible",)),
+]
 
 
 def _params(cases):
     return [pytest.param(c, n, id=f"{c.id}-s{n}") for c in cases for n in c.splits]
 
 
-# Small shapes: the simulator runs every CUDA thread in Python. Lengths cover 0, 1, a page
-# boundary (16) and one past it (17); groups 1, 4 and 7; q_len 1 and 3.
-PARTIAL_CASES = [
-    Case((2, 2), 16, (0, 1, 33), dtype="fp16", splits=(3,), tags=("gqa1",)),
-    Case((4, 1), 32, (16, 17), q_len=3, page=16, dtype="bf16", splits=(3,), tags=("page-boundary",)),
-    Case((7, 1), 16, (15, 1, 0), page=4, dtype="fp32", splits=(2,), tags=("group7",)),
-    Case((8, 2), 24, (9, 4), page=1, dtype="bf16", splits=(4,), tags=("page1",)),
-    Case((4, 1), 16, (40,), page=16, dtype="fp16", splits=(16,), tags=("more-splits-than-chunks",)),
-    Case((4, 1), 32, (1, 2), q_len=3, dtype="bf16", splits=(2,), tags=("rows-with-nothing-visible",)),
-]
-
-
 @pytest.mark.parametrize("case,num_splits", _params(PARTIAL_CASES))
-def test_partial_states_match_reference_per_split(case, num_splits, gen):
-    """Each split's (o, lse) against ``reference.partial`` in fp32 tolerance, written into a NaN-filled
-    buffer with two spare splits (which must stay untouched)."""
+def test_partial_kernel_unit_by_unit(case, num_splits, gen):
+    """``partial`` alone: direct rows, workspace slots and ``meta`` (:func:`_check_partial_launch`), workspace
+    and outputs poisoned with NaN; then the merge completes ``out`` to the reference."""
     x = _inputs(case, gen)
-    plan = _plan(x, num_splits)
-    assert plan.num_splits == num_splits and not plan.single_pass
-    b, ql, hq, d = x.q.shape
-    state = PartialState.empty(b, ql, hq, num_splits + 2, d, device=DEVICE).fill_(float("nan"))
-    BACKEND.partial(plan, x, state)
-    ref = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
-                            plan.chunk_size, plan.num_splits)
-    for s in range(num_splits):
-        assert_close_to_reference(state.o[:, :, :, s], ref.o[:, :, :, s], F32_TOL, what=f"o of split {s}")
-        assert_close_to_reference(state.lse[:, :, :, s], ref.lse[:, :, :, s], F32_TOL, what=f"lse of split {s}")
-    assert torch.isnan(state.o[:, :, :, num_splits:]).all() and torch.isnan(state.lse[:, :, :, num_splits:]).all(), \
-        "partial wrote beyond plan.num_splits"
+    w, plan = _plan(x, num_splits)
+    assert plan.num_splits == num_splits and not plan.single_pass and plan.merge == "separate"
+    assert plan.grid == (plan.schedule.max_units * case.heads[1],)
+    w.workspace.state.fill_(float("nan"))
+    w.workspace.meta.fill_(-1)
+    out, lse = _poisoned_io(x)
+    BACKEND.partial(plan, x, w.workspace, out, lse)
+    units = _check_partial_launch(x, plan, w.workspace, out, lse)
+    assert int(units.units.max()) > 1 or not kernels.SIM, "the case should split a sequence"
+    BACKEND.merge(plan, w.workspace, out, lse)
+    ref, ref_lse = _reference(x)
+    assert_close_to_reference(out, ref, x.q.dtype)
+    assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
 
 
-def test_empty_splits_and_empty_rows_are_zero_and_neg_inf(gen):
-    """A zero-length sequence, splits past a sequence's end, and queries with nothing visible in a
-    chunk all give exactly o = 0, lse = -inf (never NaN, never +inf)."""
-    x = _inputs(Case((4, 1), 16, (0, 3), q_len=3, dtype="bf16"), gen)
-    plan = _plan(x, 4)
-    state = PartialState.empty(2, 3, 4, 4, 16, device=DEVICE).fill_(float("nan"))
-    BACKEND.partial(plan, x, state)
-    chunk = plan.chunk_size
-    assert chunk >= 3
-    # sequence 0 (length 0): every split empty; sequence 1: splits >= 1 start past its end
-    for b, s in [(0, 0), (0, 1), (0, 3), (1, 1), (1, 2), (1, 3)]:
-        assert torch.equal(state.o[b, :, :, s], torch.zeros_like(state.o[b, :, :, s]))
-        assert torch.isneginf(state.lse[b, :, :, s]).all()
-    # sequence 1, length 3, q_len 3: query 0 sees position 0 only; all its split-0 rows are live
-    assert torch.isfinite(state.lse[1, :, :, 0]).all()
+def test_rows_with_nothing_visible_in_a_live_unit(gen):
+    """Length 2G + 1 (G the granule), q_len 3, 3 forced units of one granule each: the last unit [2G, 2G + 1)
+    holds only a position queries 0 and 1 cannot see (exactly o = 0, lse = -inf in its slot); query 2 sees
+    that position alone there (o = v[2G], lse = scale q.k[2G])."""
+    x = _inputs(Case((4, 1), 16, (40,), q_len=3, dtype="fp32"), gen, capacity=1024)
+    w, plan = _plan(x, 3)
+    g = plan.schedule.granule
+    length = 2 * g + 1
+    x.seq_lens.fill_(length)
+    u = schedule_units([length], plan.schedule, q_len=3)
+    assert u.start.tolist() == [0, g, 2 * g] and u.end.tolist() == [g, 2 * g, length]
+    w.workspace.state.fill_(float("nan"))
+    out, lse = _poisoned_io(x)
+    BACKEND.partial(plan, x, w.workspace, out, lse)
+    st = w.workspace.state
+    assert torch.isneginf(st.lse[0, :2, :, 2]).all()
+    assert torch.equal(st.o[0, :2, :, 2], torch.zeros_like(st.o[0, :2, :, 2]))
+    v = x.v_cache[0, 2 * g, 0].double().cpu()
+    assert torch.allclose(st.o[0, 2, :, 2].double().cpu(), v.expand(4, 16), atol=1e-6)
+    expect = (x.q[0, 2].double().cpu() @ x.k_cache[0, 2 * g, 0].double().cpu()) * x.sm_scale
+    assert torch.allclose(st.lse[0, 2, :, 2].double().cpu(), expect, atol=1e-5)
 
 
-def test_row_with_no_visible_position_in_a_live_chunk(gen):
-    """Length 1 with q_len 3: queries 0 and 1 see nothing, query 2 sees position 0, in one chunk."""
-    x = _inputs(Case((4, 1), 16, (1,), q_len=3, dtype="fp32"), gen)
-    plan = _plan(x, 2)
-    state = PartialState.empty(1, 3, 4, 2, 16, device=DEVICE).fill_(float("nan"))
-    BACKEND.partial(plan, x, state)
-    assert torch.isneginf(state.lse[0, :2, :, 0]).all()
-    assert torch.equal(state.o[0, :2, :, 0], torch.zeros_like(state.o[0, :2, :, 0]))
-    # query 2 attends to exactly one position: o = v[0], lse = scale * q.k
-    v0 = x.v_cache[0, 0, 0].double().cpu()
-    assert torch.allclose(state.o[0, 2, :, 0].double().cpu(), v0.expand(4, 16), atol=1e-6)
-    expect = (x.q[0, 2].double().cpu() @ x.k_cache[0, 0, 0].double().cpu()) * x.sm_scale
-    assert torch.allclose(state.lse[0, 2, :, 0].double().cpu(), expect, atol=1e-5)
+def test_empty_sequence_in_a_split_plan_is_written_directly(gen):
+    """A zero-length sequence has one empty unit: its rows are o = 0, lse = -inf (the sink, with sinks) in
+    ``out`` exactly, never NaN, and its slot is untouched."""
+    x = _inputs(Case((4, 1), 16, (0, 40), q_len=2, dtype="bf16"), gen)
+    for sinks in (None, torch.randn(4, generator=gen).to(DEVICE)):
+        xs = dataclasses.replace(x, sinks=sinks)
+        w, plan = _plan(xs, 3)
+        w.workspace.state.fill_(float("nan"))
+        out, lse = _poisoned_io(x)
+        BACKEND.run(plan, xs, w.workspace, out, lse)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        want = torch.full((2, 4), float("-inf"), device=DEVICE) if sinks is None else sinks.expand(2, 4)
+        assert torch.equal(lse[0], want)
+        assert torch.isnan(w.workspace.state.lse[0, :, :, 0]).all()
+        ref, ref_lse = _reference(xs)
+        assert_close_to_reference(out, ref, torch.bfloat16)
+        assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
 
 
-def test_last_split_runs_on_past_the_planned_length(gen):
-    """A plan made for length 20 (2 splits) serves a length 30 tokens past the plan's reach: the last
-    split covers [chunk, L). The chunk is the backend's tile-aligned one (16 tokens under the
-    simulator, up to 256 on a GPU), so L is taken from the plan."""
-    hq, hkv, d = 4, 1, 16
-    x = make_inputs(1, hq, hkv, d, [20], page_size=4, capacity=1024, dtype=torch.bfloat16, device=DEVICE,
+def test_live_plan_serves_any_lengths_up_to_the_capacity(gen):
+    """A plan made for the live lengths (20, 3, 3, 300; capacity 600) serves the batch after its lengths
+    changed to (590, 600, 3, 0): the schedule maps them to units on the device (never more than the plan's
+    slots)."""
+    x = make_inputs(4, 4, 1, 16, [20, 3, 3, 300], page_size=4, capacity=600, dtype=torch.bfloat16, device=DEVICE,
                     generator=gen)
-    plan = _plan(x, 2)
-    assert plan.num_splits == 2 and plan.max_tokens + 30 <= 1024
-    x.seq_lens.fill_(plan.max_tokens + 30)
-    state = PartialState.empty(1, 1, hq, 2, d, device=DEVICE).fill_(float("nan"))
-    BACKEND.partial(plan, x, state)
-    ref = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size, 2)
-    assert_close_to_reference(state.o, ref.o, F32_TOL, what="o")
-    assert_close_to_reference(state.lse, ref.lse, F32_TOL, what="lse")
-    out = poison(torch.empty_like(x.q))
-    BACKEND.run(plan, x, state, out)
-    full, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
-    assert_close_to_reference(out, full, torch.bfloat16)
+    w, plan = _plan(x)
+    assert not plan.single_pass
+    x.seq_lens.copy_(torch.tensor([590, 600, 3, 0], dtype=torch.int32))
+    out, lse = _poisoned_io(x)
+    if w.workspace.state is not None:
+        w.workspace.state.fill_(float("nan"))
+    BACKEND.run(plan, x, w.workspace, out, lse)
+    ref, ref_lse = _reference(x)
+    assert_close_to_reference(out, ref, torch.bfloat16)
+    assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
+    assert schedule_units([590, 600, 3, 0], plan.schedule).num_units <= plan.schedule.max_units
 
 
-# -- merge -------------------------------------------------------------------------------------------
+def test_many_sequences_over_several_scan_chunks(gen):
+    """40 sequences (more than one prologue chunk of 8 threads x SCHED_PER), one long among short and empty
+    ones, up to 4 units each: every row equals the reference, unit by unit."""
+    lens = [0, 1, 5] * 13 + [150]
+    x = make_inputs(40, 2, 1, 16, lens, dtype=torch.float16, device=DEVICE, generator=gen, capacity=150)
+    w, plan = _plan(x, 4)
+    assert 40 > 8 * kernels.SCHED_PER or HAS_CUDA
+    w.workspace.state.fill_(float("nan"))
+    out, lse = _poisoned_io(x)
+    BACKEND.partial(plan, x, w.workspace, out, lse)
+    units = _check_partial_launch(x, plan, w.workspace, out, lse)
+    assert int(units.units[39]) > 1 or not kernels.SIM
+    BACKEND.merge(plan, w.workspace, out, lse)
+    ref, ref_lse = _reference(x)
+    assert_close_to_reference(out, ref, torch.float16)
+    assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
 
-def _random_state(batch, q_len, heads, splits, d, gen, empty_frac=0.3):
-    o = torch.randn(batch, q_len, heads, splits, d, generator=gen)
-    lse = torch.randn(batch, q_len, heads, splits, generator=gen) * 3
-    empty = torch.rand(batch, q_len, heads, splits, generator=gen) < empty_frac
-    empty[0, 0, 0] = True  # one all-empty row
+
+# -- the separate merge ------------------------------------------------------------------------------------
+
+def _ragged_state(q_len, heads, units, d, gen, empty_frac=0.3):
+    """A random ragged state for ``units`` per sequence (slots in order, 2 spare slots poisoned), with
+    ``meta`` and ``indptr``; row (sequence 0, query 0, head 0) all empty; empty states' ``o`` is NaN (never
+    read)."""
+    n = sum(units)
+    o = torch.randn(1, q_len, heads, n + 2, d, generator=gen)
+    lse = torch.randn(1, q_len, heads, n + 2, generator=gen) * 3
+    empty = torch.rand(1, q_len, heads, n + 2, generator=gen) < empty_frac
+    empty[0, 0, 0, :units[0]] = True
     lse[empty] = float("-inf")
-    o[empty] = float("nan")  # an empty split's o must never be read (merge_states masks it too)
-    return PartialState(o.to(DEVICE), lse.to(DEVICE))
+    o[empty] = float("nan")
+    o[..., n:, :] = float("nan")
+    lse[..., n:] = float("nan")
+    indptr = torch.tensor([0, *numpy.cumsum(units).tolist()], dtype=torch.int64)
+    meta = torch.tensor([*indptr[:-1].tolist(), *units], dtype=torch.int32)
+    return PartialState(o.to(DEVICE), lse.to(DEVICE)), meta.to(DEVICE), indptr
+
+
+def _workspace(state, meta):
+    return Workspace(state, meta, None, torch.zeros(NUM_TARGETS, dtype=torch.int32, device=DEVICE),
+                     (0,) * NUM_TARGETS)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("num_splits", [1, 3, 7])
-def test_merge_matches_merge_states(dtype, num_splits, gen):
-    """The merge kernel against ``merge_states`` (float64) over the first ``plan.num_splits`` splits of a
-    buffer with NaN-filled spare splits; an all-empty row gives 0 / -inf."""
-    x = _inputs(Case((4, 2), 16, (20, 5), q_len=2, dtype=dtype), gen)
-    plan = dataclasses.replace(_plan(x, max(num_splits, 2)), num_splits=num_splits)
-    st = _random_state(2, 2, 4, num_splits, 16, gen)
-    buf = PartialState.empty(2, 2, 4, num_splits + 2, 16, device=DEVICE).fill_(float("nan"))
-    buf.o[:, :, :, :num_splits] = st.o
-    buf.lse[:, :, :, :num_splits] = st.lse
-    out = poison(torch.empty(2, 2, 4, 16, dtype=DT[dtype], device=DEVICE))
-    lse = poison(torch.empty(2, 2, 4, device=DEVICE))
-    BACKEND.merge(plan, buf, out, lse)
-    ref_o, ref_lse = reference.merge(st)
-    assert_close_to_reference(out, ref_o, DT[dtype])
-    assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
+def test_merge_matches_merge_states(dtype, gen):
+    """The merge kernel against ``merge_states(..., indptr=...)`` (float64) on the rows of sequences with
+    2, 3 and 7 units; rows of one-unit sequences are left as they were (poison stays); an all-empty row
+    gives 0 / -inf; without lse the same out."""
+    units = [3, 1, 7, 2, 1]
+    st, meta, indptr = _ragged_state(2, 4, units, 16, gen)
+    x = _inputs(Case((4, 2), 16, (20,) * 5, q_len=2, dtype=dtype), gen)
+    _, plan = _plan(x, 7)
+    ws = _workspace(st, meta)
+    out = poison(torch.empty(5, 2, 4, 16, dtype=DT[dtype], device=DEVICE))
+    lse = poison(torch.empty(5, 2, 4, device=DEVICE))
+    BACKEND.merge(plan, ws, out, lse)
+    ref_o, ref_lse = reference.merge(st, indptr=indptr)
+    many = [b for b, n in enumerate(units) if n > 1]
+    assert_close_to_reference(out[many], ref_o[many], DT[dtype])
+    assert_close_to_reference(lse[many], ref_lse[many], F32_TOL, what="lse")
+    assert torch.isnan(out[[1, 4]].float()).all() and torch.isnan(lse[[1, 4]]).all()
     assert torch.equal(out[0, 0, 0].float(), torch.zeros(16, device=DEVICE)) and torch.isneginf(lse[0, 0, 0])
     out2 = poison(torch.empty_like(out))
-    BACKEND.merge(plan, buf, out2, None)  # without lse
-    assert torch.equal(out2, out)
+    BACKEND.merge(plan, ws, out2, None)
+    assert torch.equal(out2[many], out[many])
 
 
-def test_merge_seed_003_worked_example():
-    """Scores [0, ln2, ln3, ln4] and V [1, 2, 4, 8] in two splits merge to 4.9 (not the naive 3.976)."""
+def test_merge_nan_state_is_nan_never_an_empty_row(gen):
+    """NaN in a non-empty state makes its row NaN, whether the other states are empty or not and wherever
+    it sits (first or last slot), with and without sinks; an empty state's NaN ``o`` is never read. (A merge
+    whose maximum skips NaN returned such a row as o = 0, lse = -inf: an empty row.)"""
+    st, meta, indptr = _ragged_state(1, 2, [3, 3, 2], 16, gen, empty_frac=0.0)
+    st.lse[0, 0, 0, 0:3] = torch.tensor([float("nan"), float("-inf"), float("-inf")])  # NaN + empties
+    st.lse[0, 0, 1, 0:3] = torch.tensor([0.5, 1.0, float("nan")])  # NaN last among finite
+    st.o[0, 0, 0, 3] = float("nan")  # NaN o of a finite state: that row NaN in every column it weighs
+    st.lse[0, 0, :, 6:8] = float("-inf")  # sequence 2 all empty: o never read
+    st.o[0, 0, :, 6:8] = float("nan")
+    x = _inputs(Case((2, 1), 16, (20,) * 3), gen)
+    _, plan = _plan(x, 3)
+    for sinks in (None, torch.tensor([0.3, float("-inf")], device=DEVICE)):
+        out = poison(torch.empty(3, 1, 2, 16, dtype=torch.float32, device=DEVICE))
+        lse = poison(torch.empty(3, 1, 2, device=DEVICE))
+        BACKEND.merge(plan, _workspace(st, meta), out, lse, sinks)
+        ref_o, ref_lse = reference.merge(st, sinks, indptr=indptr)
+        assert torch.isnan(ref_o[0, 0]).all() and torch.isnan(ref_lse[0, 0]).all()
+        assert torch.equal(torch.isnan(out.cpu()), torch.isnan(ref_o)), "NaN where the contract has NaN, only there"
+        assert torch.equal(torch.isnan(lse.cpu()), torch.isnan(ref_lse))
+        keep = ~torch.isnan(ref_o)
+        assert_close_to_reference(out.cpu()[keep], ref_o[keep], torch.float32)
+        assert torch.equal(out[2], torch.zeros_like(out[2]))
+        assert_close_to_reference(lse[2], ref_lse[2], F32_TOL, what="empty rows' lse")
+
+
+def test_merge_worked_example():
+    """Scores [0, ln2, ln3, ln4] and V [1, 2, 4, 8] in two units merge to 4.9 (averaging the halves would give
+    3.976) and lse ln 10 (Flash-Decoding's rescaling to a common log-sum-exp)."""
     def state(scores, values):
         s = torch.tensor(scores, dtype=torch.float64)
         lse = torch.logsumexp(s, 0)
@@ -195,12 +431,34 @@ def test_merge_seed_003_worked_example():
     o = torch.stack([oa, ob]).float().view(1, 1, 1, 2, 1).expand(1, 1, 1, 2, 16).contiguous().to(DEVICE)
     lse = torch.stack([la, lb]).float().view(1, 1, 1, 2).to(DEVICE)
     x = make_inputs(1, 1, 1, 16, [32], dtype=torch.float32, device=DEVICE)
-    plan = _plan(x, 2)
+    _, plan = _plan(x, 2)
     out = poison(torch.empty(1, 1, 1, 16, device=DEVICE))
     out_lse = poison(torch.empty(1, 1, 1, device=DEVICE))
-    BACKEND.merge(plan, PartialState(o, lse), out, out_lse)
+    meta = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    BACKEND.merge(plan, _workspace(PartialState(o, lse), meta), out, out_lse)
     assert torch.allclose(out.cpu(), torch.full((1, 1, 1, 16), 4.9), atol=1e-5)
     assert abs(float(out_lse) - math.log(10)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_merge_with_sinks_matches_merge_states(dtype, gen):
+    """Sinks join the denominator once, after the merge (against ``merge_states`` with sinks): an all-empty
+    row gives o = 0 and lse = its sink; a ``-inf`` sink is no sink (no NaN on an empty row); a ``+inf`` sink
+    takes all the weight (o = 0, lse = +inf)."""
+    units = [3, 2, 4]
+    st, meta, indptr = _ragged_state(2, 4, units, 16, gen)
+    x = _inputs(Case((4, 2), 16, (20, 5, 7), q_len=2, dtype=dtype), gen)
+    _, plan = _plan(x, 4)
+    ws = _workspace(st, meta)
+    for sinks in ((torch.randn(4, generator=gen) * 2).to(DEVICE),
+                  torch.tensor([float("-inf"), 0.5, float("inf"), -1.0], device=DEVICE)):
+        out = poison(torch.empty(3, 2, 4, 16, dtype=DT[dtype], device=DEVICE))
+        lse = poison(torch.empty(3, 2, 4, device=DEVICE))
+        BACKEND.merge(plan, ws, out, lse, sinks)
+        ref_o, ref_lse = reference.merge(st, sinks, indptr=indptr)
+        assert_close_to_reference(out, ref_o, DT[dtype])
+        assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
+        assert torch.equal(out[0, 0, 0].float(), torch.zeros(16, device=DEVICE)) and lse[0, 0, 0] == sinks[0]
 
 
 # -- single pass and the public API --------------------------------------------------------------------
@@ -214,17 +472,19 @@ SINGLE_CASES = [
 
 @pytest.mark.parametrize("case", SINGLE_CASES, ids=lambda c: c.id)
 def test_single_pass_matches_reference(case, gen):
+    """A single-pass plan (no workspace state, no merge): one program per (sequence, KV head), rows straight
+    into ``out``/``lse``; the same ``out`` without ``lse``."""
     x = _inputs(case, gen)
-    plan = _plan(x, 1)
-    assert plan.single_pass and plan.grid[0] == 1
-    out = poison(torch.empty_like(x.q))
-    lse = poison(torch.empty(x.q.shape[:3], device=DEVICE))
-    BACKEND.single_pass(plan, x, out, lse)
-    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    w, plan = _plan(x, 1)
+    assert plan.single_pass and plan.merge == "none" and w.workspace.state is None
+    assert plan.grid == (len(case.lens) * case.heads[1],)
+    out, lse = _poisoned_io(x)
+    BACKEND.run(plan, x, w.workspace, out, lse)
+    ref, ref_lse = _reference(x)
     assert_close_to_reference(out, ref, DT[case.dtype])
     assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
-    out2 = poison(torch.empty_like(x.q))
-    BACKEND.single_pass(plan, x, out2, None)  # lse not requested
+    out2, _ = _poisoned_io(x, with_lse=False)
+    BACKEND.run(plan, x, w.workspace, out2, None)
     assert torch.equal(out2, out)
 
 
@@ -240,12 +500,11 @@ DECODE_CASES = [
 def test_decode_api_matches_reference(case, num_splits, gen):
     """``attnplan.decode(..., backend="numba", num_splits=N)``: out and lse against the reference."""
     x = _inputs(case, gen)
-    out = poison(torch.empty_like(x.q))
-    lse = poison(torch.empty(x.q.shape[:3], device=DEVICE))
+    out, lse = _poisoned_io(x)
     res = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse,
                           backend="numba", num_splits=num_splits)
     assert res is out
-    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    ref, ref_lse = _reference(x)
     assert_close_to_reference(out, ref, DT[case.dtype])
     assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
 
@@ -263,48 +522,266 @@ def test_one_position_returns_v_bitwise(dtype, num_splits, gen):
     assert torch.equal(out[:, 0], v.repeat_interleave(2, dim=1))
 
 
+def test_plan_with_the_fused_merge_is_refused(gen):
+    """numba implements the separate merge only; a plan asking for the fused one is an error, not a silent
+    output of unmerged rows."""
+    x = _inputs(Case((4, 1), 16, (40,)), gen)
+    w, plan = _plan(x, 3)
+    with pytest.raises(ValueError, match="fused"):
+        BACKEND.partial(dataclasses.replace(plan, merge="fused"), x, w.workspace, *_poisoned_io(x))
+    with pytest.raises(ValueError, match="state and meta"):
+        BACKEND.merge(plan, dataclasses.replace(w.workspace, meta=None), *_poisoned_io(x))
+
+
 # -- thread layouts, strides, word views ----------------------------------------------------------------
 
 @pytest.mark.parametrize("lanes", [1, 4, 8])
 def test_other_thread_layouts(lanes, gen):
     """Lanes per position 1 (no lane reduction), 4 (head_dim 24 = 6 words over 4 lanes: a partial
-    slot) and 8 (one token group per program on the simulator)."""
-    x = _inputs(Case((4, 1), 24, (29, 6), q_len=2, page=4, dtype="bf16"), gen)
+    slot) and 8 (one token group per program on the simulator), unit by unit."""
+    x = _inputs(Case((4, 1), 24, (29, 6, 40), q_len=2, page=4, dtype="bf16"), gen)
     threads = 8 if not HAS_CUDA else 64
-    plan = _plan(x, 3, lanes=lanes, threads=threads, unroll=2)
-    state = PartialState.empty(2, 2, 4, 3, 24, device=DEVICE).fill_(float("nan"))
-    BACKEND.partial(plan, x, state)
-    ref = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size, 3)
-    assert_close_to_reference(state.o, ref.o, F32_TOL, what="o")
-    assert_close_to_reference(state.lse, ref.lse, F32_TOL, what="lse")
+    w, plan = _plan(x, 3, lanes=lanes, threads=threads, unroll=2)
+    w.workspace.state.fill_(float("nan"))
+    out, lse = _poisoned_io(x)
+    BACKEND.partial(plan, x, w.workspace, out, lse)
+    _check_partial_launch(x, plan, w.workspace, out, lse)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_strided_inputs_and_element_words(dtype, gen):
-    """A non-contiguous q, a cache whose strides forbid the 8-byte word view (read element by
-    element), and a partial-state buffer that is a slice of a larger one."""
+    """A non-contiguous q, a cache whose strides forbid the 8-byte word view (read element by element),
+    ``out``/``lse`` with padded leading strides, ``seq_lens`` with stride 2, a block table with padded rows
+    and column stride 2: every stride is honoured (same results as the contiguous tensors)."""
     dt = DT[dtype]
-    b, hq, hkv, d, lens = 2, 4, 2, 16, [21, 9]
-    base = make_inputs(b, hq, hkv, d, lens, q_len=2, dtype=dt, device=DEVICE, generator=gen)
+    b, hq, hkv, d, lens = 3, 4, 2, 16, [21, 9, 40]
+    base = make_inputs(b, hq, hkv, d, lens, q_len=2, page_size=4, dtype=dt, device=DEVICE, generator=gen)
     q = base.q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, Q, H, D] with H-major storage
-    wide_k = torch.randn(b, 21, hkv, d + 2, generator=gen).to(dt).to(DEVICE)
-    wide_v = torch.randn(b, 21, hkv, d + 2, generator=gen).to(dt).to(DEVICE)
+    pages = base.k_cache.shape[0]
+    wide_k = torch.randn(pages, 4, hkv, d + 2, generator=gen).to(dt).to(DEVICE)
+    wide_v = torch.randn(pages, 4, hkv, d + 2, generator=gen).to(dt).to(DEVICE)
     k, v = wide_k[..., 1:d + 1], wide_v[..., 1:d + 1]  # storage offset 1, row stride d + 2
     with pytest.raises(RuntimeError):
         k.view(torch.int64)
-    x = dataclasses.replace(base, q=q, k_cache=k, v_cache=v)
+    lens_strided = torch.zeros(2 * b, dtype=torch.int32, device=DEVICE)[::2]
+    lens_strided.copy_(base.seq_lens)
+    bt = base.block_table
+    table = torch.full((b + 1, 2 * bt.shape[1] + 3), -1, dtype=torch.int32, device=DEVICE)[1:, ::2]
+    table[:, :bt.shape[1]] = bt
+    table = table[:, :bt.shape[1]]
+    assert table.stride() == (2 * bt.shape[1] + 3, 2) and lens_strided.stride() == (2,)
+    x = dataclasses.replace(base, q=q, k_cache=k, v_cache=v, seq_lens=lens_strided, block_table=table)
     assert not q.is_contiguous()
-    plan = _plan(x, 3)
-    big = PartialState.empty(b, 2, hq, 5, d + 4, device=DEVICE).fill_(float("nan"))
-    state = PartialState(big.o[:, :, :, 1:4, 2:d + 2], big.lse[:, :, :, 1:4])
-    BACKEND.partial(plan, x, state)
-    ref = reference.partial(q, k, v, x.seq_lens, None, x.sm_scale, plan.chunk_size, 3)
-    assert_close_to_reference(state.o, ref.o, F32_TOL, what="o")
-    assert_close_to_reference(state.lse, ref.lse, F32_TOL, what="lse")
-    assert torch.isnan(big.lse[:, :, :, 0]).all() and torch.isnan(big.o[..., :2]).all()
-    out = attnplan.decode(q, k, v, x.seq_lens, backend="numba", num_splits=2)
-    ref_o, _ = reference.attention(q, k, v, x.seq_lens, None, x.sm_scale)
-    assert_close_to_reference(out, ref_o, dt)
+    ref, ref_lse = reference.attention(q, k, v, base.seq_lens, bt, base.sm_scale)
+    for splits in (1, 3):
+        w, plan = _plan(dataclasses.replace(x, seq_lens=base.seq_lens, block_table=bt), splits)
+        big = poison(torch.empty(b + 1, 3, hq + 1, d + 4, dtype=dt, device=DEVICE))
+        out = big[1:, 1:, :hq, 2:d + 2]
+        big_lse = poison(torch.empty(b, 2, 2 * hq + 1, device=DEVICE))
+        lse = big_lse[:, :, 1:2 * hq:2]
+        BACKEND.run(plan, x, w.workspace, out, lse)
+        assert_close_to_reference(out, ref, dt)
+        assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
+        assert torch.isnan(big[0].float()).all() and torch.isnan(big[:, 0].float()).all()
+        assert torch.isnan(big_lse[:, :, 0]).all() and torch.isnan(big_lse[:, :, 2::2]).all()
+    assert any(spec.ew == 1 for spec in kernels._DECODE_CACHE)
+
+
+# -- 64-bit offsets ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_offsets_are_64_bit_in_the_compiled_arithmetic(paged):
+    """The kernels' offset functions, compiled by ``numba.njit`` with int32 strides (what the launcher passes
+    when each stride fits 32 bits) and int32 indices: products past 2^31 come out exact. The simulator computes
+    with Python integers, so this checks the typed arithmetic the GPU compile uses: a head-major cache with a
+    head stride of 2^30 and 3 KV heads (head 2 starts at 2^31), a page id past 2^31 / page stride, a position
+    past 2^31 / token stride."""
+    import numba
+
+    i32 = numpy.int32
+    head_base = numba.njit(kernels._make_head_base(paged))
+    token_offset = numba.njit(kernels._make_token_offset(paged))
+    s0, s1, s2 = i32(2**20), i32(2**12), i32(2**30)
+    base = head_base(i32(2), i32(3), s0, s2)
+    assert base == 2 * 2**30 + (0 if paged else 3 * 2**20)
+    table = numpy.array([[5, 3000, 7]], dtype=numpy.int32)
+    if paged:  # position 20 of page size 16: logical page 1 -> physical page 3000, token 4
+        got = token_offset(table, 0, i32(20), 4, s0, s1, base)
+        assert got == base + 3000 * 2**20 + 4 * 2**12
+    else:
+        got = token_offset(table, 0, i32(2**20 + 5), 0, s0, s1, base)
+        assert got == base + (2**20 + 5) * 2**12
+    assert got > 2**31
+
+
+@pytest.mark.gpu
+def test_gpu_head_major_cache_past_2_31_elements(gen):
+    """A head-major contiguous cache view (head stride 2^30, 3 KV heads): head 2's elements lie past 2^31
+    (a 32-bit head offset would wrap and read out of bounds)."""
+    hkv, d, lens = 3, 64, [700, 333]
+    small = make_inputs(2, 6, hkv, d, lens, dtype=torch.bfloat16, device="cuda", generator=gen)
+    n = hkv * 2**30
+    try:
+        k_buf, v_buf = (torch.zeros(n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    except torch.OutOfMemoryError:
+        pytest.skip("not enough GPU memory for two 6 GiB buffers")
+    cap = small.k_cache.shape[1]
+    k, v = (buf.as_strided((2, cap, hkv, d), (cap * d, d, 2**30, 1)) for buf in (k_buf, v_buf))
+    k.copy_(small.k_cache)
+    v.copy_(small.v_cache)
+    ref, _ = reference.attention(small.q, small.k_cache, small.v_cache, small.seq_lens, None, small.sm_scale)
+    for splits in (1, 3):
+        out = attnplan.decode(small.q, k, v, small.seq_lens, None, backend="numba", num_splits=splits)
+        assert_close_to_reference(out, ref, torch.bfloat16)
+
+
+# -- NaN isolation --------------------------------------------------------------------------------------------
+
+def _assert_nan_pattern_and_values(out, ref, dtype, what="out"):
+    """NaN exactly where the reference has NaN; elsewhere within tolerance."""
+    o, r = out.detach().cpu().double(), ref.double()
+    assert torch.equal(torch.isnan(o), torch.isnan(r)), \
+        f"{what}: NaN at {torch.isnan(o).nonzero()[:6].tolist()}, reference at {torch.isnan(r).nonzero()[:6].tolist()}"
+    keep = ~torch.isnan(r)
+    assert_close_to_reference(o[keep], r[keep], dtype, what=what)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_nan_in_v_reaches_only_rows_that_see_it(num_splits, gen):
+    """q_len 3: NaN in V at the last position of a sequence (seen by query 2 only) and at the one before
+    (queries 1 and 2), in one channel of one KV head: exactly those rows' columns are NaN (``0 * NaN`` from a
+    position a query cannot see made query 0 NaN before). NaN in K at the last position leaves queries 0 and 1
+    exact."""
+    x = _inputs(Case((4, 2), 16, (37, 20), q_len=3, page=16, dtype="bf16"), gen)
+    page = x.block_table[0, 36 // 16].long()
+    x.v_cache[page, 36 % 16, 1, 5] = float("nan")  # position 36: query 2 only
+    x.v_cache[page, 35 % 16, 0, 9] = float("nan")  # position 35: queries 1, 2
+    page1 = x.block_table[1, 19 // 16].long()
+    x.k_cache[page1, 19 % 16, 0, 3] = float("nan")  # sequence 1, position 19: query 2's score only
+    w, plan = _plan(x, num_splits)
+    out, lse = _poisoned_io(x)
+    if w.workspace.state is not None:
+        w.workspace.state.fill_(float("nan"))
+    BACKEND.run(plan, x, w.workspace, out, lse)
+    ref, ref_lse = _reference(x)
+    assert not torch.isnan(ref[0, 0]).any() and torch.isnan(ref[0, 2, 2:4, 5]).all()
+    _assert_nan_pattern_and_values(out, ref, torch.bfloat16)
+    _assert_nan_pattern_and_values(lse, ref_lse, F32_TOL, "lse")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_nan_in_v_before_a_later_querys_window(num_splits, gen):
+    """Window 4, q_len 3: NaN in V at the window's first position (seen by query 0 only; queries 1 and 2
+    start later) leaves queries 1 and 2 exact."""
+    x = _inputs(Case((4, 1), 16, (50, 30), q_len=3, dtype="fp16"), gen)
+    x = dataclasses.replace(x, window_left=4)
+    for b, length in enumerate((50, 30)):
+        x.v_cache[b, length - 3 - 4, 0, 2 + b] = float("nan")  # base = L - q_len - window_left
+    w, plan = _plan(x, num_splits)
+    out, lse = _poisoned_io(x)
+    BACKEND.run(plan, x, w.workspace, out, lse)
+    ref, ref_lse = _reference(x)
+    assert torch.isnan(ref[:, 0]).any() and not torch.isnan(ref[:, 1:]).any()
+    _assert_nan_pattern_and_values(out, ref, torch.float16)
+    _assert_nan_pattern_and_values(lse, ref_lse, F32_TOL, "lse")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_nan_query_gives_nan_rows_not_empty_rows(num_splits, gen):
+    """A NaN query head: its rows that see a position are NaN in ``out`` and ``lse`` (single pass, and split
+    over units merged by the merge kernel); rows that see nothing stay empty; other heads are exact. (A running
+    maximum that skips NaN left ``m = -inf`` and reported such rows as empty: o = 0, lse = -inf.)"""
+    x = _inputs(Case((4, 1), 16, (40, 1), q_len=2, dtype="fp32"), gen)
+    x.q[:, :, 2] = float("nan")
+    w, plan = _plan(x, num_splits)
+    out, lse = _poisoned_io(x)
+    BACKEND.run(plan, x, w.workspace, out, lse)
+    ref, ref_lse = _reference(x)
+    assert torch.isnan(ref_lse[0, :, 2]).all() and torch.isneginf(ref_lse[1, 0, 2])
+    _assert_nan_pattern_and_values(out, ref, torch.float32)
+    _assert_nan_pattern_and_values(lse, ref_lse, F32_TOL, "lse")
+    assert torch.isneginf(lse[1, 0, 2]) and torch.equal(out[1, 0, 2], torch.zeros_like(out[1, 0, 2]))
+
+
+# -- the GPU compile of the kernels, checked on the CPU -----------------------------------------------------
+# The simulator runs the kernels as Python and type-checks nothing; numba's NVVM compiles them to PTX for a
+# compute capability without a driver, in a process where the simulator is off.
+
+_PTX_SCRIPT = r"""
+import os, re, sys
+os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+import numba, torch
+from numba import cuda
+import numba.cuda.dispatcher as dispatcher
+from numba.cuda.cudadrv.error import NvvmSupportError
+
+
+class Sm90:
+    compute_capability = (9, 0)
+
+
+dispatcher.get_current_device = lambda: Sm90()  # device functions compile for sm_90 without a driver
+from attnplan.backends import get_backend
+from attnplan.backends.base import Workspace
+from attnplan.config import load_config
+from attnplan.device import CPU_STANDIN
+from attnplan.planner import make_plan
+from attnplan.testing import make_inputs, problem_of
+import dataclasses
+
+be = get_backend("numba")
+k = be._kernels()
+assert not k.SIM
+launches = []
+be._array = lambda t: (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+be._launch = lambda kern, tag, grid, block, args, device: launches.append((kern, tag, args))
+
+
+def run(q_len, page, window, sinks, splits, dtype, hq, hkv, d):
+    x = make_inputs(2, hq, hkv, d, [40, 7], q_len=q_len, page_size=page, dtype=dtype, capacity=64)
+    x = dataclasses.replace(x, window_left=window, sinks=torch.zeros(hq) if sinks else None)
+    p = problem_of(x)
+    plan = make_plan(p, CPU_STANDIN, load_config(), "numba", be.kernel_config(p, {}, torch.device("cuda")),
+                     num_splits=splits)
+    be.run(plan, x, Workspace.allocate(plan, "cpu"), torch.empty_like(x.q), torch.empty(x.q.shape[:3]))
+
+
+run(1, 16, -1, False, 4, torch.bfloat16, 32, 8, 128)  # the common case: must keep its arrays in registers
+run(3, 16, 9, True, 3, torch.float16, 8, 2, 64)  # q_len 3: the careful tiles; window, sinks
+try:
+    for kern, tag, args in launches:
+        sig = tuple(numba.typeof(a).copy(layout="A") if isinstance(numba.typeof(a), numba.types.Array)
+                    else numba.typeof(a) for a in args)
+        ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
+        local = re.findall(r"__local_depot0\[(\d+)\]", ptx)
+        print(tag, "local", local[0] if local else 0)
+    probe = k.schedule_probe_kernel(256, 2, True)
+    i64, i32 = numba.int64, numba.int32
+    cuda.compile_ptx(probe.py_func, (i32[:], i32[:], i32[:], i64[:], i64[:, :], i64, i64, i64, i64, i64), cc=(9, 0))
+except NvvmSupportError as e:
+    print("NO-NVVM", e)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU runs the compiled kernels themselves")
+def test_gpu_kernels_compile_to_ptx_without_a_gpu():
+    """The scheduled kernel (q_len 1, paged bf16; q_len 3 with window and sinks), the merge and the prologue
+    probe compile for sm_90 through numba's NVVM (typing the GPU path the simulator never types), and the
+    common case keeps its per-row arrays in registers (no local-memory depot: a loop that stops unrolling
+    spills the accumulators)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode == 3 or "NvvmSupportError" in proc.stderr or "libnvvm" in proc.stderr.lower():
+        pytest.skip(f"numba's NVVM is not available: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = dict(line.split(" local ") for line in proc.stdout.splitlines() if " local " in line)
+    plain = [t for t in lines if "-q1-paged-" in t and t.startswith("decode-bf16")]
+    assert plain and lines[plain[0]] == "0", lines
+    assert any(t.startswith("merge-") for t in lines) and any("-q3-" in t for t in lines)
 
 
 # -- declarations, availability, configuration, compilation ----------------------------------------
@@ -322,6 +799,7 @@ def test_supports_gives_reasons():
     assert any("head_dim" in r for r in be.supports(_problem(head_dim=100)))
     assert any("head_dim" in r for r in be.supports(_problem(head_dim=264)))
     assert any("rows" in r for r in be.supports(_problem(num_q_heads=16, num_kv_heads=1, q_len=5)))
+    assert be.merge_strategies == {"separate"}
 
 
 def test_available_reasons():
@@ -357,7 +835,7 @@ def test_kernel_config():
 
 
 def test_kernels_compile_once_per_specialization(gen):
-    x = _inputs(Case((4, 1), 16, (5,), dtype="bf16"), gen)
+    x = _inputs(Case((4, 1), 16, (5, 40), dtype="bf16"), gen)
     attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend="numba", num_splits=2)
     n = len(kernels._DECODE_CACHE), len(kernels._MERGE_CACHE)
     attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend="numba", num_splits=2)
@@ -387,11 +865,8 @@ def test_bit_conversions_match_torch(gen):
 
 # -- attention variants ----------------------------------------------------------------------------------
 # tests/test_variants.py checks every variant through attnplan.decode; these check the kernels' pieces:
-# partial states split by split (window bases, soft cap, fp8 words and single codes), the merge's and
-# the single pass's sinks, the fp8 decoder, and the specialization flags.
-
-FP8 = torch.float8_e4m3fn
-
+# units' states (window bases, soft cap, fp8 words and single codes), the merge's and the direct rows'
+# sinks, the fp8 decoder, and the specialization flags.
 
 def test_fp8_decoder_matches_torch_on_all_256_codes():
     """The kernels' e4m3fn decoder (run in a kernel: compiled on a GPU, simulated on the CPU) against
@@ -400,13 +875,15 @@ def test_fp8_decoder_matches_torch_on_all_256_codes():
     codes = torch.arange(256, dtype=torch.uint8)
     want = codes.view(FP8).float()
     got = torch.full((256,), 12345.0)
-    if HAS_CUDA and not kernels.SIM:
-        dev_codes, dev_out = codes.cuda(), got.cuda()
-        kernels.fp8_decode_kernel()[2, 128](kernels.cuda.as_cuda_array(dev_codes), kernels.cuda.as_cuda_array(dev_out))
-        torch.cuda.synchronize()
-        got = dev_out.cpu()
-    else:
-        kernels.fp8_decode_kernel()[1, 1](kernels.sim_array(codes.numpy()), kernels.sim_array(got.numpy()))
+    with kernels.launch_scope():
+        if HAS_CUDA and not kernels.SIM:
+            dev_codes, dev_out = codes.cuda(), got.cuda()
+            kernels.fp8_decode_kernel()[2, 128](kernels.cuda.as_cuda_array(dev_codes),
+                                                kernels.cuda.as_cuda_array(dev_out))
+            torch.cuda.synchronize()
+            got = dev_out.cpu()
+        else:
+            kernels.fp8_decode_kernel()[1, 1](kernels.sim_array(codes.numpy()), kernels.sim_array(got.numpy()))
     nan = torch.isnan(want)
     assert nan.nonzero().flatten().tolist() == [0x7F, 0xFF]
     assert torch.equal(torch.isnan(got), nan)
@@ -428,54 +905,54 @@ def _variant_inputs(x, *, window=-1, cap=0.0, sinks=None, fp8=None):
 
 VARIANT_PARTIAL_CASES = [
     # (case, variant kwargs, splits)
-    pytest.param(Case((8, 2), 32, (70, 1, 0, 9), q_len=2, page=16), dict(window=9), 3, id="window9-paged-q2"),
-    pytest.param(Case((4, 1), 16, (40, 5), q_len=4), dict(window=2), 4, id="window2-q4-trailing-empty"),
+    pytest.param(Case((8, 2), 32, (70, 1, 0, 9), q_len=2, page=16), dict(window=40), 3, id="window40-paged-q2"),
+    pytest.param(Case((4, 1), 16, (40, 5), q_len=4), dict(window=2), 4, id="window2-q4-one-unit"),
     pytest.param(Case((7, 1), 32, (45, 1)), dict(cap=5.0), 2, id="softcap5-group7"),
     pytest.param(Case((4, 2), 32, (50, 17, 0), page=16, dtype="bf16"), dict(fp8=(0.05, 2.0)), 3,
                  id="fp8-words-paged"),
-    pytest.param(Case((8, 2), 64, (40, 5), q_len=3, page=16, dtype="bf16"), dict(window=11, cap=20.0, fp8=(0.5, 1.5)),
+    pytest.param(Case((8, 2), 64, (40, 5), q_len=3, page=16, dtype="bf16"), dict(window=21, cap=20.0, fp8=(0.5, 1.5)),
                  3, id="window-softcap-fp8-q3"),
+    pytest.param(Case((8, 2), 32, (45, 0, 3), q_len=2, page=16, dtype="bf16"), dict(sinks=True), 3,
+                 id="sinks-direct-rows"),
 ]
 
 
 @pytest.mark.parametrize("case,variant,num_splits", VARIANT_PARTIAL_CASES)
-def test_variant_partial_states_match_reference(case, variant, num_splits, gen):
-    """Each split's state against ``reference.partial`` with the same chunk size and window base;
-    spare splits of the buffer untouched."""
-    x = _variant_inputs(_inputs(case, gen), **variant)
-    w = attnplan.DecodeWrapper(backend="numba")
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits,
-                  window_left=x.window_left, logits_soft_cap=x.soft_cap, k_scale=x.k_scale, v_scale=x.v_scale)
+def test_variant_units_match_reference(case, variant, num_splits, gen):
+    """Each unit's state against ``reference.partial`` on the same schedule (window bases included), direct
+    rows (sinks applied) against the reference, untouched slots and ``meta`` (:func:`_check_partial_launch`);
+    then the merged result."""
+    variant = dict(variant)
+    sinks = torch.randn(case.heads[0], generator=gen).to(DEVICE) if variant.pop("sinks", False) else None
+    x = _variant_inputs(_inputs(case, gen), sinks=sinks, **variant)
+    w, plan = _plan(x, num_splits)
     assert plan.num_splits == num_splits and not plan.single_pass
-    b, ql, hq, d = x.q.shape
-    state = PartialState.empty(b, ql, hq, num_splits + 1, d, device=DEVICE).fill_(float("nan"))
-    BACKEND.partial(plan, x, state)
-    ref = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
-                            num_splits, window_left=x.window_left, soft_cap=x.soft_cap, k_scale=x.k_scale,
-                            v_scale=x.v_scale)
-    assert_close_to_reference(state.o[:, :, :, :num_splits], ref.o, F32_TOL, what="o")
-    assert_close_to_reference(state.lse[:, :, :, :num_splits], ref.lse, F32_TOL, what="lse")
-    assert torch.isnan(state.lse[:, :, :, num_splits:]).all()
+    w.workspace.state.fill_(float("nan"))
+    out, lse = _poisoned_io(x)
+    BACKEND.partial(plan, x, w.workspace, out, lse)
+    _check_partial_launch(x, plan, w.workspace, out, lse)
+    BACKEND.merge(plan, w.workspace, out, lse, x.sinks)
+    ref, ref_lse = _reference(x)
+    assert_close_to_reference(out, ref, x.q.dtype)
+    assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
 
 
-def test_window_rows_with_nothing_visible_and_chunk_bases(gen):
-    """Window 2, q_len 4, length 2: queries 0 and 1 sit before position 0 (empty in every split), and
-    with length 40 the chunks start at the window's base 40 - 4 - 2 = 34, so splits past the first
-    cover nothing and are empty."""
+def test_window_rows_with_nothing_visible_and_unit_bases(gen):
+    """Window 2, q_len 4: with length 2, queries 0 and 1 sit before position 0 (o = 0, lse = -inf exactly);
+    with length 40 the units start at the window's base 40 - 4 - 2 = 34 and query 3 (position 39) sees
+    exactly [37, 39]."""
     x = _variant_inputs(_inputs(Case((4, 1), 16, (2, 40), q_len=4, dtype="fp32"), gen), window=2)
-    w = attnplan.DecodeWrapper(backend="numba")
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, num_splits=3, window_left=2)
-    state = PartialState.empty(2, 4, 4, 3, 16, device=DEVICE).fill_(float("nan"))
-    BACKEND.partial(plan, x, state)
-    assert plan.chunk_size >= 6
-    assert torch.isneginf(state.lse[0, :2]).all() and torch.equal(state.o[0, :2], torch.zeros_like(state.o[0, :2]))
-    assert torch.isfinite(state.lse[1, :, :, 0]).all()
-    assert torch.isneginf(state.lse[1, :, :, 1:]).all() and torch.equal(state.o[1, :, :, 1:],
-                                                                         torch.zeros_like(state.o[1, :, :, 1:]))
-    # query 3 of sequence 1 (position 39) sees exactly [37, 39]
+    w, plan = _plan(x, 3)
+    assert schedule_units([2, 40], plan.schedule, q_len=4, window_left=2).start.tolist() == [0, 34]
+    out, lse = _poisoned_io(x)
+    BACKEND.run(plan, x, w.workspace, out, lse)
+    assert torch.isneginf(lse[0, :2]).all() and torch.equal(out[0, :2], torch.zeros_like(out[0, :2]))
     q, k = x.q[1, 3].double().cpu(), x.k_cache[1, 37:40, 0].double().cpu()
     expect = torch.logsumexp((q @ k.T) * x.sm_scale, dim=-1)
-    assert torch.allclose(state.lse[1, 3, :, 0].double().cpu(), expect, atol=1e-5)
+    assert torch.allclose(lse[1, 3].double().cpu(), expect, atol=1e-5)
+    ref, ref_lse = _reference(x)
+    assert_close_to_reference(out, ref, torch.float32)
+    assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
 
 
 def test_fp8_cache_read_code_by_code(gen):
@@ -500,80 +977,54 @@ def test_fp8_cache_read_code_by_code(gen):
 
 def test_fp8_without_scales_is_an_error(gen):
     x = _inputs(Case((4, 1), 16, (5,), dtype="bf16"), gen)
-    plan = _plan(x, 2)
+    w, plan = _plan(x, 2)
     fp8 = dataclasses.replace(x, k_cache=x.k_cache.to(FP8), v_cache=x.v_cache.to(FP8))
     with pytest.raises(ValueError, match="k_scale and v_scale"):
-        BACKEND.partial(plan, fp8, PartialState.empty(1, 1, 4, 2, 16, device=DEVICE))
-
-
-@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
-def test_merge_with_sinks_matches_merge_states(dtype, gen):
-    """The merge kernel's sinks against ``merge_states`` with sinks, an all-empty row giving o = 0 and
-    lse = its sink; the same plan without sinks leaves them out."""
-    x = _inputs(Case((4, 2), 16, (20, 5), q_len=2, dtype=dtype), gen)
-    plan = dataclasses.replace(_plan(x, 3), num_splits=3)
-    st = _random_state(2, 2, 4, 3, 16, gen)
-    sinks = (torch.randn(4, generator=gen) * 2).to(DEVICE)
-    out = poison(torch.empty(2, 2, 4, 16, dtype=DT[dtype], device=DEVICE))
-    lse = poison(torch.empty(2, 2, 4, device=DEVICE))
-    BACKEND.merge(plan, st, out, lse, sinks)
-    ref_o, ref_lse = reference.merge(st, sinks)
-    assert_close_to_reference(out, ref_o, DT[dtype])
-    assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
-    assert torch.equal(out[0, 0, 0].float(), torch.zeros(16, device=DEVICE)) and lse[0, 0, 0] == sinks[0]
-    BACKEND.merge(plan, st, out, lse)
-    ref_o, ref_lse = reference.merge(st)
-    assert_close_to_reference(out, ref_o, DT[dtype])
-    assert torch.isneginf(lse[0, 0, 0])
+        BACKEND.partial(plan, fp8, w.workspace, *_poisoned_io(x))
 
 
 def test_single_pass_sinks_and_softcap(gen):
     """Single pass (sinks in the epilogue): a zero-length sequence gives o = 0, lse = sink; others
-    match the reference, with and without a soft cap and an lse output."""
+    match the reference, with and without a soft cap and an lse output; a ``-inf`` sink is no sink and a
+    ``+inf`` sink gives o = 0, lse = +inf."""
     x = _inputs(Case((8, 2), 32, (0, 17, 3), q_len=2, page=16, dtype="bf16"), gen)
-    sinks = torch.randn(8, generator=gen).to(DEVICE)
-    plan = _plan(x, 1)
+    w, plan = _plan(x, 1)
     assert plan.single_pass
-    for cap in (0.0, 3.0):
+    for cap, sinks in ((0.0, torch.randn(8, generator=gen).to(DEVICE)), (3.0, torch.randn(8, generator=gen).to(DEVICE)),
+                       (0.0, torch.tensor([float("-inf"), float("inf")] * 4, device=DEVICE))):
         xv = _variant_inputs(x, cap=cap, sinks=sinks)
-        out = poison(torch.empty_like(x.q))
-        lse = poison(torch.empty(x.q.shape[:3], device=DEVICE))
-        BACKEND.single_pass(plan, xv, out, lse)
-        ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
-                                           soft_cap=cap, sinks=sinks)
+        out, lse = _poisoned_io(x)
+        BACKEND.run(plan, xv, w.workspace, out, lse)
+        ref, ref_lse = _reference(xv)
         assert_close_to_reference(out, ref, torch.bfloat16)
         assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
         assert torch.equal(lse[0], sinks.expand(2, 8)) and torch.equal(out[0], torch.zeros_like(out[0]))
-        out2 = poison(torch.empty_like(x.q))
-        BACKEND.single_pass(plan, xv, out2, None)
+        out2, _ = _poisoned_io(x, with_lse=False)
+        BACKEND.run(plan, xv, w.workspace, out2, None)
         assert torch.equal(out2, out)
 
 
 def test_variant_flags_are_specializations(gen):
-    """Variants are compile-time flags: a variant-free launch keeps the variant-free kernel (same tag as
-    before the variants existed), and each variant adds its own specialization; sinks never reach a
-    partial kernel (the merge applies them)."""
-    x = _inputs(Case((4, 1), 16, (20,), dtype="bf16"), gen)
+    """Variants are compile-time flags: a variant-free launch keeps the variant-free kernel, and each
+    variant adds its own specialization; sinks reach the scheduled kernel (its direct rows) and the merge."""
+    x = _inputs(Case((4, 1), 16, (20, 3), dtype="bf16"), gen)
     attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend="numba", num_splits=2)
     plain = {s for s in kernels._DECODE_CACHE if s.head_dim == 16 and s.group == 4 and not s.paged}
-    assert any(not (s.window or s.softcap or s.fp8 or s.sinks) for s in plain)
+    assert any(not (s.window or s.softcap or s.fp8 or s.sinks) and s.sched for s in plain)
     assert all("window" not in s.tag() for s in plain if not s.window)
     sinks = torch.zeros(4, device=DEVICE)
     attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend="numba", num_splits=2, window_left=3, sinks=sinks)
     specs = set(kernels._DECODE_CACHE)
-    assert any(s.window and not s.sinks and not s.single for s in specs)
-    assert not any(s.sinks and not s.single for s in specs)
+    assert any(s.window and s.sinks and s.sched for s in specs)
     assert any(s.sinks for s in kernels._MERGE_CACHE)
-    with pytest.raises(ValueError, match="merge"):
-        kernels.decode_kernel(next(s for s in specs if not s.single)._replace(sinks=True))
 
 
-# -- simulator thread safety ---------------------------------------------------------------------------
+# -- simulator thread safety and the scope of numba's patches -----------------------------------------------------
 # numba's simulator runs each CUDA thread as a Python thread, so a race between them (a missing barrier,
 # or check-then-act on state the simulator fills lazily) only shows when a thread switch lands inside a
-# window of a few bytecodes: the shared-array race below failed 3 of 3000 runs of the fp8 variant test
-# (CI once: test_fp8_kv_per_head_scales[numba-7x1-paged16-fp8], max error 0.24). Under a "switch storm"
-# every C call of a simulated thread yields the GIL first, which makes such a window likely to be hit.
+# window of a few bytecodes: the shared-array race below failed 3 of 3000 runs of an fp8 variant test
+# (max error 0.24). Under a "switch storm" every C call of a simulated thread yields the GIL first, which
+# makes such a window likely to be hit.
 
 def _yield_before_c_calls(frame, event, arg):
     if event == "c_call":
@@ -613,26 +1064,56 @@ def _shared_probe(out):
 
 @pytest.mark.skipif(not kernels.SIM, reason="numba's simulator only")
 def test_simulated_shared_arrays_are_one_per_block_under_thread_switches():
-    """Every thread of a simulated block gets the same ``cuda.shared.array`` per call site, even when
-    the block's threads reach the allocations at once. (numba-cuda's simulator fills its per-launch
-    {call site: array} dict by an unlocked check-then-insert, so two threads could each make their own
-    array; kernels.py makes it atomic. Without that, this test failed 6 runs of 6.)"""
+    """Inside ``kernels.launch_scope()`` every thread of a simulated block gets the same
+    ``cuda.shared.array`` per call site, even when the block's threads reach the allocations at once.
+    (numba-cuda's simulator fills its per-launch {call site: array} dict by an unlocked check-then-insert,
+    so two threads could each make their own array; the scope makes it atomic. Without that, this test
+    failed 6 runs of 6.)"""
     n = 32
     kern = cuda.jit(_shared_probe)
     want = torch.tensor([n * (n - 1) / 2, n * (n - 1)]).expand(2, n, 2)
-    with _thread_switch_storm():
+    with _thread_switch_storm(), kernels.launch_scope():
         for _ in range(12):
             out = torch.full((2, n, 2), float("nan"))
             kern[2, n](kernels.sim_array(out.numpy()))
             assert torch.equal(out, want)
 
 
+def test_numba_patches_last_only_as_long_as_a_launch(monkeypatch, gen):
+    """Importing the kernels changes nothing outside numba's own state; the simulator's shared-array lock (or,
+    on a GPU, ``numpy.row_stack`` where numpy lacks it) is installed inside ``launch_scope()`` only, nested
+    and across a real launch, and removed after."""
+    if kernels.SIM:
+        from numba.cuda.simulator import kernelapi
+
+        assert kernels.SIM_SHARED_RACE_FREE
+        original = kernelapi.FakeCUDAShared.array
+        assert not getattr(original, "_attnplan_race_free", False), "patched outside a launch"
+        with kernels.launch_scope():
+            assert getattr(kernelapi.FakeCUDAShared.array, "_attnplan_race_free", False)
+            with kernels.launch_scope():
+                pass
+            assert getattr(kernelapi.FakeCUDAShared.array, "_attnplan_race_free", False), "inner scope removed it"
+        assert kernelapi.FakeCUDAShared.array is original
+        had_row_stack = "row_stack" in vars(numpy)
+        x = _inputs(Case((4, 1), 16, (20,)), gen)
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend="numba", num_splits=2)
+        assert kernelapi.FakeCUDAShared.array is original
+        assert ("row_stack" in vars(numpy)) == had_row_stack  # the simulator compiles nothing: numpy untouched
+    else:
+        if "row_stack" in vars(numpy):
+            monkeypatch.delattr(numpy, "row_stack")
+        with kernels.launch_scope():
+            assert numpy.row_stack is numpy.vstack
+        assert "row_stack" not in vars(numpy)
+
+
 @pytest.mark.skipif(not kernels.SIM, reason="numba's simulator only")
 def test_simulated_decode_is_identical_under_thread_switches(gen):
-    """The CI failure's configuration (fp8 cache with per-head scales, bf16 q, GQA group 8, paged) run
-    partial + merge (3 splits) and single pass 4 times each under a thread-switch storm: every run
-    matches the reference and is bitwise identical to the first (a race between simulated threads
-    would make some runs differ; before the shared-array fix about half the launches did)."""
+    """An fp8 cache with per-head scales, bf16 q, GQA group 8, paged, run split (3 units and the merge) and
+    single pass 4 times each under a thread-switch storm: every run matches the reference and is bitwise
+    identical to the first (a race between simulated threads would make some runs differ; before the
+    shared-array fix about half the launches did)."""
     x = make_inputs(1, 8, 1, 32, [40], page_size=16, dtype=torch.bfloat16, device=DEVICE, generator=gen)
     kc, vc = (x.k_cache.float() / 4).to(FP8), (x.v_cache.float() * 2).to(FP8)
     ks, vs = (torch.rand(1, generator=gen) + 0.5).float(), (torch.rand(1, generator=gen) + 0.5).float()
@@ -671,37 +1152,62 @@ GPU_CASES = [
 @pytest.mark.parametrize("case,num_splits", _params(GPU_CASES))
 def test_gpu_decode_matches_reference(case, num_splits, gen):
     x = _inputs(case, gen)
-    out = poison(torch.empty_like(x.q))
-    lse = poison(torch.empty(x.q.shape[:3], device="cuda"))
+    out, lse = _poisoned_io(x)
     attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse, backend="numba",
                     num_splits=num_splits)
-    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    ref, ref_lse = _reference(x)
     assert_close_to_reference(out, ref, DT[case.dtype])
     assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [None, 16])
-def test_gpu_partial_states_match_reference(page, gen):
+def test_gpu_partial_kernel_unit_by_unit(page, gen):
     x = _inputs(Case((32, 8), 128, (4097, 0, 1000), q_len=2, page=page, dtype="bf16"), gen)
-    plan = _plan(x, 5)
-    state = PartialState.empty(3, 2, 32, 7, 128, device="cuda").fill_(float("nan"))
-    BACKEND.partial(plan, x, state)
-    ref = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size, 5)
-    assert_close_to_reference(state.o[:, :, :, :5], ref.o, F32_TOL, what="o")
-    assert_close_to_reference(state.lse[:, :, :, :5], ref.lse, F32_TOL, what="lse")
-    assert torch.isnan(state.o[:, :, :, 5:]).all()
-    out = poison(torch.empty_like(x.q))
-    BACKEND.merge(plan, state, out, None)
-    o, _ = merge_states(PartialState(ref.o, ref.lse))
-    assert_close_to_reference(out, o, torch.bfloat16)
+    w, plan = _plan(x, 5)
+    w.workspace.state.fill_(float("nan"))
+    out, lse = _poisoned_io(x)
+    BACKEND.partial(plan, x, w.workspace, out, lse)
+    _check_partial_launch(x, plan, w.workspace, out, lse)
+    BACKEND.merge(plan, w.workspace, out, lse)
+    ref, _ = _reference(x)
+    assert_close_to_reference(out, ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_batch_65536(gen):
+    """A batch of 65,536 short sequences (0-48 tokens) and one of 4,000 under a capacity plan: every program's
+    prologue loops over the whole batch; every row is written, and a sample of rows (the long one included)
+    equals the reference."""
+    batch, page, long_b = 65536, 16, 12345
+    lens = torch.randint(0, 49, (batch,), generator=gen)
+    x = make_inputs(batch, 1, 1, 64, lens.tolist(), page_size=page, capacity=48, extra_pages=260,
+                    dtype=torch.bfloat16, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    used = torch.zeros(x.k_cache.shape[0], dtype=torch.bool, device="cuda")
+    used[x.block_table.flatten().long()] = True
+    table = torch.zeros(batch, 250, dtype=torch.int32, device="cuda")
+    table[:, :3] = x.block_table
+    table[long_b] = (~used).nonzero().flatten()[:250].to(torch.int32)
+    x.seq_lens[long_b] = 4000
+    x = dataclasses.replace(x, block_table=table)
+    w, plan = _plan(x, capacity=True)
+    out, lse = _poisoned_io(x)
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    idx = torch.tensor([0, 1, long_b, batch // 2, batch - 1, *torch.randint(0, batch, (27,), generator=gen).tolist()])
+    sub = idx.cuda()
+    ref, ref_lse = reference.attention(x.q[sub], x.k_cache, x.v_cache, x.seq_lens[sub], table[sub], x.sm_scale)
+    assert_close_to_reference(out[sub], ref, torch.bfloat16)
+    assert_close_to_reference(lse[sub], ref_lse, F32_TOL, what="lse")
+    assert int(schedule_units(x.seq_lens.cpu(), plan.schedule).units[long_b]) > 1
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [None, 16])
 def test_gpu_cuda_graph_replay_follows_new_lengths(page, gen):
-    """Capture once with a capacity plan, change seq_lens in place, replay: equals the reference at
-    the new lengths (cases.yaml graph-stale-splits, legacy-stream-launch)."""
+    """Capture once with a capacity plan, change seq_lens in place, replay: equals the reference at the new
+    lengths (the schedule is recomputed on the device at every replay), with kernels launched on torch's
+    capture stream."""
     cap = 8192
     x = make_inputs(4, 32, 8, 128, [100] * 4, page_size=page, capacity=cap, dtype=torch.bfloat16, device="cuda",
                     generator=gen)
@@ -722,7 +1228,7 @@ def test_gpu_cuda_graph_replay_follows_new_lengths(page, gen):
         poison(out)
         g.replay()
         torch.cuda.synchronize()
-        ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+        ref, ref_lse = _reference(x)
         assert_close_to_reference(out, ref, torch.bfloat16)
         assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
     assert plan.capacity_mode
@@ -742,7 +1248,7 @@ def test_gpu_run_on_side_stream_allocates_nothing(gen):
         out = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     s.synchronize()
     assert torch.cuda.memory_allocated() == before
-    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    ref, _ = _reference(x)
     assert_close_to_reference(out, ref, torch.bfloat16)
     assert NumbaBackend.compile_times and all(t > 0 for t in NumbaBackend.compile_times.values())
 
@@ -750,9 +1256,9 @@ def test_gpu_run_on_side_stream_allocates_nothing(gen):
 @pytest.mark.gpu
 @pytest.mark.parametrize("element_offset", [0, 1], ids=["int64-words", "element-reads"])
 def test_gpu_page_offsets_beyond_int32(element_offset, gen):
-    """cases.yaml int32-page-offset: pages past 131,072 of 16 x 8 x 128 elements, so element offsets
-    exceed 2^31 (and byte offsets 2^32). With a storage offset of one element the cache cannot be
-    read as 8-byte words and the kernel indexes single elements beyond 2^31."""
+    """Pages past 131,072 of 16 x 8 x 128 elements, so element offsets exceed 2^31 (and byte offsets
+    2^32). With a storage offset of one element the cache cannot be read as 8-byte words and the kernel
+    indexes single elements beyond 2^31."""
     hkv, d, ps, lens = 8, 128, 16, [700, 333]
     small = make_inputs(2, 32, hkv, d, lens, page_size=ps, dtype=torch.bfloat16, device="cuda", generator=gen)
     num_pages = 140_000
@@ -791,13 +1297,10 @@ def test_gpu_variants_match_reference(case, variant, splits, gen):
     sinks = torch.randn(case.heads[0], generator=gen).cuda() if variant.pop("sinks", False) else None
     xv = _variant_inputs(x, sinks=sinks, **variant)
     for n in splits:
-        out = poison(torch.empty_like(x.q))
-        lse = poison(torch.empty(x.q.shape[:3], device="cuda"))
+        out, lse = _poisoned_io(x)
         attnplan.decode(xv.q, xv.k_cache, xv.v_cache, xv.seq_lens, xv.block_table, out=out, lse=lse, backend="numba",
                         num_splits=n, window_left=xv.window_left, logits_soft_cap=xv.soft_cap, sinks=sinks,
                         k_scale=xv.k_scale, v_scale=xv.v_scale)
-        ref, ref_lse = reference.attention(xv.q, xv.k_cache, xv.v_cache, xv.seq_lens, xv.block_table, xv.sm_scale,
-                                           window_left=xv.window_left, soft_cap=xv.soft_cap, sinks=sinks,
-                                           k_scale=xv.k_scale, v_scale=xv.v_scale)
+        ref, ref_lse = _reference(xv)
         assert_close_to_reference(out, ref, DT[case.dtype])
         assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")

@@ -1,29 +1,41 @@
-"""The ``numba`` backend: ``numba.cuda`` split-KV partial, merge and single-pass kernels.
+"""The ``numba`` backend: ``numba.cuda`` kernels for the device-side split-KV schedule and its merge.
 
 Runs on CUDA GPUs, and on CPU tensors under ``NUMBA_ENABLE_CUDASIM=1`` (numba's CUDA simulator,
 CI's mode; the variable must be set before numba is first imported). The kernels and their method
 are in :mod:`attnplan.backends.numba.kernels`; this module picks a specialization, makes the tensor
 views numba can take, and launches.
 
+What runs (the kernel contract of :mod:`attnplan.backends.base`): one split-KV kernel on the plan's
+1-D grid of ``max_units x num_kv_heads`` programs. With ``plan.schedule.max_units_per_seq > 1`` each
+program first computes the schedule from the live ``seq_lens`` (:mod:`attnplan.schedule`), then
+writes its unit either straight into ``out`` / ``lse`` (a sequence with one unit, sinks applied) or
+into its slot of the ragged workspace; then, for the ``separate`` merge, :meth:`NumbaBackend.merge`
+combines each remaining row's slots through the indptr / units table (``workspace.meta``) that the
+partial kernel's program 0 wrote. A single-pass plan runs the same kernel without the prologue.
+The fused merge is not implemented (``merge_strategies = {"separate"}``; the planner falls back).
+
 Tensors reach numba as views: fp16 and bf16 tensors are reinterpreted as ``int16`` (numba has no
 bf16 and sees torch's bf16 as a 2-byte void dtype) and the kernels widen the bits to fp32 and round
 results back to 16 bits themselves (see the kernels module for the exact bit formulas). The KV
 cache is read in 8-byte words (an ``int64`` view: four fp16/bf16 or two fp32 elements per load)
-whenever its strides and offset allow that view, else one element at a time. On a GPU the views
-go through ``numba.cuda.as_cuda_array(t, sync=False)`` (no synchronization on torch's stream)
-and kernels launch on ``numba.cuda.external_stream(torch.cuda.current_stream().cuda_stream)``;
-in the simulator they are the CPU tensors' numpy views, handed over without the simulator's
-copy-in/copy-out. Simulated launches lower Python's thread switch interval while they run (the
+whenever its strides and offset allow that view, else one element at a time. Every other stride is
+honoured as it is (q, the block table, ``seq_lens``, ``out``, ``lse``). On a GPU the views go through
+``numba.cuda.as_cuda_array(t, sync=False)`` (no synchronization on torch's stream) and kernels launch
+on ``numba.cuda.external_stream(torch.cuda.current_stream().cuda_stream)``; in the simulator they are
+the CPU tensors' numpy views, handed over without the simulator's copy-in/copy-out. Every launch runs
+inside :func:`attnplan.backends.numba.kernels.launch_scope` (numba's process-wide patches for that
+launch only); simulated launches also lower Python's thread switch interval while they run (the
 simulator's barriers otherwise cost milliseconds each).
 
 Attention variants (``variants``: window, softcap, sinks, fp8_kv) are flags of the kernel
 specialization, with the semantics of :mod:`attnplan.reference` and the Triton kernels: a sliding
-window moves the chunks' base to the window and masks each query to ``[p - window_left, p]``; the
+window moves the units' base to the window and masks each query to ``[p - window_left, p]``; the
 soft cap is ``cap * tanh(x / cap)`` on the natural-log scaled scores; sinks join the denominator in
-the merge kernel and the single-pass epilogue (never in partial states); an fp8 (``float8_e4m3fn``)
-cache is passed as its ``uint8`` bits (``int64`` words of 8 codes when the view allows it),
-widened exactly in the kernel, with ``k_scale[h]`` folded into the score scale and ``v_scale[h]``
-into the split's output (``DecodeInputs.k_scale/v_scale``: fp32 ``[num_kv_heads]`` tensors).
+the merge kernel and in the direct output of one-unit sequences (never in partial states); an fp8
+(``float8_e4m3fn``) cache is passed as its ``uint8`` bits (``int64`` words of 8 codes when the view
+allows it), widened exactly in the kernel, with ``k_scale[h]`` folded into the score scale and
+``v_scale[h]`` into the unit's output (``DecodeInputs.k_scale/v_scale``: fp32 ``[num_kv_heads]``
+tensors).
 
 Example::
 
@@ -40,9 +52,8 @@ from typing import ClassVar
 
 import torch
 
-from attnplan.backends.base import Backend, DecodeInputs
+from attnplan.backends.base import Backend, DecodeInputs, Workspace
 from attnplan.planner import SplitPlan
-from attnplan.state import PartialState
 
 __all__ = ["NumbaBackend"]
 
@@ -82,22 +93,21 @@ def _sim_switch_interval():
 
 
 class NumbaBackend(Backend):
-    """Split-KV decode in ``numba.cuda``: one program per (split, KV head, sequence) serving the
-    whole GQA group and all queries of the sequence (the kernel contract of
-    :mod:`attnplan.backends.base`).
+    """Split-KV decode in ``numba.cuda``: one program per (work unit, KV head) serving the whole GQA
+    group and all queries of the unit's sequence (the kernel contract of :mod:`attnplan.backends.base`).
 
-    Method: Flash-Decoding (seed 003 §04; DESIGN.md): each program computes the online-softmax
-    partial state of its chunk for all its rows and the merge rescales the states to a common
-    log-sum-exp; the thread layout and the bit-level dtype handling are documented in
-    :mod:`attnplan.backends.numba.kernels`.
+    Method: Flash-Decoding (Dao et al. 2023): each program computes the online-softmax partial state
+    of its unit's token range for all its rows and the merge rescales the states to a common
+    log-sum-exp; the schedule prologue, the thread layout and the bit-level dtype handling are
+    documented in :mod:`attnplan.backends.numba.kernels`.
 
     Support: q/KV fp16, bf16, fp32 (same dtype), or q fp16/bf16 with a float8_e4m3fn cache;
     ``head_dim`` a multiple of 8 in [16, 256]; the variants window, softcap, sinks, fp8_kv;
     ``group_size * q_len <= 64`` rows per program (every row keeps fp32 registers per lane, so
     large row counts spill and run slowly, but stay exact).
 
-    ``partial``, ``merge`` and ``single_pass`` only launch (no allocation, no host sync), so ``run``
-    can be captured in a CUDA graph once each specialization has run (compiled) outside capture.
+    ``partial`` and ``merge`` only launch (no allocation, no host sync), so ``run`` can be captured
+    in a CUDA graph once each specialization has run (compiled) outside capture.
     They raise ``KeyError`` for a dtype outside float16/bfloat16/float32 (float8_e4m3fn for the
     cache), ``ValueError`` for a plan whose kernel options give an impossible thread layout or for
     an fp8 cache without ``k_scale``/``v_scale`` or with fp32 q.
@@ -170,8 +180,8 @@ class NumbaBackend(Backend):
         Returns:
             ``{"block_n", "threads", "lanes", "unroll", "merge_threads"}``: ``threads`` per program,
             ``lanes`` threads per KV position (a power of two <= 32), ``unroll`` positions per token
-            group per tile, ``block_n = threads / lanes * unroll`` positions per tile (chunks align
-            to it), ``merge_threads`` per merge program. The simulator always uses 8 threads of
+            group per tile, ``block_n = threads / lanes * unroll`` positions per tile (the schedule's
+            granule is a multiple of it), ``merge_threads`` per merge program. The simulator uses 8 threads of
             2 lanes and ``block_n = 16`` (``block_n`` may be overridden). A GPU uses 256 threads
             with about 8 channels per lane and 4 positions per group for up to 4 rows; for more
             rows, about 4 channels per lane and an unroll of 2 (up to 8 rows) or 1, so the
@@ -223,7 +233,7 @@ class NumbaBackend(Backend):
     def _launch(self, kern, tag: str, grid: tuple, block: int, args: tuple, device: torch.device) -> None:
         k = self._k
         if k.SIM:
-            with _sim_switch_interval():
+            with k.launch_scope(), _sim_switch_interval():
                 kern[grid, block](*args)
             return
         ptr = torch.cuda.current_stream(device).cuda_stream
@@ -232,11 +242,12 @@ class NumbaBackend(Backend):
             stream = self._streams[ptr] = k.cuda.external_stream(ptr)
         before = len(kern.overloads)
         t0 = time.perf_counter()
-        if device.index is not None and device.index != torch.cuda.current_device():
-            with k.cuda.gpus[device.index]:
+        with k.launch_scope():
+            if device.index is not None and device.index != torch.cuda.current_device():
+                with k.cuda.gpus[device.index]:
+                    kern[grid, block, stream](*args)
+            else:
                 kern[grid, block, stream](*args)
-        else:
-            kern[grid, block, stream](*args)
         if len(kern.overloads) != before:
             key = tag if tag not in self.compile_times else f"{tag}#{len(kern.overloads)}"
             self.compile_times[key] = time.perf_counter() - t0
@@ -256,9 +267,28 @@ class NumbaBackend(Backend):
             pass
         return kc, vc, 1
 
-    def _decode(self, plan: SplitPlan, x: DecodeInputs, o_dst: torch.Tensor, lse_dst: torch.Tensor | None,
-                single: bool) -> None:
+    def partial(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
+                lse: torch.Tensor | None) -> None:
+        """The scheduled split-KV kernel (launch only: no allocation, no host sync).
+
+        Args:
+            plan: grid ``(max_units * num_kv_heads,)``; ``plan.schedule`` and ``plan.kernel`` as planned.
+            inputs: q ``[B, Q, Hq, D]`` and the cache in one dtype (or an fp8 cache with fp16/bf16 q and
+                ``k_scale``/``v_scale``); ``seq_lens`` / ``block_table`` int32. Any strides but unit stride
+                in head_dim.
+            workspace: the plan's :class:`~attnplan.backends.base.Workspace`: units of sequences with two
+                or more units go to ``workspace.state`` slot ``u``; ``workspace.meta`` is written for the
+                separate merge.
+            out: ``[B, Q, Hq, D]`` in q's dtype: rows of one-unit sequences (every row for a single pass),
+                the sink applied.
+            lse: ``[B, Q, Hq]`` fp32 (natural log) for those rows, or ``None``.
+        Raises:
+            KeyError: a dtype outside float16/bfloat16/float32 (float8_e4m3fn for the cache).
+            ValueError: an fp8 cache without ``k_scale``/``v_scale`` or with fp32 q; a plan whose kernel
+                options give an impossible thread layout; a plan with the fused merge.
+        """
         k = self._kernels()
+        x = inputs
         q = x.q
         _, q_len, hq, d = q.shape
         hkv = x.k_cache.shape[2]
@@ -266,62 +296,54 @@ class NumbaBackend(Backend):
         fp8 = x.k_cache.dtype == _FP8
         if fp8 and (x.k_scale is None or x.v_scale is None or kind == 0):
             raise ValueError("an fp8 KV cache needs k_scale and v_scale (fp32 [num_kv_heads]) and fp16/bf16 q")
+        if plan.merge == "fused":
+            raise ValueError("the numba backend has no fused merge (merge_strategies: separate); plan for numba")
+        sched = not plan.single_pass
         window = x.window_left >= 0
         softcap = x.soft_cap > 0
-        sinks_on = single and x.sinks is not None  # multi-split: the merge applies the sinks
+        sinks_on = x.sinks is not None  # applied to the rows written directly; the merge applies them to the rest
         kc, vc, ew = self._kv_views(x)
         (kflat, ks), (vflat, vs) = _flat(kc), _flat(vc)
         lanes, threads, unroll = self._layout(plan, x)
         spec = k.DecodeSpec(kind=kind, ew=ew, head_dim=d, group=hq // hkv, q_len=q_len, paged=x.paged,
-                            lanes=lanes, threads=threads, unroll=unroll, single=single,
-                            has_lse=lse_dst is not None, kv_same=ks == vs, window=window, softcap=softcap,
-                            fp8=fp8, sinks=sinks_on)
+                            lanes=lanes, threads=threads, unroll=unroll, sched=sched, has_lse=lse is not None,
+                            kv_same=ks == vs, window=window, softcap=softcap, fp8=fp8, sinks=sinks_on)
         kern = k.decode_kernel(spec)
         table = x.block_table if x.paged else x.seq_lens
         page_shift = int(x.k_cache.shape[1]).bit_length() - 1 if x.paged else 0
-        if single:
-            o_arr = _elem_view(o_dst, kind)
-            lse_arr = lse_dst if lse_dst is not None else x.seq_lens
-        else:
-            o_arr, lse_arr = o_dst, lse_dst
         arr = self._array
+        ints = workspace.targets  # an int32 stand-in for arrays the specialization never reads
+        st = workspace.state
+        ws_o, ws_lse = (arr(st.o), arr(st.lse)) if sched else (arr(ints), arr(ints))
+        meta = workspace.meta if sched and plan.merge == "separate" and workspace.meta is not None else ints
         stride_t = k.numpy.int32 if max(ks + vs) < 2**31 else k.numpy.int64
-        ks, vs = tuple(stride_t(st) for st in ks), tuple(stride_t(st) for st in vs)
+        ks, vs = tuple(stride_t(v) for v in ks), tuple(stride_t(v) for v in vs)
+        s = plan.schedule
         args = (arr(_elem_view(q, kind)), arr(kflat), arr(vflat), *ks, *vs, arr(x.seq_lens), arr(table),
-                arr(o_arr), arr(lse_arr),
-                int(plan.chunk_size), int(plan.num_splits), page_shift,
+                arr(_elem_view(out, kind)), arr(lse if lse is not None else x.seq_lens), ws_o, ws_lse, arr(meta),
+                arr(workspace.targets), int(hkv), int(s.granule), int(s.min_unit_granules),
+                int(s.max_units_per_seq), int(meta is not ints), page_shift,
                 k.numpy.float32(x.sm_scale), int(x.window_left) if window else 0,
                 k.numpy.float32(x.soft_cap if softcap else 1.0),
                 arr(x.k_scale if fp8 else x.seq_lens), arr(x.v_scale if fp8 else x.seq_lens),
                 arr(x.sinks if sinks_on else x.seq_lens))
         self._launch(kern, spec.tag(), tuple(plan.grid), threads, args, q.device)
 
-    # -- the three entry points ----------------------------------------------------------------------
-    def partial(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState) -> None:
-        """Write each split's partial state (launch only: no allocation, no host sync).
-
-        Args:
-            plan: a multi-split plan; grid ``(num_splits, num_kv_heads, batch)``, ``chunk_size`` tokens.
-            inputs: q ``[B, Q, Hq, D]`` and the cache in one dtype; ``seq_lens`` / ``block_table`` int32.
-            state: ``o [B, Q, Hq, S, D]`` and ``lse [B, Q, Hq, S]`` fp32 with ``S >= plan.num_splits``
-                (any strides); splits ``0 .. plan.num_splits - 1`` are written, others untouched.
-        """
-        self._decode(plan, inputs, state.o, state.lse, single=False)
-
-    def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        """One chunk per sequence: write ``out [B, Q, Hq, D]`` (q's dtype) and, if given,
-        ``lse [B, Q, Hq]`` fp32 (natural log, ``-inf`` for rows with no visible position)."""
-        self._decode(plan, inputs, out, lse, single=True)
-
-    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None,
+    def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
               sinks: torch.Tensor | None = None) -> None:
-        """Merge the first ``plan.num_splits`` splits of ``state`` into ``out [B, Q, Hq, D]`` (its own
-        dtype) and, if given, ``lse [B, Q, Hq]`` fp32, by :func:`attnplan.state.merge_states`'s
-        contract (one program per row, grid ``(B * Q * Hq,)``).
+        """The separate merge: rows of sequences with ``units[b] >= 2`` (``workspace.meta``, written by
+        :meth:`partial`) merged from their workspace slots into ``out [B, Q, Hq, D]`` (its own dtype) and, if
+        given, ``lse [B, Q, Hq]`` fp32, by :func:`attnplan.state.merge_states`'s contract (one program per
+        row, grid ``(B * Q * Hq,)``; rows of one-unit sequences are left as the partial kernel wrote them).
 
-        ``sinks [Hq]`` fp32, if given, join the denominator after the splits are merged (an all-empty
-        row gets ``o = 0, lse = sink``).
+        ``sinks [Hq]`` fp32, if given, join the denominator after the states are merged (an all-empty row
+        gets ``o = 0, lse = sink``).
+
+        Raises:
+            ValueError: ``workspace`` has no state or meta (the plan's merge is not ``separate``).
         """
+        if workspace.state is None or workspace.meta is None:
+            raise ValueError(f"the numba merge needs a workspace with state and meta (plan merge {plan.merge!r})")
         k = self._kernels()
         b, q_len, hq, d = out.shape
         kind = _KINDS[out.dtype]
@@ -330,9 +352,9 @@ class NumbaBackend(Backend):
         spec = k.MergeSpec(kind=kind, head_dim=d, threads=threads, has_lse=lse is not None, sinks=sinks is not None)
         kern = k.merge_kernel(spec)
         arr = self._array
-        args = (arr(state.o), arr(state.lse), arr(_elem_view(out, kind)),
-                arr(lse if lse is not None else state.lse), int(plan.num_splits),
-                arr(sinks if sinks is not None else state.lse))
+        st = workspace.state
+        args = (arr(st.o), arr(st.lse), arr(workspace.meta), arr(_elem_view(out, kind)),
+                arr(lse if lse is not None else st.lse), arr(sinks if sinks is not None else st.lse))
         self._launch(kern, spec.tag(), (b * q_len * hq,), threads, args, out.device)
 
 

@@ -1,14 +1,31 @@
-"""``numba.cuda`` kernels of the ``numba`` backend: split-KV partial / single pass, and the merge.
+"""``numba.cuda`` kernels of the ``numba`` backend: the scheduled split-KV kernel and the merge.
 
 Importing this module imports numba; :mod:`attnplan.backends.numba` imports it lazily so a broken
 numba makes only this backend unavailable. The same Python source runs compiled on a GPU and,
 under ``NUMBA_ENABLE_CUDASIM=1``, in numba's CUDA simulator (every simulated thread is a Python
 thread, so the simulator runs with few threads and the helpers below are plain Python there).
 
-Method (DESIGN.md, base.py kernel contract; seed 003 §04):
+Method (the kernel contract of :mod:`attnplan.backends.base`; Flash-Decoding, Dao et al. 2023):
 
-* One program (CTA) per ``(split s, KV head h, sequence b)``; it serves the ``G`` query heads of
-  ``h``'s GQA group and all ``Q`` queries of ``b``: ``R = G * Q`` rows, row ``r = qi * G + g``.
+* A 1-D grid of ``max_units * num_kv_heads`` programs (CTAs), unit-major: program ``p`` serves work
+  unit ``u = p // num_kv_heads`` for KV head ``h = p % num_kv_heads``, with the ``G`` query heads of
+  ``h``'s GQA group and all ``Q`` queries of the unit's sequence: ``R = G * Q`` rows, row
+  ``r = qi * G + g``.
+* **Schedule prologue** (``DecodeSpec.sched``, plans with ``max_units_per_seq > 1``): the program's
+  threads read all ``batch`` lengths from ``seq_lens`` (in chunks of ``threads x SCHED_PER``
+  sequences, so any batch works) and compute :func:`attnplan.schedule.schedule_units`'s integers
+  exactly: each sequence's granules ``nb``, the total ``T`` (a block reduction), the granules per
+  unit ``c`` from ``targets[min(bit_length(T), 31)]``, each sequence's units and their exclusive
+  prefix sum (a block scan per chunk, carried across chunks; warp shuffles and one shared word per
+  warp on the GPU, a shared-memory tree in the simulator), hence the program's sequence ``b``,
+  unit index ``j`` and token range ``[start, end)``. ``ceil(a / b)`` is computed as
+  ``(a - 1) // b + 1`` for ``a >= 1`` (no ``a + b - 1`` overflow); the total is 64-bit. A program
+  with ``u >= indptr[batch]`` exits before reading any KV. Program 0 writes ``meta`` (``indptr``
+  then ``units``) for the separate merge. Without the prologue (single pass) ``u = b``.
+* A sequence with one unit writes ``out`` (q's dtype) and ``lse`` directly, the sink applied; a unit
+  of a sequence with several writes its normalized fp32 partial state into workspace slot ``u``
+  (``ws_o[0, qi, hq, u, :]``, ``ws_lse[0, qi, hq, u]``), and :func:`merge_kernel` combines slots
+  ``[indptr[b], indptr[b] + units[b])`` in slot order.
 * Threads are split into token groups of ``LANES`` threads. A group works on one KV position at a
   time; its lanes cover ``head_dim`` in ``NSLOT`` slots of one *word* each, slot ``i`` of lane ``j``
   holding word ``i * LANES + j`` of the position's K (and V) row, so the lanes of one slot read
@@ -18,42 +35,52 @@ Method (DESIGN.md, base.py kernel contract; seed 003 §04):
   slots past the row's last word are clamped (re-read a valid word) and carry ``q = 0``.
 * Each token group keeps its own online-softmax state per row (running max ``m``, sum ``l``,
   unnormalized ``acc`` for its lanes' channels) over the positions it visits:
-  ``base + u * NGROUPS + group`` for ``u < UNROLL`` in tiles of ``BLOCK_N = NGROUPS * UNROLL``
-  positions. The ``UNROLL`` positions' loads are issued together (positions past the chunk are
-  clamped to its last position and masked out afterwards, so loads are unconditional). Scores are
-  summed across a group's lanes by an xor butterfly (``shfl_xor_sync`` on the GPU; a shared-memory
-  exchange in the simulator, which has no shuffles), so every lane holds the same bits. The update
-  is once per tile and branch-free: masked scores become ``-inf``, ``m' = max(m, s_u)``,
-  ``l' = l e^(m - m') + sum_u e^(s_u - m')``, ``acc' = acc e^(m - m') + sum_u e^(s_u - m') v_u``,
-  with the exponent base replaced by 0 while ``m'`` is still ``-inf`` (never ``-inf - (-inf)``).
-  The exponential is ``libdevice.fast_expf`` (``ex2.approx.ftz`` of ``x log2 e``; its arguments are
-  ``<= 0``, so only weights below 2^-126 flush to 0) on the GPU, ``math.exp`` in the simulator.
+  ``t0 + u * NGROUPS + group`` for ``u < UNROLL`` in tiles of ``BLOCK_N = NGROUPS * UNROLL``
+  positions from the unit's start. The ``UNROLL`` positions' loads are issued together (positions
+  past the unit are clamped to its last position and masked out afterwards, so loads are
+  unconditional and never leave ``[start, end)``). Scores are summed across a group's lanes by an
+  xor butterfly (``shfl_xor_sync`` on the GPU; a shared-memory exchange in the simulator, which has
+  no shuffles), so every lane holds the same bits. The update is once per tile and branch-free:
+  masked scores become ``-inf``, ``m' = max(m, s_u)``, ``l' = l e^(m - m') + sum_u e^(s_u - m')``,
+  ``acc' = acc e^(m - m') + sum_u e^(s_u - m') v_u``, with the exponent base replaced by 0 while
+  ``m'`` is still ``-inf`` (never ``-inf - (-inf)``). The exponential is ``libdevice.fast_expf``
+  (``ex2.approx.ftz`` of ``x log2 e``; its arguments are ``<= 0``, so only weights below 2^-126
+  flush to 0) on the GPU, ``math.exp`` in the simulator.
 * At the end the groups' states are merged through shared memory (``M = max_g m_g``,
   ``L = sum_g l_g e^(m_g - M)``, ``o = sum_g acc_g e^(m_g - M) / L``, precise ``exp``/``log``) and
-  the program writes its rows: fp32 normalized ``o`` and natural-log ``lse = M + log L`` at split
-  ``s`` of the :class:`~attnplan.PartialState` (partial mode), or ``out`` in q's dtype and ``lse``
-  (single pass). A row that saw no position gets ``o = 0, lse = -inf``; a program whose chunk is
-  empty reads no KV and writes empty states for all its rows.
+  the program writes its rows. A row that saw no position gets ``o = 0, lse = -inf`` (direct output
+  with a sink: ``lse`` = the sink); a unit with no visible position reads no KV.
 * Scores are ``(q sm_scale) . k`` in fp32 (q pre-scaled once); accumulation is fp32 throughout.
 
+NaN isolation (positions a row cannot see never affect it, NaN included; :func:`attnplan.reference._attend`
+defines the result): masked scores are *selected* to ``-inf``, never multiplied. Every running maximum
+propagates NaN (Python's and numba's ``max`` skip a NaN second argument, which would make a row of NaN
+scores look empty). ``P @ V`` would multiply a V row a query cannot see by ``p = 0`` and ``0 * NaN = NaN``;
+with ``q_len > 1`` (compile time) a tile holding positions that some rows of the program see and others do
+not (the last ``q_len - 1`` positions of the sequence, the first ``q_len - 1`` of a sliding window: only
+there do rows disagree; the test is block-uniform) gets its non-finite V entries zeroed before the plain
+multiply-add, and afterwards NaN is added to the columns of those entries in the rows that see their
+position. Other tiles (and every tile with ``q_len = 1``, where the program's only query sees the whole
+unit) are untouched, and the per-row update loop keeps its old size (so it still unrolls and the
+accumulators stay in registers).
+
 Attention variants are flags of the specialization (``DecodeSpec.window/softcap/fp8/sinks``,
-``MergeSpec.sinks``), so a kernel without variants compiles exactly as before; their run-time values
+``MergeSpec.sinks``), so a kernel without variants compiles without their code; their run-time values
 (``window_left``, the cap, the scale and sink tensors) are kernel arguments. Semantics are the
 reference's and the Triton kernels' (:mod:`attnplan.reference`, base.py's ``DecodeInputs``):
 
-* window: split ``s`` starts at ``base + s * chunk`` with ``base = max(0, L - Q - window_left)``
-  (no chunk lies before the first position any query can see) and query ``qi`` (position
-  ``p = L - Q + qi``) sees only positions ``>= p - window_left``; rows with nothing visible in
-  a chunk write the empty state.
+* window: a sequence's units start at ``base = max(0, L - Q - window_left)`` (no unit lies before
+  the first position any query can see) and query ``qi`` (position ``p = L - Q + qi``) sees only
+  positions ``>= p - window_left``; rows with nothing visible in a unit write the empty state.
 * soft cap: the natural-log scaled score ``x`` becomes ``cap * tanh(x / cap)``, with ``tanh`` from
   ``e = exp(-2 |x / cap|)`` as ``sign(x) (1 - e) / (1 + e)`` (never overflows).
 * fp8 KV (``float8_e4m3fn``; q fp16/bf16): the caches arrive as ``uint8`` bits (or ``int64`` words
   of 8 codes) and :func:`fp8_e4m3_to_f32` widens each code exactly in the kernel; ``k_scale[h]``
   is folded into the score scale (q is pre-scaled by ``sm_scale * k_scale[h]``) and ``v_scale[h]``
-  into the factor that normalizes the split's output.
-* sinks: never part of a partial state; the merge kernel and the single-pass epilogue apply
+  into the factor that normalizes the unit's output.
+* sinks: never part of a partial state; the merge kernel and the direct (one-unit) epilogue apply
   ``lse' = logaddexp(lse, sink[head])``, ``o' = o exp(lse - lse')`` (an empty row: ``o = 0``,
-  ``lse = sink``).
+  ``lse = sink``; a ``-inf`` sink is no sink; a ``+inf`` sink gives ``o = 0, lse = +inf``).
 
 16-bit floats (numba has no usable bf16, and sees torch bf16 tensors as a 2-byte void dtype): the
 host passes 16-bit tensors as ``int16`` (or ``int64``-word) views and the kernels widen the bits:
@@ -77,32 +104,37 @@ subnormals ``m 2^-9``; ``0x7F``/``0xFF`` are NaN): the code ``c`` becomes the fp
 ``m 2^-129``), multiplied by ``2^120`` (exact: the kernels compile without flush-to-zero); NaN
 codes give NaN.
 
-Kernels are built by :func:`decode_kernel` / :func:`merge_kernel` from a specialization tuple whose
-fields are compile-time constants (closure variables), and cached per specialization.
+Offsets into the caches are 64-bit (:func:`_make_token_offset`): page ids, positions and head
+indices are widened before they multiply a stride, so views whose element offsets pass 2^31 (a
+head-major cache with a head stride of 2^30 and 3 KV heads, pages past 2^31 elements) are read
+where they are. Every other tensor is indexed by numba with its own (64-bit) strides: q's batch and
+head strides, the block table's row and column strides, ``seq_lens``' stride, ``out``/``lse``'s.
 
-In the simulator, importing this module makes numba's static ``cuda.shared.array`` allocation
-atomic (:func:`_race_free_sim_shared_arrays`): the simulator's own check-then-insert could hand two
-threads of a launch's first block different "shared" arrays, a rare wrong result (CI flake).
+Kernels are built by :func:`decode_kernel` / :func:`merge_kernel` from a specialization tuple whose
+fields are compile-time constants (closure variables), and cached per specialization. Launch them
+inside :func:`launch_scope`: the process-wide patches numba needs here are installed for the
+launch only and restored afterwards (the simulator's shared arrays made atomic; numpy's
+``row_stack`` for numba-cuda's first compile under numpy >= 2.4).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from typing import NamedTuple
 
 import numpy
 
-# numba-cuda 0.30.4 calls numpy.row_stack, which numpy >= 2.4 removed: it fails at the first
-# kernel compile with "module 'numpy' has no attribute 'row_stack'".
-if not hasattr(numpy, "row_stack"):
-    numpy.row_stack = numpy.vstack
+import numba
+from numba import cuda
+from numba.core import config as _numba_config
 
-import numba  # noqa: E402
-from numba import cuda  # noqa: E402
-from numba.core import config as _numba_config  # noqa: E402
+from attnplan.schedule import NUM_TARGETS
 
-__all__ = ["SIM", "DecodeSpec", "MergeSpec", "decode_kernel", "merge_kernel", "KIND_FP32", "KIND_FP16",
-           "KIND_BF16", "KIND_FP8", "f32_to_bits16", "bits16_to_f32", "fp8_e4m3_to_f32", "fp8_decode_kernel"]
+__all__ = ["SIM", "DecodeSpec", "MergeSpec", "decode_kernel", "merge_kernel", "schedule_probe_kernel",
+           "launch_scope", "KIND_FP32", "KIND_FP16", "KIND_BF16", "KIND_FP8", "f32_to_bits16", "bits16_to_f32",
+           "fp8_e4m3_to_f32", "fp8_decode_kernel", "SCHED_PER"]
 
 #: True when numba runs its CUDA simulator (``NUMBA_ENABLE_CUDASIM=1`` when numba was imported).
 SIM: bool = bool(_numba_config.ENABLE_CUDASIM)
@@ -110,11 +142,14 @@ SIM: bool = bool(_numba_config.ENABLE_CUDASIM)
 KIND_FP32, KIND_FP16, KIND_BF16 = 0, 1, 2
 #: the KV cache's kind when it is float8_e4m3fn (q is then fp16 or bf16; never an output kind)
 KIND_FP8 = 3
+#: sequences each thread of the schedule prologue handles per chunk (a chunk is ``threads x SCHED_PER``)
+SCHED_PER = 4
 
 float32 = numba.float32
 int64 = numba.int64
 uint64 = numba.uint64
 NEG_INF = numpy.float32(-numpy.inf)
+POS_INF = numpy.float32(numpy.inf)
 ZERO = numpy.float32(0.0)
 ONE = numpy.float32(1.0)
 TWO = numpy.float32(2.0)
@@ -151,8 +186,10 @@ if SIM:
 
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _FakeCUDAArray
 
-    def _race_free_sim_shared_arrays() -> bool:
-        """Make the simulator's static ``cuda.shared.array`` allocation atomic; True when installed.
+
+    def _locked_shared_array():
+        """``(FakeCUDAShared, original array method, atomic replacement)``, or ``None`` (with a warning)
+        for a simulator whose ``FakeCUDAShared`` does not look like the one described here.
 
         The simulator gives a block's threads one array per ``cuda.shared.array`` call site by
         looking the site up in a per-launch dict that it fills lazily (numba-cuda
@@ -169,34 +206,29 @@ if SIM:
         store lets two threads both see no array and each make its own: the one whose store is
         overwritten keeps a private "shared" array for the whole launch. Its writes are lost to
         the others and it reads ``np.empty`` garbage for theirs (scores of the butterfly, a token
-        group's ``m``/``l``, the accumulator exchange), so block ``(0, 0, 0)`` writes wrong,
-        usually finite, values (or ``log`` of a garbage sum raises). Rare at the default switch
-        interval (the window is a few bytecodes), but any kernel with a shared array is exposed.
+        group's ``m``/``l``, the accumulator exchange, the schedule's scan), so block ``(0, 0, 0)``
+        writes wrong, usually finite, values. Rare at the default switch interval (the window is a
+        few bytecodes), but any kernel with a shared array is exposed.
 
-        Replaced by the same lookup, keyed the same way (the caller's file and line), under a lock.
-        A simulator whose ``FakeCUDAShared`` does not look like that is left alone (with a warning).
+        The replacement does the same lookup, keyed the same way (the caller's file and line), under
+        a lock.
         """
         import sys
-        import threading
         import warnings
 
-        from numba.cuda.simulator import kernelapi
         from numba.core import types as _types
+        from numba.cuda.simulator import kernelapi
         from numba.np import numpy_support
 
         cls = getattr(kernelapi, "FakeCUDAShared", None)
-        if cls is None:
-            return False
-        if getattr(cls.array, "_attnplan_race_free", False):
-            return True
         try:
-            ok = isinstance(cls(0)._allocations, dict)
+            ok = cls is not None and isinstance(cls(0)._allocations, dict)
         except Exception:  # noqa: BLE001 - another simulator version: leave it as it is
             ok = False
         if not ok:
             warnings.warn("attnplan: numba's CUDA simulator has no FakeCUDAShared._allocations dict; its "
-                          "cuda.shared.array allocation was not made thread-safe", RuntimeWarning, stacklevel=2)
-            return False
+                          "cuda.shared.array allocation is not made thread-safe", RuntimeWarning, stacklevel=2)
+            return None
         original = cls.array
         lock = threading.Lock()
 
@@ -218,11 +250,21 @@ if SIM:
 
         array._attnplan_race_free = True
         array.__doc__ = original.__doc__
-        cls.array = array
-        return True
+        return cls, original, array
 
-    #: the simulator's shared-array allocation is atomic (:func:`_race_free_sim_shared_arrays`)
-    SIM_SHARED_RACE_FREE: bool = _race_free_sim_shared_arrays()
+    _SIM_SHARED = _locked_shared_array()
+    #: whether :func:`launch_scope` makes the simulator's shared-array allocation atomic
+    SIM_SHARED_RACE_FREE: bool = _SIM_SHARED is not None
+
+    def _install_patches():
+        if _SIM_SHARED is not None:
+            cls, _, locked = _SIM_SHARED
+            cls.array = locked
+
+    def _remove_patches():
+        if _SIM_SHARED is not None:
+            cls, original, _ = _SIM_SHARED
+            cls.array = original
 
     def sim_array(ary: numpy.ndarray):
         """Hand a numpy view to a simulated kernel without the simulator's copy-in/copy-out (which
@@ -235,6 +277,21 @@ else:
     from numba.cuda import libdevice
 
     SIM_SHARED_RACE_FREE = False  # no simulator: real shared memory
+    _ROW_STACK_SET: list = []
+
+    def _install_patches():
+        # numba-cuda 0.30.4's numba/cuda/np/arrayobj.py registers an overload of numpy.row_stack when the CUDA
+        # target loads its registries (at the first kernel compile of the process); numpy >= 2.4 removed
+        # row_stack, and that compile fails with "module 'numpy' has no attribute 'row_stack'".
+        if "row_stack" not in vars(numpy):
+            numpy.row_stack = numpy.vstack
+            _ROW_STACK_SET.append(True)
+
+    def _remove_patches():
+        if _ROW_STACK_SET:
+            _ROW_STACK_SET.clear()
+            if vars(numpy).get("row_stack") is numpy.vstack:
+                del numpy.row_stack
 
     def _device(fn):
         return cuda.jit(device=True, forceinline=True)(fn)
@@ -362,19 +419,72 @@ def fp8_decode_kernel():
     return _FP8_DECODE[0]
 
 
+
+
+# -- the launch scope ---------------------------------------------------------------------------------
+
+_SCOPE_LOCK = threading.Lock()
+_SCOPE_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def launch_scope():
+    """Install the process-wide patches numba needs for this module's kernels for the duration of a
+    launch only, and restore numba and numpy as they were afterwards.
+
+    * Simulator: numba's ``FakeCUDAShared.array`` is replaced by an atomic lookup
+      (:func:`_locked_shared_array`; without it two simulated threads of a block can get different
+      "shared" arrays, a rare wrong result).
+    * GPU: ``numpy.row_stack = numpy.vstack`` while numpy lacks it (numpy >= 2.4), for numba-cuda's
+      first kernel compile of the process (which looks the name up).
+
+    Nested and concurrent scopes (several Python threads) share one installation: the first to enter
+    installs, the last to leave restores. Every launch of this module's kernels belongs inside one
+    (the backend's launches are; tests that launch a kernel themselves use it too).
+    """
+    with _SCOPE_LOCK:
+        if _SCOPE_DEPTH[0] == 0:
+            _install_patches()
+        _SCOPE_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        with _SCOPE_LOCK:
+            _SCOPE_DEPTH[0] -= 1
+            if _SCOPE_DEPTH[0] == 0:
+                _remove_patches()
+
+
+@_device
+def _sink_join(lse, z):
+    """``(logaddexp(lse, z), exp(lse - logaddexp(lse, z)))``: the sink ``z`` joins a non-empty row's
+    denominator. A ``-inf`` sink is no sink (factor 1); a ``+inf`` sink takes all the weight (``+inf``,
+    factor 0); NaN in either gives NaN."""
+    if z == NEG_INF:
+        return lse, ONE
+    if z == POS_INF:
+        return z, ZERO
+    top = z
+    if lse > z:
+        top = lse
+    new = top + math.log(math.exp(lse - top) + math.exp(z - top))
+    return new, math.exp(lse - new)
+
+
 # -- specializations ---------------------------------------------------------------------------------
 
 class DecodeSpec(NamedTuple):
-    """Compile-time constants of the partial / single-pass kernel.
+    """Compile-time constants of the split-KV kernel.
 
-    kind: ``KIND_FP32/FP16/BF16`` of q and the cache; ew: elements per KV word (1, 2 or 4);
+    kind: ``KIND_FP32/FP16/BF16`` of q and the cache; ew: elements per KV word (1, 2, 4 or 8);
     head_dim; group: GQA group size; q_len; paged; lanes: threads per token group (power of two
     <= 32); threads: threads per program (multiple of ``lanes``; of 32 on a GPU); unroll: positions
-    per group per tile; single: write ``out``/``lse`` (single pass) instead of a PartialState;
-    has_lse: the single pass writes ``lse``; kv_same: K and V have the same strides (one offset
-    computation serves both). Variants (module docstring): window (sliding window), softcap (logits
-    soft cap), fp8 (float8_e4m3fn cache with per-KV-head scales; ``kind`` stays q's), sinks (single
-    pass only: the sink joins the denominator in the epilogue).
+    per group per tile; sched: run the schedule prologue (a plan with ``max_units_per_seq > 1``:
+    one-unit sequences write ``out``, others the workspace) instead of the single pass (``u = b``,
+    ``out`` only); has_lse: ``lse`` is written next to ``out``; kv_same: K and V have the same
+    strides (one offset computation serves both). Variants (module docstring): window (sliding
+    window), softcap (logits soft cap), fp8 (float8_e4m3fn cache with per-KV-head scales; ``kind``
+    stays q's), sinks (the sink joins the denominator of rows written directly to ``out``).
     """
 
     kind: int
@@ -386,7 +496,7 @@ class DecodeSpec(NamedTuple):
     lanes: int
     threads: int
     unroll: int
-    single: bool
+    sched: bool
     has_lse: bool
     kv_same: bool = False
     window: bool = False
@@ -404,7 +514,7 @@ class DecodeSpec(NamedTuple):
                                                       ("fp8", self.fp8), ("sinks", self.sinks)) if on)
         return (f"decode-{kind}-w{self.ew}-d{self.head_dim}-g{self.group}-q{self.q_len}-"
                 f"{'paged' if self.paged else 'contig'}-l{self.lanes}-t{self.threads}-u{self.unroll}-"
-                f"{'single' if self.single else 'partial'}{'-lse' if self.has_lse else ''}"
+                f"{'sched' if self.sched else 'single'}{'-lse' if self.has_lse else ''}"
                 f"{'-kvsame' if self.kv_same else ''}{variants}")
 
 
@@ -429,6 +539,281 @@ _SMEM_ACC_FLOATS = 8192
 
 _DECODE_CACHE: dict = {}
 _MERGE_CACHE: dict = {}
+_PROBE_CACHE: dict = {}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+# -- the device-side schedule (attnplan.schedule.schedule_units, on the GPU) -----------------------------
+
+def _sched_buffer_words(threads: int) -> int:
+    """int64 words of shared memory the schedule prologue's block reductions use: one per thread in the
+    simulator (a shared-memory tree; it has no shuffles), one per warp on the GPU (warp shuffles, then the
+    warps' sums)."""
+    return threads if SIM else max(1, threads // 32)
+
+
+def _make_block_reductions(threads: int):
+    """``(block_sum, block_scan)`` over the ``threads`` threads of a program, of one int64 per thread:
+    ``block_sum(x, tid, buf) -> total`` and ``block_scan(x, tid, buf) -> (inclusive prefix, total)``; every
+    thread gets the same total. ``buf``: shared int64 ``[_sched_buffer_words(threads)]``; both end with a
+    barrier, so ``buf`` may be reused at once."""
+    NT = threads
+    if SIM:
+        P2 = _next_pow2(NT)
+
+        def block_sum(x, tid, buf):
+            buf[tid] = x
+            cuda.syncthreads()
+            s = P2 // 2
+            while s >= 1:  # tree
+                if tid < s and tid + s < NT:
+                    buf[tid] += buf[tid + s]
+                cuda.syncthreads()
+                s //= 2
+            total = buf[0]
+            cuda.syncthreads()
+            return total
+
+        def block_scan(x, tid, buf):
+            buf[tid] = x
+            cuda.syncthreads()
+            off = 1
+            while off < NT:  # inclusive scan (Hillis-Steele)
+                add = int64(0)
+                if tid >= off:
+                    add = buf[tid - off]
+                cuda.syncthreads()
+                buf[tid] += add
+                cuda.syncthreads()
+                off *= 2
+            incl = buf[tid]
+            total = buf[NT - 1]
+            cuda.syncthreads()
+            return incl, total
+
+        return block_sum, block_scan
+
+    NW = max(1, NT // 32)
+
+    @_device
+    def block_sum(x, tid, buf):
+        v = x
+        for lv in range(5):  # butterfly over the warp's 32 lanes
+            v += cuda.shfl_xor_sync(FULL_MASK, v, 16 >> lv)
+        if tid % 32 == 0:
+            buf[tid // 32] = v
+        cuda.syncthreads()
+        total = int64(0)
+        for w in range(NW):
+            total += buf[w]
+        cuda.syncthreads()
+        return total
+
+    @_device
+    def block_scan(x, tid, buf):
+        lane = tid % 32
+        warp = tid // 32
+        v = x
+        for lv in range(5):  # inclusive scan within the warp
+            y = cuda.shfl_up_sync(FULL_MASK, v, 1 << lv)
+            if lane >= (1 << lv):
+                v += y
+        if lane == 31:
+            buf[warp] = v
+        cuda.syncthreads()
+        before = int64(0)
+        total = int64(0)
+        for w in range(NW):
+            t = buf[w]
+            if w < warp:
+                before += t
+            total += t
+        cuda.syncthreads()
+        return before + v, total
+
+    return block_sum, block_scan
+
+
+def _make_schedule(threads: int, q_len: int, window: bool):
+    """``(prologue, unit_range, seq_span)`` device functions for ``threads`` threads per program.
+
+    * ``seq_span(length, window_left, granule) -> (base, nb)``: first visible position and granules.
+    * ``prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_unit_granules,
+      max_units_per_seq, write_meta) -> (b, j, c)``: called by all threads of the program (it has barriers);
+      ``buf`` is a shared int64 ``[_sched_buffer_words(threads)]`` array and ``info`` a shared int64 ``[2]``.
+      Returns unit ``u``'s sequence ``b`` (``-1`` when ``u`` is past the batch's units) and index ``j`` in
+      it, and the granules per unit ``c``; with ``write_meta`` it writes ``meta[i] = indptr[i]``,
+      ``meta[batch + i] = units[i]`` for every sequence (and scans the whole batch; otherwise it stops
+      after ``u``'s chunk).
+    * ``unit_range(seq_lens, b, j, c, window_left, granule, max_units_per_seq) -> (start, end, units_b)``.
+    """
+    NT, QL, WINDOW, PER = threads, q_len, window, SCHED_PER
+    CH = NT * PER
+    LAST_TARGET = NUM_TARGETS - 1
+    block_sum, block_scan = _make_block_reductions(NT)
+
+    @_device
+    def seq_span(length, window_left, granule):
+        base = int64(0)
+        if WINDOW:
+            base = max(length - QL - window_left, int64(0))
+        n = length - base
+        nb = int64(0)
+        if n > 0:
+            nb = (n - 1) // granule + 1
+        return base, nb
+
+    @_device
+    def seq_units(nb, c, max_per):
+        # (units, granules per unit); ceil(a / b) as (a - 1) // b + 1 for a >= 1: no a + b - 1 overflow
+        if nb <= 0:
+            return int64(1), int64(0)
+        uu = (nb - 1) // c + 1
+        if uu > max_per:
+            uu = int64(max_per)
+        cb = (nb - 1) // uu + 1
+        return (nb - 1) // cb + 1, cb
+
+    @_device
+    def prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_c, max_per, write_meta):
+        nbatch = seq_lens.shape[0]
+        if tid == 0:
+            info[0] = -1
+            info[1] = 0
+        # the batch's total granules
+        tot = int64(0)
+        for i in range(tid, nbatch, NT):
+            _, nb = seq_span(int64(seq_lens[i]), window_left, granule)
+            tot += nb
+        total = block_sum(tot, tid, buf)  # its barriers also publish info's reset
+        k = 0  # bucket: bit_length(total), at most NUM_TARGETS - 1
+        while k < LAST_TARGET and (total >> k) != 0:
+            k += 1
+        t = int64(targets[k])
+        c = int64(min_c)
+        if t > 0 and total > 0:
+            c2 = (total - 1) // t + 1
+            if c2 > c:
+                c = c2
+        # units per sequence and their exclusive prefix sum, chunk by chunk (CH sequences, PER per thread)
+        un = cuda.local.array(PER, int64)
+        running = int64(0)
+        for c0 in range(0, nbatch, CH):
+            i0 = c0 + tid * PER
+            mine = int64(0)
+            for e in range(PER):
+                x = int64(0)
+                if i0 + e < nbatch:
+                    _, nb = seq_span(int64(seq_lens[i0 + e]), window_left, granule)
+                    x, _ = seq_units(nb, c, max_per)
+                un[e] = x
+                mine += x
+            incl, chunk_total = block_scan(mine, tid, buf)
+            start = running + incl - mine
+            for e in range(PER):
+                if i0 + e < nbatch:
+                    if write_meta:
+                        meta[i0 + e] = start
+                        meta[nbatch + i0 + e] = un[e]
+                    if u >= start and u < start + un[e]:
+                        info[0] = i0 + e
+                        info[1] = start
+                    start += un[e]
+            running += chunk_total
+            cuda.syncthreads()
+            if info[0] >= 0 and not write_meta:  # block-uniform: read after the barrier
+                break
+        return info[0], u - info[1], c
+
+    @_device
+    def unit_range(seq_lens, b, j, c, window_left, granule, max_per):
+        length = int64(seq_lens[b])
+        base, nb = seq_span(length, window_left, granule)
+        units_b, cb = seq_units(nb, c, max_per)
+        if nb <= 0:  # an empty sequence: one empty unit at its end
+            return length, length, units_b
+        lo = base + j * cb * granule
+        hi = min(lo + cb * granule, length)
+        return lo, hi, units_b
+
+    return prologue, unit_range, seq_span
+
+
+def schedule_probe_kernel(threads: int, q_len: int = 1, window: bool = False):
+    """A kernel that runs only the schedule prologue, for tests of the device-side integers (``threads`` a
+    multiple of 32 on a GPU; ``ValueError`` otherwise).
+
+    Arguments (grid ``(n,)``, ``threads`` threads)::
+
+        seq_lens  [B] int32
+        targets   [32] int32
+        meta      [2 B] int32, written by block 0 when ``write_meta``
+        units     [n] int: the unit each block asks about
+        res       [n, 6] int64: (b, j, start, end, units_b, c) of that unit; b = -1 (rest untouched) past the
+                  batch's units
+        granule, min_unit_granules, max_units_per_seq, write_meta, window_left: ints
+    """
+    if not SIM and threads % 32:
+        raise ValueError(f"the schedule prologue runs whole warps on a GPU: threads {threads} is not a multiple of 32")
+    key = (threads, q_len, window)
+    kern = _PROBE_CACHE.get(key)
+    if kern is None:
+        prologue, unit_range, _ = _make_schedule(threads, q_len, window)
+        NBUF = _sched_buffer_words(threads)
+
+        def schedule_probe(seq_lens, targets, meta, units, res, granule, min_c, max_per, write_meta, window_left):
+            buf = cuda.shared.array(NBUF, int64)
+            info = cuda.shared.array(2, int64)
+            blk = cuda.blockIdx.x
+            tid = cuda.threadIdx.x
+            u = int64(units[blk])
+            b, j, c = prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_c, max_per,
+                               write_meta != 0 and blk == 0)
+            if tid == 0:
+                res[blk, 0] = b
+                if b >= 0:
+                    lo, hi, ub = unit_range(seq_lens, b, j, c, window_left, granule, max_per)
+                    res[blk, 1] = j
+                    res[blk, 2] = lo
+                    res[blk, 3] = hi
+                    res[blk, 4] = ub
+                    res[blk, 5] = c
+
+        kern = _PROBE_CACHE[key] = cuda.jit(schedule_probe)
+    return kern
+
+
+def _make_head_base(paged: bool):
+    """The plain function ``head_base(h, b, s0, s2) -> int64``: the word offset of KV head ``h`` (plus
+    sequence ``b``'s for a contiguous cache), 64-bit: ``h`` and ``b`` are widened before they multiply a
+    stride (a head stride of 2^30 with 3 KV heads is past 2^31 at ``h = 2``)."""
+    if paged:
+        def head_base(h, b, s0, s2):
+            return int64(h) * s2
+    else:
+        def head_base(h, b, s0, s2):
+            return int64(h) * s2 + int64(b) * s0
+    return head_base
+
+
+def _make_token_offset(paged: bool):
+    """The plain function ``token_offset(table, b, pos, shift, s0, s1, base) -> int64``: the word offset
+    of position ``pos`` of sequence ``b`` from ``base`` (:func:`_make_head_base`). 64-bit: the page id and
+    the position are widened before they multiply a stride, so an offset past 2^31 never wraps. The
+    kernels compile both as device functions; the tests compile them with ``numba.njit`` to check the
+    typed arithmetic (the simulator computes with Python integers, which never wrap)."""
+    if paged:
+        def token_offset(table, b, pos, shift, s0, s1, base):
+            # physical page from the block table; page * page stride can exceed 2^31
+            return (base + int64(table[b, pos >> shift]) * s0
+                    + int64(numba.int32(pos & ((1 << shift) - 1))) * s1)
+    else:
+        def token_offset(table, b, pos, shift, s0, s1, base):
+            return base + int64(numba.int32(pos)) * s1
+    return token_offset
 
 
 def _make_allreduce(lanes: int, n: int, threads: int):
@@ -459,25 +844,29 @@ def _make_allreduce(lanes: int, n: int, threads: int):
     return allreduce
 
 
-def decode_kernel(spec: DecodeSpec):
-    """The (cached) partial / single-pass kernel for ``spec``.
 
-    Kernel arguments, launched on grid ``(num_splits, num_kv_heads, batch)`` with ``spec.threads``
+def decode_kernel(spec: DecodeSpec):
+    """The (cached) split-KV kernel for ``spec``.
+
+    Kernel arguments, launched on the plan's grid ``(max_units * num_kv_heads,)`` with ``spec.threads``
     threads::
 
-        q         [B, Q, Hq, D]   float32, or int16 bits of fp16/bf16
+        q         [B, Q, Hq, D]   float32, or int16 bits of fp16/bf16 (any strides)
         k, v      1-D views of the caches' storage, from their first element (float32, int16 bits,
                   uint8 fp8 codes, or int64 words of ew elements); element (i0, i1, h, w) of the logical cache
                   [B, max_len, Hkv, D / ew] or paged [pages, page_size, Hkv, D / ew] is at
                   i0 * s0 + i1 * s1 + h * s2 + w (64-bit offsets)
         ks, vs    strides (s0, s1, s2) of k and v in words (int32 when all fit, else int64)
-        seq_lens  [B] int32
-        table     [B, max_pages] int32 block table (any int32 array when not paged)
-        o_dst     partial: PartialState.o [B, Q, Hq, S, D] float32; single: out [B, Q, Hq, D] (q's view)
-        lse_dst   partial: PartialState.lse [B, Q, Hq, S] float32; single: lse [B, Q, Hq] float32
-                  (any array when ``not spec.has_lse``)
-        chunk     int, tokens per split (plan.chunk_size)
-        num_splits int, plan.num_splits (the last split runs on to seq_lens[b])
+        seq_lens  [B] int32 (any stride)
+        table     [B, max_pages] int32 block table (any strides; any int32 array when not paged)
+        out       [B, Q, Hq, D] in q's view: rows of one-unit sequences
+        lse_out   [B, Q, Hq] float32 (any array when ``not spec.has_lse``)
+        ws_o      the workspace's PartialState.o [1, Q, Hq, max_units, D] float32 (``spec.sched``; else any array)
+        ws_lse    the workspace's PartialState.lse [1, Q, Hq, max_units] float32 (idem)
+        meta      [2 B] int32: indptr then units, written by program 0 when ``write_meta`` (else any int array)
+        targets   [32] int32: the schedule's targets table
+        num_kv_heads int; granule, min_unit_granules, max_units_per_seq: the schedule's constants
+        write_meta int: 1 when the plan's merge is separate
         page_shift int, log2(page_size) (0 when not paged)
         qk_scale  float32, sm_scale
         window_left int, the sliding window (read only when ``spec.window``)
@@ -508,10 +897,11 @@ def _build_decode(spec: DecodeSpec):
     SCRATCH = NT * NRED if (SIM and T > 1) else 1
     # array sizes must be single constants for numba (it does not fold products of closure variables)
     N_ML, N_ACC_SH, N_QV, N_W, N_VF = NG * R, NG * RB * D, R * EPT, U * NSLOT, U * EPT
-    PAGED, SINGLE, HAS_LSE, KV_SAME = spec.paged, spec.single, spec.has_lse, spec.kv_same
+    PAGED, SCHED, HAS_LSE, KV_SAME = spec.paged, spec.sched, spec.has_lse, spec.kv_same
     WINDOW, SOFTCAP, FP8, SINKS = spec.window, spec.softcap, spec.fp8, spec.sinks
-    if SINKS and not SINGLE:
-        raise ValueError(f"numba kernel: sinks are applied by the merge, not in partial states ({spec})")
+    # rows of one program disagree about a position only with several queries (module docstring)
+    CARE = QL > 1
+    WIN_EDGE = QL - 1  # the first positions of a window seen by some queries only
     if FP8 and (kind == KIND_FP32 or EW not in (1, 8)):
         raise ValueError(f"numba kernel: an fp8 cache needs fp16/bf16 q and 1 or 8 codes per word ({spec})")
     if NT % T or (not SIM and NT % 32) or T > 32 or T & (T - 1) or NG * D > _SMEM_ACC_FLOATS:
@@ -528,82 +918,96 @@ def _build_decode(spec: DecodeSpec):
     qload = _make_unpack(kind, 1)
     pack = _make_pack(kind)
     allreduce = _make_allreduce(T, NRED, NT)
-
-    # Offsets are 64-bit. Factors known to fit 32 bits (positions, page ids, strides passed as
-    # int32) are cast so the products compile to one 32x32->64 multiply (mul.wide.s32).
-    if PAGED:
-        @_device
-        def token_offset(table, b, pos, shift, s0, s1, base):
-            # physical page from the block table; page * page stride can exceed 2^31
-            return (base + int64(table[b, pos >> shift]) * s0
-                    + int64(numba.int32(pos & ((1 << shift) - 1))) * s1)
-    else:
-        @_device
-        def token_offset(table, b, pos, shift, s0, s1, base):
-            return base + int64(numba.int32(pos)) * s1
+    prologue, unit_range, seq_span = _make_schedule(NT, QL, WINDOW)
+    NBUF = _sched_buffer_words(NT)
+    token_offset = _device(_make_token_offset(PAGED))
+    head_base = _device(_make_head_base(PAGED))
 
     if SINKS:
         @_device
-        def empty_lse(sinks, hq):  # a row with nothing visible: o = 0, lse = the sink
-            return sinks[hq]
+        def empty_lse(sinks, hq, direct):  # a row with nothing visible: o = 0, lse = the sink (direct rows)
+            if direct:
+                return sinks[hq]
+            return NEG_INF
     else:
         @_device
-        def empty_lse(sinks, hq):
+        def empty_lse(sinks, hq, direct):
             return NEG_INF
 
-    if SINGLE:
+    if HAS_LSE:
         @_device
-        def store_o(dst, b, qi, hq, s, d, x):
-            dst[b, qi, hq, d] = pack(x)
-
-        if HAS_LSE:
-            @_device
-            def store_lse(dst, b, qi, hq, s, x):
-                dst[b, qi, hq] = x
-        else:
-            @_device
-            def store_lse(dst, b, qi, hq, s, x):
-                pass
+        def store_out_lse(dst, b, qi, hq, x):
+            dst[b, qi, hq] = x
     else:
         @_device
-        def store_o(dst, b, qi, hq, s, d, x):
-            dst[b, qi, hq, s, d] = x
+        def store_out_lse(dst, b, qi, hq, x):
+            pass
+
+    if SCHED:  # one-unit sequences write out, the others their workspace slot
+        @_device
+        def store_o(out, ws_o, direct, b, qi, hq, u, d, x):
+            if direct:
+                out[b, qi, hq, d] = pack(x)
+            else:
+                ws_o[0, qi, hq, u, d] = x
 
         @_device
-        def store_lse(dst, b, qi, hq, s, x):
-            dst[b, qi, hq, s] = x
+        def store_lse(lse_out, ws_lse, direct, b, qi, hq, u, x):
+            if direct:
+                store_out_lse(lse_out, b, qi, hq, x)
+            else:
+                ws_lse[0, qi, hq, u] = x
+    else:
+        @_device
+        def store_o(out, ws_o, direct, b, qi, hq, u, d, x):
+            out[b, qi, hq, d] = pack(x)
 
-    def split_kv_decode(q, k, v, ks0, ks1, ks2, vs0, vs1, vs2, seq_lens, table, o_dst, lse_dst, chunk, num_splits,
+        @_device
+        def store_lse(lse_out, ws_lse, direct, b, qi, hq, u, x):
+            store_out_lse(lse_out, b, qi, hq, x)
+
+    def split_kv_decode(q, k, v, ks0, ks1, ks2, vs0, vs1, vs2, seq_lens, table, out, lse_out, ws_o, ws_lse, meta,
+                        targets, num_kv_heads, granule, min_unit_granules, max_units_per_seq, write_meta,
                         page_shift, qk_scale, window_left, soft_cap, k_scale, v_scale, sinks):
         m_sh = cuda.shared.array(N_ML, float32)
         l_sh = cuda.shared.array(N_ML, float32)
         acc_sh = cuda.shared.array(N_ACC_SH, float32)
         scratch = cuda.shared.array(SCRATCH, float32)
+        lse_sh = cuda.shared.array(R, float32)
+        sched_buf = cuda.shared.array(NBUF, int64)
+        info = cuda.shared.array(2, int64)
 
-        s = cuda.blockIdx.x
-        h = cuda.blockIdx.y
-        b = cuda.blockIdx.z
+        p = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         lane = tid % T
         grp = tid // T
+        u = p // num_kv_heads
+        h = p - u * num_kv_heads
         hq0 = h * G
 
+        if SCHED:
+            b, j, c = prologue(seq_lens, targets, meta, int64(u), tid, sched_buf, info, window_left, granule,
+                               min_unit_granules, max_units_per_seq, write_meta != 0 and p == 0)
+            if b < 0:  # no unit for this program: write nothing
+                return
+            lo, hi, units_b = unit_range(seq_lens, b, j, c, window_left, granule, max_units_per_seq)
+            direct = units_b == 1
+        else:  # single pass: unit u is sequence u, written directly
+            b = int64(u)
+            lo, _ = seq_span(int64(seq_lens[b]), window_left, granule)
+            hi = int64(seq_lens[b])
+            direct = True
         length = int64(seq_lens[b])
-        lo = int64(s) * chunk
-        if WINDOW:  # no chunk before the first position any query can see
-            lo += max(length - QL - window_left, 0)
-        hi = length
-        if s < num_splits - 1:
-            hi = min(lo + chunk, length)
 
-        if lo >= hi:  # empty chunk (whole program): read nothing, write empty states
+        if lo >= hi:  # empty unit (whole program): read nothing, write empty states
             for idx in range(tid, R * D, NT):
                 r = idx // D
                 qi = r // G
-                store_o(o_dst, b, qi, hq0 + r - qi * G, s, idx - r * D, ZERO)
+                store_o(out, ws_o, direct, b, qi, hq0 + r - qi * G, u, idx - r * D, ZERO)
             for r in range(tid, R, NT):
                 qi = r // G
-                store_lse(lse_dst, b, qi, hq0 + r - qi * G, s, empty_lse(sinks, hq0 + r - qi * G))
+                hq = hq0 + r - qi * G
+                store_lse(lse_out, ws_lse, direct, b, qi, hq, u, empty_lse(sinks, hq, direct))
             return
 
         # q of this lane's channels, all rows, pre-scaled by sm_scale (and the fp8 cache's k_scale)
@@ -627,29 +1031,27 @@ def _build_decode(spec: DecodeSpec):
         for r in range(R):
             m[r] = NEG_INF
             l[r] = ZERO
-        for j in range(R * EPT):
-            acc[j] = ZERO
+        for jj in range(R * EPT):
+            acc[jj] = ZERO
 
         kw = cuda.local.array(N_W, word_t)
         vw = cuda.local.array(N_W, word_t)
         kf = cuda.local.array(EPT, float32)
         vf = cuda.local.array(N_VF, float32)
         sc = cuda.local.array(NRED, float32)
+        bad = cuda.local.array(N_VF, float32)  # careful tiles: 0, or NaN for a non-finite V entry
         lim0 = length - QL + 1  # query qi sees positions < lim0 + qi
         low0 = lim0 - 1 - window_left  # ... and, with a window, positions >= low0 + qi
         inv_cap = ONE
         if SOFTCAP:
             inv_cap = ONE / soft_cap
-        kbase = int64(h) * ks2
-        vbase = int64(h) * vs2
-        if not PAGED:
-            kbase += int64(b) * ks0
-            vbase += int64(b) * vs0
+        kbase = head_base(h, b, ks0, ks2)
+        vbase = head_base(h, b, vs0, vs2)
 
-        for base in range(lo, hi, BLOCK_N):
-            # issue all loads of this tile first (clamped positions: unconditional)
-            for u in range(U):
-                pos = min(base + u * NG + grp, hi - 1)
+        for t0 in range(lo, hi, BLOCK_N):
+            # issue all loads of this tile first (clamped positions: unconditional, never past the unit)
+            for uu in range(U):
+                pos = min(t0 + uu * NG + grp, hi - 1)
                 ko = token_offset(table, b, pos, page_shift, ks0, ks1, kbase)
                 vo = ko
                 if not KV_SAME:
@@ -657,30 +1059,45 @@ def _build_decode(spec: DecodeSpec):
                 for i in range(NSLOT):
                     wc = min(i * T + lane, NWORDS - 1)
                     # unsigned index: numba skips the negative-index wraparound code
-                    kw[u * NSLOT + i] = k[uint64(ko + wc)]
-                    vw[u * NSLOT + i] = v[uint64(vo + wc)]
+                    kw[uu * NSLOT + i] = k[uint64(ko + wc)]
+                    vw[uu * NSLOT + i] = v[uint64(vo + wc)]
             # partial scores of this lane, then summed across the group's lanes
-            for u in range(U):
+            for uu in range(U):
                 for i in range(NSLOT):
                     for e in range(EW):
-                        kf[i * EW + e] = unpack(kw[u * NSLOT + i], e)
+                        kf[i * EW + e] = unpack(kw[uu * NSLOT + i], e)
                 for r in range(R):
                     dot = ZERO
-                    for j in range(EPT):
-                        dot += qv[r * EPT + j] * kf[j]
-                    sc[u * R + r] = dot
+                    for jj in range(EPT):
+                        dot += qv[r * EPT + jj] * kf[jj]
+                    sc[uu * R + r] = dot
             allreduce(sc, scratch, tid)
-            # online softmax, once per tile and row (branch-free): masked scores become -inf
-            for u in range(U):
+            for uu in range(U):
                 for i in range(NSLOT):
                     for e in range(EW):
-                        vf[(u * NSLOT + i) * EW + e] = unpack(vw[u * NSLOT + i], e)
+                        vf[(uu * NSLOT + i) * EW + e] = unpack(vw[uu * NSLOT + i], e)
+            # a tile holding positions some rows see and others do not (block-uniform): its non-finite V
+            # entries are zeroed for the multiply-add and added back as NaN to the rows that see them, below
+            careful = False
+            if CARE:
+                careful = t0 + BLOCK_N > lim0
+                if WINDOW:
+                    if t0 < low0 + WIN_EDGE and t0 + BLOCK_N > low0:
+                        careful = True
+                if careful:
+                    for jj in range(N_VF):
+                        vx = vf[jj]
+                        bad[jj] = ZERO
+                        if vx - vx != ZERO:  # inf or NaN
+                            bad[jj] = NAN
+                            vf[jj] = ZERO
+            # online softmax, once per tile and row: masked scores become -inf (selected, not multiplied)
             for r in range(R):
                 mo = m[r]
                 mn = mo
-                for u in range(U):
-                    pos = base + u * NG + grp
-                    x = sc[u * R + r]
+                for uu in range(U):
+                    pos = t0 + uu * NG + grp
+                    x = sc[uu * R + r]
                     if SOFTCAP:  # cap * tanh(x / cap), tanh from exp(-2|x / cap|): no overflow
                         t = x * inv_cap
                         ex = fexp(-(TWO * abs(t)))
@@ -688,29 +1105,43 @@ def _build_decode(spec: DecodeSpec):
                         if t < ZERO:
                             th = -th
                         x = th * soft_cap
-                    if not (pos < hi and (QL == 1 or pos < lim0 + r // G)):
-                        x = NEG_INF
+                    vis = pos < hi and (QL == 1 or pos < lim0 + r // G)
                     if WINDOW:
                         if pos < low0 + r // G:
-                            x = NEG_INF
-                    sc[u * R + r] = x
-                    mn = max(mn, x)
+                            vis = False
+                    if not vis:
+                        x = NEG_INF
+                    sc[uu * R + r] = x
+                    if not (x <= mn) and mn == mn:  # max that keeps a NaN (max() would drop it)
+                        mn = x
                 ms = mn
                 if mn == NEG_INF:  # nothing visible yet: keep exp's argument finite (no -inf - -inf)
                     ms = ZERO
                 alpha = fexp(mo - ms)
                 psum = ZERO
-                for u in range(U):
-                    p = fexp(sc[u * R + r] - ms)
-                    sc[u * R + r] = p
-                    psum += p
+                for uu in range(U):
+                    pe = fexp(sc[uu * R + r] - ms)
+                    sc[uu * R + r] = pe
+                    psum += pe
                 l[r] = l[r] * alpha + psum
                 m[r] = mn
-                for j in range(EPT):
-                    a = acc[r * EPT + j] * alpha
-                    for u in range(U):
-                        a += sc[u * R + r] * vf[u * EPT + j]
-                    acc[r * EPT + j] = a
+                for jj in range(EPT):
+                    a = acc[r * EPT + jj] * alpha
+                    for uu in range(U):
+                        a += sc[uu * R + r] * vf[uu * EPT + jj]
+                    acc[r * EPT + jj] = a
+            if CARE:
+                if careful:  # NaN in a column for a non-finite V entry of a position the row sees
+                    for r in range(R):
+                        for uu in range(U):
+                            pos = t0 + uu * NG + grp
+                            vis = pos < hi and pos < lim0 + r // G
+                            if WINDOW:
+                                if pos < low0 + r // G:
+                                    vis = False
+                            if vis:
+                                for jj in range(EPT):
+                                    acc[r * EPT + jj] += bad[uu * EPT + jj]
 
         # merge the token groups' states through shared memory
         if lane == 0:
@@ -728,14 +1159,12 @@ def _build_decode(spec: DecodeSpec):
         for r in range(R):
             mx = NEG_INF
             for g2 in range(NG):
-                mx = max(mx, m_sh[g2 * R + r])
+                mg = m_sh[g2 * R + r]
+                if not (mg <= mx) and mx == mx:  # NaN-keeping max
+                    mx = mg
             fac[r] = ZERO
-            qi = r // G
-            hq = hq0 + r - qi * G
-            if mx == NEG_INF:
-                if r % NT == tid:
-                    store_lse(lse_dst, b, qi, hq, s, empty_lse(sinks, hq))
-            else:
+            lse = NEG_INF
+            if mx != NEG_INF:
                 tot = ZERO
                 for g2 in range(NG):
                     mg = m_sh[g2 * R + r]
@@ -743,17 +1172,22 @@ def _build_decode(spec: DecodeSpec):
                         tot += l_sh[g2 * R + r] * math.exp(mg - mx)
                 lse = mx + math.log(tot)
                 f = vsc / tot  # the fp8 cache's v_scale joins the normalization
-                if SINKS:  # single pass: lse' = logaddexp(lse, sink), o' = o exp(lse - lse')
-                    z = sinks[hq]
-                    top = max(lse, z)
-                    new = top + math.log(math.exp(lse - top) + math.exp(z - top))
-                    f = f * math.exp(lse - new)
-                    lse = new
+                if SINKS:
+                    if direct:  # lse' = logaddexp(lse, sink), o' = o exp(lse - lse')
+                        lse, fs = _sink_join(lse, sinks[hq0 + r - (r // G) * G])
+                        f = f * fs
                 mine = m_sh[grp * R + r]
                 if mine != NEG_INF:
                     fac[r] = math.exp(mine - mx) * f
-                if r % NT == tid:
-                    store_lse(lse_dst, b, qi, hq, s, lse)
+            if r % NT == tid:  # the row's lse, stored below by this same thread (small unrolled body)
+                lse_sh[r] = lse
+        for r in range(tid, R, NT):
+            qi = r // G
+            hq = hq0 + r - qi * G
+            x = lse_sh[r]
+            if x == NEG_INF:  # nothing visible: -inf, or the sink for a direct row
+                x = empty_lse(sinks, hq, direct)
+            store_lse(lse_out, ws_lse, direct, b, qi, hq, u, x)
         for r0 in range(0, R, RB):
             for r in range(R):
                 if r >= r0 and r < r0 + RB:
@@ -774,7 +1208,7 @@ def _build_decode(spec: DecodeSpec):
                     for g2 in range(NG):
                         tot += acc_sh[(g2 * RB + rr) * D + d]
                     qi = r // G
-                    store_o(o_dst, b, qi, hq0 + r - qi * G, s, d, tot)
+                    store_o(out, ws_o, direct, b, qi, hq0 + r - qi * G, u, d, tot)
             cuda.syncthreads()
 
     split_kv_decode.__name__ = split_kv_decode.__qualname__ = "split_kv_decode_" + spec.tag().replace("-", "_")
@@ -788,23 +1222,25 @@ def _build_decode(spec: DecodeSpec):
 
 
 def merge_kernel(spec: MergeSpec):
-    """The (cached) merge kernel for ``spec``.
+    """The (cached) separate merge kernel for ``spec``.
 
-    Arguments, grid ``(batch * q_len * num_q_heads,)`` (one program per row), ``spec.threads``
-    threads::
+    Arguments, grid ``(batch * q_len * num_q_heads,)`` (one program per row ``(b, qi, h)``),
+    ``spec.threads`` threads::
 
-        o_state   PartialState.o [B, Q, H, S_buf, D] float32 (S_buf >= num_splits)
-        lse_state PartialState.lse [B, Q, H, S_buf] float32
+        ws_o      the workspace's PartialState.o [1, Q, H, max_units, D] float32
+        ws_lse    the workspace's PartialState.lse [1, Q, H, max_units] float32
+        meta      [2 B] int32: indptr[b] at b, units[b] at B + b (written by the partial kernel's program 0)
         out       [B, Q, H, D] float32 or int16 bits of fp16/bf16
         lse_out   [B, Q, H] float32 (any array when ``not spec.has_lse``)
-        num_splits int: merge splits 0 .. num_splits - 1
         sinks     [H] float32 sink logits (read only when ``spec.sinks``; any array otherwise)
 
-    Contract (:func:`attnplan.state.merge_states`): ``lse = logsumexp_s lse_s``,
-    ``o = sum_s exp(lse_s - lse) o_s``; splits with ``lse_s = -inf`` are skipped (their ``o_s`` is
-    never read), and a row whose every split is empty gets ``o = 0, lse = -inf``. With
-    ``spec.sinks`` the sink then joins the denominator: ``lse' = logaddexp(lse, sink[h])``,
-    ``o' = o exp(lse - lse')`` (an all-empty row: ``o = 0``, ``lse = sink[h]``).
+    A row of a sequence with ``units[b] <= 1`` exits (the partial kernel wrote it). Otherwise, the contract of
+    :func:`attnplan.state.merge_states` over slots ``[indptr[b], indptr[b] + units[b])`` in slot order:
+    ``lse = logsumexp_s lse_s``, ``o = sum_s exp(lse_s - lse) o_s``; states with ``lse_s = -inf`` weigh 0
+    (their ``o_s`` is never read); a row whose every state is empty gets ``o = 0, lse = -inf``; NaN in a
+    non-empty state makes the row NaN (the maximum keeps NaN), never an empty row. With ``spec.sinks`` the
+    sink then joins the denominator once: ``lse' = logaddexp(lse, sink[h])``, ``o' = o exp(lse - lse')``
+    (an all-empty row: ``o = 0``, ``lse = sink[h]``; a ``-inf`` sink is no sink).
     """
     kern = _MERGE_CACHE.get(spec)
     if kern is None:
@@ -826,19 +1262,26 @@ def _build_merge(spec: MergeSpec):
         def store_lse(dst, b, qi, h, x):
             pass
 
-    def merge_states(o_state, lse_state, out, lse_out, num_splits, sinks):
+    def merge_states(ws_o, ws_lse, meta, out, lse_out, sinks):
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
-        nh = out.shape[2]
+        nb = out.shape[0]
         nq = out.shape[1]
+        nh = out.shape[2]
         h = row % nh
         t = row // nh
         qi = t % nq
         b = t // nq
+        n = int64(meta[nb + b])
+        if n <= 1:  # a one-unit sequence: written by the partial kernel
+            return
+        s0 = int64(meta[b])
         mx = NEG_INF
-        for s in range(num_splits):
-            mx = max(mx, lse_state[b, qi, h, s])
-        if mx == NEG_INF:  # every split empty: o = 0, lse = -inf (with a sink: lse = the sink)
+        for s in range(s0, s0 + n):
+            ls = ws_lse[0, qi, h, s]
+            if not (ls <= mx) and mx == mx:  # NaN-keeping max
+                mx = ls
+        if mx == NEG_INF:  # every state empty: o = 0, lse = -inf (with a sink: lse = the sink)
             for d in range(tid, D, NT):
                 out[b, qi, h, d] = pack(ZERO)
             if tid == 0:
@@ -848,24 +1291,21 @@ def _build_merge(spec: MergeSpec):
                     store_lse(lse_out, b, qi, h, NEG_INF)
             return
         tot = ZERO
-        for s in range(num_splits):
-            ls = lse_state[b, qi, h, s]
+        for s in range(s0, s0 + n):
+            ls = ws_lse[0, qi, h, s]
             if ls != NEG_INF:
                 tot += math.exp(ls - mx)
         lse = mx + math.log(tot)
         inv = ONE / tot
-        if SINKS:  # the sink joins the denominator once: lse' = logaddexp(lse, sink), o' = o exp(lse - lse')
-            z = sinks[h]
-            top = max(lse, z)
-            new = top + math.log(math.exp(lse - top) + math.exp(z - top))
-            inv = inv * math.exp(lse - new)
-            lse = new
+        if SINKS:  # the sink joins the denominator once
+            lse, fs = _sink_join(lse, sinks[h])
+            inv = inv * fs
         for d in range(tid, D, NT):
             a = ZERO
-            for s in range(num_splits):
-                ls = lse_state[b, qi, h, s]
+            for s in range(s0, s0 + n):
+                ls = ws_lse[0, qi, h, s]
                 if ls != NEG_INF:
-                    a += math.exp(ls - mx) * o_state[b, qi, h, s, d]
+                    a += math.exp(ls - mx) * ws_o[0, qi, h, s, d]
             out[b, qi, h, d] = pack(a * inv)
         if tid == 0:
             store_lse(lse_out, b, qi, h, lse)
