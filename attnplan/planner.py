@@ -595,7 +595,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     Returns:
         the :class:`SplitPlan`; it serves any lengths up to the cache's capacity.
     Raises:
-        ValueError: ``kernel`` has no positive ``block_n``.
+        ValueError: ``kernel`` has no positive ``block_n``, or the batch's capacity exceeds 2^31 granules.
     """
     cm, bw = cost_model_for(device, config, backend)
     forced = config.split.num_splits if num_splits is None else num_splits
@@ -611,6 +611,9 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     else:
         problem_w = problem
     cap_granules = -(-_capacity_span(problem) // granule)
+    if batch * cap_granules >= 1 << 31:
+        raise ValueError(f"batch {batch} x {cap_granules} granules of {granule} tokens per sequence exceeds the "
+                         "schedule's 32-bit counters (2^31 granules per batch); use a larger page size or block_n")
     min_c = max(1, -(-config.split.min_chunk_tokens // granule))
     limit = max(1, min(config.split.max_splits, span // (min_c * granule)))
     zeros = (0,) * NUM_TARGETS

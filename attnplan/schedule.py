@@ -8,7 +8,8 @@ cache's capacity before capture serves every replay, and a long sequence among s
 many programs instead of one.
 
 This module is the schedule written once, in host code: every backend's kernels compute exactly these
-integers (in int32) in a prologue, and the reference backend, the tests and :meth:`SplitPlan.explain`
+integers in a prologue (32-bit arithmetic suffices: the planner keeps a batch's capacity below 2^31 granules;
+kernels write ``ceil(a / b)`` as ``(a - 1) // b + 1`` for ``a >= 1`` so no sum overflows), and the reference backend, the tests and :meth:`SplitPlan.explain`
 call :func:`schedule_units` directly.
 
 Definitions (all integers; ``B`` sequences, ``Q`` queries per sequence, ``G`` tokens per granule):
