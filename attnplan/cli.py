@@ -34,7 +34,8 @@ MODEL_PRESETS = {
 
 
 #: multiply-adds (KV tokens x query heads x head_dim x queries, QK^T and PV) above which a CPU run warns first:
-#: about 30 s in Triton's interpreter on one core (the default CPU workload is ~40x less)
+#: about a minute in Triton's interpreter on one core (the default CPU workload is ~40x less); the float64
+#: reference (torch on the CPU) is ~100x faster and warns at 64x this
 CPU_WARN_MACS = 1 << 27
 
 
@@ -155,7 +156,7 @@ def _run(args, parser) -> int:
               + ("; on a CPU set TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1 before starting Python to run the "
                  "kernels in Triton's interpreter and numba's simulator" if cpu else ""))
     macs = 2 * sum(lens) * hq * d * args.q_len
-    if cpu and macs > CPU_WARN_MACS:
+    if cpu and macs > CPU_WARN_MACS * (64 if w.backend.name == "reference" else 1):
         _note(f"warning: {sum(lens)} KV tokens x {hq} query heads x head_dim {d} x q_len {args.q_len} "
               f"({macs / 1e9:.1f} G multiply-adds) on the CPU ({w.backend.name}"
               f"{' in the interpreter / simulator' if w.backend.name != 'reference' else ''}) may take minutes; "
