@@ -369,8 +369,11 @@ class DecodeWrapper:
         if sig != self._sig:
             raise ValueError(f"run() inputs differ from the planned ones: {signature_change(self._sig, sig)}; "
                              "call plan() again")
-        out = self._out if out is None else out
-        validate_outputs(q, out, lse)
+        if out is None:  # the wrapper's own buffer, made by plan() for q's planned shape, dtype and device
+            out = self._out
+            validate_outputs(q, None, lse)
+        else:
+            validate_outputs(q, out, lse)
         check_sm_scale(self._sm_scale)
         var = self._variant
         check_variant_tensors(q, var["sinks"], var["k_scale"], var["v_scale"])

@@ -511,37 +511,39 @@ def signature_change(planned: tuple, got: tuple) -> str:
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
-    """``[first, end)`` bytes ``t`` spans in its device's address space, ``None`` when empty (O(ndim))."""
+    """``[first, end)`` bytes ``t`` spans in its device's address space, ``None`` when empty (O(ndim);
+    torch strides are never negative)."""
     if t.numel() == 0:
         return None
-    lo = hi = 0
-    for n, st in zip(t.shape, t.stride()):
-        if st >= 0:
-            hi += (n - 1) * st
-        else:
-            lo += (n - 1) * st
     p, size = t.data_ptr(), t.element_size()
-    return p + lo * size, p + (hi + 1) * size
+    return p, p + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * size
+
+
+def _storage_range(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    p = st.data_ptr()
+    return p, p + st.nbytes()
 
 
 def check_no_overlap(outputs, inputs) -> None:
     """Raise ``ValueError`` if an output tensor's bytes overlap an input's or another output's.
 
-    ``outputs`` / ``inputs``: ``(name, tensor or None)`` pairs. O(1) per pair: compares the byte ranges
-    the tensors span on the same device (conservative: crossing ranges count even when no element
-    is shared). No allocation, no sync.
+    ``outputs`` / ``inputs``: ``(name, tensor or None)`` pairs. O(1) per pair, no allocation, no sync:
+    first the byte ranges of the tensors' storages (disjoint storages cannot overlap), then, for
+    tensors on one device whose storages cross, the byte ranges the tensors themselves span
+    (conservative: crossing ranges count even when no element is shared, e.g. interleaved views).
     """
-    outs = [(n, t, _byte_range(t)) for n, t in outputs if isinstance(t, torch.Tensor)]
-    others = [(n, t, _byte_range(t)) for n, t in inputs if isinstance(t, torch.Tensor)]
-    for i, (on, ot, orng) in enumerate(outs):
-        if orng is None:
-            continue
-        for n, t, rng in outs[i + 1:] + others:
-            if rng is not None and t.device == ot.device and orng[0] < rng[1] and rng[0] < orng[1]:
-                raise ValueError(f"{on} overlaps {n} in memory (bytes [{orng[0]:#x}, {orng[1]:#x}) and "
-                                 f"[{rng[0]:#x}, {rng[1]:#x})); the kernels would read what they write: "
-                                 f"pass a separate {on} buffer")
-
+    outs = [(n, t, _storage_range(t)) for n, t in outputs if isinstance(t, torch.Tensor) and t.numel()]
+    if not outs:
+        return
+    others = [(n, t, _storage_range(t)) for n, t in inputs if isinstance(t, torch.Tensor) and t.numel()]
+    for i, (on, ot, (a0, a1)) in enumerate(outs):
+        for n, t, (b0, b1) in outs[i + 1:] + others:
+            if a0 < b1 and b0 < a1 and t.device == ot.device:
+                (c0, c1), (d0, d1) = _byte_range(ot), _byte_range(t)
+                if c0 < d1 and d0 < c1:
+                    raise ValueError(f"{on} overlaps {n} in memory (bytes [{c0:#x}, {c1:#x}) and [{d0:#x}, {d1:#x})); "
+                                     f"the kernels would read what they write: pass a separate {on} buffer")
 
 def validate_values(static: dict, seq_lens: torch.Tensor, block_table: torch.Tensor | None,
                     num_pages: int, seq_lens_host=None) -> tuple[int, int]:
