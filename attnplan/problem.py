@@ -410,6 +410,14 @@ _SEEN_LOCK = threading.Lock()
 _SEEN_MAX = 4096
 
 
+def _bad_values(name: str, v: torch.Tensor) -> int | None:
+    """Index of the first value of ``v`` that ``name`` may not hold, or ``None`` (reads ``v``: a sync on a GPU)."""
+    bad = torch.isnan(v) | (v == float("inf")) if name == "sinks" else ~(torch.isfinite(v) & (v > 0))
+    if not bool(bad.any()):
+        return None
+    return int(bad.nonzero()[0, 0])
+
+
 def _check_values_once(name: str, t: torch.Tensor) -> None:
     """Read ``t``'s values (a device-to-host copy: a sync on a GPU) unless this tensor was checked at its
     current version. ``sinks``: no NaN and no ``+inf``; ``k_scale`` / ``v_scale``: finite and ``> 0``."""
@@ -425,9 +433,8 @@ def _check_values_once(name: str, t: torch.Tensor) -> None:
             _SEEN_VALUES.move_to_end(key)
             return
     v = t.detach()
-    bad = torch.isnan(v) | (v == float("inf")) if name == "sinks" else ~(torch.isfinite(v) & (v > 0))
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
+    i = _bad_values(name, v)
+    if i is not None:
         want = ("must not be NaN or +inf (-inf = no sink for that head)" if name == "sinks"
                 else "must be finite and > 0 (a dequantization scale per KV head)")
         raise ValueError(f"{name}[{i}] = {float(v[i])}: {name} {want}")
