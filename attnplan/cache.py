@@ -115,6 +115,29 @@ def _check_layout(plan: SplitPlan, problem: DecodeProblem) -> None:
         raise ValueError(f"chunk_size {plan.chunk_size} is not a multiple of block_n and the page size ({align})")
 
 
+def _pow2(name: str, v, lo: int, hi: int) -> None:
+    if _int(name, v, lo) > hi or v & (v - 1):
+        raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {v!r}")
+
+
+def _check_kernel(plan: SplitPlan) -> None:
+    """Hard limits of the kernels the plan's options feed (what a tampered file could break): Triton's
+    ``tl.arange`` tile and warp count must be powers of two; numba's thread layout must be whole."""
+    k = plan.kernel
+    _int("kernel.block_n", k.get("block_n"), 1)
+    if plan.backend == "triton":
+        _pow2("kernel.block_n", k["block_n"], 16, 1024)
+        _pow2("kernel.num_warps", k.get("num_warps"), 1, 32)
+        if _int("kernel.num_stages", k.get("num_stages"), 1) > 16:
+            raise ValueError(f"kernel.num_stages must be in [1, 16], got {k['num_stages']}")
+    elif plan.backend == "numba" and all(n in k for n in ("lanes", "threads", "unroll")):
+        _pow2("kernel.lanes", k["lanes"], 1, 32)
+        threads, unroll = _int("kernel.threads", k["threads"], 1), _int("kernel.unroll", k["unroll"], 1)
+        if threads > 1024 or threads % k["lanes"] or k["block_n"] != threads // k["lanes"] * unroll:
+            raise ValueError(f"kernel threads {threads} / lanes {k['lanes']} / unroll {unroll} / block_n "
+                             f"{k['block_n']} do not make a thread layout")
+
+
 def check_plan(plan: SplitPlan, problem: DecodeProblem | None = None) -> DecodeProblem:
     """Validate a plan read from disk as strictly as a config: field types and ranges, the problem it
     names, then ``plan.validate(problem)`` where :class:`SplitPlan` has it, else the layout checks
@@ -149,6 +172,7 @@ def check_plan(plan: SplitPlan, problem: DecodeProblem | None = None) -> DecodeP
         if not isinstance(k, str) or not (v is None or isinstance(v, (bool, int, str))
                                           or (isinstance(v, float) and math.isfinite(v))):
             raise ValueError(f"kernel option {k!r} = {v!r} is not a plain value"[:200])
+    _check_kernel(plan)
     problem = problem if problem is not None else plan_problem_of(plan)
     validate = getattr(plan, "validate", None)
     if callable(validate):

@@ -121,7 +121,8 @@ class CudaPtxOptions(_Strict):
     """``backend_options.cuda_ptx``: the keys the CUDA C backend's ``kernel_config`` reads; ``None`` lets the
     planner choose. ``block_n`` must also be a multiple of the kernel's tile (checked when planning)."""
 
-    block_n: int | None = Field(None, ge=16, le=512, description="chunk alignment, tokens (a multiple of the tile)")
+    block_n: int | None = Field(None, ge=1, le=4096, description="chunk alignment, tokens (a multiple of the "
+                                                                 "kernel's tile, checked when planning)")
     num_warps: int | None = Field(None, ge=1, le=16, description="KV warps per row group")
     num_stages: int | None = Field(None, ge=1, le=8, description="cp.async ring stages")
     threads: int | None = Field(None, ge=32, le=1024, description="threads per CTA, a multiple of 32 x row groups "
