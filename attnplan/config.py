@@ -167,7 +167,7 @@ class BackendOptions(_Strict):
 
 
 class SplitPolicy(_Strict):
-    """How the planner splits the KV sequence (DESIGN.md "Planner")."""
+    """How the planner splits the KV sequence (see :mod:`attnplan.planner`)."""
 
     partition: Literal["auto", "split_k"] = Field(
         "auto", description="work partition inside a program: split_k = warps take different KV positions and "

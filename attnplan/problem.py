@@ -195,7 +195,7 @@ class DecodeProblem:
         return tokens * self.num_kv_heads * self.kv_bytes_per_token + qo
 
     def bucket(self) -> dict:
-        """The fields of the plan-cache key (DESIGN.md "Plan cache"): lengths bucketed to powers of two."""
+        """The fields of the plan-cache key (:mod:`attnplan.cache`): lengths bucketed to powers of two."""
         return {
             "batch": self.batch, "num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "q_len": self.q_len, "page_size": self.page_size,

@@ -46,7 +46,7 @@ def test_hits_misses_and_disk_roundtrip(tmp_path):
 
 
 def test_key_includes_arch_and_sm_count(tmp_path):
-    """cases.yaml cache-key-missing-arch: another SM count or compute capability re-plans."""
+    """Another SM count (a MIG slice) or compute capability re-plans: both are in the key."""
     ctx = ctx_at(tmp_path)
     a, b, c = plan(ctx, DEV_A), plan(ctx, DEV_B), plan(ctx, DEV_C)
     assert ctx.cache.stats.misses == 3
@@ -142,7 +142,7 @@ def test_lru_evicts(tmp_path):
 
 
 def test_plan_cache_hit_and_miss_host_cost():
-    """Host overhead targets (#7): a plan-cache hit costs at most 10 us, a miss (planning) at most 1 ms.
+    """Host overhead targets: a plan-cache hit costs at most 10 us, a miss (planning) at most 1 ms.
     Timed in this thread's CPU time (``time.thread_time``), fastest of several batches: the cost of the code,
     not of a host shared with other work (wall time under 13 xdist workers on the GPU machine's 16 cores put a
     miss at ~1,000 us, s6-call4 / -call7, where the idle machine's bench measures ~230 us)."""
