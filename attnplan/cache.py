@@ -158,10 +158,12 @@ def check_plan(plan: SplitPlan, problem: DecodeProblem | None = None) -> DecodeP
     _int("column_programs", plan.column_programs, 1)
     if plan.version != PLAN_VERSION:
         raise ValueError(f"plan version {plan.version!r} != {PLAN_VERSION}")
-    if len(plan.grid) != 3 or any(_int("grid", g, 1) < 1 for g in plan.grid):
-        raise ValueError(f"grid must be 3 ints >= 1, got {plan.grid}")
+    if len(plan.grid) != 3:
+        raise ValueError(f"grid must be 3 ints >= 1, got {plan.grid}"[:200])
+    for g in plan.grid:
+        _int("grid", g, 1)
     if len(plan.merge_grid) != 1:
-        raise ValueError(f"merge_grid must be 1 int, got {plan.merge_grid}")
+        raise ValueError(f"merge_grid must be 1 int, got {plan.merge_grid}"[:200])
     _int("merge_grid", plan.merge_grid[0])
     if isinstance(plan.predicted_us, bool) or not isinstance(plan.predicted_us, (int, float)) \
             or not math.isfinite(plan.predicted_us):
