@@ -42,8 +42,10 @@ no element but whose ranges cross (``lse = buf[..., 0]``, ``out = buf[..., 1:]``
 
 *Plan and run.* ``run()`` compares the shapes, strides, dtypes, devices and 16-byte alignment of the
 data pointers of ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and ``block_table`` with those
-``plan()`` saw (an O(1) signature, no allocation, no sync), and checks ``out``, ``lse``, ``sinks``
-and the scales by the rules above; any difference is a ``ValueError`` asking for a new ``plan()``.
+``plan()`` saw (an O(1) signature, no allocation, no sync; a difference is a ``ValueError`` asking for
+a new ``plan()``), checks ``out`` and ``lse`` (shape, dtype, device, last-axis stride, overlap) and
+the strides of the ``sinks`` and scales ``plan()`` kept; it reads no values. ``torch.ops.attnplan.decode``
+keys its plans on the same signature, so a call with any difference is validated (and planned) anew.
 
 *NaN and infinities.* A NaN or infinity in ``q``, or in a K / V position a query row can see, makes
 that row's output (and LSE) NaN, as in any softmax. Positions a row cannot see (past its
