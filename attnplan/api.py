@@ -232,7 +232,7 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
     if not ctx.config.plan_cache.enabled:
         ctx.cache.stats.misses += 1
         return build()
-    return ctx.cache.get_or_create(key, build)
+    return ctx.cache.get_or_create(key, build, validate=lambda p: p.validate(problem))
 
 
 def _scale_tensor(scale, hkv: int, device) -> torch.Tensor | None:
@@ -272,9 +272,13 @@ class DecodeWrapper:
 
     @staticmethod
     def _signature(q, k_cache, v_cache, seq_lens, block_table) -> tuple:
-        bt = None if block_table is None else (tuple(block_table.shape), block_table.dtype)
-        return (tuple(q.shape), q.dtype, q.device, tuple(k_cache.shape), k_cache.dtype, tuple(v_cache.shape),
-                tuple(seq_lens.shape), seq_lens.dtype, bt)
+        """What ``run()`` must find as ``plan()`` saw it: shape, strides, dtype, device and 16-byte
+        alignment of the data pointer of q, k_cache, v_cache, seq_lens and block_table (O(1), no
+        allocation, no sync). Raises ``TypeError`` naming an argument that is not a tensor."""
+        from .problem import tensor_signature as sig
+
+        return (sig("q", q), sig("k_cache", k_cache), sig("v_cache", v_cache), sig("seq_lens", seq_lens),
+                sig("block_table", block_table))
 
     def plan(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
              block_table: torch.Tensor | None = None, *, sm_scale: float | None = None,
@@ -311,7 +315,8 @@ class DecodeWrapper:
             raise ValueError(f"num_splits must be an int in [0, 1024] (0 = planner, 1 = no split, >1 = forced) "
                              f"or None (the config's split.num_splits), got {num_splits!r}")
         static = validate_inputs(q, k_cache, v_cache, seq_lens, block_table, window_left=window_left,
-                                 soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+                                 soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                                 sm_scale=sm_scale)
         num_pages = int(k_cache.shape[0]) if block_table is not None else 0
         max_len, total = validate_values(static, seq_lens, block_table, num_pages, seq_lens_host)
         if capacity:
@@ -349,24 +354,40 @@ class DecodeWrapper:
             ``out``.
         Raises:
             PlanNotReadyError: no ``plan()`` was made (under capture: plan before capturing).
-            ValueError: shapes, dtypes or devices differ from the planned ones.
+            TypeError: an argument is not a tensor.
+            ValueError: the shape, strides, dtype, device or 16-byte alignment of q, k_cache, v_cache,
+                seq_lens or block_table differ from the planned ones (named); ``out`` / ``lse`` have the
+                wrong shape, dtype, device or last-axis stride, or overlap an input or each other; the
+                planned ``sm_scale`` is not finite. All before any kernel runs.
         """
         if self.plan_ is None:
             capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
             raise PlanNotReadyError(
                 "DecodeWrapper.run() called before plan()" + (
                     " during CUDA graph capture: call plan(..., capacity=True) before capturing" if capturing else ""))
+        # -- argument checks: O(1) host work, no allocation, no sync (this runs under CUDA-graph capture) --
+        from .problem import check_no_overlap, check_sm_scale, check_variant_tensors, signature_change, validate_outputs
+
         sig = self._signature(q, k_cache, v_cache, seq_lens, block_table)
         if sig != self._sig:
-            raise ValueError(f"run() inputs differ from the planned ones: planned {self._sig}, got {sig}; call plan() again")
-        out = self._out if out is None else out
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
-        if lse is not None and (lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device):
-            raise ValueError(f"lse must be {tuple(q.shape[:3])} float32 on {q.device}, got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
+            raise ValueError(f"run() inputs differ from the planned ones: {signature_change(self._sig, sig)}; "
+                             "call plan() again")
+        if out is None:  # the wrapper's own buffer, made by plan() for q's planned shape, dtype and device
+            out = self._out
+            validate_outputs(q, None, lse)
+        else:
+            validate_outputs(q, out, lse)
+        check_sm_scale(self._sm_scale)
+        var = self._variant
+        check_variant_tensors(q, var["sinks"], var["k_scale"], var["v_scale"])
+        check_no_overlap((("out", out), ("lse", lse)),
+                         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
+                          ("block_table", block_table), ("sinks", var["sinks"]), ("k_scale", var["k_scale"]),
+                          ("v_scale", var["v_scale"])))
         if not self.backend.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise PlanNotReadyError(f"backend {self.backend.name} cannot run under CUDA-graph capture; plan with "
                                     "capacity=True before capturing (it picks a graph-safe backend)")
+        # -- end of argument checks --
         inputs = DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, self._sm_scale, **self._variant)
         self.backend.run(self.plan_, inputs, self.workspace, out, lse)
         return out
@@ -413,6 +434,15 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
     Raises:
         TypeError, ValueError: bad inputs, before any kernel runs. NoBackendError: no backend fits.
     """
+    # -- argument checks (the inputs' own: DecodeWrapper.plan; out / lse overlap: DecodeWrapper.run) --
+    from .problem import check_sm_scale, validate_outputs
+
+    check_sm_scale(sm_scale)
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        validate_outputs(q, out, lse)
+    elif out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    # -- end of argument checks --
     w = DecodeWrapper(config, backend=backend)
     if out is not None:
         w._out = out  # the caller's buffer: plan() then allocates no output of its own

@@ -1,19 +1,28 @@
 """The plan cache: an in-memory LRU in front of versioned JSON files on disk.
 
-Key (DESIGN.md "Plan cache"; cases.yaml cache-key-missing-arch): the device fingerprint (name,
-SM count, compute capability, driver), the library and plan-format versions, the backend, the
-problem bucket (batch, heads, head_dim, q_len, dtypes, page size, KV-length buckets), whether
-the plan is a capacity plan, and the config's planning inputs (split policy, cost model, the
-backend's kernel options). Files are written atomically (a temporary file in the same folder,
-then ``os.replace``), so another process never reads a half-written plan; a corrupt or
-old-format file is rebuilt with a warning; an unwritable folder drops to memory with one warning.
+Key: the device fingerprint (name, SM count, compute capability, driver), the library and
+plan-format versions, the backend, the problem bucket (batch, heads, head_dim, q_len, dtypes, page
+size, KV-length buckets), whether the plan is a capacity plan, and the config's planning inputs
+(split policy, cost model, the backend's kernel options). Files are written atomically (a
+temporary file in the same folder, then ``os.replace``), so another process never reads a
+half-written plan; an unwritable folder drops to memory with one warning.
+
+The cache trusts nothing it reads: a file that does not load and validate as a plan for its key
+is a miss with a ``RuntimeWarning`` naming the file, and is rebuilt (never an exception, never a
+wrong answer). A file must be a regular file of at most :data:`MAX_PLAN_BYTES` bytes of UTF-8 JSON, an
+object with this library's and plan format's versions and the requested key, whose ``plan``
+rebuilds with :meth:`SplitPlan.from_dict` (strict: unknown or missing fields, bad types and an
+inconsistent schedule are refused) and passes :func:`check_plan` (``SplitPlan.validate`` and the
+kernels' hard limits), and the caller's own ``validate`` (see :meth:`PlanCache.get_or_create`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import tempfile
 import threading
 import warnings
@@ -26,8 +35,17 @@ import platformdirs
 
 from ._version import __version__
 from .planner import PLAN_VERSION, SplitPlan
+from .problem import DecodeProblem
 
-__all__ = ["PlanCache", "CacheStats", "default_cache_dir"]
+__all__ = ["PlanCache", "CacheStats", "default_cache_dir", "check_plan", "load_plan_file", "MAX_PLAN_BYTES",
+           "UNUSABLE"]
+
+#: largest plan file read, bytes (a plan is a few KiB)
+MAX_PLAN_BYTES = 1 << 20
+#: what makes a plan file unusable (a miss with a warning, never an exception out of the cache)
+UNUSABLE = (ValueError, TypeError, KeyError, AttributeError, IndexError, json.JSONDecodeError, UnicodeDecodeError,
+            OSError, RecursionError, OverflowError)
+_TMP_PREFIX = ".tmp-"
 
 
 def default_cache_dir() -> Path:
@@ -36,10 +54,89 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path(platformdirs.user_cache_dir("attnplan"))
 
 
+def _int(name: str, v, lo: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}"[:200])
+    return v
+
+
+def _pow2(name: str, v, lo: int, hi: int) -> None:
+    if _int(name, v, lo) > hi or v & (v - 1):
+        raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {v!r}")
+
+
+def _check_kernel(plan: SplitPlan) -> None:
+    """Hard limits of the kernels the plan's options feed (what a tampered file could break): Triton's
+    ``tl.arange`` tile and warp count must be powers of two; numba's thread layout must be whole."""
+    k = plan.kernel
+    _int("kernel.block_n", k.get("block_n"), 1)
+    if plan.backend == "triton":
+        _pow2("kernel.block_n", k["block_n"], 16, 1024)
+        _pow2("kernel.num_warps", k.get("num_warps"), 1, 32)
+        if _int("kernel.num_stages", k.get("num_stages"), 1) > 16:
+            raise ValueError(f"kernel.num_stages must be in [1, 16], got {k['num_stages']}")
+    elif plan.backend == "numba" and all(n in k for n in ("lanes", "threads", "unroll")):
+        _pow2("kernel.lanes", k["lanes"], 1, 32)
+        threads, unroll = _int("kernel.threads", k["threads"], 1), _int("kernel.unroll", k["unroll"], 1)
+        if threads > 1024 or threads % k["lanes"] or k["block_n"] != threads // k["lanes"] * unroll:
+            raise ValueError(f"kernel threads {threads} / lanes {k['lanes']} / unroll {unroll} / block_n "
+                             f"{k['block_n']} do not make a thread layout")
+
+
+def check_plan(plan: SplitPlan, problem: DecodeProblem | None = None) -> DecodeProblem:
+    """Validate a plan read from disk as strictly as a config: :meth:`SplitPlan.from_dict` already refused unknown
+    or missing fields and bad types; here the plan's own consistency and its fit to ``problem``
+    (:meth:`SplitPlan.validate`; ``problem`` defaults to the plan's own), a finite prediction, and the hard limits
+    of the kernels its options feed.
+
+    Returns the problem checked against. Raises ``ValueError`` / ``TypeError`` naming what is wrong.
+    """
+    if not isinstance(plan, SplitPlan):
+        raise TypeError(f"not a plan: {type(plan).__name__}")
+    if not math.isfinite(plan.predicted_us):
+        raise ValueError(f"predicted_us must be a finite number, got {plan.predicted_us!r}")
+    problem = plan.problem if problem is None else problem
+    plan.validate(problem)
+    _check_kernel(plan)
+    return problem
+
+
+def _read_limited(path: Path) -> str:
+    """A regular file's text (UTF-8, at most :data:`MAX_PLAN_BYTES`). Raises ``FileNotFoundError``,
+    ``OSError``, ``ValueError`` (not a regular file, too large) or ``UnicodeDecodeError``."""
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("not a regular file")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_PLAN_BYTES + 1)
+    if len(raw) > MAX_PLAN_BYTES:
+        raise ValueError(f"larger than {MAX_PLAN_BYTES} bytes")
+    return raw.decode("utf-8")
+
+
+def load_plan_file(path: str | os.PathLike, key: tuple | None = None) -> SplitPlan:
+    """Load and validate one plan file (``key``: the key it must have been written for; ``None``: any).
+
+    Raises one of :data:`UNUSABLE` (``FileNotFoundError`` when there is no file) naming what is wrong.
+    """
+    data = json.loads(_read_limited(Path(path)))
+    if not isinstance(data, dict):
+        raise ValueError(f"a plan file holds a JSON object, got {type(data).__name__}")
+    if data.get("plan_version") != PLAN_VERSION or data.get("library") != __version__:
+        raise ValueError(f"written by plan format {data.get('plan_version')!r} / attnplan {data.get('library')!r}"[:200])
+    if key is not None and data.get("key") != json.loads(json.dumps(key, default=str)):
+        raise ValueError("key mismatch (the file was written for another key)")
+    if not isinstance(data.get("plan"), dict):
+        raise ValueError("no plan object in the file")
+    plan = SplitPlan.from_dict(data["plan"])
+    check_plan(plan)
+    return plan
+
+
 @dataclass
 class CacheStats:
     """Counters: ``hits`` (memory), ``disk_hits``, ``misses`` (planned anew), ``writes``,
-    ``rebuilt`` (corrupt or old files replaced)."""
+    ``rebuilt`` (unusable files replaced)."""
 
     hits: int = 0
     disk_hits: int = 0
@@ -84,8 +181,15 @@ class PlanCache:
         """Memory-only lookup (no disk, no counters): the hot path of ``run()``."""
         return self._mem.get(key)
 
-    def get_or_create(self, key: tuple, build: Callable[[], SplitPlan]) -> SplitPlan:
-        """Return the cached plan for ``key`` or build, store and return it."""
+    def get_or_create(self, key: tuple, build: Callable[[], SplitPlan],
+                      validate: Callable[[SplitPlan], None] | None = None) -> SplitPlan:
+        """Return the cached plan for ``key`` or build, store and return it.
+
+        Args:
+            validate: called with a plan read from disk, after :func:`check_plan`; raising one of
+                :data:`UNUSABLE` (e.g. ``ValueError``: the plan does not fit the caller's problem) makes
+                the file a miss with a warning. Plans from memory or ``build`` are not re-validated.
+        """
         plan = self._mem.get(key)
         if plan is not None:
             self.stats.hits += 1
@@ -93,7 +197,7 @@ class PlanCache:
                 if key in self._mem:
                     self._mem.move_to_end(key)
             return plan
-        plan = self._read(key)
+        plan = self._read(key, validate)
         if plan is not None:
             self.stats.disk_hits += 1
         else:
@@ -119,26 +223,24 @@ class PlanCache:
             self._warned_disk = True
         self.disk = False
 
-    def _read(self, key: tuple) -> SplitPlan | None:
+    def _read(self, key: tuple, validate: Callable[[SplitPlan], None] | None = None) -> SplitPlan | None:
         if not self.disk:
             return None
         path = self._path(key)
         try:
-            text = path.read_text()
+            plan = load_plan_file(path, key)
+            if validate is not None:
+                validate(plan)
+            return plan
         except FileNotFoundError:
             return None
-        except OSError as e:
+        except PermissionError as e:
             self._warn_disk(f"cannot read {path}: {e}")
             return None
-        try:
-            data = json.loads(text)
-            if data.get("plan_version") != PLAN_VERSION or data.get("library") != __version__:
-                raise ValueError(f"written by plan format {data.get('plan_version')} / attnplan {data.get('library')}")
-            if data.get("key") != json.loads(json.dumps(key, default=str)):
-                raise ValueError("key mismatch")
-            return SplitPlan.from_dict(data["plan"])
-        except (ValueError, KeyError, TypeError) as e:
-            warnings.warn(f"attnplan plan cache: {path} is unusable ({e}); rebuilding it", RuntimeWarning, stacklevel=3)
+        except UNUSABLE as e:
+            msg = str(e)
+            warnings.warn(f"attnplan plan cache: {path} is unusable ({type(e).__name__}: "
+                          f"{msg[:200] + '...' if len(msg) > 200 else msg}); rebuilding it", RuntimeWarning, stacklevel=4)
             self.stats.rebuilt += 1
             return None
 
@@ -150,7 +252,7 @@ class PlanCache:
                               "plan": plan.to_dict()}, sort_keys=True, default=str)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".json")
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=_TMP_PREFIX, suffix=".json")
             try:
                 with os.fdopen(fd, "w") as f:
                     f.write(payload)
@@ -162,26 +264,60 @@ class PlanCache:
         except OSError as e:
             self._warn_disk(f"cannot write {path}: {e}")
 
-    def clear(self, *, disk: bool = True) -> int:
-        """Empty the memory LRU and (``disk=True``) delete every plan file; returns files removed."""
+    def _files(self) -> list[Path]:
+        """Every ``v*/*.json`` entry under the directory (plans and leftover temporary files), sorted;
+        raises ``OSError`` when the directory cannot be listed."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(self.directory.glob("v*/*.json"))
+
+    def clear(self, *, disk: bool = True, errors: list | None = None) -> int:
+        """Empty the memory LRU and (``disk=True``) delete every plan file and leftover temporary file;
+        returns the files removed. Files that cannot be removed (a read-only folder) are skipped;
+        ``errors``, when given, receives one ``"path: reason"`` line for each."""
         with self._lock:
             self._mem.clear()
         removed = 0
-        if disk and self.directory.exists():
-            for f in self.directory.glob("v*/*.json"):
-                f.unlink(missing_ok=True)
-                removed += 1
+        if not disk:
+            return 0
+        try:
+            files = self._files()
+        except OSError as e:
+            if errors is not None:
+                errors.append(f"{self.directory}: {e}")
+            return 0
+        for f in files:
+            try:
+                if f.is_symlink() or f.is_file():
+                    f.unlink()
+                    removed += 1
+                elif errors is not None:
+                    errors.append(f"{f}: not a regular file, left in place")
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                if errors is not None:
+                    errors.append(f"{f}: {e.strerror or e}")
         return removed
 
     def entries(self) -> list[dict]:
-        """Every plan on disk (all versions) as ``{"file", "plan" or "error"}`` dicts, for ``attnplan plans show``."""
+        """Every file in the cache folders (all versions), for ``attnplan plans show``: ``{"file",
+        "plan"}`` (the plan as a dict, validated by :func:`load_plan_file`) or ``{"file", "error"}``
+        (why it is unusable: corrupt, another version, a leftover temporary file...). Never raises."""
+        try:
+            files = self._files()
+        except OSError as e:
+            return [{"file": str(self.directory), "error": f"cannot list the cache: {e}"}]
         out = []
-        if not self.directory.exists():
-            return out
-        for f in sorted(self.directory.glob("v*/*.json")):
+        for f in files:
+            if f.name.startswith(_TMP_PREFIX):
+                out.append({"file": str(f), "error": "leftover temporary file of an interrupted write "
+                                                     "(`attnplan plans clear` removes it)"})
+                continue
             try:
-                data = json.loads(f.read_text())
-                out.append({"file": str(f), "plan": data["plan"], "plan_version": data.get("plan_version")})
-            except (OSError, ValueError, KeyError) as e:
-                out.append({"file": str(f), "error": str(e)})
+                plan = load_plan_file(f)
+                out.append({"file": str(f), "plan": plan.to_dict(), "plan_version": plan.version})
+            except UNUSABLE as e:
+                msg = str(e)
+                out.append({"file": str(f), "error": f"{type(e).__name__}: {msg[:200] + '...' if len(msg) > 200 else msg}"})
         return out

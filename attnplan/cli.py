@@ -2,11 +2,17 @@
 
 ``attnplan run``: run a decode workload through the configured backend, print the plan, the
 backend and the error against the float64 reference (and, on a GPU, time and bandwidth).
+``attnplan run --explain``: print the plan and why earlier backends were skipped, compute nothing.
 ``attnplan plans show|clear``: inspect or empty the on-disk plan cache.
+
+``--config FILE`` may come before or after the subcommand. Every bad argument is an argparse usage
+error (exit status 2) or a one-line ``attnplan: error: ...`` (exit status 2), never a traceback.
 
 On a machine without a CUDA GPU the command sets ``TRITON_INTERPRET=1`` and
 ``NUMBA_ENABLE_CUDASIM=1`` (unless already set) so the kernels run in Triton's interpreter and
-numba's simulator, at a small size.
+numba's simulator, at a small size; it says so in one line when the run falls to the slow float64
+reference backend instead, and warns (after printing the plan) before computing a problem large
+enough to take minutes there.
 """
 
 from __future__ import annotations
@@ -27,23 +33,62 @@ MODEL_PRESETS = {
 }
 
 
+#: multiply-adds (KV tokens x query heads x head_dim x queries, QK^T and PV) above which a CPU run warns first:
+#: about a minute in Triton's interpreter on one core (the default CPU workload is ~40x less); the float64
+#: reference (torch on the CPU) is ~100x faster and warns at 64x this
+CPU_WARN_MACS = 1 << 27
+
+
 def _cpu_mode() -> bool:
     import torch
 
     return not torch.cuda.is_available()
 
 
-def _lengths(args, rng) -> list[int]:
+def _int_in(lo: int, hi: int | None = None, what: str = ""):
+    """An argparse ``type``: an int in ``[lo, hi]``; anything else is argparse's usage error."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{v} is out of range: {what or ('>= ' + str(lo) if hi is None else f'{lo}..{hi}')}")
+        return v
+    return parse
+
+
+def _page_size(text: str) -> int:
+    v = _int_in(0, 1 << 16)(text)
+    if v & (v - 1):
+        raise argparse.ArgumentTypeError(f"{v} is not a power of two (0 = contiguous cache)")
+    return v
+
+
+def _kv_lens(text: str) -> list[int]:
+    """``--kv-lens``: comma-separated KV lengths in tokens, each >= 0."""
+    parse = _int_in(0, 1 << 31, "a KV length >= 0")
+    parts = [t.strip() for t in text.split(",")]
+    if not parts or any(not t for t in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated lengths, e.g. 4096,512")
+    return [parse(t) for t in parts]
+
+
+def _lengths(args, rng, parser) -> list[int]:
     if args.kv_lens:
-        lens = [int(x) for x in args.kv_lens.split(",")]
+        lens = list(args.kv_lens)
         if len(lens) == 1:
             lens = lens * args.batch
         if len(lens) != args.batch:
-            raise SystemExit(f"--kv-lens gives {len(lens)} lengths but --batch is {args.batch}")
+            parser.error(f"--kv-lens gives {len(lens)} lengths but --batch is {args.batch}")
         return lens
     from attnplan.testing import long_tailed_lengths
 
     return long_tailed_lengths(args.batch, args.max_kv, rng.randrange(2**31))
+
+
+def _note(msg: str) -> None:
+    print(f"attnplan: {msg}", file=sys.stderr, flush=True)
 
 
 def _time_report(w, x, args, lens) -> dict:
@@ -63,7 +108,7 @@ def _time_report(w, x, args, lens) -> dict:
             "note": "one decode step (all kernels), CUDA events after warm-up; inputs not rotated"}
 
 
-def _run(args) -> int:
+def _run(args, parser) -> int:
     import random
 
     import torch
@@ -76,27 +121,48 @@ def _run(args) -> int:
     device = "cpu" if cpu else "cuda"
     hq, hkv, d = MODEL_PRESETS[args.model]
     if args.batch is None:
-        args.batch = 3 if cpu else 4
+        args.batch = len(args.kv_lens) if args.kv_lens and len(args.kv_lens) > 1 else 3 if cpu else 4
     if args.max_kv is None:
         args.max_kv = 200 if cpu else 32768
     rng = random.Random(args.seed)
-    lens = _lengths(args, rng)
+    lens = _lengths(args, rng, parser)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     page = args.page_size or None
+    ctx = attnplan.Context.from_config(attnplan.load_config(args.config))
     gen = torch.Generator().manual_seed(args.seed)
     x = make_inputs(args.batch, hq, hkv, d, lens, q_len=args.q_len, page_size=page, dtype=dtype,
                     device=device, generator=gen)
-    ctx = attnplan.Context.from_config(attnplan.load_config(args.config))
     w = attnplan.DecodeWrapper(ctx, backend=args.backend)
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=args.num_splits)
-    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device=device)
-    out = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, lse=lse)
     report = {
         "device": attnplan.device_info(device).to_dict(), "mode": "cpu-interpreter" if cpu else "gpu",
         "model": args.model, "heads": [hq, hkv, d], "batch": args.batch, "q_len": args.q_len, "dtype": args.dtype,
         "page_size": page, "kv_lens": lens, "backend": w.backend.name,
         "skipped": {n: r for n, r in w.skipped}, "plan": plan.to_dict(),
     }
+    if not args.json:
+        print(f"attnplan {attnplan.__version__} | {report['mode']} | {report['device']['name']}")
+        print(f"workload: {args.model} heads {hq}/{hkv}/{d}, batch {args.batch}, q_len {args.q_len}, {args.dtype}, "
+              f"{'page ' + str(page) if page else 'contiguous'} cache, KV lengths {lens if len(lens) <= 16 else str(lens[:16]) + '...'}")
+        print(f"backend: {w.backend.name}")
+        print("plan:\n  " + w.explain().replace("\n", "\n  "), flush=True)
+    if args.explain:
+        if args.json:
+            print(json.dumps({**report, "explain": w.explain()}, indent=2))
+        return 0
+    if w.backend.name == "reference" and args.backend is None and w.skipped:
+        why = "; ".join(f"{n}: {r[0]}" for n, r in w.skipped)
+        _note(f"note: running on the slow float64 reference backend because the kernel backends were skipped ({why})"
+              + ("; on a CPU set TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1 before starting Python to run the "
+                 "kernels in Triton's interpreter and numba's simulator" if cpu else ""))
+    macs = 2 * sum(lens) * hq * d * args.q_len
+    if cpu and macs > CPU_WARN_MACS * (64 if w.backend.name == "reference" else 1):
+        _note(f"warning: {sum(lens)} KV tokens x {hq} query heads x head_dim {d} x q_len {args.q_len} "
+              f"({macs / 1e9:.1f} G multiply-adds) on the CPU ({w.backend.name}"
+              f"{' in the interpreter / simulator' if w.backend.name != 'reference' else ''}) may take minutes; "
+              "--batch, --max-kv or --kv-lens make it smaller")
+    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device=device)
+    out = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, lse=lse)
     if not args.no_check:
         n = min(args.batch, args.check_seqs)
         bt = x.block_table[:n] if x.block_table is not None else None
@@ -104,20 +170,16 @@ def _run(args) -> int:
         ref, ref_lse = reference.attention(x.q[:n], kc, vc, x.seq_lens[:n], bt, x.sm_scale)
         err = (out[:n].double().cpu() - ref).abs()
         atol, rtol = tolerance(dtype)
-        ok = bool((err <= atol + rtol * ref.abs()).all()) and not torch.isnan(out).any().item()
+        ok = bool((err <= atol + rtol * ref.abs()).all()) and not torch.isnan(out[:n]).any().item()
         lse_ok = bool(torch.equal(torch.isinf(lse[:n].cpu()), torch.isinf(ref_lse)))
-        report["check"] = {"sequences": n, "max_abs_err": float(err.max()), "mean_abs_err": float(err.mean()),
+        report["check"] = {"sequences": n, "max_abs_err": float(err.max()) if err.numel() else 0.0,
+                           "mean_abs_err": float(err.mean()) if err.numel() else 0.0,
                            "tolerance": [atol, rtol], "pass": ok and lse_ok}
     if not cpu and args.iters > 0:
         report["time"] = _time_report(w, x, args, lens)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"attnplan {attnplan.__version__} | {report['mode']} | {report['device']['name']}")
-        print(f"workload: {args.model} heads {hq}/{hkv}/{d}, batch {args.batch}, q_len {args.q_len}, {args.dtype}, "
-              f"{'page ' + str(page) if page else 'contiguous'} cache, KV lengths {lens if len(lens) <= 16 else str(lens[:16]) + '...'}")
-        print(f"backend: {w.backend.name}")
-        print("plan:\n  " + w.explain().replace("\n", "\n  "))
         if "check" in report:
             c = report["check"]
             print(f"check vs float64 reference ({c['sequences']} sequences): max abs err {c['max_abs_err']:.3e}, "
@@ -137,9 +199,12 @@ def _plans(args) -> int:
     ctx = Context.from_config(attnplan.load_config(args.config))
     cache = ctx.cache
     if args.action == "clear":
-        n = cache.clear()
+        errors: list[str] = []
+        n = cache.clear(errors=errors)
         print(f"removed {n} plan file(s) from {cache.directory}")
-        return 0
+        for e in errors:
+            print(f"  could not remove {e}")
+        return 1 if errors else 0
     entries = cache.entries()
     print(f"plan cache: {cache.directory} ({len(entries)} plan file(s))")
     for e in entries:
@@ -149,8 +214,8 @@ def _plans(args) -> int:
             continue
         try:
             print("  " + SplitPlan.from_dict(e["plan"]).explain().replace("\n", "\n  "))
-        except (KeyError, TypeError) as err:
-            print(f"  unreadable plan: {err}")
+        except Exception as err:  # noqa: BLE001 -- a plan that validates may still not explain: say so, go on
+            print(f"  unreadable plan: {type(err).__name__}: {err}")
     return 0
 
 
@@ -170,22 +235,31 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a decode workload and check it against the float64 reference")
     r.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama-3.1-8b", help="head configuration preset")
-    r.add_argument("--batch", type=int, default=None, help="sequences (default 3 on CPU, 4 on GPU)")
-    r.add_argument("--kv-lens", default=None, help="comma-separated KV lengths (one value = all sequences)")
-    r.add_argument("--max-kv", type=int, default=None,
+    r.add_argument("--batch", type=_int_in(1, 1 << 20), default=None,
+                   help="sequences (default: the number of --kv-lens values, else 3 on CPU, 4 on GPU)")
+    r.add_argument("--kv-lens", type=_kv_lens, default=None,
+                   help="comma-separated KV lengths in tokens (one value = all sequences)")
+    r.add_argument("--max-kv", type=_int_in(1, 1 << 31), default=None,
                    help="longest KV length of the long-tailed draw (default 200 on CPU, 32768 on GPU)")
-    r.add_argument("--q-len", type=int, default=1, help="queries per sequence (speculative verification > 1)")
-    r.add_argument("--page-size", type=int, default=16, help="tokens per page; 0 = contiguous cache")
+    r.add_argument("--q-len", type=_int_in(1, 16), default=1, help="queries per sequence, 1..16 (speculative "
+                                                                    "verification > 1)")
+    r.add_argument("--page-size", type=_page_size, default=16, help="tokens per page, a power of two; 0 = contiguous "
+                                                                     "cache")
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     r.add_argument("--backend", default=None, help="force a backend (default: the config's order)")
-    r.add_argument("--num-splits", type=int, default=None, help="0 heuristic, 1 no split, >1 forced")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--iters", type=int, default=50, help="timed iterations on a GPU (0: no timing)")
-    r.add_argument("--check-seqs", type=int, default=4, help="sequences checked against the reference")
+    r.add_argument("--num-splits", type=_int_in(0, 1024), default=None, help="0 heuristic, 1 no split, >1 forced")
+    r.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0)
+    r.add_argument("--iters", type=_int_in(0, 1 << 20), default=50, help="timed iterations on a GPU (0: no timing)")
+    r.add_argument("--check-seqs", type=_int_in(1, 1 << 20), default=4, help="sequences checked against the "
+                                                                            "reference (>= 1; --no-check: none)")
     r.add_argument("--no-check", action="store_true", help="skip the reference check")
+    r.add_argument("--explain", action="store_true", help="print the plan and why earlier backends were skipped, "
+                                                          "then stop (no kernel runs)")
     r.add_argument("--json", action="store_true", help="machine-readable output")
+    r.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file (also accepted before `run`)")
     p = sub.add_parser("plans", help="inspect or clear the on-disk plan cache")
     p.add_argument("action", choices=["show", "clear"])
+    p.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file (also accepted before `plans`)")
     bench = sub.add_parser("bench", help="GPU benchmark against torch SDPA (flash, cuDNN); --help for its options",
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -215,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
     try:
-        return _run(args) if args.cmd == "run" else _plans(args)
-    except (ValueError, TypeError, RuntimeError) as e:
+        return _run(args, r) if args.cmd == "run" else _plans(args)
+    except (ValueError, TypeError, RuntimeError, OSError, MemoryError) as e:  # ConfigError, NoBackendError, bad inputs
         print(f"attnplan: error: {e}", file=sys.stderr)
         return 2
 

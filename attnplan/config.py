@@ -1,27 +1,47 @@
 """YAML configuration: backend order, per-backend options, split policy, determinism, plan cache.
 
 The shipped ``plans/default.yaml`` is read first; a user file (the ``path`` argument or the
-``ATTNPLAN_CONFIG`` environment variable) is deep-merged over it. Validation is pydantic's:
-unknown keys and bad values raise :class:`ConfigError` naming the key, the value and what is
-allowed. Per-device tuned tables (``plans/<device>.yaml``, e.g. ``plans/h200.yaml``) hold the
-cost-model constants measured on that device; :func:`device_table` reads them.
+``ATTNPLAN_CONFIG`` environment variable) is deep-merged over it. Validation is pydantic's, in
+strict mode (no ``"4"`` for 4, no ``true`` for 1, no ``.inf`` / ``.nan``): unknown keys and bad
+values raise :class:`ConfigError` naming the key, the value (shortened) and what is allowed. Each
+backend has its own options model listing the keys its ``kernel_config`` reads, so an option
+another backend owns (``triton: {mma: true}``) is an unknown key, not silently ignored.
+
+A file is read as UTF-8 (at most :data:`MAX_CONFIG_BYTES`), nested at most :data:`MAX_DEPTH` levels
+deep, and its YAML aliases may expand to at most :data:`MAX_NODES` values (an alias bomb is refused
+before anything walks it). Per-device tuned tables (``plans/<device>.yaml``, e.g.
+``plans/h200.yaml``) hold the cost-model constants measured on that device; :func:`device_table`
+reads them through the same reader.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import reprlib
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-__all__ = ["Config", "ConfigError", "load_config", "device_table", "CostModel", "BACKEND_NAMES"]
+__all__ = ["Config", "ConfigError", "load_config", "device_table", "CostModel", "BACKEND_NAMES", "TritonOptions",
+           "NumbaOptions", "CudaPtxOptions", "ReferenceOptions", "BackendOptions", "MAX_CONFIG_BYTES", "MAX_DEPTH",
+           "MAX_NODES"]
 
 BACKEND_NAMES = ("triton", "cuda_ptx", "numba", "reference")
 BackendName = Literal["cuda_ptx", "triton", "numba", "reference"]
+
+#: largest config or device-table file read, bytes
+MAX_CONFIG_BYTES = 1 << 20
+#: deepest nesting of mappings / sequences in a file
+MAX_DEPTH = 32
+#: most values (scalars, mappings, sequences; an alias counts as many as it expands to) in a file
+MAX_NODES = 200_000
+#: most error lines one ConfigError lists
+MAX_ERRORS = 20
 
 
 class ConfigError(ValueError):
@@ -29,82 +49,207 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """``true`` is not 1: refuse a bool for a field whose type has no bool (pydantic's Literal[1, 2] takes it)."""
+        if isinstance(v, bool) and not _allows_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError("a boolean is not allowed here")
+        return v
 
 
-class KernelOptions(_Strict):
-    """Per-backend kernel options; ``None`` lets the planner choose."""
+def _allows_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_allows_bool(a) for a in typing.get_args(annotation))
 
-    block_n: int | None = Field(None, ge=16, le=512, description="KV tokens per inner-loop tile")
-    num_warps: int | None = Field(None, ge=1, le=16)
-    num_stages: int | None = Field(None, ge=1, le=8)
-    threads: int | None = Field(None, ge=32, le=1024, description="threads per CTA (numba, cuda_ptx)")
-    lanes: int | None = Field(None, ge=1, le=32, description="threads sharing one KV row (numba)")
-    unroll: int | None = Field(None, ge=1, le=16, description="KV positions per thread group per step (numba)")
-    mma: bool | None = Field(None, description="cuda_ptx: tensor-core (mma.sync) path; null = wherever it serves "
-                                                 "(fp16/bf16, head_dim a multiple of 16, split-K)")
-    pdl: bool | None = Field(None, description="cuda_ptx: programmatic dependent launch of the merge kernel "
-                                                "(sm_90+); null = on")
-    passes: Literal[1, 2, 4, 8] | None = Field(None, description="cuda_ptx: 16-token m-tiles per warp tile on the "
-                               "tensor-core path (1, 2, 4 or 8); null = 8 KB of K + V per stage")
+
+def _power_of_two(v: int | None) -> int | None:
+    if v is not None and v & (v - 1):
+        raise ValueError("must be a power of two")
+    return v
+
+
+class TritonOptions(_Strict):
+    """``backend_options.triton``: the keys the Triton backend's ``kernel_config`` reads; ``None`` lets the planner
+    choose. ``block_dv`` (the split-V column width) was removed with the split-V partition."""
+
+    block_n: int | None = Field(None, ge=16, le=512, description="KV tokens per inner-loop tile, a power of two "
+                                                                 "(tl.arange needs one)")
+    num_warps: Literal[1, 2, 4, 8, 16] | None = Field(None, description="warps per program (a power of two)")
+    num_stages: int | None = Field(None, ge=1, le=8, description="software-pipeline stages of the KV loop")
+    block_dv: None = Field(None, exclude=True, description="removed (was split-V's column width); only null is read")
+
+    @field_validator("block_dv", mode="before")
+    @classmethod
+    def _block_dv_removed(cls, v):
+        if v is not None:
+            raise ValueError("block_dv was removed from attnplan together with the split-V partition; delete the key")
+        return v
+
+    @field_validator("block_n")
+    @classmethod
+    def _block_n(cls, v):
+        return _power_of_two(v)
+
+
+class NumbaOptions(_Strict):
+    """``backend_options.numba``: the keys the numba backend's ``kernel_config`` reads (``lanes`` and
+    ``unroll`` on a GPU only; the simulator keeps its own layout); ``None`` lets the planner choose."""
+
+    block_n: int | None = Field(None, ge=16, le=512, description="KV tokens per tile, a power of two")
+    threads: int | None = Field(None, ge=32, le=1024, description="threads per CTA, a multiple of 32")
+    lanes: Literal[1, 2, 4, 8, 16, 32] | None = Field(None, description="threads sharing one KV row")
+    unroll: int | None = Field(None, ge=1, le=16, description="KV positions per thread group per step")
+
+    @field_validator("block_n")
+    @classmethod
+    def _block_n(cls, v):
+        return _power_of_two(v)
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, v):
+        if v is not None and v % 32:
+            raise ValueError("must be a multiple of 32 (a whole number of warps)")
+        return v
+
+
+class CudaPtxOptions(_Strict):
+    """``backend_options.cuda_ptx``: the keys the CUDA C backend's ``kernel_config`` reads; ``None`` lets the
+    planner choose. ``block_n`` must also be a multiple of the kernel's tile (checked when planning)."""
+
+    block_n: int | None = Field(None, ge=1, le=4096, description="chunk alignment, tokens (a multiple of the "
+                                                                 "kernel's tile, checked when planning)")
+    num_warps: int | None = Field(None, ge=1, le=16, description="KV warps per row group")
+    num_stages: int | None = Field(None, ge=1, le=8, description="cp.async ring stages")
+    threads: int | None = Field(None, ge=32, le=1024, description="threads per CTA, a multiple of 32 x row groups "
+                                                                  "(instead of num_warps)")
+    mma: bool | None = Field(None, description="tensor-core (mma.sync) path; null = wherever it serves "
+                                               "(fp16/bf16, head_dim a multiple of 16, split-K)")
+    pdl: bool | None = Field(None, description="programmatic dependent launch of the merge kernel (sm_90+); null = on")
+    passes: Literal[1, 2, 4, 8] | None = Field(None, description="16-token m-tiles per warp tile on the tensor-core "
+                                                                 "path; null = 8 KB of K + V per stage")
+
+    @field_validator("threads")
+    @classmethod
+    def _threads(cls, v):
+        if v is not None and v % 32:
+            raise ValueError("must be a multiple of 32 (a whole number of warps)")
+        return v
+
+
+class ReferenceOptions(_Strict):
+    """``backend_options.reference``: the float64 reference has no kernel options (an empty mapping)."""
+
+
+#: per-backend options model
+OPTION_MODELS: dict[str, type[_Strict]] = {"triton": TritonOptions, "numba": NumbaOptions, "cuda_ptx": CudaPtxOptions,
+                                           "reference": ReferenceOptions}
+
+
+class BackendOptions(_Strict):
+    """``backend_options``: one options model per backend (``null`` or a missing key = the defaults)."""
+
+    triton: TritonOptions = TritonOptions()
+    cuda_ptx: CudaPtxOptions = CudaPtxOptions()
+    numba: NumbaOptions = NumbaOptions()
+    reference: ReferenceOptions = ReferenceOptions()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class SplitPolicy(_Strict):
-    """How the planner splits the KV sequence (DESIGN.md "Planner")."""
+    """How the planner splits the KV sequence (see :mod:`attnplan.planner`)."""
 
+    partition: Literal["auto", "split_k"] = Field(
+        "auto", description="work partition inside a program: split_k = warps take different KV positions and "
+                            "merge through shared memory; auto = the backend's choice (split_k)")
     merge: Literal["auto", "separate", "fused"] = Field(
         "auto", description="cross-program merge of sequences with several units: separate kernel, fused into the "
                             "last program of each (sequence, KV head) (atomic completion counter, fixed merge order), "
                             "or auto = the cheaper by the cost model")
     num_splits: int = Field(0, ge=0, le=1024, description="0 = heuristic, 1 = never split, >1 = forced")
     max_splits: int = Field(256, ge=1, le=1024, description="most splits a sequence may get")
-    min_chunk_tokens: int = Field(64, ge=16, description="smallest chunk the planner makes (cost model and tuned "
-                                                        "table; not a forced num_splits), tokens")
+    min_chunk_tokens: int = Field(64, ge=16, le=1 << 20, description="smallest chunk the planner makes (cost model "
+                                                                     "and tuned table; not a forced num_splits), tokens")
     batch_invariant: bool = Field(False, description="fix each sequence's units from its own length alone (units of "
                                   "invariant_chunk_tokens), so its output is bitwise independent of its batchmates, "
                                   "under CUDA-graph replay too; kernel options then do not depend on the batch")
     invariant_chunk_tokens: int = Field(2048, ge=16, le=1 << 20, description="unit size of the batch-invariant "
                                         "schedule, tokens (rounded up to the granule)")
 
+    @field_validator("partition", mode="before")
+    @classmethod
+    def _partition_removed(cls, v):
+        if v == "split_v":
+            raise ValueError("split_v was removed from attnplan; use split_k or auto")
+        return v
+
+    @field_validator("merge", mode="before")
+    @classmethod
+    def _merge_removed(cls, v):
+        if v == "atomic":
+            raise ValueError("atomic was removed from attnplan; use separate, fused or auto")
+        return v
+
 
 class CostModel(_Strict):
-    """Constants of the planner's cost model (microseconds, GB/s). Defaults are conservative
-    guesses; ``attnplan tune`` measures them per device into ``plans/<device>.yaml``."""
+    """Constants of the planner's cost model (microseconds, GB/s): finite, positive and bounded. Defaults are
+    conservative guesses; ``attnplan tune`` measures them per device into ``plans/<device>.yaml``."""
 
-    launch_us: float = Field(3.0, ge=0, description="fixed cost of one kernel launch")
-    program_us: float = Field(1.0, ge=0, description="fixed cost of one program (CTA): prologue, q load, epilogue")
+    launch_us: float = Field(3.0, ge=0, le=1e4, description="fixed cost of one kernel launch")
+    program_us: float = Field(1.0, ge=0, le=1e4, description="fixed cost of one program (CTA): prologue, q load, "
+                                                             "epilogue")
     programs_per_sm: int = Field(2, ge=1, le=32, description="programs resident per SM (a wave is this x SMs)")
-    paged_programs_per_sm: int | None = Field(None, ge=1, le=32, description="the same for paged caches (null = as contiguous)")
-    sat_programs_per_sm: float = Field(2.0, gt=0, description="resident programs per SM needed to saturate memory bandwidth")
-    paged_sat_programs_per_sm: float | None = Field(None, gt=0, description="the same for paged caches (null = as contiguous)")
-    bandwidth_fraction: float = Field(0.9, gt=0, le=1, description="share of the measured bandwidth a streaming kernel reaches")
-    mem_bandwidth_gbs: float | None = Field(None, gt=0, description="measured read bandwidth; overrides the device's estimate")
-    merge_split_latency_us: float = Field(0.4, ge=0, description="fused merge: serialized cost per split read by the last program")
+    paged_programs_per_sm: int | None = Field(None, ge=1, le=32, description="the same for paged caches (null = as "
+                                                                             "contiguous)")
+    sat_programs_per_sm: float = Field(2.0, ge=1 / 64, le=64, description="resident programs per SM needed to "
+                                                                          "saturate memory bandwidth")
+    paged_sat_programs_per_sm: float | None = Field(None, ge=1 / 64, le=64, description="the same for paged caches "
+                                                                                       "(null = as contiguous)")
+    bandwidth_fraction: float = Field(0.9, ge=0.01, le=1, description="share of the measured bandwidth a streaming "
+                                                                      "kernel reaches")
+    mem_bandwidth_gbs: float | None = Field(None, ge=1, le=1e6, description="measured read bandwidth; overrides the "
+                                                                            "device's estimate")
+    merge_split_latency_us: float = Field(0.4, ge=0, le=1e4, description="fused merge: serialized cost per split "
+                                                                         "read by the last program")
 
 
 class PlanCacheConfig(_Strict):
     enabled: bool = True
     disk: bool = True
-    dir: str | None = Field(None, description="directory of the on-disk cache; null = the user cache directory")
-    memory_entries: int = Field(1024, ge=1)
+    dir: str | None = Field(None, min_length=1, description="directory of the on-disk cache; null = the user cache "
+                                                            "directory")
+    memory_entries: int = Field(1024, ge=1, le=1 << 20)
 
 
 class Config(_Strict):
     """The validated configuration. See ``plans/default.yaml`` for every key with its default."""
 
     version: Literal[1] = 1
-    backends: list[BackendName] = Field(default_factory=lambda: list(BACKEND_NAMES), min_length=1)
+    backends: list[BackendName] = Field(default_factory=lambda: list(BACKEND_NAMES), min_length=1, max_length=4)
     backends_fp8_kv: list[BackendName] | None = Field(
-        None, min_length=1, description="for a 1-byte (fp8) KV cache these go first, in this order; only backends "
-                                        "also in `backends` are used; null = backends' order")
+        None, min_length=1, max_length=4, description="for a 1-byte (fp8) KV cache these go first, in this order; only "
+                                                      "backends also in `backends` are used; null = backends' order")
     deterministic: bool = True
     split: SplitPolicy = SplitPolicy()
     cost_model: CostModel = CostModel()
     plan_cache: PlanCacheConfig = PlanCacheConfig()
-    backend_options: dict[BackendName, KernelOptions] = Field(default_factory=dict)
+    backend_options: BackendOptions = BackendOptions()
 
-    def options(self, backend: str) -> KernelOptions:
-        return self.backend_options.get(backend, KernelOptions())
+    def options(self, backend: str) -> BaseModel:
+        """The options model of ``backend`` (:data:`OPTION_MODELS`); raises ``KeyError`` for an unknown name."""
+        if backend not in OPTION_MODELS:
+            raise KeyError(f"unknown backend {backend!r}; known: {sorted(OPTION_MODELS)}")
+        return getattr(self.backend_options, backend)
 
     def with_overrides(self, **changes: Any) -> "Config":
         """A copy with nested keys replaced, e.g. ``with_overrides(split={"num_splits": 4})``."""
@@ -122,9 +267,21 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple = 3, 6, 8, 8
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 60, 60, 40
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` bounded in depth, items and length (reprlib: never walks more than it shows)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    for e in errors[:MAX_ERRORS]:
         key = ".".join(str(p) for p in e["loc"]) or "<top>"
         val = e.get("input")
         msg = e["msg"]
@@ -133,7 +290,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if not e["loc"]:  # a cross-key check (Config's model validator): its message names the keys
             lines.append("  " + msg.removeprefix("Value error, "))
             continue
-        lines.append(f"  {key}: {msg} (got {val!r})")
+        lines.append(f"  {key}: {msg.removeprefix('Value error, ')} (got {_short(val)})")
+    if len(errors) > MAX_ERRORS:
+        lines.append(f"  ... and {len(errors) - MAX_ERRORS} more")
     return f"invalid attnplan config ({source}):\n" + "\n".join(lines)
 
 
@@ -141,23 +300,71 @@ def _validate(data: Any, source: str) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid attnplan config ({source}): top level must be a mapping, got {type(data).__name__}")
     for key in ("backends", "backends_fp8_kv"):
-        if isinstance(data.get(key), list) and len(set(data[key])) != len(data[key]):
-            raise ConfigError(f"invalid attnplan config ({source}):\n  {key}: duplicate entries (got {data[key]!r})")
+        v = data.get(key)
+        if isinstance(v, list) and all(isinstance(x, str) for x in v) and len(set(v)) != len(v):
+            raise ConfigError(f"invalid attnplan config ({source}):\n  {key}: duplicate entries (got {_short(v)})")
     try:
         return Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source)) from None
 
 
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with nesting bounded to :data:`MAX_DEPTH` (its composer recurses per level)."""
+
+    def compose_node(self, parent, index):
+        depth = getattr(self, "_attnplan_depth", 0)
+        if depth >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels",
+                                              self.peek_event().start_mark)
+        self._attnplan_depth = depth + 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._attnplan_depth = depth
+
+
+def _count_values(data: Any, limit: int) -> int:
+    """Values in ``data`` with shared (aliased) objects counted each time they appear; stops past ``limit``."""
+    n, stack = 0, [data]
+    while stack:
+        x = stack.pop()
+        n += 1
+        if n > limit:
+            break
+        if isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return n
+
+
 def _read_yaml(path: Path | str, source: str) -> dict:
+    """Read a YAML file as UTF-8 within the module's bounds. Raises :class:`ConfigError` for every failure."""
     try:
-        text = Path(path).read_text() if not isinstance(path, resources.abc.Traversable) else path.read_text()
+        opener = path.open if isinstance(path, resources.abc.Traversable) else Path(path).open
+        with opener("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ConfigError(f"cannot read attnplan config {source}: {e}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"attnplan config {source} is larger than {MAX_CONFIG_BYTES} bytes; a config is a few "
+                          "hundred bytes")
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"attnplan config {source} is not UTF-8 text: {e}") from None
+    try:
+        data = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
-        raise ConfigError(f"attnplan config {source} is not valid YAML: {e}") from None
+        msg = str(e)
+        raise ConfigError(f"attnplan config {source} is not valid YAML: {msg[:500] + ' ...' if len(msg) > 500 else msg}") from None
+    except RecursionError:
+        raise ConfigError(f"attnplan config {source} is nested too deeply") from None
+    if _count_values(data, MAX_NODES) > MAX_NODES:
+        raise ConfigError(f"attnplan config {source} expands to more than {MAX_NODES} values (YAML aliases "
+                          "repeating a large value?)")
     return data if data is not None else {}
 
 
@@ -173,7 +380,8 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
         path: a YAML file; when ``None``, ``$ATTNPLAN_CONFIG`` if set.
         **overrides: top-level keys merged last (for tests and the CLI).
     Raises:
-        ConfigError: unreadable file, bad YAML, unknown key, or bad value.
+        ConfigError: unreadable, oversized, non-UTF-8 or too deeply nested file, bad YAML, an alias
+            bomb, unknown key, or bad value (each names the file and the key).
     """
     data = dict(_default_data())
     src = "plans/default.yaml"
@@ -181,7 +389,8 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
     if path is not None:
         user = _read_yaml(path, str(path))
         if not isinstance(user, dict):
-            raise ConfigError(f"invalid attnplan config ({path}): top level must be a mapping")
+            raise ConfigError(f"invalid attnplan config ({path}): top level must be a mapping, got "
+                              f"{type(user).__name__}")
         data = _deep_merge(data, user)
         src = str(path)
     if overrides:

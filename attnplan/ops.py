@@ -6,10 +6,18 @@ makes (``mode="reduce-overhead"``): the op keeps one capacity plan per input sig
 the first (eager, warm-up) call, so later calls neither plan nor sync the host; its workspace is
 a per-call temporary allocated through torch, so torch's graph memory pools own it. A call under capture with no plan for its signature
 raises :class:`~attnplan.PlanNotReadyError`.
+
+The plan key is everything validation depends on: the shape, strides, dtype, device and 16-byte
+alignment of ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and ``block_table``
+(:meth:`DecodeWrapper._signature <attnplan.DecodeWrapper>`), the score scale and the backend. A call
+whose key is new is validated and planned (reading ``seq_lens`` and the block table, as ``plan()``
+does); a call with a known key reuses the plan without reading any values, so the block-table
+entries and lengths must stay valid for the cache, as for :meth:`attnplan.DecodeWrapper.run`.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -24,10 +32,10 @@ _WRAPPERS: dict[tuple, tuple] = {}  # signature -> (backend, plan, sm_scale)
 _LOCK = threading.Lock()
 
 
-def _signature(q, k_cache, seq_lens, block_table, sm_scale, backend) -> tuple:
-    bt = None if block_table is None else tuple(block_table.shape)
-    return (tuple(q.shape), q.dtype, q.device, tuple(k_cache.shape), k_cache.dtype, tuple(k_cache.stride()),
-            tuple(seq_lens.shape), bt, float(sm_scale), backend)
+def _signature(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend) -> tuple:
+    """The op's plan key: every input's shape, strides, dtype, device and data-pointer alignment, the scale and the
+    backend (O(1), no sync). Raises ``TypeError`` naming an argument that is not a tensor."""
+    return (DecodeWrapper._signature(q, k_cache, v_cache, seq_lens, block_table), float(sm_scale), backend)
 
 
 def clear_op_plans() -> None:
@@ -50,9 +58,13 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
         a new ``[batch, q_len, num_q_heads, head_dim]`` tensor in q's dtype.
     Raises:
         PlanNotReadyError: first call for this signature happens during CUDA-graph capture.
+        TypeError, ValueError: bad inputs (see :mod:`attnplan.problem`), or ``sm_scale`` not finite,
+            before any kernel runs.
     """
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be finite (<= 0 = 1/sqrt(head_dim)), got {sm_scale!r}")
     scale = None if sm_scale <= 0 else sm_scale
-    key = _signature(q, k_cache, seq_lens, block_table, sm_scale, backend)
+    key = _signature(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend)
     entry = _WRAPPERS.get(key)
     if entry is None:
         if q.is_cuda and torch.cuda.is_current_stream_capturing():

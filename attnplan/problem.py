@@ -1,6 +1,6 @@
 """`DecodeProblem`: the shapes, dtypes and lengths a plan is made for, and input validation.
 
-Tensor conventions (DESIGN.md; the same as FlashAttention's kvcache API and vLLM's paged cache):
+Tensor conventions (the same as FlashAttention's kvcache API and vLLM's paged cache):
 
 - ``q``: ``[batch, q_len, num_q_heads, head_dim]`` fp16 / bf16 / fp32.
 - contiguous cache: ``k_cache, v_cache``: ``[batch, max_kv_len, num_kv_heads, head_dim]``.
@@ -8,16 +8,64 @@ Tensor conventions (DESIGN.md; the same as FlashAttention's kvcache API and vLLM
   ``block_table``: ``[batch, max_pages_per_seq]`` int32.
 - ``seq_lens``: ``[batch]`` int32, valid KV length of each sequence (0 allowed).
 - query ``i`` of a sequence of length ``L`` sees KV positions ``< L - q_len + i + 1``.
+
+Input contract
+--------------
+Every input below is checked on the host before any kernel runs; a violation raises ``TypeError``
+(wrong type or dtype) or ``ValueError`` (shape, stride, device, value or aliasing), and the message
+names the argument, what was given and what is required.
+
+*Strides.* Unit stride (in elements) is required on the last axis of ``q``, ``k_cache``, ``v_cache``,
+``out`` and ``lse``, on ``seq_lens``, on the block table's last axis (its columns), on ``sinks`` and on
+tensor ``k_scale`` / ``v_scale``: the kernels address these with ``base + index``. Every other stride is
+free: ``q``'s batch / query / head strides, the cache's page (or batch), token and head strides (a
+cache may be a view into a larger pool, K and V may be interleaved), the block table's row stride and
+the leading strides of ``out`` and ``lse``. An axis of size 1 may have any stride (it is never stepped).
+
+*Values.* ``seq_lens`` in ``[0, capacity]``; the block-table entries a sequence uses (its first
+``ceil(seq_len / page_size)``) in ``[0, num_pages)``, the others are never read. ``sm_scale`` finite
+(0 and negative scales are legal). ``logits_soft_cap`` finite and ``>= 0`` (0 = off). ``window_left``
+an ``int`` (not ``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal). fp8
+``k_scale`` / ``v_scale``: finite and ``> 0``. ``sinks``: no NaN and no ``+inf``; ``-inf`` means "no
+sink" for that head. Float scales are checked on every call. Tensor ``sinks`` / ``k_scale`` /
+``v_scale`` values are read once per tensor version: the first ``plan()`` that sees a tensor reads it
+(one device-to-host copy, a sync), and later plans skip it while its data pointer, version counter
+(``tensor._version``, bumped by every in-place torch op) and device are unchanged. Writes that bypass
+the version counter (through ``.data``, an inference-mode tensor, or a foreign kernel) are not seen.
+``seq_lens`` and the block table are read by ``plan()`` (not when ``seq_lens_host`` is given and the
+cache is contiguous); ``run()`` reads no values: keep them valid between ``plan()`` and ``run()``.
+
+*Aliasing.* ``out`` and ``lse`` may not overlap any input (``q``, ``k_cache``, ``v_cache``,
+``seq_lens``, ``block_table``, ``sinks``, the scales) or each other. The test compares the byte ranges
+``[first byte, last byte]`` the tensors span, so it is conservative: interleaved views that share
+no element but whose ranges cross (``lse = buf[..., 0]``, ``out = buf[..., 1:]``) are refused too.
+
+*Plan and run.* ``run()`` compares the shapes, strides, dtypes, devices and 16-byte alignment of the
+data pointers of ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and ``block_table`` with those
+``plan()`` saw (an O(1) signature, no allocation, no sync; a difference is a ``ValueError`` asking for
+a new ``plan()``), checks ``out`` and ``lse`` (shape, dtype, device, last-axis stride, overlap) and
+the strides of the ``sinks`` and scales ``plan()`` kept; it reads no values. ``torch.ops.attnplan.decode``
+keys its plans on the same signature, so a call with any difference is validated (and planned) anew.
+
+*NaN and infinities.* A NaN or infinity in ``q``, or in a K / V position a query row can see, makes
+that row's output (and LSE) NaN, as in any softmax. Positions a row cannot see (past its
+sequence's length, outside its sliding window, the later positions of speculative queries, pages
+the block table does not map for it, unused cache capacity) never affect it, whatever they hold.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["DecodeProblem", "validate_inputs", "validate_values", "DTYPE_NAMES", "dtype_name", "len_bucket"]
+__all__ = ["DecodeProblem", "validate_inputs", "validate_values", "validate_outputs", "check_no_overlap",
+           "check_sm_scale", "tensor_signature", "signature_change", "DTYPE_NAMES", "dtype_name", "len_bucket"]
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float8_e4m3fn: "float8_e4m3fn"}
@@ -100,10 +148,8 @@ class DecodeProblem:
             raise ValueError(f"q_dtype must be one of {Q_DTYPES}, got {self.q_dtype!r}")
         if self.kv_dtype not in _NAME_TO_DTYPE:
             raise ValueError(f"kv_dtype must be one of {sorted(_NAME_TO_DTYPE)}, got {self.kv_dtype!r}")
-        if self.window_left < -1:
-            raise ValueError(f"window_left must be -1 (no window) or >= 0 tokens, got {self.window_left}")
-        if self.soft_cap < 0:
-            raise ValueError(f"soft_cap must be >= 0 (0 = off), got {self.soft_cap}")
+        check_window_left(self.window_left)
+        check_soft_cap(self.soft_cap, "soft_cap")
         if self.kv_scale not in KV_SCALES:
             raise ValueError(f"kv_scale must be one of {KV_SCALES}, got {self.kv_scale!r}")
         if self.max_kv_len < 0:
@@ -151,7 +197,7 @@ class DecodeProblem:
         return tokens * self.num_kv_heads * self.kv_bytes_per_token + qo
 
     def bucket(self) -> dict:
-        """The fields of the plan-cache key (DESIGN.md "Plan cache"): lengths bucketed to powers of two."""
+        """The fields of the plan-cache key (:mod:`attnplan.cache`): lengths bucketed to powers of two."""
         return {
             "batch": self.batch, "num_q_heads": self.num_q_heads, "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "q_len": self.q_len, "page_size": self.page_size,
@@ -192,14 +238,61 @@ def _shape(t: torch.Tensor) -> tuple:
     return tuple(t.shape)
 
 
+def _is_real(x) -> bool:
+    """A Python / numpy real number, not a bool and not a tensor (reading a tensor would sync)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_window_left(window_left) -> None:
+    """``window_left`` must be an ``int`` (not ``bool``) ``>= -1`` tokens; raises ``TypeError`` / ``ValueError``."""
+    if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral):
+        raise TypeError(f"window_left must be an int (-1 = no window, else tokens >= 0), got "
+                        f"{type(window_left).__name__} {window_left!r}")
+    if window_left < -1:
+        raise ValueError(f"window_left must be -1 (no window) or an int >= 0 tokens, got {window_left!r}")
+
+
+def check_soft_cap(cap, name: str = "logits_soft_cap") -> None:
+    """The soft cap must be a finite real ``>= 0`` (0 = off); raises ``TypeError`` / ``ValueError`` naming ``name``."""
+    if not _is_real(cap):
+        raise TypeError(f"{name} must be a float >= 0 (0 = off), got {type(cap).__name__} {cap!r}")
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"{name} must be a finite float >= 0 (0 = off), got {cap!r}")
+
+
+def check_sm_scale(sm_scale) -> None:
+    """``sm_scale`` must be ``None`` (``1/sqrt(head_dim)``) or a finite real; 0 and negative scales are
+    legal (they flatten or invert the softmax). Raises ``TypeError`` / ``ValueError``."""
+    if sm_scale is None:
+        return
+    if not _is_real(sm_scale):
+        raise TypeError(f"sm_scale must be a float or None (1/sqrt(head_dim)), got {type(sm_scale).__name__} "
+                        f"{sm_scale!r}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale!r}")
+
+
+def _unit_stride(name: str, t: torch.Tensor, axis: int, what: str) -> None:
+    """Raise ``ValueError`` unless ``t``'s ``axis`` has unit stride (an axis of size <= 1 may have any)."""
+    if t.shape[axis] > 1 and t.stride(axis) != 1:
+        raise ValueError(f"{name} must have unit stride in {what}, got strides {tuple(t.stride())} for shape "
+                         f"{_shape(t)}; pass {name}.contiguous()")
+
+
 def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_left: int = -1,
-                    soft_cap: float = 0.0, sinks=None, k_scale=None, v_scale=None) -> dict:
-    """Check shapes, dtypes and devices (no host sync). Returns the problem's static fields.
+                    soft_cap: float = 0.0, sinks=None, k_scale=None, v_scale=None, sm_scale=None) -> dict:
+    """Check shapes, dtypes, devices, strides and scalar parameters (the module's input contract).
+    Returns the problem's static fields.
+
+    No host sync, except the one-time value check of tensor ``sinks`` / ``k_scale`` / ``v_scale``
+    (once per tensor version, see the module docstring).
 
     Raises:
-        TypeError: an argument is not a tensor, or has an unsupported dtype.
-        ValueError: shapes, devices or head counts do not agree; the message names the argument,
-            what was given and what is expected.
+        TypeError: an argument is not a tensor (or a number where one is expected), or has an
+            unsupported dtype.
+        ValueError: shapes, strides, devices or head counts do not agree, or a parameter's value is
+            out of range (non-finite scale, negative soft cap, NaN sink...); the message names the
+            argument, what was given and what is expected.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens)):
         if not isinstance(t, torch.Tensor):
@@ -240,6 +333,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in head_dim (last axis), got strides {t.stride()}")
+    _unit_stride("seq_lens", seq_lens, 0, "its batch axis (a contiguous [batch] int32 tensor)")
     if block_table is None:
         if k_cache.shape[0] < batch:
             raise ValueError(
@@ -256,28 +350,31 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
             raise TypeError(f"block_table.dtype must be torch.int32, got {block_table.dtype}")
         if block_table.device != q.device:
             raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        _unit_stride("block_table", block_table, 1, "its last axis (the pages of one sequence; rows may be strided)")
         page_size = int(k_cache.shape[1])
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size (k_cache.shape[1]) must be a power of two, got {page_size}")
         capacity = int(block_table.shape[1]) * page_size
+    check_sm_scale(sm_scale)
     kv_scale = _check_scales(fp8, k_scale, v_scale, int(hkv), q.device)
-    if not isinstance(window_left, int) or window_left < -1:
-        raise ValueError(f"window_left must be -1 (no window) or an int >= 0 tokens, got {window_left!r}")
-    if not (soft_cap >= 0):
-        raise ValueError(f"soft_cap must be >= 0 (0 = off), got {soft_cap!r}")
+    check_window_left(window_left)
+    check_soft_cap(soft_cap)
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,) or sinks.dtype != torch.float32:
             raise ValueError(f"sinks must be a float32 tensor of shape [num_q_heads] = [{hq}], got "
                              f"{getattr(sinks, 'shape', type(sinks).__name__)} {getattr(sinks, 'dtype', '')}")
         if sinks.device != q.device:
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+        _unit_stride("sinks", sinks, 0, "its head axis")
+        _check_values_once("sinks", sinks)
     return dict(batch=int(batch), q_len=int(q_len), num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d),
                 page_size=page_size, q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k_cache.dtype), capacity=capacity,
                 window_left=int(window_left), soft_cap=float(soft_cap), has_sinks=sinks is not None, kv_scale=kv_scale)
 
 
 def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> str:
-    """fp8 caches need K and V dequantization scales: floats (per tensor) or fp32 ``[num_kv_heads]``."""
+    """fp8 caches need K and V dequantization scales: finite floats > 0 (per tensor) or fp32
+    ``[num_kv_heads]`` tensors with unit stride whose values are finite and > 0."""
     if not fp8:
         if k_scale is not None or v_scale is not None:
             raise ValueError("k_scale / v_scale apply only to a float8_e4m3fn KV cache")
@@ -286,15 +383,176 @@ def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> str:
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
         if sc is None:
             raise ValueError(f"{name} is required with a float8_e4m3fn KV cache (a float, or float32 [num_kv_heads])")
-        if isinstance(sc, (int, float)):
+        if _is_real(sc):
+            if not (math.isfinite(sc) and sc > 0):
+                raise ValueError(f"{name} must be a finite float > 0 (the dequantization scale), got {sc!r}")
             kinds.add("tensor")
         elif isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.shape == (hkv,) and sc.device == device:
+            _unit_stride(name, sc, 0, "its KV-head axis")
+            _check_values_once(name, sc)
             kinds.add("head")
         else:
             raise ValueError(f"{name} must be a float or a float32 tensor [num_kv_heads] = [{hkv}] on {device}, got "
-                             f"{getattr(sc, 'shape', sc)!r}")
+                             f"{_describe(sc)}")
     return "head" if "head" in kinds else "tensor"
 
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} tensor of shape {_shape(x)} on {x.device}"
+    r = repr(x)
+    return f"{type(x).__name__} {r[:80] + '...' if len(r) > 80 else r}"
+
+
+#: (data_ptr, version, device, shape, strides, name) -> weak reference to the checked tensor's base: the tensor
+#: values :func:`_check_values_once` has read (bounded; a hit needs the same base tensor still alive, so memory
+#: freed and reused by another tensor is read again)
+_SEEN_VALUES: "OrderedDict[tuple, weakref.ref]" = OrderedDict()
+_SEEN_LOCK = threading.Lock()
+_SEEN_MAX = 4096
+
+
+def _bad_values(name: str, v: torch.Tensor) -> int | None:
+    """Index of the first value of ``v`` that ``name`` may not hold, or ``None`` (reads ``v``: a sync on a GPU)."""
+    bad = torch.isnan(v) | (v == float("inf")) if name == "sinks" else ~(torch.isfinite(v) & (v > 0))
+    if not bool(bad.any()):
+        return None
+    return int(bad.nonzero()[0, 0])
+
+
+def _check_values_once(name: str, t: torch.Tensor) -> None:
+    """Read ``t``'s values (a device-to-host copy: a sync on a GPU) unless this tensor was checked at its
+    current version. ``sinks``: no NaN and no ``+inf``; ``k_scale`` / ``v_scale``: finite and ``> 0``."""
+    base = t if t._base is None else t._base
+    try:
+        version = t._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: keyed without one
+        version = -1
+    key = (t.data_ptr(), version, str(t.device), _shape(t), tuple(t.stride()), name)
+    with _SEEN_LOCK:
+        ref = _SEEN_VALUES.get(key)
+        if ref is not None and ref() is base:
+            _SEEN_VALUES.move_to_end(key)
+            return
+    v = t.detach()
+    i = _bad_values(name, v)
+    if i is not None:
+        want = ("must not be NaN or +inf (-inf = no sink for that head)" if name == "sinks"
+                else "must be finite and > 0 (a dequantization scale per KV head)")
+        raise ValueError(f"{name}[{i}] = {float(v[i])}: {name} {want}")
+    with _SEEN_LOCK:
+        _SEEN_VALUES[key] = weakref.ref(base)
+        _SEEN_VALUES.move_to_end(key)
+        while len(_SEEN_VALUES) > _SEEN_MAX:
+            _SEEN_VALUES.popitem(last=False)
+
+
+def validate_outputs(q: torch.Tensor, out, lse) -> None:
+    """Check the output buffers against ``q`` (O(1), no sync): ``out`` ``[batch, q_len, num_q_heads,
+    head_dim]`` in q's dtype and ``lse`` ``[batch, q_len, num_q_heads]`` float32 (either may be ``None``:
+    not checked), both on q's device with unit stride in their last axis (leading strides are free).
+
+    Raises:
+        TypeError: ``out`` or ``lse`` is not a tensor.
+        ValueError: shape, dtype, device or last-axis stride differ (named, with what is required).
+    """
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} "
+                             f"{out.dtype} on {out.device}")
+        _unit_stride("out", out, -1, "head_dim (last axis)")
+    if lse is None:
+        return
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a torch.Tensor or None, got {type(lse).__name__}")
+    if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(f"lse must be {tuple(q.shape[:3])} float32 on {q.device}, got {tuple(lse.shape)} {lse.dtype} "
+                         f"on {lse.device}")
+    _unit_stride("lse", lse, -1, "num_q_heads (last axis)")
+
+
+def check_variant_tensors(q: torch.Tensor, sinks, k_scale, v_scale) -> None:
+    """``run()``'s O(1) recheck of the tensors ``plan()`` kept by reference: ``sinks`` ``[num_q_heads]``
+    and ``k_scale`` / ``v_scale`` ``[num_kv_heads]`` (their sizes are not rechecked here), float32 on q's
+    device with unit stride. Their values are not read (see the module docstring). Raises ``ValueError``."""
+    for name, t in (("sinks", sinks), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.float32 or t.device != q.device:
+            raise ValueError(f"{name} must be a 1-D float32 tensor on {q.device}, got {_describe(t)}")
+        _unit_stride(name, t, 0, "its only axis")
+
+
+def tensor_signature(name: str, t) -> tuple | None:
+    """``(name, shape, strides, dtype, device, data pointer 16-byte aligned)`` of ``t`` (``None`` for
+    ``None``): what ``run()`` compares with the plan (O(1), no allocation, no sync).
+
+    Raises:
+        TypeError: ``t`` is neither a tensor nor ``None``.
+    """
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return (name, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+_SIG_FIELDS = ("shape", "strides", "dtype", "device", "16-byte alignment of the data pointer")
+
+
+def signature_change(planned: tuple, got: tuple) -> str:
+    """What differs between two signatures of :func:`tensor_signature` tuples, argument by argument (for
+    ``run()``'s error message)."""
+    names = ("q", "k_cache", "v_cache", "seq_lens", "block_table")
+    for i, (a, b) in enumerate(zip(planned, got)):
+        if a == b:
+            continue
+        name = (a or b)[0] if (a or b) else names[i] if i < len(names) else f"argument {i}"
+        if a is None or b is None:
+            return f"{name} was {'None' if a is None else 'a tensor'} at plan() and is {'None' if b is None else 'a tensor'} now"
+        for field, x, y in zip(_SIG_FIELDS, a[1:], b[1:]):
+            if x != y:
+                show = (lambda v: tuple(v) if isinstance(v, torch.Size) else v)
+                return f"{name} {field} {show(y)} differs from the planned {show(x)}"
+    return "the inputs differ from the planned ones"
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, end)`` bytes ``t`` spans in its device's address space, ``None`` when empty (O(ndim);
+    torch strides are never negative)."""
+    if t.numel() == 0:
+        return None
+    p, size = t.data_ptr(), t.element_size()
+    return p, p + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * size
+
+
+def _storage_range(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    p = st.data_ptr()
+    return p, p + st.nbytes()
+
+
+def check_no_overlap(outputs, inputs) -> None:
+    """Raise ``ValueError`` if an output tensor's bytes overlap an input's or another output's.
+
+    ``outputs`` / ``inputs``: ``(name, tensor or None)`` pairs. O(1) per pair, no allocation, no sync:
+    first the byte ranges of the tensors' storages (disjoint storages cannot overlap), then, for
+    tensors on one device whose storages cross, the byte ranges the tensors themselves span
+    (conservative: crossing ranges count even when no element is shared, e.g. interleaved views).
+    """
+    outs = [(n, t, _storage_range(t)) for n, t in outputs if isinstance(t, torch.Tensor) and t.numel()]
+    if not outs:
+        return
+    others = [(n, t, _storage_range(t)) for n, t in inputs if isinstance(t, torch.Tensor) and t.numel()]
+    for i, (on, ot, (a0, a1)) in enumerate(outs):
+        for n, t, (b0, b1) in outs[i + 1:] + others:
+            if a0 < b1 and b0 < a1 and t.device == ot.device:
+                (c0, c1), (d0, d1) = _byte_range(ot), _byte_range(t)
+                if c0 < d1 and d0 < c1:
+                    raise ValueError(f"{on} overlaps {n} in memory (bytes [{c0:#x}, {c1:#x}) and [{d0:#x}, {d1:#x})); "
+                                     f"the kernels would read what they write: pass a separate {on} buffer")
 
 def validate_values(static: dict, seq_lens: torch.Tensor, block_table: torch.Tensor | None,
                     num_pages: int, seq_lens_host=None) -> tuple[int, int]:

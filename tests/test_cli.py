@@ -142,3 +142,131 @@ def test_bench_summary_reports_the_read_bound(capsys):
     out = capsys.readouterr().out
     assert "geometric mean 1.20x" in out  # 12 / 10 at both points
     assert "read     5.0 (2.40x)" in out and "geometric mean 2.40x (what a step as fast" in out and "3.8 us" in out
+
+
+# -- bad arguments: argparse's usage error or one line, never a traceback ---------------------------------
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "--batch", "0"], "--batch: 0 is out of range"),
+    (["run", "--batch", "-3"], "--batch"),
+    (["run", "--check-seqs", "0"], "--check-seqs: 0 is out of range"),
+    (["run", "--check-seqs", "-1"], "--check-seqs: -1 is out of range"),
+    (["run", "--max-kv", "0"], "--max-kv"),
+    (["run", "--q-len", "17"], "--q-len: 17 is out of range"),
+    (["run", "--q-len", "0"], "--q-len"),
+    (["run", "--page-size", "3"], "--page-size: 3 is not a power of two"),
+    (["run", "--page-size", "-16"], "--page-size"),
+    (["run", "--num-splits", "-1"], "--num-splits"),
+    (["run", "--num-splits", "5000"], "--num-splits"),
+    (["run", "--kv-lens", "3,x"], "--kv-lens: 'x' is not an integer"),
+    (["run", "--kv-lens", "3,-4"], "--kv-lens"),
+    (["run", "--kv-lens", "3,,4"], "--kv-lens"),
+    (["run", "--kv-lens", ""], "--kv-lens"),
+    (["run", "--iters", "-1"], "--iters"),
+    (["run", "--seed", "abc"], "--seed"),
+    (["run", "--kv-lens", "3,4", "--batch", "3"], "--kv-lens gives 2 lengths but --batch is 3"),
+])
+def test_bad_arguments_are_usage_errors(capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "--backend", "nope", "--kv-lens", "8"], "unknown backend"),
+    (["--config", "/nonexistent/c.yaml", "run"], "cannot read attnplan config"),
+    (["run", "--config", "/nonexistent/c.yaml"], "cannot read attnplan config"),
+    (["plans", "show", "--config", "/nonexistent/c.yaml"], "cannot read attnplan config"),
+    (["run", "--backend", "triton", "--model", "phi-3-mini", "--dtype", "fp32", "--kv-lens", "8",
+      "--config", "__BAD__"], "attnplan config"),
+])
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys, argv, needle):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("split: {partition: split_v}\n")
+    argv = [str(bad) if a == "__BAD__" else a for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnplan: error: ") and needle in err and "Traceback" not in err
+
+
+def test_batch_is_inferred_from_kv_lens(capsys):
+    assert cli.main(["run", "--kv-lens", "20,0,7,33,5", "--json", "--page-size", "0"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["batch"] == 5 and rep["kv_lens"] == [20, 0, 7, 33, 5] and rep["check"]["sequences"] == 4
+
+
+def test_explain_prints_the_plan_and_skipped_backends_without_computing(tmp_path, capsys, monkeypatch):
+    import attnplan
+
+    monkeypatch.setattr(attnplan.DecodeWrapper, "run", lambda *a, **k: pytest.fail("--explain computed"))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("backends: [cuda_ptx, triton, reference]\n")
+    assert cli.main(["run", "--explain", "--kv-lens", "300", "--batch", "1", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "programs without splitting" in out and "skipped cuda_ptx:" in out and "check vs" not in out
+    assert cli.main(["run", "--explain", "--json", "--kv-lens", "300", "--batch", "1"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert "split" in rep["explain"] and "check" not in rep
+
+
+def test_config_is_accepted_after_the_subcommand(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"backends: [reference]\nplan_cache:\n  dir: {tmp_path}\n")
+    assert cli.main(["run", "--kv-lens", "20", "--batch", "1", "--json", "--config", str(cfg)]) == 0
+    assert json.loads(capsys.readouterr().out)["backend"] == "reference"
+    assert cli.main(["plans", "show", "--config", str(cfg)]) == 0
+    assert "1 plan file" in capsys.readouterr().out
+
+
+def test_falling_to_the_reference_backend_is_said_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("backends: [triton, reference]\n")
+    assert cli.main(["run", "--kv-lens", "20", "--batch", "1", "--config", str(cfg)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "slow float64 reference backend" in err[0]
+    assert "TRITON_INTERPRET=1" in err[0] and "NUMBA_ENABLE_CUDASIM=1" in err[0] and "triton:" in err[0]
+    assert cli.main(["run", "--kv-lens", "20", "--batch", "1", "--backend", "reference"]) == 0
+    assert "reference backend" not in capsys.readouterr().err  # forced: no note
+
+
+def test_a_large_cpu_run_prints_the_plan_and_warns_before_computing(capsys, monkeypatch):
+    import attnplan
+
+    monkeypatch.setattr(cli, "CPU_WARN_MACS", 1000)
+    seen = {}
+    real_run = attnplan.DecodeWrapper.run
+
+    def run(self, *a, **k):
+        seen.update(capsys.readouterr()._asdict())  # what was printed before the kernels ran
+        return real_run(self, *a, **k)
+    monkeypatch.setattr(attnplan.DecodeWrapper, "run", run)
+    assert cli.main(["run", "--kv-lens", "40", "--batch", "1"]) == 0
+    assert "plan:" in seen["out"] and "programs" in seen["out"]
+    assert "warning: 40 KV tokens x 32 query heads x head_dim 128" in seen["err"] and "may take minutes" in seen["err"]
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_plans_show_and_clear_survive_hostile_files(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"plan_cache:\n  dir: {tmp_path}\n")
+    assert cli.main(["--config", str(cfg), "run", "--kv-lens", "20", "--batch", "1"]) == 0
+    folder = tmp_path / "v1"
+    (folder / "a.json").write_bytes(b"\xff\xfe")
+    (folder / "b.json").write_text("null")
+    (folder / "c.json").write_text(json.dumps({"plan_version": 1, "library": "0.1.0", "plan": {"grid": [1, 1, 1]}}))
+    (folder / ".tmp-x.json").write_text("{")
+    capsys.readouterr()
+    assert cli.main(["--config", str(cfg), "plans", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "5 plan file(s)" in out and out.count("unreadable:") == 4 and "GQA group 4" in out
+    real_unlink = Path.unlink
+    monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied")) if self.name == "b.json" else real_unlink(self, missing_ok))
+    assert cli.main(["--config", str(cfg), "plans", "clear"]) == 1
+    out = capsys.readouterr().out
+    assert "removed 4 plan file(s)" in out and "could not remove" in out and "b.json: Permission denied" in out

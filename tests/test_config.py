@@ -78,3 +78,96 @@ def test_fp8_kv_cache_follows_its_own_dispatch_order(tmp_path):
     f.write_text("backends_fp8_kv: [reference, reference]\n")
     with pytest.raises(ConfigError, match="backends_fp8_kv: duplicate"):
         load_config(f)
+
+
+# -- hostile files: every failure is a ConfigError naming the file and the key, quickly and briefly --------
+
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [" + ", ".join(["*" + chr(97 + i)] * 9) + "]\n" for i in range(8))
+
+
+@pytest.mark.parametrize("text,needle", [
+    (ALIAS_BOMB, "expands to more than"),                               # 9^9 values through aliases
+    ("split: " + "[" * 5000 + "]" * 5000, "nested deeper than"),       # RecursionError before
+    ("split:\n" + "".join("  " * (i + 1) + f"k{i}:\n" for i in range(100)), "nested deeper than"),
+    (b"backends: [\xff\xfe]\n", "not UTF-8"),                           # UnicodeDecodeError before
+    ("# " + "x" * (2 << 20), "larger than"),
+    ("backends: [[triton]]", "backends.0"),                             # TypeError before (unhashable)
+    ("cost_model: {sat_programs_per_sm: .inf}", "cost_model.sat_programs_per_sm"),   # ZeroDivisionError at plan time
+    ("cost_model: {launch_us: .nan}", "cost_model.launch_us"),
+    ("cost_model: {bandwidth_fraction: 0}", "cost_model.bandwidth_fraction"),
+    ("backend_options: {triton: {block_n: 17}}", "backend_options.triton.block_n: must be a power of two"),
+    ("backend_options: {numba: {block_n: 48}}", "backend_options.numba.block_n"),
+    ("backend_options: {triton: {mma: true, passes: 8}}", "backend_options.triton.mma: unknown key"),
+    ("backend_options: {numba: {pdl: false}}", "backend_options.numba.pdl: unknown key"),
+    ("backend_options: {reference: {block_n: 16}}", "backend_options.reference.block_n: unknown key"),
+    ("backend_options: {cuda_ptx: {lanes: 4}}", "backend_options.cuda_ptx.lanes: unknown key"),
+    ("backend_options: {triton: {num_warps: 3}}", "backend_options.triton.num_warps"),
+    ("backend_options: {triton: {num_warps: true}}", "backend_options.triton.num_warps: a boolean"),
+    ("backend_options: {cuda_ptx: {threads: 100}}", "backend_options.cuda_ptx.threads: must be a multiple of 32"),
+    ("backend_options: {triton: {block_dv: 64}}", "backend_options.triton.block_dv: block_dv was removed"),
+    ("split: {partition: split_v}", "split.partition: split_v was removed"),
+    ("split: {merge: atomic}\ndeterministic: false", "split.merge: atomic was removed"),
+    ("split: {num_splits: '4'}", "split.num_splits"),
+    ("version: true", "version: a boolean"),
+    ("plan_cache: {dir: ''}", "plan_cache.dir"),
+    ("? [a, b]\n: 1\n", "not valid YAML"),
+    ("a: \x00", "not valid YAML"),
+])
+def test_hostile_files_are_config_errors(tmp_path, text, needle):
+    import time
+
+    f = tmp_path / "bad.yaml"
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
+    t = time.perf_counter()
+    with pytest.raises(ConfigError, match=needle) as e:
+        load_config(f)
+    assert time.perf_counter() - t < 5.0
+    assert str(f) in str(e.value) and len(str(e.value)) < 2000
+
+
+def test_error_repeats_a_long_value_shortened(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("backends: triton" + "x" * 100_000 + "\ncolour: [" + ", ".join(["blue"] * 10_000) + "]\n")
+    with pytest.raises(ConfigError, match="colour: unknown key") as e:
+        load_config(f)
+    assert len(str(e.value)) < 1000
+
+
+def test_many_errors_are_listed_briefly(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("\n".join(f"k{i}: 1" for i in range(500)))
+    with pytest.raises(ConfigError, match=r"and 480 more") as e:
+        load_config(f)
+    assert len(str(e.value).splitlines()) == 22
+
+
+def test_benign_aliases_and_null_block_dv_load(tmp_path):
+    """Aliases that expand to a few values are fine (anchors for shared options); ``block_dv: null`` (the value
+    older files carry) reads as unset."""
+    f = tmp_path / "ok.yaml"
+    f.write_text("backend_options:\n  triton: &o {block_n: 32, num_warps: 4}\n  cuda_ptx: *o\n"
+                 "  numba: {block_n: 32}\n  reference: null\n")
+    c = load_config(f)
+    assert c.options("triton").model_dump() == {"block_n": 32, "num_warps": 4, "num_stages": None}
+    assert c.options("cuda_ptx").block_n == 32 and c.options("numba").block_n == 32
+    assert load_config(backend_options={"triton": {"block_dv": None}}).options("triton").block_n is None
+
+
+def test_each_backend_reads_only_its_own_options():
+    """The options models list exactly the keys each backend's kernel_config reads."""
+    from attnplan.config import OPTION_MODELS
+
+    keys = {b: set(m.model_fields) - {"block_dv"} for b, m in OPTION_MODELS.items()}
+    assert keys == {"triton": {"block_n", "num_warps", "num_stages"},
+                    "numba": {"block_n", "threads", "lanes", "unroll"},
+                    "cuda_ptx": {"block_n", "num_warps", "num_stages", "threads", "mma", "pdl", "passes"},
+                    "reference": set()}
+    with pytest.raises(KeyError, match="unknown backend"):
+        load_config().options("cudnn")
+
+
+def test_device_tables_still_load():
+    from attnplan.config import device_table
+
+    assert device_table("h200")["cost_model"]["programs_per_sm"] >= 1

@@ -60,3 +60,31 @@ def test_op_under_torch_compile_cudagraphs(gen):
         out = f(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table).clone()
         ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
         assert_close_to_reference(out - 1, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("change,exc,needle", [
+    (lambda x: x.update(v=x["v"].to(torch.bfloat16)), TypeError, "v_cache.dtype"),
+    (lambda x: x.update(v=x["v"][:-2]), ValueError, "v_cache shape"),
+    (lambda x: x.update(k=torch.stack([x["k"], x["k"]], -1)[..., 0]), ValueError, "k_cache must have unit stride"),
+    (lambda x: x.update(lens=x["lens"].long()), TypeError, "seq_lens.dtype"),
+    (lambda x: x.update(bt=x["bt"].long()), TypeError, "block_table.dtype"),
+    (lambda x: x.update(bt=x["bt"].t().contiguous().t()), ValueError, "block_table must have unit stride"),
+])
+def test_op_validates_every_new_signature(change, exc, needle):
+    """After a valid first call, a call whose V, seq_lens or block table differs is validated anew (the plan key
+    holds every input's shape, strides, dtype, device and alignment): a bf16 V returned inf and a V with fewer
+    pages read out of bounds when the key left them out."""
+    attnplan.ops.clear_op_plans()
+    x = make_inputs(2, 8, 2, 32, [20, 9], page_size=4, dtype=torch.float16, device=DEVICE)
+    a = dict(q=x.q, k=x.k_cache, v=x.v_cache, lens=x.seq_lens, bt=x.block_table)
+    torch.ops.attnplan.decode(a["q"], a["k"], a["v"], a["lens"], a["bt"], 0.0, BACKEND)
+    change(a)
+    with pytest.raises(exc, match=needle):
+        torch.ops.attnplan.decode(a["q"], a["k"], a["v"], a["lens"], a["bt"], 0.0, BACKEND)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_op_refuses_a_non_finite_scale(bad):
+    x = make_inputs(1, 4, 2, 16, [9], dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="sm_scale must be finite"):
+        torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, bad, BACKEND)

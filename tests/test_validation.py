@@ -67,7 +67,7 @@ def test_unused_block_table_entries_are_not_checked():
 
 @pytest.mark.parametrize("hq,hkv", [(33, 2), (3, 2)])
 def test_non_divisible_gqa_is_rejected_before_any_kernel(hq, hkv):
-    """cases.yaml non-divisible-gqa."""
+    """33 query heads over 2 KV heads has no GQA group size: refused by name."""
     q = torch.zeros(1, 1, hq, 16, dtype=torch.float16)
     k = torch.zeros(1, 8, hkv, 16, dtype=torch.float16)
     with pytest.raises(ValueError, match=rf"num_q_heads \({hq}\).*num_kv_heads \({hkv}\)"):
@@ -115,12 +115,12 @@ def test_plan_num_splits_is_checked(bad):
         w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=bad)
 
 
-@pytest.mark.parametrize("bad", [24, 48, 17])
-def test_config_block_dv_must_be_a_power_of_two(bad):
+@pytest.mark.parametrize("bad", [24, 64, 17])
+def test_config_block_dv_is_refused_as_removed(bad):
     import attnplan
     from attnplan.config import ConfigError
 
-    with pytest.raises(ConfigError, match="block_dv"):
+    with pytest.raises(ConfigError, match="backend_options.triton.block_dv: block_dv was removed"):
         attnplan.load_config(backend_options={"triton": {"block_dv": bad}})
 
 
@@ -136,3 +136,323 @@ def test_seq_lens_host_replaces_the_device_read_and_is_checked():
         w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=[20])
     with pytest.raises(ValueError, match="exceeds the cache capacity"):
         w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=[20, 999])
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# The input contract (attnplan.problem's module docstring): every refusal names the argument and
+# happens before any kernel runs (a NaN-poisoned out stays NaN); every allowed input matches the
+# float64 reference.
+
+import math
+
+from conftest import kernel_backends
+
+from attnplan import reference
+from attnplan.testing import assert_close_to_reference
+
+CPU_BACKENDS = ["reference", *kernel_backends("cpu")]
+
+
+def fp32_case(page_size=4, lens=(13, 7), q_len=1, seed=0):
+    return make_inputs(2, 4, 2, 16, list(lens), q_len=q_len, page_size=page_size, dtype=torch.float32,
+                       generator=torch.Generator().manual_seed(seed))
+
+
+def poisoned(x):
+    return torch.full_like(x.q, float("nan")), torch.full(x.q.shape[:3], float("nan"))
+
+
+def refused(exc, needle, fn, out=None, lse=None):
+    """``fn()`` raises ``exc`` matching ``needle`` and left the poisoned ``out`` / ``lse`` untouched."""
+    with pytest.raises(exc, match=needle):
+        fn()
+    for t in (out, lse):
+        if t is not None:
+            assert torch.isnan(t).all(), "a kernel wrote before the refusal"
+
+
+def strided(t, axis=-1):
+    """``t``'s values in a view whose ``axis`` has stride 2 (same shape)."""
+    return torch.stack([t, torch.zeros_like(t)], dim=t.dim() if axis == -1 else axis + 1).select(
+        t.dim() if axis == -1 else axis + 1, 0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_strided_seq_lens_is_refused(backend):
+    """``torch.tensor([37, 9, 100, 9])[::2]`` as seq_lens: Triton assumed unit stride and read past it."""
+    x = make_inputs(2, 4, 2, 16, [37, 100], dtype=torch.float32)
+    sl = torch.tensor([37, 9, 100, 9], dtype=torch.int32)[::2]
+    assert sl.stride() == (2,)
+    out, lse = poisoned(x)
+    refused(ValueError, r"seq_lens must have unit stride .* strides \(2,\)",
+            lambda: attnplan.decode(x.q, x.k_cache, x.v_cache, sl, backend=backend, out=out, lse=lse), out, lse)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_column_major_block_table_is_refused(backend):
+    x = fp32_case()
+    bt = x.block_table.t().contiguous().t()
+    assert torch.equal(bt, x.block_table) and bt.stride(1) != 1
+    out, lse = poisoned(x)
+    refused(ValueError, r"block_table must have unit stride in its last axis",
+            lambda: attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, bt, backend=backend, out=out, lse=lse),
+            out, lse)
+
+
+def test_strided_sinks_are_refused():
+    x = fp32_case()
+    sinks = strided(torch.zeros(4))
+    out, lse = poisoned(x)
+    refused(ValueError, r"sinks must have unit stride",
+            lambda: attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sinks=sinks,
+                                    backend="reference", out=out, lse=lse), out, lse)
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+def test_strided_fp8_scale_tensors_are_refused(name):
+    x = make_inputs(2, 4, 2, 16, [13, 7], page_size=4, dtype=torch.float16)
+    k8, v8 = x.k_cache.to(torch.float8_e4m3fn), x.v_cache.to(torch.float8_e4m3fn)
+    scales = {"k_scale": torch.ones(2), "v_scale": torch.ones(2), name: strided(torch.ones(2))}
+    out, lse = poisoned(x)
+    refused(ValueError, rf"{name} must have unit stride",
+            lambda: attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", out=out, lse=lse,
+                                    **scales), out, lse)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_strided_out_last_axis_is_refused(backend):
+    x = fp32_case()
+    out = strided(torch.full_like(x.q, float("nan")))
+    refused(ValueError, r"out must have unit stride in head_dim",
+            lambda: attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend, out=out),
+            out)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_strided_lse_last_axis_is_refused(backend):
+    x = fp32_case()
+    out = torch.full_like(x.q, float("nan"))
+    lse = strided(torch.full(x.q.shape[:3], float("nan")))
+    refused(ValueError, r"lse must have unit stride",
+            lambda: attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend, out=out,
+                                    lse=lse), out, lse)
+
+
+def _allowed_stride_inputs(x):
+    """Each allowed non-unit stride (module docstring) as a view holding the same values."""
+    qb = torch.randn(2, x.q.shape[1], 8, 16)
+    qb[:, :, ::2] = x.q
+    kv = torch.empty(*x.k_cache.shape[:2], 2, *x.k_cache.shape[2:])
+    kv[:, :, 0], kv[:, :, 1] = x.k_cache, x.v_cache
+    kb = torch.randn(*x.k_cache.shape[:3], 32)
+    kb[..., :16] = x.k_cache
+    pb = torch.randn(2 * x.k_cache.shape[0], *x.k_cache.shape[1:])
+    pb[1::2] = x.k_cache
+    bb = torch.full((2, 2 * x.block_table.shape[1]), -7, dtype=torch.int32)
+    bb[:, : x.block_table.shape[1]] = x.block_table
+    return {"q head stride": dict(q=qb[:, :, ::2]),
+            "K and V interleaved (token stride)": dict(k_cache=kv[:, :, 0], v_cache=kv[:, :, 1]),
+            "K head stride": dict(k_cache=kb[..., :16]),
+            "K page stride": dict(k_cache=pb[1::2]),
+            "block-table row stride": dict(block_table=bb[:, : x.block_table.shape[1]])}
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_allowed_strides_match_the_reference(backend, splits):
+    """q's batch / head strides, the cache's page / token / head strides, block-table rows and out's / lse's
+    leading strides are free."""
+    x = fp32_case(q_len=2)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    for what, change in _allowed_stride_inputs(x).items():
+        a = {**dict(q=x.q, k_cache=x.k_cache, v_cache=x.v_cache, seq_lens=x.seq_lens, block_table=x.block_table),
+             **change}
+        ob = torch.full((2, 2, 4, 48), float("nan"))
+        lb = torch.full((3, 2, 2, 8), float("nan"))
+        out, lse = ob[:, :, :, 8:24], lb[1, :, :, 2:6]  # leading strides (192, 96, 48) and (16, 8)
+        attnplan.decode(**a, backend=backend, num_splits=splits, out=out, lse=lse)
+        assert_close_to_reference(out, ref, torch.float32, what=f"out ({what})")
+        assert_close_to_reference(lse, ref_lse, torch.float32, what=f"lse ({what})")
+
+
+# -- run() against plan() ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda a: a.update(k_cache=strided(a["k_cache"])), r"k_cache strides .* differs from the planned"),
+    (lambda a: a.update(v_cache=a["v_cache"].transpose(1, 2).contiguous().transpose(1, 2)), r"v_cache strides"),
+    (lambda a: a.update(seq_lens=a["seq_lens"].long()), r"seq_lens dtype torch.int64 differs"),
+    (lambda a: a.update(seq_lens=strided(a["seq_lens"])), r"seq_lens strides"),
+    (lambda a: a.update(block_table=a["block_table"].t().contiguous().t()), r"block_table strides"),
+    (lambda a: a.update(block_table=None), r"block_table was a tensor at plan\(\) and is None now"),
+    (lambda a: a.update(q=torch.empty(a["q"].numel() + 1)[1:].view(a["q"].shape).copy_(a["q"])),
+     r"q 16-byte alignment of the data pointer False differs from the planned True"),
+    (lambda a: a.update(v_cache=a["v_cache"][:-1]), r"v_cache shape"),
+])
+def test_run_refuses_what_plan_did_not_see(change, needle):
+    """run() compares every tensor's shape, strides, dtype, device and alignment with the plan's: a K whose
+    last axis has stride 2 is refused by decode() and, after a plan with a contiguous K, by run()."""
+    x = fp32_case()
+    a = dict(q=x.q, k_cache=x.k_cache, v_cache=x.v_cache, seq_lens=x.seq_lens, block_table=x.block_table)
+    assert a["q"].data_ptr() % 16 == 0
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(**a)
+    change(a)
+    out, lse = poisoned(x)
+    refused(ValueError, needle, lambda: w.run(a["q"], a["k_cache"], a["v_cache"], a["seq_lens"], a["block_table"],
+                                              out=out, lse=lse), out, lse)
+
+
+def test_run_refuses_a_non_tensor_by_name():
+    x = fp32_case()
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    with pytest.raises(TypeError, match="block_table must be a torch.Tensor, got list"):
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table.tolist())
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=[1.0])
+
+
+# -- non-finite and out-of-range parameters -----------------------------------------------------------
+
+@pytest.mark.parametrize("kw,exc,needle", [
+    (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap must be a finite float >= 0"),
+    (dict(logits_soft_cap=float("nan")), ValueError, "logits_soft_cap"),
+    (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
+    (dict(logits_soft_cap=True), TypeError, "logits_soft_cap"),
+    (dict(sm_scale=float("nan")), ValueError, "sm_scale must be finite"),
+    (dict(sm_scale=float("inf")), ValueError, "sm_scale must be finite"),
+    (dict(sm_scale=-float("inf")), ValueError, "sm_scale must be finite"),
+    (dict(sm_scale="0.1"), TypeError, "sm_scale must be a float"),
+    (dict(window_left=True), TypeError, "window_left must be an int"),
+    (dict(window_left=2.5), TypeError, "window_left must be an int"),
+    (dict(window_left=-2), ValueError, "window_left must be -1"),
+    (dict(sinks=torch.tensor([0.0, float("nan"), 0.0, 0.0])), ValueError, r"sinks\[1\] = nan"),
+    (dict(sinks=torch.tensor([0.0, 0.0, 0.0, float("inf")])), ValueError, r"sinks\[3\] = inf"),
+])
+def test_bad_parameters_are_refused_by_name(kw, exc, needle):
+    x = fp32_case()
+    out, lse = poisoned(x)
+    refused(exc, needle, lambda: attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table,
+                                                 backend="reference", out=out, lse=lse, **kw), out, lse)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("kw", [dict(sm_scale=0.0), dict(sm_scale=-0.7), dict(window_left=10**12),
+                                dict(window_left=0), dict(sinks=torch.tensor([float("-inf"), 0.5, float("-inf"), -3.0])),
+                                dict(logits_soft_cap=1e-3)], ids=lambda kw: next(iter(kw)) + "=" + str(next(iter(kw.values())))[:12])
+def test_legal_edge_parameters_match_the_reference(backend, kw):
+    """0 and negative scales are legal math; a window longer than any cache is no window; a -inf sink is none."""
+    x = fp32_case(q_len=2)
+    out, lse = poisoned(x)
+    attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend, num_splits=3, out=out,
+                    lse=lse, **kw)
+    rkw = {"window_left" if k == "window_left" else "soft_cap" if k == "logits_soft_cap" else k: v for k, v in kw.items()}
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table,
+                                       rkw.pop("sm_scale", None), **rkw)
+    assert_close_to_reference(out, ref, torch.float32)
+    assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+def fp8_case():
+    x = make_inputs(2, 4, 2, 16, [13, 7], page_size=4, dtype=torch.float16)
+    return x, x.k_cache.to(torch.float8_e4m3fn), x.v_cache.to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_fp8_scales_must_be_finite_and_positive(bad, name, as_tensor):
+    x, k8, v8 = fp8_case()
+    scales = {"k_scale": 1.0, "v_scale": 1.0}
+    scales[name] = torch.tensor([1.0, bad]) if as_tensor else bad
+    out, lse = poisoned(x)
+    needle = rf"{name}\[1\] = {bad}" if as_tensor else rf"{name} must be a finite float > 0"
+    refused(ValueError, needle, lambda: attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference",
+                                                        out=out, lse=lse, **scales), out, lse)
+
+
+def test_tensor_values_are_read_once_per_version(monkeypatch):
+    """plan() reads a tensor's sink / scale values the first time it sees the tensor at a version; later
+    plans of the same tensor at the same version read nothing (no device sync)."""
+    import attnplan.problem as P
+
+    reads = []
+    real = P._bad_values
+    monkeypatch.setattr(P, "_bad_values", lambda name, t: reads.append(name) or real(name, t))
+    x, k8, v8 = fp8_case()
+    ks, vs, sinks = torch.ones(2), torch.full((2,), 0.5), torch.zeros(4)
+    w = attnplan.DecodeWrapper(backend="reference")
+    for _ in range(3):
+        w.plan(x.q, k8, v8, x.seq_lens, x.block_table, k_scale=ks, v_scale=vs, sinks=sinks, seq_lens_host=[13, 7])
+    assert sorted(reads) == ["k_scale", "sinks", "v_scale"]
+    sinks[2] = float("nan")  # an in-place write bumps the version: read again, refused
+    with pytest.raises(ValueError, match=r"sinks\[2\] = nan"):
+        w.plan(x.q, k8, v8, x.seq_lens, x.block_table, k_scale=ks, v_scale=vs, sinks=sinks)
+    assert reads.count("sinks") == 2
+    ks.data[0] = -1.0  # documented limit: a write that bypasses the version counter is not seen
+    w.plan(x.q, k8, v8, x.seq_lens, x.block_table, k_scale=ks, v_scale=vs)
+    ks.mul_(1.0)  # any in-place op bumps the version: read again
+    with pytest.raises(ValueError, match=r"k_scale\[0\] = -1.0"):
+        w.plan(x.q, k8, v8, x.seq_lens, x.block_table, k_scale=ks, v_scale=vs)
+
+
+def test_problem_refuses_bool_window_and_infinite_soft_cap():
+    with pytest.raises(TypeError, match="window_left"):
+        attnplan.DecodeProblem(batch=1, num_q_heads=4, num_kv_heads=2, head_dim=16, window_left=True)
+    with pytest.raises(ValueError, match="soft_cap"):
+        attnplan.DecodeProblem(batch=1, num_q_heads=4, num_kv_heads=2, head_dim=16, soft_cap=math.inf)
+
+
+# -- aliasing ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_out_aliasing_q_is_refused_under_a_single_pass(backend):
+    """``out=q`` with a single-pass plan (the partial kernel writes out while other programs read q)."""
+    x = fp32_case()
+    q0 = x.q.clone()
+    refused(ValueError, "out overlaps q",
+            lambda: attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend,
+                                    num_splits=1, out=x.q))
+    assert torch.equal(x.q, q0)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_lse_viewing_out_is_refused(backend):
+    """``lse=out[..., 0]`` (refused for its stride) and an lse with unit stride inside out's bytes."""
+    x = fp32_case()
+    out = torch.full_like(x.q, float("nan"))
+    refused(ValueError, "lse must have unit stride", lambda: attnplan.decode(
+        x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend, out=out, lse=out[..., 0]), out)
+    lse = out.view(-1)[: 2 * 4].view(2, 1, 4)
+    refused(ValueError, "out overlaps lse", lambda: attnplan.decode(
+        x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend, out=out, lse=lse), out)
+
+
+@pytest.mark.parametrize("victim", ["k_cache", "v_cache", "seq_lens", "block_table", "sinks"])
+def test_out_viewing_an_input_is_refused(victim):
+    x = fp32_case()
+    sinks = torch.zeros(4)
+    pool = torch.zeros(4096)  # one storage holding the victim and out, in crossing byte ranges
+    a = dict(q=x.q, k_cache=x.k_cache, v_cache=x.v_cache, seq_lens=x.seq_lens, block_table=x.block_table, sinks=sinks)
+    t = a[victim]
+    a[victim] = pool.view(torch.int32)[: t.numel()].view(t.shape).copy_(t) if t.dtype == torch.int32 else \
+        pool[: t.numel()].view(t.shape).copy_(t)
+    out = pool[t.numel() // 2: t.numel() // 2 + x.q.numel()].view(x.q.shape)
+    with pytest.raises(ValueError, match=f"out overlaps {victim}"):
+        attnplan.decode(**a, backend="reference", out=out)
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(**a)
+    with pytest.raises(ValueError, match=f"out overlaps {victim}"):
+        w.run(a["q"], a["k_cache"], a["v_cache"], a["seq_lens"], a["block_table"], out=out)
+
+
+def test_disjoint_views_of_one_buffer_are_allowed():
+    """out and lse carved from one workspace without crossing byte ranges are fine."""
+    x = fp32_case()
+    ws = torch.full((x.q.numel() + 8,), float("nan"))
+    out, lse = ws[: x.q.numel()].view(x.q.shape), ws[x.q.numel():].view(2, 1, 4)
+    attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend="reference", out=out, lse=lse)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    assert_close_to_reference(out, ref, torch.float32)
+    assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
