@@ -11,7 +11,11 @@
 #   merge     benchmarks/bench_merge.py (MERGE_MODE=merge,partition): the plan axes side by side -> merge.json
 #   cp        benchmarks/bench_cp.py: context-parallel decode over 2 GPUs (NCCL) -> cp.json
 #   tune      attnplan tune (args: TUNE_ARGS): writes $ATTNPLAN_CACHE_DIR/plans/<device>.yaml, copied out
+#   longtail  benchmarks/bench_longtail.py (args: LONGTAIL_ARGS): capacity vs live plans vs FlashInfer -> longtail.json
+#   host      benchmarks/bench_host.py (args: HOST_ARGS): host cost per eager call -> host.json
 #   cmd       the shell command in CMD (output: cmd.log); cmd_bg runs it in the background (untimed work only)
+# FlashInfer (the paged-decode peer) is used when it imports, or when a prepared copy is carried in .peers/flashinfer
+# (a stripped flashinfer-python package with prebuilt sm_90a decode modules, and its apache-tvm-ffi wheel).
 # Everything lands in $OUT/run/ and is packed into $OUT/run.tgz (one file to copy back);
 # short summaries are printed last.
 # Usage (repository root, on the GPU machine): STEPS="tests bench" bash benchmarks/gpu_run.sh
@@ -22,6 +26,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1 || { cat "$R/install.log"; exit 1; }
+if [ -f .peers/flashinfer/flashinfer_stripped.tar.xz ]; then
+  mkdir -p /tmp/fi_site
+  python3 -c "import tarfile; tarfile.open('.peers/flashinfer/flashinfer_stripped.tar.xz').extractall('/tmp/fi_site')"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fi_site .peers/flashinfer/apache_tvm_ffi-*.whl
+  export PYTHONPATH=/tmp/fi_site:${PYTHONPATH:-} FLASHINFER_CUDA_ARCH_LIST=9.0 FLASHINFER_WORKSPACE_BASE=/tmp
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 t0=$SECONDS
 # With the default TESTS, the NVRTC compile tests run first, in a process of their own: NVRTC 13.0 with driver
@@ -54,6 +64,10 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
     bench2|bench3|bench4)  # BENCH2_ARGS / BENCH3_ARGS / BENCH4_ARGS, merged into decode_grid.*
       args_var="${step^^}_ARGS"; to_var="${step^^}_TIMEOUT"
       timeout ${!to_var:-300} python3 benchmarks/bench_decode.py --out "$R/decode_grid" --merge ${!args_var:-} > "$R/$step.log" 2>&1; echo "$step rc=$?" ;;
+    longtail)
+      timeout ${LONGTAIL_TIMEOUT:-400} python3 benchmarks/bench_longtail.py --out "$R/longtail.json" ${LONGTAIL_ARGS:-} > "$R/longtail.log" 2>&1; echo "longtail rc=$?" ;;
+    host)
+      timeout ${HOST_TIMEOUT:-200} python3 benchmarks/bench_host.py --out "$R/host.json" ${HOST_ARGS:-} > "$R/host.log" 2>&1; echo "host rc=$?" ;;
     sweep)
       timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/sweep_kernel.py --backend ${SWEEP_BACKEND:-cuda_ptx} --out "$R/sweep.json" ${SWEEP_ARGS:-} \
         > "$R/sweep.log" 2>&1; echo "sweep rc=$?" ;;
@@ -87,6 +101,8 @@ for f in "$R"/sanitize-*.log; do [ -f "$f" ] && echo "$(basename $f): $(grep -E 
 [ -f "$R/merge.log" ] && grep -E "^(merge|partition) " "$R/merge.log" | cut -c1-150 | tail -60
 [ -f "$R/cp.log" ] && tail -6 "$R/cp.log"
 [ -f "$R/cmd.log" ] && tail -${CMD_TAIL:-8} "$R/cmd.log"
+[ -f "$R/host.log" ] && sed -n '/^kv /,$p' "$R/host.log"
+[ -f "$R/longtail.log" ] && { grep -E "error|Error" "$R/longtail.log" | head -8; sed -n '/^heads /,$p' "$R/longtail.log"; }
 for b in bench bench2 bench3 bench4; do [ -f "$R/$b.log" ] && sed -n '/^us per step/,$p' "$R/$b.log" | tail -70; done
 [ -f "$R/decode_grid.csv" ] && python3 benchmarks/grid_stats.py "$R/decode_grid.csv" --baseline benchmarks/results/decode_grid.csv
 tar czf "$OUT/run.tgz" -C "$OUT" run && rm -rf "$R"
