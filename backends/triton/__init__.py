@@ -163,7 +163,7 @@ class TritonBackend(Backend):
             PAGE_SIZE=p.page_size or 1, PAGED=bool(p.page_size), MULTI=not s.single_pass, BALANCED=any(s.targets),
             MERGE=plan.merge, UPCAST=upcast, DOT_PRECISION="ieee" if (p.q_dtype == "float32" or upcast) else "tf32",
             WINDOW=p.window_left >= 0, SOFTCAP=p.soft_cap > 0, FP8=p.kv_dtype == "float8_e4m3fn",
-            num_warps=kc["num_warps"], num_stages=kc["num_stages"])
+            num_warps=kc.get("num_warps", 1 if interp else 4), num_stages=kc.get("num_stages", 1 if interp else 2))
         L.ints = (p.batch, slots, s.min_unit_granules, s.max_units_per_seq)
         dummy = workspace.targets
         L.ws = (workspace.targets, workspace.meta if workspace.meta is not None else dummy,

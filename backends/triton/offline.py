@@ -7,9 +7,9 @@ runs the real compiler pipeline (TTIR, TTGIR, LLVM IR, PTX and, with ``ptxas`` p
 cubin) for one specialization, so those errors surface in CI, not on the first GPU run.
 
 Arguments are specialized the way Triton specializes a real launch (pointers and the strides that
-are multiples of 16 marked divisible by 16); without that, Triton emits scalar loads and does not
-pipeline them, and compile statistics (``benchmarks/triton_compile_stats.py``) say nothing about a
-GPU run.
+are multiples of 16 marked divisible by 16, the unit strides of ``seq_lens`` and the block table's
+columns passed as the constant 1); without that, Triton emits scalar loads and does not pipeline
+them, and compile statistics (``benchmarks/triton_compile_stats.py``) say nothing about a GPU run.
 """
 
 from __future__ import annotations
