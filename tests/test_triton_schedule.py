@@ -57,27 +57,29 @@ except ImportError:  # the module's tests skip (pytestmark)
 if triton is not None:
     @triton.jit
     def _probe_kernel(SEQ_LENS, TARGETS, META, US, OUT, batch, window_left, min_c, max_s, Q_LEN: tl.constexpr,
-                      GRANULE: tl.constexpr, WINDOW: tl.constexpr, BALANCED: tl.constexpr, BLOCK_B: tl.constexpr):
+                      GRANULE: tl.constexpr, WINDOW: tl.constexpr, BALANCED: tl.constexpr, BLOCK_B: tl.constexpr,
+                      ONE_BLOCK: tl.constexpr):
         """The partial kernel's prologue alone: program ``p`` asks for unit ``US[p]`` and stores what it finds."""
         pid = tl.program_id(0)
         u = tl.load(US + pid)
         b, first, units, cb = _schedule(SEQ_LENS, 1, TARGETS, META, batch, u, pid, window_left, min_c, max_s,
-                                        Q_LEN, GRANULE, WINDOW, BALANCED, True, BLOCK_B)
+                                        Q_LEN, GRANULE, WINDOW, BALANCED, True, BLOCK_B, ONE_BLOCK)
         tl.store(OUT + pid * 4, b)
         tl.store(OUT + pid * 4 + 1, first)
         tl.store(OUT + pid * 4 + 2, units)
         tl.store(OUT + pid * 4 + 3, cb)
 
 
-def _probe(lens, sched: Schedule, q_len, window, us, block_b):
-    """Run the prologue alone for units ``us`` (program 0 must ask for unit 0: it writes the meta)."""
+def _probe(lens, sched: Schedule, q_len, window, us, block_b, one_block=False):
+    """Run the prologue alone for units ``us`` (program 0 must ask for unit 0: it writes the meta); ``one_block``:
+    the single-block path (``len(lens) <= block_b``)."""
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     meta = torch.full((2 * len(lens),), -7, dtype=torch.int32, device=DEVICE)
     out = torch.full((len(us), 4), -7, dtype=torch.int32, device=DEVICE)
     _probe_kernel[(len(us),)](lens_t, torch.tensor(sched.targets, dtype=torch.int32, device=DEVICE), meta,
                        torch.tensor(us, dtype=torch.int32, device=DEVICE), out, len(lens), max(window, 0),
                        sched.min_unit_granules, sched.max_units_per_seq, Q_LEN=q_len, GRANULE=sched.granule,
-                       WINDOW=window >= 0, BALANCED=any(sched.targets), BLOCK_B=block_b)
+                       WINDOW=window >= 0, BALANCED=any(sched.targets), BLOCK_B=block_b, ONE_BLOCK=one_block)
     return out.cpu(), meta.cpu()
 
 
@@ -107,10 +109,10 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
 @pytest.mark.parametrize("q_len,window", [(1, -1), (3, 40)])  # q_len counts with a window only
-@pytest.mark.parametrize("batch,block_b", [(7, 16), (40, 16)])
-def test_prologue_matches_host_schedule(name, q_len, window, batch, block_b, gen):
-    """Random lengths with zeros and long ones; every unit, a unit past the total, and the meta; ``block_b`` 16
-    with 40 sequences: the prologue's loops take three blocks (and the search stops early)."""
+@pytest.mark.parametrize("batch,block_b,one_block", [(7, 16, True), (7, 16, False), (40, 16, False)])
+def test_prologue_matches_host_schedule(name, q_len, window, batch, block_b, one_block, gen):
+    """Random lengths with zeros and long ones; every unit, a unit past the total, and the meta; the single-block
+    path and the loops (``block_b`` 16 with 40 sequences: three blocks, and the search stops early)."""
     sched = SCHEDULES[name](gen)
     lens = torch.randint(0, 700, (batch,), generator=gen)
     lens[torch.rand(batch, generator=gen) < 0.3] = 0
@@ -118,7 +120,7 @@ def test_prologue_matches_host_schedule(name, q_len, window, batch, block_b, gen
     lens = lens.tolist()
     s = schedule_units(lens, sched, q_len, window)
     us = list(range(s.num_units)) + [s.num_units, s.num_units + 5]
-    got, meta = _probe(lens, sched, q_len, window, us, block_b)
+    got, meta = _probe(lens, sched, q_len, window, us, block_b, one_block)
     _, rows = _expect(lens, sched, q_len, window, us)
     for u, (row, want) in enumerate(zip(got.tolist(), rows)):
         assert (row[0] == -1) if want == -1 else row == want, f"unit {u}: kernel {row}, host {want}"
@@ -158,7 +160,8 @@ def test_several_prologue_blocks_end_to_end(merge, gen, monkeypatch):
     x = make_inputs(40, 4, 1, 16, lens.tolist(), page_size=16, device=DEVICE, generator=gen, capacity=320)
     w = attnplan.DecodeWrapper(_cfg(merge=merge), backend="triton")
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
-    assert plan.merge == merge and w.backend._launch(plan, w.workspace).const["BLOCK_B"] == 16
+    const = w.backend._launch(plan, w.workspace).const
+    assert plan.merge == merge and const["BLOCK_B"] == 16 and not const["ONE_BLOCK"]
     out, lse = _out(x)
     w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)

@@ -159,7 +159,8 @@ class TritonBackend(Backend):
         L.const = dict(
             Q_LEN=p.q_len, GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)),
             BLOCK_M=max(16, _next_pow2(p.q_len * group)), BLOCK_N=kc["block_n"],
-            BLOCK_B=min(MAX_BLOCK_B, max(16, _next_pow2(p.batch))), GRANULE=s.granule,
+            BLOCK_B=min(MAX_BLOCK_B, max(16, _next_pow2(p.batch))), ONE_BLOCK=p.batch <= MAX_BLOCK_B,
+            GRANULE=s.granule,
             PAGE_SIZE=p.page_size or 1, PAGED=bool(p.page_size), MULTI=not s.single_pass, BALANCED=any(s.targets),
             MERGE=plan.merge, UPCAST=upcast, DOT_PRECISION="ieee" if (p.q_dtype == "float32" or upcast) else "tf32",
             WINDOW=p.window_left >= 0, SOFTCAP=p.soft_cap > 0, FP8=p.kv_dtype == "float8_e4m3fn",

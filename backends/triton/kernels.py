@@ -52,32 +52,71 @@ def _granules(seq_len, Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.co
 
 
 @triton.jit
+def _granules_per_unit(total, TARGETS, min_unit_granules):
+    """``c = max(min_unit_granules, ceil(T / targets[k]))`` with ``k = bit_length(T)`` clamped to 31, or
+    ``min_unit_granules`` when ``targets[k] == 0``; ``total`` (``T``) int64, ``c`` int32 (a ``c`` of 2^31 or more acts
+    as ``c = T``: one unit per sequence either way)."""
+    bits = tl.arange(0, 32)
+    # bit_length(T) clamped to 31: the number of i < 31 with T >= 2^i
+    bucket = tl.sum(((total >= (tl.full([32], 1, tl.int64) << bits.to(tl.int64))) & (bits < 31)).to(tl.int32), 0)
+    t = tl.load(TARGETS + bucket).to(tl.int64)
+    per = tl.where(t > 0, (total + tl.maximum(t, 1) - 1) // tl.maximum(t, 1), 0)
+    return tl.minimum(tl.maximum(per, min_unit_granules), INT32_MAX).to(tl.int32)
+
+
+@triton.jit
+def _units(nb, ok, c, max_units_per_seq):
+    """``(cb, units)`` of sequences with ``nb`` granules: ``u = min(max_units_per_seq, ceil(nb / c))`` units of equal
+    size ``cb = ceil(nb / u)``, ``units = ceil(nb / cb)``; an empty sequence has one unit (``cb = 0``), a masked-off
+    lane (``ok`` false) none. Ceilings as ``(n - 1) // d + 1``: nothing passes int32."""
+    has = nb > 0
+    nb1 = tl.maximum(nb, 1)
+    want = tl.minimum((nb1 - 1) // c + 1, max_units_per_seq)
+    cb = tl.where(has, (nb1 - 1) // want + 1, 0)
+    units = tl.where(has, (nb1 - 1) // tl.maximum(cb, 1) + 1, 1)
+    return cb, tl.where(ok, units, 0)
+
+
+@triton.jit
 def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, min_unit_granules, max_units_per_seq,
               Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.constexpr, BALANCED: tl.constexpr,
-              WRITE_META: tl.constexpr, BLOCK_B: tl.constexpr):
+              WRITE_META: tl.constexpr, BLOCK_B: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """The prologue: the schedule of the live batch, as :func:`attnplan.schedule.schedule_units` computes it.
 
     Returns ``(b, indptr_b, units_b, cb)``: the sequence of unit ``u`` (``-1`` when ``u >= U``, the batch's total
     units), its first unit, its unit count and its granules per unit. Program ``pid == 0`` writes ``META``
-    (``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``) when ``WRITE_META``. Reads ``seq_lens`` in blocks of
+    (``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``) when ``WRITE_META``. ``ONE_BLOCK`` (``batch <=
+    BLOCK_B``): ``seq_lens`` is read once and everything stays in registers. Otherwise it is read in blocks of
     ``BLOCK_B`` (any batch), twice for a balanced schedule (the total first); the search stops at the block holding
     ``u`` (program 0 writing ``META`` reads to the end).
     """
     offs_blk = tl.arange(0, BLOCK_B)
+    if ONE_BLOCK:
+        ok = offs_blk < batch
+        lens = tl.load(SEQ_LENS + offs_blk.to(tl.int64) * stride_sl, mask=ok, other=0)
+        _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
+        c = min_unit_granules
+        if BALANCED:
+            c = _granules_per_unit(tl.sum(nb.to(tl.int64), 0), TARGETS, min_unit_granules)
+        cb, units = _units(nb, ok, c, max_units_per_seq)
+        incl = tl.cumsum(units, 0)
+        excl = incl - units
+        mine = ok & (excl <= u) & (u < incl)
+        if WRITE_META:
+            if pid == 0:
+                tl.store(META + offs_blk, excl, mask=ok)
+                tl.store(META + batch + offs_blk, units, mask=ok)
+        return (tl.max(tl.where(mine, offs_blk, -1), 0), tl.sum(tl.where(mine, excl, 0), 0),
+                tl.sum(tl.where(mine, units, 0), 0), tl.sum(tl.where(mine, cb, 0), 0))
     c = min_unit_granules
-    if BALANCED:  # granules per unit from the batch's total: c = max(min, ceil(T / targets[bit_length(T)]))
+    if BALANCED:  # granules per unit from the batch's total
         total = tl.full([], 0, tl.int64)
         for b0 in range(0, batch, BLOCK_B):
             offs = b0 + offs_blk
             lens = tl.load(SEQ_LENS + offs.to(tl.int64) * stride_sl, mask=offs < batch, other=0)
             _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
             total += tl.sum(nb.to(tl.int64), 0)
-        bits = tl.arange(0, 32)
-        # bit_length(T) clamped to 31: the number of i < 31 with T >= 2^i
-        bucket = tl.sum(((total >= (tl.full([32], 1, tl.int64) << bits.to(tl.int64))) & (bits < 31)).to(tl.int32), 0)
-        t = tl.load(TARGETS + bucket).to(tl.int64)
-        per = tl.where(t > 0, (total + tl.maximum(t, 1) - 1) // tl.maximum(t, 1), 0)
-        c = tl.minimum(tl.maximum(per, min_unit_granules), INT32_MAX).to(tl.int32)  # c >= 2^31 acts as c = T
+        c = _granules_per_unit(total, TARGETS, min_unit_granules)
     writer = -1
     if WRITE_META:
         writer = 0
@@ -92,12 +131,7 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
         ok = offs < batch
         lens = tl.load(SEQ_LENS + offs.to(tl.int64) * stride_sl, mask=ok, other=0)
         _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
-        has = nb > 0
-        nb1 = tl.maximum(nb, 1)
-        want = tl.minimum((nb1 - 1) // c + 1, max_units_per_seq)  # ceil(nb / c), at most max_units_per_seq
-        cb = tl.where(has, (nb1 - 1) // want + 1, 0)  # equal sizes: ceil(nb / u)
-        units = tl.where(has, (nb1 - 1) // tl.maximum(cb, 1) + 1, 1)  # ceil(nb / cb) <= u; an empty one gets 1
-        units = tl.where(ok, units, 0)
+        cb, units = _units(nb, ok, c, max_units_per_seq)
         incl = running + tl.cumsum(units, 0)
         excl = incl - units
         mine = ok & (excl <= u) & (u < incl)
@@ -278,7 +312,7 @@ def split_kv_partial_kernel(
     stride_btb, stride_btc, stride_outb, stride_outt, stride_outh, stride_lob, stride_lot,
     Q_LEN: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-    GRANULE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MULTI: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, GRANULE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MULTI: tl.constexpr,
     BALANCED: tl.constexpr, MERGE: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
     SINKS_ON: tl.constexpr,
@@ -308,7 +342,7 @@ def split_kv_partial_kernel(
     if MULTI:
         b, first, units_b, cb = _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left,
                                           min_unit_granules, max_units_per_seq, Q_LEN, GRANULE, WINDOW, BALANCED,
-                                          MERGE == "separate", BLOCK_B)
+                                          MERGE == "separate", BLOCK_B, ONE_BLOCK)
         if b < 0:  # no unit: the batch has fewer than max_units
             return
         seq_len = tl.load(SEQ_LENS + b.to(tl.int64) * stride_sl)

@@ -88,7 +88,7 @@ def compile_partial(q: str = "bf16", kv: str = "bf16", *, arch: int = 90, warps:
     q_len = constexprs.get("Q_LEN", 1)
     d = constexprs.get("HEAD_DIM", 128)
     const = dict(Q_LEN=q_len, GROUP=group, NUM_KV_HEADS=8, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-                 BLOCK_M=max(16, triton.next_power_of_2(group * q_len)), BLOCK_N=64, BLOCK_B=1024, GRANULE=64,
+                 BLOCK_M=max(16, triton.next_power_of_2(group * q_len)), BLOCK_N=64, BLOCK_B=1024, ONE_BLOCK=True, GRANULE=64,
                  PAGE_SIZE=1, PAGED=False, MULTI=True, BALANCED=True, MERGE="separate", WRITE_LSE=True, UPCAST=False,
                  DOT_PRECISION="tf32", WINDOW=False, SOFTCAP=False, FP8=kv.startswith("fp8"), SINKS_ON=False,
                  stride_sl=1, stride_btc=1)  # unit strides: Triton passes an int argument equal to 1 as a constant
