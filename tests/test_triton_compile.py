@@ -4,9 +4,9 @@ CPU-only CI runs the kernels in Triton's interpreter, which skips the compiler's
 that passed every interpreted test once failed to compile on an H200 (``Loop-carried variable ok ... re-assigned``,
 then ``e``: names of the fp8 q-shift prologue reused in the KV loop), and a name a helper's caller reuses (a scalar
 ``head`` beside the rows' ``head`` vector) passes the interpreter and not the compiler. Each case here is a
-specialization the backend launches (the schedule's prologue with balanced / forced targets, single pass, variants,
-fp8 with bf16 / fp16 q, paged, q_len > 1 with its edge positions, the fused merge); compiling it is the check
-(``backends/triton/offline.py``).
+specialization the backend launches (the schedule's prologue with balanced / forced targets, in one block or looped
+over the batch, single pass, variants, fp8 with bf16 / fp16 q, paged, q_len > 1 with its edge positions, the fused
+merge); compiling it is the check (``backends/triton/offline.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ _SINGLE = {"MULTI": False, "BALANCED": False, "MERGE": "none"}
 PARTIAL_CASES = [
     ("bf16-balanced-separate", "bf16", "bf16", {}),
     ("bf16-single", "bf16", "bf16", _SINGLE),
-    ("bf16-forced-fused", "bf16", "bf16", {"BALANCED": False, "MERGE": "fused"}),
+    ("bf16-forced-fused-looped-prologue", "bf16", "bf16", {"BALANCED": False, "MERGE": "fused", "ONE_BLOCK": False}),
     ("fp16-paged16-window-softcap", "fp16", "fp16",
      {"PAGED": True, "PAGE_SIZE": 16, "WINDOW": True, "SOFTCAP": True}),
     ("fp8-bf16q", "bf16", "fp8e4nv", {}),
@@ -32,7 +32,8 @@ PARTIAL_CASES = [
      {"PAGED": True, "PAGE_SIZE": 32, "Q_LEN": 4, "BLOCK_M": 16, "MERGE": "fused", "SINKS_ON": True}),
     ("d80-group7-qlen3-single-sinks", "bf16", "bf16", {"HEAD_DIM": 80, "BLOCK_D": 128, "GROUP": 7, "Q_LEN": 3,
                                                         "BLOCK_M": 32, "SINKS_ON": True, **_SINGLE}),
-    ("fp32-ieee-qlen2", "fp32", "fp32", {"Q_LEN": 2, "DOT_PRECISION": "ieee", "BLOCK_B": 16}),
+    ("fp32-ieee-qlen2-looped-prologue", "fp32", "fp32", {"Q_LEN": 2, "DOT_PRECISION": "ieee", "BLOCK_B": 16,
+                                                          "ONE_BLOCK": False}),
 ]
 #: every variant on at once for each (q, KV) dtype pair, single pass and fused: a name a variant's branch assigns before the
 #: KV loop and the loop reassigns with another shape fails here
