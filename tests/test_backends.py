@@ -1,8 +1,7 @@
 """Every kernel backend against the float64 reference, on a grid generated from the backends'
-declarations (xformers' practice: each case with a readable id), plus known edge cases (zero-length
-rows, more splits than chunks, GQA groups 7 and 16, page size 1, fp16 score overflow), the
-mixed-backend merge (partial states of one backend merged by another), and dispatch (a backend that
-refuses a problem is skipped with its reasons).
+declarations (xformers' habit: the grid comes from what each backend says it supports), plus known hard cases
+(fp16 score overflow, zero-length rows, NaN outside the valid positions) and the mixed-backend merge (the workspace
+of one backend's partial kernel merged by another's merge kernel).
 
 On CPU (CI) the backends run in Triton's interpreter / numba's simulator at small sizes; on a
 GPU the same tests run on the device, and the ``gpu``-marked ones add realistic sizes.
@@ -21,6 +20,7 @@ import attnplan.testing
 from attnplan import reference
 from attnplan.backends import get_backend
 from attnplan.problem import dtype_name
+from attnplan.schedule import schedule_units
 from attnplan.state import PartialState, merge_states
 from attnplan.testing import DTYPES as DT, DecodeCase, assert_close_to_reference, make_inputs, poison
 
@@ -121,21 +121,46 @@ PARTIAL_CASES = [
 ]
 
 
+def _scheduled(backend: str, x, num_splits: int, merge: str = "separate"):
+    """Plan ``x`` on ``backend`` with ``num_splits`` forced, poison the workspace, ``out`` and ``lse`` with NaN and run
+    the partial kernel alone: ``(wrapper, plan, units, out, lse)`` with the batch's schedule ``units``
+    (:func:`attnplan.schedule.schedule_units`)."""
+    cfg = attnplan.load_config(split={"merge": merge}, plan_cache={"disk": False})
+    w = attnplan.DecodeWrapper(cfg, backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits)
+    w.workspace.state.fill_(float("nan"))
+    out = poison(torch.empty_like(x.q))
+    lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device=DEVICE))
+    w.backend.partial(plan, x, w.workspace, out, lse)
+    units = schedule_units(x.seq_lens.tolist(), plan.schedule, x.q.shape[1])
+    return w, plan, units, out, lse
+
+
 @pytest.mark.parametrize("backend,case,num_splits", _params(PARTIAL_CASES))
 def test_partial_states_match_reference(backend, case, num_splits, gen):
-    """Each split's (o, lse) against ``reference.partial``, in a poisoned buffer with spare splits."""
+    """The partial kernel alone: each unit's (o, lse) in the ragged workspace against ``reference.partial`` for the
+    sequences with several units, the one-unit sequences' rows written to out / lse directly, the workspace
+    slots past the batch's units untouched (NaN poison), ``workspace.meta`` = the schedule's indptr and units."""
     x = _inputs(case, gen)
-    w = attnplan.DecodeWrapper(backend=backend)
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits)
-    b, ql, hq, d = x.q.shape
-    state = PartialState.empty(b, ql, hq, plan.num_splits + 2, d, device=DEVICE).fill_(float("nan"))
-    w.backend.partial(plan, x, state)
-    ref = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
-                            plan.chunk_size, plan.num_splits)
-    s = plan.num_splits
-    assert_close_to_reference(state.o[:, :, :, :s], ref.o, DT[case.dtype], what="partial o")
-    assert_close_to_reference(state.lse[:, :, :, :s], ref.lse, torch.float32, what="partial lse")
-    assert torch.isnan(state.o[:, :, :, s:]).all(), "partial wrote beyond plan.num_splits"
+    w, plan, units, out, lse = _scheduled(backend, x, num_splits)
+    ref, _ = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.schedule)
+    full, full_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    ws = w.workspace.state
+    for b in range(len(case.lens)):
+        lo, hi = int(units.indptr[b]), int(units.indptr[b + 1])
+        if hi - lo == 1:
+            assert_close_to_reference(out[b], full[b], DT[case.dtype])
+            assert_close_to_reference(lse[b], full_lse[b], torch.float32, what="lse")
+            assert torch.isnan(ws.o[:, :, :, lo]).all(), "a one-unit sequence wrote its state"
+        else:
+            assert_close_to_reference(ws.o[:, :, :, lo:hi], ref.o[:, :, :, lo:hi], DT[case.dtype], what="partial o")
+            assert_close_to_reference(ws.lse[:, :, :, lo:hi], ref.lse[:, :, :, lo:hi], torch.float32, what="partial lse")
+            assert torch.isnan(out[b]).all(), "a split sequence's output was written before the merge"
+    n = units.num_units
+    assert torch.isnan(ws.o[:, :, :, n:]).all() and torch.isnan(ws.lse[:, :, :, n:]).all(), "wrote past the units"
+    meta = w.workspace.meta.cpu()
+    batch = len(case.lens)
+    assert meta[:batch].tolist() == units.indptr[:-1].tolist() and meta[batch:].tolist() == units.units.tolist()
 
 
 def _mixed_pairs():
@@ -145,16 +170,13 @@ def _mixed_pairs():
 
 @pytest.mark.parametrize("writer,merger", _mixed_pairs())
 def test_mixed_backend_merge(writer, merger, gen):
-    """Partial states written by one backend, merged by another: equals the reference."""
+    """The workspace (ragged states and meta) written by one backend's partial kernel, merged by another's merge
+    kernel: equals the reference (one state format, one merge contract)."""
     case = Case((8, 2), 64, (50, 0, 31), q_len=2, page=16, dtype="bf16")
     x = _inputs(case, gen)
-    w = attnplan.DecodeWrapper(backend=writer)
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=4)
-    state = PartialState.empty(*x.q.shape[:3], plan.num_splits, x.q.shape[3], device=DEVICE).fill_(float("nan"))
-    w.backend.partial(plan, x, state)
-    out = poison(torch.empty_like(x.q))
-    lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device=DEVICE))
-    get_backend(merger).merge(plan, state, out, lse)
+    w, plan, units, out, lse = _scheduled(writer, x, 4)
+    assert int(units.units.max()) > 1
+    get_backend(merger).merge(plan, w.workspace, out, lse)
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     assert_close_to_reference(out, ref, torch.bfloat16)
     assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
@@ -162,27 +184,32 @@ def test_mixed_backend_merge(writer, merger, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_states_of_two_backends_merge_across_split_points(backend, gen):
-    """Half of a sequence's splits from ``backend``, half from the reference, one merge."""
+    """The first two units of each sequence from ``backend``, the others from the reference, one ragged merge."""
     x = _inputs(Case((4, 1), 32, (60, 20)), gen)
-    w = attnplan.DecodeWrapper(backend=backend)
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=4)
-    st = PartialState.empty(*x.q.shape[:3], 4, x.q.shape[3], device=DEVICE)
-    w.backend.partial(plan, x, st)
-    ref_st = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, plan.chunk_size, 4)
-    mine = PartialState(st.o[:, :, :, :2].cpu().double(), st.lse[:, :, :, :2].cpu().double())
-    mixed = PartialState.concat([mine, PartialState(ref_st.o[:, :, :, 2:], ref_st.lse[:, :, :, 2:])])
-    o, _ = merge_states(mixed)
+    w, plan, units, _, _ = _scheduled(backend, x, 4)
+    ref_st, _ = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, plan.schedule)
+    assert int(units.units[0]) > 2
+    n = units.num_units
+    ws = w.workspace.state
+    mine = torch.zeros(n, dtype=torch.bool)
+    for b in range(2):
+        lo, hi = int(units.indptr[b]), int(units.indptr[b + 1])
+        if hi - lo > 1:
+            mine[lo:lo + 2] = True
+    o = torch.where(mine.view(1, 1, 1, n, 1), ws.o[:, :, :, :n].cpu().double(), ref_st.o)
+    ls = torch.where(mine.view(1, 1, 1, n), ws.lse[:, :, :, :n].cpu().double(), ref_st.lse)
+    out, _ = merge_states(PartialState(o, ls), indptr=units.indptr)
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
-    assert_close_to_reference(o, ref, torch.float16)
+    many = units.units > 1
+    assert_close_to_reference(out[many], ref[many], torch.float16)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp16_qk_products_do_not_overflow(backend, gen):
-    """fp16 score overflow: q and k entries around 300 in a few dims (products of 9e4 > fp16 max).
+    """q and k entries around 300 in a few dims (products of 9e4 > fp16 max): fp16 scores must not overflow.
 
     With scores near 3e4 the fp32 rounding of the scores alone moves the softmax weights by ~0.1%,
-    so the bound is the precision floor (FlashAttention's practice: a kernel's error against what PyTorch
-    itself gets in the same dtype): the
+    so the bound is the precision floor (FlashAttention's practice): the
     table's fp16 atol plus 4x the largest error of the same attention computed by PyTorch in fp32,
     plus the rounding of P to fp16 before a tensor-core P.V (``tl.dot``, cuda_ptx's mma; as in
     FlashAttention): each weight moves by at most u = 2^-11 relative, the output by at most
@@ -192,7 +219,7 @@ def test_fp16_qk_products_do_not_overflow(backend, gen):
     truncates (each m16n8k16 k-step may lose up to one ulp of the running sum, here |q.k| ~ 3.6e5,
     ulp 2^-5): scores move by up to eps = (head_dim / 16) * ulp(max sum|q_d k_d|) * sm_scale and
     the output by up to (e^(2 eps) - 1) * max|v|. Seen on the H200: cuda_ptx once 1.5e-2 against
-    the bound without this term, 8.8e-3 (1 of 15 random draws).
+    the bound without this term, 8.8e-3 (1 of 15 fresh draws).
     """
     x = _inputs(Case((4, 1), 128, (48,)), gen)
     x.q[..., :4] = 300.0
@@ -215,9 +242,9 @@ def test_fp16_qk_products_do_not_overflow(backend, gen):
     assert float(err.max()) <= bound, f"max err {float(err.max()):.3e}, fp32 floor {float(floor.max()):.3e}, bound {bound:.3e}"
 
 
-#: every cross-program merge strategy and whether reruns of one plan must be bitwise identical.
-#: ``atomic`` merges in completion order (opt-in, needs ``deterministic: false``): the only one allowed to differ.
-MERGE_BITWISE = {"separate": True, "fused": True, "atomic": False}
+#: every cross-program merge strategy and whether reruns of one plan must be bitwise identical (both merge in unit
+#: order).
+MERGE_BITWISE = {"separate": True, "fused": True}
 
 
 def _merge_config(merge: str):
@@ -234,8 +261,7 @@ def test_merge_bitwise_table_lists_every_strategy():
 
 @pytest.mark.parametrize("backend,merge", [pytest.param(b, m, id=f"{b}-{m}") for b in BACKENDS for m in MERGE_BITWISE])
 def test_deterministic_bitwise(backend, merge, gen):
-    """Three runs of one plan: bitwise identical for the deterministic strategies; the atomic merge's
-    runs need only each be within tolerance of the reference (on the GPU they may differ bitwise)."""
+    """Three runs of one plan: bitwise identical for every strategy, each within tolerance of the reference."""
     if merge not in get_backend(backend).merge_strategies:
         pytest.skip(f"{backend} has no {merge} merge")
     x = _inputs(Case((8, 2), 64, (70, 33), page=16, dtype="bf16"), gen)
@@ -252,9 +278,9 @@ def test_deterministic_bitwise(backend, merge, gen):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bitwise_reruns_under_contention_gpu(backend, gen, record_property):
-    """64 splits racing on the GPU (b=2, 32/8/128, 4096 tokens): 200 reruns per strategy. separate and
-    fused never differ bitwise; atomic may (recorded as ``<merge>_distinct_results``), but every
-    distinct result is within tolerance of the reference."""
+    """64 splits racing on the GPU (b=2, 32/8/128, 4096 tokens): 200 reruns per strategy (the number of distinct
+    results recorded as ``<merge>_distinct_results``). separate and fused never differ bitwise, and the result is
+    within tolerance of the reference."""
     x = make_inputs(2, 32, 8, 128, [4096, 4000], dtype=torch.bfloat16, device=DEVICE, generator=gen)
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
     for merge in MERGE_BITWISE:
@@ -275,8 +301,8 @@ def test_bitwise_reruns_under_contention_gpu(backend, gen, record_property):
             assert len(distinct) == 1, f"{merge} merge differed bitwise across reruns"
         for d in distinct:
             assert_close_to_reference(d, ref, torch.bfloat16)
-        if w.counters is not None:
-            assert int(w.counters.abs().sum()) == 0
+        if w.workspace.counters is not None:
+            assert int(w.workspace.counters.abs().sum()) == 0
 
 
 
@@ -317,9 +343,9 @@ def _merge_params():
 @pytest.mark.parametrize("backend,merge", _merge_params())
 @pytest.mark.parametrize("page", [None, 16])
 def test_merge_strategies_match_reference_and_are_deterministic(backend, merge, page, gen):
-    """Both cross-program merges (a separate merge kernel, or the last program of each group merging)
-    give the reference, bitwise stable across runs; the fused one's completion counters are back at
-    zero after every launch."""
+    """Both cross-program merges (a separate merge kernel; the last program of each (sequence, KV head) merging in
+    the partial kernel) give the reference, bitwise stable across runs; the fused one's completion counters are
+    back at zero after every launch."""
     if merge not in get_backend(backend).merge_strategies:
         pytest.skip(f"{backend} has no {merge} merge")
     cfg = attnplan.load_config(split={"merge": merge}, plan_cache={"disk": False})
@@ -333,8 +359,8 @@ def test_merge_strategies_match_reference_and_are_deterministic(backend, merge, 
         a = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, lse=lse).clone()
         b = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table).clone()
         assert torch.equal(a, b)
-        if w.counters is not None:
-            assert int(w.counters.abs().sum()) == 0
+        if w.workspace.counters is not None:
+            assert int(w.workspace.counters.abs().sum()) == 0
         ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, sinks=s)
         assert_close_to_reference(a, ref, torch.bfloat16)
         assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")

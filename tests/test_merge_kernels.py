@@ -1,10 +1,12 @@
-"""Every backend's merge kernel against the float64 merge contract (:func:`attnplan.state.merge_states`),
-at the launch geometries it takes for few rows over many splits (e.g. one sequence with one KV head: 8 rows over hundreds of splits).
+"""Every backend's separate merge kernel against the float64 merge contract (:func:`attnplan.state.merge_states` over
+the ragged workspace), at the launch geometries it takes for few rows over many units (one sequence, one KV head:
+8 rows over hundreds of units).
 
-The plan's device is given a real SM count so the backends take their few-rows geometry (Triton:
-column slices, :func:`attnplan.backends.triton.merge_geometry`) even on the CPU interpreter.
-States are random, with empty splits (``lse = -inf``, ``o`` NaN: read but never weighed in), an
-all-empty row, and sinks; outputs are poisoned before the launch.
+The plan's device is given a real SM count so the backends take their few-rows geometry (Triton: column slices,
+:func:`attnplan.backends.triton.merge_geometry`) even on the CPU interpreter. The workspace holds random states in
+slot order with random unit counts per sequence (``workspace.meta``), empty states (``lse = -inf``, ``o`` NaN: never
+weighed in), a wholly empty row, and sinks; outputs are poisoned before the launch, and rows of one-unit sequences
+(written by the partial kernel, not the merge) must keep their poison.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 import attnplan
-from attnplan.backends import get_backend
+from attnplan.backends import Workspace, get_backend
+from attnplan.schedule import NUM_TARGETS, Schedule
 from attnplan.state import PartialState, merge_states
 from attnplan.testing import DTYPES, assert_close_to_reference, make_inputs, poison
 
@@ -25,56 +28,112 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 BACKENDS = kernel_backends(DEVICE)
 
 
-def _states(batch, q_len, heads, splits, d, gen):
-    """Random states ``o [B, Q, H, S, D]`` fp32 and ``lse``; about a quarter of the splits empty (lse -inf,
-    o NaN), and row (0, 0, 0) wholly empty."""
-    o = torch.randn(batch, q_len, heads, splits, d, generator=gen)
-    lse = torch.randn(batch, q_len, heads, splits, generator=gen) * 3
-    empty = torch.rand(batch, q_len, heads, splits, generator=gen) < 0.25
-    empty[0, 0, 0] = True
+def _plan(backend, batch, q_len, heads, d, max_units_per_seq, sm_count):
+    """A separate-merge plan of ``backend`` for a 1-KV-head problem whose schedule allows ``max_units_per_seq`` units
+    per sequence, the device's SM count set; and its workspace."""
+    x = make_inputs(batch, heads, 1, d, [64] * batch, q_len=q_len, dtype=torch.float16, device=DEVICE)
+    w = attnplan.DecodeWrapper(attnplan.load_config(split={"merge": "separate"}, plan_cache={"disk": False}),
+                               backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2)
+    sched = Schedule("forced", plan.schedule.granule, 1, max_units_per_seq, (0,) * NUM_TARGETS,
+                     batch * max_units_per_seq)
+    plan = dataclasses.replace(plan, schedule=sched, device=plan.device._replace(sm_count=sm_count))
+    return plan, Workspace.allocate(plan, torch.device(DEVICE))
+
+
+def _ragged(batch, q_len, heads, d, max_units, gen):
+    """Random units per sequence (sequence 0 gets ``max_units``, the last one 1) and random states in their slots;
+    about a quarter of the states empty (lse -inf, o NaN), and row (0, 0, 0) wholly empty."""
+    units = torch.randint(1, max_units + 1, (batch,), generator=gen)
+    units[0] = max_units
+    units[-1] = 1
+    indptr = torch.zeros(batch + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(units, 0)
+    n = int(indptr[-1])
+    o = torch.randn(1, q_len, heads, n, d, generator=gen)
+    lse = torch.randn(1, q_len, heads, n, generator=gen) * 3
+    empty = torch.rand(1, q_len, heads, n, generator=gen) < 0.25
+    empty[0, 0, 0, : int(units[0])] = True
     lse[empty] = float("-inf")
     o[empty] = float("nan")
-    return o, lse
+    return units, indptr, o, lse
 
 
-def _plan(backend, heads, d, splits, sm_count):
-    """A plan of ``backend`` for a 1-KV-head problem, with ``num_splits`` and the device's SM count set."""
-    x = make_inputs(1, heads, 1, d, [64], dtype=torch.float16, device=DEVICE)
-    w = attnplan.DecodeWrapper(backend=backend)
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2)
-    return dataclasses.replace(plan, num_splits=splits, device=dict(plan.device, sm_count=sm_count))
+def _fill(ws: Workspace, units, indptr, o, lse) -> None:
+    n = o.shape[3]
+    ws.state.fill_(float("nan"))
+    ws.state.o[:, :, :, :n].copy_(o)
+    ws.state.lse[:, :, :, :n].copy_(lse)
+    b = units.numel()
+    ws.meta[:b].copy_(indptr[:-1].to(torch.int32))
+    ws.meta[b:2 * b].copy_(units.to(torch.int32))
+
+
+def _check(be, plan, ws, units, indptr, o, lse, dtype, z):
+    out = poison(torch.empty(units.numel(), o.shape[1], o.shape[2], o.shape[4], dtype=DTYPES[dtype], device=DEVICE))
+    out_lse = poison(torch.empty(out.shape[:3], dtype=torch.float32, device=DEVICE))
+    be.merge(plan, ws, out, out_lse, None if z is None else z.float().to(DEVICE))
+    ref_o, ref_lse = merge_states(PartialState(o.double(), lse.double()), None if z is None else z.double(),
+                                  indptr=indptr)
+    many = units > 1
+    assert_close_to_reference(out[many.to(out.device)], ref_o[many], DTYPES[dtype])
+    assert_close_to_reference(out_lse[many.to(out.device)], ref_lse[many], torch.float32, what="lse")
+    assert torch.isnan(out[~many.to(out.device)]).all() and torch.isnan(out_lse[~many.to(out.device)]).all(), \
+        "the merge wrote rows of a one-unit sequence"
+    return out, out_lse
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("batch,q_len,heads,d,splits,dtype,sinks", [
-    (1, 1, 8, 128, 37, "bf16", False),   # 8 rows: 8 column slices of 16 dims
-    (1, 2, 4, 64, 5, "fp16", True),      # fewer splits than one load
-    (2, 1, 4, 256, 130, "fp16", False),  # head_dim 256: 16 slices; 130 splits: a partial last load
-    (1, 1, 2, 96, 300, "fp32", True),    # head_dim not a power of two; more splits than one load holds
+@pytest.mark.parametrize("batch,q_len,heads,d,units,dtype,sinks", [
+    (2, 1, 8, 128, 37, "bf16", False),   # 8 rows per sequence: 8 column slices of 16 dims
+    (3, 2, 4, 64, 5, "fp16", True),      # fewer units than one load
+    (2, 1, 4, 256, 130, "fp16", False),  # head_dim 256: 16 slices; 130 units: a partial last load
+    (2, 1, 2, 96, 300, "fp32", True),    # head_dim not a power of two; more units than one load holds
 ])
-def test_merge_kernel_few_rows_many_splits(backend, batch, q_len, heads, d, splits, dtype, sinks, gen):
-    o, lse = _states(batch, q_len, heads, splits, d, gen)
-    z = torch.randn(heads, generator=gen) if sinks else None
-    ref_o, ref_lse = merge_states(PartialState(o.double(), lse.double()), z.double() if sinks else None)
-    plan = _plan(backend, heads, d, splits, sm_count=132)
-    state = PartialState(o.to(DEVICE), lse.to(DEVICE))
-    out = poison(torch.empty(batch, q_len, heads, d, dtype=DTYPES[dtype], device=DEVICE))
-    out_lse = poison(torch.empty(batch, q_len, heads, dtype=torch.float32, device=DEVICE))
+def test_merge_kernel_few_rows_many_units(backend, batch, q_len, heads, d, units, dtype, sinks, gen):
     be = get_backend(backend)
-    be.merge(plan, state, out, out_lse, z.to(DEVICE) if sinks else None)
-    assert_close_to_reference(out, ref_o, DTYPES[dtype])
-    assert_close_to_reference(out_lse, ref_lse, torch.float32, what="lse")
+    plan, ws = _plan(backend, batch, q_len, heads, d, units, sm_count=132)
+    u, indptr, o, lse = _ragged(batch, q_len, heads, d, units, gen)
+    _fill(ws, u, indptr, o, lse)
+    z = torch.randn(heads, generator=gen) if sinks else None
+    out, out_lse = _check(be, plan, ws, u, indptr, o, lse, dtype, z)
     if not sinks:  # the all-empty row: o = 0, lse = -inf exactly
         assert torch.all(out[0, 0, 0].float().cpu() == 0) and out_lse[0, 0, 0].item() == float("-inf")
-    again = poison(torch.empty_like(out))
-    again_lse = poison(torch.empty_like(out_lse))
-    be.merge(plan, state, again, again_lse, z.to(DEVICE) if sinks else None)
-    assert torch.equal(again, out) and torch.equal(again_lse.nan_to_num(), out_lse.nan_to_num())
+    again, again_lse = _check(be, plan, ws, u, indptr, o, lse, dtype, z)
+    assert torch.equal(again.nan_to_num(), out.nan_to_num()) and torch.equal(again_lse.nan_to_num(),
+                                                                             out_lse.nan_to_num())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_merge_kernel_sinks_and_nan(backend, gen):
+    """The sink rule and NaN: a ``-inf`` sink is no sink (an all-empty row stays 0 / -inf, no NaN), a finite sink on
+    an all-empty row gives o = 0, lse = z; NaN in a non-empty state's lse or o makes the row NaN, never an empty row
+    (a merge that takes a NaN-ignoring max would see only empty states there)."""
+    be = get_backend(backend)
+    plan, ws = _plan(backend, 2, 1, 4, 32, 4, sm_count=8)
+    u, indptr, o, lse = _ragged(2, 1, 4, 32, 4, gen)
+    u[1] = 1
+    indptr[2] = indptr[1] + 1
+    lse[0, 0, :, :4] = float("-inf")  # sequence 0: every row all-empty ...
+    lse[0, 0, 2, 1] = float("nan")  # ... except head 2: NaN lse beside empty states
+    lse[0, 0, 3, 2] = 0.5
+    o[0, 0, 3, 2] = torch.randn(32, generator=gen)
+    o[0, 0, 3, 2, 5] = float("nan")  # head 3: one non-empty state with NaN in column 5
+    _fill(ws, u, indptr, o, lse)
+    z = torch.tensor([float("-inf"), 0.25, 1.0, 2.0])
+    out = poison(torch.empty(2, 1, 4, 32, dtype=torch.float16, device=DEVICE))
+    out_lse = poison(torch.empty(2, 1, 4, dtype=torch.float32, device=DEVICE))
+    be.merge(plan, ws, out, out_lse, z.to(DEVICE))
+    o0, l0 = out[0, 0].float().cpu(), out_lse[0, 0].cpu()
+    assert torch.all(o0[0] == 0) and l0[0].item() == float("-inf"), "a -inf sink on an empty row"
+    assert torch.all(o0[1] == 0) and l0[1].item() == 0.25, "a finite sink on an empty row"
+    assert torch.isnan(o0[2]).all() and torch.isnan(l0[2]), "NaN lse beside empty states"
+    assert torch.isnan(o0[3, 5]) and torch.isfinite(o0[3, :5]).all() and torch.isfinite(l0[3])
 
 
 def test_triton_merge_geometry():
-    """Few rows: column slices of at least 16 dims, up to ~2 programs per SM, loads of up to 256 splits;
-    rows that fill the SMs (or an unknown SM count) keep one program per row and 32 splits per load."""
+    """Few rows: column slices of at least 16 dims, up to ~2 programs per SM, loads of up to 256 units;
+    rows that fill the SMs (or an unknown SM count) keep one program per row and 32 units per load."""
     from attnplan.backends.triton import merge_geometry
 
     assert merge_geometry(8, 256, 128, 132) == (8, 16, 256)

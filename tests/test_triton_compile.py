@@ -1,11 +1,12 @@
 """The Triton kernels through the real compiler for sm_90 and sm_80, on a machine without a GPU.
 
-CPU-only CI runs the kernels in Triton's interpreter, which skips the compiler's type checks: in
-session 4 a partial kernel that passed every interpreted test failed to compile on the H200
-(``Loop-carried variable ok ... re-assigned``, then ``e``: names of the fp8 q-shift prologue reused
-in the KV loop). Each case here is a
-specialization the backend launches (variants, fp8 with bf16 / fp16 q, paged, split-V column
-programs, the in-kernel merges); compiling it is the check (``backends/triton/offline.py``).
+CPU-only CI runs the kernels in Triton's interpreter, which skips the compiler's type checks: a partial kernel
+that passed every interpreted test once failed to compile on an H200 (``Loop-carried variable ok ... re-assigned``,
+then ``e``: names of the fp8 q-shift prologue reused in the KV loop), and a name a helper's caller reuses (a scalar
+``head`` beside the rows' ``head`` vector) passes the interpreter and not the compiler. Each case here is a
+specialization the backend launches (the schedule's prologue with balanced / forced targets, in one block or looped
+over the batch, single pass, variants, fp8 with bf16 / fp16 q, paged, q_len > 1 with its edge positions, the fused
+merge); compiling it is the check (``backends/triton/offline.py``).
 """
 
 from __future__ import annotations
@@ -14,32 +15,34 @@ import pytest
 
 offline = pytest.importorskip("attnplan.backends.triton.offline")
 
+_SINGLE = {"MULTI": False, "BALANCED": False, "MERGE": "none"}
 #: (id, q dtype, kv dtype, constexpr overrides): the specializations of the partial kernel
 PARTIAL_CASES = [
-    ("bf16", "bf16", "bf16", {}),
+    ("bf16-balanced-separate", "bf16", "bf16", {}),
+    ("bf16-single", "bf16", "bf16", _SINGLE),
+    ("bf16-forced-fused-looped-prologue", "bf16", "bf16", {"BALANCED": False, "MERGE": "fused", "ONE_BLOCK": False}),
     ("fp16-paged16-window-softcap", "fp16", "fp16",
      {"PAGED": True, "PAGE_SIZE": 16, "WINDOW": True, "SOFTCAP": True}),
     ("fp8-bf16q", "bf16", "fp8e4nv", {}),
     # the bf16-q shift prologue's names must not be reused inside the KV loop (softcap, window, paged)
     ("fp8-bf16q-qlen8-window-softcap-sinks-fused", "bf16", "fp8e4nv",
      {"PAGED": True, "PAGE_SIZE": 16, "Q_LEN": 8, "BLOCK_M": 32, "WINDOW": True, "SOFTCAP": True, "SINKS_ON": True,
-      "MERGE": "fused", "WRITE_OUT_LSE": True}),
+      "MERGE": "fused"}),
     ("fp8-fp16q-paged-qlen4-fused-sinks", "fp16", "fp8e4nv",
-     {"PAGED": True, "PAGE_SIZE": 32, "Q_LEN": 4, "BLOCK_M": 16, "MERGE": "fused", "SINKS_ON": True,
-      "WRITE_OUT_LSE": True}),
-    ("splitv-atomic", "bf16", "bf16", {"BLOCK_DV": 64, "N_COLS": 2, "MERGE": "atomic", "WRITE_OUT_LSE": True}),
-    ("d80-group7-qlen3", "bf16", "bf16", {"HEAD_DIM": 80, "BLOCK_D": 128, "BLOCK_DV": 128, "GROUP": 7, "Q_LEN": 3,
-                                           "BLOCK_M": 32}),
+     {"PAGED": True, "PAGE_SIZE": 32, "Q_LEN": 4, "BLOCK_M": 16, "MERGE": "fused", "SINKS_ON": True}),
+    ("d80-group7-qlen3-single-sinks", "bf16", "bf16", {"HEAD_DIM": 80, "BLOCK_D": 128, "GROUP": 7, "Q_LEN": 3,
+                                                        "BLOCK_M": 32, "SINKS_ON": True, **_SINGLE}),
+    ("fp32-ieee-qlen2-looped-prologue", "fp32", "fp32", {"Q_LEN": 2, "DOT_PRECISION": "ieee", "BLOCK_B": 16,
+                                                          "ONE_BLOCK": False}),
 ]
-#: every variant on at once for each (q, KV) dtype pair and both in-kernel merges: a name a variant's
-#: branch assigns before the KV loop and the loop reassigns with another shape fails here
+#: every variant on at once for each (q, KV) dtype pair, single pass and fused: a name a variant's branch assigns before the
+#: KV loop and the loop reassigns with another shape fails here
 _ALL_ON = {"PAGED": True, "PAGE_SIZE": 16, "Q_LEN": 4, "BLOCK_M": 16, "WINDOW": True, "SOFTCAP": True,
-           "SINKS_ON": True, "WRITE_OUT_LSE": True}
+           "SINKS_ON": True}
 PARTIAL_CASES += [
-    (f"all-variants-{q}q-{kv}-{merge}", q, kv, {**_ALL_ON, "MERGE": merge,
-                                                  **({"BLOCK_DV": 64, "N_COLS": 2} if merge == "atomic" else {})})
+    (f"all-variants-{q}q-{kv}-{merge}", q, kv, {**_ALL_ON, "MERGE": merge, **(_SINGLE if merge == "none" else {})})
     for q, kv in (("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp8e4nv"), ("fp16", "fp8e4nv"))
-    for merge in ("fused", "atomic")
+    for merge in ("none", "fused")
 ]
 
 

@@ -17,7 +17,7 @@ import attnplan
 from attnplan import reference
 from attnplan.backends import get_backend
 from attnplan.problem import DecodeProblem, dtype_name
-from attnplan.state import PartialState
+from attnplan.schedule import schedule_units
 from attnplan.testing import assert_close_to_reference, make_inputs, poison
 
 from conftest import HAS_CUDA, kernel_backends
@@ -108,7 +108,7 @@ def test_fp8_kv_with_bf16_q_beyond_fp16_range(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp8_scale_is_not_dropped(backend, gen):
-    """fp8 scales must not be dropped: k_scale 0.05, v_scale 2.0 with q in bf16, single pass and split."""
+    """A dropped fp8 scale shows: k_scale 0.05, v_scale 2.0 with q in bf16, single pass and split."""
     x = make_inputs(2, 8, 2, 64, [33, 20], page_size=16, dtype=torch.bfloat16, device=DEVICE, generator=gen)
     for splits in (1, 2):
         _run(backend, x, torch.bfloat16, splits, fp8=(0.05, 2.0))
@@ -116,7 +116,7 @@ def test_fp8_scale_is_not_dropped(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_window_all_masked_rows(backend, gen):
-    """Sliding window with rows that see nothing: q_len 4, window 2, some queries see nothing (length < q_len)."""
+    """q_len 4, window 2, some queries see nothing (length < q_len)."""
     x = make_inputs(3, 8, 2, 32, [2, 3, 30], q_len=4, device=DEVICE, generator=gen)
     out, ref = _run(backend, x, torch.float16, 2, window=2)
     assert torch.all(out[0, :2] == 0)  # queries 0 and 1 of a length-2 sequence sit before position 0
@@ -124,7 +124,7 @@ def test_window_all_masked_rows(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_window_trailing_empty_splits_ignore_workspace(backend, gen):
-    """Sliding window with empty trailing splits: 1/8/1, length 8192 (CPU: 600), window 128, 64 splits,
+    """Trailing units past a window are empty: 1/8/1, length 8192 (CPU: 600), window 128, 64 splits,
     workspace prefilled with NaN: equals the reference over the last 128 keys."""
     n = 8192 if HAS_CUDA else 600
     x = make_inputs(1, 8, 1, 128 if HAS_CUDA else 32, [n], dtype=torch.bfloat16, device=DEVICE, generator=gen)
@@ -135,8 +135,8 @@ def test_window_trailing_empty_splits_ignore_workspace(backend, gen):
         pytest.skip("; ".join(problem_reasons))
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, window_left=128, num_splits=64)
     assert plan.num_splits == 64
-    if w.workspace is not None:
-        w.workspace.fill_(float("nan"))
+    if w.workspace.state is not None:
+        w.workspace.state.fill_(float("nan"))
     out = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens)
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, window_left=128)
     assert_close_to_reference(out, ref, torch.bfloat16)
@@ -151,21 +151,27 @@ def test_window_plans_only_the_window(backend, gen):
                                                    window_left=64, max_kv_len=10)):
         pytest.skip("window not served")
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, window_left=64)
-    assert plan.problem["max_kv_len"] <= 128
+    n = int(x.seq_lens[0])
+    units = schedule_units([n], plan.schedule, 1, 64)
+    assert int(units.start[0]) == n - 1 - 64 and int(units.end[-1]) == n  # the units cover the window only
+    assert all(c <= 128 for _, c, _ in plan.candidates)  # chunks sized for the window's 65 tokens
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_spec_verify_masked_tile(backend, gen):
-    """Speculative verification with a masked tile: q_len 4, length = k * chunk + 3 so the last split holds only
-    positions query 0 cannot see: no NaN, that split has weight 0 for query 0."""
+    """q_len 4, length = k * unit + 3 so the last unit holds only positions query 0 cannot see: no NaN, that unit's
+    state is empty for query 0 (lse -inf, o 0) and not for query 3."""
     x = make_inputs(1, 8, 2, 32, [2 * 16 + 3], q_len=4, device=DEVICE, generator=gen)
     w = attnplan.DecodeWrapper(backend=backend)
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, num_splits=4)  # length bucket 64: chunks of 16
-    if plan.chunk_size != 16:
-        pytest.skip(f"backend's chunk alignment is {plan.chunk_size}")
-    st = PartialState.empty(1, 4, 8, 4, 32, device=DEVICE).fill_(float("nan"))
-    w.backend.partial(plan, x, st)
-    # split 2 covers [32, 35); query 0 sits at position 31
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, num_splits=4)
+    units = schedule_units([35], plan.schedule, q_len=4)
+    if units.num_units != 3 or int(units.start[2]) != 32:
+        pytest.skip(f"backend's granule is {plan.schedule.granule} tokens: no unit of [32, 35)")
+    w.workspace.state.fill_(float("nan"))
+    out = poison(torch.empty_like(x.q))
+    w.backend.partial(plan, x, w.workspace, out, None)
+    st = w.workspace.state
+    # unit 2 covers [32, 35); query 0 sits at position 31
     assert torch.all(torch.isneginf(st.lse[0, 0, :, 2])) and torch.all(st.o[0, 0, :, 2] == 0)
     assert torch.isfinite(st.lse[0, 3, :, 2]).all()
     _run(backend, x, torch.float16, 4)
@@ -173,7 +179,7 @@ def test_spec_verify_masked_tile(backend, gen):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_softcap_overflow(backend, gen):
-    """Soft-cap overflow: cap 50, raw scores near 5000 and -10000: capped at +-50, finite."""
+    """Soft-cap without overflow: cap 50, raw scores near 5000 and -10000: capped at +-50, finite."""
     x = make_inputs(1, 4, 1, 32, [24], device=DEVICE, generator=gen, dtype=torch.float16)
     x.q.zero_()
     x.q[..., 0] = 1.0

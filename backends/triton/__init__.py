@@ -1,24 +1,17 @@
-"""The ``triton`` backend: ``@triton.jit`` split-KV partial, merge and single-pass kernels.
+"""The ``triton`` backend: ``@triton.jit`` scheduled split-KV partial kernel and merge kernel.
 
 Runs on CUDA GPUs, and on the CPU under ``TRITON_INTERPRET=1`` (the interpreter; CI's mode).
-Precision: fp32 inputs use ``tl.dot(..., input_precision="ieee")`` so compiled code and the
-interpreter agree (no TF32; cases.yaml interpreter-vs-gpu-tf32). Under the interpreter, bf16
-operands are widened to fp32 before ``tl.dot`` because Triton's interpreter (3.6, 3.9) returns
-garbage from ``tl.dot`` on bf16 operands; the compiled GPU path keeps bf16 tensor-core dots.
+Precision: fp32 inputs use ``tl.dot(..., input_precision="ieee")`` so compiled code and the interpreter agree (no
+TF32: on a GPU a TF32 dot of fp32 inputs misses the fp32 tolerance). Under the interpreter, bf16 operands are
+widened to fp32 before ``tl.dot`` because Triton's interpreter (3.6, 3.9) returns garbage from ``tl.dot`` on bf16
+operands; the compiled GPU path keeps bf16 tensor-core dots.
 
-Partitions (``plan.partition``, seed 000). ``split_k`` (default): one program per split covers all
-head_dim columns. ``split_v``: Triton cannot address warps, so the workers are *column programs*:
-each split gets ``plan.column_programs = ceil(head_dim / block_dv)`` programs (grid axis 0 =
-``split * column_programs + column``); each scores the chunk against full K rows (QK^T recomputed,
-K read once per column program) and accumulates P.V for its ``block_dv`` columns only, with its own
-running max and sum and no cross-program reduction; column program 0 writes the lse. ``block_dv``
-(option ``backend_options.triton.block_dv``, a power of two of at least 16 for ``tl.dot``) defaults
-to half the padded head_dim: 2 column programs (1 for head_dim 16). Partial states are unchanged.
-
-Merges (``plan.merge``): ``separate`` (merge kernel), ``fused`` (the last program of each (sequence,
-KV head), by a completion counter, merges in split order) and ``atomic`` (opt-in, non-deterministic:
-every program merges its state into a per-(sequence, KV head, column program) accumulator under a
-spin lock, in completion order; the last one writes the output and leaves counter and lock at zero).
+The kernels follow :mod:`attnplan.backends.base`'s contract: a 1-D grid of ``max_units x num_kv_heads`` programs
+that compute the device-side schedule (:mod:`attnplan.schedule`) from the live ``seq_lens`` at every launch;
+sequences with one unit are written directly, the others' units go to the ragged workspace and are merged by the
+separate merge kernel (``plan.merge == "separate"``) or by the last program of each (sequence, KV head)
+(``"fused"``, a completion counter, fixed unit order). ``run`` launches only: no allocation, no host sync; the
+plan-derived launch constants are computed once per (plan, workspace).
 """
 
 from __future__ import annotations
@@ -27,15 +20,15 @@ import os
 
 import torch
 
+from attnplan.backends.base import Backend, DecodeInputs, Workspace
+from attnplan.planner import SplitPlan
 from attnplan.problem import torch_dtype
 
-from attnplan.backends.base import Backend, DecodeInputs
-from attnplan.planner import SplitPlan
-from attnplan.state import PartialState
-
-__all__ = ["TritonBackend"]
+__all__ = ["TritonBackend", "merge_geometry"]
 
 _LOG2E = 1.4426950408889634
+#: most sequences the prologue reads per step (one ``tl.arange`` block; larger batches loop)
+MAX_BLOCK_B = 1024
 
 
 def _interpreting() -> bool:
@@ -44,15 +37,15 @@ def _interpreting() -> bool:
 
 def merge_geometry(rows: int, num_splits: int, head_dim: int, sm_count: int) -> tuple[int, int, int]:
     """The merge kernel's ``(column slices per row, BLOCK_D, BLOCK_S)``: its grid is ``(rows, slices)``,
-    each program merges ``BLOCK_D`` output columns over all splits, ``BLOCK_S`` splits per load.
+    each program merges ``BLOCK_D`` output columns over a row's units, ``BLOCK_S`` units per load.
 
-    One program per row with 32 splits per load is the default. When the rows do not fill the SMs
-    (``rows < sm_count``; e.g. one sequence and one KV head: 8 rows), each row is cut into up to
-    ``head_dim / 16`` column slices (at most about ``2 * sm_count`` programs in all) and each program
-    loads up to 256 splits at once (``BLOCK_S * BLOCK_D <= 4096`` fp32 per load), so a row over
-    hundreds of splits costs one or two memory round trips instead of ``num_splits / 32``
-    (measured on the H200, results/2026-11-30-s5-call1: 6.0-10.8 us at 8 rows x 128-256 splits, one
-    program per row). ``sm_count`` 0 (unknown) keeps the default.
+    ``num_splits``: the most units a row can have (``plan.schedule.max_units_per_seq``). One program per row with
+    32 units per load is the default. When the rows do not fill the SMs (``rows < sm_count``; e.g. one sequence and
+    one KV head: 8 rows), each row is cut into up to ``head_dim / 16`` column slices (at most about ``2 * sm_count``
+    programs in all) and each program loads up to 256 units at once (``BLOCK_S * BLOCK_D <= 4096`` fp32 per load),
+    so a row over hundreds of units costs one or two memory round trips instead of ``num_splits / 32`` (measured on
+    an H200: 6.0-10.8 us at 8 rows x 128-256 splits with one program per row). ``sm_count`` 0 (unknown) keeps the
+    default.
     """
     block_d = max(16, _next_pow2(head_dim))
     slices = 1
@@ -69,9 +62,15 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+class _Launch:
+    """What a (plan, workspace) pair fixes for the partial and merge launches, computed once."""
+
+    __slots__ = ("plan", "workspace", "grid", "const", "ints", "ws", "merge_grid", "merge_const", "q_shape")
+
+
 class TritonBackend(Backend):
-    """Split-KV decode in Triton. One program per (split, column program, KV head, sequence); the whole
-    GQA group and all queries of a sequence are the rows of one ``tl.dot`` tile (at least 16 rows)."""
+    """Split-KV decode in Triton. One program per (work unit, KV head); the whole GQA group and all queries of a
+    sequence are the rows of one ``tl.dot`` tile (at least 16 rows)."""
 
     name = "triton"
     min_head_dim = 16
@@ -79,11 +78,11 @@ class TritonBackend(Backend):
     head_dim_multiple = 8
     max_rows_per_program = 128
     variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
-    merge_strategies = frozenset({"separate", "fused", "atomic"})
-    partitions = frozenset({"split_k", "split_v"})
+    merge_strategies = frozenset({"separate", "fused"})
 
     def __init__(self) -> None:
         self._triton = None
+        self._launches: dict[tuple[int, int], _Launch] = {}
 
     def _kernels(self):
         if self._triton is None:
@@ -111,114 +110,129 @@ class TritonBackend(Backend):
         return "interpreter" if _interpreting() else ""
 
     def kernel_config(self, problem, options: dict, device) -> dict:
-        """``block_n``, ``num_warps``, ``num_stages``, ``block_dv`` (split_v's columns per column
-        program; the planner sets it to ``None`` under split_k) and, when given (a tuned table), the
-        ``partition``. Raises ``ValueError`` naming the option for a bad ``block_dv`` or ``partition``."""
-        block_d = max(16, _next_pow2(problem.head_dim))
-        block_dv = options.get("block_dv") or max(16, block_d // 2)
-        if (block_dv & (block_dv - 1) or block_dv < 16) and options.get("partition", "split_v") == "split_v":
-            raise ValueError(f"backend_options.triton.block_dv must be a power of two >= 16, got {block_dv}")
-        partition = options.get("partition")
-        if partition is not None and partition not in self.partitions:
-            raise ValueError(f"kernel option triton partition {partition!r} must be one of {sorted(self.partitions)}")
+        """``block_n`` (KV tokens per tile), ``num_warps`` and ``num_stages``; ``options`` (the config's or a tuned
+        table's) win where set."""
         interp = _interpreting() or torch.device(device).type != "cuda"
         if interp:
             block_n, warps, stages = 16, 1, 1
         else:
-            # measured on an H200 (benchmarks/results/2026-11-30-sweep-triton): BLOCK_N 64 with
-            # 4 warps is best or within 4% everywhere; 3 stages for contiguous caches, 2 for paged.
+            # measured on an H200: BLOCK_N 64 with 4 warps is best or within 4% everywhere; 3 stages for contiguous
+            # caches, 2 for paged
             block_n = 64 if problem.head_dim <= 128 else 32
             if torch_dtype(problem.kv_dtype).itemsize == 1:
-                block_n *= 2  # a 1-byte cache keeps the tile's bytes in flight (NOTES.md change 6)
+                block_n *= 2  # a 1-byte cache keeps the tile's bytes (and so the bytes in flight) per program
             warps = 4
             stages = 2 if problem.paged or problem.head_dim > 128 else 3
         return {
             "block_n": options.get("block_n") or block_n,
             "num_warps": options.get("num_warps") or warps,
             "num_stages": options.get("num_stages") or stages,
-            "block_dv": min(block_dv, block_d),
-            **({"partition": partition} if partition else {}),
         }
 
-    # -- launches ---------------------------------------------------------------------------------
-    def _launch_partial(self, plan: SplitPlan, x: DecodeInputs, o: torch.Tensor, lse: torch.Tensor | None,
-                        o_strides: tuple, lse_strides: tuple, single: bool = False,
-                        fused: tuple | None = None) -> None:
-        k = self._kernels()
-        q = x.q
-        _, q_len, hq, d = q.shape
-        hkv = x.k_cache.shape[2]
-        group = hq // hkv
+    # -- launch constants ---------------------------------------------------------------------------
+    def _launch(self, plan: SplitPlan, workspace: Workspace) -> _Launch:
+        key = (id(plan), id(workspace))
+        hit = self._launches.get(key)
+        if hit is not None and hit.plan is plan and hit.workspace is workspace:
+            return hit
+        p, s, kc = plan.problem, plan.schedule, plan.kernel
+        hkv, d = p.num_kv_heads, p.head_dim
+        group = p.num_q_heads // hkv
+        ws = workspace.state
+        if plan.single_pass:
+            ws_o = ws_lse = workspace.targets
+            slots = 0
+        else:
+            if ws is None or tuple(ws.o.shape[1:3]) != (p.q_len, p.num_q_heads) or ws.o.shape[4] != d \
+                    or ws.num_splits < s.max_units or not (ws.o.is_contiguous() and ws.lse.is_contiguous()):
+                raise ValueError(f"workspace does not serve the plan: need a contiguous state [1, {p.q_len}, "
+                                 f"{p.num_q_heads}, >= {s.max_units}, {d}] (Workspace.allocate)")
+            ws_o, ws_lse, slots = ws.o, ws.lse, ws.num_splits
+        if plan.merge == "separate" and workspace.meta is None or plan.merge == "fused" and workspace.counters is None:
+            raise ValueError(f"workspace has no {'meta' if plan.merge == 'separate' else 'counters'} for the "
+                             f"{plan.merge} merge")
         interp = _interpreting()
-        fp32 = q.dtype == torch.float32
-        upcast = interp and q.dtype == torch.bfloat16
-        bt = x.block_table if x.block_table is not None else x.seq_lens  # dummy pointer when contiguous
-        kc = plan.kernel
-        fp8 = x.k_cache.dtype == torch.float8_e4m3fn
-        sinks_on = (single or fused is not None) and x.sinks is not None
-        dummy = x.seq_lens
-        out, out_lse, counters = fused if fused is not None else (o, None, dummy)
-        ol = out_lse if out_lse is not None else dummy
-        block_d = max(16, _next_pow2(d))
-        block_dv = kc.get("block_dv") or block_d
-        cols = plan.column_programs
-        if -(-d // block_dv) != cols or plan.grid[0] != plan.num_splits * cols:
-            raise ValueError(f"plan has {cols} column programs of {block_dv} columns and grid {plan.grid}; "
-                             f"inputs have head_dim {d}: re-plan")
-        k.split_kv_partial_kernel[plan.grid](
-            q, x.k_cache, x.v_cache, x.seq_lens, bt, o, lse if lse is not None else o,
-            x.k_scale if fp8 else dummy, x.v_scale if fp8 else dummy, x.sinks if sinks_on else dummy,
-            out, ol, counters,
-            x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap),
-            q.stride(0), q.stride(1), q.stride(2),
-            x.k_cache.stride(0), x.k_cache.stride(1), x.k_cache.stride(2),
-            x.v_cache.stride(0), x.v_cache.stride(1), x.v_cache.stride(2),
-            bt.stride(0),
-            *o_strides, *lse_strides,
-            out.stride(0), out.stride(1), out.stride(2),
-            *((out_lse.stride(0), out_lse.stride(1), out_lse.stride(2)) if out_lse is not None else (0, 0, 0)),
-            plan.chunk_size, plan.num_splits, hkv, plan.sync_words // 2 if plan.merge == "atomic" else 0,
-            Q_LEN=q_len, GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_DV=block_dv, N_COLS=cols,
-            BLOCK_M=max(16, _next_pow2(q_len * group)), BLOCK_N=kc["block_n"],
-            PAGE_SIZE=x.k_cache.shape[1] if x.paged else 1, PAGED=x.paged,
-            WRITE_LSE=lse is not None, UPCAST=upcast,
-            DOT_PRECISION="ieee" if (fp32 or upcast) else "tf32",
-            WINDOW=x.window_left >= 0, SOFTCAP=x.soft_cap > 0, FP8=fp8, SINKS_ON=sinks_on,
-            MERGE=plan.merge if fused is not None else "none", WRITE_OUT_LSE=out_lse is not None,
-            num_warps=kc["num_warps"], num_stages=kc["num_stages"],
-        )
+        upcast = interp and p.q_dtype == "bfloat16"
+        L = _Launch()
+        L.plan, L.workspace, L.grid = plan, workspace, plan.grid
+        L.q_shape = (p.batch, p.q_len, p.num_q_heads, d)
+        L.const = dict(
+            Q_LEN=p.q_len, GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)),
+            BLOCK_M=max(16, _next_pow2(p.q_len * group)), BLOCK_N=kc["block_n"],
+            BLOCK_B=min(MAX_BLOCK_B, max(16, _next_pow2(p.batch))), ONE_BLOCK=p.batch <= MAX_BLOCK_B,
+            GRANULE=s.granule,
+            PAGE_SIZE=p.page_size or 1, PAGED=bool(p.page_size), MULTI=not s.single_pass, BALANCED=any(s.targets),
+            MERGE=plan.merge, UPCAST=upcast, DOT_PRECISION="ieee" if (p.q_dtype == "float32" or upcast) else "tf32",
+            WINDOW=p.window_left >= 0, SOFTCAP=p.soft_cap > 0, FP8=p.kv_dtype == "float8_e4m3fn",
+            num_warps=kc.get("num_warps", 1 if interp else 4), num_stages=kc.get("num_stages", 1 if interp else 2))
+        L.ints = (p.batch, slots, s.min_unit_granules, s.max_units_per_seq)
+        dummy = workspace.targets
+        L.ws = (workspace.targets, workspace.meta if workspace.meta is not None else dummy,
+                workspace.counters if workspace.counters is not None else dummy, ws_o, ws_lse)
+        if plan.merge == "separate":
+            rows = p.batch * p.q_len * p.num_q_heads
+            slices, block_d, block_s = merge_geometry(rows, s.max_units_per_seq, d, plan.device.sm_count)
+            L.merge_grid = (rows, slices)
+            L.merge_const = dict(NUM_HEADS=p.num_q_heads, Q_LEN=p.q_len, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s,
+                                 num_warps=1 if interp else 4)
+        else:
+            L.merge_grid = L.merge_const = None
+        if len(self._launches) >= 64:
+            self._launches.clear()
+        self._launches[key] = L
+        return L
 
-    def partial(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState) -> None:
-        o, lse = state.o, state.lse
-        self._launch_partial(plan, inputs, o, lse, (o.stride(0), o.stride(1), o.stride(2), o.stride(3)),
-                             (lse.stride(0), lse.stride(1), lse.stride(2), lse.stride(3)))
+    # -- launches ---------------------------------------------------------------------------------
+    def partial(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
+                lse: torch.Tensor | None) -> None:
+        """The scheduled partial kernel (:mod:`attnplan.backends.base`): one-unit sequences into ``out``
+        ``[B, Q, H, D]`` (q's dtype) and ``lse [B, Q, H]`` fp32 (if given), the others' units into the workspace;
+        ``workspace.meta`` for the separate merge; the fused merge inside.
 
-    def partial_fused_merge(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState, out: torch.Tensor,
-                            lse: torch.Tensor | None, counters: torch.Tensor) -> None:
-        o, ls = state.o, state.lse
-        self._launch_partial(plan, inputs, o, ls, (o.stride(0), o.stride(1), o.stride(2), o.stride(3)),
-                             (ls.stride(0), ls.stride(1), ls.stride(2), ls.stride(3)), fused=(out, lse, counters))
+        ``out``'s three leading strides and ``lse``'s two are honoured (their last axes have unit stride), as are
+        q's, the cache's and the block table's strides and ``seq_lens``'s.
 
-    def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        ls = (lse.stride(0), lse.stride(1), lse.stride(2), 0) if lse is not None else (0, 0, 0, 0)
-        self._launch_partial(plan, inputs, out, lse, (out.stride(0), out.stride(1), out.stride(2), 0), ls, single=True)
+        Raises:
+            ValueError: q's shape is not the plan's, or ``workspace`` does not serve the plan.
+        """
+        x = inputs
+        L = self._launch(plan, workspace)
+        q, k, v, sl, bt = x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table
+        if q.shape != L.q_shape:
+            raise ValueError(f"q has shape {tuple(q.shape)}, the plan {L.q_shape}: re-plan")
+        targets, meta, counters, ws_o, ws_lse = L.ws
+        fp8 = L.const["FP8"]
+        sinks = x.sinks
+        if bt is None:
+            bt, bts = targets, (0, 0)
+        else:
+            bts = bt.stride()
+        ls = lse.stride() if lse is not None else (0, 0)
+        ks, vs, qs, os_ = k.stride(), v.stride(), q.stride(), out.stride()
+        self._kernels().split_kv_partial_kernel[L.grid](
+            q, k, v, sl, bt, targets, meta, counters, ws_o, ws_lse, out, lse if lse is not None else targets,
+            x.k_scale if fp8 else targets, x.v_scale if fp8 else targets, sinks if sinks is not None else targets,
+            x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints,
+            sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], bts[0], bts[1],
+            os_[0], os_[1], os_[2], ls[0], ls[1],
+            WRITE_LSE=lse is not None, SINKS_ON=sinks is not None, **L.const)
 
-    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None,
+    def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
               sinks: torch.Tensor | None = None) -> None:
-        k = self._kernels()
-        o, ls = state.o, state.lse
-        b, q_len, hq, _, d = o.shape
-        lo = lse if lse is not None else out
-        lo_strides = (lse.stride(0), lse.stride(1), lse.stride(2)) if lse is not None else (0, 0, 0)
-        rows = b * q_len * hq
-        slices, block_d, block_s = merge_geometry(rows, plan.num_splits, d, int(plan.device.get("sm_count") or 0))
-        k.merge_kernel[(rows, slices)](
-            o, ls, out, lo, sinks if sinks is not None else ls, plan.num_splits,
-            o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-            ls.stride(0), ls.stride(1), ls.stride(2), ls.stride(3),
-            out.stride(0), out.stride(1), out.stride(2),
-            *lo_strides,
-            NUM_HEADS=hq, Q_LEN=q_len, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=block_s, WRITE_LSE=lse is not None, SINKS_ON=sinks is not None,
-            num_warps=1 if _interpreting() else 4,
-        )
+        """The separate merge kernel: the rows of sequences with two or more units (``workspace.meta``) into ``out``
+        ``[B, Q, H, D]`` and, if given, ``lse [B, Q, H]`` fp32; ``sinks [H]`` fp32 join the denominator. Rows of
+        one-unit sequences are left as the partial kernel wrote them.
+
+        Raises:
+            ValueError: the plan's merge is not ``separate``, or ``workspace`` does not serve the plan.
+        """
+        L = self._launch(plan, workspace)
+        if L.merge_grid is None:
+            raise ValueError(f"plan merge is {plan.merge!r}: no separate merge to launch")
+        targets, meta, _, ws_o, ws_lse = L.ws
+        os_ = out.stride()
+        ls = lse.stride() if lse is not None else (0, 0)
+        self._kernels().merge_kernel[L.merge_grid](
+            ws_o, ws_lse, meta, out, lse if lse is not None else targets, sinks if sinks is not None else targets,
+            L.ints[0], L.ints[1], os_[0], os_[1], os_[2], ls[0], ls[1],
+            WRITE_LSE=lse is not None, SINKS_ON=sinks is not None, **L.merge_const)

@@ -1,17 +1,19 @@
-"""Triton kernels: split-KV partial (also the single-pass path) and the merge.
+"""Triton kernels: the scheduled split-KV partial kernel (also the single-pass path) and the merge.
 
-Method: Flash-Decoding (Dao et al., 2023) split-KV with an exp2 online softmax (FlashAttention-2,
-Triton tutorial 06); one program per (split, KV head, sequence) holds the whole GQA group and all
-``q_len`` queries as the rows of one ``tl.dot`` tile, so every KV byte is read once (vLLM's and
-FlashInfer's grouped decode). Chunk bounds are derived from ``seq_lens`` in the kernel (vLLM's
-Triton decode), so one plan and one grid serve all lengths, and CUDA-graph replays.
+Method: Flash-Decoding (Dao et al., 2023) split-KV with an exp2 online softmax (FlashAttention-2, Triton tutorial
+06); one program per (work unit, KV head) holds the whole GQA group and all ``q_len`` queries as the rows of one
+``tl.dot`` tile, so every KV byte is read once (vLLM's and FlashInfer's grouped decode).
 
-Split-V (seed 000) with programs as the workers: ``N_COLS`` column programs per split each own
-``BLOCK_DV`` V / output columns and recompute QK^T over full K rows. In-kernel merges: ``fused``
-(the last program of a (sequence, KV head) group merges in split order: deterministic) and
-``atomic`` (seed 000 cost 1: each program merges into a locked accumulator in completion order, the
-spin lock as in Triton's layer-norm-backward tutorial; acquire CAS, volatile accumulator loads,
-release exchange; not bitwise reproducible).
+Which program does which (sequence, KV head, token range) is decided at every launch from the live ``seq_lens``
+in device memory: a prologue computes the schedule of :mod:`attnplan.schedule` (granules, the batch's total, the
+granules per unit from the plan's targets table, each sequence's units and their exclusive prefix sum) in the
+same integers as :func:`attnplan.schedule.schedule_units` (FlashAttention-3's ``hopper/flash_prepare_scheduler.cu``
+makes the same choice on the device in a separate kernel). So one plan and one grid serve all lengths, and CUDA-graph
+replays. The contract is :mod:`attnplan.backends.base`'s.
+
+Offsets: every offset that can pass 2^31 elements is computed in int64 (row, head and slot indices are widened
+before they meet a stride: Triton multiplies an int32 index by an int32 stride in 32 bits, so a head-major cache
+with a head stride of 2^30 and 3 KV heads would wrap).
 """
 
 from __future__ import annotations
@@ -19,122 +21,373 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+INT32_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
 def _add_sink(o, lse, SINKS, head, row_ok):
     """The sink logit ``z`` joins the denominator: ``lse' = logaddexp(lse, z)``, ``o' = o exp(lse - lse')``
-    (an empty row, ``lse = -inf``, gets ``o = 0, lse = z``)."""
-    z = tl.load(SINKS + head, mask=row_ok, other=0.0)
-    hi = tl.maximum(lse, z)
-    new = hi + tl.log(tl.exp(lse - hi) + tl.exp(z - hi))
-    return o * tl.exp(lse - new)[:, None], new
+    (:func:`attnplan.state.merge_states`'s sink rule). An empty row (``lse = -inf``) gets ``o = 0, lse = z``; a
+    ``-inf`` sink is no sink (an empty row stays ``0 / -inf``, no NaN); a ``+inf`` sink takes all the weight
+    (``o = 0, lse = +inf``)."""
+    z = tl.load(SINKS + head, mask=row_ok, other=float("-inf"))
+    hi = tl.maximum(lse, z, propagate_nan=tl.PropagateNan.ALL)  # a NaN row stays NaN
+    lo = tl.minimum(lse, z, propagate_nan=tl.PropagateNan.ALL)
+    diff = tl.where(lo == hi, 0.0, lo - hi)  # equal infinities: no inf - inf
+    new = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log(1.0 + tl.exp(diff)))
+    scale = tl.where(new == float("-inf"), 0.0, tl.exp(lse - new))
+    return o * scale[:, None], new
 
 
 @triton.jit
-def _merge_pair(o_a, lse_a, o_b, lse_b):
-    """Two normalized states of the same rows into one (:func:`attnplan.state.merge_states`'s contract:
-    empty states weigh 0, two empty states give ``o = 0, lse = -inf``, never ``-inf - (-inf)``).
-    Merging into the empty state ``(0, -inf)`` returns ``(o_b, lse_b)`` bit for bit."""
-    mx = tl.maximum(lse_a, lse_b)
+def _granules(seq_len, Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.constexpr, window_left):
+    """``(base, nb)``: a sequence's first visible position and the granules of its span ``[base, seq_len)``
+    (:mod:`attnplan.schedule`); ``ceil`` as ``(n - 1) // G + 1`` so no intermediate passes int32."""
+    base = seq_len * 0
+    if WINDOW:
+        base = tl.maximum(seq_len - Q_LEN - window_left, 0)
+    n = seq_len - base
+    nb = tl.where(n > 0, (n - 1) // GRANULE + 1, 0)
+    return base, nb
+
+
+@triton.jit
+def _granules_per_unit(total, TARGETS, min_unit_granules):
+    """``c = max(min_unit_granules, ceil(T / targets[k]))`` with ``k = bit_length(T)`` clamped to 31, or
+    ``min_unit_granules`` when ``targets[k] == 0``; ``total`` (``T``) int64, ``c`` int32 (a ``c`` of 2^31 or more acts
+    as ``c = T``: one unit per sequence either way)."""
+    bits = tl.arange(0, 32)
+    # bit_length(T) clamped to 31: the number of i < 31 with T >= 2^i
+    bucket = tl.sum(((total >= (tl.full([32], 1, tl.int64) << bits.to(tl.int64))) & (bits < 31)).to(tl.int32), 0)
+    t = tl.load(TARGETS + bucket).to(tl.int64)
+    per = tl.where(t > 0, (total + tl.maximum(t, 1) - 1) // tl.maximum(t, 1), 0)
+    return tl.minimum(tl.maximum(per, min_unit_granules), INT32_MAX).to(tl.int32)
+
+
+@triton.jit
+def _units(nb, ok, c, max_units_per_seq):
+    """``(cb, units)`` of sequences with ``nb`` granules: ``u = min(max_units_per_seq, ceil(nb / c))`` units of equal
+    size ``cb = ceil(nb / u)``, ``units = ceil(nb / cb)``; an empty sequence has one unit (``cb = 0``), a masked-off
+    lane (``ok`` false) none. Ceilings as ``(n - 1) // d + 1``: nothing passes int32."""
+    has = nb > 0
+    nb1 = tl.maximum(nb, 1)
+    want = tl.minimum((nb1 - 1) // c + 1, max_units_per_seq)
+    cb = tl.where(has, (nb1 - 1) // want + 1, 0)
+    units = tl.where(has, (nb1 - 1) // tl.maximum(cb, 1) + 1, 1)
+    return cb, tl.where(ok, units, 0)
+
+
+@triton.jit
+def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, min_unit_granules, max_units_per_seq,
+              Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.constexpr, BALANCED: tl.constexpr,
+              WRITE_META: tl.constexpr, BLOCK_B: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """The prologue: the schedule of the live batch, as :func:`attnplan.schedule.schedule_units` computes it.
+
+    Returns ``(b, indptr_b, units_b, cb)``: the sequence of unit ``u`` (``-1`` when ``u >= U``, the batch's total
+    units), its first unit, its unit count and its granules per unit. Program ``pid == 0`` writes ``META``
+    (``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``) when ``WRITE_META``. ``ONE_BLOCK`` (``batch <=
+    BLOCK_B``): ``seq_lens`` is read once and everything stays in registers. Otherwise it is read in blocks of
+    ``BLOCK_B`` (any batch), twice for a balanced schedule (the total first); the search stops at the block holding
+    ``u`` (program 0 writing ``META`` reads to the end).
+    """
+    offs_blk = tl.arange(0, BLOCK_B)
+    if ONE_BLOCK:
+        ok = offs_blk < batch
+        lens = tl.load(SEQ_LENS + offs_blk.to(tl.int64) * stride_sl, mask=ok, other=0)
+        _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
+        c = min_unit_granules
+        if BALANCED:
+            c = _granules_per_unit(tl.sum(nb.to(tl.int64), 0), TARGETS, min_unit_granules)
+        cb, units = _units(nb, ok, c, max_units_per_seq)
+        incl = tl.cumsum(units, 0)
+        excl = incl - units
+        mine = ok & (excl <= u) & (u < incl)
+        if WRITE_META:
+            if pid == 0:
+                tl.store(META + offs_blk, excl, mask=ok)
+                tl.store(META + batch + offs_blk, units, mask=ok)
+        return (tl.max(tl.where(mine, offs_blk, -1), 0), tl.sum(tl.where(mine, excl, 0), 0),
+                tl.sum(tl.where(mine, units, 0), 0), tl.sum(tl.where(mine, cb, 0), 0))
+    c = min_unit_granules
+    if BALANCED:  # granules per unit from the batch's total
+        total = tl.full([], 0, tl.int64)
+        for b0 in range(0, batch, BLOCK_B):
+            offs = b0 + offs_blk
+            lens = tl.load(SEQ_LENS + offs.to(tl.int64) * stride_sl, mask=offs < batch, other=0)
+            _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
+            total += tl.sum(nb.to(tl.int64), 0)
+        c = _granules_per_unit(total, TARGETS, min_unit_granules)
+    writer = -1
+    if WRITE_META:
+        writer = 0
+    found = -1
+    first = 0
+    units_b = 0
+    cb_b = 0
+    running = 0
+    b0 = 0
+    while (b0 < batch) & ((running <= u) | (pid == writer)):
+        offs = b0 + offs_blk
+        ok = offs < batch
+        lens = tl.load(SEQ_LENS + offs.to(tl.int64) * stride_sl, mask=ok, other=0)
+        _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
+        cb, units = _units(nb, ok, c, max_units_per_seq)
+        incl = running + tl.cumsum(units, 0)
+        excl = incl - units
+        mine = ok & (excl <= u) & (u < incl)
+        found = tl.maximum(found, tl.max(tl.where(mine, offs, -1), 0))
+        first += tl.sum(tl.where(mine, excl, 0), 0)
+        units_b += tl.sum(tl.where(mine, units, 0), 0)
+        cb_b += tl.sum(tl.where(mine, cb, 0), 0)
+        if WRITE_META:
+            if pid == 0:
+                tl.store(META + offs, excl, mask=ok)
+                tl.store(META + batch + offs, units, mask=ok)
+        running += tl.sum(units, 0)
+        b0 += BLOCK_B
+    return found, first, units_b, cb_b
+
+
+@triton.jit
+def _scores(s, qk_scale, row_scale, soft_cap, SOFTCAP: tl.constexpr, FP8: tl.constexpr):
+    """Raw ``q.k`` products to log2-domain scores: the scale (with fp8, the K scale and the q row's power-of-two
+    shift folded in) and the soft-cap ``cap * tanh(x / cap)`` on the natural-log-scaled scores (tanh via
+    ``exp(-2|x|)``: no overflow)."""
+    if FP8:
+        s = s * (qk_scale * row_scale)
+    else:
+        s = s * qk_scale
+    if SOFTCAP:
+        x = s * (0.6931471805599453 / soft_cap)
+        e = tl.exp(-2.0 * tl.abs(x))
+        th = (1.0 - e) / (1.0 + e)
+        s = tl.where(x < 0, -th, th) * (soft_cap * 1.4426950408889634)
+    return s
+
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, K, V, n0, end, b64, kvh64, bt_row, stride_btc,
+          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+          qk_scale, row_scale, soft_cap, visible, lowest, offs_d, d_ok,
+          BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
+          DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr):
+    """One KV tile ``[n0, n0 + BLOCK_N)`` into the running ``(acc, l, m)``; positions ``>= end`` are masked (never
+    loaded). Only for positions that every row of the program may see, or none: ``P @ V`` multiplies a V row that a
+    row cannot see by 0, and ``0 * NaN = NaN`` (:func:`_token` takes the others)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < end
+    if PAGED:
+        page = tl.load(bt_row + (offs_n // PAGE_SIZE).to(tl.int64) * stride_btc, mask=n_ok, other=0).to(tl.int64)
+        slot = (offs_n % PAGE_SIZE).to(tl.int64)
+        k_row = page * stride_kb + slot * stride_kt
+        v_row = page * stride_vb + slot * stride_vt
+    else:
+        k_row = b64 * stride_kb + offs_n.to(tl.int64) * stride_kt
+        v_row = b64 * stride_vb + offs_n.to(tl.int64) * stride_vt
+    k = tl.load(K + (k_row + kvh64 * stride_kh)[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    v = tl.load(V + (v_row + kvh64 * stride_vh)[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    if FP8:
+        k = k.to(tl.float16)
+        v = v.to(tl.float16)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s = _scores(s, qk_scale, row_scale[:, None], soft_cap, SOFTCAP, FP8)
+    ok = (offs_n[None, :] < visible[:, None]) & n_ok[None, :]
+    if WINDOW:
+        ok = ok & (offs_n[None, :] >= lowest[:, None])
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # never -inf - (-inf)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(s - m_base[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _token(acc, l_i, m_i, q, K, V, n, b64, kvh64, bt_row, stride_btc,
+           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+           qk_scale, row_scale, soft_cap, visible, lowest, offs_d, d_ok,
+           PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+           WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr):
+    """Position ``n`` alone into the running ``(acc, l, m)``: for the positions that some rows of the program see and
+    others do not (the last ``q_len - 1`` of a sequence, the first ``q_len - 1`` of a window).
+
+    ``P @ V`` would multiply the V row by 0 for the rows that cannot see it, and ``0 * NaN = NaN``; here its
+    non-finite entries are zeroed and the rows that see the position get NaN in those columns (the reference's
+    rule, :func:`attnplan.reference._attend`), while the others are untouched. The dots are 16-row tiles holding
+    only position ``n`` (row 0), so they take the tile path's layouts (measured with ``ptxas``: no registers over
+    the plain single loop at 16 rows)."""
+    r = tl.arange(0, 16)
+    if PAGED:
+        page = tl.load(bt_row + (n // PAGE_SIZE).to(tl.int64) * stride_btc).to(tl.int64)
+        slot = (n % PAGE_SIZE).to(tl.int64)
+        k_row = page * stride_kb + slot * stride_kt
+        v_row = page * stride_vb + slot * stride_vt
+    else:
+        k_row = b64 * stride_kb + n.to(tl.int64) * stride_kt
+        v_row = b64 * stride_vb + n.to(tl.int64) * stride_vt
+    one = (r == 0)[:, None] & d_ok[None, :]
+    k = tl.load(K + (k_row + kvh64 * stride_kh) + (r * 0)[:, None] + offs_d[None, :], mask=one, other=0.0)
+    v = tl.load(V + (v_row + kvh64 * stride_vh) + (r * 0)[:, None] + offs_d[None, :], mask=one, other=0.0)
+    if FP8:
+        k = k.to(tl.float16)
+        v = v.to(tl.float16)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.sum(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), 1)  # columns 1.. hold q . 0
+    s = _scores(s, qk_scale, row_scale, soft_cap, SOFTCAP, FP8)
+    ok = n < visible
+    if WINDOW:
+        ok = ok & (n >= lowest)
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, s)
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(s - m_base)
+    l_i = l_i * alpha + p
+    finite = tl.abs(v.to(tl.float32)) < float("inf")  # NaN compares false
+    bad = tl.sum(tl.where(finite, 0, 1), 0) > 0  # [columns]: position n's V entry is not finite
+    v = tl.where(finite, v, 0.0)
+    p_col = tl.where((r == 0)[None, :] & ok[:, None], p[:, None], 0.0)  # [rows, 16]: p in column 0 where seen
+    acc = acc * alpha[:, None] + tl.dot(p_col.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = tl.where(ok[:, None] & bad[None, :], float("nan"), acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _merge_rows(WS_O, WS_LSE, row_base, first, count, row_ok, offs_d, d_ok, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge the workspace slots ``[first, first + count)`` of the program's rows in slot order
+    (:func:`attnplan.state.merge_states`: empty states weigh 0 and their ``o`` is never read, an all-empty row gives
+    ``0 / -inf``, NaN in a non-empty state propagates). ``row_base``: ``[BLOCK_M]`` int64, each row's slot 0 in the
+    contiguous workspace (``lse`` at ``row_base + slot``, ``o`` at ``(row_base + slot) * HEAD_DIM``). Loads bypass
+    L1 (``.cg``): other programs wrote the states."""
+    mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(0, count):
+        idx = row_base + (first + s)
+        ls = tl.load(WS_LSE + idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        mx = tl.maximum(mx, ls, propagate_nan=tl.PropagateNan.ALL)
+    mbase = tl.where(mx == float("-inf"), 0.0, mx)
+    tot = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(0, count):
+        idx = row_base + (first + s)
+        ls = tl.load(WS_LSE + idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp(ls - mbase)
+        o = tl.load(WS_O + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+                    cache_modifier=".cg")
+        acc += w[:, None] * tl.where((ls == float("-inf"))[:, None], 0.0, o)
+        tot += w
     empty = mx == float("-inf")
-    base = tl.where(empty, 0.0, mx)
-    wa = tl.exp(lse_a - base)
-    wb = tl.exp(lse_b - base)
-    tot = tl.where(empty, 1.0, wa + wb)
-    o = (o_a * wa[:, None] + o_b * wb[:, None]) / tot[:, None]
-    return o, tl.where(empty, float("-inf"), base + tl.log(tot))
+    tot_safe = tl.where(empty, 1.0, tot)
+    return acc / tot_safe[:, None], tl.where(empty, float("-inf"), mbase + tl.log(tot_safe))
+
+
+@triton.jit
+def _store_out(o, lse, OUT, LSE_OUT, SINKS, b64, qi64, head64, head, row_ok, offs_d, d_ok,
+               stride_outb, stride_outt, stride_outh, stride_lob, stride_lot,
+               SINKS_ON: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """A sequence's final rows: ``out[b, i, hq, :]`` in its dtype and ``lse[b, i, hq]``, the sink applied."""
+    if SINKS_ON:
+        o, lse = _add_sink(o, lse, SINKS, head, row_ok)
+    ptrs = OUT + b64 * stride_outb + qi64[:, None] * stride_outt + head64[:, None] * stride_outh + offs_d[None, :]
+    tl.store(ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        tl.store(LSE_OUT + b64 * stride_lob + qi64 * stride_lot + head64, lse, mask=row_ok)
 
 
 @triton.jit
 def split_kv_partial_kernel(
-    Q, K, V, SEQ_LENS, BLOCK_TABLE, O, LSE, K_SCALE, V_SCALE, SINKS, OUT, LSE_OUT, COUNTERS,
-    sm_scale_log2, window_left, soft_cap,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_btb,
-    stride_ob, stride_ot, stride_oh, stride_os,
-    stride_lb, stride_lt, stride_lh, stride_ls,
-    stride_outb, stride_outt, stride_outh, stride_lob, stride_lot, stride_loh,
-    chunk_size, num_splits, num_kv_heads, lock_offset,
-    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, N_COLS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
-    WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr, SINKS_ON: tl.constexpr,
-    MERGE: tl.constexpr, WRITE_OUT_LSE: tl.constexpr,
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, TARGETS, META, COUNTERS, WS_O, WS_LSE, OUT, LSE_OUT, K_SCALE, V_SCALE, SINKS,
+    sm_scale_log2, window_left, soft_cap, batch, ws_slots, min_unit_granules, max_units_per_seq,
+    stride_sl, stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_btb, stride_btc, stride_outb, stride_outt, stride_outh, stride_lob, stride_lot,
+    Q_LEN: tl.constexpr, GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, GRANULE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MULTI: tl.constexpr,
+    BALANCED: tl.constexpr, MERGE: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
+    SINKS_ON: tl.constexpr,
 ):
-    """Program (split s, column program c, KV head h, sequence b), axis 0 = ``s * N_COLS + c``.
-    Rows m = i * GROUP + g are query i of q-head h*GROUP+g.
+    """Program ``p`` of the 1-D grid ``max_units * NUM_KV_HEADS``: unit ``u = p // NUM_KV_HEADS`` for KV head
+    ``h = p % NUM_KV_HEADS``, rows ``(query i, head h * GROUP + g)`` of one ``tl.dot`` tile (``BLOCK_M >= 16``).
 
-    Columns (split-V, seed 000, with programs as the workers): column program ``c`` owns V / output
-    columns ``[c * BLOCK_DV, (c + 1) * BLOCK_DV)``; it scores its chunk against full K rows (all
-    head_dim: QK^T recomputed by each of the ``N_COLS`` programs), keeps its own running max and
-    sum and accumulates P.V for its columns only; no cross-program reduction. Every column program
-    computes the same lse (same code, same scores), column program 0 writes it. ``N_COLS = 1``,
-    ``BLOCK_DV = BLOCK_D`` is the split-K plan (one program, all columns).
+    ``MULTI`` (``max_units_per_seq > 1``): the prologue (:func:`_schedule`) finds the unit's sequence ``b`` and token
+    range; a program past the batch's units exits. Otherwise (single pass) ``b = u`` and the range is the
+    sequence's visible span. A sequence with one unit is written to ``OUT`` / ``LSE_OUT`` (the sink applied);
+    otherwise the unit's normalized fp32 state goes to workspace slot ``u`` (``WS_O [1, Q, H, ws_slots, D]``,
+    ``WS_LSE [1, Q, H, ws_slots]``, contiguous, natural-log LSE, no sink), and with ``MERGE == "fused"`` the program
+    counts itself in ``COUNTERS[b * NUM_KV_HEADS + h]``; the last of the sequence's units merges the rows over its
+    units in unit order, writes ``OUT`` / ``LSE_OUT`` and resets the counter.
 
-    Writes ``O[b, i, head, s, cols]`` and ``LSE[b, i, head, s]`` (for the single-pass path the caller
-    passes ``out``/``lse`` with ``stride_os = stride_ls = 0``). ``O`` takes the dtype of the buffer.
-    Variants: ``WINDOW`` (chunks start at the window, rows see ``[p - window_left, p]``), ``SOFTCAP``
-    (``cap * tanh(s / cap)`` on scaled scores, tanh from ``exp(-2|x|)`` so it cannot overflow),
-    ``FP8`` (K/V widened to fp16, a bf16 q row scaled into fp16 by a power of two, ``K_SCALE[h]``
-    folded into the score scale and ``V_SCALE[h]`` into the output), ``SINKS_ON`` (single pass, or an
-    in-kernel merge: the sink joins the denominator).
-    ``MERGE``: ``"none"`` (write the state / the single-pass output), ``"fused"`` (after writing its
-    state, the program bumps its (sequence, KV head) completion counter ``COUNTERS[b * Hkv + h]``; the
-    one that finishes last of the ``num_splits * N_COLS`` merges the group's rows over all splits in
-    split order, the :func:`attnplan.state.merge_states` contract, writes ``OUT``/``LSE_OUT`` and
-    resets the counter) or ``"atomic"`` (``O``/``LSE`` are one accumulator slot per column program:
-    the program takes the spin lock ``COUNTERS[lock_offset + g]`` of its group ``g = (b * Hkv + h) *
-    N_COLS + c``, counts itself in ``COUNTERS[g]``, merges its state into the accumulator, unless it
-    is the first, which finds none, and releases the lock; the last of the ``num_splits`` writes
-    ``OUT``/``LSE_OUT`` and resets the counter. Merge order = lock order: not bitwise reproducible).
+    Rows: query ``i`` sees positions ``< seq_len - Q_LEN + i + 1`` (and ``>= seq_len - Q_LEN + i - window_left``
+    with ``WINDOW``); a row with none in the unit gets ``o = 0, lse = -inf``. Tiles that hold positions some rows
+    see and others do not (only when ``Q_LEN > 1``: a unit's first and last ``Q_LEN - 1`` positions at most) go one
+    at a time (:func:`_tokens`), so NaN in a V row a query cannot see never reaches it. Variants: ``SOFTCAP`` (``cap * tanh(s / cap)`` on scaled scores),
+    ``FP8`` (K/V widened to fp16, a bf16 q row scaled into fp16 by a power of two, ``K_SCALE[h]`` folded into the
+    score scale and ``V_SCALE[h]`` into the output), ``SINKS_ON`` (the sink joins the denominator where a final
+    output is written).
     """
     pid = tl.program_id(0)
-    split = pid // N_COLS
-    col = pid % N_COLS
-    kvh = tl.program_id(1)
-    b = tl.program_id(2)
-    b64 = b.to(tl.int64)
-    seq_len = tl.load(SEQ_LENS + b)
-    base = 0
-    if WINDOW:  # no chunk before the first position any query can see
-        base = tl.maximum(seq_len - Q_LEN - window_left, 0)
-    start = base + split * chunk_size
-    end = tl.minimum(start + chunk_size, seq_len)
-    if split == num_splits - 1:  # the last split runs to the end of the sequence
+    u = pid // NUM_KV_HEADS
+    kvh = pid % NUM_KV_HEADS
+    if MULTI:
+        b, first, units_b, cb = _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left,
+                                          min_unit_granules, max_units_per_seq, Q_LEN, GRANULE, WINDOW, BALANCED,
+                                          MERGE == "separate", BLOCK_B, ONE_BLOCK)
+        if b < 0:  # no unit: the batch has fewer than max_units
+            return
+        seq_len = tl.load(SEQ_LENS + b.to(tl.int64) * stride_sl)
+        base, _ = _granules(seq_len, Q_LEN, GRANULE, WINDOW, window_left)
+        start = base + (u - first) * cb * GRANULE
+        end = tl.minimum(start + cb * GRANULE, seq_len)
+        start = tl.where(cb > 0, start, seq_len)  # an empty sequence's one unit covers nothing
+        end = tl.where(cb > 0, end, seq_len)
+    else:
+        b = u
+        first = u
+        units_b = 1
+        seq_len = tl.load(SEQ_LENS + b.to(tl.int64) * stride_sl)
+        base, _ = _granules(seq_len, Q_LEN, GRANULE, WINDOW, window_left)
+        start = base
         end = seq_len
+    b64 = b.to(tl.int64)
+    kvh64 = kvh.to(tl.int64)
 
     offs_m = tl.arange(0, BLOCK_M)
     qi = offs_m // GROUP
     head = kvh * GROUP + offs_m % GROUP
+    qi64 = qi.to(tl.int64)
+    head64 = head.to(tl.int64)
     row_ok = offs_m < Q_LEN * GROUP
     visible = seq_len - Q_LEN + qi + 1  # query qi sees positions < visible
     lowest = visible - 1 - window_left  # ... and, with a window, >= lowest
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    offs_v = col * BLOCK_DV + tl.arange(0, BLOCK_DV)  # this column program's V / output columns
-    v_ok = offs_v < HEAD_DIM
 
-    q_ptrs = Q + b64 * stride_qb + qi[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q_ptrs = Q + b64 * stride_qb + qi64[:, None] * stride_qt + head64[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     qk_scale = sm_scale_log2
     if FP8:
         qk_scale = qk_scale * tl.load(K_SCALE + kvh)
-    # fp8 K/V widen natively to fp16 (cvt.rn.f16x2.e4m3x2); to bf16 each pair also goes through
-    # f16 -> bf16 (PTX counts in NOTES.md change 8). So with fp8 KV the dots run in fp16: a bf16 q
-    # row is scaled by a power of two into fp16's range (max |q| -> 2^14, no overflow; values
-    # 2^28 below the row's max would go subnormal), and the scale comes back out of its scores.
+    # fp8 K/V widen natively to fp16 (cvt.rn.f16x2.e4m3x2); to bf16 each pair also goes through f16 -> bf16. So
+    # with fp8 KV the dots run in fp16: a bf16 q row is scaled by a power of two into fp16's range (max |q| ->
+    # 2^14, no overflow; values 2^28 below the row's max would go subnormal), and the scale comes back out of its
+    # scores.
     row_scale = tl.full([BLOCK_M], 1.0, tl.float32)
     if FP8 and Q.dtype.element_ty == tl.bfloat16:
         q_f32 = q.to(tl.float32)
         q_amax = tl.max(tl.abs(q_f32), 1)
-        # the shift stays within +-113 (2^113 and its inverse are normal fp32; a row as small as
-        # 2^-114 is then left below 2^-1, still exact in fp16) and is 0 for an all-zero or non-finite row
+        # the shift stays within +-113 (2^113 and its inverse are normal fp32; a row as small as 2^-114 is then
+        # left below 2^-1, still exact in fp16) and is 0 for an all-zero or non-finite row
         q_ok = (q_amax > 0.0) & (q_amax < float("inf"))
         q_exp = tl.minimum(tl.maximum(14.0 - tl.ceil(tl.log2(tl.where(q_ok, q_amax, 1.0))), -113.0), 113.0)
         q_up = tl.exp2(tl.where(q_ok, q_exp, 0.0))
@@ -144,169 +397,114 @@ def split_kv_partial_kernel(
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = BLOCK_TABLE + b64 * stride_btb
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end
-        if PAGED:
-            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            slot = (offs_n % PAGE_SIZE).to(tl.int64)
-            k_row = page * stride_kb + slot * stride_kt
-            v_row = page * stride_vb + slot * stride_vt
-        else:
-            k_row = b64 * stride_kb + offs_n.to(tl.int64) * stride_kt
-            v_row = b64 * stride_vb + offs_n.to(tl.int64) * stride_vt
-        k = tl.load(K + k_row[:, None] + kvh * stride_kh + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(V + v_row[:, None] + kvh * stride_vh + offs_v[None, :], mask=n_ok[:, None] & v_ok[None, :], other=0.0)
-        if FP8:
-            k = k.to(tl.float16)
-            v = v.to(tl.float16)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if FP8:
-            s = s * (qk_scale * row_scale)[:, None]
-        else:
-            s = s * qk_scale
-        if SOFTCAP:  # on natural-log-scaled scores: cap * tanh(x / cap), tanh via exp(-2|x|) (no overflow)
-            x = s * (0.6931471805599453 / soft_cap)
-            e = tl.exp(-2.0 * tl.abs(x))
-            th = (1.0 - e) / (1.0 + e)
-            s = tl.where(x < 0, -th, th) * (soft_cap * 1.4426950408889634)
-        ok = (offs_n[None, :] < visible[:, None]) & n_ok[None, :]
+    if Q_LEN > 1:
+        # [start, a): the window's first positions, which not every query's window reaches; [a, z): seen by every
+        # query (or by none), in tiles; [z, end): the causal tail, positions >= seq_len - Q_LEN + 1 that query 0
+        # cannot see. The two edges hold at most Q_LEN - 1 positions each (:func:`_tokens`).
+        a = start
         if WINDOW:
-            ok = ok & (offs_n[None, :] >= lowest[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # never -inf - (-inf)
-        alpha = tl.exp2(m_i - m_base)
-        p = tl.exp2(s - m_base[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+            a = tl.minimum(tl.maximum(seq_len - 1 - window_left, start), end)
+        z = tl.minimum(tl.maximum(seq_len - Q_LEN + 1, a), end)
+        for n0 in range(a, z, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, K, V, n0, z, b64, kvh64, bt_row, stride_btc,
+                                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                  qk_scale, row_scale, soft_cap, visible, lowest, offs_d, d_ok,
+                                  BLOCK_N, PAGE_SIZE, PAGED, UPCAST, DOT_PRECISION, WINDOW, SOFTCAP, FP8)
+        # the edges after the tiles (the online softmax takes positions in any order): [start, a) then [z, end),
+        # one loop whose positions jump from a - 1 to z
+        n_head = a - start
+        for i in range(0, n_head + end - z):
+            n = tl.where(i < n_head, start + i, z + i - n_head)
+            acc, l_i, m_i = _token(acc, l_i, m_i, q, K, V, n, b64, kvh64, bt_row, stride_btc,
+                                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                   qk_scale, row_scale, soft_cap, visible, lowest, offs_d, d_ok,
+                                   PAGE_SIZE, PAGED, UPCAST, DOT_PRECISION, WINDOW, SOFTCAP, FP8)
+    else:  # one query: every position of the unit is seen by every row
+        for n0 in range(start, end, BLOCK_N):
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, K, V, n0, end, b64, kvh64, bt_row, stride_btc,
+                                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                  qk_scale, row_scale, soft_cap, visible, lowest, offs_d, d_ok,
+                                  BLOCK_N, PAGE_SIZE, PAGED, UPCAST, DOT_PRECISION, WINDOW, SOFTCAP, FP8)
 
-    empty = l_i == 0.0  # no visible position in this chunk (p of the running max is exactly 1)
+    empty = l_i == 0.0  # no visible position in this unit (p of the running max is exactly 1)
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     if FP8:
         o = o * tl.load(V_SCALE + kvh)
-    if SINKS_ON and MERGE == "none":  # single pass: the sink joins the denominator here
-        o, lse = _add_sink(o, lse, SINKS, head, row_ok)
-    ov_ok = row_ok[:, None] & v_ok[None, :]
-    # every column program has the same lse: column program 0 writes it (a tensor compare: the
-    # Triton 3.9 interpreter rejects a mask made of a tensor & a scalar bool)
-    lse_ok = row_ok & ((offs_m * 0 + col) == 0)
-    out_ptrs = OUT + b64 * stride_outb + qi[:, None] * stride_outt + head[:, None] * stride_outh + offs_v[None, :]
-    lse_out_ptrs = LSE_OUT + b64 * stride_lob + qi * stride_lot + head * stride_loh
-    if MERGE == "atomic":
-        grp = (b * num_kv_heads + kvh) * N_COLS + col
-        acc_o_ptrs = O + b64 * stride_ob + qi[:, None] * stride_ot + head[:, None] * stride_oh + col * stride_os + offs_v[None, :]
-        acc_lse_ptrs = LSE + b64 * stride_lb + qi * stride_lt + head * stride_lh + col * stride_ls
-        while tl.atomic_cas(COUNTERS + lock_offset + grp, 0, 1, sem="acquire", scope="gpu") == 1:
-            pass  # spin lock (Triton's layer-norm-backward tutorial); the holder is resident, so it finishes
-        done = tl.atomic_add(COUNTERS + grp, 1, sem="relaxed", scope="gpu")  # states merged before this one
-        # the first program finds no accumulator: (0, -inf), so it stores its own state (a tensor
-        # compare, as for lse_ok: masks must not mix tensors and scalar bools)
-        seen = (offs_m * 0 + done) > 0
-        acc_lse = tl.load(acc_lse_ptrs, mask=row_ok & seen, other=float("-inf"), volatile=True)
-        acc_o = tl.load(acc_o_ptrs, mask=ov_ok & seen[:, None], other=0.0, volatile=True)
-        o, lse = _merge_pair(acc_o, acc_lse, o, lse)
-        if done == num_splits - 1:  # the last of the group: write the output, leave the counter at zero
-            if SINKS_ON:
-                o, lse = _add_sink(o, lse, SINKS, head, row_ok)
-            tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=ov_ok)
-            if WRITE_OUT_LSE:
-                tl.store(lse_out_ptrs, lse, mask=lse_ok)
-            tl.atomic_xchg(COUNTERS + grp, 0, sem="relaxed", scope="gpu")
+    if MULTI:
+        if units_b == 1:
+            _store_out(o, lse, OUT, LSE_OUT, SINKS, b64, qi64, head64, head, row_ok, offs_d, d_ok,
+                       stride_outb, stride_outt, stride_outh, stride_lob, stride_lot, SINKS_ON, WRITE_LSE)
         else:
-            tl.store(acc_o_ptrs, o, mask=ov_ok)
-            tl.store(acc_lse_ptrs, lse, mask=row_ok)
-        tl.debug_barrier()  # every thread's accumulator stores precede the release below
-        tl.atomic_xchg(COUNTERS + lock_offset + grp, 0, sem="release", scope="gpu")
+            row_base = (qi64 * (GROUP * NUM_KV_HEADS) + head64) * ws_slots  # each row's slot 0
+            idx = row_base + u
+            tl.store(WS_O + idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(WS_LSE + idx, lse, mask=row_ok)
+            if MERGE == "fused":
+                tl.debug_barrier()  # every thread's state stores precede the release below
+                counter = COUNTERS + b64 * NUM_KV_HEADS + kvh64
+                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if done == units_b - 1:  # the last unit of this (sequence, KV head) merges it, in unit order
+                    res, res_lse = _merge_rows(WS_O, WS_LSE, row_base, first, units_b, row_ok, offs_d, d_ok,
+                                               HEAD_DIM, BLOCK_M, BLOCK_D)
+                    _store_out(res, res_lse, OUT, LSE_OUT, SINKS, b64, qi64, head64, head, row_ok, offs_d, d_ok,
+                               stride_outb, stride_outt, stride_outh, stride_lob, stride_lot, SINKS_ON, WRITE_LSE)
+                    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero at rest: the next launch
     else:
-        o_ptrs = O + b64 * stride_ob + qi[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + offs_v[None, :]
-        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=ov_ok)
-        if WRITE_LSE:
-            tl.store(LSE + b64 * stride_lb + qi * stride_lt + head * stride_lh + split * stride_ls, lse, mask=lse_ok)
-    if MERGE == "fused":
-        tl.debug_barrier()  # every thread's state stores precede the release below
-        done = tl.atomic_add(COUNTERS + b * num_kv_heads + kvh, 1, sem="acq_rel", scope="gpu")
-        if done == num_splits * N_COLS - 1:  # the last program of this group merges it, in split order
-            lse_rows = LSE + b64 * stride_lb + qi * stride_lt + head * stride_lh
-            o_rows = O + b64 * stride_ob + qi[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-            mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for s2 in range(0, num_splits):
-                mx = tl.maximum(mx, tl.load(lse_rows + s2 * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
-            mbase = tl.where(mx == float("-inf"), 0.0, mx)
-            tot = tl.zeros([BLOCK_M], tl.float32)
-            acc2 = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for s2 in range(0, num_splits):
-                l2 = tl.load(lse_rows + s2 * stride_ls, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                w = tl.exp(l2 - mbase)
-                o2 = tl.load(o_rows + s2 * stride_os, mask=row_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
-                acc2 += w[:, None] * tl.where((l2 == float("-inf"))[:, None], 0.0, o2)
-                tot += w
-            empty_row = mx == float("-inf")
-            tot_safe = tl.where(empty_row, 1.0, tot)
-            res = acc2 / tot_safe[:, None]
-            res_lse = tl.where(empty_row, float("-inf"), mbase + tl.log(tot_safe))
-            if SINKS_ON:
-                res, res_lse = _add_sink(res, res_lse, SINKS, head, row_ok)
-            out_all = OUT + b64 * stride_outb + qi[:, None] * stride_outt + head[:, None] * stride_outh + offs_d[None, :]
-            tl.store(out_all, res.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-            if WRITE_OUT_LSE:
-                tl.store(lse_out_ptrs, res_lse, mask=row_ok)
-            tl.atomic_xchg(COUNTERS + b * num_kv_heads + kvh, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        _store_out(o, lse, OUT, LSE_OUT, SINKS, b64, qi64, head64, head, row_ok, offs_d, d_ok,
+                   stride_outb, stride_outt, stride_outh, stride_lob, stride_lot, SINKS_ON, WRITE_LSE)
 
 
 @triton.jit
 def merge_kernel(
-    O_PART, LSE_PART, OUT, LSE_OUT, SINKS, num_splits,
-    stride_pb, stride_pt, stride_ph, stride_ps,
-    stride_lb, stride_lt, stride_lh, stride_ls,
-    stride_outb, stride_outt, stride_outh,
-    stride_lob, stride_lot, stride_loh,
+    WS_O, WS_LSE, META, OUT, LSE_OUT, SINKS, batch, ws_slots,
+    stride_outb, stride_outt, stride_outh, stride_lob, stride_lot,
     NUM_HEADS: tl.constexpr, Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr, SINKS_ON: tl.constexpr,
 ):
-    """Program (row, column slice): row = (b, i, head), slice ``c`` owns output columns
+    """The separate merge: program (row, column slice), row = ``(b, i, head)``, slice ``c`` owns output columns
     ``[c * BLOCK_D, (c + 1) * BLOCK_D)``; the merge contract of :func:`attnplan.state.merge_states`.
 
-    Two passes over the splits in fixed order (deterministic): the LSEs give the common base
-    and total weight, then the weighted sum of the normalized partial outputs, ``BLOCK_S`` splits
-    per load (all in flight together). Every slice computes the same lse from the same values;
-    slice 0 writes it. Slices exist for few rows over many splits: one program per row walks
-    ``num_splits / BLOCK_S`` dependent round trips, and 8 rows leave all but 8 SMs idle
-    (results/2026-11-30-s5-call1: 6.0-10.8 us at 8 rows x 128-256 splits).
+    ``META`` (written by the partial kernel's program 0): ``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``. A row
+    of a sequence with at most one unit exits (the partial kernel wrote it). Otherwise two passes over the slots
+    ``[indptr[b], indptr[b] + units[b])`` in slot order (deterministic): the LSEs give the common base and total
+    weight, then the weighted sum of the normalized partial outputs, ``BLOCK_S`` slots per load. NaN in a state's
+    lse or o makes the row NaN. Every slice computes the same lse; slice 0 writes it. Slices exist for few rows over
+    many units: one program per row walks ``units / BLOCK_S`` dependent round trips, and 8 rows leave all but 8 SMs
+    idle (measured on an H200: 6.0-10.8 us at 8 rows x 128-256 splits with one program per row).
     """
     row = tl.program_id(0)
     col = tl.program_id(1)
     h = row % NUM_HEADS
     t = (row // NUM_HEADS) % Q_LEN
-    b = (row // NUM_HEADS // Q_LEN).to(tl.int64)
-    lse_base = LSE_PART + b * stride_lb + t * stride_lt + h * stride_lh
-    o_base = O_PART + b * stride_pb + t * stride_pt + h * stride_ph
+    b = row // NUM_HEADS // Q_LEN
+    count = tl.load(META + batch + b)
+    if count <= 1:
+        return
+    first = tl.load(META + b)
+    row_base = (t.to(tl.int64) * NUM_HEADS + h) * ws_slots + first
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = col * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
 
     m = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        lse_s = tl.load(lse_base + (s0 + offs_s) * stride_ls, mask=s0 + offs_s < num_splits, other=float("-inf"))
-        m = tl.maximum(m, lse_s)
+    for s0 in range(0, count, BLOCK_S):
+        lse_s = tl.load(WS_LSE + row_base + s0 + offs_s, mask=s0 + offs_s < count, other=float("-inf"))
+        m = tl.maximum(m, lse_s, propagate_nan=tl.PropagateNan.ALL)
     m_max = tl.max(m, 0)
+    m_max = tl.where(tl.sum((m != m).to(tl.int32), 0) > 0, float("nan"), m_max)  # tl.max may drop NaN
     m_base = tl.where(m_max == float("-inf"), 0.0, m_max)
     total = tl.zeros([BLOCK_S], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        s_ok = s0 + offs_s < num_splits
-        lse_s = tl.load(lse_base + (s0 + offs_s) * stride_ls, mask=s_ok, other=float("-inf"))
-        w = tl.exp(lse_s - m_base)  # 0 for empty splits
+    for s0 in range(0, count, BLOCK_S):
+        s_ok = s0 + offs_s < count
+        lse_s = tl.load(WS_LSE + row_base + s0 + offs_s, mask=s_ok, other=float("-inf"))
+        w = tl.exp(lse_s - m_base)  # 0 for empty states
         total += w
-        o_s = tl.load(o_base + (s0 + offs_s)[:, None] * stride_ps + offs_d[None, :],
+        o_s = tl.load(WS_O + (row_base + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         o_s = tl.where((lse_s == float("-inf"))[:, None], 0.0, o_s)
         acc += tl.sum(w[:, None] * o_s, 0)
@@ -315,13 +513,17 @@ def merge_kernel(
     tot_safe = tl.where(all_empty, 1.0, tot)
     out = acc / tot_safe
     lse = tl.where(all_empty, float("-inf"), m_base + tl.log(tot_safe))
-    if SINKS_ON:  # the sink joins the denominator once, after the splits are merged
+    if SINKS_ON:  # the sink joins the denominator once, after the states are merged (_add_sink's rule)
         z = tl.load(SINKS + h)
-        hi = tl.maximum(lse, z)
-        new = hi + tl.log(tl.exp(lse - hi) + tl.exp(z - hi))
-        out = out * tl.exp(lse - new)
+        hi = tl.maximum(lse, z, propagate_nan=tl.PropagateNan.ALL)
+        lo = tl.minimum(lse, z, propagate_nan=tl.PropagateNan.ALL)
+        diff = tl.where(lo == hi, 0.0, lo - hi)
+        new = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log(1.0 + tl.exp(diff)))
+        out = out * tl.where(new == float("-inf"), 0.0, tl.exp(lse - new))
         lse = new
-    tl.store(OUT + b * stride_outb + t * stride_outt + h * stride_outh + offs_d, out.to(OUT.dtype.element_ty), mask=d_ok)
+    b64 = b.to(tl.int64)
+    tl.store(OUT + b64 * stride_outb + t.to(tl.int64) * stride_outt + h.to(tl.int64) * stride_outh + offs_d,
+             out.to(OUT.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
         if col == 0:
-            tl.store(LSE_OUT + b * stride_lob + t * stride_lot + h * stride_loh, lse)
+            tl.store(LSE_OUT + b64 * stride_lob + t.to(tl.int64) * stride_lot + h, lse)

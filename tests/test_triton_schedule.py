@@ -1,0 +1,399 @@
+"""The Triton backend's device-side schedule and its hostile-input guarantees, against the host schedule
+(:func:`attnplan.schedule.schedule_units`) and the float64 reference.
+
+* The prologue computes exactly the host schedule's integers (each unit's sequence, first unit, unit count and
+  granules per unit; ``workspace.meta``) for balanced, forced and batch-invariant schedules, windows, zero lengths,
+  batches that take several prologue blocks, and a batch of 65,536 sequences (probed by a small kernel that runs the
+  prologue alone).
+* Offsets past 2^31 elements: a head-major cache view with a head stride of 2^30 (3 KV heads), and q / out views
+  with head strides of 2^30, over one large buffer of which only the touched elements are written (the rest is
+  untouched virtual memory); an offset computed in 32 bits lands 2^31 elements early, inside the buffer, and reads
+  zeros or writes elsewhere.
+* Strides: q's batch / head strides, the cache's page / token / head strides, the block table's row (and column)
+  stride, ``seq_lens``' stride, out's and lse's leading strides, all honoured.
+* NaN isolation: NaN (or inf) in a V or K row that a query cannot see (the last ``q_len - 1`` positions, the first
+  positions of a window) never reaches it; the rows that see it get NaN where the reference does.
+* The merges: the fused merge's counters reset (runs at changing lengths, poisoned workspace), empty units and
+  empty rows with finite and ``-inf`` sinks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnplan
+from attnplan import reference
+from attnplan.backends import DecodeInputs, get_backend
+from attnplan.schedule import NUM_TARGETS, Schedule, schedule_units
+from attnplan.testing import assert_close_to_reference, make_inputs, poison
+
+from conftest import HAS_CUDA
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+pytestmark = pytest.mark.skipif(not get_backend("triton").available(torch.device(DEVICE))[0],
+                                reason="triton unavailable here")
+
+
+def _cfg(**split):
+    return attnplan.load_config(split=split, plan_cache={"disk": False})
+
+
+def _out(x):
+    return (poison(torch.empty_like(x.q)),
+            poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device=x.q.device)))
+
+
+# -- the prologue equals the host schedule ----------------------------------------------------------------------
+
+try:
+    import triton
+    import triton.language as tl
+
+    from attnplan.backends.triton.kernels import _schedule
+except ImportError:  # the module's tests skip (pytestmark)
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _probe_kernel(SEQ_LENS, TARGETS, META, US, OUT, batch, window_left, min_c, max_s, Q_LEN: tl.constexpr,
+                      GRANULE: tl.constexpr, WINDOW: tl.constexpr, BALANCED: tl.constexpr, BLOCK_B: tl.constexpr,
+                      ONE_BLOCK: tl.constexpr):
+        """The partial kernel's prologue alone: program ``p`` asks for unit ``US[p]`` and stores what it finds."""
+        pid = tl.program_id(0)
+        u = tl.load(US + pid)
+        b, first, units, cb = _schedule(SEQ_LENS, 1, TARGETS, META, batch, u, pid, window_left, min_c, max_s,
+                                        Q_LEN, GRANULE, WINDOW, BALANCED, True, BLOCK_B, ONE_BLOCK)
+        tl.store(OUT + pid * 4, b)
+        tl.store(OUT + pid * 4 + 1, first)
+        tl.store(OUT + pid * 4 + 2, units)
+        tl.store(OUT + pid * 4 + 3, cb)
+
+
+def _probe(lens, sched: Schedule, q_len, window, us, block_b, one_block=False):
+    """Run the prologue alone for units ``us`` (program 0 must ask for unit 0: it writes the meta); ``one_block``:
+    the single-block path (``len(lens) <= block_b``)."""
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    meta = torch.full((2 * len(lens),), -7, dtype=torch.int32, device=DEVICE)
+    out = torch.full((len(us), 4), -7, dtype=torch.int32, device=DEVICE)
+    _probe_kernel[(len(us),)](lens_t, torch.tensor(sched.targets, dtype=torch.int32, device=DEVICE), meta,
+                       torch.tensor(us, dtype=torch.int32, device=DEVICE), out, len(lens), max(window, 0),
+                       sched.min_unit_granules, sched.max_units_per_seq, Q_LEN=q_len, GRANULE=sched.granule,
+                       WINDOW=window >= 0, BALANCED=any(sched.targets), BLOCK_B=block_b, ONE_BLOCK=one_block)
+    return out.cpu(), meta.cpu()
+
+
+def _expect(lens, sched, q_len, window, us):
+    s = schedule_units(lens, sched, q_len, window)
+    rows = []
+    for u in us:
+        if u >= s.num_units:
+            rows.append(-1)
+            continue
+        b = int(s.seq[u])
+        rows.append([b, int(s.indptr[b]), int(s.units[b]), int(s.unit_granules[b])])
+    return s, rows
+
+
+def _targets(gen, lo=1, hi=64):
+    return tuple(int(x) for x in torch.randint(lo, hi, (NUM_TARGETS,), generator=gen))
+
+
+SCHEDULES = {
+    "balanced": lambda gen: Schedule("balanced", 16, 2, 8, _targets(gen), 1 << 20),
+    "balanced-zero-targets-low": lambda gen: Schedule("balanced", 32, 1, 5, (0, 0, 0, 0) + _targets(gen)[4:], 1 << 20),
+    "forced": lambda gen: Schedule("forced", 16, 1, 7, (0,) * NUM_TARGETS, 1 << 20),
+    "invariant": lambda gen: Schedule("batch_invariant", 64, 3, 4, (0,) * NUM_TARGETS, 1 << 20),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("q_len,window", [(1, -1), (3, 40)])  # q_len counts with a window only
+@pytest.mark.parametrize("batch,block_b,one_block", [(7, 16, True), (7, 16, False), (40, 16, False)])
+def test_prologue_matches_host_schedule(name, q_len, window, batch, block_b, one_block, gen):
+    """Random lengths with zeros and long ones; every unit, a unit past the total, and the meta; the single-block
+    path and the loops (``block_b`` 16 with 40 sequences: three blocks, and the search stops early)."""
+    sched = SCHEDULES[name](gen)
+    lens = torch.randint(0, 700, (batch,), generator=gen)
+    lens[torch.rand(batch, generator=gen) < 0.3] = 0
+    lens[0] = 2000
+    lens = lens.tolist()
+    s = schedule_units(lens, sched, q_len, window)
+    us = list(range(s.num_units)) + [s.num_units, s.num_units + 5]
+    got, meta = _probe(lens, sched, q_len, window, us, block_b, one_block)
+    _, rows = _expect(lens, sched, q_len, window, us)
+    for u, (row, want) in enumerate(zip(got.tolist(), rows)):
+        assert (row[0] == -1) if want == -1 else row == want, f"unit {u}: kernel {row}, host {want}"
+    assert meta[:batch].tolist() == s.indptr[:-1].tolist() and meta[batch:].tolist() == s.units.tolist()
+
+
+def test_prologue_at_batch_65536(gen):
+    """65,536 sequences (64 prologue blocks of 1024): units at the start, the middle and the end of the batch, and
+    past the total, equal the host schedule's; the meta too."""
+    batch = 65536
+    sched = Schedule("balanced", 16, 1, 16, _targets(gen, 1 << 16, 1 << 17), 1 << 20)
+    lens = torch.randint(0, 300, (batch,), generator=gen)
+    lens[12345] = 40000
+    lens = lens.tolist()
+    s = schedule_units(lens, sched)
+    n = s.num_units
+    us = [0, 1, 2, int(s.indptr[12345]), int(s.indptr[12345]) + 3, n // 2, n - 2, n - 1, n, n + 1000]
+    got, meta = _probe(lens, sched, 1, -1, us, 1024)
+    _, rows = _expect(lens, sched, 1, -1, us)
+    for u, row, want in zip(us, got.tolist(), rows):
+        assert (row[0] == -1) if want == -1 else row == want, f"unit {u}: kernel {row}, host {want}"
+    assert torch.equal(meta[:batch].long(), s.indptr[:-1]) and torch.equal(meta[batch:].long(), s.units)
+
+
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+def test_several_prologue_blocks_end_to_end(merge, gen, monkeypatch):
+    """Prologue blocks of 16 sequences over a batch of 40 (a capacity plan: balanced targets): outputs equal the
+    reference and the separate merge's meta equals the host schedule."""
+    import attnplan.backends.triton as tb
+
+    monkeypatch.setattr(tb, "MAX_BLOCK_B", 16)
+    be = get_backend("triton")
+    be._launches.clear()
+    lens = torch.randint(0, 40, (40,), generator=gen)
+    lens[3] = 300
+    lens[37] = 250
+    x = make_inputs(40, 4, 1, 16, lens.tolist(), page_size=16, device=DEVICE, generator=gen, capacity=320)
+    w = attnplan.DecodeWrapper(_cfg(merge=merge), backend="triton")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+    const = w.backend._launch(plan, w.workspace).const
+    assert plan.merge == merge and const["BLOCK_B"] == 16 and not const["ONE_BLOCK"]
+    out, lse = _out(x)
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    assert_close_to_reference(out, ref)
+    assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+    s = schedule_units(lens.tolist(), plan.schedule)
+    assert int(s.units.max()) > 1
+    if merge == "separate":
+        assert w.workspace.meta.cpu().tolist() == s.indptr[:-1].tolist() + s.units.tolist()
+    else:
+        assert int(w.workspace.counters.abs().sum()) == 0
+    be._launches.clear()
+
+
+# -- 64-bit offsets ------------------------------------------------------------------------------------------------
+
+BIG = 1 << 30
+
+
+def _big_buffer(elements: int, dtype):
+    """A buffer of ``elements`` (virtual memory: only what is written is ever touched), or skip."""
+    try:
+        return torch.empty(elements, dtype=dtype, device=DEVICE)
+    except (RuntimeError, MemoryError) as e:  # no room for the address space
+        pytest.skip(f"cannot reserve {elements} elements: {e}")
+
+
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_head_major_cache_with_head_stride_2_30(page, splits, gen):
+    """A head-major KV cache view, head stride 2^30 elements, 3 KV heads: head 2 starts at 2^31 elements, past int32.
+    The views start 2^31 elements into the buffer, so a wrapped 32-bit offset reads zeros inside it (no fault)."""
+    src = make_inputs(2, 6, 3, 16, [37, 20], page_size=page, device=DEVICE, generator=gen, capacity=48)
+    k0, v0 = src.k_cache, src.v_cache
+    pages, tokens, hkv, d = k0.shape
+    buf = _big_buffer(4 * BIG + 2 * pages * tokens * d + 64, torch.float16)
+    strides = (tokens * d, d, BIG, 1)
+    k = buf.as_strided(k0.shape, strides, 2 * BIG)
+    v = buf.as_strided(v0.shape, strides, 2 * BIG + pages * tokens * d)
+    k.copy_(k0)
+    v.copy_(v0)
+    x = DecodeInputs(src.q, k, v, src.seq_lens, src.block_table, src.sm_scale)
+    w = attnplan.DecodeWrapper(_cfg(), backend="triton")
+    w.plan(x.q, k, v, x.seq_lens, x.block_table, num_splits=splits)
+    out, lse = _out(x)
+    w.run(x.q, k, v, x.seq_lens, x.block_table, out=out, lse=lse)
+    ref, ref_lse = reference.attention(x.q, k0, v0, x.seq_lens, x.block_table, x.sm_scale)
+    assert_close_to_reference(out, ref)
+    assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_q_and_out_with_head_stride_2_30(splits, gen):
+    """q and out views with head stride 2^30 (4 query heads: heads 2 and 3 start past 2^31 elements), read and
+    written where they are. The views start 2^31 elements into the buffer (a wrapped offset stays inside it)."""
+    src = make_inputs(2, 4, 2, 16, [33, 9], q_len=2, device=DEVICE, generator=gen)
+    b, ql, hq, d = src.q.shape
+    buf = _big_buffer(5 * BIG + 2048, torch.float16)
+    q = buf.as_strided(src.q.shape, (ql * d, d, BIG, 1), 2 * BIG)
+    out = buf.as_strided(src.q.shape, (ql * d, d, BIG, 1), 2 * BIG + 1024)
+    q.copy_(src.q)
+    out.fill_(float("nan"))
+    lse = poison(torch.empty(b, ql, hq, dtype=torch.float32, device=DEVICE))
+    w = attnplan.DecodeWrapper(_cfg(), backend="triton")
+    w.plan(q, src.k_cache, src.v_cache, src.seq_lens, num_splits=splits)
+    w.run(q, src.k_cache, src.v_cache, src.seq_lens, out=out, lse=lse)
+    ref, ref_lse = reference.attention(src.q, src.k_cache, src.v_cache, src.seq_lens, None, src.sm_scale)
+    assert_close_to_reference(out, ref)
+    assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+
+
+# -- strides -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("splits,merge", [(1, "separate"), (3, "separate"), (3, "fused")])
+def test_every_stride_is_honoured(page, splits, merge, gen):
+    """Non-contiguous views of every input and output (q's batch and head strides, the cache's page / token / head
+    strides, the block table's row and column strides, seq_lens' stride, out's and lse's leading strides), run
+    through the backend directly (validation may refuse some of these views; the kernel honours them all)."""
+    src = make_inputs(3, 8, 2, 32, [45, 0, 17], q_len=2, page_size=page, device=DEVICE, generator=gen, capacity=48)
+    b, ql, hq, d = src.q.shape
+    # the gaps hold zeros (a kernel that ignored a stride reads wrong values, not out of bounds)
+    q = torch.zeros(b + 1, ql, 2 * hq, d, dtype=src.q.dtype, device=DEVICE)[1:, :, ::2].copy_(src.q)
+    n0, t0, hkv, _ = src.k_cache.shape
+    k = torch.zeros(n0, 2 * t0, hkv + 1, d, dtype=src.q.dtype, device=DEVICE)[:, ::2, 1:].copy_(src.k_cache)
+    v = torch.zeros(n0, t0, hkv, 2 * d, dtype=src.q.dtype, device=DEVICE)[..., d:].copy_(src.v_cache)
+    sl = torch.zeros(2 * b, dtype=torch.int32, device=DEVICE)[::2].copy_(src.seq_lens)
+    bt = None
+    if page:
+        bt = torch.zeros(src.block_table.shape[1], 2 * b, dtype=torch.int32, device=DEVICE).t()[::2]
+        bt.copy_(src.block_table)
+        assert bt.stride(1) != 1
+    x = DecodeInputs(q, k, v, sl, bt, src.sm_scale)
+    w = attnplan.DecodeWrapper(_cfg(merge=merge), backend="triton")
+    plan = w.plan(src.q, src.k_cache, src.v_cache, src.seq_lens, src.block_table, num_splits=splits)
+    out = poison(torch.empty(b, ql + 1, hq, 2 * d, dtype=src.q.dtype, device=DEVICE))[:, 1:, :, :d]
+    lse = poison(torch.empty(b, 3 * ql, hq, dtype=torch.float32, device=DEVICE))[:, ::3]
+    if w.workspace.state is not None:
+        w.workspace.state.fill_(float("nan"))
+    w.backend.run(plan, x, w.workspace, out, lse)
+    ref, ref_lse = reference.attention(src.q, src.k_cache, src.v_cache, src.seq_lens, src.block_table, src.sm_scale)
+    assert_close_to_reference(out, ref)
+    assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+
+
+# -- NaN isolation -------------------------------------------------------------------------------------------------
+
+def _nan_equal(out, ref, dtype=torch.float16):
+    """NaN exactly where the reference has NaN (no NaN leaks, none lost), the rest within tolerance."""
+    o = out.detach().cpu().double()
+    nan_o, nan_r = torch.isnan(o), torch.isnan(ref)
+    assert torch.equal(nan_o, nan_r), f"NaN at {(nan_o != nan_r).nonzero()[:6].tolist()} differs from the reference"
+    inf = float("inf")
+    assert_close_to_reference(o.nan_to_num(7.0, inf, -inf), ref.nan_to_num(7.0, inf, -inf), dtype)
+
+
+NAN_CASES = [  # (q_len, window, page, splits, merge)
+    (2, -1, None, 1, "separate"),
+    (2, -1, 16, 3, "separate"),
+    (4, -1, None, 3, "fused"),
+    (3, 6, 16, 1, "separate"),
+    (3, 6, None, 3, "fused"),
+    (4, 40, 16, 3, "separate"),
+]
+
+
+@pytest.mark.parametrize("q_len,window,page,splits,merge", NAN_CASES)
+def test_nan_in_positions_a_query_cannot_see(q_len, window, page, splits, merge, gen):
+    """NaN in V at each sequence's last position (only its last query sees it), +inf and NaN in V and NaN in K at
+    the first position of the window that only query 0 sees, NaN in V inside the span every query sees: the
+    queries that cannot see a position are exact, the others are NaN where the reference is."""
+    lens = [50, 37, 2]
+    x = make_inputs(3, 8, 2, 32, lens, q_len=q_len, page_size=page, device=DEVICE, generator=gen, capacity=64)
+
+    def at(b, pos):  # (k, v) rows of sequence b at logical position pos
+        if page is None:
+            return x.k_cache[b, pos], x.v_cache[b, pos]
+        p = int(x.block_table[b, pos // page])
+        return x.k_cache[p, pos % page], x.v_cache[p, pos % page]
+
+    for b, n in enumerate(lens):
+        at(b, n - 1)[1][0, 3] = float("nan")  # the last position: query q_len - 1 only
+        if window >= 0 and n - q_len - window >= 0:
+            first = n - q_len - window  # query 0's first visible position, before every later query's window
+            at(b, first)[1][0, 5] = float("inf")
+            at(b, first)[1][0, 6] = float("nan")
+            at(b, first)[0][1, 2] = float("nan")  # KV head 1: query 0's scores there are NaN
+    at(0, 10)[1][1, 9] = float("nan")  # seen by every query of sequence 0 (KV head 1's rows)
+    w = attnplan.DecodeWrapper(_cfg(merge=merge), backend="triton")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=splits, window_left=window)
+    out, lse = _out(x)
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                       window_left=window)
+    _nan_equal(out, ref)
+    _nan_equal(lse, ref_lse, torch.float32)
+    assert torch.isfinite(out[0, 0, :4, 3]).all() and torch.isnan(out[0, q_len - 1, :4, 3]).all()
+
+
+# -- the merges ----------------------------------------------------------------------------------------------------
+
+def test_fused_merge_resets_between_runs_and_lengths(gen):
+    """One capacity plan with the fused merge, runs at other lengths written in place into ``seq_lens`` (as a graph
+    replay would), the workspace poisoned between runs: every run equals the reference and the counters are back
+    at zero."""
+    x = make_inputs(2, 8, 2, 32, [100, 50], page_size=16, dtype=torch.bfloat16, device=DEVICE, capacity=128,
+                    generator=gen)
+    w = attnplan.DecodeWrapper(_cfg(merge="fused"), backend="triton")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=4, capacity=True)
+    assert plan.merge == "fused"
+    for lens in ([100, 50], [3, 0], [128, 128], [0, 0], [1, 127]):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        w.workspace.state.fill_(float("nan"))
+        out, lse = _out(x)
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+        ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+        assert_close_to_reference(out, ref, torch.bfloat16)
+        assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+        assert int(w.workspace.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+def test_empty_units_and_rows_with_sinks(merge, gen):
+    """8 units forced over lengths 0, 1, 17 and q_len 2 (query 0 of the length-1 sequence sees nothing): an empty
+    row gives 0 / -inf, or the sink's logit with a finite sink; a ``-inf`` sink is no sink and gives no NaN. (A
+    merged row cannot be empty: a query sees nothing only in a sequence shorter than q_len, one granule; the merge
+    kernels' empty rows are tested in test_merge_kernels.py.)"""
+    x = make_inputs(3, 8, 2, 32, [0, 1, 17], q_len=2, dtype=torch.bfloat16, device=DEVICE, capacity=64,
+                    generator=gen)
+    z = torch.randn(8, generator=gen).float()
+    z[0] = z[5] = float("-inf")
+    for s in (None, z.to(DEVICE)):
+        w = attnplan.DecodeWrapper(_cfg(merge=merge), backend="triton")
+        plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, num_splits=8, sinks=s)
+        out, lse = _out(x)
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, out=out, lse=lse)
+        ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, sinks=s)
+        assert_close_to_reference(out, ref, torch.bfloat16)
+        assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+        assert torch.all(out[0] == 0) and torch.all(out[1, 0] == 0)
+        if s is None:
+            assert torch.all(torch.isneginf(lse[0])) and torch.all(torch.isneginf(lse[1, 0]))
+        else:
+            assert torch.equal(lse[0, 0].cpu(), z) and torch.equal(lse[1, 0].cpu(), z)
+    assert schedule_units([0, 1, 17], plan.schedule, 2).units.tolist() == [1, 1, 2]
+
+
+# -- GPU: realistic sizes, racing programs -------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_capacity_plan_long_tail_gpu(merge, page, q_len, gen):
+    """b=8, 32/8/128 bf16, capacity 32K, one long sequence among short ones: 3 runs per length vector, bitwise
+    equal, each equal to the reference; fused counters at zero."""
+    x = make_inputs(8, 32, 8, 128, [100] * 8, q_len=q_len, page_size=page, dtype=torch.bfloat16, device="cuda",
+                    capacity=32768, generator=gen)
+    w = attnplan.DecodeWrapper(_cfg(merge=merge), backend="triton")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+    assert plan.merge == merge
+    for lens in ([32768, 5, 100, 0, 1, 700, 2048, 9], [1] * 8, [32768] * 8):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+        runs = []
+        for _ in range(3):
+            out, lse = _out(x)
+            w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+            runs.append(out)
+        torch.cuda.synchronize()
+        assert all(torch.equal(runs[0], r) for r in runs[1:])
+        assert_close_to_reference(runs[0], ref, torch.bfloat16)
+        assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+        if merge == "fused":
+            assert int(w.workspace.counters.abs().sum()) == 0
