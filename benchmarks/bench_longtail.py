@@ -248,6 +248,11 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     heads = [tuple(int(x) for x in h.split(",")) for h in args.heads.split(";") if h]
     points, t0 = [], time.time()
+    result = {"command": " ".join(["python", "benchmarks/bench_longtail.py", *(argv or sys.argv[1:])]),
+              "env": _env(), "flashinfer": fi.__version__ if fi else why, "points": points,
+              "method": "CUDA-graph replay, L2 flushed before each replay, median of --iters per vector; means over "
+                        "vectors per point; ratios are geometric means of per-vector ratios"}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for hq, hkv, d in heads:
         for batch in (int(b) for b in args.batches.split(",")):
             for dist in args.dists.split(","):
@@ -257,13 +262,8 @@ def main(argv=None) -> int:
                 s = pt["summary"]
                 print(f"{hq}/{hkv}/{d} b{batch} {dist}: capacity {s['capacity_us']:.1f} us, live {s['live_us']:.1f}, "
                       f"FlashInfer {s['fi_us']:.1f}, read {s['read_us']:.1f} ({time.time() - t0:.0f} s)", flush=True)
-    result = {"command": " ".join(["python", "benchmarks/bench_longtail.py", *(argv or sys.argv[1:])]),
-              "env": _env(), "flashinfer": fi.__version__ if fi else why, "points": points,
-              "method": "CUDA-graph replay, L2 flushed before each replay, median of --iters per vector; means over "
-                        "vectors per point; ratios are geometric means of per-vector ratios"}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+                with open(args.out, "w") as f:  # after every point: a run cut short keeps what it measured
+                    json.dump(result, f, indent=1)
     print_table(points)
     return 0
 
