@@ -14,6 +14,7 @@ from attnplan.api import Context, plan_problem
 from attnplan.backends import get_backend
 from attnplan.cache import PlanCache
 from attnplan.device import DeviceInfo
+from attnplan.planner import PLAN_VERSION
 
 from conftest import run_spawned
 
@@ -21,6 +22,8 @@ DEV_A = DeviceInfo("NVIDIA H200", 132, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "
 DEV_B = DeviceInfo("NVIDIA H200", 66, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")  # MIG-like slice
 DEV_C = DeviceInfo("NVIDIA H200", 132, (8, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
 PROB = attnplan.DecodeProblem(batch=1, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16, max_kv_len=20000)
+#: the folder of this plan format's files
+VDIR = f"v{PLAN_VERSION}"
 
 
 def ctx_at(path, **cache):
@@ -46,12 +49,13 @@ def test_hits_misses_and_disk_roundtrip(tmp_path):
 
 
 def test_key_includes_arch_and_sm_count(tmp_path):
-    """Another SM count (a MIG slice) or compute capability re-plans: both are in the key."""
+    """Another SM count (a MIG slice) or compute capability re-plans: both are in the key, and the SM count moves
+    the schedule's targets (units wanted per batch size: half the SMs, half the units)."""
     ctx = ctx_at(tmp_path)
     a, b, c = plan(ctx, DEV_A), plan(ctx, DEV_B), plan(ctx, DEV_C)
     assert ctx.cache.stats.misses == 3
-    assert b.device["sm_count"] == 66 and c.device["cc"] == [8, 0]
-    assert a.num_splits != b.num_splits
+    assert a.device.sm_count == 132 and b.device.sm_count == 66 and c.device.cc == (8, 0)
+    assert max(a.schedule.targets) > max(b.schedule.targets) and a.schedule.max_units > b.schedule.max_units
 
 
 def test_config_change_replans(tmp_path):
@@ -66,7 +70,7 @@ def test_config_change_replans(tmp_path):
 def test_corrupt_and_old_files_are_rebuilt_with_warning(tmp_path):
     ctx = ctx_at(tmp_path)
     plan(ctx)
-    (f,) = list((tmp_path / "v1").glob("*.json"))
+    (f,) = list((tmp_path / VDIR).glob("*.json"))
     f.write_text("{not json")
     fresh = ctx_at(tmp_path)
     with pytest.warns(RuntimeWarning, match="unusable"):
@@ -120,9 +124,9 @@ def _worker(path, n, q):
 def test_concurrent_processes_never_read_half_written_files(tmp_path):
     results = run_spawned(_worker, [(str(tmp_path), 12)] * 4)
     assert all(r == results[0] for r in results)
-    for f in (tmp_path / "v1").glob("*.json"):
+    for f in (tmp_path / VDIR).glob("*.json"):
         json.loads(f.read_text())  # every file complete
-    assert not list((tmp_path / "v1").glob(".tmp-*"))
+    assert not list((tmp_path / VDIR).glob(".tmp-*"))
 
 
 def test_clear_and_entries(tmp_path):
@@ -141,38 +145,27 @@ def test_lru_evicts(tmp_path):
     assert cache.lookup(("k", 0)) is None and cache.lookup(("k", 2)) == 2
 
 
-def test_plan_cache_hit_and_miss_host_cost():
-    """Host overhead targets: a plan-cache hit costs at most 10 us, a miss (planning) at most 1 ms.
-    Timed in this thread's CPU time (``time.thread_time``), fastest of several batches: the cost of the code,
-    not of a host shared with other work (wall time under 13 xdist workers on the GPU machine's 16 cores put a
-    miss at ~1,000 us, s6-call4 / -call7, where the idle machine's bench measures ~230 us)."""
-    import time
-
-    import torch
-
-    import attnplan
+def test_a_hit_never_rebuilds_and_a_disabled_cache_always_does(monkeypatch):
+    """A plan-cache hit returns the stored plan without planning (the build is counted, not timed: no test asserts
+    wall-clock time); with the cache disabled every call plans."""
     import attnplan.api as api
-    from attnplan.device import device_info
 
+    builds = []
+    real = api.make_plan
+    monkeypatch.setattr(api, "make_plan", lambda *a, **k: builds.append(1) or real(*a, **k))
     ctx = api.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
     cold = api.Context.from_config(attnplan.load_config(plan_cache={"enabled": False}))
     prob = attnplan.DecodeProblem(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, max_kv_len=4096,
                                   total_kv_len=4 * 4000, q_dtype="float16", kv_dtype="float16")
-    be, dev = attnplan.backends.get_backend("reference"), torch.device("cpu")
-    di = device_info(dev)
-    api.plan_problem(prob, be, dev, ctx, dev_info=di)
-
-    def per_call(c, n):
-        t = time.thread_time()
-        for _ in range(n):
-            api.plan_problem(prob, be, dev, c, dev_info=di)
-        return (time.thread_time() - t) / n * 1e6
-
-    hit = min(per_call(ctx, 500) for _ in range(7))
-    miss = min(per_call(cold, 20) for _ in range(7))
-    assert ctx.cache.stats.misses == 1
-    assert hit <= 10.0, f"plan-cache hit {hit:.1f} us"
-    assert miss <= 1000.0, f"plan-cache miss {miss:.1f} us"
+    be, dev = get_backend("reference"), torch.device("cpu")
+    first = api.plan_problem(prob, be, dev, ctx, dev_info=DEV_A)
+    assert len(builds) == 1
+    for _ in range(5):
+        assert api.plan_problem(prob, be, dev, ctx, dev_info=DEV_A) is first
+    assert len(builds) == 1 and ctx.cache.stats.hits == 5 and ctx.cache.stats.misses == 1
+    for _ in range(3):
+        assert api.plan_problem(prob, be, dev, cold, dev_info=DEV_A) == first
+    assert len(builds) == 4 and cold.cache.stats.misses == 3 and cold.cache.stats.hits == 0
 
 
 # -- hostile plan files: a miss with a warning naming the file, never an exception or a wrong answer -------
@@ -201,7 +194,14 @@ def _set(*keys_value):
     return fn
 
 
+def _add(key, delta):
+    def fn(d):
+        d["plan"]["schedule"][key] += delta
+    return fn
+
+
 HOSTILE = {
+    # not a plan file at all
     "non-utf8": lambda f: b"\xff\xfe{\"plan\": 1}",
     "json list": lambda f: "[1, 2]",
     "json null": lambda f: "null",
@@ -209,27 +209,56 @@ HOSTILE = {
     "not json": lambda f: "{not json",
     "deep nesting": lambda f: "[" * 100_000 + "]" * 100_000,
     "huge": lambda f: " " * (2 << 20),
-    "grid [1,1,1]": lambda f: _mutated(f, _set("plan", "grid", [1, 1, 1])),
-    "kernel {}": lambda f: _mutated(f, _set("plan", "kernel", {})),
     "plan a list": lambda f: _mutated(f, _set("plan", [])),
-    "num_splits a string": lambda f: _mutated(f, _set("plan", "num_splits", "3")),
-    "num_splits 0": lambda f: _mutated(f, _set("plan", "num_splits", 0)),
-    "unknown field": lambda f: _mutated(f, _set("plan", "colour", "blue")),
-    "missing field": lambda f: _mutated(f, lambda d: d["plan"].pop("chunk_size")),
-    "chunk not aligned": lambda f: _mutated(f, _set("plan", "chunk_size", 1)),
-    "workspace too small": lambda f: _mutated(f, _set("plan", "workspace_bytes", 4)),
-    "problem batch": lambda f: _mutated(f, _set("plan", "problem", "batch", 5)),
-    "problem not a problem": lambda f: _mutated(f, _set("plan", "problem", "num_kv_heads", 3)),
-    "merge grid": lambda f: _mutated(f, _set("plan", "merge_grid", [1])),
     "other key": lambda f: _mutated(f, _set("key", ["another", "key"])),
     "other version": lambda f: _mutated(f, _set("plan_version", 0)),
+    "plan version 1": lambda f: _mutated(f, _set("plan", "version", 1)),
+    # fields of the wrong type or missing / unknown
+    "unknown field": lambda f: _mutated(f, _set("plan", "colour", "blue")),
+    "missing field": lambda f: _mutated(f, lambda d: d["plan"].pop("schedule")),
+    "v1 field chunk_size": lambda f: _mutated(f, _set("plan", "chunk_size", 16)),
+    "schedule a list": lambda f: _mutated(f, _set("plan", "schedule", [1, 2])),
+    "schedule field missing": lambda f: _mutated(f, lambda d: d["plan"]["schedule"].pop("granule")),
+    "max_units_per_seq a string": lambda f: _mutated(f, _set("plan", "schedule", "max_units_per_seq", "3")),
+    "max_units_per_seq 0": lambda f: _mutated(f, _set("plan", "schedule", "max_units_per_seq", 0)),
+    "max_units a float": lambda f: _mutated(f, _set("plan", "schedule", "max_units", 6.0)),
+    "max_units true": lambda f: _mutated(f, _set("plan", "schedule", "max_units", True)),
+    "max_units 2^31": lambda f: _mutated(f, _set("plan", "schedule", "max_units", 1 << 31)),
+    "targets short": lambda f: _mutated(f, _set("plan", "schedule", "targets", [0] * 31)),
+    "targets a string": lambda f: _mutated(f, _set("plan", "schedule", "targets", "0" * 32)),
+    "targets negative": lambda f: _mutated(f, _set("plan", "schedule", "targets", [-1] * 32)),
+    "targets on a forced schedule": lambda f: _mutated(f, _set("plan", "schedule", "targets", [4] * 32)),
+    "policy unknown": lambda f: _mutated(f, _set("plan", "schedule", "policy", "greedy")),
+    "plan policy unknown": lambda f: _mutated(f, _set("plan", "policy", "magic")),
+    "device a dict": lambda f: _mutated(f, _set("plan", "device", {"sm_count": 132})),
+    "kernel a list": lambda f: _mutated(f, _set("plan", "kernel", [64])),
+    "kernel option a dict": lambda f: _mutated(f, _set("plan", "kernel", "block_n", {"x": 1})),
+    "table_entry short": lambda f: _mutated(f, _set("plan", "table_entry", [1, 2])),
+    "candidates not triples": lambda f: _mutated(f, _set("plan", "candidates", [[1, 2]])),
+    "problem not a problem": lambda f: _mutated(f, _set("plan", "problem", "num_kv_heads", 3)),
     "NaN prediction": lambda f: _mutated(f, _set("plan", "predicted_us", float("nan"))),
+    # well-typed plans a kernel would execute wrongly if they were trusted
+    "max_units 0": lambda f: _mutated(f, _set("plan", "schedule", "max_units", 0)),
+    "max_units below the batch": lambda f: _mutated(f, _set("plan", "schedule", "max_units", 1)),
+    "workspace too small": lambda f: _mutated(f, _add("max_units", -1)),
+    "kernel {}": lambda f: _mutated(f, _set("plan", "kernel", {})),
+    "block_n 0": lambda f: _mutated(f, _set("plan", "kernel", "block_n", 0)),
+    "granule not a multiple of block_n": lambda f: _mutated(f, _set("plan", "schedule", "granule", 1)),
+    "granule not a multiple of the page size": lambda f: _mutated(
+        f, lambda d: (d["plan"]["kernel"].update(block_n=2), d["plan"]["schedule"].update(granule=2))),
+    "merge atomic": lambda f: _mutated(f, _set("plan", "merge", "atomic")),
+    "merge none with units": lambda f: _mutated(f, _set("plan", "merge", "none")),
+    "problem batch": lambda f: _mutated(f, _set("plan", "problem", "batch", 5)),
+    "problem capacity": lambda f: _mutated(f, _set("plan", "problem", "capacity", 8)),
+    "problem page size": lambda f: _mutated(f, _set("plan", "problem", "page_size", 8)),
 }
 
 
 #: the files whose plan a kernel would execute wrongly if it were trusted: run on a kernel backend
-KERNEL_RELEVANT = {"grid [1,1,1]", "kernel {}", "chunk not aligned", "workspace too small", "problem batch",
-                   "merge grid", "num_splits 0"}
+KERNEL_RELEVANT = {"max_units 0", "max_units below the batch", "workspace too small", "kernel {}", "block_n 0",
+                   "granule not a multiple of block_n", "granule not a multiple of the page size", "merge atomic",
+                   "merge none with units", "problem batch", "problem capacity", "problem page size",
+                   "max_units_per_seq 0"}
 
 
 def _decode_with_cache(ctx, x, backend=CACHE_BACKEND):
@@ -243,7 +272,7 @@ def test_hostile_plan_file_is_a_miss_with_a_warning(tmp_path, name):
     x = make_inputs(2, 4, 2, 16, [37, 9], page_size=4, dtype=torch.float32, generator=torch.Generator().manual_seed(3))
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     _decode_with_cache(ctx_at(tmp_path), x, backend)
-    (f,) = list((tmp_path / "v1").glob("*.json"))
+    (f,) = list((tmp_path / VDIR).glob("*.json"))
     text = HOSTILE[name](f)
     f.write_bytes(text if isinstance(text, bytes) else text.encode())
     ctx = ctx_at(tmp_path)
@@ -268,7 +297,7 @@ def _problem(x):
 def test_a_directory_or_fifo_in_place_of_a_plan_is_a_miss(tmp_path):
     x = make_inputs(1, 4, 2, 16, [9], dtype=torch.float32)
     _decode_with_cache(ctx_at(tmp_path), x, "reference")
-    (f,) = list((tmp_path / "v1").glob("*.json"))
+    (f,) = list((tmp_path / VDIR).glob("*.json"))
     f.unlink()
     os.mkfifo(f)  # reading it would block forever
     with pytest.warns(RuntimeWarning, match="not a regular file"):
@@ -301,7 +330,7 @@ def test_check_plan_accepts_what_the_planner_makes():
 def test_entries_and_clear_survive_hostile_files(tmp_path, monkeypatch):
     ctx = ctx_at(tmp_path)
     plan(ctx)
-    folder = tmp_path / "v1"
+    folder = tmp_path / VDIR
     (folder / "aaaa.json").write_bytes(b"\xff\xfe")
     (folder / "bbbb.json").write_text("[1]")
     (folder / ".tmp-leftover.json").write_text('{"plan_ver')
