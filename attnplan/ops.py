@@ -3,9 +3,12 @@
 Registered with a fake (meta) implementation, so models calling it trace under
 ``torch.compile(fullgraph=True)`` without graph breaks, and capture in CUDA graphs that torch
 makes (``mode="reduce-overhead"``): the op keeps one capacity plan per input signature, made on
-the first (eager, warm-up) call, so later calls neither plan nor sync the host; its workspace is
-a per-call temporary allocated through torch, so torch's graph memory pools own it. A call under capture with no plan for its signature
-raises :class:`~attnplan.PlanNotReadyError`.
+the first (eager, warm-up) call, so later calls neither plan nor sync the host. The workspace's
+partial states, the schedule's ``(indptr, units)`` table and the fused merge's counters are per-call
+temporaries allocated through torch, so torch's graph memory pools own them; the schedule's
+``targets`` table is constant per plan and is copied to the device once, with the plan (a
+host-to-device copy during capture would be illegal). A call under capture with no plan for its
+signature raises :class:`~attnplan.PlanNotReadyError`.
 
 The plan key is everything validation depends on: the shape, strides, dtype, device and 16-byte
 alignment of ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and ``block_table``
@@ -23,12 +26,12 @@ import threading
 import torch
 
 from .api import DecodeWrapper, PlanNotReadyError
-from .backends.base import DecodeInputs
+from .backends.base import DecodeInputs, Workspace
 from .state import PartialState
 
 __all__ = ["decode_op", "clear_op_plans"]
 
-_WRAPPERS: dict[tuple, tuple] = {}  # signature -> (backend, plan, sm_scale)
+_WRAPPERS: dict[tuple, tuple] = {}  # signature -> (backend, plan, sm_scale, targets on the device)
 _LOCK = threading.Lock()
 
 
@@ -72,17 +75,23 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
                                     "run the model once eagerly (torch.compile's warm-up does) before capturing")
         w = DecodeWrapper(backend=backend or None)
         plan = w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=scale, capacity=True)
-        entry = (w.backend, plan, w._sm_scale)
+        # keep the plan and its constant targets table only: the wrapper's other buffers, held across calls,
+        # would escape torch's graph memory pools
+        entry = (w.backend, plan, w._sm_scale, w.workspace.targets)
         with _LOCK:
             _WRAPPERS[key] = entry
-        del w  # keep the plan only: buffers held across calls would escape torch's graph memory pools
-    be, plan, sm = entry
-    # per-call temporaries (allocated through torch, so torch.compile's CUDA graphs own them)
-    b, ql, hq, d = q.shape
-    ws = None if plan.single_pass else PartialState.empty(b, ql, hq, plan.state_slots, d, device=q.device)
+        del w
+    be, plan, sm, targets = entry
+    # per-call temporaries (allocated through torch, so torch.compile's CUDA graphs own them): the ragged partial
+    # states [1, q_len, num_q_heads, max_units, head_dim] and the (indptr, units) table are written by the partial
+    # kernel before they are read; the fused merge's completion counters must start at zero
+    _, ql, hq, d = q.shape
+    state = None if plan.single_pass else PartialState.empty(1, ql, hq, plan.state_slots, d, device=q.device)
+    meta = torch.empty(plan.meta_words, dtype=torch.int32, device=q.device) if plan.meta_words else None
     counters = torch.zeros(plan.sync_words, dtype=torch.int32, device=q.device) if plan.sync_words else None
+    ws = Workspace(state, meta, counters, targets, plan.schedule.targets)
     out = torch.empty_like(q)
-    be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm), ws, out, None, counters)
+    be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm), ws, out, None)
     return out
 
 

@@ -88,3 +88,33 @@ def test_op_refuses_a_non_finite_scale(bad):
     x = make_inputs(1, 4, 2, 16, [9], dtype=torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="sm_scale must be finite"):
         torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, bad, BACKEND)
+
+
+def test_op_keeps_the_targets_with_the_plan_and_allocates_the_rest_per_call(gen, monkeypatch):
+    """The schedule's targets table goes to the device once, with the plan (a host-to-device copy under capture is
+    illegal); the ragged partial states and the (indptr, units) table are fresh torch allocations of every call
+    (torch.compile's CUDA graphs own them), shaped for the plan."""
+    from attnplan.backends import get_backend
+
+    attnplan.ops.clear_op_plans()
+    be = get_backend(BACKEND)
+    seen = []
+    real = be.run
+    monkeypatch.setattr(be, "run", lambda plan, inputs, ws, out, lse=None: (seen.append((plan, ws)),
+                                                                             real(plan, inputs, ws, out, lse))[1])
+    x = make_inputs(3, 8, 2, 32, [40, 3, 0], page_size=4, dtype=torch.float16, device=DEVICE, capacity=64,
+                    generator=gen)
+    for lens in ([40, 3, 0], [64, 64, 1]):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, 0.0, BACKEND)
+        ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+        assert_close_to_reference(out, ref, torch.float16)
+    (p1, w1), (p2, w2) = seen
+    assert p1 is p2 and p1.capacity_mode and not p1.single_pass  # one capacity plan, with partial states
+    assert w1.targets is w2.targets and w1.targets.tolist() == list(p1.schedule.targets)
+    assert w1.targets_host == p1.schedule.targets and w1.targets.dtype == torch.int32
+    assert w1.state is not w2.state and w1.state.o.shape == (1, 1, 8, p1.schedule.max_units, 32)
+    assert w1.state.o.dtype == w1.state.lse.dtype == torch.float32
+    assert (w1.meta is None) == (p1.merge != "separate") and (w1.counters is None) == (p1.merge != "fused")
+    if w1.meta is not None:
+        assert w1.meta.numel() == 2 * 3 and w1.meta is not w2.meta
