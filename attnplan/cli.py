@@ -4,6 +4,8 @@
 backend and the error against the float64 reference (and, on a GPU, time and bandwidth).
 ``attnplan run --explain``: print the plan and why earlier backends were skipped, compute nothing.
 ``attnplan plans show|clear``: inspect or empty the on-disk plan cache.
+``attnplan tune``: measure this GPU and write its planner table (:mod:`attnplan.tune`).
+The GPU benchmark against torch's attention is a script, ``benchmarks/bench_decode.py``.
 
 ``--config FILE`` may come before or after the subcommand. Every bad argument is an argparse usage
 error (exit status 2) or a one-line ``attnplan: error: ...`` (exit status 2), never a traceback.
@@ -220,13 +222,13 @@ def _plans(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``attnplan`` console script: ``run``, ``plans show|clear``, ``bench``, ``tune``. Returns the exit status (2 for bad input)."""
+    """The ``attnplan`` console script: ``run``, ``plans show|clear``, ``tune``. Returns the exit status (2 for bad input)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    # ``bench`` and ``tune`` own their options: hand everything after the word to them unparsed
+    # ``tune`` owns its options: hand everything after the word to it unparsed
     # (argparse's REMAINDER drops a tail that starts with an option, e.g. ``tune --json out.json``)
     passthrough = []
     for i, tok in enumerate(argv):
-        if tok in ("bench", "tune") and (i == 0 or argv[i - 1] != "--config"):
+        if tok in ("tune",) and (i == 0 or argv[i - 1] != "--config"):
             argv, passthrough = argv[: i + 1], argv[i + 1:]
             break
     parser = argparse.ArgumentParser(prog="attnplan", description="split-KV decode attention: run, inspect plans",
@@ -260,15 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plans", help="inspect or clear the on-disk plan cache")
     p.add_argument("action", choices=["show", "clear"])
     p.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file (also accepted before `plans`)")
-    bench = sub.add_parser("bench", help="GPU benchmark against torch SDPA (flash, cuDNN); --help for its options",
-                           add_help=False)
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    tune = sub.add_parser("tune", help="measure this GPU and write plans/<device>.yaml; --help for options", add_help=False)
+    tune = sub.add_parser("tune", help="measure this GPU and write its planner table, <cache dir>/plans/<device>.yaml "
+                                       "(--out: another file); --help for options", add_help=False)
     tune.add_argument("tune_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    if args.cmd in ("bench", "tune"):
-        setattr(args, f"{args.cmd}_args", passthrough)
-        if args.config:  # their planning contexts read the config from the environment
+    if args.cmd == "tune":
+        args.tune_args = passthrough
+        if args.config:  # its planning contexts read the config from the environment
             os.environ["ATTNPLAN_CONFIG"] = args.config
     if args.cmd == "tune":
         if _cpu_mode() and not {"-h", "--help"} & set(args.tune_args):
@@ -277,14 +277,6 @@ def main(argv: list[str] | None = None) -> int:
         from attnplan.tune import main as tune_main
 
         return tune_main(args.tune_args)
-    if args.cmd == "bench":
-        from attnplan.bench import main as bench_main
-
-        if _cpu_mode() and not {"-h", "--help"} & set(args.bench_args):
-            print("attnplan: error: bench needs a CUDA GPU", file=sys.stderr)
-            return 2
-        bench_main(args.bench_args)
-        return 0
     if _cpu_mode():
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
