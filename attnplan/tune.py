@@ -7,8 +7,8 @@ directory), unless ``--out`` names another file; the planner reads that user tab
 package. To ship a table, copy the written file to the repository's ``plans/``.
 
 Unless ``--no-options``, it first sweeps each backend's kernel options (:data:`OPTION_GRIDS`: ``block_n`` x
-``num_warps`` x ``num_stages`` for Triton; ``num_warps`` x ``num_stages`` x partition for cuda_ptx) with split
-counts of about 1-8 programs per SM over :data:`SHAPES`, and writes:
+``num_warps`` x ``num_stages`` for Triton; ``num_warps`` x ``num_stages`` for cuda_ptx) with split counts of
+about 1-8 programs per SM over :data:`SHAPES`, and writes:
 
 - ``kernel_options.<backend>.{contiguous,paged}``: the options with the best geometric-mean
   time relative to each shape's best;
@@ -16,7 +16,8 @@ counts of about 1-8 programs per SM over :data:`SHAPES`, and writes:
   shapes that need splitting (fewer sequence x KV-head pairs than SMs).
 
 Then, for every ``(layout, batch, KV length)`` of ``--batches`` x ``--kv`` at ``--heads``, an exhaustive split
-search (:data:`SEARCH_PROGRAMS_PER_SM`; with ``--row-options``, under each combination of those kernel options
+search (:data:`SEARCH_PROGRAMS_PER_SM`; split counts forced through ``num_splits``, i.e. up to that many equal
+work units per sequence, see :mod:`attnplan.schedule`; with ``--row-options``, under each combination of those kernel options
 too) writes ``split_table.<backend>.<layout>`` rows (the planner's ``tuned`` policy; a row found under
 ``--row-options`` carries its options, which the planner runs with the row's split count; rows of other points
 and heads stay), and ``cost_model.mem_bandwidth_gbs``, the streaming-read ceiling measured in the same run.
@@ -44,15 +45,16 @@ import yaml
 
 SHAPES = [(1, 131072), (1, 32768), (1, 4096), (4, 32768), (4, 4096), (16, 4096), (16, 32768)]
 
-#: kernel-option grids swept per backend (``partition`` goes to ``split.partition``, the rest to
-#: ``backend_options.<backend>``); a backend not listed sweeps its defaults only
+#: kernel-option grids swept per backend (each goes to ``backend_options.<backend>``); a backend not listed
+#: sweeps its defaults only
 OPTION_GRIDS = {
     "triton": {"block_n": [32, 64, 128], "num_warps": [4, 8], "num_stages": [2, 3, 4]},
-    "cuda_ptx": {"num_warps": [2, 4, 8], "num_stages": [2, 4, 6], "partition": ["split_k", "split_v"]},
+    "cuda_ptx": {"num_warps": [2, 4, 8], "num_stages": [2, 4, 6]},
 }
 #: programs per SM the sweep's split counts aim at
 SWEEP_PROGRAMS_PER_SM = (1, 2, 3, 4, 6, 8)
-#: programs per SM the exhaustive split search tries (split counts deduplicated after alignment). Up to
+#: programs per SM the exhaustive split search tries (split counts deduplicated by the units the schedule gives the
+#: point's length, :func:`units_per_sequence`). Up to
 #: 64: at batch 256 x 8 KV heads (2,048 pairs on 132 SMs) one split is already 15.5 programs per SM, so
 #: 3 and 4 splits (46.5, 62) are only searched with the top entries; at small pair counts those entries
 #: reach ``split.max_splits`` or the length and are deduplicated away
@@ -98,14 +100,23 @@ def _graph_time(w, x, iters: int) -> float:
 
 
 def _context(backend: str, opts: dict):
-    """A planning context with the swept options: ``partition`` to ``split``, the rest to the backend's options."""
+    """A planning context (no disk cache) with the swept kernel options as the backend's options."""
     import attnplan
     from attnplan.api import Context
 
-    kernel = {k: v for k, v in opts.items() if k != "partition"}
-    split = {"partition": opts["partition"]} if "partition" in opts else {}
-    return Context.from_config(attnplan.load_config(backend_options={backend: kernel} if kernel else {},
-                                                    split=split, plan_cache={"disk": False}))
+    return Context.from_config(attnplan.load_config(backend_options={backend: dict(opts)} if opts else {},
+                                                    plan_cache={"disk": False}))
+
+
+def units_per_sequence(plan, kv: int) -> int:
+    """The work units (splits) ``plan``'s device-side schedule gives each sequence of a uniform batch of ``kv``
+    tokens (:func:`attnplan.schedule.schedule_units` at ``[kv] * batch``): the split count a tuning point runs. A
+    forced ``num_splits = n`` gives at most ``n`` (fewer where ``n`` equal units of whole granules cannot all be
+    non-empty); a balanced plan's count comes from its targets."""
+    from .schedule import schedule_units
+
+    p = plan.problem
+    return int(schedule_units([kv] * p.batch, plan.schedule, p.q_len, p.window_left).units.max())
 
 
 def _inputs(layout: str, batch: int, kv: int, heads, gen, kv_dtype: str = "bfloat16", device: str = "cuda"):
@@ -158,8 +169,10 @@ def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous"
     """Time every (shape, layout, kernel options, split count) under CUDA-graph replay.
 
     ``heads`` = (query heads, KV heads, head_dim); ``shapes`` = (batch, KV tokens) pairs; the split counts
-    aim at ``programs_per_sm`` programs per SM. Returns one row per timing: ``layout, batch, kv``, the
-    options, ``splits, programs, us`` (or ``error`` for options that do not compile or fit).
+    aim at ``programs_per_sm`` programs per SM (forced, deduplicated by the units each gives, see
+    :func:`units_per_sequence`). Returns one row per timing: ``layout, batch, kv``, the options, ``splits`` (units
+    per sequence), ``programs`` (programs with work: units x batch x KV heads), ``us`` (or ``error`` for options
+    that do not compile or fit).
     """
     import attnplan
 
@@ -181,10 +194,11 @@ def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous"
                 try:
                     w = attnplan.DecodeWrapper(ctx, backend=backend)
                     plan = _plan(w, x, splits)
-                    if plan.num_splits in seen:
+                    units = units_per_sequence(plan, kv)
+                    if units in seen:
                         continue
-                    seen.add(plan.num_splits)
-                    row.update(splits=plan.num_splits, programs=plan.num_programs, us=_graph_time(w, x, iters))
+                    seen.add(units)
+                    row.update(splits=units, programs=units * batch * hkv, us=_graph_time(w, x, iters))
                 except Exception as e:  # noqa: BLE001 - options that do not compile or fit are recorded
                     row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 rows.append(row)
@@ -234,11 +248,13 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
 def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, progress=None,
                  kv_dtype: str = "bfloat16", row_options: dict | None = None) -> list[dict]:
     """Exhaustive split search with the planner's kernel options: for every ``(layout, batch, kv)``
-    point, every split count that puts :data:`SEARCH_PROGRAMS_PER_SM` programs on each SM (deduplicated
-    after chunk alignment), timed under CUDA-graph replay; with ``row_options`` (a grid such as
+    point, every split count that puts :data:`SEARCH_PROGRAMS_PER_SM` programs on each SM, forced through
+    ``num_splits`` and deduplicated by the units the schedule gives the point's length
+    (:func:`units_per_sequence`), timed under CUDA-graph replay; with ``row_options`` (a grid such as
     ``{"num_warps": [4, 8]}``), every split count under every combination of those kernel options too.
-    One row per timing: ``layout, batch, kv, options, splits, programs, ppsm, us`` (``options`` = the
-    combination, ``{}`` without ``row_options``)."""
+    One row per timing: ``layout, batch, kv, options, splits, programs, ppsm, us`` (``splits``: units per
+    sequence; ``programs``: programs with work, ``splits x batch x KV heads``; ``options`` = the combination,
+    ``{}`` without ``row_options``)."""
     import attnplan
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -257,16 +273,17 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
                 want = min(cfg.split.max_splits, max(1, math.ceil(ppsm * sms / pairs)))
                 w = attnplan.DecodeWrapper(ctx, backend=backend)
                 probe = _plan(w, x, want)
-                # a forced count keeps empty trailing splits when chunk alignment rounds up: time the
-                # count that actually has work, ceil(kv / chunk), once per distinct chunk
-                splits = max(1, -(-kv // probe.chunk_size))
-                if probe.chunk_size in seen:
+                # a forced count gives fewer units where equal units of whole granules cannot all have work:
+                # time the count the schedule gives, once per distinct count, planned as exactly that count
+                splits = units_per_sequence(probe, kv)
+                if splits in seen:
                     continue
-                seen.add(probe.chunk_size)
-                plan = _plan(w, x, splits) if splits != want else probe
-                rows.append({"layout": layout, "batch": batch, "kv": kv, "options": opts, "splits": plan.num_splits,
-                             "programs": plan.num_programs, "ppsm": round(plan.num_programs / sms, 3),
-                             "us": _graph_time(w, x, iters)})
+                seen.add(splits)
+                if splits != want:
+                    _plan(w, x, splits)
+                programs = splits * pairs
+                rows.append({"layout": layout, "batch": batch, "kv": kv, "options": opts, "splits": splits,
+                             "programs": programs, "ppsm": round(programs / sms, 3), "us": _graph_time(w, x, iters)})
         if progress:
             progress()
         del x
@@ -291,10 +308,11 @@ def split_table(rows: list[dict], heads) -> dict:
 
 def _row_key(r) -> tuple:
     """A split-table row's point: pairs, KV length, and the heads' group and head_dim as the planner
-    reads them (:func:`attnplan.planner.split_row_heads`)."""
-    from .planner import split_row_heads
+    reads them (:meth:`attnplan.planner.TableRow.from_row`: an untagged row has group ``None``, head_dim 128)."""
+    from .planner import TableRow
 
-    return (r[0], r[1]) + split_row_heads(r)
+    row = TableRow.from_row(r)
+    return (r[0], r[1], row.group, row.head_dim)
 
 
 def main(argv=None) -> int:
@@ -308,7 +326,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-options", action="store_true", help="keep the table's kernel options (skip their sweep)")
     ap.add_argument("--option-grid", default=None, type=parse_option_grid,
                     help="kernel options to sweep instead of the backend's default grid, e.g. "
-                         "'num_warps=4,8;num_stages=2,3,4' (integers; partition=split_k,split_v)")
+                         "'num_warps=4,8;num_stages=2,3,4' (integer values become ints)")
     ap.add_argument("--row-options", default=None, type=parse_option_grid,
                     help="kernel options the split search also varies per point, e.g. 'num_warps=4,8': each row "
                          "records the options of its best time and the planner runs them with the row's split count")
@@ -488,22 +506,27 @@ def _atomic_write(path: str, text: str) -> None:
 
 
 def _reload() -> None:
+    """Forget every cached view of the device table (after it was rewritten)."""
     import attnplan.api
     import attnplan.config
+    import attnplan.planner
 
     attnplan.config.device_table.cache_clear()
     attnplan.api._table_text.cache_clear()
     attnplan.api._tuned_lookup.cache_clear()
+    attnplan.planner._ROWS.clear()
 
 
-def _choice(plan, searched_keys) -> tuple:
-    """A plan as a key of the split search's timings: ``(((option, value), ...), num_splits)`` with the values the
-    plan's kernel actually has for the searched options and for the options its table row carries (a row's options
-    can reach a plan even when the search did not vary them), sorted by name as the search's keys are."""
+def _choice(plan, searched_keys, kv: int) -> tuple:
+    """A plan as a key of the split search's timings at a point of ``kv`` tokens per sequence: ``(((option, value),
+    ...), splits)`` with the values the plan's kernel actually has for the searched options and for the options its
+    table row (a :class:`~attnplan.planner.TableRow`) carries (a row's options can reach a plan even when the search
+    did not vary them), sorted by name as the search's keys are, and the units its schedule gives each sequence at
+    ``kv`` (:func:`units_per_sequence`)."""
     from .planner import entry_options
 
     keys = sorted(set(searched_keys) | set(entry_options(plan.table_entry)))
-    return tuple((k, plan.kernel.get(k)) for k in keys), plan.num_splits
+    return tuple((k, plan.kernel.get(k)) for k in keys), units_per_sequence(plan, kv)
 
 
 def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtype: str = "bfloat16") -> list[dict]:
@@ -546,7 +569,7 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtyp
             plan = _plan(w, x)
             t = _graph_time(w, x, iters)
             searched = [k for k, _ in best[0]]
-            mine = _choice(plan, searched)
+            mine = _choice(plan, searched, kv)
             t_best = t if mine == best else time_choice(best)
             pairs = batch * heads[1]
             loo = json.loads(json.dumps(full))
@@ -555,13 +578,15 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtyp
                                                             (pairs, kv, None, 128))]
             saved = planner.device_table
             planner.device_table = lambda s, _t=loo: _t
+            planner._ROWS.clear()  # parsed rows are cached by the table object's id, which a later table may reuse
             try:
                 ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
                 loo_plan = _plan(attnplan.DecodeWrapper(ctx, backend=backend), x)
             finally:
                 planner.device_table = saved
+                planner._ROWS.clear()
             # leave-one-out: the search's own ratio when that choice was searched, else timed afresh
-            loo_choice = _choice(loo_plan, searched)
+            loo_choice = _choice(loo_plan, searched, kv)
             if loo_choice == mine:
                 loo_ratio = t / t_best
             elif loo_choice in rs:
@@ -569,11 +594,11 @@ def planner_quality(searches: dict, heads=(32, 8, 128), iters: int = 15, kv_dtyp
             else:
                 loo_ratio = time_choice(loo_choice) / t_best
             out.append({"backend": backend, "layout": layout, "batch": batch, "kv": kv, "planner_us": t,
-                        "planner_splits": plan.num_splits, "planner_options": dict(mine[0]), "policy": plan.policy,
+                        "planner_splits": mine[1], "planner_options": dict(mine[0]), "policy": plan.policy,
                         "merge": plan.merge, "search": [[dict(o), n, us] for (o, n), us in rs.items()],
                         "best_us": t_best, "best_search_us": rs[best], "best_splits": best[1],
                         "best_options": dict(best[0]), "within_5pct": t <= 1.05 * t_best,
-                        "loo_splits": loo_plan.num_splits, "loo_options": dict(loo_choice[0]),
+                        "loo_splits": loo_choice[1], "loo_options": dict(loo_choice[0]),
                         "loo_policy": loo_plan.policy, "loo_us": loo_ratio * t_best,
                         "loo_within_5pct": loo_ratio <= 1.05})
             del x
