@@ -3,7 +3,8 @@
 Each rank computes, with any backend, the attention of the queries over its own shard, i.e. one
 partial state per row (normalized ``o`` and natural-log ``lse``, the :class:`PartialState`
 contract). The states are exchanged with one ``torch.distributed.all_gather_into_tensor`` of a
-packed message per rank and merged by the local backend's merge kernel (the contract of
+packed message per rank and merged by the local backend's separate merge kernel over a ragged
+workspace whose ``(indptr, units)`` table gives every sequence ``world`` units (the contract of
 :func:`attnplan.merge_states`), so the result equals single-device decode within rounding
 (Flash-Decoding's merge, Dao et al. 2023, applied across devices: the split reduction runs over ranks
 instead of programs).
@@ -23,6 +24,9 @@ import torch
 import torch.distributed as dist
 
 from .api import DecodeWrapper
+from .backends.base import Workspace
+from .planner import KernelOptions, SplitPlan
+from .schedule import NUM_TARGETS, Schedule
 from .state import PartialState
 
 __all__ = ["ContextParallelDecode"]
@@ -72,15 +76,10 @@ class ContextParallelDecode:
         self._send = torch.empty(self._msg, dtype=torch.uint8, device=q.device)
         self._recv = torch.empty(world * self._msg, dtype=torch.uint8, device=q.device)  # flat: gloo wants it so
         self._out, self._lse = self._views(self._send, q.dtype)
-        self._gather_o, gather_lse = self._views(self._recv.view(world, self._msg), q.dtype)
-        # the gathered states in the PartialState layout [B, Q, H, world, D]: o as an fp32 copy (the merge
-        # kernels read fp32), lse as a strided view of the received messages; all made here, so run()
-        # allocates nothing
-        self._state = PartialState(torch.empty(b, ql, hq, world, d, dtype=torch.float32, device=q.device),
-                                   gather_lse.permute(1, 2, 3, 0))
+        self._gather_o, self._gather_lse = self._views(self._recv.view(world, self._msg), q.dtype)
+        # the backend's own separate merge kernel merges the world's states (one launch instead of ~12 torch ops)
+        self._merge_plan, self._workspace = merge_workspace(plan, world, q.device) if world > 1 else (None, None)
         self._result = torch.empty(b, ql, hq, d, dtype=q.dtype, device=q.device)
-        # the backend's own merge kernel merges the world's states (one launch instead of ~12 torch ops)
-        self._merge_plan = replace(plan, num_splits=world, kernel={**plan.kernel, "pdl": False})
         self.comm_bytes = world * self._msg
         return plan
 
@@ -104,8 +103,9 @@ class ContextParallelDecode:
         return self.exchange()
 
     def exchange(self) -> torch.Tensor:
-        """All-gather the ranks' packed states (one collective), widen the gathered ``o`` to fp32 in
-        place and merge the ``world`` states with the local backend's merge kernel.
+        """All-gather the ranks' packed states (one collective), copy them (``o`` widened to fp32) into the
+        ragged workspace of :func:`merge_workspace` and merge the ``world`` states of every row with the local
+        backend's separate merge kernel (a world of one rank: the local output as it is).
 
         Returns:
             ``[batch, 1, num_q_heads, head_dim]`` in q's dtype (the same buffer every call).
@@ -115,6 +115,50 @@ class ContextParallelDecode:
         if self._send is None:
             raise RuntimeError("ContextParallelDecode.exchange() before plan()")
         dist.all_gather_into_tensor(self._recv, self._send, group=self.group)
-        self._state.o.copy_(self._gather_o.permute(1, 2, 3, 0, 4))  # [world, B, Q, H, D] -> [B, Q, H, world, D]
-        self.local.backend.merge(self._merge_plan, self._state, self._result, None)
+        if self._workspace is None:  # one rank: its state is the result
+            self._result.copy_(self._gather_o[0])
+            return self._result
+        st = self._workspace.state
+        b, ql, hq, d = self._shape
+        world = self._gather_o.shape[0]
+        # rank r's state of sequence b goes to slot b * world + r: [world, B, Q, H, (D)] -> [Q, H, B, world, (D)]
+        st.o[0].view(ql, hq, b, world, d).copy_(self._gather_o.permute(2, 3, 1, 0, 4))
+        st.lse[0].view(ql, hq, b, world).copy_(self._gather_lse.permute(2, 3, 1, 0))
+        self.local.backend.merge(self._merge_plan, self._workspace, self._result, None)
         return self._result
+
+
+def merge_workspace(plan: SplitPlan, world: int, device: torch.device) -> tuple[SplitPlan, Workspace]:
+    """The plan and workspace for merging ``world`` partial states per sequence with ``plan``'s backend.
+
+    The states of the ``batch`` sequences lie in the ragged workspace layout (:class:`~attnplan.PartialState`
+    with batch axis 1): sequence ``b``'s ``world`` states in slots ``[b * world, (b + 1) * world)``, in rank order;
+    its ``meta`` holds ``indptr[b] = b * world`` then ``units[b] = world`` (what a partial kernel writes for the
+    separate merge, here written once). The plan is ``plan`` with a forced schedule of ``world`` units per
+    sequence and the separate merge; a cuda_ptx plan's merge is launched without programmatic dependent launch
+    (the kernel before it is a copy, not the partial kernel).
+
+    Args:
+        plan: the local decode's plan (its problem, kernel options and granule).
+        world: states per sequence, ``>= 2`` (the merge kernel leaves rows of one-state sequences unwritten).
+        device: where the buffers live.
+    Returns:
+        ``(merge_plan, workspace)``: ``workspace.state`` is ``o [1, q_len, num_q_heads, batch * world, head_dim]``
+        fp32 and ``lse [1, q_len, num_q_heads, batch * world]`` fp32 (uninitialized: the caller fills every slot);
+        ``workspace.meta`` int32 ``[2 * batch]``.
+    Raises:
+        ValueError: ``world < 2``.
+    """
+    if isinstance(world, bool) or not isinstance(world, int) or world < 2:
+        raise ValueError(f"world must be an int >= 2 (one state per sequence needs no merge), got {world!r}")
+    p = plan.problem
+    zeros = (0,) * NUM_TARGETS
+    sched = Schedule("forced", plan.schedule.granule, 1, world, zeros, p.batch * world)
+    kernel = KernelOptions({**plan.kernel, "pdl": False}) if "pdl" in plan.kernel else plan.kernel
+    merge_plan = replace(plan, schedule=sched, merge="separate", policy="forced", kernel=kernel, table_entry=None,
+                         candidates=())
+    merge_plan.validate()
+    state = PartialState.empty(1, p.q_len, p.num_q_heads, p.batch * world, p.head_dim, device=device)
+    idx = torch.arange(p.batch, dtype=torch.int32) * world
+    meta = torch.cat([idx, torch.full((p.batch,), world, dtype=torch.int32)]).to(device)
+    return merge_plan, Workspace(state, meta, None, torch.zeros(NUM_TARGETS, dtype=torch.int32, device=device), zeros)

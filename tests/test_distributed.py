@@ -101,3 +101,71 @@ def test_bench_cp_dry_run_two_ranks(tmp_path):
     for r in results:
         assert r["max_abs_diff_vs_single"] <= atol
         assert r["step_us"] > 0 and r["exchange_us"] > 0 and r["comm_kernel_us_per_rank"] == [None, None]
+
+
+def _shards(x, lens, world, rank):
+    """Rank ``rank``'s contiguous shard of every sequence (uneven, 0 allowed) as a contiguous cache."""
+    from attnplan import reference
+
+    ks, vs, n_r = [], [], []
+    for b, n in enumerate(lens):
+        lo, hi = n * rank // world, n * (rank + 1) // world
+        k, v = reference.gather_kv(x.k_cache, x.v_cache, b, n, x.block_table)
+        ks.append(k[lo:hi])
+        vs.append(v[lo:hi])
+        n_r.append(hi - lo)
+    hkv, d = x.k_cache.shape[2], x.k_cache.shape[3]
+    kc = torch.zeros(len(lens), max(max(n_r), 1), hkv, d, dtype=x.k_cache.dtype)
+    vc = torch.zeros_like(kc)
+    for b, (k, v) in enumerate(zip(ks, vs)):
+        kc[b, : len(k)] = k.to(kc.dtype)
+        vc[b, : len(v)] = v.to(vc.dtype)
+    return kc, vc, torch.tensor(n_r, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("backend", ["reference", "numba", "triton"])
+def test_context_parallel_merge_in_one_process(backend, world, gen, monkeypatch):
+    """Every rank's ContextParallelDecode in one process, the all-gather emulated: the gathered states go into the
+    ragged merge workspace (slot b * world + r) and the backend's separate merge gives single-device decode; the
+    result buffer starts as NaN so a row the merge leaves unwritten shows."""
+    import attnplan.distributed as d
+    from attnplan import reference
+    from attnplan.testing import assert_close_to_reference, make_inputs
+
+    from conftest import kernel_backends
+
+    if backend != "reference" and backend not in kernel_backends("cpu"):
+        pytest.skip(f"{backend} is not available here")
+    lens = [37, 0, 5, 64, 2]
+    x = make_inputs(len(lens), 8, 2, 32, lens, page_size=4, dtype=torch.float16, generator=gen)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    monkeypatch.setattr(d.dist, "get_world_size", lambda group=None: world)
+    ranks = []
+    for r in range(world):
+        cp = d.ContextParallelDecode(backend=backend)
+        kc, vc, sl = _shards(x, lens, world, r)
+        cp.plan(x.q, kc, vc, sl)
+        cp.local.run(x.q, kc, vc, sl, out=cp._out, lse=cp._lse)
+        cp._result.fill_(float("nan"))
+        ranks.append(cp)
+    monkeypatch.setattr(d.dist, "all_gather_into_tensor",
+                        lambda recv, send, group=None: recv.copy_(torch.cat([c._send for c in ranks])))
+    for cp in ranks:
+        if world > 1:
+            mp, ws = cp._merge_plan, cp._workspace
+            assert mp.merge == "separate" and mp.schedule.max_units_per_seq == world
+            assert ws.meta.tolist() == [b * world for b in range(len(lens))] + [world] * len(lens)
+        assert_close_to_reference(cp.exchange(), ref, torch.float16)
+
+
+def test_merge_workspace_refuses_a_world_of_one():
+    import attnplan
+    from attnplan.distributed import merge_workspace
+
+    w = attnplan.DecodeWrapper(backend="reference")
+    q = torch.zeros(1, 1, 4, 16)
+    k = torch.zeros(1, 8, 2, 16)
+    plan = w.plan(q, k, k, torch.tensor([8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="world must be an int >= 2"):
+        merge_workspace(plan, 1, torch.device("cpu"))
