@@ -123,7 +123,12 @@ class TableRow(NamedTuple):
             raise ValueError(f"a split-table row needs [pairs, kv_len, programs_per_sm, us, ...], got {row!r}")
         group, head_dim = (row[4], row[5]) if len(row) >= 6 else (None, 128)
         opts = row[6] if len(row) >= 7 else {}
-        opts = tuple(sorted(dict(opts).items())) if isinstance(opts, Mapping) else tuple(tuple(o) for o in opts)
+        if isinstance(opts, Mapping):
+            opts = tuple(sorted(dict(opts).items()))
+        elif isinstance(opts, (list, tuple)) and all(isinstance(o, (list, tuple)) and len(o) == 2 for o in opts):
+            opts = tuple(tuple(o) for o in opts)
+        else:
+            raise ValueError(f"split-table row options must be a mapping of option to value, got {opts!r}")
         return TableRow(int(row[0]), int(row[1]), float(row[2]), float(row[3]),
                         None if group is None else int(group), int(head_dim), opts)
 
