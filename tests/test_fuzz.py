@@ -138,6 +138,7 @@ import attnplan.ops  # noqa: E402,F401  (registers torch.ops.attnplan.decode)
 from attnplan.api import Context  # noqa: E402
 from attnplan.cache import PlanCache  # noqa: E402
 from attnplan.config import ConfigError, load_config  # noqa: E402
+from attnplan.planner import PLAN_VERSION  # noqa: E402
 from attnplan.testing import TOLERANCES  # noqa: E402
 
 def event(what: str) -> None:
@@ -535,13 +536,13 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(st.lists(inner,
 @st.composite
 def plan_file_edits(draw):
     """An edit of a valid plan file: replace the whole text, or set / delete one field (top level, plan, the
-    plan's problem or kernel options) to any JSON value."""
+    plan's problem, schedule or kernel options) to any JSON value."""
     kind = draw(st.sampled_from(["bytes", "json", "set", "set", "set", "delete"]))
     if kind == "bytes":
         return ("bytes", draw(st.binary(max_size=40)))
     if kind == "json":
         return ("json", draw(json_values))
-    where = draw(st.sampled_from(["top", "plan", "plan", "problem", "kernel"]))
+    where = draw(st.sampled_from(["top", "plan", "plan", "problem", "schedule", "schedule", "kernel"]))
     return (kind, where, draw(st.integers(0, 63)), draw(json_values))
 
 
@@ -552,7 +553,9 @@ def _apply_edit(text: str, edit) -> bytes:
         return json.dumps(edit[1]).encode()
     kind, where, pick, value = edit
     data = json.loads(text)
-    d = {"top": data, "plan": data["plan"], "problem": data["plan"]["problem"], "kernel": data["plan"]["kernel"]}[where]
+    plan = data["plan"]
+    d = {"top": data, "plan": plan, "problem": plan["problem"], "schedule": plan["schedule"],
+         "kernel": plan["kernel"]}[where]
     key = sorted(d)[pick % len(d)]
     if kind == "delete":
         del d[key]
@@ -571,7 +574,7 @@ def check_plan_file_edit(tmp_path: Path, backend: str, edit) -> None:
                                   num_splits=2, config=Context.from_config(cfg), out=out, lse=lse)
     out, lse = torch.full_like(x.q, NAN), torch.full(x.q.shape[:3], NAN, device=device)
     run()
-    (f,) = list((tmp_path / "v1").glob("*.json"))
+    (f,) = list((tmp_path / f"v{PLAN_VERSION}").glob("*.json"))
     f.write_bytes(_apply_edit(f.read_text(), edit))
     out, lse = torch.full_like(x.q, NAN), torch.full(x.q.shape[:3], NAN, device=device)
     with warnings.catch_warnings(record=True):

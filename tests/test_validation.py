@@ -131,7 +131,7 @@ def test_seq_lens_host_replaces_the_device_read_and_is_checked():
     x = make_inputs(2, 4, 1, 16, [20, 7], dtype=torch.float32)
     w = attnplan.DecodeWrapper(backend="reference")
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=[20, 7])
-    assert plan.problem["max_kv_len"] == attnplan.problem.len_bucket(20)
+    assert plan.problem.max_kv_len == attnplan.problem.len_bucket(20)
     with pytest.raises(ValueError, match="seq_lens_host must hold 2"):
         w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=[20])
     with pytest.raises(ValueError, match="exceeds the cache capacity"):
