@@ -69,7 +69,8 @@ COLUMN_DOC = {
     "bytes": "bytes a step must move: K + V of the valid tokens, q, out",
     "ceiling_gbs": "streaming-read ceiling measured in the same process, GB/s",
     "<name>_us": "CUDA-graph replay device time of one step, us (median; L2 flushed in front)",
-    "<name>_splits": "attnplan backends: the planner's splits per sequence (1 = single pass)",
+    "<name>_splits": "attnplan backends: the work units (splits) the device-side schedule gives the longest "
+                     "sequence at the point's lengths (1 = one program per sequence and KV head)",
     "read_us": "one streaming-read kernel over the point's bytes, same method, us",
     "floor_us": "a graph of one 1-element kernel, same method, us",
     "speedup": "best peer time / best attnplan time, from the unrounded times (> 1: attnplan faster)",
@@ -96,9 +97,23 @@ def _args(x):
     return (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
 
 
+def plan_record(plan, seq_lens) -> dict:
+    """What the results keep of an attnplan plan: ``num_splits`` (most units per sequence the schedule allows),
+    ``policy`` (the schedule's), ``merge``, ``num_programs`` (the grid), ``kernel`` (its options),
+    ``predicted_us``, and ``units``: the units the schedule gives the longest sequence at ``seq_lens`` (host ints;
+    :func:`attnplan.schedule.schedule_units`), the split count that ran."""
+    from attnplan.schedule import schedule_units
+
+    p = plan.problem
+    u = schedule_units(seq_lens, plan.schedule, p.q_len, p.window_left)
+    return {"num_splits": plan.num_splits, "policy": plan.schedule.policy, "merge": plan.merge,
+            "num_programs": plan.num_programs, "kernel": dict(plan.kernel), "predicted_us": plan.predicted_us,
+            "units": int(u.units.max()) if u.units.numel() else 0}
+
+
 def time_backend(name, sets, iters, num_splits=None):
     """Plan and time one attnplan backend on ``sets`` (:func:`peers.time_step`'s times), plus the first run's time
-    (``first_run_s``, compilation included) and the plan's main fields. ``num_splits`` goes to
+    (``first_run_s``, compilation included) and the plan's main fields (:func:`plan_record`). ``num_splits`` goes to
     :meth:`attnplan.DecodeWrapper.plan`: ``None`` = the config's ``split.num_splits``, 0 = the planner's choice,
     1 = no split, >1 = forced.
 
@@ -118,8 +133,7 @@ def time_backend(name, sets, iters, num_splits=None):
     wrappers[0].run(*_args(sets[0]))
     torch.cuda.synchronize()
     res["first_run_s"] = time.perf_counter() - t0
-    res["plan"] = {k: wrappers[0].plan_.to_dict()[k]
-                   for k in ("num_splits", "chunk_size", "grid", "single_pass", "kernel", "predicted_us", "merge", "partition")}
+    res["plan"] = plan_record(wrappers[0].plan_, sets[0].seq_lens.tolist())
     out0 = wrappers[0].run(*_args(sets[0])).clone()
     time_step(lambda j: wrappers[j].run(*_args(sets[j])), len(sets), iters, res)
     return res, out0
@@ -211,7 +225,7 @@ def to_row(point: dict, ours, ceiling_gbs: float) -> dict:
         t = _time(r)
         row[f"{name}_us"] = round(t, 1) if t else ""
         if name in ours:
-            row[f"{name}_splits"] = r.get("plan", {}).get("num_splits", "")
+            row[f"{name}_splits"] = r.get("plan", {}).get("units", "")
     bound = point.get("bound", {})
     row["read_us"] = round(bound["read_us"], 1) if "read_us" in bound else ""
     row["floor_us"] = round(bound["floor_us"], 2) if "floor_us" in bound else ""

@@ -64,7 +64,8 @@ def gather_read_us(x, table, iters):
 @triton.jit
 def _head_read(K, V, TBL, PARTIAL, pages_per_seq, pages_per_prog, HKV: tl.constexpr, D: tl.constexpr,
                PAGE: tl.constexpr):
-    """One program per (chunk of pages, KV head, sequence), as the decode kernels' programs: it reads its head's
+    """One program per (chunk of pages, KV head, sequence), like the decode kernels' programs (one per work unit
+    and KV head): it reads its head's
     ``PAGE`` rows of ``D`` elements (stride ``HKV * D``) from each page of its chunk, in block-table order."""
     chunk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, PAGE)[:, None] * (HKV * D) + h * D + tl.arange(0, D)[None, :]
@@ -96,10 +97,11 @@ def head_read_us(x, table, splits, iters):
 
 
 def step_us(backend, sets, iters, num_splits=None):
-    """Graph-replay step time (us) of ``backend`` on ``sets`` and its plan's ``(num_splits, merge)``: the
-    benchmark's own :func:`bench_decode.time_backend` (which also times the eager call)."""
+    """Graph-replay step time (us) of ``backend`` on ``sets`` and ``(units, merge)`` of its plan (the units the
+    schedule gives the longest sequence, :func:`bench_decode.plan_record`): the benchmark's own
+    :func:`bench_decode.time_backend` (which also times the eager call)."""
     res, _ = time_backend(backend, sets, iters, num_splits=num_splits or None)
-    return res["graph_us"], res["plan"]["num_splits"], res["plan"]["merge"]
+    return res["graph_us"], res["plan"]["units"], res["plan"]["merge"]
 
 
 def tag(backend: str, splits: int) -> str:
@@ -113,7 +115,8 @@ def main():
                                         "8/1/128:16:16384,32/8/128:4:32768,32/8/128:16:16384")
     ap.add_argument("--backends", default="cuda_ptx,triton")
     ap.add_argument("--iters", type=int, default=100)
-    ap.add_argument("--splits", default="0", help="split counts to force, comma-separated (0 = the planner's)")
+    ap.add_argument("--splits", default="0", help="split counts to force (up to that many units per sequence), "
+                                                  "comma-separated (0 = the planner's)")
     ap.add_argument("--pad", type=int, default=0, help="also time a contiguous cache with this many tokens of room "
                     "after each sequence (0 = not timed)")
     ap.add_argument("--head-splits", type=int, default=8, help="chunks per sequence of the per-head read")

@@ -1,9 +1,10 @@
 """Small decode workloads for compute-sanitizer (memcheck, racecheck, initcheck) on each backend.
 
-Every merge strategy and intra-program partition the backend implements runs every case. Shapes
-cover page boundaries (lengths 15/16/17 with page 16), zero lengths, q_len > 1, a
-padded capacity grid, GQA group 16, the largest head_dim (256), and few rows over many splits. Each result is compared
-with the float64 reference so a run that "passes" the sanitizer also computed the right thing.
+Every merge strategy the backend implements (separate, fused) runs every case. Shapes cover page boundaries
+(lengths 15/16/17 with page 16), zero lengths, q_len > 1, a cache larger than the lengths, GQA group 16, the
+largest head_dim (256), few rows over many splits, and a long sequence among short ones (the balanced schedule
+spreads it over many units). Each result is compared with the float64 reference so a run that "passes" the
+sanitizer also computed the right thing.
 
     compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py --backend triton
 """
@@ -23,36 +24,56 @@ CASES = [
     dict(hq=64, hkv=4, d=128, lens=[300, 7], page=None, q_len=1, splits=5),
     dict(hq=16, hkv=8, d=256, lens=[513, 64], page=16, q_len=1, splits=2),
     dict(hq=28, hkv=4, d=128, lens=[256, 255], page=64, q_len=3, splits=0),
-    # few rows over many splits: Triton's column-sliced merge and cuda_ptx's multi-team merge
+    # few rows over many splits: the merges' many-split paths
     dict(hq=8, hkv=1, d=128, lens=[9000], page=16, q_len=1, splits=130),
+    # a long sequence among short ones and an empty one: many units for one sequence, one for the others
+    dict(hq=32, hkv=8, d=128, lens=[20000, 5, 0, 300], page=16, q_len=1, splits=0),
 ]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", required=True)
-    args = ap.parse_args()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    backend = attnplan.backends.get_backend(args.backend)
-    # every plan axis the backend implements: merge strategies (atomic needs deterministic: false)
-    # and intra-program partitions, each over every case
-    axes = [(m, p) for m in sorted(backend.merge_strategies) for p in sorted(backend.partitions)]
+def run_cases(backend_name: str, device: str = "cuda", generator: torch.Generator | None = None) -> tuple[int, list]:
+    """Every case of :data:`CASES` under every merge strategy the backend implements, each with a live plan
+    (:func:`attnplan.decode`) and a capacity plan (the one a CUDA graph captures: more unit slots than the lengths
+    use), checked against the float64 reference. Returns ``(runs, merges)``.
+
+    Raises:
+        AssertionError: an output differs from the reference beyond :data:`attnplan.testing.TOLERANCES`.
+    """
+    g = generator if generator is not None else torch.Generator(device=device).manual_seed(0)
+    merges = sorted(attnplan.backends.get_backend(backend_name).merge_strategies)
     n = 0
-    for merge, partition in axes:
-        cfg = attnplan.load_config(split={"merge": merge, "partition": partition}, deterministic=merge != "atomic",
-                                   plan_cache={"disk": False})
+    for merge in merges:
+        cfg = attnplan.load_config(split={"merge": merge}, plan_cache={"disk": False})
         for c in CASES:
             x = make_inputs(len(c["lens"]), c["hq"], c["hkv"], c["d"], c["lens"], q_len=c["q_len"], page_size=c["page"],
-                            dtype=torch.bfloat16, device="cuda", generator=g, capacity=max(c["lens"]) + 40)
-            lse = torch.empty(x.q.shape[:3], device="cuda")
-            out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=args.backend,
-                                  num_splits=c["splits"], lse=lse, config=cfg)
-            torch.cuda.synchronize()
+                            dtype=torch.bfloat16, device=device, generator=g, capacity=max(c["lens"]) + 40)
             ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+            lse = torch.empty(x.q.shape[:3], device=device)
+            out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend_name,
+                                  num_splits=c["splits"], lse=lse, config=cfg)
+            if device == "cuda":
+                torch.cuda.synchronize()
             assert_close_to_reference(out, ref, torch.bfloat16)
-            n += 1
-    print(f"sanitize workload for {args.backend}: {n} cases equal the reference "
-          f"(merge x partition: {', '.join(f'{m}/{p}' for m, p in axes)})")
+            w = attnplan.DecodeWrapper(cfg, backend=backend_name)
+            w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=c["splits"], capacity=True)
+            out = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, lse=lse)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            assert_close_to_reference(out, ref, torch.bfloat16)
+            n += 2
+    return n, merges
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", required=True)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sanitize.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    n, merges = run_cases(args.backend)
+    print(f"sanitize workload for {args.backend}: {n} runs equal the reference (merges: {', '.join(merges)}; live "
+          "and capacity plans)")
     return 0
 
 

@@ -1,5 +1,6 @@
-"""The decode benchmark's host-side code (``benchmarks/``), on the CPU: rows of the results CSV, the speedup,
-merging runs, the printed table, the plot, the grid statistics, and the peers' dense copies of the cache."""
+"""The benchmarks' host-side code (``benchmarks/``), on the CPU: rows of the results CSV, the speedup, merging runs,
+the printed table, the plot, the grid statistics, the peers' dense copies of the cache, what the results record of a
+plan, and the GPU-only scripts' imports, CPU exits and pure functions (bench_merge, sanitize, paged_order)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def _point(heads=(32, 8, 128), layout="contig", kind="uniform", batch=1, kv=4096
             "bytes": nbytes, "bound": {"read_us": read, "floor_us": 3.8},
             "results": {"sdpa_cudnn": {"graph_us": peer, "eager_us": 50.0},
                         "sdpa_flash": {"error": "refused"},
-                        "triton": {"graph_us": ours[0], "plan": {"num_splits": 16}},
-                        "cuda_ptx": {"graph_us": ours[1], "plan": {"num_splits": 8}}}}
+                        "triton": {"graph_us": ours[0], "plan": {"num_splits": 256, "units": 16}},
+                        "cuda_ptx": {"graph_us": ours[1], "plan": {"num_splits": 256, "units": 8}}}}
 
 
 def test_row_times_splits_and_speedup():
@@ -124,3 +125,68 @@ def test_dense_copies_hold_each_sequence_padded_to_the_longest(page, gen):
         rk, rv = reference.gather_kv(x.k_cache, x.v_cache, b, n, x.block_table)
         assert torch.equal(k[b, :, :n].transpose(0, 1).double(), rk.double())
         assert torch.equal(v[b, :, :n].transpose(0, 1).double(), rv.double())
+
+
+# -- what the results record of a plan, and the GPU-only scripts on the CPU ---------------------------------------
+
+def _wrapper_plan(lens, num_splits=None, capacity=False, page=4):
+    import attnplan
+
+    x = make_inputs(len(lens), 8, 2, 16, lens, page_size=page, dtype=torch.float32, capacity=max(lens) + 40)
+    w = attnplan.DecodeWrapper(attnplan.load_config(plan_cache={"disk": False}), backend="reference")
+    return w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=num_splits, capacity=capacity)
+
+
+def test_plan_record_keeps_the_v2_plan_and_the_units_that_ran():
+    from attnplan.schedule import schedule_units
+
+    lens = [3000, 5, 0, 700]
+    for num_splits, capacity in ((None, False), (None, True), (3, False), (1, False)):
+        plan = _wrapper_plan(lens, num_splits, capacity)
+        rec = bd.plan_record(plan, lens)
+        assert set(rec) == {"num_splits", "policy", "merge", "num_programs", "kernel", "predicted_us", "units"}
+        assert rec["num_splits"] == plan.num_splits and rec["policy"] == plan.schedule.policy
+        assert rec["merge"] == plan.merge and rec["num_programs"] == plan.num_programs == plan.grid[0]
+        assert rec["kernel"] == dict(plan.kernel) and json.loads(json.dumps(rec)) == rec
+        assert rec["units"] == int(schedule_units(lens, plan.schedule).units.max())
+    assert bd.plan_record(_wrapper_plan(lens, 3), lens)["units"] == 3
+    assert bd.plan_record(_wrapper_plan(lens, 1), lens) | {"predicted_us": 0} == {
+        "num_splits": 1, "policy": "single", "merge": "none", "num_programs": 4 * 2, "kernel": {"block_n": 16},
+        "predicted_us": 0, "units": 1}
+
+
+def test_bench_merge_compares_the_backends_merges():
+    import bench_merge
+
+    from attnplan.backends import get_backend
+
+    assert bench_merge.strategies("reference") == sorted(get_backend("reference").merge_strategies) + ["auto"]
+    assert "separate" in bench_merge.strategies("reference")
+    plan = _wrapper_plan([3000, 5], 7)
+    assert bench_merge.plan_label(plan, [3000, 5]) == f"7u {plan.merge}"
+    assert bench_merge.plan_label(_wrapper_plan([3000, 5], 1), [3000, 5]) == "1u none"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU exit")
+@pytest.mark.parametrize("script,argv", [("bench_merge", []), ("sanitize", ["--backend", "reference"]),
+                                         ("bench_decode", ["--out", ""])])
+def test_gpu_scripts_exit_on_the_cpu(script, argv, capsys):
+    import importlib
+
+    assert importlib.import_module(script).main(argv) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_sanitize_cases_run_on_the_reference_backend():
+    """The sanitizer's workload (every case, live and capacity plans) through the reference backend on the CPU: the
+    cases plan and decode, and the checks against the float64 reference run."""
+    import sanitize
+
+    n, merges = sanitize.run_cases("reference", "cpu", torch.Generator().manual_seed(0))
+    assert merges == ["separate"] and n == 2 * len(sanitize.CASES)
+
+
+def test_paged_order_imports_and_keys_its_timings():
+    import paged_order
+
+    assert paged_order.tag("triton", 0) == "triton" and paged_order.tag("cuda_ptx", 2) == "cuda_ptx_s2"
