@@ -74,8 +74,9 @@ def table(monkeypatch):
 
 def test_programs_counted_per_kv_head_fill_the_sms(table):
     """Batch 1, 32/8/128, 32K tokens on 132 SMs: one program serves a whole GQA group, so 8 (sequence, KV head)
-    pairs need ~17+ units each to cover the SMs. Counting the 32 query heads instead would stop at ~4 splits
-    (FlashAttention's under-split of GQA, Dao-AILab/flash-attention#2901)."""
+    pairs need ~17+ units each to cover the SMs. Counting the 32 query heads instead would stop at ~4 splits (the
+    under-split Dao-AILab/flash-attention#2901 fixes in FlashAttention's ROCm/CK heuristic, which counted query
+    heads)."""
     plan = make_plan(P(), GPU, CFG, "x", KERNEL)
     (n,) = units(plan, [32768])
     assert n * 8 >= 132, plan.explain()
