@@ -79,6 +79,8 @@ class ContextParallelDecode:
         self._gather_o, self._gather_lse = self._views(self._recv.view(world, self._msg), q.dtype)
         # the backend's own separate merge kernel merges the world's states (one launch instead of ~12 torch ops)
         self._merge_plan, self._workspace = merge_workspace(plan, world, q.device) if world > 1 else (None, None)
+        if self._merge_plan is not None:  # compile / load its kernels now, not at the first exchange
+            self.local.backend.prepare(self._merge_plan, q.device)
         self._result = torch.empty(b, ql, hq, d, dtype=q.dtype, device=q.device)
         self.comm_bytes = world * self._msg
         return plan
