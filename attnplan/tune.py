@@ -17,8 +17,8 @@ about 1-8 programs per SM over :data:`SHAPES`, and writes:
 
 Then, for every ``(layout, batch, KV length)`` of ``--batches`` x ``--kv`` at ``--heads``, an exhaustive split
 search (:data:`SEARCH_PROGRAMS_PER_SM`; split counts forced through ``num_splits``, i.e. up to that many equal
-work units per sequence, see :mod:`attnplan.schedule`; with ``--row-options``, under each combination of those kernel options
-too) writes ``split_table.<backend>.<layout>`` rows (the planner's ``tuned`` policy; a row found under
+work units per sequence, see :mod:`attnplan.schedule`; with ``--row-options``, under each combination of those
+kernel options too) writes ``split_table.<backend>.<layout>`` rows (the planner's ``tuned`` policy; a row found under
 ``--row-options`` carries its options, which the planner runs with the row's split count; rows of other points
 and heads stay), and ``cost_model.mem_bandwidth_gbs``, the streaming-read ceiling measured in the same run.
 
