@@ -61,23 +61,15 @@ def spec_id(s) -> str:
 
 
 FP8 = "float8_e4m3fn"
-SV = {"partition": "split_v"}
 CORE = {"mma": False}
 WS = {"window": True, "softcap": True}
-# the new specializations: fp8 KV (q fp16 / bf16) and split-V, the same spread of shapes, each
-# (kind, q dtype, head_dim, group, q_len, page_size, make_spec keywords)
-# (fp8 split-K on CUDA cores: mma False; the fp8 tensor-core specs are FP8_MMA_SPECS)
-NEW_SPECS = [
+# fp8 KV (q fp16 / bf16) on CUDA cores (mma False; the fp8 tensor-core specs are FP8_MMA_SPECS), the same
+# spread of shapes, each (kind, q dtype, head_dim, group, q_len, page_size, make_spec keywords)
+FP8_CORE_SPECS = [
     ("partial", "bfloat16", 128, 4, 1, 16, {"kv_dtype": FP8, **CORE}),
     ("single", "float16", 64, 1, 1, None, {"kv_dtype": FP8, **CORE}),
     ("partial", "bfloat16", 256, 8, 1, 64, {"kv_dtype": FP8, **CORE}),
     ("partial", "float16", 128, 8, 4, 16, {"kv_dtype": FP8, **CORE}),        # 32 rows: fp8's most
-    ("partial", "bfloat16", 128, 4, 1, 16, SV),
-    ("partial", "float16", 256, 8, 1, 64, SV),
-    ("partial", "bfloat16", 128, 8, 4, 16, SV),                              # 4 row groups, one ring
-    ("single", "float32", 128, 4, 4, 1, SV),
-    ("partial", "bfloat16", 96, 7, 1, 16, SV),                               # 12 vectors: 4 x 3 columns
-    ("partial", "bfloat16", 128, 4, 1, 16, {"kv_dtype": FP8, **SV}),
 ]
 
 
@@ -177,14 +169,12 @@ def _compiled_resources(spec, cc, cache, two_programs: bool = False) -> dict:
 
 @needs_nvrtc
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
-@pytest.mark.parametrize("s", NEW_SPECS, ids=spec_id)
-def test_fp8_and_split_v_compile_without_spills(s, cc, cache):
-    """fp8 KV and split-V specializations: cubins, no spills, registers within the limit, and the
-    program's split-V barriers / fp8 macros where they belong."""
+@pytest.mark.parametrize("s", FP8_CORE_SPECS, ids=spec_id)
+def test_fp8_core_compile_without_spills(s, cc, cache):
+    """fp8 KV specializations on CUDA cores: cubins, no spills, registers within the limit, the fp8 macro set."""
     spec = L.make_spec(*s[:6], **s[6])
     d = spec.defines()
-    assert d["ATTNPLAN_KV_FP8"] == int(s[6].get("kv_dtype") == FP8)
-    assert d["ATTNPLAN_SPLIT_V"] == int(s[6].get("partition") == "split_v")
+    assert d["ATTNPLAN_KV_FP8"] == 1 and d["ATTNPLAN_MMA"] == 0
     res = _compiled_resources(spec, cc, cache)
     print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
           f"dynamic smem {spec.smem_bytes}")
@@ -224,8 +214,7 @@ def test_mma_larger_warp_tiles_compile_without_spills(passes, warps, page, cc, c
                          ids=["d128-page2-p8", "d256-page1-p4"])
 def test_mma_tiles_over_more_than_32_pages_compile(args, passes, cache):
     """Tensor-core tiles spanning more than 32 pages (64 here) keep the per-page block-table loads: the
-    block-table window holds 32 slots per batch (decode.cu, PAGE_WIN). They compiled before the window came
-    and must still (review of change 21)."""
+    block-table window holds 32 slots per batch (decode.cu, PAGE_WIN)."""
     spec = L.make_spec(*args, mma=True, passes=passes, smem_limit=227 * 1024)
     assert spec.mma and spec.tile_tokens // (args[5]) > 32
     c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
@@ -266,21 +255,19 @@ def test_fp8_mma_compiles_without_spills(s, cc, cache):
           f"{spec.row_groups}x{spec.n_tiles} n8-tiles")
 
 
-# the in-kernel merges (plan.merge fused / atomic; decode.cu's ATTNPLAN_MERGE): the target problem on tensor cores,
-# 2 row groups, head_dim 256 (a row's merge team of 2 warps; 1 warp with num_warps 1: 2 slots per thread), fp8 KV,
-# CUDA cores, split-V (the atomic stage past the ring), window + soft-cap
-FU, AT = {"merge": "fused"}, {"merge": "atomic"}
+# the fused merge (plan.merge fused; decode.cu's ATTNPLAN_MERGE): the target problem on tensor cores, 2 row groups,
+# head_dim 256 (a row's merge team of 2 warps; 1 warp with num_warps 1: 2 slots per thread), fp8 KV on tensor and
+# CUDA cores, fp32, window + soft-cap
+FU = {"merge": "fused"}
 MERGE_SPECS = [
     ("partial", "bfloat16", 128, 4, 1, 16, FU),
-    ("partial", "bfloat16", 128, 4, 1, 16, AT),
     ("partial", "bfloat16", 128, 8, 4, 16, FU),
     ("partial", "float16", 256, 8, 1, 64, FU),
     ("partial", "float16", 256, 1, 1, None, {**FU, **CORE, "num_warps": 1}),
     ("partial", "bfloat16", 128, 4, 1, 16, {**F8, **FU}),
-    ("partial", "bfloat16", 128, 4, 1, 16, {**F8, **AT}),
+    ("partial", "bfloat16", 128, 4, 1, 16, {**F8, **CORE, **FU}),
     ("partial", "float32", 128, 4, 4, 1, {**FU, **CORE}),
-    ("partial", "bfloat16", 128, 8, 4, 16, {**SV, **AT}),
-    ("partial", "bfloat16", 96, 7, 1, 16, {**SV, **FU}),
+    ("partial", "bfloat16", 96, 7, 1, 16, {**CORE, **FU}),
     ("partial", "bfloat16", 128, 4, 1, 16, {**WS, **FU}),
 ]
 
@@ -289,13 +276,13 @@ MERGE_SPECS = [
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
 @pytest.mark.parametrize("s", MERGE_SPECS, ids=spec_id)
 def test_in_kernel_merge_compiles_without_spills(s, cc, cache):
-    """Fused / atomic partial kernels: cubins for sm_90 and sm_80, no spills, no stack, registers within the
+    """Fused-merge partial kernels: cubins for sm_90 and sm_80, no spills, no stack, registers within the
     limit; printed next to the same specialization without the merge (the epilogue runs after the main loop,
     so it should not raise the register peak much)."""
     spec = L.make_spec(*s[:6], **s[6])
     plain = dataclasses.replace(spec, merge="none")
     assert spec.name == plain.name + "-" + s[6]["merge"]
-    assert spec.defines()["ATTNPLAN_MERGE"] == L.MERGE_CODES[spec.merge] == (1 if spec.merge == "fused" else 2)
+    assert spec.defines()["ATTNPLAN_MERGE"] == L.MERGE_CODES[spec.merge] == 1
     res, base = _compiled_resources(spec, cc, cache), _compiled_resources(plain, cc, cache)
     print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs (without the merge {base['registers']}), spills "
           f"{res['spill_stores']}/{res['spill_loads']}, dynamic smem {spec.smem_bytes} (without {plain.smem_bytes})")
@@ -304,47 +291,36 @@ def test_in_kernel_merge_compiles_without_spills(s, cc, cache):
 @needs_nvrtc
 def test_in_kernel_merge_ptx():
     """The fused kernel counts with atom.acq_rel.gpu and reads the states with ld.global.cg, never the
-    non-coherent path, and triggers no dependent launch (no merge kernel follows); the atomic one takes its lock
-    with atom.acquire.gpu CAS and releases it with atom.release.gpu; the plain partial kernel has none of them
-    (and the PDL trigger)."""
+    non-coherent path, and triggers no dependent launch (no merge kernel follows); the plain partial kernel has
+    none of them (and the PDL trigger); no kernel takes a lock (no CAS, no release exchange)."""
     def ptx(**kw):
         spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, **kw)
         c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
         return c.image.rstrip(b"\x00").decode()
 
-    plain, fused, atomic = ptx(), ptx(merge="fused"), ptx(merge="atomic")
+    plain, fused = ptx(), ptx(merge="fused")
     merge = N.compile_source(L.kernel_source(), "decode.cu", L.merge_spec("bfloat16", 128).options(),
                              N.CompileTarget("compute_90", "ptx")).image.decode(errors="replace")
     assert "atom.acq_rel.gpu.global.add.s32" in fused and "ld.global.cg.v4.f32" in fused and "ld.global.cg.f32" in fused
     assert "membar.gl" in fused  # __threadfence
     # the merge kernel's merge_row reads the states of an earlier launch through the non-coherent path; the
-    # in-kernel merges' never do (fp32 vector loads are only the states')
-    assert "ld.global.nc.v4.f32" in merge and "ld.global.nc.v4.f32" not in fused + atomic
-    assert "atom.acquire.gpu.global.cas.b32" in atomic and "atom.release.gpu.global.exch.b32" in atomic
-    assert "ld.global.cg.v4.f32" in atomic
-    for p in (fused, atomic):
-        assert "griddepcontrol.launch_dependents" not in p
-    assert "griddepcontrol.launch_dependents" in plain
+    # fused merge's never does (fp32 vector loads are only the states')
+    assert "ld.global.nc.v4.f32" in merge and "ld.global.nc.v4.f32" not in fused
+    assert "griddepcontrol.launch_dependents" not in fused and "griddepcontrol.launch_dependents" in plain
     assert not any(ins in plain for ins in ("atom.", "ld.global.cg", "membar.gl"))
+    assert not any(ins in p for p in (plain, fused, merge) for ins in ("atom.acquire", "atom.release", ".cas."))
 
 
 def test_in_kernel_merge_specs():
-    """merge is a partial kernel's option; the atomic stage's shared memory (rows x (head_dim + 4) fp32) goes
-    past the end merge's buffer (split-K, usually inside the rings) or the ring (split-V)."""
-    with pytest.raises(ValueError, match="merge must be one of"):
-        L.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge="tree")
+    """merge is a partial kernel's option ("none" or "fused"); the fused merge needs no shared memory of its own."""
+    for bad in ("tree", "atomic"):
+        with pytest.raises(ValueError, match="merge must be one of"):
+            L.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge=bad)
     with pytest.raises(ValueError, match="in-kernel merge of the 'partial' kernel"):
         L.make_spec("single", "bfloat16", 128, 4, 1, 16, merge="fused")
     plain = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
     assert L.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge="fused").smem_bytes == plain.smem_bytes
-    assert L.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge="atomic").smem_bytes == plain.smem_bytes
-    sv = L.make_spec("partial", "bfloat16", 128, 8, 4, 16, partition="split_v")
-    sva = L.make_spec("partial", "bfloat16", 128, 8, 4, 16, partition="split_v", merge="atomic")
-    assert sva.stages == sv.stages and sva.smem_bytes == sv.smem_bytes + 32 * (128 + 4) * 4
     assert "ATTNPLAN_MERGE" not in L.merge_spec("bfloat16", 128).defines()
-    tight = L.make_spec("partial", "bfloat16", 128, 8, 4, 16, partition="split_v", merge="atomic",
-                        smem_limit=sv.smem_bytes)
-    assert tight.smem_bytes <= sv.smem_bytes and tight.stages < sv.stages  # the stage choice counts the stage
 
 
 @needs_nvrtc
@@ -389,7 +365,7 @@ def test_mma_ptx_uses_tensor_core_instructions():
                                                       ("partial", "float32", 4, None, {}),
                                                       ("single", "bfloat16", 8, 16, {"kv_dtype": FP8}),
                                                       ("single", "bfloat16", 8, 16, {"kv_dtype": FP8, **CORE}),
-                                                      ("partial", "float16", 4, None, {"kv_dtype": FP8, **SV})])
+                                                      ("partial", "float16", 4, None, {"kv_dtype": FP8, **CORE})])
 def test_variant_kernels_compile_without_spills(kind, dtype, group, page, kw, cache):
     """Sliding window + soft-cap compiled in (sinks are a run-time pointer of every kernel)."""
     spec = L.make_spec(kind, dtype, 128, group, 1, page, window=True, softcap=True, **kw)
@@ -536,7 +512,7 @@ NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("s", [(*SPECS[0], CORE), (*SPECS[4], CORE), SPECS[5], NEW_SPECS[0], NEW_SPECS[9],
+@pytest.mark.parametrize("s", [(*SPECS[0], CORE), (*SPECS[4], CORE), SPECS[5], FP8_CORE_SPECS[0], FP8_CORE_SPECS[3],
                                MMA_SPECS[0], MMA_SPECS[6], FP8_MMA_SPECS[0]], ids=spec_id)
 def test_nvcc_ptxas_verbose_no_spills(s, tmp_path):
     """The same source through nvcc's ptxas (another toolkit version than the pip NVRTC)."""
@@ -616,7 +592,7 @@ def test_mma_spec_defaults_and_fallbacks():
     head_dim 128 (8 KB stages, 2 stages x 4 warps = 64 KB: up to 3 programs per H200 SM, 32 KB in flight
     per program: MMA_INFLIGHT_BYTES, measured),
     rows in n8-tiles (<= 256 / head_dim per warp), XOR-swizzled or padded ring rows; fp8 KV on tensor cores
-    too with the tile sized in bytes (twice the tokens); CUDA cores for fp32, split-V, head_dim % 16 != 0,
+    too with the tile sized in bytes (twice the tokens); CUDA cores for fp32, head_dim % 16 != 0,
     and where the tensor-core program would not fit."""
     s = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
     assert s.mma and s.name == "partial-bfloat16-d128-g4-q1-page16-w1x4-s2-p1-mma"
@@ -637,11 +613,10 @@ def test_mma_spec_defaults_and_fallbacks():
     r24 = L.make_spec("partial", "bfloat16", 128, 8, 3, 16)  # 24 rows: 3 n8-tiles, 2 per warp, one padded
     assert (r24.row_groups, r24.rows_per_group) == (2, 16)
     # the CUDA-core path where the tensor-core one cannot serve
-    for kw, why in (({"dtype": "float32"}, "float16 or bfloat16"), ({"partition": "split_v"}, "split-K"),
-                    ({"kv_dtype": FP8, "partition": "split_v"}, "split-K"), ({"head_dim": 72}, "multiple of 16")):
+    for kw, why in (({"dtype": "float32"}, "float16 or bfloat16"), ({"head_dim": 72}, "multiple of 16")):
         a = {"kind": "partial", "dtype": "bfloat16", "head_dim": 128, "group": 4, "q_len": 1, "page_size": 16, **kw}
         assert not L.make_spec(**a).mma
-        assert why in L.mma_unsupported(a["dtype"], a["head_dim"], a.get("kv_dtype"), a.get("partition", "split_k"))
+        assert why in L.mma_unsupported(a["dtype"], a["head_dim"], a.get("kv_dtype"))
         with pytest.raises(ValueError, match="mma=True"):
             L.make_spec(**a, mma=True)
     assert L.mma_unsupported("float16", 128) == "" and L.mma_unsupported("bfloat16", 128, FP8) == ""
@@ -778,7 +753,7 @@ def test_partial_args_strides_and_padded_state():
 
 
 def test_64bit_strides_pack():
-    """Page index x page stride beyond 2**31 elements (cases.yaml int32-page-offset) travels as int64."""
+    """Page index x page stride beyond 2**31 elements travels as int64."""
     q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(140_000, 16, 8, 128, dtype=torch.bfloat16, device="meta")  # shapes and strides only
     spec = L.make_spec("partial", "bfloat16", 128, 1, 1, 16)
@@ -832,16 +807,20 @@ def test_in_kernel_merge_input_checks():
     from attnplan.backends.base import DecodeInputs
 
     be = CudaPtxBackend(N.CompileCache(disk=False))
-    assert be.merge_strategies == {"separate", "fused", "atomic"}
+    assert be.merge_strategies == {"separate", "fused"}
     prob = DecodeProblem(2, 8, 2, 128, 1, 16, "bfloat16", "bfloat16", 4096)
     kc = be.kernel_config(prob, {}, torch.device("cpu"))
-    plans = {m: make_plan(prob, CPU_STANDIN, load_config(split={"merge": m}, deterministic=m != "atomic"), "cuda_ptx",
-                          kc, num_splits=4, merge_strategies=be.merge_strategies) for m in ("separate", "fused", "atomic")}
-    fused, atomic = plans["fused"], plans["atomic"]
-    assert fused.merge == "fused" and atomic.merge == "atomic" and (fused.sync_words, atomic.sync_words) == (4, 8)
-    assert be.spec_for("partial", fused).merge == "fused" and be.spec_for("partial", atomic).merge == "atomic"
+    plans = {m: make_plan(prob, CPU_STANDIN, load_config(split={"merge": m}), "cuda_ptx", kc, num_splits=4,
+                          merge_strategies=be.merge_strategies) for m in ("separate", "fused")}
+    fused = plans["fused"]
+    assert fused.merge == "fused" and fused.sync_words == 4
+    assert be.spec_for("partial", fused).merge == "fused"
     assert be.spec_for("partial", fused, in_kernel_merge=False).merge == "none"
     assert be.spec_for("partial", plans["separate"]).merge == "none" and be.spec_for("merge", fused).kind == "merge"
+    # split.merge: atomic (deterministic: false) falls back to what the backend declares
+    fallback = make_plan(prob, CPU_STANDIN, load_config(split={"merge": "atomic"}, deterministic=False), "cuda_ptx", kc,
+                         num_splits=4, merge_strategies=be.merge_strategies)
+    assert fallback.merge == "separate"
     meta = dict(device="meta", dtype=torch.bfloat16)
     q = torch.empty(2, 1, 8, 128, **meta)
     k = torch.empty(600, 16, 2, 128, **meta)
@@ -849,7 +828,7 @@ def test_in_kernel_merge_input_checks():
                      torch.empty(2, 256, device="meta", dtype=torch.int32), 0.1)
     st = PartialState(torch.empty(2, 1, 8, 4, 128, device="meta"), torch.empty(2, 1, 8, 4, device="meta"))
     cnt = torch.empty(8, device="meta", dtype=torch.int32)
-    with pytest.raises(ValueError, match="merge 'fused' or 'atomic'"):
+    with pytest.raises(ValueError, match="merge 'fused'"):
         be.partial_fused_merge(plans["separate"], x, st, q, None, cnt)
     with pytest.raises(ValueError, match="counters"):
         be.partial_fused_merge(fused, x, st, q, None, cnt[:3])  # fewer than sync_words
@@ -862,7 +841,7 @@ def test_in_kernel_merge_input_checks():
     with pytest.raises(ValueError, match="out must be"):
         be.partial_fused_merge(fused, x, st, torch.empty(2, 1, 8, 128, device="meta"), None, cnt)
     with pytest.raises(ValueError, match="lse must be"):
-        be.partial_fused_merge(atomic, x, st, q, torch.empty(2, 1, 8, device="meta", dtype=torch.float16), cnt)
+        be.partial_fused_merge(fused, x, st, q, torch.empty(2, 1, 8, device="meta", dtype=torch.float16), cnt)
     with pytest.raises(ValueError, match="sinks"):
         be.partial_fused_merge(fused, DecodeInputs(q, k, k, x.seq_lens, x.block_table, 0.1,
                                                    sinks=torch.empty(4, device="meta")), st, q, None, cnt)
@@ -881,12 +860,12 @@ def test_check_layout_rejects_misaligned():
 
 @needs_nvrtc
 @pytest.mark.parametrize("kind,signature", [("partial", L.PARTIAL_SIGNATURE), ("merge", L.MERGE_SIGNATURE),
-                                            ("fp8-split_v", L.PARTIAL_SIGNATURE), ("core", L.PARTIAL_SIGNATURE),
-                                            ("fused", L.PARTIAL_SIGNATURE), ("atomic-split_v", L.PARTIAL_SIGNATURE)])
+                                            ("fp8-core", L.PARTIAL_SIGNATURE), ("core", L.PARTIAL_SIGNATURE),
+                                            ("fused", L.PARTIAL_SIGNATURE), ("fused-core", L.PARTIAL_SIGNATURE)])
 def test_signature_matches_ptx_entry(kind, signature):
     """The host's argument list equals the kernel's parameter list (sizes and float slots) in the PTX."""
-    extra = {"fp8-split_v": {"kv_dtype": FP8, **SV}, "core": CORE, "fused": {"merge": "fused"},
-             "atomic-split_v": {"merge": "atomic", **SV}}.get(kind, {})
+    extra = {"fp8-core": {"kv_dtype": FP8, **CORE}, "core": CORE, "fused": {"merge": "fused"},
+             "fused-core": {"merge": "fused", **CORE}}.get(kind, {})
     spec = L.merge_spec("bfloat16", 128) if kind == "merge" else L.make_spec(
         "partial", "bfloat16", 128, 4, 1, 16, **extra)
     c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
@@ -910,7 +889,7 @@ def test_backend_declarations_and_reasons():
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 4096)) == []
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 4096, window_left=128,
                                      soft_cap=30.0, has_sinks=True)) == []
-    assert "fp8_kv" in be.variants and be.partitions == {"split_k", "split_v"}
+    assert "fp8_kv" in be.variants and be.partitions == {"split_k"}
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head",
                                      window_left=64, soft_cap=30.0, has_sinks=True)) == []
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "float16", "float8_e4m3fn", 4096, kv_scale="tensor")) == []
@@ -962,74 +941,48 @@ def test_kernel_config_mma_option():
         kc = be.kernel_config(p8, {"mma": opt}, "cpu")
         plan = make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=8, partitions=be.partitions)
         assert kc["mma"] is want and be.spec_for("partial", plan).mma is want and be.spec_for("partial", plan).kv_fp8
-    with pytest.raises(ValueError, match="split-K"):
-        be.kernel_config(prob, {"mma": True, "partition": "split_v"}, "cpu")
     with pytest.raises(ValueError, match="mma"):
         be.kernel_config(prob, {"mma": "yes"}, "cpu")
-    # a config that forces split_v over a split_k + mma kernel config runs split-V on CUDA cores
-    forced = make_plan(prob, CPU_STANDIN, cfg.with_overrides(split={"partition": "split_v"}), "cuda_ptx",
-                       be.kernel_config(prob, {}, "cpu"), num_splits=4, partitions=be.partitions)
-    sv = be.spec_for("partial", forced)
-    assert sv.split_v and not sv.mma
 
 
 def test_kernel_config_partition_and_fp8():
-    """``partition`` option (default split_k; the planner's ``auto`` takes it), split_v's block_n is one
-    tile, a forced config partition gets that partition's own defaults, fp8 specs follow kv_dtype."""
+    """``partition`` option: split_k only (the planner's ``auto`` takes it; a config forcing split_v falls back to
+    the backend's split_k, a plan with another partition is refused by name); fp8 specs follow kv_dtype."""
     be = CudaPtxBackend(N.CompileCache(disk=False))
-    both = be.partitions
     prob = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 131072)
     kk = be.kernel_config(prob, {}, "cpu")
-    kv = be.kernel_config(prob, {"partition": "split_v"}, "cpu")
-    assert kk["partition"] == "split_k" and kv["partition"] == "split_v"
-    assert kv["block_n"] == kv["tile_tokens"] and kv["threads"] == 128
-    with pytest.raises(ValueError, match="partition"):
-        be.kernel_config(prob, {"partition": "split_q"}, "cpu")
+    assert kk["partition"] == "split_k" and be.kernel_config(prob, {"partition": "split_k"}, "cpu") == kk
+    for bad in ("split_v", "split_q"):
+        with pytest.raises(ValueError, match="partition .* must be one of \\['split_k'\\]"):
+            be.kernel_config(prob, {"partition": bad}, "cpu")
     cfg = load_config()
-    auto_k = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kk, num_splits=4, partitions=both)
-    auto_v = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kv, num_splits=4, partitions=both)
-    assert auto_k.partition == "split_k" and auto_v.partition == "split_v"
-    sv = be.spec_for("partial", auto_v)
-    assert sv.split_v and sv.smem_bytes == sv.stages * sv.stage_bytes and "-splitv" in sv.name
-    assert sv == L.make_spec("partial", "bfloat16", 128, 4, 1, 16, smem_limit=99 * 1024, partition="split_v")
-    forced = make_plan(prob, CPU_STANDIN, cfg.with_overrides(split={"partition": "split_v"}), "cuda_ptx",
-                       be.kernel_config(prob, {"num_stages": 3}, "cpu"), num_splits=4, partitions=both)
-    assert forced.partition == "split_v" and be.spec_for("partial", forced) == sv  # split_v's own stages
-    assert not be.spec_for("single", auto_k).split_v and be.spec_for("single", auto_v).split_v
+    auto_k = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kk, num_splits=4, partitions=be.partitions)
+    forced = make_plan(prob, CPU_STANDIN, cfg.with_overrides(split={"partition": "split_v"}), "cuda_ptx", kk,
+                       num_splits=4, partitions=be.partitions)
+    assert auto_k.partition == forced.partition == "split_k"
+    assert be.spec_for("partial", forced) == be.spec_for("partial", auto_k)
+    with pytest.raises(ValueError, match="partition.*'split_v'.*re-plan"):
+        be.spec_for("partial", dataclasses.replace(auto_k, partition="split_v"))
     p8 = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", FP8, 131072, kv_scale="head")
     k8 = be.kernel_config(p8, {}, "cpu")
     assert k8["mma"] and k8["tile_tokens"] == 32 and k8["block_n"] == 128  # tensor cores: 2 m-tiles per warp tile
     k8c = be.kernel_config(p8, {"mma": False}, "cpu")
     assert k8c["tile_tokens"] == 16 and k8c["block_n"] == 64  # CUDA cores: 16 fp8 values per lane, 4 tokens a pass
-    s8 = be.spec_for("partial", make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", k8, num_splits=4, partitions=both))
+    s8 = be.spec_for("partial", make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", k8, num_splits=4, partitions=be.partitions))
     assert s8.kv_fp8 and s8.kv_dtype == FP8 and s8.dtype == "bfloat16" and s8.layout["vec"] == 16
 
 
-def test_fp8_and_split_v_layouts():
+def test_fp8_layouts():
     assert L.vector_layout(FP8, 128) == {"vec": 16, "dv": 8, "lpt": 8, "nv": 1, "tpp": 4, "elems": 16}
     assert L.max_rows(FP8, 128) == 32 and L.max_rows("bfloat16", 128) == 64
-    assert L.split_v_layout("bfloat16", 128, 4) == {"dvw": 4, "lpv": 4, "nvv": 1, "subs": 4}
-    assert L.split_v_layout("float32", 256, 1) == {"dvw": 64, "lpv": 32, "nvv": 2, "subs": 1}
-    assert L.split_v_layout("bfloat16", 96, 4) == {"dvw": 3, "lpv": 4, "nvv": 1, "subs": 4}  # one lane idle in 4
-    with pytest.raises(ValueError, match="divide"):
-        L.split_v_layout("bfloat16", 80, 4)
-    with pytest.raises(ValueError, match="divide"):
-        L.make_spec("partial", "bfloat16", 80, 4, 1, 16, num_warps=4, partition="split_v")
-    s80 = L.make_spec("partial", "bfloat16", 80, 4, 1, 16, partition="split_v")  # default: 2 warps (10 vectors)
-    assert s80.kv_warps == 2 and s80.passes % L.split_v_layout("bfloat16", 80, 2)["subs"] == 0
     with pytest.raises(ValueError, match="multiple of 16"):
         L.make_spec("partial", "bfloat16", 72, 4, 1, 16, kv_dtype=FP8)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         L.make_spec("partial", "float32", 128, 4, 1, 16, kv_dtype=FP8)
     with pytest.raises(ValueError, match="rows"):
         L.make_spec("partial", "bfloat16", 128, 16, 4, 16, kv_dtype=FP8)
-    with pytest.raises(ValueError, match="partition"):
-        L.make_spec("partial", "bfloat16", 128, 4, 1, 16, partition="split_q")
     k8 = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8, mma=False)
     assert k8.tile_tokens == 16 and k8.stage_bytes == 4096 and k8.rows_per_group == 4
-    v = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, partition="split_v")
-    assert v.stage_bytes == 8192 and v.smem_bytes == v.stages * 8192 <= L.SMEM_BUDGET
-    assert (v.stages - 1) * v.stage_bytes >= L.INFLIGHT_BYTES  # one ring keeps the same bytes in flight
 
 
 def test_partial_args_scales():
@@ -1111,12 +1064,12 @@ def test_select_target_cubin_else_ptx():
 
 @needs_nvrtc
 def test_missing_ptxas_report_read_from_cubin(monkeypatch):
-    """NVRTC 13.0 on driver 580 sometimes prints no ptxas report (results/2026-11-30-s6-call6 to -call8): the
-    report then comes from the cubin and equals what ptxas printed for the same program."""
+    """NVRTC 13.0 on driver 580 (seen on the H200 machines) sometimes prints no ptxas report: the report then
+    comes from the cubin and equals what ptxas printed for the same program."""
     spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
     target = N.select_target((9, 0))
     logged = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
-    if "from" in logged.resources[spec.entry]:  # the GPU machine's NVRTC 13.0 (results/2026-11-30-s7-call1)
+    if "from" in logged.resources[spec.entry]:  # e.g. the H200 machines' NVRTC 13.0
         pytest.skip("this NVRTC printed no ptxas report to compare the cubin's counts with")
     monkeypatch.setattr(N, "_program_log", lambda nvrtc, prog: "")  # what the device's NVRTC printed
     silent = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)

@@ -12,11 +12,9 @@
 //   ATTNPLAN_GROUP       GQA group size (query heads per KV head)          [partial / single]
 //   ATTNPLAN_QLEN        queries per sequence                               [partial / single]
 //   ATTNPLAN_PAGE_SIZE   tokens per page, 0 = contiguous cache              [partial / single]
-//   ATTNPLAN_SPLIT_V     0 = split-K inside the program, 1 = split-V (see "Method")  [partial / single]
-//   ATTNPLAN_KV_WARPS    warps per row group: split-K: warps taking different KV tiles of the chunk;
-//                        split-V: warps owning different head_dim column slices  [partial / single]
+//   ATTNPLAN_KV_WARPS    warps per row group, taking different KV tiles of the chunk  [partial / single]
 //   ATTNPLAN_ROW_GROUPS  warp sets that split the GQA-group x q_len rows    [partial / single]
-//   ATTNPLAN_STAGES      cp.async pipeline depth (per warp for split-K, per program for split-V)
+//   ATTNPLAN_STAGES      cp.async pipeline depth of each warp's ring          [partial / single]
 //   ATTNPLAN_PASSES      warp passes per KV tile                            [partial / single]
 //   ATTNPLAN_WINDOW      1 = sliding window (window_left argument)          [partial / single]
 //   ATTNPLAN_SOFTCAP     1 = logits soft-cap (softcap_log2 argument)        [partial / single]
@@ -24,7 +22,7 @@
 //                        KV in q's dtype or fp8 e4m3fn, head_dim a multiple of 16, split-K; PASSES is then
 //                        the 16-token m-tiles of a warp's KV tile                [partial / single]
 //   ATTNPLAN_MERGE       the cross-program merge inside the partial kernel (see "Method, cross-program merge"):
-//                        0 = none (the merge kernel follows), 1 = fused, 2 = atomic            [partial]
+//                        0 = none (the merge kernel follows), 1 = fused                        [partial]
 //   ATTNPLAN_MERGE_TEAMS merge teams per merge-kernel CTA: 1 (default), 2, 4 or 8; each merges a range of the
 //                        row's splits, combined through shared memory (see the merge kernel)   [merge]
 //   ATTNPLAN_SMEM_BYTES, ATTNPLAN_TILE_TOKENS, ATTNPLAN_THREADS: the host's own arithmetic, checked
@@ -65,8 +63,8 @@
 //    merge_row team per row or, with few rows and many splits, ATTNPLAN_MERGE_TEAMS teams per row that each
 //    accumulate a range of the splits (merge_accumulate) and combine through shared memory (see the kernel).
 //  * fused (1): the counters argument holds one int32 completion counter per (sequence, KV head), zero before
-//    the launch. After writing its split's state (every path: tensor-core or CUDA-core split-K, split-V, the
-//    empty program), every thread fences its stores (__threadfence), a barrier gathers the program and one
+//    the launch. After writing its split's state (every path: tensor-core or CUDA-core split-K, the empty
+//    program), every thread fences its stores (__threadfence), a barrier gathers the program and one
 //    thread counts it with atom.acq_rel.gpu add (release: cumulative over the program's stores the barrier
 //    ordered before it; acquire: every program counted before has released its state). The program that
 //    counts last sees the whole group written: it resets the counter to 0 (ready for the next launch and graph
@@ -75,14 +73,6 @@
 //    spread over the teams, reading the states with ld.global.cg (L2, the coherence point; never L1 or the
 //    non-coherent path), and writes out (q's dtype) and out_lse. Which program is last does not change the
 //    result: deterministic. The merge is in the last program's critical path.
-//  * atomic (2; opt-in, not bitwise reproducible): state slot 0 of the workspace is the group's accumulator;
-//    counters holds the completion counters, then (at lock_offset) one spin lock per group. The program writes
-//    its own state to a shared-memory stage (STAGE_OFF: past what is still being read, so the paths' stores are
-//    unchanged but for their destination), one thread takes the lock (atom.acquire.gpu CAS loop; the holder
-//    is resident and waits for nothing) and counts the program; the program merges its staged state into the
-//    accumulator pairwise (merge_pair; the first finds none and reads nothing), or, the last of num_splits,
-//    adds the sink and writes out / out_lse and resets the counter; its threads fence their stores, a barrier
-//    gathers them and the lock is released (atom.release.gpu exchange). Merge order = lock order.
 //
 // Method, tensor-core path (ATTNPLAN_MMA=1; FlashAttention-2's register-level online softmax on mma
 // fragments, FlashInfer's decode with tensor cores for GQA, PTX ISA "Matrix fragments for
@@ -163,15 +153,9 @@
 //    each tile's K / V base pointer once and add each chunk's 32-bit lane offset to it (opaque()).
 //  * Scores: each lane multiplies its head_dim slice, a butterfly over LPT lanes sums the slices.
 //    Online softmax in base 2 (exp2), fp32 accumulation, rescale only when a row's max grows.
-//  * Partition inside the program (seed 000), chosen at compile time (ATTNPLAN_SPLIT_V):
-//    split-K (0): the warps of a row group take different KV tiles (kw, kw+KV_WARPS, ...) through
-//      private per-warp rings, so no CTA barrier sits in the main loop; at the end the warps of a row
-//      group merge their (m, l, acc) states through shared memory (2 __syncthreads).
-//    split-V (1): all warps share one ring that the whole program fills (one __syncthreads per tile);
-//      every warp computes its rows' scores over every tile itself (full K rows: q.k spans head_dim,
-//      so QK^T is recomputed KV_WARPS times per row group) and keeps its own running max and sum,
-//      but accumulates P.V only for its slice of head_dim columns and writes those output columns
-//      directly: no cross-warp reduction, no shared-memory merge. Costs: backends/cuda_ptx/__init__.py.
+//  * Split-K inside the program: the warps of a row group take different KV tiles (kw, kw+KV_WARPS, ...)
+//    through private per-warp rings, so no CTA barrier sits in the main loop; at the end the warps of a row
+//    group merge their (m, l, acc) states through shared memory (2 __syncthreads).
 //  * 64-bit element offsets everywhere a page/batch index multiplies a stride.
 
 typedef long long i64;
@@ -572,14 +556,11 @@ __device__ __forceinline__ void merge_row(const float *lr, i64 l_ss, const float
 #ifndef ATTNPLAN_SOFTCAP
 #define ATTNPLAN_SOFTCAP 0
 #endif
-#ifndef ATTNPLAN_SPLIT_V
-#define ATTNPLAN_SPLIT_V 0
-#endif
 #ifndef ATTNPLAN_MMA
 #define ATTNPLAN_MMA 0
 #endif
-#if ATTNPLAN_MMA && (ATTNPLAN_DTYPE == 2 || ATTNPLAN_SPLIT_V)
-#error "the tensor-core path (ATTNPLAN_MMA) needs fp16 / bf16 q (KV in q's dtype or fp8) and split-K"
+#if ATTNPLAN_MMA && ATTNPLAN_DTYPE == 2
+#error "the tensor-core path (ATTNPLAN_MMA) needs fp16 / bf16 q (KV in q's dtype or fp8)"
 #endif
 #ifndef ATTNPLAN_MERGE
 #define ATTNPLAN_MERGE 0
@@ -620,16 +601,7 @@ constexpr int NWARPS = NRG * NWK;
 constexpr int NTHREADS = 32 * NWARPS;
 constexpr int STAGES = ATTNPLAN_STAGES;
 constexpr int PAGE = ATTNPLAN_PAGE_SIZE;
-constexpr bool SPLIT_V = ATTNPLAN_SPLIT_V != 0;
-// split-V: warp kw of a row group owns vectors [kw*DVW, (kw+1)*DVW) of every V / output row. In its
-// P.V step a token row's LPT lanes split into SUBS subgroups of LPV lanes, each subgroup taking a
-// different token (one pass in SUBS), each lane NVV vectors of the slice. split-K: DVW = DV, SUBS = 1.
-constexpr int DVW = SPLIT_V ? DV / NWK : DV;
-constexpr int LPV = cmin(pow2_ceil(DVW), LPT);
-constexpr int NVV = (DVW + LPV - 1) / LPV;
-constexpr int SUBS = LPT / LPV;
-constexpr int ACC_NV = SPLIT_V ? NVV : NV;          // accumulator vectors per lane per row
-constexpr int NCOPY = SPLIT_V ? NTHREADS : 32;      // threads filling one ring (program / warp)
+constexpr int NCOPY = 32;                           // threads filling one ring (a warp)
 constexpr int CPL = (CH + NCOPY - 1) / NCOPY;       // chunks per copying thread per tile (K or V)
 constexpr bool ONE_PAGE = PAGE >= TILE;             // a (T-aligned) tile lies in one page
 // MMA with pages smaller than the tile (e.g. fp8's 32-token tiles over 16-token pages): when a copy round's
@@ -640,24 +612,16 @@ constexpr int NPG = ONE_PAGE ? 1 : (PAGE_REG ? TILE / PAGE : CPL);  // block-tab
 __host__ __device__ constexpr int pslot(int k) { return PAGE_REG ? k * (NCOPY / DV) / PAGE : k; }
 constexpr int KT_BYTES = TILE * RS * 16;            // the K (or V) tile of a stage
 constexpr int STAGE_BYTES = 2 * KT_BYTES;           // K + V of one tile
-constexpr int RING_BYTES = (SPLIT_V ? 1 : NWARPS) * STAGES * STAGE_BYTES;
-constexpr int EPI_BYTES = SPLIT_V ? 0 : NWARPS * RT * (HEAD_DIM + 2) * 4;
-constexpr int MERGE_MODE = ATTNPLAN_MERGE;          // 0 none, 1 fused, 2 atomic (see "Method, cross-program merge")
-// atomic: the program's own state goes to shared memory ([R][HEAD_DIM] o, [R] lse, then 3 x [R] merge weights
-// and lse), past whatever is still being read when it is written (split-K: the end merge's buffer; split-V: the ring)
-constexpr int STAGE_OFF = ((SPLIT_V ? RING_BYTES : EPI_BYTES) + 15) / 16 * 16;
-constexpr int STAGE_BYTES_ATOMIC = MERGE_MODE == 2 ? R * (HEAD_DIM + 4) * 4 : 0;
-constexpr int SMEM_BYTES = MERGE_MODE == 2 ? cmax(RING_BYTES, STAGE_OFF + STAGE_BYTES_ATOMIC)
-                                           : cmax(RING_BYTES, EPI_BYTES);
+constexpr int RING_BYTES = NWARPS * STAGES * STAGE_BYTES;
+constexpr int EPI_BYTES = NWARPS * RT * (HEAD_DIM + 2) * 4;
+constexpr int MERGE_MODE = ATTNPLAN_MERGE;          // 0 none, 1 fused (see "Method, cross-program merge")
+constexpr int SMEM_BYTES = cmax(RING_BYTES, EPI_BYTES);
 static_assert(MERGE_MODE == 0 || SMEM_BYTES >= 16, "the in-kernel merge broadcasts through shared memory word 0");
-static_assert(MERGE_MODE != 2 || STAGE_OFF >= 16, "the atomic merge's stage must not hold word 0");
 
 static_assert((PASSES & (PASSES - 1)) == 0, "passes must be a power of two");
 static_assert(STAGES >= 2, "the cp.async ring needs at least two stages");
 static_assert(PAGE == 0 || (PAGE & (PAGE - 1)) == 0, "page size must be a power of two");
 static_assert(NRG * RT >= R && NRG >= 1 && NWK >= 1, "bad row groups / warps");
-static_assert(!SPLIT_V || DV % NWK == 0, "split-V: the warps of a row group must divide head_dim's 16-byte vectors");
-static_assert(PASSES % SUBS == 0, "split-V: a tile needs a pass for every lane subgroup");
 static_assert(!MMA || HEAD_DIM % 16 == 0, "the tensor-core path needs head_dim a multiple of 16");
 #ifdef ATTNPLAN_SMEM_BYTES
 static_assert(SMEM_BYTES == ATTNPLAN_SMEM_BYTES, "host and kernel disagree on dynamic shared memory");
@@ -811,7 +775,7 @@ __device__ __forceinline__ void query_range(int i, int L, int cs, int ce, int wi
 }
 
 // The block-table window (PAGE_WIN: one page per tile, or PAGE_REG's TILE / PAGE pages; either way the same
-// entries for every lane). A copying unit (split-K: a warp; split-V: the program, each warp a copy) visits its
+// entries for every lane). A copying unit (a warp) visits its
 // tiles n = 0, 1, 2, ... (first token base + n * step) and their page slots q = n * NPG + j. Lane L holds the entry
 // of slot 32 * b + L of the current batch b in `cur` and of batch b + 1 in `nxt`; a tile's entries reach every lane
 // by shuffle, and batch b + 2 is loaded when b + 1 becomes current, 32 / NPG tiles before its first use. Before it,
@@ -1025,44 +989,9 @@ __device__ __forceinline__ void tile_scores(float (&sc)[PASSES][RT], const float
 #endif
 }
 
-// acc += p * v for one tile. split-K: lane (slot, lv) takes token p*TPP + slot of every pass and its
-// NV vectors of the row. split-V: the warp's DVW-vector column slice (from vector kw*DVW); lane
-// (slot, sub, cv) takes token p*TPP + slot of the passes p = g*SUBS + sub (its probability picked out
-// of its own registers) and vectors cv, cv + LPV, ... of the slice.
-__device__ __forceinline__ void tile_pv(float (&acc)[RT][ACC_NV][KVEC], const float (&sc)[PASSES][RT],
-                                        const unsigned char *vs, int slot, int lv, int kw) {
-#if ATTNPLAN_SPLIT_V
-    const int sub = lv / LPV, cv = lv % LPV;
-#pragma unroll
-    for (int g = 0; g < PASSES / SUBS; ++g) {
-        const int tok = (g * SUBS + sub) * TPP + slot;
-        float pr[RT];
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-            float x = sc[g * SUBS][r];
-#pragma unroll
-            for (int k = 1; k < SUBS; ++k) x = sub == k ? sc[g * SUBS + k][r] : x;
-            pr[r] = x;
-        }
-        float vf[NVV][KVEC];
-#pragma unroll
-        for (int j = 0; j < NVV; ++j) {
-            const int c = cv + LPV * j;
-            if (DVW % LPV == 0 || c < DVW) {
-                unpack_kv(lds<uint4>(vs + (tok * DV + kw * DVW + c) * 16), vf[j]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < KVEC; ++e) vf[j][e] = 0.f;
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
-#pragma unroll
-            for (int j = 0; j < NVV; ++j)
-#pragma unroll
-                for (int e = 0; e < KVEC; ++e) acc[r][j][e] = fmaf(pr[r], vf[j][e], acc[r][j][e]);
-    }
-#else
+// acc += p * v for one tile: lane (slot, lv) takes token p*TPP + slot of every pass and its NV vectors of the row.
+__device__ __forceinline__ void tile_pv(float (&acc)[RT][NV][KVEC], const float (&sc)[PASSES][RT],
+                                        const unsigned char *vs, int slot, int lv) {
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
         const int tok = p * TPP + slot;
@@ -1075,7 +1004,6 @@ __device__ __forceinline__ void tile_pv(float (&acc)[RT][ACC_NV][KVEC], const fl
 #pragma unroll
                 for (int e = 0; e < KVEC; ++e) acc[r][j][e] = fmaf(sc[p][r], vf[j][e], acc[r][j][e]);
     }
-#endif
 }
 
 #if ATTNPLAN_MMA
@@ -1239,20 +1167,13 @@ __device__ __forceinline__ void finish_row(float m, float l, float vscale, const
     factor = empty ? 0.f : scale / l;
 }
 
-// A store of the program's state (or of the single-pass output). With the atomic merge the state goes to
-// the shared-memory stage: the host emulation then records the store for its race check.
+// A store of the program's state (or of the single-pass output): the address, then the value.
 template <class T>
-__device__ __forceinline__ void st_state(T *p, const T &v) {
-#ifdef ATTNPLAN_HOST_EMULATION
-    if (MERGE_MODE == 2) emu::smem_access(p, sizeof(T), 1);
-#endif
-    *p = v;
-}
+__device__ __forceinline__ void st_state(T *p, const T &v) { *p = v; }
 
 #if ATTNPLAN_MERGE
 // ---- the in-kernel merges' synchronization: gpu-scope atomics of the PTX memory model (sm_70+) ----
-// The host emulation runs one block at a time: plain read-modify-writes, and a lock found taken is an error
-// (its holder has finished, so it never released it) rather than a spin that would never end.
+// The host emulation runs one block at a time: plain read-modify-writes.
 __device__ __forceinline__ int atom_add_acq_rel(int *p, int v) {
 #ifdef ATTNPLAN_HOST_EMULATION
     return atomicAdd(p, v);
@@ -1262,28 +1183,9 @@ __device__ __forceinline__ int atom_add_acq_rel(int *p, int v) {
     return old;
 #endif
 }
-__device__ __forceinline__ void lock_acquire(int *lock) {
-#ifdef ATTNPLAN_HOST_EMULATION
-    if (atomicCAS(lock, 0, 1) != 0) emu::fail("atomic merge: a program found its group's lock taken (never released)");
-#else
-    int old;
-    do {  // the holder is resident and waits for nothing: it releases
-        asm volatile("atom.acquire.gpu.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(lock), "r"(0), "r"(1)
-                     : "memory");
-    } while (old != 0);
-#endif
-}
-__device__ __forceinline__ void lock_release(int *lock) {
-#ifdef ATTNPLAN_HOST_EMULATION
-    atomicExch(lock, 0);
-#else
-    int old;
-    asm volatile("atom.release.gpu.global.exch.b32 %0, [%1], %2;" : "=r"(old) : "l"(lock), "r"(0) : "memory");
-#endif
-}
 #endif
 
-#if ATTNPLAN_MERGE == 1
+#if ATTNPLAN_MERGE
 // Fused merge: every thread of the program calls it once its split's state is written (o at ob0 + s * o_ss,
 // lse at lb0 + s * l_ss; rows r = i*GROUP + g at i * _si + g * _sh; out / out_lse / sinks likewise at the
 // group's first head). Release: each thread fences its own state stores (__threadfence), the barrier gathers
@@ -1322,95 +1224,6 @@ __device__ __forceinline__ void fused_merge(unsigned char *smem, int tid, int nu
                                        olb ? olb + (i64)i * ol_si + (i64)g * ol_sh : nullptr, tid % TW);
     }
 }
-#elif ATTNPLAN_MERGE == 2
-// Two normalized states (lse_a, o_a), (lse_b, o_b) of one row into one: returns lse = logaddexp(lse_a, lse_b)
-// and sets the weights with o = wa o_a + wb o_b; both empty: lse = -inf, weights 0 (never -inf - (-inf)).
-__device__ __forceinline__ float merge_pair(float la, float lb, float &wa, float &wb) {
-    const float mx = fmaxf(la, lb);
-    if (mx == NEG_INF) {
-        wa = wb = 0.f;
-        return NEG_INF;
-    }
-    const float ea = expf(la - mx), eb = expf(lb - mx), tot = ea + eb, inv = 1.f / tot;  // tot >= 1
-    wa = ea * inv;
-    wb = eb * inv;
-    return mx + logf(tot);
-}
-
-// Atomic merge (opt-in, not bitwise reproducible): every thread of the program calls it once the program's
-// state is complete in the shared-memory stage. One thread takes the group's spin lock (acquire CAS: the
-// previous holder's accumulator is visible) and counts the program in the group's counter (under the lock);
-// the program merges its state into the accumulator (state slot 0 of the group's rows, read through L2) with
-// merge_pair, in lock order; the first finds no accumulator (nothing read, poison allowed). The last of the
-// num_splits programs adds the sink and writes out / out_lse instead, and resets the counter. Every thread
-// fences its stores, the barrier gathers them, and the lock's release exchange (cumulative) publishes them.
-__device__ __forceinline__ void atomic_merge(unsigned char *smem, int tid, int num_splits, int *counter, int *lock,
-                                             float *acc_o, i64 o_si, i64 o_sh, float *acc_l, i64 l_si, i64 l_sh,
-                                             elem_t *outb, i64 out_si, i64 out_sh, float *olb, i64 ol_si, i64 ol_sh,
-                                             const float *sinkb) {
-    float *stage = reinterpret_cast<float *>(smem + STAGE_OFF);  // [R][HEAD_DIM] o, then [R] lse
-    float *sl = stage + R * HEAD_DIM, *wa = sl + R, *wb = wa + R, *wl = wb + R;
-    __syncthreads();  // the stage is complete; shared memory word 0 is free
-    int *flag = reinterpret_cast<int *>(smem);
-    if (tid == 0) {
-        lock_acquire(lock);
-        sts(flag, atomicAdd(counter, 1));  // the programs merged before this one (relaxed: under the lock)
-    }
-    __syncthreads();
-    const int done = lds<int>(flag);
-    const bool last = done == num_splits - 1;
-    for (int rr = tid; rr < R; rr += NTHREADS) {  // per row: the pair's weights and lse (+ the sink, last)
-        const int i = rr / GROUP, g = rr % GROUP;
-        const float la = done > 0 ? ld_state<true>(acc_l + (i64)i * l_si + (i64)g * l_sh) : NEG_INF;
-        float ea, eb;
-        float lse_n = merge_pair(la, lds<float>(sl + rr), ea, eb);
-        if (last && sinkb) {
-            float f;
-            lse_n = join_sink(lse_n, sinkb[g], f);
-            ea *= f;
-            eb *= f;
-        }
-        sts(wa + rr, ea);
-        sts(wb + rr, eb);
-        sts(wl + rr, lse_n);
-    }
-    __syncthreads();  // every old accumulator lse is read before one is overwritten
-    constexpr int D4 = HEAD_DIM / 4;
-#pragma unroll 4
-    for (int idx = tid; idx < R * D4; idx += NTHREADS) {
-        const int rr = idx / D4, d = (idx % D4) * 4, i = rr / GROUP, g = rr % GROUP;
-        const float ea = lds<float>(wa + rr), eb = lds<float>(wb + rr);
-        const float4 me = lds<float4>(stage + rr * HEAD_DIM + d);
-        float *ap = acc_o + (i64)i * o_si + (i64)g * o_sh + d;
-        float4 ac;
-        ac.x = ac.y = ac.z = ac.w = 0.f;
-        if (ea != 0.f) ac = ld_state4<true>(ap);
-        // a weight of 0 selects its state out (an empty state's o is never multiplied in)
-        const float rx = (ea != 0.f ? ea * ac.x : 0.f) + (eb != 0.f ? eb * me.x : 0.f);
-        const float ry = (ea != 0.f ? ea * ac.y : 0.f) + (eb != 0.f ? eb * me.y : 0.f);
-        const float rz = (ea != 0.f ? ea * ac.z : 0.f) + (eb != 0.f ? eb * me.z : 0.f);
-        const float rw = (ea != 0.f ? ea * ac.w : 0.f) + (eb != 0.f ? eb * me.w : 0.f);
-        if (last) {
-            store4(outb + (i64)i * out_si + (i64)g * out_sh + d, rx, ry, rz, rw);
-        } else {
-            float4 r;
-            r.x = rx; r.y = ry; r.z = rz; r.w = rw;
-            *reinterpret_cast<float4 *>(ap) = r;
-        }
-    }
-    for (int rr = tid; rr < R; rr += NTHREADS) {
-        const int i = rr / GROUP, g = rr % GROUP;
-        const float lse_n = lds<float>(wl + rr);
-        if (!last) acc_l[(i64)i * l_si + (i64)g * l_sh] = lse_n;
-        else if (olb) olb[(i64)i * ol_si + (i64)g * ol_sh] = lse_n;
-    }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-        if (last) atomicExch(counter, 0);  // zero for the next launch and graph replays
-        lock_release(lock);
-    }
-}
 #endif
 
 // fp8 tensor-core kernels state minBlocksPerMultiprocessor = 1: left open, ptxas (NVRTC 13.5) trades small
@@ -1436,7 +1249,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
                i64 bt_sb,
                i64 o_sb, i64 o_si, i64 o_sh, i64 o_ss,
                i64 l_sb, i64 l_si, i64 l_sh, i64 l_ss,
-               elem_t *__restrict__ out, float *__restrict__ out_lse, int *__restrict__ counters, int lock_offset,
+               elem_t *__restrict__ out, float *__restrict__ out_lse, int *__restrict__ counters,
                i64 out_sb, i64 out_si, i64 out_sh,
                i64 ol_sb, i64 ol_si, i64 ol_sh) {
 #ifdef ATTNPLAN_HOST_EMULATION
@@ -1476,39 +1289,25 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
     }
 
     // Where the program's rows r = i*GROUP + g go (query i, head h*GROUP + g): the split's slot of the partial
-    // state (single pass: out and lse), or with the atomic merge the shared-memory stage ([R][HEAD_DIM] o, [R] lse),
-    // merged into the group's accumulator at the end. Partial states never include a sink: with an in-kernel merge
-    // `sinks` is the merge's (it joins there), so the state's rows see none.
+    // state (single pass: out and lse). Partial states never include a sink: with the fused merge `sinks` is the
+    // merge's (it joins there), so the state's rows see none.
     // (row r at ob + i * osi + (hb + g) * osh, its lse at lb + i * lsi + (hb + g) * lsh)
-#if ATTNPLAN_MERGE == 2
-    out_t *__restrict__ ob = reinterpret_cast<float *>(smem + STAGE_OFF);
-    float *__restrict__ lb = ob + R * HEAD_DIM;
-    const i64 osi = GROUP * HEAD_DIM, osh = HEAD_DIM, lsi = GROUP, lsh = 1;
-    const int hb = 0;
-#else
     out_t *__restrict__ ob = o + (i64)b * o_sb + (i64)s * o_ss;
     float *__restrict__ lb = lse ? lse + (i64)b * l_sb + (i64)s * l_ss : lse;
     const i64 osi = o_si, osh = o_sh, lsi = l_si, lsh = l_sh;
     const int hb = h * GROUP;
-#endif
     const float *__restrict__ state_sinks = MERGE_MODE ? nullptr : sinks;
 #if ATTNPLAN_MERGE
-    // the group's merge, once this program's state is written (every thread, every path; see fused_merge /
-    // atomic_merge): counters[grp] counts the group's programs, counters[lock_offset + grp] is the atomic lock
+    // the group's merge, once this program's state is written (every thread, every path; see fused_merge):
+    // counters[grp] counts the group's programs
     const i64 grp = (i64)h + (i64)num_kv_heads * b;
     auto merge_group = [&]() {
         elem_t *outb = out + (i64)b * out_sb + (i64)h * GROUP * out_sh;
         float *olb = out_lse ? out_lse + (i64)b * ol_sb + (i64)h * GROUP * ol_sh : nullptr;
         const float *sinkb = sinks ? sinks + h * GROUP : nullptr;
-#if ATTNPLAN_MERGE == 1
         fused_merge(smem, tid, num_splits, counters + grp, o + (i64)b * o_sb + (i64)h * GROUP * o_sh, o_si, o_sh, o_ss,
                     lse + (i64)b * l_sb + (i64)h * GROUP * l_sh, l_si, l_sh, l_ss, outb, out_si, out_sh, olb, ol_si,
                     ol_sh, sinkb);
-#else
-        atomic_merge(smem, tid, num_splits, counters + grp, counters + lock_offset + grp,
-                     o + (i64)b * o_sb + (i64)h * GROUP * o_sh, o_si, o_sh, lse + (i64)b * l_sb + (i64)h * GROUP * l_sh,
-                     l_si, l_sh, outb, out_si, out_sh, olb, ol_si, ol_sh, sinkb);
-#endif
     };
 #endif
 
@@ -1530,7 +1329,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         return;
     }
 
-    const int rg = warp / NWK, kw = warp % NWK;  // row group; warp within it (KV warp / column warp)
+    const int rg = warp / NWK, kw = warp % NWK;  // row group; KV warp within it
     const int slot = lane / LPT, lv = lane % LPT;
 
     float qscale = scale_log2, vscale = 1.f;
@@ -1672,27 +1471,13 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
                 for (int e = 0; e < KVEC; ++e) qf[r][j][e] = 0.f;
         }
     }
-#if ATTNPLAN_SPLIT_V
-    // one ring for the whole program: it streams the union over every query's visible range
-    start = ce;
-    end = cs;
-#pragma unroll
-    for (int i = 0; i < QLEN; ++i) {
-        int a, z;
-        query_range(i, L, cs, ce, window_left, a, z);
-        if (a < z) {
-            start = a < start ? a : start;
-            end = z > end ? z : end;
-        }
-    }
-#endif
-    float m[RT], l[RT], acc[RT][ACC_NV][KVEC];
+    float m[RT], l[RT], acc[RT][NV][KVEC];
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
         m[r] = NEG_INF;
         l[r] = 0.f;
 #pragma unroll
-        for (int j = 0; j < ACC_NV; ++j)
+        for (int j = 0; j < NV; ++j)
 #pragma unroll
             for (int e = 0; e < KVEC; ++e) acc[r][j][e] = 0.f;
     }
@@ -1710,19 +1495,11 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
     const int tb = start & ~(TILE - 1);  // tiles are TILE-aligned: never across a page boundary
     const int ntiles = end > start ? (end - tb + TILE - 1) / TILE : 0;
 
-#if ATTNPLAN_SPLIT_V
-    // ---- KV streaming: every tile through the program's ring, filled by all threads ----
-    const int cid = tid;
-    const int my_n = ntiles;  // program-uniform: the barrier below is reached by every thread
-    unsigned char *ring = smem;
-#define TILE_START(it) (tb + (it) * TILE)
-#else
     // ---- KV streaming: this warp's tiles kw, kw + NWK, ... through its private ring ----
     const int cid = lane;
     const int my_n = ntiles > kw ? (ntiles - kw + NWK - 1) / NWK : 0;
     unsigned char *ring = smem + warp * (STAGES * STAGE_BYTES);
 #define TILE_START(it) (tb + (kw + NWK * (it)) * TILE)
-#endif
     LaneCopies lc;
     lane_copies(lc, k_s1, v_s1, cid);
 
@@ -1750,16 +1527,6 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 
     int stage_c = 0, stage_w = STAGES - 1;
     for (int it = 0; it < my_n; ++it) {
-#if ATTNPLAN_SPLIT_V
-        cp_async_wait<STAGES - 2>();  // this thread's copies of tile `it` have landed
-        __syncthreads();  // everyone's have; and every warp is done with tile it - 1, whose stage is refilled now
-        if (PAGE_WIN) pw.tile(pg, it + STAGES - 1, lane);
-        if (it + STAGES - 1 < my_n)
-            issue_tile(ring + stage_w * STAGE_BYTES, kb, vb, TILE_START(it + STAGES - 1), start, end, pg, lc, k_s0,
-                       k_s1, v_s0, v_s1, cid);
-        cp_async_commit();
-        if (!PAGE_WIN) load_pages(pg, btb, TILE_START(it + STAGES), start, end, cid);  // used one iteration later
-#else
         if (PAGE_WIN) pw.tile(pg, it + STAGES - 1, lane);
         if (it + STAGES - 1 < my_n)
             issue_tile(ring + stage_w * STAGE_BYTES, kb, vb, TILE_START(it + STAGES - 1), start, end, pg, lc, k_s0,
@@ -1768,7 +1535,6 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         if (!PAGE_WIN) load_pages(pg, btb, TILE_START(it + STAGES), start, end, cid);  // used one iteration later
         cp_async_wait<STAGES - 1>();
         __syncwarp();
-#endif
         const int ts = TILE_START(it);
         const unsigned char *ks = ring + stage_c * STAGE_BYTES;
         const unsigned char *vs = ks + KT_BYTES;
@@ -1803,7 +1569,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
                 m[r] = mx;
                 l[r] *= alpha;
 #pragma unroll
-                for (int j = 0; j < ACC_NV; ++j)
+                for (int j = 0; j < NV; ++j)
 #pragma unroll
                     for (int e = 0; e < KVEC; ++e) acc[r][j][e] *= alpha;
             }
@@ -1816,11 +1582,9 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
             }
         }
 
-        tile_pv(acc, sc, vs, slot, lv, kw);
+        tile_pv(acc, sc, vs, slot, lv);
 #endif
-#if !ATTNPLAN_SPLIT_V
         __syncwarp();  // every lane is done with this stage before it is refilled
-#endif
         stage_c = stage_c + 1 == STAGES ? 0 : stage_c + 1;
         stage_w = stage_w + 1 == STAGES ? 0 : stage_w + 1;
     }
@@ -1843,50 +1607,6 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         for (int r = 0; r < RT; ++r) l[r] += __shfl_xor_sync(FULL_MASK, l[r], off);
 #endif
 
-#if ATTNPLAN_SPLIT_V
-    // ---- acc: sum over the lanes holding the same vectors of the slice (other slots and subgroups) ----
-#pragma unroll
-    for (int off = LPV; off < 32; off <<= 1)
-#pragma unroll
-        for (int r = 0; r < RT; ++r)
-#pragma unroll
-            for (int j = 0; j < NVV; ++j)
-#pragma unroll
-                for (int e = 0; e < KVEC; ++e) acc[r][j][e] += __shfl_xor_sync(FULL_MASK, acc[r][j][e], off);
-
-    // ---- every warp writes its own columns of its rows; warp 0 of the row group the lse ----
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-        const int rr = rg * RT + r;
-        if (rr >= R) continue;  // warp-uniform
-        const int i = rr / GROUP, g = rr % GROUP;
-        float lse_n, factor;
-        finish_row(m[r], l[r], vscale, state_sinks, h * GROUP + g, lse_n, factor);
-        out_t *orow = ob + (i64)i * osi + (i64)(hb + g) * osh;
-        if (lane < LPV) {
-#pragma unroll
-            for (int j = 0; j < NVV; ++j) {
-                const int c = lane + LPV * j;
-                if (DVW % LPV == 0 || c < DVW) {
-                    out_t *dst = orow + (kw * DVW + c) * KVEC;
-#if ATTNPLAN_KIND == ATTNPLAN_KIND_SINGLE
-#pragma unroll
-                    for (int e = 0; e < KVEC; ++e) st_state(dst + e, to_out(acc[r][j][e] * factor));
-#else
-#pragma unroll
-                    for (int e = 0; e < KVEC; e += 4) {  // state.o is 16-byte aligned (host check)
-                        float4 t4;
-                        t4.x = acc[r][j][e] * factor; t4.y = acc[r][j][e + 1] * factor;
-                        t4.z = acc[r][j][e + 2] * factor; t4.w = acc[r][j][e + 3] * factor;
-                        st_state(reinterpret_cast<float4 *>(dst + e), t4);
-                    }
-#endif
-                }
-            }
-        }
-        if (kw == 0 && lane == 0 && lb) st_state(lb + (i64)i * lsi + (i64)(hb + g) * lsh, lse_n);
-    }
-#else
 #if ATTNPLAN_MMA
     // ---- merge the KV warps of each row group through shared memory (the rings are free now) ----
     __syncthreads();
@@ -1988,7 +1708,6 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 #endif
         if (d == 0 && lb) st_state(lb + (i64)i * lsi + (i64)(hb + g) * lsh, lse_n);
     }
-#endif
 #if ATTNPLAN_MERGE
     merge_group();
 #endif

@@ -100,7 +100,8 @@ class EmulatedKernel:
         self.lib.emu_block_order.argtypes = [ctypes.c_uint]
 
     def constant(self, name: str) -> int:
-        """A kernel constant as the compiled kernel computes it (``smem``, ``tile``, ``threads``, ``lpt``, ``rt``)."""
+        """A kernel constant as the compiled kernel computes it: ``smem``, ``tile``, ``threads``, ``lpt``, ``rt``,
+        ``mma``, ``ntw``, ``rs`` (merge kernels: ``threads``, ``teams``, ``smem``, ``chunk``); -1 for another name."""
         return int(self.lib.emu_constant(name.encode()))
 
     def launch(self, cfg: LaunchConfig, args: PackedArgs, readable: list[torch.Tensor], block_order: int = 0) -> None:
@@ -109,8 +110,7 @@ class EmulatedKernel:
         permutation drawn from it (blocks run one at a time either way).
 
         Raises:
-            EmulationError: the kernel read outside ``readable``, deadlocked at a barrier, or found an
-            atomic merge's lock taken.
+            EmulationError: the kernel read outside ``readable`` or deadlocked at a barrier.
         """
         if cfg.block[1:] != (1, 1):
             raise EmulationError(f"block {cfg.block}: only 1-D blocks are emulated")

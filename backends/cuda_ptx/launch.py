@@ -15,20 +15,17 @@ driver call is checked (:func:`~._bindings.check_driver`). A launch allocates no
 never synchronizes the host, so it can be captured in a CUDA graph.
 
 Kernel layout (see ``decode.cu`` for the method): a program is ``row_groups x kv_warps`` warps; a
-row group holds ``rows_per_group`` of the ``GQA group x q_len`` rows in registers. Split-K
-(``partition="split_k"``): the ``kv_warps`` warps of a row group stream different KV tiles of the
-chunk through private ``stages``-deep ``cp.async`` rings and merge their softmax states through
-shared memory at the end. Split-V (``partition="split_v"``): one ``stages``-deep ring per program,
-filled by all threads; each of the ``kv_warps`` warps of a row group computes the scores of every
-tile and accumulates and writes its own slice of head_dim columns. An fp8 KV cache
+row group holds ``rows_per_group`` of the ``GQA group x q_len`` rows in registers. Split-K: the
+``kv_warps`` warps of a row group stream different KV tiles of the chunk through private
+``stages``-deep ``cp.async`` rings and merge their softmax states through shared memory at the end. An fp8 KV cache
 (``kv_dtype="float8_e4m3fn"``) carries 16 values per 16-byte vector; q stays fp16 / bf16.
 Tensor-core split-K (``mma=True``; fp16 / bf16 caches and fp8 ones): the same rings and end merge, tiles
 of ``passes`` 16-token m-tiles, rows in whole n8-tiles (``n_tiles`` per warp), ring rows of
 ``row_chunks`` 16-byte chunks (XOR-swizzled, or padded to an odd count) for conflict-free ``ldmatrix``;
 the tile is sized in bytes, so an fp8 one holds twice the tokens (see :func:`_mma_spec`).
-In-kernel merges (``merge="fused"`` / ``"atomic"``, partial kernels only; ``decode.cu``'s ``ATTNPLAN_MERGE``):
-the partial kernel also takes ``out``, ``out_lse``, the zeroed int32 ``counters`` (``plan.sync_words``) and
-``lock_offset``, and merges the group's states itself, so no merge kernel is launched.
+The fused merge (``merge="fused"``, partial kernels only; ``decode.cu``'s ``ATTNPLAN_MERGE``): the partial
+kernel also takes ``out``, ``out_lse`` and the zeroed int32 ``counters`` (``plan.sync_words``), and merges the
+group's states itself, so no merge kernel is launched.
 """
 
 from __future__ import annotations
@@ -50,31 +47,28 @@ __all__ = [
     "PackedArgs", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "partial_args", "merge_args", "check_layout",
     "pdl_launch_config",
     "kernel_source", "DeviceRuntime", "DTYPE_CODES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS",
-    "vector_layout", "split_v_layout", "max_rows", "FP8", "PARTITIONS", "mma_unsupported", "MERGE_CODES",
+    "vector_layout", "max_rows", "FP8", "mma_unsupported", "MERGE_CODES",
     "merge_teams", "MERGE_CHUNK", "MAX_MERGE_TEAMS",
 ]
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
 ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 FP8 = "float8_e4m3fn"
-PARTITIONS = ("split_k", "split_v")
 KIND_CODES = {"partial": 0, "single": 1, "merge": 2}
-#: the partial kernel's cross-program merge (``plan.merge``): none (a merge kernel follows, or single pass),
-#: fused or atomic (inside the partial kernel)
-MERGE_CODES = {"none": 0, "fused": 1, "atomic": 2}
+#: the partial kernel's cross-program merge (``plan.merge``): none (a merge kernel follows, or single pass) or
+#: fused (inside the partial kernel)
+MERGE_CODES = {"none": 0, "fused": 1}
 ENTRY = {"partial": "attnplan_decode_partial", "single": "attnplan_decode_single", "merge": "attnplan_merge"}
 
-#: bytes of K+V one warp's ring stage holds (the tile), before capping by registers (split-K)
+#: bytes of K+V one warp's ring stage holds (the tile), before capping by registers
 TILE_BYTES = 4096
-#: the same for split-V's program-wide stage (larger: one barrier per tile)
-TILE_BYTES_SPLIT_V = 8192
 #: KV bytes a program should keep in flight (Little's law: ~33 GB/s per H200 SM x ~1.5 us)
 INFLIGHT_BYTES = 48 * 1024
 #: default dynamic shared memory budget per program: two programs fit an H100/H200 SM
 SMEM_BUDGET = 96 * 1024
 #: most warps in one program (keeps >= 255 registers per thread available)
 MAX_WARPS = 8
-#: score registers per lane (passes x rows) the tile is sized for (split-K; split-V: twice that)
+#: score registers per lane (passes x rows) the tile is sized for
 SCORE_REGS = 16
 #: q + accumulator fp32 registers per lane (2 x rows x elements per lane) a row group may hold
 ROW_REGS = 128
@@ -106,11 +100,11 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(1, int(x)).bit_length() - 1)
 
 
-def mma_unsupported(dtype: str, head_dim: int, kv_dtype: str | None = None, partition: str = "split_k") -> str:
+def mma_unsupported(dtype: str, head_dim: int, kv_dtype: str | None = None) -> str:
     """Why the tensor-core path (``mma.sync`` m16n8k16) cannot serve these shapes; ``""`` if it can.
 
     It needs fp16 / bf16 q with the KV cache in q's dtype or in ``float8_e4m3fn`` (fp32 stays on CUDA
-    cores), head_dim a multiple of 16 (the mma's K-dim) and the split-K partition.
+    cores) and head_dim a multiple of 16 (the mma's K-dim).
     """
     if dtype not in ("float16", "bfloat16"):
         return f"the tensor-core path needs float16 or bfloat16, got {dtype}"
@@ -118,8 +112,6 @@ def mma_unsupported(dtype: str, head_dim: int, kv_dtype: str | None = None, part
         return f"the tensor-core path needs the KV cache in q's dtype {dtype} or {FP8}, got {kv_dtype}"
     if head_dim % 16:
         return f"the tensor-core path needs head_dim a multiple of 16, got {head_dim}"
-    if partition != "split_k":
-        return f"the tensor-core path is split-K only, got partition {partition}"
     return ""
 
 
@@ -136,23 +128,6 @@ def vector_layout(dtype: str, head_dim: int) -> dict:
     return {"vec": vec, "dv": dv, "lpt": lpt, "nv": nv, "tpp": 32 // lpt, "elems": nv * vec}
 
 
-def split_v_layout(dtype: str, head_dim: int, warps: int) -> dict:
-    """Split-V's column slices (mirrors ``decode.cu``): with ``warps`` warps per row group, each owns
-    ``dvw`` 16-byte vectors of every V / output row; in its P.V step a token row's ``lpt`` lanes form
-    ``subs`` subgroups of ``lpv`` lanes (each a different token), each lane ``nvv`` vectors.
-
-    Raises:
-        ValueError: ``warps`` does not divide the row's vectors.
-    """
-    lay = vector_layout(dtype, head_dim)
-    if warps < 1 or lay["dv"] % warps:
-        raise ValueError(f"split_v: {warps} warps per row group must divide the {lay['dv']} 16-byte vectors of a "
-                         f"{dtype} head_dim {head_dim} row")
-    dvw = lay["dv"] // warps
-    lpv = min(_pow2_ceil(dvw), lay["lpt"])
-    return {"dvw": dvw, "lpv": lpv, "nvv": -(-dvw // lpv), "subs": lay["lpt"] // lpv}
-
-
 @dataclass(frozen=True)
 class KernelSpec:
     """One compile-time specialization of ``decode.cu``.
@@ -164,21 +139,17 @@ class KernelSpec:
         head_dim: channels per head (multiple of 8; of 16 with an fp8 cache).
         group, q_len: GQA group size and queries per sequence (rows = group x q_len); 1 for merge.
         page_size: tokens per page, 0 for a contiguous cache.
-        kv_warps: warps per row group: split-K: warps taking different KV tiles; split-V: warps owning
-            different head_dim column slices.
+        kv_warps: warps per row group, taking different KV tiles of the chunk (split-K).
         row_groups: warp sets splitting the rows.
-        stages: cp.async ring depth (per warp for split-K, per program for split-V).
+        stages: cp.async ring depth of each warp's ring.
         passes: warp passes per tile (tile tokens = passes x tokens per pass).
         window: sliding-window masking and chunk base (``window_left`` argument).
         softcap: logits soft-cap (``softcap_log2`` argument).
         kv_fp8: the KV cache is ``float8_e4m3fn`` (dequantized with the ``k_scale`` / ``v_scale`` arguments).
-        partition: ``"split_k"`` or ``"split_v"`` inside the program (``decode.cu``'s method).
-        mma: the tensor-core path (``ATTNPLAN_MMA``; split-K, fp16 / bf16 q, KV in q's dtype or fp8):
+        mma: the tensor-core path (``ATTNPLAN_MMA``; fp16 / bf16 q, KV in q's dtype or fp8):
             ``passes`` is then the 16-token m-tiles of a warp's tile, rows go to warps in whole n8-tiles.
-        merge: ``"none"``, or the in-kernel merge of a ``"partial"`` kernel (``ATTNPLAN_MERGE``):
-            ``"fused"`` (the last program of each (sequence, KV head) merges the group in split order) or
-            ``"atomic"`` (each program merges into the group's accumulator under a lock; its own state is
-            staged in shared memory first: :attr:`smem_bytes`).
+        merge: ``"none"``, or the in-kernel merge of a ``"partial"`` kernel (``ATTNPLAN_MERGE``): ``"fused"``
+            (the last program of each (sequence, KV head) merges the group in split order).
         teams: merge kernel only (``ATTNPLAN_MERGE_TEAMS``): merge teams per CTA (1, 2, 4 or 8), each merging a
             contiguous range of the row's splits, combined through shared memory (:attr:`smem_bytes`); 1 = one
             team per row, no shared memory, no barrier. Chosen by :func:`merge_teams`.
@@ -197,7 +168,6 @@ class KernelSpec:
     window: bool = False
     softcap: bool = False
     kv_fp8: bool = False
-    partition: str = "split_k"
     mma: bool = False
     merge: str = "none"
     teams: int = 1
@@ -211,10 +181,6 @@ class KernelSpec:
     @property
     def kv_dtype(self) -> str:
         return FP8 if self.kv_fp8 else self.dtype
-
-    @property
-    def split_v(self) -> bool:
-        return self.partition == "split_v"
 
     @property
     def layout(self) -> dict:
@@ -264,18 +230,14 @@ class KernelSpec:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory per program: split-K: the per-warp cp.async rings, reused by the final
-        warp merge; split-V: the program's one ring. The atomic merge adds its stage (the program's state
-        and merge weights, ``rows x (head_dim + 4)`` fp32) past the end merge's buffer (split-K) or the ring
-        (split-V), 16-byte aligned. The merge kernel with ``teams`` > 1: each team's partial result, ``teams x
-        (head_dim + 2)`` fp32 (weighted column sums, then the running maxima and total weights); 0 for one team."""
+        """Dynamic shared memory per program: the per-warp cp.async rings, reused by the final warp merge
+        (``num_warps x rows_per_group x (head_dim + 2)`` fp32). The merge kernel with ``teams`` > 1: each team's
+        partial result, ``teams x (head_dim + 2)`` fp32 (weighted column sums, then the running maxima and total
+        weights); 0 for one team."""
         if self.kind == "merge":
             return 0 if self.teams == 1 else self.teams * (self.head_dim + 2) * 4
-        ring = (1 if self.split_v else self.num_warps) * self.stages * self.stage_bytes
-        epilogue = 0 if self.split_v else self.num_warps * self.rows_per_group * (self.head_dim + 2) * 4
-        if self.merge == "atomic":
-            stage_off = -(-(ring if self.split_v else epilogue) // 16) * 16
-            return max(ring, stage_off + self.rows * (self.head_dim + 4) * 4)
+        ring = self.num_warps * self.stages * self.stage_bytes
+        epilogue = self.num_warps * self.rows_per_group * (self.head_dim + 2) * 4
         return max(ring, epilogue)
 
     @property
@@ -286,15 +248,15 @@ class KernelSpec:
     @property
     def name(self) -> str:
         """File-name form spelling the specialization, e.g. ``partial-bfloat16-d128-g4-q1-page16-w1x4-s4-p4``
-        (``-kvfp8`` for an fp8 cache, ``-splitv`` for split-V, ``-mma`` for the tensor-core path, then
-        ``-window`` / ``-softcap``, then ``-fused`` / ``-atomic`` for an in-kernel merge); a merge kernel:
+        (``-kvfp8`` for an fp8 cache, ``-mma`` for the tensor-core path, then ``-window`` / ``-softcap``, then
+        ``-fused`` for the in-kernel merge); a merge kernel:
         ``merge-bfloat16-d128``, ``-t8`` for 8 teams per CTA."""
         if self.kind == "merge":
             return f"merge-{self.dtype}-d{self.head_dim}" + (f"-t{self.teams}" if self.teams > 1 else "")
         cache = f"page{self.page_size}" if self.page_size else "contig"
         return (f"{self.kind}-{self.dtype}-d{self.head_dim}-g{self.group}-q{self.q_len}-{cache}"
                 f"-w{self.row_groups}x{self.kv_warps}-s{self.stages}-p{self.passes}"
-                + ("-kvfp8" if self.kv_fp8 else "") + ("-splitv" if self.split_v else "")
+                + ("-kvfp8" if self.kv_fp8 else "")
                 + ("-mma" if self.mma else "")
                 + ("-window" if self.window else "") + ("-softcap" if self.softcap else "")
                 + ("" if self.merge == "none" else f"-{self.merge}"))
@@ -311,7 +273,7 @@ class KernelSpec:
                       "ATTNPLAN_STAGES": self.stages, "ATTNPLAN_PASSES": self.passes,
                       "ATTNPLAN_SMEM_BYTES": self.smem_bytes, "ATTNPLAN_TILE_TOKENS": self.tile_tokens,
                       "ATTNPLAN_WINDOW": int(self.window), "ATTNPLAN_SOFTCAP": int(self.softcap),
-                      "ATTNPLAN_KV_FP8": int(self.kv_fp8), "ATTNPLAN_SPLIT_V": int(self.split_v),
+                      "ATTNPLAN_KV_FP8": int(self.kv_fp8),
                       "ATTNPLAN_MMA": int(self.mma), "ATTNPLAN_MERGE": MERGE_CODES[self.merge]})
         return d
 
@@ -347,7 +309,7 @@ def _rows_per_warp(dtype: str, head_dim: int) -> int:
 def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page_size: int | None, *,
               num_warps: int | None = None, num_stages: int | None = None,
               smem_limit: int = SMEM_BUDGET, window: bool = False, softcap: bool = False,
-              kv_dtype: str | None = None, partition: str = "split_k", mma: bool | None = None,
+              kv_dtype: str | None = None, mma: bool | None = None,
               merge: str = "none", passes: int | None = None) -> KernelSpec:
     """Choose the partial / single-pass specialization for a problem.
 
@@ -355,10 +317,9 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
         kind: ``"partial"`` or ``"single"``.
         dtype, head_dim, group, q_len: the problem's (``dtype`` = q's).
         page_size: tokens per page, ``None`` or 0 for a contiguous cache.
-        num_warps: warps per row group (config ``backend_options.cuda_ptx.num_warps``): split-K's KV
-            warps or split-V's column warps; ``None`` = 4 for one row group, fewer as row groups are
-            added (at most 8 warps in all), for split-V the largest such count dividing the row's
-            16-byte vectors, on the tensor-core path fewer while two stages exceed the budget.
+        num_warps: KV warps per row group (config ``backend_options.cuda_ptx.num_warps``); ``None`` = 4 for
+            one row group, fewer as row groups are added (at most 8 warps in all), on the tensor-core path
+            fewer while two stages exceed the budget.
         num_stages: ring depth; ``None`` = enough to keep :data:`INFLIGHT_BYTES` in flight, capped so
             the program stays within ``min(SMEM_BUDGET, smem_limit)``.
         smem_limit: dynamic shared memory the device allows per program (opt-in), bytes; an explicit
@@ -366,15 +327,13 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
         window, softcap: compile the sliding-window / soft-cap variants in.
         kv_dtype: the KV cache's dtype: ``None`` or ``dtype``, or ``"float8_e4m3fn"`` (q fp16 / bf16,
             head_dim a multiple of 16).
-        partition: ``"split_k"`` or ``"split_v"`` (``decode.cu``'s method).
         mma: the tensor-core path (``decode.cu``'s ``ATTNPLAN_MMA``): ``None`` = wherever
             :func:`mma_unsupported` has no objection (fp8 KV included) and the program fits
             ``smem_limit`` (else the CUDA-core path), ``True`` = required, ``False`` = CUDA cores. An fp8
             spec is the same for every architecture: the kernel converts with ``cvt.rn.f16x2.e4m3x2`` from
             sm_89 on and with the integer decoder below (sm_80 / sm_86 compiles).
-        merge: the in-kernel merge of a ``"partial"`` kernel: ``"none"`` (a merge kernel follows),
-            ``"fused"`` or ``"atomic"`` (the plan's ``merge``; the atomic merge's shared-memory stage counts
-            toward the stage choice and the limit).
+        merge: the in-kernel merge of a ``"partial"`` kernel: ``"none"`` (a merge kernel follows) or
+            ``"fused"`` (the plan's ``merge``).
         passes: tensor-core path only: 16-token m-tiles per warp tile (config
             ``backend_options.cuda_ptx.passes``, 1, 2, 4 or 8); ``None`` = the tile of :data:`MMA_TILE_BYTES`.
             A tile that does not fit (registers, shared memory) raises instead of falling back to the CUDA-core
@@ -382,18 +341,17 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
     Returns:
         the :class:`KernelSpec`. CUDA-core path: rows are split into row groups of at most ``min(8,
         ROW_REGS / (2 x elements per lane))`` rows; the tile is sized so a warp holds at most
-        :data:`SCORE_REGS` scores and a stage holds at most :data:`TILE_BYTES` (split-V: twice each,
-        and at least one pass per P.V lane subgroup). Tensor-core path: rows go to warps in n8-tiles,
+        :data:`SCORE_REGS` scores and a stage holds at most :data:`TILE_BYTES`. Tensor-core path: rows go to warps in n8-tiles,
         at most ``MMA_NTILE_DIMS / head_dim`` per warp (fewest row groups, tiles spread evenly); the
         tile is whole 16-token m-tiles within :data:`MMA_TILE_BYTES` (of the KV dtype: fp8 tiles hold
         twice the tokens) and :data:`SCORE_REGS` scores; the
         default KV warps shrink until two stages of every warp fit ``min(SMEM_BUDGET, smem_limit)``;
         stages keep :data:`MMA_INFLIGHT_BYTES` in flight.
     Raises:
-        ValueError: unsupported dtype / head_dim / kind / partition, too many rows (fp8 KV: more than
+        ValueError: unsupported dtype / head_dim / kind, too many rows (fp8 KV: more than
         :func:`max_rows`, the CUDA-core fallback's, on either path), ``mma=True`` where
         the tensor-core path cannot serve, or options that exceed :data:`MAX_WARPS` warps or
-        ``smem_limit`` (or, for split-V, do not divide head_dim), an unknown ``merge`` or one on a
+        ``smem_limit``, an unknown ``merge`` or one on a
         ``"single"`` kernel.
     """
     if kind not in ("partial", "single"):
@@ -402,8 +360,6 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
         raise ValueError(f"merge must be one of {sorted(MERGE_CODES)}, got {merge!r}")
     if merge != "none" and kind != "partial":
         raise ValueError(f"merge {merge!r} is an in-kernel merge of the 'partial' kernel, not of {kind!r}")
-    if partition not in PARTITIONS:
-        raise ValueError(f"partition must be one of {PARTITIONS}, got {partition!r}")
     _check_shape_support(dtype, head_dim, kv_dtype)
     args = (kind, dtype, head_dim, group, q_len, int(page_size or 0), num_warps, num_stages, smem_limit,
             bool(window), bool(softcap))
@@ -411,7 +367,7 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
         raise ValueError(f"GQA group x q_len = {group * q_len} rows exceeds {max_rows(FP8, head_dim)} rows per program "
                          f"for {FP8} head_dim {head_dim}")
     if mma is None or mma:
-        why = mma_unsupported(dtype, head_dim, kv_dtype, partition)
+        why = mma_unsupported(dtype, head_dim, kv_dtype)
         if mma and why:
             raise ValueError(f"mma=True: {why}")
         if not why:
@@ -420,7 +376,7 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
             except ValueError:
                 if mma or passes is not None:  # an explicit tensor-core tile never turns into the CUDA-core path
                     raise
-    return _core_spec(*args, kv_dtype, partition, merge=merge)
+    return _core_spec(*args, kv_dtype, merge=merge)
 
 
 def _stages_and_check(base: KernelSpec, num_stages: int | None, smem_limit: int, rings: int,
@@ -444,10 +400,9 @@ def _stages_and_check(base: KernelSpec, num_stages: int | None, smem_limit: int,
 
 
 def _core_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_stages, smem_limit, window, softcap,
-               kv_dtype, partition, merge="none") -> KernelSpec:
+               kv_dtype, merge="none") -> KernelSpec:
     """The CUDA-core specialization (see :func:`make_spec`)."""
     kvd = kv_dtype or dtype
-    split_v = partition == "split_v"
     lay = vector_layout(kvd, head_dim)
     rows = group * q_len
     rt_max = _rows_per_warp(kvd, head_dim)
@@ -457,21 +412,16 @@ def _core_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_st
                          f"for {kvd} head_dim {head_dim}")
     rt = -(-rows // row_groups)
     row_bytes = head_dim * ELEM_BYTES[kvd]
-    score_regs, tile_bytes = (2 * SCORE_REGS, TILE_BYTES_SPLIT_V) if split_v else (SCORE_REGS, TILE_BYTES)
-    passes = min(_pow2_floor(max(1, score_regs // rt)), _pow2_floor(max(1, tile_bytes // (2 * lay["tpp"] * row_bytes))))
+    passes = min(_pow2_floor(max(1, SCORE_REGS // rt)), _pow2_floor(max(1, TILE_BYTES // (2 * lay["tpp"] * row_bytes))))
     if num_warps is None:
         kv_warps = 4 if row_groups == 1 else max(1, MAX_WARPS // row_groups)
-        if split_v:
-            kv_warps = max(w for w in range(1, kv_warps + 1) if lay["dv"] % w == 0)
     else:
         kv_warps = int(num_warps)
         if kv_warps < 1 or kv_warps * row_groups > MAX_WARPS:
             raise ValueError(f"num_warps {num_warps} x {row_groups} row group(s) must be in [1, {MAX_WARPS}] warps")
-    if split_v:
-        passes = max(passes, split_v_layout(kvd, head_dim, kv_warps)["subs"])
     base = KernelSpec(kind, dtype, head_dim, group, q_len, page_size, kv_warps, row_groups, 2, passes,
-                      window, softcap, kvd == FP8, partition, merge=merge)
-    return _stages_and_check(base, num_stages, smem_limit, 1 if split_v else kv_warps)
+                      window, softcap, kvd == FP8, merge=merge)
+    return _stages_and_check(base, num_stages, smem_limit, kv_warps)
 
 
 def _mma_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_stages, smem_limit, window,
@@ -502,7 +452,7 @@ def _mma_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_sta
         raise ValueError(f"passes {passes}: the tensor-core tile takes 1, 2, 4 or 8 m-tiles, and at most "
                          f"{2 * SCORE_REGS // (4 * ntw)} for {ntw} n8-tile(s) per warp")
     base = KernelSpec(kind, dtype, head_dim, group, q_len, page_size, 1, row_groups, 2, passes, window, softcap,
-                      kv_dtype == FP8, "split_k", True, merge)
+                      kv_dtype == FP8, True, merge)
     if num_warps is None:
         kv_warps = 4 if row_groups == 1 else max(1, MAX_WARPS // row_groups)
         budget = min(SMEM_BUDGET, smem_limit)
@@ -623,8 +573,8 @@ PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("bt_sb", "i64"),
     ("o_sb", "i64"), ("o_si", "i64"), ("o_sh", "i64"), ("o_ss", "i64"),
     ("l_sb", "i64"), ("l_si", "i64"), ("l_sh", "i64"), ("l_ss", "i64"),
-    # the in-kernel merges' (null / 0 otherwise): out, out_lse, counters (+ the atomic locks' offset)
-    ("out", "ptr"), ("out_lse", "ptr"), ("counters", "ptr"), ("lock_offset", "i32"),
+    # the fused merge's (null / 0 otherwise): out, out_lse, counters
+    ("out", "ptr"), ("out_lse", "ptr"), ("counters", "ptr"),
     ("out_sb", "i64"), ("out_si", "i64"), ("out_sh", "i64"),
     ("ol_sb", "i64"), ("ol_si", "i64"), ("ol_sh", "i64"),
 )
@@ -713,7 +663,7 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
                  window_left: int = -1, soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
-                 counters: torch.Tensor | None = None, lock_offset: int = 0) -> list:
+                 counters: torch.Tensor | None = None) -> list:
     """Argument values for :data:`PARTIAL_SIGNATURE` (no device access, no sync).
 
     Args:
@@ -722,8 +672,7 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
             ``[pages, page_size, Hkv, D]``; seq_lens ``[B]`` int32; block_table ``[B, max_pages]``
             int32 or ``None``.
         sm_scale: score scale; the kernel gets ``sm_scale * log2(e)`` (base-2 softmax).
-        o: partial: ``PartialState.o [B, Q, Hq, S, D]`` fp32 (the atomic merge: ``S`` = 1 accumulator slot);
-            single: ``out [B, Q, Hq, D]``.
+        o: partial: ``PartialState.o [B, Q, Hq, S, D]`` fp32; single: ``out [B, Q, Hq, D]``.
         lse: partial: ``[B, Q, Hq, S]`` fp32; single: ``[B, Q, Hq]`` fp32 or ``None``.
         chunk_size: tokens per split; num_splits: splits of the grid (1 for single pass).
         window_left: sliding window in tokens (used when ``spec.window``); soft_cap: ``c`` of
@@ -731,10 +680,9 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         sinks: ``[num_q_heads]`` fp32 sink logits, for the single pass and the in-kernel merges (partial
             states exclude them).
         k_scale, v_scale: ``[num_kv_heads]`` fp32 dequantization scales of an fp8 cache (``spec.kv_fp8``).
-        out, out_lse, counters, lock_offset: the in-kernel merge's (``spec.merge`` fused / atomic): ``out
-            [B, Q, Hq, D]`` in q's dtype, ``out_lse [B, Q, Hq]`` fp32 or ``None``, the zeroed int32
-            ``counters`` (``plan.sync_words``: one completion counter per (sequence, KV head), then for the
-            atomic merge one lock each, at ``lock_offset`` = batch x KV heads); ``None`` / 0 otherwise.
+        out, out_lse, counters: the fused merge's (``spec.merge == "fused"``): ``out [B, Q, Hq, D]`` in q's dtype,
+            ``out_lse [B, Q, Hq]`` fp32 or ``None``, the zeroed int32 ``counters`` (``plan.sync_words``: one
+            completion counter per (sequence, KV head)); ``None`` otherwise.
     Strides are in elements; a single-pass output has split stride 0.
     """
     single = spec.kind == "single"
@@ -752,7 +700,7 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         0 if bt is None else int(bt.stride(0)),
         *o_str, *l_str,
         0 if out is None else out.data_ptr(), 0 if out_lse is None else out_lse.data_ptr(),
-        0 if counters is None else counters.data_ptr(), int(lock_offset),
+        0 if counters is None else counters.data_ptr(),
         *_strides(out, 3), *_strides(out_lse, 3),
     ]
 
