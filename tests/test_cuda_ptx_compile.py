@@ -24,6 +24,7 @@ from attnplan.backends.cuda_ptx import CudaPtxBackend
 from attnplan.backends.cuda_ptx import launch as L
 from attnplan.backends.cuda_ptx import nvrtc as N
 from attnplan.backends.cuda_ptx._bindings import NvrtcError
+from attnplan.backends.cuda_ptx.source import kernel_program
 from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN
 from attnplan.planner import make_plan
@@ -38,6 +39,8 @@ except Exception:  # noqa: BLE001
 needs_nvrtc = pytest.mark.skipif(not HAS_NVRTC, reason="NVRTC (cuda-python + nvidia-cuda-nvrtc) not loadable")
 
 MAX_REGISTERS = 255
+#: decode.cu and its headers
+PROG = kernel_program()
 ARCHS = [(9, 0), (8, 0)]
 
 # (kind, dtype, head_dim, group, q_len, page_size): head_dim 64/128/256, group 1/4/8, q_len 1 and 4,
@@ -127,7 +130,7 @@ def cache(tmp_path_factory) -> N.CompileCache:
 @pytest.mark.parametrize("s", SPECS, ids=spec_id)
 def test_nvrtc_compiles_cubin_without_spills(s, cc, cache):
     spec = L.make_spec(*s, mma=False)  # the CUDA-core path (MMA_SPECS: the tensor-core one)
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
+    c = PROG.cached(cache, spec.name, spec.options(), N.select_target(cc))
     assert c.target.kind == "cubin" and c.target.arch == f"sm_{cc[0]}{cc[1]}"
     assert len(c.image) > 1000 and c.image[:4] == b"\x7fELF"
     res = _ptxas(c, spec.entry)
@@ -158,7 +161,7 @@ def _compiled_resources(spec, cc, cache, two_programs: bool = False) -> dict:
     """Compile ``spec`` for ``cc`` and check ptxas's report: no spills, no stack, registers within
     :data:`MAX_REGISTERS` and one program within an SM's register file (with ``two_programs``: two
     programs, for one-row-group specs of at most 128 threads). Returns the resources."""
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
+    c = PROG.cached(cache, spec.name, spec.options(), N.select_target(cc))
     res = _ptxas(c, spec.entry)
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
     assert 0 < res["registers"] <= MAX_REGISTERS and res["registers"] * spec.threads <= 65536, res
@@ -217,7 +220,7 @@ def test_mma_tiles_over_more_than_32_pages_compile(args, passes, cache):
     block-table window holds 32 slots per batch (decode.cu, PAGE_WIN)."""
     spec = L.make_spec(*args, mma=True, passes=passes, smem_limit=227 * 1024)
     assert spec.mma and spec.tile_tokens // (args[5]) > 32
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
+    c = PROG.cached(cache, spec.name, spec.options(), N.select_target((9, 0)))
     assert c.image[:4] == b"\x7fELF"
 
 
@@ -295,11 +298,11 @@ def test_in_kernel_merge_ptx():
     none of them (and the PDL trigger); no kernel takes a lock (no CAS, no release exchange)."""
     def ptx(**kw):
         spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, **kw)
-        c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
+        c = PROG.compile(spec.options(), N.CompileTarget("compute_90", "ptx"))
         return c.image.rstrip(b"\x00").decode()
 
     plain, fused = ptx(), ptx(merge="fused")
-    merge = N.compile_source(L.kernel_source(), "decode.cu", L.merge_spec("bfloat16", 128).options(),
+    merge = PROG.compile(L.merge_spec("bfloat16", 128).options(),
                              N.CompileTarget("compute_90", "ptx")).image.decode(errors="replace")
     assert "atom.acq_rel.gpu.global.add.s32" in fused and "ld.global.cg.v4.f32" in fused and "ld.global.cg.f32" in fused
     assert "membar.gl" in fused  # __threadfence
@@ -331,7 +334,7 @@ def test_fp8_mma_ptx_instructions(dtype):
     spec = L.make_spec("partial", dtype, 128, 4, 1, 16, kv_dtype=FP8)
 
     def ptx(arch):
-        c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget(arch, "ptx"))
+        c = PROG.compile(spec.options(), N.CompileTarget(arch, "ptx"))
         return c.image.rstrip(b"\x00").decode()
 
     p90, p80 = ptx("compute_90"), ptx("compute_80")
@@ -350,7 +353,7 @@ def test_mma_ptx_uses_tensor_core_instructions():
     """The tensor-core spec's PTX holds the mma / ldmatrix / movmatrix instructions; the CUDA-core one none."""
     def ptx(**kw):
         spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, **kw)
-        c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
+        c = PROG.compile(spec.options(), N.CompileTarget("compute_90", "ptx"))
         return c.image.rstrip(b"\x00").decode()
 
     on, off = ptx(), ptx(mma=False)
@@ -370,7 +373,7 @@ def test_variant_kernels_compile_without_spills(kind, dtype, group, page, kw, ca
     """Sliding window + soft-cap compiled in (sinks are a run-time pointer of every kernel)."""
     spec = L.make_spec(kind, dtype, 128, group, 1, page, window=True, softcap=True, **kw)
     assert spec.name.endswith("-window-softcap") and spec.defines()["ATTNPLAN_WINDOW"] == 1
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
+    c = PROG.cached(cache, spec.name, spec.options(), N.select_target((9, 0)))
     res = _ptxas(c, spec.entry)
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["registers"] <= MAX_REGISTERS, res
     print(f"{spec.name} sm_90: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}")
@@ -381,7 +384,7 @@ def test_variant_kernels_compile_without_spills(kind, dtype, group, page, kw, ca
 @pytest.mark.parametrize("head_dim", [16, 64, 256])
 def test_merge_kernel_compiles(dtype, head_dim, cache):
     spec = L.merge_spec(dtype, head_dim)
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
+    c = PROG.cached(cache, spec.name, spec.options(), N.select_target((9, 0)))
     res = _ptxas(c, "attnplan_merge")
     assert res["spill_stores"] == 0 and res["registers"] <= 128
     assert spec.threads == max(32, -(-head_dim // 4 // 32) * 32)
@@ -482,11 +485,11 @@ def test_merge_teams_host_kernel_disagreement_fails_compile(cache):
 
     target = N.CompileTarget("sm_90", "cubin")
     with pytest.raises(NvrtcError, match="disagree on dynamic shared memory"):
-        cache.get("mismatch-smem", L.kernel_source(), with_("ATTNPLAN_SMEM_BYTES", spec.smem_bytes + 16), target)
+        PROG.cached(cache, "mismatch-smem", with_("ATTNPLAN_SMEM_BYTES", spec.smem_bytes + 16), target)
     with pytest.raises(NvrtcError, match="disagree on merge threads"):
-        cache.get("mismatch-threads", L.kernel_source(), with_("ATTNPLAN_THREADS", 128), target)
+        PROG.cached(cache, "mismatch-threads", with_("ATTNPLAN_THREADS", 128), target)
     with pytest.raises(NvrtcError, match="merge teams per CTA"):
-        cache.get("mismatch-teams", L.kernel_source(), with_("ATTNPLAN_MERGE_TEAMS", 3), target)
+        PROG.cached(cache, "mismatch-teams", with_("ATTNPLAN_MERGE_TEAMS", 3), target)
 
 
 @needs_nvrtc
@@ -496,7 +499,7 @@ def test_merge_teams_ptx():
     non-coherent path (an earlier launch's)."""
     def ptx(teams):
         spec = L.merge_spec("bfloat16", 128, teams)
-        return N.compile_source(L.kernel_source(), "decode.cu", spec.options(),
+        return PROG.compile(spec.options(),
                                 N.CompileTarget("compute_90", "ptx")).image.rstrip(b"\x00").decode()
 
     one, eight = ptx(1), ptx(8)
@@ -518,7 +521,7 @@ def test_nvcc_ptxas_verbose_no_spills(s, tmp_path):
     """The same source through nvcc's ptxas (another toolkit version than the pip NVRTC)."""
     spec = L.make_spec(*s[:6], **(s[6] if len(s) > 6 else {}))
     src = tmp_path / "decode.cu"
-    src.write_text(L.kernel_source())
+    src.write_text(PROG.flattened())
     cmd = [NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-Xptxas", "-v", *[o for o in spec.options() if o.startswith("-D")],
            str(src), "-o", str(tmp_path / "k.cubin")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -564,7 +567,7 @@ def test_host_kernel_disagreement_fails_compile(cache):
     opts = [o if not o.startswith("-DATTNPLAN_SMEM_BYTES=") else f"-DATTNPLAN_SMEM_BYTES={spec.smem_bytes + 16}"
             for o in spec.options()]
     with pytest.raises(NvrtcError, match="disagree on dynamic shared memory"):
-        cache.get("mismatch", L.kernel_source(), opts, N.CompileTarget("sm_90", "cubin"))
+        PROG.cached(cache, "mismatch", opts, N.CompileTarget("sm_90", "cubin"))
     assert not list(cache.path.glob("mismatch*.cubin")), "a failed compile must cache nothing"
 
 
@@ -701,7 +704,7 @@ def test_pdl_launch_config_and_griddepcontrol():
     for arch, present in (("compute_90", True), ("compute_80", False)):
         for spec, insn in ((L.merge_spec("bfloat16", 128), "griddepcontrol.wait"),
                            (partial, "griddepcontrol.launch_dependents")):
-            ptx = N.compile_source(L.kernel_source(), spec.name, spec.options(), N.CompileTarget(arch, "ptx")).image
+            ptx = PROG.compile(spec.options(), N.CompileTarget(arch, "ptx")).image
             assert (insn in ptx.decode()) == present, (arch, spec.name)
 
 
@@ -868,7 +871,7 @@ def test_signature_matches_ptx_entry(kind, signature):
              "fused-core": {"merge": "fused", **CORE}}.get(kind, {})
     spec = L.merge_spec("bfloat16", 128) if kind == "merge" else L.make_spec(
         "partial", "bfloat16", 128, 4, 1, 16, **extra)
-    c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
+    c = PROG.compile(spec.options(), N.CompileTarget("compute_90", "ptx"))
     ptx = c.image.rstrip(b"\x00").decode()
     m = re.search(r"\.entry\s+" + spec.entry + r"\s*\((.*?)\)", ptx, re.S)
     assert m, ptx[:2000]
@@ -1009,11 +1012,15 @@ def test_partial_args_scales():
 @needs_nvrtc
 def test_compile_cache_hits_keys_and_rebuilds(tmp_path):
     spec = L.merge_spec("float16", 64)
-    src, opts = L.kernel_source(), spec.options()
+    src, heads, opts = PROG.source, PROG.headers, spec.options()
+
+    def get(cache, target=N.CompileTarget("sm_90", "cubin"), options=opts, headers=heads):
+        return cache.get(spec.name, src, options, target, headers=headers)
+
     c1 = N.CompileCache(tmp_path)
-    a = c1.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+    a = get(c1)
     assert c1.stats.compiles == 1 and a.source == "compiled"
-    b = c1.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+    b = get(c1)
     assert c1.stats.memory_hits == 1 and b.image == a.image
     files = list((tmp_path).glob("*.cubin"))
     assert len(files) == 1
@@ -1022,28 +1029,55 @@ def test_compile_cache_hits_keys_and_rebuilds(tmp_path):
     assert name.startswith(f"{spec.name}.sm_90.nvrtc{major}.{minor}.") and name.endswith(".cubin")
 
     c2 = N.CompileCache(tmp_path)  # a new process: disk hit
-    d = c2.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+    d = get(c2)
     assert c2.stats.disk_hits == 1 and c2.stats.compiles == 0 and d.image == a.image and d.resources == a.resources
 
-    # the key includes the architecture and the options
-    c2.get(spec.name, src, opts, N.CompileTarget("sm_80", "cubin"))
-    c2.get(spec.name, src, opts + ["-DATTNPLAN_UNUSED=1"], N.CompileTarget("sm_90", "cubin"))
-    assert c2.stats.compiles == 2 and len(list(tmp_path.glob("*.cubin"))) == 3
-    assert N.CompileCache.key(src, opts, N.CompileTarget("sm_90", "cubin"), (13, 0)) != \
-        N.CompileCache.key(src, opts, N.CompileTarget("sm_90", "cubin"), (13, 5))
+    # the key includes the architecture, the options and every header's text
+    get(c2, target=N.CompileTarget("sm_80", "cubin"))
+    get(c2, options=opts + ["-DATTNPLAN_UNUSED=1"])
+    edited = tuple((n, t + "\n// an edit\n" if n == "state.cuh" else t) for n, t in heads)
+    get(c2, headers=edited)
+    assert c2.stats.compiles == 3 and len(list(tmp_path.glob("*.cubin"))) == 4
+    key = N.CompileCache.key
+    target = N.CompileTarget("sm_90", "cubin")
+    assert key(src, opts, target, (13, 0), heads) != key(src, opts, target, (13, 5), heads)
+    assert len({key(src, opts, target, (13, 5), h)
+                for h in (heads, edited, heads[1:], tuple((n + "x", t) for n, t in heads))}) == 4
+    assert key(src, opts, target, (13, 5), heads) == key(src, opts, target, (13, 5), list(heads))
 
     # a corrupt file is rebuilt with a warning
     files[0].write_bytes(files[0].read_bytes()[:-100] + b"garbage")
     c3 = N.CompileCache(tmp_path)
     with pytest.warns(RuntimeWarning, match="corrupt"):
-        e = c3.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+        e = get(c3)
     assert c3.stats.compiles == 1 and c3.stats.rebuilt == 1 and e.image == a.image
     c4 = N.CompileCache(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        c4.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+        get(c4)
     assert c4.stats.disk_hits == 1
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+@needs_nvrtc
+def test_kernel_program_headers():
+    """decode.cu and every header it includes travel to NVRTC by name; a compile without them fails naming the
+    missing include; the flattened single-file text compiles to the same PTX; the digest covers every header."""
+    names = [n for n, _ in PROG.headers]
+    assert PROG.name == "decode.cu" and names == sorted(names) and {"config.cuh", "ptx.cuh", "state.cuh"} <= set(names)
+    included = set(re.findall(r'#include "([^"]+)"', PROG.source + "".join(t for _, t in PROG.headers)))
+    assert included <= set(names), included - set(names)
+    spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    target = N.CompileTarget("compute_90", "ptx")
+    with pytest.raises(NvrtcError, match="config.cuh"):
+        N.compile_source(PROG.source, PROG.name, spec.options(), target)
+    flat = PROG.flattened()
+    assert not re.search(r"^\s*#\s*(include|pragma once)", flat, re.M)
+    assert N.compile_source(flat, PROG.name, spec.options(), target).image == PROG.compile(spec.options(), target).image
+    other = dataclasses.replace(PROG, headers=tuple((n, t + " ") if n == names[-1] else (n, t) for n, t in PROG.headers))
+    assert other.digest != PROG.digest and dataclasses.replace(PROG).digest == PROG.digest
+    with pytest.raises(ValueError, match="not one of its headers"):
+        dataclasses.replace(PROG, headers=PROG.headers[1:]).flattened()
 
 
 def test_default_cache_dir_env(monkeypatch, tmp_path):
@@ -1068,11 +1102,11 @@ def test_missing_ptxas_report_read_from_cubin(monkeypatch):
     comes from the cubin and equals what ptxas printed for the same program."""
     spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
     target = N.select_target((9, 0))
-    logged = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+    logged = PROG.compile(spec.options(), target)
     if "from" in logged.resources[spec.entry]:  # e.g. the H200 machines' NVRTC 13.0
         pytest.skip("this NVRTC printed no ptxas report to compare the cubin's counts with")
     monkeypatch.setattr(N, "_program_log", lambda nvrtc, prog: "")  # what the device's NVRTC printed
-    silent = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+    silent = PROG.compile(spec.options(), target)
     assert silent.log == "" and silent.image == logged.image
     got, want = silent.resources[spec.entry], logged.resources[spec.entry]
     assert got["from"] == "cubin" and "from" not in want
@@ -1122,12 +1156,12 @@ def test_unreadable_cubin_report_never_fails_a_compile(monkeypatch):
     with empty resources (and the image a logged compile gives)."""
     spec = L.make_spec("partial", "bfloat16", 64, 1, 1, None)
     target = N.select_target((9, 0))
-    logged = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+    logged = PROG.compile(spec.options(), target)
 
     def unreadable(image, arch):
         raise ValueError("unknown EIATTR format 9 at byte 0")
 
     monkeypatch.setattr(N, "_program_log", lambda nvrtc, prog: "")
     monkeypatch.setattr(N, "cubin_resources", unreadable)
-    c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+    c = PROG.compile(spec.options(), target)
     assert c.resources == {} and c.image == logged.image

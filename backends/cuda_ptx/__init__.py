@@ -108,11 +108,11 @@ from attnplan.state import PartialState
 
 from ._bindings import CudaPtxError, DriverError, NvrtcError
 from .launch import (
-    FP8, MERGE_SIGNATURE, PARTIAL_SIGNATURE, DeviceRuntime, KernelSpec, PackedArgs, check_layout,
-    kernel_source, make_spec, max_rows, merge_args, merge_launch_config, merge_spec, merge_teams, mma_unsupported,
+    FP8, MERGE_SIGNATURE, PARTIAL_SIGNATURE, DeviceRuntime, KernelSpec, PackedArgs, check_layout, make_spec, max_rows, merge_args, merge_launch_config, merge_spec, merge_teams, mma_unsupported,
     partial_args, partial_launch_config,
 )
 from .nvrtc import CompileCache, Compiled, select_target
+from .source import kernel_program
 
 __all__ = ["CudaPtxBackend", "CudaPtxError", "NvrtcError", "DriverError", "KernelSpec", "CompileCache"]
 
@@ -335,7 +335,7 @@ class CudaPtxBackend(Backend):
         Raises:
             NvrtcError: NVRTC is unusable or the compile fails (message with NVRTC's log).
         """
-        return self.cache.get(spec.name, kernel_source(), spec.options(), select_target(compute_capability))
+        return kernel_program().cached(self.cache, spec.name, spec.options(), select_target(compute_capability))
 
     def prepare(self, plan: SplitPlan, device: torch.device) -> None:
         """Compile and load every kernel ``plan`` launches on ``device`` (call before CUDA-graph capture)."""

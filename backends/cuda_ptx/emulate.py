@@ -32,7 +32,8 @@ import torch
 
 from . import CudaPtxBackend
 from ._bindings import CudaPtxError
-from .launch import KernelSpec, LaunchConfig, PackedArgs, kernel_source
+from .launch import KernelSpec, LaunchConfig, PackedArgs
+from .source import kernel_program
 
 __all__ = ["EmulationError", "EmulatedKernel", "EmulatedCudaPtxBackend", "compiler", "tensor_range"]
 
@@ -75,8 +76,8 @@ class EmulatedKernel:
         self.spec = spec
         defines = [o for o in spec.options() if o.startswith("-D")]
         h = hashlib.sha256()
-        for part in (kernel_source(), (_EMU_DIR / "simt.h").read_text(), (_EMU_DIR / "harness.cpp").read_text(),
-                     " ".join(defines), cxx):
+        for part in (kernel_program().digest, (_EMU_DIR / "simt.h").read_text(), (_EMU_DIR / "harness.cpp").read_text(),
+                     " ".join(defines), cxx):  # every header's text, through the program's digest
             h.update(part.encode())
         root = Path(build_dir) if build_dir else Path(os.environ.get("ATTNPLAN_CACHE_DIR") or tempfile.gettempdir())
         out_dir = root / "emulation"

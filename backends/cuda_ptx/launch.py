@@ -35,18 +35,18 @@ import functools
 import struct
 import threading
 from dataclasses import dataclass
-from importlib import resources
 
 import torch
 
 from ._bindings import CudaPtxError, DriverError, bindings, check_driver
 from .nvrtc import CompileCache, CompileTarget, Compiled, nvrtc_version, select_target
+from .source import kernel_program
 
 __all__ = [
     "KernelSpec", "make_spec", "merge_spec", "LaunchConfig", "partial_launch_config", "merge_launch_config",
     "PackedArgs", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "partial_args", "merge_args", "check_layout",
     "pdl_launch_config",
-    "kernel_source", "DeviceRuntime", "DTYPE_CODES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS",
+    "DeviceRuntime", "DTYPE_CODES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS",
     "vector_layout", "max_rows", "FP8", "mma_unsupported", "MERGE_CODES",
     "merge_teams", "MERGE_CHUNK", "MAX_MERGE_TEAMS",
 ]
@@ -718,16 +718,6 @@ def merge_args(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_lse: t
     ]
 
 
-def kernel_source() -> str:
-    """The CUDA C source (``decode.cu``, packaged next to this module)."""
-    return _source()
-
-
-@functools.lru_cache(maxsize=1)
-def _source() -> str:
-    return resources.files(__package__).joinpath("decode.cu").read_text()
-
-
 # ------------------------------------------------------------------------------------------------
 # driver runtime (GPU only)
 # ------------------------------------------------------------------------------------------------
@@ -780,7 +770,7 @@ class DeviceRuntime:
 
     def compiled(self, spec: KernelSpec) -> Compiled:
         """The spec's image for this device (compile cache)."""
-        return self.cache.get(spec.name, kernel_source(), spec.options(), self.target)
+        return kernel_program().cached(self.cache, spec.name, spec.options(), self.target)
 
     def function(self, spec: KernelSpec):
         """The loaded ``CUfunction`` of ``spec`` (compiling and loading on first use)."""
