@@ -38,7 +38,7 @@ from attnplan.state import PartialState, merge_states
 from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison, problem_of
 
 emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
-from attnplan.backends.cuda_ptx.launch import merge_spec  # noqa: E402 (after the import check)
+from attnplan.backends.cuda_ptx.spec import merge_spec  # noqa: E402 (after the import check)
 pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the host emulation")
 
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -151,7 +151,7 @@ def test_emulated_kernels_match_reference(be, case, partition, gen):
 
 def test_emulated_two_vectors_per_lane(be, gen):
     """CUDA-core split-K over an fp32 head_dim-256 row: 64 vectors, two per lane (nv 2), one KV warp."""
-    from attnplan.backends.cuda_ptx.launch import vector_layout
+    from attnplan.backends.cuda_ptx.spec import vector_layout
 
     assert vector_layout("float32", 256)["nv"] == 2
     x = make_inputs(2, 2, 1, 256, [45, 3], q_len=2, page_size=16, dtype=torch.float32, generator=gen)
@@ -212,7 +212,7 @@ def test_emulation_reports_out_of_bounds_block_table(be, gen):
 
 @pytest.mark.parametrize("kv_dtype,mma", [(None, False), ("float8_e4m3fn", False), (None, True), ("float8_e4m3fn", True)])
 def test_emulated_constants_match_host(be, kv_dtype, mma):
-    from attnplan.backends.cuda_ptx.launch import make_spec, vector_layout
+    from attnplan.backends.cuda_ptx.spec import make_spec, vector_layout
 
     spec = make_spec("partial", "bfloat16", 96, 7, 4, 16, kv_dtype=kv_dtype, mma=mma)
     k = be.kernel(spec)
@@ -611,7 +611,7 @@ def test_emulated_merge_teams_match_reference(be, dtype, head_dim, teams, gen, m
 
 def test_emulated_merge_teams_chosen_by_the_backend(be, gen):
     """Unpinned, the backend picks the teams from the plan's rows, its splits and the SM count
-    (launch.merge_teams; the CPU stand-in's 8): 3 rows x 40 splits -> 4 teams of 16 splits (the last of 8),
+    (spec.merge_teams; the CPU stand-in's 8): 3 rows x 40 splits -> 4 teams of 16 splits (the last of 8),
     against merge_states; 8 rows of the same splits -> one team."""
     assert be.merge_teams_for(_separate_merge_plan(be, 2, 1, 4, 128, torch.bfloat16, 40)) == 1
     plan = _separate_merge_plan(be, 1, 1, 3, 128, torch.bfloat16, 40)

@@ -438,7 +438,7 @@ def test_fp8_decoder_all_256_codes(partition):
 def test_compiled_for_device_arch():
     be = _backend()
     major, minor = torch.cuda.get_device_capability()
-    from attnplan.backends.cuda_ptx.launch import make_spec
+    from attnplan.backends.cuda_ptx.spec import make_spec
 
     c = be.compile(make_spec("partial", "bfloat16", 128, 4, 1, 16), (major, minor))
     assert c.target.kind == "cubin" and c.target.arch == f"sm_{major}{minor}"

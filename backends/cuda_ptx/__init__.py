@@ -1,11 +1,12 @@
 """The ``cuda_ptx`` backend: CUDA C kernels compiled at run time by NVRTC, launched with the driver API.
 
-The kernels (``decode.cu``) are compiled through ``cuda.bindings.nvrtc`` to a cubin for the device's
-exact architecture (PTX only as a fallback, see :mod:`.nvrtc`), cached in memory and on disk,
-loaded with ``cuModuleLoadData`` into torch's primary context, and launched with ``cuLaunchKernel``
-on ``torch.cuda.current_stream()``. Launches allocate nothing and never sync the host, so ``run``
-can be captured in a CUDA graph (compile and load first: :meth:`CudaPtxBackend.prepare`, or one
-eager run before capture).
+The kernels (``decode.cu`` and its headers, :mod:`.source`) are compiled through ``cuda.bindings.nvrtc`` to a
+cubin for the device's exact architecture (PTX only as a fallback, see :mod:`.nvrtc`), cached in memory and on
+disk, loaded with ``cuModuleLoadData`` into torch's primary context, and launched with ``cuLaunchKernel`` on
+``torch.cuda.current_stream()`` (:mod:`.runtime`). Launches allocate nothing and never sync the host, so ``run``
+can be captured in a CUDA graph (compile and load first: :meth:`CudaPtxBackend.prepare`, or one eager run before
+capture). :mod:`.spec` chooses a kernel's specialization and computes its layout (the kernel checks it),
+:mod:`.args` lists and packs its arguments, :mod:`.emulate` runs the kernels' text on a CPU (tests).
 
 Method: FlashDecoding's split-KV. One program per (split, KV head, sequence) serves the whole GQA
 group and all queries (each KV byte read once); 16-byte ``cp.async`` loads stream K and V through
@@ -20,7 +21,7 @@ there):
   output row; lanes over splits, warp-shuffle max / sum, unrolled o loads; launched with PDL on sm_90+)
   merges them in split order. Deterministic. With few rows and many splits one team of threads per row is
   latency bound (H200, CUPTI: 8 rows x 128 splits took 9.3 us, 8 dependent round trips of 16 splits' o rows per
-  CTA), so the CTA then holds several merge teams (:func:`~.launch.merge_teams`: 1 when the rows fill the SMs or
+  CTA), so the CTA then holds several merge teams (:func:`~.spec.merge_teams`: 1 when the rows fill the SMs or
   16 splits hold them all, else up to 8), each merging a contiguous range of the splits, combined through shared
   memory in team order (still deterministic for a given team count).
 * ``fused``: one launch. Every program writes its split's state, fences it (``__threadfence``), gathers at
@@ -38,7 +39,7 @@ The fused merge sits after the state write, so it serves every path (tensor-core
 both cache layouts, window / soft-cap / sinks, ``q_len`` > 1).
 
 Tensor-core path (kernel option ``mma``, the default for fp16 / bf16 q with a cache of the same
-dtype or float8_e4m3fn, head_dim a multiple of 16; ``decode.cu``'s ``ATTNPLAN_MMA``). Sources:
+dtype or float8_e4m3fn, head_dim a multiple of 16; ``ATTNPLAN_MMA``, ``mma_loop.cuh``). Sources:
 FlashAttention-2's register-level online softmax on mma fragments, FlashInfer's tensor-core decode for
 GQA, the PTX ISA's "Matrix fragments for mma.m16n8k16". With few query rows the products are computed transposed
 ("swap AB"): ``S^T[tokens, rows] = K . Q^T`` with ``mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}``
@@ -107,12 +108,14 @@ from attnplan.problem import DecodeProblem, dtype_name
 from attnplan.state import PartialState
 
 from ._bindings import CudaPtxError, DriverError, NvrtcError
-from .launch import (
-    FP8, MERGE_SIGNATURE, PARTIAL_SIGNATURE, DeviceRuntime, KernelSpec, PackedArgs, check_layout, make_spec, max_rows, merge_args, merge_launch_config, merge_spec, merge_teams, mma_unsupported,
-    partial_args, partial_launch_config,
-)
+from .args import MERGE_SIGNATURE, PARTIAL_SIGNATURE, PackedArgs, check_layout, merge_args, partial_args
 from .nvrtc import CompileCache, Compiled, select_target
+from .runtime import DeviceRuntime
 from .source import kernel_program
+from .spec import (
+    FP8, KernelSpec, make_spec, max_rows, merge_launch_config, merge_spec, merge_teams, mma_unsupported,
+    partial_launch_config,
+)
 
 __all__ = ["CudaPtxBackend", "CudaPtxError", "NvrtcError", "DriverError", "KernelSpec", "CompileCache"]
 
@@ -245,9 +248,9 @@ class CudaPtxBackend(Backend):
         of the program's warps covers by default (tile x KV warps), plus the specialization's ``num_warps``,
         ``num_stages``, ``threads``, ``tile_tokens``, ``row_groups``, ``passes``, ``partition`` (always
         ``split_k``; the planner takes it for ``split.partition: auto``) and ``mma`` (option ``mma``: ``None`` =
-        the tensor-core path wherever it serves, see :func:`~.launch.make_spec`; ``False`` = CUDA cores;
+        the tensor-core path wherever it serves, see :func:`~.spec.make_spec`; ``False`` = CUDA cores;
         ``True`` = required). ``pdl`` (option ``pdl``, default on): the merge kernel is launched with
-        programmatic dependent launch on sm_90+ (see :meth:`~.launch.DeviceRuntime.launch`).
+        programmatic dependent launch on sm_90+ (see :meth:`~.runtime.DeviceRuntime.launch`).
 
         Raises:
             ValueError: options that do not fit the kernel (named, with what is allowed).
@@ -320,7 +323,7 @@ class CudaPtxBackend(Backend):
 
     @staticmethod
     def merge_teams_for(plan: SplitPlan, device: torch.device | None = None) -> int:
-        """Merge teams per merge-kernel CTA for ``plan`` (:func:`~.launch.merge_teams`, where the rule and the
+        """Merge teams per merge-kernel CTA for ``plan`` (:func:`~.spec.merge_teams`, where the rule and the
         measurement behind it are): the plan's rows ``batch x q_len x num_q_heads``, its ``num_splits`` and the SM
         count of ``device`` (:func:`attnplan.device.device_info`; the plan's device fingerprint when ``device`` is
         None). E.g. batch 1, 8 query heads, 128 splits on an H200 (132 SMs): 8; batch 32 (256 rows): 1."""

@@ -5,7 +5,7 @@ every CUDA thread of a block as a fiber, warp shuffles and barriers included, an
 shared-memory access and cp.async copy for races between warps (see that header for what the
 emulation shows and what it cannot). :class:`EmulatedCudaPtxBackend` is
 :class:`~attnplan.backends.cuda_ptx.CudaPtxBackend` with only the final launch replaced: the same
-spec choice, input checks, :func:`~.launch.partial_args` and :class:`~.launch.PackedArgs`
+spec choice, input checks, :func:`~.args.partial_args` and :class:`~.args.PackedArgs`
 ``kernelParams`` array go to the emulated kernel instead of ``cuLaunchKernel``. It takes CPU tensors
 and is slow (a few thousand tokens per second); tests use it to execute the real kernel text
 against the float64 reference on machines without a GPU.
@@ -32,7 +32,8 @@ import torch
 
 from . import CudaPtxBackend
 from ._bindings import CudaPtxError
-from .launch import KernelSpec, LaunchConfig, PackedArgs
+from .args import PackedArgs
+from .spec import KernelSpec, LaunchConfig
 from .source import kernel_program
 
 __all__ = ["EmulationError", "EmulatedKernel", "EmulatedCudaPtxBackend", "compiler", "tensor_range"]

@@ -1,54 +1,36 @@
-"""Kernel specializations, launch configuration, argument packing and driver-API launches.
+"""Kernel specializations of ``decode.cu`` and their launch geometry (plain Python, no GPU needed).
 
-Everything above :class:`DeviceRuntime` is plain Python that runs without a GPU (the CPU tests
-exercise it): :class:`KernelSpec` fixes one specialization of ``decode.cu`` (the -D macros),
-:func:`make_spec` chooses it from the problem, :func:`partial_launch_config` /
-:func:`merge_launch_config` map the plan's grid onto a CUDA grid, :func:`partial_args` /
-:func:`merge_args` list the kernel arguments from the tensors (pointers, strides in elements), and
-:class:`PackedArgs` lays them out for ``cuLaunchKernel``'s ``kernelParams`` (one 8-byte slot per
-argument plus an array of pointers to the slots).
+:class:`KernelSpec` fixes one specialization: the -D macros (:meth:`KernelSpec.defines`) and what follows from them
+(rows per row group, the tile, the rings, threads and the dynamic shared memory). This is the one place the host
+computes the kernel's layout; ``layout.cuh`` recomputes threads, the tile and the shared memory from the other
+macros and static-asserts equality with ``ATTNPLAN_THREADS`` / ``_TILE_TOKENS`` / ``_SMEM_BYTES``, so a
+mismatch fails the compile instead of the launch. :func:`make_spec` chooses a specialization for a problem (the
+heuristics: warps, stages, tile sizes, the tensor-core path), :func:`merge_spec` / :func:`merge_teams` the merge
+kernel's; :func:`partial_launch_config` / :func:`merge_launch_config` map a plan's grid onto a CUDA grid.
 
-:class:`DeviceRuntime` owns one device's state: the primary context (torch's), the modules loaded
-with ``cuModuleLoadData`` and their ``CUfunction``s (dynamic shared memory raised with
-``cuFuncSetAttribute``), and launches on torch's current stream with ``cuLaunchKernel``. Every
-driver call is checked (:func:`~._bindings.check_driver`). A launch allocates no device memory and
-never synchronizes the host, so it can be captured in a CUDA graph.
-
-Kernel layout (see ``decode.cu`` for the method): a program is ``row_groups x kv_warps`` warps; a
-row group holds ``rows_per_group`` of the ``GQA group x q_len`` rows in registers. Split-K: the
-``kv_warps`` warps of a row group stream different KV tiles of the chunk through private
-``stages``-deep ``cp.async`` rings and merge their softmax states through shared memory at the end. An fp8 KV cache
-(``kv_dtype="float8_e4m3fn"``) carries 16 values per 16-byte vector; q stays fp16 / bf16.
-Tensor-core split-K (``mma=True``; fp16 / bf16 caches and fp8 ones): the same rings and end merge, tiles
-of ``passes`` 16-token m-tiles, rows in whole n8-tiles (``n_tiles`` per warp), ring rows of
-``row_chunks`` 16-byte chunks (XOR-swizzled, or padded to an odd count) for conflict-free ``ldmatrix``;
-the tile is sized in bytes, so an fp8 one holds twice the tokens (see :func:`_mma_spec`).
-The fused merge (``merge="fused"``, partial kernels only; ``decode.cu``'s ``ATTNPLAN_MERGE``): the partial
-kernel also takes ``out``, ``out_lse`` and the zeroed int32 ``counters`` (``plan.sync_words``), and merges the
-group's states itself, so no merge kernel is launched.
+Kernel layout (see ``decode.cu`` and its headers for the method): a program is ``row_groups x kv_warps`` warps; a
+row group holds ``rows_per_group`` of the ``GQA group x q_len`` rows in registers. Split-K: the ``kv_warps`` warps
+of a row group stream different KV tiles of the chunk through private ``stages``-deep ``cp.async`` rings and merge
+their softmax states through shared memory at the end. An fp8 KV cache (``kv_dtype="float8_e4m3fn"``) carries 16
+values per 16-byte vector; q stays fp16 / bf16. Tensor-core split-K (``mma=True``; fp16 / bf16 caches and fp8 ones):
+the same rings and end merge, tiles of ``passes`` 16-token m-tiles, rows in whole n8-tiles (``n_tiles`` per warp),
+ring rows of ``row_chunks`` 16-byte chunks (XOR-swizzled, or padded to an odd count) for conflict-free
+``ldmatrix``; the tile is sized in bytes, so an fp8 one holds twice the tokens (see :func:`_mma_spec`). The fused
+merge (``merge="fused"``, partial kernels only; ``ATTNPLAN_MERGE``): the partial kernel also merges its group's
+states, so no merge kernel is launched (the arguments: :mod:`.args`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import struct
-import threading
 from dataclasses import dataclass
 
-import torch
-
-from ._bindings import CudaPtxError, DriverError, bindings, check_driver
-from .nvrtc import CompileCache, CompileTarget, Compiled, nvrtc_version, select_target
-from .source import kernel_program
-
 __all__ = [
-    "KernelSpec", "make_spec", "merge_spec", "LaunchConfig", "partial_launch_config", "merge_launch_config",
-    "PackedArgs", "PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "partial_args", "merge_args", "check_layout",
-    "pdl_launch_config",
-    "DeviceRuntime", "DTYPE_CODES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS",
-    "vector_layout", "max_rows", "FP8", "mma_unsupported", "MERGE_CODES",
-    "merge_teams", "MERGE_CHUNK", "MAX_MERGE_TEAMS",
+    "KernelSpec", "make_spec", "merge_spec", "merge_teams", "LaunchConfig", "partial_launch_config",
+    "merge_launch_config", "mma_unsupported", "vector_layout", "max_rows", "DTYPE_CODES", "ELEM_BYTES", "FP8",
+    "KIND_CODES", "MERGE_CODES", "ENTRY", "TILE_BYTES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS", "SCORE_REGS",
+    "ROW_REGS", "MAX_ROWS_PER_WARP", "MMA_TILE_BYTES", "MMA_INFLIGHT_BYTES", "MMA_NTILE_DIMS", "MERGE_CHUNK",
+    "MAX_MERGE_TEAMS",
 ]
 
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
@@ -84,9 +66,9 @@ MMA_INFLIGHT_BYTES = 32 * 1024
 #: 6 x head_dim / 16 registers per n8-tile, so 256 keeps them within 96 registers)
 MMA_NTILE_DIMS = 256
 #: merge kernel: splits whose o rows a one-warp merge team (head_dim <= 128) loads per memory round trip
-#: (``decode.cu``'s ``MERGE_CHUNK``; 8 for head_dim 256's two-warp teams)
+#: (``layout.cuh``'s ``MERGE_CHUNK``; 8 for head_dim 256's two-warp teams)
 MERGE_CHUNK = 16
-#: merge kernel: most teams per CTA (``decode.cu``'s ``ATTNPLAN_MERGE_TEAMS``: 1, 2, 4 or 8)
+#: merge kernel: most teams per CTA (``ATTNPLAN_MERGE_TEAMS``: 1, 2, 4 or 8)
 MAX_MERGE_TEAMS = 8
 _MAX_GRID_YZ = 65535
 _MAX_GRID_X = 2**31 - 1
@@ -116,7 +98,7 @@ def mma_unsupported(dtype: str, head_dim: int, kv_dtype: str | None = None) -> s
 
 
 def vector_layout(dtype: str, head_dim: int) -> dict:
-    """How one K/V row of ``dtype`` (the KV cache's) maps onto a warp (mirrors ``decode.cu``).
+    """How one K/V row of ``dtype`` (the KV cache's) maps onto a warp (mirrored by ``layout.cuh``: DV, LPT, NV, TPP).
 
     Returns ``{"vec", "dv", "lpt", "nv", "tpp", "elems"}``: elements per 16-byte vector, vectors per
     row, lanes per token row, vectors per lane, tokens per warp pass, elements per lane.
@@ -177,7 +159,7 @@ class KernelSpec:
             raise ValueError(f"merge teams must be one of 1, 2, 4, 8, and > 1 only for a 'merge' kernel; got "
                              f"teams {self.teams!r} (kind {self.kind!r})")
 
-    # -- derived, mirrored by decode.cu's static_asserts ----------------------------------------
+    # -- derived, mirrored by layout.cuh (threads, tile and shared memory checked by static_assert) -------
     @property
     def kv_dtype(self) -> str:
         return FP8 if self.kv_fp8 else self.dtype
@@ -230,10 +212,14 @@ class KernelSpec:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory per program: the per-warp cp.async rings, reused by the final warp merge
-        (``num_warps x rows_per_group x (head_dim + 2)`` fp32). The merge kernel with ``teams`` > 1: each team's
-        partial result, ``teams x (head_dim + 2)`` fp32 (weighted column sums, then the running maxima and total
-        weights); 0 for one team."""
+        """Dynamic shared memory per program, bytes: the per-warp cp.async rings (``num_warps x stages x
+        stage_bytes``), reused by the final warp merge (``num_warps x rows_per_group x (head_dim + 2)`` fp32); the
+        larger of the two. The merge kernel with ``teams`` > 1: each team's partial result, ``teams x (head_dim +
+        2)`` fp32 (weighted column sums, then the running maxima and total weights); 0 for one team.
+
+        The one place the host computes it: :func:`make_spec`'s budgets, the launch configuration and the driver's
+        opt-in (:class:`~.runtime.DeviceRuntime`) all read this; ``layout.cuh`` computes ``SMEM_BYTES`` /
+        ``MERGE_SMEM_BYTES`` from the other macros and static_asserts equality with ``ATTNPLAN_SMEM_BYTES``."""
         if self.kind == "merge":
             return 0 if self.teams == 1 else self.teams * (self.head_dim + 2) * 4
         ring = self.num_warps * self.stages * self.stage_bytes
@@ -262,7 +248,7 @@ class KernelSpec:
                 + ("" if self.merge == "none" else f"-{self.merge}"))
 
     def defines(self) -> dict[str, int]:
-        """The -D macros of this specialization (``decode.cu`` header lists them)."""
+        """The -D macros of this specialization (``config.cuh`` and ``layout.cuh`` list them)."""
         d = {"ATTNPLAN_KIND": KIND_CODES[self.kind], "ATTNPLAN_DTYPE": DTYPE_CODES[self.dtype],
              "ATTNPLAN_HEAD_DIM": self.head_dim, "ATTNPLAN_THREADS": self.threads}
         if self.kind == "merge":
@@ -327,7 +313,7 @@ def make_spec(kind: str, dtype: str, head_dim: int, group: int, q_len: int, page
         window, softcap: compile the sliding-window / soft-cap variants in.
         kv_dtype: the KV cache's dtype: ``None`` or ``dtype``, or ``"float8_e4m3fn"`` (q fp16 / bf16,
             head_dim a multiple of 16).
-        mma: the tensor-core path (``decode.cu``'s ``ATTNPLAN_MMA``): ``None`` = wherever
+        mma: the tensor-core path (``ATTNPLAN_MMA``, ``mma_loop.cuh``): ``None`` = wherever
             :func:`mma_unsupported` has no objection (fp8 KV included) and the program fits
             ``smem_limit`` (else the CUDA-core path), ``True`` = required, ``False`` = CUDA cores. An fp8
             spec is the same for every architecture: the kernel converts with ``cvt.rn.f16x2.e4m3x2`` from
@@ -435,7 +421,7 @@ def _mma_spec(kind, dtype, head_dim, group, q_len, page_size, num_warps, num_sta
     default, i.e. twice its tokens. The larger tile also halves the per-token cost of the online softmax's
     row-max shuffles and rescales; its registers (2 m-tiles x n8-tiles x 4 scores + the P fragments) stay
     within :data:`SCORE_REGS` (head_dim 128, sm_90: 130-165 registers without spills, soft-cap included,
-    with the fp8 kernels' ``__launch_bounds__(threads, 1)``: ``decode.cu``).
+    with the fp8 kernels' ``__launch_bounds__(threads, 1)``: ``layout.cuh``, ``MIN_CTAS_PER_SM``).
     """
     rows = group * q_len
     n8 = -(-rows // 8)
@@ -493,7 +479,7 @@ def merge_teams(rows: int, num_splits: int, sm_count: int) -> int:
     (``num_splits <= MERGE_CHUNK``: one round trip already); otherwise the smallest power of two ``T`` with
     ``T x MERGE_CHUNK >= num_splits`` (one round trip per team), capped at :data:`MAX_MERGE_TEAMS` (8: 256
     threads per CTA at head_dim <= 128, 512 at 256; with ``rows < sm_count`` that is fewer than ``8 x sm_count``
-    CTAs). Measured with it (results/2026-11-30-s5-call3, CUPTI): 8 rows x 128 splits 9.3 -> 3.3 us (8 teams),
+    CTAs). Measured with it on an H200 (CUPTI): 8 rows x 128 splits 9.3 -> 3.3 us (8 teams),
     8 rows x 187 splits 4.1 us, 32 rows x 32 splits 3.6 -> 2.9 us (2 teams); rows just below the SM count
     and the cap are unmeasured. Example: 8 rows, 128 splits, 132 SMs -> 8 teams of 16 splits each (one round trip
     each); 8 rows, 40 splits -> 4; 8 rows, 1000 splits -> 8; 200 rows -> 1.
@@ -556,316 +542,3 @@ def merge_launch_config(spec: KernelSpec, rows: int) -> LaunchConfig:
     if rows < 1 or rows > _MAX_GRID_X:
         raise ValueError(f"merge rows must be in [1, {_MAX_GRID_X}], got {rows}")
     return LaunchConfig((rows, 1, 1), (spec.threads, 1, 1), spec.smem_bytes)
-
-
-# ------------------------------------------------------------------------------------------------
-# arguments
-# ------------------------------------------------------------------------------------------------
-#: (name, kind) of each partial / single-pass kernel parameter, in order; kinds: ptr, i32, f32, i64
-PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
-    ("q", "ptr"), ("k_cache", "ptr"), ("v_cache", "ptr"), ("seq_lens", "ptr"), ("block_table", "ptr"),
-    ("o", "ptr"), ("lse", "ptr"), ("sinks", "ptr"), ("k_scale", "ptr"), ("v_scale", "ptr"),
-    ("scale_log2", "f32"), ("softcap_log2", "f32"), ("chunk_size", "i32"), ("num_splits", "i32"),
-    ("num_kv_heads", "i32"), ("window_left", "i32"),
-    ("q_sb", "i64"), ("q_si", "i64"), ("q_sh", "i64"),
-    ("k_s0", "i64"), ("k_s1", "i64"), ("k_sh", "i64"),
-    ("v_s0", "i64"), ("v_s1", "i64"), ("v_sh", "i64"),
-    ("bt_sb", "i64"),
-    ("o_sb", "i64"), ("o_si", "i64"), ("o_sh", "i64"), ("o_ss", "i64"),
-    ("l_sb", "i64"), ("l_si", "i64"), ("l_sh", "i64"), ("l_ss", "i64"),
-    # the fused merge's (null / 0 otherwise): out, out_lse, counters
-    ("out", "ptr"), ("out_lse", "ptr"), ("counters", "ptr"),
-    ("out_sb", "i64"), ("out_si", "i64"), ("out_sh", "i64"),
-    ("ol_sb", "i64"), ("ol_si", "i64"), ("ol_sh", "i64"),
-)
-#: (name, kind) of each merge kernel parameter, in order
-MERGE_SIGNATURE: tuple[tuple[str, str], ...] = (
-    ("o", "ptr"), ("lse", "ptr"), ("out", "ptr"), ("out_lse", "ptr"), ("sinks", "ptr"),
-    ("num_splits", "i32"), ("q_len", "i32"), ("num_heads", "i32"),
-    ("o_sb", "i64"), ("o_si", "i64"), ("o_sh", "i64"), ("o_ss", "i64"),
-    ("l_sb", "i64"), ("l_si", "i64"), ("l_sh", "i64"), ("l_ss", "i64"),
-    ("out_sb", "i64"), ("out_si", "i64"), ("out_sh", "i64"),
-    ("ol_sb", "i64"), ("ol_si", "i64"), ("ol_sh", "i64"),
-)
-_SLOT_FORMAT = {"ptr": "Q", "i64": "q", "i32": "i4x", "f32": "f4x"}
-_LOG2E = 1.4426950408889634
-
-
-@functools.lru_cache(maxsize=16)
-def _struct_for(kinds: tuple[str, ...]) -> struct.Struct:
-    return struct.Struct("<" + "".join(_SLOT_FORMAT[k] for k in kinds))
-
-
-class PackedArgs:
-    """Kernel arguments laid out for ``cuLaunchKernel(kernelParams=...)``.
-
-    Each argument takes one 8-byte little-endian slot of :attr:`buffer` (pointers and int64 as 8
-    bytes, int32 and float32 in the low 4 bytes); :attr:`pointers` is the ``void*[n]`` array of the
-    slots' addresses, and :attr:`kernel_params` its address (what cuLaunchKernel takes). The driver
-    copies the values during the call, so the object only has to outlive the call.
-
-    Args:
-        signature: ``(name, kind)`` pairs, kinds ``ptr`` / ``i64`` / ``i32`` / ``f32``.
-        values: one value per argument (ints for pointers; ``None`` = null pointer).
-    Raises:
-        ValueError: the counts differ. struct.error: a value does not fit its kind.
-    """
-
-    def __init__(self, signature: tuple[tuple[str, str], ...], values: list):
-        if len(signature) != len(values):
-            raise ValueError(f"{len(values)} kernel arguments for a signature of {len(signature)}")
-        kinds = tuple(k for _, k in signature)
-        st = _struct_for(kinds)
-        vals = [0 if v is None and k == "ptr" else v for v, k in zip(values, kinds)]
-        self.signature = signature
-        self.buffer = ctypes.create_string_buffer(st.size)
-        st.pack_into(self.buffer, 0, *vals)
-        base = ctypes.addressof(self.buffer)
-        n = len(kinds)
-        self.pointers = (ctypes.c_void_p * n)(*(base + 8 * i for i in range(n)))
-
-    @property
-    def kernel_params(self) -> int:
-        return ctypes.addressof(self.pointers)
-
-    def value(self, name: str):
-        """Read an argument back from its slot (tests)."""
-        for i, (n, k) in enumerate(self.signature):
-            if n == name:
-                addr = self.pointers[i]
-                return struct.unpack("<" + _SLOT_FORMAT[k][0], ctypes.string_at(addr, 8 if k in ("ptr", "i64") else 4))[0]
-        raise KeyError(name)
-
-
-def _strides(t: torch.Tensor | None, n: int) -> list[int]:
-    return [0] * n if t is None else [int(x) for x in t.stride()[:n]]
-
-
-def check_layout(name: str, t: torch.Tensor, vec: int, align: int) -> None:
-    """Check that the kernel may read ``t`` with ``align``-byte vectors of ``vec`` elements.
-
-    Raises:
-        ValueError: the last axis is not unit-stride, another stride is not a multiple of ``vec``
-        elements, or the data pointer is not ``align``-byte aligned. Names the tensor and its strides.
-    """
-    if t.stride(-1) != 1:
-        raise ValueError(f"cuda_ptx: {name} must have unit stride in its last axis, got strides {tuple(t.stride())}")
-    bad = [s for s, n in zip(t.stride()[:-1], t.shape[:-1]) if s % vec and n > 1]
-    if bad or t.data_ptr() % align:
-        raise ValueError(f"cuda_ptx: {name} (shape {tuple(t.shape)}, strides {tuple(t.stride())}, data_ptr "
-                         f"{t.data_ptr():#x}) must be {align}-byte aligned with strides in multiples of {vec} "
-                         "elements for the kernels' vector loads; pass a contiguous tensor")
-
-
-def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 seq_lens: torch.Tensor, block_table: torch.Tensor | None, sm_scale: float,
-                 o: torch.Tensor, lse: torch.Tensor | None, chunk_size: int, num_splits: int, *,
-                 window_left: int = -1, soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
-                 counters: torch.Tensor | None = None) -> list:
-    """Argument values for :data:`PARTIAL_SIGNATURE` (no device access, no sync).
-
-    Args:
-        spec: a ``"partial"`` or ``"single"`` :class:`KernelSpec`.
-        q: ``[B, Q, Hq, D]``; k_cache, v_cache: contiguous ``[B, T, Hkv, D]`` or paged
-            ``[pages, page_size, Hkv, D]``; seq_lens ``[B]`` int32; block_table ``[B, max_pages]``
-            int32 or ``None``.
-        sm_scale: score scale; the kernel gets ``sm_scale * log2(e)`` (base-2 softmax).
-        o: partial: ``PartialState.o [B, Q, Hq, S, D]`` fp32; single: ``out [B, Q, Hq, D]``.
-        lse: partial: ``[B, Q, Hq, S]`` fp32; single: ``[B, Q, Hq]`` fp32 or ``None``.
-        chunk_size: tokens per split; num_splits: splits of the grid (1 for single pass).
-        window_left: sliding window in tokens (used when ``spec.window``); soft_cap: ``c`` of
-            ``c * tanh(s / c)`` (used when ``spec.softcap``; the kernel gets ``c * log2(e)``).
-        sinks: ``[num_q_heads]`` fp32 sink logits, for the single pass and the in-kernel merges (partial
-            states exclude them).
-        k_scale, v_scale: ``[num_kv_heads]`` fp32 dequantization scales of an fp8 cache (``spec.kv_fp8``).
-        out, out_lse, counters: the fused merge's (``spec.merge == "fused"``): ``out [B, Q, Hq, D]`` in q's dtype,
-            ``out_lse [B, Q, Hq]`` fp32 or ``None``, the zeroed int32 ``counters`` (``plan.sync_words``: one
-            completion counter per (sequence, KV head)); ``None`` otherwise.
-    Strides are in elements; a single-pass output has split stride 0.
-    """
-    single = spec.kind == "single"
-    o_str = _strides(o, 3) + [0 if single else int(o.stride(3))]
-    l_str = _strides(lse, 3) + ([0] if single or lse is None else [int(lse.stride(3))])
-    bt = block_table
-    return [
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr(),
-        0 if bt is None else bt.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
-        0 if sinks is None else sinks.data_ptr(),
-        0 if k_scale is None else k_scale.data_ptr(), 0 if v_scale is None else v_scale.data_ptr(),
-        float(sm_scale) * _LOG2E, float(soft_cap) * _LOG2E, int(chunk_size), int(num_splits), int(k_cache.shape[2]),
-        int(window_left),
-        *_strides(q, 3), *_strides(k_cache, 3), *_strides(v_cache, 3),
-        0 if bt is None else int(bt.stride(0)),
-        *o_str, *l_str,
-        0 if out is None else out.data_ptr(), 0 if out_lse is None else out_lse.data_ptr(),
-        0 if counters is None else counters.data_ptr(),
-        *_strides(out, 3), *_strides(out_lse, 3),
-    ]
-
-
-def merge_args(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor | None,
-               num_splits: int, sinks: torch.Tensor | None = None) -> list:
-    """Argument values for :data:`MERGE_SIGNATURE`: merge the first ``num_splits`` splits of
-    ``o [B, Q, H, S, D]`` / ``lse [B, Q, H, S]`` into ``out [B, Q, H, D]`` and ``out_lse [B, Q, H]``
-    (``sinks [H]`` fp32 contiguous join the denominator when given)."""
-    return [
-        o.data_ptr(), lse.data_ptr(), out.data_ptr(), 0 if out_lse is None else out_lse.data_ptr(),
-        0 if sinks is None else sinks.data_ptr(),
-        int(num_splits), int(o.shape[1]), int(o.shape[2]),
-        *_strides(o, 4), *_strides(lse, 4), *_strides(out, 3), *_strides(out_lse, 3),
-    ]
-
-
-# ------------------------------------------------------------------------------------------------
-# driver runtime (GPU only)
-# ------------------------------------------------------------------------------------------------
-class DeviceRuntime:
-    """One CUDA device's driver-API state for the backend.
-
-    Uses torch's primary context of device ``index`` (retained with ``cuDevicePrimaryCtxRetain`` and
-    made current when a thread has none), loads modules with ``cuModuleLoadData`` and keeps their
-    functions per :class:`KernelSpec`.
-
-    Args:
-        index: torch / driver device ordinal.
-        cache: the compile cache.
-    Raises:
-        DriverError: a driver call fails (the message names it).
-    """
-
-    def __init__(self, index: int, cache: CompileCache):
-        driver, _ = bindings()
-        self.index = int(index)
-        self.cache = cache
-        self._lock = threading.Lock()
-        self._functions: dict[KernelSpec, object] = {}
-        self._modules: list = []
-        self._tls = threading.local()
-        with torch.cuda.device(self.index):
-            torch.cuda.init()
-            check_driver(driver.cuInit(0), "cuInit")
-            self._device = check_driver(driver.cuDeviceGet(self.index), "cuDeviceGet")
-            self.compute_capability = torch.cuda.get_device_capability(self.index)
-            self._ctx = check_driver(driver.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
-            self._ctx_int = int(self._ctx)
-            self.smem_optin = int(check_driver(driver.cuDeviceGetAttribute(
-                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._device),
-                "cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)"))
-            self.ensure_context()
-        self.target: CompileTarget = select_target(self.compute_capability)
-        # programmatic dependent launch: an sm_90+ device running code compiled for sm_90+ (the kernels'
-        # griddepcontrol.wait exists only there; an older PTX fallback must not launch early). Fixed per
-        # device: decided here, not on every launch
-        arch = int("".join(ch for ch in self.target.arch if ch.isdigit()) or 0)
-        self.pdl_supported: bool = self.compute_capability >= (9, 0) and arch >= 90
-
-    def ensure_context(self) -> None:
-        """Make this device's primary context current in the calling thread if it is not."""
-        driver, _ = bindings()
-        cur = check_driver(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        if int(cur) != self._ctx_int:
-            check_driver(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
-
-    def compiled(self, spec: KernelSpec) -> Compiled:
-        """The spec's image for this device (compile cache)."""
-        return kernel_program().cached(self.cache, spec.name, spec.options(), self.target)
-
-    def function(self, spec: KernelSpec):
-        """The loaded ``CUfunction`` of ``spec`` (compiling and loading on first use)."""
-        fn = self._functions.get(spec)
-        if fn is not None:
-            return fn
-        with self._lock:
-            fn = self._functions.get(spec)
-            if fn is None:
-                fn = self._load(spec)
-                self._functions[spec] = fn
-        return fn
-
-    def _load(self, spec: KernelSpec):
-        driver, _ = bindings()
-        with torch.cuda.device(self.index):
-            self.ensure_context()
-            compiled = self.compiled(spec)
-            try:
-                module = check_driver(driver.cuModuleLoadData(compiled.image), "cuModuleLoadData")
-            except DriverError as e:
-                if compiled.source == "disk":  # a stale or damaged cache entry: rebuild once
-                    self.cache.invalidate(compiled)
-                    compiled = self.compiled(spec)
-                    module = check_driver(driver.cuModuleLoadData(compiled.image), "cuModuleLoadData")
-                else:
-                    hint = ""
-                    if compiled.target.kind == "ptx":
-                        hint = (f"; the image is PTX for {compiled.target.arch} from NVRTC {nvrtc_version()} (the device's "
-                                "architecture has no NVRTC cubin target); a driver older than NVRTC rejects newer PTX")
-                    raise DriverError(f"{e} while loading {spec.name}{hint}") from None
-            self._modules.append(module)
-            fn = check_driver(driver.cuModuleGetFunction(module, spec.entry.encode()), f"cuModuleGetFunction({spec.entry})")
-            if spec.smem_bytes > 48 * 1024:
-                if spec.smem_bytes > self.smem_optin:
-                    raise CudaPtxError(f"{spec.name} needs {spec.smem_bytes} bytes of shared memory; the device allows "
-                                       f"{self.smem_optin} per block")
-                check_driver(driver.cuFuncSetAttribute(
-                    fn, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes),
-                    f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={spec.smem_bytes})")
-        return fn
-
-    def launch(self, spec: KernelSpec, cfg: LaunchConfig, args: PackedArgs, stream: int, pdl: bool = False) -> None:
-        """Launch ``spec`` on ``stream`` (torch's current stream handle). Launch only.
-
-        ``pdl``: programmatic dependent launch (CUDA 12.x "PDL", as FlashInfer and TensorRT-LLM chain
-        their decode kernels): ``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``,
-        so the kernel may start before the previous kernel of the stream has finished; the kernel must
-        begin with ``griddepcontrol.wait`` (the merge kernel does). Ignored unless
-        ``pdl_supported``. Otherwise ``cuLaunchKernel``. Captured by CUDA graphs either way (a
-        programmatic edge for ``pdl``).
-        """
-        driver, _ = bindings()
-        fn = self.function(spec)
-        self.ensure_context()
-        if pdl and self.pdl_supported:
-            config = self._pdl_config(cfg)
-            config.hStream = driver.CUstream(stream)
-            check_driver(driver.cuLaunchKernelEx(config, fn, args.kernel_params, 0),
-                         f"cuLaunchKernelEx({spec.name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem}, pdl)")
-            return
-        check_driver(driver.cuLaunchKernel(fn, *cfg.grid, *cfg.block, cfg.smem, stream, args.kernel_params, 0),
-                     f"cuLaunchKernel({spec.name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem})")
-
-    def _pdl_config(self, cfg: LaunchConfig):
-        """A ``CUlaunchConfig`` for ``cfg`` with the programmatic-serialization attribute, cached per
-        thread (its stream is set at each launch; building one costs ~2 us of Python)."""
-        cache = getattr(self._tls, "pdl", None)
-        if cache is None:
-            cache = self._tls.pdl = {}
-        config = cache.get(cfg)
-        if config is None:
-            config = cache[cfg] = pdl_launch_config(cfg)
-        return config
-
-
-def pdl_launch_config(cfg: LaunchConfig, stream: int = 0):
-    """``CUlaunchConfig`` of ``cfg`` (grid, block, dynamic shared memory) on ``stream`` with one
-    attribute, ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 1`` (programmatic dependent
-    launch). Host structures only: built and checked without a GPU."""
-    driver, _ = bindings()
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
-    config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = cfg.grid
-    config.blockDimX, config.blockDimY, config.blockDimZ = cfg.block
-    config.sharedMemBytes = cfg.smem
-    config.hStream = driver.CUstream(stream)
-    config.attrs = [attr]
-    config.numAttrs = 1
-    return config
-
-
-def expected_param_sizes(signature: tuple[tuple[str, str], ...]) -> list[int]:
-    """Byte size of each parameter as the kernel declares it (for checking against the PTX)."""
-    return [8 if k in ("ptr", "i64") else 4 for _, k in signature]
-
