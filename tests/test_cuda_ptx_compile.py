@@ -769,6 +769,99 @@ def test_64bit_strides_pack():
     assert pa.value("k_s0") == 16384 and 139_999 * pa.value("k_s0") > 2**31
 
 
+def test_64bit_strides_of_every_tensor_pack():
+    """Strides beyond 2**31 elements of q, the caches (sequence, token, head), the block table's rows, the partial
+    state (sequence, query, head, split) and the fused merge's out / lse travel as int64, exactly (meta tensors:
+    shapes and strides only)."""
+    big = 2**33 + 8  # a multiple of 8 (16-byte vectors of bf16) past 2**32
+
+    def strided(shape, strides, dtype=torch.bfloat16):
+        return torch.empty(0, dtype=dtype, device="meta").as_strided(shape, strides)
+
+    q = strided((2, 2, 8, 128), (4 * big, 2 * big, big, 1))
+    k = strided((2, 64, 2, 128), (3 * big, big, 2 * big, 1))
+    bt = strided((2, 4), (big, 1), torch.int32)
+    o = strided((2, 2, 8, 4, 128), (5 * big, 4 * big, 3 * big, big, 1), torch.float32)
+    lse = strided((2, 2, 8, 4), (4 * big, 3 * big, 2 * big, big), torch.float32)
+    out = strided((2, 2, 8, 128), (3 * big, 2 * big, big, 1))
+    out_lse = strided((2, 2, 8), (3 * big, 2 * big, big), torch.float32)
+    spec = S.make_spec("partial", "bfloat16", 128, 4, 2, 16, merge="fused")
+    vals = A.partial_args(spec, q, k, k, torch.zeros(2, dtype=torch.int32), bt, 0.1, o, lse, 64, 4, out=out,
+                          out_lse=out_lse, counters=torch.zeros(4, dtype=torch.int32))
+    pa = A.PackedArgs(A.PARTIAL_SIGNATURE, vals)
+    want = {"q_sb": 4 * big, "q_si": 2 * big, "q_sh": big, "k_s0": 3 * big, "k_s1": big, "k_sh": 2 * big,
+            "v_s0": 3 * big, "bt_sb": big, "o_sb": 5 * big, "o_si": 4 * big, "o_sh": 3 * big, "o_ss": big,
+            "l_sb": 4 * big, "l_ss": big, "out_sb": 3 * big, "out_sh": big, "ol_sb": 3 * big, "ol_sh": big}
+    assert {n: pa.value(n) for n in want} == want
+    assert all(k == "i64" for n, k in A.PARTIAL_SIGNATURE if n.endswith(("_sb", "_si", "_sh", "_ss", "_s0", "_s1")))
+    mo = strided((2, 2, 8, 300, 128), (5 * big, 4 * big, 3 * big, big, 1), torch.float32)
+    mvals = A.merge_args(mo, lse, out, out_lse, 300)
+    mpa = A.PackedArgs(A.MERGE_SIGNATURE, mvals)
+    assert (mpa.value("o_sb"), mpa.value("o_ss"), mpa.value("out_sh"), mpa.value("num_splits")) == (5 * big, big, big,
+                                                                                                    300)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contig", "paged16"])
+def test_window_left_and_chunk_size_pack_any_valid_int(paged):
+    """window_left packs for every int the validation allows (>= -1, however large): a window at least the cache's
+    capacity is the capacity (it restricts nothing: the emulation tests check the outputs); -1 stays -1, smaller
+    windows are exact. chunk_size packs for any size, capped at MAX_KV_TOKENS. Out-of-range values are refused."""
+    q = torch.empty(1, 1, 8, 64, dtype=torch.bfloat16)
+    k = torch.empty(8 if paged else 1, 16 if paged else 100, 2, 64, dtype=torch.bfloat16, device="meta")
+    bt = torch.zeros(1, 6, dtype=torch.int32) if paged else None
+    capacity = 96 if paged else 100
+    assert A.kv_capacity(k, bt) == capacity
+    spec = S.make_spec("partial", "bfloat16", 64, 4, 1, 16 if paged else None, window=True)
+    st = PartialState.empty(1, 1, 8, 2, 64)
+
+    def packed(window, chunk=64):
+        vals = A.partial_args(spec, q, k, k, torch.zeros(1, dtype=torch.int32), bt, 0.1, st.o, st.lse, chunk, 2,
+                              window_left=window)
+        pa = A.PackedArgs(A.PARTIAL_SIGNATURE, vals)
+        return pa.value("window_left"), pa.value("chunk_size")
+
+    for window, want in ((-1, -1), (0, 0), (17, 17), (capacity - 1, capacity - 1), (capacity, capacity),
+                         (capacity + 1, capacity), (2**31 - 1, capacity), (2**31, capacity), (2**63, capacity),
+                         (10**40, capacity)):
+        assert packed(window)[0] == want, window
+    for chunk, want in ((1, 1), (2**30, 2**30), (2**31, A.MAX_KV_TOKENS), (10**30, A.MAX_KV_TOKENS)):
+        assert packed(-1, chunk)[1] == want, chunk
+    for window, chunk in ((-2, 64), (5, 0), (5, -64)):
+        with pytest.raises(ValueError, match="window_left must be >= -1 and chunk_size >= 1"):
+            packed(window, chunk)
+
+
+def test_kv_capacity_over_2_30_is_refused():
+    """A cache that holds more than MAX_KV_TOKENS = 2**30 tokens per sequence is refused, naming the tensor that
+    makes it so (k_cache for a contiguous cache, block_table for a paged one), before any launch; at the limit it
+    is accepted (meta tensors: no data, the refusal comes from the host checks)."""
+    from attnplan.backends.base import DecodeInputs
+
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(1, 1, 8, 64, **meta)
+    sl = torch.empty(1, device="meta", dtype=torch.int32)
+    st = PartialState(torch.empty(1, 1, 8, 4, 64, device="meta"), torch.empty(1, 1, 8, 4, device="meta"))
+    for paged in (False, True):
+        prob = DecodeProblem(1, 8, 1, 64, 1, 16 if paged else None, "bfloat16", "bfloat16", 4096)
+        plan = _plan(prob, 4, be)
+        launched = []
+        be._launch = lambda *a, **kw: launched.append(a)  # noqa: E731 - no GPU: stop before the driver
+        for tokens, ok in ((2**30, True), (2**30 + 16, False)):
+            if paged:
+                k = torch.empty(8, 16, 1, 64, **meta)
+                x = DecodeInputs(q, k, k, sl, torch.empty(1, tokens // 16, device="meta", dtype=torch.int32), 0.1)
+            else:
+                k = torch.empty(1, tokens, 1, 64, **meta)
+                x = DecodeInputs(q, k, k, sl, None, 0.1)
+            if ok:
+                be.partial(plan, x, st)
+            else:
+                with pytest.raises(ValueError, match=("block_table's" if paged else "k_cache holds") + ".*2\\*\\*30"):
+                    be.partial(plan, x, st)
+        assert len(launched) == 1
+
+
 def test_backend_input_checks():
     """Host checks that guard the kernel's assumptions, each tripped once (meta tensors: no data)."""
     from attnplan.backends.base import DecodeInputs

@@ -655,3 +655,98 @@ def test_emulated_mma_larger_warp_tiles_match_reference(be, passes, warps, page,
     be.merge(plan, st, out, lse)
     assert_close_to_reference(out, ref, torch.bfloat16)
     assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+# -- 64-bit offsets and 32-bit scalars (args.py: what is packed how) -----------------------------------------
+@pytest.mark.parametrize("mode", list(MODES))
+def test_emulated_window_wider_than_the_cache(be, mode, gen):
+    """A sliding window at least the cache's capacity, up to 10**30 (any int the input validation allows), sees
+    every position: the windowed kernel's outputs, lse and partial states equal the float64 reference without a
+    window (the packing caps the window at the capacity; a window just below it does restrict, and matches the
+    reference with that window)."""
+    from attnplan.backends.base import DecodeInputs
+
+    x0 = make_inputs(2, 8, 2, 64, [70, 33], q_len=2, page_size=16, dtype=torch.bfloat16, generator=gen)
+    capacity = x0.block_table.shape[1] * 16
+    assert capacity == 80
+    for window in (capacity - 40, capacity, capacity + 1, 2**31, 10**30):
+        x = DecodeInputs(x0.q, x0.k_cache, x0.v_cache, x0.seq_lens, x0.block_table, x0.sm_scale, window_left=window)
+        ref_window = window if window < capacity else -1  # the reference itself cannot take 10**30 (int64 positions)
+        ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                           window_left=ref_window)
+        for splits in (1, 3):
+            plan = _plan(be, x, splits, mode)
+            assert be.spec_for("partial", plan, inputs=x).window
+            out = poison(torch.empty_like(x.q))
+            lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
+            ws = None if plan.single_pass else PartialState.empty(2, 2, 8, plan.num_splits, 64)
+            be.run(plan, x, ws, out, lse)
+            assert_close_to_reference(out, ref, torch.bfloat16, f"out (window {window}, splits {splits})")
+            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (window {window}, splits {splits})")
+            if not plan.single_pass:
+                st = PartialState.empty(2, 2, 8, plan.num_splits, 64).fill_(float("nan"))
+                be.partial(plan, x, st)
+                rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                       plan.chunk_size, plan.num_splits, window_left=ref_window)
+                assert_close_to_reference(st.o, rp.o, _o_dtype(mode, torch.bfloat16), "partial o")
+                assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
+
+
+def _fp8_cache_past_2_31(layout, lens, gen, hkv=1, d=128, page=16):
+    """K and V caches in float8_e4m3fn (1 byte per element, so 2**31 elements are 2 GB of virtual memory the test
+    never touches but where it writes) whose used tokens lie beyond element 2**31: paged, the sequences' pages are
+    the last ones of 2**31 / page stride + 8 pages, in a scrambled order; contiguous, the sequence stride is 2**31 +
+    128 elements. Returns (k_cache, v_cache, block_table or None)."""
+    fp8 = torch.float8_e4m3fn
+    caches = []
+    if layout == "paged":
+        per_page = page * hkv * d
+        num_pages = 2**31 // per_page + 8
+        pages_per_seq = -(-max(lens) // page)
+        ids = torch.tensor([num_pages - 1 - ((i * 5) % (len(lens) * pages_per_seq)) for i in
+                            range(len(lens) * pages_per_seq)], dtype=torch.int32).view(len(lens), pages_per_seq)
+        assert int(ids.min()) * per_page > 2**31
+        for scale in (0.25, 2.0):
+            c = torch.empty(num_pages, page, hkv, d, dtype=fp8)
+            c[ids.flatten().long()] = (torch.randn(ids.numel(), page, hkv, d, generator=gen) * scale).to(fp8)
+            caches.append(c)
+        return caches[0], caches[1], ids
+    stride0, cap = 2**31 + 128, max(lens)
+    for scale in (0.25, 2.0):
+        buf = torch.empty(stride0 * (len(lens) - 1) + cap * hkv * d, dtype=fp8)
+        c = buf.as_strided((len(lens), cap, hkv, d), (stride0, hkv * d, d, 1))
+        for b in range(len(lens)):
+            c[b] = (torch.randn(cap, hkv, d, generator=gen) * scale).to(fp8)
+        caches.append(c)
+    return caches[0], caches[1], None
+
+
+@pytest.mark.parametrize("layout,mode", [("paged", "mma"), ("paged", "split_k"), ("contig", "mma")])
+def test_emulated_offsets_past_2_31_elements(be, layout, mode, gen):
+    """Cache offsets beyond 2**31 elements, formed in 64 bits by the kernel: page index x page stride (pages past
+    index 2**20 of 2048-element pages) or sequence x sequence stride (2**31 + 128); a 32-bit product would read
+    another page or sequence (or fault, which the emulation reports). Partial states and the merged output against
+    the float64 reference, single pass and split."""
+    from attnplan.backends.base import DecodeInputs
+
+    lens = [40, 23]
+    kc, vc, bt = _fp8_cache_past_2_31(layout, lens, gen)
+    q = torch.randn(2, 1, 8, 128, generator=gen).to(torch.bfloat16)
+    ks = (torch.rand(1, generator=gen) + 0.5).float()
+    vs = (torch.rand(1, generator=gen) + 0.5).float()
+    x = DecodeInputs(q, kc, vc, torch.tensor(lens, dtype=torch.int32), bt, 128 ** -0.5, k_scale=ks, v_scale=vs)
+    kw = dict(k_scale=ks, v_scale=vs)
+    ref, ref_lse = reference.attention(x.q, kc, vc, x.seq_lens, bt, x.sm_scale, **kw)
+    for splits in (1, 2):
+        plan = _plan(be, x, splits, mode)
+        out = poison(torch.empty_like(q))
+        lse = poison(torch.empty(2, 1, 8))
+        be.run(plan, x, None if plan.single_pass else PartialState.empty(2, 1, 8, plan.num_splits, 128), out, lse)
+        assert_close_to_reference(out, ref, torch.bfloat16, f"out ({layout}, splits {splits})")
+        assert_close_to_reference(lse, ref_lse, torch.float32, f"lse ({layout}, splits {splits})")
+        if not plan.single_pass:
+            st = PartialState.empty(2, 1, 8, plan.num_splits, 128).fill_(float("nan"))
+            be.partial(plan, x, st)
+            rp = reference.partial(x.q, kc, vc, x.seq_lens, bt, x.sm_scale, plan.chunk_size, plan.num_splits, **kw)
+            assert_close_to_reference(st.o, rp.o, _o_dtype(mode, torch.bfloat16, fp8=True), "partial o")
+            assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")

@@ -108,7 +108,9 @@ from attnplan.problem import DecodeProblem, dtype_name
 from attnplan.state import PartialState
 
 from ._bindings import CudaPtxError, DriverError, NvrtcError
-from .args import MERGE_SIGNATURE, PARTIAL_SIGNATURE, PackedArgs, check_layout, merge_args, partial_args
+from .args import (
+    MAX_KV_TOKENS, MERGE_SIGNATURE, PARTIAL_SIGNATURE, PackedArgs, check_layout, kv_capacity, merge_args, partial_args,
+)
 from .nvrtc import CompileCache, Compiled, select_target
 from .runtime import DeviceRuntime
 from .source import kernel_program
@@ -406,6 +408,12 @@ class CudaPtxBackend(Backend):
             if (spec.tile_tokens - 1) * t.stride(1) + spec.head_dim >= 2**31:
                 raise ValueError(f"{name} token stride {t.stride(1)} is too large: in-tile offsets of "
                                  f"{spec.tile_tokens} tokens must stay below 2**31 elements")
+        capacity = kv_capacity(x.k_cache, x.block_table)
+        if capacity > MAX_KV_TOKENS:
+            what = (f"k_cache holds {capacity} tokens per sequence (shape {tuple(x.k_cache.shape)})" if not x.paged else
+                    f"block_table's {x.block_table.shape[1]} pages x page size {x.k_cache.shape[1]} = {capacity} tokens "
+                    f"per sequence")
+            raise ValueError(f"cuda_ptx: {what}, more than {MAX_KV_TOKENS} (2**30): token positions are 32-bit")
 
     def partial(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState) -> None:
         """Write the partial state of every split ``s < plan.num_splits`` into ``state`` (fp32 ``o

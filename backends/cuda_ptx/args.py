@@ -6,6 +6,16 @@ them against the PTX entries: :func:`expected_param_sizes`); :func:`partial_args
 from the tensors (data pointers, strides in elements; no device access, no sync); :class:`PackedArgs` lays them out as
 ``kernelParams`` (one 8-byte slot per argument plus an array of pointers to the slots); :func:`check_layout` checks
 that a tensor can be read with the kernels' vector loads.
+
+64 bits: every stride is an int64 argument and the kernels form every offset into a cache, the block table, q, out
+or a state as a 64-bit product (page x page stride, sequence x sequence stride, token x token stride, head x head
+stride, split x split stride); only offsets inside one tile or page (at most ``(tile - 1) x token stride +
+head_dim`` elements, checked by the backend) and token positions are 32-bit. Token positions stay below 2**31 because
+a cache holds at most :data:`MAX_KV_TOKENS` tokens per sequence (the backend refuses more, naming the tensor): the
+rings and the block-table window run at most a few million tokens past a chunk's end. The 32-bit scalars are packed
+so that every value the planner and the input validation allow fits: ``window_left`` as ``min(window_left,
+capacity)`` (a window at least the cache's capacity restricts nothing), ``chunk_size`` as ``min(chunk_size,
+MAX_KV_TOKENS)`` (a chunk at least the capacity makes one split of everything either way).
 """
 
 from __future__ import annotations
@@ -19,7 +29,20 @@ import torch
 from .spec import KernelSpec
 
 __all__ = ["PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "PackedArgs", "partial_args", "merge_args", "check_layout",
-           "expected_param_sizes"]
+           "expected_param_sizes", "kv_capacity", "MAX_KV_TOKENS"]
+
+#: most tokens a cache may hold per sequence (contiguous: ``k_cache.shape[1]``; paged: ``block_table.shape[1] x
+#: page_size``), so that the kernels' 32-bit token positions, which run ahead of a chunk by the rings and the
+#: block-table window (under 2**22 tokens for any specialization), stay below 2**31
+MAX_KV_TOKENS = 2**30
+
+
+def kv_capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """Tokens a sequence of the cache can hold: ``k_cache.shape[1]`` (contiguous ``[B, T, Hkv, D]``), or
+    ``block_table.shape[1] x page_size`` (paged ``[pages, page_size, Hkv, D]``). Shapes only: no device access."""
+    if block_table is None:
+        return int(k_cache.shape[1])
+    return int(block_table.shape[1]) * int(k_cache.shape[1])
 
 #: (name, kind) of each partial / single-pass kernel parameter, in order; kinds: ptr, i32, f32, i64
 PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
@@ -134,9 +157,12 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         sm_scale: score scale; the kernel gets ``sm_scale * log2(e)`` (base-2 softmax).
         o: partial: ``PartialState.o [B, Q, Hq, S, D]`` fp32; single: ``out [B, Q, Hq, D]``.
         lse: partial: ``[B, Q, Hq, S]`` fp32; single: ``[B, Q, Hq]`` fp32 or ``None``.
-        chunk_size: tokens per split; num_splits: splits of the grid (1 for single pass).
-        window_left: sliding window in tokens (used when ``spec.window``); soft_cap: ``c`` of
-            ``c * tanh(s / c)`` (used when ``spec.softcap``; the kernel gets ``c * log2(e)``).
+        chunk_size: tokens per split (any int >= 1; packed as ``min(chunk_size, MAX_KV_TOKENS)``); num_splits:
+            splits of the grid (1 for single pass).
+        window_left: sliding window in tokens, -1 = none (used when ``spec.window``; any int >= -1: packed as
+            ``min(window_left, kv_capacity(k_cache, block_table))``, the same visible positions for sequences up
+            to the capacity); soft_cap: ``c`` of ``c * tanh(s / c)`` (used when ``spec.softcap``; the kernel gets
+            ``c * log2(e)``).
         sinks: ``[num_q_heads]`` fp32 sink logits, for the single pass and the fused merge (partial
             states exclude them).
         k_scale, v_scale: ``[num_kv_heads]`` fp32 dequantization scales of an fp8 cache (``spec.kv_fp8``).
@@ -144,7 +170,13 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
             ``out_lse [B, Q, Hq]`` fp32 or ``None``, the zeroed int32 ``counters`` (``plan.sync_words``: one
             completion counter per (sequence, KV head)); ``None`` otherwise.
     Strides are in elements; a single-pass output has split stride 0.
+
+    Raises:
+        ValueError: ``window_left`` below -1 or ``chunk_size`` below 1.
     """
+    if int(window_left) < -1 or int(chunk_size) < 1:
+        raise ValueError(f"window_left must be >= -1 and chunk_size >= 1, got {window_left} and {chunk_size}")
+    window = int(window_left) if int(window_left) < 0 else min(int(window_left), kv_capacity(k_cache, block_table))
     single = spec.kind == "single"
     o_str = _strides(o, 3) + [0 if single else int(o.stride(3))]
     l_str = _strides(lse, 3) + ([0] if single or lse is None else [int(lse.stride(3))])
@@ -154,8 +186,8 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         0 if bt is None else bt.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
         0 if sinks is None else sinks.data_ptr(),
         0 if k_scale is None else k_scale.data_ptr(), 0 if v_scale is None else v_scale.data_ptr(),
-        float(sm_scale) * _LOG2E, float(soft_cap) * _LOG2E, int(chunk_size), int(num_splits), int(k_cache.shape[2]),
-        int(window_left),
+        float(sm_scale) * _LOG2E, float(soft_cap) * _LOG2E, min(int(chunk_size), MAX_KV_TOKENS), int(num_splits),
+        int(k_cache.shape[2]), window,
         *_strides(q, 3), *_strides(k_cache, 3), *_strides(v_cache, 3),
         0 if bt is None else int(bt.stride(0)),
         *o_str, *l_str,
