@@ -899,6 +899,38 @@ def test_backend_input_checks():
         be.merge(plan, PartialState(st.o[:, :, :, :2], st.lse[:, :, :, :2]), q, None)
 
 
+def test_index_tensor_strides():
+    """seq_lens with a non-unit stride and block tables with a non-unit column stride (or the wrong dtype) are refused,
+    each naming its argument; a block table whose rows are rows of a wider table (row stride > max_pages) is taken,
+    its row stride passed to the kernel (meta tensors: no data; the emulation test runs one)."""
+    from attnplan.backends.base import DecodeInputs
+
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    prob = DecodeProblem(3, 8, 2, 128, 1, 16, "bfloat16", "bfloat16", 4096)
+    plan = _plan(prob, 4, be)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(3, 1, 8, 128, **meta)
+    k = torch.empty(900, 16, 2, 128, **meta)
+    st = PartialState(torch.empty(3, 1, 8, 4, 128, device="meta"), torch.empty(3, 1, 8, 4, device="meta"))
+    i32 = dict(device="meta", dtype=torch.int32)
+    sl, bt = torch.empty(3, **i32), torch.empty(3, 256, **i32)
+    launched = []
+    be._launch = lambda spec, cfg, sig, values, *a, **kw: launched.append(dict(zip((n for n, _ in sig), values)))
+    be.partial(plan, DecodeInputs(q, k, k, sl, bt, 0.1), st)
+    wide = torch.empty(3, 300, **i32)[:, :256]  # rows of a wider table: row stride 300
+    be.partial(plan, DecodeInputs(q, k, k, sl, wide, 0.1), st)
+    assert [v["bt_sb"] for v in launched] == [256, 300]
+    for bad_sl in (torch.empty(6, **i32)[::2], torch.empty(3, device="meta", dtype=torch.int64),
+                   torch.empty(3, 1, **i32)):
+        with pytest.raises(ValueError, match="seq_lens"):
+            be.partial(plan, DecodeInputs(q, k, k, bad_sl, bt, 0.1), st)
+    for bad_bt in (torch.empty(256, 3, **i32).t(), torch.empty(3, 512, **i32)[:, ::2],
+                   torch.empty(3, 256, device="meta", dtype=torch.int64)):
+        with pytest.raises(ValueError, match="block_table"):
+            be.partial(plan, DecodeInputs(q, k, k, sl, bad_bt, 0.1), st)
+    assert len(launched) == 2
+
+
 def test_in_kernel_merge_input_checks():
     """partial_fused_merge's host checks, each tripped once (meta tensors: no data), and its plans' specs:
     the partial kernel carries the plan's merge, :meth:`partial` (the state only) and the merge kernel do not."""

@@ -750,3 +750,35 @@ def test_emulated_offsets_past_2_31_elements(be, layout, mode, gen):
             rp = reference.partial(x.q, kc, vc, x.seq_lens, bt, x.sm_scale, plan.chunk_size, plan.num_splits, **kw)
             assert_close_to_reference(st.o, rp.o, _o_dtype(mode, torch.bfloat16, fp8=True), "partial o")
             assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_emulated_block_table_rows_of_a_wider_table(be, mode, gen):
+    """A block table whose rows are the first columns of a wider table (row stride 11 > 4 pages per sequence, the
+    columns past them poisoned with out-of-range page ids) is read through its row stride: outputs and partial states
+    against the float64 reference; the same table's transposed storage (column stride > 1) and a strided seq_lens are
+    refused naming the argument."""
+    from attnplan.backends.base import DecodeInputs
+
+    x0 = make_inputs(3, 8, 2, 64, [50, 0, 33], page_size=16, dtype=torch.float16, generator=gen)
+    wide = torch.full((3, 11), 10**6, dtype=torch.int32)  # poison: any read of it faults in the emulation
+    wide[:, :4] = x0.block_table
+    bt = wide[:, :4]
+    assert bt.stride() == (11, 1)
+    x = DecodeInputs(x0.q, x0.k_cache, x0.v_cache, x0.seq_lens, bt, x0.sm_scale)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x0.block_table, x.sm_scale)
+    for splits in (1, 3):
+        plan = _plan(be, x, splits, mode)
+        out = poison(torch.empty_like(x.q))
+        lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
+        be.run(plan, x, None if plan.single_pass else PartialState.empty(3, 1, 8, plan.num_splits, 64), out, lse)
+        assert_close_to_reference(out, ref, torch.float16, f"out (splits {splits})")
+        assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (splits {splits})")
+    plan = _plan(be, x, 3, mode)
+    st = PartialState.empty(3, 1, 8, plan.num_splits, 64)
+    with pytest.raises(ValueError, match="block_table"):
+        be.partial(plan, DecodeInputs(x.q, x.k_cache, x.v_cache, x.seq_lens, x0.block_table.t().contiguous().t(),
+                                      x.sm_scale), st)
+    with pytest.raises(ValueError, match="seq_lens"):
+        be.partial(plan, DecodeInputs(x.q, x.k_cache, x.v_cache, torch.stack([x.seq_lens, x.seq_lens], 1)[:, 0], bt,
+                                      x.sm_scale), st)

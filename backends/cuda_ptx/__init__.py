@@ -376,6 +376,15 @@ class CudaPtxBackend(Backend):
 
     @staticmethod
     def _check_inputs(plan: SplitPlan, x: DecodeInputs, spec: KernelSpec) -> None:
+        """What the partial / single-pass kernel assumes of the inputs (shapes, dtypes, strides; no device access):
+        the dtypes and the fp8 scales, q and the caches readable with 16-byte vectors, the plan's grid and page size,
+        32-bit in-tile offsets and token positions, and the index tensors' strides: ``seq_lens`` is read with unit
+        stride and ``block_table``'s entries of a row with unit column stride (its row stride may be any: rows of a
+        wider table are fine).
+
+        Raises:
+            ValueError: naming the argument, what it is and what the kernel needs.
+        """
         fp8 = x.k_cache.dtype == torch.float8_e4m3fn
         if fp8:
             if x.v_cache.dtype != x.k_cache.dtype or x.q.dtype not in (torch.float16, torch.bfloat16):
@@ -408,6 +417,17 @@ class CudaPtxBackend(Backend):
             if (spec.tile_tokens - 1) * t.stride(1) + spec.head_dim >= 2**31:
                 raise ValueError(f"{name} token stride {t.stride(1)} is too large: in-tile offsets of "
                                  f"{spec.tile_tokens} tokens must stay below 2**31 elements")
+        b = x.q.shape[0]
+        sl = x.seq_lens
+        if sl.dtype != torch.int32 or tuple(sl.shape) != (b,) or (b > 1 and sl.stride(0) != 1):
+            raise ValueError(f"cuda_ptx reads seq_lens as {b} contiguous int32 (unit stride), got shape "
+                             f"{tuple(sl.shape)} {sl.dtype} strides {tuple(sl.stride())}: pass seq_lens.contiguous()")
+        bt = x.block_table
+        if bt is not None and (bt.dtype != torch.int32 or bt.dim() != 2 or bt.shape[0] != b
+                               or (bt.shape[1] > 1 and bt.stride(1) != 1)):
+            raise ValueError(f"cuda_ptx reads block_table as int32 [{b}, max_pages] rows with unit column stride (any "
+                             f"row stride), got shape {tuple(bt.shape)} {bt.dtype} strides {tuple(bt.stride())}: pass "
+                             "a row-major table (block_table.contiguous())")
         capacity = kv_capacity(x.k_cache, x.block_table)
         if capacity > MAX_KV_TOKENS:
             what = (f"k_cache holds {capacity} tokens per sequence (shape {tuple(x.k_cache.shape)})" if not x.paged else
