@@ -1,17 +1,10 @@
 // attnplan cuda_ptx: the fused cross-program merge (ATTNPLAN_MERGE 1) at the end of a partial program.
 //
-// Fused merge (the global reduction of split-K inside the partial kernel instead of a merge kernel launch; peers:
-// FlashInfer's merge_states / FlashAttention-2's split-KV combine, both separate kernels): the counters argument
-// holds one int32 completion counter per (sequence, KV head), zero before the launch. After writing its split's
-// state (every path: tensor-core or CUDA-core split-K, the empty program), every thread fences its stores
-// (__threadfence), a barrier gathers the program and one thread counts it with atom.acq_rel.gpu add (release:
-// cumulative over the program's stores the barrier ordered before it; acquire: every program counted before has
-// released its state). The program that counts last sees the whole group written: it resets the counter to 0
-// (ready for the next launch and graph replays) and merges the group's R rows over all num_splits splits in split
-// order, its threads in teams of one row's merge_row threads (fewer if the program has fewer warps: several slots
-// per thread), the rows spread over the teams, reading the states with ld.global.cg (L2, the coherence point;
-// never L1 or the non-coherent path), and writes out (q's dtype) and out_lse. Which program is last does not
-// change the result: deterministic. The merge is in the last program's critical path.
+// The global reduction of split-K inside the partial kernel instead of a merge-kernel launch (peers: FlashInfer's
+// merge_states and FlashAttention-2's split-KV combine, both separate kernels): the program of a (sequence, KV head)
+// group that finishes last merges the group's states in split order with the merge kernel's merge_row (state.cuh),
+// so the result does not depend on which program that is. The counters argument holds one int32 completion counter
+// per group, zero before the launch and again after it (graph replays).
 #pragma once
 
 // Fused merge: every thread of the program calls it once its split's state is written (o at ob0 + s * o_ss,
