@@ -21,9 +21,12 @@ import pytest
 import torch
 
 from attnplan.backends.cuda_ptx import CudaPtxBackend
-from attnplan.backends.cuda_ptx import launch as L
+from attnplan.backends.cuda_ptx import args as A
+from attnplan.backends.cuda_ptx import runtime as R
+from attnplan.backends.cuda_ptx import spec as S
 from attnplan.backends.cuda_ptx import nvrtc as N
 from attnplan.backends.cuda_ptx._bindings import NvrtcError
+from attnplan.backends.cuda_ptx.source import kernel_program
 from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN
 from attnplan.planner import make_plan
@@ -38,6 +41,8 @@ except Exception:  # noqa: BLE001
 needs_nvrtc = pytest.mark.skipif(not HAS_NVRTC, reason="NVRTC (cuda-python + nvidia-cuda-nvrtc) not loadable")
 
 MAX_REGISTERS = 255
+#: decode.cu and its headers
+PROG = kernel_program()
 ARCHS = [(9, 0), (8, 0)]
 
 # (kind, dtype, head_dim, group, q_len, page_size): head_dim 64/128/256, group 1/4/8, q_len 1 and 4,
@@ -61,23 +66,15 @@ def spec_id(s) -> str:
 
 
 FP8 = "float8_e4m3fn"
-SV = {"partition": "split_v"}
 CORE = {"mma": False}
 WS = {"window": True, "softcap": True}
-# the new specializations: fp8 KV (q fp16 / bf16) and split-V, the same spread of shapes, each
-# (kind, q dtype, head_dim, group, q_len, page_size, make_spec keywords)
-# (fp8 split-K on CUDA cores: mma False; the fp8 tensor-core specs are FP8_MMA_SPECS)
-NEW_SPECS = [
+# fp8 KV (q fp16 / bf16) on CUDA cores (mma False; the fp8 tensor-core specs are FP8_MMA_SPECS), the same
+# spread of shapes, each (kind, q dtype, head_dim, group, q_len, page_size, make_spec keywords)
+FP8_CORE_SPECS = [
     ("partial", "bfloat16", 128, 4, 1, 16, {"kv_dtype": FP8, **CORE}),
     ("single", "float16", 64, 1, 1, None, {"kv_dtype": FP8, **CORE}),
     ("partial", "bfloat16", 256, 8, 1, 64, {"kv_dtype": FP8, **CORE}),
     ("partial", "float16", 128, 8, 4, 16, {"kv_dtype": FP8, **CORE}),        # 32 rows: fp8's most
-    ("partial", "bfloat16", 128, 4, 1, 16, SV),
-    ("partial", "float16", 256, 8, 1, 64, SV),
-    ("partial", "bfloat16", 128, 8, 4, 16, SV),                              # 4 row groups, one ring
-    ("single", "float32", 128, 4, 4, 1, SV),
-    ("partial", "bfloat16", 96, 7, 1, 16, SV),                               # 12 vectors: 4 x 3 columns
-    ("partial", "bfloat16", 128, 4, 1, 16, {"kv_dtype": FP8, **SV}),
 ]
 
 
@@ -134,8 +131,8 @@ def cache(tmp_path_factory) -> N.CompileCache:
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
 @pytest.mark.parametrize("s", SPECS, ids=spec_id)
 def test_nvrtc_compiles_cubin_without_spills(s, cc, cache):
-    spec = L.make_spec(*s, mma=False)  # the CUDA-core path (MMA_SPECS: the tensor-core one)
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
+    spec = S.make_spec(*s, mma=False)  # the CUDA-core path (MMA_SPECS: the tensor-core one)
+    c = PROG.cached(cache, spec.name, spec.options(), N.select_target(cc))
     assert c.target.kind == "cubin" and c.target.arch == f"sm_{cc[0]}{cc[1]}"
     assert len(c.image) > 1000 and c.image[:4] == b"\x7fELF"
     res = _ptxas(c, spec.entry)
@@ -166,7 +163,7 @@ def _compiled_resources(spec, cc, cache, two_programs: bool = False) -> dict:
     """Compile ``spec`` for ``cc`` and check ptxas's report: no spills, no stack, registers within
     :data:`MAX_REGISTERS` and one program within an SM's register file (with ``two_programs``: two
     programs, for one-row-group specs of at most 128 threads). Returns the resources."""
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target(cc))
+    c = PROG.cached(cache, spec.name, spec.options(), N.select_target(cc))
     res = _ptxas(c, spec.entry)
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
     assert 0 < res["registers"] <= MAX_REGISTERS and res["registers"] * spec.threads <= 65536, res
@@ -177,14 +174,12 @@ def _compiled_resources(spec, cc, cache, two_programs: bool = False) -> dict:
 
 @needs_nvrtc
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
-@pytest.mark.parametrize("s", NEW_SPECS, ids=spec_id)
-def test_fp8_and_split_v_compile_without_spills(s, cc, cache):
-    """fp8 KV and split-V specializations: cubins, no spills, registers within the limit, and the
-    program's split-V barriers / fp8 macros where they belong."""
-    spec = L.make_spec(*s[:6], **s[6])
+@pytest.mark.parametrize("s", FP8_CORE_SPECS, ids=spec_id)
+def test_fp8_core_compile_without_spills(s, cc, cache):
+    """fp8 KV specializations on CUDA cores: cubins, no spills, registers within the limit, the fp8 macro set."""
+    spec = S.make_spec(*s[:6], **s[6])
     d = spec.defines()
-    assert d["ATTNPLAN_KV_FP8"] == int(s[6].get("kv_dtype") == FP8)
-    assert d["ATTNPLAN_SPLIT_V"] == int(s[6].get("partition") == "split_v")
+    assert d["ATTNPLAN_KV_FP8"] == 1 and d["ATTNPLAN_MMA"] == 0
     res = _compiled_resources(spec, cc, cache)
     print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
           f"dynamic smem {spec.smem_bytes}")
@@ -197,7 +192,7 @@ def test_mma_compiles_without_spills(s, cc, cache):
     """Tensor-core specializations (mma.sync, ldmatrix(.trans), movmatrix, cvt.rn.{bf16,f16}x2): cubins for
     sm_90 and sm_80, no spills, no stack, registers within the limit, two programs' registers per SM for
     one-row-group specs (the 2-programs-per-SM target), and the instructions in the SASS-bound PTX."""
-    spec = L.make_spec(*s[:6], **s[6])
+    spec = S.make_spec(*s[:6], **s[6])
     assert spec.mma and spec.defines()["ATTNPLAN_MMA"] == 1 and spec.name.endswith(
         "-mma" + ("-window-softcap" if s[6] else ""))
     res = _compiled_resources(spec, cc, cache, two_programs=True)
@@ -211,7 +206,7 @@ def test_mma_compiles_without_spills(s, cc, cache):
 def test_mma_larger_warp_tiles_compile_without_spills(passes, warps, page, cc, cache):
     """Option ``passes`` (16-token m-tiles per warp tile, tensor-core path): the tile, the ring and the
     name follow it; cubins without spills within the register limit."""
-    spec = L.make_spec("partial", "bfloat16", 128, 4, 1, page, num_warps=warps, passes=passes, mma=True)
+    spec = S.make_spec("partial", "bfloat16", 128, 4, 1, page, num_warps=warps, passes=passes, mma=True)
     assert spec.mma and spec.passes == passes and spec.tile_tokens == 16 * passes and f"-p{passes}" in spec.name
     assert spec.stage_bytes == 2 * 16 * passes * 128 * 2
     res = _compiled_resources(spec, cc, cache, two_programs=False)
@@ -224,27 +219,26 @@ def test_mma_larger_warp_tiles_compile_without_spills(passes, warps, page, cc, c
                          ids=["d128-page2-p8", "d256-page1-p4"])
 def test_mma_tiles_over_more_than_32_pages_compile(args, passes, cache):
     """Tensor-core tiles spanning more than 32 pages (64 here) keep the per-page block-table loads: the
-    block-table window holds 32 slots per batch (decode.cu, PAGE_WIN). They compiled before the window came
-    and must still (review of change 21)."""
-    spec = L.make_spec(*args, mma=True, passes=passes, smem_limit=227 * 1024)
+    block-table window holds 32 slots per batch (decode.cu, PAGE_WIN)."""
+    spec = S.make_spec(*args, mma=True, passes=passes, smem_limit=227 * 1024)
     assert spec.mma and spec.tile_tokens // (args[5]) > 32
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
+    c = PROG.cached(cache, spec.name, spec.options(), N.select_target((9, 0)))
     assert c.image[:4] == b"\x7fELF"
 
 
 def test_mma_passes_option_is_checked():
     with pytest.raises(ValueError, match="passes 3"):
-        L.make_spec("partial", "bfloat16", 128, 4, 1, None, passes=3, mma=True)
+        S.make_spec("partial", "bfloat16", 128, 4, 1, None, passes=3, mma=True)
     with pytest.raises(ValueError, match="passes 8"):  # 64 rows: 4 n8-tiles per warp take at most 2 m-tiles
-        L.make_spec("partial", "bfloat16", 128, 16, 4, None, passes=8, mma=True)
+        S.make_spec("partial", "bfloat16", 128, 16, 4, None, passes=8, mma=True)
     # an explicit tile never turns into the CUDA-core path: a ring that does not fit, or an invalid count, raises
     with pytest.raises(ValueError, match="shared memory"):
-        L.make_spec("partial", "bfloat16", 128, 4, 1, None, num_warps=4, passes=4)
+        S.make_spec("partial", "bfloat16", 128, 4, 1, None, num_warps=4, passes=4)
     with pytest.raises(ValueError, match="passes 3"):
-        L.make_spec("partial", "bfloat16", 128, 4, 1, None, passes=3)
+        S.make_spec("partial", "bfloat16", 128, 4, 1, None, passes=3)
     # the CUDA-core path ignores it (its tile follows its registers)
-    assert L.make_spec("partial", "float32", 128, 4, 1, None, passes=2).passes == \
-        L.make_spec("partial", "float32", 128, 4, 1, None).passes
+    assert S.make_spec("partial", "float32", 128, 4, 1, None, passes=2).passes == \
+        S.make_spec("partial", "float32", 128, 4, 1, None).passes
 
 
 @needs_nvrtc
@@ -255,7 +249,7 @@ def test_fp8_mma_compiles_without_spills(s, cc, cache):
     decoder), no spills, no stack, registers within the limit, two programs' registers per SM for
     one-row-group specs; the tile keeps the bf16 default's bytes (8 KB stages). (These kernels state
     __launch_bounds__(threads, 1): see decode.cu.)"""
-    spec = L.make_spec(*s[:6], **s[6])
+    spec = S.make_spec(*s[:6], **s[6])
     suffix = "-kvfp8-mma" + ("-window-softcap" if "window" in s[6] else "")
     assert spec.mma and spec.kv_fp8 and spec.name.endswith(suffix)
     d = spec.defines()
@@ -266,21 +260,19 @@ def test_fp8_mma_compiles_without_spills(s, cc, cache):
           f"{spec.row_groups}x{spec.n_tiles} n8-tiles")
 
 
-# the in-kernel merges (plan.merge fused / atomic; decode.cu's ATTNPLAN_MERGE): the target problem on tensor cores,
-# 2 row groups, head_dim 256 (a row's merge team of 2 warps; 1 warp with num_warps 1: 2 slots per thread), fp8 KV,
-# CUDA cores, split-V (the atomic stage past the ring), window + soft-cap
-FU, AT = {"merge": "fused"}, {"merge": "atomic"}
+# the fused merge (plan.merge fused; decode.cu's ATTNPLAN_MERGE): the target problem on tensor cores, 2 row groups,
+# head_dim 256 (a row's merge team of 2 warps; 1 warp with num_warps 1: 2 slots per thread), fp8 KV on tensor and
+# CUDA cores, fp32, window + soft-cap
+FU = {"merge": "fused"}
 MERGE_SPECS = [
     ("partial", "bfloat16", 128, 4, 1, 16, FU),
-    ("partial", "bfloat16", 128, 4, 1, 16, AT),
     ("partial", "bfloat16", 128, 8, 4, 16, FU),
     ("partial", "float16", 256, 8, 1, 64, FU),
     ("partial", "float16", 256, 1, 1, None, {**FU, **CORE, "num_warps": 1}),
     ("partial", "bfloat16", 128, 4, 1, 16, {**F8, **FU}),
-    ("partial", "bfloat16", 128, 4, 1, 16, {**F8, **AT}),
+    ("partial", "bfloat16", 128, 4, 1, 16, {**F8, **CORE, **FU}),
     ("partial", "float32", 128, 4, 4, 1, {**FU, **CORE}),
-    ("partial", "bfloat16", 128, 8, 4, 16, {**SV, **AT}),
-    ("partial", "bfloat16", 96, 7, 1, 16, {**SV, **FU}),
+    ("partial", "bfloat16", 96, 7, 1, 16, {**CORE, **FU}),
     ("partial", "bfloat16", 128, 4, 1, 16, {**WS, **FU}),
 ]
 
@@ -289,13 +281,13 @@ MERGE_SPECS = [
 @pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
 @pytest.mark.parametrize("s", MERGE_SPECS, ids=spec_id)
 def test_in_kernel_merge_compiles_without_spills(s, cc, cache):
-    """Fused / atomic partial kernels: cubins for sm_90 and sm_80, no spills, no stack, registers within the
+    """Fused-merge partial kernels: cubins for sm_90 and sm_80, no spills, no stack, registers within the
     limit; printed next to the same specialization without the merge (the epilogue runs after the main loop,
     so it should not raise the register peak much)."""
-    spec = L.make_spec(*s[:6], **s[6])
+    spec = S.make_spec(*s[:6], **s[6])
     plain = dataclasses.replace(spec, merge="none")
     assert spec.name == plain.name + "-" + s[6]["merge"]
-    assert spec.defines()["ATTNPLAN_MERGE"] == L.MERGE_CODES[spec.merge] == (1 if spec.merge == "fused" else 2)
+    assert spec.defines()["ATTNPLAN_MERGE"] == S.MERGE_CODES[spec.merge] == 1
     res, base = _compiled_resources(spec, cc, cache), _compiled_resources(plain, cc, cache)
     print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs (without the merge {base['registers']}), spills "
           f"{res['spill_stores']}/{res['spill_loads']}, dynamic smem {spec.smem_bytes} (without {plain.smem_bytes})")
@@ -304,47 +296,36 @@ def test_in_kernel_merge_compiles_without_spills(s, cc, cache):
 @needs_nvrtc
 def test_in_kernel_merge_ptx():
     """The fused kernel counts with atom.acq_rel.gpu and reads the states with ld.global.cg, never the
-    non-coherent path, and triggers no dependent launch (no merge kernel follows); the atomic one takes its lock
-    with atom.acquire.gpu CAS and releases it with atom.release.gpu; the plain partial kernel has none of them
-    (and the PDL trigger)."""
+    non-coherent path, and triggers no dependent launch (no merge kernel follows); the plain partial kernel has
+    none of them (and the PDL trigger); no kernel takes a lock (no CAS, no release exchange)."""
     def ptx(**kw):
-        spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, **kw)
-        c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
+        spec = S.make_spec("partial", "bfloat16", 128, 4, 1, 16, **kw)
+        c = PROG.compile(spec.options(), N.CompileTarget("compute_90", "ptx"))
         return c.image.rstrip(b"\x00").decode()
 
-    plain, fused, atomic = ptx(), ptx(merge="fused"), ptx(merge="atomic")
-    merge = N.compile_source(L.kernel_source(), "decode.cu", L.merge_spec("bfloat16", 128).options(),
+    plain, fused = ptx(), ptx(merge="fused")
+    merge = PROG.compile(S.merge_spec("bfloat16", 128).options(),
                              N.CompileTarget("compute_90", "ptx")).image.decode(errors="replace")
     assert "atom.acq_rel.gpu.global.add.s32" in fused and "ld.global.cg.v4.f32" in fused and "ld.global.cg.f32" in fused
     assert "membar.gl" in fused  # __threadfence
     # the merge kernel's merge_row reads the states of an earlier launch through the non-coherent path; the
-    # in-kernel merges' never do (fp32 vector loads are only the states')
-    assert "ld.global.nc.v4.f32" in merge and "ld.global.nc.v4.f32" not in fused + atomic
-    assert "atom.acquire.gpu.global.cas.b32" in atomic and "atom.release.gpu.global.exch.b32" in atomic
-    assert "ld.global.cg.v4.f32" in atomic
-    for p in (fused, atomic):
-        assert "griddepcontrol.launch_dependents" not in p
-    assert "griddepcontrol.launch_dependents" in plain
+    # fused merge's never does (fp32 vector loads are only the states')
+    assert "ld.global.nc.v4.f32" in merge and "ld.global.nc.v4.f32" not in fused
+    assert "griddepcontrol.launch_dependents" not in fused and "griddepcontrol.launch_dependents" in plain
     assert not any(ins in plain for ins in ("atom.", "ld.global.cg", "membar.gl"))
+    assert not any(ins in p for p in (plain, fused, merge) for ins in ("atom.acquire", "atom.release", ".cas."))
 
 
 def test_in_kernel_merge_specs():
-    """merge is a partial kernel's option; the atomic stage's shared memory (rows x (head_dim + 4) fp32) goes
-    past the end merge's buffer (split-K, usually inside the rings) or the ring (split-V)."""
-    with pytest.raises(ValueError, match="merge must be one of"):
-        L.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge="tree")
+    """merge is a partial kernel's option ("none" or "fused"); the fused merge needs no shared memory of its own."""
+    for bad in ("tree", "atomic"):
+        with pytest.raises(ValueError, match="merge must be one of"):
+            S.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge=bad)
     with pytest.raises(ValueError, match="in-kernel merge of the 'partial' kernel"):
-        L.make_spec("single", "bfloat16", 128, 4, 1, 16, merge="fused")
-    plain = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
-    assert L.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge="fused").smem_bytes == plain.smem_bytes
-    assert L.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge="atomic").smem_bytes == plain.smem_bytes
-    sv = L.make_spec("partial", "bfloat16", 128, 8, 4, 16, partition="split_v")
-    sva = L.make_spec("partial", "bfloat16", 128, 8, 4, 16, partition="split_v", merge="atomic")
-    assert sva.stages == sv.stages and sva.smem_bytes == sv.smem_bytes + 32 * (128 + 4) * 4
-    assert "ATTNPLAN_MERGE" not in L.merge_spec("bfloat16", 128).defines()
-    tight = L.make_spec("partial", "bfloat16", 128, 8, 4, 16, partition="split_v", merge="atomic",
-                        smem_limit=sv.smem_bytes)
-    assert tight.smem_bytes <= sv.smem_bytes and tight.stages < sv.stages  # the stage choice counts the stage
+        S.make_spec("single", "bfloat16", 128, 4, 1, 16, merge="fused")
+    plain = S.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    assert S.make_spec("partial", "bfloat16", 128, 4, 1, 16, merge="fused").smem_bytes == plain.smem_bytes
+    assert "ATTNPLAN_MERGE" not in S.merge_spec("bfloat16", 128).defines()
 
 
 @needs_nvrtc
@@ -352,10 +333,10 @@ def test_in_kernel_merge_specs():
 def test_fp8_mma_ptx_instructions(dtype):
     """The fp8 tensor-core spec's PTX: fp16 mma.sync (q bf16 or fp16), ldmatrix(.trans), movmatrix, and for
     sm_90 cvt.rn.f16x2.e4m3x2 (no integer fallback's mul.rn.f16x2); for sm_80 the fallback, no e4m3 cvt."""
-    spec = L.make_spec("partial", dtype, 128, 4, 1, 16, kv_dtype=FP8)
+    spec = S.make_spec("partial", dtype, 128, 4, 1, 16, kv_dtype=FP8)
 
     def ptx(arch):
-        c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget(arch, "ptx"))
+        c = PROG.compile(spec.options(), N.CompileTarget(arch, "ptx"))
         return c.image.rstrip(b"\x00").decode()
 
     p90, p80 = ptx("compute_90"), ptx("compute_80")
@@ -373,8 +354,8 @@ def test_fp8_mma_ptx_instructions(dtype):
 def test_mma_ptx_uses_tensor_core_instructions():
     """The tensor-core spec's PTX holds the mma / ldmatrix / movmatrix instructions; the CUDA-core one none."""
     def ptx(**kw):
-        spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, **kw)
-        c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
+        spec = S.make_spec("partial", "bfloat16", 128, 4, 1, 16, **kw)
+        c = PROG.compile(spec.options(), N.CompileTarget("compute_90", "ptx"))
         return c.image.rstrip(b"\x00").decode()
 
     on, off = ptx(), ptx(mma=False)
@@ -389,12 +370,12 @@ def test_mma_ptx_uses_tensor_core_instructions():
                                                       ("partial", "float32", 4, None, {}),
                                                       ("single", "bfloat16", 8, 16, {"kv_dtype": FP8}),
                                                       ("single", "bfloat16", 8, 16, {"kv_dtype": FP8, **CORE}),
-                                                      ("partial", "float16", 4, None, {"kv_dtype": FP8, **SV})])
+                                                      ("partial", "float16", 4, None, {"kv_dtype": FP8, **CORE})])
 def test_variant_kernels_compile_without_spills(kind, dtype, group, page, kw, cache):
     """Sliding window + soft-cap compiled in (sinks are a run-time pointer of every kernel)."""
-    spec = L.make_spec(kind, dtype, 128, group, 1, page, window=True, softcap=True, **kw)
+    spec = S.make_spec(kind, dtype, 128, group, 1, page, window=True, softcap=True, **kw)
     assert spec.name.endswith("-window-softcap") and spec.defines()["ATTNPLAN_WINDOW"] == 1
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
+    c = PROG.cached(cache, spec.name, spec.options(), N.select_target((9, 0)))
     res = _ptxas(c, spec.entry)
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["registers"] <= MAX_REGISTERS, res
     print(f"{spec.name} sm_90: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}")
@@ -404,15 +385,15 @@ def test_variant_kernels_compile_without_spills(kind, dtype, group, page, kw, ca
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("head_dim", [16, 64, 256])
 def test_merge_kernel_compiles(dtype, head_dim, cache):
-    spec = L.merge_spec(dtype, head_dim)
-    c = cache.get(spec.name, L.kernel_source(), spec.options(), N.select_target((9, 0)))
+    spec = S.merge_spec(dtype, head_dim)
+    c = PROG.cached(cache, spec.name, spec.options(), N.select_target((9, 0)))
     res = _ptxas(c, "attnplan_merge")
     assert res["spill_stores"] == 0 and res["registers"] <= 128
     assert spec.threads == max(32, -(-head_dim // 4 // 32) * 32)
     assert res["barriers"] == 0 and res["smem"] == 0 and spec.smem_bytes == 0  # one team: no barrier, no smem
 
 
-# the merge kernel with several teams per CTA (decode.cu's ATTNPLAN_MERGE_TEAMS; launch.merge_teams): 2 and 8
+# the merge kernel with several teams per CTA (decode.cu's ATTNPLAN_MERGE_TEAMS; spec.merge_teams): 2 and 8
 # teams, head_dim 64 / 128 (one-warp teams, 16-split chunks) and 256 (two-warp teams, 8-split chunks)
 MERGE_TEAM_SPECS = [(dt, d, t) for t in (2, 8) for d in (64, 128, 256) for dt in ("bfloat16", "float16")]
 
@@ -424,7 +405,7 @@ def test_merge_teams_compile_without_spills(dtype, head_dim, teams, cc, cache):
     """Merge kernels of 2 and 8 teams: cubins for sm_90 and sm_80, no spills, no stack, registers within the
     limit and one CTA within an SM's register file (``__launch_bounds__`` of teams x team threads: 512 at
     head_dim 256 x 8 teams), one barrier (the teams' combine), the teams' results in dynamic shared memory."""
-    spec = L.merge_spec(dtype, head_dim, teams)
+    spec = S.merge_spec(dtype, head_dim, teams)
     res = _compiled_resources(spec, cc, cache)
     assert res["barriers"] == 1 and res["smem"] == 0, res  # dynamic, not static, shared memory
     assert spec.threads == teams * (64 if head_dim == 256 else 32) and spec.smem_bytes == teams * (head_dim + 2) * 4
@@ -433,43 +414,43 @@ def test_merge_teams_compile_without_spills(dtype, head_dim, teams, cc, cache):
 
 
 def test_merge_teams_rule():
-    """launch.merge_teams: one team when the rows fill the SMs or one 16-split chunk holds the splits, else the
+    """spec.merge_teams: one team when the rows fill the SMs or one 16-split chunk holds the splits, else the
     smallest power of two with teams x 16 >= splits, at most 8; counts below 1 are errors."""
-    assert L.MERGE_CHUNK == 16 and L.MAX_MERGE_TEAMS == 8
-    assert L.merge_teams(8, 128, 132) == 8  # the measured case: b1, 1 KV head, 8 query heads, 128 splits
-    assert [L.merge_teams(8, n, 132) for n in (1, 16, 17, 32, 33, 64, 65, 128, 129, 4096)] == \
+    assert S.MERGE_CHUNK == 16 and S.MAX_MERGE_TEAMS == 8
+    assert S.merge_teams(8, 128, 132) == 8  # the measured case: b1, 1 KV head, 8 query heads, 128 splits
+    assert [S.merge_teams(8, n, 132) for n in (1, 16, 17, 32, 33, 64, 65, 128, 129, 4096)] == \
         [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
-    assert L.merge_teams(131, 128, 132) == 8 and L.merge_teams(132, 128, 132) == 1 and L.merge_teams(500, 128, 132) == 1
-    assert L.merge_teams(1, 40, 1) == 1  # one SM: the row fills it
+    assert S.merge_teams(131, 128, 132) == 8 and S.merge_teams(132, 128, 132) == 1 and S.merge_teams(500, 128, 132) == 1
+    assert S.merge_teams(1, 40, 1) == 1  # one SM: the row fills it
     for bad in ((0, 8, 132), (8, 0, 132), (8, 8, 0)):
         with pytest.raises(ValueError, match="merge_teams"):
-            L.merge_teams(*bad)
+            S.merge_teams(*bad)
 
 
 def test_merge_teams_spec_and_launch_config():
     """The teams count goes into the spec's name, defines, threads and dynamic shared memory, and the launch
     config passes them; one team keeps the old name, no shared memory; bad counts and kinds are refused."""
-    one, t8, t2 = L.merge_spec("bfloat16", 128), L.merge_spec("bfloat16", 128, 8), L.merge_spec("float16", 256, 2)
-    assert one == L.merge_spec("bfloat16", 128, 1) and one.teams == 1
+    one, t8, t2 = S.merge_spec("bfloat16", 128), S.merge_spec("bfloat16", 128, 8), S.merge_spec("float16", 256, 2)
+    assert one == S.merge_spec("bfloat16", 128, 1) and one.teams == 1
     assert (one.name, one.threads, one.smem_bytes) == ("merge-bfloat16-d128", 32, 0)
     assert (t8.name, t8.threads, t8.smem_bytes) == ("merge-bfloat16-d128-t8", 256, 8 * 130 * 4)
     assert (t2.name, t2.threads, t2.smem_bytes) == ("merge-float16-d256-t2", 128, 2 * 258 * 4)
-    assert L.merge_spec("float16", 64, 4).threads == 128  # head_dim 64: a whole warp per team (16 column threads)
+    assert S.merge_spec("float16", 64, 4).threads == 128  # head_dim 64: a whole warp per team (16 column threads)
     assert one.defines()["ATTNPLAN_MERGE_TEAMS"] == 1 and one.defines()["ATTNPLAN_SMEM_BYTES"] == 0
     assert t8.defines()["ATTNPLAN_MERGE_TEAMS"] == 8 and t8.defines()["ATTNPLAN_SMEM_BYTES"] == 4160
     assert t8.defines()["ATTNPLAN_THREADS"] == 256 and "-DATTNPLAN_MERGE_TEAMS=8" in t8.options()
-    cfg = L.merge_launch_config(t8, 8)
+    cfg = S.merge_launch_config(t8, 8)
     assert cfg.grid == (8, 1, 1) and cfg.block == (256, 1, 1) and cfg.smem == 4160
-    assert L.merge_launch_config(one, 8).smem == 0
+    assert S.merge_launch_config(one, 8).smem == 0
     for bad in (0, 3, 16, -2):
         with pytest.raises(ValueError, match="merge teams must be one of"):
-            L.merge_spec("bfloat16", 128, bad)
+            S.merge_spec("bfloat16", 128, bad)
     with pytest.raises(ValueError, match="teams"):
-        L.KernelSpec("partial", "bfloat16", 128, teams=2)
+        S.KernelSpec("partial", "bfloat16", 128, teams=2)
     with pytest.raises(ValueError, match="teams"):
-        L.KernelSpec("merge", "bfloat16", 128, teams=3)
+        S.KernelSpec("merge", "bfloat16", 128, teams=3)
     with pytest.raises(ValueError, match="merge kernel's spec"):
-        L.merge_launch_config(L.make_spec("partial", "bfloat16", 128, 4, 1, 16), 8)
+        S.merge_launch_config(S.make_spec("partial", "bfloat16", 128, 4, 1, 16), 8)
 
 
 def test_backend_merge_teams_from_plan():
@@ -487,7 +468,7 @@ def test_backend_merge_teams_from_plan():
 
     few = plan(1, 4, 40)  # 4 rows < 8 SMs, 40 splits: 4 teams of 16 splits
     assert CPU_STANDIN.sm_count == 8 and be.merge_teams_for(few) == 4 == be.merge_teams_for(few, torch.device("cpu"))
-    assert be.spec_for("merge", few) == L.merge_spec("bfloat16", 128, 4)
+    assert be.spec_for("merge", few) == S.merge_spec("bfloat16", 128, 4)
     assert be.spec_for("merge", few).name == "merge-bfloat16-d128-t4"
     assert be.merge_teams_for(plan(1, 4, 16)) == 1  # one chunk
     assert be.merge_teams_for(plan(2, 4, 128)) == 1  # 8 rows fill the 8 SMs
@@ -499,18 +480,18 @@ def test_backend_merge_teams_from_plan():
 def test_merge_teams_host_kernel_disagreement_fails_compile(cache):
     """decode.cu static_asserts the host's merge threads and dynamic shared memory for a teams spec, and the
     teams count itself."""
-    spec = L.merge_spec("bfloat16", 128, 8)
+    spec = S.merge_spec("bfloat16", 128, 8)
 
     def with_(name, value):
         return [o if not o.startswith(f"-D{name}=") else f"-D{name}={value}" for o in spec.options()]
 
     target = N.CompileTarget("sm_90", "cubin")
     with pytest.raises(NvrtcError, match="disagree on dynamic shared memory"):
-        cache.get("mismatch-smem", L.kernel_source(), with_("ATTNPLAN_SMEM_BYTES", spec.smem_bytes + 16), target)
+        PROG.cached(cache, "mismatch-smem", with_("ATTNPLAN_SMEM_BYTES", spec.smem_bytes + 16), target)
     with pytest.raises(NvrtcError, match="disagree on merge threads"):
-        cache.get("mismatch-threads", L.kernel_source(), with_("ATTNPLAN_THREADS", 128), target)
+        PROG.cached(cache, "mismatch-threads", with_("ATTNPLAN_THREADS", 128), target)
     with pytest.raises(NvrtcError, match="merge teams per CTA"):
-        cache.get("mismatch-teams", L.kernel_source(), with_("ATTNPLAN_MERGE_TEAMS", 3), target)
+        PROG.cached(cache, "mismatch-teams", with_("ATTNPLAN_MERGE_TEAMS", 3), target)
 
 
 @needs_nvrtc
@@ -519,8 +500,8 @@ def test_merge_teams_ptx():
     loads; both wait for the partial grid first (griddepcontrol.wait on sm_90) and read the states through the
     non-coherent path (an earlier launch's)."""
     def ptx(teams):
-        spec = L.merge_spec("bfloat16", 128, teams)
-        return N.compile_source(L.kernel_source(), "decode.cu", spec.options(),
+        spec = S.merge_spec("bfloat16", 128, teams)
+        return PROG.compile(spec.options(),
                                 N.CompileTarget("compute_90", "ptx")).image.rstrip(b"\x00").decode()
 
     one, eight = ptx(1), ptx(8)
@@ -536,13 +517,13 @@ NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("s", [(*SPECS[0], CORE), (*SPECS[4], CORE), SPECS[5], NEW_SPECS[0], NEW_SPECS[9],
+@pytest.mark.parametrize("s", [(*SPECS[0], CORE), (*SPECS[4], CORE), SPECS[5], FP8_CORE_SPECS[0], FP8_CORE_SPECS[3],
                                MMA_SPECS[0], MMA_SPECS[6], FP8_MMA_SPECS[0]], ids=spec_id)
 def test_nvcc_ptxas_verbose_no_spills(s, tmp_path):
     """The same source through nvcc's ptxas (another toolkit version than the pip NVRTC)."""
-    spec = L.make_spec(*s[:6], **(s[6] if len(s) > 6 else {}))
+    spec = S.make_spec(*s[:6], **(s[6] if len(s) > 6 else {}))
     src = tmp_path / "decode.cu"
-    src.write_text(L.kernel_source())
+    src.write_text(PROG.flattened())
     cmd = [NVCC, "-cubin", "-arch=sm_90", "-std=c++17", "-Xptxas", "-v", *[o for o in spec.options() if o.startswith("-D")],
            str(src), "-o", str(tmp_path / "k.cubin")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -584,11 +565,11 @@ def test_compile_error_has_nvrtc_log(cache):
 @needs_nvrtc
 def test_host_kernel_disagreement_fails_compile(cache):
     """decode.cu static_asserts the host's shared-memory / tile / thread arithmetic."""
-    spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    spec = S.make_spec("partial", "bfloat16", 128, 4, 1, 16)
     opts = [o if not o.startswith("-DATTNPLAN_SMEM_BYTES=") else f"-DATTNPLAN_SMEM_BYTES={spec.smem_bytes + 16}"
             for o in spec.options()]
     with pytest.raises(NvrtcError, match="disagree on dynamic shared memory"):
-        cache.get("mismatch", L.kernel_source(), opts, N.CompileTarget("sm_90", "cubin"))
+        PROG.cached(cache, "mismatch", opts, N.CompileTarget("sm_90", "cubin"))
     assert not list(cache.path.glob("mismatch*.cubin")), "a failed compile must cache nothing"
 
 
@@ -596,19 +577,19 @@ def test_host_kernel_disagreement_fails_compile(cache):
 # (4) host side: specs, launch configuration, argument packing
 # --------------------------------------------------------------------------------------------------
 def test_vector_layout_and_spec_defaults():
-    assert L.vector_layout("bfloat16", 128) == {"vec": 8, "dv": 16, "lpt": 16, "nv": 1, "tpp": 2, "elems": 8}
-    assert L.vector_layout("float32", 256) == {"vec": 4, "dv": 64, "lpt": 32, "nv": 2, "tpp": 1, "elems": 8}
-    assert L.vector_layout("float16", 96)["lpt"] == 16  # 12 vectors padded to 16 lanes
-    s = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, mma=False)  # the target problem: 32/8/128 bf16
+    assert S.vector_layout("bfloat16", 128) == {"vec": 8, "dv": 16, "lpt": 16, "nv": 1, "tpp": 2, "elems": 8}
+    assert S.vector_layout("float32", 256) == {"vec": 4, "dv": 64, "lpt": 32, "nv": 2, "tpp": 1, "elems": 8}
+    assert S.vector_layout("float16", 96)["lpt"] == 16  # 12 vectors padded to 16 lanes
+    s = S.make_spec("partial", "bfloat16", 128, 4, 1, 16, mma=False)  # the target problem: 32/8/128 bf16
     assert (s.row_groups, s.kv_warps, s.passes, s.tile_tokens, s.threads) == (1, 4, 4, 8, 128)
     assert s.stage_bytes == 4096 and (s.stages - 1) * s.kv_warps * s.stage_bytes >= 48 * 1024
     assert s.smem_bytes == 4 * s.stages * 4096 and not s.mma and s.row_chunks == 16
-    g16 = L.make_spec("partial", "bfloat16", 128, 16, 1, 16, mma=False)
+    g16 = S.make_spec("partial", "bfloat16", 128, 16, 1, 16, mma=False)
     assert (g16.row_groups, g16.rows_per_group, g16.num_warps) == (2, 8, 8)
-    g28 = L.make_spec("partial", "bfloat16", 128, 7, 4, 16, mma=False)
-    assert g28.row_groups == 4 and g28.rows_per_group == 7 and g28.num_warps <= L.MAX_WARPS
-    assert L.make_spec("partial", "bfloat16", 128, 4, 1, None).page_size == 0
-    assert "page16" in s.name and "contig" in L.make_spec("single", "bfloat16", 128, 4, 1, None).name
+    g28 = S.make_spec("partial", "bfloat16", 128, 7, 4, 16, mma=False)
+    assert g28.row_groups == 4 and g28.rows_per_group == 7 and g28.num_warps <= S.MAX_WARPS
+    assert S.make_spec("partial", "bfloat16", 128, 4, 1, None).page_size == 0
+    assert "page16" in s.name and "contig" in S.make_spec("single", "bfloat16", 128, 4, 1, None).name
 
 
 def test_mma_spec_defaults_and_fallbacks():
@@ -616,95 +597,94 @@ def test_mma_spec_defaults_and_fallbacks():
     head_dim 128 (8 KB stages, 2 stages x 4 warps = 64 KB: up to 3 programs per H200 SM, 32 KB in flight
     per program: MMA_INFLIGHT_BYTES, measured),
     rows in n8-tiles (<= 256 / head_dim per warp), XOR-swizzled or padded ring rows; fp8 KV on tensor cores
-    too with the tile sized in bytes (twice the tokens); CUDA cores for fp32, split-V, head_dim % 16 != 0,
+    too with the tile sized in bytes (twice the tokens); CUDA cores for fp32, head_dim % 16 != 0,
     and where the tensor-core program would not fit."""
-    s = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    s = S.make_spec("partial", "bfloat16", 128, 4, 1, 16)
     assert s.mma and s.name == "partial-bfloat16-d128-g4-q1-page16-w1x4-s2-p1-mma"
     assert (s.row_groups, s.kv_warps, s.passes, s.tile_tokens, s.threads, s.rows_per_group, s.n_tiles) == \
         (1, 4, 1, 16, 128, 8, 1)
     assert s.row_chunks == 16 and s.stage_bytes == 8192 and s.smem_bytes == 64 * 1024 and s.stages == 2
-    assert (s.stages - 1) * s.kv_warps * s.stage_bytes >= L.MMA_INFLIGHT_BYTES
-    d64 = L.make_spec("partial", "float16", 64, 4, 1, None)
+    assert (s.stages - 1) * s.kv_warps * s.stage_bytes >= S.MMA_INFLIGHT_BYTES
+    d64 = S.make_spec("partial", "float16", 64, 4, 1, None)
     assert d64.mma and d64.tile_tokens == 32 and d64.stage_bytes == 8192  # two m-tiles per warp tile
-    d96 = L.make_spec("partial", "bfloat16", 96, 4, 1, None)
+    d96 = S.make_spec("partial", "bfloat16", 96, 4, 1, None)
     assert d96.row_chunks == 13 and d96.stage_bytes == 2 * 16 * 13 * 16  # 12 chunks + 1 padding
-    d256 = L.make_spec("partial", "bfloat16", 256, 8, 1, 64)
-    assert d256.mma and d256.kv_warps == 3 and d256.smem_bytes <= L.SMEM_BUDGET  # 16 KB stages: fewer warps
-    r32 = L.make_spec("partial", "bfloat16", 128, 8, 4, 16)  # 32 rows: 2 row groups of 2 n8-tiles
+    d256 = S.make_spec("partial", "bfloat16", 256, 8, 1, 64)
+    assert d256.mma and d256.kv_warps == 3 and d256.smem_bytes <= S.SMEM_BUDGET  # 16 KB stages: fewer warps
+    r32 = S.make_spec("partial", "bfloat16", 128, 8, 4, 16)  # 32 rows: 2 row groups of 2 n8-tiles
     assert (r32.row_groups, r32.rows_per_group, r32.n_tiles) == (2, 16, 2)
-    r48 = L.make_spec("partial", "float16", 64, 16, 3, None)  # 48 rows at head_dim 64: 3 n8-tiles per warp
+    r48 = S.make_spec("partial", "float16", 64, 16, 3, None)  # 48 rows at head_dim 64: 3 n8-tiles per warp
     assert (r48.row_groups, r48.n_tiles, r48.passes) == (2, 3, 1)
-    r24 = L.make_spec("partial", "bfloat16", 128, 8, 3, 16)  # 24 rows: 3 n8-tiles, 2 per warp, one padded
+    r24 = S.make_spec("partial", "bfloat16", 128, 8, 3, 16)  # 24 rows: 3 n8-tiles, 2 per warp, one padded
     assert (r24.row_groups, r24.rows_per_group) == (2, 16)
     # the CUDA-core path where the tensor-core one cannot serve
-    for kw, why in (({"dtype": "float32"}, "float16 or bfloat16"), ({"partition": "split_v"}, "split-K"),
-                    ({"kv_dtype": FP8, "partition": "split_v"}, "split-K"), ({"head_dim": 72}, "multiple of 16")):
+    for kw, why in (({"dtype": "float32"}, "float16 or bfloat16"), ({"head_dim": 72}, "multiple of 16")):
         a = {"kind": "partial", "dtype": "bfloat16", "head_dim": 128, "group": 4, "q_len": 1, "page_size": 16, **kw}
-        assert not L.make_spec(**a).mma
-        assert why in L.mma_unsupported(a["dtype"], a["head_dim"], a.get("kv_dtype"), a.get("partition", "split_k"))
+        assert not S.make_spec(**a).mma
+        assert why in S.mma_unsupported(a["dtype"], a["head_dim"], a.get("kv_dtype"))
         with pytest.raises(ValueError, match="mma=True"):
-            L.make_spec(**a, mma=True)
-    assert L.mma_unsupported("float16", 128) == "" and L.mma_unsupported("bfloat16", 128, FP8) == ""
-    assert "KV cache" in L.mma_unsupported("bfloat16", 128, "float16")
+            S.make_spec(**a, mma=True)
+    assert S.mma_unsupported("float16", 128) == "" and S.mma_unsupported("bfloat16", 128, FP8) == ""
+    assert "KV cache" in S.mma_unsupported("bfloat16", 128, "float16")
     # fp8 e4m3fn KV: the same 8 KB stages hold 32 tokens (2 m-tiles) at head_dim 128: 2 stages x 4 warps = 64 KB,
     # the bf16 default's 32 KB in flight (twice its tokens), soft-cap or not
-    f8 = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8)
+    f8 = S.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8)
     assert f8.mma and f8.kv_fp8 and f8.name == "partial-bfloat16-d128-g4-q1-page16-w1x4-s2-p2-kvfp8-mma"
     assert (f8.passes, f8.tile_tokens, f8.row_chunks, f8.stage_bytes, f8.stages, f8.smem_bytes) == \
         (2, 32, 8, 8192, 2, 64 * 1024)
     inflight = (s.stages - 1) * s.kv_warps * s.stage_bytes
-    assert (f8.stages - 1) * f8.kv_warps * f8.stage_bytes == inflight == L.MMA_INFLIGHT_BYTES
-    f8c = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8, window=True, softcap=True)
+    assert (f8.stages - 1) * f8.kv_warps * f8.stage_bytes == inflight == S.MMA_INFLIGHT_BYTES
+    f8c = S.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8, window=True, softcap=True)
     assert (f8c.tile_tokens, f8c.stage_bytes, f8c.stages, f8c.smem_bytes) == (32, 8192, 2, 64 * 1024)
-    assert L.make_spec("partial", "float16", 64, 1, 1, None, kv_dtype=FP8).row_chunks == 5  # 4 chunks + 1 padding
-    assert L.make_spec("partial", "float16", 80, 1, 1, None, kv_dtype=FP8).row_chunks == 5  # odd: no padding
-    assert L.make_spec("partial", "float16", 256, 8, 1, 64, kv_dtype=FP8).smem_bytes == 64 * 1024  # 4 warps fit
-    assert not L.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8, mma=False).mma
+    assert S.make_spec("partial", "float16", 64, 1, 1, None, kv_dtype=FP8).row_chunks == 5  # 4 chunks + 1 padding
+    assert S.make_spec("partial", "float16", 80, 1, 1, None, kv_dtype=FP8).row_chunks == 5  # odd: no padding
+    assert S.make_spec("partial", "float16", 256, 8, 1, 64, kv_dtype=FP8).smem_bytes == 64 * 1024  # 4 warps fit
+    assert not S.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8, mma=False).mma
     with pytest.raises(ValueError, match="rows"):  # fp8 keeps the CUDA-core path's 32 rows as its fallback
-        L.make_spec("partial", "bfloat16", 128, 16, 4, 16, kv_dtype=FP8, mma=True)
-    big = L.make_spec("partial", "bfloat16", 256, 16, 4, 16, smem_limit=99 * 1024)  # 8 row groups x 16 KB stages
+        S.make_spec("partial", "bfloat16", 128, 16, 4, 16, kv_dtype=FP8, mma=True)
+    big = S.make_spec("partial", "bfloat16", 256, 16, 4, 16, smem_limit=99 * 1024)  # 8 row groups x 16 KB stages
     assert not big.mma
     with pytest.raises(ValueError, match="shared memory"):
-        L.make_spec("partial", "bfloat16", 256, 16, 4, 16, smem_limit=99 * 1024, mma=True)
-    assert L.make_spec("partial", "bfloat16", 128, 4, 1, 16, num_warps=2, num_stages=5).stages == 5
+        S.make_spec("partial", "bfloat16", 256, 16, 4, 16, smem_limit=99 * 1024, mma=True)
+    assert S.make_spec("partial", "bfloat16", 128, 4, 1, 16, num_warps=2, num_stages=5).stages == 5
 
 
 def test_spec_limits_raise():
     with pytest.raises(ValueError, match="rows"):
-        L.make_spec("partial", "bfloat16", 128, 16, 8, None)  # 128 rows
+        S.make_spec("partial", "bfloat16", 128, 16, 8, None)  # 128 rows
     with pytest.raises(ValueError, match="num_warps"):
-        L.make_spec("partial", "bfloat16", 128, 16, 1, None, num_warps=8)  # 2 row groups x 8
+        S.make_spec("partial", "bfloat16", 128, 16, 1, None, num_warps=8)  # 2 row groups x 8
     with pytest.raises(ValueError, match="num_stages"):
-        L.make_spec("partial", "bfloat16", 128, 4, 1, None, num_stages=1)
+        S.make_spec("partial", "bfloat16", 128, 4, 1, None, num_stages=1)
     with pytest.raises(ValueError, match="shared memory"):
-        L.make_spec("partial", "bfloat16", 128, 4, 1, None, num_stages=8, smem_limit=48 * 1024)
+        S.make_spec("partial", "bfloat16", 128, 4, 1, None, num_stages=8, smem_limit=48 * 1024)
     with pytest.raises(ValueError, match="head_dim"):
-        L.make_spec("partial", "bfloat16", 100, 4, 1, None)
+        S.make_spec("partial", "bfloat16", 100, 4, 1, None)
     with pytest.raises(ValueError, match="kind"):
-        L.make_spec("merge", "bfloat16", 128, 4, 1, None)
+        S.make_spec("merge", "bfloat16", 128, 4, 1, None)
 
 
 def test_stage_choice_respects_smem_limit():
-    full = L.make_spec("partial", "bfloat16", 128, 8, 1, 16, mma=False)
-    s = L.make_spec("partial", "bfloat16", 128, 8, 1, 16, smem_limit=40 * 1024, mma=False)
+    full = S.make_spec("partial", "bfloat16", 128, 8, 1, 16, mma=False)
+    s = S.make_spec("partial", "bfloat16", 128, 8, 1, 16, smem_limit=40 * 1024, mma=False)
     assert s.smem_bytes <= 40 * 1024 < full.smem_bytes and 2 <= s.stages < full.stages
     # tensor cores: two stages of every warp must fit, so the default KV warps shrink instead
-    m = L.make_spec("partial", "bfloat16", 128, 8, 1, 16, smem_limit=40 * 1024)
+    m = S.make_spec("partial", "bfloat16", 128, 8, 1, 16, smem_limit=40 * 1024)
     assert m.mma and m.smem_bytes <= 40 * 1024 and m.kv_warps == 2 and m.stages == 2
-    assert L.make_spec("partial", "bfloat16", 256, 8, 8, 16, smem_limit=227 * 1024).smem_bytes <= L.SMEM_BUDGET
+    assert S.make_spec("partial", "bfloat16", 256, 8, 8, 16, smem_limit=227 * 1024).smem_bytes <= S.SMEM_BUDGET
 
 
 def test_partial_launch_config():
-    s = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
-    cfg = L.partial_launch_config(s, (17, 8, 1))
+    s = S.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    cfg = S.partial_launch_config(s, (17, 8, 1))
     assert cfg.grid == (17, 8, 1) and cfg.block == (128, 1, 1) and cfg.smem == s.smem_bytes
-    big = L.partial_launch_config(s, (3, 8, 70000))  # batch beyond gridDim.z's 65535: flattened on x
+    big = S.partial_launch_config(s, (3, 8, 70000))  # batch beyond gridDim.z's 65535: flattened on x
     assert big.grid == (3 * 8 * 70000, 1, 1)
     with pytest.raises(ValueError):
-        L.partial_launch_config(s, (0, 8, 1))
-    m = L.merge_launch_config(L.merge_spec("float16", 256), 4 * 32)
+        S.partial_launch_config(s, (0, 8, 1))
+    m = S.merge_launch_config(S.merge_spec("float16", 256), 4 * 32)
     assert m.grid == (128, 1, 1) and m.block == (64, 1, 1) and m.smem == 0
-    m = L.merge_launch_config(L.merge_spec("float16", 256, 4), 3)
+    m = S.merge_launch_config(S.merge_spec("float16", 256, 4), 3)
     assert m.grid == (3, 1, 1) and m.block == (256, 1, 1) and m.smem == 4 * 258 * 4
 
 
@@ -714,35 +694,35 @@ def test_pdl_launch_config_and_griddepcontrol():
     partial kernel's trigger and the merge kernel's wait, and sm_80 code has neither (no such PTX)."""
     from cuda.bindings import driver
 
-    m = L.merge_launch_config(L.merge_spec("bfloat16", 128), 96)
-    c = L.pdl_launch_config(m, stream=1234)
+    m = S.merge_launch_config(S.merge_spec("bfloat16", 128), 96)
+    c = R.pdl_launch_config(m, stream=1234)
     assert (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.sharedMemBytes) == (96, 1, 1, 32, 0)
-    c8 = L.pdl_launch_config(L.merge_launch_config(L.merge_spec("bfloat16", 128, 8), 8))
+    c8 = R.pdl_launch_config(S.merge_launch_config(S.merge_spec("bfloat16", 128, 8), 8))
     assert (c8.gridDimX, c8.blockDimX, c8.sharedMemBytes) == (8, 256, 8 * 130 * 4)  # the teams' dynamic smem
     assert c.numAttrs == 1 and int(c.hStream) == 1234
     assert c.attrs[0].id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert c.attrs[0].value.programmaticStreamSerializationAllowed == 1
-    partial = L.make_spec("partial", "bfloat16", 128, 4, 1, None)
+    partial = S.make_spec("partial", "bfloat16", 128, 4, 1, None)
     for arch, present in (("compute_90", True), ("compute_80", False)):
-        for spec, insn in ((L.merge_spec("bfloat16", 128), "griddepcontrol.wait"),
+        for spec, insn in ((S.merge_spec("bfloat16", 128), "griddepcontrol.wait"),
                            (partial, "griddepcontrol.launch_dependents")):
-            ptx = N.compile_source(L.kernel_source(), spec.name, spec.options(), N.CompileTarget(arch, "ptx")).image
+            ptx = PROG.compile(spec.options(), N.CompileTarget(arch, "ptx")).image
             assert (insn in ptx.decode()) == present, (arch, spec.name)
 
 
 def test_packed_args_layout():
     sig = (("p", "ptr"), ("f", "f32"), ("i", "i32"), ("big", "i64"), ("null", "ptr"))
     vals = [0x7F00DEADBEE0, 0.5, -7, 3 * 2**40, None]
-    pa = L.PackedArgs(sig, vals)
+    pa = A.PackedArgs(sig, vals)
     base = ctypes.addressof(pa.buffer)
     assert [pa.pointers[i] for i in range(5)] == [base + 8 * i for i in range(5)]
     assert pa.value("p") == 0x7F00DEADBEE0 and pa.value("f") == 0.5 and pa.value("i") == -7
     assert pa.value("big") == 3 * 2**40 and pa.value("null") == 0
     assert ctypes.cast(pa.kernel_params, ctypes.POINTER(ctypes.c_void_p))[3] == base + 24
     with pytest.raises(ValueError):
-        L.PackedArgs(sig, vals[:-1])
+        A.PackedArgs(sig, vals[:-1])
     with pytest.raises(struct.error):
-        L.PackedArgs((("i", "i32"),), [2**31])
+        A.PackedArgs((("i", "i32"),), [2**31])
 
 
 def _plan(problem, splits, be=None):
@@ -759,9 +739,9 @@ def test_partial_args_strides_and_padded_state():
     plan = _plan(prob, 3)
     spec = CudaPtxBackend().spec_for("partial", plan)
     st = PartialState.empty(2, 3, 8, plan.num_splits + 2, 64)  # buffer wider than the plan
-    vals = L.partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse,
+    vals = A.partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse,
                           plan.chunk_size, plan.num_splits)
-    named = dict(zip((n for n, _ in L.PARTIAL_SIGNATURE), vals))
+    named = dict(zip((n for n, _ in A.PARTIAL_SIGNATURE), vals))
     assert named["o_ss"] == 64 and named["o_sh"] == (plan.num_splits + 2) * 64  # strides from the tensor
     assert named["l_ss"] == 1 and named["l_sh"] == plan.num_splits + 2
     assert named["num_splits"] == plan.num_splits and named["chunk_size"] == plan.chunk_size
@@ -771,22 +751,115 @@ def test_partial_args_strides_and_padded_state():
     assert abs(named["scale_log2"] - x.sm_scale * 1.4426950408889634) < 1e-12
     single = CudaPtxBackend().spec_for("single", plan)
     out = torch.empty_like(x.q)
-    sv = dict(zip((n for n, _ in L.PARTIAL_SIGNATURE),
-                  L.partial_args(single, x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, out, None, 64, 1)))
+    sv = dict(zip((n for n, _ in A.PARTIAL_SIGNATURE),
+                  A.partial_args(single, x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, out, None, 64, 1)))
     assert sv["o_ss"] == 0 and sv["lse"] == 0 and sv["l_sb"] == 0 and sv["block_table"] == 0 and sv["bt_sb"] == 0
-    L.PackedArgs(L.PARTIAL_SIGNATURE, vals)  # every value fits its slot
+    A.PackedArgs(A.PARTIAL_SIGNATURE, vals)  # every value fits its slot
 
 
 def test_64bit_strides_pack():
-    """Page index x page stride beyond 2**31 elements (cases.yaml int32-page-offset) travels as int64."""
+    """Page index x page stride beyond 2**31 elements travels as int64."""
     q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(140_000, 16, 8, 128, dtype=torch.bfloat16, device="meta")  # shapes and strides only
-    spec = L.make_spec("partial", "bfloat16", 128, 1, 1, 16)
+    spec = S.make_spec("partial", "bfloat16", 128, 1, 1, 16)
     st = PartialState.empty(1, 1, 8, 2, 128)
-    vals = L.partial_args(spec, q, k, k, torch.zeros(1, dtype=torch.int32), torch.zeros(1, 8750, dtype=torch.int32), 0.1,
+    vals = A.partial_args(spec, q, k, k, torch.zeros(1, dtype=torch.int32), torch.zeros(1, 8750, dtype=torch.int32), 0.1,
                           st.o, st.lse, 64, 2)
-    pa = L.PackedArgs(L.PARTIAL_SIGNATURE, vals)
+    pa = A.PackedArgs(A.PARTIAL_SIGNATURE, vals)
     assert pa.value("k_s0") == 16384 and 139_999 * pa.value("k_s0") > 2**31
+
+
+def test_64bit_strides_of_every_tensor_pack():
+    """Strides beyond 2**31 elements of q, the caches (sequence, token, head), the block table's rows, the partial
+    state (sequence, query, head, split) and the fused merge's out / lse travel as int64, exactly (meta tensors:
+    shapes and strides only)."""
+    big = 2**33 + 8  # a multiple of 8 (16-byte vectors of bf16) past 2**32
+
+    def strided(shape, strides, dtype=torch.bfloat16):
+        return torch.empty(0, dtype=dtype, device="meta").as_strided(shape, strides)
+
+    q = strided((2, 2, 8, 128), (4 * big, 2 * big, big, 1))
+    k = strided((2, 64, 2, 128), (3 * big, big, 2 * big, 1))
+    bt = strided((2, 4), (big, 1), torch.int32)
+    o = strided((2, 2, 8, 4, 128), (5 * big, 4 * big, 3 * big, big, 1), torch.float32)
+    lse = strided((2, 2, 8, 4), (4 * big, 3 * big, 2 * big, big), torch.float32)
+    out = strided((2, 2, 8, 128), (3 * big, 2 * big, big, 1))
+    out_lse = strided((2, 2, 8), (3 * big, 2 * big, big), torch.float32)
+    spec = S.make_spec("partial", "bfloat16", 128, 4, 2, 16, merge="fused")
+    vals = A.partial_args(spec, q, k, k, torch.zeros(2, dtype=torch.int32), bt, 0.1, o, lse, 64, 4, out=out,
+                          out_lse=out_lse, counters=torch.zeros(4, dtype=torch.int32))
+    pa = A.PackedArgs(A.PARTIAL_SIGNATURE, vals)
+    want = {"q_sb": 4 * big, "q_si": 2 * big, "q_sh": big, "k_s0": 3 * big, "k_s1": big, "k_sh": 2 * big,
+            "v_s0": 3 * big, "bt_sb": big, "o_sb": 5 * big, "o_si": 4 * big, "o_sh": 3 * big, "o_ss": big,
+            "l_sb": 4 * big, "l_ss": big, "out_sb": 3 * big, "out_sh": big, "ol_sb": 3 * big, "ol_sh": big}
+    assert {n: pa.value(n) for n in want} == want
+    assert all(k == "i64" for n, k in A.PARTIAL_SIGNATURE if n.endswith(("_sb", "_si", "_sh", "_ss", "_s0", "_s1")))
+    mo = strided((2, 2, 8, 300, 128), (5 * big, 4 * big, 3 * big, big, 1), torch.float32)
+    mvals = A.merge_args(mo, lse, out, out_lse, 300)
+    mpa = A.PackedArgs(A.MERGE_SIGNATURE, mvals)
+    assert (mpa.value("o_sb"), mpa.value("o_ss"), mpa.value("out_sh"), mpa.value("num_splits")) == (5 * big, big, big,
+                                                                                                    300)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contig", "paged16"])
+def test_window_left_and_chunk_size_pack_any_valid_int(paged):
+    """window_left packs for every int the validation allows (>= -1, however large): a window at least the cache's
+    capacity is the capacity (it restricts nothing: the emulation tests check the outputs); -1 stays -1, smaller
+    windows are exact. chunk_size packs for any size, capped at MAX_KV_TOKENS. Out-of-range values are refused."""
+    q = torch.empty(1, 1, 8, 64, dtype=torch.bfloat16)
+    k = torch.empty(8 if paged else 1, 16 if paged else 100, 2, 64, dtype=torch.bfloat16, device="meta")
+    bt = torch.zeros(1, 6, dtype=torch.int32) if paged else None
+    capacity = 96 if paged else 100
+    assert A.kv_capacity(k, bt) == capacity
+    spec = S.make_spec("partial", "bfloat16", 64, 4, 1, 16 if paged else None, window=True)
+    st = PartialState.empty(1, 1, 8, 2, 64)
+
+    def packed(window, chunk=64):
+        vals = A.partial_args(spec, q, k, k, torch.zeros(1, dtype=torch.int32), bt, 0.1, st.o, st.lse, chunk, 2,
+                              window_left=window)
+        pa = A.PackedArgs(A.PARTIAL_SIGNATURE, vals)
+        return pa.value("window_left"), pa.value("chunk_size")
+
+    for window, want in ((-1, -1), (0, 0), (17, 17), (capacity - 1, capacity - 1), (capacity, capacity),
+                         (capacity + 1, capacity), (2**31 - 1, capacity), (2**31, capacity), (2**63, capacity),
+                         (10**40, capacity)):
+        assert packed(window)[0] == want, window
+    for chunk, want in ((1, 1), (2**30, 2**30), (2**31, A.MAX_KV_TOKENS), (10**30, A.MAX_KV_TOKENS)):
+        assert packed(-1, chunk)[1] == want, chunk
+    for window, chunk in ((-2, 64), (5, 0), (5, -64)):
+        with pytest.raises(ValueError, match="window_left must be >= -1 and chunk_size >= 1"):
+            packed(window, chunk)
+
+
+def test_kv_capacity_over_2_30_is_refused():
+    """A cache that holds more than MAX_KV_TOKENS = 2**30 tokens per sequence is refused, naming the tensor that
+    makes it so (k_cache for a contiguous cache, block_table for a paged one), before any launch; at the limit it
+    is accepted (meta tensors: no data, the refusal comes from the host checks)."""
+    from attnplan.backends.base import DecodeInputs
+
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(1, 1, 8, 64, **meta)
+    sl = torch.empty(1, device="meta", dtype=torch.int32)
+    st = PartialState(torch.empty(1, 1, 8, 4, 64, device="meta"), torch.empty(1, 1, 8, 4, device="meta"))
+    for paged in (False, True):
+        prob = DecodeProblem(1, 8, 1, 64, 1, 16 if paged else None, "bfloat16", "bfloat16", 4096)
+        plan = _plan(prob, 4, be)
+        launched = []
+        be._launch = lambda *a, **kw: launched.append(a)  # noqa: E731 - no GPU: stop before the driver
+        for tokens, ok in ((2**30, True), (2**30 + 16, False)):
+            if paged:
+                k = torch.empty(8, 16, 1, 64, **meta)
+                x = DecodeInputs(q, k, k, sl, torch.empty(1, tokens // 16, device="meta", dtype=torch.int32), 0.1)
+            else:
+                k = torch.empty(1, tokens, 1, 64, **meta)
+                x = DecodeInputs(q, k, k, sl, None, 0.1)
+            if ok:
+                be.partial(plan, x, st)
+            else:
+                with pytest.raises(ValueError, match=("block_table's" if paged else "k_cache holds") + ".*2\\*\\*30"):
+                    be.partial(plan, x, st)
+        assert len(launched) == 1
 
 
 def test_backend_input_checks():
@@ -826,22 +899,58 @@ def test_backend_input_checks():
         be.merge(plan, PartialState(st.o[:, :, :, :2], st.lse[:, :, :, :2]), q, None)
 
 
+def test_index_tensor_strides():
+    """seq_lens with a non-unit stride and block tables with a non-unit column stride (or the wrong dtype) are refused,
+    each naming its argument; a block table whose rows are rows of a wider table (row stride > max_pages) is taken,
+    its row stride passed to the kernel (meta tensors: no data; the emulation test runs one)."""
+    from attnplan.backends.base import DecodeInputs
+
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    prob = DecodeProblem(3, 8, 2, 128, 1, 16, "bfloat16", "bfloat16", 4096)
+    plan = _plan(prob, 4, be)
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(3, 1, 8, 128, **meta)
+    k = torch.empty(900, 16, 2, 128, **meta)
+    st = PartialState(torch.empty(3, 1, 8, 4, 128, device="meta"), torch.empty(3, 1, 8, 4, device="meta"))
+    i32 = dict(device="meta", dtype=torch.int32)
+    sl, bt = torch.empty(3, **i32), torch.empty(3, 256, **i32)
+    launched = []
+    be._launch = lambda spec, cfg, sig, values, *a, **kw: launched.append(dict(zip((n for n, _ in sig), values)))
+    be.partial(plan, DecodeInputs(q, k, k, sl, bt, 0.1), st)
+    wide = torch.empty(3, 300, **i32)[:, :256]  # rows of a wider table: row stride 300
+    be.partial(plan, DecodeInputs(q, k, k, sl, wide, 0.1), st)
+    assert [v["bt_sb"] for v in launched] == [256, 300]
+    for bad_sl in (torch.empty(6, **i32)[::2], torch.empty(3, device="meta", dtype=torch.int64),
+                   torch.empty(3, 1, **i32)):
+        with pytest.raises(ValueError, match="seq_lens"):
+            be.partial(plan, DecodeInputs(q, k, k, bad_sl, bt, 0.1), st)
+    for bad_bt in (torch.empty(256, 3, **i32).t(), torch.empty(3, 512, **i32)[:, ::2],
+                   torch.empty(3, 256, device="meta", dtype=torch.int64)):
+        with pytest.raises(ValueError, match="block_table"):
+            be.partial(plan, DecodeInputs(q, k, k, sl, bad_bt, 0.1), st)
+    assert len(launched) == 2
+
+
 def test_in_kernel_merge_input_checks():
     """partial_fused_merge's host checks, each tripped once (meta tensors: no data), and its plans' specs:
     the partial kernel carries the plan's merge, :meth:`partial` (the state only) and the merge kernel do not."""
     from attnplan.backends.base import DecodeInputs
 
     be = CudaPtxBackend(N.CompileCache(disk=False))
-    assert be.merge_strategies == {"separate", "fused", "atomic"}
+    assert be.merge_strategies == {"separate", "fused"}
     prob = DecodeProblem(2, 8, 2, 128, 1, 16, "bfloat16", "bfloat16", 4096)
     kc = be.kernel_config(prob, {}, torch.device("cpu"))
-    plans = {m: make_plan(prob, CPU_STANDIN, load_config(split={"merge": m}, deterministic=m != "atomic"), "cuda_ptx",
-                          kc, num_splits=4, merge_strategies=be.merge_strategies) for m in ("separate", "fused", "atomic")}
-    fused, atomic = plans["fused"], plans["atomic"]
-    assert fused.merge == "fused" and atomic.merge == "atomic" and (fused.sync_words, atomic.sync_words) == (4, 8)
-    assert be.spec_for("partial", fused).merge == "fused" and be.spec_for("partial", atomic).merge == "atomic"
+    plans = {m: make_plan(prob, CPU_STANDIN, load_config(split={"merge": m}), "cuda_ptx", kc, num_splits=4,
+                          merge_strategies=be.merge_strategies) for m in ("separate", "fused")}
+    fused = plans["fused"]
+    assert fused.merge == "fused" and fused.sync_words == 4
+    assert be.spec_for("partial", fused).merge == "fused"
     assert be.spec_for("partial", fused, in_kernel_merge=False).merge == "none"
     assert be.spec_for("partial", plans["separate"]).merge == "none" and be.spec_for("merge", fused).kind == "merge"
+    # split.merge: atomic (deterministic: false) falls back to what the backend declares
+    fallback = make_plan(prob, CPU_STANDIN, load_config(split={"merge": "atomic"}, deterministic=False), "cuda_ptx", kc,
+                         num_splits=4, merge_strategies=be.merge_strategies)
+    assert fallback.merge == "separate"
     meta = dict(device="meta", dtype=torch.bfloat16)
     q = torch.empty(2, 1, 8, 128, **meta)
     k = torch.empty(600, 16, 2, 128, **meta)
@@ -849,7 +958,7 @@ def test_in_kernel_merge_input_checks():
                      torch.empty(2, 256, device="meta", dtype=torch.int32), 0.1)
     st = PartialState(torch.empty(2, 1, 8, 4, 128, device="meta"), torch.empty(2, 1, 8, 4, device="meta"))
     cnt = torch.empty(8, device="meta", dtype=torch.int32)
-    with pytest.raises(ValueError, match="merge 'fused' or 'atomic'"):
+    with pytest.raises(ValueError, match="merge 'fused'"):
         be.partial_fused_merge(plans["separate"], x, st, q, None, cnt)
     with pytest.raises(ValueError, match="counters"):
         be.partial_fused_merge(fused, x, st, q, None, cnt[:3])  # fewer than sync_words
@@ -862,7 +971,7 @@ def test_in_kernel_merge_input_checks():
     with pytest.raises(ValueError, match="out must be"):
         be.partial_fused_merge(fused, x, st, torch.empty(2, 1, 8, 128, device="meta"), None, cnt)
     with pytest.raises(ValueError, match="lse must be"):
-        be.partial_fused_merge(atomic, x, st, q, torch.empty(2, 1, 8, device="meta", dtype=torch.float16), cnt)
+        be.partial_fused_merge(fused, x, st, q, torch.empty(2, 1, 8, device="meta", dtype=torch.float16), cnt)
     with pytest.raises(ValueError, match="sinks"):
         be.partial_fused_merge(fused, DecodeInputs(q, k, k, x.seq_lens, x.block_table, 0.1,
                                                    sinks=torch.empty(4, device="meta")), st, q, None, cnt)
@@ -872,30 +981,30 @@ def test_in_kernel_merge_input_checks():
 
 def test_check_layout_rejects_misaligned():
     t = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
-    L.check_layout("q", t, 8, 16)
+    A.check_layout("q", t, 8, 16)
     with pytest.raises(ValueError, match="q"):
-        L.check_layout("q", t[..., 1:], 8, 16)
+        A.check_layout("q", t[..., 1:], 8, 16)
     with pytest.raises(ValueError, match="unit stride"):
-        L.check_layout("q", t.transpose(1, 2), 8, 16)
+        A.check_layout("q", t.transpose(1, 2), 8, 16)
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("kind,signature", [("partial", L.PARTIAL_SIGNATURE), ("merge", L.MERGE_SIGNATURE),
-                                            ("fp8-split_v", L.PARTIAL_SIGNATURE), ("core", L.PARTIAL_SIGNATURE),
-                                            ("fused", L.PARTIAL_SIGNATURE), ("atomic-split_v", L.PARTIAL_SIGNATURE)])
+@pytest.mark.parametrize("kind,signature", [("partial", A.PARTIAL_SIGNATURE), ("merge", A.MERGE_SIGNATURE),
+                                            ("fp8-core", A.PARTIAL_SIGNATURE), ("core", A.PARTIAL_SIGNATURE),
+                                            ("fused", A.PARTIAL_SIGNATURE), ("fused-core", A.PARTIAL_SIGNATURE)])
 def test_signature_matches_ptx_entry(kind, signature):
     """The host's argument list equals the kernel's parameter list (sizes and float slots) in the PTX."""
-    extra = {"fp8-split_v": {"kv_dtype": FP8, **SV}, "core": CORE, "fused": {"merge": "fused"},
-             "atomic-split_v": {"merge": "atomic", **SV}}.get(kind, {})
-    spec = L.merge_spec("bfloat16", 128) if kind == "merge" else L.make_spec(
+    extra = {"fp8-core": {"kv_dtype": FP8, **CORE}, "core": CORE, "fused": {"merge": "fused"},
+             "fused-core": {"merge": "fused", **CORE}}.get(kind, {})
+    spec = S.merge_spec("bfloat16", 128) if kind == "merge" else S.make_spec(
         "partial", "bfloat16", 128, 4, 1, 16, **extra)
-    c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), N.CompileTarget("compute_90", "ptx"))
+    c = PROG.compile(spec.options(), N.CompileTarget("compute_90", "ptx"))
     ptx = c.image.rstrip(b"\x00").decode()
     m = re.search(r"\.entry\s+" + spec.entry + r"\s*\((.*?)\)", ptx, re.S)
     assert m, ptx[:2000]
     types = re.findall(r"\.param\s+\.(\w+)", m.group(1))
     size = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
-    assert [size[t] for t in types] == L.expected_param_sizes(signature)
+    assert [size[t] for t in types] == A.expected_param_sizes(signature)
     assert [i for i, t in enumerate(types) if t == "f32"] == [i for i, (_, k) in enumerate(signature) if k == "f32"]
 
 
@@ -910,7 +1019,7 @@ def test_backend_declarations_and_reasons():
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 4096)) == []
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 4096, window_left=128,
                                      soft_cap=30.0, has_sinks=True)) == []
-    assert "fp8_kv" in be.variants and be.partitions == {"split_k", "split_v"}
+    assert "fp8_kv" in be.variants and be.partitions == {"split_k"}
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head",
                                      window_left=64, soft_cap=30.0, has_sinks=True)) == []
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "float16", "float8_e4m3fn", 4096, kv_scale="tensor")) == []
@@ -937,7 +1046,7 @@ def test_kernel_config_options():
         be.kernel_config(prob, {"block_n": 20}, "cpu")
     plan = make_plan(prob, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=17)
     assert plan.chunk_size % kc["tile_tokens"] == 0
-    assert be.spec_for("partial", plan) == L.make_spec("partial", "bfloat16", 128, 4, 1, 16, smem_limit=99 * 1024)
+    assert be.spec_for("partial", plan) == S.make_spec("partial", "bfloat16", 128, 4, 1, 16, smem_limit=99 * 1024)
 
 
 def test_kernel_config_mma_option():
@@ -962,74 +1071,48 @@ def test_kernel_config_mma_option():
         kc = be.kernel_config(p8, {"mma": opt}, "cpu")
         plan = make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=8, partitions=be.partitions)
         assert kc["mma"] is want and be.spec_for("partial", plan).mma is want and be.spec_for("partial", plan).kv_fp8
-    with pytest.raises(ValueError, match="split-K"):
-        be.kernel_config(prob, {"mma": True, "partition": "split_v"}, "cpu")
     with pytest.raises(ValueError, match="mma"):
         be.kernel_config(prob, {"mma": "yes"}, "cpu")
-    # a config that forces split_v over a split_k + mma kernel config runs split-V on CUDA cores
-    forced = make_plan(prob, CPU_STANDIN, cfg.with_overrides(split={"partition": "split_v"}), "cuda_ptx",
-                       be.kernel_config(prob, {}, "cpu"), num_splits=4, partitions=be.partitions)
-    sv = be.spec_for("partial", forced)
-    assert sv.split_v and not sv.mma
 
 
 def test_kernel_config_partition_and_fp8():
-    """``partition`` option (default split_k; the planner's ``auto`` takes it), split_v's block_n is one
-    tile, a forced config partition gets that partition's own defaults, fp8 specs follow kv_dtype."""
+    """``partition`` option: split_k only (the planner's ``auto`` takes it; a config forcing split_v falls back to
+    the backend's split_k, a plan with another partition is refused by name); fp8 specs follow kv_dtype."""
     be = CudaPtxBackend(N.CompileCache(disk=False))
-    both = be.partitions
     prob = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 131072)
     kk = be.kernel_config(prob, {}, "cpu")
-    kv = be.kernel_config(prob, {"partition": "split_v"}, "cpu")
-    assert kk["partition"] == "split_k" and kv["partition"] == "split_v"
-    assert kv["block_n"] == kv["tile_tokens"] and kv["threads"] == 128
-    with pytest.raises(ValueError, match="partition"):
-        be.kernel_config(prob, {"partition": "split_q"}, "cpu")
+    assert kk["partition"] == "split_k" and be.kernel_config(prob, {"partition": "split_k"}, "cpu") == kk
+    for bad in ("split_v", "split_q"):
+        with pytest.raises(ValueError, match="partition .* must be one of \\['split_k'\\]"):
+            be.kernel_config(prob, {"partition": bad}, "cpu")
     cfg = load_config()
-    auto_k = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kk, num_splits=4, partitions=both)
-    auto_v = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kv, num_splits=4, partitions=both)
-    assert auto_k.partition == "split_k" and auto_v.partition == "split_v"
-    sv = be.spec_for("partial", auto_v)
-    assert sv.split_v and sv.smem_bytes == sv.stages * sv.stage_bytes and "-splitv" in sv.name
-    assert sv == L.make_spec("partial", "bfloat16", 128, 4, 1, 16, smem_limit=99 * 1024, partition="split_v")
-    forced = make_plan(prob, CPU_STANDIN, cfg.with_overrides(split={"partition": "split_v"}), "cuda_ptx",
-                       be.kernel_config(prob, {"num_stages": 3}, "cpu"), num_splits=4, partitions=both)
-    assert forced.partition == "split_v" and be.spec_for("partial", forced) == sv  # split_v's own stages
-    assert not be.spec_for("single", auto_k).split_v and be.spec_for("single", auto_v).split_v
+    auto_k = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kk, num_splits=4, partitions=be.partitions)
+    forced = make_plan(prob, CPU_STANDIN, cfg.with_overrides(split={"partition": "split_v"}), "cuda_ptx", kk,
+                       num_splits=4, partitions=be.partitions)
+    assert auto_k.partition == forced.partition == "split_k"
+    assert be.spec_for("partial", forced) == be.spec_for("partial", auto_k)
+    with pytest.raises(ValueError, match="partition.*'split_v'.*re-plan"):
+        be.spec_for("partial", dataclasses.replace(auto_k, partition="split_v"))
     p8 = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", FP8, 131072, kv_scale="head")
     k8 = be.kernel_config(p8, {}, "cpu")
     assert k8["mma"] and k8["tile_tokens"] == 32 and k8["block_n"] == 128  # tensor cores: 2 m-tiles per warp tile
     k8c = be.kernel_config(p8, {"mma": False}, "cpu")
     assert k8c["tile_tokens"] == 16 and k8c["block_n"] == 64  # CUDA cores: 16 fp8 values per lane, 4 tokens a pass
-    s8 = be.spec_for("partial", make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", k8, num_splits=4, partitions=both))
+    s8 = be.spec_for("partial", make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", k8, num_splits=4, partitions=be.partitions))
     assert s8.kv_fp8 and s8.kv_dtype == FP8 and s8.dtype == "bfloat16" and s8.layout["vec"] == 16
 
 
-def test_fp8_and_split_v_layouts():
-    assert L.vector_layout(FP8, 128) == {"vec": 16, "dv": 8, "lpt": 8, "nv": 1, "tpp": 4, "elems": 16}
-    assert L.max_rows(FP8, 128) == 32 and L.max_rows("bfloat16", 128) == 64
-    assert L.split_v_layout("bfloat16", 128, 4) == {"dvw": 4, "lpv": 4, "nvv": 1, "subs": 4}
-    assert L.split_v_layout("float32", 256, 1) == {"dvw": 64, "lpv": 32, "nvv": 2, "subs": 1}
-    assert L.split_v_layout("bfloat16", 96, 4) == {"dvw": 3, "lpv": 4, "nvv": 1, "subs": 4}  # one lane idle in 4
-    with pytest.raises(ValueError, match="divide"):
-        L.split_v_layout("bfloat16", 80, 4)
-    with pytest.raises(ValueError, match="divide"):
-        L.make_spec("partial", "bfloat16", 80, 4, 1, 16, num_warps=4, partition="split_v")
-    s80 = L.make_spec("partial", "bfloat16", 80, 4, 1, 16, partition="split_v")  # default: 2 warps (10 vectors)
-    assert s80.kv_warps == 2 and s80.passes % L.split_v_layout("bfloat16", 80, 2)["subs"] == 0
+def test_fp8_layouts():
+    assert S.vector_layout(FP8, 128) == {"vec": 16, "dv": 8, "lpt": 8, "nv": 1, "tpp": 4, "elems": 16}
+    assert S.max_rows(FP8, 128) == 32 and S.max_rows("bfloat16", 128) == 64
     with pytest.raises(ValueError, match="multiple of 16"):
-        L.make_spec("partial", "bfloat16", 72, 4, 1, 16, kv_dtype=FP8)
+        S.make_spec("partial", "bfloat16", 72, 4, 1, 16, kv_dtype=FP8)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
-        L.make_spec("partial", "float32", 128, 4, 1, 16, kv_dtype=FP8)
+        S.make_spec("partial", "float32", 128, 4, 1, 16, kv_dtype=FP8)
     with pytest.raises(ValueError, match="rows"):
-        L.make_spec("partial", "bfloat16", 128, 16, 4, 16, kv_dtype=FP8)
-    with pytest.raises(ValueError, match="partition"):
-        L.make_spec("partial", "bfloat16", 128, 4, 1, 16, partition="split_q")
-    k8 = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8, mma=False)
+        S.make_spec("partial", "bfloat16", 128, 16, 4, 16, kv_dtype=FP8)
+    k8 = S.make_spec("partial", "bfloat16", 128, 4, 1, 16, kv_dtype=FP8, mma=False)
     assert k8.tile_tokens == 16 and k8.stage_bytes == 4096 and k8.rows_per_group == 4
-    v = L.make_spec("partial", "bfloat16", 128, 4, 1, 16, partition="split_v")
-    assert v.stage_bytes == 8192 and v.smem_bytes == v.stages * 8192 <= L.SMEM_BUDGET
-    assert (v.stages - 1) * v.stage_bytes >= L.INFLIGHT_BYTES  # one ring keeps the same bytes in flight
 
 
 def test_partial_args_scales():
@@ -1038,15 +1121,15 @@ def test_partial_args_scales():
     x = make_inputs(1, 8, 2, 64, [33], page_size=16, dtype=torch.bfloat16)
     k8 = x.k_cache.to(torch.float8_e4m3fn)
     ks, vs = torch.ones(2), torch.full((2,), 0.5)
-    spec = L.make_spec("partial", "bfloat16", 64, 4, 1, 16, kv_dtype=FP8)
+    spec = S.make_spec("partial", "bfloat16", 64, 4, 1, 16, kv_dtype=FP8)
     st = PartialState.empty(1, 1, 8, 2, 64)
-    vals = L.partial_args(spec, x.q, k8, k8, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse, 32, 2,
+    vals = A.partial_args(spec, x.q, k8, k8, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse, 32, 2,
                           k_scale=ks, v_scale=vs)
-    named = dict(zip((n for n, _ in L.PARTIAL_SIGNATURE), vals))
+    named = dict(zip((n for n, _ in A.PARTIAL_SIGNATURE), vals))
     assert named["k_scale"] == ks.data_ptr() and named["v_scale"] == vs.data_ptr()
     assert named["k_s1"] == 2 * 64 and named["k_s0"] == 16 * 2 * 64  # strides in fp8 elements (bytes)
-    plain = dict(zip((n for n, _ in L.PARTIAL_SIGNATURE),
-                     L.partial_args(spec, x.q, k8, k8, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse, 32, 2)))
+    plain = dict(zip((n for n, _ in A.PARTIAL_SIGNATURE),
+                     A.partial_args(spec, x.q, k8, k8, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse, 32, 2)))
     assert plain["k_scale"] == 0 and plain["v_scale"] == 0
 
 
@@ -1055,12 +1138,16 @@ def test_partial_args_scales():
 # --------------------------------------------------------------------------------------------------
 @needs_nvrtc
 def test_compile_cache_hits_keys_and_rebuilds(tmp_path):
-    spec = L.merge_spec("float16", 64)
-    src, opts = L.kernel_source(), spec.options()
+    spec = S.merge_spec("float16", 64)
+    src, heads, opts = PROG.source, PROG.headers, spec.options()
+
+    def get(cache, target=N.CompileTarget("sm_90", "cubin"), options=opts, headers=heads):
+        return cache.get(spec.name, src, options, target, headers=headers)
+
     c1 = N.CompileCache(tmp_path)
-    a = c1.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+    a = get(c1)
     assert c1.stats.compiles == 1 and a.source == "compiled"
-    b = c1.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+    b = get(c1)
     assert c1.stats.memory_hits == 1 and b.image == a.image
     files = list((tmp_path).glob("*.cubin"))
     assert len(files) == 1
@@ -1069,28 +1156,55 @@ def test_compile_cache_hits_keys_and_rebuilds(tmp_path):
     assert name.startswith(f"{spec.name}.sm_90.nvrtc{major}.{minor}.") and name.endswith(".cubin")
 
     c2 = N.CompileCache(tmp_path)  # a new process: disk hit
-    d = c2.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+    d = get(c2)
     assert c2.stats.disk_hits == 1 and c2.stats.compiles == 0 and d.image == a.image and d.resources == a.resources
 
-    # the key includes the architecture and the options
-    c2.get(spec.name, src, opts, N.CompileTarget("sm_80", "cubin"))
-    c2.get(spec.name, src, opts + ["-DATTNPLAN_UNUSED=1"], N.CompileTarget("sm_90", "cubin"))
-    assert c2.stats.compiles == 2 and len(list(tmp_path.glob("*.cubin"))) == 3
-    assert N.CompileCache.key(src, opts, N.CompileTarget("sm_90", "cubin"), (13, 0)) != \
-        N.CompileCache.key(src, opts, N.CompileTarget("sm_90", "cubin"), (13, 5))
+    # the key includes the architecture, the options and every header's text
+    get(c2, target=N.CompileTarget("sm_80", "cubin"))
+    get(c2, options=opts + ["-DATTNPLAN_UNUSED=1"])
+    edited = tuple((n, t + "\n// an edit\n" if n == "state.cuh" else t) for n, t in heads)
+    get(c2, headers=edited)
+    assert c2.stats.compiles == 3 and len(list(tmp_path.glob("*.cubin"))) == 4
+    key = N.CompileCache.key
+    target = N.CompileTarget("sm_90", "cubin")
+    assert key(src, opts, target, (13, 0), heads) != key(src, opts, target, (13, 5), heads)
+    assert len({key(src, opts, target, (13, 5), h)
+                for h in (heads, edited, heads[1:], tuple((n + "x", t) for n, t in heads))}) == 4
+    assert key(src, opts, target, (13, 5), heads) == key(src, opts, target, (13, 5), list(heads))
 
     # a corrupt file is rebuilt with a warning
     files[0].write_bytes(files[0].read_bytes()[:-100] + b"garbage")
     c3 = N.CompileCache(tmp_path)
     with pytest.warns(RuntimeWarning, match="corrupt"):
-        e = c3.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+        e = get(c3)
     assert c3.stats.compiles == 1 and c3.stats.rebuilt == 1 and e.image == a.image
     c4 = N.CompileCache(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        c4.get(spec.name, src, opts, N.CompileTarget("sm_90", "cubin"))
+        get(c4)
     assert c4.stats.disk_hits == 1
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+@needs_nvrtc
+def test_kernel_program_headers():
+    """decode.cu and every header it includes travel to NVRTC by name; a compile without them fails naming the
+    missing include; the flattened single-file text compiles to the same PTX; the digest covers every header."""
+    names = [n for n, _ in PROG.headers]
+    assert PROG.name == "decode.cu" and names == sorted(names) and {"config.cuh", "ptx.cuh", "state.cuh"} <= set(names)
+    included = set(re.findall(r'#include "([^"]+)"', PROG.source + "".join(t for _, t in PROG.headers)))
+    assert included <= set(names), included - set(names)
+    spec = S.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    target = N.CompileTarget("compute_90", "ptx")
+    with pytest.raises(NvrtcError, match="config.cuh"):
+        N.compile_source(PROG.source, PROG.name, spec.options(), target)
+    flat = PROG.flattened()
+    assert not re.search(r"^\s*#\s*(include|pragma once)", flat, re.M)
+    assert N.compile_source(flat, PROG.name, spec.options(), target).image == PROG.compile(spec.options(), target).image
+    other = dataclasses.replace(PROG, headers=tuple((n, t + " ") if n == names[-1] else (n, t) for n, t in PROG.headers))
+    assert other.digest != PROG.digest and dataclasses.replace(PROG).digest == PROG.digest
+    with pytest.raises(ValueError, match="not one of its headers"):
+        dataclasses.replace(PROG, headers=PROG.headers[1:]).flattened()
 
 
 def test_default_cache_dir_env(monkeypatch, tmp_path):
@@ -1111,15 +1225,15 @@ def test_select_target_cubin_else_ptx():
 
 @needs_nvrtc
 def test_missing_ptxas_report_read_from_cubin(monkeypatch):
-    """NVRTC 13.0 on driver 580 sometimes prints no ptxas report (results/2026-11-30-s6-call6 to -call8): the
-    report then comes from the cubin and equals what ptxas printed for the same program."""
-    spec = L.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    """NVRTC 13.0 on driver 580 (seen on the H200 machines) sometimes prints no ptxas report: the report then
+    comes from the cubin and equals what ptxas printed for the same program."""
+    spec = S.make_spec("partial", "bfloat16", 128, 4, 1, 16)
     target = N.select_target((9, 0))
-    logged = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
-    if "from" in logged.resources[spec.entry]:  # the GPU machine's NVRTC 13.0 (results/2026-11-30-s7-call1)
+    logged = PROG.compile(spec.options(), target)
+    if "from" in logged.resources[spec.entry]:  # e.g. the H200 machines' NVRTC 13.0
         pytest.skip("this NVRTC printed no ptxas report to compare the cubin's counts with")
     monkeypatch.setattr(N, "_program_log", lambda nvrtc, prog: "")  # what the device's NVRTC printed
-    silent = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+    silent = PROG.compile(spec.options(), target)
     assert silent.log == "" and silent.image == logged.image
     got, want = silent.resources[spec.entry], logged.resources[spec.entry]
     assert got["from"] == "cubin" and "from" not in want
@@ -1167,14 +1281,14 @@ def test_cubin_resources_with_spills_and_static_smem(cc):
 def test_unreadable_cubin_report_never_fails_a_compile(monkeypatch):
     """The cubin report is a diagnostic: when neither the log nor the cubin gives one, the compile still succeeds
     with empty resources (and the image a logged compile gives)."""
-    spec = L.make_spec("partial", "bfloat16", 64, 1, 1, None)
+    spec = S.make_spec("partial", "bfloat16", 64, 1, 1, None)
     target = N.select_target((9, 0))
-    logged = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+    logged = PROG.compile(spec.options(), target)
 
     def unreadable(image, arch):
         raise ValueError("unknown EIATTR format 9 at byte 0")
 
     monkeypatch.setattr(N, "_program_log", lambda nvrtc, prog: "")
     monkeypatch.setattr(N, "cubin_resources", unreadable)
-    c = N.compile_source(L.kernel_source(), "decode.cu", spec.options(), target)
+    c = PROG.compile(spec.options(), target)
     assert c.resources == {} and c.image == logged.image

@@ -2,22 +2,21 @@
 against the float64 reference. No GPU: ``decode.cu`` is compiled as C++ with every CUDA thread a
 fiber, and driven through the backend's own spec choice, input checks and ``kernelParams`` packing.
 What it checks: indexing, GQA row mapping, chunk bounds, masks, paging, the online softmax, the
-in-program warp merge (split-K) and the per-warp column slices (split-V), the tensor-core split-K path
+in-program warp merge (split-K), the tensor-core split-K path
 (mode ``mma``: ldmatrix / mma.sync / movmatrix through simt.h's warp-collective twins, fragment
 layouts, swizzled / padded ring rows, online softmax on fragments), the fp8 e4m3fn decoder and its
 scales (CUDA cores), the fp8 tensor-core path (fp8 tiles read by ldmatrix as byte pairs, the permuted
 K-dim / head_dim orders, e4m3 -> fp16 through the integer twin of cvt.rn.f16x2.e4m3x2, which is also
 the sm_80 fallback, bf16 q moved to fp16 with a power of two per n8-tile), the merge kernel (one team per
-row, and several teams per row combined through shared memory), the fused
-and atomic merges inside the partial kernel (completion counters and locks back at zero, the atomic
-merge's shared-memory stage, programs run in permuted orders so another program is last), and
+row, and several teams per row combined through shared memory), the fused merge inside the partial kernel
+(completion counters back at zero, programs run in permuted orders so another program is last), and
 shared-memory races between warps (every emulated launch runs simt.h's race check). What it cannot:
 PTX instruction behaviour (the twins implement the PTX ISA's documented fragment layouts; the device's
 mma rounding differs), global-memory races and memory ordering between programs running at once (the
 emulation runs them one at a time), performance (tests/test_cuda_ptx_gpu.py covers the device).
 
 Modes: ``mma`` = split-K on tensor cores (the default for fp16 / bf16 with head_dim % 16 == 0),
-``split_k`` = split-K on CUDA cores (``mma: false``), ``split_v``. Partial ``o`` of the ``mma`` mode is
+``split_k`` = split-K on CUDA cores (``mma: false``). Partial ``o`` of the ``mma`` mode is
 compared at q's dtype tolerance (P is rounded to q's dtype for the P.V mma, as in FlashAttention-2), with
 an fp8 cache at fp16's (every fp8 mma is fp16: P rounds to fp16 whatever q's dtype).
 """
@@ -39,14 +38,13 @@ from attnplan.state import PartialState, merge_states
 from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison, problem_of
 
 emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
-from attnplan.backends.cuda_ptx.launch import merge_spec  # noqa: E402 (after the import check)
+from attnplan.backends.cuda_ptx.spec import merge_spec  # noqa: E402 (after the import check)
 pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the host emulation")
 
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 FP8 = torch.float8_e4m3fn
-PARTITIONS = ("split_k", "split_v")
-#: mode -> (partition, kernel option mma)
-MODES = {"mma": ("split_k", True), "split_k": ("split_k", False), "split_v": ("split_v", None)}
+#: mode -> kernel option mma (the partition is split-K either way)
+MODES = {"mma": True, "split_k": False}
 
 
 @pytest.fixture(scope="module")
@@ -71,25 +69,21 @@ CASES = [
     Case((4, 4), 16, (9, 3), page=1, dtype="fp32", splits=(1, 3)),          # MHA, head_dim 16
     Case((28, 4), 64, (33,), q_len=2, page=16, splits=(2,)),               # 14 rows
     Case((8, 2), 128, (4097,), page=16, splits=(1, 3)),                     # a few hundred tiles
-]  # one split crosses block-table batches of 32 tiles (decode.cu, PageWindow): split-V's program 257 tiles (9
-#    batches), a CUDA-core split-K warp ~129 of 8 tokens (5), a tensor-core warp 64-65 (3; warp 0's last tile
-#    holds one token)
+]  # one split crosses block-table batches of 32 tiles (decode.cu, PageWindow): a CUDA-core split-K warp ~129 of
+#    8 tokens (5 batches), a tensor-core warp 64-65 (3; warp 0's last tile holds one token)
 
 
-def _plan(be, x, splits, partition="split_k", **options):
-    """A plan for ``x`` with the backend's kernel options for ``partition`` (the planner's ``auto``);
-    ``partition`` may also be a mode of :data:`MODES`."""
-    if partition == "mma" or "mma" not in options and partition in MODES:
-        partition, mma = MODES[partition]
-        options = {**options, "mma": mma}
+def _plan(be, x, splits, mode="split_k", **options):
+    """A split-K plan for ``x`` with the backend's kernel options for ``mode`` (a key of :data:`MODES`: the
+    kernel option ``mma``, unless ``options`` sets it)."""
+    options = {"mma": MODES[mode], **options}
     prob = problem_of(x)
     assert be.supports(prob) == []
-    kc = be.kernel_config(prob, {"partition": partition, **options}, torch.device("cpu"))
+    kc = be.kernel_config(prob, options, torch.device("cpu"))
     plan = make_plan(prob, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=splits, partitions=be.partitions)
-    assert plan.partition == partition
-    if "mma" in options:
-        assert plan.kernel["mma"] == bool(options["mma"]), plan.kernel
-        assert be.spec_for("partial", plan, inputs=x).mma == bool(options["mma"])
+    assert plan.partition == "split_k"
+    assert plan.kernel["mma"] == bool(options["mma"]), plan.kernel
+    assert be.spec_for("partial", plan, inputs=x).mma == bool(options["mma"])
     return plan
 
 
@@ -97,15 +91,13 @@ def _mma_ok(case) -> bool:
     return case.dtype in ("fp16", "bf16") and case.head_dim % 16 == 0
 
 
-def _partitions(cases, split_v, mma=None):
-    """``(case, mode)`` params: every case with split_k (CUDA cores), the cases at indices ``split_v``
-    with split_v too, and those at indices ``mma`` (default: every fp16 / bf16 case with head_dim a
-    multiple of 16) on tensor cores (each emulated specialization is a C++ build of ~0.6 s: the subsets
-    keep the file fast while covering contiguous and paged caches, GQA groups 1 / 4 / 7 / 8, several row
-    groups sharing split-V's ring, q_len > 1, head_dim 16-256 and every variant)."""
+def _modes(cases, mma=None):
+    """``(case, mode)`` params: every case on CUDA cores (``split_k``), and those at indices ``mma`` (default:
+    every fp16 / bf16 case with head_dim a multiple of 16) on tensor cores (each emulated specialization is a
+    C++ build of ~0.6 s: the subsets keep the file fast while covering contiguous and paged caches, GQA groups
+    1 / 4 / 7 / 8, several row groups, q_len > 1, head_dim 16-256 and every variant)."""
     return [pytest.param(c, p, id=f"{c.id}-{p}") for i, c in enumerate(cases) for p in MODES
-            if p == "split_k" or (p == "split_v" and i in split_v)
-            or (p == "mma" and _mma_ok(c) and (mma is None or i in mma))]
+            if p == "split_k" or (p == "mma" and _mma_ok(c) and (mma is None or i in mma))]
 
 
 def _o_dtype(mode, dtype, fp8=False):
@@ -123,7 +115,7 @@ MMA_CASES = [
     Case((64, 2), 128, (50, 3), q_len=2, page=16, splits=(2,)),
 ]
 
-CASE_PARAMS = _partitions(CASES, split_v=(0, 3, 4, 8, 9, 10)) + \
+CASE_PARAMS = _modes(CASES) + \
     [pytest.param(c, "mma", id=f"{c.id}-mma") for c in MMA_CASES]
 
 
@@ -157,13 +149,13 @@ def test_emulated_kernels_match_reference(be, case, partition, gen):
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (splits {splits})")
 
 
-def test_emulated_split_v_two_vectors_per_lane(be, gen):
-    """split_v with one column warp over an fp32 head_dim-256 row: 64 vectors, two per lane (nvv 2)."""
-    from attnplan.backends.cuda_ptx.launch import split_v_layout
+def test_emulated_two_vectors_per_lane(be, gen):
+    """CUDA-core split-K over an fp32 head_dim-256 row: 64 vectors, two per lane (nv 2), one KV warp."""
+    from attnplan.backends.cuda_ptx.spec import vector_layout
 
-    assert split_v_layout("float32", 256, 1)["nvv"] == 2
+    assert vector_layout("float32", 256)["nv"] == 2
     x = make_inputs(2, 2, 1, 256, [45, 3], q_len=2, page_size=16, dtype=torch.float32, generator=gen)
-    plan = _plan(be, x, 2, "split_v", num_warps=1)
+    plan = _plan(be, x, 2, num_warps=1)
     st = PartialState.empty(2, 2, 2, 2, 256).fill_(float("nan"))
     be.partial(plan, x, st)
     rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size, 2)
@@ -189,8 +181,9 @@ def test_emulated_merge_of_reference_states(be, gen):
     assert torch.all(out[1] == 0) and torch.isneginf(lse[1]).all()
 
 
-def test_emulated_seed_example(be):
-    """Seed 003's worked example through the merge kernel: scores [0, ln2, ln3, ln4], V = [1, 2, 4, 8] -> 4.9."""
+def test_emulated_worked_merge_example(be):
+    """The merge contract's worked example through the merge kernel: scores [0, ln2, ln3, ln4], V = [1, 2, 4, 8]
+    split into two halves merge to 4.9 (averaging the halves' outputs would give 3.976)."""
     import math
 
     s = torch.tensor([0.0, math.log(2), math.log(3), math.log(4)], dtype=torch.float64)
@@ -217,12 +210,11 @@ def test_emulation_reports_out_of_bounds_block_table(be, gen):
         be.single_pass(plan, x, torch.empty_like(x.q), None)
 
 
-@pytest.mark.parametrize("kv_dtype,partition,mma", [(None, "split_k", False), ("float8_e4m3fn", "split_v", None),
-                                                    (None, "split_k", True), ("float8_e4m3fn", "split_k", True)])
-def test_emulated_constants_match_host(be, kv_dtype, partition, mma):
-    from attnplan.backends.cuda_ptx.launch import make_spec, split_v_layout
+@pytest.mark.parametrize("kv_dtype,mma", [(None, False), ("float8_e4m3fn", False), (None, True), ("float8_e4m3fn", True)])
+def test_emulated_constants_match_host(be, kv_dtype, mma):
+    from attnplan.backends.cuda_ptx.spec import make_spec, vector_layout
 
-    spec = make_spec("partial", "bfloat16", 96, 7, 4, 16, kv_dtype=kv_dtype, partition=partition, mma=mma)
+    spec = make_spec("partial", "bfloat16", 96, 7, 4, 16, kv_dtype=kv_dtype, mma=mma)
     k = be.kernel(spec)
     assert (k.constant("smem"), k.constant("tile"), k.constant("threads"), k.constant("rt")) == \
         (spec.smem_bytes, spec.tile_tokens, spec.threads, spec.rows_per_group)
@@ -231,9 +223,8 @@ def test_emulated_constants_match_host(be, kv_dtype, partition, mma):
     if mma:  # 28 rows: 4 n8-tiles in 2 row groups of 16 rows; 12 (fp8: 6) chunks per row, padded to 13 (7)
         assert (spec.row_groups, spec.rows_per_group, spec.n_tiles, spec.row_chunks) == \
             (2, 16, 2, 7 if kv_dtype else 13)
-    if partition == "split_v":
-        sv = split_v_layout(spec.kv_dtype, 96, spec.kv_warps)
-        assert (k.constant("lpv"), k.constant("subs"), k.constant("dvw")) == (sv["lpv"], sv["subs"], sv["dvw"])
+    if not mma:
+        assert k.constant("lpt") == vector_layout(spec.kv_dtype, 96)["lpt"]
 
 
 VariantCase = functools.partial(DecodeCase, dtype="bf16", splits=(3,))
@@ -270,7 +261,7 @@ def _variant_inputs(case, gen, fp8=False):
 
 def _check_variants(be, x, case, partition):
     """``run`` (single pass or partial + merge) and ``partial`` against the reference for each split count
-    (``partition``: a mode of :data:`MODES`)."""
+    (``partition``: a key of :data:`MODES`)."""
     dtype = x.q.dtype
     kw = dict(window_left=x.window_left, soft_cap=x.soft_cap, k_scale=x.k_scale, v_scale=x.v_scale)
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
@@ -292,7 +283,7 @@ def _check_variants(be, x, case, partition):
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (splits {splits})")
 
 
-VARIANT_PARAMS = [p for p in _partitions(VARIANT_CASES, split_v=(0, 3, 5))
+VARIANT_PARAMS = [p for p in _modes(VARIANT_CASES)
                   if p.values[1] == "mma" or "tc" not in p.values[0].tags]
 
 
@@ -322,15 +313,15 @@ FP8_MMA_CASES = [
     VariantCase((8, 2), 128, (4400, 5), page=16, splits=(1,)),
 ]
 
-FP8_PARAMS = _partitions(FP8_CASES, split_v=(0, 3, 4)) + \
+FP8_PARAMS = _modes(FP8_CASES) + \
     [pytest.param(c, "mma", id=f"{c.id}-mma") for c in FP8_MMA_CASES]
 
 
 @pytest.mark.parametrize("case,partition", FP8_PARAMS)
 def test_emulated_fp8_kv_matches_reference(be, case, partition, gen):
     """float8_e4m3fn K / V with per-KV-head k_scale / v_scale against the float64 reference (which
-    dequantizes as k * k_scale[h], v * v_scale[h]), with window / soft-cap / sinks; CUDA cores (split_k,
-    split_v) and tensor cores (mma: group 1 / 4 / 7 / 8, q_len 1 / 2 / 3, head_dim 32-256, contiguous and
+    dequantizes as k * k_scale[h], v * v_scale[h]), with window / soft-cap / sinks; CUDA cores (split_k) and
+    tensor cores (mma: group 1 / 4 / 7 / 8, q_len 1 / 2 / 3, head_dim 32-256, contiguous and
     paged, lengths 0 / 1 / odd)."""
     _check_variants(be, _variant_inputs(case, gen, fp8=True), case, partition)
 
@@ -361,7 +352,7 @@ def _e4m3fn(code: int) -> float:
     return sign * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
 
 
-@pytest.mark.parametrize("partition", [*PARTITIONS, "mma"])
+@pytest.mark.parametrize("partition", list(MODES))
 def test_emulated_fp8_decoder_all_256_codes(be, partition):
     """Every e4m3fn byte through the kernel's decoder (mma: the integer twin of cvt.rn.f16x2.e4m3x2, the
     sm_80 fallback): V holds all 256 codes in one head_dim-256 row, rotated by h for KV head h (so every
@@ -421,23 +412,19 @@ def test_emulated_unaligned_chunks(be, chunk, mode, fp8, gen):
     assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
 
 
-# -- in-kernel merges (plan.merge fused / atomic: no merge kernel) --------------------------------------
-# (merge, mode, case, fp8, kernel options): every mode once per merge; an empty sequence, q_len > 1, sinks,
-# both layouts, fp8 on tensor cores, window + soft-cap; the fused merge's row teams: 8 one-warp teams of 4 rows
-# each (group 8 x q_len 4 on CUDA cores: 4 row groups x 2 warps), and one warp over head_dim 256 (2 slots per thread)
+# -- the fused merge (plan.merge fused: no merge kernel) ------------------------------------------------------
+# (merge, mode, case, fp8, kernel options): both modes; an empty sequence, q_len > 1, sinks, both layouts, fp8 on
+# tensor cores, window + soft-cap; the merge's row teams: 8 one-warp teams of 4 rows each (group 8 x q_len 4 on CUDA
+# cores: 4 row groups x 2 warps), one warp over head_dim 256 (2 slots per thread), group 7 over fp32 head_dim 96
 IN_KERNEL = [
     ("fused", "mma", VariantCase((8, 2), 64, (70, 0, 33), q_len=2, page=16, sinks=True, splits=(5,)), False, {}),
     ("fused", "split_k", VariantCase((16, 2), 64, (45, 0, 7), q_len=4, dtype="fp16", splits=(4,)), False, {}),
     ("fused", "split_k", VariantCase((4, 1), 256, (33, 0), dtype="fp32", sinks=True, splits=(3,)), False,
      {"num_warps": 1}),
-    ("fused", "split_v", VariantCase((7, 1), 96, (40, 0, 3), page=4, dtype="fp32", sinks=True, splits=(3,)), False, {}),
+    ("fused", "split_k", VariantCase((7, 1), 96, (40, 0, 3), page=4, dtype="fp32", sinks=True, splits=(3,)), False, {}),
     ("fused", "mma", VariantCase((8, 2), 128, (61, 0, 1), q_len=3, page=16, window=40, cap=2.0, sinks=True,
                                  splits=(3,)), True, {}),
-    ("atomic", "mma", VariantCase((8, 2), 128, (61, 0, 9), q_len=3, cap=2.0, sinks=True, splits=(4,)), False, {}),
-    ("atomic", "split_k", VariantCase((8, 2), 64, (50, 0, 17), q_len=2, page=8, dtype="fp16", sinks=True,
-                                      splits=(5,)), False, {}),
-    ("atomic", "split_v", VariantCase((16, 2), 64, (80, 0, 7), q_len=2, page=4, window=16, splits=(4,)), False, {}),
-    ("atomic", "mma", VariantCase((8, 2), 64, (44, 0, 20), q_len=2, page=16, sinks=True, splits=(3,)), True, {}),
+    ("fused", "split_k", VariantCase((16, 2), 64, (80, 0, 7), q_len=2, page=4, window=16, splits=(4,)), False, {}),
 ]
 IN_KERNEL_PARAMS = [pytest.param(m, mode, c, f, o, id=f"{m}-{c.id}-{mode}" + ("-kvfp8" if f else "")
                                  + "".join(f"-{k}{v}" for k, v in o.items()))
@@ -445,25 +432,23 @@ IN_KERNEL_PARAMS = [pytest.param(m, mode, c, f, o, id=f"{m}-{c.id}-{mode}" + ("-
 
 
 def _merge_plan(be, x, case, merge, mode, options=None):
-    """A plan for ``x`` with ``merge`` (the config's ``split.merge``; atomic with ``deterministic: false``)."""
-    partition, mma = MODES[mode]
+    """A plan for ``x`` with ``merge`` (the config's ``split.merge``)."""
     prob = problem_of(x)
-    kc = be.kernel_config(prob, {"partition": partition, "mma": mma, **(options or {})}, torch.device("cpu"))
-    cfg = load_config(split={"merge": merge, "partition": partition}, deterministic=merge != "atomic")
+    kc = be.kernel_config(prob, {"mma": MODES[mode], **(options or {})}, torch.device("cpu"))
+    cfg = load_config(split={"merge": merge})
     plan = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=case.splits[0], partitions=be.partitions,
                      merge_strategies=be.merge_strategies)
-    assert plan.merge == merge and plan.partition == partition and plan.merge_grid == (0,), plan.explain()
+    assert plan.merge == merge and plan.partition == "split_k" and plan.merge_grid == (0,), plan.explain()
     assert be.spec_for("partial", plan, inputs=x).merge == merge
     return plan
 
 
 @pytest.mark.parametrize("merge,mode,case,fp8,options", IN_KERNEL_PARAMS)
 def test_emulated_in_kernel_merge_matches_reference(be, merge, mode, case, fp8, options, gen):
-    """``run`` with the fused / atomic merge inside the partial kernel (one launch) against the float64
-    reference, blocks in order and in two permuted orders (so the program that counts last, or the atomic
-    lock order, differs): poisoned ``out`` / ``lse`` are fully written, the counters (and locks) are back at
-    zero after every launch, and the fused merge is bitwise the same whichever program merged (split order)
-    and leaves every split's partial state in the workspace."""
+    """``run`` with the fused merge inside the partial kernel (one launch) against the float64 reference,
+    blocks in order and in two permuted orders (so the program that counts last differs): poisoned ``out`` /
+    ``lse`` are fully written, the counters are back at zero after every launch, and the result is bitwise the
+    same whichever program merged (split order) and leaves every split's partial state in the workspace."""
     x = _variant_inputs(case, gen, fp8=fp8)
     plan = _merge_plan(be, x, case, merge, mode, options)
     kw = dict(window_left=x.window_left, soft_cap=x.soft_cap, k_scale=x.k_scale, v_scale=x.v_scale)
@@ -471,7 +456,7 @@ def test_emulated_in_kernel_merge_matches_reference(be, merge, mode, case, fp8, 
                                        sinks=x.sinks, **kw)
     b, q_len, hq, d = x.q.shape
     counters = torch.zeros(plan.sync_words, dtype=torch.int32)
-    assert plan.sync_words == (2 if merge == "atomic" else 1) * b * plan.grid[1]
+    assert plan.sync_words == b * plan.grid[1]
     outs = []
     try:
         for order in (0, 1, 2):
@@ -480,38 +465,26 @@ def test_emulated_in_kernel_merge_matches_reference(be, merge, mode, case, fp8, 
             out = poison(torch.empty_like(x.q))
             lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
             be.run(plan, x, ws, out, lse, counters)
-            assert int(counters.abs().sum()) == 0, f"counters / locks not reset: {counters.tolist()}"
+            assert int(counters.abs().sum()) == 0, f"counters not reset: {counters.tolist()}"
             assert_close_to_reference(out, ref, x.q.dtype, f"out (block order {order})")
             assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (block order {order})")
             outs.append((out, lse))
     finally:
         be.block_order = 0
-    if merge == "fused":
-        assert all(torch.equal(o, outs[0][0]) and torch.equal(ls, outs[0][1]) for o, ls in outs[1:])
-        rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
-                               plan.num_splits, **kw)
-        assert_close_to_reference(ws.o, rp.o, _o_dtype(mode, x.q.dtype, fp8), "partial o (fused workspace)")
-        assert_close_to_reference(ws.lse, rp.lse, torch.float32, "partial lse (fused workspace)")
-    else:
-        assert plan.state_slots == 1
+    assert all(torch.equal(o, outs[0][0]) and torch.equal(ls, outs[0][1]) for o, ls in outs[1:])
+    rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
+                           plan.num_splits, **kw)
+    assert_close_to_reference(ws.o, rp.o, _o_dtype(mode, x.q.dtype, fp8), "partial o (fused workspace)")
+    assert_close_to_reference(ws.lse, rp.lse, torch.float32, "partial lse (fused workspace)")
 
 
-def test_emulated_atomic_merge_reports_a_lock_left_taken(be, gen):
-    """The emulation runs one block at a time: a group's lock found taken can never be released, and is
-    reported (rather than spun on). A fused merge whose counter did not start at zero has no last program
-    (at num_splits: every count is past it): that group's rows stay unwritten, the others are merged."""
-    merge, mode, case, _, _ = IN_KERNEL[6]
-    x = _variant_inputs(case, gen)
-    plan = _merge_plan(be, x, case, merge, mode)
-    b, q_len, hq, d = x.q.shape
-    ws = PartialState.empty(b, q_len, hq, plan.state_slots, d)
-    counters = torch.zeros(plan.sync_words, dtype=torch.int32)
-    counters[plan.sync_words // 2 + 1] = 1  # the lock of (sequence 0, KV head 1)
-    with pytest.raises(emulate.EmulationError, match="lock taken"):
-        be.run(plan, x, ws, torch.empty_like(x.q), None, counters)
+def test_emulated_fused_merge_with_a_counter_not_at_zero(be, gen):
+    """A fused merge whose counter did not start at zero has no last program (at num_splits: every count is past
+    it): that group's rows stay unwritten, the others are merged."""
     merge, mode, case, _, _ = IN_KERNEL[0]
     x = _variant_inputs(case, gen)
     plan = _merge_plan(be, x, case, merge, mode)
+    b, q_len, hq, d = x.q.shape
     counters = torch.zeros(plan.sync_words, dtype=torch.int32)
     counters[1] = plan.num_splits  # (sequence 0, KV head 1): query heads 4-7
     out = poison(torch.empty_like(x.q))
@@ -638,7 +611,7 @@ def test_emulated_merge_teams_match_reference(be, dtype, head_dim, teams, gen, m
 
 def test_emulated_merge_teams_chosen_by_the_backend(be, gen):
     """Unpinned, the backend picks the teams from the plan's rows, its splits and the SM count
-    (launch.merge_teams; the CPU stand-in's 8): 3 rows x 40 splits -> 4 teams of 16 splits (the last of 8),
+    (spec.merge_teams; the CPU stand-in's 8): 3 rows x 40 splits -> 4 teams of 16 splits (the last of 8),
     against merge_states; 8 rows of the same splits -> one team."""
     assert be.merge_teams_for(_separate_merge_plan(be, 2, 1, 4, 128, torch.bfloat16, 40)) == 1
     plan = _separate_merge_plan(be, 1, 1, 3, 128, torch.bfloat16, 40)
@@ -682,3 +655,130 @@ def test_emulated_mma_larger_warp_tiles_match_reference(be, passes, warps, page,
     be.merge(plan, st, out, lse)
     assert_close_to_reference(out, ref, torch.bfloat16)
     assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+# -- 64-bit offsets and 32-bit scalars (args.py: what is packed how) -----------------------------------------
+@pytest.mark.parametrize("mode", list(MODES))
+def test_emulated_window_wider_than_the_cache(be, mode, gen):
+    """A sliding window at least the cache's capacity, up to 10**30 (any int the input validation allows), sees
+    every position: the windowed kernel's outputs, lse and partial states equal the float64 reference without a
+    window (the packing caps the window at the capacity; a window just below it does restrict, and matches the
+    reference with that window)."""
+    from attnplan.backends.base import DecodeInputs
+
+    x0 = make_inputs(2, 8, 2, 64, [70, 33], q_len=2, page_size=16, dtype=torch.bfloat16, generator=gen)
+    capacity = x0.block_table.shape[1] * 16
+    assert capacity == 80
+    for window in (capacity - 40, capacity, capacity + 1, 2**31, 10**30):
+        x = DecodeInputs(x0.q, x0.k_cache, x0.v_cache, x0.seq_lens, x0.block_table, x0.sm_scale, window_left=window)
+        ref_window = window if window < capacity else -1  # the reference itself cannot take 10**30 (int64 positions)
+        ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                           window_left=ref_window)
+        for splits in (1, 3):
+            plan = _plan(be, x, splits, mode)
+            assert be.spec_for("partial", plan, inputs=x).window
+            out = poison(torch.empty_like(x.q))
+            lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
+            ws = None if plan.single_pass else PartialState.empty(2, 2, 8, plan.num_splits, 64)
+            be.run(plan, x, ws, out, lse)
+            assert_close_to_reference(out, ref, torch.bfloat16, f"out (window {window}, splits {splits})")
+            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (window {window}, splits {splits})")
+            if not plan.single_pass:
+                st = PartialState.empty(2, 2, 8, plan.num_splits, 64).fill_(float("nan"))
+                be.partial(plan, x, st)
+                rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                       plan.chunk_size, plan.num_splits, window_left=ref_window)
+                assert_close_to_reference(st.o, rp.o, _o_dtype(mode, torch.bfloat16), "partial o")
+                assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
+
+
+def _fp8_cache_past_2_31(layout, lens, gen, hkv=1, d=128, page=16):
+    """K and V caches in float8_e4m3fn (1 byte per element, so 2**31 elements are 2 GB of virtual memory the test
+    never touches but where it writes) whose used tokens lie beyond element 2**31: paged, the sequences' pages are
+    the last ones of 2**31 / page stride + 8 pages, in a scrambled order; contiguous, the sequence stride is 2**31 +
+    128 elements. Returns (k_cache, v_cache, block_table or None)."""
+    fp8 = torch.float8_e4m3fn
+    caches = []
+    if layout == "paged":
+        per_page = page * hkv * d
+        num_pages = 2**31 // per_page + 8
+        pages_per_seq = -(-max(lens) // page)
+        ids = torch.tensor([num_pages - 1 - ((i * 5) % (len(lens) * pages_per_seq)) for i in
+                            range(len(lens) * pages_per_seq)], dtype=torch.int32).view(len(lens), pages_per_seq)
+        assert int(ids.min()) * per_page > 2**31
+        for scale in (0.25, 2.0):
+            c = torch.empty(num_pages, page, hkv, d, dtype=fp8)
+            c[ids.flatten().long()] = (torch.randn(ids.numel(), page, hkv, d, generator=gen) * scale).to(fp8)
+            caches.append(c)
+        return caches[0], caches[1], ids
+    stride0, cap = 2**31 + 128, max(lens)
+    for scale in (0.25, 2.0):
+        buf = torch.empty(stride0 * (len(lens) - 1) + cap * hkv * d, dtype=fp8)
+        c = buf.as_strided((len(lens), cap, hkv, d), (stride0, hkv * d, d, 1))
+        for b in range(len(lens)):
+            c[b] = (torch.randn(cap, hkv, d, generator=gen) * scale).to(fp8)
+        caches.append(c)
+    return caches[0], caches[1], None
+
+
+@pytest.mark.parametrize("layout,mode", [("paged", "mma"), ("paged", "split_k"), ("contig", "mma")])
+def test_emulated_offsets_past_2_31_elements(be, layout, mode, gen):
+    """Cache offsets beyond 2**31 elements, formed in 64 bits by the kernel: page index x page stride (pages past
+    index 2**20 of 2048-element pages) or sequence x sequence stride (2**31 + 128); a 32-bit product would read
+    another page or sequence (or fault, which the emulation reports). Partial states and the merged output against
+    the float64 reference, single pass and split."""
+    from attnplan.backends.base import DecodeInputs
+
+    lens = [40, 23]
+    kc, vc, bt = _fp8_cache_past_2_31(layout, lens, gen)
+    q = torch.randn(2, 1, 8, 128, generator=gen).to(torch.bfloat16)
+    ks = (torch.rand(1, generator=gen) + 0.5).float()
+    vs = (torch.rand(1, generator=gen) + 0.5).float()
+    x = DecodeInputs(q, kc, vc, torch.tensor(lens, dtype=torch.int32), bt, 128 ** -0.5, k_scale=ks, v_scale=vs)
+    kw = dict(k_scale=ks, v_scale=vs)
+    ref, ref_lse = reference.attention(x.q, kc, vc, x.seq_lens, bt, x.sm_scale, **kw)
+    for splits in (1, 2):
+        plan = _plan(be, x, splits, mode)
+        out = poison(torch.empty_like(q))
+        lse = poison(torch.empty(2, 1, 8))
+        be.run(plan, x, None if plan.single_pass else PartialState.empty(2, 1, 8, plan.num_splits, 128), out, lse)
+        assert_close_to_reference(out, ref, torch.bfloat16, f"out ({layout}, splits {splits})")
+        assert_close_to_reference(lse, ref_lse, torch.float32, f"lse ({layout}, splits {splits})")
+        if not plan.single_pass:
+            st = PartialState.empty(2, 1, 8, plan.num_splits, 128).fill_(float("nan"))
+            be.partial(plan, x, st)
+            rp = reference.partial(x.q, kc, vc, x.seq_lens, bt, x.sm_scale, plan.chunk_size, plan.num_splits, **kw)
+            assert_close_to_reference(st.o, rp.o, _o_dtype(mode, torch.bfloat16, fp8=True), "partial o")
+            assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_emulated_block_table_rows_of_a_wider_table(be, mode, gen):
+    """A block table whose rows are the first columns of a wider table (row stride 11 > 4 pages per sequence, the
+    columns past them poisoned with out-of-range page ids) is read through its row stride: outputs and partial states
+    against the float64 reference; the same table's transposed storage (column stride > 1) and a strided seq_lens are
+    refused naming the argument."""
+    from attnplan.backends.base import DecodeInputs
+
+    x0 = make_inputs(3, 8, 2, 64, [50, 0, 33], page_size=16, dtype=torch.float16, generator=gen)
+    wide = torch.full((3, 11), 10**6, dtype=torch.int32)  # poison: any read of it faults in the emulation
+    wide[:, :4] = x0.block_table
+    bt = wide[:, :4]
+    assert bt.stride() == (11, 1)
+    x = DecodeInputs(x0.q, x0.k_cache, x0.v_cache, x0.seq_lens, bt, x0.sm_scale)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x0.block_table, x.sm_scale)
+    for splits in (1, 3):
+        plan = _plan(be, x, splits, mode)
+        out = poison(torch.empty_like(x.q))
+        lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
+        be.run(plan, x, None if plan.single_pass else PartialState.empty(3, 1, 8, plan.num_splits, 64), out, lse)
+        assert_close_to_reference(out, ref, torch.float16, f"out (splits {splits})")
+        assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (splits {splits})")
+    plan = _plan(be, x, 3, mode)
+    st = PartialState.empty(3, 1, 8, plan.num_splits, 64)
+    with pytest.raises(ValueError, match="block_table"):
+        be.partial(plan, DecodeInputs(x.q, x.k_cache, x.v_cache, x.seq_lens, x0.block_table.t().contiguous().t(),
+                                      x.sm_scale), st)
+    with pytest.raises(ValueError, match="seq_lens"):
+        be.partial(plan, DecodeInputs(x.q, x.k_cache, x.v_cache, torch.stack([x.seq_lens, x.seq_lens], 1)[:, 0], bt,
+                                      x.sm_scale), st)

@@ -4,10 +4,8 @@ Covers contiguous and paged caches (page 1, 16, 64), GQA groups 1, 4, 7, 8, 16, 
 lengths 0, 1, page boundaries and 4097, fp16 / bf16 / fp32, forced split counts (more splits than
 chunks included), partial states against ``reference.partial``, mixing with the reference merge,
 CUDA-graph replay after in-place ``seq_lens`` rewrites, launches on a side stream, and 64-bit page
-offsets (cases.yaml int32-page-offset); the split-V partition (through the config's
-``split.partition``) on the same cases; fp8 e4m3fn KV caches with per-KV-head scales (with window /
-soft-cap / sinks, both partitions, split-K on tensor cores by default and on CUDA cores as mode
-``core``) and the fp8 decoders on all 256 codes. Outputs are NaN-poisoned before every run.
+offsets; fp8 e4m3fn KV caches with per-KV-head scales (with window / soft-cap / sinks, split-K on tensor
+cores by default and on CUDA cores as mode ``core``) and the fp8 decoders on all 256 codes. Outputs are NaN-poisoned before every run.
 
 Tensor cores: split-K runs the ``mma.sync`` path by default for fp16 / bf16 with head_dim % 16 == 0
 (the public API's cases above); mode ``core`` forces the CUDA-core split-K kernel (kernel option
@@ -37,12 +35,8 @@ from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs,
 pytestmark = pytest.mark.gpu
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 FP8 = torch.float8_e4m3fn
-PARTITIONS = ("split_k", "split_v")
-
-
-def _config(partition: str):
-    """The default config with ``split.partition`` forced (cuda_ptx implements both)."""
-    return load_config().with_overrides(split={"partition": partition})
+#: ``split_k``: the public API (tensor cores where they serve); ``core``: the CUDA-core split-K kernel
+MODES = ("split_k", "core")
 
 
 def _direct_plan(be, x, splits, **options):
@@ -95,11 +89,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("partition", (*PARTITIONS, "core"))
+@pytest.mark.parametrize("partition", MODES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_decode_matches_reference(case, partition, gen):
-    """``split_k`` / ``split_v`` through the public API (split_k: tensor cores where they serve);
-    ``core``: the CUDA-core split-K kernel (fp16 / bf16 cases with head_dim % 16 == 0 only)."""
+    """``split_k`` through the public API (tensor cores where they serve); ``core``: the CUDA-core split-K
+    kernel (fp16 / bf16 cases with head_dim % 16 == 0 only)."""
     be = _backend()
     dtype = DT[case.dtype]
     if partition == "core" and (case.dtype == "fp32" or case.head_dim % 16):
@@ -119,7 +113,7 @@ def test_decode_matches_reference(case, partition, gen):
             be.run(plan, x, st, out, lse)
         else:
             attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out,
-                            lse=lse, backend="cuda_ptx", num_splits=splits, config=_config(partition))
+                            lse=lse, backend="cuda_ptx", num_splits=splits, config=load_config())
         torch.cuda.synchronize()
         assert_close_to_reference(out, ref, dtype, f"out (num_splits={splits})")
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (num_splits={splits})")
@@ -127,18 +121,17 @@ def test_decode_matches_reference(case, partition, gen):
         assert torch.all(out[empty] == 0) and torch.all(torch.isneginf(lse[empty]))
 
 
-@pytest.mark.parametrize("partition", PARTITIONS)
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("page", [None, 16])
-def test_partial_states_and_mixing(dtype, page, partition, gen):
+def test_partial_states_and_mixing(dtype, page, gen):
     """Partial states equal reference.partial split by split; they merge with the reference merge, and the
     cuda_ptx merge kernel merges reference states (states are one format whoever wrote them)."""
     be = _backend()
     dt = DT[dtype]
     x = make_inputs(3, 16, 4, 128, [1000, 40, 0], q_len=4, page_size=page, dtype=dt, device="cuda", generator=gen)
-    w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
+    w = attnplan.DecodeWrapper(load_config(), backend="cuda_ptx")
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=6)
-    assert plan.partition == partition
+    assert plan.partition == "split_k"
     n = plan.num_splits
     st = PartialState.empty(3, 4, 16, n + 2, 128, device="cuda").fill_(float("nan"))  # wider than the plan
     be.partial(plan, x, st)
@@ -161,13 +154,12 @@ def test_partial_states_and_mixing(dtype, page, partition, gen):
     assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
 
 
-@pytest.mark.parametrize("partition", PARTITIONS)
-def test_cuda_graph_replay_after_in_place_rewrites(partition, gen):
+def test_cuda_graph_replay_after_in_place_rewrites(gen):
     _backend()
     cap = 8192
     x = make_inputs(4, 32, 8, 128, [100] * 4, q_len=1, page_size=16, dtype=torch.bfloat16, device="cuda", capacity=cap,
                     generator=gen)
-    w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
+    w = attnplan.DecodeWrapper(load_config(), backend="cuda_ptx")
     w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
     out = torch.empty_like(x.q)
     lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
@@ -193,7 +185,7 @@ def test_cuda_graph_replay_after_in_place_rewrites(partition, gen):
 
 
 def test_side_stream_and_no_allocation(gen):
-    """Launches follow torch's current stream (cases.yaml legacy-stream-launch); run() allocates nothing."""
+    """Launches follow torch's current stream (never the legacy default stream); run() allocates nothing."""
     _backend()
     x = make_inputs(2, 32, 8, 128, [3000, 20], page_size=16, dtype=torch.bfloat16, device="cuda", generator=gen)
     w = attnplan.DecodeWrapper(backend="cuda_ptx")
@@ -214,7 +206,7 @@ def test_side_stream_and_no_allocation(gen):
 
 
 def test_int32_page_offset(gen):
-    """cases.yaml int32-page-offset: pages past index 131,072 (page x page stride > 2**31 elements)."""
+    """Pages past index 131,072 (page x page stride > 2**31 elements): 64-bit offsets."""
     _backend()
     x = make_inputs(2, 32, 8, 128, [300, 40], page_size=16, dtype=torch.bfloat16, device="cuda", generator=gen)
     pages = 140_000
@@ -237,10 +229,9 @@ def test_int32_page_offset(gen):
     del k_big, v_big
 
 
-@pytest.mark.parametrize("partition", PARTITIONS)
 @pytest.mark.parametrize("page", [None, 16])
 @pytest.mark.parametrize("splits", [1, 5])
-def test_variants_window_softcap_sinks(page, splits, partition, gen):
+def test_variants_window_softcap_sinks(page, splits, gen):
     """Sliding window (chunks start at the window), soft-cap and sinks (merge / single-pass epilogue)."""
     _backend()
     x = make_inputs(3, 32, 8, 128, [4097, 300, 0], q_len=2, page_size=page, dtype=torch.bfloat16, device="cuda",
@@ -250,7 +241,7 @@ def test_variants_window_softcap_sinks(page, splits, partition, gen):
     out = poison(torch.empty_like(x.q))
     lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
     attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out, lse=lse,
-                    backend="cuda_ptx", num_splits=splits, config=_config(partition), **kw)
+                    backend="cuda_ptx", num_splits=splits, config=load_config(), **kw)
     torch.cuda.synchronize()
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
                                        window_left=1000, soft_cap=20.0, sinks=sinks)
@@ -290,7 +281,7 @@ def _fp8_inputs(case, gen):
                         soft_cap=case.cap, sinks=sinks, k_scale=ks, v_scale=vs)
 
 
-@pytest.mark.parametrize("partition", (*PARTITIONS, "core"))
+@pytest.mark.parametrize("partition", MODES)
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.id)
 def test_fp8_kv_matches_reference(case, partition, gen):
     """float8_e4m3fn K / V, per-KV-head scales, q bf16 / fp16, against the float64 reference (which
@@ -312,9 +303,9 @@ def test_fp8_kv_matches_reference(case, partition, gen):
                                                                   device="cuda")
             be.run(plan, x, st, out, lse)
         else:
-            w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
+            w = attnplan.DecodeWrapper(load_config(), backend="cuda_ptx")
             plan = w.plan(x.q, kc, vc, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=splits, **kw)
-            assert plan.partition == partition
+            assert plan.partition == "split_k"
             w.run(x.q, kc, vc, x.seq_lens, x.block_table, out=out, lse=lse)
         spec = be.spec_for("partial", plan, x.q.device, x)
         assert spec.kv_fp8 and spec.mma is (partition == "split_k")
@@ -412,10 +403,10 @@ def test_fp8_mma_and_core_agree(case, gen):
     _check_mma_and_core(case, x, vkw, partial_o_dtype=torch.float16, fp8=True)
 
 
-@pytest.mark.parametrize("partition", (*PARTITIONS, "core"))
+@pytest.mark.parametrize("partition", MODES)
 def test_fp8_decoder_all_256_codes(partition):
     """Every e4m3fn byte through the device decoders (split_k: the tensor cores' cvt.rn.f16x2.e4m3x2, or its
-    integer fallback below sm_89; core / split_v: the CUDA-core integer decoder): a one-token partial state is
+    integer fallback below sm_89; core: the CUDA-core integer decoder): a one-token partial state is
     V's row (all 256 codes, rotated by h for KV head h so each code takes several byte positions) x
     v_scale[h], exactly, NaN for 0x7f / 0xff, equal to torch's own float8 conversion."""
     be = _backend()
@@ -432,7 +423,7 @@ def test_fp8_decoder_all_256_codes(partition):
     if partition == "core":
         plan = _direct_plan(be, x, 2, mma=False)
     else:
-        w = attnplan.DecodeWrapper(_config(partition), backend="cuda_ptx")
+        w = attnplan.DecodeWrapper(load_config(), backend="cuda_ptx")
         plan = w.plan(q, k, v, x.seq_lens, sm_scale=0.1, num_splits=2, k_scale=x.k_scale, v_scale=v_scale)
     assert be.spec_for("partial", plan, q.device, x).mma is (partition == "split_k")
     st = PartialState.empty(1, 1, hkv * 8, plan.num_splits, d, device="cuda").fill_(float("nan"))
@@ -447,20 +438,18 @@ def test_fp8_decoder_all_256_codes(partition):
 def test_compiled_for_device_arch():
     be = _backend()
     major, minor = torch.cuda.get_device_capability()
-    from attnplan.backends.cuda_ptx.launch import make_spec
+    from attnplan.backends.cuda_ptx.spec import make_spec
 
     c = be.compile(make_spec("partial", "bfloat16", 128, 4, 1, 16), (major, minor))
     assert c.target.kind == "cubin" and c.target.arch == f"sm_{major}{minor}"
 
 
-@pytest.mark.parametrize("merge", ["fused", "atomic"])
-@pytest.mark.parametrize("mode", ["mma", "core", "split_v"])
+@pytest.mark.parametrize("mode", ["mma", "core"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "kvfp8"])
-def test_in_kernel_merges_gpu(merge, mode, fp8, gen):
-    """The fused / atomic merges inside the partial kernel with programs racing on the device: b=3, 32/8/128,
-    lengths 4096 / 0 / 1000, q_len 2, paged 16, sinks, 16 and 64 splits, bf16 or fp8 KV; 5 runs each into
-    poisoned buffers: every run within tolerance of the reference, the fused runs bitwise identical, the
-    counters and locks back at zero."""
+def test_in_kernel_merges_gpu(mode, fp8, gen):
+    """The fused merge inside the partial kernel with programs racing on the device: b=3, 32/8/128, lengths
+    4096 / 0 / 1000, q_len 2, paged 16, sinks, 16 and 64 splits, bf16 or fp8 KV; 5 runs each into poisoned
+    buffers: every run within tolerance of the reference, bitwise identical, the counters back at zero."""
     from attnplan.backends.base import DecodeInputs
     from attnplan.device import device_info
     from attnplan.planner import make_plan
@@ -477,11 +466,10 @@ def test_in_kernel_merges_gpu(merge, mode, fp8, gen):
     x = DecodeInputs(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, sinks=sinks, k_scale=ks, v_scale=vs)
     ref, ref_lse = reference.attention(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, sinks=sinks,
                                        k_scale=ks, v_scale=vs)
-    partition = "split_v" if mode == "split_v" else "split_k"
-    options = {"partition": partition} if mode == "split_v" else {"partition": partition, "mma": mode == "mma"}
+    merge = "fused"
     prob = problem_of(x)
-    kcfg = be.kernel_config(prob, options, x.q.device)
-    cfg = load_config(split={"merge": merge, "partition": partition}, deterministic=merge != "atomic")
+    kcfg = be.kernel_config(prob, {"mma": mode == "mma"}, x.q.device)
+    cfg = load_config(split={"merge": merge})
     b, q_len, hq, d = x.q.shape
     for splits in (16, 64):
         plan = make_plan(prob, device_info(x.q.device), cfg, "cuda_ptx", kcfg, num_splits=splits,
@@ -499,10 +487,9 @@ def test_in_kernel_merges_gpu(merge, mode, fp8, gen):
             torch.cuda.synchronize()
             assert_close_to_reference(out, ref, torch.bfloat16, f"out ({merge}, {splits} splits)")
             assert_close_to_reference(lse, ref_lse, torch.float32, f"lse ({merge}, {splits} splits)")
-            assert int(counters.abs().sum()) == 0, "counters / locks not reset"
+            assert int(counters.abs().sum()) == 0, "counters not reset"
             runs.append((out.clone(), lse.clone()))
-        if merge == "fused":
-            assert all(torch.equal(o, runs[0][0]) and torch.equal(ls, runs[0][1]) for o, ls in runs[1:])
+        assert all(torch.equal(o, runs[0][0]) and torch.equal(ls, runs[0][1]) for o, ls in runs[1:])
 
 
 WARPS_CASES = [
@@ -519,8 +506,8 @@ WARPS_CASES = [
                          ids=["w8s2", "w8", "w2"])
 @pytest.mark.parametrize("case", WARPS_CASES, ids=lambda c: c.id)
 def test_kv_warps_options_match_reference(case, options, merge, gen):
-    """Split-table rows may carry kernel options (``attnplan tune --row-options``; session 9 measured 8 KV warps
-    per program with 2 stages fastest at 16-64 pairs): 2 and 8 KV warps, through the config's backend_options,
+    """Split-table rows may carry kernel options (``attnplan tune --row-options``; on an H200 8 KV warps per
+    program with 2 stages measured fastest at 16-64 (sequence, KV head) pairs): 2 and 8 KV warps, through the config's backend_options,
     single pass and split with the separate and the fused merge, against the reference."""
     _backend()
     hq, hkv = case.heads

@@ -1,51 +1,45 @@
 """The ``cuda_ptx`` backend: CUDA C kernels compiled at run time by NVRTC, launched with the driver API.
 
-The kernels (``decode.cu``) are compiled through ``cuda.bindings.nvrtc`` to a cubin for the device's
-exact architecture (PTX only as a fallback, see :mod:`.nvrtc`), cached in memory and on disk,
-loaded with ``cuModuleLoadData`` into torch's primary context, and launched with ``cuLaunchKernel``
-on ``torch.cuda.current_stream()``. Launches allocate nothing and never sync the host, so ``run``
-can be captured in a CUDA graph (compile and load first: :meth:`CudaPtxBackend.prepare`, or one
-eager run before capture).
+The kernels (``decode.cu`` and its headers, :mod:`.source`) are compiled through ``cuda.bindings.nvrtc`` to a
+cubin for the device's exact architecture (PTX only as a fallback, see :mod:`.nvrtc`), cached in memory and on
+disk, loaded with ``cuModuleLoadData`` into torch's primary context, and launched with ``cuLaunchKernel`` on
+``torch.cuda.current_stream()`` (:mod:`.runtime`). Launches allocate nothing and never sync the host, so ``run``
+can be captured in a CUDA graph (compile and load first: :meth:`CudaPtxBackend.prepare`, or one eager run before
+capture). :mod:`.spec` chooses a kernel's specialization and computes its layout (the kernel checks it),
+:mod:`.args` lists and packs its arguments, :mod:`.emulate` runs the kernels' text on a CPU (tests).
 
 Method: FlashDecoding's split-KV. One program per (split, KV head, sequence) serves the whole GQA
 group and all queries (each KV byte read once); 16-byte ``cp.async`` loads stream K and V through
 multi-stage shared-memory rings; fp32 accumulation with a base-2 online softmax. The merge kernel
 implements :func:`attnplan.state.merge_states`'s contract.
 
-Cross-program merges (``plan.merge``; seed 000's split-K "cost 1", the global reduction, paid either by
-another kernel or inside the partial one, and "cost 3", atomics' order-dependent rounding; peers: FlashInfer's
-and FlashAttention-2's split-KV combine, done there by a separate kernel):
+Cross-program merges (``plan.merge``; the global reduction of split-K, paid either by another kernel or inside
+the partial one; peers: FlashInfer's ``merge_states`` and FlashAttention-2's split-KV combine, separate kernels
+there):
 
 * ``separate`` (default): the partial kernel writes every split's state, then the merge kernel (one CTA per
   output row; lanes over splits, warp-shuffle max / sum, unrolled o loads; launched with PDL on sm_90+)
   merges them in split order. Deterministic. With few rows and many splits one team of threads per row is
   latency bound (H200, CUPTI: 8 rows x 128 splits took 9.3 us, 8 dependent round trips of 16 splits' o rows per
-  CTA), so the CTA then holds several merge teams (:func:`~.launch.merge_teams`: 1 when the rows fill the SMs or
+  CTA), so the CTA then holds several merge teams (:func:`~.spec.merge_teams`: 1 when the rows fill the SMs or
   16 splits hold them all, else up to 8), each merging a contiguous range of the splits, combined through shared
   memory in team order (still deterministic for a given team count).
 * ``fused``: one launch. Every program writes its split's state, fences it (``__threadfence``), gathers at
   a barrier, and one thread counts the program in its (sequence, KV head)'s completion counter with an
   ``atom.acq_rel.gpu`` add; the program that counts last (the others have released their states before) resets
   the counter to 0 and merges the group's GQA group x ``q_len`` rows over all splits in split order, reading
-  the states through L2 (``ld.global.cg``) with the merge kernel's own per-row code (``decode.cu``'s
-  ``merge_row``; the program's warps split into teams of one row's merge threads). Same math, same empty-row
-  and sink handling as the merge kernel, deterministic (bitwise the same whichever program finishes last);
-  the counters (``plan.sync_words`` int32, zero at rest) are back at zero after every launch, so graph replays
-  work. The merge runs in the group's last program, on the step's critical path; whether it beats the
-  separate launch is a measurement (the planner's cost model; Triton's fused merge measured slower on an H200).
-* ``atomic`` (opt-in, ``deterministic: false``; not bitwise reproducible): the program stages its own state in
-  shared memory, takes its group's spin lock (``atom.acquire.gpu`` CAS), counts itself, merges the staged state
-  into the group's accumulator (``plan.state_slots`` = 1 slot of the workspace) in lock order (the first finds
-  none), and releases the lock (fenced stores, barrier, ``atom.release.gpu`` exchange); the last adds the sink,
-  writes ``out`` / ``lse`` and resets the counter. Its stage adds ``rows x (head_dim + 4)`` fp32 of shared memory
-  past the end merge's buffer (split-K; usually inside the rings' footprint) or the ring (split-V).
+  the states through L2 (``ld.global.cg``) with the merge kernel's own per-row code (``merge_row``; the
+  program's warps split into teams of one row's merge threads). Same math, same empty-row and sink handling as
+  the merge kernel, deterministic (bitwise the same whichever program finishes last); the counters
+  (``plan.sync_words`` int32, zero at rest) are back at zero after every launch, so graph replays work. The
+  merge runs in the group's last program, on the step's critical path; whether it beats the separate launch is
+  a measurement (the planner's cost model; Triton's fused merge measured slower on an H200).
 
-Both in-kernel merges sit after the state write, so they serve every path (tensor-core and CUDA-core split-K,
-split-V, fp8 KV, both cache layouts, window / soft-cap / sinks, ``q_len`` > 1). cuda_ptx's split-V workers
-are warps, so its plans have one column program per split.
+The fused merge sits after the state write, so it serves every path (tensor-core and CUDA-core split-K, fp8 KV,
+both cache layouts, window / soft-cap / sinks, ``q_len`` > 1).
 
 Tensor-core path (kernel option ``mma``, the default for fp16 / bf16 q with a cache of the same
-dtype or float8_e4m3fn, head_dim a multiple of 16, split-K; ``decode.cu``'s ``ATTNPLAN_MMA``). Sources:
+dtype or float8_e4m3fn, head_dim a multiple of 16; ``ATTNPLAN_MMA``, ``mma_loop.cuh``). Sources:
 FlashAttention-2's register-level online softmax on mma fragments, FlashInfer's tensor-core decode for
 GQA, the PTX ISA's "Matrix fragments for mma.m16n8k16". With few query rows the products are computed transposed
 ("swap AB"): ``S^T[tokens, rows] = K . Q^T`` with ``mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}``
@@ -60,8 +54,8 @@ not a multiple of 8) so ``ldmatrix`` is free of bank conflicts. Per 16 tokens an
 ``head_dim / 16`` ldmatrix + mma for each product instead of per-lane dot products and shuffle trees:
 the CUDA-core split-K kernel is instruction-bound on an H200, the tensor-core one should not be.
 Partial ``o`` then carries P's rounding (relative ~2^-9 for bf16, 2^-12 for fp16), as the Triton
-backend's ``tl.dot`` does; ``lse`` stays fp32-exact up to accumulation order. fp32, split-V and head_dims
-that are not multiples of 16 keep the CUDA-core path.
+backend's ``tl.dot`` does; ``lse`` stays fp32-exact up to accumulation order. fp32 and head_dims that are
+not multiples of 16 keep the CUDA-core path.
 
 fp8 KV on the tensor cores: the K / V tiles stay fp8 through the same cp.async rings (a stage of the bf16
 default's 8 KB holds twice the tokens: 32 for head_dim 128, so 4 warps x 2 stages keep the same 32 KB in
@@ -79,46 +73,23 @@ converts K / V with one instruction per 2 values. The scales fold as on CUDA cor
 score scale, ``v_scale`` into the normalized output); partial ``o`` carries fp16's P rounding.
 
 fp8 KV (variant ``fp8_kv``): a ``float8_e4m3fn`` cache with per-KV-head fp32 ``k_scale`` /
-``v_scale`` (q fp16 / bf16). Split-K runs on the tensor cores (above) unless ``mma: false``; on the
-CUDA cores (that option, and split-V) a 16-byte load carries 16 fp8 values and the kernel decodes them
+``v_scale`` (q fp16 / bf16). It runs on the tensor cores (above) unless ``mma: false``; on the
+CUDA cores (that option) a 16-byte load carries 16 fp8 values and the kernel decodes them
 exactly with integer ops and the fp16 conversion (sign, 4-bit exponent bias 7, 3-bit mantissa,
 subnormals, ``0x7f`` / ``0xff`` NaN). Either way ``k_scale[h]`` folds into q's score scale and
 ``v_scale[h]`` into the program's normalized output, so partial states and the merge are the same as
 for fp16 caches. Rows per program are at most 32 (the CUDA-core kernel's 16 fp32 q + accumulator
 registers per lane and row, twice fp16's; it is the tensor-core path's fallback).
 
-Partition inside a program (``plan.partition``, seed 000; compile-time, ``decode.cu``). A program
-has ``NRG`` row groups of ``RT`` rows (``R = NRG x RT`` rows = GQA group x q_len) and ``W`` warps per
-row group; its chunk has ``T`` tokens of head_dim ``D``, ``e`` bytes per KV element, streamed in
-tiles of ``TILE`` tokens through ``S``-stage rings:
-
-====================================  ===========================================  ==============================================
-cost per program                      ``split_k`` (default)                        ``split_v``
-====================================  ===========================================  ==============================================
-warps split                           KV positions: warp ``w`` takes tiles         head_dim columns: warp ``w`` owns ``D / W``
-                                      ``w, w + W, ...``                            columns of V and of the output
-q.k FLOPs per warp                    ``2 RT D T / W``                             ``2 RT D T`` (every warp scores every token)
-q.k FLOPs per program                 ``2 R D T``                                  ``2 R D T W``: QK^T recomputed ``W`` times
-P.V FLOPs per warp                    ``2 RT D T / W``                             ``2 RT (D / W) T`` (+ selects that route each
-                                                                                   token's probability to its column lanes)
-KV bytes read from L2 / HBM           ``NRG x 2 T D e`` (each row group streams    ``2 T D e`` (one ring for every row group)
-                                      the chunk through its warps' rings)
-shared-memory traffic                 ring: ``NRG x 2 T D e`` written, read once;  ring: ``2 T D e`` written; K read by every
-                                      end merge: ``NRG W RT (D+2) 4`` B written,   warp (``NRG W T D e``), V once per row group
-                                      ``R D W 4`` B read                           (``NRG T D e``); no end merge
-synchronizations                      no CTA barrier in the main loop (private     one ``__syncthreads`` per tile (``T / TILE``),
-                                      per-warp rings, 2 ``__syncwarp`` per tile);  none at the end
-                                      2 ``__syncthreads`` at the end
-cross-warp reduction                  yes: ``(m, l, acc)`` of ``W`` warps merged   none: each warp's running max / sum are the
-                                      per output element (``W`` exp2 each)         row's, it writes its own columns (lse: warp 0)
-dynamic shared memory                 ``NRG W S`` stages, or the end-merge buffer  ``S`` stages (tiles up to 8 KB)
-====================================  ===========================================  ==============================================
-
-On CUDA cores (the split-V and CUDA-core split-K kernels) split-V's ``W``-fold q.k recomputation is
-arithmetic the memory-bound split-K kernel does not do, so ``kernel_config`` defaults to
-``split_k``; split-V trades it for reading KV once per program instead of once per row group
-(large GQA group x q_len), no end-of-program merge (short chunks) and no per-warp rings. Which wins
-where is a measurement (a tuned table's ``kernel_options.cuda_ptx.<layout>.partition``), not yet made.
+Inside a program (``plan.partition`` ``split_k``, the only partition served): a program has ``NRG`` row groups
+of ``RT`` rows (``R = NRG x RT`` rows = GQA group x q_len) and ``W`` warps per row group; its chunk has ``T``
+tokens of head_dim ``D``, ``e`` bytes per KV element, streamed in tiles of ``TILE`` tokens through ``S``-stage
+rings. Warp ``w`` of a row group takes tiles ``w, w + W, ...`` through its private ring (no CTA barrier in the
+main loop, 2 ``__syncwarp`` per tile): ``2 RT D T / W`` q.k and as many P.V FLOPs per warp, ``NRG x 2 T D e``
+KV bytes read per program (each row group streams the chunk). At the end the ``W`` warps' ``(m, l, acc)``
+states of each row are merged through shared memory (``NRG W RT (D + 2) 4`` bytes written, ``W`` exp2 per
+output element, 2 ``__syncthreads``); the rings' ``NRG W S`` stages and that buffer share the dynamic shared
+memory.
 
 On CPU the backend is unavailable (it cannot run), but the kernels can be compiled and checked:
 :meth:`CudaPtxBackend.compile` needs only NVRTC.
@@ -137,12 +108,16 @@ from attnplan.problem import DecodeProblem, dtype_name
 from attnplan.state import PartialState
 
 from ._bindings import CudaPtxError, DriverError, NvrtcError
-from .launch import (
-    FP8, MERGE_SIGNATURE, PARTIAL_SIGNATURE, DeviceRuntime, KernelSpec, PackedArgs, check_layout,
-    kernel_source, make_spec, max_rows, merge_args, merge_launch_config, merge_spec, merge_teams, mma_unsupported,
-    partial_args, partial_launch_config,
+from .args import (
+    MAX_KV_TOKENS, MERGE_SIGNATURE, PARTIAL_SIGNATURE, PackedArgs, check_layout, kv_capacity, merge_args, partial_args,
 )
 from .nvrtc import CompileCache, Compiled, select_target
+from .runtime import DeviceRuntime
+from .source import kernel_program
+from .spec import (
+    FP8, KernelSpec, make_spec, max_rows, merge_launch_config, merge_spec, merge_teams, mma_unsupported,
+    partial_launch_config,
+)
 
 __all__ = ["CudaPtxBackend", "CudaPtxError", "NvrtcError", "DriverError", "KernelSpec", "CompileCache"]
 
@@ -169,19 +144,20 @@ class CudaPtxBackend(Backend):
     float8_e4m3fn KV cache with fp16 / bf16 q (variant ``fp8_kv``, head_dim a multiple of 16, up to
     32 rows per program); head_dim a multiple of 8 in [16, 256]; GQA group x q_len up to 64 rows per
     program; contiguous or paged caches with any power-of-two page size; variants sliding window,
-    soft-cap, sinks and fp8 KV; partitions split_k and split_v; cross-program merges separate, fused
-    and atomic (:meth:`partial_fused_merge`); compute capability 8.0 or newer (``cp.async`` and the
-    bf16 conversions).
+    soft-cap, sinks and fp8 KV; the split_k partition; cross-program merges separate and fused
+    (:meth:`partial_fused_merge`); compute capability 8.0 or newer (``cp.async`` and the bf16
+    conversions).
 
     Kernel options (``backend_options.cuda_ptx`` in the config, or a tuned table's
-    ``kernel_options.cuda_ptx.<layout>``): ``num_warps`` = warps per row group (default 4; split-K's
-    KV warps, split-V's column warps), ``num_stages`` = cp.async ring depth (default: enough for
+    ``kernel_options.cuda_ptx.<layout>``): ``num_warps`` = KV warps per row group (default 4),
+    ``num_stages`` = cp.async ring depth (default: enough for
     ~48 KB in flight), ``block_n`` = chunk alignment in tokens (a multiple of the kernel's tile),
     ``threads`` = total threads (alternative to ``num_warps``), ``passes`` = 16-token m-tiles per warp tile on
-    the tensor-core path (default: 8 KB of K + V per stage), ``partition`` = ``split_k`` (default)
-    or ``split_v`` (what the planner takes for ``split.partition: auto``), ``mma`` = the tensor-core
+    the tensor-core path (default: 8 KB of K + V per stage), ``partition`` = ``split_k`` (the only
+    value; what the planner takes for ``split.partition: auto``), ``mma`` = the tensor-core
     path: ``None`` (auto: on wherever it serves, fp8 KV included), ``False`` (CUDA cores), ``True``
-    (required; an error where it cannot serve). The plan's kernel options show the choice (``"mma": true``).
+    (required; an error where it cannot serve), ``pdl`` = programmatic dependent launch of the merge kernel
+    (default on). The plan's kernel options show the choice (``"mma": true``).
 
     Args:
         cache: the NVRTC compile cache; default: memory + ``$ATTNPLAN_CACHE_DIR`` / user cache dir.
@@ -195,16 +171,16 @@ class CudaPtxBackend(Backend):
     max_rows_per_program = 64
     graph_safe = True
     variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
-    partitions = frozenset({"split_k", "split_v"})
-    merge_strategies = frozenset({"separate", "fused", "atomic"})
+    partitions = frozenset({"split_k"})
+    merge_strategies = frozenset({"separate", "fused"})
     #: merge_row spreads a group's splits over lanes with 8 o loads in flight per thread and its rows over
-    #: the program's teams; 16 fitted to bench_merge in results/2026-11-30-s4-call5 (fused 1.1-2.1 us faster
-    #: than separate up to 16 splits, even at 32, 1.4 us slower at 25 splits of 128K): the cost model then picks
-    #: the faster strategy on 7 of its 8 points and is within 1% on the eighth
+    #: the program's teams; 16 fitted to the merge benchmark on an H200 (fused 1.1-2.1 us faster than separate
+    #: up to 16 splits, even at 32, 1.4 us slower at 25 splits of 128K): the cost model then picks the faster
+    #: strategy on 7 of its 8 points and is within 1% on the eighth
     fused_merge_parallelism = 16
-    #: its fused specialization streams long chunks 4-9% slower than the plain one (b4 16K-128K, b16 64K in
-    #: results/2026-11-30-s4-call6 and -call7, with or without a stated register budget; cause not found), while
-    #: up to 2048-token chunks it is 0.5-2 us faster: auto picks fused only there
+    #: its fused specialization streams long chunks 4-9% slower than the plain one (measured on an H200 at
+    #: batch 4 with 16K-128K and batch 16 with 64K, with or without a stated register budget; cause not found),
+    #: while up to 2048-token chunks it is 0.5-2 us faster: auto picks fused only there
     fused_merge_max_chunk = 2048
     option_aliases = (frozenset({"num_warps", "threads"}),)
     #: oldest compute capability served
@@ -271,15 +247,12 @@ class CudaPtxBackend(Backend):
 
     def kernel_config(self, problem: DecodeProblem, options: dict, device: torch.device) -> dict:
         """Kernel options for ``problem``: ``block_n`` (chunk alignment, tokens) = the tokens one pass
-        of the program's warps covers by default (split-K: tile x KV warps; split-V: one tile), plus
-        the specialization's ``num_warps``, ``num_stages``, ``threads``, ``tile_tokens``,
-        ``row_groups``, ``passes``, ``partition`` (option ``partition``, default ``split_k``; the
-        planner takes it for ``split.partition: auto``) and ``mma`` (option ``mma``: ``None`` = the
-        tensor-core path wherever it serves, see :func:`~.launch.make_spec`; ``False`` = CUDA cores;
-        ``True`` = required). ``mma`` describes the ``partition`` configured here: a plan whose config
-        forces another partition runs that partition's default (split-V: CUDA cores). ``pdl``
-        (option ``pdl``, default on): the merge kernel is launched with programmatic dependent launch
-        on sm_90+ (see :meth:`~.launch.DeviceRuntime.launch`).
+        of the program's warps covers by default (tile x KV warps), plus the specialization's ``num_warps``,
+        ``num_stages``, ``threads``, ``tile_tokens``, ``row_groups``, ``passes``, ``partition`` (always
+        ``split_k``; the planner takes it for ``split.partition: auto``) and ``mma`` (option ``mma``: ``None`` =
+        the tensor-core path wherever it serves, see :func:`~.spec.make_spec`; ``False`` = CUDA cores;
+        ``True`` = required). ``pdl`` (option ``pdl``, default on): the merge kernel is launched with
+        programmatic dependent launch on sm_90+ (see :meth:`~.runtime.DeviceRuntime.launch`).
 
         Raises:
             ValueError: options that do not fit the kernel (named, with what is allowed).
@@ -291,11 +264,11 @@ class CudaPtxBackend(Backend):
             raise ValueError(f"backend_options.cuda_ptx.partition {partition!r} must be one of {sorted(self.partitions)}")
         mma = _tristate(options, "mma", "auto")
         if mma:
-            why = mma_unsupported(problem.q_dtype, problem.head_dim, problem.kv_dtype, partition)
+            why = mma_unsupported(problem.q_dtype, problem.head_dim, problem.kv_dtype)
             if why:
                 raise ValueError(f"backend_options.cuda_ptx.mma true: {why}")
         args = (problem.q_dtype, problem.head_dim, problem.group_size, problem.q_len, problem.page_size)
-        kw = dict(smem_limit=limit, kv_dtype=problem.kv_dtype, partition=partition, mma=mma)
+        kw = dict(smem_limit=limit, kv_dtype=problem.kv_dtype, mma=mma)
         warps = options.get("num_warps")
         if warps is None and options.get("threads"):
             rg = make_spec("partial", *args, **kw).row_groups
@@ -306,10 +279,10 @@ class CudaPtxBackend(Backend):
         spec = make_spec("partial", *args, num_warps=warps, num_stages=options.get("num_stages"),
                          passes=options.get("passes"), **kw)
         tile = spec.tile_tokens
-        block_n = int(options.get("block_n") or tile * (1 if spec.split_v else spec.kv_warps))
+        block_n = int(options.get("block_n") or tile * spec.kv_warps)
         if block_n % tile:
             raise ValueError(f"backend_options.cuda_ptx.block_n {block_n} must be a multiple of the kernel's tile of "
-                             f"{tile} tokens for {problem.kv_dtype} head_dim {problem.head_dim} ({partition})")
+                             f"{tile} tokens for {problem.kv_dtype} head_dim {problem.head_dim}")
         pdl = _tristate(options, "pdl", "on")
         return {"block_n": block_n, "num_warps": spec.kv_warps, "num_stages": spec.stages, "threads": spec.threads,
                 "tile_tokens": tile, "row_groups": spec.row_groups, "passes": spec.passes, "partition": partition,
@@ -318,16 +291,22 @@ class CudaPtxBackend(Backend):
     def spec_for(self, kind: str, plan: SplitPlan, device: torch.device | None = None,
                  inputs: DecodeInputs | None = None, in_kernel_merge: bool = True) -> KernelSpec:
         """The :class:`KernelSpec` that executes ``plan`` (``kind`` ``"partial"``, ``"single"`` or
-        ``"merge"``) with ``plan.partition``; the window / soft-cap / fp8 variants follow ``inputs``
-        when given, else the plan's problem. When the config forced a partition other than the one
-        ``plan.kernel`` was configured for, the warps and stages are the partition's defaults. A
-        ``"partial"`` spec carries the plan's in-kernel merge (``plan.merge`` fused / atomic) unless
+        ``"merge"``); the window / soft-cap / fp8 variants follow ``inputs`` when given, else the plan's
+        problem. A ``"partial"`` spec carries the plan's fused merge (``plan.merge == "fused"``) unless
         ``in_kernel_merge`` is false (:meth:`partial`: the state only). A ``"merge"`` spec has
         :meth:`merge_teams_for` teams per CTA (``device``'s SM count; the plan's device without one), as :meth:`merge`
-        launches for a state on ``device``."""
+        launches for a state on ``device``.
+
+        Raises:
+            ValueError: a plan whose partition this backend does not serve (a plan made for another backend or
+                an older version: re-plan).
+        """
         p = plan.problem
         if kind == "merge":
             return merge_spec(p["q_dtype"], p["head_dim"], self.merge_teams_for(plan, device))
+        if plan.partition not in self.partitions:
+            raise ValueError(f"cuda_ptx runs the partitions {sorted(self.partitions)}, the plan has "
+                             f"{plan.partition!r}: re-plan")
         k = plan.kernel
         if inputs is not None:
             window, softcap = inputs.window_left >= 0, inputs.soft_cap > 0
@@ -335,21 +314,18 @@ class CudaPtxBackend(Backend):
         else:
             window, softcap = p.get("window_left", -1) >= 0, p.get("soft_cap", 0.0) > 0
             kv_dtype = p["kv_dtype"]
-        partition = plan.partition
-        same = partition == k.get("partition", "split_k")
         # the plan's CUDA-core choice stays; its tensor-core one is taken as "auto" (make_spec falls back to
         # CUDA cores where the tensor-core program does not fit this device's shared memory, never raises)
-        mma = False if same and k.get("mma") is False else None
-        merge = plan.merge if kind == "partial" and in_kernel_merge and plan.merge in ("fused", "atomic") else "none"
+        mma = False if k.get("mma") is False else None
+        merge = plan.merge if kind == "partial" and in_kernel_merge and plan.merge == "fused" else "none"
         return make_spec(kind, p["q_dtype"], p["head_dim"], p["num_q_heads"] // p["num_kv_heads"], p["q_len"],
-                         p["page_size"], num_warps=k.get("num_warps") if same else None,
-                         num_stages=k.get("num_stages") if same else None, smem_limit=self._smem_limit(device),
-                         window=window, softcap=softcap, kv_dtype=kv_dtype, partition=partition, mma=mma,
-                         merge=merge, passes=k.get("passes") if same and k.get("mma") else None)
+                         p["page_size"], num_warps=k.get("num_warps"), num_stages=k.get("num_stages"),
+                         smem_limit=self._smem_limit(device), window=window, softcap=softcap, kv_dtype=kv_dtype,
+                         mma=mma, merge=merge, passes=k.get("passes") if k.get("mma") else None)
 
     @staticmethod
     def merge_teams_for(plan: SplitPlan, device: torch.device | None = None) -> int:
-        """Merge teams per merge-kernel CTA for ``plan`` (:func:`~.launch.merge_teams`, where the rule and the
+        """Merge teams per merge-kernel CTA for ``plan`` (:func:`~.spec.merge_teams`, where the rule and the
         measurement behind it are): the plan's rows ``batch x q_len x num_q_heads``, its ``num_splits`` and the SM
         count of ``device`` (:func:`attnplan.device.device_info`; the plan's device fingerprint when ``device`` is
         None). E.g. batch 1, 8 query heads, 128 splits on an H200 (132 SMs): 8; batch 32 (256 rows): 1."""
@@ -364,13 +340,12 @@ class CudaPtxBackend(Backend):
         Raises:
             NvrtcError: NVRTC is unusable or the compile fails (message with NVRTC's log).
         """
-        return self.cache.get(spec.name, kernel_source(), spec.options(), select_target(compute_capability))
+        return kernel_program().cached(self.cache, spec.name, spec.options(), select_target(compute_capability))
 
     def prepare(self, plan: SplitPlan, device: torch.device) -> None:
         """Compile and load every kernel ``plan`` launches on ``device`` (call before CUDA-graph capture)."""
         rt = self._runtime_for(torch.device(device))
-        kinds = ("single",) if plan.single_pass else ("partial",) if plan.merge in ("fused", "atomic") \
-            else ("partial", "merge")
+        kinds = ("single",) if plan.single_pass else ("partial",) if plan.merge == "fused" else ("partial", "merge")
         for kind in kinds:
             rt.function(self.spec_for(kind, plan, device))
 
@@ -401,6 +376,15 @@ class CudaPtxBackend(Backend):
 
     @staticmethod
     def _check_inputs(plan: SplitPlan, x: DecodeInputs, spec: KernelSpec) -> None:
+        """What the partial / single-pass kernel assumes of the inputs (shapes, dtypes, strides; no device access):
+        the dtypes and the fp8 scales, q and the caches readable with 16-byte vectors, the plan's grid and page size,
+        32-bit in-tile offsets and token positions, and the index tensors' strides: ``seq_lens`` is read with unit
+        stride and ``block_table``'s entries of a row with unit column stride (its row stride may be any: rows of a
+        wider table are fine).
+
+        Raises:
+            ValueError: naming the argument, what it is and what the kernel needs.
+        """
         fp8 = x.k_cache.dtype == torch.float8_e4m3fn
         if fp8:
             if x.v_cache.dtype != x.k_cache.dtype or x.q.dtype not in (torch.float16, torch.bfloat16):
@@ -433,6 +417,23 @@ class CudaPtxBackend(Backend):
             if (spec.tile_tokens - 1) * t.stride(1) + spec.head_dim >= 2**31:
                 raise ValueError(f"{name} token stride {t.stride(1)} is too large: in-tile offsets of "
                                  f"{spec.tile_tokens} tokens must stay below 2**31 elements")
+        b = x.q.shape[0]
+        sl = x.seq_lens
+        if sl.dtype != torch.int32 or tuple(sl.shape) != (b,) or (b > 1 and sl.stride(0) != 1):
+            raise ValueError(f"cuda_ptx reads seq_lens as {b} contiguous int32 (unit stride), got shape "
+                             f"{tuple(sl.shape)} {sl.dtype} strides {tuple(sl.stride())}: pass seq_lens.contiguous()")
+        bt = x.block_table
+        if bt is not None and (bt.dtype != torch.int32 or bt.dim() != 2 or bt.shape[0] != b
+                               or (bt.shape[1] > 1 and bt.stride(1) != 1)):
+            raise ValueError(f"cuda_ptx reads block_table as int32 [{b}, max_pages] rows with unit column stride (any "
+                             f"row stride), got shape {tuple(bt.shape)} {bt.dtype} strides {tuple(bt.stride())}: pass "
+                             "a row-major table (block_table.contiguous())")
+        capacity = kv_capacity(x.k_cache, x.block_table)
+        if capacity > MAX_KV_TOKENS:
+            what = (f"k_cache holds {capacity} tokens per sequence (shape {tuple(x.k_cache.shape)})" if not x.paged else
+                    f"block_table's {x.block_table.shape[1]} pages x page size {x.k_cache.shape[1]} = {capacity} tokens "
+                    f"per sequence")
+            raise ValueError(f"cuda_ptx: {what}, more than {MAX_KV_TOKENS} (2**30): token positions are 32-bit")
 
     def partial(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState) -> None:
         """Write the partial state of every split ``s < plan.num_splits`` into ``state`` (fp32 ``o
@@ -459,25 +460,23 @@ class CudaPtxBackend(Backend):
 
     def partial_fused_merge(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState, out: torch.Tensor,
                             lse: torch.Tensor | None, counters: torch.Tensor) -> None:
-        """One launch: partial states and the cross-program merge inside the partial kernel (``plan.merge``
-        ``"fused"`` or ``"atomic"``, see the module docstring). Writes ``out [B, Q, H, D]`` (q's dtype) and,
-        if given, ``lse [B, Q, H]`` fp32; ``inputs.sinks`` join the denominator in the merge. Launch only.
+        """One launch: partial states and the fused merge inside the partial kernel (``plan.merge == "fused"``, see
+        the module docstring). Writes ``out [B, Q, H, D]`` (q's dtype) and, if given, ``lse [B, Q, H]`` fp32;
+        ``inputs.sinks`` join the denominator in the merge. Launch only.
 
         Args:
-            state: fused: the workspace, fp32 ``o [B, Q, H, S, D]`` / ``lse [B, Q, H, S]`` with ``S >=
-                plan.num_splits`` (every split's state is written, as by :meth:`partial`); atomic: the
-                accumulator, ``S >= plan.state_slots`` (1), slot 0 used.
-            counters: int32, contiguous, at least ``plan.sync_words`` words on q's device, zero before the
-                launch and left zero after (fused: a completion counter per (sequence, KV head); atomic: those,
-                then a lock each).
+            state: the workspace, fp32 ``o [B, Q, H, S, D]`` / ``lse [B, Q, H, S]`` with ``S >= plan.num_splits``
+                (every split's state is written, as by :meth:`partial`).
+            counters: int32, contiguous, at least ``plan.sync_words`` words on q's device (a completion counter
+                per (sequence, KV head)), zero before the launch and left zero after.
 
         Raises:
-            ValueError: a plan without an in-kernel merge, or dtypes, shapes, strides, alignment or devices
-                the kernel cannot take (named).
+            ValueError: a plan without the fused merge, or dtypes, shapes, strides, alignment or devices the
+                kernel cannot take (named).
         """
         x = inputs
-        if plan.single_pass or plan.merge not in ("fused", "atomic"):
-            raise ValueError(f"partial_fused_merge needs a plan with merge 'fused' or 'atomic', got merge "
+        if plan.single_pass or plan.merge != "fused":
+            raise ValueError(f"partial_fused_merge needs a plan with merge 'fused', got merge "
                              f"{plan.merge!r} (single_pass {plan.single_pass})")
         if plan.column_programs != 1:
             raise ValueError(f"cuda_ptx plans have one column program per split, got {plan.column_programs}: re-plan")
@@ -490,7 +489,7 @@ class CudaPtxBackend(Backend):
         if tuple(o.shape[:3]) != tuple(x.q.shape[:3]) or o.shape[4] != x.q.shape[3] or o.shape[3] < slots \
                 or tuple(ls.shape) != tuple(o.shape[:4]):
             raise ValueError(f"state o {tuple(o.shape)} / lse {tuple(ls.shape)} must be [B, Q, H, >= {slots}, D] / "
-                             f"[B, Q, H, >= {slots}] for q {tuple(x.q.shape)} ({plan.merge} merge)")
+                             f"[B, Q, H, >= {slots}] for q {tuple(x.q.shape)} (fused merge)")
         check_layout("state.o", o, 4, 16)
         self._check_out_lse(x.q, out, lse)
         check_layout("out", out, 4, out.element_size() * 4)
@@ -505,11 +504,10 @@ class CudaPtxBackend(Backend):
                 raise ValueError(f"{name} is on {t.device}, q on {x.q.device}")
         self._check_sinks(x.sinks, x.q.shape[2])
         cfg = partial_launch_config(spec, plan.grid)
-        groups = plan.grid[1] * plan.grid[2]  # the atomic merge's locks follow the counters
         values = partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, o, ls,
                               plan.chunk_size, plan.num_splits, window_left=x.window_left, soft_cap=x.soft_cap,
                               sinks=x.sinks, k_scale=x.k_scale, v_scale=x.v_scale, out=out, out_lse=lse,
-                              counters=counters, lock_offset=groups if plan.merge == "atomic" else 0)
+                              counters=counters)
         self._launch(spec, cfg, PARTIAL_SIGNATURE, values, x.q.device)  # no PDL: no merge kernel follows
 
     def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:

@@ -5,7 +5,7 @@ every CUDA thread of a block as a fiber, warp shuffles and barriers included, an
 shared-memory access and cp.async copy for races between warps (see that header for what the
 emulation shows and what it cannot). :class:`EmulatedCudaPtxBackend` is
 :class:`~attnplan.backends.cuda_ptx.CudaPtxBackend` with only the final launch replaced: the same
-spec choice, input checks, :func:`~.launch.partial_args` and :class:`~.launch.PackedArgs`
+spec choice, input checks, :func:`~.args.partial_args` and :class:`~.args.PackedArgs`
 ``kernelParams`` array go to the emulated kernel instead of ``cuLaunchKernel``. It takes CPU tensors
 and is slow (a few thousand tokens per second); tests use it to execute the real kernel text
 against the float64 reference on machines without a GPU.
@@ -32,7 +32,9 @@ import torch
 
 from . import CudaPtxBackend
 from ._bindings import CudaPtxError
-from .launch import KernelSpec, LaunchConfig, PackedArgs, kernel_source
+from .args import PackedArgs
+from .spec import KernelSpec, LaunchConfig
+from .source import kernel_program
 
 __all__ = ["EmulationError", "EmulatedKernel", "EmulatedCudaPtxBackend", "compiler", "tensor_range"]
 
@@ -75,8 +77,8 @@ class EmulatedKernel:
         self.spec = spec
         defines = [o for o in spec.options() if o.startswith("-D")]
         h = hashlib.sha256()
-        for part in (kernel_source(), (_EMU_DIR / "simt.h").read_text(), (_EMU_DIR / "harness.cpp").read_text(),
-                     " ".join(defines), cxx):
+        for part in (kernel_program().digest, (_EMU_DIR / "simt.h").read_text(), (_EMU_DIR / "harness.cpp").read_text(),
+                     " ".join(defines), cxx):  # every header's text, through the program's digest
             h.update(part.encode())
         root = Path(build_dir) if build_dir else Path(os.environ.get("ATTNPLAN_CACHE_DIR") or tempfile.gettempdir())
         out_dir = root / "emulation"
@@ -100,7 +102,8 @@ class EmulatedKernel:
         self.lib.emu_block_order.argtypes = [ctypes.c_uint]
 
     def constant(self, name: str) -> int:
-        """A kernel constant as the compiled kernel computes it (``smem``, ``tile``, ``threads``, ``lpt``, ``rt``)."""
+        """A kernel constant as the compiled kernel computes it: ``smem``, ``tile``, ``threads``, ``lpt``, ``rt``,
+        ``mma``, ``ntw``, ``rs`` (merge kernels: ``threads``, ``teams``, ``smem``, ``chunk``); -1 for another name."""
         return int(self.lib.emu_constant(name.encode()))
 
     def launch(self, cfg: LaunchConfig, args: PackedArgs, readable: list[torch.Tensor], block_order: int = 0) -> None:
@@ -109,8 +112,7 @@ class EmulatedKernel:
         permutation drawn from it (blocks run one at a time either way).
 
         Raises:
-            EmulationError: the kernel read outside ``readable``, deadlocked at a barrier, or found an
-            atomic merge's lock taken.
+            EmulationError: the kernel read outside ``readable`` or deadlocked at a barrier.
         """
         if cfg.block[1:] != (1, 1):
             raise EmulationError(f"block {cfg.block}: only 1-D blocks are emulated")

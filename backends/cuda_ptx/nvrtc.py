@@ -5,15 +5,15 @@ Method (FlashInfer's ``jit/core.py`` load / build / lock contract, adapted to NV
 * **Target.** The source is compiled to a **cubin** (SASS) for the device's exact architecture
   (``--gpu-architecture=sm_90`` on H200) and read with ``nvrtcGetCUBIN``. A cubin needs no driver
   JIT, so an NVRTC newer than the driver (pip NVRTC 13.5 on a CUDA 13.0 driver) still produces code
-  the driver loads; PTX from a newer NVRTC would carry a PTX ISA version the older driver rejects
-  (cases.yaml ``nvrtc-ptx-too-new``). **PTX is only a fallback** for a device architecture that this
+  the driver loads; PTX from a newer NVRTC would carry a PTX ISA version the older driver rejects.
+  **PTX is only a fallback** for a device architecture that this
   NVRTC cannot emit SASS for (a device newer than NVRTC): then PTX for the newest virtual
   architecture NVRTC knows below the device is produced and the driver JIT-compiles it at load.
 * **Cache.** In memory (per process) and on disk: ``$ATTNPLAN_CACHE_DIR/nvrtc`` when set, else the
   user cache directory (``platformdirs.user_cache_dir("attnplan")/nvrtc``). File names spell the
-  specialization, the architecture, the NVRTC version and a hash of (source, options, target, NVRTC
-  version, file format), so nothing compiled for one architecture or option set is ever loaded for
-  another (cases.yaml ``cache-key-missing-arch``). Builds run under a ``filelock`` lock, files are
+  specialization, the architecture, the NVRTC version and a hash of (source, every header, options,
+  target, NVRTC version, file format), so nothing compiled for one architecture, option set or header
+  text is ever loaded for another. Builds run under a ``filelock`` lock, files are
   written atomically (temporary file + ``os.replace``), and each file carries a SHA-256 of its
   image: a corrupt or truncated file is rebuilt with a warning. A failed compile writes nothing.
 * **Errors.** A compile error raises :class:`~._bindings.NvrtcError` whose message and ``log``
@@ -35,6 +35,7 @@ import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from ._bindings import NvrtcError, bindings, check_nvrtc
 
@@ -75,9 +76,9 @@ class Compiled:
         log: NVRTC's program log (ptxas ``-v`` lines for cubins).
         resources: :func:`parse_ptxas_info` of the log, keyed by kernel name. When the log holds no ptxas report
             (cubins only), :func:`cubin_resources` of the image instead (``"from": "cubin"``). NVRTC 13.0 with
-            driver 580 (the H200 machines) sometimes prints none: always for a program compiled again in the
+            driver 580 (seen on H200 machines) sometimes prints none: always for a program compiled again in the
             process, even with an extra unused macro, and for some programs compiled once
-            (``benchmarks/diag/nvrtc_log_probe.py``, results/2026-11-30-s6-call6 to -call8). Empty if the cubin
+            (``benchmarks/diag/nvrtc_log_probe.py`` shows it). Empty if the cubin
             cannot be read either (pyelftools missing, an unknown record layout): the image is good regardless.
         source: ``"compiled"``, ``"memory"`` or ``"disk"`` (where this object came from).
         path: the on-disk cache file, or ``None``.
@@ -259,21 +260,26 @@ def cubin_resources(image: bytes, arch: str) -> dict[str, dict]:
     return out
 
 
-def compile_source(source: str, name: str, options: list[str], target: CompileTarget) -> Compiled:
+def compile_source(source: str, name: str, options: list[str], target: CompileTarget,
+                   headers: Sequence[tuple[str, str]] = ()) -> Compiled:
     """Compile CUDA C ``source`` with NVRTC to ``target`` (no cache).
 
     Args:
-        source: CUDA C source text (no ``#include`` is resolved beyond NVRTC's built-ins).
+        source: CUDA C source text.
         name: program name shown in NVRTC's messages, e.g. ``"decode.cu"``.
         options: NVRTC options besides the architecture (``-D...``, ``-std=c++17``).
         target: :func:`select_target`'s answer.
+        headers: ``(include name, text)`` pairs: ``#include "name"`` resolves to ``text`` (NVRTC's named header
+            sources); nothing else is resolved beyond NVRTC's built-ins.
     Returns:
         :class:`Compiled` with the cubin (or PTX) image, the log and the parsed ptxas resources.
     Raises:
         NvrtcError: any NVRTC call fails; for a compile error the message ends with NVRTC's log.
     """
     _, nvrtc = bindings()
-    prog = check_nvrtc(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
+    heads = [(n.encode(), t.encode()) for n, t in headers]
+    prog = check_nvrtc(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), len(heads), [t for _, t in heads],
+                                                [n for n, _ in heads]), "nvrtcCreateProgram")
     try:
         opts = [target.option, *options]
         if target.kind == "cubin":
@@ -356,10 +362,13 @@ class CompileCache:
         return Path(self.directory) if self.directory is not None else default_cache_dir()
 
     @staticmethod
-    def key(source: str, options: list[str], target: CompileTarget, version: tuple[int, int]) -> str:
-        """SHA-256 over everything that changes the image: source, options, target, NVRTC version, format."""
+    def key(source: str, options: list[str], target: CompileTarget, version: tuple[int, int],
+            headers: Sequence[tuple[str, str]] = ()) -> str:
+        """SHA-256 over everything that changes the image: source, every header (name and text), options, target,
+        NVRTC version, format."""
         h = hashlib.sha256()
         h.update(json.dumps({"format": CACHE_FORMAT, "source": hashlib.sha256(source.encode()).hexdigest(),
+                             "headers": [[n, hashlib.sha256(t.encode()).hexdigest()] for n, t in headers],
                              "options": list(options), "arch": target.arch, "kind": target.kind,
                              "nvrtc": list(version)}, sort_keys=True).encode())
         return h.hexdigest()
@@ -369,27 +378,28 @@ class CompileCache:
         return self.path / f"{_slug(name)}.{target.arch}.nvrtc{version[0]}.{version[1]}.{key[:16]}.{target.kind}"
 
     def get(self, name: str, source: str, options: list[str], target: CompileTarget,
-            program_name: str = "decode.cu") -> Compiled:
-        """The compiled image for (source, options, target): from memory, disk, or a fresh compile.
+            program_name: str = "decode.cu", headers: Sequence[tuple[str, str]] = ()) -> Compiled:
+        """The compiled image for (source, headers, options, target): from memory, disk, or a fresh compile.
 
         Args:
             name: the specialization's name (spelled into the file name).
-            source, options, target: as for :func:`compile_source`.
+            source, options, target, headers: as for :func:`compile_source`.
+            program_name: the program's name for NVRTC's messages.
         Raises:
             NvrtcError: the compile failed (nothing is cached).
         """
         version = nvrtc_version()
-        key = self.key(source, options, target, version)
+        key = self.key(source, options, target, version, headers)
         with self._lock:
             hit = self._mem.get(key)
         if hit is not None:
             self.stats.memory_hits += 1
             return hit
         if not self.disk:
-            compiled = compile_source(source, program_name, options, target)
+            compiled = compile_source(source, program_name, options, target, headers)
             self.stats.compiles += 1
         else:
-            compiled = self._get_disk(name, key, source, options, target, version, program_name)
+            compiled = self._get_disk(name, key, source, options, target, version, program_name, headers)
         with self._lock:
             self._mem[key] = compiled
         return compiled
@@ -452,7 +462,7 @@ class CompileCache:
                 pass
             raise
 
-    def _get_disk(self, name, key, source, options, target, version, program_name) -> Compiled:
+    def _get_disk(self, name, key, source, options, target, version, program_name, headers) -> Compiled:
         import filelock
 
         path = self.file_for(name, key, target, version)
@@ -466,7 +476,7 @@ class CompileCache:
             if hit is not None:
                 self.stats.disk_hits += 1
                 return hit
-            compiled = compile_source(source, program_name, options, target)
+            compiled = compile_source(source, program_name, options, target, headers)
             self.stats.compiles += 1
             self.stats.rebuilt += int(corrupt or corrupt2)
             try:

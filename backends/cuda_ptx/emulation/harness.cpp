@@ -37,15 +37,15 @@ void body() {
                    arg<i64>(25),
                    arg<i64>(26), arg<i64>(27), arg<i64>(28), arg<i64>(29),
                    arg<i64>(30), arg<i64>(31), arg<i64>(32), arg<i64>(33),
-                   arg<elem_t *>(34), arg<float *>(35), arg<int *>(36), arg<int>(37),
-                   arg<i64>(38), arg<i64>(39), arg<i64>(40),
-                   arg<i64>(41), arg<i64>(42), arg<i64>(43));
+                   arg<elem_t *>(34), arg<float *>(35), arg<int *>(36),
+                   arg<i64>(37), arg<i64>(38), arg<i64>(39),
+                   arg<i64>(40), arg<i64>(41), arg<i64>(42));
 #endif
 }
 }  // namespace
 
 // The order later launches run their blocks in: seed 0 = in order (x fastest, then y, then z), else a
-// permutation drawn from `seed` (so the in-kernel merges' last program, or the atomic merge's lock order, varies).
+// permutation drawn from `seed` (so the program that finishes a fused merge's group last varies).
 extern "C" void emu_block_order(unsigned seed) { g_order_seed = seed; }
 
 // Launch grid (gx, gy, gz) x `threads` threads with `smem` bytes of dynamic shared memory.
@@ -85,9 +85,6 @@ extern "C" int emu_constant(const char *name) {
     if (n == "threads") return NTHREADS;
     if (n == "lpt") return LPT;
     if (n == "rt") return RT;
-    if (n == "lpv") return LPV;
-    if (n == "subs") return SUBS;
-    if (n == "dvw") return DVW;
     if (n == "mma") return MMA ? 1 : 0;
     if (n == "ntw") return NTW;
     if (n == "rs") return RS;

@@ -25,15 +25,14 @@
 // wrote in the current epoch (no __syncthreads between), to write (or copy into) a word another warp
 // read or wrote in the current epoch, or to copy into a word with a copy still in flight. Lanes of one
 // warp are not checked against each other (they order through __syncwarp and shuffles).
-// Global-memory atomics (atomicAdd / atomicCAS / atomicExch on int) and __threadfence, for decode.cu's
-// in-kernel merges: blocks run one after another on one OS thread, so a read-modify-write is atomic as
-// written and a fence has nothing to order; they check that the word lies in a registered buffer. __ldcg
-// (ld.global.cg) is a load from a registered buffer, like __ldg. emu_launch may run the blocks in a
-// permuted order (harness.cpp), so the program that finishes a group last is not always its last split.
+// Global-memory atomics (atomicAdd / atomicExch on int) and __threadfence, for decode.cu's fused merge: blocks
+// run one after another on one OS thread, so a read-modify-write is atomic as written and a fence has nothing
+// to order; they check that the word lies in a registered buffer. __ldcg (ld.global.cg) is a load from a
+// registered buffer, like __ldg. emu_launch may run the blocks in a permuted order (harness.cpp), so the
+// program that finishes a group last is not always its last split.
 // What this cannot show: the real PTX instructions' behaviour, races through global memory (concurrent
-// blocks, memory ordering, forward progress of spinning blocks), orders the fiber schedule (each fiber
-// runs until it blocks) happens not to produce for intra-warp hazards, alignment faults other than the
-// ones checked, and performance.
+// blocks, memory ordering), orders the fiber schedule (each fiber runs until it blocks) happens not to
+// produce for intra-warp hazards, alignment faults other than the ones checked, and performance.
 #pragma once
 
 #include <cmath>
@@ -455,12 +454,6 @@ inline int atomicAdd(int *p, int v) {
     if (!emu_atomic_ok(p)) return 0;
     const int old = *p;
     *p = old + v;
-    return old;
-}
-inline int atomicCAS(int *p, int cmp, int v) {
-    if (!emu_atomic_ok(p)) return 0;
-    const int old = *p;
-    if (old == cmp) *p = v;
     return old;
 }
 inline int atomicExch(int *p, int v) {
