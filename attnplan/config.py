@@ -221,6 +221,9 @@ class CostModel(_Strict):
                                                                             "device's estimate")
     merge_split_latency_us: float = Field(0.4, ge=0, le=1e4, description="fused merge: serialized cost per split "
                                                                          "read by the last program")
+    tail_target_scale: float = Field(1.0, ge=0.125, le=16, description="work units of a long-tailed batch (mean "
+                                     "length below half the longest) per unit of a uniform batch of the same work: "
+                                     "the device-side schedule's second targets table")
 
 
 class PlanCacheConfig(_Strict):

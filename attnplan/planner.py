@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 from .config import Config, CostModel, device_table
 from .device import DeviceInfo
 from .problem import DecodeProblem, torch_dtype
-from .schedule import NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
+from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
 
 __all__ = ["SplitPlan", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION", "cost_model_for",
            "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
@@ -674,7 +674,8 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
              capacity_mode: bool, choice: _Choice) -> tuple[int, ...]:
     """The balanced schedule's targets: for each bucket ``k`` of total granules, the units a uniform batch of that
     much work gets (the split count :func:`_choose_splits` asks for, before chunk alignment, x batch; the schedule
-    aligns on the device at the live total, and clamps to ``min_unit_granules``). A capacity plan fills every
+    aligns on the device at the live total, and clamps to ``min_unit_granules``); then the long-tailed table, the
+    same counts times ``cost_model.tail_target_scale``. A capacity plan fills every
     bucket up to the capacity; a live plan computes the buckets its (bucketed) lengths can reach and extends the
     ends."""
     batch = problem.batch
@@ -685,7 +686,7 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
         span = max(problem.max_kv_len, 1)
         k_hi = min(k_max, bucket_of(batch * -(-span // granule)))
         k_lo = max(1, min(k_hi, bucket_of(max(1, problem.total_kv_len // granule))))
-    targets = [0] * NUM_TARGETS
+    targets = [0] * NUM_BUCKETS
     memo: dict[int, int] = {}
     for k in range(k_lo, k_hi + 1):
         t_rep = min((1 << k) - 1, max(1 << (k - 1), round(2 ** (k - 0.5))))  # a batch of about 2^(k - 1/2) granules
@@ -697,8 +698,12 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
                                 fused_max_chunk)
             memo[m] = min(config.split.max_splits, ch.want)
         targets[k] = memo[m] * batch
-    for k in range(k_hi + 1, NUM_TARGETS):
+    for k in range(k_hi + 1, NUM_BUCKETS):
         targets[k] = targets[k_hi]
     for k in range(1, k_lo):
         targets[k] = targets[k_lo]
+    # long-tailed batches: the same work's units, scaled by the device's measured factor (cost_model.tail_target_scale)
+    scale = cm.tail_target_scale
+    tail = [0] + [max(1, round(t * scale)) if t else 0 for t in targets[1:]]
+    targets = targets + tail
     return tuple(targets)

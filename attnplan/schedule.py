@@ -16,8 +16,10 @@ Definitions (all integers; ``B`` sequences, ``Q`` queries per sequence, ``G`` to
 
 * Sequence ``b`` of length ``L`` sees the positions ``[base, L)``, ``base = max(0, L - Q - window_left)``
   with a sliding window, else ``0``; its span ``n = L - base`` covers ``nb = ceil(n / G)`` granules.
-* The batch holds ``T = sum_b nb`` granules. The plan's ``targets`` table (32 entries) gives the wanted
-  number of work units for a batch of that size: ``t = targets[k]`` with ``k = min(bit_length(T), 31)``.
+* The batch holds ``T = sum_b nb`` granules, its longest sequence ``nb_max``. The plan's ``targets`` table
+  gives the wanted number of work units for a batch of that size: ``t = targets[k + 32 * tail]`` with
+  ``k = min(bit_length(T), 31)`` and ``tail = 2 * T < B * nb_max`` (a long-tailed batch, padding slots counted:
+  entries 32-63 are a second table for those; a near-uniform batch reads entries 0-31).
 * Granules per unit: ``c = max(min_unit_granules, ceil(T / t))``, or ``min_unit_granules`` when ``t == 0``
   (batch-invariant and forced schedules: no dependence on the batchmates).
 * Units of ``b``: ``u = min(max_units_per_seq, ceil(nb / c))``, then equal sizes ``cb = ceil(nb / u)``
@@ -46,19 +48,27 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Schedule", "Units", "schedule_units", "check_invariants", "NUM_TARGETS", "POLICIES",
-           "bucket_of", "max_units_bound"]
+__all__ = ["Schedule", "Units", "schedule_units", "check_invariants", "NUM_TARGETS", "NUM_BUCKETS", "POLICIES",
+           "bucket_of", "max_units_bound", "is_long_tailed"]
 
-#: entries of the targets table: bucket ``k = bit_length(total granules)``, clamped to ``NUM_TARGETS - 1``
-NUM_TARGETS = 32
+#: buckets of batch work: ``k = bit_length(total granules)``, clamped to ``NUM_BUCKETS - 1``
+NUM_BUCKETS = 32
+#: entries of the targets table: the near-uniform table (``[0, 32)``), then the long-tailed one (``[32, 64)``)
+NUM_TARGETS = 2 * NUM_BUCKETS
 #: ``balanced``: units from the batch's total work (default); ``batch_invariant``: from each sequence's own length;
 #: ``forced``: up to ``max_units_per_seq`` units per sequence (a forced split count); ``single``: one unit each
 POLICIES = ("balanced", "batch_invariant", "forced", "single")
 
 
 def bucket_of(total_granules: int) -> int:
-    """Index into the targets table for a batch of ``total_granules`` granules: its bit length, at most 31."""
-    return min(int(total_granules).bit_length(), NUM_TARGETS - 1)
+    """Bucket of a batch of ``total_granules`` granules: its bit length, at most ``NUM_BUCKETS - 1`` (31)."""
+    return min(int(total_granules).bit_length(), NUM_BUCKETS - 1)
+
+
+def is_long_tailed(total_granules: int, batch: int, max_granules: int) -> bool:
+    """Whether a batch reads the long-tailed targets table: ``2 * T < batch * nb_max`` (its mean below half its
+    longest; padding slots of length 0 count in ``batch``)."""
+    return 2 * int(total_granules) < int(batch) * int(max_granules)
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,8 @@ class Schedule:
         granule: tokens per granule; a multiple of the kernel's KV tile (``block_n``) and of the page size.
         min_unit_granules: fewest granules a unit gets (``c``'s floor; the planner's smallest chunk).
         max_units_per_seq: most units (splits) one sequence may get; 1 = single pass (no partial states, no merge).
-        targets: :data:`NUM_TARGETS` ints, the wanted units per batch by bucket of total granules (0 = none).
+        targets: :data:`NUM_TARGETS` ints: the wanted units per batch by bucket of total granules, for near-uniform
+            batches (``[0, 32)``) then for long-tailed ones (``[32, 64)``); 0 = none.
         max_units: unit slots: the grid's unit axis and the workspace's split axis, at least the batch.
     Raises:
         ValueError: on construction, when a field is out of range (names the field).
@@ -176,7 +187,8 @@ def schedule_units(seq_lens, schedule: Schedule, q_len: int = 1, window_left: in
         base = torch.zeros_like(lens)
     nb = (lens - base + g - 1) // g
     total = int(nb.sum())
-    t = schedule.targets[bucket_of(total)]
+    tail = is_long_tailed(total, lens.numel(), int(nb.max()) if nb.numel() else 0)
+    t = schedule.targets[bucket_of(total) + NUM_BUCKETS * tail]
     c = schedule.min_unit_granules if t == 0 else max(schedule.min_unit_granules, -(-total // t))
     u = torch.clamp((nb + c - 1) // c, max=schedule.max_units_per_seq)
     empty = nb == 0

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from attnplan import reference
-from attnplan.schedule import Schedule
+from attnplan.schedule import NUM_TARGETS, Schedule
 from attnplan.testing import make_inputs
 
 
@@ -59,7 +59,7 @@ def test_reference_partial_follows_the_schedule(gen):
     """Partial states of the schedule's units merge to the full attention, whatever the unit sizes."""
     x = make_inputs(2, 4, 2, 16, [50, 9], dtype=torch.float32, generator=gen)
     full, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
-    for sched in (Schedule("forced", 8, 1, 3, (0,) * 32, 6), Schedule("batch_invariant", 8, 2, 8, (0,) * 32, 16)):
+    for sched in (Schedule("forced", 8, 1, 3, (0,) * NUM_TARGETS, 6), Schedule("batch_invariant", 8, 2, 8, (0,) * NUM_TARGETS, 16)):
         st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, sched)
         assert st.num_splits == units.num_units
         o, _ = reference.merge(st, indptr=units.indptr)

@@ -17,7 +17,8 @@ from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN, DeviceInfo
 from attnplan.planner import SplitPlan, make_plan
 from attnplan.problem import DecodeProblem
-from attnplan.schedule import NUM_TARGETS, Schedule, bucket_of, check_invariants, max_units_bound, schedule_units
+from attnplan.schedule import (NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, check_invariants, is_long_tailed,
+                               max_units_bound, schedule_units)
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -89,7 +90,7 @@ def test_forced_gives_equal_units_up_to_the_count():
 
 def test_bucket_of():
     assert [bucket_of(t) for t in (0, 1, 2, 3, 4, 255, 256)] == [0, 1, 2, 2, 3, 8, 9]
-    assert bucket_of(1 << 40) == NUM_TARGETS - 1
+    assert bucket_of(1 << 40) == NUM_BUCKETS - 1 == 31 and NUM_TARGETS == 64
 
 
 def test_schedule_refuses_bad_fields():
@@ -219,3 +220,26 @@ def test_reference_backend_runs_the_schedule(case, batch_invariant, gen):
                                        sinks=sinks)
     assert_close_to_reference(out, ref)
     assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+
+
+def test_long_tailed_batches_read_the_second_targets_table():
+    """A batch whose mean is below half its longest sequence (padding slots count) reads targets[32 + k]; a
+    near-uniform batch reads targets[k]."""
+    uniform, tail = [0] + [8] * (NUM_BUCKETS - 1), [0] + [40] * (NUM_BUCKETS - 1)
+    sched = Schedule("balanced", 16, 1, 64, tuple(uniform + tail), max_units_bound(uniform + tail, 4, 64))
+    near = schedule_units([1600, 1600, 1200, 900], sched)  # 331 granules, mean above half of 100
+    assert not is_long_tailed(near.total_granules, 4, 100) and near.granules_per_unit == math.ceil(331 / 8)
+    far = schedule_units([1600, 16, 0, 0], sched)  # mean below half the longest: the second table
+    assert is_long_tailed(far.total_granules, 4, 100) and far.granules_per_unit == math.ceil(101 / 40)
+    assert not is_long_tailed(0, 4, 0)
+
+
+def test_planner_scales_the_long_tailed_table():
+    base = load_config()
+    scaled = load_config(cost_model={"tail_target_scale": 2.0})
+    prob = DecodeProblem(16, 32, 8, 128, 1, 16, max_kv_len=65536, capacity=65536).bucketed()
+    a = make_plan(prob, CPU_STANDIN, base, "triton", {"block_n": 64}, capacity_mode=True).schedule
+    b = make_plan(prob, CPU_STANDIN, scaled, "triton", {"block_n": 64}, capacity_mode=True).schedule
+    assert a.targets[:NUM_BUCKETS] == a.targets[NUM_BUCKETS:] == b.targets[:NUM_BUCKETS]
+    assert b.targets[NUM_BUCKETS + 1:] == tuple(2 * t for t in a.targets[1:NUM_BUCKETS])
+    assert b.max_units >= max(b.targets) + 0 and b.max_units > a.max_units

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attnplan import reference
-from attnplan.schedule import Schedule
+from attnplan.schedule import NUM_TARGETS, Schedule
 from attnplan.state import PartialState, merge_state_pair, merge_states
 from attnplan.testing import make_inputs
 
@@ -79,7 +79,7 @@ def test_result_independent_of_split_count_and_order(page_size, gen):
     x = make_inputs(3, 8, 2, 32, [70, 0, 33], q_len=2, page_size=page_size, dtype=torch.float32, generator=gen)
     ref_o, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     for granule, splits in [(16, 1), (16, 5), (8, 9), (16, 12), (8, 3)]:
-        sched = Schedule("forced" if splits > 1 else "single", granule, 1, splits, (0,) * 32, 3 * splits)
+        sched = Schedule("forced" if splits > 1 else "single", granule, 1, splits, (0,) * NUM_TARGETS, 3 * splits)
         st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, sched)
         o, lse = merge_states(st, indptr=units.indptr)
         assert torch.allclose(o, ref_o, atol=1e-12) and torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
@@ -93,7 +93,7 @@ def test_result_independent_of_split_count_and_order(page_size, gen):
 def test_zero_length_row_is_zero_neg_inf_without_nan(gen):
     """A padding slot of length 0 (vLLM PR 57094) and the lse sign of an empty row (FlashAttention PR 978)."""
     x = make_inputs(4, 16, 2, 32, [100, 200, 7, 0], dtype=torch.float32, generator=gen)
-    sched = Schedule("forced", 16, 1, 13, (0,) * 32, 52)
+    sched = Schedule("forced", 16, 1, 13, (0,) * NUM_TARGETS, 52)
     st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, sched)
     o, lse = merge_states(st, indptr=units.indptr)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()

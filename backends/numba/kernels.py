@@ -15,7 +15,7 @@ Method (the kernel contract of :mod:`attnplan.backends.base`; Flash-Decoding, Da
   threads read all ``batch`` lengths from ``seq_lens`` (in chunks of ``threads x SCHED_PER``
   sequences, so any batch works) and compute :func:`attnplan.schedule.schedule_units`'s integers
   exactly: each sequence's granules ``nb``, the total ``T`` (a block reduction), the granules per
-  unit ``c`` from ``targets[min(bit_length(T), 31)]``, each sequence's units and their exclusive
+  unit ``c`` from ``targets[min(bit_length(T), 31) + 32 * (2 T < batch * nb_max)]``, each sequence's units and their exclusive
   prefix sum (a block scan per chunk, carried across chunks; warp shuffles and one shared word per
   warp on the GPU, a shared-memory tree in the simulator), hence the program's sequence ``b``,
   unit index ``j`` and token range ``[start, end)``. ``ceil(a / b)`` is computed as
@@ -130,7 +130,7 @@ import numba
 from numba import cuda
 from numba.core import config as _numba_config
 
-from attnplan.schedule import NUM_TARGETS
+from attnplan.schedule import NUM_BUCKETS
 
 __all__ = ["SIM", "DecodeSpec", "MergeSpec", "decode_kernel", "merge_kernel", "schedule_probe_kernel",
            "launch_scope", "KIND_FP32", "KIND_FP16", "KIND_BF16", "KIND_FP8", "f32_to_bits16", "bits16_to_f32",
@@ -556,9 +556,9 @@ def _sched_buffer_words(threads: int) -> int:
 
 
 def _make_block_reductions(threads: int):
-    """``(block_sum, block_scan)`` over the ``threads`` threads of a program, of one int64 per thread:
-    ``block_sum(x, tid, buf) -> total`` and ``block_scan(x, tid, buf) -> (inclusive prefix, total)``; every
-    thread gets the same total. ``buf``: shared int64 ``[_sched_buffer_words(threads)]``; both end with a
+    """``(block_sum, block_scan, block_max)`` over the ``threads`` threads of a program, of one int64 per thread:
+    ``block_sum(x, tid, buf) -> total``, ``block_scan(x, tid, buf) -> (inclusive prefix, total)`` and
+    ``block_max(x, tid, buf) -> max``; every thread gets the same result. ``buf``: shared int64 ``[_sched_buffer_words(threads)]``; both end with a
     barrier, so ``buf`` may be reused at once."""
     NT = threads
     if SIM:
@@ -594,7 +594,20 @@ def _make_block_reductions(threads: int):
             cuda.syncthreads()
             return incl, total
 
-        return block_sum, block_scan
+        def block_max(x, tid, buf):
+            buf[tid] = x
+            cuda.syncthreads()
+            s = P2 // 2
+            while s >= 1:  # tree
+                if tid < s and tid + s < NT:
+                    buf[tid] = max(buf[tid], buf[tid + s])
+                cuda.syncthreads()
+                s //= 2
+            m = buf[0]
+            cuda.syncthreads()
+            return m
+
+        return block_sum, block_scan, block_max
 
     NW = max(1, NT // 32)
 
@@ -611,6 +624,20 @@ def _make_block_reductions(threads: int):
             total += buf[w]
         cuda.syncthreads()
         return total
+
+    @_device
+    def block_max(x, tid, buf):
+        v = x
+        for lv in range(5):  # butterfly over the warp's 32 lanes
+            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, 16 >> lv))
+        if tid % 32 == 0:
+            buf[tid // 32] = v
+        cuda.syncthreads()
+        m = int64(0)
+        for w in range(NW):
+            m = max(m, buf[w])
+        cuda.syncthreads()
+        return m
 
     @_device
     def block_scan(x, tid, buf):
@@ -634,7 +661,7 @@ def _make_block_reductions(threads: int):
         cuda.syncthreads()
         return before + v, total
 
-    return block_sum, block_scan
+    return block_sum, block_scan, block_max
 
 
 def _make_schedule(threads: int, q_len: int, window: bool):
@@ -652,8 +679,8 @@ def _make_schedule(threads: int, q_len: int, window: bool):
     """
     NT, QL, WINDOW, PER = threads, q_len, window, SCHED_PER
     CH = NT * PER
-    LAST_TARGET = NUM_TARGETS - 1
-    block_sum, block_scan = _make_block_reductions(NT)
+    LAST_BUCKET = NUM_BUCKETS - 1
+    block_sum, block_scan, block_max = _make_block_reductions(NT)
 
     @_device
     def seq_span(length, window_left, granule):
@@ -685,13 +712,18 @@ def _make_schedule(threads: int, q_len: int, window: bool):
             info[1] = 0
         # the batch's total granules
         tot = int64(0)
+        mx = int64(0)
         for i in range(tid, nbatch, NT):
             _, nb = seq_span(int64(seq_lens[i]), window_left, granule)
             tot += nb
+            mx = max(mx, nb)
         total = block_sum(tot, tid, buf)  # its barriers also publish info's reset
-        k = 0  # bucket: bit_length(total), at most NUM_TARGETS - 1
-        while k < LAST_TARGET and (total >> k) != 0:
+        nb_max = block_max(mx, tid, buf)
+        k = 0  # bucket: bit_length(total), at most NUM_BUCKETS - 1
+        while k < LAST_BUCKET and (total >> k) != 0:
             k += 1
+        if 2 * total < int64(nbatch) * nb_max:  # a long-tailed batch: the second table
+            k += NUM_BUCKETS
         t = int64(targets[k])
         c = int64(min_c)
         if t > 0 and total > 0:
@@ -749,7 +781,7 @@ def schedule_probe_kernel(threads: int, q_len: int = 1, window: bool = False):
     Arguments (grid ``(n,)``, ``threads`` threads)::
 
         seq_lens  [B] int32
-        targets   [32] int32
+        targets   [64] int32
         meta      [2 B] int32, written by block 0 when ``write_meta``
         units     [n] int: the unit each block asks about
         res       [n, 6] int64: (b, j, start, end, units_b, c) of that unit; b = -1 (rest untouched) past the
@@ -864,7 +896,7 @@ def decode_kernel(spec: DecodeSpec):
         ws_o      the workspace's PartialState.o [1, Q, Hq, max_units, D] float32 (``spec.sched``; else any array)
         ws_lse    the workspace's PartialState.lse [1, Q, Hq, max_units] float32 (idem)
         meta      [2 B] int32: indptr then units, written by program 0 when ``write_meta`` (else any int array)
-        targets   [32] int32: the schedule's targets table
+        targets   [64] int32: the schedule's targets table (near-uniform, then long-tailed)
         num_kv_heads int; granule, min_unit_granules, max_units_per_seq: the schedule's constants
         write_meta int: 1 when the plan's merge is separate
         page_shift int, log2(page_size) (0 when not paged)

@@ -52,13 +52,15 @@ def _granules(seq_len, Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.co
 
 
 @triton.jit
-def _granules_per_unit(total, TARGETS, min_unit_granules):
-    """``c = max(min_unit_granules, ceil(T / targets[k]))`` with ``k = bit_length(T)`` clamped to 31, or
-    ``min_unit_granules`` when ``targets[k] == 0``; ``total`` (``T``) int64, ``c`` int32 (a ``c`` of 2^31 or more acts
-    as ``c = T``: one unit per sequence either way)."""
+def _granules_per_unit(total, nb_max, batch, TARGETS, min_unit_granules):
+    """``c = max(min_unit_granules, ceil(T / targets[k + 32 * tail]))`` with ``k = bit_length(T)`` clamped to 31 and
+    ``tail = 2 T < batch * nb_max`` (the long-tailed table), or ``min_unit_granules`` when that target is 0; ``total``
+    (``T``) and ``nb_max`` int64, ``c`` int32 (a ``c`` of 2^31 or more acts as ``c = T``: one unit per sequence either
+    way)."""
     bits = tl.arange(0, 32)
     # bit_length(T) clamped to 31: the number of i < 31 with T >= 2^i
     bucket = tl.sum(((total >= (tl.full([32], 1, tl.int64) << bits.to(tl.int64))) & (bits < 31)).to(tl.int32), 0)
+    bucket = tl.where(2 * total < nb_max * batch, bucket + 32, bucket)
     t = tl.load(TARGETS + bucket).to(tl.int64)
     per = tl.where(t > 0, (total + tl.maximum(t, 1) - 1) // tl.maximum(t, 1), 0)
     return tl.minimum(tl.maximum(per, min_unit_granules), INT32_MAX).to(tl.int32)
@@ -97,7 +99,8 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
         _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
         c = min_unit_granules
         if BALANCED:
-            c = _granules_per_unit(tl.sum(nb.to(tl.int64), 0), TARGETS, min_unit_granules)
+            c = _granules_per_unit(tl.sum(nb.to(tl.int64), 0), tl.max(nb.to(tl.int64), 0), batch, TARGETS,
+                                   min_unit_granules)
         cb, units = _units(nb, ok, c, max_units_per_seq)
         incl = tl.cumsum(units, 0)
         excl = incl - units
@@ -109,14 +112,16 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
         return (tl.max(tl.where(mine, offs_blk, -1), 0), tl.sum(tl.where(mine, excl, 0), 0),
                 tl.sum(tl.where(mine, units, 0), 0), tl.sum(tl.where(mine, cb, 0), 0))
     c = min_unit_granules
-    if BALANCED:  # granules per unit from the batch's total
+    if BALANCED:  # granules per unit from the batch's total and longest sequence
         total = tl.full([], 0, tl.int64)
+        nb_max = tl.full([], 0, tl.int64)
         for b0 in range(0, batch, BLOCK_B):
             offs = b0 + offs_blk
             lens = tl.load(SEQ_LENS + offs.to(tl.int64) * stride_sl, mask=offs < batch, other=0)
             _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
             total += tl.sum(nb.to(tl.int64), 0)
-        c = _granules_per_unit(total, TARGETS, min_unit_granules)
+            nb_max = tl.maximum(nb_max, tl.max(nb.to(tl.int64), 0))
+        c = _granules_per_unit(total, nb_max, batch, TARGETS, min_unit_granules)
     writer = -1
     if WRITE_META:
         writer = 0
