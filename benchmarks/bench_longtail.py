@@ -102,6 +102,29 @@ def read_us(nbytes: int, iters: int) -> float:
     return _READ[nbytes]
 
 
+def scaled_plan(w, scale: float) -> None:
+    """Replace ``w``'s capacity plan by the same plan with its long-tailed targets table (entries 32-63) scaled by
+    ``scale`` and the unit slots the new table needs, with a workspace to match (what ``cost_model.tail_target_scale``
+    would plan)."""
+    import dataclasses
+
+    from attnplan.backends.base import Workspace
+    from attnplan.schedule import NUM_BUCKETS, max_units_bound
+
+    plan = w.plan_
+    s = plan.schedule
+    base = s.targets[NUM_BUCKETS:]
+    tail = tuple([0] + [max(1, round(t * scale)) if t else 0 for t in base[1:]])
+    targets = s.targets[:NUM_BUCKETS] + tail
+    p = plan.problem
+    cap_units = p.batch * min(s.max_units_per_seq, -(-(-(-p.capacity // s.granule)) // s.min_unit_granules))
+    sched = dataclasses.replace(s, targets=targets,
+                                max_units=min(max_units_bound(targets, p.batch, s.max_units_per_seq), cap_units))
+    w.plan_ = dataclasses.replace(plan, schedule=sched)
+    w.plan_.validate(p)
+    w.workspace = Workspace.allocate(w.plan_, torch.device("cuda"))
+
+
 def graph_time(step, iters: int) -> float:
     (g,) = capture_graphs(lambda j: step(), 1)
     t = time_cuda(lambda i: g.replay(), warmup=10, iters=iters, flush=True)["median_us"]
@@ -164,6 +187,18 @@ def run_point(hq, hkv, d, batch, dist, args, fi, gen) -> dict:
                     lambda: wl.run(q, k_cache, v_cache, sl, bt, out=out2), args.iters)
                 if vi == 0:
                     res["plans"][be]["live"] = wl.explain(lens).splitlines()
+            for scale in args.tail_scales:  # the capacity plan with its long-tailed targets table rescaled
+                sw = attnplan.DecodeWrapper(backend=be)
+                sw.plan(q0, k_cache, v_cache, sl0, bt0, capacity=True)
+                scaled_plan(sw, scale)
+                for vi, (q, sl, bt, lens) in enumerate(inputs):
+                    out = torch.empty_like(q)
+                    sw.run(q, k_cache, v_cache, sl, bt, out=out)
+                    torch.cuda.synchronize()
+                    err = max_err(out, refs[vi])
+                    assert err < 0.05, f"{be} tail scale {scale}: max error {err:.3g} at vector {vi}"
+                    res["vectors"][vi][f"{be}_tail{scale:g}_us"] = graph_time(
+                        lambda: sw.run(q, k_cache, v_cache, sl, bt, out=out), args.iters)
         except Exception as e:  # noqa: BLE001 - one backend's failure is reported, the rest still run
             res.setdefault("errors", {})[be] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"  {be}: {res['errors'][be]}", flush=True)
@@ -188,7 +223,7 @@ def run_point(hq, hkv, d, batch, dist, args, fi, gen) -> dict:
     return res
 
 
-def summarize(pt: dict, backends) -> dict:
+def summarize(pt: dict, backends, tail_scales=()) -> dict:
     """Per point: means over vectors of the best backend's capacity / live times, FlashInfer's best, the read."""
     vs = pt["vectors"]
 
@@ -201,9 +236,15 @@ def summarize(pt: dict, backends) -> dict:
     fi = [min([v[k] for k in ("fi_us", "fi_tc_us") if k in v] or [float("nan")]) for v in vs]
     rd = [v["read_us"] for v in vs]
     gm = lambda xs: math.exp(statistics.fmean(math.log(x) for x in xs)) if all(x == x and x > 0 for x in xs) else float("nan")  # noqa: E731
-    return {"capacity_us": statistics.fmean(cap), "live_us": statistics.fmean(live), "fi_us": statistics.fmean(fi),
-            "read_us": statistics.fmean(rd), "cap_over_live": gm([c / l for c, l in zip(cap, live)]),
-            "fi_over_cap": gm([f / c for f, c in zip(fi, cap)]), "read_over_cap": gm([r / c for r, c in zip(rd, cap)])}
+    out = {"capacity_us": statistics.fmean(cap), "live_us": statistics.fmean(live), "fi_us": statistics.fmean(fi),
+           "read_us": statistics.fmean(rd), "cap_over_live": gm([c / l for c, l in zip(cap, live)]),
+           "fi_over_cap": gm([f / c for f, c in zip(fi, cap)]), "read_over_cap": gm([r / c for r, c in zip(rd, cap)])}
+    for scale in tail_scales:  # the rescaled long-tailed table against the plan as made, per backend
+        for b in backends:
+            key = f"{b}_tail{scale:g}_us"
+            if all(key in v and f"{b}_capacity_us" in v for v in vs):
+                out[f"{b}_tail{scale:g}_over_cap"] = gm([v[key] / v[f"{b}_capacity_us"] for v in vs])
+    return out
 
 
 def _env() -> dict:
@@ -237,9 +278,12 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", default="triton,cuda_ptx")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--tail-scales", default="", help="also time the capacity plan with its long-tailed targets "
+                    "scaled by each of these factors (comma-separated), to choose cost_model.tail_target_scale")
     ap.add_argument("--out", default="benchmarks/results/longtail.json")
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
+    args.tail_scales = [float(x) for x in args.tail_scales.split(",") if x]
     if not torch.cuda.is_available():
         print("bench_longtail needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -257,7 +301,7 @@ def main(argv=None) -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             for dist in args.dists.split(","):
                 pt = run_point(hq, hkv, d, batch, dist, args, fi, gen)
-                pt["summary"] = summarize(pt, args.backends)
+                pt["summary"] = summarize(pt, args.backends, args.tail_scales)
                 points.append(pt)
                 s = pt["summary"]
                 print(f"{hq}/{hkv}/{d} b{batch} {dist}: capacity {s['capacity_us']:.1f} us, live {s['live_us']:.1f}, "
@@ -265,6 +309,14 @@ def main(argv=None) -> int:
                 with open(args.out, "w") as f:  # after every point: a run cut short keeps what it measured
                     json.dump(result, f, indent=1)
     print_table(points)
+    for scale in args.tail_scales:
+        for b in args.backends:
+            rs = [pt["summary"].get(f"{b}_tail{scale:g}_over_cap") for pt in points]
+            rs = [r for r in rs if r]
+            if rs:
+                g = math.exp(statistics.fmean(math.log(r) for r in rs))
+                print(f"{b} long-tailed targets x{scale:g}: time / plan's {g:.3f} (geomean over {len(rs)} points; "
+                      f"faster at {sum(r < 0.99 for r in rs)}, slower at {sum(r > 1.01 for r in rs)})")
     return 0
 
 
