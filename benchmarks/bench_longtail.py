@@ -122,7 +122,7 @@ def scaled_plan(w, scale: float) -> None:
                                 max_units=min(max_units_bound(targets, p.batch, s.max_units_per_seq), cap_units))
     w.plan_ = dataclasses.replace(plan, schedule=sched)
     w.plan_.validate(p)
-    w.workspace = Workspace.allocate(w.plan_, torch.device("cuda"))
+    w.workspace = Workspace.allocate(w.plan_, w.workspace.targets.device)
 
 
 def graph_time(step, iters: int) -> float:
