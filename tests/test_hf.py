@@ -216,6 +216,41 @@ def test_compiled_bf16_decode_logits_within_sdpa_noise_gpu(gen):
     assert err[attnplan.hf.NAME] <= 2 * err["sdpa"] + 1e-2, err
 
 
+def _bench_hf():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_hf
+
+    return bench_hf
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU exit")
+def test_bench_hf_exits_on_the_cpu(capsys, tmp_path):
+    out = tmp_path / "hf.json"
+    assert _bench_hf().main(["--out", str(out)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err and not out.exists()
+
+
+def test_bench_hf_table_shows_speedups_errors_and_the_op_check():
+    """The printed summary from a results dict as the benchmark builds it: speedups sdpa / attnplan, the logits
+    errors, the op check's ratio and worst error, and each failure's message."""
+    res = {"points": {"1024": {"prompt": 1024, "eager_sdpa": {"median_ms": 51.5, "logits_err": 0.031},
+                               "eager_attnplan": {"median_ms": 28.8, "logits_err": 0.029},
+                               "compiled_sdpa": {"median_ms": 4.0, "logits_err": 0.03},
+                               "compiled_attnplan": {"error": "RuntimeError: boom"}}},
+           "op_check": {"1024": {"wrapper_us": 8.0, "op_graph_us": 8.1, "op_compiled_us": 8.2,
+                                 "op_compiled_over_wrapper": 1.025,
+                                 "max_err_at_other_lengths": {"wrapper": 0.004, "op_graph": 0.004,
+                                                              "op_compiled": 0.006}}}}
+    text = _bench_hf().table(res)
+    assert "| 1,024 | 51.50 | 28.80 | 1.79x | 4.00 | - | - |" in text
+    assert "| 1,024 | 0.031 | 0.029 | 0.03 | - |" in text
+    assert "| 1,024 | 8.00 | 8.10 | 8.20 | 1.025 | 0.006 |" in text
+    assert "1024 compiled_attnplan: RuntimeError: boom" in text
+
+
 def test_register_without_transformers_names_the_extra(monkeypatch):
     """``register()`` with transformers missing: an ImportError that says which extra to install."""
     import sys
