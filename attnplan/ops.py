@@ -18,7 +18,13 @@ Device memory, by lifetime:
 - per device and stream: the fused merge's completion counters (int32, one per (sequence, KV head)), zero at
   rest (the last program of each (sequence, KV head) resets its counter), as a hand-captured
   :class:`~attnplan.DecodeWrapper` keeps them, so no replay spends a memset on them. Calls on one stream run one
-  after another, so they can share one buffer; calls on another stream get their own.
+  after another, so they can share one buffer; calls on another stream get their own. A stream's buffer is made on
+  its first call outside a capture; a capture on a stream that never ran the op (``torch.cuda.graph`` captures on
+  its own stream unless given the warm-up stream) zeroes per-call counters instead, a memset node per call.
+  torch.compile's CUDA-graph trees warm up and capture on one stream.
+
+The call leaves no reference to its temporaries behind (a backend's launch cache entry for the call's workspace is
+dropped), so they die with the call, as torch's graph pools expect.
 
 Both kinds of long-lived tensors are allocated outside any CUDA-graph memory pool the calling thread is routed
 to (torch.compile's CUDA-graph trees route their warm-up run's allocations to their private pool, where a tensor
@@ -187,8 +193,21 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     counters = _counters(plan.sync_words, q) if plan.sync_words else None
     ws = Workspace(state, meta, counters, targets, plan.schedule.targets)
     out = torch.empty_like(q)
-    be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm), ws, out, None)
+    try:
+        be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm), ws, out, None)
+    finally:
+        _forget_launch(be, plan, ws)
     return out
+
+
+def _forget_launch(be, plan, ws: Workspace) -> None:
+    """Drop what the backend cached for this call's workspace. The triton backend keeps the launch constants of the
+    last (plan, workspace) pairs, with references to the workspace's tensors: kept, the per-call temporaries would
+    outlive the call (a leak in the CUDA-graph pool of torch.compile, whose pool checks raise on it) and fill that
+    cache, evicting the launches of long-lived wrappers."""
+    launches = getattr(be, "_launches", None)
+    if isinstance(launches, dict):
+        launches.pop((id(plan), id(ws)), None)
 
 
 @decode_op.register_fake

@@ -236,11 +236,11 @@ def test_op_first_call_under_real_capture_raises_plan_not_ready(gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("how", ["torch.cuda.graph", "reduce-overhead"])
+@pytest.mark.parametrize("how", ["by hand on the warm-up stream", "by hand on another stream", "reduce-overhead"])
 def test_op_replays_with_changing_lengths_on_static_cache_views(how, gen):
-    """Captured once (by hand, or by torch.compile's CUDA-graph trees with their pool checks on), replayed while
+    """Captured once (by hand, on the stream that planned it, which finds that stream's counters, or on another,
+    which zeroes its own per call; or by torch.compile's CUDA-graph trees with their pool checks on), replayed while
     the lengths change in place: every replay equals the reference at the new lengths."""
-    attnplan.ops.clear_op_plans()
     cap = 32768
     q, k, v, lens = _hf_layout(1, 32, 8, 64, cap, torch.bfloat16, "cuda", gen)
     lens.fill_(1024)
@@ -248,14 +248,14 @@ def test_op_replays_with_changing_lengths_on_static_cache_views(how, gen):
     def step(q, k, v, lens):
         return torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, BACKEND) * 2
 
-    if how == "torch.cuda.graph":
+    if how.startswith("by hand"):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            step(q, k, v, lens)  # plans (warm-up, on the capture stream)
-        torch.cuda.current_stream().wait_stream(s)
+            step(q, k, v, lens)  # plans (warm-up)
+        torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, stream=s if how.endswith("warm-up stream") else None):
             static_out = step(q, k, v, lens)
         run = lambda: (g.replay(), static_out)[1]  # noqa: E731
     else:
@@ -271,6 +271,7 @@ def test_op_replays_with_changing_lengths_on_static_cache_views(how, gen):
         ref, _ = reference.attention(q, k, v, lens, None, 64 ** -0.5)
         assert_close_to_reference(out / 2, ref, torch.bfloat16, what=f"{how} length {n}")
     assert len(attnplan.ops._PLANS) == 1
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu
@@ -293,3 +294,27 @@ def test_op_long_lived_tables_are_outside_graph_pools(gen, tmp_path, monkeypatch
         assert not any(a <= t.data_ptr() < b for a, b in spans), f"{name} lies in the private pool"
     ref, _ = reference.attention(q, k, v, lens, None, 64 ** -0.5)
     assert_close_to_reference(out, ref, torch.bfloat16)
+
+
+def test_op_temporaries_do_not_outlive_the_call(gen, monkeypatch):
+    """The per-call partial states and (indptr, units) table are freed when the call returns: no backend cache keeps
+    them (kept, they leak in torch.compile's CUDA-graph pool, whose pool checks raise on live untracked tensors)."""
+    import gc
+    import weakref
+
+    be = get_backend(BACKEND)
+    refs = []
+    real = be.run
+
+    def spy(plan, inputs, ws, out, lse=None):
+        refs.extend(weakref.ref(t) for t in (ws.state.o if ws.state is not None else None, ws.meta) if t is not None)
+        return real(plan, inputs, ws, out, lse)
+
+    monkeypatch.setattr(be, "run", spy)
+    x = make_inputs(2, 8, 2, 32, [60, 7], dtype=torch.float16, device=DEVICE, capacity=64, generator=gen)
+    for _ in range(2):
+        out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, 0.0, BACKEND)
+    gc.collect()
+    assert refs and all(r() is None for r in refs), "a per-call temporary is still referenced after the call"
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
+    assert_close_to_reference(out, ref, torch.float16)
