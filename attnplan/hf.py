@@ -25,7 +25,9 @@ Which cache, which path (what transformers hands the attention function decides;
   under ``torch.compile`` the op traces without graph breaks (it has a fake implementation) and its kernels
   capture into the CUDA graphs of ``mode="reduce-overhead"``, where every replay reads the new lengths.
   Only batch 1 takes this path: with a mask, a larger batch may hold padding, which attnplan's
-  prefix-length cache cannot express, so it falls back to SDPA.
+  prefix-length cache cannot express, so it falls back to SDPA (a single sequence is taken to hold none).
+  A DynamicCache step of several tokens over a cache (speculative verification) comes with a mask too and takes
+  this path; its shapes, so its plan, change every step.
 - Under ``torch.compile`` any served call goes through the op (with a DynamicCache the lengths are the
   tensors' ``kv_len``).
 
@@ -57,8 +59,8 @@ from .problem import MAX_Q_LEN, tensor_signature
 __all__ = ["register", "attnplan_attention_forward", "NAME", "STATS"]
 
 NAME = "attnplan"
-#: how eager calls were served (calls traced by ``torch.compile`` are not counted: a count there would be
-#: a Python side effect that dynamo guards on), for tests and for users who want to know
+#: how eager calls were served, for tests and for users who want to know (calls traced by ``torch.compile`` are
+#: not counted: dynamo would guard on the counter's value and recompile at every step)
 STATS = {"attnplan": 0, "sdpa_fallback": 0}
 
 _SDPA = None  # transformers' sdpa_attention_forward, bound on first use
