@@ -52,7 +52,7 @@ import threading
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.attnplan.decode)
+from . import ops  # noqa: F401  (registers torch.ops.attnplan.decode, which the compiled path calls)
 from .api import DecodeWrapper
 from .problem import MAX_Q_LEN, tensor_signature
 

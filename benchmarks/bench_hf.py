@@ -226,85 +226,87 @@ def capture_on_warmup_stream(step) -> torch.cuda.CUDAGraph:
     return g
 
 
-def op_check(args, res: dict, save) -> None:
-    """The op (hand-captured, and compiled with reduce-overhead) against a hand-captured DecodeWrapper: 16 calls a
-    step, device time of a replay, per prompt length; then correctness at other lengths."""
-    import attnplan.ops  # noqa: F401
+def op_check_one(args, L: int, gen: torch.Generator) -> dict:
+    """One prompt length of :func:`op_check`: the three variants' replay times per call and their worst errors at
+    other lengths (``error`` set when one is wrong)."""
     from attnplan.timing import time_cuda
 
     hq, hkv, d, layers = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["head_dim"], args.layers
+    row: dict = {"prompt": L}
+    cap = L + args.warmup + args.new_tokens + 8
+    q = torch.randn(1, hq, 1, d, device="cuda", generator=gen, dtype=torch.bfloat16).transpose(1, 2)
+    kv = [tuple(torch.randn(1, hkv, cap, d, device="cuda", generator=gen, dtype=torch.bfloat16).transpose(1, 2)
+                for _ in range(2)) for _ in range(layers)]
+    flat = [t for pair in kv for t in pair]
+    lens = torch.full((1,), L, dtype=torch.int32, device="cuda")
+    for t in (q, lens, *flat):  # as the StaticCache's tensors are: replays read them in place, no copies
+        torch._dynamo.mark_static_address(t)
+    w = attnplan.DecodeWrapper()
+    w.plan(q, kv[0][0], kv[0][1], lens, capacity=True)
+    outs = [torch.empty_like(q) for _ in range(layers)]
+    op_outs: list = []
+    compiled_out: list = []
+
+    def wrapper_step():
+        for (k, v), o in zip(kv, outs):
+            w.run(q, k, v, lens, out=o)
+
+    def op_step():
+        op_outs[:] = [torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, "") for k, v in kv]
+
+    def layers_fn(q, lens, *flat):
+        return [torch.ops.attnplan.decode(q, flat[2 * i], flat[2 * i + 1], lens, None, 0.0, "")
+                for i in range(layers)]
+
+    gw, go = capture_on_warmup_stream(wrapper_step), capture_on_warmup_stream(op_step)
+    torch._dynamo.reset()
+    f = torch.compile(layers_fn, mode="reduce-overhead", fullgraph=True)
+
+    def compiled_step(_=0):
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled_out[:] = f(q, lens, *flat)
+
+    for _ in range(3):  # compile + warm-up, record, replay
+        compiled_step()
+    torch.cuda.synchronize()
+    t = {name: time_cuda(fn, iters=args.iters, flush=True)["median_us"] / layers
+         for name, fn in (("wrapper_us", lambda i: gw.replay()), ("op_graph_us", lambda i: go.replay()),
+                          ("op_compiled_us", compiled_step))}
+    row.update(t, plan=w.plan_.explain([L]).splitlines()[-3:])
+    row["op_compiled_over_wrapper"] = t["op_compiled_us"] / t["wrapper_us"]
+    row["op_graph_over_wrapper"] = t["op_graph_us"] / t["wrapper_us"]
+    errs = {"wrapper": 0.0, "op_graph": 0.0, "op_compiled": 0.0}
+    for n in (L, 1, cap, L // 3 + 7, 0):
+        lens.fill_(n)
+        gw.replay()
+        go.replay()
+        compiled_step()
+        torch.cuda.synchronize()
+        for i in (0, layers - 1):
+            ref = reference_out(q, kv[i][0], kv[i][1], n) if n else torch.zeros(1, 1, hq, d, device="cuda")
+            for name, o in (("wrapper", outs[i]), ("op_graph", op_outs[i]), ("op_compiled", compiled_out[i])):
+                errs[name] = max(errs[name], max_err(o.float(), ref))
+    row["max_err_at_other_lengths"] = errs
+    bad = {k: e for k, e in errs.items() if not e < 0.05}
+    if bad:
+        row["error"] = f"wrong results at other lengths: {bad}"
+    return row
+
+
+def op_check(args, res: dict, save) -> None:
+    """The op (hand-captured, and compiled with reduce-overhead) against a hand-captured DecodeWrapper: 16 calls a
+    step, device time of a replay, per prompt length; then correctness at other lengths."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     for L in args.lengths:
-        row = res["op_check"].setdefault(str(L), {"prompt": L})
         try:
-            cap = L + args.warmup + args.new_tokens + 8
-            q = torch.randn(1, hq, 1, d, device="cuda", generator=gen, dtype=torch.bfloat16).transpose(1, 2)
-            kv = [tuple(torch.randn(1, hkv, cap, d, device="cuda", generator=gen, dtype=torch.bfloat16).transpose(1, 2)
-                        for _ in range(2)) for _ in range(layers)]
-            lens = torch.full((1,), L, dtype=torch.int32, device="cuda")
-            for t in (q, lens, *[t for pair in kv for t in pair]):
-                torch._dynamo.mark_static_address(t)
-            w = attnplan.DecodeWrapper()
-            w.plan(q, kv[0][0], kv[0][1], lens, capacity=True)
-            outs = [torch.empty_like(q) for _ in range(layers)]
-
-            def wrapper_step(_=0):
-                for (k, v), o in zip(kv, outs):
-                    w.run(q, k, v, lens, out=o)
-                return outs
-
-            op_outs = []
-
-            def op_step(_=0):
-                op_outs[:] = [torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, "") for k, v in kv]
-                return op_outs
-
-            def layers_fn(q, lens, *flat):
-                return [torch.ops.attnplan.decode(q, flat[2 * i], flat[2 * i + 1], lens, None, 0.0, "")
-                        for i in range(layers)]
-
-            gw, go = capture_on_warmup_stream(wrapper_step), capture_on_warmup_stream(op_step)
-            torch._dynamo.reset()
-            f = torch.compile(layers_fn, mode="reduce-overhead", fullgraph=True)
-            flat = [t for pair in kv for t in pair]
-            compiled_out = []
-
-            def compiled_step(_=0):
-                torch.compiler.cudagraph_mark_step_begin()
-                compiled_out[:] = f(q, lens, *flat)
-                return compiled_out
-
-            for _ in range(3):  # compile + warm-up, record, replay
-                compiled_step()
-            torch.cuda.synchronize()
-            t = {name: time_cuda(fn, iters=args.iters, flush=True)["median_us"] / layers
-                 for name, fn in (("wrapper_us", lambda i: gw.replay()), ("op_graph_us", lambda i: go.replay()),
-                                  ("op_compiled_us", compiled_step))}
-            row.update(t, plan=w.plan_.explain([L]).splitlines()[-3:])
-            row["op_compiled_over_wrapper"] = t["op_compiled_us"] / t["wrapper_us"]
-            row["op_graph_over_wrapper"] = t["op_graph_us"] / t["wrapper_us"]
-            errs = {"wrapper": 0.0, "op_graph": 0.0, "op_compiled": 0.0}
-            for n in (L, 1, cap, L // 3 + 7, 0):
-                lens.fill_(n)
-                gw.replay()
-                go.replay()
-                compiled_step()
-                torch.cuda.synchronize()
-                for i in (0, layers - 1):
-                    ref = reference_out(q, kv[i][0], kv[i][1], n) if n else torch.zeros(1, 1, hq, d, device="cuda")
-                    for name, o in (("wrapper", outs[i]), ("op_graph", op_outs[i]), ("op_compiled", compiled_out[i])):
-                        errs[name] = max(errs[name], max_err(o.float(), ref))
-            row["max_err_at_other_lengths"] = errs
-            bad = {k: e for k, e in errs.items() if not e < 0.05}
-            if bad:
-                row["error"] = f"wrong results at other lengths: {bad}"
-            print(f"  L={L} op check: wrapper {t['wrapper_us']:.2f} us/call, op captured {t['op_graph_us']:.2f}, "
-                  f"op compiled {t['op_compiled_us']:.2f} ({row['op_compiled_over_wrapper']:.3f}x); errors {errs}",
-                  flush=True)
-            del gw, go, f, kv, outs, op_outs, compiled_out, flat, w
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row = op_check_one(args, L, gen)
+            print(f"  L={L} op check: wrapper {row['wrapper_us']:.2f} us/call, op captured {row['op_graph_us']:.2f}, "
+                  f"op compiled {row['op_compiled_us']:.2f} ({row['op_compiled_over_wrapper']:.3f}x); errors "
+                  f"{row['max_err_at_other_lengths']}", flush=True)
+        except Exception as e:  # noqa: BLE001 - one length's failure is reported, the rest still run
+            row = {"prompt": L, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"  L={L} op check: {row['error']}", flush=True)
+        res["op_check"][str(L)] = row
         torch._dynamo.reset()
         torch.cuda.empty_cache()
         save()
