@@ -13,8 +13,9 @@ Device memory, by lifetime:
   costs nothing for them): the ragged partial states ``[1, q_len, num_q_heads, max_units, head_dim]`` fp32 and the
   ``(indptr, units)`` table ``[2 * batch]`` int32 of the separate merge, written by the partial kernel before
   they are read, and the output;
-- per plan, constant: the schedule's ``targets`` table (int32 ``[64]``), copied to the device once, when the plan
-  is made (a host-to-device copy under capture is illegal), and shared by every plan with the same table;
+- per plan, constant: the schedule's ``targets`` table (int32 ``[NUM_TARGETS]`` of :mod:`attnplan.schedule`),
+  copied to the device once, when the plan is made (a host-to-device copy under capture is illegal), and shared
+  by every plan with the same table;
 - per device and stream: the fused merge's completion counters (int32, one per (sequence, KV head)), zero at
   rest (the last program of each (sequence, KV head) resets its counter), as a hand-captured
   :class:`~attnplan.DecodeWrapper` keeps them, so no replay spends a memset on them. Calls on one stream run one
