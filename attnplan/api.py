@@ -647,7 +647,7 @@ class DecodeWrapper:
                                     "capacity=True before capturing (it picks a graph-safe backend)")
         # -- end of argument checks --
         if self._launcher is not None:
-            self._launcher(q, k_cache, v_cache, seq_lens, block_table, out, lse)
+            self._launcher(q, k_cache, v_cache, seq_lens, block_table, out, lse, ptrs)
         else:
             inputs = DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm, **var)
             self.backend.run(self.plan_, inputs, self.workspace, out, lse)

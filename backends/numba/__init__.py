@@ -486,23 +486,27 @@ class BoundLaunch:
                 self.sim = True  # no cheap stream query: every launch through the dispatcher
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor | None,
-                 out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        """Launch the partial kernel (and the separate merge) on torch's current stream. No allocation, no sync."""
+                 out: torch.Tensor, lse: torch.Tensor | None, ptrs: tuple | None = None) -> None:
+        """Launch the partial kernel (and the separate merge) on torch's current stream. No allocation, no sync.
+        ``ptrs``: the data pointers of q, k, v, sl and bt (0 for ``None``) when the caller has them."""
         key = (out.stride(), None if lse is None else lse.stride())
         entry = self.direct.get(key)
         if entry is not None:
             idx = self.device.index
             cur = self.current_device()
             if idx is None or idx == cur:
-                ptr = self.raw_stream(cur)
-                src = (q, k, v, sl, bt, out, lse, self.sinks, self.k_scale, self.v_scale)
+                stream_ptr = self.raw_stream(cur)
+                if ptrs is None:
+                    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), 0 if bt is None else bt.data_ptr())
+                src = ptrs + (out.data_ptr(), 0 if lse is None else lse.data_ptr()) + tuple(
+                    0 if t is None else t.data_ptr() for t in (self.sinks, self.k_scale, self.v_scale))
                 for d in entry:
-                    stream = d.streams.get(ptr)
+                    stream = d.streams.get(stream_ptr)
                     if stream is None:
-                        stream = d.streams[ptr] = d.kern[d.grid, d.block, self.backend._stream(ptr)].stream
+                        stream = d.streams[stream_ptr] = d.kern[d.grid, d.block, self.backend._stream(stream_ptr)].stream
                     a = d.template.copy()
                     for pos, i in d.patch:
-                        a[pos] = src[i].data_ptr()
+                        a[pos] = src[i]
                     d.launch(stream, d.config, d.handle, *a)
                 return
         be, plan, ws = self.backend, self.plan, self.workspace

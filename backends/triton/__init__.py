@@ -112,6 +112,11 @@ def _same_args(a: tuple, b: tuple) -> bool:
                                     for x, y in zip(a, b))
 
 
+def _as_ptrs(args: tuple) -> tuple:
+    """``args`` with every tensor replaced by its data pointer."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
 class BoundLaunch:
     """``DecodeWrapper.run()``'s launches of one plan on one workspace, for inputs of one signature, prepared at
     ``plan()`` time (FlashInfer's plan/run split; the same idea as a CUDA graph's fixed launch parameters, without
@@ -124,19 +129,21 @@ class BoundLaunch:
 
     The first call for each output layout launches through Triton's JIT (which compiles a new specialization) and
     keeps the compiled kernel it returned; later calls with the same output layout launch that compiled kernel
-    directly (``CompiledKernel.run``: the launcher Triton's JIT itself ends in), with arguments laid out once. A
-    direct launch is used only for exactly the specialization Triton compiled: the key holds ``out``'s and
-    ``lse``'s strides and the 16-byte alignment of every pointer that can change (``out``, ``lse``, the sink and
-    scale tensors); everything else the specialization depends on (the inputs' strides and alignment, the plan's
-    integers, the constexprs, the dtypes) is fixed for the binding. The direct path is also left for the JIT when
-    a Triton launch hook is set (profilers), when Triton's debug knob changed, under the interpreter, and on
-    another current device. Before its first direct launch, the arguments it lays out are compared with those of
+    directly (``CompiledKernel.run``: the launcher Triton's JIT itself ends in), with arguments laid out once and
+    data pointers passed as integers (the launcher then neither calls ``data_ptr()`` nor asks the driver about each
+    pointer: every tensor here is device memory of the planned device, checked by ``run()``). A direct launch is
+    used only for exactly the specialization Triton compiled: the key holds ``out``'s and ``lse``'s strides and
+    the 16-byte alignment of every pointer that can change (``out``, ``lse``, the sink and scale tensors);
+    everything else the specialization depends on (the inputs' strides and alignment, the plan's integers, the
+    constexprs, the dtypes) is fixed for the binding. The direct path is also left for the JIT when a Triton
+    launch hook is set (profilers), when Triton's debug knob changed, under the interpreter, and on another
+    current device. Before a layout's first direct launch, the arguments it lays out are compared with those of
     the JIT launch (tensors by identity, numbers by type and value); a mismatch keeps that layout on the JIT.
     """
 
-    __slots__ = ("backend", "L", "paged", "mid", "tail", "last_page", "sm_scale", "window_left", "soft_cap",
-                 "sinks", "k_scale", "v_scale", "variant_tensors", "direct", "merge", "grids", "hooks",
-                 "current_device", "current_stream")
+    __slots__ = ("backend", "L", "paged", "mid", "mid_ptrs", "tail", "tail_scalars", "last_page", "sm_scale",
+                 "window_left", "soft_cap", "sinks", "k_scale", "v_scale", "fp8", "variant_tensors", "direct",
+                 "merge", "merge_ints", "grids", "hooks", "current_device", "current_stream")
 
     def __init__(self, backend: "TritonBackend", plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs):
         x = inputs
@@ -144,8 +151,8 @@ class BoundLaunch:
         if x.q.shape != L.q_shape:
             raise ValueError(f"q has shape {tuple(x.q.shape)}, the plan {L.q_shape}: re-plan")
         self.backend, self.L = backend, L
-        targets, meta, counters, ws_o, ws_lse = L.ws
-        fp8 = L.const["FP8"]
+        targets = L.ws[0]
+        self.fp8 = fp8 = L.const["FP8"]
         k, v, q, sl, bt = x.k_cache, x.v_cache, x.q, x.seq_lens, x.block_table
         self.paged = bt is not None
         bts = bt.stride() if self.paged else (0, 0)
@@ -154,12 +161,14 @@ class BoundLaunch:
         self.sm_scale, self.window_left, self.soft_cap = x.sm_scale, x.window_left, x.soft_cap
         self.sinks, self.k_scale, self.v_scale = x.sinks, x.k_scale, x.v_scale
         self.variant_tensors = tuple(t for t in ((x.k_scale, x.v_scale) if fp8 else ()) + (x.sinks,) if t is not None)
-        self.mid = (targets, meta, counters, ws_o, ws_lse)
+        self.mid = tuple(L.ws)  # targets, meta, counters, ws_o, ws_lse: the workspace, fixed
+        self.mid_ptrs = tuple(t.data_ptr() for t in self.mid)
+        self.tail_scalars = (x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, self.last_page,
+                             sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], bts[0], bts[1])
         self.tail = (x.k_scale if fp8 else targets, x.v_scale if fp8 else targets,
-                     x.sinks if x.sinks is not None else targets,
-                     x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, self.last_page,
-                     sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], bts[0], bts[1])
+                     x.sinks if x.sinks is not None else targets) + self.tail_scalars
         self.merge = L.merge_grid is not None
+        self.merge_ints = (L.ints[0], L.ints[1])
         g, mg = tuple(L.grid) + (1, 1), tuple(L.merge_grid or ()) + (1, 1, 1)
         self.grids = g[:3] + mg[:3]  # partial then merge grid, three axes each
         self.direct: dict[tuple, tuple] = {}
@@ -179,37 +188,69 @@ class BoundLaunch:
                             self.k_scale, self.v_scale)
 
     def _args(self, q, k, v, sl, bt, out, lse, os_, ls) -> tuple:
+        """The partial kernel's positional arguments as the JIT gets them (tensors)."""
         targets = self.mid[0]
         return ((q, k, v, sl, bt if self.paged else targets) + self.mid
                 + (out, lse if lse is not None else targets) + self.tail + os_[:3] + ls[:2])
 
     def _merge_args(self, out, lse, os_, ls) -> tuple:
         targets, meta, _, ws_o, ws_lse = self.mid
-        return (ws_o, ws_lse, meta, out, lse if lse is not None else targets,
-                self.sinks if self.sinks is not None else targets, self.L.ints[0], self.L.ints[1]) + os_[:3] + ls[:2]
+        return ((ws_o, ws_lse, meta, out, lse if lse is not None else targets,
+                 self.sinks if self.sinks is not None else targets) + self.merge_ints + os_[:3] + ls[:2])
+
+    def _direct_args(self, ptrs, po, pl, os_, ls, var) -> tuple:
+        """:meth:`_args` with every tensor as its data pointer (``var``: :meth:`_variant_ptrs`, or ``None`` when the
+        binding has no sink or scale tensor)."""
+        mp = self.mid_ptrs
+        if var is None:
+            var = (mp[0], mp[0], mp[0])
+        return ((ptrs[0], ptrs[1], ptrs[2], ptrs[3], ptrs[4] if self.paged else mp[0]) + mp + (po, pl) + var
+                + self.tail_scalars + (os_[0], os_[1], os_[2], ls[0], ls[1]))
+
+    def _direct_merge_args(self, po, pl, os_, ls, var) -> tuple:
+        """:meth:`_merge_args` with every tensor as its data pointer."""
+        mp = self.mid_ptrs
+        mi = self.merge_ints
+        return (mp[3], mp[4], mp[1], po, pl, mp[0] if var is None else var[2], mi[0], mi[1],
+                os_[0], os_[1], os_[2], ls[0], ls[1])
+
+    def _variant_ptrs(self) -> tuple:
+        """The data pointers of the k_scale, v_scale and sinks arguments (the targets stand-in where unused)."""
+        t = self.mid_ptrs[0]
+        return (self.k_scale.data_ptr() if self.fp8 else t, self.v_scale.data_ptr() if self.fp8 else t,
+                self.sinks.data_ptr() if self.sinks is not None else t)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor | None,
-                 out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        """Launch the partial kernel (and the separate merge) on the current stream. No allocation, no sync."""
+                 out: torch.Tensor, lse: torch.Tensor | None, ptrs: tuple | None = None) -> None:
+        """Launch the partial kernel (and the separate merge) on the current stream. No allocation, no sync.
+        ``ptrs``: the data pointers of q, k, v, sl and bt (0 for ``None``) when the caller has them."""
         os_ = out.stride()
+        po = out.data_ptr()
         if lse is None:
-            ls, lse_align = (0, 0), -1
+            ls, pl = (0, 0, 0), self.mid_ptrs[0]
+            key = (os_, None, po & 15)
         else:
-            ls, lse_align = lse.stride(), lse.data_ptr() & 15
-        key = (os_, ls, out.data_ptr() & 15, lse_align) + tuple(t.data_ptr() & 15 for t in self.variant_tensors)
+            ls, pl = lse.stride(), lse.data_ptr()
+            key = (os_, ls, po & 15, pl & 15)
+        vt = self.variant_tensors
+        if vt:
+            key += tuple(t.data_ptr() & 15 for t in vt)
         entry = self.direct.get(key)
         h = self.hooks
         if entry is not None and h.launch_enter_hook is None and h.launch_exit_hook is None:
             dp, dm = entry
             dev = self.current_device()
             if dp.device == dev and dp.debug == h.debug:
+                if ptrs is None:
+                    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), bt.data_ptr() if self.paged else 0)
+                var = self._variant_ptrs() if vt else None
                 stream = self.current_stream(dev)
                 g = self.grids
                 dp.run(g[0], g[1], g[2], stream, dp.function, dp.packed, None, None, None,
-                       *self._args(q, k, v, sl, bt, out, lse, os_, ls), *dp.const_tail)
+                       *self._direct_args(ptrs, po, pl, os_, ls, var), *dp.const_tail)
                 if dm is not None:
                     dm.run(g[3], g[4], g[5], stream, dm.function, dm.packed, None, None, None,
-                           *self._merge_args(out, lse, os_, ls), *dm.const_tail)
+                           *self._direct_merge_args(po, pl, os_, ls, var), *dm.const_tail)
                 return
         # through the JIT: compiles a new specialization; keeps the compiled kernels for direct launches
         be, L = self.backend, self.L
@@ -222,12 +263,16 @@ class BoundLaunch:
         kern = be._kernels()
         dev = self.current_device()
         dp = None
-        if _same_args(args, self._args(q, k, v, sl, bt, out, lse, os_, ls)):
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), bt.data_ptr() if self.paged else 0)
+        var = self._variant_ptrs() if vt else None
+        if _same_args(args, self._args(q, k, v, sl, bt, out, lse, os_, ls)) and \
+                _as_ptrs(args) == self._direct_args(ptrs, po, pl, os_, ls, var):
             dp = _direct(kern.split_kv_partial_kernel, ck, len(args),
                          {**L.const, "WRITE_LSE": lse is not None, "SINKS_ON": self.sinks is not None}, dev)
         dm = None
         if dp is not None and self.merge:
-            if _same_args(margs, self._merge_args(out, lse, os_, ls)):
+            if _same_args(margs, self._merge_args(out, lse, os_, ls)) and \
+                    _as_ptrs(margs) == self._direct_merge_args(po, pl, os_, ls, var):
                 dm = _direct(kern.merge_kernel, cm, len(margs),
                              {**L.merge_const, "WRITE_LSE": lse is not None, "SINKS_ON": self.sinks is not None}, dev)
             if dm is None:
