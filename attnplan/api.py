@@ -470,12 +470,12 @@ class DecodeWrapper:
             k_scale, v_scale: dequantization scales of a ``float8_e4m3fn`` cache: floats (per
                 tensor) or fp32 ``[num_kv_heads]`` tensors (kept by reference).
             seq_lens_host: ``seq_lens`` as host integers (``batch`` ints), when the caller has them: planning
-                then reads nothing from the GPU and never synchronizes the host (after the first plan of a
-                tensor ``sinks`` / ``k_scale`` / ``v_scale``, whose values are read once, and except a new
-                workspace's allocation). The caller vouches that they equal ``seq_lens`` and that the block
-                table's entries are valid: they are not read (no check); the kernels clamp every page index
-                into ``[0, num_pages)``, so a bad entry reads a wrong page but never outside the cache.
-                Without ``seq_lens_host``, ``seq_lens`` and the block table are read and checked (one host sync).
+                then reads nothing from the GPU and never synchronizes the host, plan-cache miss and new workspace
+                included (a tensor ``sinks`` / ``k_scale`` / ``v_scale`` is read once, at the first plan that
+                sees it). The caller vouches that they equal ``seq_lens`` and that the block table's entries are
+                valid: they are not read (no check); the kernels clamp every page index into ``[0, num_pages)``,
+                so a bad entry reads a wrong page but never outside the cache. Without ``seq_lens_host``,
+                ``seq_lens`` and the block table are read and checked (one host sync).
         Returns:
             the :class:`SplitPlan` (also kept as ``self.plan_``).
         Raises:
@@ -752,8 +752,9 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
         window_left, logits_soft_cap, sinks, k_scale, v_scale: attention variants, see
             :meth:`DecodeWrapper.plan` (fp8 caches: ``k_cache.dtype == torch.float8_e4m3fn``).
         seq_lens_host: ``seq_lens`` as host ints when known: then nothing is read from the device and the call
-            never synchronizes the host once its plan and workspace exist; the caller vouches for the lengths and
-            for the block table's entries, which are not checked (the kernels clamp every page index into
+            never synchronizes the host (beyond a new kernel specialization's one-time compile and load); the
+            caller vouches for the lengths and for the block table's entries, which are not checked (the kernels
+            clamp every page index into
             ``[0, num_pages)``: a bad entry reads a wrong page, never outside the cache); see
             :meth:`DecodeWrapper.plan`. Without it the call synchronizes the host once, reading ``seq_lens``
             (and the block table) to check them.

@@ -257,6 +257,25 @@ def test_decode_does_not_keep_a_wrapper_that_failed(gen):
         attnplan.decode(x.q, [1], x.v_cache, x.seq_lens, backend="reference", config=ctx)
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+def test_a_dropped_wrapper_leaves_no_workspace_behind(backend, gen):
+    """The bound launch lives in its wrapper: a wrapper planned (and run) then dropped leaves no reference to its
+    workspace in the backend (torch.ops.attnplan.decode plans with a throw-away wrapper whose buffers must die)."""
+    import gc
+    import weakref
+
+    x = make_inputs(2, 8, 2, 32, [40, 7], dtype=torch.float32, generator=gen)
+    for runs in (0, 2):
+        w = attnplan.DecodeWrapper(backend=backend)
+        w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, num_splits=2, seq_lens_host=[40, 7])
+        for _ in range(runs):
+            w.run(x.q, x.k_cache, x.v_cache, x.seq_lens)
+        refs = [weakref.ref(t) for t in (w.workspace.targets, w.workspace.state.o)]
+        del w
+        gc.collect()
+        assert all(r() is None for r in refs), f"a workspace tensor outlived its wrapper after {runs} runs"
+
+
 # -- Triton's direct launch: the logic, with a stand-in for the compiled kernel ----------------------------
 
 class _FakeCompiled:

@@ -147,7 +147,7 @@ class BoundLaunch:
 
     def __init__(self, backend: "TritonBackend", plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs):
         x = inputs
-        L = backend._launch(plan, workspace)
+        L = backend._launch(plan, workspace, remember=False)
         if x.q.shape != L.q_shape:
             raise ValueError(f"q has shape {tuple(x.q.shape)}, the plan {L.q_shape}: re-plan")
         self.backend, self.L = backend, L
@@ -343,7 +343,9 @@ class TritonBackend(Backend):
         }
 
     # -- launch constants ---------------------------------------------------------------------------
-    def _launch(self, plan: SplitPlan, workspace: Workspace) -> _Launch:
+    def _launch(self, plan: SplitPlan, workspace: Workspace, remember: bool = True) -> _Launch:
+        """The launch constants of ``(plan, workspace)``, kept in ``self._launches`` when ``remember`` (a
+        :class:`BoundLaunch` holds its own and keeps nothing here: its wrapper's workspace dies with the wrapper)."""
         key = (id(plan), id(workspace))
         hit = self._launches.get(key)
         if hit is not None and hit.plan is plan and hit.workspace is workspace:
@@ -390,9 +392,10 @@ class TritonBackend(Backend):
                                  num_warps=1 if interp else 4)
         else:
             L.merge_grid = L.merge_const = None
-        if len(self._launches) >= 64:
-            self._launches.clear()
-        self._launches[key] = L
+        if remember:
+            if len(self._launches) >= 64:
+                self._launches.clear()
+            self._launches[key] = L
         return L
 
     # -- launches ---------------------------------------------------------------------------------
