@@ -2,36 +2,123 @@
 
 ``register()`` adds ``"attnplan"`` to transformers' ``AttentionInterface`` (and its mask
 interface, reusing the SDPA mask). A model loaded or configured with
-``attn_implementation="attnplan"`` then runs decode steps (``1 <= q_len <= 16`` new tokens over
-a longer cache) through :func:`attnplan.decode`, reading transformers' KV cache tensors
+``attn_implementation="attnplan"`` then runs its decode steps (``1 <= q_len <= 16`` new tokens over
+a longer cache) through attnplan, reading transformers' KV cache tensors
 ``[batch, num_kv_heads, kv_len, head_dim]`` in place as a contiguous cache
 ``[batch, kv_len, num_kv_heads, head_dim]`` (a transposed view: attnplan's kernels take any
 batch/token/head strides with unit stride in head_dim), with no copy. Everything else (prefill,
-padded batches with an attention mask, soft-capping, dropout) goes to transformers' own SDPA
+padded batches, sliding windows, soft-capping, sinks, dropout) goes to transformers' own SDPA
 implementation.
+
+Which cache, which path (what transformers hands the attention function decides; it never sees the cache):
+
+- **DynamicCache** (the default): the key/value tensors hold exactly the valid tokens and a decode step
+  (``q_len == 1``) comes with no mask, so every sequence's length is ``kv_len``, known on the host. Eager calls
+  plan once per step for the live length (the first layer plans, the other layers reuse the plan: same shapes)
+  through :class:`~attnplan.DecodeWrapper`, with no device sync.
+- **StaticCache** (``cache_implementation="static"``, the cache of ``torch.compile``): the key/value tensors
+  are the whole preallocated cache ``[batch, num_kv_heads, max_cache_len, head_dim]`` and a decode step comes
+  with a boolean mask ``[batch, 1, q_len, max_cache_len]`` whose last row sees the positions up to the cache
+  position of the newest token. The valid length is that row's count (cache position + 1), computed on the
+  device (never read back to the host), and the step runs through ``torch.ops.attnplan.decode``
+  (:mod:`attnplan.ops`): one capacity plan per input signature, shared by all layers, made on the first call;
+  under ``torch.compile`` the op traces without graph breaks (it has a fake implementation) and its kernels
+  capture into the CUDA graphs of ``mode="reduce-overhead"``, where every replay reads the new lengths.
+  Only batch 1 takes this path: with a mask, a larger batch may hold padding, which attnplan's
+  prefix-length cache cannot express, so it falls back to SDPA (a single sequence is taken to hold none).
+  A DynamicCache step of several tokens over a cache (speculative verification) comes with a mask too and takes
+  this path; its shapes, so its plan, change every step.
+- Under ``torch.compile`` any served call goes through the op (with a DynamicCache the lengths are the
+  tensors' ``kv_len``).
 
 Needs the ``hf`` extra (``pip install -e '.[hf]'`` from the repository, i.e. transformers >= 4.56);
 importing this module does not import transformers, :func:`register` does.
 
-Example::
+Example (eager, DynamicCache)::
 
     import attnplan.hf
     attnplan.hf.register()
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="attnplan")
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="attnplan", dtype=torch.bfloat16)
+    out = model.generate(ids, max_new_tokens=64)
+
+Example (StaticCache, compiled decode step: generate compiles the forward itself on a GPU)::
+
+    out = model.generate(ids, max_new_tokens=64, cache_implementation="static")
 """
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from .api import decode
-from .problem import MAX_Q_LEN
+from . import ops  # noqa: F401  (registers torch.ops.attnplan.decode, which the compiled path calls)
+from .api import DecodeWrapper
+from .problem import MAX_Q_LEN, tensor_signature
 
-__all__ = ["register", "attnplan_attention_forward", "NAME"]
+__all__ = ["register", "attnplan_attention_forward", "NAME", "STATS"]
 
 NAME = "attnplan"
-#: counters of how calls were served, for tests and for users who want to know
+#: how eager calls were served, for tests and for users who want to know (calls traced by ``torch.compile`` are
+#: not counted: dynamo would guard on the counter's value and recompile at every step)
 STATS = {"attnplan": 0, "sdpa_fallback": 0}
+
+_SDPA = None  # transformers' sdpa_attention_forward, bound on first use
+_STEP = threading.local()  # this thread's step plan: .key, .wrapper, .seq_lens
+
+
+def _sdpa():
+    global _SDPA
+    if _SDPA is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        _SDPA = sdpa_attention_forward
+    return _SDPA
+
+
+def _count(what: str) -> None:
+    if not torch.compiler.is_compiling():
+        STATS[what] += 1
+
+
+def _mask_lengths(mask: torch.Tensor, b: int, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """The valid KV length per sequence from transformers' boolean attention mask ``[b, 1, q_len, kv_len]``
+    (True = attend): the count of the last query row, int32 ``[b]`` on the mask's device (no sync). ``None`` for a
+    mask of another kind (float, or another shape), which goes to SDPA."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape[-2:]) != (q_len, kv_len) \
+            or mask.shape[0] != b:
+        return None
+    return mask[:, 0, -1].sum(-1, dtype=torch.int32)
+
+
+def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            dropout: float, kwargs: dict) -> bool:
+    """Whether this call is plain decode attention attnplan computes (the mask aside)."""
+    b, hq, q_len, d = query.shape
+    kv_len = key.shape[2]
+    return (1 <= q_len <= MAX_Q_LEN and kv_len >= q_len
+            and query.dtype == key.dtype == value.dtype and key.shape[-1] == value.shape[-1] == d
+            and (dropout == 0.0 or not module.training)
+            and kwargs.get("softcap") is None and kwargs.get("sinks") is None and kwargs.get("s_aux") is None
+            and kwargs.get("position_bias") is None and kwargs.get("sliding_window") is None
+            and getattr(module, "sliding_window", None) is None
+            and kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False)
+
+
+def _step_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, scale: float | None) -> torch.Tensor:
+    """Eager decode with every sequence ``kv_len`` long: this thread's :class:`DecodeWrapper`, planned for the live
+    length when the inputs' signature (shapes, strides, dtypes, device, alignment), scale or stream changes, i.e.
+    once per step for a model whose layers share their shapes, then run into a fresh output."""
+    b = q.shape[0]
+    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
+    key = (tensor_signature("q", q), tensor_signature("k", k), tensor_signature("v", v), scale, stream)
+    if getattr(_STEP, "key", None) != key:
+        lens = torch.full((b,), kv_len, dtype=torch.int32, device=q.device)
+        w = getattr(_STEP, "wrapper", None) or DecodeWrapper()
+        _STEP.key = None
+        w.plan(q, k, v, lens, None, sm_scale=scale, seq_lens_host=[kv_len] * b)
+        _STEP.key, _STEP.wrapper, _STEP.seq_lens = key, w, lens
+    return _STEP.wrapper.run(q, k, v, _STEP.seq_lens, None, out=torch.empty_like(q))
 
 
 def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -41,36 +128,51 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
 
     Args:
         query: ``[batch, num_q_heads, q_len, head_dim]``; key, value: ``[batch, num_kv_heads,
-            kv_len, head_dim]`` (the cache after this step's update).
-        attention_mask: ignored for batch 1 (causal decode needs none); a batch with a mask may
-            hold padding, so it falls back to SDPA.
-        scaling: score scale (transformers passes ``head_dim ** -0.5`` or the model's own).
+            kv_len, head_dim]`` (the cache after this step's update: the valid tokens of a DynamicCache, the
+            whole ``max_cache_len`` of a StaticCache), query's dtype.
+        attention_mask: ``None`` (a decode step over a DynamicCache: every position is visible), or
+            transformers' boolean mask ``[batch, 1, q_len, kv_len]`` (True = attend): with batch 1 the valid length
+            is read from its last row on the device; with a larger batch it may hold padding, so SDPA serves it.
+        dropout: must be 0 (or the module in eval mode) for attnplan to serve the call.
+        scaling: score scale (transformers passes ``head_dim ** -0.5`` or the model's own); ``None`` means
+            ``1/sqrt(head_dim)``.
     Returns:
-        ``(attn_output [batch, q_len, num_q_heads, head_dim], None)``.
+        ``(attn_output [batch, q_len, num_q_heads, head_dim], None)`` in query's dtype.
+    Raises:
+        NoBackendError: no attnplan backend serves the model's heads or dtype (the reasons are listed).
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    b, hq, q_len, d = query.shape
+    b, _, q_len, _ = query.shape
     kv_len = key.shape[2]
-    decode_step = 1 <= q_len <= MAX_Q_LEN and kv_len >= q_len and kv_len > 0
-    plain = (dropout == 0.0 or not module.training) and kwargs.get("softcap") is None and kwargs.get("sinks") is None \
-        and kwargs.get("s_aux") is None and getattr(module, "sliding_window", None) is None
-    if not (decode_step and plain and (attention_mask is None or b == 1)) or query.dtype != key.dtype:
-        STATS["sdpa_fallback"] += 1
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    STATS["attnplan"] += 1
+    lens = None
+    if _serves(module, query, key, value, dropout, kwargs):
+        if attention_mask is None:
+            via = "host" if q_len == 1 else None  # q_len > 1 unmasked: a prefill (SDPA's causal path)
+        elif b == 1:
+            lens = _mask_lengths(attention_mask, b, q_len, kv_len)
+            via = None if lens is None else "device"
+        else:
+            via = None
+    else:
+        via = None
+    if via is None:
+        _count("sdpa_fallback")
+        return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    _count("attnplan")
     q = query.transpose(1, 2)  # [b, q_len, hq, d]
     if q.stride(-1) != 1:
         q = q.contiguous()
     k = key.transpose(1, 2)  # [b, kv_len, hkv, d] view of the cache
     v = value.transpose(1, 2)
-    seq_lens = torch.full((b,), kv_len, dtype=torch.int32, device=query.device)
-    out = decode(q, k, v, seq_lens, None, sm_scale=scaling, seq_lens_host=[kv_len] * b)  # no sync per layer
-    return out, None
+    if via == "host" and not torch.compiler.is_compiling():
+        return _step_decode(q, k, v, kv_len, scaling), None
+    if lens is None:
+        lens = torch.full((b,), kv_len, dtype=torch.int32, device=query.device)
+    return torch.ops.attnplan.decode(q, k, v, lens, None, 0.0 if scaling is None else float(scaling), ""), None
 
 
 def register() -> None:
-    """Register ``"attnplan"`` with transformers' attention (and attention-mask) interfaces.
+    """Register ``"attnplan"`` with transformers' attention (and attention-mask) interfaces, and
+    ``torch.ops.attnplan.decode``.
 
     Raises:
         ImportError: transformers is not installed (``pip install 'attnplan[hf]'``).
@@ -79,7 +181,7 @@ def register() -> None:
         from transformers import AttentionInterface
     except ImportError as e:
         raise ImportError(f"attnplan.hf.register() needs transformers >= 4.56: pip install 'attnplan[hf]' ({e})") from e
-
+    _sdpa()
     AttentionInterface.register(NAME, attnplan_attention_forward)
     try:
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

@@ -1,14 +1,37 @@
 """``torch.ops.attnplan.decode``: the decode entry point as a ``torch.library`` custom op.
 
 Registered with a fake (meta) implementation, so models calling it trace under
-``torch.compile(fullgraph=True)`` without graph breaks, and capture in CUDA graphs that torch
+``torch.compile(fullgraph=True)`` without graph breaks, and capture in the CUDA graphs that torch
 makes (``mode="reduce-overhead"``): the op keeps one capacity plan per input signature, made on
-the first (eager, warm-up) call, so later calls neither plan nor sync the host. The workspace's
-partial states, the schedule's ``(indptr, units)`` table and the fused merge's counters are per-call
-temporaries allocated through torch, so torch's graph memory pools own them; the schedule's
-``targets`` table is constant per plan and is copied to the device once, with the plan (a
-host-to-device copy during capture would be illegal). A call under capture with no plan for its
-signature raises :class:`~attnplan.PlanNotReadyError`.
+the first (eager, warm-up) call, so later calls neither plan nor sync the host, and a replay with other
+lengths in ``seq_lens`` (up to the cache's capacity) is served by the same plan through the device-side schedule.
+A call under CUDA-graph capture with no plan for its signature raises :class:`~attnplan.PlanNotReadyError`.
+
+Device memory, by lifetime:
+
+- per call, allocated through torch (``torch.empty``, so torch's CUDA-graph memory pools own them and a replay
+  costs nothing for them): the ragged partial states ``[1, q_len, num_q_heads, max_units, head_dim]`` fp32 and the
+  ``(indptr, units)`` table ``[2 * batch]`` int32 of the separate merge, written by the partial kernel before
+  they are read, and the output;
+- per plan, constant: the schedule's ``targets`` table (int32 ``[NUM_TARGETS]`` of :mod:`attnplan.schedule`),
+  copied to the device once, when the plan is made (a host-to-device copy under capture is illegal), and shared
+  by every plan with the same table;
+- per device and stream: the fused merge's completion counters (int32, one per (sequence, KV head)), zero at
+  rest (the last program of each (sequence, KV head) resets its counter), as a hand-captured
+  :class:`~attnplan.DecodeWrapper` keeps them, so no replay spends a memset on them. Calls on one stream run one
+  after another, so they can share one buffer; calls on another stream get their own. A stream's buffer is made on
+  its first call outside a capture; a capture on a stream that never ran the op (``torch.cuda.graph`` captures on
+  its own stream unless given the warm-up stream) zeroes per-call counters instead, a memset node per call.
+  torch.compile's CUDA-graph trees warm up and capture on one stream.
+
+The call leaves no reference to its temporaries behind (a backend's launch cache entry for the call's workspace is
+dropped), so they die with the call, as torch's graph pools expect.
+
+Both kinds of long-lived tensors are allocated outside any CUDA-graph memory pool the calling thread is routed
+to (torch.compile's CUDA-graph trees route their warm-up run's allocations to their private pool, where a tensor
+kept beyond the run counts as a leak and its memory may be handed out again), and they are never freed, so a
+captured graph never reads freed memory, even after its plan left the op's table (an LRU of
+:data:`MAX_OP_PLANS` signatures).
 
 The plan key is everything validation depends on: the shape, strides, dtype, device and 16-byte
 alignment of ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and ``block_table``
@@ -22,6 +45,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 
 import torch
 
@@ -29,9 +53,15 @@ from .api import DecodeWrapper, PlanNotReadyError
 from .backends.base import DecodeInputs, Workspace
 from .state import PartialState
 
-__all__ = ["decode_op", "clear_op_plans"]
+__all__ = ["decode_op", "clear_op_plans", "MAX_OP_PLANS"]
 
-_WRAPPERS: dict[tuple, tuple] = {}  # signature -> (backend, plan, sm_scale, targets on the device)
+#: signatures whose plans the op keeps (least recently used first out); a model's layers share one
+MAX_OP_PLANS = 256
+
+_PLANS: OrderedDict[tuple, tuple] = OrderedDict()  # signature -> (backend, plan, sm_scale, targets on the device)
+_TARGETS: dict[tuple, torch.Tensor] = {}  # (device, targets values) -> int32 tensor, never freed
+_COUNTERS: dict[tuple, torch.Tensor] = {}  # (device, stream handle) -> zero-at-rest int32 tensor
+_OUTGROWN: list[torch.Tensor] = []  # counters replaced by larger ones, kept: graphs captured with them read them
 _LOCK = threading.Lock()
 
 
@@ -42,9 +72,98 @@ def _signature(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend) ->
 
 
 def clear_op_plans() -> None:
-    """Forget the op's per-signature wrappers (their capacity plans and workspaces)."""
+    """Forget the op's per-signature plans (the shared device tables stay: captured graphs may read them)."""
     with _LOCK:
-        _WRAPPERS.clear()
+        _PLANS.clear()
+
+
+def _capturing(q: torch.Tensor) -> bool:
+    """Whether the current CUDA stream is capturing a graph (``False`` for a CPU tensor)."""
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _outside_graph_pools(make, device: torch.device) -> torch.Tensor:
+    """``make()`` run on a short-lived thread, so the tensor it returns comes from the caching allocator's ordinary
+    pool, not from a CUDA-graph pool this thread's allocations are routed to (torch's allocator routes them by
+    thread); the thread waits for its stream, so the values are on the device when it returns. On a CPU device,
+    ``make()`` directly. Never call it during a capture."""
+    if device.type != "cuda":
+        return make()
+    box: dict = {}
+
+    def work():
+        try:
+            with torch.cuda.device(device):
+                t = make()
+                torch.cuda.current_stream(device).synchronize()
+            box["t"] = t
+        except BaseException as e:  # re-raised on the caller's thread
+            box["e"] = e
+
+    th = threading.Thread(target=work, name="attnplan-op-alloc")
+    th.start()
+    th.join()
+    if "e" in box:
+        raise box["e"]
+    return box["t"]
+
+
+def _targets_tensor(values: tuple, device: torch.device) -> torch.Tensor:
+    """The schedule's targets table on ``device``, one tensor per distinct table (made outside graph pools)."""
+    key = (device, values)
+    t = _TARGETS.get(key)
+    if t is None:
+        t = _outside_graph_pools(lambda: torch.tensor(values, dtype=torch.int32, device=device), device)
+        with _LOCK:
+            t = _TARGETS.setdefault(key, t)
+    return t
+
+
+def _counters(words: int, q: torch.Tensor) -> torch.Tensor:
+    """``words`` zero-at-rest completion counters for the current stream of q's device: the stream's shared buffer
+    (grown when too small; an outgrown one is kept, a captured graph may hold it), or, during a capture on a stream
+    that has none large enough, a per-call ``torch.zeros`` (captured as a memset)."""
+    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
+    key = (q.device, stream)
+    t = _COUNTERS.get(key)
+    if t is not None and t.numel() >= words:
+        return t
+    if _capturing(q):
+        return torch.zeros(words, dtype=torch.int32, device=q.device)
+    t = _outside_graph_pools(lambda: torch.zeros(max(words, 64), dtype=torch.int32, device=q.device), q.device)
+    with _LOCK:
+        old = _COUNTERS.get(key)
+        if old is not None and old.numel() >= words:
+            return old
+        if old is not None:
+            _OUTGROWN.append(old)
+        _COUNTERS[key] = t
+    return t
+
+
+def _plan_entry(q, k_cache, v_cache, seq_lens, block_table, sm_scale: float, backend: str) -> tuple:
+    """``(backend, plan, sm_scale, targets)`` for the call's signature: the cached entry, or a new capacity plan
+    (validation, planning through the plan cache, kernels prepared), never during a capture."""
+    key = _signature(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend)
+    with _LOCK:
+        entry = _PLANS.get(key)
+        if entry is not None:
+            _PLANS.move_to_end(key)
+            return entry
+    if _capturing(q):
+        raise PlanNotReadyError("attnplan::decode called for a new input signature during CUDA graph capture; "
+                                "run the model once eagerly (torch.compile's warm-up does) before capturing")
+    w = DecodeWrapper(backend=backend or None)
+    plan = w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=None if sm_scale <= 0 else sm_scale,
+                  capacity=True)
+    # keep the plan, not the wrapper: its buffers, held across calls, would escape torch's graph memory pools
+    entry = (w.backend, plan, w._sm_scale, _targets_tensor(plan.schedule.targets, q.device))
+    del w
+    with _LOCK:
+        _PLANS[key] = entry
+        while len(_PLANS) > MAX_OP_PLANS:
+            _PLANS.popitem(last=False)
+    return entry
 
 
 @torch.library.custom_op("attnplan::decode", mutates_args=())
@@ -53,12 +172,14 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     """Decode attention as a custom op: same tensors and result as :func:`attnplan.decode`.
 
     Args:
-        q: ``[batch, q_len, num_q_heads, head_dim]``; k_cache / v_cache: contiguous or paged
-            cache (q's dtype); seq_lens: ``[batch]`` int32; block_table: ``[batch, pages]``
-            int32 or ``None``; sm_scale: score scale (``<= 0`` means ``1/sqrt(head_dim)``);
-            backend: backend name or ``""`` for the config's order.
+        q: ``[batch, q_len, num_q_heads, head_dim]``; k_cache / v_cache: contiguous
+            ``[batch, capacity, num_kv_heads, head_dim]`` (any batch/token/head strides, unit stride in head_dim:
+            transformers' ``[batch, num_kv_heads, capacity, head_dim]`` cache transposed) or paged cache (q's
+            dtype); seq_lens: ``[batch]`` int32 on q's device, the valid tokens (``<=`` capacity, read by the kernels
+            at every call or replay); block_table: ``[batch, pages]`` int32 or ``None``; sm_scale: score scale
+            (``<= 0`` means ``1/sqrt(head_dim)``); backend: backend name or ``""`` for the config's order.
     Returns:
-        a new ``[batch, q_len, num_q_heads, head_dim]`` tensor in q's dtype.
+        a new ``[batch, q_len, num_q_heads, head_dim]`` tensor in q's dtype (``torch.empty_like(q)``'s strides).
     Raises:
         PlanNotReadyError: first call for this signature happens during CUDA-graph capture.
         TypeError, ValueError: bad inputs (see :mod:`attnplan.problem`), or ``sm_scale`` not finite,
@@ -66,33 +187,28 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     """
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale must be finite (<= 0 = 1/sqrt(head_dim)), got {sm_scale!r}")
-    scale = None if sm_scale <= 0 else sm_scale
-    key = _signature(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend)
-    entry = _WRAPPERS.get(key)
-    if entry is None:
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise PlanNotReadyError("attnplan::decode called for a new input signature during CUDA graph capture; "
-                                    "run the model once eagerly (torch.compile's warm-up does) before capturing")
-        w = DecodeWrapper(backend=backend or None)
-        plan = w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=scale, capacity=True)
-        # keep the plan and its constant targets table only: the wrapper's other buffers, held across calls,
-        # would escape torch's graph memory pools
-        entry = (w.backend, plan, w._sm_scale, w.workspace.targets)
-        with _LOCK:
-            _WRAPPERS[key] = entry
-        del w
-    be, plan, sm, targets = entry
-    # per-call temporaries (allocated through torch, so torch.compile's CUDA graphs own them): the ragged partial
-    # states [1, q_len, num_q_heads, max_units, head_dim] and the (indptr, units) table are written by the partial
-    # kernel before they are read; the fused merge's completion counters must start at zero
+    be, plan, sm, targets = _plan_entry(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend)
     _, ql, hq, d = q.shape
     state = None if plan.single_pass else PartialState.empty(1, ql, hq, plan.state_slots, d, device=q.device)
     meta = torch.empty(plan.meta_words, dtype=torch.int32, device=q.device) if plan.meta_words else None
-    counters = torch.zeros(plan.sync_words, dtype=torch.int32, device=q.device) if plan.sync_words else None
+    counters = _counters(plan.sync_words, q) if plan.sync_words else None
     ws = Workspace(state, meta, counters, targets, plan.schedule.targets)
     out = torch.empty_like(q)
-    be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm), ws, out, None)
+    try:
+        be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm), ws, out, None)
+    finally:
+        _forget_launch(be, plan, ws)
     return out
+
+
+def _forget_launch(be, plan, ws: Workspace) -> None:
+    """Drop what the backend cached for this call's workspace. The triton backend keeps the launch constants of the
+    last (plan, workspace) pairs, with references to the workspace's tensors: kept, the per-call temporaries would
+    outlive the call (a leak in the CUDA-graph pool of torch.compile, whose pool checks raise on it) and fill that
+    cache, evicting the launches of long-lived wrappers."""
+    launches = getattr(be, "_launches", None)
+    if isinstance(launches, dict):
+        launches.pop((id(plan), id(ws)), None)
 
 
 @decode_op.register_fake

@@ -452,7 +452,9 @@ def main(argv=None) -> int:
     ap.add_argument("--kv", default="1024,4096,16384,32768,65536,131072")
     ap.add_argument("--heads", default="32,8,128", help="num_q_heads,num_kv_heads,head_dim; several separated by ';'")
     ap.add_argument("--layouts", default="contig,paged16")
-    ap.add_argument("--peers", default="cudnn,flash", help="flash, cudnn (SDPA backends), flex (FlexAttention)")
+    ap.add_argument("--peers", default="cudnn,flash,flashinfer,flashinfer_tc",
+                    help="flash, cudnn (SDPA backends), flex (FlexAttention), flashinfer / flashinfer_tc (paged layouts "
+                         "only; FlashInfer's paged decode without / with tensor cores, when it imports)")
     ap.add_argument("--flex-batches", default="1,16",
                     help="batches at which FlexAttention runs (it compiles once per shape: tens of seconds each)")
     ap.add_argument("--q-len", type=int, default=1, help="queries per sequence (speculative verification: > 1)")
@@ -520,6 +522,8 @@ def main(argv=None) -> int:
         for peer in filter(None, args.peers.split(",")):
             if peer == "flex" and (str(batch) not in args.flex_batches.split(",") or kind != "uniform"):
                 continue
+            if peer.startswith("flashinfer") and (page is None or args.kv_dtype != "bfloat16" or args.q_len != 1):
+                continue  # FlashInfer reads the paged bf16 cache itself
             r, o = time_peer(peer, sets, args.iters)
             pt["results"][PEERS[peer]] = r
             if o is not None and ref_out is None:

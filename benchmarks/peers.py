@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from attnplan.timing import capture_graphs, time_cuda
 
 #: peer names as the benchmark's results and tables spell them
-PEERS = {"flash": "sdpa_flash", "cudnn": "sdpa_cudnn", "flex": "flex"}
+PEERS = {"flash": "sdpa_flash", "cudnn": "sdpa_cudnn", "flex": "flex", "flashinfer": "flashinfer",
+         "flashinfer_tc": "flashinfer_tc"}
 
 
 def bf16_view(x):
@@ -82,8 +83,47 @@ def time_step(step, n: int, iters: int, res: dict) -> None:
     del graphs
 
 
+def time_flashinfer(sets, iters: int, tensor_cores: bool) -> tuple[dict, torch.Tensor | None]:
+    """Time FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (:mod:`flashinfer_peer`) on the paged ``sets``
+    themselves (same cache, same block tables as attnplan): plan() on the host per set, run() captured.
+
+    Returns ``(result, out)`` like :func:`time_peer`; ``{"error": ...}`` when FlashInfer does not import, the
+    cache is not paged bf16, or ``q_len > 1``."""
+    from flashinfer_peer import FlashInferDecode, load
+
+    fi, why = load()
+    x0 = sets[0]
+    if fi is None:
+        return {"error": f"flashinfer not available: {why}"}, None
+    if x0.block_table is None or x0.k_cache.dtype != torch.bfloat16 or x0.q.shape[1] != 1:
+        return {"error": "flashinfer peer: paged bf16 caches with q_len 1 only"}, None
+    try:
+        b, _, hq, d = x0.q.shape
+        hkv, page = x0.k_cache.shape[2], x0.k_cache.shape[1]
+        lens = [int(n) for n in x0.seq_lens.tolist()]
+        wrappers, outs = [], []
+        for x in sets:
+            pe = FlashInferDecode(fi, hq, hkv, d, page, b, x.block_table.numel(), tensor_cores)
+            pe.plan(lens, x.block_table)
+            wrappers.append(pe)
+            outs.append(torch.empty_like(x.q))
+
+        def step(j):
+            wrappers[j].run(sets[j].q, sets[j].k_cache, sets[j].v_cache, outs[j])
+
+        step(0)
+        torch.cuda.synchronize()
+        out = outs[0].clone()
+        res: dict = {}
+        time_step(step, len(sets), iters, res)
+        return res, out
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}, None
+
+
 def time_peer(kind: str, sets, iters: int) -> tuple[dict, torch.Tensor | None]:
-    """Time peer ``kind`` (``"flash"``, ``"cudnn"`` or ``"flex"``) on dense copies of ``sets`` (:func:`time_step`).
+    """Time peer ``kind`` (``"flash"``, ``"cudnn"`` or ``"flex"`` on dense copies of ``sets``; ``"flashinfer"`` /
+    ``"flashinfer_tc"`` on the paged sets themselves, :func:`time_flashinfer`) (:func:`time_step`).
 
     FlexAttention runs without a mask (decode with ``q_len`` 1 sees the whole cache). ``q_len > 1`` is not
     benchmarked for any peer (a KV cache needs a bottom-right causal mask). A peer that refuses the shape is
@@ -94,6 +134,8 @@ def time_peer(kind: str, sets, iters: int) -> tuple[dict, torch.Tensor | None]:
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if kind in ("flashinfer", "flashinfer_tc"):
+        return time_flashinfer(sets, iters, kind == "flashinfer_tc")
     if sets[0].q.shape[1] != 1:
         return {"error": f"{kind} peer: q_len > 1 with a KV cache needs a bottom-right causal mask (not benchmarked)"}, None
     dense = dense_copies(sets)

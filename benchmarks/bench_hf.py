@@ -1,0 +1,403 @@
+"""A Hugging Face model decoding with attnplan against transformers' SDPA, eager and compiled, plus the op's
+replay cost against a hand-captured DecodeWrapper.
+
+The model: a Llama-shaped ``LlamaForCausalLM`` with random weights (no download): 16 layers, hidden 2048, 32 query /
+8 KV heads (GQA group 4), head_dim 64, MLP 8192, vocabulary 32,000, bf16, batch 1. For each prompt length
+(default 1K, 8K, 32K random tokens) it measures the time per new token: the model's forward for one token over the
+cache (what ``generate`` calls once per new token), teacher-forced with the same random tokens in every run, each
+step bracketed by ``torch.cuda.synchronize()`` and timed on the host clock (the wall time a user waits), the median
+of ``--new-tokens`` steps after ``--warmup`` untimed ones:
+
+- **eager**: transformers' default DynamicCache, ``attn_implementation`` ``sdpa`` against ``attnplan``;
+- **compiled**: a StaticCache of ``prompt + warmup + new tokens + 8`` positions (``generate(...,
+  cache_implementation="static")`` sizes it so) and ``torch.compile(model.forward, mode="reduce-overhead",
+  fullgraph=True)``: the decode step captured in torch's CUDA graphs and replayed; one compile per attention
+  implementation and prompt length (the cache's shape is part of the graph), its seconds recorded. The prefill
+  runs eagerly, as ``generate`` runs it.
+
+**Logits agreement**: the first ``--keep`` decode steps' logits of every bf16 run against an fp32 eager SDPA run of
+the same weights fed the same tokens: ``max |logits - logits_fp32_sdpa|`` of attnplan against that of bf16 SDPA
+(same mode), so attnplan's error is read against what SDPA itself achieves in bf16.
+
+**Op against a hand-captured wrapper**: per prompt length, 16 decode calls of the model's attention shape (one per
+layer, each on its own transformers-layout cache ``[1, 8, capacity, 64]`` read as the transposed view) as one step,
+timed as CUDA-graph replay device time (L2 flushed in front, :func:`attnplan.timing.time_cuda`): a DecodeWrapper
+planned for the capacity and captured by hand, ``torch.ops.attnplan.decode`` captured by hand, and the op under
+``torch.compile(mode="reduce-overhead")``; then every variant is replayed at other lengths (changed in place) and
+checked against a float32 reference on the GPU.
+
+Prints a table last and writes one JSON (``--out``) with the command and the environment, after every phase.
+
+Usage (GPU machine, ~3 minutes on an H200, most of it compiling)::
+
+    python benchmarks/bench_hf.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import attnplan
+
+MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+             num_key_value_heads=8, head_dim=64, max_position_embeddings=65536 + 1024, rope_theta=500000.0)
+IMPLS = ("sdpa", "attnplan")
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _empty_cache() -> None:
+    if torch.device(DEVICE).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _env() -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "attnplan": attnplan.__version__}
+    for mod in ("triton", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    try:
+        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True, timeout=10).stdout.strip()
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        pass
+    return env
+
+
+def build_models(layers: int):
+    """The fp32 model (random weights, seed 0, built on the GPU) and its bf16 copy."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{**MODEL, "num_hidden_layers": layers})
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        fp32 = LlamaForCausalLM(cfg).eval()
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16).eval()
+    return fp32, bf16
+
+
+def set_impl(model, impl: str) -> None:
+    model.config._attn_implementation = impl
+
+
+def prefill(model, ids, cache, chunk: int | None = None) -> None:
+    """The prompt into ``cache`` (last position's logits only); ``chunk``: in pieces of that many tokens (the fp32
+    run: an unmasked fp32 prefill of 32K tokens with GQA would take SDPA's math path, 32K x 32K scores a head)."""
+    with torch.no_grad():
+        if chunk is None:
+            model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+            return
+        for s in range(0, ids.shape[1], chunk):
+            pos = torch.arange(s, min(s + chunk, ids.shape[1]), device=ids.device)[None]
+            model(ids[:, s:s + chunk], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+
+
+def decode_steps(forward, cache, tokens, start: int, keep: int, warmup: int, cudagraphs: bool = False) -> dict:
+    """Feed ``tokens`` ``[1, n]`` one per step after a prompt of ``start`` tokens; steps ``>= warmup`` are timed.
+
+    Returns:
+        ``{"step_ms": [...], "median_ms", "logits": fp32 [keep, vocab] of the first keep steps, "first_ms"}``.
+    """
+    n = tokens.shape[1]
+    pos = torch.arange(start, start + n, device=tokens.device).view(n, 1)
+    times, kept = [], []
+    with torch.no_grad():
+        for i in range(n):
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            _sync()
+            t0 = time.perf_counter()
+            out = forward(input_ids=tokens[:, i:i + 1], position_ids=pos[i:i + 1], cache=cache, use_cache=True)
+            _sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+            if i < keep:
+                kept.append(out.logits[:, -1].float().clone())
+    timed = times[warmup:]
+    return {"step_ms": timed, "median_ms": statistics.median(timed) if timed else float("nan"),
+            "first_ms": times[0], "logits": torch.cat(kept) if kept else None}
+
+
+def max_err(x, ref) -> float:
+    return float((x - ref).abs().max()) if x is not None and ref is not None else float("nan")
+
+
+def run_model(args, res: dict, save) -> None:
+    from transformers import DynamicCache, StaticCache
+
+    fp32, bf16 = build_models(args.layers)
+    n_steps = args.warmup + args.new_tokens
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    for L in args.lengths:
+        pt = res["points"].setdefault(str(L), {"prompt": L})
+        ids = torch.randint(1, MODEL["vocab_size"], (1, L), device=DEVICE, generator=gen)
+        tokens = torch.randint(1, MODEL["vocab_size"], (1, n_steps), device=DEVICE, generator=gen)
+        # the fp32 reference: eager SDPA, DynamicCache, the same tokens
+        cache = DynamicCache(config=fp32.config)
+        prefill(fp32, ids, cache, chunk=2048)
+        ref = decode_steps(fp32.forward, cache, tokens[:, :args.keep], L, args.keep, 0)["logits"]
+        del cache
+        if not args.skip_eager:
+            for impl in IMPLS:
+                set_impl(bf16, impl)
+                try:
+                    cache = DynamicCache(config=bf16.config)
+                    prefill(bf16, ids, cache)
+                    r = decode_steps(bf16.forward, cache, tokens, L, args.keep, args.warmup)
+                    pt[f"eager_{impl}"] = {"median_ms": r["median_ms"], "step_ms": r["step_ms"],
+                                           "first_ms": r["first_ms"], "logits_err": max_err(r["logits"], ref)}
+                    print(f"  L={L} eager {impl}: {r['median_ms']:.2f} ms/token, logits err "
+                          f"{pt[f'eager_{impl}']['logits_err']:.3g}", flush=True)
+                except Exception as e:  # noqa: BLE001 - one failure is reported, the rest still run
+                    pt[f"eager_{impl}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    print(f"  L={L} eager {impl}: {pt[f'eager_{impl}']['error']}", flush=True)
+                del cache
+                _empty_cache()
+            save()
+        if not args.skip_compiled:
+            for impl in IMPLS:
+                set_impl(bf16, impl)
+                torch._dynamo.reset()
+                try:
+                    f = torch.compile(bf16.forward, mode="reduce-overhead", fullgraph=True)
+                    cache = StaticCache(config=bf16.config, max_cache_len=L + n_steps + 8)
+                    prefill(bf16, ids, cache)
+                    r = decode_steps(f, cache, tokens, L, args.keep, args.warmup, cudagraphs=True)
+                    pt[f"compiled_{impl}"] = {"median_ms": r["median_ms"], "step_ms": r["step_ms"],
+                                              "compile_s": r["first_ms"] / 1e3,
+                                              "logits_err": max_err(r["logits"], ref)}
+                    print(f"  L={L} compiled {impl}: {r['median_ms']:.2f} ms/token (compile "
+                          f"{r['first_ms'] / 1e3:.1f} s), logits err {pt[f'compiled_{impl}']['logits_err']:.3g}",
+                          flush=True)
+                    del cache, f
+                except Exception as e:  # noqa: BLE001
+                    pt[f"compiled_{impl}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    print(f"  L={L} compiled {impl}: {pt[f'compiled_{impl}']['error']}", flush=True)
+                torch._dynamo.reset()
+                _empty_cache()
+            save()
+    set_impl(bf16, "sdpa")
+    del fp32, bf16
+    _empty_cache()
+
+
+def reference_out(q, k, v, n: int) -> torch.Tensor:
+    """float32 decode attention of ``q [1, 1, Hq, D]`` over the first ``n`` tokens of ``k, v [1, cap, Hkv, D]``."""
+    hq, d, hkv = q.shape[2], q.shape[3], k.shape[2]
+    qq = q[0, 0].float().view(hkv, hq // hkv, d)
+    s = torch.einsum("hgd,nhd->hgn", qq, k[0, :n].float()) / math.sqrt(d)
+    return torch.einsum("hgn,nhd->hgd", torch.softmax(s, -1), v[0, :n].float()).reshape(1, 1, hq, d)
+
+
+def capture_on_warmup_stream(step) -> torch.cuda.CUDAGraph:
+    """``step()`` run once on a side stream (plans, compiles), then captured on that same stream: the op's fused-merge
+    counters are per stream, so a capture on the warm-up stream finds them (another stream would zero its own per
+    call, a memset in the graph)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        step()
+    torch.cuda.synchronize()
+    return g
+
+
+def op_check_one(args, L: int, gen: torch.Generator) -> dict:
+    """One prompt length of :func:`op_check`: the three variants' replay times per call and their worst errors at
+    other lengths (``error`` set when one is wrong)."""
+    from attnplan.timing import time_cuda
+
+    hq, hkv, d, layers = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["head_dim"], args.layers
+    row: dict = {"prompt": L}
+    cap = L + args.warmup + args.new_tokens + 8
+    q = torch.randn(1, hq, 1, d, device="cuda", generator=gen, dtype=torch.bfloat16).transpose(1, 2)
+    kv = [tuple(torch.randn(1, hkv, cap, d, device="cuda", generator=gen, dtype=torch.bfloat16).transpose(1, 2)
+                for _ in range(2)) for _ in range(layers)]
+    flat = [t for pair in kv for t in pair]
+    lens = torch.full((1,), L, dtype=torch.int32, device="cuda")
+    for t in (q, lens, *flat):  # as the StaticCache's tensors are: replays read them in place, no copies
+        torch._dynamo.mark_static_address(t)
+    w = attnplan.DecodeWrapper()
+    w.plan(q, kv[0][0], kv[0][1], lens, capacity=True)
+    outs = [torch.empty_like(q) for _ in range(layers)]
+    op_outs: list = []
+    compiled_out: list = []
+
+    def wrapper_step():
+        for (k, v), o in zip(kv, outs):
+            w.run(q, k, v, lens, out=o)
+
+    def op_step():
+        op_outs[:] = [torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, "") for k, v in kv]
+
+    def layers_fn(q, lens, *flat):
+        return [torch.ops.attnplan.decode(q, flat[2 * i], flat[2 * i + 1], lens, None, 0.0, "")
+                for i in range(layers)]
+
+    gw, go = capture_on_warmup_stream(wrapper_step), capture_on_warmup_stream(op_step)
+    torch._dynamo.reset()
+    f = torch.compile(layers_fn, mode="reduce-overhead", fullgraph=True)
+
+    def compiled_step(_=0):
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled_out[:] = f(q, lens, *flat)
+
+    for _ in range(3):  # compile + warm-up, record, replay
+        compiled_step()
+    torch.cuda.synchronize()
+    t = {name: time_cuda(fn, iters=args.iters, flush=True)["median_us"] / layers
+         for name, fn in (("wrapper_us", lambda i: gw.replay()), ("op_graph_us", lambda i: go.replay()),
+                          ("op_compiled_us", compiled_step))}
+    row.update(t, plan=w.plan_.explain([L]).splitlines()[-3:])
+    row["op_compiled_over_wrapper"] = t["op_compiled_us"] / t["wrapper_us"]
+    row["op_graph_over_wrapper"] = t["op_graph_us"] / t["wrapper_us"]
+    errs = {"wrapper": 0.0, "op_graph": 0.0, "op_compiled": 0.0}
+    for n in (L, 1, cap, L // 3 + 7, 0):
+        lens.fill_(n)
+        gw.replay()
+        go.replay()
+        compiled_step()
+        torch.cuda.synchronize()
+        for i in (0, layers - 1):
+            ref = reference_out(q, kv[i][0], kv[i][1], n) if n else torch.zeros(1, 1, hq, d, device="cuda")
+            for name, o in (("wrapper", outs[i]), ("op_graph", op_outs[i]), ("op_compiled", compiled_out[i])):
+                errs[name] = max(errs[name], max_err(o.float(), ref))
+    row["max_err_at_other_lengths"] = errs
+    bad = {k: e for k, e in errs.items() if not e < 0.05}
+    if bad:
+        row["error"] = f"wrong results at other lengths: {bad}"
+    return row
+
+
+def op_check(args, res: dict, save) -> None:
+    """The op (hand-captured, and compiled with reduce-overhead) against a hand-captured DecodeWrapper: 16 calls a
+    step, device time of a replay, per prompt length; then correctness at other lengths."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for L in args.lengths:
+        try:
+            row = op_check_one(args, L, gen)
+            print(f"  L={L} op check: wrapper {row['wrapper_us']:.2f} us/call, op captured {row['op_graph_us']:.2f}, "
+                  f"op compiled {row['op_compiled_us']:.2f} ({row['op_compiled_over_wrapper']:.3f}x); errors "
+                  f"{row['max_err_at_other_lengths']}", flush=True)
+        except Exception as e:  # noqa: BLE001 - one length's failure is reported, the rest still run
+            row = {"prompt": L, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"  L={L} op check: {row['error']}", flush=True)
+        res["op_check"][str(L)] = row
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        save()
+
+
+def _f(x, fmt="{:.2f}") -> str:
+    return fmt.format(x) if isinstance(x, (int, float)) and x == x else "-"
+
+
+def table(res: dict) -> str:
+    """The printed summary: ms per new token and speedups, logits errors, the op check."""
+    lines = ["ms per new token (median), batch 1, bf16; speedup = sdpa / attnplan",
+             "| prompt | eager sdpa | eager attnplan | speedup | compiled sdpa | compiled attnplan | speedup |",
+             "|---|---|---|---|---|---|---|"]
+    get = lambda pt, k, f="median_ms": pt.get(k, {}).get(f, float("nan"))  # noqa: E731
+    for L, pt in res["points"].items():
+        es, ea, cs, ca = (get(pt, k) for k in ("eager_sdpa", "eager_attnplan", "compiled_sdpa", "compiled_attnplan"))
+        lines.append(f"| {int(L):,} | {_f(es)} | {_f(ea)} | {_f(es / ea, '{:.2f}x')} | {_f(cs)} | {_f(ca)} | "
+                     f"{_f(cs / ca, '{:.2f}x')} |")
+    lines += ["", "max |logits - fp32 SDPA logits| over the first decode steps (same weights, same tokens)",
+              "| prompt | eager sdpa | eager attnplan | compiled sdpa | compiled attnplan |", "|---|---|---|---|---|"]
+    for L, pt in res["points"].items():
+        errs = [get(pt, k, "logits_err") for k in ("eager_sdpa", "eager_attnplan", "compiled_sdpa",
+                                                    "compiled_attnplan")]
+        lines.append(f"| {int(L):,} | " + " | ".join(_f(e, "{:.3g}") for e in errs) + " |")
+    lines += ["", "16 decode calls per step, CUDA-graph replay device time per call (us); ratio = op / wrapper",
+              "| prompt | wrapper (by hand) | op (by hand) | op (reduce-overhead) | ratio | max err at other lengths |",
+              "|---|---|---|---|---|---|"]
+    for L, row in res["op_check"].items():
+        errs = row.get("max_err_at_other_lengths", {})
+        lines.append(f"| {int(L):,} | {_f(row.get('wrapper_us'))} | {_f(row.get('op_graph_us'))} | "
+                     f"{_f(row.get('op_compiled_us'))} | {_f(row.get('op_compiled_over_wrapper'), '{:.3f}')} | "
+                     f"{_f(max(errs.values()) if errs else float('nan'), '{:.3g}')} |")
+    errors = [f"{L} {k}: {v['error']}" for L, pt in res["points"].items() for k, v in pt.items()
+              if isinstance(v, dict) and "error" in v]
+    errors += [f"{L} op check: {row['error']}" for L, row in res["op_check"].items() if "error" in row]
+    if errors:
+        lines += ["", "errors:"] + [f"  {e}" for e in errors]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", default="1024,8192,32768", help="comma-separated prompt lengths (tokens)")
+    ap.add_argument("--new-tokens", type=int, default=24, help="timed decode steps per run")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (compiled: compile, "
+                                                          "warm-up run, graph record)")
+    ap.add_argument("--keep", type=int, default=4, help="decode steps whose logits are compared with fp32 SDPA")
+    ap.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    ap.add_argument("--iters", type=int, default=20, help="timed replays per op-check variant")
+    ap.add_argument("--skip-eager", action="store_true")
+    ap.add_argument("--skip-compiled", action="store_true")
+    ap.add_argument("--skip-op-check", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/hf.json")
+    args = ap.parse_args(argv)
+    args.lengths = [int(x) for x in args.lengths.split(",") if x]
+    if not torch.cuda.is_available():
+        print("bench_hf needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        import attnplan.hf
+    except ImportError as e:  # pragma: no cover - the [test] extra installs transformers
+        print(f"bench_hf needs transformers: pip install -e '.[hf]' ({e})", file=sys.stderr)
+        return 2
+    attnplan.hf.register()
+    t0 = time.time()
+    res = {"command": " ".join(["python", "benchmarks/bench_hf.py", *(sys.argv[1:] if argv is None else argv)]),
+           "env": _env(), "model": {**MODEL, "num_hidden_layers": args.layers, "dtype": "bfloat16", "batch": 1},
+           "method": "per new token: the model's forward for one teacher-forced token, host clock between "
+                     "synchronizes, median of --new-tokens steps after --warmup; eager = DynamicCache, compiled = "
+                     "StaticCache + torch.compile(model.forward, mode='reduce-overhead', fullgraph=True); logits_err = "
+                     "max |logits - fp32 eager SDPA logits| over the first --keep steps; op check = CUDA-graph replay "
+                     "device time (L2 flushed) of 16 calls, per call",
+           "args": {k: v for k, v in vars(args).items() if k != "out"}, "points": {}, "op_check": {}}
+
+    def save():
+        if args.out:
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            res["wall_s"] = time.time() - t0
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+
+    if not (args.skip_eager and args.skip_compiled):
+        run_model(args, res, save)
+    if not args.skip_op_check:
+        op_check(args, res, save)
+    save()
+    print(f"done in {time.time() - t0:.0f} s; results in {args.out or '(not written)'}\n", flush=True)
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
