@@ -22,10 +22,16 @@ whenever its strides and offset allow that view, else one element at a time. Eve
 honoured as it is (q, the block table, ``seq_lens``, ``out``, ``lse``). On a GPU the views go through
 ``numba.cuda.as_cuda_array(t, sync=False)`` (no synchronization on torch's stream) and kernels launch
 on ``numba.cuda.external_stream(torch.cuda.current_stream().cuda_stream)``; in the simulator they are
-the CPU tensors' numpy views, handed over without the simulator's copy-in/copy-out. Every launch runs
-inside :func:`attnplan.backends.numba.kernels.launch_scope` (numba's process-wide patches for that
-launch only); simulated launches also lower Python's thread switch interval while they run (the
-simulator's barriers otherwise cost milliseconds each).
+the CPU tensors' numpy views, handed over without the simulator's copy-in/copy-out. Every launch through
+numba's dispatcher runs inside :func:`attnplan.backends.numba.kernels.launch_scope` (numba's process-wide
+patches for that launch only); simulated launches also lower Python's thread switch interval while they
+run (the simulator's barriers otherwise cost milliseconds each).
+
+``DecodeWrapper.run()`` launches through :class:`BoundLaunch` (:meth:`NumbaBackend.bind`, made by
+``plan()``): on a GPU, after the first launch of an output layout through the dispatcher, it keeps the
+compiled kernel and numba's own marshalling of its arguments and later only writes the call's data pointers
+into it before ``cuda.core.launch`` (numba's typing and marshalling of every argument are most of a
+dispatcher launch's host time). Block-table entries are clamped into ``[0, num_pages)`` by the kernel.
 
 Attention variants (``variants``: window, softcap, sinks, fp8_kv) are flags of the kernel
 specialization, with the semantics of :mod:`attnplan.reference` and the Triton kernels: a sliding

@@ -11,7 +11,10 @@ that compute the device-side schedule (:mod:`attnplan.schedule`) from the live `
 sequences with one unit are written directly, the others' units go to the ragged workspace and are merged by the
 separate merge kernel (``plan.merge == "separate"``) or by the last program of each (sequence, KV head)
 (``"fused"``, a completion counter, fixed unit order). ``run`` launches only: no allocation, no host sync; the
-plan-derived launch constants are computed once per (plan, workspace).
+plan-derived launch constants are computed once per (plan, workspace). ``DecodeWrapper.run()`` launches through
+:class:`BoundLaunch` (:meth:`TritonBackend.bind`, made by ``plan()``), which launches the compiled kernel of a known
+specialization directly instead of through the JIT. Block-table entries are clamped into ``[0, num_pages)`` by the
+kernel.
 """
 
 from __future__ import annotations
