@@ -53,8 +53,9 @@ class Context:
     """A configuration with its plan cache. :func:`default_context` serves calls that pass no config.
 
     Besides the plan cache it memoizes what a plan-cache hit must not recompute: the backend chosen per (problem
-    bucket, capacity, device, forced backend, graph mode), the device facts per device, and the :class:`DecodeWrapper` s :func:`decode` reuses (at most :data:`DECODE_WRAPPERS`, keyed by the
-    inputs' signature and the forced backend; :meth:`release_wrappers` drops them and their workspaces).
+    bucket, capacity, device, forced backend, graph mode), the device facts per device, and the
+    :class:`DecodeWrapper` s :func:`decode` reuses (at most :data:`DECODE_WRAPPERS`, keyed by the inputs'
+    signature and the forced backend; :meth:`release_wrappers` drops them and their workspaces).
     """
 
     config: Config

@@ -74,8 +74,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["DecodeProblem", "validate_inputs", "validate_values", "host_lengths", "validate_outputs", "check_no_overlap",
-           "check_sm_scale", "tensor_signature", "signature_change", "DTYPE_NAMES", "dtype_name", "len_bucket"]
+__all__ = ["DecodeProblem", "validate_inputs", "validate_values", "host_lengths", "validate_outputs",
+           "check_no_overlap", "check_sm_scale", "tensor_signature", "signature_change", "DTYPE_NAMES", "dtype_name",
+           "len_bucket"]
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float8_e4m3fn: "float8_e4m3fn"}
@@ -575,11 +576,12 @@ def check_no_overlap(outputs, inputs) -> None:
                     raise ValueError(f"{on} overlaps {n} in memory (bytes [{c0:#x}, {c1:#x}) and [{d0:#x}, {d1:#x})); "
                                      f"the kernels would read what they write: pass a separate {on} buffer")
 
+
 def host_lengths(static: dict, seq_lens_host, num_pages: int) -> tuple[list[int], int, int] | None:
     """The fast path of :func:`validate_values` for host lengths: a ``list`` or ``tuple`` of ``batch`` Python
-    ``int`` s (or bools), all in ``[0, capacity]``. Returns ``(the lengths as a new list, max_kv_len, total_kv_len)``, or
-    ``None`` when the input is of another kind or breaks a rule (then :func:`validate_values` decides and raises
-    its own error). O(batch) Python, no tensor made, nothing read from the device."""
+    ``int`` s (or bools), all in ``[0, capacity]``. Returns ``(the lengths as a new list, max_kv_len,
+    total_kv_len)``, or ``None`` when the input is of another kind or breaks a rule (then :func:`validate_values`
+    decides and raises its own error). O(batch) Python, no tensor made, nothing read from the device."""
     if type(seq_lens_host) is not list and type(seq_lens_host) is not tuple:
         return None
     lens = list(seq_lens_host)

@@ -189,7 +189,8 @@ def cpu_stages(be: str, calls: int, hq: int, hkv: int, d: int, kv: int) -> list[
                      per_call_cpu_us(lambda: bound(*args, out, None, ptrs), calls)))
     rows.append(("plan() hit, host lengths", per_call_cpu_us(lambda: w.plan(*args, seq_lens_host=lens), calls)))
     static = P.validate_inputs(*args)
-    rows.append(("  validate_inputs (memoized away on a hit)", per_call_cpu_us(lambda: P.validate_inputs(*args), calls)))
+    rows.append(("  validate_inputs (memoized away on a hit)",
+                 per_call_cpu_us(lambda: P.validate_inputs(*args), calls)))
     rows.append(("  host lengths", per_call_cpu_us(lambda: P.host_lengths(static, lens, x.k_cache.shape[0]), calls)))
     prob = P.DecodeProblem(max_kv_len=kv, total_kv_len=kv, **static)
     rows.append(("  select_backend (memoized away on a hit)",

@@ -509,7 +509,8 @@ class BoundLaunch:
                 for d in entry:
                     stream = d.streams.get(stream_ptr)
                     if stream is None:
-                        stream = d.streams[stream_ptr] = d.kern[d.grid, d.block, self.backend._stream(stream_ptr)].stream
+                        nb_stream = self.backend._stream(stream_ptr)
+                        stream = d.streams[stream_ptr] = d.kern[d.grid, d.block, nb_stream].stream
                     a = d.template.copy()
                     for pos, i in d.patch:
                         a[pos] = src[i]
@@ -529,7 +530,8 @@ class BoundLaunch:
         if idx is not None and idx != self.current_device():
             return
         stream = be._stream(self.raw_stream(self.current_device()))
-        made = tuple(_direct(kern, args, tensors, grid, threads, stream) for kern, _, grid, threads, args, tensors in calls)
+        made = tuple(_direct(kern, args, tensors, grid, threads, stream)
+                     for kern, _, grid, threads, args, tensors in calls)
         if all(d is not None for d in made):
             self.direct[key] = made
 

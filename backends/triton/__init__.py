@@ -167,7 +167,8 @@ class BoundLaunch:
         self.mid = tuple(L.ws)  # targets, meta, counters, ws_o, ws_lse: the workspace, fixed
         self.mid_ptrs = tuple(t.data_ptr() for t in self.mid)
         self.tail_scalars = (x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, self.last_page,
-                             sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], bts[0], bts[1])
+                             sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                             bts[0], bts[1])
         self.tail = (x.k_scale if fp8 else targets, x.v_scale if fp8 else targets,
                      x.sinks if x.sinks is not None else targets) + self.tail_scalars
         self.merge = L.merge_grid is not None

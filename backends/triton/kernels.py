@@ -337,10 +337,10 @@ def split_kv_partial_kernel(
     ``MULTI`` (``max_units_per_seq > 1``): the prologue (:func:`_schedule`) finds the unit's sequence ``b`` and token
     range; a program past the batch's units exits. Otherwise (single pass) ``b = u`` and the range is the
     sequence's visible span. Every page index loaded from ``BLOCK_TABLE`` is clamped into ``[0, last_page]``
-    (``num_pages - 1``): a bad entry reads a wrong page but never outside the cache. A sequence with one unit is written to ``OUT`` / ``LSE_OUT`` (the sink applied);
-    otherwise the unit's normalized fp32 state goes to workspace slot ``u`` (``WS_O [1, Q, H, ws_slots, D]``,
-    ``WS_LSE [1, Q, H, ws_slots]``, contiguous, natural-log LSE, no sink), and with ``MERGE == "fused"`` the program
-    counts itself in ``COUNTERS[b * NUM_KV_HEADS + h]``; the last of the sequence's units merges the rows over its
+    (``num_pages - 1``): a bad entry reads a wrong page but never outside the cache. A sequence with one unit is
+    written to ``OUT`` / ``LSE_OUT`` (the sink applied); otherwise the unit's normalized fp32 state goes to
+    workspace slot ``u`` (``WS_O [1, Q, H, ws_slots, D]``, ``WS_LSE [1, Q, H, ws_slots]``, contiguous, natural-log
+    LSE, no sink), and with ``MERGE == "fused"`` the program counts itself in ``COUNTERS[b * NUM_KV_HEADS + h]``; the last of the sequence's units merges the rows over its
     units in unit order, writes ``OUT`` / ``LSE_OUT`` and resets the counter.
 
     Rows: query ``i`` sees positions ``< seq_len - Q_LEN + i + 1`` (and ``>= seq_len - Q_LEN + i - window_left``
