@@ -1,15 +1,24 @@
 """Public API: dispatch, :func:`decode` (one call) and :class:`DecodeWrapper` (plan once, run many).
 
-``plan()`` does all host work (validation that reads ``seq_lens``/``block_table``, backend
-choice, planning through the plan cache, workspace allocation); ``run()`` checks shapes, dtypes
-and devices against the plan and launches, with no allocation and no host sync, so it can be
-captured in a CUDA graph (FlashInfer's plan/run split, STYLE.md habit 6).
+``plan()`` does all host work (validation, which reads ``seq_lens``/``block_table`` unless the caller
+gives ``seq_lens_host``, backend choice, planning through the plan cache, workspace allocation,
+binding the launches); ``run()`` checks shapes, dtypes and devices against the plan and launches,
+with no allocation and no host sync, so it can be captured in a CUDA graph (FlashInfer's plan/run
+split).
+
+Host cost: a repeated ``plan()`` with host lengths is O(1) Python on a plan-cache hit (the static checks
+are memoized on the inputs' signature, the backend choice per problem bucket and device, the workspace
+and the bound launches are reused) and synchronizes nothing; ``run()`` compares signatures and launches
+through the backend's bound launch (:meth:`Backend.bind <attnplan.backends.triton.TritonBackend.bind>`
+where the backend has one); :func:`decode` keeps its wrappers per context and input signature, so a
+repeated call is a plan-cache hit plus a run.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +28,12 @@ from .cache import PlanCache
 from .config import Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import SplitPlan, entry_options, make_plan
-from .problem import DecodeProblem, default_sm_scale, torch_dtype, validate_inputs, validate_values
+from .state import PartialState
+from .problem import (DecodeProblem, check_sm_scale, check_variant_tensors, default_sm_scale, host_lengths,
+                      len_bucket, signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
-           "default_context", "plan_problem"]
+           "default_context", "plan_problem", "DECODE_WRAPPERS"]
 
 
 class NoBackendError(RuntimeError):
@@ -33,26 +44,91 @@ class PlanNotReadyError(RuntimeError):
     """``run()`` was called without a plan (for CUDA graphs: call ``plan()`` before capture)."""
 
 
+#: most wrappers :func:`decode` keeps per context (each holds its workspace), least recently used dropped first
+DECODE_WRAPPERS = 16
+
+
 @dataclass
 class Context:
-    """A configuration with its plan cache. :func:`default_context` serves calls that pass no config."""
+    """A configuration with its plan cache. :func:`default_context` serves calls that pass no config.
+
+    Besides the plan cache it memoizes what a plan-cache hit must not recompute: the backend chosen per (problem
+    bucket, capacity, device, forced backend, graph mode), the device facts per device, and the
+    :class:`DecodeWrapper` s :func:`decode` reuses (at most :data:`DECODE_WRAPPERS`, keyed by the inputs'
+    signature and the forced backend; :meth:`release_wrappers` drops them and their workspaces).
+    """
 
     config: Config
     cache: PlanCache
+
+    def __post_init__(self) -> None:
+        self._fp: dict[str, str] = {}
+        self._selected: dict[tuple, tuple] = {}
+        self._devices: dict[torch.device, tuple] = {}
+        self._wrappers: dict[tuple, DecodeWrapper] = {}  # insertion order = least recently given back first
+        self._lock = threading.Lock()
 
     @staticmethod
     def from_config(config: Config) -> "Context":
         pc = config.plan_cache
         return Context(config, PlanCache(pc.dir, disk=pc.enabled and pc.disk, memory_entries=pc.memory_entries))
 
+    def release_wrappers(self) -> None:
+        """Forget the wrappers :func:`decode` keeps (their workspaces are freed with them)."""
+        with self._lock:
+            self._wrappers.clear()
+
+    def _take_wrapper(self, key: tuple) -> "DecodeWrapper | None":
+        """The kept wrapper for ``key``, removed from the pool while a call uses it (so two threads never share
+        one), or ``None``."""
+        with self._lock:
+            return self._wrappers.pop(key, None)
+
+    def _give_wrapper(self, key: tuple, w: "DecodeWrapper") -> None:
+        with self._lock:
+            self._wrappers[key] = w
+            while len(self._wrappers) > DECODE_WRAPPERS:
+                del self._wrappers[next(iter(self._wrappers))]
+
+    def device_facts(self, device: torch.device) -> tuple[DeviceInfo, str, str]:
+        """``(DeviceInfo, its plan-cache key part, its device table's text)`` for ``device``, computed once per
+        device (a CUDA device without an index is resolved to the current device each time)."""
+        facts = self._devices.get(device)
+        if facts is None:
+            dev_info = device_info(device)
+            facts = (dev_info, _device_key(dev_info),
+                     _table_text(dev_info.slug()) if dev_info.compute_capability != (0, 0) else "")
+            if torch.device(device).type != "cuda" or torch.device(device).index is not None:
+                self._devices[device] = facts
+        return facts
+
+    def select(self, bucket_key: tuple, capacity: int, device: torch.device, backend: str | None, graph: bool,
+               problem) -> tuple[Backend, list[tuple[str, list[str]]], str]:
+        """:func:`select_backend` memoized per (problem bucket, capacity, device, forced backend, graph mode): a
+        backend's reasons depend only on the problem's bucketed fields, its availability on the device (and on the
+        process's ``TRITON_INTERPRET`` / ``NUMBA_ENABLE_CUDASIM``, read at a context's first selection for that
+        key). ``problem``: a callable returning the :class:`DecodeProblem` (made only on a miss).
+
+        Returns ``(backend, skipped, the backend's plan_key_extra())``; raises what :func:`select_backend` raises
+        (nothing is memoized then)."""
+        key = (bucket_key, capacity, device, backend, graph)
+        hit = self._selected.get(key)
+        if hit is None:
+            be, skipped = select_backend(problem(), device, self.config, backend, graph)
+            hit = (be, skipped, be.plan_key_extra() if hasattr(be, "plan_key_extra") else "")
+            if len(self._selected) >= 4096:
+                self._selected.clear()
+            self._selected[key] = hit
+        return hit[0], list(hit[1]), hit[2]
+
     def planning_fingerprint(self, backend: str) -> str:
-        """The config's planning inputs for ``backend`` (part of the plan-cache key)."""
-        fp = self.__dict__.setdefault("_fp", {})
-        if backend not in fp:
+        """The config's planning inputs for ``backend`` (part of the plan-cache key), computed once."""
+        fp = self._fp.get(backend)
+        if fp is None:
             c = self.config
-            fp[backend] = json.dumps([c.split.model_dump(), c.cost_model.model_dump(),
-                                      c.options(backend).model_dump(), c.deterministic], sort_keys=True)
-        return fp[backend]
+            fp = self._fp[backend] = json.dumps([c.split.model_dump(), c.cost_model.model_dump(),
+                                                 c.options(backend).model_dump(), c.deterministic], sort_keys=True)
+        return fp
 
 
 _DEFAULT: Context | None = None
@@ -190,15 +266,31 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
     Raises:
         ValueError: the config's options do not fit the backend's kernel for this problem.
     """
-    dev_info = dev_info or device_info(device)
-    # the key is built from the live problem's bucket (the same as the bucketed problem's); the bucketed problem
-    # itself is made only on a miss: a cache hit must cost microseconds
-    table_text = _table_text(dev_info.slug()) if dev_info.compute_capability != (0, 0) else ""
+    if dev_info is None:
+        dev_info, dkey, table_text = ctx.device_facts(torch.device(device))
+    else:
+        dkey = _device_key(dev_info)
+        table_text = _table_text(dev_info.slug()) if dev_info.compute_capability != (0, 0) else ""
     extra = backend.plan_key_extra() if hasattr(backend, "plan_key_extra") else ""
-    key = (_device_key(dev_info), backend.name, problem.bucket_key(), problem.capacity, capacity_mode,
+    return _plan_cached(lambda: problem, problem.bucket_key(), problem.capacity, backend, device, ctx, dev_info,
+                        dkey, table_text, extra, capacity_mode, num_splits)
+
+
+def _plan_cached(get_problem, bucket_key: tuple, capacity: int, backend: Backend, device: torch.device, ctx: Context,
+                 dev_info: DeviceInfo, device_key: str, table_text: str, extra: str, capacity_mode: bool,
+                 num_splits: int | None) -> SplitPlan:
+    """:func:`plan_problem` from the problem's bucket key and capacity; ``get_problem()`` makes the problem, called
+    only on a miss (a cache hit must cost microseconds: its key is built from the live problem's bucket, the same
+    as the bucketed problem's, and no problem is made). ``extra``: the backend's ``plan_key_extra()``."""
+    key = (device_key, backend.name, bucket_key, capacity, capacity_mode,
            -1 if num_splits is None else num_splits, ctx.planning_fingerprint(backend.name), table_text, extra)
+    if ctx.config.plan_cache.enabled:
+        plan = ctx.cache.hit(key)
+        if plan is not None:
+            return plan
 
     def build() -> SplitPlan:
+        problem = get_problem()
         bucketed = problem.bucketed()
         invariant = ctx.config.split.batch_invariant
         tuned, _ = _tuned_options(dev_info, backend.name, bucketed, batch_free=invariant)
@@ -232,7 +324,7 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
     if not ctx.config.plan_cache.enabled:
         ctx.cache.stats.misses += 1
         return build()
-    return ctx.cache.get_or_create(key, build, validate=lambda p: p.validate(problem))
+    return ctx.cache.get_or_create(key, build, validate=lambda p: p.validate(get_problem()))
 
 
 def _scale_tensor(scale, hkv: int, device) -> torch.Tensor | None:
@@ -240,6 +332,41 @@ def _scale_tensor(scale, hkv: int, device) -> torch.Tensor | None:
     if scale is None or isinstance(scale, torch.Tensor):
         return scale
     return torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
+
+
+def _allocate_workspace(plan: SplitPlan, device: torch.device) -> Workspace:
+    """:meth:`Workspace.allocate` without a host sync on a GPU: the same buffers, the targets table copied from
+    pinned host memory without blocking (a blocking host-to-device copy waits for the stream: a sync), ordered
+    before the launches on the current stream like the buffers' zero fills. On the CPU: ``Workspace.allocate``."""
+    if torch.device(device).type != "cuda":
+        return Workspace.allocate(plan, device)
+    p = plan.problem
+    state = None if plan.single_pass else PartialState.empty(1, p.q_len, p.num_q_heads, plan.state_slots,
+                                                             p.head_dim, device=device)
+    meta = torch.zeros(plan.meta_words, dtype=torch.int32, device=device) if plan.meta_words else None
+    counters = torch.zeros(plan.sync_words, dtype=torch.int32, device=device) if plan.sync_words else None
+    targets = torch.tensor(plan.schedule.targets, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+    return Workspace(state, meta, counters, targets, plan.schedule.targets)
+
+
+_INPUTS = ("q", "k_cache", "v_cache", "seq_lens", "block_table")
+
+
+def _not_a_tensor(name: str, t) -> TypeError:
+    return TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _extent(shape, strides, itemsize: int) -> int:
+    """Bytes from a tensor's first element to one past its last (0 when it has no element)."""
+    if any(n == 0 for n in shape):
+        return 0
+    return (sum((n - 1) * st for n, st in zip(shape, strides)) + 1) * itemsize
+
+
+def _overlap(on: str, c0: int, c1: int, n: str, d0: int, d1: int) -> ValueError:
+    """:func:`attnplan.problem.check_no_overlap`'s error, word for word."""
+    return ValueError(f"{on} overlaps {n} in memory (bytes [{c0:#x}, {c1:#x}) and [{d0:#x}, {d1:#x})); "
+                      f"the kernels would read what they write: pass a separate {on} buffer")
 
 
 class DecodeWrapper:
@@ -254,8 +381,8 @@ class DecodeWrapper:
     Example::
 
         w = attnplan.DecodeWrapper()
-        w.plan(q, k_cache, v_cache, seq_lens, block_table)        # host work, may sync
-        out = w.run(q, k_cache, v_cache, seq_lens, block_table)   # launches only
+        w.plan(q, k_cache, v_cache, seq_lens, block_table, seq_lens_host=lens)  # host work, no sync
+        out = w.run(q, k_cache, v_cache, seq_lens, block_table)               # launches only
     """
 
     def __init__(self, config: Config | Context | str | None = None, *, backend: str | None = None):
@@ -266,19 +393,60 @@ class DecodeWrapper:
         self.skipped: list[tuple[str, list[str]]] = []
         self.workspace: Workspace | None = None
         self._out: torch.Tensor | None = None
-        self._lens_host: list[int] | None = None
+        self._lens_host: list | None = None  # plan()'s seq_lens_host, copied (explain() converts them to ints)
         self._sig: tuple | None = None
         self._sm_scale = 0.0
+        self._variant: dict = {}
+        # plan()'s memos (a repeated plan() with the same inputs is O(1)): the static checks' inputs and result,
+        # the (plan, workspace, device) the workspace was checked for, the float scales' tensors, the variant key,
+        # the bound launch and what it was bound to
+        self._static_key: tuple | None = None
+        self._static: dict | None = None
+        self._bucket_parts: tuple = ()
+        self._ws_for: tuple = ()
+        self._scales: dict = {}
+        self._variant_key: tuple = ()
+        self._launcher = None
+        self._bound_to: tuple = ()
+        # run()'s constants for the planned signature: each input's byte extent and the out extent's terms
+        self._extents: tuple = ()
+        self._q_terms: tuple = ()
 
     @staticmethod
     def _signature(q, k_cache, v_cache, seq_lens, block_table) -> tuple:
         """What ``run()`` must find as ``plan()`` saw it: shape, strides, dtype, device and 16-byte
-        alignment of the data pointer of q, k_cache, v_cache, seq_lens and block_table (O(1), no
-        allocation, no sync). Raises ``TypeError`` naming an argument that is not a tensor."""
-        from .problem import tensor_signature as sig
+        alignment of the data pointer of q, k_cache, v_cache, seq_lens and block_table, each as
+        :func:`attnplan.problem.tensor_signature` gives it (O(1), no allocation, no sync). Raises
+        ``TypeError`` naming an argument that is not a tensor."""
+        return DecodeWrapper._signature_ptrs(q, k_cache, v_cache, seq_lens, block_table)[0]
 
-        return (sig("q", q), sig("k_cache", k_cache), sig("v_cache", v_cache), sig("seq_lens", seq_lens),
-                sig("block_table", block_table))
+    @staticmethod
+    def _signature_ptrs(q, k_cache, v_cache, seq_lens, block_table) -> tuple[tuple, tuple]:
+        """:meth:`_signature` and the five data pointers (0 for ``None``), in one pass over the tensors
+        (written out: this is most of ``run()``'s host time)."""
+        T = torch.Tensor
+        if not isinstance(q, T):
+            raise _not_a_tensor("q", q)
+        if not isinstance(k_cache, T):
+            raise _not_a_tensor("k_cache", k_cache)
+        if not isinstance(v_cache, T):
+            raise _not_a_tensor("v_cache", v_cache)
+        if not isinstance(seq_lens, T):
+            raise _not_a_tensor("seq_lens", seq_lens)
+        pq, pk, pv, ps = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr()
+        if block_table is None:
+            sb, pb = None, 0
+        elif not isinstance(block_table, T):
+            raise _not_a_tensor("block_table", block_table)
+        else:
+            pb = block_table.data_ptr()
+            sb = ("block_table", block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
+                  not pb & 15)
+        return ((("q", q.shape, q.stride(), q.dtype, q.device, not pq & 15),
+                 ("k_cache", k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, not pk & 15),
+                 ("v_cache", v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, not pv & 15),
+                 ("seq_lens", seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device, not ps & 15), sb),
+                (pq, pk, pv, ps, pb))
 
     def plan(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
              block_table: torch.Tensor | None = None, *, sm_scale: float | None = None,
@@ -286,7 +454,8 @@ class DecodeWrapper:
              logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
              k_scale: float | torch.Tensor | None = None, v_scale: float | torch.Tensor | None = None,
              seq_lens_host=None) -> SplitPlan:
-        """Validate the inputs, choose a backend, plan (through the cache) and size the workspace.
+        """Validate the inputs, choose a backend, plan (through the cache), size the workspace and bind the
+        launches.
 
         Args:
             q, k_cache, v_cache, seq_lens, block_table: see :mod:`attnplan.problem`.
@@ -301,45 +470,145 @@ class DecodeWrapper:
             sinks: ``[num_q_heads]`` fp32 sink logits (gpt-oss), kept by reference for ``run()``.
             k_scale, v_scale: dequantization scales of a ``float8_e4m3fn`` cache: floats (per
                 tensor) or fp32 ``[num_kv_heads]`` tensors (kept by reference).
-            seq_lens_host: ``seq_lens`` as host integers (a list of ``batch`` ints), when the caller
-                has them: planning then reads nothing back from the GPU (no sync) unless a block
-                table is given. The caller vouches that they equal ``seq_lens``.
+            seq_lens_host: ``seq_lens`` as host integers (``batch`` ints), when the caller has them: planning
+                then reads nothing from the GPU and never synchronizes the host, plan-cache miss and new workspace
+                included (a tensor ``sinks`` / ``k_scale`` / ``v_scale`` is read once, at the first plan that
+                sees it). The caller vouches that they equal ``seq_lens`` and that the block table's entries are
+                valid: they are not read (no check); the kernels clamp every page index into ``[0, num_pages)``,
+                so a bad entry reads a wrong page but never outside the cache. Without ``seq_lens_host``,
+                ``seq_lens`` and the block table are read and checked (one host sync).
         Returns:
             the :class:`SplitPlan` (also kept as ``self.plan_``).
         Raises:
             TypeError, ValueError: bad inputs (named argument, value and expectation), before any kernel.
             NoBackendError: no backend fits.
         """
+        return self._plan(None, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, capacity,
+                          window_left, logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host)
+
+    def _plan(self, sig, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, capacity, window_left,
+              logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host) -> SplitPlan:
+        """:meth:`plan`; ``sig``: the inputs' :meth:`_signature` when the caller has it (else ``None``)."""
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 0 <= num_splits <= 1024):
             raise ValueError(f"num_splits must be an int in [0, 1024] (0 = planner, 1 = no split, >1 = forced) "
                              f"or None (the config's split.num_splits), got {num_splits!r}")
-        static = validate_inputs(q, k_cache, v_cache, seq_lens, block_table, window_left=window_left,
-                                 soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-                                 sm_scale=sm_scale)
-        num_pages = int(k_cache.shape[0]) if block_table is not None else 0
-        max_len, total = validate_values(static, seq_lens, block_table, num_pages, seq_lens_host)
+        # -- the static checks (attnplan.problem.validate_inputs), memoized: they depend only on what the key holds
+        # (the inputs' signature, the scalars by type and value); tensor sinks / scales always take the full path
+        if sig is None:
+            try:
+                sig = self._signature(q, k_cache, v_cache, seq_lens, block_table)
+            except TypeError:
+                sig = None  # validate_inputs raises the precise error
+        skey = None
+        if sig is not None and sinks is None and not isinstance(k_scale, torch.Tensor) \
+                and not isinstance(v_scale, torch.Tensor):
+            skey = (sig, type(window_left), window_left, type(logits_soft_cap), logits_soft_cap, type(sm_scale),
+                    sm_scale, type(k_scale), k_scale, type(v_scale), v_scale)
+        if skey is not None and skey == self._static_key:
+            static = self._static
+        else:
+            static = validate_inputs(q, k_cache, v_cache, seq_lens, block_table, window_left=window_left,
+                                     soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+                                     sm_scale=sm_scale)
+            self._static_key, self._static = skey, static
+            # what the plan-cache key and the scale take from the static fields: the bucket key around its two
+            # lengths (DecodeProblem.static_bucket_key's order), the default score scale
+            bk = DecodeProblem.static_bucket_key(static, 0, 0)
+            self._bucket_parts = (bk[:8], bk[10:], float(default_sm_scale(static["head_dim"])))
+        # -- the lengths: host ints checked in Python (no tensor, no device read), else validate_values
+        num_pages = sig[1][1][0] if block_table is not None else 0  # k_cache.shape[0]
+        fast = None
+        if seq_lens_host is not None:
+            if type(seq_lens_host) is not list and type(seq_lens_host) is not tuple:
+                seq_lens_host = list(seq_lens_host)  # read once (an iterator would be spent by a second pass)
+            fast = host_lengths(static, seq_lens_host, num_pages)
+        if fast is not None:
+            lens_host, max_len, total = fast
+        else:
+            max_len, total = validate_values(static, seq_lens, block_table, num_pages, seq_lens_host)
+            lens_host = None if seq_lens_host is None else list(seq_lens_host)
         if capacity:
             max_len, total = static["capacity"], static["capacity"] * static["batch"]
-        problem = DecodeProblem(max_kv_len=max_len, total_kv_len=total, **static)
-        graph = capacity and q.is_cuda
-        self.backend, self.skipped = select_backend(problem, q.device, self.ctx.config, self.forced_backend, graph)
-        plan = plan_problem(problem, self.backend, q.device, self.ctx, capacity_mode=capacity, num_splits=num_splits)
+        # -- backend and plan: the problem itself is made only when a memo or the plan cache misses
+        sq = sig[0]  # q's (name, shape, strides, dtype, device, aligned)
+        dev = sq[4]
+        ctx = self.ctx
+        head, tail, default_scale = self._bucket_parts
+        bkey = head + (len_bucket(max_len), len_bucket(-(-total // static["batch"]))) + tail
+        cap = static["capacity"] if static["capacity"] > 0 else max_len
+        made: list[DecodeProblem] = []
+
+        def problem() -> DecodeProblem:
+            if not made:
+                made.append(DecodeProblem(max_kv_len=max_len, total_kv_len=total, **static))
+            return made[0]
+
+        self.backend, self.skipped, extra = ctx.select(bkey, cap, dev, self.forced_backend,
+                                                       capacity and dev.type == "cuda", problem)
+        dev_info, dkey, table_text = ctx.device_facts(dev)
+        plan = _plan_cached(problem, bkey, cap, self.backend, dev, ctx, dev_info, dkey, table_text, extra, capacity,
+                            num_splits)
         prepare = getattr(self.backend, "prepare", None)
         if prepare is not None:  # compile / load kernels now, never inside a CUDA-graph capture
-            prepare(plan, q.device)
-        if self.workspace is None or not self.workspace.serves(plan, q.device):
-            self.workspace = Workspace.allocate(plan, q.device)
-        self._lens_host = None if seq_lens_host is None else [int(x) for x in seq_lens_host]
-        if self._out is None or self._out.shape != q.shape or self._out.dtype != q.dtype or self._out.device != q.device:
+            prepare(plan, dev)
+        ws_for = self._ws_for
+        if not (ws_for and ws_for[0] is plan and ws_for[1] is self.workspace and ws_for[2] == dev):
+            if self.workspace is None or not self.workspace.serves(plan, dev):
+                self.workspace = _allocate_workspace(plan, dev)
+            self._ws_for = (plan, self.workspace, dev)
+        self._lens_host = lens_host
+        o = self._out
+        if o is None or o.shape != sq[1] or o.dtype != sq[3] or o.device != dev:
             self._out = torch.empty_like(q)
-        self._sig = self._signature(q, k_cache, v_cache, seq_lens, block_table)
-        self._sm_scale = float(default_sm_scale(static["head_dim"]) if sm_scale is None else sm_scale)
-        hkv = static["num_kv_heads"]
-        self._variant = dict(window_left=static["window_left"], soft_cap=static["soft_cap"], sinks=sinks,
-                             k_scale=_scale_tensor(k_scale, hkv, q.device), v_scale=_scale_tensor(v_scale, hkv, q.device))
+        if sig is not self._sig and sig != self._sig:
+            self._sig = sig
+            self._extents = tuple(0 if t is None else _extent(t[1], t[2], t[3].itemsize) for t in sig)
+            self._q_terms = (tuple(n - 1 for n in sq[1]), sq[3].itemsize)
+        self._sm_scale = default_scale if sm_scale is None else float(sm_scale)
+        ks = k_scale if k_scale is None or isinstance(k_scale, torch.Tensor) else \
+            self._scale(k_scale, static["num_kv_heads"], dev)
+        vs = v_scale if v_scale is None or isinstance(v_scale, torch.Tensor) else \
+            self._scale(v_scale, static["num_kv_heads"], dev)
+        vkey = (static["window_left"], static["soft_cap"], sinks, ks, vs)
+        vk = self._variant_key
+        if not (vk and vk[0] == vkey[0] and vk[1] == vkey[1] and vk[2] is sinks and vk[3] is ks and vk[4] is vs):
+            self._variant_key = vkey
+            self._variant = dict(window_left=vkey[0], soft_cap=vkey[1], sinks=sinks, k_scale=ks, v_scale=vs)
+        self._bind(plan, q, k_cache, v_cache, seq_lens, block_table)
         self.plan_ = plan
         return plan
+
+    def _scale(self, scale, hkv: int, device) -> torch.Tensor | None:
+        """:func:`_scale_tensor`, reusing the tensor of the same float scale (a plan-cache hit allocates nothing)."""
+        if scale is None or isinstance(scale, torch.Tensor):
+            return scale
+        key = (float(scale), hkv, device)
+        t = self._scales.get(key)
+        if t is None:
+            if len(self._scales) >= 8:
+                self._scales.clear()
+            t = self._scales[key] = _scale_tensor(scale, hkv, device)
+        return t
+
+    def _bind(self, plan: SplitPlan, q, k_cache, v_cache, seq_lens, block_table) -> None:
+        """The backend's bound launch (``Backend.bind``, where it has one) for this plan, workspace, signature,
+        score scale and variants; kept while they stay the same."""
+        # plan() keeps its signature, variant and workspace objects while they stay the same: identity suffices
+        to = (plan, self.workspace, self._sig, self._variant, self.backend, self._sm_scale)
+        b = self._bound_to
+        if b and b[0] is plan and b[1] is self.workspace and b[2] is self._sig and b[3] is self._variant \
+                and b[4] is self.backend and b[5] == self._sm_scale:
+            return
+        self._bound_to = to
+        self._launcher = None
+        bind = getattr(self.backend, "bind", None)
+        if bind is not None:
+            try:
+                self._launcher = bind(plan, self.workspace, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table,
+                                                                         self._sm_scale, **self._variant))
+            except ValueError:  # the backend's own run() raises it, with its message, when run() is called
+                self._launcher = None
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
             block_table: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
@@ -366,31 +635,81 @@ class DecodeWrapper:
                 "DecodeWrapper.run() called before plan()" + (
                     " during CUDA graph capture: call plan(..., capacity=True) before capturing" if capturing else ""))
         # -- argument checks: O(1) host work, no allocation, no sync (this runs under CUDA-graph capture) --
-        from .problem import check_no_overlap, check_sm_scale, check_variant_tensors, signature_change, validate_outputs
+        sig, ptrs = self._signature_ptrs(q, k_cache, v_cache, seq_lens, block_table)
+        return self._run(sig, ptrs, q, k_cache, v_cache, seq_lens, block_table, out, lse, False)
 
-        sig = self._signature(q, k_cache, v_cache, seq_lens, block_table)
-        if sig != self._sig:
+    def _run(self, sig, ptrs, q, k_cache, v_cache, seq_lens, block_table, out, lse, outputs_checked: bool):
+        """:meth:`run` after the signature; ``outputs_checked``: the caller (:func:`decode`) has just run
+        :func:`validate_outputs` on these ``q``, ``out`` and ``lse``."""
+        if sig is not self._sig and sig != self._sig:
             raise ValueError(f"run() inputs differ from the planned ones: {signature_change(self._sig, sig)}; "
                              "call plan() again")
         if out is None:  # the wrapper's own buffer, made by plan() for q's planned shape, dtype and device
             out = self._out
-            validate_outputs(q, None, lse)
-        else:
-            validate_outputs(q, out, lse)
-        check_sm_scale(self._sm_scale)
+            if not outputs_checked and lse is not None:
+                self._check_outputs(q, None, lse)
+        elif not outputs_checked:
+            self._check_outputs(q, out, lse)
+        sm = self._sm_scale
+        if type(sm) is not float or sm - sm != 0.0:  # not a finite float: the full check decides (and raises)
+            check_sm_scale(sm)
         var = self._variant
-        check_variant_tensors(q, var["sinks"], var["k_scale"], var["v_scale"])
-        check_no_overlap((("out", out), ("lse", lse)),
-                         (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
-                          ("block_table", block_table), ("sinks", var["sinks"]), ("k_scale", var["k_scale"]),
-                          ("v_scale", var["v_scale"])))
+        sinks, k_scale, v_scale = var["sinks"], var["k_scale"], var["v_scale"]
+        if sinks is not None or k_scale is not None or v_scale is not None:
+            check_variant_tensors(q, sinks, k_scale, v_scale)
+        self._check_overlap(out, lse, ptrs, sinks, k_scale, v_scale)
         if not self.backend.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise PlanNotReadyError(f"backend {self.backend.name} cannot run under CUDA-graph capture; plan with "
                                     "capacity=True before capturing (it picks a graph-safe backend)")
         # -- end of argument checks --
-        inputs = DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, self._sm_scale, **self._variant)
-        self.backend.run(self.plan_, inputs, self.workspace, out, lse)
+        if self._launcher is not None:
+            self._launcher(q, k_cache, v_cache, seq_lens, block_table, out, lse, ptrs)
+        else:
+            inputs = DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm, **var)
+            self.backend.run(self.plan_, inputs, self.workspace, out, lse)
         return out
+
+    def _check_outputs(self, q, out, lse) -> None:
+        """:func:`validate_outputs` (the same errors): q matches the planned signature here, so what it compares
+        ``out`` and ``lse`` with is read from that signature; any difference goes to the full check."""
+        _, shape, _, dtype, device, _ = self._sig[0]
+        T = torch.Tensor
+        if out is not None and not (isinstance(out, T) and out.shape == shape and out.dtype == dtype
+                                    and out.device == device and (shape[3] <= 1 or out.stride(3) == 1)):
+            validate_outputs(q, out, lse)
+            return
+        if lse is not None and not (isinstance(lse, T) and lse.dtype == torch.float32 and lse.shape == shape[:3]
+                                    and lse.device == device and (shape[2] <= 1 or lse.stride(2) == 1)):
+            validate_outputs(q, out, lse)
+
+    def _check_overlap(self, out, lse, ptrs, sinks, k_scale, v_scale) -> None:
+        """:func:`attnplan.problem.check_no_overlap` for ``run()``'s tensors, with the same order and errors, from
+        the data pointers and the planned inputs' byte extents (every tensor is on q's device here: the signature
+        and the output checks said so; a tensor's bytes lie within its storage's, so comparing the tensors'
+        ranges alone decides the same)."""
+        (d0, d1, d2, d3), isz = self._q_terms
+        s = out.stride()
+        a0 = out.data_ptr()
+        a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
+        if lse is not None:
+            s = lse.stride()
+            c0 = lse.data_ptr()
+            c1 = c0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + 1) * 4
+            if a0 < c1 and c0 < a1:
+                raise _overlap("out", a0, a1, "lse", c0, c1)
+        ins = [(n, p, p + e) for n, p, e in zip(_INPUTS, ptrs, self._extents) if e]
+        if sinks is not None or k_scale is not None or v_scale is not None:
+            for n, t in (("sinks", sinks), ("k_scale", k_scale), ("v_scale", v_scale)):
+                if t is not None and t.numel():
+                    p = t.data_ptr()
+                    ins.append((n, p, p + _extent(t.shape, t.stride(), t.element_size())))
+        for n, b0, b1 in ins:
+            if a0 < b1 and b0 < a1:
+                raise _overlap("out", a0, a1, n, b0, b1)
+        if lse is not None:
+            for n, b0, b1 in ins:
+                if c0 < b1 and b0 < c1:
+                    raise _overlap("lse", c0, c1, n, b0, b1)
 
     def explain(self, seq_lens=None) -> str:
         """The plan's :meth:`SplitPlan.explain` at ``seq_lens`` (host ints; default: the ``seq_lens_host`` given to
@@ -398,6 +717,8 @@ class DecodeWrapper:
         if self.plan_ is None:
             return "no plan yet"
         lens = self._lens_host if seq_lens is None else seq_lens
+        if lens is not None:
+            lens = [int(x) for x in lens]
         skipped = "".join(f"\nskipped {n}: " + "; ".join(r) for n, r in self.skipped)
         return self.plan_.explain(lens) + skipped
 
@@ -411,6 +732,11 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
            seq_lens_host=None) -> torch.Tensor:
     """Split-KV decode attention in one call (plan through the cache, then run).
 
+    The context keeps the :class:`DecodeWrapper` s of earlier calls (at most :data:`DECODE_WRAPPERS`, keyed by the
+    inputs' signature and ``backend``; :meth:`Context.release_wrappers` frees them and their workspaces), so a
+    repeated call with the same shapes is a plan-cache hit and a run. A ``config`` given as a :class:`Config` or a
+    path makes a new context (and so a new plan cache) on every call; pass a :class:`Context` to reuse one.
+
     Args:
         q: ``[batch, q_len, num_q_heads, head_dim]`` fp16 / bf16 / fp32.
         k_cache, v_cache: contiguous ``[batch, max_kv_len, num_kv_heads, head_dim]``, or paged
@@ -418,7 +744,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
         seq_lens: ``[batch]`` int32, valid KV tokens per sequence (0 allowed).
         block_table: ``[batch, max_pages_per_seq]`` int32 for a paged cache, else ``None``.
         sm_scale: score scale, default ``1/sqrt(head_dim)``.
-        out: optional output buffer (q's shape and dtype).
+        out: optional output buffer (q's shape and dtype); ``None``: a new tensor.
         lse: optional ``[batch, q_len, num_q_heads]`` fp32 buffer for the natural-log LSE
             (``-inf`` for rows with no visible KV position).
         backend: force a backend by name; ``None`` follows the config's order.
@@ -426,8 +752,13 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
         config: Config, YAML path, Context or ``None`` (default context).
         window_left, logits_soft_cap, sinks, k_scale, v_scale: attention variants, see
             :meth:`DecodeWrapper.plan` (fp8 caches: ``k_cache.dtype == torch.float8_e4m3fn``).
-        seq_lens_host: ``seq_lens`` as host ints when known (no device read while planning), see
-            :meth:`DecodeWrapper.plan`.
+        seq_lens_host: ``seq_lens`` as host ints when known: then nothing is read from the device and the call
+            never synchronizes the host (beyond a new kernel specialization's one-time compile and load); the
+            caller vouches for the lengths and for the block table's entries, which are not checked (the kernels
+            clamp every page index into
+            ``[0, num_pages)``: a bad entry reads a wrong page, never outside the cache); see
+            :meth:`DecodeWrapper.plan`. Without it the call synchronizes the host once, reading ``seq_lens``
+            (and the block table) to check them.
     Returns:
         ``out`` in q's dtype. Query ``i`` of a sequence of length ``L`` attends to KV positions
         ``< L - q_len + i + 1``; a row with none gets zeros.
@@ -435,18 +766,29 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
         TypeError, ValueError: bad inputs, before any kernel runs. NoBackendError: no backend fits.
     """
     # -- argument checks (the inputs' own: DecodeWrapper.plan; out / lse overlap: DecodeWrapper.run) --
-    from .problem import check_sm_scale, validate_outputs
-
     check_sm_scale(sm_scale)
     if isinstance(q, torch.Tensor) and q.dim() == 4:
         validate_outputs(q, out, lse)
     elif out is not None and not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
     # -- end of argument checks --
-    w = DecodeWrapper(config, backend=backend)
-    if out is not None:
-        w._out = out  # the caller's buffer: plan() then allocates no output of its own
-    w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=sm_scale, num_splits=num_splits,
-           window_left=window_left, logits_soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-           seq_lens_host=seq_lens_host)
-    return w.run(q, k_cache, v_cache, seq_lens, block_table, out=out, lse=lse)
+    ctx = _context(config)
+    try:
+        sig, ptrs = DecodeWrapper._signature_ptrs(q, k_cache, v_cache, seq_lens, block_table)
+    except TypeError:
+        sig = ptrs = None  # plan() raises the precise error
+    key = (sig, backend)
+    w = ctx._take_wrapper(key) if sig is not None else None
+    if w is None:
+        w = DecodeWrapper(ctx, backend=backend)
+    w._out = out  # the caller's buffer (plan() then allocates none), or None: plan() allocates a new one
+    try:
+        w._plan(sig, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, False, window_left,
+                logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host)
+        # plan() validated the signature's tensors and this function out / lse: run() goes straight to its checks
+        res = w._run(sig, ptrs, q, k_cache, v_cache, seq_lens, block_table, out, lse, True)
+    finally:
+        w._out = None  # the result belongs to the caller: the next call must not write it
+    if sig is not None:
+        ctx._give_wrapper(key, w)
+    return res

@@ -181,6 +181,20 @@ class PlanCache:
         """Memory-only lookup (no disk, no counters): the hot path of ``run()``."""
         return self._mem.get(key)
 
+    def hit(self, key: tuple) -> SplitPlan | None:
+        """The plan for ``key`` if it is in memory (counted as a hit, made most recently used), else ``None``
+        (nothing counted: follow with :meth:`get_or_create`). The hit path of :meth:`get_or_create` without its
+        callbacks."""
+        plan = self._mem.get(key)
+        if plan is not None:
+            self.stats.hits += 1
+            with self._lock:
+                try:
+                    self._mem.move_to_end(key)
+                except KeyError:  # evicted by another thread meanwhile
+                    pass
+        return plan
+
     def get_or_create(self, key: tuple, build: Callable[[], SplitPlan],
                       validate: Callable[[SplitPlan], None] | None = None) -> SplitPlan:
         """Return the cached plan for ``key`` or build, store and return it.
@@ -191,11 +205,13 @@ class PlanCache:
                 the file a miss with a warning. Plans from memory or ``build`` are not re-validated.
         """
         plan = self._mem.get(key)
-        if plan is not None:
+        if plan is not None:  # the hit path: one more hash of the key, no allocation
             self.stats.hits += 1
             with self._lock:
-                if key in self._mem:
+                try:
                     self._mem.move_to_end(key)
+                except KeyError:  # evicted by another thread meanwhile
+                    pass
             return plan
         plan = self._read(key, validate)
         if plan is not None:

@@ -32,8 +32,18 @@ sink" for that head. Float scales are checked on every call. Tensor ``sinks`` / 
 (one device-to-host copy, a sync), and later plans skip it while its data pointer, version counter
 (``tensor._version``, bumped by every in-place torch op) and device are unchanged. Writes that bypass
 the version counter (through ``.data``, an inference-mode tensor, or a foreign kernel) are not seen.
-``seq_lens`` and the block table are read by ``plan()`` (not when ``seq_lens_host`` is given and the
-cache is contiguous); ``run()`` reads no values: keep them valid between ``plan()`` and ``run()``.
+``seq_lens`` and the block table are read by ``plan()`` only when ``seq_lens_host`` is not given (one
+device-to-host read of both, a single host sync); ``run()`` reads no values: keep them valid between
+``plan()`` and ``run()``.
+
+*Host lengths.* With ``seq_lens_host`` (``batch`` host ints equal to ``seq_lens``) ``plan()`` and
+``attnplan.decode()`` read nothing from the device: the host lengths are checked (``[0, capacity]``)
+and the block table's values are not read at all. The caller vouches for its lengths and its table, as
+FlashInfer's and vLLM's ``plan()`` do. The kernels make that safe: every page index a kernel backend
+(triton, numba, cuda_ptx) loads from the block table is clamped into ``[0, num_pages)`` before it
+addresses the cache, so an entry outside that range reads a wrong page (a wrong output for that
+sequence) but never reads outside the cache. A paged cache with no pages (``num_pages == 0``) cannot
+serve a non-empty sequence and is refused on the host.
 
 *Aliasing.* ``out`` and ``lse`` may not overlap any input (``q``, ``k_cache``, ``v_cache``,
 ``seq_lens``, ``block_table``, ``sinks``, the scales) or each other. The test compares the byte ranges
@@ -64,8 +74,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-__all__ = ["DecodeProblem", "validate_inputs", "validate_values", "validate_outputs", "check_no_overlap",
-           "check_sm_scale", "tensor_signature", "signature_change", "DTYPE_NAMES", "dtype_name", "len_bucket"]
+__all__ = ["DecodeProblem", "validate_inputs", "validate_values", "host_lengths", "validate_outputs",
+           "check_no_overlap", "check_sm_scale", "tensor_signature", "signature_change", "DTYPE_NAMES", "dtype_name",
+           "len_bucket"]
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float8_e4m3fn: "float8_e4m3fn"}
@@ -214,6 +225,17 @@ class DecodeProblem:
         return (self.batch, self.num_q_heads, self.num_kv_heads, self.head_dim, self.q_len, self.page_size,
                 self.q_dtype, self.kv_dtype, len_bucket(self.max_kv_len), len_bucket(-(-self.total_kv_len // self.batch)),
                 self.window_left, self.soft_cap, self.has_sinks, self.kv_scale)
+
+    @staticmethod
+    def static_bucket_key(static: dict, max_kv_len: int, total_kv_len: int) -> tuple:
+        """:meth:`bucket_key` of ``DecodeProblem(max_kv_len=..., total_kv_len=..., **static)`` (``static``: what
+        :func:`validate_inputs` returns; ``total_kv_len >= 0``) without making the problem: a plan-cache hit
+        needs only its key."""
+        b = static["batch"]
+        return (b, static["num_q_heads"], static["num_kv_heads"], static["head_dim"], static["q_len"],
+                static["page_size"], static["q_dtype"], static["kv_dtype"], len_bucket(max_kv_len),
+                len_bucket(-(-total_kv_len // b)), static["window_left"], static["soft_cap"], static["has_sinks"],
+                static["kv_scale"])
 
     def bucketed(self) -> "DecodeProblem":
         """The problem the plan is made for: lengths raised to their bucket's upper bound, so one
@@ -554,26 +576,68 @@ def check_no_overlap(outputs, inputs) -> None:
                     raise ValueError(f"{on} overlaps {n} in memory (bytes [{c0:#x}, {c1:#x}) and [{d0:#x}, {d1:#x})); "
                                      f"the kernels would read what they write: pass a separate {on} buffer")
 
+
+def host_lengths(static: dict, seq_lens_host, num_pages: int) -> tuple[list[int], int, int] | None:
+    """The fast path of :func:`validate_values` for host lengths: a ``list`` or ``tuple`` of ``batch`` Python
+    ``int`` s (or bools), all in ``[0, capacity]``. Returns ``(the lengths as a new list, max_kv_len,
+    total_kv_len)``, or ``None`` when the input is of another kind or breaks a rule (then :func:`validate_values`
+    decides and raises its own error). O(batch) Python, no tensor made, nothing read from the device."""
+    if type(seq_lens_host) is not list and type(seq_lens_host) is not tuple:
+        return None
+    lens = list(seq_lens_host)
+    if len(lens) != static["batch"]:
+        return None
+    try:
+        total = sum(lens)
+    except TypeError:
+        return None
+    if type(total) is not int:  # a float, numpy or tensor element: the general path converts (and checks) them
+        return None
+    lo, hi = min(lens), max(lens)
+    if lo < 0 or hi > static["capacity"] or (hi > 0 and num_pages == 0 and static["page_size"] is not None):
+        return None
+    return lens, int(hi), total
+
+
+def _read_values(seq_lens: torch.Tensor, block_table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``seq_lens`` (and the block table) as int64 CPU tensors. On a GPU both are copied into pinned host
+    memory without blocking and the host then waits once for the stream (one sync for both)."""
+    if not seq_lens.is_cuda:
+        return (seq_lens.detach().to("cpu", torch.int64),
+                None if block_table is None else block_table.detach().to("cpu", torch.int64))
+    lens = seq_lens.detach().to("cpu", non_blocking=True)
+    bt = None if block_table is None else block_table.detach().to("cpu", non_blocking=True)
+    torch.cuda.current_stream(seq_lens.device).synchronize()
+    return lens.to(torch.int64), None if bt is None else bt.to(torch.int64)
+
+
 def validate_values(static: dict, seq_lens: torch.Tensor, block_table: torch.Tensor | None,
                     num_pages: int, seq_lens_host=None) -> tuple[int, int]:
-    """Check the values of ``seq_lens`` and ``block_table`` (reads them to the host: plan-time only).
+    """Check the values of the lengths and, without host lengths, of ``block_table`` (plan-time only).
 
-    ``seq_lens_host``: the same lengths as host integers, when the caller has them; they are checked
-    instead of ``seq_lens``, which is then not read (no device-to-host copy, no sync, unless a block
-    table must be checked).
+    Without ``seq_lens_host``, ``seq_lens`` and ``block_table`` are read to the host (on a GPU: one
+    device-to-host read of both, one host sync). With ``seq_lens_host`` (the same lengths as host integers)
+    they are checked instead of ``seq_lens``, and nothing is read from the device: no copy, no sync, and the
+    block table's values are not checked (the kernels clamp every page index they load into
+    ``[0, num_pages)``; see the module docstring).
 
     Returns ``(max_kv_len, total_kv_len)`` in tokens.
 
     Raises:
         ValueError: a length is negative or beyond the cache's capacity; a block-table entry a
-            sequence uses is outside ``[0, num_pages)``; ``seq_lens_host`` has the wrong length.
+            sequence uses is outside ``[0, num_pages)`` (checked without host lengths only); a paged
+            cache has no pages but a sequence is not empty; ``seq_lens_host`` has the wrong length.
     """
     if seq_lens_host is not None:
+        fast = host_lengths(static, seq_lens_host, num_pages)
+        if fast is not None:
+            return fast[1], fast[2]
         lens = torch.as_tensor(list(seq_lens_host), dtype=torch.int64)
         if lens.ndim != 1 or lens.numel() != seq_lens.shape[0]:
             raise ValueError(f"seq_lens_host must hold {seq_lens.shape[0]} lengths (one per sequence), got {lens.numel()}")
+        bt = None
     else:
-        lens = seq_lens.detach().to("cpu", torch.int64)
+        lens, bt = _read_values(seq_lens, block_table)
     if lens.numel() and int(lens.min()) < 0:
         raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()[:16]}")
     cap = static["capacity"]
@@ -581,10 +645,14 @@ def validate_values(static: dict, seq_lens: torch.Tensor, block_table: torch.Ten
         bad = int(lens.argmax())
         where = "max_pages_per_seq * page_size" if block_table is not None else "k_cache.shape[1]"
         raise ValueError(f"seq_lens[{bad}] = {int(lens[bad])} exceeds the cache capacity {cap} tokens ({where})")
-    if block_table is not None and lens.numel():
+    if block_table is not None and bt is None and lens.numel() and num_pages == 0 and int(lens.max()) > 0:
+        # host lengths: the table is not read, so the one layout no clamp can make safe is refused here
+        bad = int(lens.argmax())
+        raise ValueError(f"k_cache has no pages (num_pages = k_cache.shape[0] = 0) but seq_lens[{bad}] = "
+                         f"{int(lens[bad])} needs at least one")
+    if bt is not None and lens.numel():
         ps = static["page_size"]
         pages_used = (lens + ps - 1) // ps
-        bt = block_table.detach().to("cpu", torch.int64)
         cols = torch.arange(bt.shape[1]).unsqueeze(0)
         used = cols < pages_used.unsqueeze(1)
         vals = bt[used]

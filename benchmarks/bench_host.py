@@ -1,15 +1,30 @@
 """Host cost of one eager decode call: what a caller that does not capture graphs pays on the CPU per layer.
 
 Times, per backend, medians over ``--calls`` calls in a quiet loop (the GPU work is tiny, so the host is the
-bottleneck and the wall time per call is the host's cost): ``DecodeWrapper.run()`` after one ``plan()``;
-``plan()`` again with host lengths (a plan-cache hit); ``attnplan.decode()`` with ``seq_lens_host`` (cache hit);
-and torch's ``scaled_dot_product_attention`` on the same data (dense, ``enable_gqa``) as the bar. It also checks
-that ``run()`` and, with host lengths, ``plan()`` / ``decode()`` never synchronize the host
-(``torch.cuda.set_sync_debug_mode("error")``).
+bottleneck and the wall time per call is the host's cost):
+
+- ``run_us``: ``DecodeWrapper.run()`` after one ``plan()``;
+- ``run_checks_us``: the same with the launch stubbed (the argument checks alone);
+- ``bound_us``: the backend's bound launch alone (``Backend.bind``: Triton's compiled-kernel launcher, numba's
+  marshalled arguments), and ``jit_us``: the same launches through the backend's ``run()`` (Triton's JIT, numba's
+  dispatcher), the path ``run()`` took before bound launches;
+- ``plan_hit_us``: ``plan()`` again with host lengths (a plan-cache hit); ``decode_us``: ``attnplan.decode()`` with
+  ``seq_lens_host`` (a plan-cache hit, its wrapper reused);
+- torch's ``scaled_dot_product_attention`` on the same data (dense, ``enable_gqa``) as the bar.
+
+It also checks that ``run()`` and, with host lengths, ``plan()`` / ``decode()`` never synchronize the host
+(``torch.cuda.set_sync_debug_mode("error")``; ``decode()`` without host lengths is documented to synchronize once,
+reported as ``decode_nohost_sync``), and whether the bound launch's direct path was taken (``direct``).
+
+``--cpu`` times the same host paths per stage on the CPU (Triton interpreter, numba simulator) with every launch
+stubbed (the interpreter would dominate): ``run()``'s checks, the bound launch's direct path with a stand-in for
+the compiled kernel (Triton) or for ``cuda.core.launch`` over a template of numba's size (numba), a ``plan()``
+hit and a ``decode()`` call, and the pieces of each. It prints its table and writes nothing.
 
 Usage (GPU machine)::
 
     python benchmarks/bench_host.py --out benchmarks/results/host.json
+    python benchmarks/bench_host.py --cpu          # any machine
 """
 
 from __future__ import annotations
@@ -20,11 +35,18 @@ import os
 import statistics
 import sys
 import time
+import types
+
+if "--cpu" in sys.argv:  # before numba and the Triton kernels are imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import torch
 import torch.nn.functional as F
 
 import attnplan
+import attnplan.backends
+from attnplan.backends import DecodeInputs
 from attnplan.testing import make_inputs
 
 
@@ -35,11 +57,11 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
     torch.cuda.synchronize()
     rounds = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+        rounds.append((time.perf_counter_ns() - t0) / calls / 1e3)
     return statistics.median(rounds)
 
 
@@ -56,6 +78,143 @@ def no_sync(fn) -> str:
         torch.cuda.set_sync_debug_mode("default")
 
 
+def measure(be: str, x, lens: list[int], calls: int) -> dict:
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    ctx = attnplan.Context.from_config(attnplan.load_config())
+    w = attnplan.DecodeWrapper(ctx, backend=be)
+    w.plan(*args, seq_lens_host=lens)
+    out = torch.empty_like(x.q)
+    w.run(*args, out=out)
+    attnplan.decode(*args, out=out, backend=be, config=ctx, seq_lens_host=lens)
+    r = {"backend": be, "plan": f"{w.plan_.policy} {w.plan_.num_splits} splits, merge {w.plan_.merge}"}
+    r["run_us"] = per_call_us(lambda: w.run(*args, out=out), calls)
+    bound = w._launcher
+    ptrs = tuple(0 if t is None else t.data_ptr() for t in args)
+    if bound is not None:
+        r["bound_us"] = per_call_us(lambda: bound(*args, out, None, ptrs), calls)
+        w._launcher = lambda *a: None
+        r["run_checks_us"] = per_call_us(lambda: w.run(*args, out=out), calls)
+        w._launcher = bound
+        r["direct"] = len(getattr(bound, "direct", {}))
+    else:  # no bound launch: run() goes through backend.run; stub that for the checks alone
+        w.backend.run = lambda *a, **k: None  # an instance attribute over the class's method
+        try:
+            r["run_checks_us"] = per_call_us(lambda: w.run(*args, out=out), calls)
+        finally:
+            del w.backend.run  # the class's method again
+    inputs = DecodeInputs(*args, w._sm_scale, **w._variant)
+    r["jit_us"] = per_call_us(lambda: w.backend.run(w.plan_, inputs, w.workspace, out, None), calls)
+    r["plan_hit_us"] = per_call_us(lambda: w.plan(*args, seq_lens_host=lens), calls // 4)
+    r["decode_us"] = per_call_us(lambda: attnplan.decode(*args, out=out, backend=be, config=ctx, seq_lens_host=lens),
+                                 calls // 4)
+    r["run_sync"] = no_sync(lambda: w.run(*args, out=out))
+    r["plan_sync"] = no_sync(lambda: w.plan(*args, seq_lens_host=lens))
+    r["decode_sync"] = no_sync(lambda: attnplan.decode(*args, out=out, backend=be, config=ctx, seq_lens_host=lens))
+    r["decode_nohost_sync"] = no_sync(lambda: attnplan.decode(*args, out=out, backend=be, config=ctx))
+    return r
+
+
+def per_call_cpu_us(fn, calls: int, repeats: int = 7) -> float:
+    """:func:`per_call_us` without a GPU: ``time.perf_counter_ns`` around ``calls`` calls, median of rounds."""
+    for _ in range(min(200, calls)):
+        fn()
+    rounds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter_ns() - t0) / calls / 1e3)
+    return statistics.median(rounds)
+
+
+def cpu_stages(be: str, calls: int, hq: int, hkv: int, d: int, kv: int) -> list[tuple[str, float]]:
+    """Per-stage host cost on the CPU, every launch stubbed (see the module docstring)."""
+    from attnplan import api
+    from attnplan import problem as P
+    from attnplan.backends import get_backend
+
+    x = make_inputs(1, hq, hkv, d, [kv], page_size=16, dtype=torch.bfloat16)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    lens = [kv]
+    ctx = attnplan.Context.from_config(attnplan.load_config())
+    w = attnplan.DecodeWrapper(ctx, backend=be)
+    w.plan(*args, seq_lens_host=lens)
+    out = torch.empty_like(x.q)
+    sig, ptrs = w._signature_ptrs(*args)
+    rows = []
+    bound = w._launcher
+    w._launcher = lambda *a: None
+    rows.append(("run(), launch stubbed", per_call_cpu_us(lambda: w.run(*args, out=out), calls)))
+    w._launcher = bound
+    rows.append(("  signature and pointers", per_call_cpu_us(lambda: w._signature_ptrs(*args), calls)))
+    rows.append(("  out / lse checks", per_call_cpu_us(lambda: w._check_outputs(x.q, out, None), calls)))
+    rows.append(("  overlap checks", per_call_cpu_us(lambda: w._check_overlap(out, None, ptrs, None, None, None),
+                                                     calls)))
+    if be == "triton" and bound is not None:
+        from attnplan.backends.triton import _Direct
+
+        dp = _Direct()
+        dp.run, dp.function, dp.packed, dp.device, dp.debug = (lambda *a: None), None, None, 0, False
+        dp.const_tail = (0,) * 30
+        bound.hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False)
+        bound.current_device, bound.current_stream = (lambda: 0), (lambda dev: 0)
+        bound.direct[(out.stride(), None, out.data_ptr() & 15)] = (dp, dp if bound.merge else None)
+        rows.append(("bound launch, direct path (launcher stubbed)",
+                     per_call_cpu_us(lambda: bound(*args, out, None, ptrs), calls)))
+    if be == "numba" and bound is not None:
+        from attnplan.backends.numba import _ROLE_INDEX, _Direct
+
+        calls_ = [w.backend._partial_call(w.plan_, DecodeInputs(*args, w._sm_scale, **w._variant), w.workspace,
+                                          out, None)]
+        if w.plan_.merge == "separate":
+            calls_.append(w.backend._merge_call(w.plan_, w.workspace, out, None, None))
+        made = []
+        for *_, tensors in calls_:  # a template of numba's size: arrays as 5 + 2 x ndim words, scalars as one
+            template, patch = [], []
+            for t, role in tensors:
+                if t is None:
+                    template.append(0)
+                    continue
+                if role is not None:
+                    patch.append((len(template) + 4, _ROLE_INDEX[role]))
+                template += [0] * (5 + 2 * t.dim())
+            d_ = _Direct()
+            d_.launch, d_.config, d_.handle = (lambda *a: None), None, None
+            d_.template, d_.patch, d_.streams = template, tuple(patch), {0: "stream"}
+            made.append(d_)
+        bound.sim, bound.current_device, bound.raw_stream = False, (lambda: 0), (lambda dev: 0)
+        bound.device = torch.device("cpu")
+        bound.direct[(out.stride(), None)] = tuple(made)
+        rows.append(("bound launch, direct path (cuda.core.launch stubbed)",
+                     per_call_cpu_us(lambda: bound(*args, out, None, ptrs), calls)))
+    rows.append(("plan() hit, host lengths", per_call_cpu_us(lambda: w.plan(*args, seq_lens_host=lens), calls)))
+    static = P.validate_inputs(*args)
+    rows.append(("  validate_inputs (memoized away on a hit)",
+                 per_call_cpu_us(lambda: P.validate_inputs(*args), calls)))
+    rows.append(("  host lengths", per_call_cpu_us(lambda: P.host_lengths(static, lens, x.k_cache.shape[0]), calls)))
+    prob = P.DecodeProblem(max_kv_len=kv, total_kv_len=kv, **static)
+    rows.append(("  select_backend (memoized away on a hit)",
+                 per_call_cpu_us(lambda: api.select_backend(prob, x.q.device, ctx.config, be, False), calls)))
+    rows.append(("  plan_problem (a plan-cache hit)",
+                 per_call_cpu_us(lambda: api.plan_problem(prob, w.backend, x.q.device, ctx), calls)))
+    bb = get_backend(be)
+    stub = (lambda *a, **k: None)
+    bb.run = stub
+    bind = getattr(type(bb), "bind", None)
+    if bind is not None:
+        bb.bind = lambda *a, **k: stub
+    try:
+        attnplan.decode(*args, out=out, backend=be, config=ctx, seq_lens_host=lens)
+        rows.append(("decode(), host lengths, launch stubbed",
+                     per_call_cpu_us(lambda: attnplan.decode(*args, out=out, backend=be, config=ctx,
+                                                             seq_lens_host=lens), calls)))
+    finally:
+        del bb.run
+        if bind is not None:
+            del bb.bind
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", default="triton,cuda_ptx,numba")
@@ -63,14 +222,22 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="32,8,128")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--out", default="benchmarks/results/host.json")
+    ap.add_argument("--cpu", action="store_true", help="per-stage host cost on the CPU, launches stubbed")
     args = ap.parse_args(argv)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
+    if args.cpu:
+        kv = int(args.kv.split(",")[0])
+        for be in args.backends.split(","):
+            if not attnplan.backends.get_backend(be).available(torch.device("cpu"))[0]:
+                continue
+            print(f"\n{be} on the CPU, b1 {hq}/{hkv}/{d} bf16 paged, kv {kv} (us per call, launches stubbed)")
+            for name, us in cpu_stages(be, args.calls, hq, hkv, d, kv):
+                print(f"  {name:52s} {us:8.1f}")
+        return 0
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for kv in (int(x) for x in args.kv.split(",")):
         x = make_inputs(1, hq, hkv, d, [kv], page_size=16, dtype=torch.bfloat16, device="cuda", generator=gen)
-        lens = [kv]
-        args_ = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
         qd = x.q.transpose(1, 2)  # [1, Hq, 1, D]
         kd = torch.randn(1, hkv, kv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         vd = torch.randn_like(kd)
@@ -78,18 +245,7 @@ def main(argv=None) -> int:
         rows.append({"kv": kv, "what": "torch sdpa", "us": sdpa})
         for be in args.backends.split(","):
             try:
-                w = attnplan.DecodeWrapper(backend=be)
-                w.plan(*args_, seq_lens_host=lens)
-                out = torch.empty_like(x.q)
-                w.run(*args_, out=out)
-                r = {"kv": kv, "backend": be,
-                     "run_us": per_call_us(lambda: w.run(*args_, out=out), args.calls),
-                     "plan_hit_us": per_call_us(lambda: w.plan(*args_, seq_lens_host=lens), args.calls // 4),
-                     "decode_us": per_call_us(lambda: attnplan.decode(*args_, out=out, backend=be, seq_lens_host=lens),
-                                              args.calls // 4),
-                     "run_sync": no_sync(lambda: w.run(*args_, out=out)),
-                     "plan_sync": no_sync(lambda: w.plan(*args_, seq_lens_host=lens)),
-                     "decode_sync": no_sync(lambda: attnplan.decode(*args_, out=out, backend=be, seq_lens_host=lens))}
+                r = {"kv": kv, **measure(be, x, [kv], args.calls)}
             except Exception as e:  # noqa: BLE001 - report and go on
                 r = {"kv": kv, "backend": be, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             rows.append(r)
@@ -98,12 +254,16 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["python", "benchmarks/bench_host.py", *(argv or sys.argv[1:])]),
                    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
-    print("\nkv      backend   run_us  plan_hit_us  decode_us  sdpa_us  syncs(run/plan/decode)")
+    print("\nkv      backend   run_us  checks_us  bound_us  jit_us  plan_hit_us  decode_us  sdpa_us  direct  "
+          "syncs(run/plan/decode; decode without host lengths)")
     sd = {r["kv"]: r["us"] for r in rows if r.get("what") == "torch sdpa"}
     for r in rows:
         if "run_us" in r:
-            print(f"{r['kv']:<7d} {r['backend']:9s} {r['run_us']:6.1f} {r['plan_hit_us']:12.1f} {r['decode_us']:10.1f} "
-                  f"{sd[r['kv']]:8.1f}  {r['run_sync']}/{r['plan_sync']}/{r['decode_sync']}")
+            bound = f"{r['bound_us']:8.1f}" if "bound_us" in r else "       -"
+            print(f"{r['kv']:<7d} {r['backend']:9s} {r['run_us']:6.1f} {r['run_checks_us']:10.1f} {bound} "
+                  f"{r['jit_us']:7.1f} {r['plan_hit_us']:12.1f} {r['decode_us']:10.1f} {sd[r['kv']]:8.1f} "
+                  f"{r.get('direct', '-')!s:>7}  {r['run_sync']}/{r['plan_sync']}/{r['decode_sync']}; "
+                  f"{r['decode_nohost_sync'][:5]}")
         elif "error" in r:
             print(f"{r['kv']:<7d} {r['backend']:9s} error {r['error']}")
     return 0

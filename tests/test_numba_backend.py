@@ -606,10 +606,10 @@ def test_offsets_are_64_bit_in_the_compiled_arithmetic(paged):
     assert base == 2 * 2**30 + (0 if paged else 3 * 2**20)
     table = numpy.array([[5, 3000, 7]], dtype=numpy.int32)
     if paged:  # position 20 of page size 16: logical page 1 -> physical page 3000, token 4
-        got = token_offset(table, 0, i32(20), 4, s0, s1, base)
+        got = token_offset(table, 0, i32(20), 4, 4000, s0, s1, base)
         assert got == base + 3000 * 2**20 + 4 * 2**12
     else:
-        got = token_offset(table, 0, i32(2**20 + 5), 0, s0, s1, base)
+        got = token_offset(table, 0, i32(2**20 + 5), 0, 0, s0, s1, base)
         assert got == base + (2**20 + 5) * 2**12
     assert got > 2**31
 

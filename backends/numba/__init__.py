@@ -22,10 +22,16 @@ whenever its strides and offset allow that view, else one element at a time. Eve
 honoured as it is (q, the block table, ``seq_lens``, ``out``, ``lse``). On a GPU the views go through
 ``numba.cuda.as_cuda_array(t, sync=False)`` (no synchronization on torch's stream) and kernels launch
 on ``numba.cuda.external_stream(torch.cuda.current_stream().cuda_stream)``; in the simulator they are
-the CPU tensors' numpy views, handed over without the simulator's copy-in/copy-out. Every launch runs
-inside :func:`attnplan.backends.numba.kernels.launch_scope` (numba's process-wide patches for that
-launch only); simulated launches also lower Python's thread switch interval while they run (the
-simulator's barriers otherwise cost milliseconds each).
+the CPU tensors' numpy views, handed over without the simulator's copy-in/copy-out. Every launch through
+numba's dispatcher runs inside :func:`attnplan.backends.numba.kernels.launch_scope` (numba's process-wide
+patches for that launch only); simulated launches also lower Python's thread switch interval while they
+run (the simulator's barriers otherwise cost milliseconds each).
+
+``DecodeWrapper.run()`` launches through :class:`BoundLaunch` (:meth:`NumbaBackend.bind`, made by
+``plan()``): on a GPU, after the first launch of an output layout through the dispatcher, it keeps the
+compiled kernel and numba's own marshalling of its arguments and later only writes the call's data pointers
+into it before ``cuda.core.launch`` (numba's typing and marshalling of every argument are most of a
+dispatcher launch's host time). Block-table entries are clamped into ``[0, num_pages)`` by the kernel.
 
 Attention variants (``variants``: window, softcap, sinks, fp8_kv) are flags of the kernel
 specialization, with the semantics of :mod:`attnplan.reference` and the Triton kernels: a sliding
@@ -55,7 +61,7 @@ import torch
 from attnplan.backends.base import Backend, DecodeInputs, Workspace
 from attnplan.planner import SplitPlan
 
-__all__ = ["NumbaBackend"]
+__all__ = ["NumbaBackend", "BoundLaunch"]
 
 _KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # kernels.KIND_FP32/FP16/BF16
 _FP8 = torch.float8_e4m3fn
@@ -230,16 +236,25 @@ class NumbaBackend(Backend):
             return self._k.sim_array(t.numpy())
         return self._k.cuda.as_cuda_array(t, sync=False)
 
+    def _stream(self, ptr: int):
+        """The numba stream object for the CUDA stream ``ptr`` (made once per stream)."""
+        stream = self._streams.get(ptr)
+        if stream is None:
+            stream = self._streams[ptr] = self._k.cuda.external_stream(ptr)
+        return stream
+
+    def bind(self, plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs) -> "BoundLaunch":
+        """The launches of ``plan`` for inputs of ``inputs``' signature, prepared once (``DecodeWrapper.plan()``
+        calls this; its ``run()`` calls the result). See :class:`BoundLaunch`."""
+        return BoundLaunch(self, plan, workspace, inputs)
+
     def _launch(self, kern, tag: str, grid: tuple, block: int, args: tuple, device: torch.device) -> None:
         k = self._k
         if k.SIM:
             with k.launch_scope(), _sim_switch_interval():
                 kern[grid, block](*args)
             return
-        ptr = torch.cuda.current_stream(device).cuda_stream
-        stream = self._streams.get(ptr)
-        if stream is None:
-            stream = self._streams[ptr] = k.cuda.external_stream(ptr)
+        stream = self._stream(torch.cuda.current_stream(device).cuda_stream)
         before = len(kern.overloads)
         t0 = time.perf_counter()
         with k.launch_scope():
@@ -269,7 +284,8 @@ class NumbaBackend(Backend):
 
     def partial(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
                 lse: torch.Tensor | None) -> None:
-        """The scheduled split-KV kernel (launch only: no allocation, no host sync).
+        """The scheduled split-KV kernel (launch only: no allocation, no host sync). Page ids read from the block
+        table are clamped into ``[0, num_pages)`` (``num_pages = k_cache.shape[0]``).
 
         Args:
             plan: grid ``(max_units * num_kv_heads,)``; ``plan.schedule`` and ``plan.kernel`` as planned.
@@ -287,6 +303,14 @@ class NumbaBackend(Backend):
             ValueError: an fp8 cache without ``k_scale``/``v_scale`` or with fp32 q; a plan whose kernel
                 options give an impossible thread layout; a plan with the fused merge.
         """
+        kern, tag, grid, threads, args, _ = self._partial_call(plan, inputs, workspace, out, lse)
+        self._launch(kern, tag, grid, threads, args, inputs.q.device)
+
+    def _partial_call(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
+                      lse: torch.Tensor | None) -> tuple:
+        """:meth:`partial`'s launch: ``(kernel, tag, grid, threads, args, tensors)``; ``tensors[i]`` is
+        ``(tensor, role)`` for the array argument ``args[i]`` (``role``: the :class:`BoundLaunch` argument it
+        comes from, ``None`` for the workspace and stand-ins) and ``(None, None)`` for a scalar."""
         k = self._kernels()
         x = inputs
         q = x.q
@@ -309,25 +333,30 @@ class NumbaBackend(Backend):
                             lanes=lanes, threads=threads, unroll=unroll, sched=sched, has_lse=lse is not None,
                             kv_same=ks == vs, window=window, softcap=softcap, fp8=fp8, sinks=sinks_on)
         kern = k.decode_kernel(spec)
-        table = x.block_table if x.paged else x.seq_lens
-        page_shift = int(x.k_cache.shape[1]).bit_length() - 1 if x.paged else 0
-        arr = self._array
         ints = workspace.targets  # an int32 stand-in for arrays the specialization never reads
+        page_shift = int(x.k_cache.shape[1]).bit_length() - 1 if x.paged else 0
+        last_page = max(int(x.k_cache.shape[0]) - 1, 0) if x.paged else 0  # page ids are clamped into it
         st = workspace.state
-        ws_o, ws_lse = (arr(st.o), arr(st.lse)) if sched else (arr(ints), arr(ints))
         meta = workspace.meta if sched and plan.merge == "separate" and workspace.meta is not None else ints
         stride_t = k.numpy.int32 if max(ks + vs) < 2**31 else k.numpy.int64
         ks, vs = tuple(stride_t(v) for v in ks), tuple(stride_t(v) for v in vs)
         s = plan.schedule
-        args = (arr(_elem_view(q, kind)), arr(kflat), arr(vflat), *ks, *vs, arr(x.seq_lens), arr(table),
-                arr(_elem_view(out, kind)), arr(lse if lse is not None else x.seq_lens), ws_o, ws_lse, arr(meta),
-                arr(workspace.targets), int(hkv), int(s.granule), int(s.min_unit_granules),
-                int(s.max_units_per_seq), int(meta is not ints), page_shift,
-                k.numpy.float32(x.sm_scale), int(x.window_left) if window else 0,
-                k.numpy.float32(x.soft_cap if softcap else 1.0),
-                arr(x.k_scale if fp8 else x.seq_lens), arr(x.v_scale if fp8 else x.seq_lens),
-                arr(x.sinks if sinks_on else x.seq_lens))
-        self._launch(kern, spec.tag(), tuple(plan.grid), threads, args, q.device)
+        # (tensor, role): the role names the call's tensor a bound launch reads the data pointer of
+        arrays = ((_elem_view(q, kind), "q"), (kflat, "k"), (vflat, "v"))
+        after = ((x.seq_lens, "seq_lens"), (x.block_table, "block_table") if x.paged else (ints, None),
+                 (_elem_view(out, kind), "out"), (lse, "lse") if lse is not None else (ints, None),
+                 (st.o, None) if sched else (ints, None), (st.lse, None) if sched else (ints, None),
+                 (meta, None), (workspace.targets, None))
+        ints_ = (int(hkv), int(s.granule), int(s.min_unit_granules), int(s.max_units_per_seq), int(meta is not ints),
+                 page_shift, last_page, k.numpy.float32(x.sm_scale), int(x.window_left) if window else 0,
+                 k.numpy.float32(x.soft_cap if softcap else 1.0))
+        tail = ((x.k_scale, "k_scale") if fp8 else (ints, None), (x.v_scale, "v_scale") if fp8 else (ints, None),
+                (x.sinks, "sinks") if sinks_on else (ints, None))
+        tensors = (*arrays, *((None, None),) * 6, *after, *((None, None),) * len(ints_), *tail)
+        arr = self._array
+        args = (*(arr(t) for t, _ in arrays), *ks, *vs, *(arr(t) for t, _ in after), *ints_,
+                *(arr(t) for t, _ in tail))
+        return kern, spec.tag(), tuple(plan.grid), threads, args, tensors
 
     def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
               sinks: torch.Tensor | None = None) -> None:
@@ -342,6 +371,12 @@ class NumbaBackend(Backend):
         Raises:
             ValueError: ``workspace`` has no state or meta (the plan's merge is not ``separate``).
         """
+        kern, tag, grid, threads, args, _ = self._merge_call(plan, workspace, out, lse, sinks)
+        self._launch(kern, tag, grid, threads, args, out.device)
+
+    def _merge_call(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
+                    sinks: torch.Tensor | None) -> tuple:
+        """:meth:`merge`'s launch, laid out as :meth:`_partial_call`'s."""
         if workspace.state is None or workspace.meta is None:
             raise ValueError(f"the numba merge needs a workspace with state and meta (plan merge {plan.merge!r})")
         k = self._kernels()
@@ -351,11 +386,154 @@ class NumbaBackend(Backend):
                       (_SIM_MERGE_THREADS if k.SIM else min(_GPU_MERGE_THREADS, max(32, _next_pow2(d)))))
         spec = k.MergeSpec(kind=kind, head_dim=d, threads=threads, has_lse=lse is not None, sinks=sinks is not None)
         kern = k.merge_kernel(spec)
-        arr = self._array
         st = workspace.state
-        args = (arr(st.o), arr(st.lse), arr(workspace.meta), arr(_elem_view(out, kind)),
-                arr(lse if lse is not None else st.lse), arr(sinks if sinks is not None else st.lse))
-        self._launch(kern, spec.tag(), (b * q_len * hq,), threads, args, out.device)
+        tensors = ((st.o, None), (st.lse, None), (workspace.meta, None), (_elem_view(out, kind), "out"),
+                   (lse, "lse") if lse is not None else (st.lse, None),
+                   (sinks, "sinks") if sinks is not None else (st.lse, None))
+        args = tuple(self._array(t) for t, _ in tensors)
+        return kern, spec.tag(), (b * q_len * hq,), threads, args, tensors
+
+
+#: the tensors of a :class:`BoundLaunch` call, by role (the order of its source tuple)
+_ROLES = ("q", "k", "v", "seq_lens", "block_table", "out", "lse", "sinks", "k_scale", "v_scale")
+_ROLE_INDEX = {r: i for i, r in enumerate(_ROLES)}
+
+
+class _Direct:
+    """One compiled numba kernel with its marshalled arguments, for launches that skip numba's dispatcher.
+
+    ``template``: the kernel arguments exactly as numba's ``_Kernel.launch`` passes them to ``cuda.core.launch``
+    (made by the kernel's own ``_prepare_args``); ``patch``: ``(position, role index)`` of every data pointer that
+    comes from the call's tensors (the rest, the workspace's and the stand-ins', stay as they are)."""
+
+    __slots__ = ("launch", "config", "handle", "template", "patch", "grid", "block", "kern", "streams")
+
+
+def _launch_api():
+    """numba-cuda's dispatcher module (whose ``launch``, ``LaunchConfig`` and ``CUDA_CORE_GE_1_0`` its own
+    ``_Kernel.launch`` uses) and its array type."""
+    from numba.cuda import dispatcher, types
+
+    return dispatcher, types.Array
+
+
+def _direct(kern, args: tuple, tensors: tuple, grid, block, stream) -> _Direct | None:
+    """A :class:`_Direct` for the numba dispatcher ``kern`` just launched with ``args`` (``tensors``: see
+    :meth:`NumbaBackend._partial_call`) on the numba ``stream``, or ``None`` when numba's objects are not of the
+    shape expected (another numba-cuda layout, a debug kernel, argument extensions): then launches keep going
+    through the dispatcher."""
+    try:
+        nd, array_type = _launch_api()
+        ko = kern.overloads.get(tuple(kern.typeof_pyval(a) for a in args))
+        if ko is None or ko.debug or getattr(ko, "extensions", None):
+            return None
+        template, retr, patch = [], [], []
+        for (t, role), ty, val in zip(tensors, ko.argument_types, args, strict=True):
+            start = len(template)
+            ko._prepare_args(ty, val, stream, retr, template)
+            if role is not None:
+                # an array's arguments are (meminfo, parent, size, itemsize, data pointer, shape..., strides...)
+                if not isinstance(ty, array_type) or template[start + 4] != t.data_ptr():
+                    return None
+                patch.append((start + 4, _ROLE_INDEX[role]))
+        if retr:
+            return None
+        lc = kern[grid, block, stream]
+        if getattr(nd, "CUDA_CORE_GE_1_0", True):
+            config = nd.LaunchConfig(grid=lc.griddim, block=lc.blockdim, shmem_size=lc.sharedmem,
+                                     is_cooperative=ko.cooperative)
+        else:
+            config = nd.LaunchConfig(grid=lc.griddim, block=lc.blockdim, shmem_size=lc.sharedmem,
+                                     cooperative_launch=ko.cooperative)
+        d = _Direct()
+        d.launch, d.config, d.handle = nd.launch, config, ko._codelibrary.get_cufunc().kernel
+        d.template, d.patch = template, tuple(patch)
+        d.grid, d.block, d.kern, d.streams = grid, block, kern, {}
+        return d
+    except Exception:  # noqa: BLE001 - anything unexpected: no direct launch, the dispatcher stays in charge
+        return None
+
+
+class BoundLaunch:
+    """``DecodeWrapper.run()``'s launches of one plan on one workspace, for inputs of one signature, prepared at
+    ``plan()`` time.
+
+    Valid for ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and ``block_table`` with the shapes, strides, dtypes,
+    device and 16-byte data-pointer alignment of the ``inputs`` it was made from (``DecodeWrapper.run()`` checks
+    exactly that before calling it), with ``inputs``' score scale and variants (the sink and scale tensors are kept
+    by reference). ``out`` and ``lse`` may differ from call to call. It keeps no reference to the input tensors.
+
+    numba's launch marshals every argument on every call (typing each one, converting each tensor to a device
+    array through its ``__cuda_array_interface__``, then packing shapes, strides and pointers). On a GPU the first
+    call for each output layout (``out``'s and ``lse``'s strides) launches through numba's dispatcher and then
+    keeps the compiled kernel and its marshalled arguments (numba's own ``_prepare_args``); later calls copy them,
+    write the call's data pointers into their places and launch with ``cuda.core.launch`` (what numba's launch
+    ends in). Every pointer written is checked once against numba's own marshalling of the first call; the
+    simulator, a debug kernel or an unexpected numba layout keep the dispatcher. No :func:`launch_scope` is
+    entered for these launches: its patches serve compilation and the simulator only.
+    """
+
+    __slots__ = ("backend", "plan", "workspace", "sm_scale", "window_left", "soft_cap", "sinks", "k_scale",
+                 "v_scale", "device", "direct", "sim", "current_device", "raw_stream")
+
+    def __init__(self, backend: "NumbaBackend", plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs):
+        x = inputs
+        self.backend, self.plan, self.workspace = backend, plan, workspace
+        self.sm_scale, self.window_left, self.soft_cap = x.sm_scale, x.window_left, x.soft_cap
+        self.sinks, self.k_scale, self.v_scale = x.sinks, x.k_scale, x.v_scale
+        self.device = x.q.device
+        self.direct: dict[tuple, tuple] = {}
+        self.sim = backend._kernels().SIM or self.device.type != "cuda"
+        self.current_device = self.raw_stream = None
+        if not self.sim:
+            self.current_device = torch.cuda.current_device
+            self.raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            if self.raw_stream is None:
+                self.sim = True  # no cheap stream query: every launch through the dispatcher
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor | None,
+                 out: torch.Tensor, lse: torch.Tensor | None, ptrs: tuple | None = None) -> None:
+        """Launch the partial kernel (and the separate merge) on torch's current stream. No allocation, no sync.
+        ``ptrs``: the data pointers of q, k, v, sl and bt (0 for ``None``) when the caller has them."""
+        key = (out.stride(), None if lse is None else lse.stride())
+        entry = self.direct.get(key)
+        if entry is not None:
+            idx = self.device.index
+            cur = self.current_device()
+            if idx is None or idx == cur:
+                stream_ptr = self.raw_stream(cur)
+                if ptrs is None:
+                    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), 0 if bt is None else bt.data_ptr())
+                src = ptrs + (out.data_ptr(), 0 if lse is None else lse.data_ptr()) + tuple(
+                    0 if t is None else t.data_ptr() for t in (self.sinks, self.k_scale, self.v_scale))
+                for d in entry:
+                    stream = d.streams.get(stream_ptr)
+                    if stream is None:
+                        nb_stream = self.backend._stream(stream_ptr)
+                        stream = d.streams[stream_ptr] = d.kern[d.grid, d.block, nb_stream].stream
+                    a = d.template.copy()
+                    for pos, i in d.patch:
+                        a[pos] = src[i]
+                    d.launch(stream, d.config, d.handle, *a)
+                return
+        be, plan, ws = self.backend, self.plan, self.workspace
+        x = DecodeInputs(q, k, v, sl, bt, self.sm_scale, self.window_left, self.soft_cap, self.sinks, self.k_scale,
+                         self.v_scale)
+        calls = [be._partial_call(plan, x, ws, out, lse)]
+        if plan.merge == "separate":
+            calls.append(be._merge_call(plan, ws, out, lse, self.sinks))
+        for kern, tag, grid, threads, args, _ in calls:
+            be._launch(kern, tag, grid, threads, args, q.device)
+        if self.sim or entry is not None or len(self.direct) >= 16:
+            return
+        idx = self.device.index
+        if idx is not None and idx != self.current_device():
+            return
+        stream = be._stream(self.raw_stream(self.current_device()))
+        made = tuple(_direct(kern, args, tensors, grid, threads, stream)
+                     for kern, _, grid, threads, args, tensors in calls)
+        if all(d is not None for d in made):
+            self.direct[key] = made
 
 
 def _elem_view(t: torch.Tensor, kind: int) -> torch.Tensor:

@@ -832,18 +832,21 @@ def _make_head_base(paged: bool):
 
 
 def _make_token_offset(paged: bool):
-    """The plain function ``token_offset(table, b, pos, shift, s0, s1, base) -> int64``: the word offset
-    of position ``pos`` of sequence ``b`` from ``base`` (:func:`_make_head_base`). 64-bit: the page id and
-    the position are widened before they multiply a stride, so an offset past 2^31 never wraps. The
-    kernels compile both as device functions; the tests compile them with ``numba.njit`` to check the
-    typed arithmetic (the simulator computes with Python integers, which never wrap)."""
+    """The plain function ``token_offset(table, b, pos, shift, last_page, s0, s1, base) -> int64``: the word
+    offset of position ``pos`` of sequence ``b`` from ``base`` (:func:`_make_head_base`). 64-bit: the page id
+    and the position are widened before they multiply a stride, so an offset past 2^31 never wraps. The page
+    id read from the block table is clamped into ``[0, last_page]`` (``last_page = num_pages - 1``): an entry
+    outside the cache reads a wrong page, never memory outside the cache (the input contract of
+    :mod:`attnplan.problem`: with host lengths the table's values are not checked). The kernels compile both
+    as device functions; the tests compile them with ``numba.njit`` to check the typed arithmetic (the
+    simulator computes with Python integers, which never wrap)."""
     if paged:
-        def token_offset(table, b, pos, shift, s0, s1, base):
-            # physical page from the block table; page * page stride can exceed 2^31
-            return (base + int64(table[b, pos >> shift]) * s0
-                    + int64(numba.int32(pos & ((1 << shift) - 1))) * s1)
+        def token_offset(table, b, pos, shift, last_page, s0, s1, base):
+            # physical page from the block table, clamped; page * page stride can exceed 2^31
+            page = min(max(int64(table[b, pos >> shift]), int64(0)), int64(last_page))
+            return base + page * s0 + int64(numba.int32(pos & ((1 << shift) - 1))) * s1
     else:
-        def token_offset(table, b, pos, shift, s0, s1, base):
+        def token_offset(table, b, pos, shift, last_page, s0, s1, base):
             return base + int64(numba.int32(pos)) * s1
     return token_offset
 
@@ -900,6 +903,7 @@ def decode_kernel(spec: DecodeSpec):
         num_kv_heads int; granule, min_unit_granules, max_units_per_seq: the schedule's constants
         write_meta int: 1 when the plan's merge is separate
         page_shift int, log2(page_size) (0 when not paged)
+        last_page int, num_pages - 1 (0 when not paged): page ids from the table are clamped into [0, last_page]
         qk_scale  float32, sm_scale
         window_left int, the sliding window (read only when ``spec.window``)
         soft_cap  float32, the cap (read only when ``spec.softcap``)
@@ -1000,7 +1004,7 @@ def _build_decode(spec: DecodeSpec):
 
     def split_kv_decode(q, k, v, ks0, ks1, ks2, vs0, vs1, vs2, seq_lens, table, out, lse_out, ws_o, ws_lse, meta,
                         targets, num_kv_heads, granule, min_unit_granules, max_units_per_seq, write_meta,
-                        page_shift, qk_scale, window_left, soft_cap, k_scale, v_scale, sinks):
+                        page_shift, last_page, qk_scale, window_left, soft_cap, k_scale, v_scale, sinks):
         m_sh = cuda.shared.array(N_ML, float32)
         l_sh = cuda.shared.array(N_ML, float32)
         acc_sh = cuda.shared.array(N_ACC_SH, float32)
@@ -1084,10 +1088,10 @@ def _build_decode(spec: DecodeSpec):
             # issue all loads of this tile first (clamped positions: unconditional, never past the unit)
             for uu in range(U):
                 pos = min(t0 + uu * NG + grp, hi - 1)
-                ko = token_offset(table, b, pos, page_shift, ks0, ks1, kbase)
+                ko = token_offset(table, b, pos, page_shift, last_page, ks0, ks1, kbase)
                 vo = ko
                 if not KV_SAME:
-                    vo = token_offset(table, b, pos, page_shift, vs0, vs1, vbase)
+                    vo = token_offset(table, b, pos, page_shift, last_page, vs0, vs1, vbase)
                 for i in range(NSLOT):
                     wc = min(i * T + lane, NWORDS - 1)
                     # unsigned index: numba skips the negative-index wraparound code

@@ -11,7 +11,10 @@ that compute the device-side schedule (:mod:`attnplan.schedule`) from the live `
 sequences with one unit are written directly, the others' units go to the ragged workspace and are merged by the
 separate merge kernel (``plan.merge == "separate"``) or by the last program of each (sequence, KV head)
 (``"fused"``, a completion counter, fixed unit order). ``run`` launches only: no allocation, no host sync; the
-plan-derived launch constants are computed once per (plan, workspace).
+plan-derived launch constants are computed once per (plan, workspace). ``DecodeWrapper.run()`` launches through
+:class:`BoundLaunch` (:meth:`TritonBackend.bind`, made by ``plan()``), which launches the compiled kernel of a known
+specialization directly instead of through the JIT. Block-table entries are clamped into ``[0, num_pages)`` by the
+kernel.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from attnplan.backends.base import Backend, DecodeInputs, Workspace
 from attnplan.planner import SplitPlan
 from attnplan.problem import torch_dtype
 
-__all__ = ["TritonBackend", "merge_geometry"]
+__all__ = ["TritonBackend", "BoundLaunch", "merge_geometry"]
 
 _LOG2E = 1.4426950408889634
 #: most sequences the prologue reads per step (one ``tl.arange`` block; larger batches loop)
@@ -66,6 +69,220 @@ class _Launch:
     """What a (plan, workspace) pair fixes for the partial and merge launches, computed once."""
 
     __slots__ = ("plan", "workspace", "grid", "const", "ints", "ws", "merge_grid", "merge_const", "q_shape")
+
+
+#: keyword arguments of a Triton launch that are compile options, not kernel parameters
+_LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion"})
+
+
+class _Direct:
+    """One compiled Triton kernel, launched through its own launcher (``CompiledKernel.run``) without the JIT's
+    per-call binding, specialization and cache-key work.
+
+    ``const_tail``: the values of the kernel's constexpr parameters, appended after the positional arguments
+    (the launcher skips them; Triton's ``CompiledKernel.__getitem__`` passes them the same way)."""
+
+    __slots__ = ("run", "function", "packed", "const_tail", "device", "debug")
+
+
+def _direct(jit_fn, ck, nargs: int, const: dict, device: int) -> _Direct | None:
+    """A :class:`_Direct` for the compiled kernel ``ck`` that a launch of ``jit_fn`` with ``nargs`` positional
+    arguments and the keyword arguments ``const`` returned, or ``None`` when the kernel is not of the expected
+    shape (an interpreter run, another Triton layout): then launches keep going through the JIT."""
+    try:
+        names = list(jit_fn.arg_names)
+        if sorted(jit_fn.constexprs) != list(range(nargs, len(names))):
+            return None  # the kernel's constexpr parameters are not exactly the ones after the positional ones
+        if set(const) - _LAUNCH_OPTIONS != set(names[nargs:]):
+            return None
+        d = _Direct()
+        d.run = ck.run  # loads the module on first use
+        d.function, d.packed = ck.function, ck.packed_metadata
+        if d.function is None:
+            return None
+        d.const_tail = tuple(const[n] for n in names[nargs:])
+        d.device = device
+        from triton import knobs
+        d.debug = knobs.runtime.debug
+        return d
+    except Exception:  # noqa: BLE001 - anything unexpected: no direct launch, the JIT stays in charge
+        return None
+
+
+def _same_args(a: tuple, b: tuple) -> bool:
+    """Whether two launch argument tuples are the same: tensors by identity, numbers by type and value."""
+    return len(a) == len(b) and all(x is y or (not isinstance(x, torch.Tensor) and type(x) is type(y) and x == y)
+                                    for x, y in zip(a, b))
+
+
+def _as_ptrs(args: tuple) -> tuple:
+    """``args`` with every tensor replaced by its data pointer."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+class BoundLaunch:
+    """``DecodeWrapper.run()``'s launches of one plan on one workspace, for inputs of one signature, prepared at
+    ``plan()`` time (FlashInfer's plan/run split; the same idea as a CUDA graph's fixed launch parameters, without
+    the graph).
+
+    Valid for ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and ``block_table`` with the shapes, strides, dtypes,
+    device and 16-byte data-pointer alignment of the ``inputs`` it was made from (``DecodeWrapper.run()`` checks
+    exactly that before calling it), with ``inputs``' score scale and variants (the sink and scale tensors are kept
+    by reference). ``out`` and ``lse`` may differ from call to call. It keeps no reference to the input tensors.
+
+    The first call for each output layout launches through Triton's JIT (which compiles a new specialization) and
+    keeps the compiled kernel it returned; later calls with the same output layout launch that compiled kernel
+    directly (``CompiledKernel.run``: the launcher Triton's JIT itself ends in), with arguments laid out once and
+    data pointers passed as integers (the launcher then neither calls ``data_ptr()`` nor asks the driver about each
+    pointer: every tensor here is device memory of the planned device, checked by ``run()``). A direct launch is
+    used only for exactly the specialization Triton compiled: the key holds ``out``'s and ``lse``'s strides and
+    the 16-byte alignment of every pointer that can change (``out``, ``lse``, the sink and scale tensors);
+    everything else the specialization depends on (the inputs' strides and alignment, the plan's integers, the
+    constexprs, the dtypes) is fixed for the binding. The direct path is also left for the JIT when a Triton
+    launch hook is set (profilers), when Triton's debug knob changed, under the interpreter, and on another
+    current device. Before a layout's first direct launch, the arguments it lays out are compared with those of
+    the JIT launch (tensors by identity, numbers by type and value); a mismatch keeps that layout on the JIT.
+    """
+
+    __slots__ = ("backend", "L", "paged", "mid", "mid_ptrs", "tail", "tail_scalars", "last_page", "sm_scale",
+                 "window_left", "soft_cap", "sinks", "k_scale", "v_scale", "fp8", "variant_tensors", "direct",
+                 "merge", "merge_ints", "grids", "hooks", "current_device", "current_stream")
+
+    def __init__(self, backend: "TritonBackend", plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs):
+        x = inputs
+        L = backend._launch(plan, workspace, remember=False)
+        if x.q.shape != L.q_shape:
+            raise ValueError(f"q has shape {tuple(x.q.shape)}, the plan {L.q_shape}: re-plan")
+        self.backend, self.L = backend, L
+        targets = L.ws[0]
+        self.fp8 = fp8 = L.const["FP8"]
+        k, v, q, sl, bt = x.k_cache, x.v_cache, x.q, x.seq_lens, x.block_table
+        self.paged = bt is not None
+        bts = bt.stride() if self.paged else (0, 0)
+        self.last_page = max(int(k.shape[0]) - 1, 0) if self.paged else 0
+        ks, vs, qs = k.stride(), v.stride(), q.stride()
+        self.sm_scale, self.window_left, self.soft_cap = x.sm_scale, x.window_left, x.soft_cap
+        self.sinks, self.k_scale, self.v_scale = x.sinks, x.k_scale, x.v_scale
+        self.variant_tensors = tuple(t for t in ((x.k_scale, x.v_scale) if fp8 else ()) + (x.sinks,) if t is not None)
+        self.mid = tuple(L.ws)  # targets, meta, counters, ws_o, ws_lse: the workspace, fixed
+        self.mid_ptrs = tuple(t.data_ptr() for t in self.mid)
+        self.tail_scalars = (x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, self.last_page,
+                             sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                             bts[0], bts[1])
+        self.tail = (x.k_scale if fp8 else targets, x.v_scale if fp8 else targets,
+                     x.sinks if x.sinks is not None else targets) + self.tail_scalars
+        self.merge = L.merge_grid is not None
+        self.merge_ints = (L.ints[0], L.ints[1])
+        g, mg = tuple(L.grid) + (1, 1), tuple(L.merge_grid or ()) + (1, 1, 1)
+        self.grids = g[:3] + mg[:3]  # partial then merge grid, three axes each
+        self.direct: dict[tuple, tuple] = {}
+        self.hooks = self.current_device = self.current_stream = None
+        if not _interpreting() and torch.device(x.q.device).type == "cuda":
+            try:
+                from triton import knobs
+                from triton.runtime import driver
+                self.hooks = knobs.runtime
+                self.current_device = driver.active.get_current_device
+                self.current_stream = driver.active.get_current_stream
+            except Exception:  # noqa: BLE001 - no direct launches; the JIT path still works
+                self.hooks = None
+
+    def _inputs(self, q, k, v, sl, bt) -> DecodeInputs:
+        return DecodeInputs(q, k, v, sl, bt, self.sm_scale, self.window_left, self.soft_cap, self.sinks,
+                            self.k_scale, self.v_scale)
+
+    def _args(self, q, k, v, sl, bt, out, lse, os_, ls) -> tuple:
+        """The partial kernel's positional arguments as the JIT gets them (tensors)."""
+        targets = self.mid[0]
+        return ((q, k, v, sl, bt if self.paged else targets) + self.mid
+                + (out, lse if lse is not None else targets) + self.tail + os_[:3] + ls[:2])
+
+    def _merge_args(self, out, lse, os_, ls) -> tuple:
+        targets, meta, _, ws_o, ws_lse = self.mid
+        return ((ws_o, ws_lse, meta, out, lse if lse is not None else targets,
+                 self.sinks if self.sinks is not None else targets) + self.merge_ints + os_[:3] + ls[:2])
+
+    def _direct_args(self, ptrs, po, pl, os_, ls, var) -> tuple:
+        """:meth:`_args` with every tensor as its data pointer (``var``: :meth:`_variant_ptrs`, or ``None`` when the
+        binding has no sink or scale tensor)."""
+        mp = self.mid_ptrs
+        if var is None:
+            var = (mp[0], mp[0], mp[0])
+        return ((ptrs[0], ptrs[1], ptrs[2], ptrs[3], ptrs[4] if self.paged else mp[0]) + mp + (po, pl) + var
+                + self.tail_scalars + (os_[0], os_[1], os_[2], ls[0], ls[1]))
+
+    def _direct_merge_args(self, po, pl, os_, ls, var) -> tuple:
+        """:meth:`_merge_args` with every tensor as its data pointer."""
+        mp = self.mid_ptrs
+        mi = self.merge_ints
+        return (mp[3], mp[4], mp[1], po, pl, mp[0] if var is None else var[2], mi[0], mi[1],
+                os_[0], os_[1], os_[2], ls[0], ls[1])
+
+    def _variant_ptrs(self) -> tuple:
+        """The data pointers of the k_scale, v_scale and sinks arguments (the targets stand-in where unused)."""
+        t = self.mid_ptrs[0]
+        return (self.k_scale.data_ptr() if self.fp8 else t, self.v_scale.data_ptr() if self.fp8 else t,
+                self.sinks.data_ptr() if self.sinks is not None else t)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor | None,
+                 out: torch.Tensor, lse: torch.Tensor | None, ptrs: tuple | None = None) -> None:
+        """Launch the partial kernel (and the separate merge) on the current stream. No allocation, no sync.
+        ``ptrs``: the data pointers of q, k, v, sl and bt (0 for ``None``) when the caller has them."""
+        os_ = out.stride()
+        po = out.data_ptr()
+        if lse is None:
+            ls, pl = (0, 0, 0), self.mid_ptrs[0]
+            key = (os_, None, po & 15)
+        else:
+            ls, pl = lse.stride(), lse.data_ptr()
+            key = (os_, ls, po & 15, pl & 15)
+        vt = self.variant_tensors
+        if vt:
+            key += tuple(t.data_ptr() & 15 for t in vt)
+        entry = self.direct.get(key)
+        h = self.hooks
+        if entry is not None and h.launch_enter_hook is None and h.launch_exit_hook is None:
+            dp, dm = entry
+            dev = self.current_device()
+            if dp.device == dev and dp.debug == h.debug:
+                if ptrs is None:
+                    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), bt.data_ptr() if self.paged else 0)
+                var = self._variant_ptrs() if vt else None
+                stream = self.current_stream(dev)
+                g = self.grids
+                dp.run(g[0], g[1], g[2], stream, dp.function, dp.packed, None, None, None,
+                       *self._direct_args(ptrs, po, pl, os_, ls, var), *dp.const_tail)
+                if dm is not None:
+                    dm.run(g[3], g[4], g[5], stream, dm.function, dm.packed, None, None, None,
+                           *self._direct_merge_args(po, pl, os_, ls, var), *dm.const_tail)
+                return
+        # through the JIT: compiles a new specialization; keeps the compiled kernels for direct launches
+        be, L = self.backend, self.L
+        ck, args = be._launch_partial(L, self._inputs(q, k, v, sl, bt), out, lse)
+        cm = margs = None
+        if self.merge:
+            cm, margs = be._launch_merge(L, out, lse, self.sinks)
+        if h is None or entry is not None or len(self.direct) >= 16:
+            return
+        kern = be._kernels()
+        dev = self.current_device()
+        dp = None
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), bt.data_ptr() if self.paged else 0)
+        var = self._variant_ptrs() if vt else None
+        if _same_args(args, self._args(q, k, v, sl, bt, out, lse, os_, ls)) and \
+                _as_ptrs(args) == self._direct_args(ptrs, po, pl, os_, ls, var):
+            dp = _direct(kern.split_kv_partial_kernel, ck, len(args),
+                         {**L.const, "WRITE_LSE": lse is not None, "SINKS_ON": self.sinks is not None}, dev)
+        dm = None
+        if dp is not None and self.merge:
+            if _same_args(margs, self._merge_args(out, lse, os_, ls)) and \
+                    _as_ptrs(margs) == self._direct_merge_args(po, pl, os_, ls, var):
+                dm = _direct(kern.merge_kernel, cm, len(margs),
+                             {**L.merge_const, "WRITE_LSE": lse is not None, "SINKS_ON": self.sinks is not None}, dev)
+            if dm is None:
+                return
+        if dp is not None:
+            self.direct[key] = (dp, dm)
 
 
 class TritonBackend(Backend):
@@ -130,7 +347,9 @@ class TritonBackend(Backend):
         }
 
     # -- launch constants ---------------------------------------------------------------------------
-    def _launch(self, plan: SplitPlan, workspace: Workspace) -> _Launch:
+    def _launch(self, plan: SplitPlan, workspace: Workspace, remember: bool = True) -> _Launch:
+        """The launch constants of ``(plan, workspace)``, kept in ``self._launches`` when ``remember`` (a
+        :class:`BoundLaunch` holds its own and keeps nothing here: its wrapper's workspace dies with the wrapper)."""
         key = (id(plan), id(workspace))
         hit = self._launches.get(key)
         if hit is not None and hit.plan is plan and hit.workspace is workspace:
@@ -177,12 +396,70 @@ class TritonBackend(Backend):
                                  num_warps=1 if interp else 4)
         else:
             L.merge_grid = L.merge_const = None
-        if len(self._launches) >= 64:
-            self._launches.clear()
-        self._launches[key] = L
+        if remember:
+            if len(self._launches) >= 64:
+                self._launches.clear()
+            self._launches[key] = L
         return L
 
     # -- launches ---------------------------------------------------------------------------------
+    @staticmethod
+    def _partial_args(L: _Launch, x: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> tuple:
+        """The partial kernel's positional (non-constexpr) arguments, in its parameter order."""
+        q, k, v, sl, bt = x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table
+        targets, meta, counters, ws_o, ws_lse = L.ws
+        fp8 = L.const["FP8"]
+        sinks = x.sinks
+        if bt is None:
+            bt, bts, last_page = targets, (0, 0), 0
+        else:
+            bts = bt.stride()
+            last_page = max(int(k.shape[0]) - 1, 0)  # page indices are clamped into [0, num_pages)
+        ls = lse.stride() if lse is not None else (0, 0)
+        ks, vs, qs, os_ = k.stride(), v.stride(), q.stride(), out.stride()
+        return (q, k, v, sl, bt, targets, meta, counters, ws_o, ws_lse, out, lse if lse is not None else targets,
+                x.k_scale if fp8 else targets, x.v_scale if fp8 else targets, sinks if sinks is not None else targets,
+                x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, last_page,
+                sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], bts[0], bts[1],
+                os_[0], os_[1], os_[2], ls[0], ls[1])
+
+    @staticmethod
+    def _merge_args(L: _Launch, out: torch.Tensor, lse: torch.Tensor | None, sinks: torch.Tensor | None) -> tuple:
+        """The merge kernel's positional (non-constexpr) arguments, in its parameter order."""
+        targets, meta, _, ws_o, ws_lse = L.ws
+        os_ = out.stride()
+        ls = lse.stride() if lse is not None else (0, 0)
+        return (ws_o, ws_lse, meta, out, lse if lse is not None else targets, sinks if sinks is not None else targets,
+                L.ints[0], L.ints[1], os_[0], os_[1], os_[2], ls[0], ls[1])
+
+    def _launch_partial(self, L: _Launch, x: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None):
+        """Launch the partial kernel through Triton's JIT (compiling on a new specialization); returns what the
+        launch returned (the compiled kernel on a GPU) and the positional arguments used."""
+        if x.q.shape != L.q_shape:
+            raise ValueError(f"q has shape {tuple(x.q.shape)}, the plan {L.q_shape}: re-plan")
+        args = self._partial_args(L, x, out, lse)
+        ck = self._kernels().split_kv_partial_kernel[L.grid](
+            *args, WRITE_LSE=lse is not None, SINKS_ON=x.sinks is not None, **L.const)
+        return ck, args
+
+    def _launch_merge(self, L: _Launch, out: torch.Tensor, lse: torch.Tensor | None, sinks: torch.Tensor | None):
+        """Launch the separate merge kernel through Triton's JIT; returns the launch's result and the arguments."""
+        if L.merge_grid is None:
+            raise ValueError(f"plan merge is {L.plan.merge!r}: no separate merge to launch")
+        args = self._merge_args(L, out, lse, sinks)
+        ck = self._kernels().merge_kernel[L.merge_grid](
+            *args, WRITE_LSE=lse is not None, SINKS_ON=sinks is not None, **L.merge_const)
+        return ck, args
+
+    def bind(self, plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs) -> "BoundLaunch":
+        """The launches of ``plan`` for inputs of ``inputs``' signature, prepared once (``DecodeWrapper.plan()``
+        calls this; its ``run()`` calls the result). See :class:`BoundLaunch`.
+
+        Raises:
+            ValueError: ``workspace`` does not serve the plan, or q's shape is not the plan's.
+        """
+        return BoundLaunch(self, plan, workspace, inputs)
+
     def partial(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
                 lse: torch.Tensor | None) -> None:
         """The scheduled partial kernel (:mod:`attnplan.backends.base`): one-unit sequences into ``out``
@@ -190,32 +467,13 @@ class TritonBackend(Backend):
         ``workspace.meta`` for the separate merge; the fused merge inside.
 
         ``out``'s three leading strides and ``lse``'s two are honoured (their last axes have unit stride), as are
-        q's, the cache's and the block table's strides and ``seq_lens``'s.
+        q's, the cache's and the block table's strides and ``seq_lens``'s. Page indices read from the block table
+        are clamped into ``[0, num_pages)`` (``num_pages = k_cache.shape[0]``).
 
         Raises:
             ValueError: q's shape is not the plan's, or ``workspace`` does not serve the plan.
         """
-        x = inputs
-        L = self._launch(plan, workspace)
-        q, k, v, sl, bt = x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table
-        if q.shape != L.q_shape:
-            raise ValueError(f"q has shape {tuple(q.shape)}, the plan {L.q_shape}: re-plan")
-        targets, meta, counters, ws_o, ws_lse = L.ws
-        fp8 = L.const["FP8"]
-        sinks = x.sinks
-        if bt is None:
-            bt, bts = targets, (0, 0)
-        else:
-            bts = bt.stride()
-        ls = lse.stride() if lse is not None else (0, 0)
-        ks, vs, qs, os_ = k.stride(), v.stride(), q.stride(), out.stride()
-        self._kernels().split_kv_partial_kernel[L.grid](
-            q, k, v, sl, bt, targets, meta, counters, ws_o, ws_lse, out, lse if lse is not None else targets,
-            x.k_scale if fp8 else targets, x.v_scale if fp8 else targets, sinks if sinks is not None else targets,
-            x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints,
-            sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], bts[0], bts[1],
-            os_[0], os_[1], os_[2], ls[0], ls[1],
-            WRITE_LSE=lse is not None, SINKS_ON=sinks is not None, **L.const)
+        self._launch_partial(self._launch(plan, workspace), inputs, out, lse)
 
     def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
               sinks: torch.Tensor | None = None) -> None:
@@ -226,13 +484,4 @@ class TritonBackend(Backend):
         Raises:
             ValueError: the plan's merge is not ``separate``, or ``workspace`` does not serve the plan.
         """
-        L = self._launch(plan, workspace)
-        if L.merge_grid is None:
-            raise ValueError(f"plan merge is {plan.merge!r}: no separate merge to launch")
-        targets, meta, _, ws_o, ws_lse = L.ws
-        os_ = out.stride()
-        ls = lse.stride() if lse is not None else (0, 0)
-        self._kernels().merge_kernel[L.merge_grid](
-            ws_o, ws_lse, meta, out, lse if lse is not None else targets, sinks if sinks is not None else targets,
-            L.ints[0], L.ints[1], os_[0], os_[1], os_[2], ls[0], ls[1],
-            WRITE_LSE=lse is not None, SINKS_ON=sinks is not None, **L.merge_const)
+        self._launch_merge(self._launch(plan, workspace), out, lse, sinks)

@@ -154,6 +154,14 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
 
 
 @triton.jit
+def _page(entry, last_page):
+    """A block-table entry as an int64 page index clamped into ``[0, last_page]`` (``last_page = num_pages - 1``):
+    an entry outside the cache reads a wrong page, never memory outside the cache (the input contract of
+    :mod:`attnplan.problem`: with host lengths the table's values are not checked)."""
+    return tl.minimum(tl.maximum(entry.to(tl.int64), 0), last_page)
+
+
+@triton.jit
 def _scores(s, qk_scale, row_scale, soft_cap, SOFTCAP: tl.constexpr, FP8: tl.constexpr):
     """Raw ``q.k`` products to log2-domain scores: the scale (with fp8, the K scale and the q row's power-of-two
     shift folded in) and the soft-cap ``cap * tanh(x / cap)`` on the natural-log-scaled scores (tanh via
@@ -171,18 +179,19 @@ def _scores(s, qk_scale, row_scale, soft_cap, SOFTCAP: tl.constexpr, FP8: tl.con
 
 
 @triton.jit
-def _tile(acc, l_i, m_i, q, K, V, n0, end, b64, kvh64, bt_row, stride_btc,
+def _tile(acc, l_i, m_i, q, K, V, n0, end, b64, kvh64, bt_row, stride_btc, last_page,
           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
           qk_scale, row_scale, soft_cap, visible, lowest, offs_d, d_ok,
           BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
           DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr):
     """One KV tile ``[n0, n0 + BLOCK_N)`` into the running ``(acc, l, m)``; positions ``>= end`` are masked (never
     loaded). Only for positions that every row of the program may see, or none: ``P @ V`` multiplies a V row that a
-    row cannot see by 0, and ``0 * NaN = NaN`` (:func:`_token` takes the others)."""
+    row cannot see by 0, and ``0 * NaN = NaN`` (:func:`_token` takes the others). Page indices from the block table
+    are clamped into ``[0, last_page]`` (:func:`_page`)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < end
     if PAGED:
-        page = tl.load(bt_row + (offs_n // PAGE_SIZE).to(tl.int64) * stride_btc, mask=n_ok, other=0).to(tl.int64)
+        page = _page(tl.load(bt_row + (offs_n // PAGE_SIZE).to(tl.int64) * stride_btc, mask=n_ok, other=0), last_page)
         slot = (offs_n % PAGE_SIZE).to(tl.int64)
         k_row = page * stride_kb + slot * stride_kt
         v_row = page * stride_vb + slot * stride_vt
@@ -215,7 +224,7 @@ def _tile(acc, l_i, m_i, q, K, V, n0, end, b64, kvh64, bt_row, stride_btc,
 
 
 @triton.jit
-def _token(acc, l_i, m_i, q, K, V, n, b64, kvh64, bt_row, stride_btc,
+def _token(acc, l_i, m_i, q, K, V, n, b64, kvh64, bt_row, stride_btc, last_page,
            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
            qk_scale, row_scale, soft_cap, visible, lowest, offs_d, d_ok,
            PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -230,7 +239,7 @@ def _token(acc, l_i, m_i, q, K, V, n, b64, kvh64, bt_row, stride_btc,
     the plain single loop at 16 rows)."""
     r = tl.arange(0, 16)
     if PAGED:
-        page = tl.load(bt_row + (n // PAGE_SIZE).to(tl.int64) * stride_btc).to(tl.int64)
+        page = _page(tl.load(bt_row + (n // PAGE_SIZE).to(tl.int64) * stride_btc), last_page)
         slot = (n % PAGE_SIZE).to(tl.int64)
         k_row = page * stride_kb + slot * stride_kt
         v_row = page * stride_vb + slot * stride_vt
@@ -311,7 +320,7 @@ def _store_out(o, lse, OUT, LSE_OUT, SINKS, b64, qi64, head64, head, row_ok, off
 @triton.jit
 def split_kv_partial_kernel(
     Q, K, V, SEQ_LENS, BLOCK_TABLE, TARGETS, META, COUNTERS, WS_O, WS_LSE, OUT, LSE_OUT, K_SCALE, V_SCALE, SINKS,
-    sm_scale_log2, window_left, soft_cap, batch, ws_slots, min_unit_granules, max_units_per_seq,
+    sm_scale_log2, window_left, soft_cap, batch, ws_slots, min_unit_granules, max_units_per_seq, last_page,
     stride_sl, stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb, stride_btc, stride_outb, stride_outt, stride_outh, stride_lob, stride_lot,
@@ -327,10 +336,11 @@ def split_kv_partial_kernel(
 
     ``MULTI`` (``max_units_per_seq > 1``): the prologue (:func:`_schedule`) finds the unit's sequence ``b`` and token
     range; a program past the batch's units exits. Otherwise (single pass) ``b = u`` and the range is the
-    sequence's visible span. A sequence with one unit is written to ``OUT`` / ``LSE_OUT`` (the sink applied);
-    otherwise the unit's normalized fp32 state goes to workspace slot ``u`` (``WS_O [1, Q, H, ws_slots, D]``,
-    ``WS_LSE [1, Q, H, ws_slots]``, contiguous, natural-log LSE, no sink), and with ``MERGE == "fused"`` the program
-    counts itself in ``COUNTERS[b * NUM_KV_HEADS + h]``; the last of the sequence's units merges the rows over its
+    sequence's visible span. Every page index loaded from ``BLOCK_TABLE`` is clamped into ``[0, last_page]``
+    (``num_pages - 1``): a bad entry reads a wrong page but never outside the cache. A sequence with one unit is
+    written to ``OUT`` / ``LSE_OUT`` (the sink applied); otherwise the unit's normalized fp32 state goes to
+    workspace slot ``u`` (``WS_O [1, Q, H, ws_slots, D]``, ``WS_LSE [1, Q, H, ws_slots]``, contiguous, natural-log
+    LSE, no sink), and with ``MERGE == "fused"`` the program counts itself in ``COUNTERS[b * NUM_KV_HEADS + h]``; the last of the sequence's units merges the rows over its
     units in unit order, writes ``OUT`` / ``LSE_OUT`` and resets the counter.
 
     Rows: query ``i`` sees positions ``< seq_len - Q_LEN + i + 1`` (and ``>= seq_len - Q_LEN + i - window_left``
@@ -413,7 +423,7 @@ def split_kv_partial_kernel(
             a = tl.minimum(tl.maximum(seq_len - 1 - window_left, start), end)
         z = tl.minimum(tl.maximum(seq_len - Q_LEN + 1, a), end)
         for n0 in range(a, z, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, K, V, n0, z, b64, kvh64, bt_row, stride_btc,
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, K, V, n0, z, b64, kvh64, bt_row, stride_btc, last_page,
                                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                   qk_scale, row_scale, soft_cap, visible, lowest, offs_d, d_ok,
                                   BLOCK_N, PAGE_SIZE, PAGED, UPCAST, DOT_PRECISION, WINDOW, SOFTCAP, FP8)
@@ -422,13 +432,13 @@ def split_kv_partial_kernel(
         n_head = a - start
         for i in range(0, n_head + end - z):
             n = tl.where(i < n_head, start + i, z + i - n_head)
-            acc, l_i, m_i = _token(acc, l_i, m_i, q, K, V, n, b64, kvh64, bt_row, stride_btc,
+            acc, l_i, m_i = _token(acc, l_i, m_i, q, K, V, n, b64, kvh64, bt_row, stride_btc, last_page,
                                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                    qk_scale, row_scale, soft_cap, visible, lowest, offs_d, d_ok,
                                    PAGE_SIZE, PAGED, UPCAST, DOT_PRECISION, WINDOW, SOFTCAP, FP8)
     else:  # one query: every position of the unit is seen by every row
         for n0 in range(start, end, BLOCK_N):
-            acc, l_i, m_i = _tile(acc, l_i, m_i, q, K, V, n0, end, b64, kvh64, bt_row, stride_btc,
+            acc, l_i, m_i = _tile(acc, l_i, m_i, q, K, V, n0, end, b64, kvh64, bt_row, stride_btc, last_page,
                                   stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                   qk_scale, row_scale, soft_cap, visible, lowest, offs_d, d_ok,
                                   BLOCK_N, PAGE_SIZE, PAGED, UPCAST, DOT_PRECISION, WINDOW, SOFTCAP, FP8)

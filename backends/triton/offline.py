@@ -27,9 +27,10 @@ from . import kernels as _kernels
 
 __all__ = ["compile_partial", "compile_merge", "compile_cases"]
 
-_PARTIAL_INTS = ["batch", "ws_slots", "min_unit_granules", "max_units_per_seq", "stride_sl", "stride_qb",
-                 "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt", "stride_vh",
-                 "stride_btb", "stride_btc", "stride_outb", "stride_outt", "stride_outh", "stride_lob", "stride_lot"]
+_PARTIAL_INTS = ["batch", "ws_slots", "min_unit_granules", "max_units_per_seq", "last_page", "stride_sl",
+                 "stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
+                 "stride_vh", "stride_btb", "stride_btc", "stride_outb", "stride_outt", "stride_outh", "stride_lob",
+                 "stride_lot"]
 _MERGE_INTS = ["batch", "ws_slots", "stride_outb", "stride_outt", "stride_outh", "stride_lob", "stride_lot"]
 #: strides that are not multiples of 16 elements in general (LSE strides, the block table's, seq_lens')
 _NOT_DIVISIBLE = ("_lob", "_lot", "_btb", "_btc", "_sl")

@@ -1,0 +1,580 @@
+"""The host path of eager decode: what a repeated ``plan()`` / ``run()`` / ``decode()`` does on the host.
+
+- With ``seq_lens_host`` the block table is not read; every kernel backend clamps the page indices it loads into
+  ``[0, num_pages)``, so a bad entry reads a wrong page, never outside the cache (checked against the float64
+  reference on the host-clamped table).
+- The fast paths (memoized static checks, host lengths checked in Python, the run-time checks from the planned
+  signature) raise exactly what the general checks raise, and the memos follow every change of the inputs.
+- ``decode()`` reuses its wrappers per context and input signature and never hands out a buffer twice.
+- The bound launches (Triton's compiled-kernel launcher, numba's marshalled arguments) are used only for the
+  layout they were made for: checked on the CPU with stand-ins for the compiled kernels, and on a GPU for real,
+  with ``torch.cuda.set_sync_debug_mode("error")`` around plan / run / decode on every backend.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import pytest
+import torch
+
+import attnplan
+from attnplan import problem as P
+from attnplan import reference
+from attnplan.backends import get_backend
+from attnplan.testing import assert_close_to_reference, make_inputs, poison
+
+from conftest import HAS_CUDA, kernel_backends
+
+CPU_BACKENDS = kernel_backends("cpu")
+KERNELS = [b for b in ("triton", "numba") if b in CPU_BACKENDS]
+
+
+def _ref(x, block_table=None, sm_scale=None):
+    bt = x.block_table if block_table is None else block_table
+    return reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, bt, x.sm_scale if sm_scale is None else sm_scale)
+
+
+# -- the page clamp ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("q_len,splits", [(1, 1), (1, 3), (2, 2)])
+def test_bad_block_table_entries_read_a_clamped_page(backend, q_len, splits, gen):
+    """Entries below 0 and at or past num_pages (negative, huge, just past the end) in the pages a sequence uses:
+    with host lengths plan() does not read the table, and the kernels read page 0 / the last page instead, so the
+    output is the reference's on the table clamped into [0, num_pages)."""
+    x = make_inputs(2, 8, 2, 32, [45, 38], q_len=q_len, page_size=16, dtype=torch.float32, generator=gen)
+    num_pages = x.k_cache.shape[0]
+    bt = x.block_table
+    bt[0, 0], bt[0, 2], bt[1, 1] = -5, num_pages + 7, 2**31 - 1
+    bt[1, 2] = num_pages  # just past the end
+    w = attnplan.DecodeWrapper(backend=backend)
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, bt, num_splits=splits, seq_lens_host=[45, 38])
+    out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, bt, out=out, lse=lse)
+    ref, ref_lse = _ref(x, bt.clamp(0, num_pages - 1))
+    assert_close_to_reference(out, ref, torch.float32)
+    assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+def test_numba_token_offset_clamps_the_page():
+    """The numba kernels' offset function (compiled with numba.njit, as the GPU compile types it) clamps the page
+    id read from the block table into [0, last_page]."""
+    import numba
+    import numpy
+
+    from attnplan.backends.numba import kernels
+
+    token_offset = numba.njit(kernels._make_token_offset(True))
+    s0, s1 = numpy.int32(1000), numpy.int32(10)
+    table = numpy.array([[-3, 7, 99]], dtype=numpy.int32)
+    assert token_offset(table, 0, numpy.int32(17), 4, 50, s0, s1, 0) == 7 * 1000 + 1 * 10
+    assert token_offset(table, 0, numpy.int32(5), 4, 50, s0, s1, 0) == 0 * 1000 + 5 * 10
+    assert token_offset(table, 0, numpy.int32(33), 4, 50, s0, s1, 0) == 50 * 1000 + 1 * 10
+
+
+def test_host_lengths_do_not_read_the_device(monkeypatch, gen):
+    """plan() and decode() with host lengths never call the device read; a bad table is then not an error, while
+    without host lengths it still raises the same error as before."""
+    x = make_inputs(2, 4, 1, 16, [20, 7], page_size=8, dtype=torch.float32, generator=gen)
+    bt = x.block_table.clone()
+    bt[1, 0] = 10_000
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 10000 is outside \[0, num_pages="):
+        attnplan.DecodeWrapper(backend="reference").plan(x.q, x.k_cache, x.v_cache, x.seq_lens, bt)
+
+    def no_read(*a, **k):
+        raise AssertionError("read seq_lens / block_table from the device")
+
+    monkeypatch.setattr(P, "_read_values", no_read)
+    w = attnplan.DecodeWrapper(backend=KERNELS[0] if KERNELS else "reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, bt, seq_lens_host=[20, 7])
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, bt, seq_lens_host=(20, 7))
+    with pytest.raises(AssertionError, match="read seq_lens"):
+        w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, bt)
+
+
+def test_a_paged_cache_without_pages_is_refused_with_host_lengths():
+    q = torch.zeros(1, 1, 4, 16)
+    k = torch.zeros(0, 8, 1, 16)
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    sl = torch.tensor([5], dtype=torch.int32)
+    w = attnplan.DecodeWrapper(backend="reference")
+    with pytest.raises(ValueError, match=r"k_cache has no pages \(num_pages = k_cache.shape\[0\] = 0\) but "
+                                         r"seq_lens\[0\] = 5 needs at least one"):
+        w.plan(q, k, k, sl, bt, seq_lens_host=[5])
+    w.plan(q, k, k, sl * 0, bt, seq_lens_host=[0])  # empty sequences read no page
+
+
+# -- the fast checks raise what the general checks raise ---------------------------------------------------
+
+STATIC = dict(batch=3, capacity=64, page_size=16)
+
+
+@pytest.mark.parametrize("host", [[5, 0, 64], (5, 0, 64), [True, 2, 3], [0, 0, 0]])
+def test_host_lengths_fast_path_agrees_with_the_general_path(host):
+    sl = torch.zeros(3, dtype=torch.int32)
+    fast = P.host_lengths(STATIC, host, num_pages=10)
+    assert fast is not None
+    assert fast[1:] == P.validate_values(STATIC, sl, None, 10, torch.tensor([int(v) for v in host]))
+    assert fast[0] == list(host) and fast[0] is not host
+
+
+@pytest.mark.parametrize("host,match", [
+    ([5, -1, 3], r"seq_lens must be >= 0, got \[5, -1, 3\]"),
+    ([5, 65, 3], r"seq_lens\[1\] = 65 exceeds the cache capacity 64 tokens"),
+    ([5, 3], r"seq_lens_host must hold 3 lengths \(one per sequence\), got 2"),
+    ((5, 3, 1, 1), r"seq_lens_host must hold 3 lengths"),
+])
+def test_host_lengths_errors_are_the_general_paths(host, match):
+    sl = torch.zeros(3, dtype=torch.int32)
+    assert P.host_lengths(STATIC, host, num_pages=10) is None
+    with pytest.raises(ValueError, match=match):
+        P.validate_values(STATIC, sl, torch.zeros(3, 4, dtype=torch.int32), 10, host)
+
+
+@pytest.mark.parametrize("host", [[5.7, 1, 2], torch.tensor([5, 1, 2]), range(3), iter([4, 1, 2])])
+def test_other_host_length_kinds_take_the_general_path(host, gen):
+    """Floats, tensors, ranges and iterators are converted as before (the general path); an iterator is read
+    once."""
+    x = make_inputs(3, 4, 1, 16, [5, 1, 2], dtype=torch.float32, capacity=8, generator=gen)
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, seq_lens_host=host)
+    assert len(w._lens_host) == 3
+
+
+def _errors(fn):
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return type(e), str(e)
+    return None
+
+
+def test_run_checks_raise_the_general_checks_errors(gen):
+    """run()'s output and overlap checks (computed from the planned signature) raise word for word what
+    validate_outputs / check_no_overlap raise on the same tensors."""
+    x = make_inputs(2, 8, 2, 16, [9, 4], page_size=8, dtype=torch.float16, generator=gen)
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=[9, 4])
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    big = torch.empty(2, 1, 8, 32, dtype=torch.float16)
+    lse = torch.empty(2, 1, 8)
+    buf = torch.empty(4096, dtype=torch.uint8)
+    out_in_buf = buf[:512].view(torch.float16).view(2, 1, 8, 16)
+    cases = [
+        (x.q.clone(), None), (x.q.float(), None), (x.q[..., :8], None), (big[..., ::2], None), (big[..., :16], lse),
+        ([1], None), (None, "lse"), (x.q, None), (x.k_cache.reshape(-1)[: x.q.numel()].view(x.q.shape), None),
+        (None, lse[:, :, :4]), (None, lse.double()), (None, torch.empty(2, 1, 16)[..., ::2]),
+        (out_in_buf, buf[256:320].view(torch.float32).view(2, 1, 8)),
+        (x.q.clone(), x.k_cache.reshape(-1)[:32].view(torch.float32).view(2, 1, 8)),
+    ]
+    for out, ls in cases:
+        got = _errors(lambda: w.run(*args, out=out, lse=ls))
+        target = w._out if out is None else out
+
+        def general():
+            P.validate_outputs(x.q, out, ls)
+            P.check_no_overlap((("out", target), ("lse", ls)),
+                               (("q", x.q), ("k_cache", x.k_cache), ("v_cache", x.v_cache), ("seq_lens", x.seq_lens),
+                                ("block_table", x.block_table), ("sinks", None), ("k_scale", None), ("v_scale", None)))
+        want = _errors(general)
+        assert got == want, (getattr(out, "shape", out), getattr(ls, "shape", ls))
+        assert want is not None or out is not None and out.shape == x.q.shape
+
+
+def test_memoized_plans_follow_every_change(gen):
+    """A wrapper planned again and again (memo hits) follows new lengths (same and new bucket), a new score scale, a
+    new window and a new split count, matching the reference each time."""
+    be = KERNELS[0] if KERNELS else "reference"
+    x = make_inputs(2, 8, 2, 32, [40, 7], page_size=16, dtype=torch.float32, capacity=96, generator=gen)
+    w = attnplan.DecodeWrapper(backend=be)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    for lens, scale, window, splits in [([40, 7], None, -1, None), ([41, 7], None, -1, None), ([90, 3], None, -1, None),
+                                        ([90, 3], 0.05, -1, None), ([90, 3], 0.05, 20, None), ([90, 3], 0.05, 20, 2),
+                                        ([33, 0], None, -1, 3), ([33, 0], None, -1, 3)]:
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        w.plan(*args, sm_scale=scale, window_left=window, num_splits=splits, seq_lens_host=lens)
+        out = w.run(*args)
+        ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table,
+                                     x.sm_scale if scale is None else scale, window_left=window)
+        assert_close_to_reference(out, ref, torch.float32)
+
+
+def test_static_checks_memo_keeps_type_errors(gen):
+    """The memo is keyed by the scalars' types too: a bool window after an int one still raises."""
+    x = make_inputs(1, 4, 1, 16, [9], dtype=torch.float32, generator=gen)
+    w = attnplan.DecodeWrapper(backend="reference")
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens)
+    w.plan(*args, window_left=1, seq_lens_host=[9])
+    with pytest.raises(TypeError, match="window_left must be an int"):
+        w.plan(*args, window_left=True, seq_lens_host=[9])
+    with pytest.raises(ValueError, match="logits_soft_cap must be a finite float"):
+        w.plan(*args, logits_soft_cap=float("nan"), seq_lens_host=[9])
+    with pytest.raises(ValueError, match="logits_soft_cap must be a finite float"):
+        w.plan(*args, logits_soft_cap=float("nan"), seq_lens_host=[9])
+
+
+# -- decode() keeps its wrappers ---------------------------------------------------------------------------
+
+def test_decode_reuses_one_wrapper_per_signature(monkeypatch, gen):
+    from attnplan.backends import Workspace
+
+    be = KERNELS[0] if KERNELS else "reference"
+    ctx = attnplan.Context.from_config(attnplan.load_config())
+    allocs = []
+    real = Workspace.allocate
+    monkeypatch.setattr(Workspace, "allocate", staticmethod(lambda plan, dev: allocs.append(1) or real(plan, dev)))
+    x = make_inputs(2, 8, 2, 32, [40, 7], page_size=16, dtype=torch.float32, generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    ref, _ = _ref(x)
+    first = attnplan.decode(*args, backend=be, config=ctx, seq_lens_host=[40, 7], num_splits=2)
+    second = attnplan.decode(*args, backend=be, config=ctx, seq_lens_host=[40, 7], num_splits=2)
+    assert first is not second and first.data_ptr() != second.data_ptr()  # a new result each call
+    assert_close_to_reference(first, ref, torch.float32)
+    assert_close_to_reference(second, ref, torch.float32)
+    assert len(allocs) == 1 and len(ctx._wrappers) == 1
+    out = poison(torch.empty_like(x.q))
+    assert attnplan.decode(*args, backend=be, config=ctx, seq_lens_host=[40, 7], num_splits=2, out=out) is out
+    assert_close_to_reference(out, ref, torch.float32)
+    assert len(allocs) == 1 and ctx.cache.stats.hits >= 2
+    # another signature, another wrapper; the pool stays bounded; release_wrappers empties it
+    for b in range(1, attnplan.api.DECODE_WRAPPERS + 3):
+        y = make_inputs(b, 8, 2, 32, [5] * b, dtype=torch.float32, generator=gen)
+        attnplan.decode(y.q, y.k_cache, y.v_cache, y.seq_lens, backend=be, config=ctx, seq_lens_host=[5] * b)
+    assert len(ctx._wrappers) == attnplan.api.DECODE_WRAPPERS
+    ctx.release_wrappers()
+    assert not ctx._wrappers
+
+
+def test_decode_does_not_keep_a_wrapper_that_failed(gen):
+    ctx = attnplan.Context.from_config(attnplan.load_config())
+    x = make_inputs(1, 4, 1, 16, [9], dtype=torch.float32, generator=gen)
+    with pytest.raises(ValueError, match="exceeds the cache capacity"):
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend="reference", config=ctx, seq_lens_host=[99])
+    assert not ctx._wrappers
+    with pytest.raises(TypeError, match="k_cache must be a torch.Tensor, got list"):
+        attnplan.decode(x.q, [1], x.v_cache, x.seq_lens, backend="reference", config=ctx)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_a_dropped_wrapper_leaves_no_workspace_behind(backend, gen):
+    """The bound launch lives in its wrapper: a wrapper planned (and run) then dropped leaves no reference to its
+    workspace in the backend (torch.ops.attnplan.decode plans with a throw-away wrapper whose buffers must die)."""
+    import gc
+    import weakref
+
+    x = make_inputs(2, 8, 2, 32, [40, 7], dtype=torch.float32, generator=gen)
+    for runs in (0, 2):
+        w = attnplan.DecodeWrapper(backend=backend)
+        w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, num_splits=2, seq_lens_host=[40, 7])
+        for _ in range(runs):
+            w.run(x.q, x.k_cache, x.v_cache, x.seq_lens)
+        refs = [weakref.ref(t) for t in (w.workspace.targets, w.workspace.state.o)]
+        del w
+        gc.collect()
+        assert all(r() is None for r in refs), f"a workspace tensor outlived its wrapper after {runs} runs"
+
+
+# -- Triton's direct launch: the logic, with a stand-in for the compiled kernel ----------------------------
+
+class _FakeCompiled:
+    """Stands in for a Triton ``CompiledKernel``: records direct launches."""
+
+    def __init__(self, log):
+        self.function, self.packed_metadata, self.log = object(), object(), log
+
+    def run(self, *a):
+        self.log.append(("direct", a))
+
+
+class _FakeJit:
+    """Stands in for a ``JITFunction``: ``kernel[grid](*args, **kw)`` records the launch, returns a compiled kernel."""
+
+    def __init__(self, real, log):
+        params = inspect.signature(real.fn).parameters
+        self.arg_names = list(params)
+        self.constexprs = [i for i, p in enumerate(params.values()) if "constexpr" in str(p.annotation)]
+        self.log = log
+        self.compiled = _FakeCompiled(log)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.log.append(("jit", grid, args, kw))
+            return self.compiled
+        return launch
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs the Triton interpreter")
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_direct_launch_is_used_only_for_its_layout(monkeypatch, splits, gen):
+    from attnplan.backends.triton import BoundLaunch, kernels
+
+    be = get_backend("triton")
+    log: list = []
+    fake = types.SimpleNamespace(split_kv_partial_kernel=_FakeJit(kernels.split_kv_partial_kernel, log),
+                                 merge_kernel=_FakeJit(kernels.merge_kernel, log))
+    monkeypatch.setattr(be, "_kernels", lambda: fake)
+    cfg = attnplan.load_config(split={"merge": "separate"})
+    x = make_inputs(2, 8, 2, 32, [60, 20], page_size=16, dtype=torch.float32, generator=gen)
+    w = attnplan.DecodeWrapper(cfg, backend="triton")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=splits, seq_lens_host=[60, 20])
+    bl = w._launcher
+    assert isinstance(bl, BoundLaunch)
+    hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False)
+    bl.hooks, bl.current_device, bl.current_stream = hooks, (lambda: 0), (lambda d: 77)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    merges = 1 if plan.merge == "separate" else 0
+
+    def run(out, lse=None, q=None):
+        log.clear()
+        w.run(q if q is not None else x.q, *args[1:], out=out, lse=lse)
+        return [e[0] for e in log]
+
+    L = be._launch(plan, w.workspace)
+    names = fake.split_kv_partial_kernel.arg_names
+    mnames = fake.merge_kernel.arg_names
+
+    def expected(q, out, lse):
+        """What the JIT path would be given for these tensors, constexprs appended in parameter order."""
+        xi = attnplan.backends.DecodeInputs(q, *args[1:], w._sm_scale)
+        pos = be._partial_args(L, xi, out, lse)
+        kw = {**L.const, "WRITE_LSE": lse is not None, "SINKS_ON": False}
+        res = [pos + tuple(kw[n] for n in names[len(pos):])]
+        if merges:
+            mpos = be._merge_args(L, out, lse, None)
+            mkw = {**L.merge_const, "WRITE_LSE": lse is not None, "SINKS_ON": False}
+            res.append(mpos + tuple(mkw[n] for n in mnames[len(mpos):]))
+        return res
+
+    def same(direct, jit):
+        """The direct launch passes the JIT's arguments, tensors as their data pointers (ints)."""
+        want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in jit)
+        return len(direct) == len(want) and all(type(u) is type(v) and u == v for u, v in zip(direct, want))
+
+    out = torch.empty_like(x.q)
+    assert run(out) == ["jit"] * (1 + merges)  # first: through the JIT, which compiles
+    for q2 in (x.q, x.q.clone()):
+        out2 = torch.empty_like(x.q)
+        assert run(out2, q=q2) == ["direct"] * (1 + merges)  # same layout: the compiled kernel directly
+        a = log[0][1]
+        assert a[:4] == (plan.grid[0], 1, 1, 77) and a[4] is fake.split_kv_partial_kernel.compiled.function
+        want = expected(q2, out2, None)
+        assert same(a[9:], want[0])
+        if merges:
+            m = log[1][1]
+            assert m[:3] == tuple(L.merge_grid) + (1,) * (3 - len(L.merge_grid)) and same(m[9:], want[1])
+    # another layout of out (strides, a 16-byte misaligned pointer), an lse: the JIT again, once
+    wide = torch.empty(2, 1, 8, 48)[..., :32]
+    assert run(wide) == ["jit"] * (1 + merges) and run(wide) == ["direct"] * (1 + merges)
+    shifted = torch.empty(x.q.numel() + 1)[1:].view(x.q.shape)
+    assert shifted.data_ptr() % 16 and run(shifted) == ["jit"] * (1 + merges)
+    lse = torch.empty(2, 1, 8)
+    assert run(out, lse) == ["jit"] * (1 + merges) and run(out, lse) == ["direct"] * (1 + merges)
+    # a launch hook (profilers), Triton's debug knob, another device: the JIT
+    hooks.launch_enter_hook = lambda *a: None
+    assert run(out) == ["jit"] * (1 + merges)
+    hooks.launch_enter_hook, hooks.debug = None, True
+    assert run(out) == ["jit"] * (1 + merges)
+    hooks.debug = False
+    bl.current_device = lambda: 1
+    assert run(out) == ["jit"] * (1 + merges)
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs the Triton interpreter")
+def test_triton_direct_launch_refuses_a_kernel_of_another_shape(monkeypatch, gen):
+    """A compiled kernel whose constexpr parameters are not the trailing ones (another Triton layout) is never
+    launched directly."""
+    from attnplan.backends.triton import kernels
+
+    be = get_backend("triton")
+    log: list = []
+    fp = _FakeJit(kernels.split_kv_partial_kernel, log)
+    fp.constexprs = fp.constexprs[1:]
+    monkeypatch.setattr(be, "_kernels", lambda: types.SimpleNamespace(split_kv_partial_kernel=fp,
+                                                                      merge_kernel=_FakeJit(kernels.merge_kernel, log)))
+    x = make_inputs(1, 8, 2, 32, [30], dtype=torch.float32, generator=gen)
+    w = attnplan.DecodeWrapper(backend="triton")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, num_splits=1, seq_lens_host=[30])
+    bl = w._launcher
+    bl.hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False)
+    bl.current_device, bl.current_stream = (lambda: 0), (lambda d: 0)
+    for _ in range(3):
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens)
+    assert [e[0] for e in log] == ["jit"] * 3 and not bl.direct
+
+
+# -- numba's direct launch: the marshalling template, with stand-ins for numba's objects -------------------
+
+class _FakeArray:
+    """numba's array type stand-in."""
+
+
+class _FakeKernel:
+    """Stands in for numba's compiled ``_Kernel``: ``_prepare_args`` lays arguments out as numba's does (arrays as
+    meminfo, parent, size, itemsize, pointer, shape, strides in bytes)."""
+
+    debug = cooperative = False
+    extensions = ()
+
+    def __init__(self, args):
+        self.argument_types = tuple(_FakeArray() if isinstance(a, torch.Tensor) else int for a in args)
+        self._codelibrary = types.SimpleNamespace(get_cufunc=lambda: types.SimpleNamespace(kernel="handle"))
+
+    def _prepare_args(self, ty, val, stream, retr, out):
+        if isinstance(ty, _FakeArray):
+            out += [0, 0, val.numel(), val.element_size(), val.data_ptr(), *val.shape,
+                    *(s * val.element_size() for s in val.stride())]
+        else:
+            out.append(("c_int", val))
+
+
+class _FakeDispatcher:
+    def __init__(self):
+        self.overloads = {}
+
+    def typeof_pyval(self, a):
+        return ("array", a.dtype, a.dim()) if isinstance(a, torch.Tensor) else type(a)
+
+    def __getitem__(self, cfg):
+        grid, block, stream = cfg
+        return types.SimpleNamespace(griddim=tuple(grid) + (1,) * (3 - len(grid)), blockdim=(block, 1, 1),
+                                     sharedmem=0, stream=("core", stream))
+
+
+def test_numba_direct_template_patches_only_the_call_pointers():
+    """The template is numba's own marshalling of the first call; later calls replace exactly the pointers that come
+    from the call's tensors (checked against a fresh marshalling of the new tensors), and a marshalling whose
+    pointer is not where expected gives no template."""
+    from attnplan.backends import numba as nb
+
+    launched = []
+    api = types.SimpleNamespace(launch=lambda *a: launched.append(a), LaunchConfig=lambda **kw: ("config", kw),
+                                CUDA_CORE_GE_1_0=True)
+    q, out, ws = torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(5)
+    args = (q, out, ws, 7)
+    tensors = ((q, "q"), (out, "out"), (ws, None), (None, None))
+    kern = _FakeDispatcher()
+    kern.overloads[tuple(kern.typeof_pyval(a) for a in args)] = _FakeKernel(args)
+    orig = nb._launch_api
+    try:
+        nb._launch_api = lambda: (api, _FakeArray)
+        d = nb._direct(kern, args, tensors, (4,), 32, "stream")
+        assert d is not None and d.handle == "handle" and d.config[1]["grid"] == (4, 1, 1)
+        q2, out2 = torch.ones(2, 3), torch.ones(2, 3)
+        src = [None] * len(nb._ROLES)
+        src[nb._ROLE_INDEX["q"]], src[nb._ROLE_INDEX["out"]] = q2, out2
+        a = d.template.copy()
+        for pos, i in d.patch:
+            a[pos] = src[i].data_ptr()  # BoundLaunch writes the same pointers (from the wrapper's or its own reads)
+        fresh = []
+        for t, ty, v in zip(tensors, kern.overloads[tuple(kern.typeof_pyval(x) for x in args)].argument_types,
+                            (q2, out2, ws, 7)):
+            _FakeKernel(args)._prepare_args(ty, v, None, [], fresh)
+        assert a == fresh
+        # a pointer numba put elsewhere: no template
+        bad = _FakeKernel(args)
+        bad._prepare_args = lambda ty, val, s, r, o: o.extend([0] * 7 if isinstance(ty, _FakeArray) else [1])
+        kern.overloads[tuple(kern.typeof_pyval(x) for x in args)] = bad
+        assert nb._direct(kern, args, tensors, (4,), 32, "stream") is None
+    finally:
+        nb._launch_api = orig
+
+
+# -- on a GPU: no host sync, and the direct launches right ---------------------------------------------------
+
+GPU_BACKENDS = ["triton", "numba", "cuda_ptx"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("page", [None, 16])
+def test_gpu_host_lengths_plan_run_decode_never_sync(backend, page):
+    """After a first plan and run (compiles, allocates), plan() with host lengths, run() and decode() with host
+    lengths run under ``torch.cuda.set_sync_debug_mode("error")``; the results match the reference, through the
+    direct launches (new q and out tensors every step), a misaligned out (another specialization) and an lse."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lens = [3000, 17, 0, 900]
+    x = make_inputs(4, 32, 8, 128, lens, page_size=page, dtype=torch.bfloat16, device="cuda", capacity=4096,
+                    generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    ctx = attnplan.Context.from_config(attnplan.load_config())
+    w = attnplan.DecodeWrapper(ctx, backend=backend)
+    w.plan(*args, seq_lens_host=lens)
+    # a 2-byte offset: another pointer alignment, so another Triton specialization
+    shifted = torch.empty(x.q.numel() + 1, dtype=x.q.dtype, device="cuda")[1:].view(x.q.shape)
+    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
+    w.run(*args)  # first launches of each layout (compiles) outside the sync check
+    w.run(*args, out=shifted)
+    w.run(*args, out=torch.empty_like(x.q), lse=lse)
+    attnplan.decode(*args, backend=backend, config=ctx, seq_lens_host=lens)
+    torch.cuda.synchronize()
+    ref, ref_lse = _ref(x)
+    outs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(4):
+            q = x.q.clone()
+            w.plan(q, *args[1:], seq_lens_host=lens)
+            out = torch.empty_like(q)
+            outs.append(w.run(q, *args[1:], out=out))
+            outs.append(attnplan.decode(q, *args[1:], backend=backend, config=ctx, seq_lens_host=lens))
+        for _ in range(2):
+            outs.append(w.run(*args, out=shifted))
+            outs.append(w.run(*args, out=torch.empty_like(x.q), lse=lse))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for o in outs:
+        assert_close_to_reference(o, ref, torch.bfloat16)
+    assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+    if backend in ("triton", "numba"):
+        assert w._launcher is not None and len(w._launcher.direct) >= 2, "the direct launches were not used"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "numba"])
+def test_gpu_bad_block_table_entries_never_fault(backend):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = make_inputs(3, 32, 8, 128, [2000, 700, 33], page_size=16, dtype=torch.float16, device="cuda",
+                    generator=gen)
+    num_pages = x.k_cache.shape[0]
+    bt = x.block_table
+    bt[0, 3], bt[1, 0], bt[2, 2] = -1, num_pages, 2**31 - 1
+    out = poison(torch.empty_like(x.q))
+    attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, bt, backend=backend, out=out, seq_lens_host=[2000, 700, 33])
+    torch.cuda.synchronize()
+    ref, _ = _ref(x, bt.clamp(0, num_pages - 1))
+    assert_close_to_reference(out, ref, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_plan_misses_with_host_lengths_never_sync(backend):
+    """plan() with host lengths for buckets it has not seen (plan-cache misses, new workspaces) synchronizes
+    nothing either; the workspace equals what Workspace.allocate makes."""
+    from attnplan.api import _allocate_workspace
+    from attnplan.backends import Workspace
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = make_inputs(2, 32, 8, 128, [20, 20], page_size=16, dtype=torch.float16, device="cuda", capacity=65536,
+                    generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    w = attnplan.DecodeWrapper(attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False})),
+                               backend=backend)
+    w.plan(*args, seq_lens_host=[20, 20])
+    torch.cuda.synchronize()
+    plans = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for lens in ([300, 20], [5000, 4000], [65536, 1], [0, 0]):
+            plans.append(w.plan(*args, seq_lens_host=lens))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for plan in plans:
+        a, b = _allocate_workspace(plan, x.q.device), Workspace.allocate(plan, x.q.device)
+        assert a.targets_host == b.targets_host and torch.equal(a.targets, b.targets)
+        for u, v in ((a.meta, b.meta), (a.counters, b.counters)):
+            assert (u is None) == (v is None) and (u is None or (u.shape == v.shape and u.dtype == v.dtype))
+        assert (a.state is None) == (b.state is None)
+        assert a.state is None or (a.state.o.shape == b.state.o.shape and a.state.lse.shape == b.state.lse.shape)
