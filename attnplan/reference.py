@@ -44,7 +44,8 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, b: int, length: int,
     else:
         ps = k_cache.shape[1]
         pos = torch.arange(length, device=k_cache.device)
-        pages = block_table[b].to(k_cache.device, torch.int64)[pos // ps]
+        # a page index outside the cache reads the nearest page, as the kernels clamp it (never out of bounds)
+        pages = block_table[b].to(k_cache.device, torch.int64)[pos // ps].clamp(0, k_cache.shape[0] - 1)
         slots = pos % ps
         # gather on the cache's device, move only this sequence's tokens
         k, v = k_cache[pages, slots].to("cpu"), v_cache[pages, slots].to("cpu")
