@@ -334,21 +334,6 @@ def _scale_tensor(scale, hkv: int, device) -> torch.Tensor | None:
     return torch.full((hkv,), float(scale), dtype=torch.float32, device=device)
 
 
-def _allocate_workspace(plan: SplitPlan, device: torch.device) -> Workspace:
-    """:meth:`Workspace.allocate` without a host sync on a GPU: the same buffers, the targets table copied from
-    pinned host memory without blocking (a blocking host-to-device copy waits for the stream: a sync), ordered
-    before the launches on the current stream like the buffers' zero fills. On the CPU: ``Workspace.allocate``."""
-    if torch.device(device).type != "cuda":
-        return Workspace.allocate(plan, device)
-    p = plan.problem
-    state = None if plan.single_pass else PartialState.empty(1, p.q_len, p.num_q_heads, plan.state_slots,
-                                                             p.head_dim, device=device)
-    meta = torch.zeros(plan.meta_words, dtype=torch.int32, device=device) if plan.meta_words else None
-    counters = torch.zeros(plan.sync_words, dtype=torch.int32, device=device) if plan.sync_words else None
-    targets = torch.tensor(plan.schedule.targets, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
-    return Workspace(state, meta, counters, targets, plan.schedule.targets)
-
-
 _INPUTS = ("q", "k_cache", "v_cache", "seq_lens", "block_table")
 
 
@@ -555,7 +540,7 @@ class DecodeWrapper:
         ws_for = self._ws_for
         if not (ws_for and ws_for[0] is plan and ws_for[1] is self.workspace and ws_for[2] == dev):
             if self.workspace is None or not self.workspace.serves(plan, dev):
-                self.workspace = _allocate_workspace(plan, dev)
+                self.workspace = Workspace.allocate(plan, dev)
             self._ws_for = (plan, self.workspace, dev)
         self._lens_host = lens_host
         o = self._out

@@ -69,13 +69,19 @@ class Workspace:
 
     @staticmethod
     def allocate(plan: SplitPlan, device: torch.device) -> "Workspace":
-        """Buffers for ``plan`` on ``device`` (the state uninitialized: kernels write what they own)."""
+        """Buffers for ``plan`` on ``device`` (the state uninitialized: kernels write what they own). On a GPU the
+        targets table is copied from pinned host memory without blocking (ordered before later launches on the
+        current stream), so allocating never syncs the host."""
         p = plan.problem
         state = None if plan.single_pass else PartialState.empty(1, p.q_len, p.num_q_heads, plan.state_slots,
                                                                  p.head_dim, device=device)
         meta = torch.zeros(plan.meta_words, dtype=torch.int32, device=device) if plan.meta_words else None
         counters = torch.zeros(plan.sync_words, dtype=torch.int32, device=device) if plan.sync_words else None
-        targets = torch.tensor(plan.schedule.targets, dtype=torch.int32, device=device)
+        targets = torch.tensor(plan.schedule.targets, dtype=torch.int32)
+        if torch.device(device).type == "cuda":  # from pinned memory without blocking: no host sync
+            targets = targets.pin_memory().to(device, non_blocking=True)
+        else:
+            targets = targets.to(device)
         return Workspace(state, meta, counters, targets, plan.schedule.targets)
 
     def serves(self, plan: SplitPlan, device: torch.device) -> bool:
