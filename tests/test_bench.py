@@ -177,13 +177,17 @@ def test_gpu_scripts_exit_on_the_cpu(script, argv, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_sanitize_cases_run_on_the_reference_backend():
-    """The sanitizer's workload (every case, live and capacity plans) through the reference backend on the CPU: the
-    cases plan and decode, and the checks against the float64 reference run."""
+def test_sanitize_cases_run_on_the_reference_backend(monkeypatch):
+    """The sanitizer's workload (its short cases, live and capacity plans; the strided layouts) through the reference
+    backend on the CPU: the cases plan and decode, and the checks against the float64 reference run."""
     import sanitize
 
+    short = [c for c in sanitize.CASES if max(c["lens"]) <= 600]
+    assert 3 <= len(short) < len(sanitize.CASES)
+    monkeypatch.setattr(sanitize, "CASES", short)
     n, merges = sanitize.run_cases("reference", "cpu", torch.Generator().manual_seed(0))
-    assert merges == ["separate"] and n == 2 * len(sanitize.CASES)
+    assert merges == ["separate"] and n == 2 * len(short)
+    assert sanitize.run_layout_cases("reference", "cpu", torch.Generator().manual_seed(1), large=False) == 4
 
 
 def test_paged_order_imports_and_keys_its_timings():
