@@ -6,7 +6,7 @@
 //   conversions   cvt_f32_f16x2 (two packed fp16 -> two floats), cvt_rn_bf16 / cvt_rn_f16 (float -> 16 bits),
 //                 pack2<BF16> (two floats -> packed bf16x2 / f16x2), mul_f16x2_256 (exact x 256 of two fp16),
 //                 cvt_rn_f16x2_e4m3x2 (sm_89+ only: HAS_CVT_E4M3X2; convert.cuh holds its integer twin)
-//   math          fast_exp2 (ex2.approx.ftz: ex2(-inf) = +0)
+//   math          fast_exp2 (ex2.approx.ftz: ex2(-inf) = +0), fmax_nan (max.NaN: NaN if either input is NaN)
 //   launches      pdl_launch_dependents / pdl_wait (griddepcontrol, sm_90+; no-ops below and on the host)
 //   shared memory lds / sts (the host checks them for races and bounds), ATTNPLAN_DYNAMIC_SMEM
 //   global memory ld_cg / ld_cg4 (ld.global.cg: L2, the coherence point), atom_add_acq_rel (gpu scope),
@@ -39,6 +39,7 @@ constexpr bool HAS_CVT_E4M3X2 = false;
 void cvt_rn_f16x2_e4m3x2(u32 w, u32 &lo, u32 &hi);  // never defined: only named in discarded branches
 
 __device__ __forceinline__ float fast_exp2(float x) { return emu::ex2_approx_ftz(x); }
+__device__ __forceinline__ float fmax_nan(float a, float b) { return a != a || b != b ? QNAN_F : fmaxf(a, b); }
 
 __device__ __forceinline__ void pdl_launch_dependents() {}
 __device__ __forceinline__ void pdl_wait() {}
@@ -126,6 +127,13 @@ __device__ __forceinline__ void cvt_rn_f16x2_e4m3x2(u32 w, u32 &lo, u32 &hi) {
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// max(a, b), NaN if either is NaN (max.NaN.f32, sm_80+; fmaxf returns the other operand): the merges' lse maximum,
+// so a NaN state never passes for an empty one
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+    float y;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
     return y;
 }
 
