@@ -394,7 +394,20 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         const unsigned char *vs = ks + KT_BYTES;
 
 #if ATTNPLAN_MMA
-        mma_tile(m, l, acc, qb, ks, vs, ts, lo, hi, ts < max_lo || ts + TILE > min_hi, lane, rs, softcap_log2);
+        if constexpr (QLEN > 1) {  // the tile may hold positions some rows see and others do not: NaN isolation
+            const bool masked = ts < max_lo || ts + TILE > min_hi;  // warp-uniform
+            unsigned long long vnan = 0ull;
+            if (masked && v_tile_nonfinite(vs, lane)) {  // rare: V non-finite in this tile
+                vnan = v_nan_marks(vs, ts, lo, hi, lane);
+                __syncwarp();
+                v_tile_zero_nonfinite(const_cast<unsigned char *>(vs), lane);
+                __syncwarp();
+            }
+            mma_tile(m, l, acc, qb, ks, vs, ts, lo, hi, masked, lane, rs, softcap_log2);
+            if (vnan) apply_nan_marks(acc, vnan);
+        } else {
+            mma_tile(m, l, acc, qb, ks, vs, ts, lo, hi, ts < max_lo || ts + TILE > min_hi, lane, rs, softcap_log2);
+        }
 #else
 #include "core_loop_tile.cuh"
 #endif

@@ -17,8 +17,8 @@
 // fp16 / bf16 conversions round to nearest even like cvt.rn (fp16 -> fp32 exactly, subnormals included,
 // which the fp8 decoder relies on); __byte_perm is prmt's default mode; ex2.approx.ftz is exp2f with denormal
 // results flushed. cvt.rn.f16x2.e4m3x2's twin is decode.cu's integer decoder (fp8x2_to_half2_int, also the
-// sm_80 fallback), built on these. __shfl_sync / __shfl_xor_sync / __shfl_up_sync share one exchange; __clz counts
-// leading zeros (32 for 0).
+// sm_80 fallback), built on these. __shfl_sync / __shfl_xor_sync / __shfl_up_sync share one exchange (__any_sync is
+// a butterfly over it); __clz counts leading zeros (32 for 0).
 // Shared-memory race check: the kernel's shared-memory loads and stores (decode.cu's lds / sts helpers)
 // and cp.async copies are recorded per 4-byte word with the warp and the __syncthreads epoch. A copy
 // counts as written only when its issuing thread's cp.async.wait_group retires its group (then in that
@@ -59,6 +59,7 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 namespace emu {
 
@@ -446,6 +447,11 @@ template <class T>
 inline T __shfl_sync(unsigned, T v, int src) { return emu::shfl(v, src, false); }
 template <class T>
 inline T __shfl_up_sync(unsigned, T v, unsigned delta) { return emu::shfl_up(v, delta); }
+// vote.any: whether any lane of the warp passes a nonzero predicate
+inline int __any_sync(unsigned, int pred) {
+    for (int off = 1; off < 32; off <<= 1) pred |= emu::shfl(pred, off, true);  // butterfly OR: every lane the same
+    return pred != 0;
+}
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
 template <class T>
 inline T __ldg(const T *p) {
