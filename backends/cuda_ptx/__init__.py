@@ -129,6 +129,8 @@ __all__ = ["CudaPtxBackend", "CudaPtxError", "NvrtcError", "DriverError", "Kerne
 
 #: shared-memory limit assumed when planning without a device (sm_86/sm_89 opt-in, the smallest >= sm_80)
 _CPU_SMEM_LIMIT = 99 * 1024
+#: most tokens of the default block_n (the schedule's granule) where one tile is not longer
+BLOCK_N_CAP = 128
 
 
 def _tristate(options: dict, name: str, null_means: str) -> bool | None:
@@ -259,7 +261,8 @@ class CudaPtxBackend(Backend):
 
     def kernel_config(self, problem: DecodeProblem, options: dict, device: torch.device) -> dict:
         """Kernel options for ``problem``: ``block_n`` (tokens; the schedule's granule is a multiple of it) = the
-        tokens one pass of the program's warps covers by default (tile x KV warps), plus the specialization's
+        tokens one pass of the program's warps covers by default (tile x KV warps), at most :data:`BLOCK_N_CAP` unless
+        one tile is longer, plus the specialization's
         ``num_warps``, ``num_stages``, ``threads``, ``tile_tokens``, ``row_groups``, ``passes`` and ``mma``
         (option ``mma``: ``None`` = the tensor-core path wherever it serves, see :func:`~.spec.make_spec`;
         ``False`` = CUDA cores; ``True`` = required). ``pdl`` (option ``pdl``, default on): the merge kernel is launched with
@@ -287,7 +290,11 @@ class CudaPtxBackend(Backend):
         spec = make_spec("partial", *args, num_warps=warps, num_stages=options.get("num_stages"),
                          passes=options.get("passes"), **kw)
         tile = spec.tile_tokens
-        block_n = int(options.get("block_n") or tile * spec.kv_warps)
+        # one pass of the program's warps (a tile each), at most BLOCK_N_CAP tokens unless one tile is longer: the
+        # schedule's granule, so a short capacity still splits (head_dim 32: 64-token tiles x 4 warps would make
+        # 256-token granules, one unit for any sequence up to 256 tokens); head_dim 128's measured defaults (bf16 64,
+        # fp8 128) are within it
+        block_n = int(options.get("block_n") or max(tile, min(tile * spec.kv_warps, BLOCK_N_CAP)))
         if block_n % tile:
             raise ValueError(f"backend_options.cuda_ptx.block_n {block_n} must be a multiple of the kernel's tile of "
                              f"{tile} tokens for {problem.kv_dtype} head_dim {problem.head_dim}")
@@ -514,9 +521,8 @@ class CudaPtxBackend(Backend):
         fp32, the sinks joined; the other units' states into ``workspace.state`` slot ``u``; ``workspace.meta`` for
         the separate merge; the fused merge inside (``plan.merge == "fused"``). Launch only: no allocation, no sync.
 
-        Strides honoured: q's, the caches' (page / sequence, token, head), the block table's rows, ``out``'s and
-        ``lse``'s (``out``'s last axis unit; with a merge, ``out``'s strides multiples of 4 elements and its data
-        16-byte aligned for 4-element stores), the workspace's.
+        Strides honoured: q's and the caches' (page / sequence, token, head; multiples of 16 bytes, the kernels'
+        vector loads), the block table's rows, ``out``'s and ``lse``'s (``out``'s last axis unit), the workspace's.
 
         Raises:
             ValueError: shapes, dtypes, strides, alignment or devices the kernel cannot take, or a workspace that
@@ -526,7 +532,7 @@ class CudaPtxBackend(Backend):
         L = self._launch_state(plan, workspace)
         spec = L.spec
         self._check_inputs(plan, x, spec)
-        self._check_out_lse(x.q, out, lse, plan.merge != "none")
+        self._check_out_lse(x.q, out, lse)
         self._check_sinks(x.sinks, x.q.shape[2])
         ws = workspace.state
         for name, t in (("out", out), ("lse", lse), ("workspace", workspace.targets)):
@@ -542,15 +548,13 @@ class CudaPtxBackend(Backend):
         self._launch(spec, L.cfg, PARTIAL_SIGNATURE, values, x.q.device)  # no PDL: it waits for nothing
 
     @staticmethod
-    def _check_out_lse(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, aligned: bool = False) -> None:
-        """The kernels' final output: ``out`` shaped and typed like ``q`` with unit last stride (``aligned``: strides
-        in multiples of 4 elements, 4 elements' bytes aligned: the merges' 4-element stores), ``lse`` ``[B, Q, H]``
-        fp32 (any strides) or None. Raises ValueError naming the tensor."""
+    def _check_out_lse(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+        """The kernels' final output: ``out`` shaped and typed like ``q`` with unit last stride (its other strides may
+        be any: rows are written element by element, or 4 elements at once where a row is aligned for it), ``lse``
+        ``[B, Q, H]`` fp32 (any strides) or None. Raises ValueError naming the tensor."""
         if out.dtype != q.dtype or tuple(out.shape) != tuple(q.shape) or out.stride(-1) != 1:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with unit last stride, got "
                              f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
-        if aligned:
-            check_layout("out", out, 4, out.element_size() * 4)
         if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != tuple(q.shape[:3])):
             raise ValueError(f"lse must be {tuple(q.shape[:3])} float32, got {tuple(lse.shape)} {lse.dtype}")
 
@@ -590,7 +594,6 @@ class CudaPtxBackend(Backend):
         if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (b, ql, h)):
             raise ValueError(f"lse must be [{b}, {ql}, {h}] float32, got {tuple(lse.shape)} {lse.dtype}")
         self._check_sinks(sinks, h)
-        check_layout("out", out, 4, out.element_size() * 4)
         for name, t in (("out", out), ("lse", lse), ("sinks", sinks)):
             if t is not None and t.device != st.o.device:
                 raise ValueError(f"{name} is on {t.device}, the workspace on {st.o.device}")

@@ -160,6 +160,11 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
             for spec, k in zip(todo, pool.map(lambda s: EmulatedKernel(s, self.build_dir), todo)):
                 self.kernels[spec] = k
 
+    def prepare(self, plan, device) -> None:
+        """Build the emulations of every kernel ``plan`` launches (the GPU backend compiles and loads them)."""
+        kinds = ("partial", "merge") if plan.merge == "separate" else ("partial",)
+        self.prebuild([self.spec_for(k, plan, torch.device(device)) for k in kinds])
+
     def kernel(self, spec: KernelSpec) -> EmulatedKernel:
         k = self.kernels.get(spec)
         if k is None:

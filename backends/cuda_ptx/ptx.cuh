@@ -10,6 +10,7 @@
 //   launches      pdl_launch_dependents / pdl_wait (griddepcontrol, sm_90+; no-ops below and on the host)
 //   shared memory lds / sts (the host checks them for races and bounds), ATTNPLAN_DYNAMIC_SMEM
 //   global memory ld_cg / ld_cg4 (ld.global.cg: L2, the coherence point), atom_add_acq_rel (gpu scope),
+//                 check_aligned (the emulation's check of a vector access's alignment; nothing on the device),
 //                 cp_async16 / cp_async_commit / cp_async_wait (16-byte cp.async.cg, src-size 0 zero-fills)
 //   tensor cores  ldsm_x4<TRANS> (ldmatrix.x4), mma_16816<BF16> (mma.sync m16n8k16 f32 += {bf16,f16}),
 //                 movmatrix_trans
@@ -55,6 +56,9 @@ __device__ __forceinline__ void sts(void *p, const T &v) {
     *reinterpret_cast<T *>(p) = v;
 }
 #define ATTNPLAN_DYNAMIC_SMEM(name) unsigned char *name = emu::dynamic_smem()
+
+// a global-memory vector access of `bytes` at p must be aligned to them (the device faults; x86 would not)
+__device__ __forceinline__ void check_aligned(const void *p, int bytes) { emu::check_aligned(p, bytes); }
 
 __device__ __forceinline__ float ld_cg(const float *p) { return __ldcg(p); }
 __device__ __forceinline__ float4 ld_cg4(const float *p) { return __ldcg(reinterpret_cast<const float4 *>(p)); }
@@ -159,6 +163,9 @@ __device__ __forceinline__ void sts(void *p, const T &v) {
     *reinterpret_cast<T *>(p) = v;
 }
 #define ATTNPLAN_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+
+// the host emulation checks that global vector accesses are aligned; the device needs no code for it
+__device__ __forceinline__ void check_aligned(const void *, int) {}
 
 // ld.global.cg: served by L2 (the coherence point), never by L1 or the non-coherent (__ldg) path, and volatile
 // with a "memory" clobber so the compiler cannot move it above a barrier or an atomic before it

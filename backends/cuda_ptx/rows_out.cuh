@@ -40,7 +40,9 @@
         } else {  // the unit's state (16-byte aligned: host check)
             float4 t4;
             t4.x = a[0] * factor; t4.y = a[1] * factor; t4.z = a[2] * factor; t4.w = a[3] * factor;
-            st_state(reinterpret_cast<float4 *>(wb + (i64)i * o_si + (i64)(hb + g) * o_sh + d), t4);
+            float4 *dst = reinterpret_cast<float4 *>(wb + (i64)i * o_si + (i64)(hb + g) * o_sh + d);
+            check_aligned(dst, 16);
+            st_state(dst, t4);
             if (d == 0) st_state(wlb + (i64)i * l_si + (i64)(hb + g) * l_sh, lse_n);
         }
     }

@@ -134,17 +134,19 @@ __device__ __forceinline__ void merge_accumulate(const float *lr, i64 l_ss, cons
 }
 
 // Normalize a row's merged (M, tot, a) (merge_accumulate's form, this thread's slots) and write it: outp[0,
-// HEAD_DIM) in q's dtype and, if out_lse is given, *out_lse:
+// HEAD_DIM) in q's dtype (vector stores where the row is aligned, element stores otherwise) and, if out_lse is given,
+// *out_lse:
 //   lse = M + log(tot);  o = a / tot;  M = -inf (every split empty): o = 0, lse = -inf
 // then, with a sink logit z = *sink: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z).
 template <int TW>
 __device__ __forceinline__ void merge_write(float M, float tot, const float (&a)[merge_slots<TW>()][4],
                                             const float *sink, elem_t *outp, float *out_lse, int t) {
     constexpr int NSLOT = merge_slots<TW>();
+    const bool vec = vec4_aligned(outp);  // the row's start: out's leading strides may be any
     if (M == NEG_INF) {  // every split empty: never -inf - (-inf)
 #pragma unroll
         for (int k = 0; k < NSLOT; ++k)
-            if (4 * (t + k * TW) < HEAD_DIM) store4(outp + 4 * (t + k * TW), 0.f, 0.f, 0.f, 0.f);
+            if (4 * (t + k * TW) < HEAD_DIM) store4(outp + 4 * (t + k * TW), 0.f, 0.f, 0.f, 0.f, vec);
         if (t == 0 && out_lse) *out_lse = sink ? *sink : NEG_INF;
         return;
     }
@@ -157,7 +159,7 @@ __device__ __forceinline__ void merge_write(float M, float tot, const float (&a)
 #pragma unroll
     for (int k = 0; k < NSLOT; ++k) {
         const int d = 4 * (t + k * TW);
-        if (d < HEAD_DIM) store4(outp + d, a[k][0] * inv, a[k][1] * inv, a[k][2] * inv, a[k][3] * inv);
+        if (d < HEAD_DIM) store4(outp + d, a[k][0] * inv, a[k][1] * inv, a[k][2] * inv, a[k][3] * inv, vec);
     }
     if (t == 0 && out_lse) *out_lse = lse_n;
 }

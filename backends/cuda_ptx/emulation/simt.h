@@ -239,6 +239,11 @@ inline bool smem_access(const void *p, size_t n, int kind /* 0 load, 1 store, 2 
     return true;
 }
 
+// a global-memory vector access must be aligned to its size (the device faults on a misaligned one)
+inline void check_aligned(const void *p, int bytes) {
+    if ((uintptr_t)p & (uintptr_t)(bytes - 1)) fail("misaligned global vector access (" + std::to_string(bytes) + " bytes)");
+}
+
 inline void cp_async_commit() {
     Fiber &f = cur();
     f.copy_groups.push_back(std::move(f.open_copies));
