@@ -539,7 +539,7 @@ class CudaPtxBackend(Backend):
             if t is not None and t.device != x.q.device:
                 raise ValueError(f"{name} is on {t.device}, q on {x.q.device}")
         values = partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, out, lse,
-                              schedule=L.sched, targets=workspace.targets,
+                              schedule=L.sched, targets=None if plan.single_pass else workspace.targets,
                               meta=workspace.meta if plan.merge == "separate" else None,
                               counters=workspace.counters if plan.merge == "fused" else None,
                               ws_o=None if ws is None else ws.o, ws_lse=None if ws is None else ws.lse,
@@ -599,3 +599,33 @@ class CudaPtxBackend(Backend):
                 raise ValueError(f"{name} is on {t.device}, the workspace on {st.o.device}")
         self._launch(L.merge_spec, L.merge_cfg, MERGE_SIGNATURE, merge_args(st.o, st.lse, workspace.meta, out, lse, sinks),
                      st.o.device, pdl=L.pdl)
+
+    def probe(self, spec: KernelSpec, seq_lens: torch.Tensor, schedule, probe_units, *, window_left: int = -1,
+              write_meta: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the partial kernel's schedule prologue alone (tests; ``spec`` a ``"partial"`` spec: its threads, q_len
+        and window; its probe build): ``(res, meta)`` on ``seq_lens``'s device, ``res`` int32 ``[n, 8]`` = (b, j,
+        start, end, units[b], c, indptr[b], cb) of each unit of ``probe_units`` (b = -1 and the rest -7 past the
+        batch's units), ``meta`` int32 ``[2 B]`` written by the first probe block (``None`` without
+        ``write_meta``). Allocates and launches (not for a CUDA graph).
+
+        Raises:
+            ValueError: ``spec`` is not a ``"partial"`` spec.
+        """
+        import dataclasses
+
+        from .args import PROBE_SIGNATURE, probe_args
+        from .spec import LaunchConfig
+
+        if spec.kind != "partial":
+            raise ValueError(f"the schedule probe runs a 'partial' spec's prologue, got {spec.name}")
+        spec = dataclasses.replace(spec, probe=True)
+        lens = torch.as_tensor(seq_lens, dtype=torch.int32).contiguous()
+        dev = lens.device
+        units = torch.as_tensor(list(probe_units), dtype=torch.int32).to(dev)
+        res = torch.full((units.numel(), 8), -7, dtype=torch.int32, device=dev)
+        meta = torch.full((2 * lens.numel(),), -7, dtype=torch.int32, device=dev) if write_meta else None
+        targets = torch.tensor(schedule.targets, dtype=torch.int32, device=dev)
+        cfg = LaunchConfig((units.numel(), 1, 1), (spec.threads, 1, 1), spec.smem_bytes)
+        self._launch(spec, cfg, PROBE_SIGNATURE, probe_args(lens, targets, meta, units, res, schedule, window_left),
+                     dev)
+        return res, meta
