@@ -45,6 +45,14 @@ there):
 The fused merge sits after the state write, so it serves every path (tensor-core and CUDA-core split-K, fp8 KV,
 both cache layouts, window / soft-cap / sinks, ``q_len`` > 1).
 
+Positions a row cannot see never affect it, NaN included: scores are selected away, tokens outside the rows'
+union are never loaded (zero-filled copies), and with ``q_len`` > 1 the tiles holding positions some rows see and
+others do not (a unit's last ``q_len - 1`` positions, a window's first) keep a non-finite V entry out of the rows
+that cannot see it (P.V would multiply it by 0) and make it NaN in the rows that do, as the float64 reference does.
+Strides: every offset into q, the caches, the block table, ``out``, ``lse`` and the workspace is a 64-bit product;
+q's and the caches' strides must be multiples of 16 bytes (the kernels' vector loads; refused by name otherwise),
+``out``'s and ``lse``'s leading strides may be any.
+
 Tensor-core path (kernel option ``mma``, the default for fp16 / bf16 q with a cache of the same
 dtype or float8_e4m3fn, head_dim a multiple of 16; ``ATTNPLAN_MMA``, ``mma_loop.cuh``). Sources:
 FlashAttention-2's register-level online softmax on mma fragments, FlashInfer's tensor-core decode for

@@ -89,6 +89,14 @@ def _struct_for(kinds: tuple[str, ...]) -> struct.Struct:
     return struct.Struct("<" + "".join(_SLOT_FORMAT[k] for k in kinds))
 
 
+@functools.lru_cache(maxsize=16)
+def _layout_for(signature: tuple[tuple[str, str], ...]):
+    """A signature's packing, computed once: its struct, pointer slots, slot offsets and ``void*[n]`` array type."""
+    kinds = tuple(k for _, k in signature)
+    return (_struct_for(kinds), tuple(i for i, k in enumerate(kinds) if k == "ptr"),
+            tuple(8 * i for i in range(len(kinds))), ctypes.c_void_p * len(kinds))
+
+
 class PackedArgs:
     """Kernel arguments laid out for ``cuLaunchKernel(kernelParams=...)``.
 
@@ -107,15 +115,17 @@ class PackedArgs:
     def __init__(self, signature: tuple[tuple[str, str], ...], values: list):
         if len(signature) != len(values):
             raise ValueError(f"{len(values)} kernel arguments for a signature of {len(signature)}")
-        kinds = tuple(k for _, k in signature)
-        st = _struct_for(kinds)
-        vals = [0 if v is None and k == "ptr" else v for v, k in zip(values, kinds)]
+        st, ptr_slots, offsets, array_t = _layout_for(signature)
+        if None in values:  # null pointers (None elsewhere: struct.error below)
+            values = list(values)
+            for i in ptr_slots:
+                if values[i] is None:
+                    values[i] = 0
         self.signature = signature
         self.buffer = ctypes.create_string_buffer(st.size)
-        st.pack_into(self.buffer, 0, *vals)
+        st.pack_into(self.buffer, 0, *values)
         base = ctypes.addressof(self.buffer)
-        n = len(kinds)
-        self.pointers = (ctypes.c_void_p * n)(*(base + 8 * i for i in range(n)))
+        self.pointers = array_t(*[base + o for o in offsets])
 
     @property
     def kernel_params(self) -> int:

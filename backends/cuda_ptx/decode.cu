@@ -79,8 +79,8 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, const
     const int hh = (int)(row % num_heads);
     const int i = (int)((row / num_heads) % q_len);
     const int b = (int)(row / ((i64)num_heads * q_len));
-    const int num_splits = meta[batch + b];  // units[b]
-    if (num_splits <= 1) return;  // written by the partial kernel (the whole CTA: one row)
+    const int units = meta[batch + b];  // units[b]
+    if (units <= 1) return;  // written by the partial kernel (the whole CTA: one row)
     const i64 first = meta[b];    // indptr[b]
     const float *lr = lse + (i64)i * l_si + (i64)hh * l_sh + first * l_ss;
     const float *orow = o + (i64)i * o_si + (i64)hh * o_sh + first * o_ss;
@@ -89,14 +89,14 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, const
     float *olp = out_lse ? out_lse + (i64)b * ol_sb + (i64)i * ol_si + (i64)hh * ol_sh : nullptr;
     // the states come from an earlier launch: plain loads
     if constexpr (MERGE_TEAMS == 1) {
-        merge_row<TEAM_THREADS, MERGE_CHUNK, false>(lr, l_ss, orow, o_ss, num_splits, sink, outp, olp, threadIdx.x);
+        merge_row<TEAM_THREADS, MERGE_CHUNK, false>(lr, l_ss, orow, o_ss, units, sink, outp, olp, threadIdx.x);
     } else {  // several teams per row: ranges of the splits, combined in team order
         ATTNPLAN_DYNAMIC_SMEM(smem);
         float *sm_a = reinterpret_cast<float *>(smem);  // [MERGE_TEAMS][HEAD_DIM]
         float *sm_m = sm_a + MERGE_TEAMS * HEAD_DIM, *sm_tot = sm_m + MERGE_TEAMS;
         const int team = threadIdx.x / TEAM_THREADS, t = threadIdx.x % TEAM_THREADS;
-        const int per = ((num_splits + MERGE_TEAMS - 1) / MERGE_TEAMS + MERGE_CHUNK - 1) / MERGE_CHUNK * MERGE_CHUNK;
-        const int s0 = cmin(num_splits, team * per), cnt = cmin(num_splits - s0, per);
+        const int per = ((units + MERGE_TEAMS - 1) / MERGE_TEAMS + MERGE_CHUNK - 1) / MERGE_CHUNK * MERGE_CHUNK;
+        const int s0 = cmin(units, team * per), cnt = cmin(units - s0, per);
         float M, tot, a[MERGE_SLOTS][4];
         merge_accumulate<TEAM_THREADS, MERGE_CHUNK, false>(lr + (i64)s0 * l_ss, l_ss, orow + (i64)s0 * o_ss, o_ss, cnt,
                                                                t, M, tot, a);
