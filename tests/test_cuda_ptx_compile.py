@@ -20,7 +20,8 @@ import warnings
 import pytest
 import torch
 
-from attnplan.backends.cuda_ptx import CudaPtxBackend
+from attnplan.backends.base import Workspace
+from attnplan.backends.cuda_ptx import BLOCK_N_CAP, CudaPtxBackend
 from attnplan.backends.cuda_ptx import args as A
 from attnplan.backends.cuda_ptx import runtime as R
 from attnplan.backends.cuda_ptx import spec as S
@@ -29,8 +30,9 @@ from attnplan.backends.cuda_ptx._bindings import NvrtcError
 from attnplan.backends.cuda_ptx.source import kernel_program
 from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN
-from attnplan.planner import make_plan
+from attnplan.planner import KernelOptions, make_plan
 from attnplan.problem import DecodeProblem
+from attnplan.schedule import Schedule
 from attnplan.state import PartialState
 
 try:
@@ -454,8 +456,9 @@ def test_merge_teams_spec_and_launch_config():
 
 
 def test_backend_merge_teams_from_plan():
-    """The backend's merge spec takes its teams from the plan's rows (batch x q_len x q heads) and splits and the
-    device's SM count (the CPU stand-in's 8 without a GPU; the plan's fingerprint when no device is given)."""
+    """The backend's merge spec takes its teams from the plan's rows (batch x q_len x q heads), its most units per
+    sequence and the device's SM count (the CPU stand-in's 8 without a GPU; the plan's fingerprint when no device is
+    given)."""
     be = CudaPtxBackend()
     cfg = load_config(split={"merge": "separate"})
 
@@ -473,7 +476,7 @@ def test_backend_merge_teams_from_plan():
     assert be.merge_teams_for(plan(1, 4, 16)) == 1  # one chunk
     assert be.merge_teams_for(plan(2, 4, 128)) == 1  # 8 rows fill the 8 SMs
     assert be.merge_teams_for(plan(1, 2, 128, q_len=3)) == 8  # 6 rows (q_len counts)
-    assert be.merge_teams_for(dataclasses.replace(few, device={**few.device, "sm_count": 4})) == 1
+    assert be.merge_teams_for(dataclasses.replace(few, device=few.device._replace(sm_count=4))) == 1
 
 
 @needs_nvrtc
@@ -675,13 +678,17 @@ def test_stage_choice_respects_smem_limit():
 
 
 def test_partial_launch_config():
+    """The plan's 1-D unit-major grid of units x KV heads as CUDA grid (1, Hkv, units) (no division in the kernel),
+    flattened on x past gridDim.y / .z's 65535."""
     s = S.make_spec("partial", "bfloat16", 128, 4, 1, 16)
-    cfg = S.partial_launch_config(s, (17, 8, 1))
-    assert cfg.grid == (17, 8, 1) and cfg.block == (128, 1, 1) and cfg.smem == s.smem_bytes
-    big = S.partial_launch_config(s, (3, 8, 70000))  # batch beyond gridDim.z's 65535: flattened on x
-    assert big.grid == (3 * 8 * 70000, 1, 1)
-    with pytest.raises(ValueError):
-        S.partial_launch_config(s, (0, 8, 1))
+    cfg = S.partial_launch_config(s, 17, 8)
+    assert cfg.grid == (1, 8, 17) and cfg.block == (128, 1, 1) and cfg.smem == s.smem_bytes
+    big = S.partial_launch_config(s, 70000, 8)  # units beyond gridDim.z's 65535: flattened on x, unit-major
+    assert big.grid == (8 * 70000, 1, 1)
+    assert S.partial_launch_config(s, 3, 70000).grid == (3 * 70000, 1, 1)
+    for bad in ((0, 8), (4, 0), (2**20, 2**12)):
+        with pytest.raises(ValueError):
+            S.partial_launch_config(s, *bad)
     m = S.merge_launch_config(S.merge_spec("float16", 256), 4 * 32)
     assert m.grid == (128, 1, 1) and m.block == (64, 1, 1) and m.smem == 0
     m = S.merge_launch_config(S.merge_spec("float16", 256, 4), 3)
@@ -725,54 +732,75 @@ def test_packed_args_layout():
         A.PackedArgs((("i", "i32"),), [2**31])
 
 
-def _plan(problem, splits, be=None):
+def _plan(problem, splits, be=None, merge="separate"):
     be = be or CudaPtxBackend(N.CompileCache(disk=False))
     kc = be.kernel_config(problem, {}, torch.device("cpu"))
-    return make_plan(problem, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=splits)
+    return make_plan(problem, CPU_STANDIN, load_config(split={"merge": merge}), "cuda_ptx", kc, num_splits=splits,
+                     merge_strategies=be.merge_strategies)
 
 
-def test_partial_args_strides_and_padded_state():
+def _named(values):
+    return dict(zip((n for n, _ in A.PARTIAL_SIGNATURE), values))
+
+
+def test_partial_args_strides_and_workspace():
+    """partial_args: the ragged workspace's strides (a buffer wider than the plan's slots), the schedule's integers,
+    out's and lse's strides, the workspace's pointers; the single pass gets granule and max_units_per_seq 1, slot
+    strides 0 and no schedule or workspace."""
     from attnplan.testing import make_inputs
 
     x = make_inputs(2, 8, 2, 64, [33, 5], q_len=3, page_size=16, dtype=torch.bfloat16)
     prob = DecodeProblem(2, 8, 2, 64, 3, 16, "bfloat16", "bfloat16", 33)
-    plan = _plan(prob, 3)
-    spec = CudaPtxBackend().spec_for("partial", plan)
-    st = PartialState.empty(2, 3, 8, plan.num_splits + 2, 64)  # buffer wider than the plan
-    vals = A.partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse,
-                          plan.chunk_size, plan.num_splits)
-    named = dict(zip((n for n, _ in A.PARTIAL_SIGNATURE), vals))
-    assert named["o_ss"] == 64 and named["o_sh"] == (plan.num_splits + 2) * 64  # strides from the tensor
-    assert named["l_ss"] == 1 and named["l_sh"] == plan.num_splits + 2
-    assert named["num_splits"] == plan.num_splits and named["chunk_size"] == plan.chunk_size
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    plan = _plan(prob, 3, be)
+    spec = be.spec_for("partial", plan)
+    assert spec.kind == "partial" and plan.merge == "separate"
+    u = plan.schedule.max_units + 2
+    st = PartialState.empty(1, 3, 8, u, 64)  # buffer wider than the plan
+    targets, meta = torch.tensor(plan.schedule.targets, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    out, lse = torch.empty_like(x.q), torch.empty(2, 3, 8)
+    vals = A.partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, out, lse,
+                          schedule=plan.schedule, targets=targets, meta=meta, ws_o=st.o, ws_lse=st.lse)
+    named = _named(vals)
+    assert (named["o_ss"], named["o_sh"], named["o_si"]) == (64, u * 64, 8 * u * 64)  # strides from the tensors
+    assert (named["l_ss"], named["l_sh"], named["l_si"]) == (1, u, 8 * u)
+    s = plan.schedule
+    assert (named["batch"], named["granule"], named["min_unit_granules"], named["max_units_per_seq"],
+            named["balanced"]) == (2, s.granule, s.min_unit_granules, 3, 0)
+    assert named["targets"] == targets.data_ptr() and named["meta"] == meta.data_ptr() and named["counters"] == 0
+    assert named["ws_o"] == st.o.data_ptr() and named["ws_lse"] == st.lse.data_ptr()
+    assert (named["out_sb"], named["out_si"], named["out_sh"]) == (3 * 8 * 64, 8 * 64, 64)
+    assert (named["ol_sb"], named["ol_si"], named["ol_sh"]) == (24, 8, 1) and named["out_lse"] == lse.data_ptr()
     assert named["k_s0"] == 16 * 2 * 64 and named["k_s1"] == 2 * 64 and named["k_sh"] == 64
     assert named["bt_sb"] == x.block_table.stride(0) and named["block_table"] == x.block_table.data_ptr()
     assert named["num_kv_heads"] == 2
     assert abs(named["scale_log2"] - x.sm_scale * 1.4426950408889634) < 1e-12
-    single = CudaPtxBackend().spec_for("single", plan)
-    out = torch.empty_like(x.q)
-    sv = dict(zip((n for n, _ in A.PARTIAL_SIGNATURE),
-                  A.partial_args(single, x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, out, None, 64, 1)))
-    assert sv["o_ss"] == 0 and sv["lse"] == 0 and sv["l_sb"] == 0 and sv["block_table"] == 0 and sv["bt_sb"] == 0
+    single_plan = _plan(prob, 1, be)
+    single = be.spec_for("partial", single_plan)
+    assert single.kind == "single" and single_plan.single_pass
+    sv = _named(A.partial_args(single, x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, out, None))
+    assert sv["o_ss"] == sv["l_ss"] == 0 and sv["max_units_per_seq"] == 1 and sv["granule"] == 1
+    assert sv["out_lse"] == sv["block_table"] == sv["bt_sb"] == sv["ws_o"] == sv["targets"] == sv["meta"] == 0
     A.PackedArgs(A.PARTIAL_SIGNATURE, vals)  # every value fits its slot
+    balanced = Schedule("balanced", 64, 1, 8, (0, *([3] * 63)), 30)
+    assert A.schedule_ints(balanced, 5) == (5, 64, 1, 8, 1) and A.schedule_ints(None, 5) == (5, 1, 1, 1, 0)
 
 
 def test_64bit_strides_pack():
     """Page index x page stride beyond 2**31 elements travels as int64."""
     q = torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(140_000, 16, 8, 128, dtype=torch.bfloat16, device="meta")  # shapes and strides only
-    spec = S.make_spec("partial", "bfloat16", 128, 1, 1, 16)
-    st = PartialState.empty(1, 1, 8, 2, 128)
-    vals = A.partial_args(spec, q, k, k, torch.zeros(1, dtype=torch.int32), torch.zeros(1, 8750, dtype=torch.int32), 0.1,
-                          st.o, st.lse, 64, 2)
+    spec = S.make_spec("single", "bfloat16", 128, 1, 1, 16)
+    vals = A.partial_args(spec, q, k, k, torch.zeros(1, dtype=torch.int32), torch.zeros(1, 8750, dtype=torch.int32),
+                          0.1, torch.empty_like(q), None)
     pa = A.PackedArgs(A.PARTIAL_SIGNATURE, vals)
     assert pa.value("k_s0") == 16384 and 139_999 * pa.value("k_s0") > 2**31
 
 
 def test_64bit_strides_of_every_tensor_pack():
-    """Strides beyond 2**31 elements of q, the caches (sequence, token, head), the block table's rows, the partial
-    state (sequence, query, head, split) and the fused merge's out / lse travel as int64, exactly (meta tensors:
-    shapes and strides only)."""
+    """Strides beyond 2**31 elements of q, the caches (sequence, token, head), the block table's rows, the ragged
+    workspace (query, head, slot), out and lse travel as int64, exactly (meta tensors: shapes and strides only); the
+    merge kernel's too."""
     big = 2**33 + 8  # a multiple of 8 (16-byte vectors of bf16) past 2**32
 
     def strided(shape, strides, dtype=torch.bfloat16):
@@ -781,54 +809,71 @@ def test_64bit_strides_of_every_tensor_pack():
     q = strided((2, 2, 8, 128), (4 * big, 2 * big, big, 1))
     k = strided((2, 64, 2, 128), (3 * big, big, 2 * big, 1))
     bt = strided((2, 4), (big, 1), torch.int32)
-    o = strided((2, 2, 8, 4, 128), (5 * big, 4 * big, 3 * big, big, 1), torch.float32)
-    lse = strided((2, 2, 8, 4), (4 * big, 3 * big, 2 * big, big), torch.float32)
+    o = strided((1, 2, 8, 4, 128), (5 * big, 4 * big, 3 * big, big, 1), torch.float32)
+    lse = strided((1, 2, 8, 4), (4 * big, 3 * big, 2 * big, big), torch.float32)
     out = strided((2, 2, 8, 128), (3 * big, 2 * big, big, 1))
     out_lse = strided((2, 2, 8), (3 * big, 2 * big, big), torch.float32)
     spec = S.make_spec("partial", "bfloat16", 128, 4, 2, 16, merge="fused")
-    vals = A.partial_args(spec, q, k, k, torch.zeros(2, dtype=torch.int32), bt, 0.1, o, lse, 64, 4, out=out,
-                          out_lse=out_lse, counters=torch.zeros(4, dtype=torch.int32))
+    sched = Schedule("forced", 64, 1, 2, (0,) * 64, 4)
+    vals = A.partial_args(spec, q, k, k, torch.zeros(2, dtype=torch.int32), bt, 0.1, out, out_lse, schedule=sched,
+                          targets=torch.zeros(64, dtype=torch.int32), counters=torch.zeros(4, dtype=torch.int32),
+                          ws_o=o, ws_lse=lse)
     pa = A.PackedArgs(A.PARTIAL_SIGNATURE, vals)
     want = {"q_sb": 4 * big, "q_si": 2 * big, "q_sh": big, "k_s0": 3 * big, "k_s1": big, "k_sh": 2 * big,
-            "v_s0": 3 * big, "bt_sb": big, "o_sb": 5 * big, "o_si": 4 * big, "o_sh": 3 * big, "o_ss": big,
-            "l_sb": 4 * big, "l_ss": big, "out_sb": 3 * big, "out_sh": big, "ol_sb": 3 * big, "ol_sh": big}
+            "v_s0": 3 * big, "bt_sb": big, "o_si": 4 * big, "o_sh": 3 * big, "o_ss": big, "l_si": 3 * big,
+            "l_sh": 2 * big, "l_ss": big, "out_sb": 3 * big, "out_sh": big, "ol_sb": 3 * big, "ol_sh": big}
     assert {n: pa.value(n) for n in want} == want
     assert all(k == "i64" for n, k in A.PARTIAL_SIGNATURE if n.endswith(("_sb", "_si", "_sh", "_ss", "_s0", "_s1")))
-    mo = strided((2, 2, 8, 300, 128), (5 * big, 4 * big, 3 * big, big, 1), torch.float32)
-    mvals = A.merge_args(mo, lse, out, out_lse, 300)
+    assert all(k == "i64" for n, k in A.MERGE_SIGNATURE if n.endswith(("_sb", "_si", "_sh", "_ss")))
+    mo = strided((1, 2, 8, 300, 128), (5 * big, 4 * big, 3 * big, big, 1), torch.float32)
+    mvals = A.merge_args(mo, lse, torch.zeros(4, dtype=torch.int32), out, out_lse)
     mpa = A.PackedArgs(A.MERGE_SIGNATURE, mvals)
-    assert (mpa.value("o_sb"), mpa.value("o_ss"), mpa.value("out_sh"), mpa.value("num_splits")) == (5 * big, big, big,
-                                                                                                    300)
+    assert (mpa.value("o_si"), mpa.value("o_ss"), mpa.value("out_sh"), mpa.value("l_sh"), mpa.value("batch")) == \
+        (4 * big, big, big, 2 * big, 2)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contig", "paged16"])
-def test_window_left_and_chunk_size_pack_any_valid_int(paged):
+def test_window_left_packs_any_valid_int(paged):
     """window_left packs for every int the validation allows (>= -1, however large): a window at least the cache's
     capacity is the capacity (it restricts nothing: the emulation tests check the outputs); -1 stays -1, smaller
-    windows are exact. chunk_size packs for any size, capped at MAX_KV_TOKENS. Out-of-range values are refused."""
+    windows are exact; below -1 is refused."""
     q = torch.empty(1, 1, 8, 64, dtype=torch.bfloat16)
     k = torch.empty(8 if paged else 1, 16 if paged else 100, 2, 64, dtype=torch.bfloat16, device="meta")
     bt = torch.zeros(1, 6, dtype=torch.int32) if paged else None
     capacity = 96 if paged else 100
     assert A.kv_capacity(k, bt) == capacity
-    spec = S.make_spec("partial", "bfloat16", 64, 4, 1, 16 if paged else None, window=True)
-    st = PartialState.empty(1, 1, 8, 2, 64)
+    spec = S.make_spec("single", "bfloat16", 64, 4, 1, 16 if paged else None, window=True)
 
-    def packed(window, chunk=64):
-        vals = A.partial_args(spec, q, k, k, torch.zeros(1, dtype=torch.int32), bt, 0.1, st.o, st.lse, chunk, 2,
+    def packed(window):
+        vals = A.partial_args(spec, q, k, k, torch.zeros(1, dtype=torch.int32), bt, 0.1, torch.empty_like(q), None,
                               window_left=window)
-        pa = A.PackedArgs(A.PARTIAL_SIGNATURE, vals)
-        return pa.value("window_left"), pa.value("chunk_size")
+        return A.PackedArgs(A.PARTIAL_SIGNATURE, vals).value("window_left")
 
     for window, want in ((-1, -1), (0, 0), (17, 17), (capacity - 1, capacity - 1), (capacity, capacity),
                          (capacity + 1, capacity), (2**31 - 1, capacity), (2**31, capacity), (2**63, capacity),
                          (10**40, capacity)):
-        assert packed(window)[0] == want, window
-    for chunk, want in ((1, 1), (2**30, 2**30), (2**31, A.MAX_KV_TOKENS), (10**30, A.MAX_KV_TOKENS)):
-        assert packed(-1, chunk)[1] == want, chunk
-    for window, chunk in ((-2, 64), (5, 0), (5, -64)):
-        with pytest.raises(ValueError, match="window_left must be >= -1 and chunk_size >= 1"):
-            packed(window, chunk)
+        assert packed(window) == want, window
+    with pytest.raises(ValueError, match="window_left must be >= -1"):
+        packed(-2)
+
+
+def _meta_inputs(batch, hq, hkv, d, pages=300, page=16, max_pages=256, device="meta"):
+    """q, a paged cache, seq_lens and a block table, uninitialized (meta: shapes and strides only)."""
+    from attnplan.backends.base import DecodeInputs
+
+    dev = dict(device=device, dtype=torch.bfloat16)
+    q = torch.empty(batch, 1, hq, d, **dev)
+    k = torch.empty(pages, page, hkv, d, **dev)
+    return DecodeInputs(q, k, k, torch.empty(batch, device=device, dtype=torch.int32),
+                        torch.empty(batch, max_pages, device=device, dtype=torch.int32), 0.1)
+
+
+def _no_launch(be):
+    """Stop the backend before the driver (no GPU); returns the launches' named argument values."""
+    launched = []
+    be._launch = lambda spec, cfg, sig, values, *a, **kw: launched.append(  # noqa: E731
+        (spec, cfg, dict(zip((n for n, _ in sig), values)), kw.get("pdl", a[1] if len(a) > 1 else False)))
+    return launched
 
 
 def test_kv_capacity_over_2_30_is_refused():
@@ -841,12 +886,11 @@ def test_kv_capacity_over_2_30_is_refused():
     meta = dict(device="meta", dtype=torch.bfloat16)
     q = torch.empty(1, 1, 8, 64, **meta)
     sl = torch.empty(1, device="meta", dtype=torch.int32)
-    st = PartialState(torch.empty(1, 1, 8, 4, 64, device="meta"), torch.empty(1, 1, 8, 4, device="meta"))
+    launched = _no_launch(be)
     for paged in (False, True):
         prob = DecodeProblem(1, 8, 1, 64, 1, 16 if paged else None, "bfloat16", "bfloat16", 4096)
         plan = _plan(prob, 4, be)
-        launched = []
-        be._launch = lambda *a, **kw: launched.append(a)  # noqa: E731 - no GPU: stop before the driver
+        ws = Workspace.allocate(plan, torch.device("meta"))
         for tokens, ok in ((2**30, True), (2**30 + 16, False)):
             if paged:
                 k = torch.empty(8, 16, 1, 64, **meta)
@@ -855,48 +899,61 @@ def test_kv_capacity_over_2_30_is_refused():
                 k = torch.empty(1, tokens, 1, 64, **meta)
                 x = DecodeInputs(q, k, k, sl, None, 0.1)
             if ok:
-                be.partial(plan, x, st)
+                be.partial(plan, x, ws, q, None)
             else:
                 with pytest.raises(ValueError, match=("block_table's" if paged else "k_cache holds") + ".*2\\*\\*30"):
-                    be.partial(plan, x, st)
-        assert len(launched) == 1
+                    be.partial(plan, x, ws, q, None)
+    assert len(launched) == 2
 
 
 def test_backend_input_checks():
-    """Host checks that guard the kernel's assumptions, each tripped once (meta tensors: no data)."""
+    """Host checks that guard the kernels' assumptions, each tripped once (meta tensors: no data)."""
     from attnplan.backends.base import DecodeInputs
 
     be = CudaPtxBackend(N.CompileCache(disk=False))
     prob = DecodeProblem(1, 8, 2, 128, 1, 16, "bfloat16", "bfloat16", 4096)
     plan = _plan(prob, 4, be)
-    meta = dict(device="meta", dtype=torch.bfloat16)
-    q = torch.empty(1, 1, 8, 128, **meta)
-    k = torch.empty(300, 16, 2, 128, **meta)
-    bt = torch.empty(1, 256, device="meta", dtype=torch.int32)
-    sl = torch.empty(1, device="meta", dtype=torch.int32)
-    st = PartialState(torch.empty(1, 1, 8, 4, 128, device="meta"), torch.empty(1, 1, 8, 4, device="meta"))
-    huge = torch.empty(300, 16, 2, 128, **meta).as_strided((300, 16, 2, 128), (2**33, 2**29, 128, 1))
+    ws = Workspace.allocate(plan, torch.device("meta"))
+    x = _meta_inputs(1, 8, 2, 128)
+    q, k, sl, bt = x.q, x.k_cache, x.seq_lens, x.block_table
+    launched = _no_launch(be)
+    be.partial(plan, x, ws, q, None)
+    assert len(launched) == 1
+    huge = torch.empty(300, 16, 2, 128, device="meta", dtype=torch.bfloat16).as_strided((300, 16, 2, 128),
+                                                                                        (2**33, 2**29, 128, 1))
     with pytest.raises(ValueError, match="token stride"):
-        be.partial(plan, DecodeInputs(q, huge, huge, sl, bt, 0.1), st)
+        be.partial(plan, DecodeInputs(q, huge, huge, sl, bt, 0.1), ws, q, None)
     with pytest.raises(ValueError, match="page size"):
-        be.partial(plan, DecodeInputs(q, k[:, :8], k[:, :8], sl, bt, 0.1), st)
+        be.partial(plan, DecodeInputs(q, k[:, :8], k[:, :8], sl, bt, 0.1), ws, q, None)
     with pytest.raises(ValueError, match="KV heads"):
-        be.partial(plan, DecodeInputs(q, k[:, :, :1], k[:, :, :1], sl, bt, 0.1), st)
+        be.partial(plan, DecodeInputs(q, k[:, :, :1], k[:, :, :1], sl, bt, 0.1), ws, q, None)
+    with pytest.raises(ValueError, match="plan is for q"):
+        be.partial(plan, DecodeInputs(torch.empty(2, 1, 8, 128, device="meta", dtype=torch.bfloat16), k, k,
+                                      torch.empty(2, device="meta", dtype=torch.int32), bt.expand(2, 256), 0.1),
+                   ws, q, None)
+    with pytest.raises(ValueError, match="window"):
+        be.partial(plan, DecodeInputs(q, k, k, sl, bt, 0.1, window_left=16), ws, q, None)
     k8 = torch.empty(300, 16, 2, 128, device="meta", dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="k_scale"):  # fp8 without its scales
-        be.partial(plan, DecodeInputs(q, k8, k8, sl, bt, 0.1), st)
+        be.partial(plan, DecodeInputs(q, k8, k8, sl, bt, 0.1), ws, q, None)
     sc2, sc1 = torch.empty(2, device="meta"), torch.empty(1, device="meta")
     with pytest.raises(ValueError, match="v_scale"):  # one scale per KV head
-        be.partial(plan, DecodeInputs(q, k8, k8, sl, bt, 0.1, k_scale=sc2, v_scale=sc1), st)
+        be.partial(plan, DecodeInputs(q, k8, k8, sl, bt, 0.1, k_scale=sc2, v_scale=sc1), ws, q, None)
     with pytest.raises(ValueError, match="float8_e4m3fn"):  # K fp8, V not
-        be.partial(plan, DecodeInputs(q, k8, k, sl, bt, 0.1, k_scale=sc2, v_scale=sc2), st)
+        be.partial(plan, DecodeInputs(q, k8, k, sl, bt, 0.1, k_scale=sc2, v_scale=sc2), ws, q, None)
     with pytest.raises(ValueError, match="without dequantization scales"):  # scales on a bf16 cache
-        be.partial(plan, DecodeInputs(q, k, k, sl, bt, 0.1, k_scale=sc2, v_scale=sc2), st)
+        be.partial(plan, DecodeInputs(q, k, k, sl, bt, 0.1, k_scale=sc2, v_scale=sc2), ws, q, None)
+    with pytest.raises(ValueError, match="k_cache torch.float8_e4m3fn: re-plan"):  # an fp8 cache under a bf16 plan
+        be.partial(plan, DecodeInputs(q, k8, k8, sl, bt, 0.1, k_scale=sc2, v_scale=sc2), ws, q, None)
     with pytest.raises(ValueError, match="sinks"):
-        be.single_pass(dataclasses.replace(plan, num_splits=1, single_pass=True),
-                       DecodeInputs(q, k, k, sl, bt, 0.1, sinks=torch.empty(7, device="meta")), q, None)
-    with pytest.raises(ValueError, match="splits"):
-        be.merge(plan, PartialState(st.o[:, :, :, :2], st.lse[:, :, :, :2]), q, None)
+        be.partial(plan, DecodeInputs(q, k, k, sl, bt, 0.1, sinks=torch.empty(7, device="meta")), ws, q, None)
+    with pytest.raises(ValueError, match="out must be"):
+        be.partial(plan, x, ws, torch.empty(1, 1, 8, 128, device="meta"), None)
+    with pytest.raises(ValueError, match="out must be"):
+        be.partial(plan, x, ws, torch.empty(1, 1, 8, 256, device="meta", dtype=torch.bfloat16)[..., ::2], None)
+    with pytest.raises(ValueError, match="lse must be"):
+        be.partial(plan, x, ws, q, torch.empty(1, 1, 8, device="meta", dtype=torch.float16))
+    assert len(launched) == 1
 
 
 def test_index_tensor_strides():
@@ -908,75 +965,76 @@ def test_index_tensor_strides():
     be = CudaPtxBackend(N.CompileCache(disk=False))
     prob = DecodeProblem(3, 8, 2, 128, 1, 16, "bfloat16", "bfloat16", 4096)
     plan = _plan(prob, 4, be)
-    meta = dict(device="meta", dtype=torch.bfloat16)
-    q = torch.empty(3, 1, 8, 128, **meta)
-    k = torch.empty(900, 16, 2, 128, **meta)
-    st = PartialState(torch.empty(3, 1, 8, 4, 128, device="meta"), torch.empty(3, 1, 8, 4, device="meta"))
+    ws = Workspace.allocate(plan, torch.device("meta"))
+    x = _meta_inputs(3, 8, 2, 128, pages=900)
+    q, k, sl, bt = x.q, x.k_cache, x.seq_lens, x.block_table
     i32 = dict(device="meta", dtype=torch.int32)
-    sl, bt = torch.empty(3, **i32), torch.empty(3, 256, **i32)
-    launched = []
-    be._launch = lambda spec, cfg, sig, values, *a, **kw: launched.append(dict(zip((n for n, _ in sig), values)))
-    be.partial(plan, DecodeInputs(q, k, k, sl, bt, 0.1), st)
+    launched = _no_launch(be)
+    be.partial(plan, x, ws, q, None)
     wide = torch.empty(3, 300, **i32)[:, :256]  # rows of a wider table: row stride 300
-    be.partial(plan, DecodeInputs(q, k, k, sl, wide, 0.1), st)
-    assert [v["bt_sb"] for v in launched] == [256, 300]
+    be.partial(plan, DecodeInputs(q, k, k, sl, wide, 0.1), ws, q, None)
+    assert [v["bt_sb"] for _, _, v, _ in launched] == [256, 300]
     for bad_sl in (torch.empty(6, **i32)[::2], torch.empty(3, device="meta", dtype=torch.int64),
                    torch.empty(3, 1, **i32)):
         with pytest.raises(ValueError, match="seq_lens"):
-            be.partial(plan, DecodeInputs(q, k, k, bad_sl, bt, 0.1), st)
+            be.partial(plan, DecodeInputs(q, k, k, bad_sl, bt, 0.1), ws, q, None)
     for bad_bt in (torch.empty(256, 3, **i32).t(), torch.empty(3, 512, **i32)[:, ::2],
                    torch.empty(3, 256, device="meta", dtype=torch.int64)):
         with pytest.raises(ValueError, match="block_table"):
-            be.partial(plan, DecodeInputs(q, k, k, sl, bad_bt, 0.1), st)
+            be.partial(plan, DecodeInputs(q, k, k, sl, bad_bt, 0.1), ws, q, None)
     assert len(launched) == 2
 
 
-def test_in_kernel_merge_input_checks():
-    """partial_fused_merge's host checks, each tripped once (meta tensors: no data), and its plans' specs:
-    the partial kernel carries the plan's merge, :meth:`partial` (the state only) and the merge kernel do not."""
-    from attnplan.backends.base import DecodeInputs
-
+def test_workspace_checks_and_launches():
+    """What each plan's launches take: a single pass one schedule-free kernel (grid (1, Hkv, B)); a separate-merge
+    plan the partial kernel with meta and no counters, then the merge kernel with PDL (unless the plan's pdl is off)
+    over B x Q x H rows; a fused plan one launch with counters and no meta. Workspaces that do not serve the plan are
+    refused naming the buffer (small CPU tensors, uninitialized: the launch stops before the driver)."""
     be = CudaPtxBackend(N.CompileCache(disk=False))
     assert be.merge_strategies == {"separate", "fused"}
     prob = DecodeProblem(2, 8, 2, 128, 1, 16, "bfloat16", "bfloat16", 4096)
-    kc = be.kernel_config(prob, {}, torch.device("cpu"))
-    plans = {m: make_plan(prob, CPU_STANDIN, load_config(split={"merge": m}), "cuda_ptx", kc, num_splits=4,
-                          merge_strategies=be.merge_strategies) for m in ("separate", "fused")}
-    fused = plans["fused"]
-    assert fused.merge == "fused" and fused.sync_words == 4
-    assert be.spec_for("partial", fused).merge == "fused"
-    assert be.spec_for("partial", fused, in_kernel_merge=False).merge == "none"
-    assert be.spec_for("partial", plans["separate"]).merge == "none" and be.spec_for("merge", fused).kind == "merge"
-    # split.merge: atomic (deterministic: false) falls back to what the backend declares
-    fallback = make_plan(prob, CPU_STANDIN, load_config(split={"merge": "atomic"}, deterministic=False), "cuda_ptx", kc,
-                         num_splits=4, merge_strategies=be.merge_strategies)
-    assert fallback.merge == "separate"
-    meta = dict(device="meta", dtype=torch.bfloat16)
-    q = torch.empty(2, 1, 8, 128, **meta)
-    k = torch.empty(600, 16, 2, 128, **meta)
-    x = DecodeInputs(q, k, k, torch.empty(2, device="meta", dtype=torch.int32),
-                     torch.empty(2, 256, device="meta", dtype=torch.int32), 0.1)
-    st = PartialState(torch.empty(2, 1, 8, 4, 128, device="meta"), torch.empty(2, 1, 8, 4, device="meta"))
-    cnt = torch.empty(8, device="meta", dtype=torch.int32)
-    with pytest.raises(ValueError, match="merge 'fused'"):
-        be.partial_fused_merge(plans["separate"], x, st, q, None, cnt)
-    with pytest.raises(ValueError, match="counters"):
-        be.partial_fused_merge(fused, x, st, q, None, cnt[:3])  # fewer than sync_words
-    with pytest.raises(ValueError, match="counters"):
-        be.partial_fused_merge(fused, x, st, q, None, torch.empty(8, device="meta", dtype=torch.int64))
-    with pytest.raises(ValueError, match="counters"):
-        be.partial_fused_merge(fused, x, st, q, None, torch.empty(8, 2, device="meta", dtype=torch.int32)[:, 0])
-    with pytest.raises(ValueError, match="state o"):
-        be.partial_fused_merge(fused, x, PartialState(st.o[:, :, :, :3], st.lse[:, :, :, :3]), q, None, cnt)
+    plans = {m: _plan(prob, 4, be, merge=m) for m in ("separate", "fused")}
+    single = _plan(prob, 1, be)
+    sep, fused = plans["separate"], plans["fused"]
+    assert fused.merge == "fused" and fused.sync_words == 4 and sep.meta_words == 4
+    assert be.spec_for("partial", fused).merge == "fused" and be.spec_for("partial", sep).merge == "none"
+    assert be.spec_for("merge", fused).kind == "merge" and be.spec_for("partial", single).kind == "single"
+    with pytest.raises(ValueError, match="kind"):
+        be.spec_for("single", sep)
+    x = _meta_inputs(2, 8, 2, 128, pages=40, max_pages=16, device="cpu")
+    q = x.q
+    launched = _no_launch(be)
+    dev = torch.device("cpu")
+    wss = {"single": Workspace.allocate(single, dev), **{m: Workspace.allocate(p, dev) for m, p in plans.items()}}
+    be.run(single, x, wss["single"], q, None)
+    be.run(sep, x, wss["separate"], q, None)
+    be.run(fused, x, wss["fused"], q, None)
+    (s1, c1, v1, _), (s2, c2, v2, _), (s3, c3, v3, pdl3), (s4, c4, v4, _) = launched
+    assert s1.kind == "single" and c1.grid == (1, 2, 2) and v1["ws_o"] == 0 and v1["targets"] == 0
+    assert s2.kind == "partial" and c2.grid == (1, 2, sep.schedule.max_units) and v2["meta"] != 0 == v2["counters"]
+    assert s3.kind == "merge" and c3.grid == (2 * 8, 1, 1) and pdl3 is True
+    assert s4.merge == "fused" and v4["counters"] != 0 == v4["meta"] and len(launched) == 4
+    be.run(dataclasses.replace(sep, kernel=KernelOptions({**sep.kernel, "pdl": False})), x, wss["separate"], q, None)
+    assert launched[-1][0].kind == "merge" and launched[-1][3] is False
+    with pytest.raises(ValueError, match="no separate merge"):
+        be.merge(fused, wss["fused"], q, None)
+    small = Workspace.allocate(dataclasses.replace(sep, schedule=dataclasses.replace(sep.schedule, max_units=2)), dev)
+    with pytest.raises(ValueError, match="workspace.state"):
+        be.partial(sep, x, small, q, None)
+    with pytest.raises(ValueError, match="workspace.meta"):
+        be.partial(sep, x, wss["fused"], q, None)
+    with pytest.raises(ValueError, match="workspace.counters"):
+        be.partial(fused, x, wss["separate"], q, None)
+    ws = wss["fused"]
+    for bad in (ws.counters[:3], torch.empty(4, dtype=torch.int64), torch.empty(4, 2, dtype=torch.int32)[:, 0]):
+        with pytest.raises(ValueError, match="workspace.counters"):
+            be.partial(fused, x, dataclasses.replace(ws, counters=bad), q, None)
+    with pytest.raises(ValueError, match="workspace.targets"):
+        be.partial(fused, x, dataclasses.replace(ws, targets=ws.targets[:32]), q, None)
+    with pytest.raises(ValueError, match="workspace has no state"):
+        be.partial(sep, x, wss["single"], q, None)
     with pytest.raises(ValueError, match="out must be"):
-        be.partial_fused_merge(fused, x, st, torch.empty(2, 1, 8, 128, device="meta"), None, cnt)
-    with pytest.raises(ValueError, match="lse must be"):
-        be.partial_fused_merge(fused, x, st, q, torch.empty(2, 1, 8, device="meta", dtype=torch.float16), cnt)
-    with pytest.raises(ValueError, match="sinks"):
-        be.partial_fused_merge(fused, DecodeInputs(q, k, k, x.seq_lens, x.block_table, 0.1,
-                                                   sinks=torch.empty(4, device="meta")), st, q, None, cnt)
-    with pytest.raises(ValueError, match="column program"):
-        be.partial_fused_merge(dataclasses.replace(fused, column_programs=2), x, st, q, None, cnt)
+        be.merge(sep, wss["separate"], torch.empty(2, 1, 8, 128), None)
 
 
 def test_check_layout_rejects_misaligned():
@@ -991,13 +1049,17 @@ def test_check_layout_rejects_misaligned():
 @needs_nvrtc
 @pytest.mark.parametrize("kind,signature", [("partial", A.PARTIAL_SIGNATURE), ("merge", A.MERGE_SIGNATURE),
                                             ("fp8-core", A.PARTIAL_SIGNATURE), ("core", A.PARTIAL_SIGNATURE),
-                                            ("fused", A.PARTIAL_SIGNATURE), ("fused-core", A.PARTIAL_SIGNATURE)])
+                                            ("fused", A.PARTIAL_SIGNATURE), ("fused-core", A.PARTIAL_SIGNATURE),
+                                            ("single", A.PARTIAL_SIGNATURE), ("probe", A.PROBE_SIGNATURE)])
 def test_signature_matches_ptx_entry(kind, signature):
     """The host's argument list equals the kernel's parameter list (sizes and float slots) in the PTX."""
     extra = {"fp8-core": {"kv_dtype": FP8, **CORE}, "core": CORE, "fused": {"merge": "fused"},
              "fused-core": {"merge": "fused", **CORE}}.get(kind, {})
-    spec = S.merge_spec("bfloat16", 128) if kind == "merge" else S.make_spec(
-        "partial", "bfloat16", 128, 4, 1, 16, **extra)
+    if kind == "merge":
+        spec = S.merge_spec("bfloat16", 128)
+    else:
+        spec = S.make_spec("single" if kind == "single" else "partial", "bfloat16", 128, 4, 1, 16, **extra)
+        spec = dataclasses.replace(spec, probe=kind == "probe")
     c = PROG.compile(spec.options(), N.CompileTarget("compute_90", "ptx"))
     ptx = c.image.rstrip(b"\x00").decode()
     m = re.search(r"\.entry\s+" + spec.entry + r"\s*\((.*?)\)", ptx, re.S)
@@ -1006,6 +1068,49 @@ def test_signature_matches_ptx_entry(kind, signature):
     size = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
     assert [size[t] for t in types] == A.expected_param_sizes(signature)
     assert [i for i, t in enumerate(types) if t == "f32"] == [i for i, (_, k) in enumerate(signature) if k == "f32"]
+
+
+def _entry_ptx(spec, arch="compute_90"):
+    """The PTX of ``spec``'s entry (its ``.entry`` to the end of the module) and the whole module."""
+    ptx = PROG.compile(spec.options(), N.CompileTarget(arch, "ptx")).image.rstrip(b"\x00").decode()
+    return ptx[ptx.index(".entry " + spec.entry):], ptx
+
+
+@needs_nvrtc
+def test_schedule_structure_in_the_ptx():
+    """The single pass has no schedule: no call, no shared-memory exchange before its loop; the partial kernel calls
+    the prologue and its row writes out of line (schedule_unit, write_rows: inlined they moved the main loop's
+    registers), the prologue's warp scan (shfl.sync.up) and ballots are in the module; a probe spec's module holds the
+    probe entry beside an identical partial kernel; the NaN isolation's vote exists only for q_len > 1."""
+    part = S.make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    single = dataclasses.replace(part, kind="single")
+    p_body, p_mod = _entry_ptx(part)
+    s_body, _ = _entry_ptx(single)
+    assert "call" not in s_body.split(".entry")[1] and "shfl.sync.up" not in s_body
+    assert p_body.count("call.uni") >= 2 and "schedule_unit" in p_mod and "write_rows" in p_mod
+    assert "shfl.sync.up" in p_mod
+    probe = dataclasses.replace(part, probe=True)
+    assert probe.entry == "attnplan_schedule_probe" and probe.name == part.name + "-probe"
+    assert probe.defines()["ATTNPLAN_SCHEDULE_PROBE"] == 1 and "ATTNPLAN_SCHEDULE_PROBE" not in part.defines()
+    _, probe_mod = _entry_ptx(probe)
+    assert ".entry attnplan_schedule_probe" in probe_mod and ".entry attnplan_decode_partial" in probe_mod
+    with pytest.raises(ValueError, match="probe"):
+        dataclasses.replace(single, probe=True)
+    for spec, has_vote in ((part, False), (single, False), (S.make_spec("partial", "bfloat16", 128, 4, 2, 16), True),
+                           (S.make_spec("single", "bfloat16", 128, 4, 2, 16, kv_dtype=FP8), True)):
+        assert ("vote.sync.any" in _entry_ptx(spec)[1]) == has_vote, spec.name
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
+@pytest.mark.parametrize("warps", [1, 4, 8])
+def test_schedule_probe_compiles_without_spills(warps, cc, cache):
+    """The probe (the prologue with 32, 128 and 256 threads, 8 / 2 / 1 sequences per thread and chunk): a cubin, no
+    spills, few registers (it runs before the main loop and holds none of its state)."""
+    spec = dataclasses.replace(S.make_spec("partial", "float16", 64, 1, 2, None, num_warps=warps, mma=False,
+                                           window=True), probe=True)
+    res = _compiled_resources(spec, cc, cache)
+    assert res["registers"] <= 64, res
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1019,7 +1124,7 @@ def test_backend_declarations_and_reasons():
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 4096)) == []
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 4096, window_left=128,
                                      soft_cap=30.0, has_sinks=True)) == []
-    assert "fp8_kv" in be.variants and be.partitions == {"split_k"}
+    assert "fp8_kv" in be.variants and be.merge_strategies == {"separate", "fused"}
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head",
                                      window_left=64, soft_cap=30.0, has_sinks=True)) == []
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "float16", "float8_e4m3fn", 4096, kv_scale="tensor")) == []
@@ -1038,6 +1143,7 @@ def test_kernel_config_options():
     prob = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 131072)
     kc = be.kernel_config(prob, {}, torch.device("cpu"))
     assert kc["mma"] is True and kc["block_n"] == kc["tile_tokens"] * kc["num_warps"] == 64
+    assert "partition" not in kc
     core = be.kernel_config(prob, {"mma": False}, torch.device("cpu"))
     assert core["mma"] is False and core["block_n"] == core["tile_tokens"] * core["num_warps"] == 32
     assert be.kernel_config(prob, {"num_warps": 2, "num_stages": 3}, "cpu")["num_stages"] == 3
@@ -1045,22 +1151,29 @@ def test_kernel_config_options():
     with pytest.raises(ValueError, match="block_n"):
         be.kernel_config(prob, {"block_n": 20}, "cpu")
     plan = make_plan(prob, CPU_STANDIN, load_config(), "cuda_ptx", kc, num_splits=17)
-    assert plan.chunk_size % kc["tile_tokens"] == 0
+    assert plan.schedule.granule % kc["tile_tokens"] == 0 and plan.schedule.max_units_per_seq == 17
     assert be.spec_for("partial", plan) == S.make_spec("partial", "bfloat16", 128, 4, 1, 16, smem_limit=99 * 1024)
+    # the default granule: one pass of the warps, at most BLOCK_N_CAP tokens unless one tile is longer
+    d32 = be.kernel_config(DecodeProblem(1, 8, 2, 32, 1, 16, "bfloat16", "bfloat16", 200), {}, "cpu")
+    assert d32["tile_tokens"] == 64 and d32["num_warps"] == 4 and d32["block_n"] == 128 == BLOCK_N_CAP
+    assert be.kernel_config(DecodeProblem(1, 8, 2, 32, 1, 16, "bfloat16", "bfloat16", 200), {"block_n": 256},
+                            "cpu")["block_n"] == 256
 
 
 def test_kernel_config_mma_option():
-    """Option ``mma``: auto (default) / false / true; the plan's kernel options and ``explain()`` show
-    the choice and ``spec_for`` follows it; true where the path cannot serve is an error naming why."""
+    """Option ``mma``: auto (default) / false / true; the plan's kernel options and ``explain()`` show the choice and
+    ``spec_for`` follows it (single pass and split); true where the path cannot serve is an error naming why."""
     be = CudaPtxBackend(N.CompileCache(disk=False))
     prob = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 131072)
     cfg = load_config()
     for opt, want in ((None, True), (True, True), (False, False)):
         kc = be.kernel_config(prob, {"mma": opt}, "cpu")
-        plan = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=8, partitions=be.partitions)
+        plan = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=8)
+        single = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=1)
         assert kc["mma"] is want and f"'mma': {want}" in plan.explain()
-        assert be.spec_for("partial", plan).mma is want and be.spec_for("single", plan).mma is want
-        assert plan.chunk_size % kc["block_n"] == 0
+        assert be.spec_for("partial", plan).mma is want and be.spec_for("partial", single).mma is want
+        assert be.spec_for("partial", single).kind == "single"
+        assert plan.schedule.granule % kc["block_n"] == 0
     for p, why in ((DecodeProblem(1, 32, 8, 128, 1, 16, "float32", "float32", 4096), "float16 or bfloat16"),
                    (DecodeProblem(1, 32, 8, 72, 1, 16, "bfloat16", "bfloat16", 4096), "multiple of 16")):
         assert be.kernel_config(p, {}, "cpu")["mma"] is False
@@ -1069,37 +1182,29 @@ def test_kernel_config_mma_option():
     p8 = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", FP8, 4096, kv_scale="head")  # fp8 KV: tensor cores too
     for opt, want in ((None, True), (True, True), (False, False)):
         kc = be.kernel_config(p8, {"mma": opt}, "cpu")
-        plan = make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=8, partitions=be.partitions)
+        plan = make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", kc, num_splits=8)
         assert kc["mma"] is want and be.spec_for("partial", plan).mma is want and be.spec_for("partial", plan).kv_fp8
     with pytest.raises(ValueError, match="mma"):
         be.kernel_config(prob, {"mma": "yes"}, "cpu")
 
 
-def test_kernel_config_partition_and_fp8():
-    """``partition`` option: split_k only (the planner's ``auto`` takes it; a config forcing split_v falls back to
-    the backend's split_k, a plan with another partition is refused by name); fp8 specs follow kv_dtype."""
+def test_kernel_config_fp8_and_variants_follow_the_plan():
+    """fp8 specs follow the plan's kv_dtype, the window and soft-cap variants its problem; the split-V partition is
+    gone (no partition option or attribute)."""
     be = CudaPtxBackend(N.CompileCache(disk=False))
-    prob = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 131072)
-    kk = be.kernel_config(prob, {}, "cpu")
-    assert kk["partition"] == "split_k" and be.kernel_config(prob, {"partition": "split_k"}, "cpu") == kk
-    for bad in ("split_v", "split_q"):
-        with pytest.raises(ValueError, match="partition .* must be one of \\['split_k'\\]"):
-            be.kernel_config(prob, {"partition": bad}, "cpu")
+    assert not hasattr(be, "partitions")
     cfg = load_config()
-    auto_k = make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kk, num_splits=4, partitions=be.partitions)
-    forced = make_plan(prob, CPU_STANDIN, cfg.with_overrides(split={"partition": "split_v"}), "cuda_ptx", kk,
-                       num_splits=4, partitions=be.partitions)
-    assert auto_k.partition == forced.partition == "split_k"
-    assert be.spec_for("partial", forced) == be.spec_for("partial", auto_k)
-    with pytest.raises(ValueError, match="partition.*'split_v'.*re-plan"):
-        be.spec_for("partial", dataclasses.replace(auto_k, partition="split_v"))
     p8 = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", FP8, 131072, kv_scale="head")
     k8 = be.kernel_config(p8, {}, "cpu")
     assert k8["mma"] and k8["tile_tokens"] == 32 and k8["block_n"] == 128  # tensor cores: 2 m-tiles per warp tile
     k8c = be.kernel_config(p8, {"mma": False}, "cpu")
     assert k8c["tile_tokens"] == 16 and k8c["block_n"] == 64  # CUDA cores: 16 fp8 values per lane, 4 tokens a pass
-    s8 = be.spec_for("partial", make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", k8, num_splits=4, partitions=be.partitions))
+    s8 = be.spec_for("partial", make_plan(p8, CPU_STANDIN, cfg, "cuda_ptx", k8, num_splits=4))
     assert s8.kv_fp8 and s8.kv_dtype == FP8 and s8.dtype == "bfloat16" and s8.layout["vec"] == 16
+    pw = DecodeProblem(1, 32, 8, 128, 1, 16, "bfloat16", "bfloat16", 4096, window_left=100, soft_cap=30.0)
+    sw = be.spec_for("partial", make_plan(pw, CPU_STANDIN, cfg, "cuda_ptx", be.kernel_config(pw, {}, "cpu"),
+                                          num_splits=4))
+    assert sw.window and sw.softcap
 
 
 def test_fp8_layouts():
@@ -1121,15 +1226,13 @@ def test_partial_args_scales():
     x = make_inputs(1, 8, 2, 64, [33], page_size=16, dtype=torch.bfloat16)
     k8 = x.k_cache.to(torch.float8_e4m3fn)
     ks, vs = torch.ones(2), torch.full((2,), 0.5)
-    spec = S.make_spec("partial", "bfloat16", 64, 4, 1, 16, kv_dtype=FP8)
-    st = PartialState.empty(1, 1, 8, 2, 64)
-    vals = A.partial_args(spec, x.q, k8, k8, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse, 32, 2,
-                          k_scale=ks, v_scale=vs)
-    named = dict(zip((n for n, _ in A.PARTIAL_SIGNATURE), vals))
+    spec = S.make_spec("single", "bfloat16", 64, 4, 1, 16, kv_dtype=FP8)
+    out = torch.empty_like(x.q)
+    vals = A.partial_args(spec, x.q, k8, k8, x.seq_lens, x.block_table, x.sm_scale, out, None, k_scale=ks, v_scale=vs)
+    named = _named(vals)
     assert named["k_scale"] == ks.data_ptr() and named["v_scale"] == vs.data_ptr()
     assert named["k_s1"] == 2 * 64 and named["k_s0"] == 16 * 2 * 64  # strides in fp8 elements (bytes)
-    plain = dict(zip((n for n, _ in A.PARTIAL_SIGNATURE),
-                     A.partial_args(spec, x.q, k8, k8, x.seq_lens, x.block_table, x.sm_scale, st.o, st.lse, 32, 2)))
+    plain = _named(A.partial_args(spec, x.q, k8, k8, x.seq_lens, x.block_table, x.sm_scale, out, None))
     assert plain["k_scale"] == 0 and plain["v_scale"] == 0
 
 

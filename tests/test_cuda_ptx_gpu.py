@@ -1,26 +1,26 @@
 """cuda_ptx on a CUDA GPU against the float64 reference (skipped without CUDA).
 
-Covers contiguous and paged caches (page 1, 16, 64), GQA groups 1, 4, 7, 8, 16, q_len 1 and 4,
-lengths 0, 1, page boundaries and 4097, fp16 / bf16 / fp32, forced split counts (more splits than
-chunks included), partial states against ``reference.partial``, mixing with the reference merge,
-CUDA-graph replay after in-place ``seq_lens`` rewrites, launches on a side stream, and 64-bit page
-offsets; fp8 e4m3fn KV caches with per-KV-head scales (with window / soft-cap / sinks, split-K on tensor
-cores by default and on CUDA cores as mode ``core``) and the fp8 decoders on all 256 codes. Outputs are NaN-poisoned before every run.
+Covers the device-side schedule on the device (the prologue's integers against
+:func:`attnplan.schedule.schedule_units` at batches up to 70,001, one-unit sequences written directly, the others'
+units in the ragged workspace, ``meta``), contiguous and paged caches (page 1, 16, 64), GQA groups 1, 4, 7, 8, 16,
+q_len 1 and 4, lengths 0, 1, page boundaries and 4097, fp16 / bf16 / fp32, forced split counts (more than the
+granules included), capacity plans on long-tailed batches, the separate and the fused merge (programs racing on the
+device, counters back at zero, bitwise reruns), CUDA-graph replay after in-place ``seq_lens`` / block-table rewrites,
+launches on a side stream without allocation, 64-bit page and head offsets, NaN isolation, fp8 e4m3fn KV caches with
+per-KV-head scales (window / soft-cap / sinks; split-K on tensor cores by default and on CUDA cores as mode ``core``)
+and the fp8 decoders on all 256 codes. Outputs and workspaces are NaN-poisoned before every run.
 
-Tensor cores: split-K runs the ``mma.sync`` path by default for fp16 / bf16 with head_dim % 16 == 0
-(the public API's cases above); mode ``core`` forces the CUDA-core split-K kernel (kernel option
-``mma: false``, planned through the backend directly) on the same cases, and
-:func:`test_mma_and_core_agree` compares the two kernels' partial states. Partial ``o`` of the
-tensor-core kernel carries P's rounding to q's dtype (as in FlashAttention-2 / Triton's ``tl.dot``),
-so it is compared at q's dtype tolerance; ``lse`` at fp32's. fp8 KV caches run split-K on the tensor cores
-too (fp16 mmas: K / V by cvt.rn.f16x2.e4m3x2, bf16 q moved to fp16 with a power of two per n8-tile, P
-rounded to fp16), so their partial ``o`` is compared at fp16's tolerance;
-:func:`test_fp8_mma_and_core_agree` compares them with the CUDA-core fp8 kernel.
+Tensor cores: split-K runs the ``mma.sync`` path by default for fp16 / bf16 with head_dim % 16 == 0 (the public
+API's cases); mode ``core`` forces the CUDA-core split-K kernel (kernel option ``mma: false``, planned through the
+backend directly) on the same cases, and :func:`test_mma_and_core_agree` compares the two kernels' partial states.
+Partial ``o`` of the tensor-core kernel carries P's rounding to q's dtype (as in FlashAttention-2 / Triton's
+``tl.dot``), so it is compared at q's dtype tolerance; ``lse`` at fp32's. fp8 KV caches run on the tensor cores too
+(fp16 mmas), so their partial ``o`` is compared at fp16's tolerance.
 """
 
 from __future__ import annotations
 
-
+import dataclasses
 import functools
 
 import pytest
@@ -28,7 +28,9 @@ import torch
 
 import attnplan
 from attnplan import reference
+from attnplan.backends.base import DecodeInputs, Workspace
 from attnplan.config import load_config
+from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
 from attnplan.state import PartialState, merge_states
 from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison
 
@@ -37,41 +39,214 @@ DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 FP8 = torch.float8_e4m3fn
 #: ``split_k``: the public API (tensor cores where they serve); ``core``: the CUDA-core split-K kernel
 MODES = ("split_k", "core")
-
-
-def _direct_plan(be, x, splits, **options):
-    """A plan for ``x`` on this device with the backend's kernel options ``options`` (e.g. ``mma``),
-    bypassing the public API (whose config has no ``mma`` key) and the plan cache."""
-    from attnplan.device import device_info
-    from attnplan.planner import make_plan
-    from attnplan.testing import problem_of
-
-    prob = problem_of(x)
-    kc = be.kernel_config(prob, options, x.q.device)
-    return make_plan(prob, device_info(x.q.device), load_config(), "cuda_ptx", kc, num_splits=splits,
-                     partitions=be.partitions, merge_strategies=be.merge_strategies)
-
-
-def _o_dtype(be, plan, x):
-    """Tolerance dtype of partial ``o``: on tensor cores the dtype P is rounded to (q's; fp16 with an fp8
-    cache), else fp32."""
-    if not be.spec_for("partial", plan, x.q.device, x).mma:
-        return torch.float32
-    return torch.float16 if x.k_cache.dtype == FP8 else x.q.dtype
+CUDA = torch.device("cuda")
 
 
 def _backend():
     from attnplan.backends import get_backend
 
     be = get_backend("cuda_ptx")
-    ok, why = be.available(torch.device("cuda"))
+    ok, why = be.available(CUDA)
     if not ok:
         pytest.skip(why)
     return be
 
 
+def _direct_plan(be, x, splits, merge="separate", capacity=None, **options):
+    """A plan for ``x`` on this device with the backend's kernel options ``options`` (e.g. ``mma``), bypassing the
+    public API (whose config has no ``mma`` key) and the plan cache; ``capacity`` (tokens): a capacity plan."""
+    from attnplan.device import device_info
+    from attnplan.planner import make_plan
+    from attnplan.testing import problem_of
+
+    prob = problem_of(x)
+    if capacity:
+        prob = dataclasses.replace(prob, max_kv_len=capacity, total_kv_len=capacity * prob.batch, capacity=capacity)
+    kc = be.kernel_config(prob, options, x.q.device)
+    plan = make_plan(prob, device_info(x.q.device), load_config(split={"merge": merge}), "cuda_ptx", kc,
+                     capacity_mode=bool(capacity), num_splits=splits, merge_strategies=be.merge_strategies,
+                     fused_merge_parallelism=be.fused_merge_parallelism,
+                     fused_merge_max_chunk=be.fused_merge_max_chunk)
+    be.prepare(plan, x.q.device)
+    return plan
+
+
+def _workspace(plan):
+    ws = Workspace.allocate(plan, CUDA)
+    if ws.state is not None:
+        ws.state.fill_(float("nan"))
+    if ws.meta is not None:
+        ws.meta.fill_(-7)
+    return ws
+
+
+def _outputs(x):
+    return poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
+
+
+def _kw(x):
+    return dict(window_left=x.window_left, soft_cap=x.soft_cap, k_scale=x.k_scale, v_scale=x.v_scale)
+
+
+def _reference(x):
+    return reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, sinks=x.sinks,
+                               **_kw(x))
+
+
+def _o_dtype(be, plan, x):
+    """Tolerance dtype of partial ``o``: on tensor cores the dtype P is rounded to (q's; fp16 with an fp8 cache),
+    else fp32."""
+    if not be.spec_for("partial", plan, x.q.device).mma:
+        return torch.float32
+    return torch.float16 if x.k_cache.dtype == FP8 else x.q.dtype
+
+
+def _check_partial_launch(be, x, plan, ws, out, lse):
+    """After ``partial`` alone (separate merge or single pass): one-unit sequences' rows in ``out`` / ``lse`` equal the
+    reference (sink joined), their workspace slot untouched; every unit of a longer sequence equals the reference's
+    partial state in its slot, its ``out`` rows untouched; slots past the batch's units untouched; ``meta`` is the
+    host schedule's. Returns the schedule's Units."""
+    torch.cuda.synchronize()
+    ref_st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                      plan.schedule, **_kw(x))
+    ref_o, ref_lse = _reference(x)
+    st = ws.state
+    o_dt = _o_dtype(be, plan, x)
+    for b in range(x.q.shape[0]):
+        lo, hi = int(units.indptr[b]), int(units.indptr[b + 1])
+        if hi - lo == 1:
+            assert_close_to_reference(out[b], ref_o[b], x.q.dtype, f"out of one-unit sequence {b}")
+            assert_close_to_reference(lse[b], ref_lse[b], torch.float32, f"lse of one-unit sequence {b}")
+            if st is not None:
+                assert torch.isnan(st.lse[0, :, :, lo]).all(), f"one-unit sequence {b} wrote its workspace slot"
+        else:
+            assert_close_to_reference(st.o[0, :, :, lo:hi], ref_st.o[0, :, :, lo:hi], o_dt, f"o of sequence {b}")
+            assert_close_to_reference(st.lse[0, :, :, lo:hi], ref_st.lse[0, :, :, lo:hi], torch.float32,
+                                      f"lse of sequence {b}")
+            assert torch.isnan(out[b].float()).all(), f"the partial kernel wrote out rows of sequence {b}"
+    if st is not None:
+        n = units.num_units
+        assert torch.isnan(st.lse[0, :, :, n:]).all(), "a program without a unit wrote its slot"
+    if ws.meta is not None:
+        bsz = x.q.shape[0]
+        assert ws.meta[:bsz].tolist() == units.indptr[:-1].tolist()
+        assert ws.meta[bsz:2 * bsz].tolist() == units.units.tolist()
+    return units
+
+
+def _run_checked(be, x, plan):
+    """``partial`` (checked unit by unit), then the separate merge; out / lse against the reference."""
+    ws = _workspace(plan)
+    out, lse = _outputs(x)
+    be.partial(plan, x, ws, out, lse)
+    units = _check_partial_launch(be, x, plan, ws, out, lse)
+    if plan.merge == "separate":
+        be.merge(plan, ws, out, lse, x.sinks)
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference(x)
+    assert_close_to_reference(out, ref, x.q.dtype, f"out ({plan.schedule.policy}, {plan.merge})")
+    assert_close_to_reference(lse, ref_lse, torch.float32, f"lse ({plan.schedule.policy}, {plan.merge})")
+    return ws, units
+
+
 Case = functools.partial(DecodeCase, dtype="bf16", splits=(0,))
 
+
+# -- the device-side schedule on the device ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("warps", [1, 4, 8])
+def test_prologue_equals_schedule_units(warps, gen):
+    """The prologue on the device (32, 128, 256 threads) against schedule_units: random batches of 1-700 sequences
+    with long tails, balanced (both targets tables), forced and batch-invariant schedules, window or not; every unit
+    of the small batches and a sample of the large, ``meta``."""
+    from attnplan.backends.cuda_ptx.spec import make_spec
+
+    be = _backend()
+    for window in (False, True):
+        spec = make_spec("partial", "float16", 64, 1, 2, None, num_warps=warps, mma=False, window=window)
+        for it in range(12):
+            batch = int(torch.randint(1, 12 if it % 2 else 700, (1,), generator=gen))
+            lens = torch.randint(0, 700, (batch,), generator=gen)
+            if it % 3 == 0:
+                lens = torch.randint(0, 40, (batch,), generator=gen)
+                lens[int(torch.randint(0, batch, (1,), generator=gen))] = 3000
+            policy = ("balanced", "forced", "batch_invariant")[it % 3]
+            raw = torch.randint(0, 40, (NUM_TARGETS,), generator=gen).tolist()
+            targets = tuple([0] + raw[1:]) if policy == "balanced" else (0,) * NUM_TARGETS
+            s_cap = int(torch.randint(2, 10, (1,), generator=gen))
+            bound = max(batch, max_units_bound(targets, batch, s_cap)) if policy == "balanced" else batch * s_cap
+            sched = Schedule(policy, (16, 32, 48)[it % 3], 1 + it % 3, s_cap, targets, bound)
+            w = 7 if window else -1
+            _check_probe(be, spec, lens.tolist(), sched, 2, w, gen)
+
+
+def _check_probe(be, spec, lens, sched, q_len, window_left, gen, sample=40):
+    u = schedule_units(lens, sched, q_len, window_left)
+    n = u.num_units
+    probe = list(range(n + 1)) if n <= sample else sorted({0, n - 1, n, *torch.randint(0, n, (sample,),
+                                                                                        generator=gen).tolist()})
+    res, meta = be.probe(spec, torch.tensor(lens, dtype=torch.int32, device="cuda"), sched, probe,
+                         window_left=window_left)
+    torch.cuda.synchronize()
+    for row, unit in zip(res.tolist(), probe):
+        if unit >= n:
+            assert row == [-1] + [-7] * 7, f"unit {unit} past {n}: {row}"
+            continue
+        b = int(u.seq[unit])
+        want = [b, unit - int(u.indptr[b]), int(u.start[unit]), int(u.end[unit]), int(u.units[b]),
+                u.granules_per_unit, int(u.indptr[b]), int(u.unit_granules[b])]
+        assert row == want, f"unit {unit}: kernel {row}, schedule_units {want}"
+    bsz = len(lens)
+    assert meta[:bsz].tolist() == u.indptr[:-1].tolist() and meta[bsz:].tolist() == u.units.tolist()
+
+
+@pytest.mark.parametrize("batch", [65536, 70001])
+def test_prologue_batch_65536(batch, gen):
+    """Batches of 65,536 and 70,001 (256 chunks and more of the 256-thread prologue): units sampled through the
+    batch, the last and one past it, ``meta`` for the whole batch."""
+    from attnplan.backends.cuda_ptx.spec import make_spec
+
+    be = _backend()
+    lens = torch.randint(0, 3000, (batch,), generator=gen)
+    lens[batch // 2] = 2**20
+    targets = tuple([0] + [min(2 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)])
+    sched = Schedule("balanced", 64, 1, 128, targets, max_units_bound(targets, batch, 128))
+    spec = make_spec("partial", "bfloat16", 128, 4, 1, 16)
+    _check_probe(be, spec, lens.tolist(), sched, 1, -1, gen, sample=200)
+
+
+def test_decode_batch_65536(gen):
+    """A whole decode at batch 65,536 through the public API (a capacity plan: every program reads the whole batch's
+    lengths; one 3000-token sequence among sequences of 0-40 tokens, a paged cache holding only their pages) against
+    the reference on a sample of sequences and the long one."""
+    _backend()
+    batch, cap, page = 65536, 3008, 16
+    lens = torch.randint(0, 40, (batch,), generator=gen)
+    lens[777] = 3000
+    npages = (-(-lens // page)).clamp(min=1)
+    first = torch.cumsum(npages, 0) - npages
+    j = torch.arange(cap // page)
+    bt = torch.where(j[None, :] < npages[:, None], first[:, None] + j[None, :], 0).to(torch.int32)  # unused: page 0
+    total = int(npages.sum())
+    k = torch.randn(total, page, 1, 64, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(total, page, 1, 64, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(batch, 1, 2, 64, generator=gen).to(torch.bfloat16).cuda()
+    sl, bt = lens.to(torch.int32).cuda(), bt.cuda()
+    w = attnplan.DecodeWrapper(load_config(), backend="cuda_ptx")
+    plan = w.plan(q, k, v, sl, bt, capacity=True)
+    assert not plan.single_pass and int(schedule_units(lens.tolist(), plan.schedule).units[777]) > 1
+    out = poison(torch.empty_like(q))
+    lse = poison(torch.empty(batch, 1, 2, device="cuda"))
+    w.run(q, k, v, sl, bt, out=out, lse=lse)
+    torch.cuda.synchronize()
+    assert not torch.isnan(out).any() and not torch.isnan(lse[sl > 0]).any()
+    idx = torch.cat([torch.tensor([777]), torch.randint(0, batch, (31,), generator=gen)]).unique().cuda()
+    ref, ref_lse = reference.attention(q[idx], k, v, sl[idx], bt[idx], 64 ** -0.5)
+    assert_close_to_reference(out[idx], ref, torch.bfloat16)
+    assert_close_to_reference(lse[idx], ref_lse, torch.float32, "lse")
+
+
+# -- the scheduled kernel unit by unit ------------------------------------------------------------------------------
 
 CASES = [
     Case((32, 8), 128, (4097, 1, 16, 0), page=16, splits=(0, 1, 7)),
@@ -82,38 +257,33 @@ CASES = [
     Case((64, 4), 128, (3000, 17), page=16, splits=(0, 3)),                   # group 16
     Case((16, 4), 128, (100, 33, 3), q_len=4, page=1, splits=(1, 3)),         # page 1, L < q_len
     Case((8, 2), 256, (513, 0), q_len=4, dtype="fp32", splits=(1, 4)),        # fp32, head_dim 256
-    Case((4, 1), 32, (40,), page=16, splits=(16,)),                           # more splits than chunks
+    Case((4, 1), 32, (40,), page=16, splits=(16,)),                           # more splits than granules
     Case((32, 8), 96, (1000,), dtype="fp16", splits=(0, 3)),                  # non-pow2 head_dim
     Case((16, 2), 80, (700, 1), page=16, q_len=3, splits=(2,)),
     Case((4, 1), 128, (4096,), dtype="fp32", splits=(1, 4)),                  # interpreter-vs-gpu-tf32: ieee fp32
 ]
 
 
-@pytest.mark.parametrize("partition", MODES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_decode_matches_reference(case, partition, gen):
-    """``split_k`` through the public API (tensor cores where they serve); ``core``: the CUDA-core split-K
-    kernel (fp16 / bf16 cases with head_dim % 16 == 0 only)."""
+def test_decode_matches_reference(case, mode, gen):
+    """``split_k`` through the public API (tensor cores where they serve); ``core``: the CUDA-core split-K kernel
+    through the backend, unit by unit (fp16 / bf16 cases with head_dim % 16 == 0 only)."""
     be = _backend()
     dtype = DT[case.dtype]
-    if partition == "core" and (case.dtype == "fp32" or case.head_dim % 16):
+    if mode == "core" and (case.dtype == "fp32" or case.head_dim % 16):
         pytest.skip("the split_k cases already run on CUDA cores")
-    hq, hkv = case.heads
-    x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
-                    dtype=dtype, device="cuda", generator=gen)
+    x = case.inputs("cuda", gen)
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     for splits in case.splits:
-        out = poison(torch.empty_like(x.q))
-        lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
-        if partition == "core":
+        if mode == "core":
             plan = _direct_plan(be, x, splits, mma=False)
-            assert not be.spec_for("partial", plan, x.q.device, x).mma
-            st = None if plan.single_pass else PartialState.empty(*x.q.shape[:3], plan.num_splits, case.head_dim,
-                                                                  device="cuda")
-            be.run(plan, x, st, out, lse)
-        else:
-            attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out,
-                            lse=lse, backend="cuda_ptx", num_splits=splits, config=load_config())
+            assert not be.spec_for("partial", plan, x.q.device).mma
+            _run_checked(be, x, plan)
+            continue
+        out, lse = _outputs(x)
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out,
+                        lse=lse, backend="cuda_ptx", num_splits=splits, config=load_config())
         torch.cuda.synchronize()
         assert_close_to_reference(out, ref, dtype, f"out (num_splits={splits})")
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (num_splits={splits})")
@@ -124,34 +294,64 @@ def test_decode_matches_reference(case, partition, gen):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("page", [None, 16])
 def test_partial_states_and_mixing(dtype, page, gen):
-    """Partial states equal reference.partial split by split; they merge with the reference merge, and the
-    cuda_ptx merge kernel merges reference states (states are one format whoever wrote them)."""
+    """Partial states equal reference.partial unit by unit; they merge with the reference merge, and the cuda_ptx
+    merge kernel merges reference states (states are one format whoever wrote them)."""
     be = _backend()
     dt = DT[dtype]
     x = make_inputs(3, 16, 4, 128, [1000, 40, 0], q_len=4, page_size=page, dtype=dt, device="cuda", generator=gen)
-    w = attnplan.DecodeWrapper(load_config(), backend="cuda_ptx")
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=6)
-    assert plan.partition == "split_k"
-    n = plan.num_splits
-    st = PartialState.empty(3, 4, 16, n + 2, 128, device="cuda").fill_(float("nan"))  # wider than the plan
-    be.partial(plan, x, st)
-    torch.cuda.synchronize()
-    rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size, n)
-    assert_close_to_reference(st.o[:, :, :, :n], rp.o, _o_dtype(be, plan, x), "partial o")
-    assert_close_to_reference(st.lse[:, :, :, :n], rp.lse, torch.float32, "partial lse")
-    assert torch.isnan(st.lse[:, :, :, n:]).all(), "splits past the plan must stay untouched"
+    plan = _direct_plan(be, x, 6)
+    ws, units = _run_checked(be, x, plan)
+    n = units.num_units
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
-    o2, l2 = merge_states(PartialState(st.o[:, :, :, :n], st.lse[:, :, :, :n]))
-    assert_close_to_reference(o2, ref, torch.float32 if dt == torch.float32 else dt, "merge_states(cuda_ptx states)")
-    assert_close_to_reference(l2, ref_lse, torch.float32, "merge_states lse")
+    o2, l2 = merge_states(PartialState(ws.state.o[..., :n, :].double().cpu(), ws.state.lse[..., :n].double().cpu()),
+                          indptr=units.indptr)
+    tol = torch.float32 if dt == torch.float32 else dt
+    assert_close_to_reference(o2[:1], ref[:1], tol, "merge_states(cuda_ptx states)")
+    assert_close_to_reference(l2[:1], ref_lse[:1], torch.float32, "merge_states lse")
     # reference states through the cuda_ptx merge kernel
-    st2 = PartialState(rp.o.float().cuda(), rp.lse.float().cuda())
-    out = poison(torch.empty_like(x.q))
-    lse = poison(torch.empty(3, 4, 16, device="cuda"))
-    be.merge(plan, st2, out, lse)
+    rp, _ = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.schedule)
+    ws2 = _workspace(plan)
+    ws2.state.o[..., :n, :] = rp.o.float().cuda()
+    ws2.state.lse[..., :n] = rp.lse.float().cuda()
+    ws2.meta.copy_(torch.cat([units.indptr[:-1], units.units]).to(torch.int32).cuda())
+    out, lse = _outputs(x)
+    be.merge(plan, ws2, out, lse)
     torch.cuda.synchronize()
-    assert_close_to_reference(out, ref, dt, "cuda_ptx merge of reference states")
-    assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+    assert_close_to_reference(out[:1], ref[:1], dt, "cuda_ptx merge of reference states")
+    assert_close_to_reference(lse[:1], ref_lse[:1], torch.float32, "lse")
+    assert torch.isnan(out[1:].float()).all(), "rows of one-unit sequences were merged"
+
+
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+@pytest.mark.parametrize("page", [None, 16])
+def test_capacity_plan_long_tail(merge, page, gen):
+    """A balanced capacity plan on a long-tailed, padded batch (one 32K sequence among short ones and zero-length
+    padding slots): the long one spread over many units, the short ones written directly; the same plan on
+    all-zero and all-full batches; bitwise reruns; the fused merge's counters back at zero."""
+    be = _backend()
+    cap = 32768
+    lens = [cap, 17, 300, 0, 0, 4096, 1, 90]
+    x = make_inputs(len(lens), 32, 8, 128, lens, page_size=page, dtype=torch.bfloat16, device="cuda", generator=gen,
+                    capacity=cap)
+    plan = _direct_plan(be, x, 0, merge=merge, capacity=cap)
+    assert plan.schedule.policy == "balanced" and plan.merge == merge
+    u = schedule_units(lens, plan.schedule)
+    assert int(u.units[0]) >= 2 and int(u.units[1]) == 1
+    for lens_now in (lens, [0] * 8, [cap] * 8):
+        x.seq_lens.copy_(torch.tensor(lens_now, dtype=torch.int32))
+        ws = _workspace(plan)
+        runs = []
+        for _ in range(3):
+            out, lse = _outputs(x)
+            be.run(plan, x, ws, out, lse)
+            torch.cuda.synchronize()
+            runs.append((out.clone(), lse.clone()))
+            if ws.counters is not None:
+                assert int(ws.counters.abs().sum()) == 0
+        ref, ref_lse = _reference(x)
+        assert_close_to_reference(runs[0][0], ref, torch.bfloat16, f"out at {lens_now[:3]}...")
+        assert_close_to_reference(runs[0][1], ref_lse, torch.float32, "lse")
+        assert all(torch.equal(o, runs[0][0]) and torch.equal(ls, runs[0][1]) for o, ls in runs[1:])
 
 
 def test_cuda_graph_replay_after_in_place_rewrites(gen):
@@ -159,29 +359,31 @@ def test_cuda_graph_replay_after_in_place_rewrites(gen):
     cap = 8192
     x = make_inputs(4, 32, 8, 128, [100] * 4, q_len=1, page_size=16, dtype=torch.bfloat16, device="cuda", capacity=cap,
                     generator=gen)
-    w = attnplan.DecodeWrapper(load_config(), backend="cuda_ptx")
-    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
-    out = torch.empty_like(x.q)
-    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
-    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up compiles and loads outside capture
-        w.run(*args, out=out, lse=lse)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        w.run(*args, out=out, lse=lse)
-    for lens in ([100, 8000, 5, 0], [0, 0, 0, 0], [cap, 1, 16, 17]):
-        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        x.block_table.copy_(x.block_table[torch.randperm(4, generator=gen)])
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        ref, ref_lse = reference.attention(*args, sm_scale=x.sm_scale)
-        assert_close_to_reference(out, ref, torch.bfloat16, f"graph replay at {lens}")
-        assert_close_to_reference(lse, ref_lse, torch.float32, f"graph replay lse at {lens}")
+    for merge in ("separate", "fused"):
+        w = attnplan.DecodeWrapper(load_config(split={"merge": merge}), backend="cuda_ptx")
+        plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+        assert plan.merge == merge
+        out = torch.empty_like(x.q)
+        lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
+        args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up outside capture
+            w.run(*args, out=out, lse=lse)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            w.run(*args, out=out, lse=lse)
+        for lens in ([100, 8000, 5, 0], [0, 0, 0, 0], [cap, 1, 16, 17]):
+            x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+            x.block_table.copy_(x.block_table[torch.randperm(4, generator=gen)])
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            ref, ref_lse = reference.attention(*args, sm_scale=x.sm_scale)
+            assert_close_to_reference(out, ref, torch.bfloat16, f"graph replay at {lens} ({merge})")
+            assert_close_to_reference(lse, ref_lse, torch.float32, f"graph replay lse at {lens} ({merge})")
 
 
 def test_side_stream_and_no_allocation(gen):
@@ -229,17 +431,61 @@ def test_int32_page_offset(gen):
     del k_big, v_big
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_head_major_cache_with_head_stride_2_30(splits, gen):
+    """A head-major fp8 cache view (head stride 2**30 elements, 3 KV heads: head 2 past 2**31) through the public
+    API: 64-bit head offsets."""
+    be = _backend()
+    x0 = make_inputs(2, 6, 3, 64, [700, 33], page_size=16, dtype=torch.bfloat16, device="cuda", generator=gen)
+    views = []
+    for c in (x0.k_cache, x0.v_cache):
+        p, t, h, d = c.shape
+        buf = torch.empty(2 * 2**30 + p * t * d, dtype=FP8, device="cuda")
+        v = buf.as_strided(c.shape, (t * d, d, 2**30, 1))
+        v.copy_((c.float() * 0.5).to(FP8))
+        views.append(v)
+    ks, vs = torch.ones(3, device="cuda"), torch.full((3,), 0.5, device="cuda")
+    x = DecodeInputs(x0.q, views[0], views[1], x0.seq_lens, x0.block_table, x0.sm_scale, k_scale=ks, v_scale=vs)
+    _run_checked(be, x, _direct_plan(be, x, splits))
+
+
+@pytest.mark.parametrize("q_len,window", [(2, -1), (4, 100)])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "kvfp8"])
+def test_nan_in_v_reaches_only_rows_that_see_it(q_len, window, mode, fp8, gen):
+    """NaN in V at each sequence's last position (query 0 cannot see it) and just before the last query's window:
+    exactly the reference's NaN, everything else within tolerance (q_len 2 made query 0 NaN before)."""
+    be = _backend()
+    x = make_inputs(2, 16, 8, 128, [4097, 300], q_len=q_len, page_size=16, dtype=torch.bfloat16, device="cuda",
+                    generator=gen)
+    kc, vc, ks, vs = x.k_cache, x.v_cache, None, None
+    if fp8:
+        kc, vc = (kc.float() / 4).to(FP8), (vc.float() * 2).to(FP8)
+        ks, vs = torch.ones(8, device="cuda"), torch.ones(8, device="cuda")
+    x = DecodeInputs(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, window_left=window, k_scale=ks, v_scale=vs)
+    for b, n in enumerate(x.seq_lens.tolist()):
+        for pos in [n - 1] + ([n - q_len - window] if window >= 0 else []):
+            x.v_cache[int(x.block_table[b, pos // 16]), pos % 16, 0, 5] = float("nan")
+    ref, _ = _reference(x)
+    for splits in (1, 5):
+        plan = _direct_plan(be, x, splits, mma=mode == "split_k")
+        out, lse = _outputs(x)
+        be.run(plan, x, _workspace(plan), out, lse)
+        torch.cuda.synchronize()
+        assert torch.equal(torch.isnan(out).cpu(), torch.isnan(ref)), f"NaN pattern (splits {splits})"
+        assert_close_to_reference(out.float().nan_to_num(0.0), ref.nan_to_num(0.0), torch.bfloat16)
+
+
 @pytest.mark.parametrize("page", [None, 16])
 @pytest.mark.parametrize("splits", [1, 5])
 def test_variants_window_softcap_sinks(page, splits, gen):
-    """Sliding window (chunks start at the window), soft-cap and sinks (merge / single-pass epilogue)."""
+    """Sliding window (units start at the window), soft-cap and sinks (joined where out is written)."""
     _backend()
     x = make_inputs(3, 32, 8, 128, [4097, 300, 0], q_len=2, page_size=page, dtype=torch.bfloat16, device="cuda",
                     generator=gen, scale=2.0)
     sinks = (torch.randn(32, generator=gen) * 2).float().cuda()
     kw = dict(window_left=1000, logits_soft_cap=20.0, sinks=sinks)
-    out = poison(torch.empty_like(x.q))
-    lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
+    out, lse = _outputs(x)
     attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out, lse=lse,
                     backend="cuda_ptx", num_splits=splits, config=load_config(), **kw)
     torch.cuda.synchronize()
@@ -259,67 +505,49 @@ FP8_CASES = [
 ]
 
 
-def _fp8(x, gen):
-    """x's cache in float8_e4m3fn (K / 4, V x 2 before rounding) and per-KV-head scales in [0.5, 1.5)."""
-    hkv = x.k_cache.shape[2]
-    kc, vc = (x.k_cache.float() / 4).to(FP8), (x.v_cache.float() * 2).to(FP8)
-    ks = (torch.rand(hkv, generator=gen, device=gen.device) + 0.5).float().cuda()
-    vs = (torch.rand(hkv, generator=gen, device=gen.device) + 0.5).float().cuda()
-    return kc, vc, ks, vs
-
-
 def _fp8_inputs(case, gen):
-    """A case's inputs with the cache in float8_e4m3fn and per-KV-head scales (:func:`_fp8`), as DecodeInputs."""
-    from attnplan.backends.base import DecodeInputs
-
+    """A case's inputs with the cache in float8_e4m3fn (K / 4, V x 2 before rounding) and per-KV-head scales in
+    [0.5, 1.5), as DecodeInputs."""
     hq, hkv = case.heads
     x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
                     dtype=DT[case.dtype], device="cuda", generator=gen, scale=2.0 if case.cap else 1.0)
-    kc, vc, ks, vs = _fp8(x, gen)
+    kc, vc = (x.k_cache.float() / 4).to(FP8), (x.v_cache.float() * 2).to(FP8)
+    ks = (torch.rand(hkv, generator=gen, device=gen.device) + 0.5).float().cuda()
+    vs = (torch.rand(hkv, generator=gen, device=gen.device) + 0.5).float().cuda()
     sinks = (torch.randn(hq, generator=gen) * 2).float().cuda() if case.sinks else None
     return DecodeInputs(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, window_left=case.window,
                         soft_cap=case.cap, sinks=sinks, k_scale=ks, v_scale=vs)
 
 
-@pytest.mark.parametrize("partition", MODES)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.id)
-def test_fp8_kv_matches_reference(case, partition, gen):
-    """float8_e4m3fn K / V, per-KV-head scales, q bf16 / fp16, against the float64 reference (which
-    dequantizes k * k_scale[h], v * v_scale[h]); outputs, lse and partial states. ``split_k`` (public API)
-    runs the tensor cores, ``core`` the CUDA-core split-K kernel (kernel option ``mma: false``)."""
+def test_fp8_kv_matches_reference(case, mode, gen):
+    """float8_e4m3fn K / V, per-KV-head scales, q bf16 / fp16, against the float64 reference (which dequantizes
+    k * k_scale[h], v * v_scale[h]); outputs, lse and partial states. ``split_k`` (public API) runs the tensor
+    cores, ``core`` the CUDA-core split-K kernel (kernel option ``mma: false``) unit by unit."""
     be = _backend()
     dtype = DT[case.dtype]
     x = _fp8_inputs(case, gen)
-    kc, vc, ks, vs, sinks = x.k_cache, x.v_cache, x.k_scale, x.v_scale, x.sinks
-    kw = dict(window_left=case.window, logits_soft_cap=case.cap, sinks=sinks, k_scale=ks, v_scale=vs)
-    ref, ref_lse = reference.attention(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, window_left=case.window,
-                                       soft_cap=case.cap, sinks=sinks, k_scale=ks, v_scale=vs)
+    kw = dict(window_left=case.window, logits_soft_cap=case.cap, sinks=x.sinks, k_scale=x.k_scale, v_scale=x.v_scale)
+    ref, ref_lse = _reference(x)
     for splits in case.splits:
-        out = poison(torch.empty_like(x.q))
-        lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
-        if partition == "core":
+        if mode == "core":
             plan = _direct_plan(be, x, splits, mma=False)
-            st = None if plan.single_pass else PartialState.empty(*x.q.shape[:3], plan.num_splits, case.head_dim,
-                                                                  device="cuda")
-            be.run(plan, x, st, out, lse)
-        else:
-            w = attnplan.DecodeWrapper(load_config(), backend="cuda_ptx")
-            plan = w.plan(x.q, kc, vc, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=splits, **kw)
-            assert plan.partition == "split_k"
-            w.run(x.q, kc, vc, x.seq_lens, x.block_table, out=out, lse=lse)
-        spec = be.spec_for("partial", plan, x.q.device, x)
-        assert spec.kv_fp8 and spec.mma is (partition == "split_k")
+            assert be.spec_for("partial", plan, x.q.device).kv_fp8 and not be.spec_for("partial", plan).mma
+            _run_checked(be, x, plan)
+            continue
+        out, lse = _outputs(x)
+        w = attnplan.DecodeWrapper(load_config(), backend="cuda_ptx")
+        plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=splits,
+                      **kw)
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+        spec = be.spec_for("partial", plan, x.q.device)
+        assert spec.kv_fp8 and spec.mma
         torch.cuda.synchronize()
         assert_close_to_reference(out, ref, dtype, f"out (num_splits={splits})")
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (num_splits={splits})")
         if not plan.single_pass:
-            st = PartialState.empty(*x.q.shape[:3], plan.num_splits, case.head_dim, device="cuda").fill_(float("nan"))
-            be.partial(plan, x, st)
-            torch.cuda.synchronize()
-            rp = reference.partial(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, plan.chunk_size,
-                                   plan.num_splits, window_left=case.window, soft_cap=case.cap, k_scale=ks, v_scale=vs)
-            assert_close_to_reference(st.o, rp.o, _o_dtype(be, plan, x), "partial o")
-            assert_close_to_reference(st.lse, rp.lse, torch.float32, "partial lse")
+            _run_checked(be, x, _direct_plan(be, x, splits))
 
 
 MMA_CASES = [
@@ -334,52 +562,32 @@ MMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: c.id)
-def test_mma_and_core_agree(case, gen):
-    """The tensor-core and CUDA-core split-K kernels on the same inputs and plans: partial states within
-    q's dtype tolerance of the reference (o) and fp32's (lse), and of each other."""
-    dtype = DT[case.dtype]
-    hq, hkv = case.heads
-    x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), q_len=case.q_len, page_size=case.page,
-                    dtype=dtype, device="cuda", generator=gen)
-    _check_mma_and_core(case, x, {}, partial_o_dtype=dtype, fp8=False)
-
-
-def _check_mma_and_core(case, x, vkw: dict, partial_o_dtype: torch.dtype, fp8: bool) -> None:
-    """Run the tensor-core and CUDA-core kernels on ``x`` for each of the case's split counts: outputs and
-    lse against the float64 reference (variants ``vkw``); the mma path's partial states against
-    ``reference.partial`` (o at ``partial_o_dtype``'s tolerance, lse at fp32's), and against the CUDA-core
-    states where both plans chunk alike."""
+def _check_mma_and_core(x, splits_list):
+    """The tensor-core and CUDA-core kernels on ``x`` for each split count: each unit by unit against the reference
+    (:func:`_run_checked`), and their partial states against each other where both plans schedule alike."""
     be = _backend()
-    dtype = DT[case.dtype]
-    tag = "fp8 mma" if fp8 else "mma"
-    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, **vkw)
-    for splits in case.splits:
+    for splits in splits_list:
         states = {}
         for mma in (True, False):
             plan = _direct_plan(be, x, splits, mma=mma)
-            spec = be.spec_for("partial", plan, x.q.device, x)
-            assert spec.mma is mma and plan.kernel["mma"] is mma and (spec.kv_fp8 or not fp8)
-            out = poison(torch.empty_like(x.q))
-            lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
-            if plan.single_pass:
-                be.single_pass(plan, x, out, lse)
-            else:
-                st = PartialState.empty(*x.q.shape[:3], plan.num_splits, case.head_dim, device="cuda")
-                be.partial(plan, x, st)
-                be.merge(plan, st, out, lse)
-                states[mma] = (plan.chunk_size, plan.num_splits, st)
-            torch.cuda.synchronize()
-            assert_close_to_reference(out, ref, dtype, f"out (mma={mma}, splits={splits})")
-            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (mma={mma}, splits={splits})")
-        if True in states:
-            chunk, n, st = states[True]
-            rp = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, chunk, n, **vkw)
-            assert_close_to_reference(st.o, rp.o, partial_o_dtype, f"partial o ({tag})")
-            assert_close_to_reference(st.lse, rp.lse, torch.float32, f"partial lse ({tag})")
-            if False in states and states[False][:2] == (chunk, n):  # same chunks: the kernels' states agree
-                assert_close_to_reference(st.o, states[False][2].o.double(), partial_o_dtype, "partial o mma vs core")
-                assert_close_to_reference(st.lse, states[False][2].lse.double(), torch.float32, "lse mma vs core")
+            assert be.spec_for("partial", plan, x.q.device).mma is mma and plan.kernel["mma"] is mma
+            ws, units = _run_checked(be, x, plan)
+            if not plan.single_pass:
+                states[mma] = (plan.schedule, units.num_units, ws.state)
+        if len(states) == 2 and states[True][0] == states[False][0]:  # same schedule: the kernels' states agree
+            _, n, st = states[True]
+            o_dt = torch.float16 if x.k_cache.dtype == FP8 else x.q.dtype
+            assert_close_to_reference(st.o[..., :n, :], states[False][2].o[..., :n, :].double(), o_dt,
+                                      "partial o mma vs core")
+            assert_close_to_reference(st.lse[..., :n], states[False][2].lse[..., :n].double(), torch.float32,
+                                      "lse mma vs core")
+
+
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: c.id)
+def test_mma_and_core_agree(case, gen):
+    """The tensor-core and CUDA-core split-K kernels on the same inputs: partial states within q's dtype tolerance
+    of the reference (o) and fp32's (lse), and of each other."""
+    _check_mma_and_core(case.inputs("cuda", gen), case.splits)
 
 
 FP8_MMA_CASES = [
@@ -395,42 +603,40 @@ FP8_MMA_CASES = [
 
 @pytest.mark.parametrize("case", FP8_MMA_CASES, ids=lambda c: c.id)
 def test_fp8_mma_and_core_agree(case, gen):
-    """fp8 KV: the tensor-core and CUDA-core split-K kernels on the same inputs: outputs and lse against the
-    float64 reference; partial states within fp16's tolerance (mma: P rounded to fp16) / fp32's of the
-    reference, and of each other where the two plans chunk alike."""
-    x = _fp8_inputs(case, gen)
-    vkw = dict(window_left=case.window, soft_cap=case.cap, k_scale=x.k_scale, v_scale=x.v_scale)
-    _check_mma_and_core(case, x, vkw, partial_o_dtype=torch.float16, fp8=True)
+    """fp8 KV: the tensor-core and CUDA-core split-K kernels on the same inputs (partial o at fp16's tolerance: P
+    rounded to fp16 on the tensor cores)."""
+    _check_mma_and_core(_fp8_inputs(case, gen), case.splits)
 
 
-@pytest.mark.parametrize("partition", MODES)
-def test_fp8_decoder_all_256_codes(partition):
-    """Every e4m3fn byte through the device decoders (split_k: the tensor cores' cvt.rn.f16x2.e4m3x2, or its
-    integer fallback below sm_89; core: the CUDA-core integer decoder): a one-token partial state is
-    V's row (all 256 codes, rotated by h for KV head h so each code takes several byte positions) x
-    v_scale[h], exactly, NaN for 0x7f / 0xff, equal to torch's own float8 conversion."""
+@pytest.mark.parametrize("mode", MODES)
+def test_fp8_decoder_all_256_codes(mode, gen):
+    """Every e4m3fn byte through the device decoders (split_k: the tensor cores' cvt.rn.f16x2.e4m3x2, or its integer
+    fallback below sm_89; core: the CUDA-core integer decoder): a sequence of one granule + 1 tokens forced into two
+    units, the second holding token G alone, whose V row holds all 256 codes rotated by h for KV head h: that unit's
+    partial state is the row x v_scale[h], exactly, NaN for 0x7f / 0xff, equal to torch's own float8 conversion."""
     be = _backend()
-    from attnplan.backends.base import DecodeInputs
-
     hkv, d = 4, 256
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).cuda()
-    v = torch.stack([codes.roll(h) for h in range(hkv)]).view(FP8).view(1, 1, hkv, d)
-    k = torch.zeros_like(v)
-    q = torch.randn(1, 1, hkv * 8, d, dtype=torch.bfloat16, device="cuda")
     v_scale = torch.tensor([2.0 ** (h - 2) for h in range(hkv)], device="cuda")
-    x = DecodeInputs(q, k, v, torch.tensor([1], dtype=torch.int32, device="cuda"), None, 0.1,
-                     k_scale=torch.ones(hkv, device="cuda"), v_scale=v_scale)
-    if partition == "core":
-        plan = _direct_plan(be, x, 2, mma=False)
-    else:
-        w = attnplan.DecodeWrapper(load_config(), backend="cuda_ptx")
-        plan = w.plan(q, k, v, x.seq_lens, sm_scale=0.1, num_splits=2, k_scale=x.k_scale, v_scale=v_scale)
-    assert be.spec_for("partial", plan, q.device, x).mma is (partition == "split_k")
-    st = PartialState.empty(1, 1, hkv * 8, plan.num_splits, d, device="cuda").fill_(float("nan"))
-    be.partial(plan, x, st)
+
+    def inputs(length):
+        k = torch.zeros(1, length, hkv, d, dtype=FP8, device="cuda")
+        v = (torch.randn(1, length, hkv, d, generator=gen) / 8).to(FP8).cuda()
+        q = torch.randn(1, 1, hkv * 8, d, dtype=torch.bfloat16, device="cuda")
+        return DecodeInputs(q, k, v, torch.tensor([length], dtype=torch.int32, device="cuda"), None, 0.1,
+                            k_scale=torch.ones(hkv, device="cuda"), v_scale=v_scale)
+
+    granule = _direct_plan(be, inputs(64), 2, mma=mode == "split_k").schedule.granule
+    x = inputs(granule + 1)
+    x.v_cache[0, granule] = torch.stack([codes.roll(h) for h in range(hkv)]).view(FP8)
+    plan = _direct_plan(be, x, 2, mma=mode == "split_k")
+    assert be.spec_for("partial", plan, CUDA).mma is (mode == "split_k")
+    ws = _workspace(plan)
+    be.partial(plan, x, ws, *_outputs(x))
     torch.cuda.synchronize()
-    want = (v[0, 0].double() * v_scale.double().view(hkv, 1)).repeat_interleave(8, 0)
-    o = st.o[0, 0, :, 0].double()
+    assert schedule_units([granule + 1], plan.schedule).start.tolist() == [0, granule]
+    want = (x.v_cache[0, granule].double() * v_scale.double().view(hkv, 1)).repeat_interleave(8, 0)
+    o = ws.state.o[0, 0, :, 1].double()
     assert torch.equal(torch.isnan(o), torch.isnan(want))
     assert torch.equal(o.nan_to_num(0.0), want.nan_to_num(0.0))
 
@@ -446,15 +652,10 @@ def test_compiled_for_device_arch():
 
 @pytest.mark.parametrize("mode", ["mma", "core"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "kvfp8"])
-def test_in_kernel_merges_gpu(mode, fp8, gen):
-    """The fused merge inside the partial kernel with programs racing on the device: b=3, 32/8/128, lengths
-    4096 / 0 / 1000, q_len 2, paged 16, sinks, 16 and 64 splits, bf16 or fp8 KV; 5 runs each into poisoned
-    buffers: every run within tolerance of the reference, bitwise identical, the counters back at zero."""
-    from attnplan.backends.base import DecodeInputs
-    from attnplan.device import device_info
-    from attnplan.planner import make_plan
-    from attnplan.testing import problem_of
-
+def test_fused_merge_gpu(mode, fp8, gen):
+    """The fused merge inside the partial kernel with programs racing on the device: b=3, 32/8/128, lengths 4096 /
+    0 / 1000, q_len 2, paged 16, sinks, 16 and 64 forced units, bf16 or fp8 KV; 5 runs each into poisoned buffers:
+    every run within tolerance of the reference, bitwise identical, the counters back at zero."""
     be = _backend()
     x = make_inputs(3, 32, 8, 128, [4096, 0, 1000], q_len=2, page_size=16, dtype=torch.bfloat16, device="cuda",
                     generator=gen)
@@ -464,30 +665,20 @@ def test_in_kernel_merges_gpu(mode, fp8, gen):
         kc, vc = (kc.float() / 4).to(FP8), (vc.float() * 2).to(FP8)
         ks, vs = (torch.rand(8, generator=gen) + 0.5).cuda(), (torch.rand(8, generator=gen) + 0.5).cuda()
     x = DecodeInputs(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, sinks=sinks, k_scale=ks, v_scale=vs)
-    ref, ref_lse = reference.attention(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, sinks=sinks,
-                                       k_scale=ks, v_scale=vs)
-    merge = "fused"
-    prob = problem_of(x)
-    kcfg = be.kernel_config(prob, {"mma": mode == "mma"}, x.q.device)
-    cfg = load_config(split={"merge": merge})
-    b, q_len, hq, d = x.q.shape
+    ref, ref_lse = _reference(x)
     for splits in (16, 64):
-        plan = make_plan(prob, device_info(x.q.device), cfg, "cuda_ptx", kcfg, num_splits=splits,
-                         partitions=be.partitions, merge_strategies=be.merge_strategies)
-        assert plan.merge == merge and plan.num_splits == splits
-        assert be.spec_for("partial", plan, x.q.device, x).merge == merge
-        be.prepare(plan, x.q.device)
-        ws = PartialState.empty(b, q_len, hq, plan.state_slots, d, device="cuda")
-        counters = torch.zeros(plan.sync_words, dtype=torch.int32, device="cuda")
+        plan = _direct_plan(be, x, splits, merge="fused", mma=mode == "mma")
+        assert plan.merge == "fused" and plan.num_splits == splits
+        assert be.spec_for("partial", plan, x.q.device).merge == "fused"
+        ws = _workspace(plan)
         runs = []
         for _ in range(5):
-            out = poison(torch.empty_like(x.q))
-            lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
-            be.run(plan, x, ws, out, lse, counters)
+            out, lse = _outputs(x)
+            be.run(plan, x, ws, out, lse)
             torch.cuda.synchronize()
-            assert_close_to_reference(out, ref, torch.bfloat16, f"out ({merge}, {splits} splits)")
-            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse ({merge}, {splits} splits)")
-            assert int(counters.abs().sum()) == 0, "counters not reset"
+            assert_close_to_reference(out, ref, torch.bfloat16, f"out (fused, {splits} units)")
+            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (fused, {splits} units)")
+            assert int(ws.counters.abs().sum()) == 0, "counters not reset"
             runs.append((out.clone(), lse.clone()))
         assert all(torch.equal(o, runs[0][0]) and torch.equal(ls, runs[0][1]) for o, ls in runs[1:])
 
@@ -506,18 +697,15 @@ WARPS_CASES = [
                          ids=["w8s2", "w8", "w2"])
 @pytest.mark.parametrize("case", WARPS_CASES, ids=lambda c: c.id)
 def test_kv_warps_options_match_reference(case, options, merge, gen):
-    """Split-table rows may carry kernel options (``attnplan tune --row-options``; on an H200 8 KV warps per
-    program with 2 stages measured fastest at 16-64 (sequence, KV head) pairs): 2 and 8 KV warps, through the config's backend_options,
-    single pass and split with the separate and the fused merge, against the reference."""
+    """Split-table rows may carry kernel options (``attnplan tune --row-options``; on an H200 8 KV warps per program
+    with 2 stages measured fastest at 16-64 (sequence, KV head) pairs): 2 and 8 KV warps, through the config's
+    backend_options, single pass and split with the separate and the fused merge, against the reference."""
     _backend()
-    hq, hkv = case.heads
-    x = make_inputs(len(case.lens), hq, hkv, case.head_dim, list(case.lens), page_size=case.page,
-                    dtype=torch.bfloat16, device="cuda", generator=gen)
+    x = case.inputs("cuda", gen)
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     cfg = load_config(backend_options={"cuda_ptx": options}, split={"merge": merge})
     for splits in case.splits:
-        out = poison(torch.empty_like(x.q))
-        lse = poison(torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda"))
+        out, lse = _outputs(x)
         w = attnplan.DecodeWrapper(cfg, backend="cuda_ptx")
         plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, num_splits=splits)
         assert plan.kernel["num_warps"] == options["num_warps"]

@@ -8,35 +8,50 @@ can be captured in a CUDA graph (compile and load first: :meth:`CudaPtxBackend.p
 capture). :mod:`.spec` chooses a kernel's specialization and computes its layout (the kernel checks it),
 :mod:`.args` lists and packs its arguments, :mod:`.emulate` runs the kernels' text on a CPU (tests).
 
-Method: FlashDecoding's split-KV. One program per (split, KV head, sequence) serves the whole GQA
-group and all queries (each KV byte read once); 16-byte ``cp.async`` loads stream K and V through
-multi-stage shared-memory rings; fp32 accumulation with a base-2 online softmax. The merge kernel
-implements :func:`attnplan.state.merge_states`'s contract.
+Method: Flash-Decoding's split-KV (Dao et al. 2023) with the device-side schedule of :mod:`attnplan.schedule`
+(the kernel contract of :mod:`attnplan.backends.base`). A plan fixes a 1-D grid of ``max_units x num_kv_heads``
+programs; at every launch each program's prologue (``schedule.cuh``: the program's threads read ``seq_lens`` in
+chunks of 256 sequences, warp shuffles and one exchange through shared memory for the total, a block scan for the
+prefix sum) computes which (sequence, unit, token range) it serves, so one plan serves every length up to its
+capacity and CUDA-graph replays. A program serves the whole GQA group and all queries (each KV byte read once);
+16-byte ``cp.async`` loads stream K and V through multi-stage shared-memory rings; fp32 accumulation with a base-2
+online softmax. A sequence with one unit is written to ``out`` directly (the sink joined); a unit of a longer one
+writes its partial state into workspace slot ``u``. A single-pass plan (one unit per sequence) runs the
+schedule-free ``"single"`` kernel (``u = b``). The merges implement :func:`attnplan.state.merge_states`'s contract.
 
 Cross-program merges (``plan.merge``; the global reduction of split-K, paid either by another kernel or inside
 the partial one; peers: FlashInfer's ``merge_states`` and FlashAttention-2's split-KV combine, separate kernels
 there):
 
-* ``separate`` (default): the partial kernel writes every split's state, then the merge kernel (one CTA per
-  output row; lanes over splits, warp-shuffle max / sum, unrolled o loads; launched with PDL on sm_90+)
-  merges them in split order. Deterministic. With few rows and many splits one team of threads per row is
-  latency bound (H200, CUPTI: 8 rows x 128 splits took 9.3 us, 8 dependent round trips of 16 splits' o rows per
-  CTA), so the CTA then holds several merge teams (:func:`~.spec.merge_teams`: 1 when the rows fill the SMs or
-  16 splits hold them all, else up to 8), each merging a contiguous range of the splits, combined through shared
+* ``separate`` (default): program 0 of the partial kernel writes ``workspace.meta`` (``indptr`` then ``units``),
+  then the merge kernel (one CTA per output row; it exits for rows of one-unit sequences; lanes over units,
+  warp-shuffle max / sum, unrolled o loads; launched with PDL on sm_90+) merges the row's slots in slot order.
+  Deterministic. With few rows and many units one team of threads per row is latency bound (H200, CUPTI: 8 rows x
+  128 splits took 9.3 us, 8 dependent round trips of 16 splits' o rows per CTA), so the CTA then holds several
+  merge teams (:func:`~.spec.merge_teams` of the plan's most units per sequence: 1 when the rows fill the SMs or
+  16 units hold them all, else up to 8), each merging a contiguous range of the units, combined through shared
   memory in team order (still deterministic for a given team count).
-* ``fused``: one launch. Every program writes its split's state, fences it (``__threadfence``), gathers at
-  a barrier, and one thread counts the program in its (sequence, KV head)'s completion counter with an
-  ``atom.acq_rel.gpu`` add; the program that counts last (the others have released their states before) resets
-  the counter to 0 and merges the group's GQA group x ``q_len`` rows over all splits in split order, reading
-  the states through L2 (``ld.global.cg``) with the merge kernel's own per-row code (``merge_row``; the
-  program's warps split into teams of one row's merge threads). Same math, same empty-row and sink handling as
-  the merge kernel, deterministic (bitwise the same whichever program finishes last); the counters
-  (``plan.sync_words`` int32, zero at rest) are back at zero after every launch, so graph replays work. The
-  merge runs in the group's last program, on the step's critical path; whether it beats the separate launch is
-  a measurement (the planner's cost model; Triton's fused merge measured slower on an H200).
+* ``fused``: one launch. Every unit of a sequence with several writes its state, fences it (``__threadfence``),
+  gathers at a barrier, and one thread counts the program in its (sequence, KV head)'s completion counter with an
+  ``atom.acq_rel.gpu`` add; the program that brings it to the sequence's units (the others have released their
+  states before) resets the counter to 0 and merges the group's GQA group x ``q_len`` rows over its units in unit
+  order, reading the states through L2 (``ld.global.cg``) with the merge kernel's own per-row code
+  (``merge_row``; the program's warps split into teams of one row's merge threads). Same math, same empty-row and
+  sink handling as the merge kernel, deterministic (bitwise the same whichever program finishes last); the
+  counters (``plan.sync_words`` int32, zero at rest) are back at zero after every launch, so graph replays work.
+  The merge runs in the group's last program, on the step's critical path; whether it beats the separate launch
+  is a measurement (the planner's cost model; Triton's fused merge measured slower on an H200).
 
 The fused merge sits after the state write, so it serves every path (tensor-core and CUDA-core split-K, fp8 KV,
 both cache layouts, window / soft-cap / sinks, ``q_len`` > 1).
+
+Positions a row cannot see never affect it, NaN included: scores are selected away, tokens outside the rows'
+union are never loaded (zero-filled copies), and with ``q_len`` > 1 the tiles holding positions some rows see and
+others do not (a unit's last ``q_len - 1`` positions, a window's first) keep a non-finite V entry out of the rows
+that cannot see it (P.V would multiply it by 0) and make it NaN in the rows that do, as the float64 reference does.
+Strides: every offset into q, the caches, the block table, ``out``, ``lse`` and the workspace is a 64-bit product;
+q's and the caches' strides must be multiples of 16 bytes (the kernels' vector loads; refused by name otherwise),
+``out``'s and ``lse``'s leading strides may be any.
 
 Tensor-core path (kernel option ``mma``, the default for fp16 / bf16 q with a cache of the same
 dtype or float8_e4m3fn, head_dim a multiple of 16; ``ATTNPLAN_MMA``, ``mma_loop.cuh``). Sources:
@@ -81,15 +96,14 @@ subnormals, ``0x7f`` / ``0xff`` NaN). Either way ``k_scale[h]`` folds into q's s
 for fp16 caches. Rows per program are at most 32 (the CUDA-core kernel's 16 fp32 q + accumulator
 registers per lane and row, twice fp16's; it is the tensor-core path's fallback).
 
-Inside a program (``plan.partition`` ``split_k``, the only partition served): a program has ``NRG`` row groups
-of ``RT`` rows (``R = NRG x RT`` rows = GQA group x q_len) and ``W`` warps per row group; its chunk has ``T``
-tokens of head_dim ``D``, ``e`` bytes per KV element, streamed in tiles of ``TILE`` tokens through ``S``-stage
-rings. Warp ``w`` of a row group takes tiles ``w, w + W, ...`` through its private ring (no CTA barrier in the
-main loop, 2 ``__syncwarp`` per tile): ``2 RT D T / W`` q.k and as many P.V FLOPs per warp, ``NRG x 2 T D e``
-KV bytes read per program (each row group streams the chunk). At the end the ``W`` warps' ``(m, l, acc)``
-states of each row are merged through shared memory (``NRG W RT (D + 2) 4`` bytes written, ``W`` exp2 per
-output element, 2 ``__syncthreads``); the rings' ``NRG W S`` stages and that buffer share the dynamic shared
-memory.
+Inside a program (split-K): a program has ``NRG`` row groups of ``RT`` rows (``R = NRG x RT`` rows = GQA group x
+q_len) and ``W`` warps per row group; its unit has ``T`` tokens of head_dim ``D``, ``e`` bytes per KV element,
+streamed in tiles of ``TILE`` tokens through ``S``-stage rings. Warp ``w`` of a row group takes tiles ``w, w + W,
+...`` through its private ring (no CTA barrier in the main loop, 2 ``__syncwarp`` per tile): ``2 RT D T / W`` q.k
+and as many P.V FLOPs per warp, ``NRG x 2 T D e`` KV bytes read per program (each row group streams the unit). At
+the end the ``W`` warps' ``(m, l, acc)`` states of each row are merged through shared memory (``NRG W RT (D + 2)
+4`` bytes written, ``W`` exp2 per output element, 2 ``__syncthreads``); the rings' ``NRG W S`` stages and that
+buffer share the dynamic shared memory.
 
 On CPU the backend is unavailable (it cannot run), but the kernels can be compiled and checked:
 :meth:`CudaPtxBackend.compile` needs only NVRTC.
@@ -101,11 +115,11 @@ import threading
 
 import torch
 
-from attnplan.backends.base import Backend, DecodeInputs
+from attnplan.backends.base import Backend, DecodeInputs, Workspace
 from attnplan.device import device_info
 from attnplan.planner import SplitPlan
-from attnplan.problem import DecodeProblem, dtype_name
-from attnplan.state import PartialState
+from attnplan.problem import DecodeProblem, dtype_name, torch_dtype
+from attnplan.schedule import NUM_TARGETS
 
 from ._bindings import CudaPtxError, DriverError, NvrtcError
 from .args import (
@@ -123,6 +137,8 @@ __all__ = ["CudaPtxBackend", "CudaPtxError", "NvrtcError", "DriverError", "Kerne
 
 #: shared-memory limit assumed when planning without a device (sm_86/sm_89 opt-in, the smallest >= sm_80)
 _CPU_SMEM_LIMIT = 99 * 1024
+#: most tokens of the default block_n (the schedule's granule) where one tile is not longer
+BLOCK_N_CAP = 128
 
 
 def _tristate(options: dict, name: str, null_means: str) -> bool | None:
@@ -137,6 +153,14 @@ def _tristate(options: dict, name: str, null_means: str) -> bool | None:
     return value
 
 
+class _Launch:
+    """What a (plan, workspace) pair fixes for the launches, computed and checked once: the partial (or single-pass)
+    kernel's spec and CUDA geometry, the schedule (``None`` for a single pass), the merge kernel's spec and geometry
+    (separate merge only) and whether it launches with PDL."""
+
+    __slots__ = ("plan", "workspace", "spec", "cfg", "sched", "pdl", "merge_spec", "merge_cfg")
+
+
 class CudaPtxBackend(Backend):
     """Split-KV decode with NVRTC-compiled CUDA C kernels (see the module docstring for the method).
 
@@ -144,17 +168,15 @@ class CudaPtxBackend(Backend):
     float8_e4m3fn KV cache with fp16 / bf16 q (variant ``fp8_kv``, head_dim a multiple of 16, up to
     32 rows per program); head_dim a multiple of 8 in [16, 256]; GQA group x q_len up to 64 rows per
     program; contiguous or paged caches with any power-of-two page size; variants sliding window,
-    soft-cap, sinks and fp8 KV; the split_k partition; cross-program merges separate and fused
-    (:meth:`partial_fused_merge`); compute capability 8.0 or newer (``cp.async`` and the bf16
-    conversions).
+    soft-cap, sinks and fp8 KV; cross-program merges separate (:meth:`merge`) and fused (inside :meth:`partial`);
+    compute capability 8.0 or newer (``cp.async`` and the bf16 conversions).
 
     Kernel options (``backend_options.cuda_ptx`` in the config, or a tuned table's
     ``kernel_options.cuda_ptx.<layout>``): ``num_warps`` = KV warps per row group (default 4),
     ``num_stages`` = cp.async ring depth (default: enough for
-    ~48 KB in flight), ``block_n`` = chunk alignment in tokens (a multiple of the kernel's tile),
+    ~48 KB in flight), ``block_n`` = the schedule's granule alignment in tokens (a multiple of the kernel's tile),
     ``threads`` = total threads (alternative to ``num_warps``), ``passes`` = 16-token m-tiles per warp tile on
-    the tensor-core path (default: 8 KB of K + V per stage), ``partition`` = ``split_k`` (the only
-    value; what the planner takes for ``split.partition: auto``), ``mma`` = the tensor-core
+    the tensor-core path (default: 8 KB of K + V per stage), ``mma`` = the tensor-core
     path: ``None`` (auto: on wherever it serves, fp8 KV included), ``False`` (CUDA cores), ``True``
     (required; an error where it cannot serve), ``pdl`` = programmatic dependent launch of the merge kernel
     (default on). The plan's kernel options show the choice (``"mma": true``).
@@ -171,7 +193,6 @@ class CudaPtxBackend(Backend):
     max_rows_per_program = 64
     graph_safe = True
     variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
-    partitions = frozenset({"split_k"})
     merge_strategies = frozenset({"separate", "fused"})
     #: merge_row spreads a group's splits over lanes with 8 o loads in flight per thread and its rows over
     #: the program's teams; 16 fitted to the merge benchmark on an H200 (fused 1.1-2.1 us faster than separate
@@ -188,6 +209,7 @@ class CudaPtxBackend(Backend):
 
     def __init__(self, cache: CompileCache | None = None):
         self.cache = cache if cache is not None else CompileCache()
+        self._launches: dict[tuple[int, int], _Launch] = {}
         self._runtimes: dict[int, DeviceRuntime] = {}
         self._available: dict[int, tuple[bool, str]] = {}
         self._lock = threading.Lock()
@@ -246,12 +268,12 @@ class CudaPtxBackend(Backend):
         return _CPU_SMEM_LIMIT
 
     def kernel_config(self, problem: DecodeProblem, options: dict, device: torch.device) -> dict:
-        """Kernel options for ``problem``: ``block_n`` (chunk alignment, tokens) = the tokens one pass
-        of the program's warps covers by default (tile x KV warps), plus the specialization's ``num_warps``,
-        ``num_stages``, ``threads``, ``tile_tokens``, ``row_groups``, ``passes``, ``partition`` (always
-        ``split_k``; the planner takes it for ``split.partition: auto``) and ``mma`` (option ``mma``: ``None`` =
-        the tensor-core path wherever it serves, see :func:`~.spec.make_spec`; ``False`` = CUDA cores;
-        ``True`` = required). ``pdl`` (option ``pdl``, default on): the merge kernel is launched with
+        """Kernel options for ``problem``: ``block_n`` (tokens; the schedule's granule is a multiple of it) = the
+        tokens one pass of the program's warps covers by default (tile x KV warps), at most :data:`BLOCK_N_CAP` unless
+        one tile is longer, plus the specialization's
+        ``num_warps``, ``num_stages``, ``threads``, ``tile_tokens``, ``row_groups``, ``passes`` and ``mma``
+        (option ``mma``: ``None`` = the tensor-core path wherever it serves, see :func:`~.spec.make_spec`;
+        ``False`` = CUDA cores; ``True`` = required). ``pdl`` (option ``pdl``, default on): the merge kernel is launched with
         programmatic dependent launch on sm_90+ (see :meth:`~.runtime.DeviceRuntime.launch`).
 
         Raises:
@@ -259,9 +281,6 @@ class CudaPtxBackend(Backend):
         """
         options = options or {}
         limit = self._smem_limit(device)
-        partition = options.get("partition") or "split_k"
-        if partition not in self.partitions:
-            raise ValueError(f"backend_options.cuda_ptx.partition {partition!r} must be one of {sorted(self.partitions)}")
         mma = _tristate(options, "mma", "auto")
         if mma:
             why = mma_unsupported(problem.q_dtype, problem.head_dim, problem.kv_dtype)
@@ -279,60 +298,57 @@ class CudaPtxBackend(Backend):
         spec = make_spec("partial", *args, num_warps=warps, num_stages=options.get("num_stages"),
                          passes=options.get("passes"), **kw)
         tile = spec.tile_tokens
-        block_n = int(options.get("block_n") or tile * spec.kv_warps)
+        # one pass of the program's warps (a tile each), at most BLOCK_N_CAP tokens unless one tile is longer: the
+        # schedule's granule, so a short capacity still splits (head_dim 32: 64-token tiles x 4 warps would make
+        # 256-token granules, one unit for any sequence up to 256 tokens); head_dim 128's measured defaults (bf16 64,
+        # fp8 128) are within it
+        block_n = int(options.get("block_n") or max(tile, min(tile * spec.kv_warps, BLOCK_N_CAP)))
         if block_n % tile:
             raise ValueError(f"backend_options.cuda_ptx.block_n {block_n} must be a multiple of the kernel's tile of "
                              f"{tile} tokens for {problem.kv_dtype} head_dim {problem.head_dim}")
         pdl = _tristate(options, "pdl", "on")
         return {"block_n": block_n, "num_warps": spec.kv_warps, "num_stages": spec.stages, "threads": spec.threads,
-                "tile_tokens": tile, "row_groups": spec.row_groups, "passes": spec.passes, "partition": partition,
-                "mma": spec.mma, "pdl": True if pdl is None else pdl}
+                "tile_tokens": tile, "row_groups": spec.row_groups, "passes": spec.passes, "mma": spec.mma,
+                "pdl": True if pdl is None else pdl}
 
-    def spec_for(self, kind: str, plan: SplitPlan, device: torch.device | None = None,
-                 inputs: DecodeInputs | None = None, in_kernel_merge: bool = True) -> KernelSpec:
-        """The :class:`KernelSpec` that executes ``plan`` (``kind`` ``"partial"``, ``"single"`` or
-        ``"merge"``); the window / soft-cap / fp8 variants follow ``inputs`` when given, else the plan's
-        problem. A ``"partial"`` spec carries the plan's fused merge (``plan.merge == "fused"``) unless
-        ``in_kernel_merge`` is false (:meth:`partial`: the state only). A ``"merge"`` spec has
-        :meth:`merge_teams_for` teams per CTA (``device``'s SM count; the plan's device without one), as :meth:`merge`
-        launches for a state on ``device``.
+    def spec_for(self, kind: str, plan: SplitPlan, device: torch.device | None = None) -> KernelSpec:
+        """The :class:`KernelSpec` that executes ``plan``: ``kind`` ``"partial"`` = the kernel :meth:`partial`
+        launches (the schedule-free ``"single"`` kernel for a single-pass plan, else the scheduled ``"partial"``
+        one, carrying the fused merge when ``plan.merge == "fused"``); ``"merge"`` = the separate merge kernel, with
+        :meth:`merge_teams_for` teams per CTA (``device``'s SM count; the plan's device without one). The variants
+        (window, soft-cap, fp8 KV) follow the plan's problem; ``device`` bounds the shared memory (the CPU stand-in's
+        without one).
 
         Raises:
-            ValueError: a plan whose partition this backend does not serve (a plan made for another backend or
-                an older version: re-plan).
+            ValueError: an unknown ``kind``, or kernel options that do not fit this backend's kernel (a plan made for
+                another backend: re-plan).
         """
         p = plan.problem
         if kind == "merge":
-            return merge_spec(p["q_dtype"], p["head_dim"], self.merge_teams_for(plan, device))
-        if plan.partition not in self.partitions:
-            raise ValueError(f"cuda_ptx runs the partitions {sorted(self.partitions)}, the plan has "
-                             f"{plan.partition!r}: re-plan")
+            return merge_spec(p.q_dtype, p.head_dim, self.merge_teams_for(plan, device))
+        if kind != "partial":
+            raise ValueError(f"kind must be 'partial' or 'merge', got {kind!r}")
         k = plan.kernel
-        if inputs is not None:
-            window, softcap = inputs.window_left >= 0, inputs.soft_cap > 0
-            kv_dtype = dtype_name(inputs.k_cache.dtype) if inputs.k_cache.dtype == torch.float8_e4m3fn else p["q_dtype"]
-        else:
-            window, softcap = p.get("window_left", -1) >= 0, p.get("soft_cap", 0.0) > 0
-            kv_dtype = p["kv_dtype"]
         # the plan's CUDA-core choice stays; its tensor-core one is taken as "auto" (make_spec falls back to
         # CUDA cores where the tensor-core program does not fit this device's shared memory, never raises)
         mma = False if k.get("mma") is False else None
-        merge = plan.merge if kind == "partial" and in_kernel_merge and plan.merge == "fused" else "none"
-        return make_spec(kind, p["q_dtype"], p["head_dim"], p["num_q_heads"] // p["num_kv_heads"], p["q_len"],
-                         p["page_size"], num_warps=k.get("num_warps"), num_stages=k.get("num_stages"),
-                         smem_limit=self._smem_limit(device), window=window, softcap=softcap, kv_dtype=kv_dtype,
-                         mma=mma, merge=merge, passes=k.get("passes") if k.get("mma") else None)
+        return make_spec("single" if plan.single_pass else "partial", p.q_dtype, p.head_dim, p.group_size, p.q_len,
+                         p.page_size, num_warps=k.get("num_warps"), num_stages=k.get("num_stages"),
+                         smem_limit=self._smem_limit(device), window=p.window_left >= 0, softcap=p.soft_cap > 0,
+                         kv_dtype=p.kv_dtype, mma=mma, merge="fused" if plan.merge == "fused" else "none",
+                         passes=k.get("passes") if k.get("mma") else None)
 
     @staticmethod
     def merge_teams_for(plan: SplitPlan, device: torch.device | None = None) -> int:
         """Merge teams per merge-kernel CTA for ``plan`` (:func:`~.spec.merge_teams`, where the rule and the
-        measurement behind it are): the plan's rows ``batch x q_len x num_q_heads``, its ``num_splits`` and the SM
-        count of ``device`` (:func:`attnplan.device.device_info`; the plan's device fingerprint when ``device`` is
-        None). E.g. batch 1, 8 query heads, 128 splits on an H200 (132 SMs): 8; batch 32 (256 rows): 1."""
+        measurement behind it are): the plan's rows ``batch x q_len x num_q_heads``, the most units one row may
+        have (``plan.schedule.max_units_per_seq``) and the SM count of ``device`` (:func:`attnplan.device.device_info`;
+        the plan's device fingerprint when ``device`` is None). E.g. batch 1, 8 query heads, up to 128 units per
+        sequence on an H200 (132 SMs): 8; batch 32 (256 rows): 1."""
         p = plan.problem
-        rows = p["batch"] * p["q_len"] * p["num_q_heads"]
-        sm_count = device_info(device).sm_count if device is not None else plan.device["sm_count"]
-        return merge_teams(rows, plan.num_splits, sm_count)
+        rows = p.batch * p.q_len * p.num_q_heads
+        sm_count = device_info(device).sm_count if device is not None else plan.device.sm_count
+        return merge_teams(rows, plan.schedule.max_units_per_seq, sm_count)
 
     def compile(self, spec: KernelSpec, compute_capability: tuple[int, int] = (9, 0)) -> Compiled:
         """Compile ``spec`` for ``compute_capability`` through the compile cache (no GPU needed).
@@ -344,9 +360,9 @@ class CudaPtxBackend(Backend):
 
     def prepare(self, plan: SplitPlan, device: torch.device) -> None:
         """Compile and load every kernel ``plan`` launches on ``device`` (call before CUDA-graph capture)."""
-        rt = self._runtime_for(torch.device(device))
-        kinds = ("single",) if plan.single_pass else ("partial",) if plan.merge == "fused" else ("partial", "merge")
-        for kind in kinds:
+        device = torch.device(device)
+        rt = self._runtime_for(device)
+        for kind in ("partial", "merge") if plan.merge == "separate" else ("partial",):
             rt.function(self.spec_for(kind, plan, device))
 
     # -- launches ---------------------------------------------------------------------------------
@@ -374,17 +390,82 @@ class CudaPtxBackend(Backend):
         else:
             rt.launch(spec, cfg, args, torch.cuda.current_stream(rt.index).cuda_stream, pdl)
 
+    def _launch_state(self, plan: SplitPlan, workspace: Workspace) -> _Launch:
+        """The launch constants of ``(plan, workspace)``, computed and checked once (cached by identity)."""
+        key = (id(plan), id(workspace))
+        hit = self._launches.get(key)
+        if hit is not None and hit.plan is plan and hit.workspace is workspace:
+            return hit
+        self._check_workspace(plan, workspace)
+        p, s = plan.problem, plan.schedule
+        device = workspace.targets.device
+        L = _Launch()
+        L.plan, L.workspace = plan, workspace
+        L.spec = self.spec_for("partial", plan, device)
+        L.cfg = partial_launch_config(L.spec, s.max_units, p.num_kv_heads)
+        L.sched = None if plan.single_pass else s
+        L.pdl = bool(plan.kernel.get("pdl", True))
+        if plan.merge == "separate":
+            L.merge_spec = self.spec_for("merge", plan, device)
+            L.merge_cfg = merge_launch_config(L.merge_spec, p.batch * p.q_len * p.num_q_heads)
+        else:
+            L.merge_spec = L.merge_cfg = None
+        if len(self._launches) >= 64:
+            self._launches.clear()
+        self._launches[key] = L
+        return L
+
+    @staticmethod
+    def _check_workspace(plan: SplitPlan, workspace: Workspace) -> None:
+        """What the kernels assume of ``workspace`` (:meth:`Workspace.allocate`'s buffers serve): the ragged fp32 state
+        ``o [1, Q, H, >= max_units, D]`` (16-byte aligned rows of unit stride: float4 stores) and ``lse [1, Q, H,
+        >= max_units]`` (any strides) unless single pass, int32 ``targets [64]``, ``meta [>= 2 B]`` for the separate
+        merge and ``counters [>= B Hkv]`` for the fused one (contiguous), all on one device.
+
+        Raises:
+            ValueError: naming the buffer, what it is and what the kernels need.
+        """
+        p, s = plan.problem, plan.schedule
+        dev = workspace.targets.device
+        t = workspace.targets
+        if t.dtype != torch.int32 or t.dim() != 1 or t.numel() < NUM_TARGETS or t.stride(0) != 1:
+            raise ValueError(f"workspace.targets must be a contiguous int32 [{NUM_TARGETS}] tensor, got "
+                             f"{tuple(t.shape)} {t.dtype} strides {tuple(t.stride())}")
+        if not plan.single_pass:
+            st = workspace.state
+            if st is None:
+                raise ValueError("workspace has no state for a plan with several units per sequence (Workspace.allocate)")
+            o, ls = st.o, st.lse
+            want = (1, p.q_len, p.num_q_heads)
+            if o.dtype != torch.float32 or ls.dtype != torch.float32 or tuple(o.shape[:3]) != want \
+                    or o.shape[4] != p.head_dim or o.shape[3] < s.max_units or tuple(ls.shape) != tuple(o.shape[:4]):
+                raise ValueError(f"workspace.state must be float32 o [1, {p.q_len}, {p.num_q_heads}, >= {s.max_units}, "
+                                 f"{p.head_dim}] and lse [1, {p.q_len}, {p.num_q_heads}, >= {s.max_units}], got o "
+                                 f"{tuple(o.shape)} {o.dtype}, lse {tuple(ls.shape)} {ls.dtype}")
+            check_layout("workspace.state.o", o, 4, 16)
+            if o.device != dev or ls.device != dev:
+                raise ValueError(f"workspace.state is on {o.device} / {ls.device}, workspace.targets on {dev}")
+        for name, buf, words, need in (("meta", workspace.meta, 2 * p.batch, plan.merge == "separate"),
+                                       ("counters", workspace.counters, p.batch * p.num_kv_heads,
+                                        plan.merge == "fused")):
+            if need and (not isinstance(buf, torch.Tensor) or buf.dtype != torch.int32 or buf.dim() != 1
+                         or buf.numel() < words or buf.stride(0) != 1 or buf.device != dev):
+                raise ValueError(f"workspace.{name} must be a contiguous int32 tensor of at least {words} words on {dev} "
+                                 f"for the {plan.merge} merge, got {getattr(buf, 'shape', buf)!r} "
+                                 f"{getattr(buf, 'dtype', '')}")
+
     @staticmethod
     def _check_inputs(plan: SplitPlan, x: DecodeInputs, spec: KernelSpec) -> None:
         """What the partial / single-pass kernel assumes of the inputs (shapes, dtypes, strides; no device access):
-        the dtypes and the fp8 scales, q and the caches readable with 16-byte vectors, the plan's grid and page size,
-        32-bit in-tile offsets and token positions, and the index tensors' strides: ``seq_lens`` is read with unit
-        stride and ``block_table``'s entries of a row with unit column stride (its row stride may be any: rows of a
-        wider table are fine).
+        q of the plan's shape, the dtypes and the fp8 scales, q and the caches readable with 16-byte vectors, the
+        plan's KV heads and page size, the plan's variants, 32-bit in-tile offsets and token positions, and the
+        index tensors' strides: ``seq_lens`` is read with unit stride and ``block_table``'s entries of a row with
+        unit column stride (its row stride may be any: rows of a wider table are fine).
 
         Raises:
             ValueError: naming the argument, what it is and what the kernel needs.
         """
+        p = plan.problem
         fp8 = x.k_cache.dtype == torch.float8_e4m3fn
         if fp8:
             if x.v_cache.dtype != x.k_cache.dtype or x.q.dtype not in (torch.float16, torch.bfloat16):
@@ -402,17 +483,23 @@ class CudaPtxBackend(Backend):
             raise ValueError(f"cuda_ptx needs q and the KV cache in one dtype without dequantization scales, or a "
                              f"float8_e4m3fn cache with k_scale and v_scale (q {x.q.dtype}, k_cache {x.k_cache.dtype}, "
                              f"v_cache {x.v_cache.dtype})")
-        if spec.kv_fp8 != fp8:
-            raise ValueError(f"plan's kernel {spec.name} is for kv {spec.kv_dtype}, k_cache is {x.k_cache.dtype}")
+        if spec.kv_fp8 != fp8 or dtype_name(x.q.dtype) != spec.dtype:
+            raise ValueError(f"plan's kernel {spec.name} is for q {spec.dtype} and kv {spec.kv_dtype}, the inputs have "
+                             f"q {x.q.dtype} and k_cache {x.k_cache.dtype}: re-plan")
+        want = (p.batch, p.q_len, p.num_q_heads, p.head_dim)
+        if tuple(x.q.shape) != want or x.k_cache.shape[2] != p.num_kv_heads:
+            raise ValueError(f"plan is for q {want} with {p.num_kv_heads} KV heads, inputs have q {tuple(x.q.shape)} "
+                             f"and {x.k_cache.shape[2]} KV heads: re-plan")
+        if (x.window_left >= 0) != spec.window or (x.soft_cap > 0) != spec.softcap:
+            raise ValueError(f"plan's kernel {spec.name} is for window {p.window_left} and soft-cap {p.soft_cap}, the "
+                             f"inputs have window_left {x.window_left} and soft_cap {x.soft_cap}: re-plan")
         check_layout("q", x.q, 16 // x.q.element_size(), 16)
         vec = spec.layout["vec"]
         for name, t in (("k_cache", x.k_cache), ("v_cache", x.v_cache)):
             check_layout(name, t, vec, 16)
-        if tuple(plan.grid[1:]) != (x.k_cache.shape[2], x.q.shape[0]):
-            raise ValueError(f"plan grid {plan.grid} is for {plan.grid[1]} KV heads x batch {plan.grid[2]}, inputs have "
-                             f"{x.k_cache.shape[2]} x {x.q.shape[0]}")
-        if x.paged and spec.page_size != x.k_cache.shape[1]:
-            raise ValueError(f"plan is for page size {spec.page_size}, k_cache has {x.k_cache.shape[1]}")
+        if x.paged != bool(spec.page_size) or (x.paged and spec.page_size != x.k_cache.shape[1]):
+            raise ValueError(f"plan is for page size {spec.page_size or None}, the inputs have "
+                             f"{x.k_cache.shape[1] if x.paged else None}")
         for name, t in (("k_cache", x.k_cache), ("v_cache", x.v_cache)):
             if (spec.tile_tokens - 1) * t.stride(1) + spec.head_dim >= 2**31:
                 raise ValueError(f"{name} token stride {t.stride(1)} is too large: in-tile offsets of "
@@ -435,104 +522,44 @@ class CudaPtxBackend(Backend):
                     f"per sequence")
             raise ValueError(f"cuda_ptx: {what}, more than {MAX_KV_TOKENS} (2**30): token positions are 32-bit")
 
-    def partial(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState) -> None:
-        """Write the partial state of every split ``s < plan.num_splits`` into ``state`` (fp32 ``o
-        [B, Q, H, S, D]`` normalized, natural-log ``lse [B, Q, H, S]``; ``S`` may exceed
-        ``plan.num_splits``, strides are honored). Launch only.
+    def partial(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
+                lse: torch.Tensor | None) -> None:
+        """The scheduled partial kernel (:mod:`attnplan.backends.base`'s contract; the single pass for a single-pass
+        plan): rows of one-unit sequences into ``out [B, Q, H, D]`` (q's dtype) and, if given, ``lse [B, Q, H]``
+        fp32, the sinks joined; the other units' states into ``workspace.state`` slot ``u``; ``workspace.meta`` for
+        the separate merge; the fused merge inside (``plan.merge == "fused"``). Launch only: no allocation, no sync.
+
+        Strides honoured: q's and the caches' (page / sequence, token, head; multiples of 16 bytes, the kernels'
+        vector loads), the block table's rows, ``out``'s and ``lse``'s (``out``'s last axis unit), the workspace's.
 
         Raises:
-            ValueError: dtypes, shapes, strides or alignment the kernel cannot take (named).
+            ValueError: shapes, dtypes, strides, alignment or devices the kernel cannot take, or a workspace that
+                does not serve the plan (named).
         """
         x = inputs
-        spec = self.spec_for("partial", plan, x.q.device, x, in_kernel_merge=False)
+        L = self._launch_state(plan, workspace)
+        spec = L.spec
         self._check_inputs(plan, x, spec)
-        o, lse = state.o, state.lse
-        if o.dtype != torch.float32 or lse.dtype != torch.float32:
-            raise ValueError(f"cuda_ptx writes float32 partial states, got o {o.dtype}, lse {lse.dtype}")
-        if tuple(o.shape[:3]) != tuple(x.q.shape[:3]) or o.shape[4] != x.q.shape[3] or o.shape[3] < plan.num_splits:
-            raise ValueError(f"state o {tuple(o.shape)} must be [B, Q, H, >= {plan.num_splits}, D] for q {tuple(x.q.shape)}")
-        check_layout("state.o", o, 4, 16)
-        cfg = partial_launch_config(spec, plan.grid)
-        values = partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, o, lse,
-                              plan.chunk_size, plan.num_splits, window_left=x.window_left, soft_cap=x.soft_cap,
-                              k_scale=x.k_scale, v_scale=x.v_scale)
-        self._launch(spec, cfg, PARTIAL_SIGNATURE, values, x.q.device)
-
-    def partial_fused_merge(self, plan: SplitPlan, inputs: DecodeInputs, state: PartialState, out: torch.Tensor,
-                            lse: torch.Tensor | None, counters: torch.Tensor) -> None:
-        """One launch: partial states and the fused merge inside the partial kernel (``plan.merge == "fused"``, see
-        the module docstring). Writes ``out [B, Q, H, D]`` (q's dtype) and, if given, ``lse [B, Q, H]`` fp32;
-        ``inputs.sinks`` join the denominator in the merge. Launch only.
-
-        Args:
-            state: the workspace, fp32 ``o [B, Q, H, S, D]`` / ``lse [B, Q, H, S]`` with ``S >= plan.num_splits``
-                (every split's state is written, as by :meth:`partial`).
-            counters: int32, contiguous, at least ``plan.sync_words`` words on q's device (a completion counter
-                per (sequence, KV head)), zero before the launch and left zero after.
-
-        Raises:
-            ValueError: a plan without the fused merge, or dtypes, shapes, strides, alignment or devices the
-                kernel cannot take (named).
-        """
-        x = inputs
-        if plan.single_pass or plan.merge != "fused":
-            raise ValueError(f"partial_fused_merge needs a plan with merge 'fused', got merge "
-                             f"{plan.merge!r} (single_pass {plan.single_pass})")
-        if plan.column_programs != 1:
-            raise ValueError(f"cuda_ptx plans have one column program per split, got {plan.column_programs}: re-plan")
-        spec = self.spec_for("partial", plan, x.q.device, x)
-        self._check_inputs(plan, x, spec)
-        o, ls = state.o, state.lse
-        slots = plan.state_slots
-        if o.dtype != torch.float32 or ls.dtype != torch.float32:
-            raise ValueError(f"cuda_ptx writes float32 partial states, got state o {o.dtype}, lse {ls.dtype}")
-        if tuple(o.shape[:3]) != tuple(x.q.shape[:3]) or o.shape[4] != x.q.shape[3] or o.shape[3] < slots \
-                or tuple(ls.shape) != tuple(o.shape[:4]):
-            raise ValueError(f"state o {tuple(o.shape)} / lse {tuple(ls.shape)} must be [B, Q, H, >= {slots}, D] / "
-                             f"[B, Q, H, >= {slots}] for q {tuple(x.q.shape)} (fused merge)")
-        check_layout("state.o", o, 4, 16)
         self._check_out_lse(x.q, out, lse)
-        check_layout("out", out, 4, out.element_size() * 4)
-        if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1 \
-                or counters.numel() < plan.sync_words or (counters.numel() > 1 and counters.stride(0) != 1) \
-                or counters.device != x.q.device:
-            raise ValueError(f"counters must be a contiguous int32 tensor of at least plan.sync_words = "
-                             f"{plan.sync_words} words on {x.q.device}, got {getattr(counters, 'shape', counters)!r} "
-                             f"{getattr(counters, 'dtype', '')} on {getattr(counters, 'device', '')}")
-        for name, t in (("state.o", o), ("state.lse", ls), ("out", out), ("lse", lse)):
+        self._check_sinks(x.sinks, x.q.shape[2])
+        ws = workspace.state
+        for name, t in (("out", out), ("lse", lse), ("workspace", workspace.targets)):
             if t is not None and t.device != x.q.device:
                 raise ValueError(f"{name} is on {t.device}, q on {x.q.device}")
-        self._check_sinks(x.sinks, x.q.shape[2])
-        cfg = partial_launch_config(spec, plan.grid)
-        values = partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, o, ls,
-                              plan.chunk_size, plan.num_splits, window_left=x.window_left, soft_cap=x.soft_cap,
-                              sinks=x.sinks, k_scale=x.k_scale, v_scale=x.v_scale, out=out, out_lse=lse,
-                              counters=counters)
-        self._launch(spec, cfg, PARTIAL_SIGNATURE, values, x.q.device)  # no PDL: no merge kernel follows
-
-    def single_pass(self, plan: SplitPlan, inputs: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        """One chunk per sequence: write ``out [B, Q, H, D]`` (q's dtype) and, if given, ``lse
-        [B, Q, H]`` fp32 directly (no workspace, no merge). Launch only.
-
-        Raises:
-            ValueError: dtypes, shapes or strides the kernel cannot take (named).
-        """
-        x = inputs
-        spec = self.spec_for("single", plan, x.q.device, x)
-        self._check_inputs(plan, x, spec)
-        self._check_out_lse(x.q, out, lse)
-        self._check_sinks(x.sinks, x.q.shape[2])
-        grid = (1, plan.grid[1], plan.grid[2])
-        cfg = partial_launch_config(spec, grid)
         values = partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, out, lse,
-                              plan.chunk_size, 1, window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks,
-                              k_scale=x.k_scale, v_scale=x.v_scale)
-        self._launch(spec, cfg, PARTIAL_SIGNATURE, values, x.q.device)
+                              schedule=L.sched, targets=None if plan.single_pass else workspace.targets,
+                              meta=workspace.meta if plan.merge == "separate" else None,
+                              counters=workspace.counters if plan.merge == "fused" else None,
+                              ws_o=None if ws is None else ws.o, ws_lse=None if ws is None else ws.lse,
+                              window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks, k_scale=x.k_scale,
+                              v_scale=x.v_scale)
+        self._launch(spec, L.cfg, PARTIAL_SIGNATURE, values, x.q.device)  # no PDL: it waits for nothing
 
     @staticmethod
     def _check_out_lse(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
-        """The kernels' final output: ``out`` shaped and typed like ``q`` with unit last stride, ``lse``
-        ``[B, Q, H]`` fp32 (or None). Raises ValueError naming the tensor."""
+        """The kernels' final output: ``out`` shaped and typed like ``q`` with unit last stride (its other strides may
+        be any: rows are written element by element, or 4 elements at once where a row is aligned for it), ``lse``
+        ``[B, Q, H]`` fp32 (any strides) or None. Raises ValueError naming the tensor."""
         if out.dtype != q.dtype or tuple(out.shape) != tuple(q.shape) or out.stride(-1) != 1:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with unit last stride, got "
                              f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
@@ -546,34 +573,67 @@ class CudaPtxBackend(Backend):
             raise ValueError(f"sinks must be a contiguous float32 [{num_heads}] tensor, got {tuple(sinks.shape)} "
                              f"{sinks.dtype} strides {tuple(sinks.stride())}")
 
-    def merge(self, plan: SplitPlan, state: PartialState, out: torch.Tensor, lse: torch.Tensor | None,
+    def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
               sinks: torch.Tensor | None = None) -> None:
-        """Merge ``state``'s first ``plan.num_splits`` splits into ``out [B, Q, H, D]`` (its dtype) and,
-        if given, ``lse [B, Q, H]`` fp32, by :func:`attnplan.state.merge_states`'s contract:
-        ``lse = logsumexp_s(lse_s)``, ``o = sum_s exp(lse_s - lse) o_s``, an all-empty row gives
-        ``o = 0, lse = -inf`` (no ``-inf - (-inf)``); ``sinks [H]`` fp32 logits then join the
-        denominator (``lse' = logaddexp(lse, z)``, ``o' = o exp(lse - lse')``). Deterministic (fixed
-        order, no atomics; bitwise reproducible for a given :meth:`merge_teams_for`, which depends on the plan's
-        rows and splits and the device's SM count). Launch only.
+        """The separate merge kernel: every row ``(b, i, h)`` of a sequence with ``units[b] >= 2`` (``workspace.meta``,
+        written by the partial kernel: ``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``) merges its workspace
+        slots ``[indptr[b], indptr[b] + units[b])`` in slot order into ``out [B, Q, H, D]`` (q's dtype) and, if given,
+        ``lse [B, Q, H]`` fp32, by :func:`attnplan.state.merge_states`'s contract: ``lse = logsumexp_s(lse_s)``,
+        ``o = sum_s exp(lse_s - lse) o_s``, empty states weigh 0, an all-empty row gives ``o = 0, lse = -inf``, NaN
+        in a non-empty state makes the row NaN; ``sinks [H]`` fp32 logits then join the denominator once
+        (``lse' = logaddexp(lse, z)``, ``o' = o exp(lse - lse')``; a ``-inf`` sink is none). Rows of one-unit
+        sequences are left as the partial kernel wrote them. Deterministic (fixed order, no atomics; bitwise
+        reproducible for a given :meth:`merge_teams_for`). Launched with programmatic dependent launch on sm_90+
+        unless the plan's kernel option ``pdl`` is false. Launch only.
 
         Raises:
-            ValueError: dtypes, shapes, strides or alignment the kernel cannot take (named).
+            ValueError: a plan whose merge is not ``separate``, or dtypes, shapes, strides, alignment or devices the
+                kernel cannot take (named).
         """
-        o, ls = state.o, state.lse
-        b, ql, h, s, d = o.shape
-        if o.dtype != torch.float32 or ls.dtype != torch.float32:
-            raise ValueError(f"cuda_ptx merges float32 partial states, got o {o.dtype}, lse {ls.dtype}")
-        if s < plan.num_splits:
-            raise ValueError(f"state has {s} splits, the plan merges {plan.num_splits}")
-        if out.dtype not in (torch.float16, torch.bfloat16, torch.float32) or tuple(out.shape) != (b, ql, h, d):
-            raise ValueError(f"out must be [{b}, {ql}, {h}, {d}] float16/bfloat16/float32, got {tuple(out.shape)} {out.dtype}")
+        if plan.merge != "separate":
+            raise ValueError(f"plan merge is {plan.merge!r}: no separate merge to launch")
+        L = self._launch_state(plan, workspace)
+        st = workspace.state
+        p = plan.problem
+        b, ql, h, d = p.batch, p.q_len, p.num_q_heads, p.head_dim
+        if out.dtype != torch_dtype(p.q_dtype) or tuple(out.shape) != (b, ql, h, d) or out.stride(-1) != 1:
+            raise ValueError(f"out must be [{b}, {ql}, {h}, {d}] {p.q_dtype} with unit last stride, got "
+                             f"{tuple(out.shape)} {out.dtype} strides {tuple(out.stride())}")
         if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (b, ql, h)):
             raise ValueError(f"lse must be [{b}, {ql}, {h}] float32, got {tuple(lse.shape)} {lse.dtype}")
         self._check_sinks(sinks, h)
-        spec = merge_spec(dtype_name(out.dtype), d, self.merge_teams_for(plan, o.device))
-        check_layout("state.o", o, 4, 16)
-        check_layout("out", out, 4, out.element_size() * 4)
-        cfg = merge_launch_config(spec, b * ql * h)
-        self._launch(spec, cfg, MERGE_SIGNATURE, merge_args(o, ls, out, lse, plan.num_splits, sinks), o.device,
-                     pdl=bool(plan.kernel.get("pdl", True)))
+        for name, t in (("out", out), ("lse", lse), ("sinks", sinks)):
+            if t is not None and t.device != st.o.device:
+                raise ValueError(f"{name} is on {t.device}, the workspace on {st.o.device}")
+        self._launch(L.merge_spec, L.merge_cfg, MERGE_SIGNATURE, merge_args(st.o, st.lse, workspace.meta, out, lse, sinks),
+                     st.o.device, pdl=L.pdl)
 
+    def probe(self, spec: KernelSpec, seq_lens: torch.Tensor, schedule, probe_units, *, window_left: int = -1,
+              write_meta: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the partial kernel's schedule prologue alone (tests; ``spec`` a ``"partial"`` spec: its threads, q_len
+        and window; its probe build): ``(res, meta)`` on ``seq_lens``'s device, ``res`` int32 ``[n, 8]`` = (b, j,
+        start, end, units[b], c, indptr[b], cb) of each unit of ``probe_units`` (b = -1 and the rest -7 past the
+        batch's units), ``meta`` int32 ``[2 B]`` written by the first probe block (``None`` without
+        ``write_meta``). Allocates and launches (not for a CUDA graph).
+
+        Raises:
+            ValueError: ``spec`` is not a ``"partial"`` spec.
+        """
+        import dataclasses
+
+        from .args import PROBE_SIGNATURE, probe_args
+        from .spec import LaunchConfig
+
+        if spec.kind != "partial":
+            raise ValueError(f"the schedule probe runs a 'partial' spec's prologue, got {spec.name}")
+        spec = dataclasses.replace(spec, probe=True)
+        lens = torch.as_tensor(seq_lens, dtype=torch.int32).contiguous()
+        dev = lens.device
+        units = torch.as_tensor(list(probe_units), dtype=torch.int32).to(dev)
+        res = torch.full((units.numel(), 8), -7, dtype=torch.int32, device=dev)
+        meta = torch.full((2 * lens.numel(),), -7, dtype=torch.int32, device=dev) if write_meta else None
+        targets = torch.tensor(schedule.targets, dtype=torch.int32, device=dev)
+        cfg = LaunchConfig((units.numel(), 1, 1), (spec.threads, 1, 1), spec.smem_bytes)
+        self._launch(spec, cfg, PROBE_SIGNATURE, probe_args(lens, targets, meta, units, res, schedule, window_left),
+                     dev)
+        return res, meta

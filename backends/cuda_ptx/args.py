@@ -8,14 +8,14 @@ from the tensors (data pointers, strides in elements; no device access, no sync)
 that a tensor can be read with the kernels' vector loads.
 
 64 bits: every stride is an int64 argument and the kernels form every offset into a cache, the block table, q, out
-or a state as a 64-bit product (page x page stride, sequence x sequence stride, token x token stride, head x head
-stride, split x split stride); only offsets inside one tile or page (at most ``(tile - 1) x token stride +
-head_dim`` elements, checked by the backend) and token positions are 32-bit. Token positions stay below 2**31 because
-a cache holds at most :data:`MAX_KV_TOKENS` tokens per sequence (the backend refuses more, naming the tensor): the
-rings and the block-table window run at most a few million tokens past a chunk's end. The 32-bit scalars are packed
-so that every value the planner and the input validation allow fits: ``window_left`` as ``min(window_left,
-capacity)`` (a window at least the cache's capacity restricts nothing), ``chunk_size`` as ``min(chunk_size,
-MAX_KV_TOKENS)`` (a chunk at least the capacity makes one split of everything either way).
+or the workspace as a 64-bit product (page x page stride, sequence x sequence stride, token x token stride, head x
+head stride, slot x slot stride); only offsets inside one tile or page (at most ``(tile - 1) x token stride +
+head_dim`` elements, checked by the backend) and token positions are 32-bit. Token positions stay below 2**31
+because a cache holds at most :data:`MAX_KV_TOKENS` tokens per sequence (the backend refuses more, naming the
+tensor): the rings and the block-table window run at most a few million tokens past a unit's end. The 32-bit
+scalars are packed so that every value the planner and the input validation allow fits: ``window_left`` as
+``min(window_left, capacity)`` (a window at least the cache's capacity restricts nothing); the schedule's integers
+are below 2**31 by :class:`~attnplan.schedule.Schedule`'s own checks.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 
 from .spec import KernelSpec
 
-__all__ = ["PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "PackedArgs", "partial_args", "merge_args", "check_layout",
-           "expected_param_sizes", "kv_capacity", "MAX_KV_TOKENS"]
+__all__ = ["PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "PROBE_SIGNATURE", "PackedArgs", "partial_args", "merge_args",
+           "probe_args", "schedule_ints", "check_layout", "expected_param_sizes", "kv_capacity", "MAX_KV_TOKENS"]
 
 #: most tokens a cache may hold per sequence (contiguous: ``k_cache.shape[1]``; paged: ``block_table.shape[1] x
 #: page_size``), so that the kernels' 32-bit token positions, which run ahead of a chunk by the rings and the
@@ -44,31 +44,41 @@ def kv_capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
         return int(k_cache.shape[1])
     return int(block_table.shape[1]) * int(k_cache.shape[1])
 
-#: (name, kind) of each partial / single-pass kernel parameter, in order; kinds: ptr, i32, f32, i64
+#: (name, kind) of each partial / single-pass kernel parameter, in order; kinds: ptr, i32, f32, i64. The single pass
+#: reads the first 30 (``granule`` / ``max_units_per_seq`` = 1 / ``o_ss`` = ``l_ss`` = 0 as its one split's chunk
+#: arithmetic), in the order it had before the device-side schedule (``decode.cu`` says why); the schedule's and the
+#: workspace's follow.
 PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("q", "ptr"), ("k_cache", "ptr"), ("v_cache", "ptr"), ("seq_lens", "ptr"), ("block_table", "ptr"),
-    ("o", "ptr"), ("lse", "ptr"), ("sinks", "ptr"), ("k_scale", "ptr"), ("v_scale", "ptr"),
-    ("scale_log2", "f32"), ("softcap_log2", "f32"), ("chunk_size", "i32"), ("num_splits", "i32"),
+    ("out", "ptr"), ("out_lse", "ptr"), ("sinks", "ptr"), ("k_scale", "ptr"), ("v_scale", "ptr"),
+    ("scale_log2", "f32"), ("softcap_log2", "f32"), ("granule", "i32"), ("max_units_per_seq", "i32"),
     ("num_kv_heads", "i32"), ("window_left", "i32"),
     ("q_sb", "i64"), ("q_si", "i64"), ("q_sh", "i64"),
     ("k_s0", "i64"), ("k_s1", "i64"), ("k_sh", "i64"),
     ("v_s0", "i64"), ("v_s1", "i64"), ("v_sh", "i64"),
     ("bt_sb", "i64"),
-    ("o_sb", "i64"), ("o_si", "i64"), ("o_sh", "i64"), ("o_ss", "i64"),
-    ("l_sb", "i64"), ("l_si", "i64"), ("l_sh", "i64"), ("l_ss", "i64"),
-    # the fused merge's (null / 0 otherwise): out, out_lse, counters
-    ("out", "ptr"), ("out_lse", "ptr"), ("counters", "ptr"),
-    ("out_sb", "i64"), ("out_si", "i64"), ("out_sh", "i64"),
-    ("ol_sb", "i64"), ("ol_si", "i64"), ("ol_sh", "i64"),
+    ("out_sb", "i64"), ("out_si", "i64"), ("out_sh", "i64"), ("o_ss", "i64"),
+    ("ol_sb", "i64"), ("ol_si", "i64"), ("ol_sh", "i64"), ("l_ss", "i64"),
+    # the schedule's and the merges' (the single pass reads none of them)
+    ("targets", "ptr"), ("meta", "ptr"), ("counters", "ptr"), ("ws_o", "ptr"), ("ws_lse", "ptr"),
+    ("batch", "i32"), ("min_unit_granules", "i32"), ("balanced", "i32"),
+    ("o_si", "i64"), ("o_sh", "i64"),
+    ("l_si", "i64"), ("l_sh", "i64"),
 )
 #: (name, kind) of each merge kernel parameter, in order
 MERGE_SIGNATURE: tuple[tuple[str, str], ...] = (
-    ("o", "ptr"), ("lse", "ptr"), ("out", "ptr"), ("out_lse", "ptr"), ("sinks", "ptr"),
-    ("num_splits", "i32"), ("q_len", "i32"), ("num_heads", "i32"),
-    ("o_sb", "i64"), ("o_si", "i64"), ("o_sh", "i64"), ("o_ss", "i64"),
-    ("l_sb", "i64"), ("l_si", "i64"), ("l_sh", "i64"), ("l_ss", "i64"),
+    ("o", "ptr"), ("lse", "ptr"), ("meta", "ptr"), ("out", "ptr"), ("out_lse", "ptr"), ("sinks", "ptr"),
+    ("batch", "i32"), ("q_len", "i32"), ("num_heads", "i32"),
+    ("o_si", "i64"), ("o_sh", "i64"), ("o_ss", "i64"),
+    ("l_si", "i64"), ("l_sh", "i64"), ("l_ss", "i64"),
     ("out_sb", "i64"), ("out_si", "i64"), ("out_sh", "i64"),
     ("ol_sb", "i64"), ("ol_si", "i64"), ("ol_sh", "i64"),
+)
+#: (name, kind) of each schedule probe parameter (a probe spec's ``attnplan_schedule_probe``), in order
+PROBE_SIGNATURE: tuple[tuple[str, str], ...] = (
+    ("seq_lens", "ptr"), ("targets", "ptr"), ("meta", "ptr"), ("probe_units", "ptr"), ("res", "ptr"),
+    ("batch", "i32"), ("window_left", "i32"), ("granule", "i32"), ("min_unit_granules", "i32"),
+    ("max_units_per_seq", "i32"), ("balanced", "i32"),
 )
 _SLOT_FORMAT = {"ptr": "Q", "i64": "q", "i32": "i4x", "f32": "f4x"}
 _LOG2E = 1.4426950408889634
@@ -77,6 +87,14 @@ _LOG2E = 1.4426950408889634
 @functools.lru_cache(maxsize=16)
 def _struct_for(kinds: tuple[str, ...]) -> struct.Struct:
     return struct.Struct("<" + "".join(_SLOT_FORMAT[k] for k in kinds))
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_for(signature: tuple[tuple[str, str], ...]):
+    """A signature's packing, computed once: its struct, pointer slots, slot offsets and ``void*[n]`` array type."""
+    kinds = tuple(k for _, k in signature)
+    return (_struct_for(kinds), tuple(i for i, k in enumerate(kinds) if k == "ptr"),
+            tuple(8 * i for i in range(len(kinds))), ctypes.c_void_p * len(kinds))
 
 
 class PackedArgs:
@@ -97,15 +115,17 @@ class PackedArgs:
     def __init__(self, signature: tuple[tuple[str, str], ...], values: list):
         if len(signature) != len(values):
             raise ValueError(f"{len(values)} kernel arguments for a signature of {len(signature)}")
-        kinds = tuple(k for _, k in signature)
-        st = _struct_for(kinds)
-        vals = [0 if v is None and k == "ptr" else v for v, k in zip(values, kinds)]
+        st, ptr_slots, offsets, array_t = _layout_for(signature)
+        if None in values:  # null pointers (None elsewhere: struct.error below)
+            values = list(values)
+            for i in ptr_slots:
+                if values[i] is None:
+                    values[i] = 0
         self.signature = signature
         self.buffer = ctypes.create_string_buffer(st.size)
-        st.pack_into(self.buffer, 0, *vals)
+        st.pack_into(self.buffer, 0, *values)
         base = ctypes.addressof(self.buffer)
-        n = len(kinds)
-        self.pointers = (ctypes.c_void_p * n)(*(base + 8 * i for i in range(n)))
+        self.pointers = array_t(*[base + o for o in offsets])
 
     @property
     def kernel_params(self) -> int:
@@ -140,13 +160,23 @@ def check_layout(name: str, t: torch.Tensor, vec: int, align: int) -> None:
                          "elements for the kernels' vector loads; pass a contiguous tensor")
 
 
+def schedule_ints(schedule, batch: int) -> tuple[int, int, int, int, int]:
+    """The kernels' schedule scalars of a plan's :class:`~attnplan.schedule.Schedule` (``None``: a single pass):
+    ``(batch, granule, min_unit_granules, max_units_per_seq, balanced)``, ``balanced`` 1 when the targets are not
+    all zero (the prologue then reads the batch's total)."""
+    if schedule is None:
+        return int(batch), 1, 1, 1, 0
+    return (int(batch), int(schedule.granule), int(schedule.min_unit_granules), int(schedule.max_units_per_seq),
+            int(any(schedule.targets)))
+
+
 def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seq_lens: torch.Tensor, block_table: torch.Tensor | None, sm_scale: float,
-                 o: torch.Tensor, lse: torch.Tensor | None, chunk_size: int, num_splits: int, *,
+                 out: torch.Tensor, out_lse: torch.Tensor | None, *, schedule=None, targets: torch.Tensor | None = None,
+                 meta: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                 ws_o: torch.Tensor | None = None, ws_lse: torch.Tensor | None = None,
                  window_left: int = -1, soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, out_lse: torch.Tensor | None = None,
-                 counters: torch.Tensor | None = None) -> list:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> list:
     """Argument values for :data:`PARTIAL_SIGNATURE` (no device access, no sync).
 
     Args:
@@ -155,59 +185,68 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
             ``[pages, page_size, Hkv, D]``; seq_lens ``[B]`` int32; block_table ``[B, max_pages]``
             int32 or ``None``.
         sm_scale: score scale; the kernel gets ``sm_scale * log2(e)`` (base-2 softmax).
-        o: partial: ``PartialState.o [B, Q, Hq, S, D]`` fp32; single: ``out [B, Q, Hq, D]``.
-        lse: partial: ``[B, Q, Hq, S]`` fp32; single: ``[B, Q, Hq]`` fp32 or ``None``.
-        chunk_size: tokens per split (any int >= 1; packed as ``min(chunk_size, MAX_KV_TOKENS)``); num_splits:
-            splits of the grid (1 for single pass).
+        out: ``[B, Q, Hq, D]`` in q's dtype; out_lse: ``[B, Q, Hq]`` fp32 or ``None`` (rows of one-unit sequences,
+            the single pass, the fused merge).
+        schedule: the plan's :class:`~attnplan.schedule.Schedule` (``None`` for the single pass:
+            :func:`schedule_ints`); targets: its int32 ``[64]`` table on the device; meta: int32 ``[2 B]`` for the
+            separate merge (``None`` otherwise); counters: the fused merge's int32 ``[B Hkv]`` (``None``
+            otherwise); ws_o / ws_lse: the ragged workspace ``o [1, Q, Hq, U, D]`` / ``lse [1, Q, Hq, U]`` fp32
+            (``None`` for the single pass).
         window_left: sliding window in tokens, -1 = none (used when ``spec.window``; any int >= -1: packed as
             ``min(window_left, kv_capacity(k_cache, block_table))``, the same visible positions for sequences up
             to the capacity); soft_cap: ``c`` of ``c * tanh(s / c)`` (used when ``spec.softcap``; the kernel gets
             ``c * log2(e)``).
-        sinks: ``[num_q_heads]`` fp32 sink logits, for the single pass and the fused merge (partial
-            states exclude them).
+        sinks: ``[num_q_heads]`` fp32 sink logits, joined where ``out`` is written (partial states exclude them).
         k_scale, v_scale: ``[num_kv_heads]`` fp32 dequantization scales of an fp8 cache (``spec.kv_fp8``).
-        out, out_lse, counters: the fused merge's (``spec.merge == "fused"``): ``out [B, Q, Hq, D]`` in q's dtype,
-            ``out_lse [B, Q, Hq]`` fp32 or ``None``, the zeroed int32 ``counters`` (``plan.sync_words``: one
-            completion counter per (sequence, KV head)); ``None`` otherwise.
-    Strides are in elements; a single-pass output has split stride 0.
+    Strides are in elements.
 
     Raises:
-        ValueError: ``window_left`` below -1 or ``chunk_size`` below 1.
+        ValueError: ``window_left`` below -1.
     """
-    if int(window_left) < -1 or int(chunk_size) < 1:
-        raise ValueError(f"window_left must be >= -1 and chunk_size >= 1, got {window_left} and {chunk_size}")
+    if int(window_left) < -1:
+        raise ValueError(f"window_left must be >= -1, got {window_left}")
     window = int(window_left) if int(window_left) < 0 else min(int(window_left), kv_capacity(k_cache, block_table))
-    single = spec.kind == "single"
-    o_str = _strides(o, 3) + [0 if single else int(o.stride(3))]
-    l_str = _strides(lse, 3) + ([0] if single or lse is None else [int(lse.stride(3))])
     bt = block_table
+    batch, granule, min_c, max_per, balanced = schedule_ints(schedule, q.shape[0])
+    o_si, o_sh, o_ss = (int(x) for x in ws_o.stride()[1:4]) if ws_o is not None else (0, 0, 0)
+    l_si, l_sh, l_ss = (int(x) for x in ws_lse.stride()[1:4]) if ws_lse is not None else (0, 0, 0)
     return [
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr(),
-        0 if bt is None else bt.data_ptr(), o.data_ptr(), 0 if lse is None else lse.data_ptr(),
-        0 if sinks is None else sinks.data_ptr(),
-        0 if k_scale is None else k_scale.data_ptr(), 0 if v_scale is None else v_scale.data_ptr(),
-        float(sm_scale) * _LOG2E, float(soft_cap) * _LOG2E, min(int(chunk_size), MAX_KV_TOKENS), int(num_splits),
-        int(k_cache.shape[2]), window,
+        0 if bt is None else bt.data_ptr(), out.data_ptr(), _ptr(out_lse), _ptr(sinks), _ptr(k_scale), _ptr(v_scale),
+        float(sm_scale) * _LOG2E, float(soft_cap) * _LOG2E, granule, max_per, int(k_cache.shape[2]), window,
         *_strides(q, 3), *_strides(k_cache, 3), *_strides(v_cache, 3),
         0 if bt is None else int(bt.stride(0)),
-        *o_str, *l_str,
-        0 if out is None else out.data_ptr(), 0 if out_lse is None else out_lse.data_ptr(),
-        0 if counters is None else counters.data_ptr(),
-        *_strides(out, 3), *_strides(out_lse, 3),
+        *_strides(out, 3), o_ss, *_strides(out_lse, 3), l_ss,
+        _ptr(targets), _ptr(meta), _ptr(counters), _ptr(ws_o), _ptr(ws_lse), batch, min_c, balanced,
+        o_si, o_sh, l_si, l_sh,
     ]
 
 
-def merge_args(o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor | None,
-               num_splits: int, sinks: torch.Tensor | None = None) -> list:
-    """Argument values for :data:`MERGE_SIGNATURE`: merge the first ``num_splits`` splits of
-    ``o [B, Q, H, S, D]`` / ``lse [B, Q, H, S]`` into ``out [B, Q, H, D]`` and ``out_lse [B, Q, H]``
-    (``sinks [H]`` fp32 contiguous join the denominator when given)."""
+def merge_args(o: torch.Tensor, lse: torch.Tensor, meta: torch.Tensor, out: torch.Tensor,
+               out_lse: torch.Tensor | None, sinks: torch.Tensor | None = None) -> list:
+    """Argument values for :data:`MERGE_SIGNATURE`: merge the ragged workspace ``o [1, Q, H, U, D]`` / ``lse [1, Q,
+    H, U]`` into ``out [B, Q, H, D]`` and ``out_lse [B, Q, H]`` over the slots ``meta [2 B]`` names (``indptr[b]``
+    then ``units[b]``); ``sinks [H]`` fp32 contiguous join the denominator when given."""
     return [
-        o.data_ptr(), lse.data_ptr(), out.data_ptr(), 0 if out_lse is None else out_lse.data_ptr(),
-        0 if sinks is None else sinks.data_ptr(),
-        int(num_splits), int(o.shape[1]), int(o.shape[2]),
-        *_strides(o, 4), *_strides(lse, 4), *_strides(out, 3), *_strides(out_lse, 3),
+        o.data_ptr(), lse.data_ptr(), meta.data_ptr(), out.data_ptr(), _ptr(out_lse), _ptr(sinks),
+        int(out.shape[0]), int(o.shape[1]), int(o.shape[2]),
+        *[int(x) for x in o.stride()[1:4]], *[int(x) for x in lse.stride()[1:4]], *_strides(out, 3),
+        *_strides(out_lse, 3),
     ]
+
+
+def probe_args(seq_lens: torch.Tensor, targets: torch.Tensor, meta: torch.Tensor | None, probe_units: torch.Tensor,
+               res: torch.Tensor, schedule, window_left: int = -1) -> list:
+    """Argument values for :data:`PROBE_SIGNATURE`: the schedule of the units ``probe_units`` (int32 ``[n]``) into
+    ``res`` (int32 ``[n, 8]``) for ``seq_lens`` (int32 ``[B]``) under ``schedule``; ``meta`` (int32 ``[2 B]``) is
+    written when given."""
+    b, granule, min_c, max_per, balanced = schedule_ints(schedule, seq_lens.shape[0])
+    return [seq_lens.data_ptr(), targets.data_ptr(), _ptr(meta), probe_units.data_ptr(), res.data_ptr(), b,
+            max(int(window_left), -1), granule, min_c, max_per, balanced]
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def expected_param_sizes(signature: tuple[tuple[str, str], ...]) -> list[int]:

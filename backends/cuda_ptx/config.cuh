@@ -49,6 +49,7 @@ constexpr int VEC = DTYPE == 2 ? 4 : 8;  // q elements per 16-byte vector
 
 #define NEG_INF (__int_as_float(0xff800000))
 #define QNAN_F (__int_as_float(0x7fffffff))
+#define FLT_MAX_F (__int_as_float(0x7f7fffff))
 #define FULL_MASK 0xffffffffu
 #define LN2_F 0.69314718055994530942f
 

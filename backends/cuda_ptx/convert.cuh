@@ -38,17 +38,30 @@ __device__ __forceinline__ elem_t from_float(float x) {
         return cvt_rn_f16(x);
 }
 
-// 4 consecutive output elements in q's dtype (p 8-byte aligned; 16-byte for fp32)
-__device__ __forceinline__ void store4(elem_t *p, float a, float b, float c, float d) {
-    if constexpr (DTYPE == 2) {
+// 4 consecutive output elements in q's dtype: one 8-byte (fp32: 16-byte) store when `vec` (p aligned to it), else
+// four element stores (an out whose leading strides are not multiples of 4 elements)
+__device__ __forceinline__ void store4(elem_t *p, float a, float b, float c, float d, bool vec) {
+    if (!vec) {
+        p[0] = from_float(a);
+        p[1] = from_float(b);
+        p[2] = from_float(c);
+        p[3] = from_float(d);
+    } else if constexpr (DTYPE == 2) {
+        check_aligned(p, 16);
         float4 t; t.x = a; t.y = b; t.z = c; t.w = d;
         *reinterpret_cast<float4 *>(p) = t;
     } else {
+        check_aligned(p, 8);
         uint2 t;
         t.x = (u32)from_float(a) | ((u32)from_float(b) << 16);
         t.y = (u32)from_float(c) | ((u32)from_float(d) << 16);
         *reinterpret_cast<uint2 *>(p) = t;
     }
+}
+
+// whether 4 consecutive output elements at p take one vector store (p aligned to 4 elements)
+__device__ __forceinline__ bool vec4_aligned(const elem_t *p) {
+    return ((unsigned long long)p & (4 * sizeof(elem_t) - 1)) == 0;
 }
 
 // ---- float8_e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits, subnormals, no infinities,

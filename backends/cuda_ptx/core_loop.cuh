@@ -12,6 +12,7 @@
 //    the row group's KV warps (decode.cu).
 //  * fp8 e4m3fn KV: a 16-byte load carries 16 values, decoded exactly with integer ops and the fp16 conversion
 //    (convert.cuh; values x 2^-8, FP8_UNIT folded into the scales).
+//  * NaN isolation (q_len > 1): a tile holding positions some rows see and others do not takes tile_pv_isolated.
 // The helpers below are functions; the rows' setup, the per-tile softmax and the end are kernel-body fragments
 // included by decode.cu: core_loop_rows.cuh, core_loop_tile.cuh, core_loop_finish.cuh.
 #pragma once
@@ -99,5 +100,50 @@ __device__ __forceinline__ void tile_pv(float (&acc)[RT][NV][KVEC], const float 
             for (int j = 0; j < NV; ++j)
 #pragma unroll
                 for (int e = 0; e < KVEC; ++e) acc[r][j][e] = fmaf(sc[p][r], vf[j][e], acc[r][j][e]);
+    }
+}
+
+// tile_pv for a tile holding positions some of the warp's rows see and others do not (QLEN > 1: the last QLEN - 1
+// positions of a sequence, the first of a window): P.V multiplies a V row a row cannot see by p = 0, and 0 * NaN =
+// NaN. A lane whose V elements of a token are not all finite (rare: a per-lane branch, nothing collective in it)
+// zeroes them for the products and sets those columns of the rows that see the token to NaN (the float64
+// reference's rule, attnplan.reference._attend: a non-finite V entry a row sees makes that column NaN). lo / hi:
+// the rows' visible ranges, ts the tile's first position.
+__device__ __forceinline__ void tile_pv_isolated(float (&acc)[RT][NV][KVEC], const float (&sc)[PASSES][RT],
+                                                 const unsigned char *vs, int slot, int lv, int ts,
+                                                 const int (&lo)[RT], const int (&hi)[RT]) {
+    static_assert(NV * KVEC <= 32, "one bit per element of a lane's V row slice");
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+        const int tok = p * TPP + slot, t = ts + tok;
+        float vf[NV][KVEC];
+        load_row(vf, vs, tok, lv);
+        u32 bad = 0u;
+#pragma unroll
+        for (int j = 0; j < NV; ++j)
+#pragma unroll
+            for (int e = 0; e < KVEC; ++e)
+                if (!(fabsf(vf[j][e]) <= FLT_MAX_F)) bad |= 1u << (j * KVEC + e);
+        if (bad) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j)
+#pragma unroll
+                for (int e = 0; e < KVEC; ++e)
+                    if (bad & (1u << (j * KVEC + e))) vf[j][e] = 0.f;
+        }
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+#pragma unroll
+            for (int j = 0; j < NV; ++j)
+#pragma unroll
+                for (int e = 0; e < KVEC; ++e) acc[r][j][e] = fmaf(sc[p][r], vf[j][e], acc[r][j][e]);
+            if (bad && t >= lo[r] && t < hi[r]) {
+#pragma unroll
+                for (int j = 0; j < NV; ++j)
+#pragma unroll
+                    for (int e = 0; e < KVEC; ++e)
+                        if (bad & (1u << (j * KVEC + e))) acc[r][j][e] = QNAN_F;
+            }
+        }
     }
 }

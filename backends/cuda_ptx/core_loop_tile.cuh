@@ -44,4 +44,11 @@
             }
         }
 
-        tile_pv(acc, sc, vs, slot, lv);
+        if constexpr (QLEN > 1) {  // the tile may hold positions some rows see and others do not: NaN isolation
+            if (ts < max_lo || ts + TILE > min_hi)
+                tile_pv_isolated(acc, sc, vs, slot, lv, ts, lo, hi);
+            else
+                tile_pv(acc, sc, vs, slot, lv);
+        } else {
+            tile_pv(acc, sc, vs, slot, lv);
+        }

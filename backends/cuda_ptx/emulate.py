@@ -160,6 +160,11 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
             for spec, k in zip(todo, pool.map(lambda s: EmulatedKernel(s, self.build_dir), todo)):
                 self.kernels[spec] = k
 
+    def prepare(self, plan, device) -> None:
+        """Build the emulations of every kernel ``plan`` launches (the GPU backend compiles and loads them)."""
+        kinds = ("partial", "merge") if plan.merge == "separate" else ("partial",)
+        self.prebuild([self.spec_for(k, plan, torch.device(device)) for k in kinds])
+
     def kernel(self, spec: KernelSpec) -> EmulatedKernel:
         k = self.kernels.get(spec)
         if k is None:
@@ -173,18 +178,19 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
     def _inputs(x) -> list:
         return [x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.k_scale, x.v_scale, x.sinks]
 
-    def partial(self, plan, inputs, state) -> None:
-        self._readable = self._inputs(inputs)
-        super().partial(plan, inputs, state)
+    @staticmethod
+    def _workspace(ws) -> list:  # the fused merge reads the states back (ld.global.cg) and counts in the counters
+        st = ws.state
+        return [ws.targets, ws.meta, ws.counters, *(() if st is None else (st.o, st.lse))]
 
-    def single_pass(self, plan, inputs, out, lse) -> None:
-        self._readable = self._inputs(inputs)
-        super().single_pass(plan, inputs, out, lse)
+    def partial(self, plan, inputs, workspace, out, lse) -> None:
+        self._readable = self._inputs(inputs) + self._workspace(workspace)
+        super().partial(plan, inputs, workspace, out, lse)
 
-    def merge(self, plan, state, out, lse, sinks=None) -> None:
-        self._readable = [state.o, state.lse]
-        super().merge(plan, state, out, lse, sinks)
+    def merge(self, plan, workspace, out, lse, sinks=None) -> None:
+        self._readable = self._workspace(workspace)
+        super().merge(plan, workspace, out, lse, sinks)
 
-    def partial_fused_merge(self, plan, inputs, state, out, lse, counters) -> None:
-        self._readable = [*self._inputs(inputs), state.o, state.lse, counters]  # states read back, counters updated
-        super().partial_fused_merge(plan, inputs, state, out, lse, counters)
+    def probe(self, spec, seq_lens, schedule, probe_units, **kw):
+        self._readable = []  # the prologue reads seq_lens and targets with plain loads
+        return super().probe(spec, seq_lens, schedule, probe_units, **kw)

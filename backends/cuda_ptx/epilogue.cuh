@@ -1,24 +1,26 @@
 // attnplan cuda_ptx: the fused cross-program merge (ATTNPLAN_MERGE 1) at the end of a partial program.
 //
 // The global reduction of split-K inside the partial kernel instead of a merge-kernel launch (peers: FlashInfer's
-// merge_states and FlashAttention-2's split-KV combine, both separate kernels): the program of a (sequence, KV head)
-// group that finishes last merges the group's states in split order with the merge kernel's merge_row (state.cuh),
-// so the result does not depend on which program that is. The counters argument holds one int32 completion counter
-// per group, zero before the launch and again after it (graph replays).
+// merge_states and FlashAttention-2's split-KV combine, both separate kernels): of the units of a (sequence, KV
+// head) group (a sequence with two or more units; one-unit sequences write out directly and never count), the
+// program that finishes last merges the group's states in unit order with the merge kernel's merge_row
+// (state.cuh), so the result does not depend on which program that is. The counters argument holds one int32
+// completion counter per group, counters[b * Hkv + h], zero before the launch and again after it (graph replays).
 #pragma once
 
-// Fused merge: every thread of the program calls it once its split's state is written (o at ob0 + s * o_ss,
-// lse at lb0 + s * l_ss; rows r = i*GROUP + g at i * _si + g * _sh; out / out_lse / sinks likewise at the
-// group's first head). Release: each thread fences its own state stores (__threadfence), the barrier gathers
+// Fused merge: every thread of the program calls it once its unit's state is written (the group's units are the
+// workspace slots first .. first + units - 1: unit k's o at ob0 + k * o_ss, lse at lb0 + k * l_ss, ob0 / lb0 at
+// slot `first`; rows r = i*GROUP + g at i * _si + g * _sh; out / out_lse / sinks likewise at the group's first
+// head). Release: each thread fences its own state stores (__threadfence), the barrier gathers
 // the program, then one thread counts the program in the (sequence, KV head) completion counter with an
 // acq_rel atomic: its release is cumulative over the stores the barrier ordered before it, so the whole state
 // is visible at gpu scope before the count moves; its acquire makes every state released before it visible
 // to that thread, and through the second barrier to the program. The program that counts last resets the
 // counter (no other program of the launch touches it again: zero for the next launch and graph replays) and
-// merges the group's rows over all splits in split order with the merge kernel's merge_row, reading the
+// merges the group's rows over its units in unit order with the merge kernel's merge_row, reading the
 // states through L2 (ld.global.cg). Its threads form teams of TW (one row's merge_row team, fewer warps if the
 // program has fewer) that take the rows r, r + TEAMS, ...; each thread keeps 8 splits' o loads in flight.
-__device__ __forceinline__ void fused_merge(unsigned char *smem, int tid, int num_splits, int *counter,
+__device__ __forceinline__ void fused_merge(unsigned char *smem, int tid, int units, int *counter,
                                             const float *ob0, i64 o_si, i64 o_sh, i64 o_ss,
                                             const float *lb0, i64 l_si, i64 l_sh, i64 l_ss,
                                             elem_t *outb, i64 out_si, i64 out_sh, float *olb, i64 ol_si, i64 ol_sh,
@@ -27,7 +29,7 @@ __device__ __forceinline__ void fused_merge(unsigned char *smem, int tid, int nu
     __syncthreads();
     int *flag = reinterpret_cast<int *>(smem);  // the program is done with its shared memory
     if (tid == 0) {
-        const bool last = atom_add_acq_rel(counter, 1) == num_splits - 1;
+        const bool last = atom_add_acq_rel(counter, 1) == units - 1;
         if (last) atomicExch(counter, 0);
         sts(flag, last ? 1 : 0);
     }
@@ -40,7 +42,7 @@ __device__ __forceinline__ void fused_merge(unsigned char *smem, int tid, int nu
     for (int rr = team; rr < R; rr += TEAMS) {
         const int i = rr / GROUP, g = rr % GROUP;
         merge_row<TW, 8 / NSLOT, true>(lb0 + (i64)i * l_si + (i64)g * l_sh, l_ss, ob0 + (i64)i * o_si + (i64)g * o_sh,
-                                       o_ss, num_splits, sinkb ? sinkb + g : nullptr,
+                                       o_ss, units, sinkb ? sinkb + g : nullptr,
                                        outb + (i64)i * out_si + (i64)g * out_sh,
                                        olb ? olb + (i64)i * ol_si + (i64)g * ol_sh : nullptr, tid % TW);
     }

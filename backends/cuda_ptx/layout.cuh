@@ -5,7 +5,7 @@
 // static_assert equality, so host and kernel cannot drift apart.
 //
 // Merge kernel (ATTNPLAN_KIND 2):
-//   ATTNPLAN_MERGE_TEAMS merge teams per CTA: 1, 2, 4 or 8; each merges a range of the row's splits, combined
+//   ATTNPLAN_MERGE_TEAMS merge teams per CTA: 1, 2, 4 or 8; each merges a range of the row's units, combined
 //                        through shared memory (decode.cu, the merge kernel)
 // Partial / single-pass kernel (ATTNPLAN_KIND 0 / 1):
 //   ATTNPLAN_KV_FP8      1 = the KV cache is float8_e4m3fn (q fp16 / bf16), dequantized in the kernel with the
@@ -22,7 +22,7 @@
 //   ATTNPLAN_MMA         1 = the tensor-core path (mma.sync m16n8k16, mma_loop.cuh): fp16 / bf16 q, KV in q's
 //                        dtype or fp8 e4m3fn, head_dim a multiple of 16; 0 = CUDA cores (core_loop.cuh)
 //   ATTNPLAN_MERGE       1 = the fused cross-program merge inside the partial kernel (epilogue.cuh), 0 = none (the
-//                        merge kernel follows, or single pass)
+//                        separate merge kernel follows, or single pass)
 //   ATTNPLAN_TILE_TOKENS the host's tile, checked like _THREADS and _SMEM_BYTES
 #pragma once
 
@@ -130,15 +130,6 @@ static_assert(NTHREADS == ATTNPLAN_THREADS, "host and kernel disagree on threads
 // spilling (head_dim 128, sm_90: 130-165 registers, still 3 programs per SM). The bf16 / fp16 and CUDA-core kernels
 // keep the measured open form (0: no minimum).
 constexpr int MIN_CTAS_PER_SM = (MMA && KV8) || FUSED ? 1 : 0;
-
-// what the kernel writes: the fp32 partial state, or q's dtype (single pass)
-typedef select_type<KIND == ATTNPLAN_KIND_SINGLE, elem_t, float>::type out_t;
-__device__ __forceinline__ out_t to_out(float x) {
-    if constexpr (KIND == ATTNPLAN_KIND_SINGLE)
-        return from_float(x);
-    else
-        return x;
-}
 
 // Visible range [lo, hi) of query i inside the chunk [cs, ce) (empty when lo >= hi): query i sits at position
 // p = L - QLEN + i and sees positions <= p, and >= p - window_left with a window.

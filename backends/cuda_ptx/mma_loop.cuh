@@ -64,6 +64,8 @@
 //    warp-uniform entries instead of one per chunk; copy.cuh) and state __launch_bounds__(threads, 1)
 //    (layout.cuh, MIN_CTAS_PER_SM).
 //
+// NaN isolation (q_len > 1): the V tiles of tiles that hold positions some rows see and others do not are checked
+// for non-finite elements (v_tile_nonfinite and the helpers after it, below).
 // The per-tile work is mma_tile (below); the rows' setup and the end are kernel-body fragments included by
 // decode.cu: mma_loop_rows.cuh (q's B fragments, the rows' visible ranges, the softmax state), mma_loop_finish.cuh
 // (the warp's (m, l, acc) into the end merge's shared memory).
@@ -229,4 +231,100 @@ __device__ __forceinline__ void mma_tile(float (&m)[NTW][2], float (&l)[NTW][2],
                 for (int nt = 0; nt < NTW; ++nt) mma_16816<MMA_BF16>(acc[c][nt], r, pb[mt][nt][0], pb[mt][nt][1]);
             }
         }
+}
+
+// ---- NaN isolation (QLEN > 1): a tile holding positions some rows see and others do not ----
+// O^T += V^T . P^T multiplies a V row a row cannot see by p = 0, and 0 * NaN = NaN (an fp16 / bf16 inf or NaN, an
+// fp8 NaN code). For such a tile (the last QLEN - 1 positions of a sequence, the first of a window; warp-uniform)
+// the warp first checks its V tile for non-finite elements (v_tile_nonfinite: a few 16-byte shared-memory loads per
+// lane and a vote; nearly always none). When there are some, each lane notes which of its accumulator elements
+// belong to a row that sees such an element (v_nan_marks: a token loop over the lane's head_dim columns, read from
+// the ring), the warp zeroes them in the ring (v_tile_zero_nonfinite), the tile runs as usual, and the noted
+// elements become NaN (apply_nan_marks): the float64 reference's rule (attnplan.reference._attend), a non-finite
+// V entry a row sees makes that column NaN, the others untouched.
+constexpr u32 EXP_MASK16 = DTYPE == 1 ? 0x7f80u : 0x7c00u;  // a 16-bit KV element is inf / NaN: all exponent bits
+__device__ __forceinline__ bool nonfinite16(u32 h) { return (h & EXP_MASK16) == EXP_MASK16; }
+
+// Whether a 16-byte chunk of the KV dtype holds an inf / NaN element.
+__device__ __forceinline__ bool chunk_nonfinite(const uint4 u) {
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        if constexpr (KV8)
+            bad |= fp8x4_nan(w[k]) != 0u;
+        else
+            bad |= nonfinite16(w[k] & 0xffffu) || nonfinite16(w[k] >> 16);
+    }
+    return bad;
+}
+
+// Whether the warp's V tile (TILE token rows of DV chunks at vs) holds a non-finite element; warp-collective.
+__device__ __forceinline__ bool v_tile_nonfinite(const unsigned char *vs, int lane) {
+    bool bad = false;
+    for (int c = lane; c < TILE * DV; c += 32) bad |= chunk_nonfinite(lds<uint4>(vs + chunk_off(c / DV, c % DV)));
+    return __any_sync(FULL_MASK, bad) != 0;
+}
+
+// The V tile's non-finite elements set to zero (the lanes' chunks; the caller syncs the warp before and after).
+__device__ __forceinline__ void v_tile_zero_nonfinite(unsigned char *vs, int lane) {
+    for (int c = lane; c < TILE * DV; c += 32) {
+        unsigned char *p = vs + chunk_off(c / DV, c % DV);
+        const uint4 u = lds<uint4>(p);
+        if (!chunk_nonfinite(u)) continue;
+        u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if constexpr (KV8) {
+                w[k] &= ~((fp8x4_nan(w[k]) >> 7) * 0xffu);
+            } else {
+                const u32 lo = w[k] & 0xffffu, hi = w[k] >> 16;
+                w[k] = (nonfinite16(lo) ? 0u : lo) | ((nonfinite16(hi) ? 0u : hi) << 16);
+            }
+        }
+        sts(p, make_uint4(w[0], w[1], w[2], w[3]));
+    }
+}
+
+// Bit ((md * 2 + e / 2) * NTW + nt) * 2 + e % 2 set for each accumulator element acc[md][nt][e] of this lane whose
+// row sees a non-finite V element of its column in the tile (first position ts; rows' ranges lo / hi).
+constexpr int NAN_MARK_BITS = KS * 2 * NTW * 2;
+static_assert(NAN_MARK_BITS <= 64, "one bit per accumulator element of a lane");
+__device__ __forceinline__ unsigned long long v_nan_marks(const unsigned char *vs, int ts, const int (&lo)[NTW][2],
+                                                          const int (&hi)[NTW][2], int lane) {
+    const int g = lane >> 2;
+    unsigned long long marks = 0ull;
+#pragma unroll
+    for (int md = 0; md < KS; ++md)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int col = acc_col(md, g, hh);
+            const int v = col / KVEC, byte = (col % KVEC) * (int)sizeof(kv_t);  // the column's chunk and byte
+#pragma unroll 1
+            for (int t = 0; t < TILE; ++t) {
+                const unsigned char *p = vs + chunk_off(t, v) + byte;
+                const bool bad = KV8 ? (lds<unsigned char>(p) & 0x7fu) == 0x7fu : nonfinite16(lds<unsigned short>(p));
+                if (bad) {
+                    const int pos = ts + t;
+#pragma unroll
+                    for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+                        for (int j = 0; j < 2; ++j)
+                            if (pos >= lo[nt][j] && pos < hi[nt][j])
+                                marks |= 1ull << (((md * 2 + hh) * NTW + nt) * 2 + j);
+                }
+            }
+        }
+    return marks;
+}
+
+// The accumulator elements v_nan_marks noted set to NaN.
+__device__ __forceinline__ void apply_nan_marks(float (&acc)[KS][NTW][4], unsigned long long marks) {
+#pragma unroll
+    for (int md = 0; md < KS; ++md)
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (marks & (1ull << (((md * 2 + (e >> 1)) * NTW + nt) * 2 + (e & 1)))) acc[md][nt][e] = QNAN_F;
 }

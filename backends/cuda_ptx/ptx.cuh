@@ -6,10 +6,11 @@
 //   conversions   cvt_f32_f16x2 (two packed fp16 -> two floats), cvt_rn_bf16 / cvt_rn_f16 (float -> 16 bits),
 //                 pack2<BF16> (two floats -> packed bf16x2 / f16x2), mul_f16x2_256 (exact x 256 of two fp16),
 //                 cvt_rn_f16x2_e4m3x2 (sm_89+ only: HAS_CVT_E4M3X2; convert.cuh holds its integer twin)
-//   math          fast_exp2 (ex2.approx.ftz: ex2(-inf) = +0)
+//   math          fast_exp2 (ex2.approx.ftz: ex2(-inf) = +0), fmax_nan (max.NaN: NaN if either input is NaN)
 //   launches      pdl_launch_dependents / pdl_wait (griddepcontrol, sm_90+; no-ops below and on the host)
 //   shared memory lds / sts (the host checks them for races and bounds), ATTNPLAN_DYNAMIC_SMEM
 //   global memory ld_cg / ld_cg4 (ld.global.cg: L2, the coherence point), atom_add_acq_rel (gpu scope),
+//                 check_aligned (the emulation's check of a vector access's alignment; nothing on the device),
 //                 cp_async16 / cp_async_commit / cp_async_wait (16-byte cp.async.cg, src-size 0 zero-fills)
 //   tensor cores  ldsm_x4<TRANS> (ldmatrix.x4), mma_16816<BF16> (mma.sync m16n8k16 f32 += {bf16,f16}),
 //                 movmatrix_trans
@@ -39,6 +40,7 @@ constexpr bool HAS_CVT_E4M3X2 = false;
 void cvt_rn_f16x2_e4m3x2(u32 w, u32 &lo, u32 &hi);  // never defined: only named in discarded branches
 
 __device__ __forceinline__ float fast_exp2(float x) { return emu::ex2_approx_ftz(x); }
+__device__ __forceinline__ float fmax_nan(float a, float b) { return a != a || b != b ? QNAN_F : fmaxf(a, b); }
 
 __device__ __forceinline__ void pdl_launch_dependents() {}
 __device__ __forceinline__ void pdl_wait() {}
@@ -54,6 +56,9 @@ __device__ __forceinline__ void sts(void *p, const T &v) {
     *reinterpret_cast<T *>(p) = v;
 }
 #define ATTNPLAN_DYNAMIC_SMEM(name) unsigned char *name = emu::dynamic_smem()
+
+// a global-memory vector access of `bytes` at p must be aligned to them (the device faults; x86 would not)
+__device__ __forceinline__ void check_aligned(const void *p, int bytes) { emu::check_aligned(p, bytes); }
 
 __device__ __forceinline__ float ld_cg(const float *p) { return __ldcg(p); }
 __device__ __forceinline__ float4 ld_cg4(const float *p) { return __ldcg(reinterpret_cast<const float4 *>(p)); }
@@ -128,6 +133,13 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
+// max(a, b), NaN if either is NaN (max.NaN.f32, sm_80+; fmaxf returns the other operand): the merges' lse maximum,
+// so a NaN state never passes for an empty one
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+    float y;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+    return y;
+}
 
 // Programmatic dependent launch (sm_90+, PTX griddepcontrol): the partial kernel lets the merge kernel that
 // follows it in the stream launch as soon as every partial CTA is resident; the merge kernel's first act is to
@@ -151,6 +163,9 @@ __device__ __forceinline__ void sts(void *p, const T &v) {
     *reinterpret_cast<T *>(p) = v;
 }
 #define ATTNPLAN_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+
+// the host emulation checks that global vector accesses are aligned; the device needs no code for it
+__device__ __forceinline__ void check_aligned(const void *, int) {}
 
 // ld.global.cg: served by L2 (the coherence point), never by L1 or the non-coherent (__ldg) path, and volatile
 // with a "memory" clobber so the compiler cannot move it above a barrier or an atomic before it

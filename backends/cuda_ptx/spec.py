@@ -10,14 +10,16 @@ kernel's; :func:`partial_launch_config` / :func:`merge_launch_config` map a plan
 
 Kernel layout (see ``decode.cu`` and its headers for the method): a program is ``row_groups x kv_warps`` warps; a
 row group holds ``rows_per_group`` of the ``GQA group x q_len`` rows in registers. Split-K: the ``kv_warps`` warps
-of a row group stream different KV tiles of the chunk through private ``stages``-deep ``cp.async`` rings and merge
+of a row group stream different KV tiles of the unit through private ``stages``-deep ``cp.async`` rings and merge
 their softmax states through shared memory at the end. An fp8 KV cache (``kv_dtype="float8_e4m3fn"``) carries 16
 values per 16-byte vector; q stays fp16 / bf16. Tensor-core split-K (``mma=True``; fp16 / bf16 caches and fp8 ones):
 the same rings and end merge, tiles of ``passes`` 16-token m-tiles, rows in whole n8-tiles (``n_tiles`` per warp),
 ring rows of ``row_chunks`` 16-byte chunks (XOR-swizzled, or padded to an odd count) for conflict-free
-``ldmatrix``; the tile is sized in bytes, so an fp8 one holds twice the tokens (see :func:`_mma_spec`). The fused
-merge (``merge="fused"``, partial kernels only; ``ATTNPLAN_MERGE``): the partial kernel also merges its group's
-states, so no merge kernel is launched (the arguments: :mod:`.args`).
+``ldmatrix``; the tile is sized in bytes, so an fp8 one holds twice the tokens (see :func:`_mma_spec`). The
+``"partial"`` kernel (a plan with several units per sequence) starts with the device-side schedule
+(``schedule.cuh``); the ``"single"`` one (a single-pass plan) has none. The fused merge (``merge="fused"``,
+partial kernels only; ``ATTNPLAN_MERGE``): the partial kernel also merges each (sequence, KV head)'s unit states,
+so no merge kernel is launched (the arguments: :mod:`.args`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 __all__ = [
     "KernelSpec", "make_spec", "merge_spec", "merge_teams", "LaunchConfig", "partial_launch_config",
     "merge_launch_config", "mma_unsupported", "vector_layout", "max_rows", "DTYPE_CODES", "ELEM_BYTES", "FP8",
-    "KIND_CODES", "MERGE_CODES", "ENTRY", "TILE_BYTES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS", "SCORE_REGS",
+    "KIND_CODES", "MERGE_CODES", "ENTRY", "PROBE_ENTRY", "TILE_BYTES", "INFLIGHT_BYTES", "SMEM_BUDGET", "MAX_WARPS", "SCORE_REGS",
     "ROW_REGS", "MAX_ROWS_PER_WARP", "MMA_TILE_BYTES", "MMA_INFLIGHT_BYTES", "MMA_NTILE_DIMS", "MERGE_CHUNK",
     "MAX_MERGE_TEAMS",
 ]
@@ -41,6 +43,8 @@ KIND_CODES = {"partial": 0, "single": 1, "merge": 2}
 #: fused (inside the partial kernel)
 MERGE_CODES = {"none": 0, "fused": 1}
 ENTRY = {"partial": "attnplan_decode_partial", "single": "attnplan_decode_single", "merge": "attnplan_merge"}
+#: the schedule probe's entry (a ``"partial"`` spec with ``probe=True``: the prologue alone, for tests)
+PROBE_ENTRY = "attnplan_schedule_probe"
 
 #: bytes of K+V one warp's ring stage holds (the tile), before capping by registers
 TILE_BYTES = 4096
@@ -115,8 +119,9 @@ class KernelSpec:
     """One compile-time specialization of ``decode.cu``.
 
     Attributes:
-        kind: ``"partial"`` (writes :class:`~attnplan.PartialState`), ``"single"`` (writes ``out`` and
-            ``lse`` directly) or ``"merge"``.
+        kind: ``"partial"`` (the scheduled partial kernel: one-unit sequences into ``out`` / ``lse``, the other
+            units' states into the ragged workspace), ``"single"`` (single pass: ``out`` and ``lse`` directly, no
+            schedule) or ``"merge"`` (the separate merge).
         dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"`` (q and out; the KV cache too unless fp8).
         head_dim: channels per head (multiple of 8; of 16 with an fp8 cache).
         group, q_len: GQA group size and queries per sequence (rows = group x q_len); 1 for merge.
@@ -133,8 +138,11 @@ class KernelSpec:
         merge: ``"none"``, or the in-kernel merge of a ``"partial"`` kernel (``ATTNPLAN_MERGE``): ``"fused"``
             (the last program of each (sequence, KV head) merges the group in split order).
         teams: merge kernel only (``ATTNPLAN_MERGE_TEAMS``): merge teams per CTA (1, 2, 4 or 8), each merging a
-            contiguous range of the row's splits, combined through shared memory (:attr:`smem_bytes`); 1 = one
+            contiguous range of the row's units, combined through shared memory (:attr:`smem_bytes`); 1 = one
             team per row, no shared memory, no barrier. Chosen by :func:`merge_teams`.
+        probe: a ``"partial"`` spec's module also holds ``attnplan_schedule_probe`` (``ATTNPLAN_SCHEDULE_PROBE``),
+            the prologue alone with the kernel's threads, and :attr:`entry` names it (tests of the schedule's
+            integers); the partial kernel itself compiles as without it.
     """
 
     kind: str
@@ -153,11 +161,14 @@ class KernelSpec:
     mma: bool = False
     merge: str = "none"
     teams: int = 1
+    probe: bool = False
 
     def __post_init__(self) -> None:
         if self.teams not in (1, 2, 4, 8) or (self.teams != 1 and self.kind != "merge"):
             raise ValueError(f"merge teams must be one of 1, 2, 4, 8, and > 1 only for a 'merge' kernel; got "
                              f"teams {self.teams!r} (kind {self.kind!r})")
+        if self.probe and self.kind != "partial":
+            raise ValueError(f"the schedule probe belongs to a 'partial' kernel, not to {self.kind!r}")
 
     # -- derived, mirrored by layout.cuh (threads, tile and shared memory checked by static_assert) -------
     @property
@@ -228,14 +239,14 @@ class KernelSpec:
 
     @property
     def entry(self) -> str:
-        """The kernel's (``extern "C"``) name in the module."""
-        return ENTRY[self.kind]
+        """The kernel's (``extern "C"``) name in the module (the probe's for a probe spec)."""
+        return PROBE_ENTRY if self.probe else ENTRY[self.kind]
 
     @property
     def name(self) -> str:
         """File-name form spelling the specialization, e.g. ``partial-bfloat16-d128-g4-q1-page16-w1x4-s4-p4``
         (``-kvfp8`` for an fp8 cache, ``-mma`` for the tensor-core path, then ``-window`` / ``-softcap``, then
-        ``-fused`` for the in-kernel merge); a merge kernel:
+        ``-fused`` for the in-kernel merge, ``-probe`` for a schedule probe); a merge kernel:
         ``merge-bfloat16-d128``, ``-t8`` for 8 teams per CTA."""
         if self.kind == "merge":
             return f"merge-{self.dtype}-d{self.head_dim}" + (f"-t{self.teams}" if self.teams > 1 else "")
@@ -245,7 +256,7 @@ class KernelSpec:
                 + ("-kvfp8" if self.kv_fp8 else "")
                 + ("-mma" if self.mma else "")
                 + ("-window" if self.window else "") + ("-softcap" if self.softcap else "")
-                + ("" if self.merge == "none" else f"-{self.merge}"))
+                + ("" if self.merge == "none" else f"-{self.merge}") + ("-probe" if self.probe else ""))
 
     def defines(self) -> dict[str, int]:
         """The -D macros of this specialization (``config.cuh`` and ``layout.cuh`` list them)."""
@@ -261,6 +272,8 @@ class KernelSpec:
                       "ATTNPLAN_WINDOW": int(self.window), "ATTNPLAN_SOFTCAP": int(self.softcap),
                       "ATTNPLAN_KV_FP8": int(self.kv_fp8),
                       "ATTNPLAN_MMA": int(self.mma), "ATTNPLAN_MERGE": MERGE_CODES[self.merge]})
+            if self.probe:
+                d["ATTNPLAN_SCHEDULE_PROBE"] = 1
         return d
 
     def options(self) -> list[str]:
@@ -507,24 +520,27 @@ class LaunchConfig:
     smem: int
 
 
-def partial_launch_config(spec: KernelSpec, grid: tuple[int, int, int]) -> LaunchConfig:
-    """Map the plan's grid ``(num_splits, num_kv_heads, batch)`` onto a CUDA grid.
+def partial_launch_config(spec: KernelSpec, units: int, num_kv_heads: int) -> LaunchConfig:
+    """Map the plan's 1-D grid of ``units x num_kv_heads`` programs (unit-major: program ``p`` is unit ``p //
+    num_kv_heads``, KV head ``p % num_kv_heads``) onto a CUDA grid.
 
-    x = split, y = KV head, z = sequence while y and z fit CUDA's 65535 limit; otherwise the three
-    are flattened onto x (the kernel decodes ``blockIdx`` linearly either way).
+    ``(1, num_kv_heads, units)`` while both fit CUDA's 65535 limit of ``y`` and ``z`` (the kernel reads ``h, u`` off
+    ``blockIdx.y, .z`` without a division), else the programs in order along ``x`` (the kernel divides
+    ``blockIdx.x``). The hardware dispatches ``x`` fastest, then ``y``: programs without a unit come last either way.
 
     Raises:
-        ValueError: an axis is not positive, or the program count exceeds 2**31 - 1.
+        ValueError: a count is not positive, or the program count exceeds 2**31 - 1.
     """
-    s, h, b = (int(x) for x in grid)
-    if min(s, h, b) < 1:
-        raise ValueError(f"grid {grid} must be positive on every axis")
-    if h <= _MAX_GRID_YZ and b <= _MAX_GRID_YZ and s <= _MAX_GRID_X:
-        cuda_grid = (s, h, b)
-    elif s * h * b <= _MAX_GRID_X:
-        cuda_grid = (s * h * b, 1, 1)
+    units, h = int(units), int(num_kv_heads)
+    if min(units, h) < 1:
+        raise ValueError(f"units {units} and num_kv_heads {h} must be positive")
+    if units <= _MAX_GRID_YZ and h <= _MAX_GRID_YZ:
+        cuda_grid = (1, h, units)
+    elif units * h <= _MAX_GRID_X:
+        cuda_grid = (units * h, 1, 1)
     else:
-        raise ValueError(f"grid {grid} has {s * h * b} programs, more than a CUDA grid holds ({_MAX_GRID_X})")
+        raise ValueError(f"{units} units x {h} KV heads = {units * h} programs, more than a CUDA grid holds "
+                         f"({_MAX_GRID_X})")
     return LaunchConfig(cuda_grid, (spec.threads, 1, 1), spec.smem_bytes)
 
 

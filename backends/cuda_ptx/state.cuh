@@ -46,15 +46,15 @@ __device__ __forceinline__ float join_sink(float lse, float z, float &factor) {
 
 // The natural-log lse of a row a partial program finished (online softmax in base 2: running max m, sum l) and the
 // factor its accumulator is multiplied by (1 / l, times the fp8 v_scale, times exp(lse - lse') when a sink joins
-// the denominator in the single pass). Empty rows (m = -inf): o = 0, lse = -inf (or the sink). Keeps its own inline
-// sink join: calling join_sink here changes ptxas's allocation of the measured kernels (fp8 tensor-core sm_80: 158
-// -> 197 registers) for the same arithmetic.
+// the denominator: a row written to out directly, by the single pass or a one-unit sequence). Empty rows (m = -inf):
+// o = 0, lse = -inf (or the sink). Keeps its own inline sink join: calling join_sink here changes ptxas's allocation
+// of the measured kernels (fp8 tensor-core sm_80: 158 -> 197 registers) for the same arithmetic.
 __device__ __forceinline__ void finish_row(float m, float l, float vscale, const float *__restrict__ sinks, int head,
                                            float &lse_n, float &factor) {
     const bool empty = m == NEG_INF;  // else l >= 1 (the max position has p = 1)
     lse_n = empty ? NEG_INF : (m + log2f(l)) * LN2_F;
     float scale = vscale;
-    if (sinks) {  // single pass only (partial states never include the sink)
+    if (sinks) {  // rows written to out only (partial states never include the sink)
         const float z = sinks[head];
         const float joined = empty ? z : fmaxf(lse_n, z) + log1pf(expf(-fabsf(lse_n - z)));
         scale = empty ? 0.f : scale * expf(lse_n - joined);
@@ -71,7 +71,8 @@ __host__ __device__ constexpr int merge_slots() { return (HEAD_DIM / 4 + TW - 1)
 // splits): the first n split states of one row, lse_s at lr[s * l_ss] and normalized o_s at orow[s * o_ss + d],
 // into the running max M = max_s lse_s, the total weight tot = sum_s exp(lse_s - M) and the weighted column sums
 // a = sum_s exp(lse_s - M) o_s (this thread's slots), splits summed in index order (deterministic). Empty splits
-// (lse = -inf) weigh 0; every split empty (or n = 0): M = -inf, tot = 0, a = 0 (never -inf - (-inf)). Run by a
+// (lse = -inf) weigh 0; every split empty (or n = 0): M = -inf, tot = 0, a = 0 (never -inf - (-inf)); a NaN lse or
+// o of a non-empty split makes the row NaN (M NaN: never an empty row). Run by a
 // team of TW threads (whole warps; t = the thread's index in the team), each owning the 4-dim slots
 // d = 4 (t + k TW). Lanes take the splits (lane s, s + 32, ...): the max and the sum are warp reductions (every
 // lane ends with M and tot); every warp of a team reduces the same splits by itself (no shared memory, no
@@ -100,10 +101,10 @@ __device__ __forceinline__ void merge_accumulate(const float *lr, i64 l_ss, cons
     };
     const float ls0 = lane < n ? ld_state<CG>(lr + (i64)lane * l_ss) : NEG_INF;
     load_chunk(0);
-    M = ls0;
-    for (int s = lane + 32; s < n; s += 32) M = fmaxf(M, ld_state<CG>(lr + (i64)s * l_ss));
+    M = ls0;  // a NaN lse makes M NaN (fmax_nan): the row is NaN, never empty
+    for (int s = lane + 32; s < n; s += 32) M = fmax_nan(M, ld_state<CG>(lr + (i64)s * l_ss));
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
+    for (int off = 16; off > 0; off >>= 1) M = fmax_nan(M, __shfl_xor_sync(FULL_MASK, M, off));
     tot = 0.f;
 #pragma unroll
     for (int k = 0; k < NSLOT; ++k) a[k][0] = a[k][1] = a[k][2] = a[k][3] = 0.f;
@@ -133,17 +134,19 @@ __device__ __forceinline__ void merge_accumulate(const float *lr, i64 l_ss, cons
 }
 
 // Normalize a row's merged (M, tot, a) (merge_accumulate's form, this thread's slots) and write it: outp[0,
-// HEAD_DIM) in q's dtype and, if out_lse is given, *out_lse:
+// HEAD_DIM) in q's dtype (vector stores where the row is aligned, element stores otherwise) and, if out_lse is given,
+// *out_lse:
 //   lse = M + log(tot);  o = a / tot;  M = -inf (every split empty): o = 0, lse = -inf
 // then, with a sink logit z = *sink: lse' = logaddexp(lse, z), o' = o exp(lse - lse') (empty: o = 0, lse = z).
 template <int TW>
 __device__ __forceinline__ void merge_write(float M, float tot, const float (&a)[merge_slots<TW>()][4],
                                             const float *sink, elem_t *outp, float *out_lse, int t) {
     constexpr int NSLOT = merge_slots<TW>();
+    const bool vec = vec4_aligned(outp);  // the row's start: out's leading strides may be any
     if (M == NEG_INF) {  // every split empty: never -inf - (-inf)
 #pragma unroll
         for (int k = 0; k < NSLOT; ++k)
-            if (4 * (t + k * TW) < HEAD_DIM) store4(outp + 4 * (t + k * TW), 0.f, 0.f, 0.f, 0.f);
+            if (4 * (t + k * TW) < HEAD_DIM) store4(outp + 4 * (t + k * TW), 0.f, 0.f, 0.f, 0.f, vec);
         if (t == 0 && out_lse) *out_lse = sink ? *sink : NEG_INF;
         return;
     }
@@ -156,7 +159,7 @@ __device__ __forceinline__ void merge_write(float M, float tot, const float (&a)
 #pragma unroll
     for (int k = 0; k < NSLOT; ++k) {
         const int d = 4 * (t + k * TW);
-        if (d < HEAD_DIM) store4(outp + d, a[k][0] * inv, a[k][1] * inv, a[k][2] * inv, a[k][3] * inv);
+        if (d < HEAD_DIM) store4(outp + d, a[k][0] * inv, a[k][1] * inv, a[k][2] * inv, a[k][3] * inv, vec);
     }
     if (t == 0 && out_lse) *out_lse = lse_n;
 }

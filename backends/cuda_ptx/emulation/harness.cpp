@@ -1,5 +1,5 @@
 // Host harness: decode.cu compiled as C++ (ATTNPLAN_HOST_EMULATION) behind a C entry point that takes
-// the same kernelParams array cuLaunchKernel takes (launch.PackedArgs), so the host argument packing
+// the same kernelParams array cuLaunchKernel takes (args.PackedArgs), so the host argument packing
 // is exercised too. Built and called by backends/cuda_ptx/emulate.py; tests only.
 #include "simt.h"
 #include "../decode.cu"
@@ -20,15 +20,19 @@ T arg(int i) {
 
 void body() {
 #if ATTNPLAN_KIND == ATTNPLAN_KIND_MERGE
-    attnplan_merge(arg<const float *>(0), arg<const float *>(1), arg<elem_t *>(2), arg<float *>(3),
-                   arg<const float *>(4), arg<int>(5), arg<int>(6), arg<int>(7),
-                   arg<i64>(8), arg<i64>(9), arg<i64>(10), arg<i64>(11),
-                   arg<i64>(12), arg<i64>(13), arg<i64>(14), arg<i64>(15),
-                   arg<i64>(16), arg<i64>(17), arg<i64>(18),
-                   arg<i64>(19), arg<i64>(20), arg<i64>(21));
+    attnplan_merge(arg<const float *>(0), arg<const float *>(1), arg<const int *>(2), arg<elem_t *>(3),
+                   arg<float *>(4), arg<const float *>(5), arg<int>(6), arg<int>(7), arg<int>(8),
+                   arg<i64>(9), arg<i64>(10), arg<i64>(11),
+                   arg<i64>(12), arg<i64>(13), arg<i64>(14),
+                   arg<i64>(15), arg<i64>(16), arg<i64>(17),
+                   arg<i64>(18), arg<i64>(19), arg<i64>(20));
+#elif defined(ATTNPLAN_SCHEDULE_PROBE)
+    attnplan_schedule_probe(arg<const int *>(0), arg<const int *>(1), arg<int *>(2), arg<const int *>(3),
+                            arg<int *>(4), arg<int>(5), arg<int>(6), arg<int>(7), arg<int>(8), arg<int>(9),
+                            arg<int>(10));
 #else
     ATTNPLAN_ENTRY(arg<const elem_t *>(0), arg<const kv_t *>(1), arg<const kv_t *>(2), arg<const int *>(3),
-                   arg<const int *>(4), arg<out_t *>(5), arg<float *>(6), arg<const float *>(7),
+                   arg<const int *>(4), arg<elem_t *>(5), arg<float *>(6), arg<const float *>(7),
                    arg<const float *>(8), arg<const float *>(9),
                    arg<float>(10), arg<float>(11), arg<int>(12), arg<int>(13), arg<int>(14), arg<int>(15),
                    arg<i64>(16), arg<i64>(17), arg<i64>(18),
@@ -37,9 +41,10 @@ void body() {
                    arg<i64>(25),
                    arg<i64>(26), arg<i64>(27), arg<i64>(28), arg<i64>(29),
                    arg<i64>(30), arg<i64>(31), arg<i64>(32), arg<i64>(33),
-                   arg<elem_t *>(34), arg<float *>(35), arg<int *>(36),
-                   arg<i64>(37), arg<i64>(38), arg<i64>(39),
-                   arg<i64>(40), arg<i64>(41), arg<i64>(42));
+                   arg<const int *>(34), arg<int *>(35), arg<int *>(36), arg<float *>(37), arg<float *>(38),
+                   arg<int>(39), arg<int>(40), arg<int>(41),
+                   arg<i64>(42), arg<i64>(43),
+                   arg<i64>(44), arg<i64>(45));
 #endif
 }
 }  // namespace

@@ -17,7 +17,8 @@
 // fp16 / bf16 conversions round to nearest even like cvt.rn (fp16 -> fp32 exactly, subnormals included,
 // which the fp8 decoder relies on); __byte_perm is prmt's default mode; ex2.approx.ftz is exp2f with denormal
 // results flushed. cvt.rn.f16x2.e4m3x2's twin is decode.cu's integer decoder (fp8x2_to_half2_int, also the
-// sm_80 fallback), built on these. __shfl_sync / __shfl_xor_sync share one exchange.
+// sm_80 fallback), built on these. __shfl_sync / __shfl_xor_sync / __shfl_up_sync share one exchange (__any_sync is
+// a butterfly over it); __clz counts leading zeros (32 for 0).
 // Shared-memory race check: the kernel's shared-memory loads and stores (decode.cu's lds / sts helpers)
 // and cp.async copies are recorded per 4-byte word with the warp and the __syncthreads epoch. A copy
 // counts as written only when its issuing thread's cp.async.wait_group retires its group (then in that
@@ -48,6 +49,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
@@ -57,6 +59,7 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 namespace emu {
 
@@ -162,6 +165,22 @@ inline T shfl(T v, int arg, bool xor_) {
     return r;
 }
 
+// __shfl_up_sync: the value of lane - delta (this lane's own below delta)
+template <class T>
+inline T shfl_up(T v, unsigned delta) {
+    static_assert(sizeof(T) == 4, "32-bit shuffles only");
+    const unsigned t = cur().tid.x, lane = t & 31, w = t / 32;
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    g_block->slots[w * 32 + lane] = bits;
+    warp_barrier();
+    if (lane >= delta) bits = g_block->slots[w * 32 + lane - delta];
+    warp_barrier();
+    T r;
+    std::memcpy(&r, &bits, 4);
+    return r;
+}
+
 // Record an access of n bytes at p (shared memory) for the race check; false (and g_error) if it
 // leaves the dynamic shared memory or races.
 inline bool smem_access(const void *p, size_t n, int kind /* 0 load, 1 store, 2 cp.async */) {
@@ -218,6 +237,11 @@ inline bool smem_access(const void *p, size_t n, int kind /* 0 load, 1 store, 2 
         }
     }
     return true;
+}
+
+// a global-memory vector access must be aligned to its size (the device faults on a misaligned one)
+inline void check_aligned(const void *p, int bytes) {
+    if ((uintptr_t)p & (uintptr_t)(bytes - 1)) fail("misaligned global vector access (" + std::to_string(bytes) + " bytes)");
 }
 
 inline void cp_async_commit() {
@@ -426,6 +450,14 @@ template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int off) { return emu::shfl(v, off, true); }
 template <class T>
 inline T __shfl_sync(unsigned, T v, int src) { return emu::shfl(v, src, false); }
+template <class T>
+inline T __shfl_up_sync(unsigned, T v, unsigned delta) { return emu::shfl_up(v, delta); }
+// vote.any: whether any lane of the warp passes a nonzero predicate
+inline int __any_sync(unsigned, int pred) {
+    for (int off = 1; off < 32; off <<= 1) pred |= emu::shfl(pred, off, true);  // butterfly OR: every lane the same
+    return pred != 0;
+}
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
 template <class T>
 inline T __ldg(const T *p) {
     if (!emu::readable(p, sizeof(T))) {

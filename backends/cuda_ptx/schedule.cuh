@@ -1,0 +1,207 @@
+// attnplan cuda_ptx: the device-side split-KV schedule (attnplan/schedule.py), the partial kernel's prologue.
+//
+// A plan fixes the grid, the granule and the targets table; at every launch each program of the partial kernel
+// computes, from the live seq_lens in device memory, which (sequence b, unit j, token range) its unit u is. The
+// integers are attnplan.schedule.schedule_units's, bit for bit (32-bit: the planner keeps a batch's capacity
+// below 2^31 granules; ceil(a / b) is (a - 1) / b + 1 for a >= 1, so no sum passes int32):
+//   base = max(0, L - QLEN - window_left) with a window, else 0;  nb = ceil((L - base) / granule)  (0 if L <= base)
+//   T = sum_b nb, nb_max = max_b nb;  t = targets[k + 32 * tail], k = min(bit_length(T), 31), tail = 2 T < B nb_max
+//   c = max(min_unit_granules, ceil(T / t)), or min_unit_granules when t == 0 (or the schedule is not balanced)
+//   units of b: uu = min(max_units_per_seq, ceil(nb / c)), cb = ceil(nb / uu), units = ceil(nb / cb); nb == 0: one
+//   (empty) unit, cb = 0;  indptr = the exclusive prefix sum of units;  unit j of b: [base + j cb G, +cb G) within L
+// (FlashAttention-3's hopper/flash_prepare_scheduler.cu makes the same kind of choice on the device, in a kernel of
+// its own.) Every thread of the program runs it: the batch is read in chunks of SCHED_CHUNK sequences, SCHED_PER
+// consecutive ones per thread (one chunk, one read of seq_lens, for batch <= 256 whatever the program's threads),
+// the total and the longest by warp shuffles and one exchange through shared memory, the prefix sum by a warp scan
+// and the warps' totals. The scan stops at the chunk holding u, except in the program that writes meta (indptr[b]
+// at b, units[b] at batch + b: the separate merge's table), which scans the whole batch.
+//
+// Shared memory: SCHED_WORDS int32 words at the start of the dynamic shared memory, free again when schedule_unit
+// returns (its last barrier is after every read), so the rings may reuse them at once.
+#pragma once
+
+constexpr int SCHED_BATCH = 256;                          // sequences one chunk covers at least
+constexpr int SCHED_PER = cmax(1, SCHED_BATCH / NTHREADS);  // consecutive sequences per thread per chunk
+constexpr int SCHED_CHUNK = NTHREADS * SCHED_PER;           // sequences per chunk
+// words: the warps' granule sums and maxima, the warps' unit totals, then the result (b, indptr[b], units[b], cb)
+constexpr int SCHED_WORDS = 3 * NWARPS + 4;
+static_assert(SMEM_BYTES >= 4 * SCHED_WORDS, "the schedule's exchange lives in the dynamic shared memory");
+
+// The schedule of one unit: its sequence b (-1: u is past the batch's units), the sequence's first unit (indptr[b])
+// and unit count, its granules per unit cb (0 for an empty sequence) and the batch's granules per unit c.
+struct UnitInfo {
+    int b, first, units, cb, c;
+};
+
+// Sequence of length L: its first visible position (base) and the granules of its span [base, L).
+__device__ __forceinline__ int seq_granules(int L, int window_left, int granule, int &base) {
+    base = 0;
+    if constexpr (WINDOW) base = L - QLEN - window_left > 0 ? L - QLEN - window_left : 0;
+    const int n = L - base;
+    return n > 0 ? (n - 1) / granule + 1 : 0;
+}
+
+// Units of a sequence of nb granules when units hold c granules (at most max_per units), and cb, the granules of
+// each: equal sizes, every unit non-empty; an empty sequence has one empty unit (cb = 0).
+__device__ __forceinline__ int seq_units(int nb, int c, int max_per, int &cb) {
+    if (nb <= 0) {
+        cb = 0;
+        return 1;
+    }
+    int uu = (nb - 1) / c + 1;
+    if (uu > max_per) uu = max_per;
+    cb = (nb - 1) / uu + 1;
+    return (nb - 1) / cb + 1;
+}
+
+// The batch's granules per unit c from its total T and its longest sequence nb_max (the targets table's bucket).
+__device__ __forceinline__ int sched_granules_per_unit(const int *__restrict__ targets, int total, int nb_max,
+                                                       int batch, int min_c) {
+    int k = total > 0 ? 32 - __clz(total) : 0;  // bit_length(T)
+    if (k > 31) k = 31;
+    if (2 * (i64)total < (i64)batch * nb_max) k += 32;  // a long-tailed batch: the second table
+    const int t = targets[k];
+    int c = min_c;
+    if (t > 0 && total > 0) {
+        const int per = (total - 1) / t + 1;
+        if (per > c) c = per;
+    }
+    return c;
+}
+
+// The schedule of unit u (module comment). Called by every thread of the program (it has barriers); tid the
+// thread's index; meta written (all batch sequences) when write_meta; balanced: the plan's targets are not all zero.
+// Out of line (one call per program): inlined, it moved the partial kernel's main-loop register allocation (see
+// decode.cu, write_rows).
+__device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens, const int *__restrict__ targets,
+                                                  int *__restrict__ meta, int batch, int u, bool write_meta,
+                                                  int window_left, int granule, int min_c, int max_per, bool balanced,
+                                                  unsigned char *smem, int tid) {
+    int *w_sum = reinterpret_cast<int *>(smem), *w_max = w_sum + NWARPS, *w_units = w_max + NWARPS;
+    int *res = w_units + NWARPS;  // b, indptr[b], units[b], cb
+    const int lane = tid & 31, warp = tid >> 5;
+    if (tid == 0) sts(res, -1);  // published by the first barrier below
+    // this thread's sequences of the first chunk: their granules (kept for the scan when one chunk is the batch)
+    int nbv[SCHED_PER];
+#pragma unroll
+    for (int e = 0; e < SCHED_PER; ++e) {
+        const int i = tid * SCHED_PER + e;
+        int base;
+        nbv[e] = i < batch ? seq_granules(seq_lens[i], window_left, granule, base) : 0;
+    }
+    int c = min_c;
+    if (balanced) {  // the batch's total granules and longest sequence
+        int s = 0, m = 0;
+#pragma unroll
+        for (int e = 0; e < SCHED_PER; ++e) {
+            s += nbv[e];
+            m = nbv[e] > m ? nbv[e] : m;
+        }
+        for (int c0 = SCHED_CHUNK; c0 < batch; c0 += SCHED_CHUNK) {
+#pragma unroll
+            for (int e = 0; e < SCHED_PER; ++e) {
+                const int i = c0 + tid * SCHED_PER + e;
+                if (i < batch) {
+                    int base;
+                    const int nb = seq_granules(seq_lens[i], window_left, granule, base);
+                    s += nb;
+                    m = nb > m ? nb : m;
+                }
+            }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            s += __shfl_xor_sync(FULL_MASK, s, off);
+            const int o = __shfl_xor_sync(FULL_MASK, m, off);
+            m = o > m ? o : m;
+        }
+        if (lane == 0) {
+            sts(w_sum + warp, s);
+            sts(w_max + warp, m);
+        }
+        __syncthreads();
+        s = 0;
+        m = 0;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            s += lds<int>(w_sum + w);
+            const int o = lds<int>(w_max + w);
+            m = o > m ? o : m;
+        }
+        c = sched_granules_per_unit(targets, s, m, batch, min_c);
+    }
+    // units per sequence and their exclusive prefix sum, chunk by chunk, until the chunk holding u
+    int running = 0;
+    for (int c0 = 0; c0 < batch; c0 += SCHED_CHUNK) {
+        int un[SCHED_PER], cbv[SCHED_PER] = {}, mine = 0;
+#pragma unroll
+        for (int e = 0; e < SCHED_PER; ++e) {
+            const int i = c0 + tid * SCHED_PER + e;
+            int nb = nbv[e];
+            if (c0 > 0) {
+                int base;
+                nb = i < batch ? seq_granules(seq_lens[i], window_left, granule, base) : 0;
+            }
+            un[e] = i < batch ? seq_units(nb, c, max_per, cbv[e]) : 0;
+            mine += un[e];
+        }
+        int incl = mine;  // inclusive scan over the warp, then the warps before this one
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int y = __shfl_up_sync(FULL_MASK, incl, off);
+            if (lane >= off) incl += y;
+        }
+        if (lane == 31) sts(w_units + warp, incl);
+        __syncthreads();
+        int start = running + incl - mine, total = 0;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            const int t = lds<int>(w_units + w);
+            start += w < warp ? t : 0;
+            total += t;
+        }
+#pragma unroll
+        for (int e = 0; e < SCHED_PER; ++e) {
+            const int i = c0 + tid * SCHED_PER + e;
+            if (i < batch) {
+                if (write_meta) {
+                    meta[i] = start;
+                    meta[batch + i] = un[e];
+                }
+                if (u >= start && u < start + un[e]) {  // exactly one thread of the batch
+                    sts(res, i);
+                    sts(res + 1, start);
+                    sts(res + 2, un[e]);
+                    sts(res + 3, cbv[e]);
+                }
+                start += un[e];
+            }
+        }
+        running += total;
+        __syncthreads();
+        if (lds<int>(res) >= 0 && !write_meta) break;  // program-uniform: read after the barrier
+    }
+    UnitInfo r;
+    r.b = lds<int>(res);
+    r.first = lds<int>(res + 1);
+    r.units = lds<int>(res + 2);
+    r.cb = lds<int>(res + 3);
+    r.c = c;
+    __syncthreads();  // every read of the exchange is done: the rings may overwrite it
+    return r;
+}
+
+// Token range [cs, ce) of unit u (schedule_unit's un) of a sequence of length L: unit j = u - first covers
+// [base + j cb G, min(base + (j + 1) cb G, L)); an empty sequence's one unit is [L, L).
+__device__ __forceinline__ void unit_range(const UnitInfo &un, int u, int L, int window_left, int granule, int &cs,
+                                           int &ce) {
+    int base;
+    seq_granules(L, window_left, granule, base);
+    cs = L;
+    ce = L;
+    if (un.cb > 0) {
+        const int span = un.cb * granule;
+        cs = base + (u - un.first) * span;
+        ce = L - cs > span ? cs + span : L;
+    }
+}
