@@ -57,7 +57,8 @@ class Workspace:
             ``None`` otherwise.
         counters: int32 ``[batch * num_kv_heads]``, zero at rest: the fused merge's completion counters; ``None``
             otherwise.
-        targets: int32 ``[32]``: the schedule's targets table on the device.
+        targets: int32 ``[64]`` (``NUM_TARGETS``): the schedule's targets table on the device, 32 near-uniform
+            buckets then 32 long-tailed ones.
         targets_host: the same values on the host (so checking a workspace reads nothing from the device).
     """
 
