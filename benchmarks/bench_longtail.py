@@ -123,6 +123,7 @@ def scaled_plan(w, scale: float) -> None:
     w.plan_ = dataclasses.replace(plan, schedule=sched)
     w.plan_.validate(p)
     w.workspace = Workspace.allocate(w.plan_, w.workspace.targets.device)
+    w._bound_to, w._launcher = (), None  # the backend's bound launch holds the old plan and workspace: drop it
 
 
 def graph_time(step, iters: int) -> float:

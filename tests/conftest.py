@@ -1,6 +1,9 @@
 """Shared test setup: an isolated plan/compile cache directory, the gpu marker, backend lists, and
 the seeded generator of random inputs.
 
+``ATTNPLAN_FAILURE_LOG=path`` appends each failure's report to ``path`` as it happens (for runs that a time
+limit may cut short before pytest's summary).
+
 CI runs on CPU with TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1 (README's test command);
 tests marked ``gpu`` are skipped there and run on a GPU machine.
 
@@ -78,6 +81,10 @@ def pytest_runtest_makereport(item, call):
         offset = os.environ.get("ATTNPLAN_TEST_SEED", "0") or "0"
         report.sections.append(("attnplan generator seed", f"seed {seed} (CRC32 of the test id + ATTNPLAN_TEST_SEED="
                                 f"{offset}); rerun: ATTNPLAN_TEST_SEED={offset} python -m pytest '{item.nodeid}'"))
+    log = os.environ.get("ATTNPLAN_FAILURE_LOG")
+    if log and report.failed:  # at once, so a run cut short by a time limit still shows why its tests failed
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
     return report
 
 
