@@ -21,7 +21,7 @@
 # Usage (repository root, on the GPU machine): STEPS="tests bench" bash benchmarks/gpu_run.sh
 set -uo pipefail
 OUT=${OUT:-gpu-out}; R="$OUT/run"; mkdir -p "$R"
-export PYTHONUNBUFFERED=1 ATTNPLAN_CACHE_DIR=$(mktemp -d)
+export PYTHONUNBUFFERED=1 ATTNPLAN_CACHE_DIR=$(mktemp -d) ATTNPLAN_FAILURE_LOG=$R/failures.log  # failures as they happen
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -101,6 +101,7 @@ for f in "$R"/sanitize-*.log; do [ -f "$f" ] && echo "$(basename $f): $(grep -E 
 [ -f "$R/merge.log" ] && grep -E "^(merge|partition) " "$R/merge.log" | cut -c1-150 | tail -60
 [ -f "$R/cp.log" ] && tail -6 "$R/cp.log"
 [ -f "$R/cmd.log" ] && tail -${CMD_TAIL:-8} "$R/cmd.log"
+[ -f "$R/failures.log" ] && { echo "== failures ($(grep -c '^==== ' "$R/failures.log"))"; grep '^==== ' "$R/failures.log" | head -30; }
 [ -f "$R/host.log" ] && sed -n '/^kv /,$p' "$R/host.log"
 [ -f "$R/longtail.log" ] && { grep -E "error|Error" "$R/longtail.log" | head -8; sed -n '/^heads /,$p' "$R/longtail.log"; }
 for b in bench bench2 bench3 bench4; do [ -f "$R/$b.log" ] && sed -n '/^us per step/,$p' "$R/$b.log" | tail -70; done
