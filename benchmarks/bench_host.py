@@ -25,6 +25,7 @@ Usage (GPU machine)::
 
     python benchmarks/bench_host.py --out benchmarks/results/host.json
     python benchmarks/bench_host.py --cpu          # any machine
+    python benchmarks/bench_host.py --profile 500 --kv 1024   # GPU: where run()'s host time goes (cProfile)
 """
 
 from __future__ import annotations
@@ -215,6 +216,32 @@ def cpu_stages(be: str, calls: int, hq: int, hkv: int, d: int, kv: int) -> list[
     return rows
 
 
+def profile_run(backends, calls: int, hq: int, hkv: int, d: int, kv: int, top: int = 14) -> None:
+    """cProfile ``calls`` calls of ``DecodeWrapper.run()`` per backend (b1, paged, bf16, one plan) and print the
+    functions with the most time of their own, and the per-call wall time of the same loop without the profiler."""
+    import cProfile
+    import pstats
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = make_inputs(1, hq, hkv, d, [kv], page_size=16, dtype=torch.bfloat16, device="cuda", generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    for be in backends:
+        w = attnplan.DecodeWrapper(backend=be)
+        w.plan(*args, seq_lens_host=[kv])
+        out = torch.empty_like(x.q)
+        wall = per_call_us(lambda: w.run(*args, out=out), calls)
+        launches = 1 if w.plan_.single_pass or w.plan_.merge == "fused" else 2
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(calls):
+            w.run(*args, out=out)
+        pr.disable()
+        torch.cuda.synchronize()
+        print(f"\n{be}: run() {wall:.1f} us per call ({launches} launch(es); plan {w.plan_.policy}, merge "
+              f"{w.plan_.merge}); top functions by own time over {calls} profiled calls:")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(top)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", default="triton,cuda_ptx,numba")
@@ -223,8 +250,13 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--out", default="benchmarks/results/host.json")
     ap.add_argument("--cpu", action="store_true", help="per-stage host cost on the CPU, launches stubbed")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="GPU: cProfile N run() calls per backend at the first --kv and print the top functions")
     args = ap.parse_args(argv)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
+    if args.profile:
+        profile_run(args.backends.split(","), args.profile, hq, hkv, d, int(args.kv.split(",")[0]))
+        return 0
     if args.cpu:
         kv = int(args.kv.split(",")[0])
         for be in args.backends.split(","):
