@@ -11,6 +11,9 @@ vector, the graph replay of one decode step (L2 flushed in front: device time of
 - attnplan ``live``: ``plan()`` from the vector's own lengths (``seq_lens_host``), captured and replayed;
 - FlashInfer ``BatchDecodeWithPagedKVCacheWrapper`` with and without tensor cores: ``plan()`` on the host for the
   vector (its balanced split), ``run()`` captured and replayed;
+- attnplan ``invariant`` (``--invariant``, on by default): the capacity plan with ``split.batch_invariant: true``
+  (each sequence's units from its own length: bitwise the same output whatever its batchmates), its cost beside
+  the default;
 - ``read``: one streaming-read kernel over as many bytes as the step must move (K + V of the live tokens, q, out).
 
 Every output is checked against a float32 reference on the GPU before it is timed. The table printed last gives,
@@ -200,6 +203,17 @@ def run_point(hq, hkv, d, batch, dist, args, fi, gen) -> dict:
                     assert err < 0.05, f"{be} tail scale {scale}: max error {err:.3g} at vector {vi}"
                     res["vectors"][vi][f"{be}_tail{scale:g}_us"] = graph_time(
                         lambda: sw.run(q, k_cache, v_cache, sl, bt, out=out), args.iters)
+            if args.invariant:  # split.batch_invariant: each sequence's units from its own length alone
+                iw = attnplan.DecodeWrapper(attnplan.load_config(split={"batch_invariant": True}), backend=be)
+                iw.plan(q0, k_cache, v_cache, sl0, bt0, capacity=True)
+                for vi, (q, sl, bt, lens) in enumerate(inputs):
+                    out = torch.empty_like(q)
+                    iw.run(q, k_cache, v_cache, sl, bt, out=out)
+                    torch.cuda.synchronize()
+                    err = max_err(out, refs[vi])
+                    assert err < 0.05, f"{be} batch-invariant plan: max error {err:.3g} at vector {vi}"
+                    res["vectors"][vi][f"{be}_invariant_us"] = graph_time(
+                        lambda: iw.run(q, k_cache, v_cache, sl, bt, out=out), args.iters)
         except Exception as e:  # noqa: BLE001 - one backend's failure is reported, the rest still run
             res.setdefault("errors", {})[be] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"  {be}: {res['errors'][be]}", flush=True)
@@ -240,6 +254,10 @@ def summarize(pt: dict, backends, tail_scales=()) -> dict:
     out = {"capacity_us": statistics.fmean(cap), "live_us": statistics.fmean(live), "fi_us": statistics.fmean(fi),
            "read_us": statistics.fmean(rd), "cap_over_live": gm([c / l for c, l in zip(cap, live)]),
            "fi_over_cap": gm([f / c for f, c in zip(fi, cap)]), "read_over_cap": gm([r / c for r, c in zip(rd, cap)])}
+    inv = [best(v, "_invariant_us") for v in vs]
+    if all(x == x for x in inv):  # the batch-invariant capacity plan (best backend) against the default's
+        out["invariant_us"] = statistics.fmean(inv)
+        out["invariant_over_cap"] = gm([i / c for i, c in zip(inv, cap)])
     for scale in tail_scales:  # the rescaled long-tailed table against the plan as made, per backend
         for b in backends:
             key = f"{b}_tail{scale:g}_us"
@@ -281,6 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--tail-scales", default="", help="also time the capacity plan with its long-tailed targets "
                     "scaled by each of these factors (comma-separated), to choose cost_model.tail_target_scale")
+    ap.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time capacity plans with split.batch_invariant (its cost beside the default)")
     ap.add_argument("--out", default="benchmarks/results/longtail.json")
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
@@ -310,6 +330,11 @@ def main(argv=None) -> int:
                 with open(args.out, "w") as f:  # after every point: a run cut short keeps what it measured
                     json.dump(result, f, indent=1)
     print_table(points)
+    rs = [pt["summary"]["invariant_over_cap"] for pt in points if "invariant_over_cap" in pt["summary"]]
+    if rs:
+        g = math.exp(statistics.fmean(math.log(r) for r in rs))
+        print(f"batch-invariant capacity plans (split.batch_invariant): time / default's {g:.3f} geomean over "
+              f"{len(rs)} points, {min(rs):.3f}-{max(rs):.3f}")
     for scale in args.tail_scales:
         for b in args.backends:
             rs = [pt["summary"].get(f"{b}_tail{scale:g}_over_cap") for pt in points]
