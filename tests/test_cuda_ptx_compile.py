@@ -773,6 +773,7 @@ def test_partial_args_strides_and_workspace():
     assert (named["ol_sb"], named["ol_si"], named["ol_sh"]) == (24, 8, 1) and named["out_lse"] == lse.data_ptr()
     assert named["k_s0"] == 16 * 2 * 64 and named["k_s1"] == 2 * 64 and named["k_sh"] == 64
     assert named["bt_sb"] == x.block_table.stride(0) and named["block_table"] == x.block_table.data_ptr()
+    assert named["last_page"] == x.k_cache.shape[0] - 1  # the clamp of every block-table entry
     assert named["num_kv_heads"] == 2
     assert abs(named["scale_log2"] - x.sm_scale * 1.4426950408889634) < 1e-12
     single_plan = _plan(prob, 1, be)
@@ -781,6 +782,7 @@ def test_partial_args_strides_and_workspace():
     sv = _named(A.partial_args(single, x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, out, None))
     assert sv["o_ss"] == sv["l_ss"] == 0 and sv["max_units_per_seq"] == 1 and sv["granule"] == 1
     assert sv["out_lse"] == sv["block_table"] == sv["bt_sb"] == sv["ws_o"] == sv["targets"] == sv["meta"] == 0
+    assert sv["last_page"] == 0  # no block table: never read
     A.PackedArgs(A.PARTIAL_SIGNATURE, vals)  # every value fits its slot
     balanced = Schedule("balanced", 64, 1, 8, (0, *([3] * 63)), 30)
     assert A.schedule_ints(balanced, 5) == (5, 64, 1, 8, 1) and A.schedule_ints(None, 5) == (5, 1, 1, 1, 0)
@@ -1068,6 +1070,30 @@ def test_signature_matches_ptx_entry(kind, signature):
     size = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
     assert [size[t] for t in types] == A.expected_param_sizes(signature)
     assert [i for i, t in enumerate(types) if t == "f32"] == [i for i, (_, k) in enumerate(signature) if k == "f32"]
+
+
+@needs_nvrtc
+def test_last_page_is_the_last_parameter_and_read_only_when_paged():
+    """``last_page``, the clamp of every block-table entry, comes after every other parameter (those keep the order
+    the single pass's registers were measured with: the single pass's 34 come first, then the schedule's and the
+    workspace's); every paged kernel reads it (the block-table window of a tile in one page and of PAGE_REG's pages,
+    the per-chunk loads; partial, single pass, fused merge), a contiguous one never does."""
+    names = [n for n, _ in A.PARTIAL_SIGNATURE]
+    assert A.PARTIAL_SIGNATURE[-1] == ("last_page", "i32") and names.count("last_page") == 1
+    assert names.index("targets") == 34 and names[:34][-1] == "l_ss"
+    n = len(names)
+    paged = [("partial", "bfloat16", 128, 4, 1, 16, {}),                         # mma, a tile in one page
+             ("single", "bfloat16", 128, 4, 1, 16, {"kv_dtype": FP8}),           # fp8 mma: 2 pages per tile
+             ("partial", "bfloat16", 128, 4, 1, 1, {}),                          # mma, per-chunk loads
+             ("single", "bfloat16", 128, 4, 1, 64, CORE),                        # CUDA cores, a tile in one page
+             ("partial", "bfloat16", 128, 4, 1, 1, CORE),                        # CUDA cores, per-chunk loads
+             ("partial", "bfloat16", 128, 4, 1, 16, {"merge": "fused"})]
+    contiguous = [("partial", "bfloat16", 128, 4, 1, None, {}), ("single", "bfloat16", 128, 4, 1, None, CORE)]
+    for s, reads in [(s, True) for s in paged] + [(s, False) for s in contiguous]:
+        spec = S.make_spec(*s[:6], **s[6])
+        body, _ = _entry_ptx(spec)
+        assert (re.search(r"ld\.param\.u32\s+%r\d+, \[" + spec.entry + f"_param_{n - 1}\\]", body) is not None) \
+            == reads, spec.name
 
 
 def _entry_ptx(spec, arch="compute_90"):

@@ -510,11 +510,16 @@ def test_emulated_worked_merge_example(be):
     assert torch.allclose(out, torch.full_like(out, 4.9), atol=1e-6)
 
 
-def test_emulation_reports_out_of_bounds_block_table(be, gen):
-    """A block-table entry outside the cache makes the kernel read outside the inputs: reported, not silent."""
+def test_emulation_reports_reads_outside_the_inputs(be, gen, monkeypatch):
+    """A read outside the inputs is reported, not silent: a block-table entry past the cache is clamped to the last
+    page (the reference's answer), and with that page left out of the buffers the kernel may read, the emulation
+    reports the read."""
     x = make_inputs(1, 4, 1, 64, [20], page_size=16, dtype=torch.bfloat16, generator=gen)
+    x.block_table[0, 0] = 0
     x.block_table[0, 1] = x.k_cache.shape[0] + 5
     plan = _plan(be, x, 1)
+    _run_checked(be, x, plan, "split_k")
+    monkeypatch.setattr(be, "_inputs", lambda x: [x.q, x.k_cache[:-1], x.v_cache[:-1], x.seq_lens, x.block_table])
     with pytest.raises(emulate.EmulationError, match="outside every input buffer"):
         be.partial(plan, x, _workspace(plan), *_outputs(x))
 
@@ -978,7 +983,7 @@ def test_emulated_block_table_rows_of_a_wider_table(be, mode, gen):
     columns past them poisoned with out-of-range page ids) is read through its row stride; the same table's transposed
     storage (column stride > 1) and a strided seq_lens are refused naming the argument."""
     x0 = make_inputs(3, 8, 2, 64, [50, 0, 33], page_size=16, dtype=torch.float16, generator=gen)
-    wide = torch.full((3, 11), 10**6, dtype=torch.int32)  # poison: any read of it faults in the emulation
+    wide = torch.full((3, 11), 10**6, dtype=torch.int32)  # poison: a read of it would take the last page (clamped)
     wide[:, :4] = x0.block_table
     bt = wide[:, :4]
     assert bt.stride() == (11, 1)
@@ -992,6 +997,72 @@ def test_emulated_block_table_rows_of_a_wider_table(be, mode, gen):
     with pytest.raises(ValueError, match="seq_lens"):
         be.partial(plan, dataclasses.replace(x, seq_lens=torch.stack([x.seq_lens, x.seq_lens], 1)[:, 0]), ws,
                    *_outputs(x))
+
+
+#: (mode, page, head_dim, fp8, merge) of the bad-entry test: every block-table read path of copy.cuh, the window of 32
+#: entries (PageWindow: a tile in one page, or on the tensor cores PAGE_REG's pages of a tile) and the per-chunk loads
+#: (load_pages: pages smaller than a CUDA-core tile, or than a tensor-core copy round's rows)
+BAD_TABLE = [
+    ("split_k", 16, 64, False, "separate"),  # CUDA cores, 16-token pages over 8-token tiles: the window
+    ("split_k", 4, 64, False, "separate"),   # CUDA cores, 4-token pages: per-chunk loads
+    ("mma", 16, 128, False, "separate"),     # tensor cores, a 16-token tile in one page: the window
+    ("mma", 4, 64, False, "separate"),       # tensor cores, 8 pages per 32-token tile (PAGE_REG): the window
+    ("mma", 1, 128, False, "separate"),      # tensor cores, 1-token pages: per-chunk loads
+    ("mma", 16, 128, True, "separate"),      # fp8 on tensor cores, 2 pages per 32-token tile (PAGE_REG)
+    ("mma", 16, 64, False, "fused"),         # 2 pages per 32-token tile (PAGE_REG)
+    ("split_k", 4, 64, False, "fused"),      # per-chunk loads
+]
+
+
+def _bad_table_inputs(page, head_dim, fp8, gen):
+    """Inputs whose block table holds out-of-range entries in slots the sequences use (negative, -2**31, num_pages,
+    past it, 2**31 - 1; the first, a middle and the last used slot) and in unused slots past the lengths."""
+    case = VariantCase((8, 2), head_dim, (150, 37, 0), q_len=2, page=page)
+    x = _inputs(case, gen, fp8=fp8)
+    num_pages = x.k_cache.shape[0]
+    bt = x.block_table.clone()
+    last0, last1 = -(-150 // page) - 1, -(-37 // page) - 1
+    bt[0, 0], bt[0, last0 // 2], bt[0, last0] = -1, num_pages, -2**31
+    bt[1, 0], bt[1, last1 // 2], bt[1, last1] = 2**31 - 1, -7, num_pages + 5
+    bt[1, last1 + 1:] = -3  # unused slots of sequence 1 and every slot of the empty sequence 2
+    bt[2] = 2**31 - 1
+    return dataclasses.replace(x, block_table=bt)
+
+
+@pytest.mark.parametrize("mode,page,head_dim,fp8,merge", BAD_TABLE,
+                         ids=[f"{m}-page{p}-d{d}{'-kvfp8' if f else ''}-{g}" for m, p, d, f, g in BAD_TABLE])
+def test_emulated_bad_block_table_entries_read_a_clamped_page(be, mode, page, head_dim, fp8, merge, gen):
+    """Block-table entries outside [0, num_pages) in used slots: every page index the kernels load is clamped into
+    [0, last_page] (negative -> page 0, too large -> the last page), as the reference clamps them, so the single pass,
+    the partial kernel's units and states, the separate and the fused merge equal the reference on the same table, and
+    nothing is read outside the cache (the emulation checks every cp.async and __ldg against the inputs). The bad
+    entries matter: the reference on the table with them replaced by valid pages differs."""
+    x = _bad_table_inputs(page, head_dim, fp8, gen)
+    num_pages = x.k_cache.shape[0]
+    clamped = x.block_table.clamp(0, num_pages - 1)
+    assert not torch.equal(clamped, x.block_table)
+    ref, _ = _reference(x)
+    assert torch.equal(ref, _reference(dataclasses.replace(x, block_table=clamped))[0])
+    other, _ = _reference(dataclasses.replace(x, block_table=torch.where(x.block_table < 0, num_pages - 1,
+                                                                         torch.where(x.block_table >= num_pages, 0,
+                                                                                     x.block_table))))
+    assert not torch.allclose(ref[:2].float(), other[:2].float()), "the bad entries do not change the output"
+    if merge == "fused":
+        plan = _plan(be, x, 3, mode, merge="fused")
+        assert plan.merge == "fused" and be.spec_for("partial", plan).merge == "fused"
+        ws = _workspace(plan)
+        out, lse = _outputs(x)
+        be.run(plan, x, ws, out, lse)
+        assert int(ws.counters.abs().sum()) == 0
+        ref, ref_lse = _reference(x)
+        assert_close_to_reference(out, ref, x.q.dtype, "out (fused merge)")
+        assert_close_to_reference(lse, ref_lse, torch.float32, "lse (fused merge)")
+        return
+    for splits in (1, 3):
+        plan = _plan(be, x, splits, mode)
+        spec = be.spec_for("partial", plan)
+        assert spec.mma == (mode == "mma") and spec.page_size == page
+        _run_checked(be, x, plan, mode, fp8=fp8)
 
 
 # -- the specializations the parametrized tests build (in parallel, once) -----------------------------------------------
@@ -1014,4 +1085,11 @@ def _parametrized_specs(be) -> list:
         x = _inputs(case, g, fp8)
         specs.append(be.spec_for("partial", _plan(be, x, case.splits[0], mode, merge="fused", **options)))
     specs += [S.merge_spec(dtype_name(DT[dt]), d, t) for dt, d, t in MERGE_TEAMS]
+    for mode, page, head_dim, fp8, merge in BAD_TABLE:
+        x = _bad_table_inputs(page, head_dim, fp8, g)
+        for splits in ((3,) if merge == "fused" else (1, 3)):
+            plan = _plan(be, x, splits, mode, merge=merge)
+            specs.append(be.spec_for("partial", plan))
+            if plan.merge == "separate":
+                specs.append(be.spec_for("merge", plan))
     return specs

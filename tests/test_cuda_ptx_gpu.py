@@ -6,9 +6,10 @@ units in the ragged workspace, ``meta``), contiguous and paged caches (page 1, 1
 q_len 1 and 4, lengths 0, 1, page boundaries and 4097, fp16 / bf16 / fp32, forced split counts (more than the
 granules included), capacity plans on long-tailed batches, the separate and the fused merge (programs racing on the
 device, counters back at zero, bitwise reruns), CUDA-graph replay after in-place ``seq_lens`` / block-table rewrites,
-launches on a side stream without allocation, 64-bit page and head offsets, NaN isolation, fp8 e4m3fn KV caches with
-per-KV-head scales (window / soft-cap / sinks; split-K on tensor cores by default and on CUDA cores as mode ``core``)
-and the fp8 decoders on all 256 codes. Outputs and workspaces are NaN-poisoned before every run.
+launches on a side stream without allocation, 64-bit page and head offsets, out-of-range block-table entries (clamped:
+the reference's answer, no fault), NaN isolation, fp8 e4m3fn KV caches with per-KV-head scales (window / soft-cap /
+sinks; split-K on tensor cores by default and on CUDA cores as mode ``core``) and the fp8 decoders on all 256 codes.
+Outputs and workspaces are NaN-poisoned before every run.
 
 Tensor cores: split-K runs the ``mma.sync`` path by default for fp16 / bf16 with head_dim % 16 == 0 (the public
 API's cases); mode ``core`` forces the CUDA-core split-K kernel (kernel option ``mma: false``, planned through the
@@ -432,6 +433,71 @@ def test_int32_page_offset(gen):
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     assert_close_to_reference(out, ref, torch.bfloat16)
     del k_big, v_big
+
+
+#: (mode, page, fp8) of the bad-entry test: every block-table read path of copy.cuh, the window of 32 entries
+#: (PageWindow: a tile in one page, or PAGE_REG's pages of a tensor-core tile) and the per-chunk loads (load_pages)
+BAD_TABLE = [
+    ("split_k", 16, False),  # tensor cores, a 16-token tile in one page: the window
+    ("split_k", 4, False),   # tensor cores, 4 pages per tile (PAGE_REG): the window
+    ("split_k", 1, False),   # tensor cores, 1-token pages: per-chunk loads
+    ("split_k", 16, True),   # fp8 on tensor cores, 2 pages per 32-token tile (PAGE_REG)
+    ("core", 64, False),     # CUDA cores, 8-token tiles in one page: the window
+    ("core", 4, False),      # CUDA cores, 4-token pages: per-chunk loads
+]
+
+
+def _bad_entries(bt, lens, page, num_pages):
+    """``bt`` with entries outside [0, num_pages) in the slots the sequences use (negative, -2**31, num_pages, past it,
+    2**31 - 1; the first, a middle and the last used slot of each non-empty sequence) and in the unused slots."""
+    bt = bt.clone()
+    bad = [(-1, num_pages, -2**31), (2**31 - 1, -7, num_pages + 5), (num_pages + 1, -2, 2**31 - 1)]
+    for b, n in enumerate(lens):
+        used = -(-n // page)
+        if used:
+            bt[b, 0], bt[b, (used - 1) // 2], bt[b, used - 1] = bad[b % 3]
+        bt[b, used:] = -3 if b % 2 else 2**31 - 1
+    return bt
+
+
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+@pytest.mark.parametrize("mode,page,fp8", BAD_TABLE, ids=[f"{m}-page{p}" + ("-kvfp8" if f else "") for m, p, f in
+                                                          BAD_TABLE])
+def test_bad_block_table_entries_read_a_clamped_page(mode, page, fp8, merge, gen):
+    """Block-table entries outside [0, num_pages) in used slots never fault: every page index the kernels load is
+    clamped into [0, last_page] (negative -> page 0, too large -> the last page) as the reference clamps them, so the
+    single pass, the partial kernel unit by unit, the separate and the fused merge equal the reference on the same
+    table; through the public API with host lengths too (plan() then does not read the table)."""
+    be = _backend()
+    lens = [2000, 700, 33, 0]
+    case = Case((32, 8), 128, tuple(lens), q_len=2, page=page)
+    x = _fp8_inputs(case, gen) if fp8 else case.inputs("cuda", gen)
+    num_pages = x.k_cache.shape[0]
+    x = dataclasses.replace(x, block_table=_bad_entries(x.block_table, lens, page, num_pages))
+    ref, ref_lse = _reference(x)
+    for splits in ((5, 16) if merge == "fused" else (1, 5)):
+        plan = _direct_plan(be, x, splits, merge=merge, mma=mode == "split_k")
+        spec = be.spec_for("partial", plan, x.q.device)
+        assert spec.mma == (mode == "split_k") and spec.page_size == page
+        if merge == "separate":
+            _run_checked(be, x, plan)
+            continue
+        assert plan.merge == "fused" and spec.merge == "fused"
+        ws = _workspace(plan)
+        out, lse = _outputs(x)
+        be.run(plan, x, ws, out, lse)
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, ref, x.q.dtype, f"out (fused, {splits} units)")
+        assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (fused, {splits} units)")
+        assert int(ws.counters.abs().sum()) == 0, "counters not reset"
+    if mode == "split_k":
+        out, lse = _outputs(x)
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sm_scale=x.sm_scale, out=out, lse=lse,
+                        backend="cuda_ptx", num_splits=5, k_scale=x.k_scale, v_scale=x.v_scale, seq_lens_host=lens,
+                        config=load_config(split={"merge": merge}))
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, ref, x.q.dtype, "out (decode with host lengths)")
+        assert_close_to_reference(lse, ref_lse, torch.float32, "lse (decode with host lengths)")
 
 
 @pytest.mark.parametrize("splits", [1, 3])

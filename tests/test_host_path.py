@@ -533,7 +533,7 @@ def test_gpu_host_lengths_plan_run_decode_never_sync(backend, page):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "numba"])
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_bad_block_table_entries_never_fault(backend):
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = make_inputs(3, 32, 8, 128, [2000, 700, 33], page_size=16, dtype=torch.float16, device="cuda",

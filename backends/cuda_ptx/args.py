@@ -16,6 +16,11 @@ tensor): the rings and the block-table window run at most a few million tokens p
 scalars are packed so that every value the planner and the input validation allow fits: ``window_left`` as
 ``min(window_left, capacity)`` (a window at least the cache's capacity restricts nothing); the schedule's integers
 are below 2**31 by :class:`~attnplan.schedule.Schedule`'s own checks.
+
+Page indices: the last parameter, ``last_page``, is a paged cache's ``k_cache.shape[0] - 1`` (0 for a contiguous
+cache, which never reads it); the kernels clamp every entry they read from the block table into ``[0, last_page]``
+(negative -> 0, past the cache -> ``last_page``), as :mod:`attnplan.reference` does, so an out-of-range entry reads a
+wrong page of the cache and never memory outside it.
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ def kv_capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
     return int(block_table.shape[1]) * int(k_cache.shape[1])
 
 #: (name, kind) of each partial / single-pass kernel parameter, in order; kinds: ptr, i32, f32, i64. The single pass
-#: reads the first 30 (``granule`` / ``max_units_per_seq`` = 1 / ``o_ss`` = ``l_ss`` = 0 as its one split's chunk
+#: reads the first 34 (``granule`` / ``max_units_per_seq`` = 1 / ``o_ss`` = ``l_ss`` = 0 as its one split's chunk
 #: arithmetic), in the order it had before the device-side schedule (``decode.cu`` says why); the schedule's and the
-#: workspace's follow.
+#: workspace's follow, then ``last_page`` (a paged cache's ``pages - 1``, the clamp of every block-table entry; 0
+#: and unread for a contiguous cache), which both kernels read.
 PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("q", "ptr"), ("k_cache", "ptr"), ("v_cache", "ptr"), ("seq_lens", "ptr"), ("block_table", "ptr"),
     ("out", "ptr"), ("out_lse", "ptr"), ("sinks", "ptr"), ("k_scale", "ptr"), ("v_scale", "ptr"),
@@ -64,6 +70,8 @@ PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("batch", "i32"), ("min_unit_granules", "i32"), ("balanced", "i32"),
     ("o_si", "i64"), ("o_sh", "i64"),
     ("l_si", "i64"), ("l_sh", "i64"),
+    # last, so that the parameters before it keep their order (and ptxas its register allocation)
+    ("last_page", "i32"),
 )
 #: (name, kind) of each merge kernel parameter, in order
 MERGE_SIGNATURE: tuple[tuple[str, str], ...] = (
@@ -198,7 +206,8 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
             ``c * log2(e)``).
         sinks: ``[num_q_heads]`` fp32 sink logits, joined where ``out`` is written (partial states exclude them).
         k_scale, v_scale: ``[num_kv_heads]`` fp32 dequantization scales of an fp8 cache (``spec.kv_fp8``).
-    Strides are in elements.
+    Strides are in elements. ``last_page`` is ``k_cache.shape[0] - 1`` for a paged cache (the clamp of the
+    block-table entries), 0 for a contiguous one.
 
     Raises:
         ValueError: ``window_left`` below -1.
@@ -219,6 +228,7 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         *_strides(out, 3), o_ss, *_strides(out_lse, 3), l_ss,
         _ptr(targets), _ptr(meta), _ptr(counters), _ptr(ws_o), _ptr(ws_lse), batch, min_c, balanced,
         o_si, o_sh, l_si, l_sh,
+        0 if bt is None else max(int(k_cache.shape[0]) - 1, 0),
     ]
 
 

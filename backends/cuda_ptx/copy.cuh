@@ -10,11 +10,20 @@
 //    (PageWindow; FlashInfer's batch decode kernel likewise computes the offsets of a run of tiles ahead, into
 //    shared memory); a tile's entries reach the lanes by shuffle. Tensor-core kernels form each tile's K / V base
 //    pointer once and add each chunk's 32-bit lane offset to it (opaque()).
+//  * Every page index read from the block table is clamped into [0, last_page] (last_page = pages - 1; page_at),
+//    as the reference does: a bad entry reads a wrong page of the cache, never memory outside it. PageWindow
+//    clamps once per 32 entries, where a lane loads its entry of the window.
 //  * 64-bit element offsets wherever a page, sequence or head index multiplies a stride; a chunk's offset inside
 //    its tile or page is 32-bit (the host checks (TILE - 1) x token stride + head_dim < 2^31).
 #pragma once
 
 constexpr int PAGE_DIV = PAGE > 0 ? PAGE : 1;  // the page size as a divisor (contiguous caches never divide by it)
+
+// Block-table entry `idx` of a sequence's row `btb` as a page index clamped into [0, last_page] (negative -> 0,
+// past the cache -> last_page). Every read of the block table goes through it.
+__device__ __forceinline__ int page_at(const int *__restrict__ btb, int idx, int last_page) {
+    return cmin(cmax(__ldg(btb + idx), 0), last_page);
+}
 
 // The block-table window (PAGE_WIN: one page per tile, or PAGE_REG's TILE / PAGE pages; either way the same
 // entries for every lane). A copying unit (a warp) visits its tiles n = 0, 1, 2, ... (first token base + n * step)
@@ -22,18 +31,19 @@ constexpr int PAGE_DIV = PAGE > 0 ? PAGE : 1;  // the page size as a divisor (co
 // and of batch b + 1 in `nxt`; a tile's entries reach every lane by shuffle, and batch b + 2 is loaded when b + 1
 // becomes current, 32 / NPG tiles before its first use. Loaded one tile ahead instead, the copies waited on that
 // load at 1-2 programs per SM (ncu on an H200: the paged loop's top stall at batch 16, 1K tokens). 0 outside
-// [start, end).
+// [start, end); entries clamped (page_at).
 constexpr bool PAGE_WIN = PAGE > 0 && (ONE_PAGE || (PAGE_REG && NPG <= 32));  // a tile's slots in one batch
 static_assert(!PAGE_WIN || 32 % NPG == 0, "a tile's page slots must lie in one batch of 32");
 struct PageWindow {
     const int *btb;
-    int base, step, start, end, cur, nxt;
+    int base, step, start, end, last_page, cur, nxt;
     __device__ __forceinline__ int entry(int q) const {
         const int t0 = base + (q / NPG) * step + (q % NPG) * PAGE;  // first token of slot q's page (in the tile)
-        return (t0 < end && t0 + PAGE > start) ? __ldg(btb + t0 / PAGE_DIV) : 0;
+        return (t0 < end && t0 + PAGE > start) ? page_at(btb, t0 / PAGE_DIV, last_page) : 0;
     }
-    __device__ __forceinline__ void init(const int *b, int base_, int step_, int start_, int end_, int lane) {
-        btb = b, base = base_, step = step_, start = start_, end = end_;
+    __device__ __forceinline__ void init(const int *b, int base_, int step_, int start_, int end_, int last_page_,
+                                         int lane) {
+        btb = b, base = base_, step = step_, start = start_, end = end_, last_page = last_page_;
         cur = entry(lane);
         nxt = entry(32 + lane);
     }
@@ -49,24 +59,26 @@ struct PageWindow {
     }
 };
 
-// Block-table entries for the chunks thread `cid` copies of tile `ts` (first token); 0 outside [start, end).
+// Block-table entries for the chunks thread `cid` copies of tile `ts` (first token), clamped (page_at); 0 outside
+// [start, end).
 __device__ __forceinline__ void load_pages(int (&pg)[NPG], const int *__restrict__ btb, int ts, int start, int end,
-                                           int cid) {
+                                           int last_page, int cid) {
     if constexpr (PAGE > 0) {
         if (ONE_PAGE) {
-            pg[0] = (ts < end && ts + TILE > start) ? __ldg(btb + ts / PAGE_DIV) : 0;
+            pg[0] = (ts < end && ts + TILE > start) ? page_at(btb, ts / PAGE_DIV, last_page) : 0;
         } else if (PAGE_REG) {
 #pragma unroll
             for (int j = 0; j < NPG; ++j) {  // page j of the tile: tokens [t0, t0 + PAGE)
                 const int t0 = ts + j * PAGE;
-                pg[j] = (t0 < end && t0 + PAGE > start) ? __ldg(btb + t0 / PAGE_DIV) : 0;
+                pg[j] = (t0 < end && t0 + PAGE > start) ? page_at(btb, t0 / PAGE_DIV, last_page) : 0;
             }
         } else {
 #pragma unroll
             for (int k = 0; k < NPG; ++k) {
                 const int c = cid + NCOPY * k;
                 const int t = ts + c / DV;
-                pg[k] = ((CH % NCOPY == 0 || c < CH) && t < end && t >= start) ? __ldg(btb + t / PAGE_DIV) : 0;
+                const bool used = (CH % NCOPY == 0 || c < CH) && t < end && t >= start;
+                pg[k] = used ? page_at(btb, t / PAGE_DIV, last_page) : 0;
             }
         }
     }

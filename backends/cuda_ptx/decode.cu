@@ -162,8 +162,11 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, const
 // counters [B Hkv] are the fused merge's (zero at rest; null otherwise). The single pass reads granule,
 // max_units_per_seq (1), o_ss and l_ss (0) as its one split's chunk arithmetic and nothing else of the schedule or
 // the workspace: the parameters it reads come first, in the order they had before the schedule (its PTX and
-// registers are the same; parameter order moves ptxas's register allocation). out_lse, sinks [Hq], k_scale / v_scale
-// [Hkv] may be null. Grid (1, Hkv, units), or the unit-major program index u Hkv + h along x.
+// registers are the same; parameter order moves ptxas's register allocation). last_page (pages - 1 of a paged cache,
+// 0 and never read for a contiguous one) comes last of all, after the schedule's and the workspace's: every page
+// index read from the block table is clamped into [0, last_page] (copy.cuh, page_at), so a bad entry reads a wrong
+// page, never outside the cache. out_lse, sinks [Hq], k_scale / v_scale [Hkv] may be null. Grid (1, Hkv, units), or
+// the unit-major program index u Hkv + h along x.
 #if ATTNPLAN_KIND == ATTNPLAN_KIND_PARTIAL
 // The partial kernel's end, out of line: the rows of the program (rows_out.cuh) from the KV warps' states in shared
 // memory. The schedule's prologue (schedule_unit) is out of line too: inlined, the two would share the kernel's
@@ -201,7 +204,8 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
                const int *__restrict__ targets, int *__restrict__ meta, int *__restrict__ counters,
                float *__restrict__ ws_o, float *__restrict__ ws_lse, int batch, int min_unit_granules, int balanced,
                i64 o_si, i64 o_sh,
-               i64 l_si, i64 l_sh) {
+               i64 l_si, i64 l_sh,
+               int last_page) {
     ATTNPLAN_DYNAMIC_SMEM(smem);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if constexpr (!FUSED) pdl_launch_dependents();  // the merge kernel may launch now; it waits for this grid
@@ -358,7 +362,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
     lane_copies(lc, k_s1, v_s1, cid);
 
     PageWindow pw;
-    if (PAGE_WIN) pw.init(btb, TILE_START(0), TILE_START(1) - TILE_START(0), start, end, lane);
+    if (PAGE_WIN) pw.init(btb, TILE_START(0), TILE_START(1) - TILE_START(0), start, end, last_page, lane);
     {  // prologue: block-table entries of the first STAGES-1 tiles together, then their copies
         int pgp[STAGES - 1][NPG];
 #pragma unroll
@@ -366,7 +370,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
             if (PAGE_WIN)
                 pw.tile(pgp[st], st, lane);
             else
-                load_pages(pgp[st], btb, TILE_START(st), start, end, cid);
+                load_pages(pgp[st], btb, TILE_START(st), start, end, last_page, cid);
         }
 #pragma unroll
         for (int st = 0; st < STAGES - 1; ++st) {
@@ -377,7 +381,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         }
     }
     int pg[NPG];
-    if (!PAGE_WIN) load_pages(pg, btb, TILE_START(STAGES - 1), start, end, cid);
+    if (!PAGE_WIN) load_pages(pg, btb, TILE_START(STAGES - 1), start, end, last_page, cid);
 
     int stage_c = 0, stage_w = STAGES - 1;
     for (int it = 0; it < my_n; ++it) {
@@ -386,7 +390,8 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
             issue_tile(ring + stage_w * STAGE_BYTES, kb, vb, TILE_START(it + STAGES - 1), start, end, pg, lc, k_s0,
                        k_s1, v_s0, v_s1, cid);
         cp_async_commit();
-        if (!PAGE_WIN) load_pages(pg, btb, TILE_START(it + STAGES), start, end, cid);  // used one iteration later
+        if (!PAGE_WIN)  // used one iteration later
+            load_pages(pg, btb, TILE_START(it + STAGES), start, end, last_page, cid);
         cp_async_wait<STAGES - 1>();
         __syncwarp();
         const int ts = TILE_START(it);

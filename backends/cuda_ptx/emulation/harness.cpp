@@ -44,7 +44,8 @@ void body() {
                    arg<const int *>(34), arg<int *>(35), arg<int *>(36), arg<float *>(37), arg<float *>(38),
                    arg<int>(39), arg<int>(40), arg<int>(41),
                    arg<i64>(42), arg<i64>(43),
-                   arg<i64>(44), arg<i64>(45));
+                   arg<i64>(44), arg<i64>(45),
+                   arg<int>(46));
 #endif
 }
 }  // namespace
