@@ -157,7 +157,10 @@ def cpu_stages(be: str, calls: int, hq: int, hkv: int, d: int, kv: int) -> list[
         dp = _Direct()
         dp.run, dp.function, dp.packed, dp.device, dp.debug = (lambda *a: None), None, None, 0, False
         dp.const_tail = (0,) * 30
-        bound.hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False)
+        from triton import knobs  # Triton's own default hooks: what the direct path sees on a GPU
+
+        bound.hooks = types.SimpleNamespace(launch_enter_hook=knobs.runtime.launch_enter_hook,
+                                            launch_exit_hook=knobs.runtime.launch_exit_hook, debug=False)
         bound.current_device, bound.current_stream = (lambda: 0), (lambda dev: 0)
         bound.direct[(out.stride(), None, out.data_ptr() & 15)] = (dp, dp if bound.merge else None)
         rows.append(("bound launch, direct path (launcher stubbed)",

@@ -422,6 +422,12 @@ def _check_op(backend, c, a, bad, before):
     attnplan.ops.clear_op_plans()
     call = lambda: torch.ops.attnplan.decode(a["q"], a["k_cache"], a["v_cache"], a["seq_lens"],  # noqa: E731
                                              a["block_table"], scale, backend)
+    if a["q"].is_cuda and not get_backend(backend).graph_safe and not bad:
+        # the op plans for the capacity (graph replay) on a GPU: a backend that cannot run under capture is refused
+        event("op: backend not graph-safe, refused")
+        with pytest.raises(attnplan.NoBackendError, match="not graph-safe"):
+            call()
+        return
     if bad:
         event("op: refused")
         with pytest.raises(REFUSALS) as e:

@@ -321,7 +321,10 @@ def test_triton_direct_launch_is_used_only_for_its_layout(monkeypatch, splits, g
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=splits, seq_lens_host=[60, 20])
     bl = w._launcher
     assert isinstance(bl, BoundLaunch)
-    hooks = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None, debug=False)
+    # Triton's own default hooks (an empty knobs.HookChain in recent Triton, None in older ones), its debug knob off
+    from triton import knobs
+    hooks = types.SimpleNamespace(launch_enter_hook=knobs.runtime.launch_enter_hook,
+                                  launch_exit_hook=knobs.runtime.launch_exit_hook, debug=False)
     bl.hooks, bl.current_device, bl.current_stream = hooks, (lambda: 0), (lambda d: 77)
     args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     merges = 1 if plan.merge == "separate" else 0
@@ -371,9 +374,18 @@ def test_triton_direct_launch_is_used_only_for_its_layout(monkeypatch, splits, g
     assert shifted.data_ptr() % 16 and run(shifted) == ["jit"] * (1 + merges)
     lse = torch.empty(2, 1, 8)
     assert run(out, lse) == ["jit"] * (1 + merges) and run(out, lse) == ["direct"] * (1 + merges)
-    # a launch hook (profilers), Triton's debug knob, another device: the JIT
+    # a launch hook (profilers: a plain function, or one added to Triton's chain), the debug knob, another
+    # device: the JIT
+    default_enter = hooks.launch_enter_hook
     hooks.launch_enter_hook = lambda *a: None
     assert run(out) == ["jit"] * (1 + merges)
+    if hasattr(default_enter, "add"):
+        chain = type(default_enter)()
+        chain.add(lambda *a: None)
+        hooks.launch_enter_hook = chain
+        assert run(out) == ["jit"] * (1 + merges)
+        hooks.launch_enter_hook = type(default_enter)()  # emptied again: direct
+        assert run(out) == ["direct"] * (1 + merges)
     hooks.launch_enter_hook, hooks.debug = None, True
     assert run(out) == ["jit"] * (1 + merges)
     hooks.debug = False

@@ -109,6 +109,12 @@ def _direct(jit_fn, ck, nargs: int, const: dict, device: int) -> _Direct | None:
         return None
 
 
+def _hook_set(hook) -> bool:
+    """Whether a Triton launch hook is installed: ``None`` (older Triton) or an empty ``knobs.HookChain`` (newer
+    Triton's default, never ``None``) is not."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _same_args(a: tuple, b: tuple) -> bool:
     """Whether two launch argument tuples are the same: tensors by identity, numbers by type and value."""
     return len(a) == len(b) and all(x is y or (not isinstance(x, torch.Tensor) and type(x) is type(y) and x == y)
@@ -241,7 +247,7 @@ class BoundLaunch:
             key += tuple(t.data_ptr() & 15 for t in vt)
         entry = self.direct.get(key)
         h = self.hooks
-        if entry is not None and h.launch_enter_hook is None and h.launch_exit_hook is None:
+        if entry is not None and not _hook_set(h.launch_enter_hook) and not _hook_set(h.launch_exit_hook):
             dp, dm = entry
             dev = self.current_device()
             if dp.device == dev and dp.debug == h.debug:
