@@ -540,6 +540,8 @@ def main(argv=None) -> int:
         rows.append(to_row(pt, backends, bw))
         cells = " ".join(f"{n}={r['graph_us']:.1f}us" if "graph_us" in r else f"{n}=err" for n, r in pt["results"].items())
         print(f"[{i + 1}/{len(grid)}] {hq}/{hkv}/{d} {layout:8s} {kind:7s} b{batch:<3d} kv{kv:<7d} {cells}", flush=True)
+        if args.out:  # this run's rows so far: a run cut short by a time limit keeps what it measured
+            _atomic_write(args.out + ".partial.csv", csv_text(rows))
         del sets
         torch.cuda.empty_cache()
     run = {"command": " ".join(["python"] + [os.path.relpath(sys.argv[0])] + sys.argv[1:]), "env": environment(),
@@ -551,6 +553,8 @@ def main(argv=None) -> int:
         _atomic_write(args.raw, json.dumps({**run, "points": points}, indent=1))
     if args.out:
         all_rows = write_results(args.out, rows, run, merge=args.merge)
+        if os.path.exists(args.out + ".partial.csv"):
+            os.remove(args.out + ".partial.csv")
         try:
             plot(all_rows, args.out + ".png", heads=all_rows[0]["heads"] if all_rows else None,
                  title=f"decode attention {all_rows[0]['heads']}, {run['env']['gpu']}, CUDA-graph replay")
