@@ -54,7 +54,9 @@ run_tests() {
 for step in ${STEPS-tests bench}; do  # STEPS="" installs only
   echo "== $step (t=$((SECONDS - t0)) s)"
   case $step in
-    tests) run_tests ;;
+    tests) run_tests
+      # a run cut short leaves pytest-xdist's workers (execnet children) running: stop them before any timing
+      pkill -f 'pytest' 2>/dev/null; pkill -f 'sys.stdin.readline' 2>/dev/null; sleep 1 ;;
     tests_bg) run_tests & TESTS_PID=$! ;;
     cmd) bash -c "$CMD" > "$R/cmd.log" 2>&1; echo "cmd rc=$?" ;;
     cmd_bg) bash -c "$CMD" > "$R/cmd.log" 2>&1 & CMD_PID=$! ;;
