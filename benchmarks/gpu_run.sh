@@ -56,7 +56,7 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
   case $step in
     tests) run_tests
       # a run cut short leaves pytest-xdist's workers (execnet children) running: stop them before any timing
-      pkill -f 'pytest' 2>/dev/null; pkill -f 'sys.stdin.readline' 2>/dev/null; sleep 1 ;;
+      pkill -f 'python3 -m pytest' 2>/dev/null; pkill -f 'sys.stdin.readline' 2>/dev/null; sleep 1 ;;
     tests_bg) run_tests & TESTS_PID=$! ;;
     cmd) bash -c "$CMD" > "$R/cmd.log" 2>&1; echo "cmd rc=$?" ;;
     cmd_bg) bash -c "$CMD" > "$R/cmd.log" 2>&1 & CMD_PID=$! ;;
