@@ -6,9 +6,10 @@
 - The fast paths (memoized static checks, host lengths checked in Python, the run-time checks from the planned
   signature) raise exactly what the general checks raise, and the memos follow every change of the inputs.
 - ``decode()`` reuses its wrappers per context and input signature and never hands out a buffer twice.
-- The bound launches (Triton's compiled-kernel launcher, numba's marshalled arguments) are used only for the
-  layout they were made for: checked on the CPU with stand-ins for the compiled kernels, and on a GPU for real,
-  with ``torch.cuda.set_sync_debug_mode("error")`` around plan / run / decode on every backend.
+- The bound launches (Triton's compiled-kernel launcher, numba's marshalled arguments, cuda_ptx's packed
+  ``kernelParams``) are used only for the layout they were made for: checked on the CPU with stand-ins for the
+  compiled kernels (for cuda_ptx: for the driver's launches, whose parameter bytes must be the unbound path's), and
+  on a GPU for real, with ``torch.cuda.set_sync_debug_mode("error")`` around plan / run / decode on every backend.
 """
 
 from __future__ import annotations
@@ -868,8 +869,7 @@ def test_gpu_host_lengths_plan_run_decode_never_sync(backend, page):
     for o in outs:
         assert_close_to_reference(o, ref, torch.bfloat16)
     assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
-    if backend in ("triton", "numba"):
-        assert w._launcher is not None and len(w._launcher.direct) >= 2, "the direct launches were not used"
+    assert w._launcher is not None and len(w._launcher.direct) >= 2, "the direct launches were not used"
 
 
 @pytest.mark.gpu

@@ -5,7 +5,9 @@ cubin for the device's exact architecture (PTX only as a fallback, see :mod:`.nv
 disk, loaded with ``cuModuleLoadData`` into torch's primary context, and launched with ``cuLaunchKernel`` on
 ``torch.cuda.current_stream()`` (:mod:`.runtime`). Launches allocate nothing and never sync the host, so ``run``
 can be captured in a CUDA graph (compile and load first: :meth:`CudaPtxBackend.prepare`, or one eager run before
-capture). :mod:`.spec` chooses a kernel's specialization and computes its layout (the kernel checks it),
+capture). ``DecodeWrapper.run()`` launches through :class:`~.bound.BoundLaunch` (:meth:`CudaPtxBackend.bind`, made by
+``plan()``): the checks and the argument packing done once per output layout, only the call's data pointers written
+per call. :mod:`.spec` chooses a kernel's specialization and computes its layout (the kernel checks it),
 :mod:`.args` lists and packs its arguments, :mod:`.emulate` runs the kernels' text on a CPU (tests).
 
 Method: Flash-Decoding's split-KV (Dao et al. 2023) with the device-side schedule of :mod:`attnplan.schedule`
