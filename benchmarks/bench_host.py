@@ -6,8 +6,9 @@ bottleneck and the wall time per call is the host's cost):
 - ``run_us``: ``DecodeWrapper.run()`` after one ``plan()``;
 - ``run_checks_us``: the same with the launch stubbed (the argument checks alone);
 - ``bound_us``: the backend's bound launch alone (``Backend.bind``: Triton's compiled-kernel launcher, numba's
-  marshalled arguments), and ``jit_us``: the same launches through the backend's ``run()`` (Triton's JIT, numba's
-  dispatcher), the path ``run()`` took before bound launches;
+  marshalled arguments, cuda_ptx's packed ``kernelParams``), and ``jit_us``: the same launches through the backend's
+  ``run()`` (Triton's JIT, numba's dispatcher, cuda_ptx's checks and argument packing on every call), the path
+  ``run()`` took before bound launches;
 - ``plan_hit_us``: ``plan()`` again with host lengths (a plan-cache hit); ``decode_us``: ``attnplan.decode()`` with
   ``seq_lens_host`` (a plan-cache hit, its wrapper reused);
 - torch's ``scaled_dot_product_attention`` on the same data (dense, ``enable_gqa``) as the bar.
@@ -19,7 +20,9 @@ reported as ``decode_nohost_sync``), and whether the bound launch's direct path 
 ``--cpu`` times the same host paths per stage on the CPU (Triton interpreter, numba simulator) with every launch
 stubbed (the interpreter would dominate): ``run()``'s checks, the bound launch's direct path with a stand-in for
 the compiled kernel (Triton) or for ``cuda.core.launch`` over a template of numba's size (numba), a ``plan()``
-hit and a ``decode()`` call, and the pieces of each. It prints its table and writes nothing.
+hit and a ``decode()`` call, and the pieces of each. cuda_ptx, which cannot run on a CPU, is timed there with its
+device runtime real but for the driver (:func:`cuda_ptx_cpu_stand_in`: the context query and both launches return
+at once), its bound launch beside the unbound ``run()`` path. It prints its table and writes nothing.
 
 Usage (GPU machine)::
 
@@ -35,6 +38,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 import types
 
@@ -128,6 +132,49 @@ def per_call_cpu_us(fn, calls: int, repeats: int = 7) -> float:
     return statistics.median(rounds)
 
 
+def cuda_ptx_cpu_stand_in():
+    """Let cuda_ptx plan and launch on CPU tensors: available, nothing to compile or load (a loaded function is its
+    spec's name), its :class:`DeviceRuntime` real but for the driver (the context query and both launches return
+    success at once: the driver's own cost is not counted), torch's current device 0 and stream 0. Returns a
+    function that undoes it."""
+    from attnplan.backends import get_backend
+    from attnplan.backends.cuda_ptx import runtime as R
+
+    be = get_backend("cuda_ptx")
+    real, _ = R.bindings()
+    ok = (real.CUresult.CUDA_SUCCESS,)
+
+    class Driver:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def cuCtxGetCurrent(self):
+            return ok[0], 1
+
+        def cuLaunchKernel(self, *args):
+            return ok
+
+        def cuLaunchKernelEx(self, *args):
+            return ok
+
+    driver = Driver()
+    rt = object.__new__(R.DeviceRuntime)
+    rt.index, rt._ctx_int, rt._tls, rt.pdl_supported = 0, 1, threading.local(), True
+    rt._functions, rt._lock, rt._load = {}, threading.Lock(), (lambda spec: spec.name)
+    saved = (R.bindings, torch.cuda.current_device, torch.cuda.current_stream)
+    R.bindings = lambda: (driver, None)
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0)
+    be.available, be.prepare, be._runtime_for = (lambda device: (True, "")), (lambda plan, device: None), (lambda d: rt)
+
+    def undo():
+        R.bindings, torch.cuda.current_device, torch.cuda.current_stream = saved
+        for name in ("available", "prepare", "_runtime_for"):
+            delattr(be, name)
+
+    return undo
+
+
 def cpu_stages(be: str, calls: int, hq: int, hkv: int, d: int, kv: int) -> list[tuple[str, float]]:
     """Per-stage host cost on the CPU, every launch stubbed (see the module docstring)."""
     from attnplan import api
@@ -191,6 +238,17 @@ def cpu_stages(be: str, calls: int, hq: int, hkv: int, d: int, kv: int) -> list[
         bound.direct[(out.stride(), None)] = tuple(made)
         rows.append(("bound launch, direct path (cuda.core.launch stubbed)",
                      per_call_cpu_us(lambda: bound(*args, out, None, ptrs), calls)))
+    if be == "cuda_ptx" and bound is not None:  # the driver's calls stubbed (cuda_ptx_cpu_stand_in)
+        inputs = DecodeInputs(*args, w._sm_scale, **w._variant)
+        rows.append(("run(), bound launch (driver stubbed)", per_call_cpu_us(lambda: w.run(*args, out=out), calls)))
+        w._launcher = None
+        rows.append(("run(), unbound: backend.run (driver stubbed)",
+                     per_call_cpu_us(lambda: w.run(*args, out=out), calls)))
+        w._launcher = bound
+        rows.append(("  bound launch alone (driver stubbed)",
+                     per_call_cpu_us(lambda: bound(*args, out, None, ptrs), calls)))
+        rows.append(("  backend.run alone (driver stubbed)",
+                     per_call_cpu_us(lambda: w.backend.run(w.plan_, inputs, w.workspace, out, None), calls)))
     rows.append(("plan() hit, host lengths", per_call_cpu_us(lambda: w.plan(*args, seq_lens_host=lens), calls)))
     static = P.validate_inputs(*args)
     rows.append(("  validate_inputs (memoized away on a hit)",
@@ -263,11 +321,16 @@ def main(argv=None) -> int:
     if args.cpu:
         kv = int(args.kv.split(",")[0])
         for be in args.backends.split(","):
-            if not attnplan.backends.get_backend(be).available(torch.device("cpu"))[0]:
-                continue
-            print(f"\n{be} on the CPU, b1 {hq}/{hkv}/{d} bf16 paged, kv {kv} (us per call, launches stubbed)")
-            for name, us in cpu_stages(be, args.calls, hq, hkv, d, kv):
-                print(f"  {name:52s} {us:8.1f}")
+            undo = cuda_ptx_cpu_stand_in() if be == "cuda_ptx" else None
+            try:
+                if not attnplan.backends.get_backend(be).available(torch.device("cpu"))[0]:
+                    continue
+                print(f"\n{be} on the CPU, b1 {hq}/{hkv}/{d} bf16 paged, kv {kv} (us per call, launches stubbed)")
+                for name, us in cpu_stages(be, args.calls, hq, hkv, d, kv):
+                    print(f"  {name:52s} {us:8.1f}")
+            finally:
+                if undo is not None:
+                    undo()
         return 0
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []

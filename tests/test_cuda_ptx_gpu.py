@@ -788,3 +788,74 @@ def test_kv_warps_options_match_reference(case, options, merge, gen):
         torch.cuda.synchronize()
         assert_close_to_reference(out, ref, torch.bfloat16, f"out ({options}, {splits} splits, {plan.merge})")
         assert_close_to_reference(lse, ref_lse, torch.float32, f"lse ({options}, {splits} splits)")
+
+
+@pytest.mark.parametrize("merge,splits", [("separate", 4), ("fused", 4), ("separate", 1)])
+def test_bound_launch_matches_reference(merge, splits, gen):
+    """DecodeWrapper.run() through cuda_ptx's bound launch (the prepared arguments, only the call's data pointers
+    written): new q, out and lse tensors every call, out in another layout (wider rows, a 2-byte offset) and lse in
+    another layout on later calls, each layout's first call unbound and the rest bound; then a capacity plan
+    captured in a CUDA graph through the bound launch and replayed after in-place seq_lens rewrites."""
+    from attnplan.backends.cuda_ptx import BoundLaunch
+
+    _backend()
+    lens = [3000, 17, 900]
+    x = make_inputs(3, 32, 8, 128, lens, page_size=16, dtype=torch.bfloat16, device="cuda", capacity=4096,
+                    generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    cfg = load_config(split={"merge": merge})
+    w = attnplan.DecodeWrapper(cfg, backend="cuda_ptx")
+    plan = w.plan(*args, seq_lens_host=lens, num_splits=splits)
+    assert plan.single_pass == (splits == 1) and (plan.single_pass or plan.merge == merge)
+    bl = w._launcher
+    assert isinstance(bl, BoundLaunch)
+    ref, ref_lse = _reference(x)
+    b, q, h, d = x.q.shape
+
+    def wide():
+        return poison(torch.empty(b, q, h, d + 64, dtype=x.q.dtype, device="cuda"))[..., :d]
+
+    def shifted():
+        return poison(torch.empty(x.q.numel() + 1, dtype=x.q.dtype, device="cuda"))[1:].view(x.q.shape)
+
+    def lse_strided():
+        return poison(torch.empty(b, q + 1, h, dtype=torch.float32, device="cuda"))[:, :q]
+
+    layouts = [(lambda: poison(torch.empty_like(x.q)), lambda: poison(torch.empty(b, q, h, device="cuda"))),
+               (wide, lse_strided), (shifted, None), (lambda: poison(torch.empty_like(x.q)), None)]
+    for i, (make_out, make_lse) in enumerate(layouts):
+        for step in range(3):
+            out, lse = make_out(), None if make_lse is None else make_lse()
+            got = w.run(x.q.clone(), *args[1:], out=out, lse=lse)
+            torch.cuda.synchronize()
+            assert got is out
+            assert_close_to_reference(out, ref, torch.bfloat16, f"out (layout {i}, call {step}, {merge})")
+            if lse is not None:
+                assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (layout {i}, call {step}, {merge})")
+        assert len(bl.direct) == i + 1
+    # a capacity plan through the bound launch in a CUDA graph
+    cap = 4096
+    wg = attnplan.DecodeWrapper(cfg, backend="cuda_ptx")
+    wg.plan(*args, capacity=True, num_splits=splits)
+    bg = wg._launcher
+    assert isinstance(bg, BoundLaunch)
+    out = torch.empty_like(x.q)
+    lse = torch.empty(b, q, h, dtype=torch.float32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture: the layout's unbound call prepares it
+        wg.run(*args, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(s)
+    assert len(bg.direct) == 1
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        wg.run(*args, out=out, lse=lse)
+    for now in ([100, 4000, 5], [0, 0, 0], [cap, 1, 17]):
+        x.seq_lens.copy_(torch.tensor(now, dtype=torch.int32))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        r, r_lse = _reference(x)
+        assert_close_to_reference(out, r, torch.bfloat16, f"graph replay at {now} ({merge}, {splits} splits)")
+        assert_close_to_reference(lse, r_lse, torch.float32, f"graph replay lse at {now} ({merge})")

@@ -6,14 +6,16 @@
 - The fast paths (memoized static checks, host lengths checked in Python, the run-time checks from the planned
   signature) raise exactly what the general checks raise, and the memos follow every change of the inputs.
 - ``decode()`` reuses its wrappers per context and input signature and never hands out a buffer twice.
-- The bound launches (Triton's compiled-kernel launcher, numba's marshalled arguments) are used only for the
-  layout they were made for: checked on the CPU with stand-ins for the compiled kernels, and on a GPU for real,
-  with ``torch.cuda.set_sync_debug_mode("error")`` around plan / run / decode on every backend.
+- The bound launches (Triton's compiled-kernel launcher, numba's marshalled arguments, cuda_ptx's packed
+  ``kernelParams``) are used only for the layout they were made for: checked on the CPU with stand-ins for the
+  compiled kernels (for cuda_ptx: for the driver's launches, whose parameter bytes must be the unbound path's), and
+  on a GPU for real, with ``torch.cuda.set_sync_debug_mode("error")`` around plan / run / decode on every backend.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 import types
 
 import pytest
@@ -22,7 +24,7 @@ import torch
 import attnplan
 from attnplan import problem as P
 from attnplan import reference
-from attnplan.backends import get_backend
+from attnplan.backends import DecodeInputs, Workspace, get_backend
 from attnplan.testing import assert_close_to_reference, make_inputs, poison
 
 from conftest import HAS_CUDA, kernel_backends
@@ -493,6 +495,333 @@ def test_numba_direct_template_patches_only_the_call_pointers():
         nb._launch_api = orig
 
 
+# -- cuda_ptx's bound launch: the packed bytes, with the driver's launches captured (no GPU) -----------------
+
+try:
+    from attnplan.backends.cuda_ptx import runtime as _cuda_rt
+    _cuda_rt.bindings()
+    HAS_CUDA_PYTHON = True
+except Exception:  # noqa: BLE001
+    HAS_CUDA_PYTHON = False
+needs_cuda_python = pytest.mark.skipif(not HAS_CUDA_PYTHON, reason="cuda-python not importable")
+#: the stream handle torch's current stream stands in with
+STREAM = 77
+
+
+class _Driver:
+    """cuda-python's driver module with the context query answered and the two launches captured as (function,
+    grid, block, dynamic shared memory, stream, the ``kernelParams`` slots' bytes, PDL); the rest is cuda-python's
+    (the PDL launch configuration is its real structure)."""
+
+    def __init__(self, real, log: list):
+        self._real, self.log = real, log
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def cuCtxGetCurrent(self):
+        return self._real.CUresult.CUDA_SUCCESS, 1
+
+    @staticmethod
+    def _params(fn, params: int) -> bytes:
+        import ctypes
+
+        slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        return b"".join(ctypes.string_at(slots[i], 8) for i in range(fn[1]))
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self.log.append((fn[0], (gx, gy, gz), (bx, by, bz), smem, int(stream), self._params(fn, params), False))
+        return (self._real.CUresult.CUDA_SUCCESS,)
+
+    def cuLaunchKernelEx(self, config, fn, params, extra):
+        c = config
+        self.log.append((fn[0], (c.gridDimX, c.gridDimY, c.gridDimZ), (c.blockDimX, c.blockDimY, c.blockDimZ),
+                         c.sharedMemBytes, int(c.hStream), self._params(fn, params), True))
+        return (self._real.CUresult.CUDA_SUCCESS,)
+
+
+def _cuda_ptx_stand_in(monkeypatch, pdl_supported: bool = True):
+    """A cuda_ptx backend on CPU tensors whose device runtime is real but for the driver (:class:`_Driver`) and
+    the loaded functions (``(spec name, parameter count)``); torch's current device 0 and stream :data:`STREAM`.
+    Returns ``(backend, launches, unbound)``: the captured launches, and one entry per launch that went through
+    ``DeviceRuntime.launch`` (the unbound path's)."""
+    from attnplan.backends.cuda_ptx import CudaPtxBackend
+    from attnplan.backends.cuda_ptx import args as A
+    from attnplan.backends.cuda_ptx import nvrtc as N
+
+    R = _cuda_rt
+    real, _ = R.bindings()
+    launches: list = []
+    unbound: list = []
+    monkeypatch.setattr(R, "bindings", lambda: (_Driver(real, launches), None))
+    rt = object.__new__(R.DeviceRuntime)
+    rt.index, rt._ctx_int, rt._tls, rt.pdl_supported = 0, 1, threading.local(), pdl_supported
+    rt.function = lambda spec: (spec.name, len(A.MERGE_SIGNATURE if spec.kind == "merge" else A.PARTIAL_SIGNATURE))
+    rt.launch = lambda *a: (unbound.append(a[0].name), R.DeviceRuntime.launch(rt, *a))
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    be._runtime_for = lambda device: rt
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=STREAM))
+    return be, launches, unbound
+
+
+def _cuda_ptx_plan(be, x, splits, merge):
+    from attnplan.device import CPU_STANDIN
+    from attnplan.planner import make_plan
+    from attnplan.testing import problem_of
+
+    prob = problem_of(x)
+    kc = be.kernel_config(prob, {}, torch.device("cpu"))
+    return make_plan(prob, CPU_STANDIN, attnplan.load_config(split={"merge": merge}), "cuda_ptx", kc,
+                     num_splits=splits, merge_strategies=be.merge_strategies)
+
+
+def _packed_launches(be, plan, ws, x, out, lse, pdl_supported):
+    """What the unbound path launches for these tensors, from the argument lists alone: the specs the plan runs,
+    their launch configurations, :func:`partial_args` / :func:`merge_args` packed by :class:`PackedArgs`, PDL for the
+    separate merge where the plan and the device have it."""
+    from attnplan.backends.cuda_ptx import args as A
+    from attnplan.backends.cuda_ptx import spec as S
+
+    p, dev, st = plan.problem, ws.targets.device, ws.state
+    spec = be.spec_for("partial", plan, dev)
+    cfg = S.partial_launch_config(spec, plan.schedule.max_units, p.num_kv_heads)
+    vals = A.partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, out, lse,
+                          schedule=None if plan.single_pass else plan.schedule,
+                          targets=None if plan.single_pass else ws.targets,
+                          meta=ws.meta if plan.merge == "separate" else None,
+                          counters=ws.counters if plan.merge == "fused" else None,
+                          ws_o=None if st is None else st.o, ws_lse=None if st is None else st.lse,
+                          window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks, k_scale=x.k_scale,
+                          v_scale=x.v_scale)
+    res = [(spec.name, cfg.grid, cfg.block, cfg.smem, STREAM, A.PackedArgs(A.PARTIAL_SIGNATURE, vals).buffer.raw,
+            False)]
+    if plan.merge == "separate" and not plan.single_pass:
+        ms = be.spec_for("merge", plan, dev)
+        mc = S.merge_launch_config(ms, p.batch * p.q_len * p.num_q_heads)
+        mv = A.merge_args(st.o, st.lse, ws.meta, out, lse, x.sinks)
+        res.append((ms.name, mc.grid, mc.block, mc.smem, STREAM, A.PackedArgs(A.MERGE_SIGNATURE, mv).buffer.raw,
+                    bool(plan.kernel.get("pdl", True)) and pdl_supported))
+    return res
+
+
+def _fresh(x):
+    """Inputs of the same layout in other storage (the binding's sinks and scales kept)."""
+    y = DecodeInputs(x.q.clone(), x.k_cache.clone(), x.v_cache.clone(), x.seq_lens.clone(),
+                     None if x.block_table is None else x.block_table.clone(), x.sm_scale, x.window_left, x.soft_cap,
+                     x.sinks, x.k_scale, x.v_scale)
+    for a, b in ((x.q, y.q), (x.k_cache, y.k_cache), (x.seq_lens, y.seq_lens)):
+        assert a.stride() == b.stride() and a.data_ptr() != b.data_ptr() and b.data_ptr() % 16 == 0
+    return y
+
+
+def _ptrs(x):
+    return tuple(0 if t is None else t.data_ptr() for t in (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table))
+
+
+# (merge, splits, page, lse, sinks, fp8, variant kw, pdl on the device, the plan's pdl option)
+BOUND_CASES = {
+    "single-paged": ("separate", 1, 16, False, False, False, {}, True, True),
+    "single-contig-lse-sinks": ("separate", 1, None, True, True, False, {}, True, True),
+    "separate-paged-lse-pdl": ("separate", 4, 16, True, False, False, {}, True, True),
+    "separate-contig-sinks-nopdl-device": ("separate", 3, None, False, True, False, {}, False, True),
+    "separate-paged-pdl-off": ("separate", 4, 16, True, True, False, {}, True, False),
+    "fused-paged-lse-sinks": ("fused", 4, 16, True, True, False, {}, True, True),
+    "fused-contig-window-softcap": ("fused", 3, None, True, False, False,
+                                    {"window_left": 40, "soft_cap": 30.0}, True, True),
+    "fp8-separate-paged-scales-sinks": ("separate", 4, 16, True, True, True, {}, True, True),
+    "fp8-single-contig-scales": ("separate", 1, None, False, False, True, {}, True, True),
+}
+
+
+@needs_cuda_python
+@pytest.mark.parametrize("case", list(BOUND_CASES))
+def test_cuda_ptx_bound_launch_packs_the_unbound_paths_bytes(monkeypatch, case, gen):
+    """For every kind of plan, the bound launch's driver launches (function, grid, block, shared memory, stream,
+    every ``kernelParams`` byte, PDL) equal, call after call with new q / caches / seq_lens / block table / out /
+    lse tensors of the same layout, both what the unbound path launches for the same tensors and what
+    ``partial_args`` / ``merge_args`` packed by ``PackedArgs`` give; the first call takes the unbound path, the
+    later ones do not."""
+    import dataclasses
+
+    from attnplan.backends.cuda_ptx import BoundLaunch
+    from attnplan.planner import KernelOptions
+
+    merge, splits, page, with_lse, with_sinks, fp8, kw, pdl_dev, pdl_plan = BOUND_CASES[case]
+    be, launches, unbound = _cuda_ptx_stand_in(monkeypatch, pdl_supported=pdl_dev)
+    x = make_inputs(2, 8, 2, 64, [70, 33], q_len=2 if merge == "fused" else 1, page_size=page,
+                    dtype=torch.bfloat16, generator=gen)
+    hq, hkv = 8, 2
+    sinks = torch.randn(hq, generator=gen) if with_sinks else None
+    kc, vc, ks, vs = x.k_cache, x.v_cache, None, None
+    if fp8:
+        kc, vc = x.k_cache.float().to(torch.float8_e4m3fn), x.v_cache.float().to(torch.float8_e4m3fn)
+        ks, vs = torch.rand(hkv, generator=gen) + 0.5, torch.rand(hkv, generator=gen) + 0.5
+    x = DecodeInputs(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, sinks=sinks, k_scale=ks, v_scale=vs, **kw)
+    plan = _cuda_ptx_plan(be, x, splits, merge)
+    if not pdl_plan:
+        plan = dataclasses.replace(plan, kernel=KernelOptions({**plan.kernel, "pdl": False}))
+    assert plan.single_pass == (splits == 1) and (plan.single_pass or plan.merge == merge)
+    ws = Workspace.allocate(plan, torch.device("cpu"))
+    bl = be.bind(plan, ws, x)
+    assert isinstance(bl, BoundLaunch)
+    bl.raw_stream = lambda index: STREAM
+
+    def outputs():
+        return torch.empty_like(x.q), (torch.empty(x.q.shape[:3]) if with_lse else None)
+
+    def bound(y, out, lse, give_ptrs=True):
+        launches.clear()
+        bl(y.q, y.k_cache, y.v_cache, y.seq_lens, y.block_table, out, lse, _ptrs(y) if give_ptrs else None)
+        return list(launches)
+
+    def through_run(y, out, lse):
+        launches.clear()
+        be.run(plan, y, ws, out, lse)
+        return list(launches)
+
+    kernels = 2 if plan.merge == "separate" and not plan.single_pass else 1
+    out, lse = outputs()
+    first = bound(x, out, lse)
+    assert len(unbound) == kernels and len(first) == kernels  # the unbound path, once per kernel
+    assert first == _packed_launches(be, plan, ws, x, out, lse, pdl_dev)
+    assert [e[6] for e in first] == [False] + [pdl_dev and pdl_plan] * (kernels - 1)
+    for i in range(3):
+        y = _fresh(x)
+        out2, lse2 = outputs()
+        got = bound(y, out2, lse2, give_ptrs=i != 1)
+        assert len(unbound) == kernels, "a prepared layout took the unbound path"
+        want = _packed_launches(be, plan, ws, y, out2, lse2, pdl_dev)
+        assert got == want
+        assert got == through_run(y, out2, lse2)
+        assert all(g[5] != f[5] for g, f in zip(got, first))  # the pointers did change
+        del unbound[kernels:]
+    for t in (sinks, ks, vs):  # a variant tensor's storage replaced in place: its new pointer is launched
+        if t is not None:
+            t.set_(t.clone())
+            got = bound(x, out, lse)
+            assert len(unbound) == kernels and got == _packed_launches(be, plan, ws, x, out, lse, pdl_dev)
+
+
+@needs_cuda_python
+def test_cuda_ptx_bound_launch_new_layouts_take_the_unbound_path_first(monkeypatch, gen):
+    """Each new output layout (out's strides, a 16-byte misaligned out, an lse, lse's strides) goes through the
+    unbound path once, then the bound one with the unbound path's bytes; another current device takes the unbound
+    path; after MAX_LAYOUTS layouts a new one stays on the unbound path."""
+    from attnplan.backends.cuda_ptx.bound import MAX_LAYOUTS
+
+    be, launches, unbound = _cuda_ptx_stand_in(monkeypatch)
+    x = make_inputs(2, 8, 2, 64, [70, 33], page_size=16, dtype=torch.bfloat16, generator=gen)
+    plan = _cuda_ptx_plan(be, x, 4, "separate")
+    ws = Workspace.allocate(plan, torch.device("cpu"))
+    bl = be.bind(plan, ws, x)
+    bl.raw_stream = lambda index: STREAM
+    b, q, h, d = x.q.shape
+
+    def call(out, lse=None):
+        """(took the unbound path, launches equal the packed argument lists')"""
+        launches.clear()
+        n = len(unbound)
+        bl(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out, lse, _ptrs(x))
+        return len(unbound) > n, launches == _packed_launches(be, plan, ws, x, out, lse, True)
+
+    layouts = [
+        (torch.empty_like(x.q), None),
+        (torch.empty(b, q, h, d + 16, dtype=x.q.dtype)[..., :d], None),                    # out's strides
+        (torch.empty(x.q.numel() + 1, dtype=x.q.dtype)[1:].view(x.q.shape), None),        # misaligned out
+        (torch.empty_like(x.q), torch.empty(b, q, h)),                                     # an lse
+        (torch.empty_like(x.q), torch.empty(b, q + 1, h)[:, :q]),                          # lse's strides
+    ]
+    assert layouts[2][0].data_ptr() % 16
+    for out, lse in layouts:
+        assert call(out, lse) == (True, True)
+        assert call(out, lse) == (False, True)
+        assert call(torch.empty_like(out), None if lse is None else torch.empty_like(lse)) == (False, True)
+    assert len(bl.direct) == len(layouts)
+    bl.current_device = lambda: 1
+    assert call(*layouts[0]) == (True, True)
+    bl.current_device = lambda: 0
+    for pad in range(1, MAX_LAYOUTS + 3):
+        call(torch.empty(b, q, h, d + 8 * pad, dtype=x.q.dtype)[..., :d])
+    assert len(bl.direct) == MAX_LAYOUTS
+    late = torch.empty(b, q, h, d + 8 * (MAX_LAYOUTS + 5), dtype=x.q.dtype)[..., :d]
+    assert call(late) == (True, True) and call(late) == (True, True)
+
+
+@needs_cuda_python
+def test_cuda_ptx_bind_raises_what_the_unbound_path_raises(monkeypatch, gen):
+    """bind() runs partial()'s checks of the inputs and the workspace (the same ValueError, so the wrapper falls back
+    to the unbound path, which raises it at run()); on CPU tensors the real backend refuses to bind."""
+    from attnplan.backends.cuda_ptx import CudaPtxBackend
+    from attnplan.backends.cuda_ptx import nvrtc as N
+
+    x = make_inputs(2, 8, 2, 64, [70, 33], page_size=16, dtype=torch.bfloat16, generator=gen)
+    real = CudaPtxBackend(N.CompileCache(disk=False))
+    be, launches, unbound = _cuda_ptx_stand_in(monkeypatch)
+    plan = _cuda_ptx_plan(be, x, 4, "separate")
+    ws = Workspace.allocate(plan, torch.device("cpu"))
+    with pytest.raises(ValueError, match="only on CUDA tensors"):
+        real.bind(plan, ws, x)
+    shifted = torch.empty(x.q.numel() + 1, dtype=x.q.dtype)[1:].view(x.q.shape)
+    bad = [
+        DecodeInputs(shifted, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale),
+        DecodeInputs(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, window_left=8),
+        DecodeInputs(x.q, x.k_cache, x.v_cache, x.seq_lens[:1], x.block_table, x.sm_scale),
+        DecodeInputs(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, sinks=torch.zeros(3)),
+    ]
+    for y in bad:
+        with pytest.raises(ValueError) as unbound_error:
+            be.partial(plan, y, ws, torch.empty_like(x.q), None)
+        with pytest.raises(ValueError) as bind_error:
+            be.bind(plan, ws, y)
+        assert str(bind_error.value) == str(unbound_error.value)
+    small = Workspace.allocate(_cuda_ptx_plan(be, x, 1, "separate"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="workspace has no state"):
+        be.bind(plan, small, x)
+    assert not launches
+
+
+@needs_cuda_python
+@pytest.mark.parametrize("merge,splits", [("separate", 4), ("fused", 4), ("separate", 1)])
+def test_decode_wrapper_runs_cuda_ptx_through_its_bound_launch(monkeypatch, merge, splits, gen):
+    """DecodeWrapper.plan() binds cuda_ptx's launches and run() calls them: the first run() of a layout goes through
+    the unbound path, later ones launch the prepared arguments, byte for byte the unbound path's for the call's
+    tensors (new q, out and lse); a new plan() for another signature binds again."""
+    from attnplan import backends as B
+    from attnplan.backends.cuda_ptx import BoundLaunch
+
+    be, launches, unbound = _cuda_ptx_stand_in(monkeypatch)
+    be.available = lambda device: (True, "")
+    be.prepare = lambda plan, device: None  # nothing to compile or load
+    monkeypatch.setitem(B._instances, "cuda_ptx", be)
+    x = make_inputs(2, 8, 2, 64, [70, 33], page_size=16, dtype=torch.bfloat16, generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    cfg = attnplan.load_config(split={"merge": merge}, plan_cache={"disk": False})
+    w = attnplan.DecodeWrapper(attnplan.Context.from_config(cfg), backend="cuda_ptx")
+    plan = w.plan(*args, seq_lens_host=[70, 33], num_splits=splits)
+    assert w.backend is be and plan.single_pass == (splits == 1)
+    bl = w._launcher
+    assert isinstance(bl, BoundLaunch)
+    bl.raw_stream = lambda index: STREAM
+    kernels = 2 if plan.merge == "separate" and not plan.single_pass else 1
+    out, lse = torch.empty_like(x.q), torch.empty(x.q.shape[:3])
+    w.run(*args, out=out, lse=lse)
+    assert len(unbound) == kernels and len(bl.direct) == 1
+    for _ in range(2):
+        q2, out2, lse2 = x.q.clone(), torch.empty_like(x.q), torch.empty(x.q.shape[:3])
+        launches.clear()
+        assert w.run(q2, *args[1:], out=out2, lse=lse2) is out2
+        got = list(launches)
+        assert len(unbound) == kernels, "run() did not use the bound launch"
+        launches.clear()
+        be.run(plan, DecodeInputs(q2, *args[1:], w._sm_scale, **w._variant), w.workspace, out2, lse2)
+        assert got == launches and len(got) == kernels
+        del unbound[kernels:]
+    x3 = make_inputs(3, 8, 2, 64, [70, 33, 5], page_size=16, dtype=torch.bfloat16, generator=gen)
+    w.plan(x3.q, x3.k_cache, x3.v_cache, x3.seq_lens, x3.block_table, seq_lens_host=[70, 33, 5], num_splits=splits)
+    assert isinstance(w._launcher, BoundLaunch) and w._launcher is not bl
+
+
 # -- on a GPU: no host sync, and the direct launches right ---------------------------------------------------
 
 GPU_BACKENDS = ["triton", "numba", "cuda_ptx"]
@@ -540,8 +869,7 @@ def test_gpu_host_lengths_plan_run_decode_never_sync(backend, page):
     for o in outs:
         assert_close_to_reference(o, ref, torch.bfloat16)
     assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
-    if backend in ("triton", "numba"):
-        assert w._launcher is not None and len(w._launcher.direct) >= 2, "the direct launches were not used"
+    assert w._launcher is not None and len(w._launcher.direct) >= 2, "the direct launches were not used"
 
 
 @pytest.mark.gpu

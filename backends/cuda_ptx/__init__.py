@@ -5,7 +5,9 @@ cubin for the device's exact architecture (PTX only as a fallback, see :mod:`.nv
 disk, loaded with ``cuModuleLoadData`` into torch's primary context, and launched with ``cuLaunchKernel`` on
 ``torch.cuda.current_stream()`` (:mod:`.runtime`). Launches allocate nothing and never sync the host, so ``run``
 can be captured in a CUDA graph (compile and load first: :meth:`CudaPtxBackend.prepare`, or one eager run before
-capture). :mod:`.spec` chooses a kernel's specialization and computes its layout (the kernel checks it),
+capture). ``DecodeWrapper.run()`` launches through :class:`~.bound.BoundLaunch` (:meth:`CudaPtxBackend.bind`, made by
+``plan()``): the checks and the argument packing done once per output layout, only the call's data pointers written
+per call. :mod:`.spec` chooses a kernel's specialization and computes its layout (the kernel checks it),
 :mod:`.args` lists and packs its arguments, :mod:`.emulate` runs the kernels' text on a CPU (tests).
 
 Method: Flash-Decoding's split-KV (Dao et al. 2023) with the device-side schedule of :mod:`attnplan.schedule`
@@ -125,6 +127,7 @@ from ._bindings import CudaPtxError, DriverError, NvrtcError
 from .args import (
     MAX_KV_TOKENS, MERGE_SIGNATURE, PARTIAL_SIGNATURE, PackedArgs, check_layout, kv_capacity, merge_args, partial_args,
 )
+from .bound import BoundLaunch
 from .nvrtc import CompileCache, Compiled, select_target
 from .runtime import DeviceRuntime
 from .source import kernel_program
@@ -133,7 +136,7 @@ from .spec import (
     partial_launch_config,
 )
 
-__all__ = ["CudaPtxBackend", "CudaPtxError", "NvrtcError", "DriverError", "KernelSpec", "CompileCache"]
+__all__ = ["CudaPtxBackend", "BoundLaunch", "CudaPtxError", "NvrtcError", "DriverError", "KernelSpec", "CompileCache"]
 
 #: shared-memory limit assumed when planning without a device (sm_86/sm_89 opt-in, the smallest >= sm_80)
 _CPU_SMEM_LIMIT = 99 * 1024
@@ -542,18 +545,31 @@ class CudaPtxBackend(Backend):
         self._check_inputs(plan, x, spec)
         self._check_out_lse(x.q, out, lse)
         self._check_sinks(x.sinks, x.q.shape[2])
-        ws = workspace.state
         for name, t in (("out", out), ("lse", lse), ("workspace", workspace.targets)):
             if t is not None and t.device != x.q.device:
                 raise ValueError(f"{name} is on {t.device}, q on {x.q.device}")
-        values = partial_args(spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, out, lse,
-                              schedule=L.sched, targets=None if plan.single_pass else workspace.targets,
-                              meta=workspace.meta if plan.merge == "separate" else None,
-                              counters=workspace.counters if plan.merge == "fused" else None,
-                              ws_o=None if ws is None else ws.o, ws_lse=None if ws is None else ws.lse,
-                              window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks, k_scale=x.k_scale,
-                              v_scale=x.v_scale)
-        self._launch(spec, L.cfg, PARTIAL_SIGNATURE, values, x.q.device)  # no PDL: it waits for nothing
+        self._launch(spec, L.cfg, PARTIAL_SIGNATURE, self._partial_values(L, x, out, lse),
+                     x.q.device)  # no PDL: it waits for nothing
+
+    @staticmethod
+    def _partial_values(L: _Launch, x: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> list:
+        """The partial (or single-pass) kernel's :func:`~.args.partial_args` for launch constants ``L`` (its plan's
+        workspace, schedule and merge) and these tensors (checked by the caller)."""
+        plan, workspace = L.plan, L.workspace
+        ws = workspace.state
+        return partial_args(L.spec, x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, out, lse,
+                            schedule=L.sched, targets=None if plan.single_pass else workspace.targets,
+                            meta=workspace.meta if plan.merge == "separate" else None,
+                            counters=workspace.counters if plan.merge == "fused" else None,
+                            ws_o=None if ws is None else ws.o, ws_lse=None if ws is None else ws.lse,
+                            window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks, k_scale=x.k_scale,
+                            v_scale=x.v_scale)
+
+    @staticmethod
+    def _merge_values(L: _Launch, out: torch.Tensor, lse: torch.Tensor | None, sinks: torch.Tensor | None) -> list:
+        """The separate merge kernel's :func:`~.args.merge_args` for launch constants ``L`` (checked by the caller)."""
+        st = L.workspace.state
+        return merge_args(st.o, st.lse, L.workspace.meta, out, lse, sinks)
 
     @staticmethod
     def _check_out_lse(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None) -> None:
@@ -605,8 +621,18 @@ class CudaPtxBackend(Backend):
         for name, t in (("out", out), ("lse", lse), ("sinks", sinks)):
             if t is not None and t.device != st.o.device:
                 raise ValueError(f"{name} is on {t.device}, the workspace on {st.o.device}")
-        self._launch(L.merge_spec, L.merge_cfg, MERGE_SIGNATURE, merge_args(st.o, st.lse, workspace.meta, out, lse, sinks),
-                     st.o.device, pdl=L.pdl)
+        self._launch(L.merge_spec, L.merge_cfg, MERGE_SIGNATURE, self._merge_values(L, out, lse, sinks), st.o.device,
+                     pdl=L.pdl)
+
+    def bind(self, plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs) -> BoundLaunch:
+        """The launches of ``plan`` on ``workspace`` for inputs of ``inputs``' signature, checked and prepared once
+        (``DecodeWrapper.plan()`` calls this; its ``run()`` calls the result). See :class:`~.bound.BoundLaunch`.
+
+        Raises:
+            ValueError: what :meth:`partial` raises for these inputs and this workspace (``out`` and ``lse`` aside),
+                or tensors that are not on a CUDA device.
+        """
+        return BoundLaunch(self, plan, workspace, inputs)
 
     def probe(self, spec: KernelSpec, seq_lens: torch.Tensor, schedule, probe_units, *, window_left: int = -1,
               write_meta: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -171,6 +171,11 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
             k = self.kernels[spec] = EmulatedKernel(spec, self.build_dir)
         return k
 
+    def bind(self, plan, workspace, inputs) -> None:
+        """No bound launch: every emulated launch goes through :meth:`partial` / :meth:`merge` (which tell the
+        emulation the tensors it may read)."""
+        return None
+
     def _launch(self, spec, cfg, signature, values, device, pdl: bool = False) -> None:
         self.kernel(spec).launch(cfg, PackedArgs(signature, values), self._readable, self.block_order)
 

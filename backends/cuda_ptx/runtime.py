@@ -125,17 +125,25 @@ class DeviceRuntime:
         ``pdl_supported``. Otherwise ``cuLaunchKernel``. Captured by CUDA graphs either way (a
         programmatic edge for ``pdl``).
         """
+        self.launch_function(self.function(spec), spec.name, cfg, args.kernel_params, stream, pdl)
+
+    def launch_function(self, fn, name: str, cfg: LaunchConfig, kernel_params: int, stream: int,
+                        pdl: bool = False) -> None:
+        """:meth:`launch` of a loaded function (``name`` its spec's, for errors) with the address of a packed
+        ``kernelParams`` array (:attr:`PackedArgs.kernel_params`): the bound launch's path, which packs its arguments
+        and looks its functions up once. The driver copies the parameters during the call."""
         driver, _ = bindings()
-        fn = self.function(spec)
         self.ensure_context()
         if pdl and self.pdl_supported:
             config = self._pdl_config(cfg)
             config.hStream = driver.CUstream(stream)
-            check_driver(driver.cuLaunchKernelEx(config, fn, args.kernel_params, 0),
-                         f"cuLaunchKernelEx({spec.name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem}, pdl)")
+            res = driver.cuLaunchKernelEx(config, fn, kernel_params, 0)
+            if (res[0] if type(res) is tuple else res) != 0:  # the message only on failure (formatting costs ~1 us)
+                check_driver(res, f"cuLaunchKernelEx({name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem}, pdl)")
             return
-        check_driver(driver.cuLaunchKernel(fn, *cfg.grid, *cfg.block, cfg.smem, stream, args.kernel_params, 0),
-                     f"cuLaunchKernel({spec.name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem})")
+        res = driver.cuLaunchKernel(fn, *cfg.grid, *cfg.block, cfg.smem, stream, kernel_params, 0)
+        if (res[0] if type(res) is tuple else res) != 0:
+            check_driver(res, f"cuLaunchKernel({name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem})")
 
     def _pdl_config(self, cfg: LaunchConfig):
         """A ``CUlaunchConfig`` for ``cfg`` with the programmatic-serialization attribute, cached per
