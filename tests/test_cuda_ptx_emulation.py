@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import pytest
 import torch
@@ -56,7 +57,14 @@ MODES = {"mma": True, "split_k": False}
 @pytest.fixture(scope="module")
 def be():
     b = emulate.EmulatedCudaPtxBackend()
-    b.prebuild(_parametrized_specs(b))  # the parametrized tests' specializations, built in parallel
+    specs = list(dict.fromkeys(_parametrized_specs(b)))
+    # pytest-xdist workers share the build directory (the cache dir set before they start) and each builds every
+    # specialization its tests may launch: odd-numbered workers build from the other end, so two workers meet in
+    # the middle and load the rest from each other's builds instead of compiling everything twice
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    if worker[2:].isdigit() and int(worker[2:]) % 2:
+        specs.reverse()
+    b.prebuild(specs)  # the parametrized tests' specializations, built in parallel
     return b
 
 
