@@ -40,15 +40,16 @@ import copy
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 import attnplan
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import environment  # noqa: E402
 
 MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
              num_key_value_heads=8, head_dim=64, max_position_embeddings=65536 + 1024, rope_theta=500000.0)
@@ -67,21 +68,13 @@ def _empty_cache() -> None:
 
 
 def _env() -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "attnplan": attnplan.__version__}
-    for mod in ("triton", "transformers"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            pass
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
+    """The benchmark environment (``bench_decode.environment``) plus transformers' version."""
+    env = environment()
     try:
-        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                       capture_output=True, text=True, timeout=10).stdout.strip()
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
+        import transformers
+        env["transformers"] = transformers.__version__
+    except Exception:  # noqa: BLE001 - recorded as absent
+        env["transformers"] = None
     return env
 
 

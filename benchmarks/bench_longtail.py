@@ -32,10 +32,8 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 import zlib
@@ -46,6 +44,7 @@ import attnplan
 from attnplan.timing import capture_graphs, time_cuda
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import environment  # noqa: E402
 from flashinfer_peer import FlashInferDecode, load as load_flashinfer  # noqa: E402
 
 DISTS = ("lognormal", "bimodal", "one_long")
@@ -136,6 +135,17 @@ def graph_time(step, iters: int) -> float:
     return t
 
 
+def checked_time(w, q, k_cache, v_cache, sl, bt, ref, what: str, iters: int) -> tuple[float, float]:
+    """Run ``w`` once on these inputs, check its output against ``ref`` (max abs error under 0.05, else
+    AssertionError naming ``what``), then time its captured step: ``(graph replay us, max error)``."""
+    out = torch.empty_like(q)
+    w.run(q, k_cache, v_cache, sl, bt, out=out)
+    torch.cuda.synchronize()
+    err = max_err(out, ref)
+    assert err < 0.05, f"{what}: max error {err:.3g}"
+    return graph_time(lambda: w.run(q, k_cache, v_cache, sl, bt, out=out), iters), err
+
+
 def run_point(hq, hkv, d, batch, dist, args, fi, gen) -> dict:
     page, cap = args.page, args.capacity
     vecs = [draw_lengths(dist, batch, cap, seed=zlib.crc32(f'{dist}-{batch}-{hq}-{hkv}-{d}-{v}'.encode()))
@@ -172,48 +182,29 @@ def run_point(hq, hkv, d, batch, dist, args, fi, gen) -> dict:
             plan = w.plan(q0, k_cache, v_cache, sl0, bt0, capacity=True)
             res.setdefault("plans", {})[be] = {"capacity": plan.explain(inputs[0][3]).splitlines()}
             for vi, (q, sl, bt, lens) in enumerate(inputs):
-                out = torch.empty_like(q)
-                w.run(q, k_cache, v_cache, sl, bt, out=out)
-                torch.cuda.synchronize()
-                err = max_err(out, refs[vi])
-                assert err < 0.05, f"{be} capacity plan: max error {err:.3g} at vector {vi}"
-                res["vectors"][vi][f"{be}_capacity_us"] = graph_time(
-                    lambda: w.run(q, k_cache, v_cache, sl, bt, out=out), args.iters)
-                res["vectors"][vi][f"{be}_capacity_err"] = err
+                v = res["vectors"][vi]
+                v[f"{be}_capacity_us"], v[f"{be}_capacity_err"] = checked_time(
+                    w, q, k_cache, v_cache, sl, bt, refs[vi], f"{be} capacity plan, vector {vi}", args.iters)
                 wl = attnplan.DecodeWrapper(backend=be)
                 wl.plan(q, k_cache, v_cache, sl, bt, seq_lens_host=lens)
-                out2 = torch.empty_like(q)
-                wl.run(q, k_cache, v_cache, sl, bt, out=out2)
-                torch.cuda.synchronize()
-                err = max_err(out2, refs[vi])
-                assert err < 0.05, f"{be} live plan: max error {err:.3g} at vector {vi}"
-                res["vectors"][vi][f"{be}_live_us"] = graph_time(
-                    lambda: wl.run(q, k_cache, v_cache, sl, bt, out=out2), args.iters)
+                v[f"{be}_live_us"], _ = checked_time(wl, q, k_cache, v_cache, sl, bt, refs[vi],
+                                                     f"{be} live plan, vector {vi}", args.iters)
                 if vi == 0:
                     res["plans"][be]["live"] = wl.explain(lens).splitlines()
+            variants = []  # (result key, wrapper with its capacity plan)
             for scale in args.tail_scales:  # the capacity plan with its long-tailed targets table rescaled
                 sw = attnplan.DecodeWrapper(backend=be)
                 sw.plan(q0, k_cache, v_cache, sl0, bt0, capacity=True)
                 scaled_plan(sw, scale)
-                for vi, (q, sl, bt, lens) in enumerate(inputs):
-                    out = torch.empty_like(q)
-                    sw.run(q, k_cache, v_cache, sl, bt, out=out)
-                    torch.cuda.synchronize()
-                    err = max_err(out, refs[vi])
-                    assert err < 0.05, f"{be} tail scale {scale}: max error {err:.3g} at vector {vi}"
-                    res["vectors"][vi][f"{be}_tail{scale:g}_us"] = graph_time(
-                        lambda: sw.run(q, k_cache, v_cache, sl, bt, out=out), args.iters)
+                variants.append((f"tail{scale:g}", sw))
             if args.invariant:  # split.batch_invariant: each sequence's units from its own length alone
                 iw = attnplan.DecodeWrapper(attnplan.load_config(split={"batch_invariant": True}), backend=be)
                 iw.plan(q0, k_cache, v_cache, sl0, bt0, capacity=True)
+                variants.append(("invariant", iw))
+            for name, vw in variants:
                 for vi, (q, sl, bt, lens) in enumerate(inputs):
-                    out = torch.empty_like(q)
-                    iw.run(q, k_cache, v_cache, sl, bt, out=out)
-                    torch.cuda.synchronize()
-                    err = max_err(out, refs[vi])
-                    assert err < 0.05, f"{be} batch-invariant plan: max error {err:.3g} at vector {vi}"
-                    res["vectors"][vi][f"{be}_invariant_us"] = graph_time(
-                        lambda: iw.run(q, k_cache, v_cache, sl, bt, out=out), args.iters)
+                    res["vectors"][vi][f"{be}_{name}_us"], _ = checked_time(
+                        vw, q, k_cache, v_cache, sl, bt, refs[vi], f"{be} {name} plan, vector {vi}", args.iters)
         except Exception as e:  # noqa: BLE001 - one backend's failure is reported, the rest still run
             res.setdefault("errors", {})[be] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"  {be}: {res['errors'][be]}", flush=True)
@@ -266,25 +257,6 @@ def summarize(pt: dict, backends, tail_scales=()) -> dict:
     return out
 
 
-def _env() -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "attnplan": attnplan.__version__}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except Exception:  # noqa: BLE001
-        pass
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-    try:
-        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                       capture_output=True, text=True, timeout=10).stdout.strip()
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
-    return env
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", default="32,8,128;64,8,128;8,1,128;16,8,256",
@@ -314,7 +286,7 @@ def main(argv=None) -> int:
     heads = [tuple(int(x) for x in h.split(",")) for h in args.heads.split(";") if h]
     points, t0 = [], time.time()
     result = {"command": " ".join(["python", "benchmarks/bench_longtail.py", *(argv or sys.argv[1:])]),
-              "env": _env(), "flashinfer": fi.__version__ if fi else why, "points": points,
+              "env": environment(), "flashinfer": fi.__version__ if fi else why, "points": points,
               "method": "CUDA-graph replay, L2 flushed before each replay, median of --iters per vector; means over "
                         "vectors per point; ratios are geometric means of per-vector ratios"}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
