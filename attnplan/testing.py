@@ -15,7 +15,7 @@ import torch
 from .backends.base import DecodeInputs
 from .problem import DecodeProblem, default_sm_scale, dtype_name
 
-__all__ = ["TOLERANCES", "tolerance", "make_inputs", "problem_of", "assert_close_to_reference", "poison", "DecodeCase", "DTYPES", "long_tailed_lengths"]
+__all__ = ["TOLERANCES", "tolerance", "make_inputs", "problem_of", "assert_close_to_reference", "poison", "poisoned_workspace", "DecodeCase", "DTYPES", "long_tailed_lengths"]
 
 #: short dtype names used in test ids
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -126,6 +126,19 @@ def long_tailed_lengths(batch: int, max_kv: int, seed: int = 0) -> list[int]:
 def poison(t: torch.Tensor) -> torch.Tensor:
     """Fill with NaN so any element a kernel fails to write shows up in the comparison."""
     return t.fill_(float("nan"))
+
+
+def poisoned_workspace(plan, device):
+    """``Workspace.allocate(plan, device)`` with its partial state filled with NaN and ``meta`` with -7, so a
+    state slot or table entry a kernel fails to write shows up (``Workspace``'s shapes and dtypes)."""
+    from .backends.base import Workspace
+
+    ws = Workspace.allocate(plan, device)
+    if ws.state is not None:
+        ws.state.fill_(float("nan"))
+    if ws.meta is not None:
+        ws.meta.fill_(-7)
+    return ws
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None,

@@ -34,14 +34,14 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from attnplan import reference
-from attnplan.backends.base import DecodeInputs, Workspace
+from attnplan.backends.base import DecodeInputs
 from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN
 from attnplan.planner import make_plan
 from attnplan.problem import DecodeProblem, dtype_name
 from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
 from attnplan.state import PartialState, merge_states
-from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison, problem_of
+from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison, poisoned_workspace, problem_of
 
 emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
 from attnplan.backends.cuda_ptx import spec as S  # noqa: E402 (after the import check)
@@ -90,13 +90,8 @@ def _plan(be, x, splits, mode="split_k", merge="separate", capacity=None, config
 
 
 def _workspace(plan):
-    """The plan's workspace with its state poisoned (NaN) and ``meta`` set to -7: unwritten elements show."""
-    ws = Workspace.allocate(plan, CPU)
-    if ws.state is not None:
-        ws.state.fill_(float("nan"))
-    if ws.meta is not None:
-        ws.meta.fill_(-7)
-    return ws
+    """The plan's workspace, poisoned (:func:`attnplan.testing.poisoned_workspace`): unwritten elements show."""
+    return poisoned_workspace(plan, CPU)
 
 
 def _outputs(x):

@@ -29,11 +29,11 @@ import torch
 
 import attnplan
 from attnplan import reference
-from attnplan.backends.base import DecodeInputs, Workspace
+from attnplan.backends.base import DecodeInputs
 from attnplan.config import load_config
 from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
 from attnplan.state import PartialState, merge_states
-from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison
+from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison, poisoned_workspace
 
 pytestmark = pytest.mark.gpu
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -73,12 +73,8 @@ def _direct_plan(be, x, splits, merge="separate", capacity=None, **options):
 
 
 def _workspace(plan):
-    ws = Workspace.allocate(plan, CUDA)
-    if ws.state is not None:
-        ws.state.fill_(float("nan"))
-    if ws.meta is not None:
-        ws.meta.fill_(-7)
-    return ws
+    """The plan's workspace, poisoned (:func:`attnplan.testing.poisoned_workspace`): unwritten elements show."""
+    return poisoned_workspace(plan, CUDA)
 
 
 def _outputs(x):
