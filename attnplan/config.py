@@ -66,6 +66,13 @@ def _allows_bool(annotation: Any) -> bool:
     return any(_allows_bool(a) for a in typing.get_args(annotation))
 
 
+def _whole_warps(v):
+    """``v`` (threads per CTA, or None) when it is a multiple of 32, else ValueError."""
+    if v is not None and v % 32:
+        raise ValueError("must be a multiple of 32 (a whole number of warps)")
+    return v
+
+
 def _power_of_two(v: int | None) -> int | None:
     if v is not None and v & (v - 1):
         raise ValueError("must be a power of two")
@@ -112,9 +119,7 @@ class NumbaOptions(_Strict):
     @field_validator("threads")
     @classmethod
     def _threads(cls, v):
-        if v is not None and v % 32:
-            raise ValueError("must be a multiple of 32 (a whole number of warps)")
-        return v
+        return _whole_warps(v)
 
 
 class CudaPtxOptions(_Strict):
@@ -136,9 +141,7 @@ class CudaPtxOptions(_Strict):
     @field_validator("threads")
     @classmethod
     def _threads(cls, v):
-        if v is not None and v % 32:
-            raise ValueError("must be a multiple of 32 (a whole number of warps)")
-        return v
+        return _whole_warps(v)
 
 
 class ReferenceOptions(_Strict):
