@@ -204,14 +204,8 @@ class PlanCache:
                 :data:`UNUSABLE` (e.g. ``ValueError``: the plan does not fit the caller's problem) makes
                 the file a miss with a warning. Plans from memory or ``build`` are not re-validated.
         """
-        plan = self._mem.get(key)
+        plan = self.lookup(key)
         if plan is not None:  # the hit path: one more hash of the key, no allocation
-            self.stats.hits += 1
-            with self._lock:
-                try:
-                    self._mem.move_to_end(key)
-                except KeyError:  # evicted by another thread meanwhile
-                    pass
             return plan
         plan = self._read(key, validate)
         if plan is not None:
