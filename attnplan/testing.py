@@ -15,7 +15,7 @@ import torch
 from .backends.base import DecodeInputs
 from .problem import DecodeProblem, default_sm_scale, dtype_name
 
-__all__ = ["TOLERANCES", "tolerance", "make_inputs", "problem_of", "assert_close_to_reference", "poison", "poisoned_workspace", "DecodeCase", "DTYPES", "long_tailed_lengths"]
+__all__ = ["TOLERANCES", "tolerance", "make_inputs", "problem_of", "assert_close_to_reference", "poison", "poisoned_workspace", "assert_probe_matches", "DecodeCase", "DTYPES", "long_tailed_lengths"]
 
 #: short dtype names used in test ids
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -139,6 +139,26 @@ def poisoned_workspace(plan, device):
     if ws.meta is not None:
         ws.meta.fill_(-7)
     return ws
+
+
+def assert_probe_matches(res, meta, units, probe) -> None:
+    """Assert a schedule probe's output equals :func:`attnplan.schedule.schedule_units`'s ``units``.
+
+    ``res``: int ``[len(probe), 8]``, per probed unit ``(b, j, start, end, units_b, c, indptr_b, cb)`` (sequence,
+    index in it, token range, the sequence's units, granules per unit, its first unit, its granules per unit);
+    a unit past the batch's reports ``b = -1`` and leaves the rest at the probe's fill, -7. ``meta``: int
+    ``[2 B]``, ``indptr[:-1]`` then ``units``. Raises AssertionError naming the first unit that differs."""
+    n = units.num_units
+    for row, unit in zip(res.tolist(), probe):
+        if unit >= n:
+            assert row == [-1] + [-7] * 7, f"unit {unit} past {n}: {row}"
+            continue
+        b = int(units.seq[unit])
+        want = [b, unit - int(units.indptr[b]), int(units.start[unit]), int(units.end[unit]), int(units.units[b]),
+                units.granules_per_unit, int(units.indptr[b]), int(units.unit_granules[b])]
+        assert row == want, f"unit {unit}: kernel {row}, schedule_units {want}"
+    bsz = len(units.units)
+    assert meta[:bsz].tolist() == units.indptr[:-1].tolist() and meta[bsz:].tolist() == units.units.tolist(), "meta"
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None,

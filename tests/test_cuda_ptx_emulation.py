@@ -41,7 +41,8 @@ from attnplan.planner import make_plan
 from attnplan.problem import DecodeProblem, dtype_name
 from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
 from attnplan.state import PartialState, merge_states
-from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison, poisoned_workspace, problem_of
+from attnplan.testing import (DecodeCase, assert_close_to_reference, assert_probe_matches, make_inputs, poison,
+                              poisoned_workspace, problem_of)
 
 emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
 from attnplan.backends.cuda_ptx import spec as S  # noqa: E402 (after the import check)
@@ -217,16 +218,7 @@ def _check_probe(be, spec, lens, sched, probe, q_len=1, window_left=-1):
     :func:`schedule_units`'s; units past the batch's report b = -1 and write nothing else."""
     u = schedule_units(lens, sched, q_len, window_left)
     res, meta = be.probe(spec, lens, sched, probe, window_left=window_left)
-    for row, unit in zip(res.tolist(), probe):
-        if unit >= u.num_units:
-            assert row == [-1] + [-7] * 7, f"unit {unit} past {u.num_units}: {row}"
-            continue
-        b = int(u.seq[unit])
-        want = [b, unit - int(u.indptr[b]), int(u.start[unit]), int(u.end[unit]), int(u.units[b]),
-                u.granules_per_unit, int(u.indptr[b]), int(u.unit_granules[b])]
-        assert row == want, f"unit {unit}: kernel {row}, schedule_units {want}"
-    bsz = len(lens)
-    assert meta[:bsz].tolist() == u.indptr[:-1].tolist() and meta[bsz:].tolist() == u.units.tolist(), "meta"
+    assert_probe_matches(res, meta, u, probe)
     return u
 
 

@@ -33,7 +33,8 @@ from attnplan.backends.base import DecodeInputs
 from attnplan.config import load_config
 from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
 from attnplan.state import PartialState, merge_states
-from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison, poisoned_workspace
+from attnplan.testing import (DecodeCase, assert_close_to_reference, assert_probe_matches, make_inputs, poison,
+                              poisoned_workspace)
 
 pytestmark = pytest.mark.gpu
 DT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -185,16 +186,7 @@ def _check_probe(be, spec, lens, sched, q_len, window_left, gen, sample=40):
     res, meta = be.probe(spec, torch.tensor(lens, dtype=torch.int32, device="cuda"), sched, probe,
                          window_left=window_left)
     torch.cuda.synchronize()
-    for row, unit in zip(res.tolist(), probe):
-        if unit >= n:
-            assert row == [-1] + [-7] * 7, f"unit {unit} past {n}: {row}"
-            continue
-        b = int(u.seq[unit])
-        want = [b, unit - int(u.indptr[b]), int(u.start[unit]), int(u.end[unit]), int(u.units[b]),
-                u.granules_per_unit, int(u.indptr[b]), int(u.unit_granules[b])]
-        assert row == want, f"unit {unit}: kernel {row}, schedule_units {want}"
-    bsz = len(lens)
-    assert meta[:bsz].tolist() == u.indptr[:-1].tolist() and meta[bsz:].tolist() == u.units.tolist()
+    assert_probe_matches(res, meta, u, probe)
 
 
 @pytest.mark.parametrize("batch", [65536, 70001])
