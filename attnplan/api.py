@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -299,13 +300,18 @@ def _plan_cached(get_problem, bucket_key: tuple, capacity: int, backend: Backend
         tuned = {k: v for k, v in tuned.items()
                  if not any(k in group and group & user.keys() for group in backend.option_aliases)}
 
+        # queries in blocks where the backend's program cannot hold them all: the kernel options are the launch's
+        q_block = backend.q_block(bucketed)
+        launch = bucketed if q_block >= bucketed.q_len else dataclasses.replace(bucketed, q_len=q_block)
+
         def plan_with(opts: dict) -> SplitPlan:
-            kernel = backend.kernel_config(bucketed, opts, device)
+            kernel = backend.kernel_config(launch, opts, device)
             return make_plan(bucketed, dev_info, ctx.config, backend.name, kernel,
                              capacity_mode=capacity_mode, num_splits=num_splits,
                              merge_strategies=backend.merge_strategies,
                              fused_merge_parallelism=backend.fused_merge_parallelism,
-                             fused_merge_max_chunk=backend.fused_merge_max_chunk)
+                             fused_merge_max_chunk=backend.fused_merge_max_chunk,
+                             q_block=0 if launch is bucketed else q_block)
 
         plan = plan_with({**tuned, **user})
         # the tuned row's own kernel options (planner.entry_options) go with its split count: only for a plan that
@@ -536,7 +542,8 @@ class DecodeWrapper:
                             num_splits)
         prepare = getattr(self.backend, "prepare", None)
         if prepare is not None:  # compile / load kernels now, never inside a CUDA-graph capture
-            prepare(plan, dev)
+            for _, _, one in plan.launches:
+                prepare(one, dev)
         ws_for = self._ws_for
         if not (ws_for and ws_for[0] is plan and ws_for[1] is self.workspace and ws_for[2] == dev):
             if self.workspace is None or not self.workspace.serves(plan, dev):
@@ -588,7 +595,7 @@ class DecodeWrapper:
         self._bound_to = to
         self._launcher = None
         bind = getattr(self.backend, "bind", None)
-        if bind is not None:
+        if bind is not None and not plan.q_block:  # a plan with query blocks launches through Backend.run
             try:
                 self._launcher = bind(plan, self.workspace, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table,
                                                                          self._sm_scale, **self._variant))

@@ -192,7 +192,9 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     state = None if plan.single_pass else PartialState.empty(1, ql, hq, plan.state_slots, d, device=q.device)
     meta = torch.empty(plan.meta_words, dtype=torch.int32, device=q.device) if plan.meta_words else None
     counters = _counters(plan.sync_words, q) if plan.sync_words else None
-    ws = Workspace(state, meta, counters, targets, plan.schedule.targets)
+    lens = torch.empty(len(plan.q_blocks) - 1, q.shape[0], dtype=torch.int32, device=q.device) \
+        if plan.lens_words else None
+    ws = Workspace(state, meta, counters, targets, plan.schedule.targets, lens)
     out = torch.empty_like(q)
     try:
         be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm), ws, out, None)
@@ -209,6 +211,9 @@ def _forget_launch(be, plan, ws: Workspace) -> None:
     launches = getattr(be, "_launches", None)
     if isinstance(launches, dict):
         launches.pop((id(plan), id(ws)), None)
+        if plan.q_block:  # the launches of a plan with query blocks, on their views of the workspace
+            for j, (_, _, one) in enumerate(plan.launches):
+                launches.pop((id(one), id(ws.launch(plan, j))), None)
 
 
 @decode_op.register_fake

@@ -51,7 +51,7 @@ from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_b
 __all__ = ["SplitPlan", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION", "cost_model_for",
            "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
 
-PLAN_VERSION = 2  # 2: device-side schedule (a 1 plan had a host-fixed chunk size)
+PLAN_VERSION = 3  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block
 #: cross-program merges: ``none`` (single pass), ``separate`` (merge kernel), ``fused`` (last program merges)
 MERGES = ("none", "separate", "fused")
 PLAN_POLICIES = ("tuned", "heuristic", "forced", "no-split", "batch-invariant")
@@ -176,6 +176,13 @@ class SplitPlan:
         capacity_mode: planned for the cache's capacity (the plan to capture in a CUDA graph).
         table_entry: for ``tuned``: the split-table row used.
         candidates: ``(splits, chunk_tokens, predicted_us)`` the cost model scored at the planned lengths.
+        q_block: ``0``: one launch serves all ``q_len`` queries of a sequence. Else the queries go in blocks of
+            ``q_block`` (the last one may be shorter), one launch each, because the backend's program cannot hold
+            the GQA group x ``q_len`` rows (``Backend.q_block``): the launch for queries ``[i0, i1)`` is the problem
+            with ``q_len = i1 - i0`` and lengths ``max(0, L - (q_len - i1))`` (its queries see what they see in the
+            whole problem; :attr:`launches`), with its own meta and counters and the rows ``[i0, i1)`` of the
+            workspace's state. Each launch reads the KV again. The schedule, the kernel options and the grid are
+            the launch's (``problem`` stays the whole problem, the workspace is sized for it).
         version: :data:`PLAN_VERSION`.
     """
 
@@ -190,9 +197,37 @@ class SplitPlan:
     capacity_mode: bool = False
     table_entry: TableRow | None = None
     candidates: tuple[tuple[int, int, float], ...] = field(default=())
+    q_block: int = 0
     version: int = PLAN_VERSION
 
     # -- derived --------------------------------------------------------------------------------------
+    @property
+    def q_blocks(self) -> tuple[tuple[int, int], ...]:
+        """The launches' query ranges ``(i0, i1)``: ``((0, q_len),)`` unless :attr:`q_block` splits them."""
+        q = self.problem.q_len
+        b = self.q_block or q
+        return tuple((i, min(q, i + b)) for i in range(0, q, b))
+
+    @property
+    def launches(self) -> tuple[tuple[int, int, "SplitPlan"], ...]:
+        """``(i0, i1, plan)`` per launch: the plan of the problem with ``q_len = i1 - i0`` (``q_block`` 0), which a
+        backend executes on ``q[:, i0:i1]`` with lengths ``max(0, L - (q_len - i1))``; ``((0, q_len, self),)``
+        without query blocks. Computed once per plan."""
+        got = self.__dict__.get("_launches")
+        if got is None:
+            if not self.q_block:
+                got = ((0, self.problem.q_len, self),)
+            else:
+                got = tuple((i0, i1, replace(self, problem=replace(self.problem, q_len=i1 - i0), q_block=0))
+                            for i0, i1 in self.q_blocks)
+            object.__setattr__(self, "_launches", got)  # a memo, not a field: equality and hashing ignore it
+        return got
+
+    @property
+    def launch_problem(self) -> DecodeProblem:
+        """The problem one launch serves: :attr:`problem` with ``q_len = q_block`` (the first launch's), or
+        :attr:`problem` itself."""
+        return self.launches[0][2].problem
     @property
     def num_splits(self) -> int:
         """Most units (splits) one sequence may get (``schedule.max_units_per_seq``)."""
@@ -219,19 +254,25 @@ class SplitPlan:
     @property
     def meta_words(self) -> int:
         """int32 words of the schedule's per-sequence table the partial kernel writes for the separate merge:
-        ``indptr[b]`` then ``units[b]`` (``2 x batch``; 0 without a separate merge)."""
-        return 2 * self.problem.batch if self.merge == "separate" else 0
+        ``indptr[b]`` then ``units[b]`` (``2 x batch`` per launch; 0 without a separate merge)."""
+        return 2 * self.problem.batch * len(self.q_blocks) if self.merge == "separate" else 0
 
     @property
     def sync_words(self) -> int:
-        """int32 completion counters of the fused merge, one per (sequence, KV head), zero at rest."""
-        return self.problem.batch * self.problem.num_kv_heads if self.merge == "fused" else 0
+        """int32 completion counters of the fused merge, one per (sequence, KV head) and launch, zero at rest."""
+        return self.problem.batch * self.problem.num_kv_heads * len(self.q_blocks) if self.merge == "fused" else 0
+
+    @property
+    def lens_words(self) -> int:
+        """int32 words of the launches' lengths ``max(0, L - (q_len - i1))``: ``batch`` per query block but the last
+        (which reads ``seq_lens`` itself); 0 without query blocks."""
+        return self.problem.batch * (len(self.q_blocks) - 1)
 
     @property
     def workspace_bytes(self) -> int:
         p = self.problem
         return (self.state_slots * p.q_len * p.num_q_heads * (p.head_dim + 1) * 4
-                + 4 * (self.meta_words + self.sync_words + NUM_TARGETS))
+                + 4 * (self.meta_words + self.sync_words + self.lens_words + NUM_TARGETS))
 
     # -- checks and serialization ---------------------------------------------------------------------
     def validate(self, problem: DecodeProblem | None = None) -> None:
@@ -241,9 +282,13 @@ class SplitPlan:
         Raises:
             ValueError: naming what does not fit.
         """
-        s, p, k = self.schedule, self.problem, self.kernel
+        s, k = self.schedule, self.kernel
         if self.version != PLAN_VERSION:
             raise ValueError(f"plan version {self.version} is not {PLAN_VERSION}")
+        qb = self.q_block
+        if isinstance(qb, bool) or not isinstance(qb, int) or not (qb == 0 or 1 <= qb < self.problem.q_len):
+            raise ValueError(f"q_block {qb!r} must be 0 (one launch) or an int in [1, q_len {self.problem.q_len})")
+        p = self.launch_problem  # the schedule and the kernel are the launch's
         if self.merge not in MERGES or self.policy not in PLAN_POLICIES:
             raise ValueError(f"plan merge {self.merge!r} / policy {self.policy!r} unknown")
         if (self.merge == "none") != s.single_pass:
@@ -261,6 +306,7 @@ class SplitPlan:
             bound = min(bound, max_units_bound(s.targets, p.batch, s.max_units_per_seq))
         if not s.single_pass and s.max_units < bound:
             raise ValueError(f"max_units {s.max_units} is below the schedule's bound {bound} for this problem")
+        p = self.problem
         if problem is not None:
             fields = ("batch", "num_q_heads", "num_kv_heads", "head_dim", "q_len", "page_size", "q_dtype",
                       "kv_dtype", "window_left", "soft_cap", "has_sinks", "kv_scale")
@@ -276,7 +322,7 @@ class SplitPlan:
                 "policy": self.policy, "predicted_us": self.predicted_us, "capacity_mode": self.capacity_mode,
                 "table_entry": None if self.table_entry is None else
                 [*self.table_entry[:6], [list(o) for o in self.table_entry.options]],
-                "candidates": [list(c) for c in self.candidates], "version": self.version}
+                "candidates": [list(c) for c in self.candidates], "q_block": self.q_block, "version": self.version}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -291,7 +337,7 @@ class SplitPlan:
         if not isinstance(d, dict):
             raise TypeError(f"a plan must be a mapping, got {type(d).__name__}")
         want = {"backend", "problem", "device", "schedule", "kernel", "merge", "policy", "predicted_us",
-                "capacity_mode", "table_entry", "candidates", "version"}
+                "capacity_mode", "table_entry", "candidates", "q_block", "version"}
         if set(d) != want:
             raise KeyError(f"plan keys {sorted(set(d) ^ want)} missing or unknown")
         if d["version"] != PLAN_VERSION:
@@ -306,7 +352,8 @@ class SplitPlan:
             schedule=Schedule.from_dict(d["schedule"]), kernel=KernelOptions(d["kernel"]), merge=d["merge"],
             policy=d["policy"], predicted_us=float(d["predicted_us"]), capacity_mode=bool(d["capacity_mode"]),
             table_entry=None if te is None else TableRow.from_row(te),
-            candidates=tuple((int(a), int(b), float(c)) for a, b, c in d["candidates"]), version=d["version"])
+            candidates=tuple((int(a), int(b), float(c)) for a, b, c in d["candidates"]), q_block=d["q_block"],
+            version=d["version"])
         plan.validate()
         return plan
 
@@ -330,6 +377,12 @@ class SplitPlan:
                "(lengths rounded up to powers of two)"),
             f"(sequence, KV head) pairs: {base} (one program per GQA group and unit) on {dev.sm_count} SMs",
         ]
+        if self.q_block:
+            n = len(self.q_blocks)
+            lines.append(f"queries in {n} launches of up to {self.q_block} (GQA group x q_len = "
+                         f"{p.group_size * p.q_len} rows is more than one {self.backend} program holds): each launch "
+                         f"reads the KV again; the schedule below is the last launch's (queries "
+                         f"[{self.q_blocks[-1][0]}, {p.q_len}), at the sequences' own lengths)")
         if self.policy == "forced":
             lines.append(f"split count forced: up to {self.num_splits} equal units per sequence")
         elif self.policy == "no-split":
@@ -362,7 +415,7 @@ class SplitPlan:
                 f"units per sequence; grid {s.max_units} unit slots x {p.num_kv_heads} KV heads = "
                 f"{self.num_programs} programs (slots without a unit exit)")
             lens = [p.max_kv_len] * p.batch if seq_lens is None else [int(x) for x in seq_lens]
-            lines.append("  " + describe_units(self, lens, "planned" if seq_lens is None else "these"))
+            lines.append("  " + describe_units(self.launches[-1][2], lens, "planned" if seq_lens is None else "these"))
             lines.append("  merge: " + {"separate": "a merge kernel combines each row's unit states in unit order "
                                                     "(sequences with one unit are written directly)",
                                         "fused": "the last program of each (sequence, KV head) merges its rows in unit "
@@ -580,7 +633,7 @@ def _capacity_span(problem: DecodeProblem) -> int:
 def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: Mapping,
               *, capacity_mode: bool = False, num_splits: int | None = None,
               merge_strategies: frozenset[str] = frozenset({"separate"}), fused_merge_parallelism: int = 1,
-              fused_merge_max_chunk: int = 0) -> SplitPlan:
+              fused_merge_max_chunk: int = 0, q_block: int = 0) -> SplitPlan:
     """Plan a problem (usually already :meth:`DecodeProblem.bucketed`).
 
     Args:
@@ -597,11 +650,23 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         fused_merge_parallelism: the backend's :attr:`~attnplan.backends.base.Backend.fused_merge_parallelism`.
         fused_merge_max_chunk: the backend's :attr:`~attnplan.backends.base.Backend.fused_merge_max_chunk`
             (longest chunk in tokens for which ``auto`` considers ``fused``; 0 = no cap).
+        q_block: queries per launch when the backend's program cannot hold the whole ``q_len``
+            (:meth:`attnplan.backends.base.Backend.q_block`; 0 or ``>= q_len``: one launch). The launch problem
+            (``q_len = q_block``) is planned, ``kernel`` must be its options, and the plan's predicted time is the
+            launch's times the number of launches (:attr:`SplitPlan.q_block`).
     Returns:
         the :class:`SplitPlan`; it serves any lengths up to the cache's capacity.
     Raises:
         ValueError: ``kernel`` has no positive ``block_n``, or the batch's capacity exceeds 2^31 granules.
     """
+    if 0 < q_block < problem.q_len:
+        one = make_plan(replace(problem, q_len=q_block), device, config, backend, kernel, capacity_mode=capacity_mode,
+                        num_splits=num_splits, merge_strategies=merge_strategies,
+                        fused_merge_parallelism=fused_merge_parallelism, fused_merge_max_chunk=fused_merge_max_chunk)
+        plan = replace(one, problem=problem, q_block=q_block,
+                       predicted_us=one.predicted_us * -(-problem.q_len // q_block))
+        plan.validate()
+        return plan
     cm, bw = cost_model_for(device, config, backend)
     forced = config.split.num_splits if num_splits is None else num_splits
     block_n = kernel.get("block_n")

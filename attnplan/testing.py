@@ -129,7 +129,7 @@ def poison(t: torch.Tensor) -> torch.Tensor:
 
 
 def poisoned_workspace(plan, device):
-    """``Workspace.allocate(plan, device)`` with its partial state filled with NaN and ``meta`` with -7, so a
+    """``Workspace.allocate(plan, device)`` with its partial state filled with NaN and ``meta`` (and ``lens``) with -7, so a
     state slot or table entry a kernel fails to write shows up (``Workspace``'s shapes and dtypes)."""
     from .backends.base import Workspace
 
@@ -138,6 +138,8 @@ def poisoned_workspace(plan, device):
         ws.state.fill_(float("nan"))
     if ws.meta is not None:
         ws.meta.fill_(-7)
+    if ws.lens is not None:
+        ws.lens.fill_(-7)
     return ws
 
 

@@ -28,12 +28,18 @@ defined once in :mod:`attnplan.schedule` and every backend computes exactly thos
   and skips rows of one-unit sequences; ``fused``, after its state is stored and fenced the program increments
   ``workspace.counters[b * num_kv_heads + h]`` (acquire-release); the one that brings it to ``units[b]`` merges
   the (sequence, KV head)'s rows and resets the counter to 0 (zero at rest: graph replays work).
+* **Query blocks** (``plan.q_block``): when one program cannot hold the GQA group x ``q_len`` rows
+  (:meth:`Backend.q_block`), ``run`` launches the kernels once per block of whole queries, each launch the
+  problem with that block's ``q_len`` and lengths ``max(0, L - (q_len - i1))``, so its queries see what they see in
+  the whole problem. The kernels never know; each launch reads the KV again (speculative verification with a
+  large GQA group, e.g. 8 query heads per KV head x 16 tokens).
 * ``run`` launches on torch's current stream, allocates nothing and never syncs the host.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -60,6 +66,9 @@ class Workspace:
         targets: int32 ``[64]`` (``NUM_TARGETS``): the schedule's targets table on the device, 32 near-uniform
             buckets then 32 long-tailed ones.
         targets_host: the same values on the host (so checking a workspace reads nothing from the device).
+        lens: int32 ``[launches - 1, batch]``: the lengths of a plan with query blocks (``SplitPlan.q_block``),
+            written before each launch but the last; ``None`` otherwise. ``meta`` and ``counters`` then hold one
+            table per launch, one after another.
     """
 
     state: PartialState | None
@@ -67,6 +76,7 @@ class Workspace:
     counters: torch.Tensor | None
     targets: torch.Tensor
     targets_host: tuple = ()
+    lens: torch.Tensor | None = None
 
     @staticmethod
     def allocate(plan: SplitPlan, device: torch.device) -> "Workspace":
@@ -83,12 +93,40 @@ class Workspace:
             targets = targets.pin_memory().to(device, non_blocking=True)
         else:
             targets = targets.to(device)
-        return Workspace(state, meta, counters, targets, plan.schedule.targets)
+        lens = None
+        if plan.lens_words:
+            lens = torch.empty(len(plan.q_blocks) - 1, p.batch, dtype=torch.int32, device=device)
+        return Workspace(state, meta, counters, targets, plan.schedule.targets, lens)
+
+    def launch(self, plan: SplitPlan, j: int) -> "Workspace":
+        """The buffers launch ``j`` of a plan with query blocks uses (views, no device memory): the state's rows of
+        its queries, its meta and counters tables. Made once per (workspace, plan) and kept (a backend that keys
+        launch constants on the workspace object finds the same one at every run)."""
+        memo = self.__dict__.get("_launch_memo")
+        if memo is None or memo[0] is not plan:
+            memo = (plan, tuple(self._launch_buffers(plan, i) for i in range(len(plan.launches))))
+            object.__setattr__(self, "_launch_memo", memo)  # a memo, not a field
+        return memo[1][j]
+
+    def _launch_buffers(self, plan: SplitPlan, j: int) -> "Workspace":
+        i0, i1, one = plan.launches[j]
+        st = self.state
+        if st is not None:
+            st = PartialState(st.o[:, i0:i1], st.lse[:, i0:i1])
+        meta, counters = self.meta, self.counters
+        if one.meta_words:
+            meta = meta[j * one.meta_words:(j + 1) * one.meta_words]
+        if one.sync_words:
+            counters = counters[j * one.sync_words:(j + 1) * one.sync_words]
+        return Workspace(st, meta, counters, self.targets, self.targets_host)
 
     def serves(self, plan: SplitPlan, device: torch.device) -> bool:
         """Whether these buffers are large enough for ``plan`` on ``device`` (same targets)."""
         p = plan.problem
         if self.targets.device != torch.device(device) or self.targets_host != plan.schedule.targets:
+            return False
+        if plan.lens_words and (self.lens is None or self.lens.device != torch.device(device)
+                                or tuple(self.lens.shape) != (len(plan.q_blocks) - 1, p.batch)):
             return False
         if plan.single_pass:
             return True
@@ -146,7 +184,7 @@ class Backend(abc.ABC):
     min_head_dim: ClassVar[int] = 16
     max_head_dim: ClassVar[int] = 256
     head_dim_multiple: ClassVar[int] = 8
-    #: largest GQA group x q_len one program holds
+    #: largest GQA group x q_len one program holds (more queries go in several launches: :meth:`q_block`)
     max_rows_per_program: ClassVar[int] = 128
     #: whether ``partial`` can run on CUDA graphs' capture stream
     graph_safe: ClassVar[bool] = True
@@ -182,10 +220,17 @@ class Backend(abc.ABC):
         missing = problem.variants - self.variants
         if missing:
             reasons.append(f"variants {sorted(missing)} not served (serves {sorted(self.variants) or 'none'})")
-        rows = problem.group_size * problem.q_len
-        if rows > self.max_rows_per_program:
-            reasons.append(f"GQA group x q_len = {rows} rows exceeds {self.max_rows_per_program} per program")
+        if not self.q_block(problem):
+            reasons.append(f"GQA group of {problem.group_size} query heads per KV head exceeds "
+                           f"{self.max_rows_per_program} rows per program")
         return reasons
+
+    def q_block(self, problem: DecodeProblem) -> int:
+        """Most queries of a sequence one launch serves for ``problem``: ``problem.q_len`` when the GQA group x
+        ``q_len`` rows fit one program (:attr:`max_rows_per_program`), else as many as fit (the plan then launches
+        the kernels once per block of queries, :attr:`attnplan.SplitPlan.q_block`); 0 when one query's GQA group
+        alone does not fit (refused by :meth:`supports`)."""
+        return min(problem.q_len, self.max_rows_per_program // problem.group_size)
 
     def prepare(self, plan: SplitPlan, device: torch.device) -> None:
         """Compile and load what ``plan`` will launch (called by ``plan()``, outside any capture).
@@ -215,7 +260,28 @@ class Backend(abc.ABC):
 
     def run(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
             lse: torch.Tensor | None = None) -> None:
-        """Execute ``plan``: the partial kernel, then the separate merge if the plan has one. Launch-only."""
-        self.partial(plan, inputs, workspace, out, lse)
-        if plan.merge == "separate":
-            self.merge(plan, workspace, out, lse, inputs.sinks)
+        """Execute ``plan``: the partial kernel, then the separate merge if the plan has one. Launch-only.
+
+        A plan with query blocks (``plan.q_block``) runs each launch of ``plan.launches`` in order: launch ``(i0,
+        i1)`` on ``q[:, i0:i1]``, ``out[:, i0:i1]`` and ``lse[:, i0:i1]`` with the lengths ``max(0, L - (q_len -
+        i1))`` (two small torch kernels into ``workspace.lens``; none for the last launch, which reads ``seq_lens``)
+        and ``workspace.launch(plan, j)``'s buffers."""
+        if not plan.q_block:
+            self.partial(plan, inputs, workspace, out, lse)
+            if plan.merge == "separate":
+                self.merge(plan, workspace, out, lse, inputs.sinks)
+            return
+        q_len = plan.problem.q_len
+        for j, (i0, i1, one) in enumerate(plan.launches):
+            lens = inputs.seq_lens
+            if i1 < q_len:
+                lens = workspace.lens[j]
+                torch.sub(inputs.seq_lens, q_len - i1, out=lens)
+                lens.clamp_(min=0)
+            x = dataclasses.replace(inputs, q=inputs.q[:, i0:i1], seq_lens=lens)
+            ws = workspace.launch(plan, j)
+            o = out[:, i0:i1]
+            lo = None if lse is None else lse[:, i0:i1]
+            self.partial(one, x, ws, o, lo)
+            if one.merge == "separate":
+                self.merge(one, ws, o, lo, inputs.sinks)

@@ -1157,7 +1157,13 @@ def test_backend_declarations_and_reasons():
     fp8 = be.supports(DecodeProblem(1, 8, 1, 72, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head"))
     assert any("multiple of 16" in r for r in fp8)
     fp8 = be.supports(DecodeProblem(1, 64, 1, 128, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head"))
-    assert any("64 rows exceeds 32" in r for r in fp8)
+    assert any("GQA group of 64 query heads per KV head exceeds 32 rows" in r for r in fp8)
+    # more queries than one program's rows: served in blocks of queries (the plan's q_block), whole GQA groups each
+    spec16 = DecodeProblem(1, 64, 8, 128, 16, 16, "bfloat16", "bfloat16", 4096)  # group 8 x 16 queries = 128 rows
+    assert be.supports(spec16) == [] and be.q_block(spec16) == 8
+    spec16_fp8 = DecodeProblem(1, 64, 8, 128, 16, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head")
+    assert be.supports(spec16_fp8) == [] and be.q_block(spec16_fp8) == S.max_rows(S.FP8, 128) // 8 == 4
+    assert be.q_block(DecodeProblem(1, 32, 8, 128, 16, 16, "bfloat16", "bfloat16", 4096)) == 16  # 64 rows: one
     assert any("must equal kv_dtype" in r for r in be.supports(DecodeProblem(1, 8, 1, 128, 1, 16, "bfloat16",
                                                                              "float16", 4096)))
     reasons = be.supports(DecodeProblem(1, 128, 1, 100, 1, None, "bfloat16", "bfloat16", 10))

@@ -170,7 +170,8 @@ class CudaPtxBackend(Backend):
     Support (as data): q / KV dtypes float16, bfloat16, float32 (q and KV the same), or a
     float8_e4m3fn KV cache with fp16 / bf16 q (variant ``fp8_kv``, head_dim a multiple of 16, up to
     32 rows per program); head_dim a multiple of 8 in [16, 256]; GQA group x q_len up to 64 rows per
-    program; contiguous or paged caches with any power-of-two page size; variants sliding window,
+    program, more queries in several launches of whole GQA groups (:meth:`q_block`; a GQA group of more than
+    64 query heads is refused); contiguous or paged caches with any power-of-two page size; variants sliding window,
     soft-cap, sinks and fp8 KV; cross-program merges separate (:meth:`merge`) and fused (inside :meth:`partial`);
     compute capability 8.0 or newer (``cp.async`` and the bf16 conversions).
 
@@ -256,12 +257,22 @@ class CudaPtxBackend(Backend):
                 reasons.append(f"an {FP8} KV cache needs q_dtype float16 or bfloat16, got {problem.q_dtype}")
             if problem.head_dim % 16:
                 reasons.append(f"an {FP8} KV cache needs head_dim a multiple of 16, got {problem.head_dim}")
-            rows, most = problem.group_size * problem.q_len, max_rows(FP8, problem.head_dim)
-            if rows > most:
-                reasons.append(f"GQA group x q_len = {rows} rows exceeds {most} per program with an {FP8} KV cache")
+            most = max_rows(FP8, problem.head_dim)
+            if problem.group_size > most:
+                reasons.append(f"GQA group of {problem.group_size} query heads per KV head exceeds {most} rows per "
+                               f"program with an {FP8} KV cache")
         elif problem.q_dtype != problem.kv_dtype:
             reasons.append(f"q_dtype {problem.q_dtype} must equal kv_dtype {problem.kv_dtype} (or be {FP8})")
         return reasons
+
+    def q_block(self, problem: DecodeProblem) -> int:
+        """:meth:`Backend.q_block` with this backend's rows per program: 64 (:attr:`max_rows_per_program`), fewer
+        for an fp8 cache at large head_dim (:func:`~.spec.max_rows`: the CUDA-core path's registers, the tensor-core
+        path's fallback)."""
+        most = self.max_rows_per_program
+        if problem.kv_dtype == FP8:
+            most = min(most, max_rows(FP8, problem.head_dim))
+        return min(problem.q_len, most // problem.group_size)
 
     # -- planning ---------------------------------------------------------------------------------
     def _smem_limit(self, device: torch.device | None) -> int:

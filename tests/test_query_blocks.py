@@ -1,0 +1,239 @@
+"""Query blocks: a GQA group x q_len larger than one program holds is served in several launches of whole queries
+(``SplitPlan.q_block``), on every backend, against the float64 reference.
+
+The launch of queries ``[i0, i1)`` is the problem with ``q_len = i1 - i0`` and lengths ``max(0, L - (q_len - i1))``:
+query ``i`` then sees exactly the positions it sees in the whole problem (``< L - q_len + i + 1``, and the window's
+lower bound). The cases cover blocks that divide ``q_len`` and one that does not, lengths shorter than ``q_len``
+(the clamp) and 0, the variants (window, soft-cap, sinks), both merges and a capacity plan reused at other lengths.
+Outputs and the workspace start poisoned (NaN, -7), so an unwritten or leaked row shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import attnplan
+from attnplan import reference
+from attnplan.api import Context, plan_problem
+from attnplan.backends import DecodeInputs, get_backend
+from attnplan.config import load_config
+from attnplan.planner import SplitPlan
+from attnplan.problem import DecodeProblem
+from attnplan.testing import assert_close_to_reference, make_inputs, poison, poisoned_workspace, problem_of
+
+from conftest import HAS_CUDA, kernel_backends
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+CPU = torch.device("cpu")
+
+
+def _problem(hq, hkv, q_len, dtype="bfloat16", kv_dtype=None, **kw) -> DecodeProblem:
+    return DecodeProblem(2, hq, hkv, 64, q_len, 16, dtype, kv_dtype or dtype, 256, 512, capacity=256, **kw)
+
+
+# -- the plan ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("q_len, want_blocks", [(16, ((0, 8), (8, 16))), (15, ((0, 8), (8, 15))), (8, ((0, 8),))])
+def test_plan_splits_queries_into_launches(q_len, want_blocks):
+    """numba holds 64 rows per program: group 8 gets 8 queries per launch; the launches' plans are the problem at
+    their q_len, the workspace the whole problem's, with one meta / counter table per launch."""
+    be = get_backend("numba")
+    prob = _problem(64, 8, q_len)
+    assert be.supports(prob) == [] and be.q_block(prob) == min(q_len, 8)
+    plan = plan_problem(prob, be, CPU, Context.from_config(load_config()), num_splits=3)
+    assert plan.q_blocks == want_blocks and plan.q_block == (0 if q_len == 8 else 8)
+    n = len(want_blocks)
+    assert [(i0, i1) for i0, i1, _ in plan.launches] == list(want_blocks)
+    for i0, i1, one in plan.launches:
+        assert one.problem == dataclasses.replace(plan.problem, q_len=i1 - i0) and one.q_block == 0
+        assert one.schedule == plan.schedule and one.kernel == plan.kernel
+    assert plan.meta_words == 2 * prob.batch * n and plan.lens_words == prob.batch * (n - 1)
+    assert plan.workspace_bytes == (plan.state_slots * q_len * 64 * 65 + plan.meta_words + plan.lens_words + 64) * 4 \
+        or plan.merge != "separate"
+    again = SplitPlan.from_dict(plan.to_dict())
+    assert again == plan and again.q_blocks == plan.q_blocks
+    if n > 1:
+        assert f"queries in {n} launches of up to 8" in plan.explain()
+
+
+def test_plan_q_block_is_checked():
+    be = get_backend("numba")
+    plan = plan_problem(_problem(64, 8, 16), be, CPU, Context.from_config(load_config()), num_splits=2)
+    for bad in (16, 17, -1, True, 2.0):
+        with pytest.raises(ValueError, match="q_block"):
+            dataclasses.replace(plan, q_block=bad).validate()
+    d = plan.to_dict()
+    d.pop("q_block")
+    with pytest.raises(KeyError, match="q_block"):
+        SplitPlan.from_dict(d)
+
+
+@pytest.mark.parametrize("name", ["triton", "numba", "cuda_ptx"])
+def test_group_larger_than_a_program_is_refused(name):
+    """Whole GQA groups per launch: a group that alone exceeds the rows of one program is still refused, by name."""
+    be = get_backend(name)
+    most = be.max_rows_per_program
+    reasons = be.supports(_problem(2 * most, 1, 1))
+    assert any(f"GQA group of {2 * most} query heads per KV head exceeds {most} rows" in r for r in reasons), reasons
+    assert be.supports(_problem(most, 1, 2)) == [] and be.q_block(_problem(most, 1, 2)) == 1
+
+
+# -- the kernels ---------------------------------------------------------------------------------------------
+
+#: (backend, heads, q_len, lens, variants, splits): the backend's rows per program exceeded 2x (or 2x with a shorter
+#: last block); lengths below q_len (3) and 0 exercise the clamp
+CASES = [
+    ("triton", (16, 1), 16, (40, 3, 0), {}, 3),
+    ("triton", (32, 2), 15, (37, 15), dict(window_left=9, soft_cap=20.0, sinks=True), 0),
+    ("numba", (8, 1), 16, (40, 3, 0), {}, 3),
+    ("numba", (16, 2), 15, (37, 15), dict(window_left=9, soft_cap=20.0, sinks=True), 2),
+]
+
+
+def _inputs(heads, q_len, lens, variants, dtype=torch.float16, seed=0, capacity=None) -> DecodeInputs:
+    g = torch.Generator().manual_seed(seed)
+    x = make_inputs(len(lens), heads[0], heads[1], 32, list(lens), q_len=q_len, page_size=16, dtype=dtype,
+                    generator=g, capacity=capacity)
+    sinks = (torch.randn(heads[0], generator=g) * 2).float() if variants.get("sinks") else None
+    return dataclasses.replace(x, window_left=variants.get("window_left", -1),
+                               soft_cap=variants.get("soft_cap", 0.0), sinks=sinks)
+
+
+def _reference(x: DecodeInputs):
+    return reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                               window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks)
+
+
+def _check(out, lse, x):
+    ref, ref_lse = _reference(x)
+    assert_close_to_reference(out, ref, x.q.dtype)
+    assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+
+
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+@pytest.mark.parametrize("name, heads, q_len, lens, variants, splits", CASES,
+                         ids=[f"{c[0]}-g{c[1][0] // c[1][1]}-q{c[2]}" + "-variants" * bool(c[4]) for c in CASES])
+def test_query_blocks_match_reference(name, heads, q_len, lens, variants, splits, merge):
+    if name not in kernel_backends(DEVICE):
+        pytest.skip(f"{name} unavailable on {DEVICE}")
+    be = get_backend(name)
+    if merge not in be.merge_strategies:
+        pytest.skip(f"{name} has no {merge} merge")
+    x = _inputs(heads, q_len, lens, variants)
+    x = dataclasses.replace(x, **{f: getattr(x, f).to(DEVICE) for f in ("q", "k_cache", "v_cache", "seq_lens",
+                                                                          "block_table")},
+                            sinks=None if x.sinks is None else x.sinks.to(DEVICE))
+    w = attnplan.DecodeWrapper(load_config(split={"merge": merge}), backend=name)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=splits,
+                  window_left=x.window_left, logits_soft_cap=x.soft_cap, sinks=x.sinks)
+    assert plan.q_block and len(plan.q_blocks) == 2, plan.q_blocks
+    outs = []
+    for _ in range(2):  # reruns are bitwise identical (fixed merge order, per-launch tables)
+        out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], device=DEVICE))
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+        _check(out.cpu(), lse.cpu(), dataclasses.replace(x, **{f: getattr(x, f).cpu() for f in (
+            "q", "k_cache", "v_cache", "seq_lens", "block_table")}, sinks=None if x.sinks is None else x.sinks.cpu()))
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_query_blocks_capacity_plan_serves_other_lengths():
+    """A capacity plan (the one a CUDA graph captures) with query blocks, reused at new lengths without re-planning:
+    each launch's lengths are recomputed from seq_lens at every run."""
+    name = "triton"
+    if name not in kernel_backends(DEVICE):
+        pytest.skip(f"{name} unavailable on {DEVICE}")
+    x = _inputs((16, 1), 16, (64, 64), {}, capacity=64)
+    w = attnplan.DecodeWrapper(backend=name)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+    assert plan.capacity_mode and len(plan.q_blocks) == 2
+    for lens in ((64, 1), (0, 17), (40, 63)):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3]))
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+        _check(out, lse, x)
+
+
+def test_query_blocks_keep_one_launch_table_per_workspace():
+    """The launches' workspace views are made once per (workspace, plan): a backend that keys its launch constants
+    on the workspace object (triton) finds them again at every run instead of filling its table."""
+    if "triton" not in kernel_backends(DEVICE):
+        pytest.skip("triton unavailable")
+    x = _inputs((16, 1), 16, (20, 5), {})
+    w = attnplan.DecodeWrapper(backend="triton")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2)
+    views = [w.workspace.launch(plan, j) for j in range(len(plan.launches))]
+    for _ in range(3):
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    assert [w.workspace.launch(plan, j) for j in range(len(plan.launches))] == views
+    assert all(a is b for a, b in zip(views, [w.workspace.launch(plan, j) for j in range(len(plan.launches))]))
+    keys = {k for k in w.backend._launches if k[1] in {id(v) for v in views}}
+    assert len(keys) == len(views)
+    assert views[0].state.o.data_ptr() == w.workspace.state.o.data_ptr()
+    assert views[1].state.o.data_ptr() == w.workspace.state.o[:, 8].data_ptr()
+
+
+# -- cuda_ptx: the kernel text in the host emulation ---------------------------------------------------------
+
+@pytest.mark.parametrize("mma", [False, True], ids=["split_k", "mma"])
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+def test_cuda_ptx_query_blocks_in_emulation(mma, merge):
+    """cuda_ptx holds 64 rows (32 with an fp8 cache at head_dim 128): group 8 x 16 queries goes in two launches of
+    8; the emulated kernels (the real kernel text compiled for the CPU) against the reference, poisoned workspace."""
+    emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
+    if emulate.compiler() is None:
+        pytest.skip("no C++ compiler for the host emulation")
+    be = emulate.EmulatedCudaPtxBackend()
+    x = _inputs((8, 1), 16, (40, 3, 0), dict(sinks=True), dtype=torch.bfloat16)
+    prob = problem_of(x)
+    ctx = Context.from_config(load_config(split={"merge": merge}, backend_options={"cuda_ptx": {"mma": mma}}))
+    plan = plan_problem(prob, be, CPU, ctx, num_splits=3)
+    assert plan.q_block == 8 and plan.merge == merge and plan.kernel["mma"] == mma
+    ws = poisoned_workspace(plan, CPU)
+    out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3]))
+    be.run(plan, x, ws, out, lse)
+    _check(out, lse, x)
+    assert torch.equal(ws.lens[0], (x.seq_lens - 8).clamp(min=0))
+
+
+# -- GPU: CUDA graphs, no syncs, a serving shape -------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["triton", "numba", "cuda_ptx"])
+def test_query_blocks_capture_replay_without_syncs(name):
+    """Speculative verification at Llama-70B's heads (64/8, 16 queries: 128 rows per KV head): a capacity plan
+    captured in a CUDA graph replays correctly at new lengths, and run() never synchronizes the host."""
+    if name not in kernel_backends("cuda"):
+        pytest.skip(f"{name} unavailable")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = make_inputs(3, 64, 8, 128, [4096, 4096, 4096], q_len=16, page_size=16, dtype=torch.bfloat16, device="cuda",
+                    generator=g)
+    w = attnplan.DecodeWrapper(backend=name)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
+    assert (plan.q_block != 0) == (w.backend.q_block(plan.problem) < 16)
+    out = torch.empty_like(x.q)
+    lse = torch.empty(x.q.shape[:3], device="cuda")
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)  # compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+    for lens in ((4096, 16, 0), (17, 4000, 2048)):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = reference.attention(x.q.cpu(), x.k_cache.cpu(), x.v_cache.cpu(), x.seq_lens.cpu(),
+                                           x.block_table.cpu(), x.sm_scale)
+        assert_close_to_reference(out.cpu(), ref, torch.bfloat16)
+        assert_close_to_reference(lse.cpu(), ref_lse, torch.float32, "lse")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
