@@ -318,7 +318,9 @@ def _ver(mod):
 
 
 def environment() -> dict:
-    """GPU, driver and library versions, and the repository's commit (``+dirty`` with uncommitted changes)."""
+    """GPU, driver and library versions, and the repository's commit: ``$ATTNPLAN_COMMIT`` when set (a machine that
+    runs a copy of the working tree, whose ``.git`` may be another commit's, is told the commit by the caller), else
+    ``git rev-parse`` here (``+dirty`` with uncommitted changes)."""
     def run(*cmd):
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout.strip()
@@ -326,9 +328,11 @@ def environment() -> dict:
             return None
 
     here = os.path.dirname(os.path.abspath(__file__))
-    commit = run("git", "-C", here, "rev-parse", "--short", "HEAD")
-    if commit and run("git", "-C", here, "status", "--porcelain", "--untracked-files=no"):
-        commit += "+dirty"
+    commit = os.environ.get("ATTNPLAN_COMMIT") or None
+    if commit is None:
+        commit = run("git", "-C", here, "rev-parse", "--short", "HEAD")
+        if commit and run("git", "-C", here, "status", "--porcelain", "--untracked-files=no"):
+            commit += "+dirty"
     return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "driver": run("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"),
             "cuda": torch.version.cuda, "torch": torch.__version__, "triton": _ver("triton"),

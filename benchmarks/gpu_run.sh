@@ -19,6 +19,8 @@
 # Everything lands in $OUT/run/ and is packed into $OUT/run.tgz (one file to copy back);
 # short summaries are printed last.
 # Usage (repository root, on the GPU machine): STEPS="tests bench" bash benchmarks/gpu_run.sh
+# On a machine that runs a copy of the working tree, pass the commit the results are for: ATTNPLAN_COMMIT=<sha>
+# (the copy's .git may be another commit's; the results files record it).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; R="$OUT/run"; mkdir -p "$R"
 export PYTHONUNBUFFERED=1 ATTNPLAN_CACHE_DIR=$(mktemp -d) ATTNPLAN_FAILURE_LOG=$R/failures.log  # failures as they happen
@@ -33,6 +35,7 @@ if [ -f .peers/flashinfer/flashinfer_stripped.tar.xz ]; then
   export PYTHONPATH=/tmp/fi_site:${PYTHONPATH:-} FLASHINFER_CUDA_ARCH_LIST=9.0 FLASHINFER_WORKSPACE_BASE=/tmp
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+[ -n "${ATTNPLAN_COMMIT:-}" ] && export ATTNPLAN_COMMIT || echo "ATTNPLAN_COMMIT unset: the results record this copy's git commit"
 t0=$SECONDS
 # With the default TESTS, the NVRTC compile tests run first, in a process of their own: NVRTC 13.0 with driver
 # 580 printed no ptxas report for a program compiled a second time in a process (and for some first compiles),

@@ -197,3 +197,12 @@ def test_paged_order_imports_and_keys_its_timings():
     import paged_order
 
     assert paged_order.tag("triton", 0) == "triton" and paged_order.tag("cuda_ptx", 2) == "cuda_ptx_s2"
+
+
+def test_environment_records_the_commit_it_is_told(monkeypatch):
+    """``$ATTNPLAN_COMMIT`` wins over the checkout's git (a copied tree's .git may be another commit's)."""
+    monkeypatch.setenv("ATTNPLAN_COMMIT", "abc1234")
+    assert bd.environment()["commit"] == "abc1234"
+    monkeypatch.delenv("ATTNPLAN_COMMIT")
+    got = bd.environment()["commit"]
+    assert got != "abc1234" and (got is None or len(got.split("+")[0]) >= 7)
