@@ -37,8 +37,8 @@ from ._version import __version__
 from .planner import PLAN_VERSION, SplitPlan
 from .problem import DecodeProblem
 
-__all__ = ["PlanCache", "CacheStats", "default_cache_dir", "check_plan", "load_plan_file", "MAX_PLAN_BYTES",
-           "UNUSABLE"]
+__all__ = ["PlanCache", "CacheStats", "default_cache_dir", "check_plan", "load_plan_file", "atomic_write",
+           "MAX_PLAN_BYTES", "UNUSABLE"]
 
 #: largest plan file read, bytes (a plan is a few KiB)
 MAX_PLAN_BYTES = 1 << 20
@@ -46,6 +46,31 @@ MAX_PLAN_BYTES = 1 << 20
 UNUSABLE = (ValueError, TypeError, KeyError, AttributeError, IndexError, json.JSONDecodeError, UnicodeDecodeError,
             OSError, RecursionError, OverflowError)
 _TMP_PREFIX = ".tmp-"
+
+
+def atomic_write(path: str | os.PathLike, text: str, *, readable: bool = False, suffix: str = "") -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder (made if missing) and ``os.replace``,
+    so a reader sees the old file or the new one, never a part. ``readable``: the file gets the mode a plain
+    ``open()`` would give it (``0o666`` less the umask) instead of ``mkstemp``'s private ``0o600`` (results files;
+    cache entries stay private). The temporary file (``.tmp-*`` + ``suffix``) is removed on any error.
+
+    Raises:
+        OSError: the folder or the file cannot be written.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=_TMP_PREFIX, suffix=suffix)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        if readable:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def default_cache_dir() -> Path:
@@ -261,15 +286,7 @@ class PlanCache:
         payload = json.dumps({"plan_version": PLAN_VERSION, "library": __version__, "key": key,
                               "plan": plan.to_dict()}, sort_keys=True, default=str)
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=_TMP_PREFIX, suffix=".json")
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(payload)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            atomic_write(path, payload, suffix=".json")
             self.stats.writes += 1
         except OSError as e:
             self._warn_disk(f"cannot write {path}: {e}")

@@ -488,21 +488,10 @@ def _write_table(path: str, table: dict, slug: str | None = None) -> None:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace`` (the
-    folder is made if missing)."""
-    import os
-    import tempfile
+    """:func:`attnplan.cache.atomic_write`, readable (a table or a JSON report a user reads and edits)."""
+    from .cache import atomic_write
 
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(path, text, readable=True)
 
 
 def _reload() -> None:

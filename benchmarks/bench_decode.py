@@ -41,13 +41,13 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 import attnplan
 import attnplan.testing
+from attnplan.cache import atomic_write
 from attnplan.timing import capture_graphs, read_bandwidth_gbs, time_cuda
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -294,20 +294,8 @@ def csv_text(rows: list[dict]) -> str:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # a results file, readable as any other (mkstemp makes 0600)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """:func:`attnplan.cache.atomic_write`, readable as any results file."""
+    atomic_write(path, text, readable=True)
 
 
 def _ver(mod):

@@ -354,3 +354,25 @@ def test_entries_and_clear_survive_hostile_files(tmp_path, monkeypatch):
     assert len(errors) == 2 and any("bbbb.json: Permission denied" in e for e in errors)
     assert any("cccc.json: not a regular file" in e for e in errors)
     assert sorted(p.name for p in folder.iterdir()) == ["bbbb.json", "cccc.json"]
+
+
+def test_atomic_write_replaces_whole_files_and_cleans_up(tmp_path, monkeypatch):
+    """One writer for plan files, tuned tables and results: the old file or the new one, never a part, no temporary
+    file left behind on an error; ``readable`` files get open()'s mode, cache files stay private."""
+    from attnplan.cache import atomic_write
+
+    path = tmp_path / "sub" / "t.txt"
+    atomic_write(path, "one")
+    assert path.read_text() == "one" and (path.stat().st_mode & 0o777) == 0o600
+    atomic_write(path, "two", readable=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.read_text() == "two" and (path.stat().st_mode & 0o777) == 0o666 & ~umask
+
+    def boom(*a):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(path, "three")
+    assert path.read_text() == "two" and sorted(p.name for p in path.parent.iterdir()) == ["t.txt"]
