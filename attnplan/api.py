@@ -170,7 +170,10 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
     """First backend of the config's order (or only ``backend`` when forced) that is available on
     ``device`` and supports ``problem``, in :func:`dispatch_order`. ``graph``: the plan is for CUDA-graph capture
     (a capacity plan on a CUDA device), so a backend that cannot run under capture (``graph_safe = False``) is
-    skipped with that reason.
+    skipped with that reason. Unless forced, a backend that would launch once per block of queries
+    (:meth:`Backend.q_block` below ``q_len``: the KV read once per block) is passed over for a later one that holds
+    all the queries in one launch, with that reason; when none does (the float64 fallback aside), the one with the
+    fewest launches serves (the first of those in the order).
 
     Returns:
         ``(backend, skipped)`` where ``skipped`` lists ``(name, reasons)`` of each earlier backend.
@@ -180,6 +183,7 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
     """
     order = [backend] if backend else dispatch_order(config, torch_dtype(problem.kv_dtype).itemsize == 1)
     skipped: list[tuple[str, list[str]]] = []
+    blocked: tuple[int, Backend, list] | None = None  # the backend with the fewest query blocks, what it skipped
     for name in order:
         be = get_backend(name)
         ok, why = be.available(device)
@@ -192,7 +196,21 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
         if reasons:
             skipped.append((name, reasons))
             continue
+        if backend:
+            return be, skipped
+        qb = be.q_block(problem)
+        if blocked is not None and be.fallback:
+            break  # the float64 fallback is never preferred to a kernel backend's query blocks
+        if qb < problem.q_len:
+            n = -(-problem.q_len // qb)
+            if blocked is None or n < blocked[0]:
+                blocked = (n, be, list(skipped))
+            skipped.append((name, [f"GQA group x q_len = {problem.group_size * problem.q_len} rows need {n} launches "
+                                   f"of {qb} queries (the KV read {n} times); a later backend may hold them in one"]))
+            continue
         return be, skipped
+    if blocked is not None:
+        return blocked[1], blocked[2]
     detail = "\n".join(f"  {n}: " + "; ".join(r) for n, r in skipped)
     raise NoBackendError(
         f"no backend can run this decode problem on {device}: batch {problem.batch}, heads "

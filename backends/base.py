@@ -188,6 +188,8 @@ class Backend(abc.ABC):
     max_rows_per_program: ClassVar[int] = 128
     #: whether ``partial`` can run on CUDA graphs' capture stream
     graph_safe: ClassVar[bool] = True
+    #: serves nearly anything, slowly (the float64 reference): dispatch never passes over a kernel backend for it
+    fallback: ClassVar[bool] = False
     #: attention variants served (:attr:`attnplan.DecodeProblem.variants`): window, softcap, sinks, fp8_kv
     variants: ClassVar[frozenset[str]] = frozenset()
     #: cross-program merges implemented: ``"separate"`` (:meth:`merge`), ``"fused"`` (inside :meth:`partial`)

@@ -237,3 +237,23 @@ def test_query_blocks_capture_replay_without_syncs(name):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def test_dispatch_prefers_a_backend_that_holds_the_queries_in_one_launch():
+    """Launching once per block of queries reads the KV once per block: dispatch passes over such a backend for a
+    later kernel backend that holds the whole GQA group x q_len (with the reason), never for the float64 fallback;
+    a forced backend serves in blocks."""
+    from attnplan.api import select_backend
+
+    prob = _problem(64, 8, 16)  # 128 rows: numba 2 launches, triton 1
+    be, skipped = select_backend(prob, CPU, load_config(backends=["numba", "triton", "reference"]))
+    assert be.name == "triton" and skipped[0][0] == "numba" and "2 launches of 8 queries" in skipped[0][1][0]
+    be, skipped = select_backend(prob, CPU, load_config(backends=["numba", "reference"]))
+    assert be.name == "numba" and skipped == []
+    big = _problem(256, 8, 16)  # 512 rows: numba 8 launches, triton 4, only the fallback holds them in one
+    be, skipped = select_backend(big, CPU, load_config(backends=["numba", "triton", "reference"]))
+    assert be.name == "triton" and [n for n, _ in skipped] == ["numba"]
+    be, skipped = select_backend(big, CPU, load_config(backends=["triton", "numba", "reference"]))
+    assert be.name == "triton" and skipped == []
+    be, _ = select_backend(prob, CPU, load_config(), backend="numba")
+    assert be.name == "numba"

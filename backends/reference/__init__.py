@@ -25,6 +25,7 @@ class ReferenceBackend(Backend):
     head_dim_multiple = 1
     max_rows_per_program = 1 << 20
     graph_safe = False
+    fallback = True
     variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
 
     def available(self, device: torch.device) -> tuple[bool, str]:
