@@ -101,14 +101,15 @@ def plan_record(plan, seq_lens) -> dict:
     """What the results keep of an attnplan plan: ``num_splits`` (most units per sequence the schedule allows),
     ``policy`` (the schedule's), ``merge``, ``num_programs`` (the grid), ``kernel`` (its options),
     ``predicted_us``, and ``units``: the units the schedule gives the longest sequence at ``seq_lens`` (host ints;
-    :func:`attnplan.schedule.schedule_units`), the split count that ran."""
+    :func:`attnplan.schedule.schedule_units`; the last launch's with query blocks), the split count that ran, and
+    ``launches`` (more than 1 with query blocks: the KV read once per launch)."""
     from attnplan.schedule import schedule_units
 
-    p = plan.problem
+    p = plan.launches[-1][2].problem
     u = schedule_units(seq_lens, plan.schedule, p.q_len, p.window_left)
     return {"num_splits": plan.num_splits, "policy": plan.schedule.policy, "merge": plan.merge,
             "num_programs": plan.num_programs, "kernel": dict(plan.kernel), "predicted_us": plan.predicted_us,
-            "units": int(u.units.max()) if u.units.numel() else 0}
+            "units": int(u.units.max()) if u.units.numel() else 0, "launches": len(plan.launches)}
 
 
 def time_backend(name, sets, iters, num_splits=None):

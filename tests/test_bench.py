@@ -147,7 +147,8 @@ def test_plan_record_keeps_the_v2_plan_and_the_units_that_ran():
     for num_splits, capacity in ((None, False), (None, True), (3, False), (1, False)):
         plan = _wrapper_plan(lens, num_splits, capacity)
         rec = bd.plan_record(plan, lens)
-        assert set(rec) == {"num_splits", "policy", "merge", "num_programs", "kernel", "predicted_us", "units"}
+        assert set(rec) == {"num_splits", "policy", "merge", "num_programs", "kernel", "predicted_us", "units",
+                            "launches"} and rec["launches"] == 1
         assert rec["num_splits"] == plan.num_splits and rec["policy"] == plan.schedule.policy
         assert rec["merge"] == plan.merge and rec["num_programs"] == plan.num_programs == plan.grid[0]
         assert rec["kernel"] == dict(plan.kernel) and json.loads(json.dumps(rec)) == rec
@@ -155,7 +156,7 @@ def test_plan_record_keeps_the_v2_plan_and_the_units_that_ran():
     assert bd.plan_record(_wrapper_plan(lens, 3), lens)["units"] == 3
     assert bd.plan_record(_wrapper_plan(lens, 1), lens) | {"predicted_us": 0} == {
         "num_splits": 1, "policy": "single", "merge": "none", "num_programs": 4 * 2, "kernel": {"block_n": 16},
-        "predicted_us": 0, "units": 1}
+        "predicted_us": 0, "units": 1, "launches": 1}
 
 
 def test_bench_merge_compares_the_backends_merges():
