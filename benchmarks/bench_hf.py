@@ -24,7 +24,8 @@ layer, each on its own transformers-layout cache ``[1, 8, capacity, 64]`` read a
 timed as CUDA-graph replay device time (L2 flushed in front, :func:`attnplan.timing.time_cuda`): a DecodeWrapper
 planned for the capacity and captured by hand, ``torch.ops.attnplan.decode`` captured by hand, and the op under
 ``torch.compile(mode="reduce-overhead")``; then every variant is replayed at other lengths (changed in place) and
-checked against a float32 reference on the GPU.
+checked against a float32 reference on the GPU. The control: torch's SDPA on the same caches, captured by hand and
+compiled the same way (what reduce-overhead adds to SDPA is torch's), and the host time of each compiled step.
 
 Prints a table last and writes one JSON (``--out``) with the command and the environment, after every phase.
 
@@ -259,15 +260,46 @@ def op_check_one(args, L: int, gen: torch.Generator) -> dict:
         torch.compiler.cudagraph_mark_step_begin()
         compiled_out[:] = f(q, lens, *flat)
 
+    # the control: torch's SDPA over the same caches' first L positions, 16 calls, captured by hand and compiled the
+    # same way; what reduce-overhead adds to SDPA's replay is torch's, not the op's
+    qh, kvh = q.transpose(1, 2), [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in kv]
+    sdpa_out: list = []
+
+    def sdpa_fn(qh, *flat_h):
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        return [sdpa(qh, flat_h[2 * i][:, :, :L], flat_h[2 * i + 1][:, :, :L], enable_gqa=True) for i in range(layers)]
+
+    flat_h = [t for pair in kvh for t in pair]
+    gs = capture_on_warmup_stream(lambda: sdpa_fn(qh, *flat_h))
+    fs = torch.compile(sdpa_fn, mode="reduce-overhead", fullgraph=True)
+
+    def sdpa_compiled_step(_=0):
+        torch.compiler.cudagraph_mark_step_begin()
+        sdpa_out[:] = fs(qh, *flat_h)
+
     for _ in range(3):  # compile + warm-up, record, replay
         compiled_step()
+        sdpa_compiled_step()
     torch.cuda.synchronize()
     t = {name: time_cuda(fn, iters=args.iters, flush=True)["median_us"] / layers
          for name, fn in (("wrapper_us", lambda i: gw.replay()), ("op_graph_us", lambda i: go.replay()),
-                          ("op_compiled_us", compiled_step))}
+                          ("op_compiled_us", compiled_step), ("sdpa_graph_us", lambda i: gs.replay()),
+                          ("sdpa_compiled_us", sdpa_compiled_step))}
+    # host time of one compiled step (the Python call of cudagraph trees' replay, launch included), per call: where
+    # it exceeds the device time, the replay above waits for the host
+    for name, fn in (("op_compiled_host_us", compiled_step), ("sdpa_compiled_host_us", sdpa_compiled_step)):
+        torch.cuda.synchronize()
+        h = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            fn()
+            h.append((time.perf_counter() - t0) * 1e6 / layers)
+            torch.cuda.synchronize()
+        t[name] = statistics.median(h)
     row.update(t, plan=w.plan_.explain([L]).splitlines()[-3:])
     row["op_compiled_over_wrapper"] = t["op_compiled_us"] / t["wrapper_us"]
     row["op_graph_over_wrapper"] = t["op_graph_us"] / t["wrapper_us"]
+    row["sdpa_compiled_over_graph"] = t["sdpa_compiled_us"] / t["sdpa_graph_us"]
     errs = {"wrapper": 0.0, "op_graph": 0.0, "op_compiled": 0.0}
     for n in (L, 1, cap, L // 3 + 7, 0):
         lens.fill_(n)
@@ -294,7 +326,9 @@ def op_check(args, res: dict, save) -> None:
         try:
             row = op_check_one(args, L, gen)
             print(f"  L={L} op check: wrapper {row['wrapper_us']:.2f} us/call, op captured {row['op_graph_us']:.2f}, "
-                  f"op compiled {row['op_compiled_us']:.2f} ({row['op_compiled_over_wrapper']:.3f}x); errors "
+                  f"op compiled {row['op_compiled_us']:.2f} ({row['op_compiled_over_wrapper']:.3f}x, host "
+                  f"{row['op_compiled_host_us']:.2f}); sdpa captured {row['sdpa_graph_us']:.2f}, compiled "
+                  f"{row['sdpa_compiled_us']:.2f} ({row['sdpa_compiled_over_graph']:.3f}x); errors "
                   f"{row['max_err_at_other_lengths']}", flush=True)
         except Exception as e:  # noqa: BLE001 - one length's failure is reported, the rest still run
             row = {"prompt": L, "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -325,13 +359,17 @@ def table(res: dict) -> str:
         errs = [get(pt, k, "logits_err") for k in ("eager_sdpa", "eager_attnplan", "compiled_sdpa",
                                                     "compiled_attnplan")]
         lines.append(f"| {int(L):,} | " + " | ".join(_f(e, "{:.3g}") for e in errs) + " |")
-    lines += ["", "16 decode calls per step, CUDA-graph replay device time per call (us); ratio = op / wrapper",
-              "| prompt | wrapper (by hand) | op (by hand) | op (reduce-overhead) | ratio | max err at other lengths |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "16 decode calls per step, CUDA-graph replay device time per call (us); ratio = op / wrapper; "
+                  "SDPA's own ratio (compiled / captured by hand) and the compiled steps' host time per call beside it",
+              "| prompt | wrapper (by hand) | op (by hand) | op (reduce-overhead) | ratio | sdpa ratio | "
+              "host op / sdpa | max err at other lengths |",
+              "|---|---|---|---|---|---|---|---|"]
     for L, row in res["op_check"].items():
         errs = row.get("max_err_at_other_lengths", {})
         lines.append(f"| {int(L):,} | {_f(row.get('wrapper_us'))} | {_f(row.get('op_graph_us'))} | "
                      f"{_f(row.get('op_compiled_us'))} | {_f(row.get('op_compiled_over_wrapper'), '{:.3f}')} | "
+                     f"{_f(row.get('sdpa_compiled_over_graph'), '{:.3f}')} | "
+                     f"{_f(row.get('op_compiled_host_us'))} / {_f(row.get('sdpa_compiled_host_us'))} | "
                      f"{_f(max(errs.values()) if errs else float('nan'), '{:.3g}')} |")
     errors = [f"{L} {k}: {v['error']}" for L, pt in res["points"].items() for k, v in pt.items()
               if isinstance(v, dict) and "error" in v]
