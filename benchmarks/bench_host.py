@@ -134,7 +134,8 @@ def per_call_cpu_us(fn, calls: int, repeats: int = 7) -> float:
 
 def cuda_ptx_cpu_stand_in():
     """Let cuda_ptx plan and launch on CPU tensors: available, nothing to compile or load (a loaded function is its
-    spec's name), its :class:`DeviceRuntime` real but for the driver (the context query and both launches return
+    spec's name: ``prepare`` itself runs, building and looking up its kernel specs as on a GPU), its
+    :class:`DeviceRuntime` real but for the driver (the context query and both launches return
     success at once: the driver's own cost is not counted), torch's current device 0 and stream 0. Returns a
     function that undoes it."""
     from attnplan.backends import get_backend
@@ -165,11 +166,11 @@ def cuda_ptx_cpu_stand_in():
     R.bindings = lambda: (driver, None)
     torch.cuda.current_device = lambda: 0
     torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0)
-    be.available, be.prepare, be._runtime_for = (lambda device: (True, "")), (lambda plan, device: None), (lambda d: rt)
+    be.available, be._runtime_for = (lambda device: (True, "")), (lambda d: rt)
 
     def undo():
         R.bindings, torch.cuda.current_device, torch.cuda.current_stream = saved
-        for name in ("available", "prepare", "_runtime_for"):
+        for name in ("available", "_runtime_for"):
             delattr(be, name)
 
     return undo
