@@ -8,10 +8,13 @@ split).
 
 Host cost: a repeated ``plan()`` with host lengths is O(1) Python on a plan-cache hit (the static checks
 are memoized on the inputs' signature, the backend choice per problem bucket and device, the workspace
-and the bound launches are reused) and synchronizes nothing; ``run()`` compares signatures and launches
-through the backend's bound launch (:meth:`Backend.bind <attnplan.backends.triton.TritonBackend.bind>`
-where the backend has one); :func:`decode` keeps its wrappers per context and input signature, so a
-repeated call is a plan-cache hit plus a run.
+and the bound launches are reused; the previous call's backend and cache key serve while its inputs
+repeat, and a backend's ``prepare`` runs once per plan and device) and synchronizes nothing; ``run()``
+reads each argument's shape, strides, dtype, device and data pointer once, compares them with the planned
+values (any difference takes the full checks, which raise their own errors) and launches through the
+backend's bound launch (:meth:`Backend.bind <attnplan.backends.triton.TritonBackend.bind>` where the
+backend has one); :func:`decode` keeps its wrappers per context and input signature, so a repeated call
+is one signature, a plan-cache hit and a run.
 """
 
 from __future__ import annotations
