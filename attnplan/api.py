@@ -8,10 +8,13 @@ split).
 
 Host cost: a repeated ``plan()`` with host lengths is O(1) Python on a plan-cache hit (the static checks
 are memoized on the inputs' signature, the backend choice per problem bucket and device, the workspace
-and the bound launches are reused) and synchronizes nothing; ``run()`` compares signatures and launches
-through the backend's bound launch (:meth:`Backend.bind <attnplan.backends.triton.TritonBackend.bind>`
-where the backend has one); :func:`decode` keeps its wrappers per context and input signature, so a
-repeated call is a plan-cache hit plus a run.
+and the bound launches are reused; the previous call's backend and cache key serve while its inputs
+repeat, and a backend's ``prepare`` runs once per plan and device) and synchronizes nothing; ``run()``
+reads each argument's shape, strides, dtype, device and data pointer once, compares them with the planned
+values (any difference takes the full checks, which raise their own errors) and launches through the
+backend's bound launch (:meth:`Backend.bind <attnplan.backends.triton.TritonBackend.bind>` where the
+backend has one); :func:`decode` keeps its wrappers per context and input signature, so a repeated call
+is one signature, a plan-cache hit and a run.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ class Context:
         self._fp: dict[str, str] = {}
         self._selected: dict[tuple, tuple] = {}
         self._devices: dict[torch.device, tuple] = {}
-        self._wrappers: dict[tuple, DecodeWrapper] = {}  # insertion order = least recently given back first
+        # hash of (signature, backend) -> (that key, wrapper); insertion order = least recently given back first
+        self._wrappers: dict[int, tuple[tuple, DecodeWrapper]] = {}
         self._lock = threading.Lock()
 
     @staticmethod
@@ -79,15 +83,19 @@ class Context:
         with self._lock:
             self._wrappers.clear()
 
-    def _take_wrapper(self, key: tuple) -> "DecodeWrapper | None":
-        """The kept wrapper for ``key``, removed from the pool while a call uses it (so two threads never share
-        one), or ``None``."""
+    def _take_wrapper(self, h: int, key: tuple) -> "DecodeWrapper | None":
+        """The kept wrapper for ``key`` (``h``: its hash), removed from the pool while a call uses it (so two threads
+        never share one), or ``None``. The pool is keyed by the hash, computed once per call (hashing a signature
+        costs about as much as comparing one); an entry of another key with the same hash is dropped."""
         with self._lock:
-            return self._wrappers.pop(key, None)
+            e = self._wrappers.pop(h, None)
+        if e is not None and e[0] == key:
+            return e[1]
+        return None
 
-    def _give_wrapper(self, key: tuple, w: "DecodeWrapper") -> None:
+    def _give_wrapper(self, h: int, key: tuple, w: "DecodeWrapper") -> None:
         with self._lock:
-            self._wrappers[key] = w
+            self._wrappers[h] = (key, w)
             while len(self._wrappers) > DECODE_WRAPPERS:
                 del self._wrappers[next(iter(self._wrappers))]
 
@@ -295,14 +303,20 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
                         dkey, table_text, extra, capacity_mode, num_splits)
 
 
+def _plan_key(bucket_key: tuple, capacity: int, backend: Backend, ctx: Context, device_key: str, table_text: str,
+              extra: str, capacity_mode: bool, num_splits: int | None) -> tuple:
+    """The plan-cache key of :func:`_plan_cached` (see :mod:`attnplan.cache`)."""
+    return (device_key, backend.name, bucket_key, capacity, capacity_mode,
+            -1 if num_splits is None else num_splits, ctx.planning_fingerprint(backend.name), table_text, extra)
+
+
 def _plan_cached(get_problem, bucket_key: tuple, capacity: int, backend: Backend, device: torch.device, ctx: Context,
                  dev_info: DeviceInfo, device_key: str, table_text: str, extra: str, capacity_mode: bool,
                  num_splits: int | None) -> SplitPlan:
     """:func:`plan_problem` from the problem's bucket key and capacity; ``get_problem()`` makes the problem, called
     only on a miss (a cache hit must cost microseconds: its key is built from the live problem's bucket, the same
     as the bucketed problem's, and no problem is made). ``extra``: the backend's ``plan_key_extra()``."""
-    key = (device_key, backend.name, bucket_key, capacity, capacity_mode,
-           -1 if num_splits is None else num_splits, ctx.planning_fingerprint(backend.name), table_text, extra)
+    key = _plan_key(bucket_key, capacity, backend, ctx, device_key, table_text, extra, capacity_mode, num_splits)
     if ctx.config.plan_cache.enabled:
         plan = ctx.cache.hit(key)
         if plan is not None:
@@ -359,6 +373,7 @@ def _scale_tensor(scale, hkv: int, device) -> torch.Tensor | None:
 
 
 _INPUTS = ("q", "k_cache", "v_cache", "seq_lens", "block_table")
+_F32 = torch.float32
 
 
 def _not_a_tensor(name: str, t) -> TypeError:
@@ -370,6 +385,19 @@ def _extent(shape, strides, itemsize: int) -> int:
     if any(n == 0 for n in shape):
         return 0
     return (sum((n - 1) * st for n, st in zip(shape, strides)) + 1) * itemsize
+
+
+def _outputs_fit(qsig: tuple, out, lse) -> bool:
+    """Whether :func:`validate_outputs` passes ``out`` and ``lse`` for a 4-D q of signature ``qsig`` (its
+    :func:`~attnplan.problem.tensor_signature`): the same tests, with q's shape, dtype and device taken from the
+    signature instead of read again. ``False`` sends the caller to :func:`validate_outputs`, which raises."""
+    _, shape, _, dtype, device, _ = qsig
+    T = torch.Tensor
+    if out is not None and not (isinstance(out, T) and out.shape == shape and out.dtype == dtype
+                                and out.device == device and (shape[3] <= 1 or out.stride(3) == 1)):
+        return False
+    return lse is None or (isinstance(lse, T) and lse.dtype == _F32 and lse.shape == shape[:3]
+                           and lse.device == device and (shape[2] <= 1 or lse.stride(2) == 1))
 
 
 def _overlap(on: str, c0: int, c1: int, n: str, d0: int, d1: int) -> ValueError:
@@ -420,6 +448,14 @@ class DecodeWrapper:
         # run()'s constants for the planned signature: each input's byte extent and the out extent's terms
         self._extents: tuple = ()
         self._q_terms: tuple = ()
+        # the previous plan()'s hit steps (see _plan), the (plan, backend, device) prepare() last ran for, and run()'s
+        # one-pass check (_make_fast: None while a plan() is in progress or after one failed, and for plans with sink
+        # or scale tensors) with the binding it was made for
+        self._hit_memo: tuple = ()
+        self._prepared: tuple = ()
+        self._fast: tuple | None = None
+        self._fast_made: tuple | None = None
+        self._fast_src: tuple | None = None
 
     @staticmethod
     def _signature(q, k_cache, v_cache, seq_lens, block_table) -> tuple:
@@ -498,6 +534,7 @@ class DecodeWrapper:
     def _plan(self, sig, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, capacity, window_left,
               logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host) -> SplitPlan:
         """:meth:`plan`; ``sig``: the inputs' :meth:`_signature` when the caller has it (else ``None``)."""
+        self._fast = None  # run() takes its full path until this plan is complete (and stays there if it fails)
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 0 <= num_splits <= 1024):
             raise ValueError(f"num_splits must be an int in [0, 1024] (0 = planner, 1 = no split, >1 = forced) "
@@ -509,6 +546,9 @@ class DecodeWrapper:
                 sig = self._signature(q, k_cache, v_cache, seq_lens, block_table)
             except TypeError:
                 sig = None  # validate_inputs raises the precise error
+        last = self._sig
+        if sig is not None and sig is not last and sig == last:
+            sig = last  # the planned signature again: compared once here, then by identity (the memos, run())
         skey = None
         if sig is not None and sinks is None and not isinstance(k_scale, torch.Tensor) \
                 and not isinstance(v_scale, torch.Tensor):
@@ -544,24 +584,45 @@ class DecodeWrapper:
         dev = sq[4]
         ctx = self.ctx
         head, tail, default_scale = self._bucket_parts
-        bkey = head + (len_bucket(max_len), len_bucket(-(-total // static["batch"]))) + tail
+        mean = -(-total // static["batch"])
+        b_max = 16 if max_len <= 16 else 1 << (max_len - 1).bit_length()  # len_bucket (the lengths are ints here)
+        b_mean = 16 if mean <= 16 else 1 << (mean - 1).bit_length()
         cap = static["capacity"] if static["capacity"] > 0 else max_len
-        made: list[DecodeProblem] = []
+        # the previous plan()'s backend choice and cache key serve again when what they were derived from repeats:
+        # the static checks' result (the same dict: the same signature and scalars), the length buckets, capacity,
+        # mode, split count, forced backend and context (Context.select and device_facts are memos of exactly these;
+        # a tensor's device is always indexed). The plan cache itself is still asked (its hit count, its LRU order).
+        plan = None
+        hm = self._hit_memo
+        if hm and hm[0] is static and hm[1] == b_max and hm[2] == b_mean and hm[3] == cap and hm[4] == capacity \
+                and hm[5] == num_splits and hm[6] == self.forced_backend and hm[7] is ctx and hm[8] is self.backend \
+                and ctx.config.plan_cache.enabled:
+            plan = ctx.cache.hit(hm[9])
+        if plan is None:
+            made: list[DecodeProblem] = []
 
-        def problem() -> DecodeProblem:
-            if not made:
-                made.append(DecodeProblem(max_kv_len=max_len, total_kv_len=total, **static))
-            return made[0]
+            def problem() -> DecodeProblem:
+                if not made:
+                    made.append(DecodeProblem(max_kv_len=max_len, total_kv_len=total, **static))
+                return made[0]
 
-        self.backend, self.skipped, extra = ctx.select(bkey, cap, dev, self.forced_backend,
-                                                       capacity and dev.type == "cuda", problem)
-        dev_info, dkey, table_text = ctx.device_facts(dev)
-        plan = _plan_cached(problem, bkey, cap, self.backend, dev, ctx, dev_info, dkey, table_text, extra, capacity,
-                            num_splits)
+            bkey = head + (b_max, b_mean) + tail
+            self.backend, self.skipped, extra = ctx.select(bkey, cap, dev, self.forced_backend,
+                                                           capacity and dev.type == "cuda", problem)
+            dev_info, dkey, table_text = ctx.device_facts(dev)
+            plan = _plan_cached(problem, bkey, cap, self.backend, dev, ctx, dev_info, dkey, table_text, extra,
+                                capacity, num_splits)
+            self._hit_memo = (static, b_max, b_mean, cap, capacity, num_splits, self.forced_backend, ctx,
+                              self.backend, _plan_key(bkey, cap, self.backend, ctx, dkey, table_text, extra, capacity,
+                                                      num_splits))
         prepare = getattr(self.backend, "prepare", None)
-        if prepare is not None:  # compile / load kernels now, never inside a CUDA-graph capture
+        pm = self._prepared
+        if prepare is not None and not (pm and pm[0] is plan and pm[1] is self.backend and pm[2] == dev):
+            # compile / load kernels now, never inside a CUDA-graph capture; once per plan and device (a backend keeps
+            # what it loaded: a plan-cache hit need not look it up again); each launch's with query blocks
             for _, _, one in plan.launches:
                 prepare(one, dev)
+            self._prepared = (plan, self.backend, dev)
         ws_for = self._ws_for
         if not (ws_for and ws_for[0] is plan and ws_for[1] is self.workspace and ws_for[2] == dev):
             if self.workspace is None or not self.workspace.serves(plan, dev):
@@ -587,7 +648,25 @@ class DecodeWrapper:
             self._variant = dict(window_left=vkey[0], soft_cap=vkey[1], sinks=sinks, k_scale=ks, v_scale=vs)
         self._bind(plan, q, k_cache, v_cache, seq_lens, block_table)
         self.plan_ = plan
+        if self._fast_src is not self._bound_to:  # _bind replaces _bound_to whenever what run() relies on changes
+            self._fast_made, self._fast_src = self._make_fast(), self._bound_to
+        self._fast = self._fast_made
         return plan
+
+    def _make_fast(self) -> tuple | None:
+        """The planned values :meth:`run`'s one-pass check compares with, flat (see :meth:`run`): per input its
+        shape, strides, dtype, device and alignment (the block table's ``None`` when there is none), the inputs'
+        byte extents, the out extent's terms, lse's planned shape and whether the backend is graph-safe. ``None``
+        (the full path every time) for a binding with sink or scale tensors, or a score scale that is not a finite
+        float."""
+        var, sm = self._variant, self._sm_scale
+        if var["sinks"] is not None or var["k_scale"] is not None or var["v_scale"] is not None \
+                or type(sm) is not float or sm - sm != 0.0:
+            return None
+        sq, sk, sv, ss, sb = self._sig
+        (d0, d1, d2, d3), isz = self._q_terms
+        return (*sq[1:], *sk[1:], *sv[1:], *ss[1:], *(sb[1:] if sb is not None else (None,) * 5), *self._extents,
+                d0, d1, d2, d3, isz, sq[1][:3], self.backend.graph_safe)
 
     def _scale(self, scale, hkv: int, device) -> torch.Tensor | None:
         """:func:`_scale_tensor`, reusing the tensor of the same float scale (a plan-cache hit allocates nothing)."""
@@ -639,6 +718,58 @@ class DecodeWrapper:
                 wrong shape, dtype, device or last-axis stride, or overlap an input or each other; the
                 planned ``sm_scale`` is not finite. All before any kernel runs.
         """
+        f = self._fast
+        if f is not None:
+            # -- the one-pass check: every field the full path checks, read once and compared with the planned value
+            # (dtypes are singletons: identity); any difference, non-tensor or overlap leaves for the full path
+            # below, which raises its own error (or, where this test is stricter, decides). No tuple is built but the
+            # pointers handed to the launch.
+            (qs, qst, qd, qv, qa, ks, kst, kd, kv, ka, vs, vst, vd, vv, va, ss, sst, sd, sv, sa, bs, bst, bd, bv, ba,
+             e0, e1, e2, e3, e4, d0, d1, d2, d3, isz, ls3, graph_safe) = f
+            T = torch.Tensor
+            if isinstance(q, T) and isinstance(k_cache, T) and isinstance(v_cache, T) and isinstance(seq_lens, T) \
+                    and (isinstance(block_table, T) if bs is not None else block_table is None):
+                p0, p1, p2, p3 = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr()
+                p4 = block_table.data_ptr() if bs is not None else 0
+                o = self._out if out is None else out
+                if q.shape == qs and q.stride() == qst and q.dtype is qd and q.device == qv and (not p0 & 15) is qa \
+                        and k_cache.shape == ks and k_cache.stride() == kst and k_cache.dtype is kd \
+                        and k_cache.device == kv and (not p1 & 15) is ka \
+                        and v_cache.shape == vs and v_cache.stride() == vst and v_cache.dtype is vd \
+                        and v_cache.device == vv and (not p2 & 15) is va \
+                        and seq_lens.shape == ss and seq_lens.stride() == sst and seq_lens.dtype is sd \
+                        and seq_lens.device == sv and (not p3 & 15) is sa \
+                        and (bs is None or (block_table.shape == bs and block_table.stride() == bst
+                                            and block_table.dtype is bd and block_table.device == bv
+                                            and (not p4 & 15) is ba)) \
+                        and (out is None or (isinstance(out, T) and out.shape == qs and out.dtype is qd
+                                             and out.device == qv)) \
+                        and (lse is None or (isinstance(lse, T) and lse.dtype is _F32 and lse.shape == ls3
+                                             and lse.device == qv)):
+                    s = o.stride()
+                    a0 = o.data_ptr()
+                    a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
+                    ok = (out is None or qs[3] <= 1 or s[3] == 1) \
+                        and not (e0 and a0 < p0 + e0 and p0 < a1) and not (e1 and a0 < p1 + e1 and p1 < a1) \
+                        and not (e2 and a0 < p2 + e2 and p2 < a1) and not (e3 and a0 < p3 + e3 and p3 < a1) \
+                        and not (e4 and a0 < p4 + e4 and p4 < a1)
+                    if ok and lse is not None:
+                        t = lse.stride()
+                        c0 = lse.data_ptr()
+                        c1 = c0 + (d0 * t[0] + d1 * t[1] + d2 * t[2] + 1) * 4
+                        ok = (qs[2] <= 1 or t[2] == 1) and not (a0 < c1 and c0 < a1) \
+                            and not (e0 and c0 < p0 + e0 and p0 < c1) and not (e1 and c0 < p1 + e1 and p1 < c1) \
+                            and not (e2 and c0 < p2 + e2 and p2 < c1) and not (e3 and c0 < p3 + e3 and p3 < c1) \
+                            and not (e4 and c0 < p4 + e4 and p4 < c1)
+                    if ok and (graph_safe or not q.is_cuda or not torch.cuda.is_current_stream_capturing()):
+                        launcher = self._launcher
+                        if launcher is not None:
+                            launcher(q, k_cache, v_cache, seq_lens, block_table, o, lse, (p0, p1, p2, p3, p4))
+                        else:
+                            self.backend.run(self.plan_, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table,
+                                                                      self._sm_scale, **self._variant),
+                                             self.workspace, o, lse)
+                        return o
         if self.plan_ is None:
             capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
             raise PlanNotReadyError(
@@ -682,14 +813,7 @@ class DecodeWrapper:
     def _check_outputs(self, q, out, lse) -> None:
         """:func:`validate_outputs` (the same errors): q matches the planned signature here, so what it compares
         ``out`` and ``lse`` with is read from that signature; any difference goes to the full check."""
-        _, shape, _, dtype, device, _ = self._sig[0]
-        T = torch.Tensor
-        if out is not None and not (isinstance(out, T) and out.shape == shape and out.dtype == dtype
-                                    and out.device == device and (shape[3] <= 1 or out.stride(3) == 1)):
-            validate_outputs(q, out, lse)
-            return
-        if lse is not None and not (isinstance(lse, T) and lse.dtype == torch.float32 and lse.shape == shape[:3]
-                                    and lse.device == device and (shape[2] <= 1 or lse.stride(2) == 1)):
+        if not _outputs_fit(self._sig[0], out, lse):
             validate_outputs(q, out, lse)
 
     def _check_overlap(self, out, lse, ptrs, sinks, k_scale, v_scale) -> None:
@@ -701,12 +825,24 @@ class DecodeWrapper:
         s = out.stride()
         a0 = out.data_ptr()
         a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
+        c0 = c1 = 0
         if lse is not None:
             s = lse.stride()
             c0 = lse.data_ptr()
             c1 = c0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + 1) * 4
             if a0 < c1 and c0 < a1:
                 raise _overlap("out", a0, a1, "lse", c0, c1)
+        if sinks is None and k_scale is None and v_scale is None:
+            # the tests of the loops below, written out (no list built): nothing overlaps, the common case, returns
+            e0, e1, e2, e3, e4 = self._extents
+            p0, p1, p2, p3, p4 = ptrs
+            if not ((e0 and a0 < p0 + e0 and p0 < a1) or (e1 and a0 < p1 + e1 and p1 < a1)
+                    or (e2 and a0 < p2 + e2 and p2 < a1) or (e3 and a0 < p3 + e3 and p3 < a1)
+                    or (e4 and a0 < p4 + e4 and p4 < a1)) \
+                    and (lse is None or not ((e0 and c0 < p0 + e0 and p0 < c1) or (e1 and c0 < p1 + e1 and p1 < c1)
+                                             or (e2 and c0 < p2 + e2 and p2 < c1) or (e3 and c0 < p3 + e3 and p3 < c1)
+                                             or (e4 and c0 < p4 + e4 and p4 < c1))):
+                return
         ins = [(n, p, p + e) for n, p, e in zip(_INPUTS, ptrs, self._extents) if e]
         if sinks is not None or k_scale is not None or v_scale is not None:
             for n, t in (("sinks", sinks), ("k_scale", k_scale), ("v_scale", v_scale)):
@@ -777,18 +913,28 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
     """
     # -- argument checks (the inputs' own: DecodeWrapper.plan; out / lse overlap: DecodeWrapper.run) --
     check_sm_scale(sm_scale)
-    if isinstance(q, torch.Tensor) and q.dim() == 4:
+    try:
+        sig, ptrs = DecodeWrapper._signature_ptrs(q, k_cache, v_cache, seq_lens, block_table)
+    except TypeError:
+        sig = ptrs = None  # plan() raises the precise error (after the output checks, as below)
+    if sig is not None and len(sig[0][1]) == 4:  # q is a 4-D tensor: its signature has what out / lse must match
+        if (out is not None or lse is not None) and not _outputs_fit(sig[0], out, lse):
+            validate_outputs(q, out, lse)
+    elif sig is None and isinstance(q, torch.Tensor) and q.dim() == 4:
         validate_outputs(q, out, lse)
     elif out is not None and not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
     # -- end of argument checks --
     ctx = _context(config)
-    try:
-        sig, ptrs = DecodeWrapper._signature_ptrs(q, k_cache, v_cache, seq_lens, block_table)
-    except TypeError:
-        sig = ptrs = None  # plan() raises the precise error
-    key = (sig, backend)
-    w = ctx._take_wrapper(key) if sig is not None else None
+    w = None
+    if sig is not None:
+        key = (sig, backend)
+        h = hash(key)
+        w = ctx._take_wrapper(h, key)
+        if w is not None:
+            # its key holds its own planned signature (see below), equal to this one: plan() and run() compare by
+            # identity from here on
+            sig = w._sig
     if w is None:
         w = DecodeWrapper(ctx, backend=backend)
     w._out = out  # the caller's buffer (plan() then allocates none), or None: plan() allocates a new one
@@ -800,5 +946,5 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
     finally:
         w._out = None  # the result belongs to the caller: the next call must not write it
     if sig is not None:
-        ctx._give_wrapper(key, w)
+        ctx._give_wrapper(h, (w._sig, backend), w)  # w._sig == sig (plan() made it so); kept by identity
     return res

@@ -134,7 +134,8 @@ def per_call_cpu_us(fn, calls: int, repeats: int = 7) -> float:
 
 def cuda_ptx_cpu_stand_in():
     """Let cuda_ptx plan and launch on CPU tensors: available, nothing to compile or load (a loaded function is its
-    spec's name), its :class:`DeviceRuntime` real but for the driver (the context query and both launches return
+    spec's name: ``prepare`` itself runs, building and looking up its kernel specs as on a GPU), its
+    :class:`DeviceRuntime` real but for the driver (the context query and both launches return
     success at once: the driver's own cost is not counted), torch's current device 0 and stream 0. Returns a
     function that undoes it."""
     from attnplan.backends import get_backend
@@ -165,11 +166,11 @@ def cuda_ptx_cpu_stand_in():
     R.bindings = lambda: (driver, None)
     torch.cuda.current_device = lambda: 0
     torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0)
-    be.available, be.prepare, be._runtime_for = (lambda device: (True, "")), (lambda plan, device: None), (lambda d: rt)
+    be.available, be._runtime_for = (lambda device: (True, "")), (lambda d: rt)
 
     def undo():
         R.bindings, torch.cuda.current_device, torch.cuda.current_stream = saved
-        for name in ("available", "prepare", "_runtime_for"):
+        for name in ("available", "_runtime_for"):
             delattr(be, name)
 
     return undo
@@ -194,10 +195,15 @@ def cpu_stages(be: str, calls: int, hq: int, hkv: int, d: int, kv: int) -> list[
     w._launcher = lambda *a: None
     rows.append(("run(), launch stubbed", per_call_cpu_us(lambda: w.run(*args, out=out), calls)))
     w._launcher = bound
-    rows.append(("  signature and pointers", per_call_cpu_us(lambda: w._signature_ptrs(*args), calls)))
-    rows.append(("  out / lse checks", per_call_cpu_us(lambda: w._check_outputs(x.q, out, None), calls)))
-    rows.append(("  overlap checks", per_call_cpu_us(lambda: w._check_overlap(out, None, ptrs, None, None, None),
-                                                     calls)))
+    fast, w._fast = w._fast, None
+    w._launcher = lambda *a: None
+    rows.append(("  the full path (one-pass check off)", per_call_cpu_us(lambda: w.run(*args, out=out), calls)))
+    w._launcher, w._fast = bound, fast
+    rows.append(("  signature and pointers (full path, decode)", per_call_cpu_us(lambda: w._signature_ptrs(*args),
+                                                                               calls)))
+    rows.append(("  out / lse checks (full path)", per_call_cpu_us(lambda: w._check_outputs(x.q, out, None), calls)))
+    rows.append(("  overlap checks (full path, decode)",
+                 per_call_cpu_us(lambda: w._check_overlap(out, None, ptrs, None, None, None), calls)))
     if be == "triton" and bound is not None:
         from attnplan.backends.triton import _Direct
 
@@ -270,6 +276,15 @@ def cpu_stages(be: str, calls: int, hq: int, hkv: int, d: int, kv: int) -> list[
         rows.append(("decode(), host lengths, launch stubbed",
                      per_call_cpu_us(lambda: attnplan.decode(*args, out=out, backend=be, config=ctx,
                                                              seq_lens_host=lens), calls)))
+        key = (sig, be)
+        rows.append(("  output checks from the signature", per_call_cpu_us(lambda: api._outputs_fit(sig[0], out, None),
+                                                                           calls)))
+
+        def pool():
+            h = hash(key)
+            ctx._give_wrapper(h, key, ctx._take_wrapper(h, key))
+
+        rows.append(("  wrapper pool (hash, take, give back)", per_call_cpu_us(pool, calls)))
     finally:
         del bb.run
         if bind is not None:

@@ -185,6 +185,168 @@ def test_run_checks_raise_the_general_checks_errors(gen):
         assert want is not None or out is not None and out.shape == x.q.shape
 
 
+def _planned(gen, backend="reference"):
+    x = make_inputs(2, 8, 2, 16, [9, 4], page_size=8, dtype=torch.float16, generator=gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=[9, 4])
+    assert w._fast is not None, "run()'s one-pass check is not in use"
+    return x, w
+
+
+def _both_paths(w, fn):
+    """``fn``'s error with run()'s one-pass check, then with the full path alone."""
+    fast = _errors(fn)
+    saved, w._fast = w._fast, None
+    try:
+        full = _errors(fn)
+    finally:
+        w._fast = saved
+    return fast, full
+
+
+def test_run_one_pass_check_raises_what_the_full_path_raises(gen):
+    """Every kind of bad run() argument (another shape, strides, dtype, alignment, a missing or extra block table, a
+    non-tensor, bad out / lse, overlapping buffers) raises word for word what the full path raises; good ones pass
+    on both."""
+    x, w = _planned(gen)
+    q, k, v, sl, bt = x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table
+    raw = torch.empty(q.numel() * 2 + 8, dtype=torch.uint8)
+    misaligned = raw[2:2 + q.numel() * 2].view(torch.float16).view(q.shape)
+    wide = torch.empty(bt.shape[0], bt.shape[1] * 2, dtype=torch.int32)[:, ::2]
+    big = torch.empty(2, 1, 8, 32, dtype=torch.float16)
+    inputs = [
+        (q.clone(), k, v, sl, bt), (q.float(), k, v, sl, bt), (misaligned, k, v, sl, bt), (q[:1], k, v, sl, bt),
+        (q, k.clone(), v, sl, bt), (q, k.transpose(1, 2).contiguous().transpose(1, 2), v, sl, bt),
+        (q, k, v.transpose(0, 1).contiguous().transpose(0, 1), sl, bt),
+        (q, k, v, sl.long(), bt), (q, k, v, sl[:1], bt), (q, k, v, sl, None), (q, k, v, sl, wide),
+        (q, k, v, sl, bt.long()), ([1], k, v, sl, bt), (q, "k", v, sl, bt), (q, k, v, 3, bt), (q, k, v, sl, [0]),
+    ]
+    for args in inputs:
+        fast, full = _both_paths(w, lambda: w.run(*args))
+        assert fast == full, [getattr(a, "shape", a) for a in args]
+    lse = torch.empty(2, 1, 8)
+    outputs = [
+        (None, None), (q.clone(), None), (None, lse), (q.clone(), lse), (q.float(), None), (big[..., ::2], None),
+        (big[..., :16], lse), ("out", None), (None, "lse"), (None, lse[:, :, :4]), (None, lse.double()),
+        (None, torch.empty(2, 1, 16)[..., ::2]), (q, None), (k.reshape(-1)[: q.numel()].view(q.shape), None),
+        (None, q.reshape(-1)[:32].view(torch.float32).view(2, 1, 8)), (big[..., :16], big[..., 0].float()),
+        (misaligned, None),
+    ]
+    for out, ls in outputs:
+        fast, full = _both_paths(w, lambda: w.run(q, k, v, sl, bt, out=out, lse=ls))
+        assert fast == full, (getattr(out, "shape", out), getattr(ls, "shape", ls))
+
+
+def test_run_catches_inputs_changed_in_place(gen):
+    """The one-pass check reads the tensors themselves on every call: an input changed in place after plan() (the
+    same Python object with other strides, shape, dtype or storage) is refused as by the full path; a new storage
+    of the same layout is run."""
+    x, w = _planned(gen)
+    args = [x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table]
+    w.run(*args)
+
+    def changes():
+        yield 0, lambda t: t.as_strided_(t.shape, (t.stride(0), 64, 16, 1), 0)  # another stride (of a size-1 axis)
+        yield 1, lambda t: t.resize_(t.shape[0] - 1, *t.shape[1:])  # fewer pages
+        yield 3, lambda t: setattr(t, "data", t.data.long())  # another dtype, the same object
+        yield 4, lambda t: t.set_(torch.empty(t.numel() * 4 + 4, dtype=torch.uint8)[4:].view(torch.int32)
+                                  .view(t.shape))  # a misaligned storage
+        yield 2, lambda t: t.t_() if t.dim() == 2 else t.transpose_(1, 2)  # a transposed view in place
+
+    for i, change in changes():
+        saved = args[i]
+        t = saved.clone()
+        args[i] = t
+        w.plan(*args, seq_lens_host=[9, 4])
+        w.run(*args)
+        change(t)
+        fast, full = _both_paths(w, lambda: w.run(*args))
+        assert fast == full and fast is not None and fast[0] is ValueError, (i, fast)
+        assert "differ from the planned ones" in fast[1]
+        args[i] = saved
+    w.plan(*args, seq_lens_host=[9, 4])
+    k2 = x.k_cache.clone()
+    args[1] = k2
+    out = w.run(*args)  # another storage, the planned layout: run, reading k2
+    ref, _ = _ref(x)
+    assert_close_to_reference(out, ref, torch.float16)
+
+
+def test_plan_hit_memo_follows_buckets_and_prepares_once(monkeypatch, gen):
+    """A repeated plan() reuses the previous call's backend choice and cache key only while its inputs repeat: each
+    call still counts a plan-cache hit, a length of another bucket or another split count plans anew, and prepare()
+    runs once per plan and device."""
+    be = KERNELS[0] if KERNELS else "reference"
+    x = make_inputs(2, 8, 2, 32, [40, 7], page_size=16, dtype=torch.float32, capacity=256, generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    ctx = attnplan.Context.from_config(attnplan.load_config())
+    prepared = []
+    backend = get_backend(be)
+    real = backend.prepare
+    monkeypatch.setattr(backend, "prepare", lambda plan, device: (prepared.append(plan), real(plan, device)))
+    w = attnplan.DecodeWrapper(ctx, backend=be)
+    p1 = w.plan(*args, seq_lens_host=[40, 7])
+    hits = ctx.cache.stats.hits
+    for lens in ([41, 7], [60, 3], [64, 0]):  # the same buckets (max 64, mean 32)
+        assert w.plan(*args, seq_lens_host=lens) is p1
+    assert ctx.cache.stats.hits == hits + 3 and prepared == [p1]
+    p2 = w.plan(*args, seq_lens_host=[200, 7])  # another max bucket
+    assert p2 is not p1 and p2.problem.max_kv_len == 256 and prepared == [p1, p2]
+    p3 = w.plan(*args, seq_lens_host=[200, 7], num_splits=1)
+    assert p3.num_splits == 1 and prepared == [p1, p2, p3]
+    assert w.plan(*args, seq_lens_host=[40, 7]) is p1 and prepared == [p1, p2, p3, p1]
+    ctx.cache.clear()  # the memo keeps the key, never the plan: a cleared cache plans again
+    p4 = w.plan(*args, seq_lens_host=[40, 7])
+    assert p4 is not p1 and p4.to_dict() == p1.to_dict()
+    out = w.run(*args)
+    ref, _ = reference.attention(*args, x.sm_scale)
+    assert_close_to_reference(out, ref, torch.float32)
+
+
+def test_a_failed_plan_leaves_run_on_the_full_path(gen):
+    """A plan() that raises disables run()'s one-pass check (the wrapper's state may be partly updated); run() then
+    takes the full path with the last complete plan, and the next good plan() restores the check."""
+    x, w = _planned(gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    with pytest.raises(ValueError, match="seq_lens_host must hold 2"):
+        w.plan(*args, seq_lens_host=[9, 4, 1])
+    assert w._fast is None
+    ref, _ = _ref(x)
+    assert_close_to_reference(w.run(*args), ref, torch.float16)
+    w.plan(*args, seq_lens_host=[9, 4])
+    assert w._fast is not None
+    assert_close_to_reference(w.run(*args), ref, torch.float16)
+
+
+def test_decode_output_checks_are_validate_outputs(gen):
+    """decode()'s output checks, made from the inputs' signature, raise what validate_outputs raises, before any
+    other check (a bad config path, a bad input) and after the score scale's."""
+    x = make_inputs(2, 8, 2, 16, [9, 4], page_size=8, dtype=torch.float16, generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    big = torch.empty(2, 1, 8, 32, dtype=torch.float16)
+    lse = torch.empty(2, 1, 8)
+    for out, ls in [(x.q.float(), None), (big[..., ::2], None), ("out", None), (None, "lse"), (None, lse.double()),
+                    (None, lse[:, :, :4]), (None, torch.empty(2, 1, 16)[..., ::2]), (big[..., :16], lse[:1])]:
+        want = _errors(lambda: P.validate_outputs(x.q, out, ls))
+        assert want is not None
+        assert _errors(lambda: attnplan.decode(*args, out=out, lse=ls, backend="reference",
+                                               config="/nonexistent.yaml", seq_lens_host=[9, 4])) == want
+        assert _errors(lambda: attnplan.decode(x.q, x.k_cache, "v", x.seq_lens, x.block_table, out=out,
+                                               lse=ls)) == want
+    with pytest.raises(ValueError, match="sm_scale must be finite"):
+        attnplan.decode(*args, out="out", sm_scale=float("inf"))
+
+
+def test_decode_pool_never_serves_another_key_of_the_same_hash(gen):
+    """The pool is keyed by the key's hash; an entry whose key differs (a hash collision) is dropped, not used."""
+    ctx = attnplan.Context.from_config(attnplan.load_config())
+    w = attnplan.DecodeWrapper(ctx, backend="reference")
+    ctx._give_wrapper(7, ("a", None), w)
+    assert ctx._take_wrapper(7, ("b", None)) is None and not ctx._wrappers
+    ctx._give_wrapper(7, ("a", None), w)
+    assert ctx._take_wrapper(7, ("a", None)) is w
+
+
 def test_memoized_plans_follow_every_change(gen):
     """A wrapper planned again and again (memo hits) follows new lengths (same and new bucket), a new score scale, a
     new window and a new split count, matching the reference each time."""
