@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import weakref
 import dataclasses
 from dataclasses import dataclass
 
@@ -362,7 +363,14 @@ def _plan_cached(get_problem, bucket_key: tuple, capacity: int, backend: Backend
     if not ctx.config.plan_cache.enabled:
         ctx.cache.stats.misses += 1
         return build()
-    return ctx.cache.get_or_create(key, build, validate=lambda p: p.validate(get_problem()))
+    def check(p: SplitPlan) -> None:  # a plan read from disk: it fits the problem, and its query blocks are this
+        problem = get_problem()  # backend's (a file's other q_block would launch more rows than a program holds)
+        p.validate(problem)
+        qb = backend.q_block(problem)
+        if p.q_block != (0 if qb >= problem.q_len else qb):
+            raise ValueError(f"plan q_block {p.q_block} is not {backend.name}'s {qb} queries per launch")
+
+    return ctx.cache.get_or_create(key, build, validate=check)
 
 
 def _scale_tensor(scale, hkv: int, device) -> torch.Tensor | None:
@@ -445,6 +453,7 @@ class DecodeWrapper:
         self._variant_key: tuple = ()
         self._launcher = None
         self._bound_to: tuple = ()
+        self._forget = None  # weakref.finalize dropping a blocked plan's launch constants (Backend.forget)
         # run()'s constants for the planned signature: each input's byte extent and the out extent's terms
         self._extents: tuple = ()
         self._q_terms: tuple = ()
@@ -691,6 +700,11 @@ class DecodeWrapper:
             return
         self._bound_to = to
         self._launcher = None
+        if self._forget is not None:  # the previous plan's launch constants in the backend hold its workspace
+            self._forget()
+            self._forget = None
+        if plan.q_block:  # Backend.run's launches cache constants per workspace view: forgotten with the wrapper
+            self._forget = weakref.finalize(self, self.backend.forget, plan, self.workspace)
         bind = getattr(self.backend, "bind", None)
         if bind is not None and not plan.q_block:  # a plan with query blocks launches through Backend.run
             try:

@@ -48,6 +48,16 @@ UNUSABLE = (ValueError, TypeError, KeyError, AttributeError, IndexError, json.JS
 _TMP_PREFIX = ".tmp-"
 
 
+def _read_umask() -> int:
+    """The process's umask (read once, at import: reading it means setting it, which races with other threads)."""
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+
+_UMASK = _read_umask()
+
+
 def atomic_write(path: str | os.PathLike, text: str, *, readable: bool = False, suffix: str = "") -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder (made if missing) and ``os.replace``,
     so a reader sees the old file or the new one, never a part. ``readable``: the file gets the mode a plain
@@ -64,9 +74,7 @@ def atomic_write(path: str | os.PathLike, text: str, *, readable: bool = False, 
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
         if readable:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
+            os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

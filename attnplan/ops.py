@@ -199,21 +199,11 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     try:
         be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm), ws, out, None)
     finally:
-        _forget_launch(be, plan, ws)
+        # the backend's launch constants of this call's workspace (triton keeps the last pairs', with references to
+        # the tensors): kept, the per-call temporaries would outlive the call (a leak in torch.compile's CUDA-graph
+        # pool, whose checks raise on it) and evict the launches of long-lived wrappers
+        be.forget(plan, ws)
     return out
-
-
-def _forget_launch(be, plan, ws: Workspace) -> None:
-    """Drop what the backend cached for this call's workspace. The triton backend keeps the launch constants of the
-    last (plan, workspace) pairs, with references to the workspace's tensors: kept, the per-call temporaries would
-    outlive the call (a leak in the CUDA-graph pool of torch.compile, whose pool checks raise on it) and fill that
-    cache, evicting the launches of long-lived wrappers."""
-    launches = getattr(be, "_launches", None)
-    if isinstance(launches, dict):
-        launches.pop((id(plan), id(ws)), None)
-        if plan.q_block:  # the launches of a plan with query blocks, on their views of the workspace
-            for j, (_, _, one) in enumerate(plan.launches):
-                launches.pop((id(one), id(ws.launch(plan, j))), None)
 
 
 @decode_op.register_fake

@@ -260,6 +260,18 @@ class Backend(abc.ABC):
         Only for plans whose merge is ``separate``."""
         raise NotImplementedError(f"{self.name} has no separate merge")
 
+    def forget(self, plan: SplitPlan, workspace: Workspace) -> None:
+        """Drop what this backend keeps for ``(plan, workspace)`` and, with query blocks, for each launch's plan and
+        workspace view: launch constants that hold the workspace's tensors (a backend's ``_launches`` table keyed by
+        ``(id(plan), id(workspace))``). Called when the workspace's owner lets it go."""
+        launches = getattr(self, "_launches", None)
+        if not isinstance(launches, dict):
+            return
+        launches.pop((id(plan), id(workspace)), None)
+        if plan.q_block:
+            for j, (_, _, one) in enumerate(plan.launches):
+                launches.pop((id(one), id(workspace.launch(plan, j))), None)
+
     def run(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
             lse: torch.Tensor | None = None) -> None:
         """Execute ``plan``: the partial kernel, then the separate merge if the plan has one. Launch-only.

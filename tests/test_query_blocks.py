@@ -257,3 +257,135 @@ def test_dispatch_prefers_a_backend_that_holds_the_queries_in_one_launch():
     assert be.name == "triton" and skipped == []
     be, _ = select_backend(prob, CPU, load_config(), backend="numba")
     assert be.name == "numba"
+
+
+# -- lifetimes, plan files, more shapes ------------------------------------------------------------------------
+
+def test_blocked_wrapper_frees_its_workspace():
+    """Backend.run's launches leave launch constants (with the workspace's views) in the backend's table: a wrapper
+    with query blocks forgets them when it re-plans and when it dies, so its workspace is freed with it."""
+    import gc
+    import weakref
+
+    if "triton" not in kernel_backends(DEVICE):
+        pytest.skip("triton unavailable")
+    be = get_backend("triton")
+    x = _inputs((36, 2), 16, (40, 3, 0), {})
+    w = attnplan.DecodeWrapper(backend="triton")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=3)
+    assert len(plan.launches) == 3
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    views = {id(w.workspace.launch(plan, j)) for j in range(3)}
+    assert sum(k[1] in views for k in be._launches) == 3
+    alive = weakref.ref(w.workspace.state.o)
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2)  # a new plan: the old one's go
+    assert not any(k[1] in views for k in be._launches)
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    del w
+    gc.collect()
+    assert alive() is None, "the blocked wrapper's workspace outlived it"
+
+
+def test_plan_file_with_other_query_blocks_is_rebuilt(tmp_path):
+    """A plan file whose q_block is not the backend's (edited, or from another version of the backend) is unusable:
+    rebuilt with a warning, never launched with more rows per program than the program holds."""
+    import json
+
+    cfg = load_config(plan_cache={"dir": str(tmp_path)})
+    be = get_backend("numba")
+    prob = _problem(64, 8, 16)
+    plan = plan_problem(prob, be, CPU, Context.from_config(cfg), num_splits=2)
+    assert plan.q_block == 8
+    (f,) = list(tmp_path.glob("v*/*.json"))
+    data = json.loads(f.read_text())
+    data["plan"]["q_block"] = 0
+    f.write_text(json.dumps(data))
+    ctx = Context.from_config(cfg)
+    with pytest.warns(RuntimeWarning, match="unusable"):
+        again = plan_problem(prob, be, CPU, ctx, num_splits=2)
+    assert again.q_block == 8 and ctx.cache.stats.rebuilt == 1
+
+
+#: more shapes: uneven blocks with a short last one (group 9: 7 + 7 + 2 queries on numba), one query per launch
+#: (group 64), window 0 and a window past the cache, a dominating sink and a -inf one, an fp8 cache
+MORE = [
+    ("numba", (18, 2), 16, (40, 3, 0, 16), {}, torch.float16, 3),
+    ("numba", (64, 1), 4, (33, 2), dict(window_left=0, sinks=True), torch.bfloat16, 4),
+    ("triton", (36, 2), 16, (40, 16, 1), dict(window_left=1000, soft_cap=5.0, sinks=True), torch.float16, 3),
+    ("triton", (16, 1), 16, (37, 5), dict(fp8=True), torch.bfloat16, 2),
+    ("numba", (16, 2), 16, (37, 5), dict(fp8=True, window_left=7), torch.float16, 2),
+]
+
+
+@pytest.mark.parametrize("name, heads, q_len, lens, variants, dtype, launches", MORE,
+                         ids=[f"{c[0]}-g{c[1][0] // c[1][1]}-q{c[2]}-{'-'.join(c[4]) or 'plain'}" for c in MORE])
+def test_more_query_block_shapes_match_reference(name, heads, q_len, lens, variants, dtype, launches):
+    if name not in kernel_backends(DEVICE):
+        pytest.skip(f"{name} unavailable on {DEVICE}")
+    x = _inputs(heads, q_len, lens, variants, dtype=dtype)
+    if variants.get("sinks"):
+        x.sinks[0], x.sinks[1] = 30.0, float("-inf")  # a sink that dominates, and none (+inf is refused)
+    ks = vs = None
+    if variants.get("fp8"):
+        g = torch.Generator().manual_seed(1)
+        ks, vs = (torch.rand(heads[1], generator=g) + 0.5).float(), (torch.rand(heads[1], generator=g) + 0.5).float()
+        x = dataclasses.replace(x, k_cache=(x.k_cache.float() / 4).to(torch.float8_e4m3fn),
+                                v_cache=(x.v_cache.float() * 2).to(torch.float8_e4m3fn), k_scale=ks, v_scale=vs)
+    w = attnplan.DecodeWrapper(backend=name)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2 if launches else 0,
+                  window_left=x.window_left, logits_soft_cap=x.soft_cap, sinks=x.sinks, k_scale=ks, v_scale=vs)
+    assert len(plan.launches) == launches, plan.q_blocks
+    out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3]))
+    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                       window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks,
+                                       k_scale=ks, v_scale=vs)
+    assert_close_to_reference(out, ref, x.q.dtype)
+    assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+
+
+def test_query_blocks_through_decode_and_the_op():
+    """attnplan.decode (with and without host lengths) and torch.ops.attnplan.decode on a blocked problem; the op's
+    per-call workspace leaves nothing in the backend's launch table."""
+    import attnplan.ops  # noqa: F401 - registers the op
+
+    if "triton" not in kernel_backends(DEVICE):
+        pytest.skip("triton unavailable")
+    x = _inputs((16, 1), 16, (40, 17), {})
+    ref, _ = _reference(x)
+    for lens_host in (None, [40, 17]):
+        out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend="triton",
+                              seq_lens_host=lens_host)
+        assert_close_to_reference(out, ref, x.q.dtype)
+    be = get_backend("triton")
+    before = set(be._launches)
+    out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, 0.0, "triton")
+    assert_close_to_reference(out, ref, x.q.dtype)
+    assert set(be._launches) <= before
+
+
+@pytest.mark.parametrize("name", ["numba", "cuda_ptx"])
+def test_capacity_plan_with_blocks_on_numba_and_cuda_ptx(name):
+    """The capacity plan reused at new lengths on the other backends (cuda_ptx in the host emulation, fused merge:
+    its counters are zero again after every run)."""
+    if name == "numba":
+        if name not in kernel_backends(DEVICE):
+            pytest.skip("numba unavailable")
+        be, merge = get_backend(name), "separate"
+    else:
+        emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
+        if emulate.compiler() is None:
+            pytest.skip("no C++ compiler for the host emulation")
+        be, merge = emulate.EmulatedCudaPtxBackend(), "fused"
+    x = _inputs((8, 1), 16, (64, 64), dict(sinks=True), dtype=torch.bfloat16, capacity=64)
+    prob = dataclasses.replace(problem_of(x), max_kv_len=64, total_kv_len=128, capacity=64)
+    plan = plan_problem(prob, be, CPU, Context.from_config(load_config(split={"merge": merge})), capacity_mode=True)
+    assert plan.q_block == 8 and plan.merge == merge
+    ws = poisoned_workspace(plan, CPU)
+    for lens in ((64, 1), (0, 17), (40, 63)):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3]))
+        be.run(plan, x, ws, out, lse)
+        _check(out, lse, x)
+        if ws.counters is not None:
+            assert not ws.counters.any(), "fused-merge counters not zero at rest"
