@@ -1062,6 +1062,73 @@ def test_emulated_bad_block_table_entries_read_a_clamped_page(be, mode, page, he
 
 # -- the specializations the parametrized tests build (in parallel, once) -----------------------------------------------
 
+# -- the builds: one compiler run per specialization, the precompiled standard headers -----------------------------
+
+def test_concurrent_builders_of_one_specialization_run_the_compiler_once(tmp_path, monkeypatch):
+    """Four threads (as well as pytest-xdist workers sharing the build directory) that need the same specialization
+    at once: one runs the compiler, the others wait for its shared object and load it."""
+    import subprocess
+    import threading
+
+    builds, run = [], subprocess.run
+
+    def counting_run(cmd, *a, **kw):
+        if str(emulate._EMU_DIR / "harness.cpp") in cmd:
+            builds.append(cmd)
+        return run(cmd, *a, **kw)
+
+    monkeypatch.setattr(emulate.subprocess, "run", counting_run)
+    spec, start, kernels = S.merge_spec("float16", 32, 1), threading.Barrier(4), []
+
+    def build():
+        start.wait()
+        kernels.append(emulate.EmulatedKernel(spec, tmp_path))
+
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(kernels) == 4 and len(builds) == 1
+    sos = list((tmp_path / "emulation").glob("*.so"))
+    assert len(sos) == 1 and sos[0].name.startswith(f"{spec.name}-")
+    assert not list((tmp_path / "emulation").glob("*.tmp"))
+    assert all(k.constant("threads") == kernels[0].constant("threads") > 0 for k in kernels)
+
+
+def _functions(asm: str) -> dict[str, str]:
+    """Each function of GCC's assembly ``asm`` by name, its local labels renumbered in order of appearance."""
+    import re
+
+    out = {}
+    for m in re.finditer(r"^(\S+):\n(.*?)^\t\.size\t\1, \.-\1$", asm, re.M | re.S):
+        labels: dict[str, str] = {}
+        out[m[1]] = re.sub(r"\.L\w+", lambda k: labels.setdefault(k[0], f".L{len(labels)}"), m[2])
+    return out
+
+
+@pytest.mark.parametrize("spec", [S.make_spec("partial", "bfloat16", 128, 4, 2, None, num_warps=4, mma=True, window=True),
+                                  S.merge_spec("float16", 64, 2)], ids=lambda s: s.name)
+def test_precompiled_standard_headers_are_used_and_change_no_function(spec, tmp_path):
+    """The builds' ``-include`` of the precompiled standard headers: GCC loads the ``.gch`` (``-H`` marks it ``!``),
+    and every function of the kernel's assembly is the one a build without it makes (only their order differs)."""
+    import subprocess
+
+    cxx = emulate.compiler()
+    if "GCC" not in subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout + \
+            subprocess.run([cxx, "-v"], capture_output=True, text=True).stderr:
+        pytest.skip("precompiled headers are built for GCC")
+    header = emulate._std_header(cxx, tmp_path)
+    assert header is not None and header.with_name(header.name + ".gch").is_file()
+    cmd = [cxx, *emulate._FLAGS, *(o for o in spec.options() if o.startswith("-D")), "-S",
+           str(emulate._EMU_DIR / "harness.cpp"), "-o", "-"]
+    plain = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    r = subprocess.run([*cmd, "-H", "-include", str(header)], capture_output=True, text=True, check=True)
+    assert f"! {header}.gch" in r.stderr.splitlines()
+    ours, theirs = _functions(r.stdout), _functions(plain)
+    assert len(theirs) > 50 and ours == theirs
+
+
 def _parametrized_specs(be) -> list:
     """Every specialization the case-parametrized tests launch (same inputs and plans as the tests)."""
     g = torch.Generator().manual_seed(0)

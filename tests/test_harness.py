@@ -1,5 +1,6 @@
 """The test harness itself (``tests/conftest.py``): seeds derived from the test id, reproducible and
-reported on failure."""
+reported on failure; the failure log, written by the run that sets it and never by the inner pytest sessions
+these tests run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ import pytest
 from conftest import seed_of
 
 pytest_plugins = ["pytester"]
+
+
+@pytest.fixture
+def inner(pytester, monkeypatch):
+    """``pytester`` for an inner pytest session with this conftest, away from the outer run's settings: no seed
+    offset, and no ``ATTNPLAN_FAILURE_LOG`` (the inner sessions fail on purpose; their failures are not the outer
+    run's)."""
+    monkeypatch.delenv("ATTNPLAN_TEST_SEED", raising=False)
+    monkeypatch.delenv("ATTNPLAN_FAILURE_LOG", raising=False)
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    return pytester
 
 
 def test_seed_is_crc32_of_the_test_id_plus_the_offset(monkeypatch):
@@ -26,11 +38,10 @@ def test_seed_is_crc32_of_the_test_id_plus_the_offset(monkeypatch):
         seed_of(nodeid)
 
 
-def test_gen_draws_the_same_inputs_on_every_run_and_reports_its_seed_on_failure(pytester, monkeypatch):
+def test_gen_draws_the_same_inputs_on_every_run_and_reports_its_seed_on_failure(inner, monkeypatch):
     """An inner pytest session with this conftest: two runs of a test draw the same numbers, another test
     draws others, ``ATTNPLAN_TEST_SEED`` changes them, and a failing test's report names its seed."""
-    monkeypatch.delenv("ATTNPLAN_TEST_SEED", raising=False)
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester = inner
     pytester.makepyfile(test_draws="""
         import json, os, torch
 
@@ -62,6 +73,30 @@ def test_gen_draws_the_same_inputs_on_every_run_and_reports_its_seed_on_failure(
     (a1, b1, a2, a3) = [d for _, d in draws]
     assert [n for n, _ in draws] == ["a", "b", "a", "a"]
     assert a1 == a2 and a1 != b1 and a3 != a1
+
+
+def test_failure_log_is_the_setting_runs_own(tmp_path, monkeypatch, request):
+    """With ``ATTNPLAN_FAILURE_LOG`` set for the outer run, an inner session's failing test (through the ``inner``
+    fixture) leaves the outer log alone; the inner session's own log, set for it, gets the failure as it happens
+    (its test id, phase and assertion), and nothing of its passing test."""
+    outer = tmp_path / "outer-failures.log"
+    monkeypatch.setenv("ATTNPLAN_FAILURE_LOG", str(outer))
+    pytester = request.getfixturevalue("inner")
+    pytester.makepyfile(test_logged="""
+        def test_passes():
+            pass
+
+        def test_fails():
+            assert 1 == 2, "the inner failure"
+    """)
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1, failed=1)
+    assert not outer.exists()
+    own = tmp_path / "inner-failures.log"
+    monkeypatch.setenv("ATTNPLAN_FAILURE_LOG", str(own))
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1, failed=1)
+    text = own.read_text()
+    assert text.startswith("==== test_logged.py::test_fails (call)\n") and "the inner failure" in text
+    assert "test_passes" not in text and not outer.exists()
 
 
 def test_ci_runs_the_readme_test_command_verbatim():
