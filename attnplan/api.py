@@ -19,11 +19,11 @@ is one signature, a plan-cache hit and a run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import threading
 import weakref
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -594,8 +594,7 @@ class DecodeWrapper:
         ctx = self.ctx
         head, tail, default_scale = self._bucket_parts
         mean = -(-total // static["batch"])
-        b_max = 16 if max_len <= 16 else 1 << (max_len - 1).bit_length()  # len_bucket (the lengths are ints here)
-        b_mean = 16 if mean <= 16 else 1 << (mean - 1).bit_length()
+        b_max, b_mean = len_bucket(max_len), len_bucket(mean)
         cap = static["capacity"] if static["capacity"] > 0 else max_len
         # the previous plan()'s backend choice and cache key serve again when what they were derived from repeats:
         # the static checks' result (the same dict: the same signature and scalars), the length buckets, capacity,

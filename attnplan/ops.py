@@ -192,9 +192,7 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     state = None if plan.single_pass else PartialState.empty(1, ql, hq, plan.state_slots, d, device=q.device)
     meta = torch.empty(plan.meta_words, dtype=torch.int32, device=q.device) if plan.meta_words else None
     counters = _counters(plan.sync_words, q) if plan.sync_words else None
-    lens = torch.empty(len(plan.q_blocks) - 1, q.shape[0], dtype=torch.int32, device=q.device) \
-        if plan.lens_words else None
-    ws = Workspace(state, meta, counters, targets, plan.schedule.targets, lens)
+    ws = Workspace(state, meta, counters, targets, plan.schedule.targets, Workspace.launch_lens(plan, q.device))
     out = torch.empty_like(q)
     try:
         be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm), ws, out, None)

@@ -228,6 +228,7 @@ class SplitPlan:
         """The problem one launch serves: :attr:`problem` with ``q_len = q_block`` (the first launch's), or
         :attr:`problem` itself."""
         return self.launches[0][2].problem
+
     @property
     def num_splits(self) -> int:
         """Most units (splits) one sequence may get (``schedule.max_units_per_seq``)."""

@@ -93,10 +93,15 @@ class Workspace:
             targets = targets.pin_memory().to(device, non_blocking=True)
         else:
             targets = targets.to(device)
-        lens = None
-        if plan.lens_words:
-            lens = torch.empty(len(plan.q_blocks) - 1, p.batch, dtype=torch.int32, device=device)
-        return Workspace(state, meta, counters, targets, plan.schedule.targets, lens)
+        return Workspace(state, meta, counters, targets, plan.schedule.targets, Workspace.launch_lens(plan, device))
+
+    @staticmethod
+    def launch_lens(plan: SplitPlan, device: torch.device) -> torch.Tensor | None:
+        """The uninitialized int32 ``[launches - 1, batch]`` buffer of a plan with query blocks (:attr:`lens`; every
+        run writes it before reading), ``None`` for a plan without."""
+        if not plan.lens_words:
+            return None
+        return torch.empty(len(plan.q_blocks) - 1, plan.problem.batch, dtype=torch.int32, device=device)
 
     def launch(self, plan: SplitPlan, j: int) -> "Workspace":
         """The buffers launch ``j`` of a plan with query blocks uses (views, no device memory): the state's rows of
@@ -224,15 +229,20 @@ class Backend(abc.ABC):
             reasons.append(f"variants {sorted(missing)} not served (serves {sorted(self.variants) or 'none'})")
         if not self.q_block(problem):
             reasons.append(f"GQA group of {problem.group_size} query heads per KV head exceeds "
-                           f"{self.max_rows_per_program} rows per program")
+                           f"{self.rows_per_program(problem)} rows per program")
         return reasons
+
+    def rows_per_program(self, problem: DecodeProblem) -> int:
+        """Most GQA group x q_len rows one program holds for ``problem`` (:attr:`max_rows_per_program`; a backend
+        whose limit depends on the dtypes or head_dim overrides this)."""
+        return self.max_rows_per_program
 
     def q_block(self, problem: DecodeProblem) -> int:
         """Most queries of a sequence one launch serves for ``problem``: ``problem.q_len`` when the GQA group x
-        ``q_len`` rows fit one program (:attr:`max_rows_per_program`), else as many as fit (the plan then launches
+        ``q_len`` rows fit one program (:meth:`rows_per_program`), else as many as fit (the plan then launches
         the kernels once per block of queries, :attr:`attnplan.SplitPlan.q_block`); 0 when one query's GQA group
         alone does not fit (refused by :meth:`supports`)."""
-        return min(problem.q_len, self.max_rows_per_program // problem.group_size)
+        return min(problem.q_len, self.rows_per_program(problem) // problem.group_size)
 
     def prepare(self, plan: SplitPlan, device: torch.device) -> None:
         """Compile and load what ``plan`` will launch (called by ``plan()``, outside any capture).

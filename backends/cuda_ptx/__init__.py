@@ -257,22 +257,16 @@ class CudaPtxBackend(Backend):
                 reasons.append(f"an {FP8} KV cache needs q_dtype float16 or bfloat16, got {problem.q_dtype}")
             if problem.head_dim % 16:
                 reasons.append(f"an {FP8} KV cache needs head_dim a multiple of 16, got {problem.head_dim}")
-            most = max_rows(FP8, problem.head_dim)
-            if problem.group_size > most:
-                reasons.append(f"GQA group of {problem.group_size} query heads per KV head exceeds {most} rows per "
-                               f"program with an {FP8} KV cache")
         elif problem.q_dtype != problem.kv_dtype:
             reasons.append(f"q_dtype {problem.q_dtype} must equal kv_dtype {problem.kv_dtype} (or be {FP8})")
         return reasons
 
-    def q_block(self, problem: DecodeProblem) -> int:
-        """:meth:`Backend.q_block` with this backend's rows per program: 64 (:attr:`max_rows_per_program`), fewer
-        for an fp8 cache at large head_dim (:func:`~.spec.max_rows`: the CUDA-core path's registers, the tensor-core
-        path's fallback)."""
-        most = self.max_rows_per_program
+    def rows_per_program(self, problem: DecodeProblem) -> int:
+        """64 (:attr:`max_rows_per_program`), fewer for an fp8 cache at large head_dim (:func:`~.spec.max_rows`:
+        the CUDA-core path's registers, the tensor-core path's fallback)."""
         if problem.kv_dtype == FP8:
-            most = min(most, max_rows(FP8, problem.head_dim))
-        return min(problem.q_len, most // problem.group_size)
+            return min(self.max_rows_per_program, max_rows(FP8, problem.head_dim))
+        return self.max_rows_per_program
 
     # -- planning ---------------------------------------------------------------------------------
     def _smem_limit(self, device: torch.device | None) -> int:
