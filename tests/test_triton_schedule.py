@@ -62,12 +62,13 @@ if triton is not None:
         """The partial kernel's prologue alone: program ``p`` asks for unit ``US[p]`` and stores what it finds."""
         pid = tl.program_id(0)
         u = tl.load(US + pid)
-        b, first, units, cb = _schedule(SEQ_LENS, 1, TARGETS, META, batch, u, pid, window_left, min_c, max_s,
-                                        Q_LEN, GRANULE, WINDOW, BALANCED, True, BLOCK_B, ONE_BLOCK)
-        tl.store(OUT + pid * 4, b)
-        tl.store(OUT + pid * 4 + 1, first)
-        tl.store(OUT + pid * 4 + 2, units)
-        tl.store(OUT + pid * 4 + 3, cb)
+        b, first, units, cb, seq_len = _schedule(SEQ_LENS, 1, TARGETS, META, batch, u, pid, window_left, min_c,
+                                                 max_s, Q_LEN, GRANULE, WINDOW, BALANCED, True, BLOCK_B, ONE_BLOCK)
+        tl.store(OUT + pid * 5, b)
+        tl.store(OUT + pid * 5 + 1, first)
+        tl.store(OUT + pid * 5 + 2, units)
+        tl.store(OUT + pid * 5 + 3, cb)
+        tl.store(OUT + pid * 5 + 4, seq_len)
 
 
 def _probe(lens, sched: Schedule, q_len, window, us, block_b, one_block=False):
@@ -75,7 +76,7 @@ def _probe(lens, sched: Schedule, q_len, window, us, block_b, one_block=False):
     the single-block path (``len(lens) <= block_b``)."""
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     meta = torch.full((2 * len(lens),), -7, dtype=torch.int32, device=DEVICE)
-    out = torch.full((len(us), 4), -7, dtype=torch.int32, device=DEVICE)
+    out = torch.full((len(us), 5), -7, dtype=torch.int32, device=DEVICE)
     _probe_kernel[(len(us),)](lens_t, torch.tensor(sched.targets, dtype=torch.int32, device=DEVICE), meta,
                        torch.tensor(us, dtype=torch.int32, device=DEVICE), out, len(lens), max(window, 0),
                        sched.min_unit_granules, sched.max_units_per_seq, Q_LEN=q_len, GRANULE=sched.granule,
@@ -91,7 +92,7 @@ def _expect(lens, sched, q_len, window, us):
             rows.append(-1)
             continue
         b = int(s.seq[u])
-        rows.append([b, int(s.indptr[b]), int(s.units[b]), int(s.unit_granules[b])])
+        rows.append([b, int(s.indptr[b]), int(s.units[b]), int(s.unit_granules[b]), int(lens[b])])
     return s, rows
 
 

@@ -55,12 +55,15 @@ __device__ __forceinline__ int seq_units(int nb, int c, int max_per, int &cb) {
 }
 
 // The batch's granules per unit c from its total T and its longest sequence nb_max (the targets table's bucket).
-__device__ __forceinline__ int sched_granules_per_unit(const int *__restrict__ targets, int total, int nb_max,
-                                                       int batch, int min_c) {
+// t_lo / t_hi: this lane's entries lane and 32 + lane of the 64 targets, loaded with seq_lens (a load after the
+// bucket is known would be one more dependent DRAM round trip before the first KV tile); total and nb_max are
+// warp-uniform, so the entry comes by one shuffle.
+__device__ __forceinline__ int sched_granules_per_unit(int t_lo, int t_hi, int total, int nb_max, int batch,
+                                                       int min_c) {
     int k = total > 0 ? 32 - __clz(total) : 0;  // bit_length(T)
     if (k > 31) k = 31;
     if (2 * (i64)total < (i64)batch * nb_max) k += 32;  // a long-tailed batch: the second table
-    const int t = targets[k];
+    const int t = __shfl_sync(FULL_MASK, k >= 32 ? t_hi : t_lo, k & 31);
     int c = min_c;
     if (t > 0 && total > 0) {
         const int per = (total - 1) / t + 1;
@@ -81,6 +84,11 @@ __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens,
     int *res = w_units + NWARPS;  // b, indptr[b], units[b], cb
     const int lane = tid & 31, warp = tid >> 5;
     if (tid == 0) sts(res, -1);  // published by the first barrier below
+    int t_lo = 0, t_hi = 0;  // the targets table, in flight with seq_lens
+    if (balanced) {
+        t_lo = targets[lane];
+        t_hi = targets[32 + lane];
+    }
     // this thread's sequences of the first chunk: their granules (kept for the scan when one chunk is the batch)
     int nbv[SCHED_PER];
 #pragma unroll
@@ -128,7 +136,7 @@ __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens,
             const int o = lds<int>(w_max + w);
             m = o > m ? o : m;
         }
-        c = sched_granules_per_unit(targets, s, m, batch, min_c);
+        c = sched_granules_per_unit(t_lo, t_hi, s, m, batch, min_c);
     }
     // units per sequence and their exclusive prefix sum, chunk by chunk, until the chunk holding u
     int running = 0;

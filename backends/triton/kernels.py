@@ -52,16 +52,17 @@ def _granules(seq_len, Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.co
 
 
 @triton.jit
-def _granules_per_unit(total, nb_max, batch, TARGETS, min_unit_granules):
+def _granules_per_unit(total, nb_max, batch, table, min_unit_granules):
     """``c = max(min_unit_granules, ceil(T / targets[k + 32 * tail]))`` with ``k = bit_length(T)`` clamped to 31 and
     ``tail = 2 T < batch * nb_max`` (the long-tailed table), or ``min_unit_granules`` when that target is 0; ``total``
     (``T``) and ``nb_max`` int64, ``c`` int32 (a ``c`` of 2^31 or more acts as ``c = T``: one unit per sequence either
-    way)."""
+    way). ``table``: the 64 targets, loaded with ``seq_lens`` (a load after the bucket is known would be one more
+    dependent DRAM round trip before the first KV tile)."""
     bits = tl.arange(0, 32)
     # bit_length(T) clamped to 31: the number of i < 31 with T >= 2^i
     bucket = tl.sum(((total >= (tl.full([32], 1, tl.int64) << bits.to(tl.int64))) & (bits < 31)).to(tl.int32), 0)
     bucket = tl.where(2 * total < nb_max * batch, bucket + 32, bucket)
-    t = tl.load(TARGETS + bucket).to(tl.int64)
+    t = tl.sum(tl.where(tl.arange(0, 64) == bucket, table, 0), 0).to(tl.int64)
     per = tl.where(t > 0, (total + tl.maximum(t, 1) - 1) // tl.maximum(t, 1), 0)
     return tl.minimum(tl.maximum(per, min_unit_granules), INT32_MAX).to(tl.int32)
 
@@ -85,21 +86,24 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
               WRITE_META: tl.constexpr, BLOCK_B: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """The prologue: the schedule of the live batch, as :func:`attnplan.schedule.schedule_units` computes it.
 
-    Returns ``(b, indptr_b, units_b, cb)``: the sequence of unit ``u`` (``-1`` when ``u >= U``, the batch's total
-    units), its first unit, its unit count and its granules per unit. Program ``pid == 0`` writes ``META``
+    Returns ``(b, indptr_b, units_b, cb, seq_len_b)``: the sequence of unit ``u`` (``-1`` when ``u >= U``, the
+    batch's total units), its first unit, its unit count, its granules per unit and its length. Program ``pid == 0`` writes ``META``
     (``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``) when ``WRITE_META``. ``ONE_BLOCK`` (``batch <=
     BLOCK_B``): ``seq_lens`` is read once and everything stays in registers. Otherwise it is read in blocks of
     ``BLOCK_B`` (any batch), twice for a balanced schedule (the total first); the search stops at the block holding
     ``u`` (program 0 writing ``META`` reads to the end).
     """
     offs_blk = tl.arange(0, BLOCK_B)
+    table = tl.zeros([64], tl.int32)
+    if BALANCED:  # issued before seq_lens' load: both round trips overlap
+        table = tl.load(TARGETS + tl.arange(0, 64))
     if ONE_BLOCK:
         ok = offs_blk < batch
         lens = tl.load(SEQ_LENS + offs_blk.to(tl.int64) * stride_sl, mask=ok, other=0)
         _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
         c = min_unit_granules
         if BALANCED:
-            c = _granules_per_unit(tl.sum(nb.to(tl.int64), 0), tl.max(nb.to(tl.int64), 0), batch, TARGETS,
+            c = _granules_per_unit(tl.sum(nb.to(tl.int64), 0), tl.max(nb.to(tl.int64), 0), batch, table,
                                    min_unit_granules)
         cb, units = _units(nb, ok, c, max_units_per_seq)
         incl = tl.cumsum(units, 0)
@@ -110,7 +114,8 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
                 tl.store(META + offs_blk, excl, mask=ok)
                 tl.store(META + batch + offs_blk, units, mask=ok)
         return (tl.max(tl.where(mine, offs_blk, -1), 0), tl.sum(tl.where(mine, excl, 0), 0),
-                tl.sum(tl.where(mine, units, 0), 0), tl.sum(tl.where(mine, cb, 0), 0))
+                tl.sum(tl.where(mine, units, 0), 0), tl.sum(tl.where(mine, cb, 0), 0),
+                tl.sum(tl.where(mine, lens, 0), 0))
     c = min_unit_granules
     if BALANCED:  # granules per unit from the batch's total and longest sequence
         total = tl.full([], 0, tl.int64)
@@ -121,7 +126,7 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
             _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
             total += tl.sum(nb.to(tl.int64), 0)
             nb_max = tl.maximum(nb_max, tl.max(nb.to(tl.int64), 0))
-        c = _granules_per_unit(total, nb_max, batch, TARGETS, min_unit_granules)
+        c = _granules_per_unit(total, nb_max, batch, table, min_unit_granules)
     writer = -1
     if WRITE_META:
         writer = 0
@@ -129,6 +134,7 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
     first = 0
     units_b = 0
     cb_b = 0
+    len_b = 0
     running = 0
     b0 = 0
     while (b0 < batch) & ((running <= u) | (pid == writer)):
@@ -144,13 +150,14 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
         first += tl.sum(tl.where(mine, excl, 0), 0)
         units_b += tl.sum(tl.where(mine, units, 0), 0)
         cb_b += tl.sum(tl.where(mine, cb, 0), 0)
+        len_b += tl.sum(tl.where(mine, lens, 0), 0)
         if WRITE_META:
             if pid == 0:
                 tl.store(META + offs, excl, mask=ok)
                 tl.store(META + batch + offs, units, mask=ok)
         running += tl.sum(units, 0)
         b0 += BLOCK_B
-    return found, first, units_b, cb_b
+    return found, first, units_b, cb_b, len_b
 
 
 @triton.jit
@@ -355,12 +362,11 @@ def split_kv_partial_kernel(
     u = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
     if MULTI:
-        b, first, units_b, cb = _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left,
-                                          min_unit_granules, max_units_per_seq, Q_LEN, GRANULE, WINDOW, BALANCED,
-                                          MERGE == "separate", BLOCK_B, ONE_BLOCK)
+        b, first, units_b, cb, seq_len = _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left,
+                                                   min_unit_granules, max_units_per_seq, Q_LEN, GRANULE, WINDOW,
+                                                   BALANCED, MERGE == "separate", BLOCK_B, ONE_BLOCK)
         if b < 0:  # no unit: the batch has fewer than max_units
             return
-        seq_len = tl.load(SEQ_LENS + b.to(tl.int64) * stride_sl)
         base, _ = _granules(seq_len, Q_LEN, GRANULE, WINDOW, window_left)
         start = base + (u - first) * cb * GRANULE
         end = tl.minimum(start + cb * GRANULE, seq_len)
