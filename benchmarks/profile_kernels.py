@@ -35,22 +35,29 @@ def _setup(backend: str, batch: int, kv: int, heads, layout: str):
     return w, plan, (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
 
 
-def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int) -> dict:
-    """Kernel durations (us) of ``iters`` eager decode steps of one shape, L2 flushed before each."""
-    from attnplan.timing import l2_flush
+def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int, graph: bool = False) -> dict:
+    """Kernel durations (us) of ``iters`` decode steps of one shape, L2 flushed before each: eager launches, or
+    (``graph``) replays of one CUDA graph of the step, as the benchmarks time it (CUPTI records a graph's kernel
+    nodes like launches)."""
+    from attnplan.timing import capture_graphs, l2_flush
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     w, plan, args = _setup(backend, batch, kv, heads, layout)
+    out = torch.empty_like(args[0])
+    step = lambda: w.run(*args, out=out)  # noqa: E731
+    if graph:
+        g = capture_graphs(lambda j: step(), 1)[0]
+        step = g.replay
     for _ in range(5):
-        w.run(*args)
+        step()
     l2_flush()
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             l2_flush()
             torch.cuda.synchronize()  # each step alone on the GPU: its kernels, nothing queued behind
-            w.run(*args)
+            step()
             torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     steps, cur = [], []
@@ -70,7 +77,7 @@ def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int) -
             by_name.setdefault(e.name[:60], []).append(e.time_range.elapsed_us())
         spans.append(st[-1].time_range.end - st[0].time_range.start)
         sums.append(sum(e.time_range.elapsed_us() for e in st))
-    return {"backend": backend, "batch": batch, "kv": kv, "heads": list(heads), "layout": layout,
+    return {"backend": backend, "batch": batch, "kv": kv, "heads": list(heads), "layout": layout, "graph": graph,
             "splits": plan.num_splits, "programs": plan.num_programs, "steps": len(steps),
             "kernels_us": {k: statistics.median(v) for k, v in by_name.items()},
             "span_us": statistics.median(spans) if spans else None,
@@ -99,6 +106,7 @@ def main() -> None:
     ap.add_argument("--layouts", default="contiguous")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--graph", action="store_true", help="time replays of a CUDA graph of the step, not launches")
     ap.add_argument("--plain", action="store_true",
                     help="run the steps with no profiler attached (for ncu), print nothing but a line per shape")
     a = ap.parse_args()
@@ -111,7 +119,7 @@ def main() -> None:
                     if a.plain:
                         plain_steps(be, batch, kv, heads, layout, a.iters)
                         continue
-                    r = profile(be, batch, kv, heads, layout, a.iters)
+                    r = profile(be, batch, kv, heads, layout, a.iters, a.graph)
                     rows.append(r)
                     ks = "  ".join(f"{k}={v:.1f}" for k, v in r["kernels_us"].items())
                     print(f"{be:8s} {layout:10s} b{batch:<3d} kv{kv:<7d} {r['splits']:3d} splits  span {r['span_us']:.1f} us"

@@ -227,7 +227,7 @@ def _schedules(draw):
     granule = draw(st.sampled_from([16, 32, 48]))
     min_c = draw(st.integers(1, 3))
     s_cap = draw(st.integers(2, 9))
-    batch = draw(st.one_of(st.integers(1, 11), st.integers(250, 600)))
+    batch = draw(st.one_of(st.integers(1, 40), st.integers(250, 600)))  # <= 32: the one-warp path
     raw = draw(st.lists(st.integers(0, 40), min_size=NUM_TARGETS, max_size=NUM_TARGETS))
     policy = draw(st.sampled_from(["balanced", "forced", "batch_invariant"]))
     targets = (0, *raw[1:]) if policy == "balanced" else (0,) * NUM_TARGETS

@@ -503,9 +503,9 @@ def merge_kernel(
     t = (row // NUM_HEADS) % Q_LEN
     b = row // NUM_HEADS // Q_LEN
     count = tl.load(META + batch + b)
+    first = tl.load(META + b)  # with count: one dependent round trip before the states, not two
     if count <= 1:
         return
-    first = tl.load(META + b)
     row_base = (t.to(tl.int64) * NUM_HEADS + h) * ws_slots + first
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = col * BLOCK_D + tl.arange(0, BLOCK_D)
