@@ -135,6 +135,24 @@ def max_units_bound(schedule_targets, batch: int, max_units_per_seq: int) -> int
     return min(batch * max_units_per_seq, max(schedule_targets) + batch)
 
 
+def slot_unit(slot: int, num_units: int, slots: int) -> int:
+    """The unit that grid slot ``slot`` of ``slots`` runs when the live batch has ``num_units <= slots`` units, or
+    -1 (the slot exits). The units are spread evenly over the slots: unit ``u`` runs in slot ``floor(u S / U)``,
+    so slot ``s`` runs ``u = ceil(s U / S)`` when ``floor(u S / U) == s`` (a bijection from ``[0, U)`` onto those
+    slots; slot 0 always runs unit 0). The kernels apply it where the prologue knows ``U`` for free (cuda_ptx:
+    batches of at most 32, one warp's schedule; triton: batches of one prologue block): the working programs are
+    then spread over the grid's order instead of packed at its start, which is what the hardware fills SMs in.
+    The state of unit ``u`` still goes to workspace slot ``u``.
+
+    Raises:
+        ValueError: ``num_units`` outside ``[1, slots]``.
+    """
+    if not 1 <= num_units <= slots:
+        raise ValueError(f"num_units must be in [1, slots={slots}], got {num_units}")
+    u = (slot * num_units + slots - 1) // slots
+    return u if u < num_units and (u * slots) // num_units == slot else -1
+
+
 @dataclass(frozen=True)
 class Units:
     """The schedule of one batch (host integers, int64 CPU tensors).

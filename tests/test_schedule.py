@@ -243,3 +243,23 @@ def test_planner_scales_the_long_tailed_table():
     assert a.targets[:NUM_BUCKETS] == a.targets[NUM_BUCKETS:] == b.targets[:NUM_BUCKETS]
     assert b.targets[NUM_BUCKETS + 1:] == tuple(2 * t for t in a.targets[1:NUM_BUCKETS])
     assert b.max_units >= max(b.targets) + 0 and b.max_units > a.max_units
+
+
+@given(slots=st.integers(1, 3000), data=st.data())
+@settings(max_examples=300, deadline=None)
+def test_slot_unit_spreads_units_over_the_slots(slots, data):
+    """``slot_unit`` maps exactly ``U`` of the ``slots`` slots onto the units ``0 .. U-1``, one each, in order,
+    slot 0 to unit 0, and no two working slots closer than ``floor(slots / U)``."""
+    from attnplan.schedule import slot_unit
+
+    num_units = data.draw(st.integers(1, slots), label="units")
+    got = [slot_unit(s, num_units, slots) for s in range(slots)]
+    working = [s for s, u in enumerate(got) if u >= 0]
+    assert [got[s] for s in working] == list(range(num_units))
+    assert working[0] == 0 and got[0] == 0
+    gaps = [b - a for a, b in zip(working, working[1:])]
+    assert all(g >= slots // num_units for g in gaps)
+    with pytest.raises(ValueError):
+        slot_unit(0, slots + 1, slots)
+    with pytest.raises(ValueError):
+        slot_unit(0, 0, slots)

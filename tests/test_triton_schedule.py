@@ -62,8 +62,9 @@ if triton is not None:
         """The partial kernel's prologue alone: program ``p`` asks for unit ``US[p]`` and stores what it finds."""
         pid = tl.program_id(0)
         u = tl.load(US + pid)
-        b, first, units, cb, seq_len = _schedule(SEQ_LENS, 1, TARGETS, META, batch, u, pid, window_left, min_c,
-                                                 max_s, Q_LEN, GRANULE, WINDOW, BALANCED, True, BLOCK_B, ONE_BLOCK)
+        b, first, units, cb, seq_len, _ = _schedule(SEQ_LENS, 1, TARGETS, META, batch, u, 0, pid, window_left,
+                                                    min_c, max_s, Q_LEN, GRANULE, WINDOW, BALANCED, True, BLOCK_B,
+                                                    ONE_BLOCK)
         tl.store(OUT + pid * 5, b)
         tl.store(OUT + pid * 5 + 1, first)
         tl.store(OUT + pid * 5 + 2, units)

@@ -31,7 +31,7 @@ static_assert(SMEM_BYTES >= 4 * SCHED_WORDS, "the schedule's exchange lives in t
 // The schedule of one unit: its sequence b (-1: u is past the batch's units), the sequence's first unit (indptr[b])
 // and unit count, its granules per unit cb (0 for an empty sequence) and the batch's granules per unit c.
 struct UnitInfo {
-    int b, first, units, cb, c;
+    int b, first, units, cb, c, u;  // u: the unit this program runs (its slot, or spread: attnplan.schedule.slot_unit)
 };
 
 // Sequence of length L: its first visible position (base) and the granules of its span [base, L).
@@ -79,10 +79,12 @@ __device__ __forceinline__ int sched_granules_per_unit(int t_lo, int t_hi, int t
 // per warp on the dependent path before the first KV tile (ncu on an H200, b1 4K: 1.36M instructions against
 // 1.05M without a schedule, 14.1 us against 11.5). The same integers as schedule_unit's; meta by warp 0 of the
 // writing program (write_meta). t_lo / t_hi: sched_granules_per_unit's.
+// slots > 0: u is the program's grid slot of `slots`, and the program runs unit slot_unit(u, U, slots) of the
+// batch's U units (attnplan.schedule.slot_unit: the working programs spread over the grid's order).
 __device__ __forceinline__ UnitInfo schedule_unit_warp(const int *__restrict__ seq_lens, int *__restrict__ meta,
-                                                       int batch, int u, bool write_meta, int window_left,
-                                                       int granule, int min_c, int max_per, bool balanced, int t_lo,
-                                                       int t_hi, int lane) {
+                                                       int batch, int u, int slots, bool write_meta,
+                                                       int window_left, int granule, int min_c, int max_per,
+                                                       bool balanced, int t_lo, int t_hi, int lane) {
     const bool in = lane < batch;
     int base;
     const int nb = in ? seq_granules(seq_lens[lane], window_left, granule, base) : 0;
@@ -110,6 +112,11 @@ __device__ __forceinline__ UnitInfo schedule_unit_warp(const int *__restrict__ s
         meta[lane] = start;
         meta[batch + lane] = un;
     }
+    const int total = __shfl_sync(FULL_MASK, incl, 31);  // U (lanes past the batch add 0)
+    if (slots > total) {  // slot_unit: U <= slots always (the plan's bound); equal needs no spread
+        const int v = (u * total + slots - 1) / slots;
+        u = (v < total && (v * slots) / total == u) ? v : total;  // total: no unit
+    }
     const unsigned hit = __ballot_sync(FULL_MASK, in && u >= start && u < incl);
     const int src = hit ? __ffs((int)hit) - 1 : 0;
     UnitInfo r;
@@ -118,15 +125,17 @@ __device__ __forceinline__ UnitInfo schedule_unit_warp(const int *__restrict__ s
     r.units = __shfl_sync(FULL_MASK, un, src);
     r.cb = __shfl_sync(FULL_MASK, cb, src);
     r.c = c;
+    r.u = u;
     return r;
 }
 
 // The schedule of unit u (module comment). Called by every thread of the program (it has barriers); tid the
-// thread's index; meta written (all batch sequences) when write_meta; balanced: the plan's targets are not all zero.
+// thread's index; meta written (all batch sequences) when write_meta; balanced: the plan's targets are not all zero;
+// slots: the grid's unit slots (0: u is the unit itself; a batch of at most 32 spreads its units over them).
 // Out of line (one call per program): inlined, it moved the partial kernel's main-loop register allocation (see
 // decode.cu, write_rows).
 __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens, const int *__restrict__ targets,
-                                                  int *__restrict__ meta, int batch, int u, bool write_meta,
+                                                  int *__restrict__ meta, int batch, int u, int slots, bool write_meta,
                                                   int window_left, int granule, int min_c, int max_per, bool balanced,
                                                   unsigned char *smem, int tid) {
     const int lane = tid & 31, warp = tid >> 5;
@@ -135,8 +144,8 @@ __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens,
         t_lo = targets[lane];
         t_hi = targets[32 + lane];
     }
-    if (batch <= 32) return schedule_unit_warp(seq_lens, meta, batch, u, write_meta && warp == 0, window_left,
-                                               granule, min_c, max_per, balanced, t_lo, t_hi, lane);
+    if (batch <= 32) return schedule_unit_warp(seq_lens, meta, batch, u, slots, write_meta && warp == 0,
+                                               window_left, granule, min_c, max_per, balanced, t_lo, t_hi, lane);
     int *w_sum = reinterpret_cast<int *>(smem), *w_max = w_sum + NWARPS, *w_units = w_max + NWARPS;
     int *res = w_units + NWARPS;  // b, indptr[b], units[b], cb
     if (tid == 0) sts(res, -1);  // published by the first barrier below
@@ -246,6 +255,7 @@ __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens,
     r.units = lds<int>(res + 2);
     r.cb = lds<int>(res + 3);
     r.c = c;
+    r.u = u;  // no spread here: u is the slot (the scan stops at u's chunk, before U is known)
     __syncthreads();  // every read of the exchange is done: the rings may overwrite it
     return r;
 }

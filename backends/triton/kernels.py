@@ -81,13 +81,15 @@ def _units(nb, ok, c, max_units_per_seq):
 
 
 @triton.jit
-def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, min_unit_granules, max_units_per_seq,
-              Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.constexpr, BALANCED: tl.constexpr,
-              WRITE_META: tl.constexpr, BLOCK_B: tl.constexpr, ONE_BLOCK: tl.constexpr):
+def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, slots, pid, window_left, min_unit_granules,
+              max_units_per_seq, Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.constexpr,
+              BALANCED: tl.constexpr, WRITE_META: tl.constexpr, BLOCK_B: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """The prologue: the schedule of the live batch, as :func:`attnplan.schedule.schedule_units` computes it.
 
-    Returns ``(b, indptr_b, units_b, cb, seq_len_b)``: the sequence of unit ``u`` (``-1`` when ``u >= U``, the
-    batch's total units), its first unit, its unit count, its granules per unit and its length. Program ``pid == 0`` writes ``META``
+    Returns ``(b, indptr_b, units_b, cb, seq_len_b, u)``: the sequence of the program's unit (``-1`` when there is
+    none), its first unit, its unit count, its granules per unit, its length, and the unit. ``u`` is the unit, or
+    with ``slots > 0`` (``ONE_BLOCK`` only, where ``U`` is known before the search) the program's slot of the grid's
+    ``slots``, whose unit is :func:`attnplan.schedule.slot_unit`'s (the working programs spread over the grid). Program ``pid == 0`` writes ``META``
     (``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``) when ``WRITE_META``. ``ONE_BLOCK`` (``batch <=
     BLOCK_B``): ``seq_lens`` is read once and everything stays in registers. Otherwise it is read in blocks of
     ``BLOCK_B`` (any batch), twice for a balanced schedule (the total first); the search stops at the block holding
@@ -108,6 +110,12 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
         cb, units = _units(nb, ok, c, max_units_per_seq)
         incl = tl.cumsum(units, 0)
         excl = incl - units
+        if slots > 0:  # slot_unit: U <= slots (the plan's bound); int64 products
+            total = tl.sum(units, 0).to(tl.int64)
+            s64 = u.to(tl.int64)
+            v = (s64 * total + slots - 1) // slots
+            spread = (v < total) & ((v * slots) // total == s64)
+            u = tl.where(total < slots, tl.where(spread, v, total), s64).to(tl.int32)
         mine = ok & (excl <= u) & (u < incl)
         if WRITE_META:
             if pid == 0:
@@ -115,7 +123,7 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
                 tl.store(META + batch + offs_blk, units, mask=ok)
         return (tl.max(tl.where(mine, offs_blk, -1), 0), tl.sum(tl.where(mine, excl, 0), 0),
                 tl.sum(tl.where(mine, units, 0), 0), tl.sum(tl.where(mine, cb, 0), 0),
-                tl.sum(tl.where(mine, lens, 0), 0))
+                tl.sum(tl.where(mine, lens, 0), 0), u)
     c = min_unit_granules
     if BALANCED:  # granules per unit from the batch's total and longest sequence
         total = tl.full([], 0, tl.int64)
@@ -157,7 +165,7 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left, mi
                 tl.store(META + batch + offs, units, mask=ok)
         running += tl.sum(units, 0)
         b0 += BLOCK_B
-    return found, first, units_b, cb_b, len_b
+    return found, first, units_b, cb_b, len_b, u
 
 
 @triton.jit
@@ -338,11 +346,12 @@ def split_kv_partial_kernel(
     DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
     SINKS_ON: tl.constexpr,
 ):
-    """Program ``p`` of the 1-D grid ``max_units * NUM_KV_HEADS``: unit ``u = p // NUM_KV_HEADS`` for KV head
+    """Program ``p`` of the 1-D grid ``max_units * NUM_KV_HEADS``: unit slot ``p // NUM_KV_HEADS`` for KV head
     ``h = p % NUM_KV_HEADS``, rows ``(query i, head h * GROUP + g)`` of one ``tl.dot`` tile (``BLOCK_M >= 16``).
 
-    ``MULTI`` (``max_units_per_seq > 1``): the prologue (:func:`_schedule`) finds the unit's sequence ``b`` and token
-    range; a program past the batch's units exits. Otherwise (single pass) ``b = u`` and the range is the
+    ``MULTI`` (``max_units_per_seq > 1``): the prologue (:func:`_schedule`) finds the slot's unit ``u`` (the slot
+    itself, or with ``ONE_BLOCK`` the live units spread over the slots, :func:`attnplan.schedule.slot_unit`), its
+    sequence ``b`` and token range; a program without a unit exits. Otherwise (single pass) ``b = u`` and the range is the
     sequence's visible span. Every page index loaded from ``BLOCK_TABLE`` is clamped into ``[0, last_page]``
     (``num_pages - 1``): a bad entry reads a wrong page but never outside the cache. A sequence with one unit is
     written to ``OUT`` / ``LSE_OUT`` (the sink applied); otherwise the unit's normalized fp32 state goes to
@@ -362,10 +371,14 @@ def split_kv_partial_kernel(
     u = pid // NUM_KV_HEADS
     kvh = pid % NUM_KV_HEADS
     if MULTI:
-        b, first, units_b, cb, seq_len = _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, pid, window_left,
-                                                   min_unit_granules, max_units_per_seq, Q_LEN, GRANULE, WINDOW,
-                                                   BALANCED, MERGE == "separate", BLOCK_B, ONE_BLOCK)
-        if b < 0:  # no unit: the batch has fewer than max_units
+        slots = 0
+        if ONE_BLOCK:  # spread the working programs over the grid (attnplan.schedule.slot_unit)
+            slots = tl.num_programs(0) // NUM_KV_HEADS
+        b, first, units_b, cb, seq_len, u = _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, slots, pid,
+                                                      window_left, min_unit_granules, max_units_per_seq, Q_LEN,
+                                                      GRANULE, WINDOW, BALANCED, MERGE == "separate", BLOCK_B,
+                                                      ONE_BLOCK)
+        if b < 0:  # no unit for this slot: the batch has fewer than max_units
             return
         base, _ = _granules(seq_len, Q_LEN, GRANULE, WINDOW, window_left)
         start = base + (u - first) * cb * GRANULE
