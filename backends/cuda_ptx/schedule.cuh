@@ -14,8 +14,9 @@
 // memory or barriers (schedule_unit_warp). Otherwise every thread of the program runs it: the batch is read in
 // chunks of SCHED_CHUNK sequences, SCHED_PER consecutive ones per thread (one chunk, one read of seq_lens, for
 // batch <= 256 whatever the program's threads), the total and the longest by warp shuffles and one exchange through
-// shared memory, the prefix sum by a warp scan and the warps' totals. The scan stops at the chunk holding u, except in the program that writes meta (indptr[b]
-// at b, units[b] at batch + b: the separate merge's table), which scans the whole batch.
+// shared memory, the prefix sum by a warp scan and the warps' totals. The scan stops at the chunk holding u, except
+// in the program that writes meta (indptr[b] at b, units[b] at batch + b: the separate merge's table), which scans
+// the whole batch.
 //
 // Shared memory: SCHED_WORDS int32 words at the start of the dynamic shared memory, free again when schedule_unit
 // returns (its last barrier is after every read), so the rings may reuse them at once.
@@ -113,9 +114,9 @@ __device__ __forceinline__ UnitInfo schedule_unit_warp(const int *__restrict__ s
         meta[batch + lane] = un;
     }
     const int total = __shfl_sync(FULL_MASK, incl, 31);  // U (lanes past the batch add 0)
-    if (slots > total) {  // slot_unit: U <= slots always (the plan's bound); equal needs no spread
-        const int v = (u * total + slots - 1) / slots;
-        u = (v < total && (v * slots) / total == u) ? v : total;  // total: no unit
+    if (slots > total) {  // slot_unit: U <= slots always (the plan's bound); equal needs no spread. 64-bit
+        const i64 v = ((i64)u * total + slots - 1) / slots;  // products: a plan may hold more slots than 2^15
+        u = (v < total && (v * slots) / total == u) ? (int)v : total;  // total: no unit
     }
     const unsigned hit = __ballot_sync(FULL_MASK, in && u >= start && u < incl);
     const int src = hit ? __ffs((int)hit) - 1 : 0;

@@ -89,8 +89,9 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, slots, pid, window_l
     Returns ``(b, indptr_b, units_b, cb, seq_len_b, u)``: the sequence of the program's unit (``-1`` when there is
     none), its first unit, its unit count, its granules per unit, its length, and the unit. ``u`` is the unit, or
     with ``slots > 0`` (``ONE_BLOCK`` only, where ``U`` is known before the search) the program's slot of the grid's
-    ``slots``, whose unit is :func:`attnplan.schedule.slot_unit`'s (the working programs spread over the grid). Program ``pid == 0`` writes ``META``
-    (``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``) when ``WRITE_META``. ``ONE_BLOCK`` (``batch <=
+    ``slots``, whose unit is :func:`attnplan.schedule.slot_unit`'s (the working programs spread over the grid).
+    Program ``pid == 0`` writes ``META`` (``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``) when
+    ``WRITE_META``. ``ONE_BLOCK`` (``batch <=
     BLOCK_B``): ``seq_lens`` is read once and everything stays in registers. Otherwise it is read in blocks of
     ``BLOCK_B`` (any batch), twice for a balanced schedule (the total first); the search stops at the block holding
     ``u`` (program 0 writing ``META`` reads to the end).
@@ -351,18 +352,20 @@ def split_kv_partial_kernel(
 
     ``MULTI`` (``max_units_per_seq > 1``): the prologue (:func:`_schedule`) finds the slot's unit ``u`` (the slot
     itself, or with ``ONE_BLOCK`` the live units spread over the slots, :func:`attnplan.schedule.slot_unit`), its
-    sequence ``b`` and token range; a program without a unit exits. Otherwise (single pass) ``b = u`` and the range is the
-    sequence's visible span. Every page index loaded from ``BLOCK_TABLE`` is clamped into ``[0, last_page]``
+    sequence ``b`` and token range; a program without a unit exits. Otherwise (single pass) ``b = u`` and the range
+    is the sequence's visible span. Every page index loaded from ``BLOCK_TABLE`` is clamped into ``[0, last_page]``
     (``num_pages - 1``): a bad entry reads a wrong page but never outside the cache. A sequence with one unit is
     written to ``OUT`` / ``LSE_OUT`` (the sink applied); otherwise the unit's normalized fp32 state goes to
     workspace slot ``u`` (``WS_O [1, Q, H, ws_slots, D]``, ``WS_LSE [1, Q, H, ws_slots]``, contiguous, natural-log
-    LSE, no sink), and with ``MERGE == "fused"`` the program counts itself in ``COUNTERS[b * NUM_KV_HEADS + h]``; the last of the sequence's units merges the rows over its
-    units in unit order, writes ``OUT`` / ``LSE_OUT`` and resets the counter.
+    LSE, no sink), and with ``MERGE == "fused"`` the program counts itself in ``COUNTERS[b * NUM_KV_HEADS + h]``;
+    the last of the sequence's units merges the rows over its units in unit order, writes ``OUT`` / ``LSE_OUT`` and
+    resets the counter.
 
     Rows: query ``i`` sees positions ``< seq_len - Q_LEN + i + 1`` (and ``>= seq_len - Q_LEN + i - window_left``
     with ``WINDOW``); a row with none in the unit gets ``o = 0, lse = -inf``. Tiles that hold positions some rows
     see and others do not (only when ``Q_LEN > 1``: a unit's first and last ``Q_LEN - 1`` positions at most) go one
-    at a time (:func:`_tokens`), so NaN in a V row a query cannot see never reaches it. Variants: ``SOFTCAP`` (``cap * tanh(s / cap)`` on scaled scores),
+    at a time (:func:`_tokens`), so NaN in a V row a query cannot see never reaches it. Variants: ``SOFTCAP``
+    (``cap * tanh(s / cap)`` on scaled scores),
     ``FP8`` (K/V widened to fp16, a bf16 q row scaled into fp16 by a power of two, ``K_SCALE[h]`` folded into the
     score scale and ``V_SCALE[h]`` into the output), ``SINKS_ON`` (the sink joins the denominator where a final
     output is written).
