@@ -35,7 +35,8 @@ from .device import DeviceInfo, device_info
 from .planner import SplitPlan, entry_options, make_plan
 from .state import PartialState
 from .problem import (DecodeProblem, check_sm_scale, check_variant_tensors, default_sm_scale, host_lengths,
-                      len_bucket, signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values)
+                      is_contiguous_layout, len_bucket, same_signature, signature_change, torch_dtype, validate_inputs,
+                      validate_outputs, validate_values)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem", "DECODE_WRAPPERS"]
@@ -673,8 +674,15 @@ class DecodeWrapper:
             return None
         sq, sk, sv, ss, sb = self._sig
         (d0, d1, d2, d3), isz = self._q_terms
-        return (*sq[1:], *sk[1:], *sv[1:], *ss[1:], *(sb[1:] if sb is not None else (None,) * 5), *self._extents,
-                d0, d1, d2, d3, isz, sq[1][:3], self.backend.graph_safe)
+
+        def fields(t):  # a C-contiguous tensor's strides as None: Tensor.is_contiguous() checks them (same_signature)
+            return (t[1], None if is_contiguous_layout(t[1], t[2]) else t[2], *t[3:])
+
+        n = 1
+        for d in sq[1]:
+            n *= d
+        return (*fields(sq), *fields(sk), *fields(sv), *fields(ss), *(fields(sb) if sb is not None else (None,) * 5),
+                *self._extents, d0, d1, d2, d3, isz, n * isz, sq[1][:3], self.backend.graph_safe)
 
     def _scale(self, scale, hkv: int, device) -> torch.Tensor | None:
         """:func:`_scale_tensor`, reusing the tensor of the same float scale (a plan-cache hit allocates nothing)."""
@@ -737,32 +745,45 @@ class DecodeWrapper:
             # (dtypes are singletons: identity); any difference, non-tensor or overlap leaves for the full path
             # below, which raises its own error (or, where this test is stricter, decides). No tuple is built but the
             # pointers handed to the launch.
+            # A stride of None: the planned tensor is C-contiguous, and so must this one be (Tensor.is_contiguous(),
+            # cheaper than reading the strides; same_signature() is the full path's equal rule).
             (qs, qst, qd, qv, qa, ks, kst, kd, kv, ka, vs, vst, vd, vv, va, ss, sst, sd, sv, sa, bs, bst, bd, bv, ba,
-             e0, e1, e2, e3, e4, d0, d1, d2, d3, isz, ls3, graph_safe) = f
+             e0, e1, e2, e3, e4, d0, d1, d2, d3, isz, nbytes, ls3, graph_safe) = f
             T = torch.Tensor
             if isinstance(q, T) and isinstance(k_cache, T) and isinstance(v_cache, T) and isinstance(seq_lens, T) \
                     and (isinstance(block_table, T) if bs is not None else block_table is None):
                 p0, p1, p2, p3 = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr()
                 p4 = block_table.data_ptr() if bs is not None else 0
                 o = self._out if out is None else out
-                if q.shape == qs and q.stride() == qst and q.dtype is qd and q.device == qv and (not p0 & 15) is qa \
-                        and k_cache.shape == ks and k_cache.stride() == kst and k_cache.dtype is kd \
-                        and k_cache.device == kv and (not p1 & 15) is ka \
-                        and v_cache.shape == vs and v_cache.stride() == vst and v_cache.dtype is vd \
-                        and v_cache.device == vv and (not p2 & 15) is va \
-                        and seq_lens.shape == ss and seq_lens.stride() == sst and seq_lens.dtype is sd \
-                        and seq_lens.device == sv and (not p3 & 15) is sa \
-                        and (bs is None or (block_table.shape == bs and block_table.stride() == bst
+                if q.shape == qs and (q.is_contiguous() if qst is None else q.stride() == qst) and q.dtype is qd \
+                        and q.device == qv and (not p0 & 15) is qa \
+                        and k_cache.shape == ks \
+                        and (k_cache.is_contiguous() if kst is None else k_cache.stride() == kst) \
+                        and k_cache.dtype is kd and k_cache.device == kv and (not p1 & 15) is ka \
+                        and v_cache.shape == vs \
+                        and (v_cache.is_contiguous() if vst is None else v_cache.stride() == vst) \
+                        and v_cache.dtype is vd and v_cache.device == vv and (not p2 & 15) is va \
+                        and seq_lens.shape == ss \
+                        and (seq_lens.is_contiguous() if sst is None else seq_lens.stride() == sst) \
+                        and seq_lens.dtype is sd and seq_lens.device == sv and (not p3 & 15) is sa \
+                        and (bs is None or (block_table.shape == bs
+                                            and (block_table.is_contiguous() if bst is None
+                                                 else block_table.stride() == bst)
                                             and block_table.dtype is bd and block_table.device == bv
                                             and (not p4 & 15) is ba)) \
                         and (out is None or (isinstance(out, T) and out.shape == qs and out.dtype is qd
                                              and out.device == qv)) \
                         and (lse is None or (isinstance(lse, T) and lse.dtype is _F32 and lse.shape == ls3
                                              and lse.device == qv)):
-                    s = o.stride()
                     a0 = o.data_ptr()
-                    a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
-                    ok = (out is None or qs[3] <= 1 or s[3] == 1) \
+                    if o.is_contiguous():  # its bytes: exactly its numel's (its last stride 1 where it matters)
+                        a1 = a0 + nbytes
+                        ok = True
+                    else:
+                        s = o.stride()
+                        a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
+                        ok = out is None or qs[3] <= 1 or s[3] == 1
+                    ok = ok \
                         and not (e0 and a0 < p0 + e0 and p0 < a1) and not (e1 and a0 < p1 + e1 and p1 < a1) \
                         and not (e2 and a0 < p2 + e2 and p2 < a1) and not (e3 and a0 < p3 + e3 and p3 < a1) \
                         and not (e4 and a0 < p4 + e4 and p4 < a1)
@@ -795,7 +816,7 @@ class DecodeWrapper:
     def _run(self, sig, ptrs, q, k_cache, v_cache, seq_lens, block_table, out, lse, outputs_checked: bool):
         """:meth:`run` after the signature; ``outputs_checked``: the caller (:func:`decode`) has just run
         :func:`validate_outputs` on these ``q``, ``out`` and ``lse``."""
-        if sig is not self._sig and sig != self._sig:
+        if sig is not self._sig and sig != self._sig and not same_signature(self._sig, sig):
             raise ValueError(f"run() inputs differ from the planned ones: {signature_change(self._sig, sig)}; "
                              "call plan() again")
         if out is None:  # the wrapper's own buffer, made by plan() for q's planned shape, dtype and device

@@ -1,7 +1,10 @@
 """Host cost of one eager decode call: what a caller that does not capture graphs pays on the CPU per layer.
 
-Times, per backend, medians over ``--calls`` calls in a quiet loop (the GPU work is tiny, so the host is the
-bottleneck and the wall time per call is the host's cost):
+Times, per backend, two ways: ``*_host_us`` is the median host time of one call over ``--calls`` calls timed one by
+one while a GPU spin keeps the GPU busy (:func:`host_us`: the host's own cost, what a layer's call costs while the
+GPU runs earlier work); the plain fields are the wall time per call of a back-to-back loop of ``--calls`` calls,
+median of 5 rounds (:func:`per_call_us`), which the GPU's step bounds from below (at 1K tokens the step of a
+two-kernel plan takes about as long as its launches). The fields:
 
 - ``run_us``: ``DecodeWrapper.run()`` after one ``plan()``;
 - ``run_checks_us``: the same with the launch stubbed (the argument checks alone);
@@ -11,7 +14,8 @@ bottleneck and the wall time per call is the host's cost):
   ``run()`` took before bound launches;
 - ``plan_hit_us``: ``plan()`` again with host lengths (a plan-cache hit); ``decode_us``: ``attnplan.decode()`` with
   ``seq_lens_host`` (a plan-cache hit, its wrapper reused);
-- torch's ``scaled_dot_product_attention`` on the same data (dense, ``enable_gqa``) as the bar.
+- torch's ``scaled_dot_product_attention`` on the same data (dense, ``enable_gqa``) as the bar, and the floor of any
+  call that launches a kernel: one ``cuLaunchKernel`` of an empty kernel through cuda-python and torch's ``add_``.
 
 It also checks that ``run()`` and, with host lengths, ``plan()`` / ``decode()`` never synchronize the host
 (``torch.cuda.set_sync_debug_mode("error")``; ``decode()`` without host lengths is documented to synchronize once,
@@ -70,6 +74,27 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
     return statistics.median(rounds)
 
 
+def host_us(fn, calls: int, burst: int = 100) -> float:
+    """Median host time of one call (us) over ``calls`` calls timed one by one, in bursts of ``burst`` calls queued
+    behind a GPU spin (``torch.cuda._sleep``) long enough to outlast the burst: the GPU is busy throughout, so a
+    launch neither waits for a full queue nor pays the kick of an idle GPU, and the time is the host's own (what a
+    layer's call costs while the GPU runs the previous layers). :func:`per_call_us` is the loop's wall time instead,
+    bounded below by the GPU's step."""
+    for _ in range(min(200, calls)):
+        fn()
+    torch.cuda.synchronize()
+    pc = time.perf_counter_ns
+    times = []
+    for _ in range(max(1, calls // burst)):
+        torch.cuda._sleep(burst * 200_000)  # ~100 us per call at ~2 GHz
+        for _ in range(burst):
+            t0 = pc()
+            fn()
+            times.append(pc() - t0)
+        torch.cuda.synchronize()
+    return statistics.median(times) / 1e3
+
+
 def no_sync(fn) -> str:
     """'ok' if ``fn`` runs with sync debug mode 'error', else the error."""
     torch.cuda.synchronize()
@@ -83,6 +108,35 @@ def no_sync(fn) -> str:
         torch.cuda.set_sync_debug_mode("default")
 
 
+def launch_floor(t: torch.Tensor, calls: int) -> dict:
+    """What one launch costs the host at least (us, :func:`host_us`): ``cuLaunchKernel`` of a loaded one-thread
+    kernel through cuda-python (the call cuda_ptx's bound launch makes) and torch's ``add_`` of a scalar (its
+    dispatcher and one launch)."""
+    r = {"torch_op_host_us": host_us(lambda: t.add_(0), calls)}
+    try:
+        from attnplan.backends.cuda_ptx._bindings import bindings, check_driver, check_nvrtc
+        from attnplan.backends.cuda_ptx.nvrtc import select_target
+
+        driver, nvrtc = bindings()
+        src = b'extern "C" __global__ void attnplan_nop() {}'
+        prog = check_nvrtc(nvrtc.nvrtcCreateProgram(src, b"nop.cu", 0, [], []), "nvrtcCreateProgram")
+        target = select_target(torch.cuda.get_device_capability())
+        opts = [target.option.encode()]
+        check_nvrtc(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), "nvrtcCompileProgram")
+        get, size = ((nvrtc.nvrtcGetCUBIN, nvrtc.nvrtcGetCUBINSize) if target.kind == "cubin"
+                     else (nvrtc.nvrtcGetPTX, nvrtc.nvrtcGetPTXSize))
+        image = b" " * check_nvrtc(size(prog), "size")
+        check_nvrtc(get(prog, image), "image")
+        torch.cuda.current_stream().synchronize()
+        mod = check_driver(driver.cuModuleLoadData(image), "cuModuleLoadData")
+        fn = check_driver(driver.cuModuleGetFunction(mod, b"attnplan_nop"), "cuModuleGetFunction")
+        stream = torch.cuda.current_stream().cuda_stream
+        r["launch_host_us"] = host_us(lambda: driver.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0), calls)
+    except Exception as e:  # noqa: BLE001 - the floor is context, not a result
+        r["launch_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+    return r
+
+
 def measure(be: str, x, lens: list[int], calls: int) -> dict:
     args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     ctx = attnplan.Context.from_config(attnplan.load_config())
@@ -93,10 +147,12 @@ def measure(be: str, x, lens: list[int], calls: int) -> dict:
     attnplan.decode(*args, out=out, backend=be, config=ctx, seq_lens_host=lens)
     r = {"backend": be, "plan": f"{w.plan_.policy} {w.plan_.num_splits} splits, merge {w.plan_.merge}"}
     r["run_us"] = per_call_us(lambda: w.run(*args, out=out), calls)
+    r["run_host_us"] = host_us(lambda: w.run(*args, out=out), calls)
     bound = w._launcher
     ptrs = tuple(0 if t is None else t.data_ptr() for t in args)
     if bound is not None:
         r["bound_us"] = per_call_us(lambda: bound(*args, out, None, ptrs), calls)
+        r["bound_host_us"] = host_us(lambda: bound(*args, out, None, ptrs), calls)
         w._launcher = lambda *a: None
         r["run_checks_us"] = per_call_us(lambda: w.run(*args, out=out), calls)
         w._launcher = bound
@@ -112,6 +168,9 @@ def measure(be: str, x, lens: list[int], calls: int) -> dict:
     r["plan_hit_us"] = per_call_us(lambda: w.plan(*args, seq_lens_host=lens), calls // 4)
     r["decode_us"] = per_call_us(lambda: attnplan.decode(*args, out=out, backend=be, config=ctx, seq_lens_host=lens),
                                  calls // 4)
+    r["decode_host_us"] = host_us(lambda: attnplan.decode(*args, out=out, backend=be, config=ctx, seq_lens_host=lens),
+                                  calls)
+    r["plan_hit_host_us"] = host_us(lambda: w.plan(*args, seq_lens_host=lens), calls)
     r["run_sync"] = no_sync(lambda: w.run(*args, out=out))
     r["plan_sync"] = no_sync(lambda: w.plan(*args, seq_lens_host=lens))
     r["decode_sync"] = no_sync(lambda: attnplan.decode(*args, out=out, backend=be, config=ctx, seq_lens_host=lens))
@@ -349,13 +408,17 @@ def main(argv=None) -> int:
         return 0
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
+    first_kv = int(args.kv.split(",")[0])
     for kv in (int(x) for x in args.kv.split(",")):
         x = make_inputs(1, hq, hkv, d, [kv], page_size=16, dtype=torch.bfloat16, device="cuda", generator=gen)
         qd = x.q.transpose(1, 2)  # [1, Hq, 1, D]
         kd = torch.randn(1, hkv, kv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         vd = torch.randn_like(kd)
         sdpa = per_call_us(lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), args.calls)
-        rows.append({"kv": kv, "what": "torch sdpa", "us": sdpa})
+        sdpa_host = host_us(lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), args.calls)
+        rows.append({"kv": kv, "what": "torch sdpa", "us": sdpa, "host_us": sdpa_host})
+        if kv == first_kv:  # the floor of any call that launches: one driver launch, and torch's cheapest op
+            rows.append({"kv": kv, "what": "floor", **launch_floor(qd, args.calls)})
         for be in args.backends.split(","):
             try:
                 r = {"kv": kv, **measure(be, x, [kv], args.calls)}
@@ -367,15 +430,22 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["python", "benchmarks/bench_host.py", *(argv or sys.argv[1:])]),
                    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
-    print("\nkv      backend   run_us  checks_us  bound_us  jit_us  plan_hit_us  decode_us  sdpa_us  direct  "
-          "syncs(run/plan/decode; decode without host lengths)")
-    sd = {r["kv"]: r["us"] for r in rows if r.get("what") == "torch sdpa"}
+    fl = next((r for r in rows if r.get("what") == "floor"), {})
+    if fl:
+        print(f"\nfloor (host us per call, GPU busy): one cuLaunchKernel {fl['launch_host_us']:.1f}, torch "
+              f"add_ {fl['torch_op_host_us']:.1f}")
+    print("\nhost us per call (GPU busy; loop wall time in brackets)\n"
+          "kv      backend   run            checks  bound          jit     plan_hit  decode         sdpa           "
+          "direct  syncs(run/plan/decode; decode without host lengths)")
+    sd = {r["kv"]: r for r in rows if r.get("what") == "torch sdpa"}
     for r in rows:
         if "run_us" in r:
-            bound = f"{r['bound_us']:8.1f}" if "bound_us" in r else "       -"
-            print(f"{r['kv']:<7d} {r['backend']:9s} {r['run_us']:6.1f} {r['run_checks_us']:10.1f} {bound} "
-                  f"{r['jit_us']:7.1f} {r['plan_hit_us']:12.1f} {r['decode_us']:10.1f} {sd[r['kv']]:8.1f} "
-                  f"{r.get('direct', '-')!s:>7}  {r['run_sync']}/{r['plan_sync']}/{r['decode_sync']}; "
+            bound = f"{r['bound_host_us']:5.1f} [{r['bound_us']:5.1f}]" if "bound_us" in r else "      -      "
+            s_ = sd[r["kv"]]
+            print(f"{r['kv']:<7d} {r['backend']:9s} {r['run_host_us']:5.1f} [{r['run_us']:5.1f}] "
+                  f"{r['run_checks_us']:6.1f}  {bound}  {r['jit_us']:6.1f}  {r['plan_hit_host_us']:7.1f}  "
+                  f"{r['decode_host_us']:5.1f} [{r['decode_us']:5.1f}]  {s_['host_us']:5.1f} [{s_['us']:5.1f}]  "
+                  f"{r.get('direct', '-')!s:>6}  {r['run_sync']}/{r['plan_sync']}/{r['decode_sync']}; "
                   f"{r['decode_nohost_sync'][:5]}")
         elif "error" in r:
             print(f"{r['kv']:<7d} {r['backend']:9s} error {r['error']}")

@@ -246,7 +246,7 @@ def test_run_catches_inputs_changed_in_place(gen):
     w.run(*args)
 
     def changes():
-        yield 0, lambda t: t.as_strided_(t.shape, (t.stride(0), 64, 16, 1), 0)  # another stride (of a size-1 axis)
+        yield 0, lambda t: t.as_strided_(t.shape, (t.stride(0), t.stride(1), 1, t.shape[2]), 0)  # heads, dims swapped
         yield 1, lambda t: t.resize_(t.shape[0] - 1, *t.shape[1:])  # fewer pages
         yield 3, lambda t: setattr(t, "data", t.data.long())  # another dtype, the same object
         yield 4, lambda t: t.set_(torch.empty(t.numel() * 4 + 4, dtype=torch.uint8)[4:].view(torch.int32)
@@ -270,6 +270,32 @@ def test_run_catches_inputs_changed_in_place(gen):
     out = w.run(*args)  # another storage, the planned layout: run, reading k2
     ref, _ = _ref(x)
     assert_close_to_reference(out, ref, torch.float16)
+
+
+@pytest.mark.parametrize("backend", ["reference", *KERNELS])
+def test_run_accepts_other_strides_along_axes_of_length_one(backend, gen):
+    """A C-contiguous input whose strides differ from the planned ones only along axes of length one (where only
+    index 0 is read: e.g. q from ``[B, H, 1, D].transpose(1, 2)``) is the planned layout: both of run()'s paths run it
+    and read it right (a bound launch keeps the planned strides: index 0 is all it reads along those axes), also
+    changed so in place; a non-contiguous one is refused by both (above)."""
+    x, w = _planned(gen, backend)
+    ref, _ = _ref(x)
+    q2 = torch.empty(x.q.shape[0], x.q.shape[2], 1, x.q.shape[3], dtype=x.q.dtype).transpose(1, 2)
+    q2.copy_(x.q)
+    assert q2.is_contiguous() and q2.stride() != x.q.stride()
+    for q in (q2, x.q.clone().as_strided_(x.q.shape, (x.q.stride(0), 999, *x.q.stride()[2:]))):
+        args = (q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+        fast, full = _both_paths(w, lambda: w.run(*args))
+        assert fast is None and full is None, (fast, full)
+        for path in ("fast", "full"):
+            saved = w._fast
+            if path == "full":
+                w._fast = None
+            try:
+                out = w.run(*args, out=torch.full_like(x.q, float("nan")))
+            finally:
+                w._fast = saved
+            assert_close_to_reference(out, ref, torch.float16)
 
 
 def test_plan_hit_memo_follows_buckets_and_prepares_once(monkeypatch, gen):
@@ -866,6 +892,57 @@ def test_cuda_ptx_bound_launch_packs_the_unbound_paths_bytes(monkeypatch, case, 
 
 
 @needs_cuda_python
+@needs_cuda_python
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cuda_ptx_bound_launch_makes_the_context_current_only_when_a_launch_fails(monkeypatch, pdl):
+    """The bound launch does not ask for the current context: a launch that fails (this device's context not
+    current) makes it current and launches once more; a second failure raises DriverError; a success needs neither
+    the query nor a second launch."""
+    from attnplan.backends.cuda_ptx._bindings import DriverError
+    from attnplan.backends.cuda_ptx.spec import LaunchConfig
+
+    R = _cuda_rt
+    real, _ = R.bindings()
+    calls: list[str] = []
+    results = []
+
+    class Driver:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def cuCtxGetCurrent(self):
+            calls.append("query")
+            return real.CUresult.CUDA_SUCCESS, 2  # another context than the runtime's (1)
+
+        def cuCtxSetCurrent(self, ctx):
+            calls.append("set")
+            return (real.CUresult.CUDA_SUCCESS,)
+
+        def _launch(self, *args):
+            calls.append("launch")
+            return (results.pop(0),)
+
+        cuLaunchKernel = cuLaunchKernelEx = _launch
+
+    monkeypatch.setattr(R, "bindings", lambda: (Driver(), None))
+    rt = object.__new__(R.DeviceRuntime)
+    rt.index, rt._ctx_int, rt._ctx, rt._tls, rt.pdl_supported = 0, 1, 1, threading.local(), True
+    cfg = LaunchConfig((1, 1, 1), (32, 1, 1), 0)
+    ok, bad = real.CUresult.CUDA_SUCCESS, real.CUresult.CUDA_ERROR_INVALID_CONTEXT
+    results[:] = [ok]
+    rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
+    assert calls == ["launch"]
+    calls.clear()
+    results[:] = [bad, ok]
+    rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
+    assert calls == ["launch", "query", "set", "launch"]
+    calls.clear()
+    results[:] = [bad, bad]
+    with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_CONTEXT"):
+        rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
+    assert calls == ["launch", "query", "set", "launch"]
+
+
 def test_cuda_ptx_bound_launch_new_layouts_take_the_unbound_path_first(monkeypatch, gen):
     """Each new output layout (out's strides, a 16-byte misaligned out, an lse, lse's strides) goes through the
     unbound path once, then the bound one with the unbound path's bytes; another current device takes the unbound

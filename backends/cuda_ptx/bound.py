@@ -6,8 +6,10 @@ An unbound launch (``CudaPtxBackend.run``) checks the inputs, lists the ~50 argu
 kernel up, on every call. For one plan, one workspace and inputs of one signature, all of that is the same from call to
 call but seven data pointers, so :class:`BoundLaunch` packs the arguments once per output layout and per call writes
 only those pointers into the packed buffer (one ``struct.pack_into``) before the driver launch, which is the unbound
-path's own (:meth:`~.runtime.DeviceRuntime.launch_function`: ``cuLaunchKernel``, or ``cuLaunchKernelEx`` with
-programmatic dependent launch for the separate merge exactly where the unbound path uses it).
+path's own (``cuLaunchKernel``, or ``cuLaunchKernelEx`` with programmatic dependent launch for the separate merge
+exactly where the unbound path uses it) without the context query first
+(:meth:`~.runtime.DeviceRuntime.launch_current`: a launch outside this device's context fails and is made again
+through :meth:`~.runtime.DeviceRuntime.launch_function`).
 """
 
 from __future__ import annotations
@@ -131,10 +133,10 @@ class BoundLaunch:
             p, m = entry
             with self.lock:
                 p.pack.pack_into(p.args.buffer, p.at, *ptrs, po, pl, *var)
-                rt.launch_function(p.fn, p.name, p.cfg, p.params, stream, p.pdl)
+                rt.launch_current(p.fn, p.name, p.cfg, p.params, stream, p.pdl)
                 if m is not None:
                     m.pack.pack_into(m.args.buffer, m.at, po, pl, *var[:1])
-                    rt.launch_function(m.fn, m.name, m.cfg, m.params, stream, m.pdl)
+                    rt.launch_current(m.fn, m.name, m.cfg, m.params, stream, m.pdl)
             return
         x = DecodeInputs(q, k, v, sl, bt, self.sm_scale, self.window_left, self.soft_cap, *self.variant_tensors)
         self.backend.run(self.plan, x, self.workspace, out, lse)
