@@ -599,13 +599,29 @@ class _Choice(NamedTuple):
     want: int  # before alignment: the split count the table or the cost model asks for
 
 
+def row_programs_per_sm(entry: TableRow, num_warps: int | None) -> float:
+    """A split-table row's best programs per SM for programs of ``num_warps`` warps: the row's own figure when it
+    carries no ``num_warps`` option or the same one, else scaled by the ratio of warps (the same warps per SM). The
+    row's split count was measured with its options: a program of fewer warps has fewer loads in flight, so it
+    takes more programs to keep the same bytes in flight per SM. Measured on an H200 (8/1/128, 16 long-tailed
+    sequences up to 128K, a capacity plan running the 128K row's 2-warp options): its buckets planned from the 16K
+    row's 8-warp split count gave 166 units and 62.5 us against 52.7 us with 784 units."""
+    row_warps = dict(entry.options).get("num_warps")
+    if not num_warps or not row_warps or row_warps == num_warps:
+        return entry.programs_per_sm
+    return entry.programs_per_sm * row_warps / num_warps
+
+
 def _choose_splits(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostModel, bw: float, limit: int,
-                   align: int, merges: tuple[str, ...], fused_parallelism: int, fused_max_chunk: int) -> _Choice:
+                   align: int, merges: tuple[str, ...], fused_parallelism: int, fused_max_chunk: int,
+                   num_warps: int | None = None) -> _Choice:
     """The split count for ``problem`` at its lengths (the table's row, else the cost model's fewest splits within
-    2% of the best); ``limit``: most splits; ``align``: chunk alignment in tokens."""
+    2% of the best); ``limit``: most splits; ``align``: chunk alignment in tokens; ``num_warps``: the plan's warps
+    per program, which a row measured with other warps is scaled to (:func:`row_programs_per_sm`)."""
     max_len = max(problem.visible_span, 1)
     if (entry := _table_entry(problem, device, backend)) is not None:
-        asked = max(1, round(entry.programs_per_sm * device.sm_count / (problem.batch * problem.num_kv_heads)))
+        asked = max(1, round(row_programs_per_sm(entry, num_warps) * device.sm_count
+                             / (problem.batch * problem.num_kv_heads)))
         want = min(limit, asked)
         chunk = _align_up(-(-max_len // want), align)
         splits = -(-max_len // chunk)
@@ -623,6 +639,12 @@ def _choose_splits(problem: DecodeProblem, device: DeviceInfo, backend: str, cm:
     best = min(c[2] for c in candidates)
     splits, chunk, predicted = min((c for c in candidates if c[2] <= best * 1.02), key=lambda c: c[0])
     return _Choice(splits, chunk, predicted, "heuristic", None, tuple(candidates), splits)
+
+
+def _warps(kernel: Mapping) -> int | None:
+    """The kernel options' warps per program (``num_warps``), or ``None`` where they name none."""
+    w = kernel.get("num_warps")
+    return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
 
 
 def _capacity_span(problem: DecodeProblem) -> int:
@@ -704,8 +726,11 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         sched = Schedule("batch_invariant", granule, c, s_cap, zeros, batch * min(s_cap, -(-cap_granules // c)))
         splits, chunk = min(s_cap, -(-span // (c * granule))), c * granule
     else:
+        # a capacity plan's rows are scaled to its own warps (row_programs_per_sm): it runs one row's options at
+        # every live length, so the other buckets' rows were measured with other programs
+        warps = _warps(kernel) if capacity_mode else None
         choice = _choose_splits(problem_w, device, backend, cm, bw, limit, granule, merges, fused_merge_parallelism,
-                                fused_merge_max_chunk)
+                                fused_merge_max_chunk, warps)
         policy, splits, chunk = choice.policy, choice.splits, choice.chunk
         uniform = 2 * problem.total_kv_len >= batch * problem.max_kv_len
         if choice.splits == 1 and uniform and not capacity_mode:
@@ -713,7 +738,8 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             policy = "no-split" if policy == "heuristic" else policy
         else:
             targets = _targets(problem_w, device, backend, cm, bw, config, granule, min_c, merges,
-                               fused_merge_parallelism, fused_merge_max_chunk, cap_granules, capacity_mode, choice)
+                               fused_merge_parallelism, fused_merge_max_chunk, cap_granules, capacity_mode, choice,
+                               warps)
             s_cap = config.split.max_splits
             sched = Schedule("balanced", granule, min_c, s_cap, targets,
                              min(max_units_bound(targets, batch, s_cap), batch * min(s_cap, -(-cap_granules // min_c))))
@@ -737,7 +763,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
 
 def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostModel, bw: float, config: Config,
              granule: int, min_c: int, merges, fused_parallelism: int, fused_max_chunk: int, cap_granules: int,
-             capacity_mode: bool, choice: _Choice) -> tuple[int, ...]:
+             capacity_mode: bool, choice: _Choice, num_warps: int | None = None) -> tuple[int, ...]:
     """The balanced schedule's targets: for each bucket ``k`` of total granules, the units a uniform batch of that
     much work gets (the split count :func:`_choose_splits` asks for, before chunk alignment, x batch; the schedule
     aligns on the device at the live total, and clamps to ``min_unit_granules``); then the long-tailed table, the
@@ -761,7 +787,7 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
             virt = replace(problem, max_kv_len=m, total_kv_len=m * batch, window_left=-1, capacity=max(m, 1))
             limit = max(1, min(config.split.max_splits, m // (min_c * granule)))
             ch = _choose_splits(virt, device, backend, cm, bw, limit, granule, merges, fused_parallelism,
-                                fused_max_chunk)
+                                fused_max_chunk, num_warps)
             memo[m] = min(config.split.max_splits, ch.want)
         targets[k] = memo[m] * batch
     for k in range(k_hi + 1, NUM_BUCKETS):

@@ -107,7 +107,7 @@ for f in "$R"/sanitize-*.log; do [ -f "$f" ] && echo "$(basename $f): $(grep -E 
 [ -f "$R/cp.log" ] && tail -6 "$R/cp.log"
 [ -f "$R/cmd.log" ] && tail -${CMD_TAIL:-8} "$R/cmd.log"
 [ -f "$R/failures.log" ] && { echo "== failures ($(grep -c '^==== ' "$R/failures.log"))"; grep '^==== ' "$R/failures.log" | head -30; }
-[ -f "$R/host.log" ] && sed -n '/^kv /,$p' "$R/host.log"
+[ -f "$R/host.log" ] && sed -n '/^floor\|^host us/,$p' "$R/host.log"
 [ -f "$R/longtail.log" ] && { grep -E "error|Error" "$R/longtail.log" | head -8; sed -n '/^heads /,$p' "$R/longtail.log"; }
 for b in bench bench2 bench3 bench4; do [ -f "$R/$b.log" ] && sed -n '/^us per step/,$p' "$R/$b.log" | tail -70; done
 [ -f "$R/decode_grid.csv" ] && python3 benchmarks/grid_stats.py "$R/decode_grid.csv" --baseline benchmarks/results/decode_grid.csv

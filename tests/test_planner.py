@@ -319,6 +319,26 @@ def test_a_windowed_problem_takes_options_and_splits_from_one_row(table):
     assert tiny.policy == "no-split" and tiny.table_entry is None and tiny.kernel["num_warps"] == 4
 
 
+def test_capacity_plan_scales_rows_of_other_warps_to_its_own(table):
+    """A capacity plan runs one row's options at every live length, so a bucket planned from a row measured with
+    other warps per program gets that row's split count scaled by the ratio of warps (the same warps per SM,
+    planner.row_programs_per_sm); a live plan, whose own row's options apply, is unchanged."""
+    table.update({"split_table": {"cuda_ptx": {"contiguous": [
+        [16, 16384, 0.61, 40.6, 8, 128, {"num_warps": 8}], [16, 131072, 4.0, 252.0, 8, 128, {"num_warps": 2}]]}}})
+    assert planner.row_programs_per_sm(planner.TableRow(16, 16384, 0.61, 40.6, 8, 128, (("num_warps", 8),)), 2) \
+        == pytest.approx(2.44)
+    assert planner.row_programs_per_sm(planner.TableRow(16, 16384, 0.61, 40.6, 8, 128, ()), 2) == 0.61
+    prob = P(batch=16, num_q_heads=8, num_kv_heads=1, page_size=None, max_kv_len=131072, capacity=131072)
+    ctx = api.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+    cap = api.plan_problem(prob, RowOptionsBackend(), torch.device("cpu"), ctx, dev_info=GPU, capacity_mode=True)
+    assert cap.kernel["num_warps"] == 2 and dict(cap.table_entry.options) == {"num_warps": 2}
+    live = _plan_rows()  # 16 x 16K: the 8-warp row's own plan, 5 units per sequence
+    assert live.kernel["num_warps"] == 8 and units(live, [16384] * 16) == [5] * 16
+    # at 16 x 16K the capacity plan's bucket comes from the same row, scaled to 2 warps: 4x the programs (the long
+    # tail table's scale aside, a uniform batch reads the uniform targets)
+    assert sum(units(cap, [16384] * 16)) >= 3.5 * 5 * 16
+
+
 def test_batch_invariant_plans_take_no_row_options(table):
     table.update({"split_table": {"cuda_ptx": {"contiguous": [[16, 16384, 0.61, 40.6, 8, 128, {"num_warps": 8}]]}}})
     p = _plan_rows(cfg=attnplan.load_config(plan_cache={"disk": False}, split={"batch_invariant": True}))
