@@ -735,7 +735,9 @@ class DecodeWrapper:
             PlanNotReadyError: no ``plan()`` was made (under capture: plan before capturing).
             TypeError: an argument is not a tensor.
             ValueError: the shape, strides, dtype, device or 16-byte alignment of q, k_cache, v_cache,
-                seq_lens or block_table differ from the planned ones (named); ``out`` / ``lse`` have the
+                seq_lens or block_table differ from the planned ones (named; the strides of a tensor C-contiguous
+                now and at plan() may differ along axes of length one, see
+                :func:`attnplan.problem.same_signature`); ``out`` / ``lse`` have the
                 wrong shape, dtype, device or last-axis stride, or overlap an input or each other; the
                 planned ``sm_scale`` is not finite. All before any kernel runs.
         """

@@ -51,7 +51,8 @@ from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_b
 __all__ = ["SplitPlan", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION", "cost_model_for",
            "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
 
-PLAN_VERSION = 3  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block
+PLAN_VERSION = 4  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
+#                  targets scaled to their warps
 #: cross-program merges: ``none`` (single pass), ``separate`` (merge kernel), ``fused`` (last program merges)
 MERGES = ("none", "separate", "fused")
 PLAN_POLICIES = ("tuned", "heuristic", "forced", "no-split", "batch-invariant")
@@ -397,6 +398,11 @@ class SplitPlan:
             lines.append(f"split counts from the device's measured split table (attnplan tune): at the planned "
                          f"length the nearest row is {e.pairs} pairs x {e.kv_len} tokens, best at "
                          f"{e.programs_per_sm:g} programs per SM")
+            w = _warps(self.kernel)
+            if self.capacity_mode and w is not None:
+                lines.append(f"  capacity plan: each bucket's row counted in programs of {w} warps (a row measured "
+                             f"with other warps scaled by the ratio; this row: {row_programs_per_sm(e, w):g} "
+                             "programs per SM)")
             if e.options:
                 ran = all(self.kernel.get(k) == v for k, v in e.options)
                 lines.append(f"  the row's kernel options {dict(e.options)} "
@@ -607,7 +613,7 @@ def row_programs_per_sm(entry: TableRow, num_warps: int | None) -> float:
     sequences up to 128K, a capacity plan running the 128K row's 2-warp options): its buckets planned from the 16K
     row's 8-warp split count gave 166 units and 62.5 us against 52.7 us with 784 units."""
     row_warps = dict(entry.options).get("num_warps")
-    if not num_warps or not row_warps or row_warps == num_warps:
+    if not num_warps or type(row_warps) is not int or row_warps <= 0 or row_warps == num_warps:
         return entry.programs_per_sm
     return entry.programs_per_sm * row_warps / num_warps
 

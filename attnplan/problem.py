@@ -528,10 +528,11 @@ def is_contiguous_layout(shape, strides) -> bool:
     """Whether a tensor of ``shape`` and ``strides`` is C-contiguous by torch's rule (``Tensor.is_contiguous()``):
     empty, or every axis longer than one has the stride of the axes after it. An axis of length one may have any
     stride: only index 0 is ever read along it."""
+    shape = tuple(shape)
+    if 0 in shape:
+        return True
     expected = 1
-    for n, st in zip(reversed(tuple(shape)), reversed(tuple(strides))):
-        if n == 0:
-            return True
+    for n, st in zip(reversed(shape), reversed(tuple(strides))):
         if n != 1:
             if st != expected:
                 return False

@@ -76,7 +76,8 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
 
 def host_us(fn, calls: int, burst: int = 100) -> float:
     """Median host time of one call (us) over ``calls`` calls timed one by one, in bursts of ``burst`` calls queued
-    behind a GPU spin (``torch.cuda._sleep``) long enough to outlast the burst: the GPU is busy throughout, so a
+    behind a GPU spin (``torch.cuda._sleep``) that outlasts the burst (checked with an event after the spin: a burst
+    it did not outlast is discarded and the spin doubled): the GPU is busy throughout, so a
     launch neither waits for a full queue nor pays the kick of an idle GPU, and the time is the host's own (what a
     layer's call costs while the GPU runs the previous layers). :func:`per_call_us` is the loop's wall time instead,
     bounded below by the GPU's step."""
@@ -85,13 +86,25 @@ def host_us(fn, calls: int, burst: int = 100) -> float:
     torch.cuda.synchronize()
     pc = time.perf_counter_ns
     times = []
-    for _ in range(max(1, calls // burst)):
-        torch.cuda._sleep(burst * 200_000)  # ~100 us per call at ~2 GHz
+    spin = burst * 200_000  # GPU cycles: ~100 us per call at ~2 GHz, doubled whenever a burst outlasts it
+    done = torch.cuda.Event()
+    bursts = max(1, calls // burst)
+    while len(times) < bursts * burst:
+        torch.cuda._sleep(spin)
+        done.record()  # completes when the spin does
+        batch = []
         for _ in range(burst):
             t0 = pc()
             fn()
-            times.append(pc() - t0)
+            batch.append(pc() - t0)
+        outlasted = done.query()  # the spin ended before the burst: the GPU may have idled, the burst is void
         torch.cuda.synchronize()
+        if outlasted:
+            spin *= 2
+            if spin > 1 << 40:
+                raise RuntimeError("host_us: the GPU spin never outlasted a burst")
+            continue
+        times += batch
     return statistics.median(times) / 1e3
 
 
@@ -109,8 +122,8 @@ def no_sync(fn) -> str:
 
 
 def launch_floor(t: torch.Tensor, calls: int) -> dict:
-    """What one launch costs the host at least (us, :func:`host_us`): ``cuLaunchKernel`` of a loaded one-thread
-    kernel through cuda-python (the call cuda_ptx's bound launch makes) and torch's ``add_`` of a scalar (its
+    """What one launch costs the host at least (us, :func:`host_us`): ``cuLaunchKernel`` of a loaded empty kernel
+    (one warp) through cuda-python (the call cuda_ptx's bound launch makes) and torch's ``add_`` of a scalar (its
     dispatcher and one launch)."""
     r = {"torch_op_host_us": host_us(lambda: t.add_(0), calls)}
     try:
@@ -131,7 +144,10 @@ def launch_floor(t: torch.Tensor, calls: int) -> dict:
         mod = check_driver(driver.cuModuleLoadData(image), "cuModuleLoadData")
         fn = check_driver(driver.cuModuleGetFunction(mod, b"attnplan_nop"), "cuModuleGetFunction")
         stream = torch.cuda.current_stream().cuda_stream
+        check_driver(driver.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0), "cuLaunchKernel")
         r["launch_host_us"] = host_us(lambda: driver.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0), calls)
+        torch.cuda.synchronize()
+        check_driver(driver.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0), "cuLaunchKernel")
     except Exception as e:  # noqa: BLE001 - the floor is context, not a result
         r["launch_error"] = f"{type(e).__name__}: {str(e)[:120]}"
     return r

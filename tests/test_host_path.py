@@ -15,10 +15,12 @@
 from __future__ import annotations
 
 import inspect
+import random
 import threading
 import types
 
 import pytest
+
 import torch
 
 import attnplan
@@ -272,6 +274,28 @@ def test_run_catches_inputs_changed_in_place(gen):
     assert_close_to_reference(out, ref, torch.float16)
 
 
+def test_is_contiguous_layout_is_torchs_rule():
+    """attnplan.problem.is_contiguous_layout (the full path's reading of a signature) says what
+    Tensor.is_contiguous() (the one-pass check's) says, over random shapes (axes of length 0, 1 and more) and
+    strides, so both paths accept the same inputs."""
+    from attnplan.problem import is_contiguous_layout
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        nd = rng.randint(1, 4)
+        shape = [rng.choice((0, 1, 1, 2, 3, 4)) for _ in range(nd)]
+        if rng.random() < 0.5:  # often the contiguous strides, with the length-1 axes' changed
+            strides, run = [], 1
+            for n in reversed(shape):
+                strides.insert(0, run if n != 1 or rng.random() < 0.5 else rng.randint(0, 50))
+                run *= max(n, 1)
+        else:
+            strides = [rng.randint(0, 30) for _ in range(nd)]
+        t = torch.empty(0).as_strided(shape, strides) if 0 in shape else \
+            torch.empty(1 + sum((n - 1) * st for n, st in zip(shape, strides))).as_strided(shape, strides)
+        assert is_contiguous_layout(shape, strides) == t.is_contiguous(), (shape, strides)
+
+
 @pytest.mark.parametrize("backend", ["reference", *KERNELS])
 def test_run_accepts_other_strides_along_axes_of_length_one(backend, gen):
     """A C-contiguous input whose strides differ from the planned ones only along axes of length one (where only
@@ -283,18 +307,29 @@ def test_run_accepts_other_strides_along_axes_of_length_one(backend, gen):
     q2 = torch.empty(x.q.shape[0], x.q.shape[2], 1, x.q.shape[3], dtype=x.q.dtype).transpose(1, 2)
     q2.copy_(x.q)
     assert q2.is_contiguous() and q2.stride() != x.q.stride()
-    for q in (q2, x.q.clone().as_strided_(x.q.shape, (x.q.stride(0), 999, *x.q.stride()[2:]))):
-        args = (q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    q3 = x.q.clone()
+    args = [q3, x.k_cache, x.v_cache, x.seq_lens, x.block_table]
+    w.plan(*args, seq_lens_host=[9, 4])
+    q3.as_strided_(q3.shape, (q3.stride(0), 999, *q3.stride()[2:]))  # the planned object, changed in place
+
+    def no_full_path(*a):
+        raise AssertionError("run() left its one-pass check")
+
+    for q in (q2, q3):
+        args[0] = q
         fast, full = _both_paths(w, lambda: w.run(*args))
         assert fast is None and full is None, (fast, full)
         for path in ("fast", "full"):
             saved = w._fast
             if path == "full":
                 w._fast = None
+            else:  # the one-pass check accepts it itself: the full path (which reads the signature) is not taken
+                w._signature_ptrs = no_full_path
             try:
                 out = w.run(*args, out=torch.full_like(x.q, float("nan")))
             finally:
                 w._fast = saved
+                w.__dict__.pop("_signature_ptrs", None)
             assert_close_to_reference(out, ref, torch.float16)
 
 
@@ -892,7 +927,6 @@ def test_cuda_ptx_bound_launch_packs_the_unbound_paths_bytes(monkeypatch, case, 
 
 
 @needs_cuda_python
-@needs_cuda_python
 @pytest.mark.parametrize("pdl", [False, True])
 def test_cuda_ptx_bound_launch_makes_the_context_current_only_when_a_launch_fails(monkeypatch, pdl):
     """The bound launch does not ask for the current context: a launch that fails (this device's context not
@@ -918,31 +952,41 @@ def test_cuda_ptx_bound_launch_makes_the_context_current_only_when_a_launch_fail
             calls.append("set")
             return (real.CUresult.CUDA_SUCCESS,)
 
-        def _launch(self, *args):
+        def cuLaunchKernel(self, *args):
             calls.append("launch")
             return (results.pop(0),)
 
-        cuLaunchKernel = cuLaunchKernelEx = _launch
+        def cuLaunchKernelEx(self, *args):
+            calls.append("launch pdl")
+            return (results.pop(0),)
 
     monkeypatch.setattr(R, "bindings", lambda: (Driver(), None))
     rt = object.__new__(R.DeviceRuntime)
     rt.index, rt._ctx_int, rt._ctx, rt._tls, rt.pdl_supported = 0, 1, 1, threading.local(), True
     cfg = LaunchConfig((1, 1, 1), (32, 1, 1), 0)
     ok, bad = real.CUresult.CUDA_SUCCESS, real.CUresult.CUDA_ERROR_INVALID_CONTEXT
+    launch = "launch pdl" if pdl else "launch"
     results[:] = [ok]
     rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
-    assert calls == ["launch"]
-    calls.clear()
-    results[:] = [bad, ok]
-    rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
-    assert calls == ["launch", "query", "set", "launch"]
+    assert calls == [launch]
+    for first in (bad, real.CUresult.CUDA_ERROR_INVALID_HANDLE):  # another context's function: made current
+        calls.clear()
+        results[:] = [first, ok]
+        rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
+        assert calls == [launch, "query", "set", launch]
     calls.clear()
     results[:] = [bad, bad]
     with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_CONTEXT"):
         rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
-    assert calls == ["launch", "query", "set", "launch"]
+    assert calls == [launch, "query", "set", launch]
+    calls.clear()  # any other error is the launch's own: raised as it is, no retry
+    results[:] = [real.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES]
+    with pytest.raises(DriverError, match="CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
+        rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
+    assert calls == [launch]
 
 
+@needs_cuda_python
 def test_cuda_ptx_bound_launch_new_layouts_take_the_unbound_path_first(monkeypatch, gen):
     """Each new output layout (out's strides, a 16-byte misaligned out, an lse, lse's strides) goes through the
     unbound path once, then the bound one with the unbound path's bytes; another current device takes the unbound

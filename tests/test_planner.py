@@ -337,6 +337,10 @@ def test_capacity_plan_scales_rows_of_other_warps_to_its_own(table):
     # at 16 x 16K the capacity plan's bucket comes from the same row, scaled to 2 warps: 4x the programs (the long
     # tail table's scale aside, a uniform batch reads the uniform targets)
     assert sum(units(cap, [16384] * 16)) >= 3.5 * 5 * 16
+    # a live plan runs its row's split count as measured, whatever warps it runs (the config's 2 here)
+    own = _plan_rows(cfg=attnplan.load_config(plan_cache={"disk": False},
+                                              backend_options={"cuda_ptx": {"threads": 64}}))
+    assert own.kernel["num_warps"] == 2 and units(own, [16384] * 16) == [5] * 16
 
 
 def test_batch_invariant_plans_take_no_row_options(table):

@@ -69,7 +69,8 @@ class BoundLaunch:
     strides, alignment, page size, variants, fp8 scales, sinks; the same ValueErrors) and needs a CUDA device.
 
     Assumes what ``DecodeWrapper.run()`` checks before every call: ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and
-    ``block_table`` have the shapes, strides, dtypes, device and 16-byte data-pointer alignment of ``inputs``;
+    ``block_table`` have the shapes, strides, dtypes, device and 16-byte data-pointer alignment of ``inputs`` (a
+    C-contiguous input's strides may differ along axes of length one, where only index 0 is read);
     ``out [B, Q, Hq, D]`` (q's dtype, unit last stride) and ``lse [B, Q, Hq]`` fp32 or ``None`` are on that device.
     The score scale, the variants and the workspace are the binding's (the sink and scale tensors are kept by
     reference and their data pointers read at each call, as Triton's bound launch does). It keeps no reference to the

@@ -22,6 +22,10 @@ from .spec import KernelSpec, LaunchConfig
 
 __all__ = ["DeviceRuntime", "pdl_launch_config"]
 
+#: what a launch returns when the calling thread's context is not the function's (no context, another context):
+#: CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE
+_CONTEXT_ERRORS = frozenset({201, 400})
+
 
 class DeviceRuntime:
     """One CUDA device's driver-API state for the backend.
@@ -151,15 +155,23 @@ class DeviceRuntime:
         launch's path, where torch's current device is this runtime's (the query and its check cost ~1.5 us of a
         ~6 us launch on an H200 host). A function and a stream belong to one context, so where this device's
         context is not current (a thread that never used it: no context; a context of the user's own) the launch
-        fails with nothing enqueued; then :meth:`launch_function` makes the context current and launches again,
-        raising :class:`DriverError` if that launch fails too."""
+        fails with nothing enqueued (``CUDA_ERROR_INVALID_CONTEXT`` or ``CUDA_ERROR_INVALID_HANDLE``); then
+        :meth:`launch_function` makes the context current and launches again, raising :class:`DriverError` if that
+        launch fails too. Any other error is raised as it is (:class:`DriverError`)."""
         driver, _ = bindings()
         if pdl and self.pdl_supported:
             res = driver.cuLaunchKernelEx(self._pdl_config(cfg, stream), fn, kernel_params, 0)
+            what = "cuLaunchKernelEx"
         else:
             res = driver.cuLaunchKernel(fn, *cfg.grid, *cfg.block, cfg.smem, stream, kernel_params, 0)
-        if (res[0] if type(res) is tuple else res) != 0:
-            self.launch_function(fn, name, cfg, kernel_params, stream, pdl)
+            what = "cuLaunchKernel"
+        status = res[0] if type(res) is tuple else res
+        if status != 0:
+            if int(status) in _CONTEXT_ERRORS:
+                self.launch_function(fn, name, cfg, kernel_params, stream, pdl)
+            else:
+                check_driver(res, f"{what}({name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem}"
+                                  f"{', pdl' if what.endswith('Ex') else ''})")
 
     def _pdl_config(self, cfg: LaunchConfig, stream: int | None = None):
         """A ``CUlaunchConfig`` for ``cfg`` with the programmatic-serialization attribute, cached per
