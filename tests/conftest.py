@@ -5,7 +5,9 @@ the seeded generator of random inputs.
 limit may cut short before pytest's summary).
 
 CI runs on CPU with TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1 (README's test command);
-tests marked ``gpu`` are skipped there and run on a GPU machine.
+tests marked ``gpu`` are skipped there and run on a GPU machine, and so are those marked ``full`` (variants of a
+path the default run checks, e.g. another architecture's compile of the same spec) unless ``--full`` or
+``ATTNPLAN_FULL_TESTS=1`` asks for them.
 
 Seeds: each test's generator is seeded from its own id (CRC32 of ``request.node.nodeid``), so a
 rerun of one test, alone or under pytest-xdist in any worker and order, draws the same inputs. The
@@ -26,15 +28,25 @@ import torch
 os.environ.setdefault("ATTNPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="attnplan-test-cache-"))
 
 HAS_CUDA = torch.cuda.is_available()
+#: the full tier (tests marked ``full``: a variant of a path the default run checks already, e.g. another GPU
+#: architecture's compile of the same spec) runs where there is a GPU, with ``--full`` or ATTNPLAN_FULL_TESTS=1
+FULL_ENV = os.environ.get("ATTNPLAN_FULL_TESTS", "") not in ("", "0")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the tests marked full (the default on a machine with a CUDA GPU)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    full = HAS_CUDA or FULL_ENV or config.getoption("--full")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_full = pytest.mark.skip(reason="full tier: a variant of a path the default run checks (--full runs it)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if not HAS_CUDA and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        elif not full and "full" in item.keywords:
+            item.add_marker(skip_full)
 
 
 @pytest.fixture

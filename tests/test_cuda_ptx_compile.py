@@ -67,6 +67,18 @@ def spec_id(s) -> str:
     return f"{kind}-{dt}-d{d}-g{g}-q{q}-{'page' + str(p) if p else 'contig'}{extra}"
 
 
+#: the full tier (tests/conftest.py: a GPU machine, ``--full`` or ATTNPLAN_FULL_TESTS=1)
+FULL = pytest.mark.full
+
+
+def arch_cases(specs, archs=ARCHS, ids=spec_id):
+    """``(spec, cc)`` parameters: every spec for the first architecture (sm_90); for the others the first spec in
+    the default run and the rest in the full tier (the same source compiled for another architecture: its own
+    register allocation and instruction selection, checked on every spec where the full tier runs)."""
+    return [pytest.param(sp, cc, id=f"{ids(sp)}-sm_{cc[0]}{cc[1]}", marks=() if cc == archs[0] or i == 0 else FULL)
+            for i, sp in enumerate(specs) for cc in archs]
+
+
 FP8 = "float8_e4m3fn"
 CORE = {"mma": False}
 WS = {"window": True, "softcap": True}
@@ -130,8 +142,7 @@ def cache(tmp_path_factory) -> N.CompileCache:
 # (1) NVRTC compiles every representative specialization to a cubin, (2) without spills
 # --------------------------------------------------------------------------------------------------
 @needs_nvrtc
-@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
-@pytest.mark.parametrize("s", SPECS, ids=spec_id)
+@pytest.mark.parametrize("s,cc", arch_cases(SPECS))
 def test_nvrtc_compiles_cubin_without_spills(s, cc, cache):
     spec = S.make_spec(*s, mma=False)  # the CUDA-core path (MMA_SPECS: the tensor-core one)
     c = PROG.cached(cache, spec.name, spec.options(), N.select_target(cc))
@@ -175,8 +186,7 @@ def _compiled_resources(spec, cc, cache, two_programs: bool = False) -> dict:
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
-@pytest.mark.parametrize("s", FP8_CORE_SPECS, ids=spec_id)
+@pytest.mark.parametrize("s,cc", arch_cases(FP8_CORE_SPECS))
 def test_fp8_core_compile_without_spills(s, cc, cache):
     """fp8 KV specializations on CUDA cores: cubins, no spills, registers within the limit, the fp8 macro set."""
     spec = S.make_spec(*s[:6], **s[6])
@@ -188,8 +198,7 @@ def test_fp8_core_compile_without_spills(s, cc, cache):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
-@pytest.mark.parametrize("s", MMA_SPECS, ids=spec_id)
+@pytest.mark.parametrize("s,cc", arch_cases(MMA_SPECS))
 def test_mma_compiles_without_spills(s, cc, cache):
     """Tensor-core specializations (mma.sync, ldmatrix(.trans), movmatrix, cvt.rn.{bf16,f16}x2): cubins for
     sm_90 and sm_80, no spills, no stack, registers within the limit, two programs' registers per SM for
@@ -244,8 +253,7 @@ def test_mma_passes_option_is_checked():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("cc", [*ARCHS, (8, 9)], ids=lambda c: f"sm_{c[0]}{c[1]}")
-@pytest.mark.parametrize("s", FP8_MMA_SPECS, ids=spec_id)
+@pytest.mark.parametrize("s,cc", arch_cases(FP8_MMA_SPECS, [*ARCHS, (8, 9)]))
 def test_fp8_mma_compiles_without_spills(s, cc, cache):
     """fp8 KV on the tensor cores: cubins for sm_90 and sm_89 (cvt.rn.f16x2.e4m3x2) and sm_80 (the integer
     decoder), no spills, no stack, registers within the limit, two programs' registers per SM for
@@ -280,8 +288,7 @@ MERGE_SPECS = [
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
-@pytest.mark.parametrize("s", MERGE_SPECS, ids=spec_id)
+@pytest.mark.parametrize("s,cc", arch_cases(MERGE_SPECS))
 def test_in_kernel_merge_compiles_without_spills(s, cc, cache):
     """Fused-merge partial kernels: cubins for sm_90 and sm_80, no spills, no stack, registers within the
     limit; printed next to the same specialization without the merge (the epilogue runs after the main loop,
