@@ -401,8 +401,7 @@ class SplitPlan:
             w = _warps(self.kernel)
             if self.capacity_mode and w is not None:
                 lines.append(f"  capacity plan: each bucket's row counted in programs of {w} warps (a row measured "
-                             f"with other warps scaled by the ratio; this row: {row_programs_per_sm(e, w):g} "
-                             "programs per SM)")
+                             "with other warps scaled by the ratio, up to the memory's saturation point)")
             if e.options:
                 ran = all(self.kernel.get(k) == v for k, v in e.options)
                 lines.append(f"  the row's kernel options {dict(e.options)} "
@@ -605,17 +604,29 @@ class _Choice(NamedTuple):
     want: int  # before alignment: the split count the table or the cost model asks for
 
 
-def row_programs_per_sm(entry: TableRow, num_warps: int | None) -> float:
+#: warps per program of the programs the cost model's ``sat_programs_per_sm`` counts (the backends' default)
+SAT_WARPS = 4
+
+
+def row_programs_per_sm(entry: TableRow, num_warps: int | None, sat_programs_per_sm: float | None = None) -> float:
     """A split-table row's best programs per SM for programs of ``num_warps`` warps: the row's own figure when it
     carries no ``num_warps`` option or the same one, else scaled by the ratio of warps (the same warps per SM). The
     row's split count was measured with its options: a program of fewer warps has fewer loads in flight, so it
-    takes more programs to keep the same bytes in flight per SM. Measured on an H200 (8/1/128, 16 long-tailed
-    sequences up to 128K, a capacity plan running the 128K row's 2-warp options): its buckets planned from the 16K
-    row's 8-warp split count gave 166 units and 62.5 us against 52.7 us with 784 units."""
+    takes more programs to keep the same bytes in flight per SM. With ``sat_programs_per_sm`` (the cost model's
+    saturation point, in programs of :data:`SAT_WARPS` warps) a scaled-up count stops where the memory saturates,
+    and never goes below the row's own: a row already past that point (many programs) is taken as measured.
+    Measured on an H200: at 8/1/128 with 16 long-tailed sequences up to 128K, a capacity plan running the 128K
+    row's 2-warp options planned from the 16K row's 8-warp count (0.61 programs per SM) gave 166 units and 62.5 us
+    against 52.7 us with 784 units; at 32/8/128 b64, the 4K row's 8-warp count (3.9 per SM, past saturation)
+    doubled for 4 warps took 208.5 us against 200.9 unscaled."""
     row_warps = dict(entry.options).get("num_warps")
+    pps = entry.programs_per_sm
     if not num_warps or type(row_warps) is not int or row_warps <= 0 or row_warps == num_warps:
-        return entry.programs_per_sm
-    return entry.programs_per_sm * row_warps / num_warps
+        return pps
+    scaled = pps * row_warps / num_warps
+    if sat_programs_per_sm and scaled > pps:
+        scaled = min(scaled, max(pps, sat_programs_per_sm * SAT_WARPS / num_warps))
+    return scaled
 
 
 def _choose_splits(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostModel, bw: float, limit: int,
@@ -626,7 +637,9 @@ def _choose_splits(problem: DecodeProblem, device: DeviceInfo, backend: str, cm:
     per program, which a row measured with other warps is scaled to (:func:`row_programs_per_sm`)."""
     max_len = max(problem.visible_span, 1)
     if (entry := _table_entry(problem, device, backend)) is not None:
-        asked = max(1, round(row_programs_per_sm(entry, num_warps) * device.sm_count
+        sat = cm.paged_sat_programs_per_sm if problem.paged and cm.paged_sat_programs_per_sm \
+            else cm.sat_programs_per_sm
+        asked = max(1, round(row_programs_per_sm(entry, num_warps, sat) * device.sm_count
                              / (problem.batch * problem.num_kv_heads)))
         want = min(limit, asked)
         chunk = _align_up(-(-max_len // want), align)

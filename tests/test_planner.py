@@ -328,6 +328,15 @@ def test_capacity_plan_scales_rows_of_other_warps_to_its_own(table):
     assert planner.row_programs_per_sm(planner.TableRow(16, 16384, 0.61, 40.6, 8, 128, (("num_warps", 8),)), 2) \
         == pytest.approx(2.44)
     assert planner.row_programs_per_sm(planner.TableRow(16, 16384, 0.61, 40.6, 8, 128, ()), 2) == 0.61
+    # up to the saturation point (2.8 programs of 4 warps = 5.6 of 2): 0.61 x 4 stays under it
+    assert planner.row_programs_per_sm(planner.TableRow(16, 16384, 0.61, 40.6, 8, 128, (("num_warps", 8),)), 2, 2.8) \
+        == pytest.approx(2.44)
+    past = planner.TableRow(512, 4096, 3.879, 250.0, 4, 128, (("num_warps", 8),))  # already past saturation
+    assert planner.row_programs_per_sm(past, 4, 2.8) == pytest.approx(3.879)
+    assert planner.row_programs_per_sm(past, 4) == pytest.approx(7.758)
+    assert planner.row_programs_per_sm(planner.TableRow(16, 16384, 1.5, 40.6, 8, 128, (("num_warps", 8),)), 4, 2.0) \
+        == pytest.approx(2.0)  # 3.0 capped at 2 programs of 4 warps
+    assert planner.row_programs_per_sm(past, 16, 2.8) == pytest.approx(1.9395)  # scaled down: as the ratio says
     prob = P(batch=16, num_q_heads=8, num_kv_heads=1, page_size=None, max_kv_len=131072, capacity=131072)
     ctx = api.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
     cap = api.plan_problem(prob, RowOptionsBackend(), torch.device("cpu"), ctx, dev_info=GPU, capacity_mode=True)
