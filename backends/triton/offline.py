@@ -23,7 +23,17 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import kernels as _kernels
+if __package__:
+    from . import kernels as _kernels
+else:  # the child of compile_cases, run by path: the kernels module alone (it imports only Triton), not the
+    # attnplan package, whose import (torch, numba) costs ~2 s of the child's ~3
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location("attnplan_offline_kernels",
+                                                   os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                "kernels.py"))
+    _kernels = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_kernels)
 
 __all__ = ["compile_partial", "compile_merge", "compile_cases"]
 
@@ -130,8 +140,8 @@ def compile_cases(cases: list[dict], timeout: float = 900) -> list[dict]:
         RuntimeError: the child process failed as a whole (its stderr attached).
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(cases), capture_output=True, text=True,
-                       env=env, timeout=timeout)
+    r = subprocess.run([sys.executable, os.path.abspath(__file__)], input=json.dumps(cases), capture_output=True,
+                       text=True, env=env, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"offline compile process failed ({r.returncode}):\n{r.stderr[-4000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
