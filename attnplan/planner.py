@@ -604,7 +604,8 @@ class _Choice(NamedTuple):
     want: int  # before alignment: the split count the table or the cost model asks for
 
 
-#: warps per program of the programs the cost model's ``sat_programs_per_sm`` counts (the backends' default)
+#: warps per program of the programs the cost model's ``sat_programs_per_sm`` counts: the options
+#: ``attnplan tune``'s fit ran with (4 warps for both backends in the H200's table; re-check on a re-tune)
 SAT_WARPS = 4
 
 
@@ -613,8 +614,9 @@ def row_programs_per_sm(entry: TableRow, num_warps: int | None, sat_programs_per
     carries no ``num_warps`` option or the same one, else scaled by the ratio of warps (the same warps per SM). The
     row's split count was measured with its options: a program of fewer warps has fewer loads in flight, so it
     takes more programs to keep the same bytes in flight per SM. With ``sat_programs_per_sm`` (the cost model's
-    saturation point, in programs of :data:`SAT_WARPS` warps) a scaled-up count stops where the memory saturates,
-    and never goes below the row's own: a row already past that point (many programs) is taken as measured.
+    saturation point, in programs of :data:`SAT_WARPS` warps) a count scaled up stops where the memory saturates
+    but not below the row's own (a row already past that point, many programs, is taken as measured); a count
+    scaled down (a plan of more warps than the row's) follows the ratio.
     Measured on an H200: at 8/1/128 with 16 long-tailed sequences up to 128K, a capacity plan running the 128K
     row's 2-warp options planned from the 16K row's 8-warp count (0.61 programs per SM) gave 166 units and 62.5 us
     against 52.7 us with 784 units; at 32/8/128 b64, the 4K row's 8-warp count (3.9 per SM, past saturation)
