@@ -270,7 +270,7 @@ def test_blocked_wrapper_frees_its_workspace():
     if "triton" not in kernel_backends(DEVICE):
         pytest.skip("triton unavailable")
     be = get_backend("triton")
-    x = _inputs((36, 2), 16, (40, 3, 0), {})
+    x = _inputs((64, 1), 6, (40, 3, 0), {})  # 384 rows: 3 launches of 2 queries x 64 heads
     w = attnplan.DecodeWrapper(backend="triton")
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=3)
     assert len(plan.launches) == 3
