@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -678,11 +679,8 @@ class DecodeWrapper:
         def fields(t):  # a C-contiguous tensor's strides as None: Tensor.is_contiguous() checks them (same_signature)
             return (t[1], None if is_contiguous_layout(t[1], t[2]) else t[2], *t[3:])
 
-        n = 1
-        for d in sq[1]:
-            n *= d
         return (*fields(sq), *fields(sk), *fields(sv), *fields(ss), *(fields(sb) if sb is not None else (None,) * 5),
-                *self._extents, d0, d1, d2, d3, isz, n * isz, sq[1][:3], self.backend.graph_safe)
+                *self._extents, d0, d1, d2, d3, isz, math.prod(sq[1]) * isz, sq[1][:3], self.backend.graph_safe)
 
     def _scale(self, scale, hkv: int, device) -> torch.Tensor | None:
         """:func:`_scale_tensor`, reusing the tensor of the same float scale (a plan-cache hit allocates nothing)."""
@@ -818,7 +816,7 @@ class DecodeWrapper:
     def _run(self, sig, ptrs, q, k_cache, v_cache, seq_lens, block_table, out, lse, outputs_checked: bool):
         """:meth:`run` after the signature; ``outputs_checked``: the caller (:func:`decode`) has just run
         :func:`validate_outputs` on these ``q``, ``out`` and ``lse``."""
-        if sig is not self._sig and sig != self._sig and not same_signature(self._sig, sig):
+        if sig is not self._sig and not same_signature(self._sig, sig):  # equal, or equal but length-one strides
             raise ValueError(f"run() inputs differ from the planned ones: {signature_change(self._sig, sig)}; "
                              "call plan() again")
         if out is None:  # the wrapper's own buffer, made by plan() for q's planned shape, dtype and device

@@ -479,7 +479,7 @@ def _cost_us(problem: DecodeProblem, device: DeviceInfo, cm: CostModel, bw_gbs: 
     programs = hkv * batch * splits
     waves = math.ceil(programs / resident)
     kv_bytes = total * hkv * problem.kv_bytes_per_token
-    sat = cm.paged_sat_programs_per_sm if paged and cm.paged_sat_programs_per_sm else cm.sat_programs_per_sm
+    sat = _sat_programs_per_sm(cm, paged)
     occupancy = min(1.0, live / (device.sm_count * sat))
     bw_per_program = bw / (device.sm_count * sat)
     chunk_bytes = min(chunk, max_len) * problem.kv_bytes_per_token
@@ -639,8 +639,7 @@ def _choose_splits(problem: DecodeProblem, device: DeviceInfo, backend: str, cm:
     per program, which a row measured with other warps is scaled to (:func:`row_programs_per_sm`)."""
     max_len = max(problem.visible_span, 1)
     if (entry := _table_entry(problem, device, backend)) is not None:
-        sat = cm.paged_sat_programs_per_sm if problem.paged and cm.paged_sat_programs_per_sm \
-            else cm.sat_programs_per_sm
+        sat = _sat_programs_per_sm(cm, problem.paged)
         asked = max(1, round(row_programs_per_sm(entry, num_warps, sat) * device.sm_count
                              / (problem.batch * problem.num_kv_heads)))
         want = min(limit, asked)
@@ -660,6 +659,12 @@ def _choose_splits(problem: DecodeProblem, device: DeviceInfo, backend: str, cm:
     best = min(c[2] for c in candidates)
     splits, chunk, predicted = min((c for c in candidates if c[2] <= best * 1.02), key=lambda c: c[0])
     return _Choice(splits, chunk, predicted, "heuristic", None, tuple(candidates), splits)
+
+
+def _sat_programs_per_sm(cm: CostModel, paged: bool) -> float:
+    """Resident programs per SM that saturate the memory: the cost model's paged figure for a paged cache where it
+    has one, else its figure."""
+    return cm.paged_sat_programs_per_sm if paged and cm.paged_sat_programs_per_sm else cm.sat_programs_per_sm
 
 
 def _warps(kernel: Mapping) -> int | None:

@@ -527,7 +527,8 @@ _SIG_FIELDS = ("shape", "strides", "dtype", "device", "16-byte alignment of the 
 def is_contiguous_layout(shape, strides) -> bool:
     """Whether a tensor of ``shape`` and ``strides`` is C-contiguous by torch's rule (``Tensor.is_contiguous()``):
     empty, or every axis longer than one has the stride of the axes after it. An axis of length one may have any
-    stride: only index 0 is ever read along it."""
+    stride: only index 0 is ever read along it. ``shape`` and ``strides``: equal-length sequences of ints (strides
+    in elements, as ``Tensor.stride()`` gives them)."""
     shape = tuple(shape)
     if 0 in shape:
         return True

@@ -127,20 +127,12 @@ def launch_floor(t: torch.Tensor, calls: int) -> dict:
     dispatcher and one launch)."""
     r = {"torch_op_host_us": host_us(lambda: t.add_(0), calls)}
     try:
-        from attnplan.backends.cuda_ptx._bindings import bindings, check_driver, check_nvrtc
-        from attnplan.backends.cuda_ptx.nvrtc import select_target
+        from attnplan.backends.cuda_ptx._bindings import bindings, check_driver
+        from attnplan.backends.cuda_ptx.nvrtc import compile_source, select_target
 
-        driver, nvrtc = bindings()
-        src = b'extern "C" __global__ void attnplan_nop() {}'
-        prog = check_nvrtc(nvrtc.nvrtcCreateProgram(src, b"nop.cu", 0, [], []), "nvrtcCreateProgram")
-        target = select_target(torch.cuda.get_device_capability())
-        opts = [target.option.encode()]
-        check_nvrtc(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), "nvrtcCompileProgram")
-        get, size = ((nvrtc.nvrtcGetCUBIN, nvrtc.nvrtcGetCUBINSize) if target.kind == "cubin"
-                     else (nvrtc.nvrtcGetPTX, nvrtc.nvrtcGetPTXSize))
-        image = b" " * check_nvrtc(size(prog), "size")
-        check_nvrtc(get(prog, image), "image")
-        torch.cuda.current_stream().synchronize()
+        driver, _ = bindings()
+        image = compile_source('extern "C" __global__ void attnplan_nop() {}', "nop.cu", [],
+                               select_target(torch.cuda.get_device_capability())).image
         mod = check_driver(driver.cuModuleLoadData(image), "cuModuleLoadData")
         fn = check_driver(driver.cuModuleGetFunction(mod, b"attnplan_nop"), "cuModuleGetFunction")
         stream = torch.cuda.current_stream().cuda_stream
@@ -448,7 +440,8 @@ def main(argv=None) -> int:
                    "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
     fl = next((r for r in rows if r.get("what") == "floor"), {})
     if fl:
-        print(f"\nfloor (host us per call, GPU busy): one cuLaunchKernel {fl['launch_host_us']:.1f}, torch "
+        launch = f"{fl['launch_host_us']:.1f}" if "launch_host_us" in fl else fl.get("launch_error", "-")
+        print(f"\nfloor (host us per call, GPU busy): one cuLaunchKernel {launch}, torch "
               f"add_ {fl['torch_op_host_us']:.1f}")
     print("\nhost us per call (GPU busy; loop wall time in brackets)\n"
           "kv      backend   run            checks  bound          jit     plan_hit  decode         sdpa           "

@@ -154,9 +154,9 @@ Case = functools.partial(DecodeCase, dtype="bf16", splits=(0,))
 
 @pytest.mark.parametrize("warps", [1, 4, 8])
 def test_prologue_equals_schedule_units(warps, gen):
-    """The prologue on the device (32, 128, 256 threads) against schedule_units: random batches of 1-700 sequences (1-32: one warp schedules them)
-    with long tails, balanced (both targets tables), forced and batch-invariant schedules, window or not; every unit
-    of the small batches and a sample of the large, ``meta``."""
+    """The prologue on the device (32, 128, 256 threads) against schedule_units: random batches of 1-700 sequences
+    (1-32: one warp schedules them) with long tails, balanced (both targets tables), forced and batch-invariant
+    schedules, window or not; every unit of the small batches and a sample of the large, ``meta``."""
     from attnplan.backends.cuda_ptx.spec import make_spec
 
     be = _backend()

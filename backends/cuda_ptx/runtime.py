@@ -134,20 +134,16 @@ class DeviceRuntime:
     def launch_function(self, fn, name: str, cfg: LaunchConfig, kernel_params: int, stream: int,
                         pdl: bool = False) -> None:
         """:meth:`launch` of a loaded function (``name`` its spec's, for errors) with the address of a packed
-        ``kernelParams`` array (:attr:`PackedArgs.kernel_params`): the bound launch's path, which packs its arguments
-        and looks its functions up once. The driver copies the parameters during the call."""
-        driver, _ = bindings()
+        ``kernelParams`` array (:attr:`PackedArgs.kernel_params`), after making this device's context current. The
+        driver copies the parameters during the call.
+
+        Raises:
+            DriverError: the launch fails.
+        """
         self.ensure_context()
-        if pdl and self.pdl_supported:
-            config = self._pdl_config(cfg)
-            config.hStream = driver.CUstream(stream)
-            res = driver.cuLaunchKernelEx(config, fn, kernel_params, 0)
-            if (res[0] if type(res) is tuple else res) != 0:  # the message only on failure (formatting costs ~1 us)
-                check_driver(res, f"cuLaunchKernelEx({name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem}, pdl)")
-            return
-        res = driver.cuLaunchKernel(fn, *cfg.grid, *cfg.block, cfg.smem, stream, kernel_params, 0)
-        if (res[0] if type(res) is tuple else res) != 0:
-            check_driver(res, f"cuLaunchKernel({name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem})")
+        res, what = self._launch_raw(fn, cfg, kernel_params, stream, pdl)
+        if (res[0] if type(res) is tuple else res) != 0:  # the message only on failure (formatting costs ~1 us)
+            check_driver(res, self._launch_name(what, name, cfg))
 
     def launch_current(self, fn, name: str, cfg: LaunchConfig, kernel_params: int, stream: int,
                        pdl: bool = False) -> None:
@@ -156,36 +152,46 @@ class DeviceRuntime:
         ~6 us launch on an H200 host). A function and a stream belong to one context, so where this device's
         context is not current (a thread that never used it: no context; a context of the user's own) the launch
         fails with nothing enqueued (``CUDA_ERROR_INVALID_CONTEXT`` or ``CUDA_ERROR_INVALID_HANDLE``); then
-        :meth:`launch_function` makes the context current and launches again, raising :class:`DriverError` if that
-        launch fails too. Any other error is raised as it is (:class:`DriverError`)."""
-        driver, _ = bindings()
-        if pdl and self.pdl_supported:
-            res = driver.cuLaunchKernelEx(self._pdl_config(cfg, stream), fn, kernel_params, 0)
-            what = "cuLaunchKernelEx"
-        else:
-            res = driver.cuLaunchKernel(fn, *cfg.grid, *cfg.block, cfg.smem, stream, kernel_params, 0)
-            what = "cuLaunchKernel"
+        :meth:`launch_function` makes the context current and launches again.
+
+        Raises:
+            DriverError: that second launch fails, or the first fails with any other error.
+        """
+        res, what = self._launch_raw(fn, cfg, kernel_params, stream, pdl)
         status = res[0] if type(res) is tuple else res
         if status != 0:
             if int(status) in _CONTEXT_ERRORS:
                 self.launch_function(fn, name, cfg, kernel_params, stream, pdl)
             else:
-                check_driver(res, f"{what}({name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem}"
-                                  f"{', pdl' if what.endswith('Ex') else ''})")
+                check_driver(res, self._launch_name(what, name, cfg))
 
-    def _pdl_config(self, cfg: LaunchConfig, stream: int | None = None):
-        """A ``CUlaunchConfig`` for ``cfg`` with the programmatic-serialization attribute, cached per
-        thread (building one costs ~2 us of Python); with ``stream``, one per (``cfg``, stream) with that stream set
-        (at most 64 per thread; the cache starts again past that), else the caller sets the stream."""
+    def _launch_raw(self, fn, cfg: LaunchConfig, kernel_params: int, stream: int, pdl: bool) -> tuple:
+        """One driver launch on the calling thread's context, unchecked: ``(result, the driver call's name)``;
+        ``cuLaunchKernelEx`` with programmatic serialization where ``pdl`` and the device supports it."""
+        driver, _ = bindings()
+        if pdl and self.pdl_supported:
+            return driver.cuLaunchKernelEx(self._pdl_config(cfg, stream), fn, kernel_params, 0), "cuLaunchKernelEx"
+        return driver.cuLaunchKernel(fn, *cfg.grid, *cfg.block, cfg.smem, stream, kernel_params, 0), "cuLaunchKernel"
+
+    @staticmethod
+    def _launch_name(what: str, name: str, cfg: LaunchConfig) -> str:
+        """A failed launch's description for :func:`check_driver`'s message."""
+        pdl = ", pdl" if what == "cuLaunchKernelEx" else ""
+        return f"{what}({name}, grid={cfg.grid}, block={cfg.block}, smem={cfg.smem}{pdl})"
+
+    def _pdl_config(self, cfg: LaunchConfig, stream: int):
+        """A ``CUlaunchConfig`` for ``cfg`` on ``stream`` with the programmatic-serialization attribute, cached per
+        thread and (``cfg``, stream) (building one costs ~2 us of Python; at most 64 per thread, the cache starts
+        again past that)."""
         cache = getattr(self._tls, "pdl", None)
         if cache is None:
             cache = self._tls.pdl = {}
-        key = cfg if stream is None else (cfg, stream)
+        key = (cfg, stream)
         config = cache.get(key)
         if config is None:
             if len(cache) >= 64:
                 cache.clear()
-            config = cache[key] = pdl_launch_config(cfg, 0 if stream is None else stream)
+            config = cache[key] = pdl_launch_config(cfg, stream)
         return config
 
 

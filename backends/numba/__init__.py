@@ -462,8 +462,9 @@ class BoundLaunch:
     Valid for ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and ``block_table`` with the shapes, strides, dtypes,
     device and 16-byte data-pointer alignment of the ``inputs`` it was made from (``DecodeWrapper.run()`` checks
     exactly that before calling it; a C-contiguous input's strides may differ along axes of length one, where only
-    index 0 is read: the binding's strides serve it), with ``inputs``' score scale and variants (the sink and scale tensors are kept
-    by reference). ``out`` and ``lse`` may differ from call to call. It keeps no reference to the input tensors.
+    index 0 is read: the binding's strides serve it), with ``inputs``' score scale and variants (the sink and scale
+    tensors are kept by reference). ``out`` and ``lse`` may differ from call to call. It keeps no reference to the
+    input tensors.
 
     numba's launch marshals every argument on every call (typing each one, converting each tensor to a device
     array through its ``__cuda_array_interface__``, then packing shapes, strides and pointers). On a GPU the first

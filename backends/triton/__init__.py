@@ -134,8 +134,9 @@ class BoundLaunch:
     Valid for ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and ``block_table`` with the shapes, strides, dtypes,
     device and 16-byte data-pointer alignment of the ``inputs`` it was made from (``DecodeWrapper.run()`` checks
     exactly that before calling it; a C-contiguous input's strides may differ along axes of length one, where only
-    index 0 is read: the binding's strides serve it), with ``inputs``' score scale and variants (the sink and scale tensors are kept
-    by reference). ``out`` and ``lse`` may differ from call to call. It keeps no reference to the input tensors.
+    index 0 is read: the binding's strides serve it), with ``inputs``' score scale and variants (the sink and scale
+    tensors are kept by reference). ``out`` and ``lse`` may differ from call to call. It keeps no reference to the
+    input tensors.
 
     The first call for each output layout launches through Triton's JIT (which compiles a new specialization) and
     keeps the compiled kernel it returned; later calls with the same output layout launch that compiled kernel
