@@ -165,6 +165,16 @@ def measure(be: str, x, lens: list[int], calls: int) -> dict:
         r["run_checks_us"] = per_call_us(lambda: w.run(*args, out=out), calls)
         w._launcher = bound
         r["direct"] = len(getattr(bound, "direct", {}))
+        if be == "triton":  # the raw launch against Triton's own launcher, in the same run
+            r["raw"] = all(e[2] is not None for e in bound.direct.values())
+            w2 = attnplan.DecodeWrapper(ctx, backend=be)
+            w2.plan(*args, seq_lens_host=lens)
+            w2._launcher.raw = False
+            w2.run(*args, out=out)
+            w2.run(*args, out=out)
+            b2 = w2._launcher
+            r["run_launcher_host_us"] = host_us(lambda: w2.run(*args, out=out), calls)
+            r["bound_launcher_host_us"] = host_us(lambda: b2(*args, out, None, ptrs), calls)
     else:  # no bound launch: run() goes through backend.run; stub that for the checks alone
         w.backend.run = lambda *a, **k: None  # an instance attribute over the class's method
         try:
@@ -282,8 +292,19 @@ def cpu_stages(be: str, calls: int, hq: int, hkv: int, d: int, kv: int) -> list[
         bound.hooks = types.SimpleNamespace(launch_enter_hook=knobs.runtime.launch_enter_hook,
                                             launch_exit_hook=knobs.runtime.launch_exit_hook, debug=False)
         bound.current_device, bound.current_stream = (lambda: 0), (lambda dev: 0)
-        bound.direct[(out.stride(), None, out.data_ptr() & 15)] = (dp, dp if bound.merge else None)
-        rows.append(("bound launch, direct path (launcher stubbed)",
+        key = (out.stride(), None, out.data_ptr() & 15)
+        bound.direct[key] = (dp, dp if bound.merge else None, None, None)
+        rows.append(("bound launch, Triton's launcher (stubbed)",
+                     per_call_cpu_us(lambda: bound(*args, out, None, ptrs), calls)))
+        from attnplan.backends.cuda_ptx.args import PARTIAL_SIGNATURE
+        from attnplan.backends.triton.raw import RawKernel
+
+        params = [(i, k, 8 if k in ("ptr", "i64") else 4) for i, (_, k) in enumerate(PARTIAL_SIGNATURE)]
+        ok = lambda *a: (0,)  # noqa: E731 - the driver's cuLaunchKernel, stubbed
+        rk = RawKernel(0, (1, 1, 1), 4, 0, params, (0,) * len(params), ((0, 1, 2, 3, 4), (5, 6)), ok)
+        rm = RawKernel(0, (1, 1, 1), 4, 0, params, (0,) * len(params), ((5, 6),), ok)
+        bound.direct[key] = (dp, dp if bound.merge else None, rk, rm if bound.merge else None)
+        rows.append(("bound launch, raw path (driver stubbed)",
                      per_call_cpu_us(lambda: bound(*args, out, None, ptrs), calls)))
     if be == "numba" and bound is not None:
         from attnplan.backends.numba import _ROLE_INDEX, _Direct
@@ -383,6 +404,18 @@ def profile_run(backends, calls: int, hq: int, hkv: int, d: int, kv: int, top: i
         print(f"\n{be}: run() {wall:.1f} us per call ({launches} launch(es); plan {w.plan_.policy}, merge "
               f"{w.plan_.merge}); top functions by own time over {calls} profiled calls:")
         pstats.Stats(pr).sort_stats("tottime").print_stats(top)
+        ctx = attnplan.Context.from_config(attnplan.load_config())
+        dec = lambda: attnplan.decode(*args, out=out, backend=be, config=ctx, seq_lens_host=[kv])  # noqa: E731
+        dec()
+        wall = per_call_us(dec, calls)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(calls):
+            dec()
+        pr.disable()
+        torch.cuda.synchronize()
+        print(f"\n{be}: decode() with host lengths {wall:.1f} us per call; top functions by own time:")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(top)
 
 
 def main(argv=None) -> int:
@@ -394,7 +427,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/host.json")
     ap.add_argument("--cpu", action="store_true", help="per-stage host cost on the CPU, launches stubbed")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="GPU: cProfile N run() calls per backend at the first --kv and print the top functions")
+                    help="GPU: cProfile N run() and N decode() calls per backend at the first --kv and print the top functions")
     args = ap.parse_args(argv)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     if args.profile:
@@ -446,6 +479,11 @@ def main(argv=None) -> int:
     print("\nhost us per call (GPU busy; loop wall time in brackets)\n"
           "kv      backend   run            checks  bound          jit     plan_hit  decode         sdpa           "
           "direct  syncs(run/plan/decode; decode without host lengths)")
+    for r in rows:
+        if "run_launcher_host_us" in r:
+            print(f"{r['kv']:<7d} {r['backend']:9s} raw launch {'on' if r['raw'] else 'OFF'}: run {r['run_host_us']:.1f} "
+                  f"bound {r['bound_host_us']:.1f}; Triton's launcher: run {r['run_launcher_host_us']:.1f} bound "
+                  f"{r['bound_launcher_host_us']:.1f}")
     sd = {r["kv"]: r for r in rows if r.get("what") == "torch sdpa"}
     for r in rows:
         if "run_us" in r:

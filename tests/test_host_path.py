@@ -1105,6 +1105,170 @@ def test_decode_wrapper_runs_cuda_ptx_through_its_bound_launch(monkeypatch, merg
     assert isinstance(w._launcher, BoundLaunch) and w._launcher is not bl
 
 
+class _RawDriver:
+    """Stands in for cuda-python's driver module for Triton's raw launch: ``CUfunction`` of an int handle, each
+    function's parameter sizes (``cuFuncGetParamInfo``) from ``sizes``, and ``cuLaunchKernel`` recording the
+    function, grid, block, shared memory, stream and each parameter's bytes; it returns ``status``."""
+
+    def __init__(self, real, sizes: dict, log: list):
+        self._real, self.sizes, self.log, self.status = real, sizes, log, 0
+        self.CUresult = real.CUresult
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    @staticmethod
+    def CUfunction(handle):
+        return int(handle)
+
+    def cuFuncGetParamInfo(self, fn, i):
+        sizes = self.sizes[fn]
+        return (0, 8 * i, sizes[i]) if i < len(sizes) else (1, 0, 0)
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        import ctypes
+
+        slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        vals = [ctypes.string_at(slots[i], n) for i, n in enumerate(self.sizes[fn])]
+        self.log.append(("raw", fn, (gx, gy, gz), (bx, by, bz), smem, stream, vals))
+        return (self._real.CUresult(self.status),)
+
+
+class _FakeJitRaw(_FakeJit):
+    """:class:`_FakeJit` whose compiled kernel also has what the raw launch reads: the specialization's signature
+    (:func:`_triton_signature`), metadata (4 warps, ``4096 + handle`` bytes of shared memory, no scratch) and a
+    function handle, whose parameter sizes it enters in ``sizes`` (one more with ``extra_param``)."""
+
+    def __init__(self, real, log, handle: int, sizes: dict):
+        super().__init__(real, log)
+        self.handle, self.sizes, self.sig, self.extra_param = handle, sizes, None, False
+
+    def __getitem__(self, grid):
+        launch = super().__getitem__(grid)
+
+        def raw_ready(*args, **kw):
+            ck = launch(*args, **kw)
+            full = args + tuple(kw[n] for n in self.arg_names[len(args):])
+            self.sig = _triton_signature(self.arg_names, set(self.constexprs), full)
+            ck.src = types.SimpleNamespace(signature=self.sig)
+            ck.metadata = types.SimpleNamespace(num_warps=4, shared=4096 + self.handle, num_ctas=1,
+                                                global_scratch_size=0, profile_scratch_size=0, launch_pdl=False,
+                                                launch_cooperative_grid=False)
+            ck.function = self.handle
+            self.sizes[self.handle] = [len(b) for b in _param_bytes(self.sig, full)] + [8] * self.extra_param
+            return ck
+        return raw_ready
+
+
+def _triton_signature(names, constexprs, values) -> dict:
+    """The signature Triton gives a specialization of these argument values: ``constexpr`` for constexprs and for
+    ints equal to 1, pointer types for tensors, ``i32`` / ``fp32`` for ints and floats."""
+    sig = {}
+    for i, (n, v) in enumerate(zip(names, values)):
+        if i in constexprs or (type(v) is int and v == 1):
+            sig[n] = "constexpr"
+        elif isinstance(v, torch.Tensor):
+            sig[n] = "*fp32"
+        elif type(v) is int:
+            sig[n] = "i32" if -2**31 <= v < 2**31 else "i64"
+        else:
+            sig[n] = "fp32"
+    return sig
+
+
+def _param_bytes(sig: dict, values) -> list[bytes]:
+    """Each parameter's bytes as the compiled kernel takes them: no constexprs, data pointers of tensors, then the two
+    (null) scratch pointers."""
+    import struct
+
+    res = []
+    for ty, v in zip(sig.values(), values):
+        if ty == "constexpr":
+            continue
+        if ty.startswith("*"):
+            res.append(struct.pack("<Q", v.data_ptr()))
+        else:
+            res.append(struct.pack({"i32": "<i", "i64": "<q", "fp32": "<f"}[ty], v))
+    return res + [bytes(8), bytes(8)]
+
+
+@needs_cuda_python
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs the Triton interpreter")
+def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, gen):
+    """With Triton's compiled kernels and cuda-python's driver stood in for: a layout's later calls go through one
+    ``cuLaunchKernel`` per kernel whose parameter bytes are, call after call with new q / caches / seq_lens / block
+    table / out tensors, exactly the JIT arguments of those tensors less the constexprs (data pointers for tensors)
+    plus two null scratch pointers; the grid, block (num_warps x 32) and shared memory are the compiled kernel's. A
+    context error falls back to Triton's launcher for that call; another driver error raises; a function whose
+    parameters (as the driver reports them) differ from the derived ones is never launched raw."""
+    from attnplan.backends.cuda_ptx import _bindings
+    from attnplan.backends.cuda_ptx._bindings import DriverError
+    from attnplan.backends.triton import BoundLaunch, kernels
+
+    be = get_backend("triton")
+    log: list = []
+    sizes: dict = {}
+    jits = {"partial": _FakeJitRaw(kernels.split_kv_partial_kernel, log, 1001, sizes),
+            "merge": _FakeJitRaw(kernels.merge_kernel, log, 1002, sizes)}
+    monkeypatch.setattr(be, "_kernels", lambda: types.SimpleNamespace(split_kv_partial_kernel=jits["partial"],
+                                                                      merge_kernel=jits["merge"]))
+    real, _ = _bindings.bindings()
+    drv = _RawDriver(real, sizes, log)
+    monkeypatch.setattr(_bindings, "_BINDINGS", (drv, None))
+    cfg = attnplan.load_config(split={"merge": "separate"})
+    x = make_inputs(2, 8, 2, 32, [60, 20], page_size=16, dtype=torch.float32, generator=gen)
+    sinks = torch.randn(8, generator=gen)
+    w = attnplan.DecodeWrapper(cfg, backend="triton")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=4, seq_lens_host=[60, 20],
+                  sinks=sinks)
+    assert plan.merge == "separate"
+    bl = w._launcher
+    assert isinstance(bl, BoundLaunch) and bl.raw
+    from triton import knobs
+    bl.hooks = types.SimpleNamespace(launch_enter_hook=knobs.runtime.launch_enter_hook,
+                                     launch_exit_hook=knobs.runtime.launch_exit_hook, debug=False)
+    bl.current_device, bl.current_stream = (lambda: 0), (lambda d: 77)
+    L = be._launch(plan, w.workspace)
+
+    def run(y, out, lse):
+        log.clear()
+        w.run(y.q, y.k_cache, y.v_cache, y.seq_lens, y.block_table, out=out, lse=lse)
+        return [e[0] for e in log]
+
+    lse = torch.empty(2, 1, 8)
+    out = torch.empty_like(x.q)
+    assert run(x, out, lse) == ["jit", "jit"]
+    (entry,) = bl.direct.values()
+    assert entry[2] is not None and entry[3] is not None, "the raw launches were not prepared"
+    for _ in range(2):
+        y, out2, lse2 = _fresh(x), torch.empty_like(x.q), torch.empty(2, 1, 8)
+        assert run(y, out2, lse2) == ["raw", "raw"]
+        xi = DecodeInputs(y.q, y.k_cache, y.v_cache, y.seq_lens, y.block_table, w._sm_scale, sinks=sinks)
+        pos = be._partial_args(L, xi, out2, lse2)
+        kw = {**L.const, "WRITE_LSE": True, "SINKS_ON": True}
+        full = pos + tuple(kw[n] for n in jits["partial"].arg_names[len(pos):])
+        _, fn, grid, block, smem, stream, vals = log[0]
+        assert fn == 1001 and grid == tuple(plan.grid) + (1,) * (3 - len(plan.grid)) and block == (128, 1, 1)
+        assert smem == 4096 + 1001 and stream == 77 and vals == _param_bytes(jits["partial"].sig, full)
+        mpos = be._merge_args(L, out2, lse2, sinks)
+        mkw = {**L.merge_const, "WRITE_LSE": True, "SINKS_ON": True}
+        mfull = mpos + tuple(mkw[n] for n in jits["merge"].arg_names[len(mpos):])
+        _, fn, grid, _, _, _, vals = log[1]
+        assert fn == 1002 and grid == tuple(L.merge_grid) + (1,) * (3 - len(L.merge_grid))
+        assert vals == _param_bytes(jits["merge"].sig, mfull)
+    drv.status = 201  # CUDA_ERROR_INVALID_CONTEXT: nothing enqueued, Triton's launcher launches both
+    assert run(x, out, lse) == ["raw", "direct", "direct"]
+    drv.status = 2  # CUDA_ERROR_OUT_OF_MEMORY: raised, naming the launch
+    with pytest.raises(DriverError, match="cuLaunchKernel"):
+        run(x, out, lse)
+    drv.status = 0
+    # another layout, whose loaded partial function takes one parameter more than derived: Triton's launcher
+    jits["partial"].extra_param = True
+    out3 = torch.empty(2, 1, 8, 48)[..., :32]
+    assert run(x, out3, lse) == ["jit", "jit"] and run(x, out3, lse) == ["direct", "direct"]
+    assert run(x, out, lse) == ["raw", "raw"]  # the first layout's still raw
+
+
 # -- on a GPU: no host sync, and the direct launches right ---------------------------------------------------
 
 GPU_BACKENDS = ["triton", "numba", "cuda_ptx"]
@@ -1153,6 +1317,61 @@ def test_gpu_host_lengths_plan_run_decode_never_sync(backend, page):
         assert_close_to_reference(o, ref, torch.bfloat16)
     assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
     assert w._launcher is not None and len(w._launcher.direct) >= 2, "the direct launches were not used"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["plain", "sinks-lse", "fp8-scales"])
+@pytest.mark.parametrize("page", [None, 16])
+def test_gpu_triton_raw_launch_matches_tritons_launcher(variant, page):
+    """On a GPU, Triton's bound launch goes through one ``cuLaunchKernel`` per kernel (the raw launch is prepared for
+    the partial and the merge kernel), and its outputs are bitwise those of Triton's own launcher (the same binding
+    with ``raw`` off) and close to the reference, step after step with new q and out tensors, in this thread and in
+    a new one (whose current context may not be set)."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lens = [2500, 31, 0, 1200]
+    fp8 = variant == "fp8-scales"
+    x = make_inputs(4, 32, 8, 128, lens, page_size=page, dtype=torch.bfloat16, device="cuda", capacity=4096,
+                    generator=gen)
+    if fp8:
+        x = DecodeInputs(x.q, x.k_cache.to(torch.float8_e4m3fn), x.v_cache.to(torch.float8_e4m3fn), x.seq_lens,
+                         x.block_table, x.sm_scale)
+    kw = {}
+    if variant == "sinks-lse":
+        kw["sinks"] = torch.randn(32, device="cuda", generator=gen)
+    if fp8:
+        kw["k_scale"] = torch.rand(8, device="cuda", generator=gen) + 0.5
+        kw["v_scale"] = torch.rand(8, device="cuda", generator=gen) + 0.5
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    cfg = attnplan.load_config(split={"merge": "separate"})
+    ws = []
+    for raw in (True, False):
+        w = attnplan.DecodeWrapper(cfg, backend="triton")
+        w.plan(*args, num_splits=4, seq_lens_host=lens, **kw)
+        w._launcher.raw = raw
+        ws.append(w)
+    lse_on = variant == "sinks-lse"
+    res = [[], []]
+    for step in range(3):
+        q = x.q.clone()
+        for i, w in enumerate(ws):
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda") if lse_on else None
+            w.run(q, *args[1:], out=out, lse=lse)
+            res[i].append((out, lse))
+    box = []
+    t = threading.Thread(target=lambda: box.append(ws[0].run(*args, out=torch.empty_like(x.q))))
+    t.start()
+    t.join()
+    torch.cuda.synchronize()
+    (entry,) = ws[0]._launcher.direct.values()
+    assert entry[2] is not None and entry[3] is not None, "the raw launches were not prepared on this GPU"
+    assert all(e[2] is None for e in ws[1]._launcher.direct.values())
+    ref, ref_lse = _ref(x) if not kw else (None, None)
+    for (o1, l1), (o2, l2) in zip(*res):
+        assert torch.equal(o1, o2) and (l1 is None or torch.equal(l1, l2))
+    assert torch.equal(box[0], res[1][0][0])
+    if ref is not None:
+        assert_close_to_reference(res[0][0][0], ref, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -66,9 +66,13 @@ _CASES = dict(_PARTIAL + _MERGE)
 def test_kernel_compiles(case):
     """Each case compiled in a child process of its own (Triton's interpreter, which CI runs under, cannot compile;
     one process per case lets pytest-xdist's workers share the cases). fp8 cases only for sm_89+ (Triton's
-    float8_e4m3fn loads)."""
+    float8_e4m3fn loads). The raw launch's parameter list (``raw.param_kinds``: Triton's signature less its
+    constants, plus the scratch pointers the metadata declares) must be the PTX entry's, size for size: the bound
+    launch packs its arguments by it."""
     (res,) = offline.compile_cases([_CASES[case]])
     assert res["ok"], res["error"]
+    assert res["derived_params"] is not None and res["derived_params"] == res["ptx_params"], res
+    assert len(res["ptx_params"]) >= (30 if _CASES[case]["kind"] == "partial" else 10)
 
 
 def test_offline_compile_reports_unknown_constexpr():

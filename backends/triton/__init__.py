@@ -13,13 +13,15 @@ separate merge kernel (``plan.merge == "separate"``) or by the last program of e
 (``"fused"``, a completion counter, fixed unit order). ``run`` launches only: no allocation, no host sync; the
 plan-derived launch constants are computed once per (plan, workspace). ``DecodeWrapper.run()`` launches through
 :class:`BoundLaunch` (:meth:`TritonBackend.bind`, made by ``plan()``), which launches the compiled kernel of a known
-specialization directly instead of through the JIT. Block-table entries are clamped into ``[0, num_pages)`` by the
+specialization directly instead of through the JIT (one ``cuLaunchKernel`` per kernel with arguments packed once,
+:mod:`.raw`, where the compiled kernel's parameters allow; else Triton's own launcher). Block-table entries are clamped into ``[0, num_pages)`` by the
 kernel.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -109,6 +111,18 @@ def _direct(jit_fn, ck, nargs: int, const: dict, device: int) -> _Direct | None:
         return None
 
 
+def _check_raw(status: int, which: str) -> None:
+    """Raise for a raw launch's driver ``status`` unless it is a context error (:data:`~.raw.CONTEXT_ERRORS`: this
+    thread's current context is not the kernel's, nothing was enqueued), after which Triton's launcher (which
+    handles the context as it does for any launch) launches instead."""
+    from .raw import CONTEXT_ERRORS
+
+    if status not in CONTEXT_ERRORS:
+        from attnplan.backends.cuda_ptx._bindings import check_driver
+
+        check_driver((status,), f"cuLaunchKernel(triton {which} kernel)")
+
+
 def _hook_set(hook) -> bool:
     """Whether a Triton launch hook is installed: ``None`` (older Triton) or an empty ``knobs.HookChain`` (newer
     Triton's default, never ``None``) is not."""
@@ -150,13 +164,22 @@ class BoundLaunch:
     launch hook is set (profilers), when Triton's debug knob changed, under the interpreter, and on another
     current device. Before a layout's first direct launch, the arguments it lays out are compared with those of
     the JIT launch (tensors by identity, numbers by type and value); a mismatch keeps that layout on the JIT.
+
+    With ``raw`` (the default), a layout's direct launches are one ``cuLaunchKernel`` per kernel with the arguments
+    above packed once (:func:`.raw.raw_kernel`, where the parameter list derived from Triton's signature matches
+    the loaded function's as the driver reports it; else Triton's launcher as above). A call then writes the data
+    pointers of q, k_cache, v_cache, seq_lens, block_table, out, lse (and the sink and scale tensors' where the
+    binding has them) into the packed buffers under a lock, and launches; a launch that fails because this thread's
+    current context is not the kernel's enqueued nothing and goes through Triton's launcher; any other driver error
+    raises ``DriverError``.
     """
 
     __slots__ = ("backend", "L", "paged", "mid", "mid_ptrs", "tail", "tail_scalars", "last_page", "sm_scale",
                  "window_left", "soft_cap", "sinks", "k_scale", "v_scale", "fp8", "variant_tensors", "direct",
-                 "merge", "merge_ints", "grids", "hooks", "current_device", "current_stream")
+                 "merge", "merge_ints", "grids", "hooks", "current_device", "current_stream", "raw", "lock")
 
-    def __init__(self, backend: "TritonBackend", plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs):
+    def __init__(self, backend: "TritonBackend", plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs,
+                 raw: bool = True):
         x = inputs
         L = backend._launch(plan, workspace, remember=False)
         if x.q.shape != L.q_shape:
@@ -185,6 +208,8 @@ class BoundLaunch:
         self.grids = g[:3] + mg[:3]  # partial then merge grid, three axes each
         self.direct: dict[tuple, tuple] = {}
         self.hooks = self.current_device = self.current_stream = None
+        self.raw = raw
+        self.lock = threading.Lock()
         if not _interpreting() and torch.device(x.q.device).type == "cuda":
             try:
                 from triton import knobs
@@ -250,13 +275,28 @@ class BoundLaunch:
         entry = self.direct.get(key)
         h = self.hooks
         if entry is not None and not _hook_set(h.launch_enter_hook) and not _hook_set(h.launch_exit_hook):
-            dp, dm = entry
+            dp, dm, rp, rm = entry
             dev = self.current_device()
             if dp.device == dev and dp.debug == h.debug:
                 if ptrs is None:
                     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), bt.data_ptr() if self.paged else 0)
                 var = self._variant_ptrs() if vt else None
                 stream = self.current_stream(dev)
+                if rp is not None:
+                    ins = ptrs if self.paged else (ptrs[0], ptrs[1], ptrs[2], ptrs[3], self.mid_ptrs[0])
+                    with self.lock:
+                        status = rp.launch(stream, ins, (po, pl) + var if vt else (po, pl))
+                        if status == 0:
+                            if rm is None:
+                                return
+                            status = rm.launch(stream, (po, pl, var[2]) if vt else (po, pl))
+                            if status == 0:
+                                return
+                            _check_raw(status, "merge")
+                            dm.run(*self.grids[3:], stream, dm.function, dm.packed, None, None, None,
+                                   *self._direct_merge_args(po, pl, os_, ls, var), *dm.const_tail)
+                            return
+                    _check_raw(status, "partial")  # a context error: nothing enqueued, Triton's launcher runs both
                 g = self.grids
                 dp.run(g[0], g[1], g[2], stream, dp.function, dp.packed, None, None, None,
                        *self._direct_args(ptrs, po, pl, os_, ls, var), *dp.const_tail)
@@ -290,7 +330,18 @@ class BoundLaunch:
             if dm is None:
                 return
         if dp is not None:
-            self.direct[key] = (dp, dm)
+            rp = rm = None
+            if self.raw:
+                from .raw import raw_kernel
+
+                rp = raw_kernel(ck, self.grids[:3], self._direct_args(ptrs, po, pl, os_, ls, var) + dp.const_tail,
+                                ((0, 1, 2, 3, 4), (10, 11, 12, 13, 14) if vt else (10, 11)))
+                if rp is not None and dm is not None:
+                    rm = raw_kernel(cm, self.grids[3:], self._direct_merge_args(po, pl, os_, ls, var) + dm.const_tail,
+                                    ((3, 4, 5) if vt else (3, 4),))
+                    if rm is None:
+                        rp = None  # both kernels one way or the other
+            self.direct[key] = (dp, dm, rp, rm)
 
 
 class TritonBackend(Backend):

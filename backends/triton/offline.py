@@ -116,6 +116,35 @@ def compile_merge(out: str = "bf16", *, head_dim: int = 128, arch: int = 90, **c
     return _compile(_jit_kernels().merge_kernel, sig, _override(const, constexprs), arch, 4, 1)
 
 
+def _entry_param_sizes(ptx: str, entry: str) -> list[int]:
+    """Sizes in bytes of the PTX entry's ``.param`` declarations, in order."""
+    head = ptx[ptx.index(entry):]
+    head = head[:head.index(")")]
+    sizes = []
+    for line in head.splitlines():
+        line = line.strip()
+        if line.startswith(".param"):
+            ty = line.split()[1]
+            sizes.append(int("".join(ch for ch in ty if ch.isdigit())) // 8)
+    return sizes
+
+
+def _derived_param_sizes(c) -> list[int] | None:
+    """Sizes of the parameters the raw launch derives from Triton's signature and metadata (``raw.param_kinds``),
+    ``None`` where it refuses the kernel."""
+    if __package__:
+        from .raw import param_kinds
+    else:
+        _raw = importlib.util.spec_from_file_location("attnplan_offline_raw",
+                                                      os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                   "raw.py"))
+        mod = importlib.util.module_from_spec(_raw)
+        _raw.loader.exec_module(mod)
+        param_kinds = mod.param_kinds
+    kinds = param_kinds(c.src, c.metadata)
+    return None if kinds is None else [size for _, _, size in kinds]
+
+
 def _run_case(case: dict) -> dict:
     try:
         if case["kind"] == "partial":
@@ -125,8 +154,10 @@ def _run_case(case: dict) -> dict:
         else:
             c = compile_merge(case.get("out", "bf16"), arch=case.get("arch", 90), **case.get("const", {}))
             entry = ".entry merge_kernel"
-        return {"ok": entry in c.asm["ptx"], "error": "" if entry in c.asm["ptx"] else "entry missing from PTX",
-                "shared_bytes": c.metadata.shared}
+        ptx = c.asm["ptx"]
+        return {"ok": entry in ptx, "error": "" if entry in ptx else "entry missing from PTX",
+                "shared_bytes": c.metadata.shared, "ptx_params": _entry_param_sizes(ptx, entry),
+                "derived_params": _derived_param_sizes(c)}
     except Exception as e:  # noqa: BLE001 - reported per case
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
 
