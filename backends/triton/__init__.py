@@ -434,14 +434,18 @@ class TritonBackend(Backend):
         L = _Launch()
         L.plan, L.workspace, L.grid = plan, workspace, plan.grid
         L.q_shape = (p.batch, p.q_len, p.num_q_heads, d)
+        from .kernels import fused_unroll
+
+        block_m, block_d = max(16, _next_pow2(p.q_len * group)), max(16, _next_pow2(d))
         L.const = dict(
-            Q_LEN=p.q_len, GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=max(16, _next_pow2(d)),
-            BLOCK_M=max(16, _next_pow2(p.q_len * group)), BLOCK_N=kc["block_n"],
+            Q_LEN=p.q_len, GROUP=group, NUM_KV_HEADS=hkv, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=block_m,
+            BLOCK_N=kc["block_n"],
             BLOCK_B=min(MAX_BLOCK_B, max(16, _next_pow2(p.batch))), ONE_BLOCK=p.batch <= MAX_BLOCK_B,
             GRANULE=s.granule,
             PAGE_SIZE=p.page_size or 1, PAGED=bool(p.page_size), MULTI=not s.single_pass, BALANCED=any(s.targets),
             MERGE=plan.merge, UPCAST=upcast, DOT_PRECISION="ieee" if (p.q_dtype == "float32" or upcast) else "tf32",
             WINDOW=p.window_left >= 0, SOFTCAP=p.soft_cap > 0, FP8=p.kv_dtype == "float8_e4m3fn",
+            FUSED_UNROLL=fused_unroll(block_m, block_d),
             num_warps=kc.get("num_warps", 1 if interp else 4), num_stages=kc.get("num_stages", 1 if interp else 2))
         L.ints = (p.batch, slots, s.min_unit_granules, s.max_units_per_seq)
         dummy = workspace.targets

@@ -22,6 +22,16 @@ import triton
 import triton.language as tl
 
 INT32_MAX = tl.constexpr(2147483647)
+#: most fp32 elements of workspace state (``o`` tiles of ``BLOCK_M x BLOCK_D``) the fused merge keeps in flight:
+#: 64 registers per thread of a 4-warp program
+FUSED_INFLIGHT_ELEMS = 8192
+
+
+def fused_unroll(block_m: int, block_d: int) -> int:
+    """``FUSED_UNROLL`` of :func:`split_kv_partial_kernel`: units whose states the fused merge's last program loads at
+    once (:func:`_merge_rows`), as many ``block_m x block_d`` fp32 tiles as fit :data:`FUSED_INFLIGHT_ELEMS`, 1 to 8
+    (16 x 128: 4; 128 x 128: 1)."""
+    return max(1, min(8, FUSED_INFLIGHT_ELEMS // (block_m * block_d)))
 
 
 @triton.jit
@@ -293,28 +303,40 @@ def _token(acc, l_i, m_i, q, K, V, n, b64, kvh64, bt_row, stride_btc, last_page,
 
 @triton.jit
 def _merge_rows(WS_O, WS_LSE, row_base, first, count, row_ok, offs_d, d_ok, HEAD_DIM: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_U: tl.constexpr, UNROLL: tl.constexpr):
     """Merge the workspace slots ``[first, first + count)`` of the program's rows in slot order
     (:func:`attnplan.state.merge_states`: empty states weigh 0 and their ``o`` is never read, an all-empty row gives
     ``0 / -inf``, NaN in a non-empty state propagates). ``row_base``: ``[BLOCK_M]`` int64, each row's slot 0 in the
     contiguous workspace (``lse`` at ``row_base + slot``, ``o`` at ``(row_base + slot) * HEAD_DIM``). Loads bypass
-    L1 (``.cg``): other programs wrote the states."""
+    L1 (``.cg``): other programs wrote the states.
+
+    Latency, not bandwidth, is its cost (one program reads a whole group's states): the LSE maximum takes
+    ``BLOCK_U`` slots per load, and the weighted sum ``UNROLL`` slots per step of an unrolled loop, whose loads do
+    not depend on each other, so they are in flight together. The sum still adds the slots one after another in
+    slot order."""
+    offs_u = tl.arange(0, BLOCK_U)
     mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, count):
-        idx = row_base + (first + s)
-        ls = tl.load(WS_LSE + idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        mx = tl.maximum(mx, ls, propagate_nan=tl.PropagateNan.ALL)
+    nan = tl.zeros([BLOCK_M], tl.int32)
+    for s0 in range(0, count, BLOCK_U):
+        u_ok = s0 + offs_u < count
+        ls = tl.load(WS_LSE + row_base[:, None] + (first + s0 + offs_u)[None, :],
+                     mask=row_ok[:, None] & u_ok[None, :], other=float("-inf"), cache_modifier=".cg")
+        mx = tl.maximum(mx, tl.max(ls, 1))
+        nan += tl.sum((ls != ls).to(tl.int32), 1)  # tl.max may drop a NaN
+    mx = tl.where(nan > 0, float("nan"), mx)
     mbase = tl.where(mx == float("-inf"), 0.0, mx)
     tot = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for s in range(0, count):
-        idx = row_base + (first + s)
-        ls = tl.load(WS_LSE + idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp(ls - mbase)
-        o = tl.load(WS_O + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0,
-                    cache_modifier=".cg")
-        acc += w[:, None] * tl.where((ls == float("-inf"))[:, None], 0.0, o)
-        tot += w
+    for s0 in range(0, count, UNROLL):
+        for j in tl.static_range(UNROLL):
+            ok = row_ok & (tl.zeros([BLOCK_M], tl.int32) + (s0 + j) < count)  # a block mask (the interpreter's too)
+            idx = row_base + (first + s0 + j)
+            ls = tl.load(WS_LSE + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(WS_O + idx[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None] & d_ok[None, :],
+                        other=0.0, cache_modifier=".cg")
+            w = tl.exp(ls - mbase)
+            acc += w[:, None] * tl.where((ls == float("-inf"))[:, None], 0.0, o)
+            tot += w
     empty = mx == float("-inf")
     tot_safe = tl.where(empty, 1.0, tot)
     return acc / tot_safe[:, None], tl.where(empty, float("-inf"), mbase + tl.log(tot_safe))
@@ -345,7 +367,7 @@ def split_kv_partial_kernel(
     ONE_BLOCK: tl.constexpr, GRANULE: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MULTI: tl.constexpr,
     BALANCED: tl.constexpr, MERGE: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP8: tl.constexpr,
-    SINKS_ON: tl.constexpr,
+    SINKS_ON: tl.constexpr, FUSED_UNROLL: tl.constexpr,
 ):
     """Program ``p`` of the 1-D grid ``max_units * NUM_KV_HEADS``: unit slot ``p // NUM_KV_HEADS`` for KV head
     ``h = p % NUM_KV_HEADS``, rows ``(query i, head h * GROUP + g)`` of one ``tl.dot`` tile (``BLOCK_M >= 16``).
@@ -358,8 +380,8 @@ def split_kv_partial_kernel(
     written to ``OUT`` / ``LSE_OUT`` (the sink applied); otherwise the unit's normalized fp32 state goes to
     workspace slot ``u`` (``WS_O [1, Q, H, ws_slots, D]``, ``WS_LSE [1, Q, H, ws_slots]``, contiguous, natural-log
     LSE, no sink), and with ``MERGE == "fused"`` the program counts itself in ``COUNTERS[b * NUM_KV_HEADS + h]``;
-    the last of the sequence's units merges the rows over its units in unit order, writes ``OUT`` / ``LSE_OUT`` and
-    resets the counter.
+    the last of the sequence's units merges the rows over its units in unit order (``FUSED_UNROLL`` units' states in
+    flight at once, :func:`_merge_rows`), writes ``OUT`` / ``LSE_OUT`` and resets the counter.
 
     Rows: query ``i`` sees positions ``< seq_len - Q_LEN + i + 1`` (and ``>= seq_len - Q_LEN + i - window_left``
     with ``WINDOW``); a row with none in the unit gets ``o = 0, lse = -inf``. Tiles that hold positions some rows
@@ -486,7 +508,7 @@ def split_kv_partial_kernel(
                 done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
                 if done == units_b - 1:  # the last unit of this (sequence, KV head) merges it, in unit order
                     res, res_lse = _merge_rows(WS_O, WS_LSE, row_base, first, units_b, row_ok, offs_d, d_ok,
-                                               HEAD_DIM, BLOCK_M, BLOCK_D)
+                                               HEAD_DIM, BLOCK_M, BLOCK_D, 32, FUSED_UNROLL)
                     _store_out(res, res_lse, OUT, LSE_OUT, SINKS, b64, qi64, head64, head, row_ok, offs_d, d_ok,
                                stride_outb, stride_outt, stride_outh, stride_lob, stride_lot, SINKS_ON, WRITE_LSE)
                     tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero at rest: the next launch

@@ -102,8 +102,12 @@ def compile_partial(q: str = "bf16", kv: str = "bf16", *, arch: int = 90, warps:
                  BLOCK_M=max(16, triton.next_power_of_2(group * q_len)), BLOCK_N=64, BLOCK_B=1024, ONE_BLOCK=True, GRANULE=64,
                  PAGE_SIZE=1, PAGED=False, MULTI=True, BALANCED=True, MERGE="separate", WRITE_LSE=True, UPCAST=False,
                  DOT_PRECISION="tf32", WINDOW=False, SOFTCAP=False, FP8=kv.startswith("fp8"), SINKS_ON=False,
+                 FUSED_UNROLL=None,
                  stride_sl=1, stride_btc=1)  # unit strides: Triton passes an int argument equal to 1 as a constant
-    return _compile(_jit_kernels().split_kv_partial_kernel, sig, _override(const, constexprs), arch, warps, stages)
+    const = _override(const, constexprs)
+    if const["FUSED_UNROLL"] is None:  # the backend's choice for these tiles
+        const["FUSED_UNROLL"] = _kernels.fused_unroll(const["BLOCK_M"], const["BLOCK_D"])
+    return _compile(_jit_kernels().split_kv_partial_kernel, sig, const, arch, warps, stages)
 
 
 def compile_merge(out: str = "bf16", *, head_dim: int = 128, arch: int = 90, **constexprs):
