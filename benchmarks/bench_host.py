@@ -166,7 +166,7 @@ def measure(be: str, x, lens: list[int], calls: int) -> dict:
         w._launcher = bound
         r["direct"] = len(getattr(bound, "direct", {}))
         if be == "triton":  # the raw launch against Triton's own launcher, in the same run
-            r["raw"] = all(e[2] is not None for e in bound.direct.values())
+            r["raw"] = bool(bound.direct) and all(e[2] is not None for e in bound.direct.values())
             w2 = attnplan.DecodeWrapper(ctx, backend=be)
             w2.plan(*args, seq_lens_host=lens)
             w2._launcher.raw = False

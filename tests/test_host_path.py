@@ -1108,7 +1108,8 @@ def test_decode_wrapper_runs_cuda_ptx_through_its_bound_launch(monkeypatch, merg
 class _RawDriver:
     """Stands in for cuda-python's driver module for Triton's raw launch: ``CUfunction`` of an int handle, each
     function's parameter sizes (``cuFuncGetParamInfo``) from ``sizes``, and ``cuLaunchKernel`` recording the
-    function, grid, block, shared memory, stream and each parameter's bytes; it returns ``status``."""
+    function, grid, block, shared memory, stream and each parameter's bytes; it returns ``status`` (one for every
+    function, or a dict of function handle -> status, 0 where absent)."""
 
     def __init__(self, real, sizes: dict, log: list):
         self._real, self.sizes, self.log, self.status = real, sizes, log, 0
@@ -1131,13 +1132,15 @@ class _RawDriver:
         slots = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
         vals = [ctypes.string_at(slots[i], n) for i, n in enumerate(self.sizes[fn])]
         self.log.append(("raw", fn, (gx, gy, gz), (bx, by, bz), smem, stream, vals))
-        return (self._real.CUresult(self.status),)
+        status = self.status.get(fn, 0) if isinstance(self.status, dict) else self.status
+        return (self._real.CUresult(status),)
 
 
 class _FakeJitRaw(_FakeJit):
     """:class:`_FakeJit` whose compiled kernel also has what the raw launch reads: the specialization's signature
     (:func:`_triton_signature`), metadata (4 warps, ``4096 + handle`` bytes of shared memory, no scratch) and a
-    function handle, whose parameter sizes it enters in ``sizes`` (one more with ``extra_param``)."""
+    function handle, whose parameter sizes it enters in ``sizes`` (with ``extra_param``: another handle, taking one
+    parameter more)."""
 
     def __init__(self, real, log, handle: int, sizes: dict):
         super().__init__(real, log)
@@ -1154,8 +1157,8 @@ class _FakeJitRaw(_FakeJit):
             ck.metadata = types.SimpleNamespace(num_warps=4, shared=4096 + self.handle, num_ctas=1,
                                                 global_scratch_size=0, profile_scratch_size=0, launch_pdl=False,
                                                 launch_cooperative_grid=False)
-            ck.function = self.handle
-            self.sizes[self.handle] = [len(b) for b in _param_bytes(self.sig, full)] + [8] * self.extra_param
+            ck.function = self.handle + 100 * self.extra_param  # a function of its own: the first keeps its sizes
+            self.sizes[ck.function] = [len(b) for b in _param_bytes(self.sig, full)] + [8] * self.extra_param
             return ck
         return raw_ready
 
@@ -1194,13 +1197,17 @@ def _param_bytes(sig: dict, values) -> list[bytes]:
 
 @needs_cuda_python
 @pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs the Triton interpreter")
-def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, gen):
+@pytest.mark.parametrize("page,with_lse,with_sinks", [(16, True, True), (None, False, False)],
+                         ids=["paged-lse-sinks", "contiguous"])
+def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, page, with_lse, with_sinks, gen):
     """With Triton's compiled kernels and cuda-python's driver stood in for: a layout's later calls go through one
     ``cuLaunchKernel`` per kernel whose parameter bytes are, call after call with new q / caches / seq_lens / block
     table / out tensors, exactly the JIT arguments of those tensors less the constexprs (data pointers for tensors)
     plus two null scratch pointers; the grid, block (num_warps x 32) and shared memory are the compiled kernel's. A
-    context error falls back to Triton's launcher for that call; another driver error raises; a function whose
-    parameters (as the driver reports them) differ from the derived ones is never launched raw."""
+    context error falls back to Triton's launcher for that call (for both kernels, or for the merge alone where only
+    its launch fails); another driver error raises; a function whose parameters (as the driver reports them) differ
+    from the derived ones is never launched raw. Paged with an lse and sinks (the variant pointers), and
+    contiguous (the block table's stand-in)."""
     from attnplan.backends.cuda_ptx import _bindings
     from attnplan.backends.cuda_ptx._bindings import DriverError
     from attnplan.backends.triton import BoundLaunch, kernels
@@ -1216,12 +1223,13 @@ def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, gen
     drv = _RawDriver(real, sizes, log)
     monkeypatch.setattr(_bindings, "_BINDINGS", (drv, None))
     cfg = attnplan.load_config(split={"merge": "separate"})
-    x = make_inputs(2, 8, 2, 32, [60, 20], page_size=16, dtype=torch.float32, generator=gen)
-    sinks = torch.randn(8, generator=gen)
+    x = make_inputs(2, 8, 2, 32, [60, 20], page_size=page, dtype=torch.float32, generator=gen)
+    sinks = torch.randn(8, generator=gen) if with_sinks else None
     w = attnplan.DecodeWrapper(cfg, backend="triton")
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=4, seq_lens_host=[60, 20],
                   sinks=sinks)
     assert plan.merge == "separate"
+    new_lse = (lambda: torch.empty(2, 1, 8)) if with_lse else (lambda: None)
     bl = w._launcher
     assert isinstance(bl, BoundLaunch) and bl.raw
     from triton import knobs
@@ -1235,23 +1243,23 @@ def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, gen
         w.run(y.q, y.k_cache, y.v_cache, y.seq_lens, y.block_table, out=out, lse=lse)
         return [e[0] for e in log]
 
-    lse = torch.empty(2, 1, 8)
+    lse = new_lse()
     out = torch.empty_like(x.q)
     assert run(x, out, lse) == ["jit", "jit"]
     (entry,) = bl.direct.values()
     assert entry[2] is not None and entry[3] is not None, "the raw launches were not prepared"
     for _ in range(2):
-        y, out2, lse2 = _fresh(x), torch.empty_like(x.q), torch.empty(2, 1, 8)
+        y, out2, lse2 = _fresh(x), torch.empty_like(x.q), new_lse()
         assert run(y, out2, lse2) == ["raw", "raw"]
         xi = DecodeInputs(y.q, y.k_cache, y.v_cache, y.seq_lens, y.block_table, w._sm_scale, sinks=sinks)
         pos = be._partial_args(L, xi, out2, lse2)
-        kw = {**L.const, "WRITE_LSE": True, "SINKS_ON": True}
+        kw = {**L.const, "WRITE_LSE": with_lse, "SINKS_ON": with_sinks}
         full = pos + tuple(kw[n] for n in jits["partial"].arg_names[len(pos):])
         _, fn, grid, block, smem, stream, vals = log[0]
         assert fn == 1001 and grid == tuple(plan.grid) + (1,) * (3 - len(plan.grid)) and block == (128, 1, 1)
         assert smem == 4096 + 1001 and stream == 77 and vals == _param_bytes(jits["partial"].sig, full)
         mpos = be._merge_args(L, out2, lse2, sinks)
-        mkw = {**L.merge_const, "WRITE_LSE": True, "SINKS_ON": True}
+        mkw = {**L.merge_const, "WRITE_LSE": with_lse, "SINKS_ON": with_sinks}
         mfull = mpos + tuple(mkw[n] for n in jits["merge"].arg_names[len(mpos):])
         _, fn, grid, _, _, _, vals = log[1]
         assert fn == 1002 and grid == tuple(L.merge_grid) + (1,) * (3 - len(L.merge_grid))
@@ -1260,6 +1268,11 @@ def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, gen
     assert run(x, out, lse) == ["raw", "direct", "direct"]
     drv.status = 2  # CUDA_ERROR_OUT_OF_MEMORY: raised, naming the launch
     with pytest.raises(DriverError, match="cuLaunchKernel"):
+        run(x, out, lse)
+    drv.status = {1002: 201}  # the merge's launch alone: the partial's raw launch stands, Triton's launches the merge
+    assert run(x, out, lse) == ["raw", "raw", "direct"]
+    drv.status = {1002: 2}
+    with pytest.raises(DriverError, match="merge"):
         run(x, out, lse)
     drv.status = 0
     # another layout, whose loaded partial function takes one parameter more than derived: Triton's launcher
@@ -1358,19 +1371,21 @@ def test_gpu_triton_raw_launch_matches_tritons_launcher(variant, page):
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda") if lse_on else None
             w.run(q, *args[1:], out=out, lse=lse)
             res[i].append((out, lse))
+    # the same layout from a new thread (its tensors made here, so the thread's first CUDA call is the run)
+    out_t = torch.empty_like(x.q)
+    lse_t = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda") if lse_on else None
     box = []
-    t = threading.Thread(target=lambda: box.append(ws[0].run(*args, out=torch.empty_like(x.q))))
+    t = threading.Thread(target=lambda: box.append(ws[0].run(*args, out=out_t, lse=lse_t)))
     t.start()
     t.join()
     torch.cuda.synchronize()
-    # one layout per lse on / off (the thread's run has none)
     assert ws[0]._launcher.direct and all(e[2] is not None and e[3] is not None
                                           for e in ws[0]._launcher.direct.values()), "no raw launches on this GPU"
     assert all(e[2] is None for e in ws[1]._launcher.direct.values())
     ref, ref_lse = _ref(x) if not kw else (None, None)
     for (o1, l1), (o2, l2) in zip(*res):
         assert torch.equal(o1, o2) and (l1 is None or torch.equal(l1, l2))
-    assert torch.equal(box[0], res[1][0][0])
+    assert torch.equal(box[0], res[1][0][0]) and (lse_t is None or torch.equal(lse_t, res[1][0][1]))
     if ref is not None:
         assert_close_to_reference(res[0][0][0], ref, torch.bfloat16)
 

@@ -374,6 +374,73 @@ def test_empty_units_and_rows_with_sinks(merge, gen):
     assert schedule_units([0, 1, 17], plan.schedule, 2).units.tolist() == [1, 1, 2]
 
 
+if triton is not None:
+    from attnplan.backends.triton.kernels import _merge_rows
+
+    @triton.jit
+    def _merge_rows_kernel(WS_O, WS_LSE, OUT, OUT_LSE, first, count, ws_slots, HEAD_DIM: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr):
+        """The fused merge's last-program merge (:func:`_merge_rows`) alone: rows ``[0, ROWS)`` of a contiguous
+        ``[ROWS, ws_slots]`` state, slots ``[first, first + count)``."""
+        offs_m = tl.arange(0, BLOCK_M)
+        row_ok = offs_m < ROWS
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        o, lse = _merge_rows(WS_O, WS_LSE, offs_m.to(tl.int64) * ws_slots, first, count, row_ok, offs_d, d_ok,
+                             HEAD_DIM, BLOCK_M, BLOCK_D, 32, UNROLL)
+        tl.store(OUT + offs_m[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(OUT_LSE + offs_m, lse, mask=row_ok)
+
+
+@pytest.mark.parametrize("count,unroll", [(1, 1), (2, 4), (5, 8), (7, 3), (33, 4), (70, 5)])
+def test_fused_merge_rows_keep_the_merge_contract(count, unroll, gen):
+    """The fused merge's last program (:func:`~attnplan.backends.triton.kernels._merge_rows`, its LSEs 32 slots per
+    load and ``unroll`` states per step, counts that are not multiples of either) gives
+    :func:`attnplan.state.merge_states` of its slot range, row by row. It keeps the NaN pattern exactly and the
+    values within fp32 rounding: an all-empty row gives ``0 / -inf``; NaN in a non-empty state's ``lse`` or ``o``
+    (also where that state's weight underflows to 0) makes the row NaN; NaN in empty states' ``o`` and in slots
+    outside the range never leaks in; rows past ``ROWS`` and columns past ``head_dim`` are never written
+    (poisoned)."""
+    from attnplan.state import PartialState, merge_states
+
+    rows, d, first = 10, 24, 2
+    slots = first + count + 3
+    lse = torch.randn(rows, slots, generator=gen) * 3
+    o = torch.randn(rows, slots, d, generator=gen)
+    empty = torch.rand(rows, slots, generator=gen) < 0.3
+    lse[empty], o[empty] = float("-inf"), float("nan")  # an empty state's o is never read
+    lse[0] = float("-inf")  # every state empty
+    lse[1, first + count - 1] = float("nan")  # NaN lse in the last slot
+    lse[2] = float("-inf")
+    lse[2, first + count // 2] = float("nan")  # NaN lse among empty states
+    lse[3, first], o[3, first, 5] = 0.0, float("nan")  # NaN in a non-empty o
+    if count > 1:  # NaN o whose weight exp(0 - 200) underflows to 0
+        lse[4, first], o[4, first, 3], lse[4, first + count - 1] = 0.0, float("nan"), 200.0
+    lse[5, :first] = lse[5, first + count:] = float("nan")  # NaN outside the range
+    o[6, :first] = o[6, first + count:] = float("nan")
+    dev = torch.device(DEVICE)
+    flat = poison(torch.empty(16 * 32, device=dev))  # out [rows, d] with row stride d, then room it must not touch
+    out_lse = poison(torch.empty(16, device=dev))
+    _merge_rows_kernel[(1,)](o.to(dev).contiguous(), lse.to(dev).contiguous(), flat, out_lse, first, count, slots,
+                             HEAD_DIM=d, BLOCK_M=16, BLOCK_D=32, ROWS=rows, UNROLL=unroll)
+    got = flat[: rows * d].view(rows, d).cpu()
+    want, want_lse = merge_states(PartialState(o[None, None, :, first:first + count].double(),
+                                               lse[None, None, :, first:first + count].double()))
+    want, want_lse = want[0, 0].float(), want_lse[0, 0].float()
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isnan(out_lse[:rows].cpu()),
+                                                                            torch.isnan(want_lse))
+    assert (got[0] == 0).all() and out_lse[0] == float("-inf")
+    assert torch.isnan(got[1]).all() and torch.isnan(got[2]).all() and torch.isnan(got[3, 5])
+    if count > 1:
+        assert torch.isnan(got[4, 3])
+    assert not torch.isnan(got[5:7]).any() and not torch.isnan(out_lse[5:7]).any()
+    ok = ~torch.isnan(want)
+    torch.testing.assert_close(got[ok], want[ok], rtol=1e-5, atol=1e-6)
+    okl = ~torch.isnan(want_lse)
+    torch.testing.assert_close(out_lse[:rows].cpu()[okl], want_lse[okl], rtol=1e-5, atol=1e-6)
+    assert flat[rows * d:].isnan().all() and out_lse[rows:].isnan().all()  # nothing written past the rows
+
+
 # -- GPU: realistic sizes, racing programs -------------------------------------------------------------------------
 
 @pytest.mark.gpu

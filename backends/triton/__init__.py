@@ -84,7 +84,7 @@ class _Direct:
     ``const_tail``: the values of the kernel's constexpr parameters, appended after the positional arguments
     (the launcher skips them; Triton's ``CompiledKernel.__getitem__`` passes them the same way)."""
 
-    __slots__ = ("run", "function", "packed", "const_tail", "device", "debug")
+    __slots__ = ("run", "function", "packed", "const_tail", "device", "debug", "kernel")
 
 
 def _direct(jit_fn, ck, nargs: int, const: dict, device: int) -> _Direct | None:
@@ -98,6 +98,7 @@ def _direct(jit_fn, ck, nargs: int, const: dict, device: int) -> _Direct | None:
         if set(const) - _LAUNCH_OPTIONS != set(names[nargs:]):
             return None
         d = _Direct()
+        d.kernel = ck  # owns the module of the function handle below (and of a raw launch's)
         d.run = ck.run  # loads the module on first use
         d.function, d.packed = ck.function, ck.packed_metadata
         if d.function is None:
@@ -112,9 +113,9 @@ def _direct(jit_fn, ck, nargs: int, const: dict, device: int) -> _Direct | None:
 
 
 def _check_raw(status: int, which: str) -> None:
-    """Raise for a raw launch's driver ``status`` unless it is a context error (:data:`~.raw.CONTEXT_ERRORS`: this
-    thread's current context is not the kernel's, nothing was enqueued), after which Triton's launcher (which
-    handles the context as it does for any launch) launches instead."""
+    """Raise for a raw launch's driver ``status`` unless it is a context or handle error
+    (:data:`~.raw.CONTEXT_ERRORS`: nothing was enqueued), after which Triton's launcher (which handles the context as
+    it does for any launch) launches instead."""
     from .raw import CONTEXT_ERRORS
 
     if status not in CONTEXT_ERRORS:
@@ -169,9 +170,10 @@ class BoundLaunch:
     above packed once (:func:`.raw.raw_kernel`, where the parameter list derived from Triton's signature matches
     the loaded function's as the driver reports it; else Triton's launcher as above). A call then writes the data
     pointers of q, k_cache, v_cache, seq_lens, block_table, out, lse (and the sink and scale tensors' where the
-    binding has them) into the packed buffers under a lock, and launches; a launch that fails because this thread's
-    current context is not the kernel's enqueued nothing and goes through Triton's launcher; any other driver error
-    raises ``DriverError``.
+    binding has them) into the packed buffers under a lock, and launches; a launch that fails with a context or handle
+    error (this thread's current context is not the kernel's) enqueued nothing and goes through Triton's launcher;
+    any other driver error raises ``DriverError``. ``raw`` (also the attribute) is read when a layout's direct
+    launches are prepared: changing it affects layouts first seen afterwards.
     """
 
     __slots__ = ("backend", "L", "paged", "mid", "mid_ptrs", "tail", "tail_scalars", "last_page", "sm_scale",

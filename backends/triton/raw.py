@@ -25,8 +25,8 @@ import struct
 
 __all__ = ["RawKernel", "raw_kernel", "param_kinds", "CONTEXT_ERRORS"]
 
-#: what a launch returns when the calling thread's current context is not the function's (none, or another one):
-#: CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE; nothing was enqueued
+#: CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE: what a launch returns when the calling thread's current
+#: context is not the function's (none, or another one), or a handle is not valid in it; nothing was enqueued
 CONTEXT_ERRORS = frozenset({201, 400})
 
 #: Triton signature type -> :class:`PackedArgs` kind, and the parameter's size in bytes
@@ -99,9 +99,10 @@ class RawKernel:
         self.driver_launch = driver_launch  # cuda-python's cuLaunchKernel
 
     def launch(self, stream: int, *groups: tuple):
-        """Write each group's data pointers, then ``cuLaunchKernel`` on ``stream``; returns the driver's status, a
-        ``CUresult`` (0: launched; :data:`CONTEXT_ERRORS`: nothing was enqueued). The caller serializes calls on one kernel (the
-        buffer is shared); the driver copies the parameters during the call."""
+        """Write each group's data pointers (one ``values`` tuple per group of ``changing``, in order), then
+        ``cuLaunchKernel`` on ``stream``; returns the driver's status, a ``CUresult`` (0: launched;
+        :data:`CONTEXT_ERRORS`: nothing was enqueued). The caller serializes calls on one kernel (the buffer is
+        shared); the driver copies the parameters during the call."""
         buf = self.args.buffer
         for (at, st), vals in zip(self.writes, groups):
             st.pack_into(buf, at, *vals)
