@@ -427,7 +427,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/host.json")
     ap.add_argument("--cpu", action="store_true", help="per-stage host cost on the CPU, launches stubbed")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="GPU: cProfile N run() and N decode() calls per backend at the first --kv and print the top functions")
+                    help="GPU: cProfile N run() and N decode() calls per backend at the first --kv and print "
+                         "the top functions")
     args = ap.parse_args(argv)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     if args.profile:

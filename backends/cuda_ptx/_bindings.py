@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CudaPtxError", "NvrtcError", "DriverError", "bindings", "check_driver", "check_nvrtc"]
+__all__ = ["CudaPtxError", "NvrtcError", "DriverError", "bindings", "check_driver", "check_nvrtc", "CONTEXT_ERRORS"]
+
+#: CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE: what a launch returns when the calling thread's current
+#: context is not the function's (none, or another one), or a handle is not valid in it; nothing was enqueued
+CONTEXT_ERRORS = frozenset({201, 400})
 
 
 class CudaPtxError(RuntimeError):

@@ -14,17 +14,13 @@ import threading
 
 import torch
 
-from ._bindings import CudaPtxError, DriverError, bindings, check_driver
+from ._bindings import CONTEXT_ERRORS, CudaPtxError, DriverError, bindings, check_driver
 from .args import PackedArgs
 from .nvrtc import CompileCache, CompileTarget, Compiled, nvrtc_version, select_target
 from .source import kernel_program
 from .spec import KernelSpec, LaunchConfig
 
 __all__ = ["DeviceRuntime", "pdl_launch_config"]
-
-#: what a launch returns when the calling thread's context is not the function's (no context, another context):
-#: CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE
-_CONTEXT_ERRORS = frozenset({201, 400})
 
 
 class DeviceRuntime:
@@ -160,7 +156,7 @@ class DeviceRuntime:
         res, what = self._launch_raw(fn, cfg, kernel_params, stream, pdl)
         status = res[0] if type(res) is tuple else res
         if status != 0:
-            if int(status) in _CONTEXT_ERRORS:
+            if int(status) in CONTEXT_ERRORS:
                 self.launch_function(fn, name, cfg, kernel_params, stream, pdl)
             else:
                 check_driver(res, self._launch_name(what, name, cfg))

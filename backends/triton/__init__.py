@@ -14,8 +14,8 @@ separate merge kernel (``plan.merge == "separate"``) or by the last program of e
 plan-derived launch constants are computed once per (plan, workspace). ``DecodeWrapper.run()`` launches through
 :class:`BoundLaunch` (:meth:`TritonBackend.bind`, made by ``plan()``), which launches the compiled kernel of a known
 specialization directly instead of through the JIT (one ``cuLaunchKernel`` per kernel with arguments packed once,
-:mod:`.raw`, where the compiled kernel's parameters allow; else Triton's own launcher). Block-table entries are clamped into ``[0, num_pages)`` by the
-kernel.
+:mod:`.raw`, where the compiled kernel's parameters allow; else Triton's own launcher). Block-table entries are
+clamped into ``[0, num_pages)`` by the kernel.
 """
 
 from __future__ import annotations
@@ -114,13 +114,11 @@ def _direct(jit_fn, ck, nargs: int, const: dict, device: int) -> _Direct | None:
 
 def _check_raw(status: int, which: str) -> None:
     """Raise for a raw launch's driver ``status`` unless it is a context or handle error
-    (:data:`~.raw.CONTEXT_ERRORS`: nothing was enqueued), after which Triton's launcher (which handles the context as
-    it does for any launch) launches instead."""
-    from .raw import CONTEXT_ERRORS
+    (:data:`~attnplan.backends.cuda_ptx._bindings.CONTEXT_ERRORS`: nothing was enqueued), after which Triton's
+    launcher (which handles the context as it does for any launch) launches instead."""
+    from attnplan.backends.cuda_ptx._bindings import CONTEXT_ERRORS, check_driver
 
     if status not in CONTEXT_ERRORS:
-        from attnplan.backends.cuda_ptx._bindings import check_driver
-
         check_driver((status,), f"cuLaunchKernel(triton {which} kernel)")
 
 

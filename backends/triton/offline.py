@@ -14,6 +14,7 @@ them, and compile statistics (``benchmarks/triton_compile_stats.py``) say nothin
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -23,17 +24,26 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-if __package__:
-    from . import kernels as _kernels
-else:  # the child of compile_cases, run by path: the kernels module alone (it imports only Triton), not the
-    # attnplan package, whose import (torch, numba) costs ~2 s of the child's ~3
+
+@functools.lru_cache(maxsize=None)
+def _sibling(name: str):
+    """This package's module ``name``: imported as usual, or, in the child of :func:`compile_cases` (run by path),
+    loaded from its file alone (``kernels`` imports only Triton, ``raw`` nothing), not through the attnplan package,
+    whose import (torch, numba) costs ~2 s of the child's ~3."""
+    if __package__:
+        import importlib
+
+        return importlib.import_module(f".{name}", __package__)
     import importlib.util
 
-    _spec = importlib.util.spec_from_file_location("attnplan_offline_kernels",
-                                                   os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                "kernels.py"))
-    _kernels = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_kernels)
+    spec = importlib.util.spec_from_file_location(f"attnplan_offline_{name}",
+                                                  os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_kernels = _sibling("kernels")
 
 __all__ = ["compile_partial", "compile_merge", "compile_cases"]
 
@@ -136,16 +146,7 @@ def _entry_param_sizes(ptx: str, entry: str) -> list[int]:
 def _derived_param_sizes(c) -> list[int] | None:
     """Sizes of the parameters the raw launch derives from Triton's signature and metadata (``raw.param_kinds``),
     ``None`` where it refuses the kernel."""
-    if __package__:
-        from .raw import param_kinds
-    else:
-        _raw = importlib.util.spec_from_file_location("attnplan_offline_raw",
-                                                      os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                   "raw.py"))
-        mod = importlib.util.module_from_spec(_raw)
-        _raw.loader.exec_module(mod)
-        param_kinds = mod.param_kinds
-    kinds = param_kinds(c.src, c.metadata)
+    kinds = _sibling("raw").param_kinds(c.src, c.metadata)
     return None if kinds is None else [size for _, _, size in kinds]
 
 

@@ -23,11 +23,7 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["RawKernel", "raw_kernel", "param_kinds", "CONTEXT_ERRORS"]
-
-#: CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_HANDLE: what a launch returns when the calling thread's current
-#: context is not the function's (none, or another one), or a handle is not valid in it; nothing was enqueued
-CONTEXT_ERRORS = frozenset({201, 400})
+__all__ = ["RawKernel", "raw_kernel", "param_kinds"]
 
 #: Triton signature type -> :class:`PackedArgs` kind, and the parameter's size in bytes
 _KINDS = {"i32": ("i32", 4), "i64": ("i64", 8), "fp32": ("f32", 4)}
@@ -101,7 +97,8 @@ class RawKernel:
     def launch(self, stream: int, *groups: tuple):
         """Write each group's data pointers (one ``values`` tuple per group of ``changing``, in order), then
         ``cuLaunchKernel`` on ``stream``; returns the driver's status, a ``CUresult`` (0: launched;
-        :data:`CONTEXT_ERRORS`: nothing was enqueued). The caller serializes calls on one kernel (the buffer is
+        :data:`~attnplan.backends.cuda_ptx._bindings.CONTEXT_ERRORS`: nothing
+        was enqueued). The caller serializes calls on one kernel (the buffer is
         shared); the driver copies the parameters during the call."""
         buf = self.args.buffer
         for (at, st), vals in zip(self.writes, groups):
