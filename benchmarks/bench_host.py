@@ -15,10 +15,7 @@ two-kernel plan takes about as long as its launches). The fields:
 - ``plan_hit_us``: ``plan()`` again with host lengths (a plan-cache hit); ``decode_us``: ``attnplan.decode()`` with
   ``seq_lens_host`` (a plan-cache hit, its wrapper reused);
 - torch's ``scaled_dot_product_attention`` on the same data (dense, ``enable_gqa``) as the bar, and the floor of any
-  call that launches a kernel: one ``cuLaunchKernel`` of an empty kernel through cuda-python, the same through the
-  driver's entry point by ctypes (``launch_ctypes_host_us``, the bound launches' path), and torch's ``add_``;
-- ``run_cuda_python_host_us`` / ``bound_cuda_python_host_us`` (cuda_ptx, triton): ``run()`` and the bound launch with
-  the driver launches through cuda-python's binding instead of ctypes, in the same run.
+  call that launches a kernel: one ``cuLaunchKernel`` of an empty kernel through cuda-python and torch's ``add_``.
 
 It also checks that ``run()`` and, with host lengths, ``plan()`` / ``decode()`` never synchronize the host
 (``torch.cuda.set_sync_debug_mode("error")``; ``decode()`` without host lengths is documented to synchronize once,
@@ -126,8 +123,8 @@ def no_sync(fn) -> str:
 
 def launch_floor(t: torch.Tensor, calls: int) -> dict:
     """What one launch costs the host at least (us, :func:`host_us`): ``cuLaunchKernel`` of a loaded empty kernel
-    (one warp) through cuda-python and through the driver's entry point by ctypes (the call the bound launches make),
-    and torch's ``add_`` of a scalar (its dispatcher and one launch)."""
+    (one warp) through cuda-python (the call cuda_ptx's bound launch makes) and torch's ``add_`` of a scalar (its
+    dispatcher and one launch)."""
     r = {"torch_op_host_us": host_us(lambda: t.add_(0), calls)}
     try:
         from attnplan.backends.cuda_ptx._bindings import bindings, check_driver
@@ -143,14 +140,6 @@ def launch_floor(t: torch.Tensor, calls: int) -> dict:
         r["launch_host_us"] = host_us(lambda: driver.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0), calls)
         torch.cuda.synchronize()
         check_driver(driver.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0), "cuLaunchKernel")
-        from attnplan.backends.cuda_ptx.claunch import driver_launch
-
-        c = driver_launch()
-        if c is not None:  # the same launch through the driver's entry point by ctypes (the bound launches' path)
-            h, cl = int(fn), c.launch
-            check_driver((cl(h, 1, 1, 1, 32, 1, 1, 0, stream, 0, None),), "cuLaunchKernel (ctypes)")
-            r["launch_ctypes_host_us"] = host_us(lambda: cl(h, 1, 1, 1, 32, 1, 1, 0, stream, 0, None), calls)
-            torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the floor is context, not a result
         r["launch_error"] = f"{type(e).__name__}: {str(e)[:120]}"
     return r
@@ -176,30 +165,6 @@ def measure(be: str, x, lens: list[int], calls: int) -> dict:
         r["run_checks_us"] = per_call_us(lambda: w.run(*args, out=out), calls)
         w._launcher = bound
         r["direct"] = len(getattr(bound, "direct", {}))
-        from attnplan.backends.cuda_ptx import claunch
-
-        c = claunch.driver_launch()
-        if c is not None:  # the same bound launch through cuda-python's binding, in the same run
-            if be == "cuda_ptx":
-                rt = w.backend._runtime_for(x.q.device)
-                rt.c_launch = None
-                try:
-                    r["run_cuda_python_host_us"] = host_us(lambda: w.run(*args, out=out), calls)
-                    r["bound_cuda_python_host_us"] = host_us(lambda: bound(*args, out, None, ptrs), calls)
-                finally:
-                    rt.c_launch = c
-            elif be == "triton":
-                w3 = attnplan.DecodeWrapper(ctx, backend=be)
-                w3.plan(*args, seq_lens_host=lens)
-                claunch._LAUNCH[:] = [None]  # the raw launch prepared now takes cuda-python's cuLaunchKernel
-                try:
-                    w3.run(*args, out=out)
-                    w3.run(*args, out=out)
-                finally:
-                    claunch._LAUNCH[:] = [c]
-                b3 = w3._launcher
-                r["run_cuda_python_host_us"] = host_us(lambda: w3.run(*args, out=out), calls)
-                r["bound_cuda_python_host_us"] = host_us(lambda: b3(*args, out, None, ptrs), calls)
         if be == "triton":  # the raw launch against Triton's own launcher, in the same run
             r["raw"] = bool(bound.direct) and all(e[2] is not None for e in bound.direct.values())
             w2 = attnplan.DecodeWrapper(ctx, backend=be)
@@ -274,7 +239,6 @@ def cuda_ptx_cpu_stand_in():
     rt = object.__new__(R.DeviceRuntime)
     rt.index, rt._ctx_int, rt._tls, rt.pdl_supported = 0, 1, threading.local(), True
     rt._functions, rt._lock, rt._load = {}, threading.Lock(), (lambda spec: spec.name)
-    rt.c_launch = None  # the stand-in driver's launch
     saved = (R.bindings, torch.cuda.current_device, torch.cuda.current_stream)
     R.bindings = lambda: (driver, None)
     torch.cuda.current_device = lambda: 0
@@ -511,8 +475,7 @@ def main(argv=None) -> int:
     fl = next((r for r in rows if r.get("what") == "floor"), {})
     if fl:
         launch = f"{fl['launch_host_us']:.1f}" if "launch_host_us" in fl else fl.get("launch_error", "-")
-        cl = f", through ctypes {fl['launch_ctypes_host_us']:.1f}" if "launch_ctypes_host_us" in fl else ""
-        print(f"\nfloor (host us per call, GPU busy): one cuLaunchKernel {launch}{cl}, torch "
+        print(f"\nfloor (host us per call, GPU busy): one cuLaunchKernel {launch}, torch "
               f"add_ {fl['torch_op_host_us']:.1f}")
     print("\nhost us per call (GPU busy; loop wall time in brackets)\n"
           "kv      backend   run            checks  bound          jit     plan_hit  decode         sdpa           "
@@ -522,11 +485,6 @@ def main(argv=None) -> int:
             print(f"{r['kv']:<7d} {r['backend']:9s} raw launch {'on' if r['raw'] else 'OFF'}: run {r['run_host_us']:.1f} "
                   f"bound {r['bound_host_us']:.1f}; Triton's launcher: run {r['run_launcher_host_us']:.1f} bound "
                   f"{r['bound_launcher_host_us']:.1f}")
-    for r in rows:
-        if "run_cuda_python_host_us" in r:
-            print(f"{r['kv']:<7d} {r['backend']:9s} driver launch through ctypes: run {r['run_host_us']:.1f} bound "
-                  f"{r['bound_host_us']:.1f}; through cuda-python: run {r['run_cuda_python_host_us']:.1f} bound "
-                  f"{r['bound_cuda_python_host_us']:.1f}")
     sd = {r["kv"]: r for r in rows if r.get("what") == "torch sdpa"}
     for r in rows:
         if "run_us" in r:

@@ -779,7 +779,6 @@ def _cuda_ptx_stand_in(monkeypatch, pdl_supported: bool = True):
     monkeypatch.setattr(R, "bindings", lambda: (_Driver(real, launches), None))
     rt = object.__new__(R.DeviceRuntime)
     rt.index, rt._ctx_int, rt._tls, rt.pdl_supported = 0, 1, threading.local(), pdl_supported
-    rt.c_launch = None  # cuda-python's launch (the stand-in driver), never the library's own entry points
     rt.function = lambda spec: (spec.name, len(A.MERGE_SIGNATURE if spec.kind == "merge" else A.PARTIAL_SIGNATURE))
     rt.launch = lambda *a: (unbound.append(a[0].name), R.DeviceRuntime.launch(rt, *a))
     be = CudaPtxBackend(N.CompileCache(disk=False))
@@ -927,45 +926,13 @@ def test_cuda_ptx_bound_launch_packs_the_unbound_paths_bytes(monkeypatch, case, 
             assert len(unbound) == kernels and got == _packed_launches(be, plan, ws, x, out, lse, pdl_dev)
 
 
-class _Handle:
-    """A loaded function's stand-in: ``int()`` gives its handle (what the ctypes launch passes)."""
-
-    def __int__(self):
-        return 4321
-
-
-class _CLaunch:
-    """:class:`~attnplan.backends.cuda_ptx.claunch.DriverLaunch` stood in for: each launch appends ``"launch"`` /
-    ``"launch pdl"`` to ``calls`` and its arguments to ``args``, and returns the next of ``results`` as an int (the
-    driver's CUresult, as ctypes returns it); the PDL configuration is the real ctypes structure."""
-
-    def __init__(self, calls: list, results: list):
-        from attnplan.backends.cuda_ptx.claunch import DriverLaunch
-
-        self.calls, self.results, self.args = calls, results, []
-        self.pdl_config = DriverLaunch.pdl_config
-
-    def launch(self, *a):
-        self.calls.append("launch")
-        self.args.append(a)
-        return int(self.results.pop(0))
-
-    def launch_ex(self, *a):
-        self.calls.append("launch pdl")
-        self.args.append(a)
-        return int(self.results.pop(0))
-
-
 @needs_cuda_python
-@pytest.mark.parametrize("path", ["cuda-python", "ctypes"])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_cuda_ptx_bound_launch_makes_the_context_current_only_when_a_launch_fails(monkeypatch, pdl, path):
+def test_cuda_ptx_bound_launch_makes_the_context_current_only_when_a_launch_fails(monkeypatch, pdl):
     """The bound launch does not ask for the current context: a launch that fails (this device's context not
     current) makes it current and launches once more; a second failure raises DriverError; a success needs neither
-    the query nor a second launch. The same through cuda-python's launch and through the driver's entry points by
-    ctypes (int results; the arguments as ints, the PDL attribute in the ctypes configuration)."""
+    the query nor a second launch."""
     from attnplan.backends.cuda_ptx._bindings import DriverError
-    from attnplan.backends.cuda_ptx.claunch import PROGRAMMATIC_STREAM_SERIALIZATION
     from attnplan.backends.cuda_ptx.spec import LaunchConfig
 
     R = _cuda_rt
@@ -996,38 +963,26 @@ def test_cuda_ptx_bound_launch_makes_the_context_current_only_when_a_launch_fail
     monkeypatch.setattr(R, "bindings", lambda: (Driver(), None))
     rt = object.__new__(R.DeviceRuntime)
     rt.index, rt._ctx_int, rt._ctx, rt._tls, rt.pdl_supported = 0, 1, 1, threading.local(), True
-    rt.c_launch = None if path == "cuda-python" else _CLaunch(calls, results)
-    fn = _Handle()
-    cfg = LaunchConfig((3, 2, 1), (128, 1, 1), 4096)
+    cfg = LaunchConfig((1, 1, 1), (32, 1, 1), 0)
     ok, bad = real.CUresult.CUDA_SUCCESS, real.CUresult.CUDA_ERROR_INVALID_CONTEXT
     launch = "launch pdl" if pdl else "launch"
     results[:] = [ok]
-    rt.launch_current(fn, "k", cfg, 555, STREAM, pdl)
+    rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
     assert calls == [launch]
-    if path == "ctypes":
-        a = rt.c_launch.args[-1]
-        if pdl:
-            c = a[0]
-            assert a[1:] == (4321, 555, None)
-            assert (c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ) == (3, 2, 1, 128, 1, 1)
-            assert (c.sharedMemBytes, c.hStream, c.numAttrs) == (4096, STREAM, 1)
-            assert (c.attrs[0].id, c.attrs[0].value[0]) == (PROGRAMMATIC_STREAM_SERIALIZATION, 1)
-        else:
-            assert a == (4321, 3, 2, 1, 128, 1, 1, 4096, STREAM, 555, None)
     for first in (bad, real.CUresult.CUDA_ERROR_INVALID_HANDLE):  # another context's function: made current
         calls.clear()
         results[:] = [first, ok]
-        rt.launch_current(fn, "k", cfg, 0, STREAM, pdl)
+        rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
         assert calls == [launch, "query", "set", launch]
     calls.clear()
     results[:] = [bad, bad]
     with pytest.raises(DriverError, match="CUDA_ERROR_INVALID_CONTEXT"):
-        rt.launch_current(fn, "k", cfg, 0, STREAM, pdl)
+        rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
     assert calls == [launch, "query", "set", launch]
     calls.clear()  # any other error is the launch's own: raised as it is, no retry
     results[:] = [real.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES]
     with pytest.raises(DriverError, match="CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
-        rt.launch_current(fn, "k", cfg, 0, STREAM, pdl)
+        rt.launch_current("fn", "k", cfg, 0, STREAM, pdl)
     assert calls == [launch]
 
 
@@ -1253,7 +1208,7 @@ def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, pag
     its launch fails); another driver error raises; a function whose parameters (as the driver reports them) differ
     from the derived ones is never launched raw. Paged with an lse and sinks (the variant pointers), and
     contiguous (the block table's stand-in)."""
-    from attnplan.backends.cuda_ptx import _bindings, claunch
+    from attnplan.backends.cuda_ptx import _bindings
     from attnplan.backends.cuda_ptx._bindings import DriverError
     from attnplan.backends.triton import BoundLaunch, kernels
 
@@ -1267,7 +1222,6 @@ def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, pag
     real, _ = _bindings.bindings()
     drv = _RawDriver(real, sizes, log)
     monkeypatch.setattr(_bindings, "_BINDINGS", (drv, None))
-    monkeypatch.setattr(claunch, "_LAUNCH", [None])  # the stand-in driver's launch, even where libcuda loads
     cfg = attnplan.load_config(split={"merge": "separate"})
     x = make_inputs(2, 8, 2, 32, [60, 20], page_size=page, dtype=torch.float32, generator=gen)
     sinks = torch.randn(8, generator=gen) if with_sinks else None
@@ -1428,67 +1382,12 @@ def test_gpu_triton_raw_launch_matches_tritons_launcher(variant, page):
     assert ws[0]._launcher.direct and all(e[2] is not None and e[3] is not None
                                           for e in ws[0]._launcher.direct.values()), "no raw launches on this GPU"
     assert all(e[2] is None for e in ws[1]._launcher.direct.values())
-    from attnplan.backends.cuda_ptx.claunch import driver_launch
-
-    c = driver_launch()  # the driver's entry points through ctypes, where the environment does not turn them off
-    assert c is None or all(e[2].driver_launch is c.launch for e in ws[0]._launcher.direct.values())
     ref, ref_lse = _ref(x) if not kw else (None, None)
     for (o1, l1), (o2, l2) in zip(*res):
         assert torch.equal(o1, o2) and (l1 is None or torch.equal(l1, l2))
     assert torch.equal(box[0], res[1][0][0]) and (lse_t is None or torch.equal(lse_t, res[1][0][1]))
     if ref is not None:
         assert_close_to_reference(res[0][0][0], ref, torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("merge", ["separate", "fused"])
-def test_gpu_cuda_ptx_ctypes_launch_matches_cuda_python(merge):
-    """On a GPU, cuda_ptx's launches through the driver's entry points by ctypes (claunch: ``cuLaunchKernel``, and
-    ``cuLaunchKernelEx`` with programmatic dependent launch for the separate merge) give outputs bitwise those of
-    cuda-python's launches of the same plan, eagerly and replayed from a CUDA graph captured through each path,
-    step after step with new lengths, and close to the reference."""
-    from attnplan.backends.cuda_ptx.claunch import driver_launch
-
-    c = driver_launch()
-    if c is None:
-        pytest.skip("the driver's entry points are not loaded through ctypes here")
-    gen = torch.Generator(device="cuda").manual_seed(9)
-    lens = [3000, 17, 0, 1500]
-    x = make_inputs(4, 32, 8, 128, lens, page_size=16, dtype=torch.bfloat16, device="cuda", capacity=4096,
-                    generator=gen)
-    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
-    cfg = attnplan.load_config(split={"merge": merge})
-    w = attnplan.DecodeWrapper(cfg, backend="cuda_ptx")
-    w.plan(*args, num_splits=4, seq_lens_host=lens)
-    rt = w.backend._runtime_for(x.q.device)
-    outs = {}
-    try:
-        for path in ("ctypes", "cuda-python"):
-            rt.c_launch = c if path == "ctypes" else None
-            eager = []
-            for _ in range(2):  # the unbound path first, then the bound one
-                out = torch.full_like(x.q, float("nan"))
-                w.run(*args, out=out)
-                eager.append(out)
-            out_g = torch.full_like(x.q, float("nan"))
-            w.run(*args, out=out_g)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                w.run(*args, out=out_g)
-            replays = []
-            for new in ([100, 2900, 1, 0], lens):
-                x.seq_lens.copy_(torch.tensor(new, dtype=torch.int32))
-                out_g.fill_(float("nan"))
-                g.replay()
-                replays.append(out_g.clone())
-            outs[path] = eager + replays
-    finally:
-        rt.c_launch = c
-    torch.cuda.synchronize()
-    for a, b in zip(outs["ctypes"], outs["cuda-python"]):
-        assert torch.equal(a, b)
-    assert_close_to_reference(outs["ctypes"][1], _ref(x)[0], torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -79,8 +79,6 @@ def check_driver(result: Any, call: str) -> Any:
     if int(status) != int(driver.CUresult.CUDA_SUCCESS):
         name = string = "?"
         try:
-            if isinstance(status, int):  # a CUresult as an int (a launch through ctypes, claunch)
-                status = driver.CUresult(status)
             err, n = driver.cuGetErrorName(status)
             name = n.decode() if isinstance(n, bytes) else str(n)
             err, s = driver.cuGetErrorString(status)

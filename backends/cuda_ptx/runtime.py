@@ -16,7 +16,6 @@ import torch
 
 from ._bindings import CONTEXT_ERRORS, CudaPtxError, DriverError, bindings, check_driver
 from .args import PackedArgs
-from .claunch import driver_launch
 from .nvrtc import CompileCache, CompileTarget, Compiled, nvrtc_version, select_target
 from .source import kernel_program
 from .spec import KernelSpec, LaunchConfig
@@ -63,8 +62,6 @@ class DeviceRuntime:
         # device: decided here, not on every launch
         arch = int("".join(ch for ch in self.target.arch if ch.isdigit()) or 0)
         self.pdl_supported: bool = self.compute_capability >= (9, 0) and arch >= 90
-        #: the driver's launch entry points through ctypes (claunch), or None: cuda-python's bindings launch
-        self.c_launch = driver_launch()
 
     def ensure_context(self) -> None:
         """Make this device's primary context current in the calling thread if it is not."""
@@ -165,14 +162,8 @@ class DeviceRuntime:
                 check_driver(res, self._launch_name(what, name, cfg))
 
     def _launch_raw(self, fn, cfg: LaunchConfig, kernel_params: int, stream: int, pdl: bool) -> tuple:
-        """One driver launch on the calling thread's context, unchecked: ``(result, the driver call's name)``, the
-        result a ``CUresult`` (an ``int`` through :attr:`c_launch`, else cuda-python's ``(CUresult,)``);
+        """One driver launch on the calling thread's context, unchecked: ``(result, the driver call's name)``;
         ``cuLaunchKernelEx`` with programmatic serialization where ``pdl`` and the device supports it."""
-        c = self.c_launch
-        if c is not None:  # the same calls without cuda-python's argument conversion (claunch)
-            if pdl and self.pdl_supported:
-                return c.launch_ex(self._pdl_config(cfg, stream), int(fn), kernel_params, None), "cuLaunchKernelEx"
-            return c.launch(int(fn), *cfg.grid, *cfg.block, cfg.smem, stream, kernel_params, None), "cuLaunchKernel"
         driver, _ = bindings()
         if pdl and self.pdl_supported:
             return driver.cuLaunchKernelEx(self._pdl_config(cfg, stream), fn, kernel_params, 0), "cuLaunchKernelEx"
@@ -187,19 +178,16 @@ class DeviceRuntime:
     def _pdl_config(self, cfg: LaunchConfig, stream: int):
         """A ``CUlaunchConfig`` for ``cfg`` on ``stream`` with the programmatic-serialization attribute, cached per
         thread and (``cfg``, stream) (building one costs ~2 us of Python; at most 64 per thread, the cache starts
-        again past that); the ctypes structure (:meth:`~.claunch.DriverLaunch.pdl_config`) where :attr:`c_launch`
-        launches, else cuda-python's."""
+        again past that)."""
         cache = getattr(self._tls, "pdl", None)
         if cache is None:
             cache = self._tls.pdl = {}
-        c = self.c_launch
-        key = (cfg, stream, c is not None)
+        key = (cfg, stream)
         config = cache.get(key)
         if config is None:
             if len(cache) >= 64:
                 cache.clear()
-            config = cache[key] = (pdl_launch_config(cfg, stream) if c is None
-                                   else c.pdl_config(cfg.grid, cfg.block, cfg.smem, stream))
+            config = cache[key] = pdl_launch_config(cfg, stream)
         return config
 
 

@@ -1,6 +1,5 @@
-"""Launch a compiled Triton kernel with one driver call: ``cuLaunchKernel`` (the driver's entry point through ctypes,
-:mod:`attnplan.backends.cuda_ptx.claunch`, else cuda-python's binding), with its arguments packed once (the
-``cuda_ptx`` backend's :class:`~attnplan.backends.cuda_ptx.args.PackedArgs`).
+"""Launch a compiled Triton kernel with one driver call: ``cuLaunchKernel`` through cuda-python, with its arguments
+packed once (the ``cuda_ptx`` backend's :class:`~attnplan.backends.cuda_ptx.args.PackedArgs`).
 
 Triton's own launcher (``CompiledKernel.run``) rebuilds the whole argument list on every call: a Python wrapper
 that looks for scratch allocators and hooks, then a C function that parses each of ~40 arguments. For a bound launch
@@ -67,9 +66,8 @@ class RawKernel:
 
     ``values``: every argument of the kernel in Triton's order (constexprs included, ignored), data pointers as
     ints. ``changing``: groups of argument indices, each of pointer arguments that are consecutive parameters, whose
-    values :meth:`launch` writes (one group per ``values`` tuple it gets). ``driver_launch``: ``cuLaunchKernel``,
-    the driver's own through ctypes (:mod:`attnplan.backends.cuda_ptx.claunch`; ``fn`` then the handle as an int) or
-    cuda-python's (``fn`` its ``CUfunction``).
+    values :meth:`launch` writes (one group per ``values`` tuple it gets). ``driver_launch``: cuda-python's
+    ``cuLaunchKernel``.
 
     Raises:
         ValueError: a group is not consecutive pointer parameters.
@@ -94,7 +92,7 @@ class RawKernel:
             writes.append((8 * slots[0], struct.Struct(f"<{len(slots)}Q")))
         self.writes = tuple(writes)
         self.fn, self.grid, self.block, self.smem = fn, tuple(grid), (32 * int(num_warps), 1, 1), int(shared)
-        self.driver_launch = driver_launch  # cuLaunchKernel: ctypes' or cuda-python's
+        self.driver_launch = driver_launch  # cuda-python's cuLaunchKernel
 
     def launch(self, stream: int, *groups: tuple):
         """Write each group's data pointers (one ``values`` tuple per group of ``changing``, in order), then
@@ -138,11 +136,6 @@ def raw_kernel(ck, grid, values: tuple, changing: tuple[tuple[int, ...], ...]) -
         g = tuple(grid) + (1,) * (3 - len(grid))
         if min(g) < 1:
             return None  # Triton's launcher skips an empty grid; the driver would refuse it
-        from attnplan.backends.cuda_ptx.claunch import driver_launch
-
-        c = driver_launch()  # the driver's own entry point through ctypes where it loads, else cuda-python's binding
-        if c is not None:
-            return RawKernel(int(fn), g, md.num_warps, md.shared, params, values, changing, c.launch)
         return RawKernel(fn, g, md.num_warps, md.shared, params, values, changing, driver.cuLaunchKernel)
     except Exception:  # noqa: BLE001 - anything unexpected: Triton's launcher stays in charge
         return None
