@@ -20,9 +20,9 @@ import statistics
 import torch
 
 
-def _setup(backend: str, batch: int, kv: int, heads, layout: str):
-    """Random bf16 inputs of one shape (page 16 for ``layout == "paged"``), a wrapper and its plan:
-    ``(wrapper, plan, run arguments)``."""
+def _setup(backend: str, batch: int, kv: int, heads, layout: str, kv_dtype: str = "bfloat16"):
+    """Random bf16 inputs of one shape (page 16 for ``layout == "paged"``; the KV cache cast to ``kv_dtype``, e.g.
+    ``float8_e4m3fn`` with per-tensor scale 1), a wrapper and its plan: ``(wrapper, plan, run arguments)``."""
     import attnplan
     from attnplan.testing import make_inputs
 
@@ -30,12 +30,16 @@ def _setup(backend: str, batch: int, kv: int, heads, layout: str):
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=16 if layout == "paged" else None,
                     dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
+    k, v = x.k_cache, x.v_cache
+    if kv_dtype != "bfloat16":
+        k, v = k.to(getattr(torch, kv_dtype)), v.to(getattr(torch, kv_dtype))
     w = attnplan.DecodeWrapper(backend=backend)
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
-    return w, plan, (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    plan = w.plan(x.q, k, v, x.seq_lens, x.block_table)
+    return w, plan, (x.q, k, v, x.seq_lens, x.block_table)
 
 
-def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int, graph: bool = False) -> dict:
+def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int, graph: bool = False,
+            kv_dtype: str = "bfloat16") -> dict:
     """Kernel durations (us) of ``iters`` decode steps of one shape, L2 flushed before each: eager launches, or
     (``graph``) replays of one CUDA graph of the step, as the benchmarks time it (CUPTI records a graph's kernel
     nodes like launches)."""
@@ -43,7 +47,7 @@ def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int, g
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    w, plan, args = _setup(backend, batch, kv, heads, layout)
+    w, plan, args = _setup(backend, batch, kv, heads, layout, kv_dtype)
     out = torch.empty_like(args[0])
     step = lambda: w.run(*args, out=out)  # noqa: E731
     if graph:
@@ -84,12 +88,12 @@ def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int, g
             "gap_us": statistics.median(s - k for s, k in zip(spans, sums)) if spans else None}
 
 
-def plain_steps(backend: str, batch: int, kv: int, heads, layout: str, iters: int) -> None:
+def plain_steps(backend: str, batch: int, kv: int, heads, layout: str, iters: int, kv_dtype: str = "bfloat16") -> None:
     """``iters`` eager decode steps of one shape with no profiler attached, L2 flushed before each: the
     process for an outside profiler (``ncu``, see ``benchmarks/ncu_partial.sh``) to attach to."""
     from attnplan.timing import l2_flush
 
-    w, plan, args = _setup(backend, batch, kv, heads, layout)
+    w, plan, args = _setup(backend, batch, kv, heads, layout, kv_dtype)
     for _ in range(iters):
         l2_flush()
         w.run(*args)
@@ -107,6 +111,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=None)
     ap.add_argument("--graph", action="store_true", help="time replays of a CUDA graph of the step, not launches")
+    ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
     ap.add_argument("--plain", action="store_true",
                     help="run the steps with no profiler attached (for ncu), print nothing but a line per shape")
     a = ap.parse_args()
@@ -117,9 +122,9 @@ def main() -> None:
             for kv in map(int, a.kv.split(",")):
                 for be in a.backends.split(","):
                     if a.plain:
-                        plain_steps(be, batch, kv, heads, layout, a.iters)
+                        plain_steps(be, batch, kv, heads, layout, a.iters, a.kv_dtype)
                         continue
-                    r = profile(be, batch, kv, heads, layout, a.iters, a.graph)
+                    r = profile(be, batch, kv, heads, layout, a.iters, a.graph, a.kv_dtype)
                     rows.append(r)
                     ks = "  ".join(f"{k}={v:.1f}" for k, v in r["kernels_us"].items())
                     print(f"{be:8s} {layout:10s} b{batch:<3d} kv{kv:<7d} {r['splits']:3d} splits  span {r['span_us']:.1f} us"
