@@ -33,8 +33,9 @@ def _setup(backend: str, batch: int, kv: int, heads, layout: str, kv_dtype: str 
     k, v = x.k_cache, x.v_cache
     if kv_dtype != "bfloat16":
         k, v = k.to(getattr(torch, kv_dtype)), v.to(getattr(torch, kv_dtype))
+    scales = {} if kv_dtype == "bfloat16" else {"k_scale": 1.0, "v_scale": 1.0}
     w = attnplan.DecodeWrapper(backend=backend)
-    plan = w.plan(x.q, k, v, x.seq_lens, x.block_table)
+    plan = w.plan(x.q, k, v, x.seq_lens, x.block_table, **scales)
     return w, plan, (x.q, k, v, x.seq_lens, x.block_table)
 
 
