@@ -13,17 +13,17 @@ fp8 time.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
+import os
 import sys
 
-BACKENDS = ("triton", "cuda_ptx", "numba")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import OURS, read_csv  # noqa: E402
 
 
 def _rows(csv_path: str) -> dict:
-    with open(csv_path) as f:
-        return {(r["heads"], r["layout"], int(r["batch"]), int(r["kv"])): r for r in csv.DictReader(f)
-                if r["kind"] == "uniform"}
+    """The uniform points of a ``bench_decode.py`` CSV by ``(heads, layout, batch, kv)``."""
+    return {(r["heads"], r["layout"], r["batch"], r["kv"]): r for r in read_csv(csv_path) if r["kind"] == "uniform"}
 
 
 def main(argv=None) -> int:
@@ -42,8 +42,8 @@ def main(argv=None) -> int:
         f = tabs[1].get(key)
         if f is None or int(b["bytes"]) < args.min_mb * 2**20:
             continue
-        bu = {be: float(b[f"{be}_us"]) for be in BACKENDS if b.get(f"{be}_us")}
-        fu = {be: float(f[f"{be}_us"]) for be in BACKENDS if f.get(f"{be}_us")}
+        bu = {be: float(b[f"{be}_us"]) for be in OURS if b.get(f"{be}_us") not in (None, "")}
+        fu = {be: float(f[f"{be}_us"]) for be in OURS if f.get(f"{be}_us") not in (None, "")}
         if not bu or not fu:
             continue
         bb, fb = min(bu, key=bu.get), min(fu, key=fu.get)
