@@ -246,7 +246,8 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
 
 
 def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, progress=None,
-                 kv_dtype: str = "bfloat16", row_options: dict | None = None) -> list[dict]:
+                 kv_dtype: str = "bfloat16", row_options: dict | None = None,
+                 planner_options: bool = False) -> list[dict]:
     """Exhaustive split search with the planner's kernel options: for every ``(layout, batch, kv)``
     point, every split count that puts :data:`SEARCH_PROGRAMS_PER_SM` programs on each SM, forced through
     ``num_splits`` and deduplicated by the units the schedule gives the point's length
@@ -254,7 +255,10 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
     ``{"num_warps": [4, 8]}``), every split count under every combination of those kernel options too.
     One row per timing: ``layout, batch, kv, options, splits, programs, ppsm, us`` (``splits``: units per
     sequence; ``programs``: programs with work, ``splits x batch x KV heads``; ``options`` = the combination,
-    ``{}`` without ``row_options``)."""
+    ``{}`` without ``row_options``). With ``planner_options``, every split count also under the kernel options the
+    planner itself runs at the point (its table row's, :func:`attnplan.planner.entry_options`) where they differ
+    from those combinations: the planner's split choice is then judged at equal options, and any other split rule
+    that keeps the planner's options can be scored from the rows."""
     import attnplan
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -266,7 +270,15 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
     for layout, batch, kv in points:
         x = _inputs(layout, batch, kv, heads, gen, kv_dtype)
         pairs = batch * heads[1]
-        for opts in combos:
+        point_combos = list(combos)
+        if planner_options:
+            from .planner import entry_options
+
+            plan = _plan(attnplan.DecodeWrapper(_context(backend, {}), backend=backend), x)
+            mine = entry_options(plan.table_entry) if plan.policy == "tuned" else {}
+            if mine not in point_combos:
+                point_combos.append(mine)
+        for opts in point_combos:
             ctx = _context(backend, opts)
             seen = set()
             for ppsm in SEARCH_PROGRAMS_PER_SM:
@@ -335,6 +347,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-gb", type=float, default=16.0, help="skip grid points whose K+V exceed this many GB")
     ap.add_argument("--heads", default="32,8,128", help="num_q_heads,num_kv_heads,head_dim of the split search "
                     "(rows are keyed by batch x KV heads, KV length, GQA group and head_dim)")
+    ap.add_argument("--planner-options", action="store_true",
+                    help="the split search also runs every split count with the kernel options the planner picks at "
+                         "each point (its table row's), so the quality check compares split counts at equal options")
     ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
                     help="KV cache dtype of the split search; fp8 rows go to split_table.<backend>.<layout>_fp8")
     ap.add_argument("--check-only", action="store_true",
@@ -385,7 +400,8 @@ def main(argv=None) -> int:
             _reload()
         bar = tqdm(total=len(points), desc=f"splits {backend}", unit="point") if tqdm else None
         searches[backend] = split_search(backend, points, heads, args.iters, progress=bar.update if bar else None,
-                                         kv_dtype=args.kv_dtype, row_options=args.row_options)
+                                         kv_dtype=args.kv_dtype, row_options=args.row_options,
+                                         planner_options=args.planner_options)
         if bar:
             bar.close()
         if args.check_only:

@@ -4,6 +4,7 @@
 # choice timed beside the best split; nothing is written to the device table). Heads the table was
 # tuned on (32,8,128 and 8,1,128) are in-sample there; the others are out of sample.
 # Usage (GPU machine): OUT=dir HEADS="64,8,128 28,4,128" BACKENDS=triton,cuda_ptx bash benchmarks/planner_quality.sh
+# (TUNE_EXTRA: more arguments for the tune, e.g. --planner-options to search at the planner's kernel options too)
 # Writes the per-configuration JSON and logs, then $OUT/planner_quality.json: every point's planner and best times
 # and the count within 5% (the compact result; SUMMARY_ONLY=1 rebuilds it from an existing $OUT).
 set -uo pipefail
@@ -13,7 +14,7 @@ for heads in $HEADS_RUN; do
   for be in ${BACKENDS:-triton cuda_ptx}; do
     tag="${be}-${heads//,/-}"
     timeout ${EACH_TIMEOUT:-120} python3 -m attnplan.cli tune --check-only --backends "$be" --heads "$heads" \
-      --iters ${ITERS:-15} --batches ${BATCHES:-1,4,16,64,256} --kv ${KV:-1024,4096,16384,65536,131072} \
+      --iters ${ITERS:-15} ${TUNE_EXTRA:-} --batches ${BATCHES:-1,4,16,64,256} --kv ${KV:-1024,4096,16384,65536,131072} \
       --json "$OUT/quality-$tag.json" > "$OUT/quality-$tag.log" 2>&1
     echo "$tag rc=$? $(grep -E 'planner within 5%' "$OUT/quality-$tag.log")"
   done
