@@ -631,6 +631,34 @@ def row_programs_per_sm(entry: TableRow, num_warps: int | None, sat_programs_per
     return scaled
 
 
+#: the most load imbalance (programs on the busiest SM over the mean, ``ceil(P / SMs) / (P / SMs)`` for ``P``
+#: programs) a table row's split count may leave when carried to another pair count (:func:`even_load_splits`)
+EVEN_LOAD_MAX_IMBALANCE = 1.10
+#: shortest unit (tokens) :func:`even_load_splits` splits down to: below it a step's fixed cost (prologue, merge)
+#: outweighs what an even load gains
+EVEN_LOAD_MIN_CHUNK = 2048
+
+
+def load_imbalance(programs: int, sm_count: int) -> float:
+    """Programs on the busiest SM over the mean when ``programs`` equal programs are spread over ``sm_count`` SMs
+    (``>= 1``; 1 when they divide evenly)."""
+    return -(-programs // sm_count) * sm_count / programs
+
+
+def even_load_splits(asked: int, pairs: int, sm_count: int, most: int) -> int:
+    """The split count for ``pairs`` (sequence, KV head) pairs when a split-table row measured at another pair count
+    asks for ``asked``: ``asked`` if its ``pairs x asked`` programs load the SMs within
+    :data:`EVEN_LOAD_MAX_IMBALANCE` (:func:`load_imbalance`), else the next count up to ``most`` that does (``asked``
+    when none does). A row's programs per SM carried to another pair count can leave a fraction of the SMs, or of a
+    wave, idle: measured on an H200 (cuda_ptx, 90K tokens), 64/8/128 at 12 sequences (96 pairs) took the 128-pair
+    rows' single pass, 96 programs on 132 SMs, 1.09x slower than 9 splits; 28/4/128 at 48 sequences (192 pairs) one
+    split where 11 were best (1.09-1.13x)."""
+    for s in range(asked, most + 1):
+        if load_imbalance(pairs * s, sm_count) <= EVEN_LOAD_MAX_IMBALANCE:
+            return s
+    return asked
+
+
 def _choose_splits(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostModel, bw: float, limit: int,
                    align: int, merges: tuple[str, ...], fused_parallelism: int, fused_max_chunk: int,
                    num_warps: int | None = None) -> _Choice:
@@ -640,8 +668,10 @@ def _choose_splits(problem: DecodeProblem, device: DeviceInfo, backend: str, cm:
     max_len = max(problem.visible_span, 1)
     if (entry := _table_entry(problem, device, backend)) is not None:
         sat = _sat_programs_per_sm(cm, problem.paged)
-        asked = max(1, round(row_programs_per_sm(entry, num_warps, sat) * device.sm_count
-                             / (problem.batch * problem.num_kv_heads)))
+        pairs = problem.batch * problem.num_kv_heads
+        asked = max(1, round(row_programs_per_sm(entry, num_warps, sat) * device.sm_count / pairs))
+        if entry.pairs != pairs:
+            asked = even_load_splits(asked, pairs, device.sm_count, min(limit, max_len // EVEN_LOAD_MIN_CHUNK))
         want = min(limit, asked)
         chunk = _align_up(-(-max_len // want), align)
         splits = -(-max_len // chunk)

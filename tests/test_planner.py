@@ -164,6 +164,44 @@ def test_split_table_row_sets_the_split_where_it_applies(table):
     assert SplitPlan.from_dict(json.loads(plan.to_json())) == plan  # a tuned plan survives the cache's JSON
 
 
+def test_even_load_splits_leave_no_sm_far_above_the_mean():
+    """``even_load_splits`` returns the first count from ``asked`` whose programs load the SMs within the bound,
+    within ``most``; ``asked`` itself where it already does or none does."""
+    from attnplan.planner import EVEN_LOAD_MAX_IMBALANCE as MAX, even_load_splits, load_imbalance
+
+    assert load_imbalance(132, 132) == 1.0 and load_imbalance(264, 132) == 1.0
+    assert load_imbalance(96, 132) == pytest.approx(132 / 96) and load_imbalance(133, 132) == pytest.approx(264 / 133)
+    for pairs in (1, 3, 12, 24, 48, 96, 192, 384, 1536):
+        for asked in (1, 2, 3, 5, 9, 17):
+            for most in (asked - 1, asked, 4 * asked, 64):
+                s = even_load_splits(asked, pairs, 132, most)
+                fits = [n for n in range(asked, most + 1) if load_imbalance(pairs * n, 132) <= MAX]
+                assert s == (fits[0] if fits else asked), (pairs, asked, most)
+    assert even_load_splits(1, 96, 132, 64) == 4  # 384 programs: 3 on the busiest SM, 2.9 on average
+    assert even_load_splits(1, 192, 132, 64) == 2 and even_load_splits(1, 128, 132, 64) == 1
+
+
+def test_a_row_carried_to_another_pair_count_loads_the_sms_evenly(table):
+    """A row's split count carried to a problem of another pair count is raised until its programs load the SMs
+    within ``EVEN_LOAD_MAX_IMBALANCE``, unless that would cut units below ``EVEN_LOAD_MIN_CHUNK`` tokens; at the row's
+    own pair count the row is taken as measured. Measured on an H200 (cuda_ptx, 90K tokens): 64/8/128 at 96 pairs took
+    the 128-pair rows' single pass (96 programs on 132 SMs), 1.09x slower than 9 splits."""
+    table["split_table"] = {"triton": {"contiguous": [[128, 131072, 0.97, 500.0, 8, 128]]}}
+
+    def plan(batch, kv):
+        return make_plan(P(batch=batch, num_q_heads=64, page_size=None, max_kv_len=kv), GPU, CFG, "triton", KERNEL)
+    own = plan(16, 131072)  # 128 pairs: round(0.97 x 132 / 128) = 1, as measured
+    assert own.policy == "tuned" and own.schedule.single_pass
+    carried = plan(12, 131072)  # 96 pairs: 1 split leaves 36 SMs idle; 4 splits put 3 programs on the busiest SM
+    assert carried.policy == "tuned" and units(carried, [131072] * 12) == [4] * 12
+    assert planner.load_imbalance(96 * 4, 132) <= planner.EVEN_LOAD_MAX_IMBALANCE
+    shorter = plan(12, 1 << 16)  # 64K tokens: 4 splits of 16K tokens
+    assert shorter.table_entry.kv_len == 131072 and units(shorter, [1 << 16] * 12) == [4] * 12
+    table["split_table"]["triton"]["contiguous"] = [[128, 8192, 0.97, 40.0, 8, 128]]
+    # 4K tokens: only 2 units of 2K tokens are allowed, and 1 or 2 load the SMs alike: the row stands
+    assert plan(12, 4096).schedule.single_pass
+
+
 def test_split_table_reach_is_four_times_in_pairs_and_length(table):
     table["split_table"] = {"triton": {"contiguous": [[8, 16384, 1.0, 10.0, 4, 128]]}}
 
