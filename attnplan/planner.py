@@ -51,8 +51,9 @@ from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_b
 __all__ = ["SplitPlan", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION", "cost_model_for",
            "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
 
-PLAN_VERSION = 5  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
-#                  targets scaled to their warps; 5: that scaling bounded at saturation
+PLAN_VERSION = 6  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
+#                  targets scaled to their warps; 5: that scaling bounded at saturation; 6: a row carried to another
+#                  pair count loads the SMs evenly (even_load_splits)
 #: cross-program merges: ``none`` (single pass), ``separate`` (merge kernel), ``fused`` (last program merges)
 MERGES = ("none", "separate", "fused")
 PLAN_POLICIES = ("tuned", "heuristic", "forced", "no-split", "batch-invariant")
@@ -398,6 +399,11 @@ class SplitPlan:
             lines.append(f"split counts from the device's measured split table (attnplan tune): at the planned "
                          f"length the nearest row is {e.pairs} pairs x {e.kv_len} tokens, best at "
                          f"{e.programs_per_sm:g} programs per SM")
+            pairs = self.problem.batch * self.problem.num_kv_heads
+            if e.pairs != pairs:
+                lines.append(f"  carried from {e.pairs} to {pairs} pairs: a count whose programs leave the busiest SM "
+                             f"more than {EVEN_LOAD_MAX_IMBALANCE:g}x above the mean is raised until they do not "
+                             f"(units of at least {EVEN_LOAD_MIN_CHUNK} tokens)")
             w = _warps(self.kernel)
             if self.capacity_mode and w is not None:
                 lines.append(f"  capacity plan: each bucket's row counted in programs of {w} warps (a row measured "

@@ -194,6 +194,7 @@ def test_a_row_carried_to_another_pair_count_loads_the_sms_evenly(table):
     assert own.policy == "tuned" and own.schedule.single_pass
     carried = plan(12, 131072)  # 96 pairs: 1 split leaves 36 SMs idle; 4 splits put 3 programs on the busiest SM
     assert carried.policy == "tuned" and units(carried, [131072] * 12) == [4] * 12
+    assert "carried from 128 to 96 pairs" in carried.explain() and "carried" not in own.explain()
     assert planner.load_imbalance(96 * 4, 132) <= planner.EVEN_LOAD_MAX_IMBALANCE
     shorter = plan(12, 1 << 16)  # 64K tokens: 4 splits of 16K tokens
     assert shorter.table_entry.kv_len == 131072 and units(shorter, [1 << 16] * 12) == [4] * 12
