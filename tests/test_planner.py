@@ -673,6 +673,30 @@ def test_shipped_h200_table_rows_parse_and_plan():
         assert plan.table_entry.group == 4
 
 
+def test_shipped_h200_table_never_schedules_one_unit_per_sequence():
+    """A uniform live plan whose targets (planned at each bucket's middle) give its planned lengths one unit per
+    sequence runs the single pass, not a scheduled grid of one unit each: e.g. 28/4/128 at 48 sequences of 3,000 tokens,
+    where the even-load rule asks 2 splits at the bucket's 4,096 tokens and the bucket's targets give 1 (measured on
+    an H200, paged: 75.2 us single pass against 82.7 scheduled)."""
+    _clear_tables()
+    seen = 0
+    for backend in ("cuda_ptx", "triton"):
+        for hq, hkv, d in ((32, 8, 128), (28, 4, 128), (8, 1, 128), (32, 32, 128), (16, 8, 256)):
+            for batch in (1, 3, 12, 48, 64):
+                for kv in (1000, 3000, 4096, 12000, 65536, 90000):
+                    for page in (None, 16):
+                        prob = P(batch=batch, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
+                                 max_kv_len=kv).bucketed()
+                        plan = make_plan(prob, H200, CFG, backend, KERNEL)
+                        n = units(plan, [prob.max_kv_len] * batch)
+                        assert plan.schedule.single_pass or max(n) > 1, (backend, hq, hkv, batch, kv, page)
+                        seen += plan.policy == "tuned" and plan.schedule.single_pass
+    assert seen > 50
+    one = make_plan(P(batch=48, num_q_heads=28, num_kv_heads=4, max_kv_len=3000).bucketed(), H200, CFG, "cuda_ptx",
+                    KERNEL)
+    assert one.policy == "tuned" and one.schedule.single_pass
+
+
 def test_shipped_h200_table_gives_kernel_options():
     from attnplan.api import _tuned_options
 
