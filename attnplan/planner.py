@@ -51,9 +51,9 @@ from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_b
 __all__ = ["SplitPlan", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION", "cost_model_for",
            "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
 
-PLAN_VERSION = 6  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
+PLAN_VERSION = 7  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
 #                  targets scaled to their warps; 5: that scaling bounded at saturation; 6: a row carried to another
-#                  pair count loads the SMs evenly (even_load_splits)
+#                  pair count loads the SMs evenly (even_load_splits); 7: one-bucket live plans' grids fit their units
 #: cross-program merges: ``none`` (single pass), ``separate`` (merge kernel), ``fused`` (last program merges)
 MERGES = ("none", "separate", "fused")
 PLAN_POLICIES = ("tuned", "heuristic", "forced", "no-split", "batch-invariant")
@@ -799,9 +799,10 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             sched = Schedule("single", granule, 1, 1, zeros, batch)
             policy = "no-split" if policy == "heuristic" else policy
         else:
+            one_bucket = not capacity_mode and problem.total_kv_len >= batch * problem.max_kv_len
             targets = _targets(problem_w, device, backend, cm, bw, config, granule, min_c, merges,
                                fused_merge_parallelism, fused_merge_max_chunk, cap_granules, capacity_mode, choice,
-                               warps)
+                               warps, uniform_live=one_bucket)
             s_cap = config.split.max_splits
             sched = Schedule("balanced", granule, min_c, s_cap, targets,
                              min(max_units_bound(targets, batch, s_cap), batch * min(s_cap, -(-cap_granules // min_c))))
@@ -831,13 +832,17 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
 
 def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostModel, bw: float, config: Config,
              granule: int, min_c: int, merges, fused_parallelism: int, fused_max_chunk: int, cap_granules: int,
-             capacity_mode: bool, choice: _Choice, num_warps: int | None = None) -> tuple[int, ...]:
+             capacity_mode: bool, choice: _Choice, num_warps: int | None = None,
+             uniform_live: bool = False) -> tuple[int, ...]:
     """The balanced schedule's targets: for each bucket ``k`` of total granules, the units a uniform batch of that
     much work gets (the split count :func:`_choose_splits` asks for, before chunk alignment, x batch; the schedule
     aligns on the device at the live total, and clamps to ``min_unit_granules``); then the long-tailed table, the
     same counts times ``cost_model.tail_target_scale``. A capacity plan fills every
     bucket up to the capacity; a live plan computes the buckets its (bucketed) lengths can reach and extends the
-    ends."""
+    ends. ``uniform_live``: a live plan whose mean and longest lengths share one power-of-two bucket, so no batch it
+    serves is long-tailed (the mean above the bucket's lower end, so above half the longest): its long-tailed table
+    repeats the uniform one, and the grid (sized for the largest target, :func:`~attnplan.schedule.max_units_bound`)
+    is not twice the units of any batch it serves."""
     batch = problem.batch
     k_max = bucket_of(batch * cap_granules)
     if capacity_mode:
@@ -863,7 +868,7 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
     for k in range(1, k_lo):
         targets[k] = targets[k_lo]
     # long-tailed batches: the same work's units, scaled by the device's measured factor (cost_model.tail_target_scale)
-    scale = cm.tail_target_scale
+    scale = 1.0 if uniform_live else cm.tail_target_scale
     tail = [0] + [max(1, round(t * scale)) if t else 0 for t in targets[1:]]
     targets = targets + tail
     return tuple(targets)
