@@ -68,6 +68,31 @@ def test_graph_replay_follows_new_lengths(backend, page, q_len, gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page", [None, 16])
+def test_live_plan_replays_any_lengths(backend, page, gen):
+    """A live plan of uniform lengths (its grid fitted to its own bucket's units) captured and replayed at lengths
+    of its bucket, and at lengths it was not planned for (long-tailed, empty, up to the capacity): every replay equals
+    the reference."""
+    cap = 8192
+    x = make_inputs(6, 32, 8, 128, [3000] * 6, page_size=page, dtype=torch.bfloat16, device="cuda", capacity=cap,
+                    generator=gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=[3000] * 6)
+    assert not plan.capacity_mode
+    out = torch.empty_like(x.q)
+    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
+    g = capture(w, x, out, lse)
+    for lens in ([2049, 4096, 3000, 2500, 4000, 3333], [4096] * 6, [cap, 1, 0, 17, 4096, 100], [0] * 6,
+                 [cap] * 6):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(x, out, lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_graph_padded_batch(backend, gen):
     """Capacity batch 8, 3 live sequences: the empty sequences' rows are written (0 / -inf)."""
     x = make_inputs(8, 16, 2, 128, [0] * 8, page_size=16, dtype=torch.float16, device="cuda", capacity=4096, generator=gen)

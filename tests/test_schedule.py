@@ -265,6 +265,9 @@ def test_a_uniform_live_plan_sizes_its_grid_for_the_batches_it_serves(data):
         lens = data.draw(st.lists(st.integers(hi // 2 + 1, hi), min_size=batch, max_size=batch), label="lens")
         u = check_invariants(lens, s)
         assert not is_long_tailed(u.total_granules, batch, int(u.granules.max()))
+        # a batch outside the bucket (run without planning again, or replayed in a graph) still fits the grid
+        other = data.draw(st.lists(st.integers(0, prob.capacity), min_size=batch, max_size=batch), label="other")
+        check_invariants(other, s)
     tailed = dataclasses.replace(prob, total_kv_len=max(batch, prob.max_kv_len // 4))
     for p, capacity in ((tailed, False), (prob, True)):
         t = make_plan(p, CPU_STANDIN, scaled, "triton", {"block_n": 64}, capacity_mode=capacity).schedule
