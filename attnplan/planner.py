@@ -403,7 +403,10 @@ class SplitPlan:
             if e.pairs != pairs:
                 lines.append(f"  carried from {e.pairs} to {pairs} pairs: a count whose programs leave the busiest SM "
                              f"more than {EVEN_LOAD_MAX_IMBALANCE:g}x above the mean is raised until they do not "
-                             f"(units of at least {EVEN_LOAD_MIN_CHUNK} tokens)")
+                             f"(units of at least {EVEN_LOAD_MIN_CHUNK} tokens at the planned length)")
+                if s.single_pass:
+                    lines.append("  the schedule's targets (planned at each bucket's middle) give the planned lengths "
+                                 "one unit per sequence: single pass")
             w = _warps(self.kernel)
             if self.capacity_mode and w is not None:
                 lines.append(f"  capacity plan: each bucket's row counted in programs of {w} warps (a row measured "
@@ -640,8 +643,9 @@ def row_programs_per_sm(entry: TableRow, num_warps: int | None, sat_programs_per
 #: the most load imbalance (programs on the busiest SM over the mean, ``ceil(P / SMs) / (P / SMs)`` for ``P``
 #: programs) a table row's split count may leave when carried to another pair count (:func:`even_load_splits`)
 EVEN_LOAD_MAX_IMBALANCE = 1.10
-#: shortest unit (tokens) :func:`even_load_splits` splits down to: below it a step's fixed cost (prologue, merge)
-#: outweighs what an even load gains
+#: shortest unit (tokens, at the planned length: a bucket's shorter lengths get shorter units) that
+#: :func:`even_load_splits` splits down to: below it a step's fixed cost (prologue, merge) outweighs what an even
+#: load gains
 EVEN_LOAD_MIN_CHUNK = 2048
 
 
@@ -649,6 +653,11 @@ def load_imbalance(programs: int, sm_count: int) -> float:
     """Programs on the busiest SM over the mean when ``programs`` equal programs are spread over ``sm_count`` SMs
     (``>= 1``; 1 when they divide evenly)."""
     return -(-programs // sm_count) * sm_count / programs
+
+
+def _even_enough(programs: int, sm_count: int) -> bool:
+    """:func:`load_imbalance` at most :data:`EVEN_LOAD_MAX_IMBALANCE`, compared in integers (hundredths)."""
+    return -(-programs // sm_count) * sm_count * 100 <= round(EVEN_LOAD_MAX_IMBALANCE * 100) * programs
 
 
 def even_load_splits(asked: int, pairs: int, sm_count: int, most: int) -> int:
@@ -660,7 +669,7 @@ def even_load_splits(asked: int, pairs: int, sm_count: int, most: int) -> int:
     rows' single pass, 96 programs on 132 SMs, 1.09x slower than 9 splits; 28/4/128 at 48 sequences (192 pairs) one
     split where 11 were best (1.09-1.13x)."""
     for s in range(asked, most + 1):
-        if load_imbalance(pairs * s, sm_count) <= EVEN_LOAD_MAX_IMBALANCE:
+        if _even_enough(pairs * s, sm_count):
             return s
     return asked
 
@@ -806,12 +815,17 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             s_cap = config.split.max_splits
             sched = Schedule("balanced", granule, min_c, s_cap, targets,
                              min(max_units_bound(targets, batch, s_cap), batch * min(s_cap, -(-cap_granules // min_c))))
-            if uniform and not capacity_mode and int(schedule_units(
+            if one_bucket and int(schedule_units(
                     [problem.max_kv_len] * batch, sched, problem.q_len, problem.window_left).units.max()) <= 1:
-                # the targets (planned at each bucket's middle) give the planned lengths one unit per sequence: the
-                # single-pass kernel serves that without a scheduled grid (measured on an H200, 28/4/128 paged, 48
-                # sequences of 3,000 tokens: 75.2 us single pass against 82.7 scheduled with one unit each)
+                # the targets (planned at each bucket's middle) give the planned lengths one unit per sequence, and
+                # the bucket holds no long-tailed batch: the single-pass kernel serves that without a scheduled grid
+                # (measured on an H200, 28/4/128 paged, 48 sequences of 3,000 tokens: 75.2 us single pass against
+                # 82.7 scheduled with one unit each)
                 sched = Schedule("single", granule, 1, 1, zeros, batch)
+                splits, chunk = 1, _align_up(span, granule)
+                policy = "no-split" if policy == "heuristic" else policy
+                choice = choice._replace(predicted=_cost_us(problem_w, device, cm, bw, 1, chunk, merges,
+                                                            fused_merge_parallelism, fused_merge_max_chunk))
     predicted = choice.predicted if choice is not None else _cost_us(
         problem_w, device, cm, bw, splits, chunk, merges, fused_merge_parallelism, fused_merge_max_chunk)
     merge = "none"
@@ -839,10 +853,12 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
     aligns on the device at the live total, and clamps to ``min_unit_granules``); then the long-tailed table, the
     same counts times ``cost_model.tail_target_scale``. A capacity plan fills every
     bucket up to the capacity; a live plan computes the buckets its (bucketed) lengths can reach and extends the
-    ends. ``uniform_live``: a live plan whose mean and longest lengths share one power-of-two bucket, so no batch it
-    serves is long-tailed (the mean above the bucket's lower end, so above half the longest): its long-tailed table
-    repeats the uniform one, and the grid (sized for the largest target, :func:`~attnplan.schedule.max_units_bound`)
-    is not twice the units of any batch it serves."""
+    ends. ``uniform_live``: a live plan whose (bucketed) mean and longest lengths share one power-of-two bucket, so no
+    batch of its bucket is long-tailed (the mean above the bucket's lower end, so above half the longest): its
+    long-tailed table repeats the uniform one, and the grid (sized for the largest target,
+    :func:`~attnplan.schedule.max_units_bound`) is not twice the units of those batches. A long-tailed batch run
+    through it anyway (no new plan, or a graph replayed at other lengths) is served correctly with the uniform
+    counts."""
     batch = problem.batch
     k_max = bucket_of(batch * cap_granules)
     if capacity_mode:

@@ -275,7 +275,9 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
             from .planner import entry_options
 
             plan = _plan(attnplan.DecodeWrapper(_context(backend, {}), backend=backend), x)
-            mine = entry_options(plan.table_entry) if plan.policy == "tuned" else {}
+            # the values the planner's kernel runs for its row's options (not applied where the config sets options)
+            mine = ({k: plan.kernel.get(k) for k in entry_options(plan.table_entry)} if plan.policy == "tuned"
+                    else {})
             names |= set(mine)
             if mine not in point_combos:
                 point_combos.append(mine)
@@ -353,14 +355,18 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default="32,8,128", help="num_q_heads,num_kv_heads,head_dim of the split search "
                     "(rows are keyed by batch x KV heads, KV length, GQA group and head_dim)")
     ap.add_argument("--planner-options", action="store_true",
-                    help="the split search also runs every split count with the kernel options the planner picks at "
-                         "each point (its table row's), so the quality check compares split counts at equal options")
+                    help="with --check-only: the split search also runs every split count with the kernel options the "
+                         "planner runs at each point (its table row's), so the quality check compares split counts at "
+                         "equal options")
     ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
                     help="KV cache dtype of the split search; fp8 rows go to split_table.<backend>.<layout>_fp8")
     ap.add_argument("--check-only", action="store_true",
                     help="no table is written: the split search and the planner-quality check against the table "
                          "as it is (for shapes the table was not tuned on, the check is out of sample)")
     args = ap.parse_args(argv)
+    if args.planner_options and not args.check_only:
+        ap.error("--planner-options needs --check-only (its rows name every option a kernel ran, defaults included, "
+                 "which a table row would then pin)")
     if args.check_only:
         args.no_options = True
     if args.kv_dtype != "bfloat16" and not args.no_options:

@@ -78,7 +78,8 @@ def test_live_plan_replays_any_lengths(backend, page, gen):
                     generator=gen)
     w = attnplan.DecodeWrapper(backend=backend)
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=[3000] * 6)
-    assert not plan.capacity_mode
+    assert not plan.capacity_mode and not plan.schedule.single_pass  # a scheduled grid fitted to its bucket
+    assert plan.schedule.targets[:32] == plan.schedule.targets[32:]
     out = torch.empty_like(x.q)
     lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
     g = capture(w, x, out, lse)
