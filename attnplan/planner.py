@@ -390,7 +390,8 @@ class SplitPlan:
             lines.append(f"split count forced: up to {self.num_splits} equal units per sequence")
         elif self.policy == "no-split":
             lines.append("single pass: one program per (sequence, KV head), no partial states, no merge "
-                         "(num_splits = 1, or the best split count at these lengths is 1)")
+                         "(num_splits = 1, or the best split count at these lengths is 1, or the targets of their "
+                         "bucket give them one unit per sequence)")
         elif self.policy == "batch-invariant":
             lines.append(f"batch-invariant: units of {s.min_unit_granules * s.granule} tokens from each sequence's "
                          "own length (outputs bitwise independent of the batchmates)")
@@ -404,9 +405,9 @@ class SplitPlan:
                 lines.append(f"  carried from {e.pairs} to {pairs} pairs: a count whose programs leave the busiest SM "
                              f"more than {EVEN_LOAD_MAX_IMBALANCE:g}x above the mean is raised until they do not "
                              f"(units of at least {EVEN_LOAD_MIN_CHUNK} tokens at the planned length)")
-                if s.single_pass:
-                    lines.append("  the schedule's targets (planned at each bucket's middle) give the planned lengths "
-                                 "one unit per sequence: single pass")
+            if s.single_pass:
+                lines.append("  the planned lengths get one unit per sequence: single pass (the row's count, or the "
+                             "targets of the length's bucket, planned at its middle)")
             w = _warps(self.kernel)
             if self.capacity_mode and w is not None:
                 lines.append(f"  capacity plan: each bucket's row counted in programs of {w} warps (a row measured "
@@ -661,10 +662,10 @@ def _even_enough(programs: int, sm_count: int) -> bool:
 
 
 def even_load_splits(asked: int, pairs: int, sm_count: int, most: int) -> int:
-    """The split count for ``pairs`` (sequence, KV head) pairs when a split-table row measured at another pair count
-    asks for ``asked``: ``asked`` if its ``pairs x asked`` programs load the SMs within
-    :data:`EVEN_LOAD_MAX_IMBALANCE` (:func:`load_imbalance`), else the next count up to ``most`` that does (``asked``
-    when none does). A row's programs per SM carried to another pair count can leave a fraction of the SMs, or of a
+    """The split count (units per sequence) for ``pairs`` (sequence, KV head) pairs on ``sm_count`` SMs when a
+    split-table row measured at another pair count asks for ``asked``: ``asked`` if its ``pairs x asked`` programs
+    load the SMs within :data:`EVEN_LOAD_MAX_IMBALANCE` (:func:`load_imbalance`), else the next count up to ``most``
+    (the largest count allowed) that does (``asked`` when none does). A row's programs per SM carried to another pair count can leave a fraction of the SMs, or of a
     wave, idle: measured on an H200 (cuda_ptx, 90K tokens), 64/8/128 at 12 sequences (96 pairs) took the 128-pair
     rows' single pass, 96 programs on 132 SMs, 1.09x slower than 9 splits; 28/4/128 at 48 sequences (192 pairs) one
     split where 11 were best (1.09-1.13x)."""
@@ -811,7 +812,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             one_bucket = not capacity_mode and problem.total_kv_len >= batch * problem.max_kv_len
             targets = _targets(problem_w, device, backend, cm, bw, config, granule, min_c, merges,
                                fused_merge_parallelism, fused_merge_max_chunk, cap_granules, capacity_mode, choice,
-                               warps, uniform_live=one_bucket)
+                               warps, one_bucket=one_bucket)
             s_cap = config.split.max_splits
             sched = Schedule("balanced", granule, min_c, s_cap, targets,
                              min(max_units_bound(targets, batch, s_cap), batch * min(s_cap, -(-cap_granules // min_c))))
@@ -847,13 +848,13 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
 def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostModel, bw: float, config: Config,
              granule: int, min_c: int, merges, fused_parallelism: int, fused_max_chunk: int, cap_granules: int,
              capacity_mode: bool, choice: _Choice, num_warps: int | None = None,
-             uniform_live: bool = False) -> tuple[int, ...]:
+             one_bucket: bool = False) -> tuple[int, ...]:
     """The balanced schedule's targets: for each bucket ``k`` of total granules, the units a uniform batch of that
     much work gets (the split count :func:`_choose_splits` asks for, before chunk alignment, x batch; the schedule
     aligns on the device at the live total, and clamps to ``min_unit_granules``); then the long-tailed table, the
     same counts times ``cost_model.tail_target_scale``. A capacity plan fills every
     bucket up to the capacity; a live plan computes the buckets its (bucketed) lengths can reach and extends the
-    ends. ``uniform_live``: a live plan whose (bucketed) mean and longest lengths share one power-of-two bucket, so no
+    ends. ``one_bucket``: a live plan whose (bucketed) mean and longest lengths share one power-of-two bucket, so no
     batch of its bucket is long-tailed (the mean above the bucket's lower end, so above half the longest): its
     long-tailed table repeats the uniform one, and the grid (sized for the largest target,
     :func:`~attnplan.schedule.max_units_bound`) is not twice the units of those batches. A long-tailed batch run
@@ -884,7 +885,7 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
     for k in range(1, k_lo):
         targets[k] = targets[k_lo]
     # long-tailed batches: the same work's units, scaled by the device's measured factor (cost_model.tail_target_scale)
-    scale = 1.0 if uniform_live else cm.tail_target_scale
+    scale = 1.0 if one_bucket else cm.tail_target_scale
     tail = [0] + [max(1, round(t * scale)) if t else 0 for t in targets[1:]]
     targets = targets + tail
     return tuple(targets)
