@@ -12,8 +12,12 @@ of ``--new-tokens`` steps after ``--warmup`` untimed ones:
 - **compiled**: a StaticCache of ``prompt + warmup + new tokens + 8`` positions (``generate(...,
   cache_implementation="static")`` sizes it so) and ``torch.compile(model.forward, mode="reduce-overhead",
   fullgraph=True)``: the decode step captured in torch's CUDA graphs and replayed; one compile per attention
-  implementation and prompt length (the cache's shape is part of the graph), its seconds recorded. The prefill
-  runs eagerly, as ``generate`` runs it.
+  implementation and prompt length (the cache's shape is part of the graph; each implementation on its own copy of
+  the model), its seconds recorded. The prefill runs eagerly, as ``generate`` runs it.
+
+In each mode the two implementations run on their own copies of the model and caches, and their steps alternate
+token by token (the order swapped every token), so the host's load moves both alike; the speedup is the median of
+the per-token ratios sdpa / attnplan, with their range.
 
 **Logits agreement**: the first ``--keep`` decode steps' logits of every bf16 run against an fp32 eager SDPA run of
 the same weights fed the same tokens: ``max |logits - logits_fp32_sdpa|`` of attnplan against that of bf16 SDPA
@@ -108,7 +112,7 @@ def prefill(model, ids, cache, chunk: int | None = None) -> None:
             model(ids[:, s:s + chunk], position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
 
 
-def decode_steps(forward, cache, tokens, start: int, keep: int, warmup: int, cudagraphs: bool = False) -> dict:
+def decode_steps(forward, cache, tokens, start: int, keep: int, warmup: int) -> dict:
     """Feed ``tokens`` ``[1, n]`` one per step after a prompt of ``start`` tokens; steps ``>= warmup`` are timed.
 
     Returns:
@@ -119,8 +123,6 @@ def decode_steps(forward, cache, tokens, start: int, keep: int, warmup: int, cud
     times, kept = [], []
     with torch.no_grad():
         for i in range(n):
-            if cudagraphs:
-                torch.compiler.cudagraph_mark_step_begin()
             _sync()
             t0 = time.perf_counter()
             out = forward(input_ids=tokens[:, i:i + 1], position_ids=pos[i:i + 1], cache=cache, use_cache=True)
@@ -138,7 +140,7 @@ def max_err(x, ref) -> float:
 
 
 def run_model(args, res: dict, save) -> None:
-    from transformers import DynamicCache, StaticCache
+    from transformers import DynamicCache
 
     fp32, bf16 = build_models(args.layers)
     n_steps = args.warmup + args.new_tokens
@@ -153,46 +155,81 @@ def run_model(args, res: dict, save) -> None:
         ref = decode_steps(fp32.forward, cache, tokens[:, :args.keep], L, args.keep, 0)["logits"]
         del cache
         if not args.skip_eager:
-            for impl in IMPLS:
-                set_impl(bf16, impl)
-                try:
-                    cache = DynamicCache(config=bf16.config)
-                    prefill(bf16, ids, cache)
-                    r = decode_steps(bf16.forward, cache, tokens, L, args.keep, args.warmup)
-                    pt[f"eager_{impl}"] = {"median_ms": r["median_ms"], "step_ms": r["step_ms"],
-                                           "first_ms": r["first_ms"], "logits_err": max_err(r["logits"], ref)}
-                    print(f"  L={L} eager {impl}: {r['median_ms']:.2f} ms/token, logits err "
-                          f"{pt[f'eager_{impl}']['logits_err']:.3g}", flush=True)
-                except Exception as e:  # noqa: BLE001 - one failure is reported, the rest still run
-                    pt[f"eager_{impl}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                    print(f"  L={L} eager {impl}: {pt[f'eager_{impl}']['error']}", flush=True)
-                del cache
-                _empty_cache()
+            paired_steps(args, bf16, ids, tokens, L, ref, pt, compiled=False)
             save()
         if not args.skip_compiled:
-            for impl in IMPLS:
-                set_impl(bf16, impl)
-                torch._dynamo.reset()
-                try:
-                    f = torch.compile(bf16.forward, mode="reduce-overhead", fullgraph=True)
-                    cache = StaticCache(config=bf16.config, max_cache_len=L + n_steps + 8)
-                    prefill(bf16, ids, cache)
-                    r = decode_steps(f, cache, tokens, L, args.keep, args.warmup, cudagraphs=True)
-                    pt[f"compiled_{impl}"] = {"median_ms": r["median_ms"], "step_ms": r["step_ms"],
-                                              "compile_s": r["first_ms"] / 1e3,
-                                              "logits_err": max_err(r["logits"], ref)}
-                    print(f"  L={L} compiled {impl}: {r['median_ms']:.2f} ms/token (compile "
-                          f"{r['first_ms'] / 1e3:.1f} s), logits err {pt[f'compiled_{impl}']['logits_err']:.3g}",
-                          flush=True)
-                    del cache, f
-                except Exception as e:  # noqa: BLE001
-                    pt[f"compiled_{impl}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-                    print(f"  L={L} compiled {impl}: {pt[f'compiled_{impl}']['error']}", flush=True)
-                torch._dynamo.reset()
-                _empty_cache()
+            paired_steps(args, bf16, ids, tokens, L, ref, pt, compiled=True)
             save()
     set_impl(bf16, "sdpa")
     del fp32, bf16
+    _empty_cache()
+
+
+def paired_steps(args, bf16, ids, tokens, L: int, ref, pt: dict, compiled: bool) -> None:
+    """One mode's decode steps of both implementations, timed in alternation. Each implementation gets its own copy
+    of the model and its own cache (eager: a DynamicCache; compiled: a StaticCache and ``torch.compile(mode=
+    "reduce-overhead", fullgraph=True)``), prefilled first; then every token runs on both, the order swapped each
+    token, so a change in the host's load moves both alike. Records per implementation (``pt["<mode>_<impl>"]``) the
+    median host ms per token after ``--warmup`` tokens, the first step's time (compiled: the compile), the logits
+    error of the first ``--keep`` tokens, and the per-token ratios sdpa / attnplan (``pt["<mode>_speedup"]``: their
+    median and range)."""
+    from transformers import DynamicCache, StaticCache
+
+    mode = "compiled" if compiled else "eager"
+    n_steps = tokens.shape[1]
+    runs = {}
+    for impl in IMPLS:
+        try:
+            model = copy.deepcopy(bf16)
+            set_impl(model, impl)
+            if compiled:
+                f = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+                cache = StaticCache(config=model.config, max_cache_len=L + n_steps + 8)
+            else:
+                f, cache = model.forward, DynamicCache(config=model.config)
+            prefill(model, ids, cache)
+            runs[impl] = {"model": model, "f": f, "cache": cache, "ms": [], "logits": []}
+        except Exception as e:  # noqa: BLE001 - reported, the other implementation still runs
+            pt[f"{mode}_{impl}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    pos = torch.arange(L, L + n_steps, device=tokens.device).view(n_steps, 1)
+    with torch.no_grad():
+        for i in range(n_steps):
+            order = IMPLS if i % 2 == 0 else IMPLS[::-1]
+            for impl in order:
+                r = runs.get(impl)
+                if r is None or "error" in r:
+                    continue
+                try:
+                    if compiled:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    _sync()
+                    t0 = time.perf_counter()
+                    out = r["f"](input_ids=tokens[:, i:i + 1], position_ids=pos[i:i + 1], cache=r["cache"],
+                                 use_cache=True)
+                    _sync()
+                    r["ms"].append((time.perf_counter() - t0) * 1e3)
+                    if i < args.keep:
+                        r["logits"].append(out.logits[:, -1].float().clone())
+                except Exception as e:  # noqa: BLE001
+                    r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    for impl, r in runs.items():
+        if "error" in r:
+            pt[f"{mode}_{impl}"] = {"error": r["error"]}
+            print(f"  L={L} {mode} {impl}: {r['error']}", flush=True)
+            continue
+        timed = r["ms"][args.warmup:]
+        pt[f"{mode}_{impl}"] = {"median_ms": statistics.median(timed), "step_ms": timed, "first_ms": r["ms"][0],
+                                "logits_err": max_err(torch.cat(r["logits"]) if r["logits"] else None, ref)}
+        print(f"  L={L} {mode} {impl}: {pt[f'{mode}_{impl}']['median_ms']:.3f} ms/token (first step "
+              f"{r['ms'][0] / 1e3:.1f} s), logits err {pt[f'{mode}_{impl}']['logits_err']:.3g}", flush=True)
+    if all("median_ms" in pt.get(f"{mode}_{impl}", {}) for impl in IMPLS):
+        ratios = [a / b for a, b in zip(pt[f"{mode}_sdpa"]["step_ms"], pt[f"{mode}_attnplan"]["step_ms"])]
+        pt[f"{mode}_speedup"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                                 "tokens": len(ratios)}
+        print(f"  L={L} {mode} sdpa / attnplan per token: median {statistics.median(ratios):.3f} "
+              f"({min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+    runs.clear()
+    torch._dynamo.reset()
     _empty_cache()
 
 
@@ -343,16 +380,23 @@ def _f(x, fmt="{:.2f}") -> str:
     return fmt.format(x) if isinstance(x, (int, float)) and x == x else "-"
 
 
+def _speedup(pt: dict, mode: str, sdpa_ms: float, attnplan_ms: float) -> str:
+    """A mode's speedup cell: the median per-token ratio with its range, else the ratio of the medians."""
+    sp = pt.get(f"{mode}_speedup")
+    return f"{sp['median']:.3f}x ({sp['min']:.2f}-{sp['max']:.2f})" if sp else _f(sdpa_ms / attnplan_ms, "{:.2f}x")
+
+
 def table(res: dict) -> str:
     """The printed summary: ms per new token and speedups, logits errors, the op check."""
-    lines = ["ms per new token (median), batch 1, bf16; speedup = sdpa / attnplan",
+    lines = ["ms per new token (median), batch 1, bf16; speedup = sdpa / attnplan, the median of the per-token "
+             "ratios of the alternating runs (their range in brackets)",
              "| prompt | eager sdpa | eager attnplan | speedup | compiled sdpa | compiled attnplan | speedup |",
              "|---|---|---|---|---|---|---|"]
     get = lambda pt, k, f="median_ms": pt.get(k, {}).get(f, float("nan"))  # noqa: E731
     for L, pt in res["points"].items():
         es, ea, cs, ca = (get(pt, k) for k in ("eager_sdpa", "eager_attnplan", "compiled_sdpa", "compiled_attnplan"))
-        lines.append(f"| {int(L):,} | {_f(es)} | {_f(ea)} | {_f(es / ea, '{:.2f}x')} | {_f(cs)} | {_f(ca)} | "
-                     f"{_f(cs / ca, '{:.2f}x')} |")
+        esp, csp = (_speedup(pt, m, x, y) for m, x, y in (("eager", es, ea), ("compiled", cs, ca)))
+        lines.append(f"| {int(L):,} | {_f(es)} | {_f(ea)} | {esp} | {_f(cs)} | {_f(ca)} | {csp} |")
     lines += ["", "max |logits - fp32 SDPA logits| over the first decode steps (same weights, same tokens)",
               "| prompt | eager sdpa | eager attnplan | compiled sdpa | compiled attnplan |", "|---|---|---|---|---|"]
     for L, pt in res["points"].items():
@@ -408,7 +452,9 @@ def main(argv=None) -> int:
            "env": _env(), "model": {**MODEL, "num_hidden_layers": args.layers, "dtype": "bfloat16", "batch": 1},
            "method": "per new token: the model's forward for one teacher-forced token, host clock between "
                      "synchronizes, median of --new-tokens steps after --warmup; eager = DynamicCache, compiled = "
-                     "StaticCache + torch.compile(model.forward, mode='reduce-overhead', fullgraph=True); logits_err = "
+                     "StaticCache + torch.compile(model.forward, mode='reduce-overhead', fullgraph=True); in each "
+                     "mode the two implementations alternate token by token (own model copy and cache each), "
+                     "<mode>_speedup = median per-token sdpa / attnplan; logits_err = "
                      "max |logits - fp32 eager SDPA logits| over the first --keep steps; op check = CUDA-graph replay "
                      "device time (L2 flushed) of 16 calls, per call",
            "args": {k: v for k, v in vars(args).items() if k != "out"}, "points": {}, "op_check": {}}

@@ -252,6 +252,56 @@ def test_bench_hf_table_shows_speedups_errors_and_the_op_check():
     assert "1024 compiled_attnplan: RuntimeError: boom" in text
 
 
+def test_bench_hf_alternates_the_implementations_token_by_token(monkeypatch):
+    """The benchmark's eager runs of a tiny model on the CPU: both implementations time every token, in an order
+    swapped each token (so a change in the host's load moves both), each on its own model copy and cache; the
+    speedup is the median of the per-token ratios; the logits error is against the fp32 reference; the table shows
+    the median with its range."""
+    import argparse
+
+    b = _bench_hf()
+    monkeypatch.setattr(b, "DEVICE", "cpu")
+    monkeypatch.setattr(b, "MODEL", {**TINY, "max_position_embeddings": 64})
+    attnplan.hf.register()
+    calls = []
+    real = b.prefill
+
+    def counting_prefill(model, ids, cache, chunk=None):
+        calls.append(("prefill", model.config._attn_implementation, id(model), id(cache)))
+        return real(model, ids, cache, chunk)
+
+    monkeypatch.setattr(b, "prefill", counting_prefill)
+    fp32, bf16 = b.build_models(TINY["num_hidden_layers"])
+    args = argparse.Namespace(warmup=1, keep=2, new_tokens=4)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, TINY["vocab_size"], (1, 9), generator=gen)
+    tokens = torch.randint(1, TINY["vocab_size"], (1, 5), generator=gen)
+    order = []
+    real_forward = type(bf16).forward
+
+    def logged_forward(self, *a, **kw):
+        order.append(self.config._attn_implementation)
+        return real_forward(self, *a, **kw)
+
+    monkeypatch.setattr(type(bf16), "forward", logged_forward)
+    pt: dict = {}
+    ref = torch.zeros(2, TINY["vocab_size"])
+    b.paired_steps(args, bf16, ids, tokens, 9, ref, pt, compiled=False)
+    # the two prefills, then five tokens in alternating order
+    assert order == ["sdpa", "attnplan"] + ["sdpa", "attnplan", "attnplan", "sdpa"] * 2 + ["sdpa", "attnplan"]
+    assert len({c[2] for c in calls}) == 2 and len({c[3] for c in calls}) == 2  # own model and cache each
+    for impl in b.IMPLS:
+        r = pt[f"eager_{impl}"]
+        assert len(r["step_ms"]) == 4 and r["median_ms"] > 0 and r["logits_err"] > 0
+    sp = pt["eager_speedup"]
+    ratios = [x / y for x, y in zip(pt["eager_sdpa"]["step_ms"], pt["eager_attnplan"]["step_ms"])]
+    assert sp["tokens"] == 4 and sp["min"] == min(ratios) and sp["max"] == max(ratios)
+    assert min(ratios) <= sp["median"] <= max(ratios)
+    text = b.table({"points": {"9": pt}, "op_check": {}})
+    assert f"{sp['median']:.3f}x ({sp['min']:.2f}-{sp['max']:.2f})" in text
+    del fp32
+
+
 def test_register_without_transformers_names_the_extra(monkeypatch):
     """``register()`` with transformers missing: an ImportError that says which extra to install."""
     import sys
