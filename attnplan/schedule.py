@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Schedule", "Units", "schedule_units", "check_invariants", "NUM_TARGETS", "NUM_BUCKETS", "POLICIES",
-           "bucket_of", "max_units_bound", "is_long_tailed"]
+           "bucket_of", "max_units_bound", "is_long_tailed", "slot_unit"]
 
 #: buckets of batch work: ``k = bit_length(total granules)``, clamped to ``NUM_BUCKETS - 1``
 NUM_BUCKETS = 32
@@ -135,20 +135,25 @@ def max_units_bound(schedule_targets, batch: int, max_units_per_seq: int) -> int
     return min(batch * max_units_per_seq, max(schedule_targets) + batch)
 
 
-def slot_unit(slot: int, num_units: int, slots: int) -> int:
+def slot_unit(slot: int, num_units: int, slots: int, pack: int = 1) -> int:
     """The unit that grid slot ``slot`` of ``slots`` runs when the live batch has ``num_units <= slots`` units, or
-    -1 (the slot exits). The units are spread evenly over the slots: unit ``u`` runs in slot ``floor(u S / U)``,
-    so slot ``s`` runs ``u = ceil(s U / S)`` when ``floor(u S / U) == s`` (a bijection from ``[0, U)`` onto those
-    slots; slot 0 always runs unit 0). The kernels apply it where the prologue knows ``U`` for free (cuda_ptx:
-    batches of at most 32, one warp's schedule; triton: batches of one prologue block): the working programs are
-    then spread over the grid's order instead of packed at its start, which is what the hardware fills SMs in.
-    The state of unit ``u`` still goes to workspace slot ``u``.
+    -1 (the slot exits). Where the slots are more than ``pack`` times the units, the units are spread evenly over
+    the slots: unit ``u`` runs in slot ``floor(u S / U)``, so slot ``s`` runs ``u = ceil(s U / S)`` when ``floor(u S
+    / U) == s`` (a bijection from ``[0, U)`` onto those slots; slot 0 always runs unit 0); else they are packed,
+    slot ``u`` running unit ``u`` for ``u < U`` (the empty slots last). The kernels apply it where the prologue
+    knows ``U`` for free (cuda_ptx: batches of at most 32, one warp's schedule, ``pack`` 1; triton: batches of one
+    prologue block, ``pack`` = ``backends.triton.kernels.PACK_SLOTS_PER_UNIT``): the working programs of a grid much
+    larger than its units are then spread over the grid's order instead of packed at its start, which is what the
+    hardware fills SMs in (an H200, cuda_ptx, 64 units in 160 slots: 263 us spread against 320 packed). The state of
+    unit ``u`` still goes to workspace slot ``u``.
 
     Raises:
         ValueError: ``num_units`` outside ``[1, slots]``.
     """
     if not 1 <= num_units <= slots:
         raise ValueError(f"num_units must be in [1, slots={slots}], got {num_units}")
+    if slots <= pack * num_units:
+        return slot if slot < num_units else -1
     u = (slot * num_units + slots - 1) // slots
     return u if u < num_units and (u * slots) // num_units == slot else -1
 

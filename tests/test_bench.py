@@ -181,7 +181,7 @@ def test_bench_merge_compares_the_backends_merges():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU exit")
 @pytest.mark.parametrize("script,argv", [("bench_merge", []), ("sanitize", ["--backend", "reference"]),
-                                         ("bench_decode", ["--out", ""])])
+                                         ("bench_decode", ["--out", ""]), ("plan_vs_forced", [])])
 def test_gpu_scripts_exit_on_the_cpu(script, argv, capsys):
     import importlib
 

@@ -286,17 +286,23 @@ def test_a_uniform_live_plan_sizes_its_grid_for_the_batches_it_serves(data):
 @settings(max_examples=300, deadline=None)
 def test_slot_unit_spreads_units_over_the_slots(slots, data):
     """``slot_unit`` maps exactly ``U`` of the ``slots`` slots onto the units ``0 .. U-1``, one each, in order,
-    slot 0 to unit 0, and no two working slots closer than ``floor(slots / U)``."""
+    slot 0 to unit 0; more than ``pack`` slots per unit are spread, no two working slots closer than ``floor(slots
+    / U)``; fewer are packed, the first ``U`` slots working."""
     from attnplan.schedule import slot_unit
 
     num_units = data.draw(st.integers(1, slots), label="units")
-    got = [slot_unit(s, num_units, slots) for s in range(slots)]
+    pack = data.draw(st.sampled_from([1, 2]), label="pack")
+    got = [slot_unit(s, num_units, slots, pack) for s in range(slots)]
     working = [s for s, u in enumerate(got) if u >= 0]
     assert [got[s] for s in working] == list(range(num_units))
     assert working[0] == 0 and got[0] == 0
-    gaps = [b - a for a, b in zip(working, working[1:])]
-    assert all(g >= slots // num_units for g in gaps)
+    if slots <= pack * num_units:
+        assert working == list(range(num_units))
+    else:
+        gaps = [b - a for a, b in zip(working, working[1:])]
+        assert all(g >= slots // num_units for g in gaps)
     with pytest.raises(ValueError):
         slot_unit(0, slots + 1, slots)
     with pytest.raises(ValueError):
         slot_unit(0, 0, slots)
+

@@ -72,6 +72,17 @@ if triton is not None:
         tl.store(OUT + pid * 5 + 4, seq_len)
 
 
+    @triton.jit
+    def _slot_probe_kernel(SEQ_LENS, TARGETS, META, OUT, batch, slots, min_c, max_s, GRANULE: tl.constexpr,
+                           BLOCK_B: tl.constexpr):
+        """The prologue of grid slot ``p`` of ``slots`` (the single-block path): the sequence and unit it runs."""
+        pid = tl.program_id(0)
+        b, _, _, _, _, u = _schedule(SEQ_LENS, 1, TARGETS, META, batch, pid, slots, pid, 0, min_c, max_s, 1,
+                                     GRANULE, False, True, False, BLOCK_B, True)
+        tl.store(OUT + pid * 2, b)
+        tl.store(OUT + pid * 2 + 1, u)
+
+
 def _probe(lens, sched: Schedule, q_len, window, us, block_b, one_block=False):
     """Run the prologue alone for units ``us`` (program 0 must ask for unit 0: it writes the meta); ``one_block``:
     the single-block path (``len(lens) <= block_b``)."""
@@ -127,6 +138,33 @@ def test_prologue_matches_host_schedule(name, q_len, window, batch, block_b, one
     for u, (row, want) in enumerate(zip(got.tolist(), rows)):
         assert (row[0] == -1) if want == -1 else row == want, f"unit {u}: kernel {row}, host {want}"
     assert meta[:batch].tolist() == s.indptr[:-1].tolist() and meta[batch:].tolist() == s.units.tolist()
+
+
+@pytest.mark.parametrize("extra", [0, 3, "2x", "2x+1", "3x+2"])
+def test_prologue_places_units_in_slots_as_slot_unit(extra, gen):
+    """With the grid's slots known (the single-block path), slot ``p`` runs unit ``slot_unit(p, U, slots,
+    PACK_SLOTS_PER_UNIT)``: packed in a grid of at most that many slots per unit, spread in a larger one; a slot
+    without a unit finds no sequence."""
+    from attnplan.backends.triton.kernels import PACK_SLOTS_PER_UNIT
+    from attnplan.schedule import slot_unit
+
+    sched = SCHEDULES["balanced"](gen)
+    lens = torch.randint(1, 700, (9,), generator=gen).tolist()
+    s = schedule_units(lens, sched)
+    total = s.num_units
+    slots = {0: total, 3: total + 3, "2x": 2 * total, "2x+1": 2 * total + 1, "3x+2": 3 * total + 2}[extra]
+    out = torch.full((slots, 2), -7, dtype=torch.int32, device=DEVICE)
+    meta = torch.zeros(2 * len(lens), dtype=torch.int32, device=DEVICE)
+    _slot_probe_kernel[(slots,)](torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                                 torch.tensor(sched.targets, dtype=torch.int32, device=DEVICE), meta, out, len(lens),
+                                 slots, sched.min_unit_granules, sched.max_units_per_seq, GRANULE=sched.granule,
+                                 BLOCK_B=16)
+    got = out.cpu().tolist()
+    for p in range(slots):
+        u = slot_unit(p, total, slots, PACK_SLOTS_PER_UNIT.value)
+        assert got[p][0] == (int(s.seq[u]) if u >= 0 else -1), (p, got[p], u)
+        if u >= 0:
+            assert got[p][1] == u
 
 
 def test_prologue_at_batch_65536(gen):
