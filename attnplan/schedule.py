@@ -142,10 +142,10 @@ def slot_unit(slot: int, num_units: int, slots: int, pack: int = 1) -> int:
     / U) == s`` (a bijection from ``[0, U)`` onto those slots; slot 0 always runs unit 0); else they are packed,
     slot ``u`` running unit ``u`` for ``u < U`` (the empty slots last). The kernels apply it where the prologue
     knows ``U`` for free (cuda_ptx: batches of at most 32, one warp's schedule, ``pack`` 1; triton: batches of one
-    prologue block, ``pack`` = ``backends.triton.kernels.PACK_SLOTS_PER_UNIT``): the working programs of a grid much
-    larger than its units are then spread over the grid's order instead of packed at its start, which is what the
-    hardware fills SMs in (an H200, cuda_ptx, 64 units in 160 slots: 263 us spread against 320 packed). The state of
-    unit ``u`` still goes to workspace slot ``u``.
+    prologue block, ``pack`` = ``attnplan.backends.triton.kernels.PACK_SLOTS_PER_UNIT``): the working programs of
+    a grid much larger than its units are then spread over the grid's order instead of packed at its start, which
+    is what the hardware fills SMs in (an H200, cuda_ptx, 64 units in 160 slots: 263 us spread against 320 packed).
+    The state of unit ``u`` still goes to workspace slot ``u``.
 
     Raises:
         ValueError: ``num_units`` outside ``[1, slots]``.
