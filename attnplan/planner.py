@@ -665,10 +665,10 @@ def even_load_splits(asked: int, pairs: int, sm_count: int, most: int) -> int:
     """The split count (units per sequence) for ``pairs`` (sequence, KV head) pairs on ``sm_count`` SMs when a
     split-table row measured at another pair count asks for ``asked``: ``asked`` if its ``pairs x asked`` programs
     load the SMs within :data:`EVEN_LOAD_MAX_IMBALANCE` (:func:`load_imbalance`), else the next count up to ``most``
-    (the largest count allowed) that does (``asked`` when none does). A row's programs per SM carried to another pair count can leave a fraction of the SMs, or of a
-    wave, idle: measured on an H200 (cuda_ptx, 90K tokens), 64/8/128 at 12 sequences (96 pairs) took the 128-pair
-    rows' single pass, 96 programs on 132 SMs, 1.09x slower than 9 splits; 28/4/128 at 48 sequences (192 pairs) one
-    split where 11 were best (1.09-1.13x)."""
+    (the largest count allowed) that does (``asked`` when none does). A row's programs per SM carried to another
+    pair count can leave a fraction of the SMs, or of a wave, idle: measured on an H200 (cuda_ptx, 90K tokens),
+    64/8/128 at 12 sequences (96 pairs) took the 128-pair rows' single pass, 96 programs on 132 SMs, 1.09x slower
+    than 9 splits; 28/4/128 at 48 sequences (192 pairs) one split where 11 were best (1.09-1.13x)."""
     for s in range(asked, most + 1):
         if _even_enough(pairs * s, sm_count):
             return s

@@ -305,4 +305,3 @@ def test_slot_unit_spreads_units_over_the_slots(slots, data):
         slot_unit(0, slots + 1, slots)
     with pytest.raises(ValueError):
         slot_unit(0, 0, slots)
-
