@@ -598,6 +598,11 @@ class DecodeWrapper:
         mean = -(-total // static["batch"])
         b_max, b_mean = len_bucket(max_len), len_bucket(mean)
         cap = static["capacity"] if static["capacity"] > 0 else max_len
+        if not capacity:
+            # a live plan is made for its capacity's power-of-two bucket (len_bucket), like its lengths: it serves
+            # every capacity of the bucket, so a cache that grows a token per step (transformers' DynamicCache)
+            # plans once per bucket, not once per token
+            cap = len_bucket(cap)
         # the previous plan()'s backend choice and cache key serve again when what they were derived from repeats:
         # the static checks' result (the same dict: the same signature and scalars), the length buckets, capacity,
         # mode, split count, forced backend and context (Context.select and device_facts are memos of exactly these;
@@ -613,7 +618,7 @@ class DecodeWrapper:
 
             def problem() -> DecodeProblem:
                 if not made:
-                    made.append(DecodeProblem(max_kv_len=max_len, total_kv_len=total, **static))
+                    made.append(DecodeProblem(max_kv_len=max_len, total_kv_len=total, **{**static, "capacity": cap}))
                 return made[0]
 
             bkey = head + (b_max, b_mean) + tail

@@ -288,10 +288,13 @@ def test_hostile_plan_file_is_a_miss_with_a_warning(tmp_path, name):
 
 
 def _problem(x):
+    """The problem ``attnplan.decode`` plans for ``x``: a live plan is made for its capacity's power-of-two bucket."""
+    from attnplan.problem import len_bucket
     from attnplan.testing import problem_of
 
     p = problem_of(x)
-    return attnplan.DecodeProblem(**{**p.to_dict(), "capacity": x.block_table.shape[1] * x.k_cache.shape[1]})
+    return attnplan.DecodeProblem(**{**p.to_dict(),
+                                     "capacity": len_bucket(x.block_table.shape[1] * x.k_cache.shape[1])})
 
 
 def test_a_directory_or_fifo_in_place_of_a_plan_is_a_miss(tmp_path):
