@@ -709,6 +709,7 @@ class DecodeWrapper:
                 and b[4] is self.backend and b[5] == self._sm_scale:
             return
         self._bound_to = to
+        previous = self._launcher if b and b[4] is self.backend else None
         self._launcher = None
         if self._forget is not None:  # the previous plan's launch constants in the backend hold its workspace
             self._forget()
@@ -719,7 +720,8 @@ class DecodeWrapper:
         if bind is not None and not plan.q_block:  # a plan with query blocks launches through Backend.run
             try:
                 self._launcher = bind(plan, self.workspace, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table,
-                                                                         self._sm_scale, **self._variant))
+                                                                         self._sm_scale, **self._variant),
+                                      previous=previous)
             except ValueError:  # the backend's own run() raises it, with its message, when run() is called
                 self._launcher = None
 

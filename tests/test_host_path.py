@@ -1282,9 +1282,121 @@ def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, pag
     assert run(x, out, lse) == ["raw", "raw"]  # the first layout's still raw
 
 
+@needs_cuda_python
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs the Triton interpreter")
+def test_triton_rebind_keeps_the_compiled_kernels_of_an_equal_specialization(monkeypatch, gen):
+    """A wrapper re-planned for a KV cache one token longer (transformers' DynamicCache: a new
+    ``[b, kv_heads, L + 1, d]`` tensor, read as the transposed view, so new shapes and strides every step) keeps the
+    plan and workspace; its new binding takes the previous one's compiled kernels, so the first run launches raw
+    (no JIT, no driver query), with exactly the JIT arguments of the new tensors. A scalar argument whose
+    specialization class changes (q's batch stride no longer a multiple of 16) goes through the JIT again."""
+    from attnplan.backends.cuda_ptx import _bindings
+    from attnplan.backends.triton import BoundLaunch, kernels, spec_classes
+
+    be = get_backend("triton")
+    log: list = []
+    sizes: dict = {}
+    jits = {"partial": _FakeJitRaw(kernels.split_kv_partial_kernel, log, 1001, sizes),
+            "merge": _FakeJitRaw(kernels.merge_kernel, log, 1002, sizes)}
+    monkeypatch.setattr(be, "_kernels", lambda: types.SimpleNamespace(split_kv_partial_kernel=jits["partial"],
+                                                                      merge_kernel=jits["merge"]))
+    real, _ = _bindings.bindings()
+    drv = _RawDriver(real, sizes, log)
+    queries = []
+    info = drv.cuFuncGetParamInfo
+    drv.cuFuncGetParamInfo = lambda fn, i: (queries.append(fn), info(fn, i))[1]
+    monkeypatch.setattr(_bindings, "_BINDINGS", (drv, None))
+    from triton import knobs
+    hooks = types.SimpleNamespace(launch_enter_hook=knobs.runtime.launch_enter_hook,
+                                  launch_exit_hook=knobs.runtime.launch_exit_hook, debug=False)
+    cfg = attnplan.load_config(split={"merge": "separate"})
+    w = attnplan.DecodeWrapper(cfg, backend="triton")
+    b, hq, hkv, d = 2, 8, 2, 32
+    q = torch.randn(b, 1, hq, d, generator=gen)
+
+    def step(L, q):
+        """Plan for caches of L tokens (transposed views of [b, hkv, L, d]), run twice; the launches' kinds."""
+        k, v = (torch.randn(b, hkv, L, d, generator=gen).transpose(1, 2) for _ in range(2))
+        lens = torch.full((b,), L, dtype=torch.int32)
+        plan = w.plan(q, k, v, lens, num_splits=4, seq_lens_host=[L] * b)
+        bl = w._launcher
+        assert isinstance(bl, BoundLaunch)
+        bl.hooks, bl.current_device, bl.current_stream = hooks, (lambda: 0), (lambda dev: 77)
+        kinds = []
+        for _ in range(2):
+            out = torch.empty_like(q)
+            log.clear()
+            w.run(q, k, v, lens, out=out)
+            kinds.append([e[0] for e in log])
+        L_ = be._launch(plan, w.workspace)
+        pos = be._partial_args(L_, DecodeInputs(q, k, v, lens, None, w._sm_scale), out, None)
+        kw = {**L_.const, "WRITE_LSE": False, "SINKS_ON": False}
+        full = pos + tuple(kw[n] for n in jits["partial"].arg_names[len(pos):])
+        assert log[0][1] == 1001 and log[0][6] == _param_bytes(jits["partial"].sig, full)
+        mpos = be._merge_args(L_, out, None, None)
+        mkw = {**L_.merge_const, "WRITE_LSE": False, "SINKS_ON": False}
+        mfull = mpos + tuple(mkw[n] for n in jits["merge"].arg_names[len(mpos):])
+        assert log[1][1] == 1002 and log[1][6] == _param_bytes(jits["merge"].sig, mfull)
+        return plan, bl, kinds
+
+    plan, bl, kinds = step(40, q)
+    assert kinds == [["jit", "jit"], ["raw", "raw"]] and queries
+    for L in (41, 42):
+        queries.clear()
+        plan2, bl2, kinds = step(L, q)
+        assert plan2 is plan and bl2 is not bl and bl2.L is bl.L
+        assert kinds == [["raw", "raw"], ["raw", "raw"]] and not queries, "the new binding asked the JIT or driver"
+        bl = bl2
+    # q's batch stride 264 (not a multiple of 16): another specialization, so the JIT compiles it
+    q_odd = torch.randn(b, 1, hq, d + 1, generator=gen)[..., :d]
+    assert spec_classes((q_odd.stride(0),)) != spec_classes((q.stride(0),))
+    _, bl3, kinds = step(43, q_odd)
+    assert bl3.L is bl.L and kinds == [["jit", "jit"], ["raw", "raw"]]
+
+
+def test_spec_classes_separate_what_triton_specializes_on():
+    """Ints by 1 / multiple of 16 / width, floats not at all, other values by type and value."""
+    from attnplan.backends.triton import spec_classes
+
+    c = spec_classes
+    assert c((32, 2.5)) == c((4096, -1e9)) and c((0,)) == c((16,)) and c((7,)) == c((9,))
+    assert c((1,)) != c((17,)) and c((16,)) != c((8,)) and c((2 ** 31,)) != c((2 ** 31 - 16,))
+    assert c((2 ** 63,)) != c((2 ** 62,)) and c((True,)) != c((1,)) and c((True,)) != c((False,))
+    assert c((1.0,)) != c((1,))
+
+
 # -- on a GPU: no host sync, and the direct launches right ---------------------------------------------------
 
 GPU_BACKENDS = ["triton", "numba", "cuda_ptx"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+def test_gpu_triton_rebind_over_a_growing_cache_matches_the_reference(merge):
+    """A cache one token longer every step, as transformers' DynamicCache grows it (a new ``[b, kv_heads, L, d]``
+    tensor read as the transposed view): one wrapper re-planned each step keeps its plan, and its new binding the
+    compiled kernels (launched raw from the first run); every step's output, written into poisoned memory, equals
+    the float64 reference."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    b, hq, hkv, d = 2, 32, 8, 128
+    w = attnplan.DecodeWrapper(attnplan.load_config(split={"merge": merge}), backend="triton")
+    k, v = (torch.randn(b, hkv, 2000, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    plans = set()
+    for step, L in enumerate(range(2000, 2006)):
+        if step:
+            k, v = (torch.cat([t, torch.randn(b, hkv, 1, d, generator=gen, device="cuda", dtype=t.dtype)], 2)
+                    for t in (k, v))
+        q = torch.randn(b, 1, hq, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)
+        lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+        plans.add(id(w.plan(q, kt, vt, lens, seq_lens_host=[L] * b)))
+        if step:
+            assert w._launcher.direct, "the new binding did not keep the compiled kernels"
+        out = poison(torch.empty_like(q))
+        w.run(q, kt, vt, lens, out=out)
+        ref, _ = reference.attention(q.cpu(), kt.cpu(), vt.cpu(), lens.cpu(), None, 1 / d ** 0.5)
+        assert_close_to_reference(out.cpu(), ref, torch.bfloat16)
+    assert len(plans) == 1 and w.plan_.merge in (merge, "none")
 
 
 @pytest.mark.gpu

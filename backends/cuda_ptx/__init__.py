@@ -629,9 +629,10 @@ class CudaPtxBackend(Backend):
         self._launch(L.merge_spec, L.merge_cfg, MERGE_SIGNATURE, self._merge_values(L, out, lse, sinks), st.o.device,
                      pdl=L.pdl)
 
-    def bind(self, plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs) -> BoundLaunch:
+    def bind(self, plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs, previous=None) -> BoundLaunch:
         """The launches of ``plan`` on ``workspace`` for inputs of ``inputs``' signature, checked and prepared once
         (``DecodeWrapper.plan()`` calls this; its ``run()`` calls the result). See :class:`~.bound.BoundLaunch`.
+        ``previous`` (the binding this one replaces) is not used: a binding here compiles nothing.
 
         Raises:
             ValueError: what :meth:`partial` raises for these inputs and this workspace (``out`` and ``lse`` aside),

@@ -224,7 +224,7 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
             k = self.kernels[spec] = EmulatedKernel(spec, self.build_dir)
         return k
 
-    def bind(self, plan, workspace, inputs) -> None:
+    def bind(self, plan, workspace, inputs, previous=None) -> None:
         """No bound launch: every emulated launch goes through :meth:`partial` / :meth:`merge` (which tell the
         emulation the tensors it may read)."""
         return None

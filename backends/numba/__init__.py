@@ -244,9 +244,10 @@ class NumbaBackend(Backend):
             stream = self._streams[ptr] = self._k.cuda.external_stream(ptr)
         return stream
 
-    def bind(self, plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs) -> "BoundLaunch":
+    def bind(self, plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs, previous=None) -> "BoundLaunch":
         """The launches of ``plan`` for inputs of ``inputs``' signature, prepared once (``DecodeWrapper.plan()``
-        calls this; its ``run()`` calls the result). See :class:`BoundLaunch`."""
+        calls this; its ``run()`` calls the result). See :class:`BoundLaunch`. ``previous`` (the binding this one
+        replaces) is not used."""
         return BoundLaunch(self, plan, workspace, inputs)
 
     def _launch(self, kern, tag: str, grid: tuple, block: int, args: tuple, device: torch.device) -> None:

@@ -29,7 +29,7 @@ from attnplan.backends.base import Backend, DecodeInputs, Workspace
 from attnplan.planner import SplitPlan
 from attnplan.problem import torch_dtype
 
-__all__ = ["TritonBackend", "BoundLaunch", "merge_geometry"]
+__all__ = ["TritonBackend", "BoundLaunch", "merge_geometry", "spec_classes"]
 
 _LOG2E = 1.4426950408889634
 #: most sequences the prologue reads per step (one ``tl.arange`` block; larger batches loop)
@@ -134,6 +134,23 @@ def _same_args(a: tuple, b: tuple) -> bool:
                                     for x, y in zip(a, b))
 
 
+def spec_classes(values: tuple) -> tuple:
+    """What Triton's JIT specializes a kernel on, per scalar argument, or finer: an ``int`` by whether it is 1 (a
+    constant), a multiple of 16 (divisibility) and its width (int32 / int64 / uint64), a ``float`` not at all
+    (fp32), anything else by type and value. Two argument lists with equal classes (and equal pointer alignments and
+    constexprs) get the same compiled kernel from the JIT."""
+    out = []
+    for v in values:
+        t = type(v)
+        if t is int:
+            out.append((v == 1, v % 16 == 0, -2 ** 31 <= v < 2 ** 31, v >= 2 ** 63))
+        elif t is float:
+            out.append(float)
+        else:
+            out.append((t, v))
+    return tuple(out)
+
+
 def _as_ptrs(args: tuple) -> tuple:
     """``args`` with every tensor replaced by its data pointer."""
     return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
@@ -176,12 +193,15 @@ class BoundLaunch:
 
     __slots__ = ("backend", "L", "paged", "mid", "mid_ptrs", "tail", "tail_scalars", "last_page", "sm_scale",
                  "window_left", "soft_cap", "sinks", "k_scale", "v_scale", "fp8", "variant_tensors", "direct",
-                 "merge", "merge_ints", "grids", "hooks", "current_device", "current_stream", "raw", "lock")
+                 "merge", "merge_ints", "grids", "hooks", "current_device", "current_stream", "raw", "lock", "spec")
 
     def __init__(self, backend: "TritonBackend", plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs,
-                 raw: bool = True):
+                 raw: bool = True, previous: "BoundLaunch | None" = None):
         x = inputs
-        L = backend._launch(plan, workspace, remember=False)
+        if previous is not None and not (previous.backend is backend and previous.L.plan is plan
+                                         and previous.L.workspace is workspace):
+            previous = None
+        L = previous.L if previous is not None else backend._launch(plan, workspace, remember=False)
         if x.q.shape != L.q_shape:
             raise ValueError(f"q has shape {tuple(x.q.shape)}, the plan {L.q_shape}: re-plan")
         self.backend, self.L = backend, L
@@ -210,6 +230,12 @@ class BoundLaunch:
         self.hooks = self.current_device = self.current_stream = None
         self.raw = raw
         self.lock = threading.Lock()
+        self.spec = (tuple((t.dtype, t.data_ptr() & 15) for t in (q, k, v, sl) + ((bt,) if self.paged else ())),
+                     spec_classes(self.tail_scalars))
+        if previous is not None and previous.raw == raw and previous.paged == self.paged \
+                and previous.spec == self.spec and previous.sinks is self.sinks and previous.k_scale is self.k_scale \
+                and previous.v_scale is self.v_scale:
+            self._inherit(previous)
         if not _interpreting() and torch.device(x.q.device).type == "cuda":
             try:
                 from triton import knobs
@@ -219,6 +245,21 @@ class BoundLaunch:
                 self.current_stream = driver.active.get_current_stream
             except Exception:  # noqa: BLE001 - no direct launches; the JIT path still works
                 self.hooks = None
+
+    def _inherit(self, previous: "BoundLaunch") -> None:
+        """Take ``previous``'s compiled kernels for every output layout it launched directly: the same plan,
+        workspace, variant tensors and specialization (the inputs' 16-byte alignment and the specialization classes
+        of every scalar argument, :func:`spec_classes`) as this binding, so Triton's JIT would return the same
+        compiled kernels for this binding's arguments. Raw launches are re-packed with this binding's scalars (the
+        parameter layout the driver confirmed is kept); nothing is asked of the JIT or the driver."""
+        var = self._variant_ptrs() if self.variant_tensors else None
+        for key, (dp, dm, rp, rm) in previous.direct.items():
+            os_, ls = key[0], key[1] if key[1] is not None else (0, 0, 0)
+            if rp is not None:
+                rp = rp.with_values(self._direct_args((0, 0, 0, 0, 0), 0, 0, os_, ls, var) + dp.const_tail)
+            if rm is not None:
+                rm = rm.with_values(self._direct_merge_args(0, 0, os_, ls, var) + dm.const_tail)
+            self.direct[key] = (dp, dm, rp, rm)
 
     def _inputs(self, q, k, v, sl, bt) -> DecodeInputs:
         return DecodeInputs(q, k, v, sl, bt, self.sm_scale, self.window_left, self.soft_cap, self.sinks,
@@ -274,7 +315,8 @@ class BoundLaunch:
             key += tuple(t.data_ptr() & 15 for t in vt)
         entry = self.direct.get(key)
         h = self.hooks
-        if entry is not None and not _hook_set(h.launch_enter_hook) and not _hook_set(h.launch_exit_hook):
+        if entry is not None and h is not None and not _hook_set(h.launch_enter_hook) \
+                and not _hook_set(h.launch_exit_hook):
             dp, dm, rp, rm = entry
             dev = self.current_device()
             if dp.device == dev and dp.debug == h.debug:
@@ -514,14 +556,20 @@ class TritonBackend(Backend):
             *args, WRITE_LSE=lse is not None, SINKS_ON=sinks is not None, **L.merge_const)
         return ck, args
 
-    def bind(self, plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs) -> "BoundLaunch":
+    def bind(self, plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs,
+             previous: "BoundLaunch | None" = None) -> "BoundLaunch":
         """The launches of ``plan`` for inputs of ``inputs``' signature, prepared once (``DecodeWrapper.plan()``
         calls this; its ``run()`` calls the result). See :class:`BoundLaunch`.
+
+        ``previous``: the binding this one replaces (a wrapper re-planned for inputs of another signature, e.g. a
+        KV cache one token longer every step): where the plan, workspace and specialization are the same, its
+        compiled kernels and launch constants are kept, so the first ``run()`` launches directly instead of through
+        the JIT.
 
         Raises:
             ValueError: ``workspace`` does not serve the plan, or q's shape is not the plan's.
         """
-        return BoundLaunch(self, plan, workspace, inputs)
+        return BoundLaunch(self, plan, workspace, inputs, previous=previous)
 
     def partial(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
                 lse: torch.Tensor | None) -> None:

@@ -73,16 +73,12 @@ class RawKernel:
         ValueError: a group is not consecutive pointer parameters.
     """
 
-    __slots__ = ("fn", "grid", "block", "smem", "args", "params", "writes", "driver_launch")
+    __slots__ = ("fn", "grid", "block", "smem", "args", "params", "writes", "driver_launch", "layout")
 
     def __init__(self, fn, grid: tuple[int, int, int], num_warps: int, shared: int, params: list, values: tuple,
                  changing: tuple[tuple[int, ...], ...], driver_launch):
-        from attnplan.backends.cuda_ptx.args import PackedArgs
-
-        signature = tuple((f"p{j}", kind) for j, (_, kind, _) in enumerate(params))
-        packed = [0 if i < 0 else values[i] for i, _, _ in params]
-        self.args = PackedArgs(signature, packed)
-        self.params = self.args.kernel_params
+        self.layout = tuple(params)
+        self._pack(values)
         slot = {i: j for j, (i, kind, _) in enumerate(params) if i >= 0 and kind == "ptr"}
         writes = []
         for group in changing:
@@ -93,6 +89,25 @@ class RawKernel:
         self.writes = tuple(writes)
         self.fn, self.grid, self.block, self.smem = fn, tuple(grid), (32 * int(num_warps), 1, 1), int(shared)
         self.driver_launch = driver_launch  # cuda-python's cuLaunchKernel
+
+    def _pack(self, values: tuple) -> None:
+        from attnplan.backends.cuda_ptx.args import PackedArgs
+
+        signature = tuple((f"p{j}", kind) for j, (_, kind, _) in enumerate(self.layout))
+        self.args = PackedArgs(signature, [0 if i < 0 else values[i] for i, _, _ in self.layout])
+        self.params = self.args.kernel_params
+
+    def with_values(self, values: tuple) -> "RawKernel":
+        """The same kernel, grid and parameter layout (already checked against the driver) with other argument
+        ``values`` packed into a buffer of its own: for a launch of the same compiled specialization with other
+        scalars (a re-bound launch whose strides changed, :class:`~attnplan.backends.triton.BoundLaunch`). The
+        caller vouches that Triton would pick this specialization for ``values`` (equal specialization classes,
+        ``attnplan.backends.triton.spec_classes``)."""
+        k = object.__new__(RawKernel)
+        k.fn, k.grid, k.block, k.smem, k.writes, k.driver_launch, k.layout = (
+            self.fn, self.grid, self.block, self.smem, self.writes, self.driver_launch, self.layout)
+        k._pack(values)
+        return k
 
     def launch(self, stream: int, *groups: tuple):
         """Write each group's data pointers (one ``values`` tuple per group of ``changing``, in order), then
