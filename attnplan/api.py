@@ -748,69 +748,9 @@ class DecodeWrapper:
         """
         f = self._fast
         if f is not None:
-            # -- the one-pass check: every field the full path checks, read once and compared with the planned value
-            # (dtypes are singletons: identity); any difference, non-tensor or overlap leaves for the full path
-            # below, which raises its own error (or, where this test is stricter, decides). No tuple is built but the
-            # pointers handed to the launch.
-            # A stride of None: the planned tensor is C-contiguous, and so must this one be (Tensor.is_contiguous(),
-            # cheaper than reading the strides; same_signature() is the full path's equal rule).
-            (qs, qst, qd, qv, qa, ks, kst, kd, kv, ka, vs, vst, vd, vv, va, ss, sst, sd, sv, sa, bs, bst, bd, bv, ba,
-             e0, e1, e2, e3, e4, d0, d1, d2, d3, isz, nbytes, ls3, graph_safe) = f
-            T = torch.Tensor
-            if isinstance(q, T) and isinstance(k_cache, T) and isinstance(v_cache, T) and isinstance(seq_lens, T) \
-                    and (isinstance(block_table, T) if bs is not None else block_table is None):
-                p0, p1, p2, p3 = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr()
-                p4 = block_table.data_ptr() if bs is not None else 0
-                o = self._out if out is None else out
-                if q.shape == qs and (q.is_contiguous() if qst is None else q.stride() == qst) and q.dtype is qd \
-                        and q.device == qv and (not p0 & 15) is qa \
-                        and k_cache.shape == ks \
-                        and (k_cache.is_contiguous() if kst is None else k_cache.stride() == kst) \
-                        and k_cache.dtype is kd and k_cache.device == kv and (not p1 & 15) is ka \
-                        and v_cache.shape == vs \
-                        and (v_cache.is_contiguous() if vst is None else v_cache.stride() == vst) \
-                        and v_cache.dtype is vd and v_cache.device == vv and (not p2 & 15) is va \
-                        and seq_lens.shape == ss \
-                        and (seq_lens.is_contiguous() if sst is None else seq_lens.stride() == sst) \
-                        and seq_lens.dtype is sd and seq_lens.device == sv and (not p3 & 15) is sa \
-                        and (bs is None or (block_table.shape == bs
-                                            and (block_table.is_contiguous() if bst is None
-                                                 else block_table.stride() == bst)
-                                            and block_table.dtype is bd and block_table.device == bv
-                                            and (not p4 & 15) is ba)) \
-                        and (out is None or (isinstance(out, T) and out.shape == qs and out.dtype is qd
-                                             and out.device == qv)) \
-                        and (lse is None or (isinstance(lse, T) and lse.dtype is _F32 and lse.shape == ls3
-                                             and lse.device == qv)):
-                    a0 = o.data_ptr()
-                    if o.is_contiguous():  # its bytes: exactly its numel's (its last stride 1 where it matters)
-                        a1 = a0 + nbytes
-                        ok = True
-                    else:
-                        s = o.stride()
-                        a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
-                        ok = out is None or qs[3] <= 1 or s[3] == 1
-                    ok = ok \
-                        and not (e0 and a0 < p0 + e0 and p0 < a1) and not (e1 and a0 < p1 + e1 and p1 < a1) \
-                        and not (e2 and a0 < p2 + e2 and p2 < a1) and not (e3 and a0 < p3 + e3 and p3 < a1) \
-                        and not (e4 and a0 < p4 + e4 and p4 < a1)
-                    if ok and lse is not None:
-                        t = lse.stride()
-                        c0 = lse.data_ptr()
-                        c1 = c0 + (d0 * t[0] + d1 * t[1] + d2 * t[2] + 1) * 4
-                        ok = (qs[2] <= 1 or t[2] == 1) and not (a0 < c1 and c0 < a1) \
-                            and not (e0 and c0 < p0 + e0 and p0 < c1) and not (e1 and c0 < p1 + e1 and p1 < c1) \
-                            and not (e2 and c0 < p2 + e2 and p2 < c1) and not (e3 and c0 < p3 + e3 and p3 < c1) \
-                            and not (e4 and c0 < p4 + e4 and p4 < c1)
-                    if ok and (graph_safe or not q.is_cuda or not torch.cuda.is_current_stream_capturing()):
-                        launcher = self._launcher
-                        if launcher is not None:
-                            launcher(q, k_cache, v_cache, seq_lens, block_table, o, lse, (p0, p1, p2, p3, p4))
-                        else:
-                            self.backend.run(self.plan_, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table,
-                                                                      self._sm_scale, **self._variant),
-                                             self.workspace, o, lse)
-                        return o
+            o = self._run_fast(f, q, k_cache, v_cache, seq_lens, block_table, out, lse)
+            if o is not None:
+                return o
         if self.plan_ is None:
             capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
             raise PlanNotReadyError(
@@ -819,6 +759,90 @@ class DecodeWrapper:
         # -- argument checks: O(1) host work, no allocation, no sync (this runs under CUDA-graph capture) --
         sig, ptrs = self._signature_ptrs(q, k_cache, v_cache, seq_lens, block_table)
         return self._run(sig, ptrs, q, k_cache, v_cache, seq_lens, block_table, out, lse, False)
+
+    def try_run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                block_table: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                lse: torch.Tensor | None = None) -> torch.Tensor | None:
+        """:meth:`run` where the inputs are exactly what :meth:`plan` saw, else ``None`` (nothing launched, nothing
+        raised): for a caller that re-plans on any change instead of comparing the inputs itself first (a model's
+        layers calling one wrapper, whose cache grows a token per step). Same arguments as :meth:`run`; after a
+        ``None``, ``plan()`` then ``run()`` give the result (or ``run()``'s error).
+
+        It answers ``None`` also where :meth:`run` would take its full path for these inputs without error (a plan
+        with sink or scale tensors, a strided ``out`` that :meth:`run` would accept, a backend that cannot run
+        under the capture in progress)."""
+        f = self._fast
+        if f is None:
+            return None
+        return self._run_fast(f, q, k_cache, v_cache, seq_lens, block_table, out, lse)
+
+    def _run_fast(self, f: tuple, q, k_cache, v_cache, seq_lens, block_table, out, lse) -> torch.Tensor | None:
+        """:meth:`run`'s one-pass check against ``f`` (:meth:`_make_fast`) and launch: ``out`` (or the wrapper's
+        buffer) when every check passed and the kernels were launched, else ``None`` (the full path decides)."""
+        # -- the one-pass check: every field the full path checks, read once and compared with the planned value
+        # (dtypes are singletons: identity); any difference, non-tensor or overlap leaves for run()'s full path,
+        # which raises its own error (or, where this test is stricter, decides). No tuple is built but the pointers
+        # handed to the launch.
+        # A stride of None: the planned tensor is C-contiguous, and so must this one be (Tensor.is_contiguous(),
+        # cheaper than reading the strides; same_signature() is the full path's equal rule).
+        (qs, qst, qd, qv, qa, ks, kst, kd, kv, ka, vs, vst, vd, vv, va, ss, sst, sd, sv, sa, bs, bst, bd, bv, ba,
+         e0, e1, e2, e3, e4, d0, d1, d2, d3, isz, nbytes, ls3, graph_safe) = f
+        T = torch.Tensor
+        if isinstance(q, T) and isinstance(k_cache, T) and isinstance(v_cache, T) and isinstance(seq_lens, T) \
+                and (isinstance(block_table, T) if bs is not None else block_table is None):
+            p0, p1, p2, p3 = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr()
+            p4 = block_table.data_ptr() if bs is not None else 0
+            o = self._out if out is None else out
+            if q.shape == qs and (q.is_contiguous() if qst is None else q.stride() == qst) and q.dtype is qd \
+                    and q.device == qv and (not p0 & 15) is qa \
+                    and k_cache.shape == ks \
+                    and (k_cache.is_contiguous() if kst is None else k_cache.stride() == kst) \
+                    and k_cache.dtype is kd and k_cache.device == kv and (not p1 & 15) is ka \
+                    and v_cache.shape == vs \
+                    and (v_cache.is_contiguous() if vst is None else v_cache.stride() == vst) \
+                    and v_cache.dtype is vd and v_cache.device == vv and (not p2 & 15) is va \
+                    and seq_lens.shape == ss \
+                    and (seq_lens.is_contiguous() if sst is None else seq_lens.stride() == sst) \
+                    and seq_lens.dtype is sd and seq_lens.device == sv and (not p3 & 15) is sa \
+                    and (bs is None or (block_table.shape == bs
+                                        and (block_table.is_contiguous() if bst is None
+                                             else block_table.stride() == bst)
+                                        and block_table.dtype is bd and block_table.device == bv
+                                        and (not p4 & 15) is ba)) \
+                    and (out is None or (isinstance(out, T) and out.shape == qs and out.dtype is qd
+                                         and out.device == qv)) \
+                    and (lse is None or (isinstance(lse, T) and lse.dtype is _F32 and lse.shape == ls3
+                                         and lse.device == qv)):
+                a0 = o.data_ptr()
+                if o.is_contiguous():  # its bytes: exactly its numel's (its last stride 1 where it matters)
+                    a1 = a0 + nbytes
+                    ok = True
+                else:
+                    s = o.stride()
+                    a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
+                    ok = out is None or qs[3] <= 1 or s[3] == 1
+                ok = ok \
+                    and not (e0 and a0 < p0 + e0 and p0 < a1) and not (e1 and a0 < p1 + e1 and p1 < a1) \
+                    and not (e2 and a0 < p2 + e2 and p2 < a1) and not (e3 and a0 < p3 + e3 and p3 < a1) \
+                    and not (e4 and a0 < p4 + e4 and p4 < a1)
+                if ok and lse is not None:
+                    t = lse.stride()
+                    c0 = lse.data_ptr()
+                    c1 = c0 + (d0 * t[0] + d1 * t[1] + d2 * t[2] + 1) * 4
+                    ok = (qs[2] <= 1 or t[2] == 1) and not (a0 < c1 and c0 < a1) \
+                        and not (e0 and c0 < p0 + e0 and p0 < c1) and not (e1 and c0 < p1 + e1 and p1 < c1) \
+                        and not (e2 and c0 < p2 + e2 and p2 < c1) and not (e3 and c0 < p3 + e3 and p3 < c1) \
+                        and not (e4 and c0 < p4 + e4 and p4 < c1)
+                if ok and (graph_safe or not q.is_cuda or not torch.cuda.is_current_stream_capturing()):
+                    launcher = self._launcher
+                    if launcher is not None:
+                        launcher(q, k_cache, v_cache, seq_lens, block_table, o, lse, (p0, p1, p2, p3, p4))
+                    else:
+                        self.backend.run(self.plan_, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table,
+                                                                  self._sm_scale, **self._variant),
+                                         self.workspace, o, lse)
+                    return o
+        return None
 
     def _run(self, sig, ptrs, q, k_cache, v_cache, seq_lens, block_table, out, lse, outputs_checked: bool):
         """:meth:`run` after the signature; ``outputs_checked``: the caller (:func:`decode`) has just run

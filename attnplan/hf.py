@@ -15,7 +15,9 @@ Which cache, which path (what transformers hands the attention function decides;
 - **DynamicCache** (the default): the key/value tensors hold exactly the valid tokens and a decode step
   (``q_len == 1``) comes with no mask, so every sequence's length is ``kv_len``, known on the host. Eager calls
   plan once per step for the live length (the first layer plans, the other layers reuse the plan: same shapes)
-  through :class:`~attnplan.DecodeWrapper`, with no device sync.
+  through :class:`~attnplan.DecodeWrapper`, with no device sync; the plan comes from the plan cache except once per
+  power-of-two length bucket, and where the config leaves the merge to the planner the steps use the fused merge
+  (one kernel launch per layer: an eager step's time is the host's).
 - **StaticCache** (``cache_implementation="static"``, the cache of ``torch.compile``): the key/value tensors
   are the whole preallocated cache ``[batch, num_kv_heads, max_cache_len, head_dim]`` and a decode step comes
   with a boolean mask ``[batch, 1, q_len, max_cache_len]`` whose last row sees the positions up to the cache
@@ -53,8 +55,8 @@ import threading
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.attnplan.decode, which the compiled path calls)
-from .api import DecodeWrapper
-from .problem import MAX_Q_LEN, tensor_signature
+from .api import Context, DecodeWrapper, default_context
+from .problem import MAX_Q_LEN
 
 __all__ = ["register", "attnplan_attention_forward", "NAME", "STATS"]
 
@@ -64,7 +66,8 @@ NAME = "attnplan"
 STATS = {"attnplan": 0, "sdpa_fallback": 0}
 
 _SDPA = None  # transformers' sdpa_attention_forward, bound on first use
-_STEP = threading.local()  # this thread's step plan: .key, .wrapper, .seq_lens
+_EAGER_CTX = None  # the eager steps' context (_eager_context), made on first use
+_STEP = threading.local()  # this thread's step: .wrapper, .seq_lens, and the .scale and .stream it was planned for
 
 
 def _sdpa():
@@ -105,20 +108,51 @@ def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
             and kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False)
 
 
+def _eager_context():
+    """The context of eager steps' wrappers: the process's (``plans/default.yaml`` and ``$ATTNPLAN_CONFIG``), with
+    the fused merge where the config leaves the merge to the planner (``split.merge: auto``). An eager step is host
+    bound (transformers' own per-layer work takes longer than the GPU's), so one kernel launch per layer (the last
+    program of each sequence and KV head merges) beats a merge kernel's second launch; a backend without the fused
+    merge plans the separate one."""
+    global _EAGER_CTX
+    if _EAGER_CTX is None:
+        ctx = default_context()
+        if ctx.config.split.merge == "auto":
+            ctx = Context.from_config(ctx.config.model_copy(
+                update={"split": ctx.config.split.model_copy(update={"merge": "fused"})}))
+        _EAGER_CTX = ctx
+    return _EAGER_CTX
+
+
+def _raw_stream(device: torch.device) -> int:
+    """The current CUDA stream's handle on ``device`` (0 for a CPU tensor), without making a ``torch.cuda.Stream``."""
+    if device.type != "cuda":
+        return 0
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return get(device.index) if get is not None else torch.cuda.current_stream(device).cuda_stream
+
+
 def _step_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, scale: float | None) -> torch.Tensor:
-    """Eager decode with every sequence ``kv_len`` long: this thread's :class:`DecodeWrapper`, planned for the live
-    length when the inputs' signature (shapes, strides, dtypes, device, alignment), scale or stream changes, i.e.
-    once per step for a model whose layers share their shapes, then run into a fresh output."""
+    """Eager decode with every sequence ``kv_len`` long: this thread's :class:`DecodeWrapper`, run into a fresh
+    output where the inputs are what it was planned for (:meth:`DecodeWrapper.try_run` compares their shapes,
+    strides, dtypes, devices and alignment with the plan's, so a model's layers run on one plan), planned again for
+    the live length when they are not (a DynamicCache one token longer: once per step, a plan-cache hit within the
+    length's power-of-two bucket), when the score scale changes or on another stream."""
+    st = _STEP
+    w = getattr(st, "wrapper", None)
+    stream = _raw_stream(q.device)
+    if w is not None and st.scale == scale and st.stream == stream:
+        out = w.try_run(q, k, v, st.seq_lens, None, out=torch.empty_like(q))
+        if out is not None:
+            return out
     b = q.shape[0]
-    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
-    key = (tensor_signature("q", q), tensor_signature("k", k), tensor_signature("v", v), scale, stream)
-    if getattr(_STEP, "key", None) != key:
-        lens = torch.full((b,), kv_len, dtype=torch.int32, device=q.device)
-        w = getattr(_STEP, "wrapper", None) or DecodeWrapper()
-        _STEP.key = None
-        w.plan(q, k, v, lens, None, sm_scale=scale, seq_lens_host=[kv_len] * b)
-        _STEP.key, _STEP.wrapper, _STEP.seq_lens = key, w, lens
-    return _STEP.wrapper.run(q, k, v, _STEP.seq_lens, None, out=torch.empty_like(q))
+    lens = torch.full((b,), kv_len, dtype=torch.int32, device=q.device)
+    w = w or DecodeWrapper(_eager_context())
+    st.wrapper = w
+    st.scale = st.stream = None  # a plan() that raises leaves no usable step behind
+    w.plan(q, k, v, lens, None, sm_scale=scale, seq_lens_host=[kv_len] * b)
+    st.scale, st.stream, st.seq_lens = scale, stream, lens
+    return w.run(q, k, v, lens, None, out=torch.empty_like(q))
 
 
 def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -82,6 +82,36 @@ def test_generate_equals_sdpa_and_decode_steps_are_attnplans(cache, prompt_len, 
     _assert_logits_close(logits, ref_logits)
 
 
+def test_dynamic_cache_plans_once_per_step_and_misses_once_per_length_bucket(gen, monkeypatch):
+    """Eager generation over a DynamicCache (key / value tensors one token longer every step): the first layer of
+    a step plans, the others run on its plan; the steps' plans come from the plan cache except once per
+    power-of-two length bucket (a live plan is made for its capacity's bucket, not for every length)."""
+    from attnplan.problem import len_bucket
+
+    attnplan.hf.register()
+    n_new, layers, prompt = 12, TINY["num_hidden_layers"], 9
+    plans = []
+    real = attnplan.DecodeWrapper.plan
+
+    def counting(self, *a, **kw):
+        plans.append(a[1].shape[1])  # the cache's length (k is [b, kv_len, kv_heads, d])
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(attnplan.DecodeWrapper, "plan", counting)
+    ids = _ids(TINY["vocab_size"], (1, prompt), gen)
+    model = _model(TINY, DEVICE, torch.float32, attnplan.hf.NAME)
+    _generate(model, ids[:, :4], 2)  # this thread's wrapper exists (planned for 5 tokens)
+    w = attnplan.hf._STEP.wrapper
+    assert w.ctx.config.split.merge == "fused"  # host-bound eager steps: one launch per layer (the default is auto)
+    misses = w.ctx.cache.stats.misses
+    plans.clear()
+    _generate(model, ids, n_new)
+    lengths = list(range(prompt + 1, prompt + n_new))
+    assert plans == lengths, "a plan per step, on its first layer"
+    assert w.ctx.cache.stats.misses - misses <= len({len_bucket(n) for n in lengths}) < len(lengths)
+    assert layers > 1
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_verification_step_of_several_tokens_equals_sdpa(cache, gen):
     """A forward of 4 new tokens over a cache of 20 (speculative verification): the mask comes with it, so the
@@ -297,8 +327,15 @@ def test_bench_hf_alternates_the_implementations_token_by_token(monkeypatch):
     ratios = [x / y for x, y in zip(pt["eager_sdpa"]["step_ms"], pt["eager_attnplan"]["step_ms"])]
     assert sp["tokens"] == 4 and sp["min"] == min(ratios) and sp["max"] == max(ratios)
     assert min(ratios) <= sp["median"] <= max(ratios)
+    for impl in b.IMPLS:  # every layer's attention call of the timed tokens, timed on the host
+        h = pt[f"eager_{impl}"]["attn_host_us"]
+        assert h["calls"] == 4 * TINY["num_hidden_layers"] and h["median_call"] > 0 and h["per_token"] > 0
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    assert ALL_ATTENTION_FUNCTIONS[attnplan.hf.NAME] is attnplan.hf.attnplan_attention_forward  # restored
     text = b.table({"points": {"9": pt}, "op_check": {}})
     assert f"{sp['median']:.3f}x ({sp['min']:.2f}-{sp['max']:.2f})" in text
+    h = pt["eager_attnplan"]["attn_host_us"]
+    assert f"| {h['median_call']:.1f} |" in text and f"| {h['per_token']:.0f} |" in text
     del fp32
 
 
