@@ -192,6 +192,51 @@ def paired_steps(args, bf16, ids, tokens, L: int, ref, pt: dict, compiled: bool)
         except Exception as e:  # noqa: BLE001 - reported, the other implementation still runs
             pt[f"{mode}_{impl}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     pos = torch.arange(L, L + n_steps, device=tokens.device).view(n_steps, 1)
+    host = {} if compiled else timed_attention(runs)
+    try:
+        _steps(args, runs, tokens, pos, compiled)
+    finally:
+        if host:
+            timed_attention(runs, restore=host)
+    for impl, ns in (host.get("calls") or {}).items():
+        timed = ns[args.warmup * len(ns) // max(n_steps, 1):]
+        if timed and f"{mode}_{impl}" not in pt:
+            runs[impl]["attn_host_us"] = {"median_call": statistics.median(timed) / 1e3,
+                                          "per_token": sum(timed) / 1e3 / (n_steps - args.warmup),
+                                          "calls": len(timed)}
+    record(args, runs, pt, mode, ref, L)
+
+
+def timed_attention(runs: dict, restore: dict | None = None) -> dict:
+    """Eager mode: re-register each implementation's transformers attention function under its name with a host
+    timer around each call (``perf_counter_ns``, no sync: the host's own cost of the call, the first layer's
+    ``plan()`` of each step included); ``restore`` (what this returned) puts the originals back. Returns
+    ``{"orig": name -> function, "calls": name -> [ns per call]}``."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if restore is not None:
+        for name, fn in restore["orig"].items():
+            AttentionInterface.register(name, fn)
+        return restore
+    orig, calls = {}, {}
+    for impl in runs:
+        fn = ALL_ATTENTION_FUNCTIONS[impl]
+        orig[impl], calls[impl] = fn, []
+
+        def timed(*a, _fn=fn, _log=calls[impl], **kw):
+            t0 = time.perf_counter_ns()
+            res = _fn(*a, **kw)
+            _log.append(time.perf_counter_ns() - t0)
+            return res
+
+        AttentionInterface.register(impl, timed)
+    return {"orig": orig, "calls": calls}
+
+
+def _steps(args, runs: dict, tokens, pos, compiled: bool) -> None:
+    """The alternating decode steps of :func:`paired_steps` (each implementation's host ms and first logits)."""
+    n_steps = tokens.shape[1]
     with torch.no_grad():
         for i in range(n_steps):
             order = IMPLS if i % 2 == 0 else IMPLS[::-1]
@@ -212,6 +257,10 @@ def paired_steps(args, bf16, ids, tokens, L: int, ref, pt: dict, compiled: bool)
                         r["logits"].append(out.logits[:, -1].float().clone())
                 except Exception as e:  # noqa: BLE001
                     r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def record(args, runs: dict, pt: dict, mode: str, ref, L: int) -> None:
+    """:func:`paired_steps`' results into ``pt`` (and printed)."""
     for impl, r in runs.items():
         if "error" in r:
             pt[f"{mode}_{impl}"] = {"error": r["error"]}
@@ -220,8 +269,12 @@ def paired_steps(args, bf16, ids, tokens, L: int, ref, pt: dict, compiled: bool)
         timed = r["ms"][args.warmup:]
         pt[f"{mode}_{impl}"] = {"median_ms": statistics.median(timed), "step_ms": timed, "first_ms": r["ms"][0],
                                 "logits_err": max_err(torch.cat(r["logits"]) if r["logits"] else None, ref)}
+        if "attn_host_us" in r:
+            pt[f"{mode}_{impl}"]["attn_host_us"] = r["attn_host_us"]
         print(f"  L={L} {mode} {impl}: {pt[f'{mode}_{impl}']['median_ms']:.3f} ms/token (first step "
-              f"{r['ms'][0] / 1e3:.1f} s), logits err {pt[f'{mode}_{impl}']['logits_err']:.3g}", flush=True)
+              f"{r['ms'][0] / 1e3:.1f} s), logits err {pt[f'{mode}_{impl}']['logits_err']:.3g}"
+              + (f", attention host us: {r['attn_host_us']['median_call']:.1f} per call (median), "
+                 f"{r['attn_host_us']['per_token']:.0f} per token" if "attn_host_us" in r else ""), flush=True)
     if all("median_ms" in pt.get(f"{mode}_{impl}", {}) for impl in IMPLS):
         ratios = [a / b for a, b in zip(pt[f"{mode}_sdpa"]["step_ms"], pt[f"{mode}_attnplan"]["step_ms"])]
         pt[f"{mode}_speedup"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
@@ -403,6 +456,13 @@ def table(res: dict) -> str:
         errs = [get(pt, k, "logits_err") for k in ("eager_sdpa", "eager_attnplan", "compiled_sdpa",
                                                     "compiled_attnplan")]
         lines.append(f"| {int(L):,} | " + " | ".join(_f(e, "{:.3g}") for e in errs) + " |")
+    lines += ["", "eager: host time of the transformers attention call (us; no sync), median per call and summed per "
+                  "token (every layer's call, the first layer's plan() of each step included)",
+              "| prompt | sdpa per call | attnplan per call | sdpa per token | attnplan per token |", "|---|---|---|---|---|"]
+    for L, pt in res["points"].items():
+        h = [pt.get(k, {}).get("attn_host_us", {}) for k in ("eager_sdpa", "eager_attnplan")]
+        lines.append(f"| {int(L):,} | {_f(h[0].get('median_call'), '{:.1f}')} | {_f(h[1].get('median_call'), '{:.1f}')} "
+                     f"| {_f(h[0].get('per_token'), '{:.0f}')} | {_f(h[1].get('per_token'), '{:.0f}')} |")
     lines += ["", "16 decode calls per step, CUDA-graph replay device time per call (us); ratio = op / wrapper; "
                   "SDPA's own ratio (compiled / captured by hand) and the compiled steps' host time per call beside it",
               "| prompt | wrapper (by hand) | op (by hand) | op (reduce-overhead) | ratio | sdpa ratio | "
