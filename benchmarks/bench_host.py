@@ -15,7 +15,9 @@ two-kernel plan takes about as long as its launches). The fields:
 - ``plan_hit_us``: ``plan()`` again with host lengths (a plan-cache hit); ``decode_us``: ``attnplan.decode()`` with
   ``seq_lens_host`` (a plan-cache hit, its wrapper reused);
 - torch's ``scaled_dot_product_attention`` on the same data (dense, ``enable_gqa``) as the bar, and the floor of any
-  call that launches a kernel: one ``cuLaunchKernel`` of an empty kernel through cuda-python and torch's ``add_``.
+  call that launches a kernel: one ``cuLaunchKernel`` of an empty kernel through cuda-python and torch's ``add_``;
+- the transformers attention call of an eager decode step (``attnplan.hf`` against transformers' SDPA function, on
+  ``bench_hf.py``'s model shape; :func:`hf_calls`), per backend and merge, and its cost outside ``run()``'s launch.
 
 It also checks that ``run()`` and, with host lengths, ``plan()`` / ``decode()`` never synchronize the host
 (``torch.cuda.set_sync_debug_mode("error")``; ``decode()`` without host lengths is documented to synchronize once,
@@ -194,6 +196,63 @@ def measure(be: str, x, lens: list[int], calls: int) -> dict:
     r["decode_sync"] = no_sync(lambda: attnplan.decode(*args, out=out, backend=be, config=ctx, seq_lens_host=lens))
     r["decode_nohost_sync"] = no_sync(lambda: attnplan.decode(*args, out=out, backend=be, config=ctx))
     return r
+
+
+def hf_calls(backends: list[str], calls: int, kv: int, hq: int = 32, hkv: int = 8, d: int = 64) -> list[dict]:
+    """The host cost of one eager transformers attention call (``attnplan.hf``'s against transformers'
+    ``sdpa_attention_forward``) on a DynamicCache's tensors of ``kv`` tokens (bench_hf.py's model: b1 32/8/64 bf16),
+    per attnplan backend and merge (the eager steps' context forced to each), with the GPU busy (``host_us``) and in a
+    loop (``us``); ``outside_run_host_us``: the same call with the launch stubbed (the integration's own Python and
+    run()'s checks). Empty where transformers does not import."""
+    try:
+        import attnplan.hf as hf
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    except ImportError:
+        return []
+    hf.register()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    query = torch.randn(1, hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    key, value = (torch.randn(1, hkv, kv, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    module = types.SimpleNamespace(training=False, is_causal=True, num_key_value_groups=hq // hkv)
+    scale = d ** -0.5
+    sdpa = lambda: sdpa_attention_forward(module, query, key, value, None, scaling=scale)  # noqa: E731
+    rows = [{"what": "hf sdpa", "kv": kv, "host_us": host_us(sdpa, calls), "us": per_call_us(sdpa, calls)}]
+    call = lambda: hf.attnplan_attention_forward(module, query, key, value, None, scaling=scale)  # noqa: E731
+    saved = hf._EAGER_CTX
+    try:
+        for be in backends:
+            for merge in ("fused", "separate"):
+                hf._EAGER_CTX = attnplan.Context.from_config(attnplan.load_config(backends=[be],
+                                                                                  split={"merge": merge}))
+                hf._STEP.__dict__.clear()
+                try:
+                    ref = reference_hf(query, key, value, scale)
+                    err = (call()[0].float() - ref).abs().max().item()
+                    w = hf._STEP.wrapper
+                    r = {"what": "hf attnplan", "kv": kv, "backend": be, "merge": w.plan_.merge, "max_err": err,
+                         "host_us": host_us(call, calls), "us": per_call_us(call, calls)}
+                    bound = w._launcher
+                    w._launcher = lambda *a: None
+                    r["outside_run_host_us"] = host_us(call, calls)
+                    w._launcher = bound
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    r = {"what": "hf attnplan", "kv": kv, "backend": be, "merge": merge,
+                         "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                rows.append(r)
+                print(r, flush=True)
+    finally:
+        hf._EAGER_CTX = saved
+        hf._STEP.__dict__.clear()
+    return rows
+
+
+def reference_hf(query, key, value, scale) -> torch.Tensor:
+    """float32 attention of ``query [1, Hq, 1, D]`` over ``key, value [1, Hkv, kv, D]``: ``[1, 1, Hq, D]``."""
+    hq, hkv = query.shape[1], key.shape[1]
+    k = key.float().repeat_interleave(hq // hkv, 1)
+    v = value.float().repeat_interleave(hq // hkv, 1)
+    p = torch.softmax(query.float() @ k.transpose(-1, -2) * scale, -1)
+    return (p @ v).transpose(1, 2)
 
 
 def per_call_cpu_us(fn, calls: int, repeats: int = 7) -> float:
@@ -424,6 +483,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv", default="1024,32768")
     ap.add_argument("--heads", default="32,8,128")
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--hf-kv", type=int, default=1024, help="KV length of the transformers attention call's rows")
     ap.add_argument("--out", default="benchmarks/results/host.json")
     ap.add_argument("--cpu", action="store_true", help="per-stage host cost on the CPU, launches stubbed")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -468,6 +528,8 @@ def main(argv=None) -> int:
                 r = {"kv": kv, "backend": be, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             rows.append(r)
             print(r, flush=True)
+    hf_rows = hf_calls([b for b in args.backends.split(",") if b in ("triton", "cuda_ptx")], args.calls, args.hf_kv)
+    rows += hf_rows
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(["python", "benchmarks/bench_host.py", *(argv or sys.argv[1:])]),
@@ -495,8 +557,19 @@ def main(argv=None) -> int:
                   f"{r['decode_host_us']:5.1f} [{r['decode_us']:5.1f}]  {s_['host_us']:5.1f} [{s_['us']:5.1f}]  "
                   f"{r.get('direct', '-')!s:>6}  {r['run_sync']}/{r['plan_sync']}/{r['decode_sync']}; "
                   f"{r['decode_nohost_sync'][:5]}")
-        elif "error" in r:
+        elif "error" in r and "what" not in r:
             print(f"{r['kv']:<7d} {r['backend']:9s} error {r['error']}")
+    if hf_rows:
+        print(f"\ntransformers attention call, b1 32/8/64 bf16 DynamicCache kv {args.hf_kv}: host us per call (GPU "
+              "busy; loop wall time in brackets); outside run = the call with the launch stubbed")
+        for r in hf_rows:
+            name = "sdpa" if r["what"] == "hf sdpa" else f"attnplan {r['backend']} {r['merge']}"
+            if "error" in r:
+                print(f"  {name:28s} error {r['error']}")
+                continue
+            extra = f"  outside run {r['outside_run_host_us']:5.1f}  max err {r['max_err']:.2g}" \
+                if "outside_run_host_us" in r else ""
+            print(f"  {name:28s} {r['host_us']:6.1f} [{r['us']:6.1f}]{extra}")
     return 0
 
 
