@@ -283,7 +283,9 @@ def _table_text(slug: str) -> str:
 
 def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device, ctx: Context, *,
                  capacity_mode: bool = False, num_splits: int | None = None, dev_info: DeviceInfo | None = None) -> SplitPlan:
-    """Plan ``problem`` for ``backend`` through ``ctx``'s plan cache (bucketed lengths).
+    """Plan ``problem`` for ``backend`` through ``ctx``'s plan cache (bucketed lengths). ``problem`` is planned as
+    given: :class:`DecodeWrapper` and :func:`decode` first round a live problem's capacity up to its power-of-two
+    bucket (:func:`~attnplan.problem.len_bucket`), so the plans they cache have such capacities.
 
     Kernel options: the config's ``backend_options`` where set, else the device's tuned table
     (``kernel_options.<backend>.<layout>``), else the backend's defaults. A plan whose split count comes from a
@@ -768,9 +770,11 @@ class DecodeWrapper:
         layers calling one wrapper, whose cache grows a token per step). Same arguments as :meth:`run`; after a
         ``None``, ``plan()`` then ``run()`` give the result (or ``run()``'s error).
 
-        It answers ``None`` also where :meth:`run` would take its full path for these inputs without error (a plan
-        with sink or scale tensors, a strided ``out`` that :meth:`run` would accept, a backend that cannot run
-        under the capture in progress)."""
+        It answers ``None`` also where :meth:`run` would take its full path for these inputs (and launch or raise
+        there): a plan with sinks or fp8 scales (float scales too: they are kept as tensors), where it always
+        answers ``None`` (a caller that re-plans on ``None`` re-plans every call: use :meth:`run` there); a strided
+        ``out`` or ``lse`` that :meth:`run` accepts; a backend that cannot run under the capture in progress
+        (:meth:`run` raises ``PlanNotReadyError``)."""
         f = self._fast
         if f is None:
             return None

@@ -117,7 +117,8 @@ class DecodeProblem:
         total_kv_len: sum of all sequences' lengths in tokens (``batch * max_kv_len`` when only
             the capacity is known); lets the planner see long-tailed batches.
         capacity: tokens each sequence can hold in the cache (contiguous: ``max_kv_len`` axis;
-            paged: ``max_pages_per_seq * page_size``).
+            paged: ``max_pages_per_seq * page_size``); a live plan made by ``DecodeWrapper`` takes its power-of-two
+            bucket (:func:`len_bucket`), so it serves every cache of up to that many tokens.
         window_left: sliding window, tokens: the query at position ``p`` sees ``[p - window_left, p]``;
             ``-1`` = no window.
         soft_cap: logits soft-cap ``cap * tanh(score / cap)`` on the scaled scores; ``0`` = off.

@@ -222,8 +222,8 @@ def hf_calls(backends: list[str], calls: int, kv: int, hq: int = 32, hkv: int = 
     try:
         for be in backends:
             for merge in ("fused", "separate"):
-                hf._EAGER_CTX = attnplan.Context.from_config(attnplan.load_config(backends=[be],
-                                                                                  split={"merge": merge}))
+                hf._EAGER_CTX = (attnplan.api.default_context(), attnplan.Context.from_config(
+                    attnplan.load_config(backends=[be], split={"merge": merge})))
                 hf._STEP.__dict__.clear()
                 try:
                     ref = reference_hf(query, key, value, scale)

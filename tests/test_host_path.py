@@ -239,6 +239,40 @@ def test_run_one_pass_check_raises_what_the_full_path_raises(gen):
         assert fast == full, (getattr(out, "shape", out), getattr(ls, "shape", ls))
 
 
+def test_try_run_launches_only_what_run_would_and_answers_none_otherwise(gen, monkeypatch):
+    """try_run() before any plan, and with every kind of bad argument of the test above (each of which run()
+    refuses), answers None and launches nothing; with the planned inputs it launches once and returns the output
+    run() returns (the output written: equal to the reference); a failed plan() leaves it answering None."""
+    assert attnplan.DecodeWrapper(backend="reference").try_run(*[torch.empty(1)] * 4) is None
+    x, w = _planned(gen)
+    q, k, v, sl, bt = x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table
+    launches = []
+    real = w.backend.run
+    monkeypatch.setattr(w.backend, "run", lambda *a, **kw: (launches.append(1), real(*a, **kw))[1])
+    misaligned = torch.empty(q.numel() * 2 + 8, dtype=torch.uint8)[2:2 + q.numel() * 2].view(torch.float16) \
+        .view(q.shape)
+    big = torch.empty(2, 1, 8, 32, dtype=torch.float16)
+    lse = torch.empty(2, 1, 8)
+    bad = [
+        ((q.float(), k, v, sl, bt), {}), ((misaligned, k, v, sl, bt), {}), ((q[:1], k, v, sl, bt), {}),
+        ((q, k.transpose(1, 2).contiguous().transpose(1, 2), v, sl, bt), {}), ((q, k, v, sl.long(), bt), {}),
+        ((q, k, v, sl, None), {}), ((q, k, v, sl, bt.long()), {}), (([1], k, v, sl, bt), {}),
+        ((q, k, v, sl, bt), {"out": q.float()}), ((q, k, v, sl, bt), {"out": big[..., ::2]}),
+        ((q, k, v, sl, bt), {"out": q}), ((q, k, v, sl, bt), {"lse": lse.double()}),
+        ((q, k, v, sl, bt), {"out": k.reshape(-1)[: q.numel()].view(q.shape)}),
+    ]
+    for args, kw in bad:
+        assert _errors(lambda: w.run(*args, **kw)) is not None, (args, kw)
+        assert w.try_run(*args, **kw) is None and not launches, ([getattr(a, "shape", a) for a in args], kw)
+    out = poison(torch.empty_like(q))
+    assert w.try_run(q, k, v, sl, bt, out=out, lse=lse) is out and len(launches) == 1
+    assert_close_to_reference(out, _ref(x)[0], torch.float16)
+    assert w.try_run(q, k, v, sl, bt) is w._out and len(launches) == 2
+    with pytest.raises(ValueError):
+        w.plan(q, k, v, sl, bt, seq_lens_host=[9, 4], sm_scale=float("nan"))
+    assert w.try_run(q, k, v, sl, bt) is None and len(launches) == 2
+
+
 def test_run_catches_inputs_changed_in_place(gen):
     """The one-pass check reads the tensors themselves on every call: an input changed in place after plan() (the
     same Python object with other strides, shape, dtype or storage) is refused as by the full path; a new storage
@@ -1284,12 +1318,17 @@ def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, pag
 
 @needs_cuda_python
 @pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs the Triton interpreter")
-def test_triton_rebind_keeps_the_compiled_kernels_of_an_equal_specialization(monkeypatch, gen):
+@pytest.mark.parametrize("page,merge,with_lse,with_sinks", [(None, "separate", False, False),
+                                                             (16, "fused", True, True), (8, "separate", True, False)],
+                         ids=["contiguous", "paged16-fused-lse-sinks", "paged8-lse"])
+def test_triton_rebind_keeps_the_compiled_kernels_of_an_equal_specialization(monkeypatch, page, merge, with_lse,
+                                                                             with_sinks, gen):
     """A wrapper re-planned for a KV cache one token longer (transformers' DynamicCache: a new
-    ``[b, kv_heads, L + 1, d]`` tensor, read as the transposed view, so new shapes and strides every step) keeps the
-    plan and workspace; its new binding takes the previous one's compiled kernels, so the first run launches raw
-    (no JIT, no driver query), with exactly the JIT arguments of the new tensors. A scalar argument whose
-    specialization class changes (q's batch stride no longer a multiple of 16) goes through the JIT again."""
+    ``[b, kv_heads, L + 1, d]`` tensor, read as the transposed view, so new shapes and strides every step; a paged
+    cache with more pages and a wider block table) keeps the plan and workspace; its new binding takes the previous
+    one's compiled kernels, so the first run launches raw (no JIT, no driver query), with exactly the JIT arguments
+    of the new tensors. A scalar argument whose specialization class changes (q's batch stride no longer a multiple
+    of 16) goes through the JIT again."""
     from attnplan.backends.cuda_ptx import _bindings
     from attnplan.backends.triton import BoundLaunch, kernels, spec_classes
 
@@ -1309,49 +1348,103 @@ def test_triton_rebind_keeps_the_compiled_kernels_of_an_equal_specialization(mon
     from triton import knobs
     hooks = types.SimpleNamespace(launch_enter_hook=knobs.runtime.launch_enter_hook,
                                   launch_exit_hook=knobs.runtime.launch_exit_hook, debug=False)
-    cfg = attnplan.load_config(split={"merge": "separate"})
+    cfg = attnplan.load_config(split={"merge": merge})
     w = attnplan.DecodeWrapper(cfg, backend="triton")
     b, hq, hkv, d = 2, 8, 2, 32
     q = torch.randn(b, 1, hq, d, generator=gen)
+    sinks = torch.randn(hq, generator=gen) if with_sinks else None
+    kernels_per_run = 2 if merge == "separate" else 1
 
     def step(L, q):
-        """Plan for caches of L tokens (transposed views of [b, hkv, L, d]), run twice; the launches' kinds."""
-        k, v = (torch.randn(b, hkv, L, d, generator=gen).transpose(1, 2) for _ in range(2))
+        """Plan for caches of L tokens, run twice; the launches' kinds."""
+        if page is None:  # transposed views of [b, hkv, L, d]
+            k, v = (torch.randn(b, hkv, L, d, generator=gen).transpose(1, 2) for _ in range(2))
+            bt = None
+        else:  # a page more than the sequences need, the pages shuffled
+            per_seq = -(-L // page)
+            k, v = (torch.randn(b * per_seq + 1, page, hkv, d, generator=gen) for _ in range(2))
+            bt = torch.randperm(b * per_seq + 1, generator=gen)[:b * per_seq].to(torch.int32).view(b, per_seq)
         lens = torch.full((b,), L, dtype=torch.int32)
-        plan = w.plan(q, k, v, lens, num_splits=4, seq_lens_host=[L] * b)
+        plan = w.plan(q, k, v, lens, bt, num_splits=4, seq_lens_host=[L] * b, sinks=sinks)
+        assert plan.merge == merge
         bl = w._launcher
         assert isinstance(bl, BoundLaunch)
         bl.hooks, bl.current_device, bl.current_stream = hooks, (lambda: 0), (lambda dev: 77)
         kinds = []
         for _ in range(2):
-            out = torch.empty_like(q)
+            out, lse = torch.empty_like(q), torch.empty(b, 1, hq) if with_lse else None
             log.clear()
-            w.run(q, k, v, lens, out=out)
+            w.run(q, k, v, lens, bt, out=out, lse=lse)
             kinds.append([e[0] for e in log])
         L_ = be._launch(plan, w.workspace)
-        pos = be._partial_args(L_, DecodeInputs(q, k, v, lens, None, w._sm_scale), out, None)
-        kw = {**L_.const, "WRITE_LSE": False, "SINKS_ON": False}
+        pos = be._partial_args(L_, DecodeInputs(q, k, v, lens, bt, w._sm_scale, sinks=sinks), out, lse)
+        kw = {**L_.const, "WRITE_LSE": with_lse, "SINKS_ON": with_sinks}
         full = pos + tuple(kw[n] for n in jits["partial"].arg_names[len(pos):])
         assert log[0][1] == 1001 and log[0][6] == _param_bytes(jits["partial"].sig, full)
-        mpos = be._merge_args(L_, out, None, None)
-        mkw = {**L_.merge_const, "WRITE_LSE": False, "SINKS_ON": False}
-        mfull = mpos + tuple(mkw[n] for n in jits["merge"].arg_names[len(mpos):])
-        assert log[1][1] == 1002 and log[1][6] == _param_bytes(jits["merge"].sig, mfull)
+        if merge == "separate":
+            mpos = be._merge_args(L_, out, lse, sinks)
+            mkw = {**L_.merge_const, "WRITE_LSE": with_lse, "SINKS_ON": with_sinks}
+            mfull = mpos + tuple(mkw[n] for n in jits["merge"].arg_names[len(mpos):])
+            assert log[1][1] == 1002 and log[1][6] == _param_bytes(jits["merge"].sig, mfull)
         return plan, bl, kinds
 
-    plan, bl, kinds = step(40, q)
-    assert kinds == [["jit", "jit"], ["raw", "raw"]] and queries
-    for L in (41, 42):
+    jit, raw = ["jit"] * kernels_per_run, ["raw"] * kernels_per_run
+    # lengths of one power-of-two bucket (one plan), a new cache size every step (paged: more pages too)
+    # (paged 8: not 57 tokens, whose 17 pages make the last page index 16, a multiple of 16: another specialization)
+    lengths = {None: (40, 41, 57, 64), 16: (33, 49), 8: (33, 41, 49)}[page]
+    plan, bl, kinds = step(lengths[0], q)
+    assert kinds == [jit, raw] and queries
+    for L in lengths[1:]:
         queries.clear()
         plan2, bl2, kinds = step(L, q)
         assert plan2 is plan and bl2 is not bl and bl2.L is bl.L
-        assert kinds == [["raw", "raw"], ["raw", "raw"]] and not queries, "the new binding asked the JIT or driver"
+        assert kinds == [raw, raw] and not queries, "the new binding asked the JIT or the driver"
         bl = bl2
     # q's batch stride 264 (not a multiple of 16): another specialization, so the JIT compiles it
     q_odd = torch.randn(b, 1, hq, d + 1, generator=gen)[..., :d]
     assert spec_classes((q_odd.stride(0),)) != spec_classes((q.stride(0),))
-    _, bl3, kinds = step(43, q_odd)
-    assert bl3.L is bl.L and kinds == [["jit", "jit"], ["raw", "raw"]]
+    _, bl3, kinds = step(60, q_odd)
+    assert bl3.L is bl.L and kinds == [jit, raw]
+
+
+@needs_cuda_python
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs the Triton interpreter")
+def test_triton_rebind_falls_back_to_the_jit_where_the_packing_refuses_a_value(monkeypatch, gen):
+    """A rebind whose re-packing fails (as packing a score scale beyond fp32 would) keeps no kernel, and plan() does
+    not raise: the next run goes through the JIT, as a new binding's first run would."""
+    from attnplan.backends.triton import raw as raw_mod
+    from attnplan.backends.cuda_ptx import _bindings
+    from attnplan.backends.triton import kernels
+
+    be = get_backend("triton")
+    log: list = []
+    sizes: dict = {}
+    jits = {"partial": _FakeJitRaw(kernels.split_kv_partial_kernel, log, 1001, sizes),
+            "merge": _FakeJitRaw(kernels.merge_kernel, log, 1002, sizes)}
+    monkeypatch.setattr(be, "_kernels", lambda: types.SimpleNamespace(split_kv_partial_kernel=jits["partial"],
+                                                                      merge_kernel=jits["merge"]))
+    monkeypatch.setattr(_bindings, "_BINDINGS", (_RawDriver(_bindings.bindings()[0], sizes, log), None))
+    from triton import knobs
+    hooks = types.SimpleNamespace(launch_enter_hook=knobs.runtime.launch_enter_hook,
+                                  launch_exit_hook=knobs.runtime.launch_exit_hook, debug=False)
+    w = attnplan.DecodeWrapper(attnplan.load_config(split={"merge": "separate"}), backend="triton")
+    x = make_inputs(2, 8, 2, 32, [60, 20], dtype=torch.float32, generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens)
+    w.plan(*args, num_splits=4, seq_lens_host=[60, 20], sm_scale=0.125)
+    bl = w._launcher
+    bl.hooks, bl.current_device, bl.current_stream = hooks, (lambda: 0), (lambda d: 7)
+    w.run(*args)
+    assert bl.direct
+    def refuse(self, values):
+        raise OverflowError("float too large to pack with f format")
+
+    monkeypatch.setattr(raw_mod.RawKernel, "with_values", refuse)
+    w.plan(*args, num_splits=4, seq_lens_host=[60, 20], sm_scale=0.25)
+    assert w._launcher is not bl and not w._launcher.direct
+    w._launcher.hooks, w._launcher.current_device, w._launcher.current_stream = hooks, (lambda: 0), (lambda d: 7)
+    log.clear()
+    w.run(*args)
+    assert [e[0] for e in log] == ["jit", "jit"]
 
 
 def test_spec_classes_separate_what_triton_specializes_on():
@@ -1365,6 +1458,26 @@ def test_spec_classes_separate_what_triton_specializes_on():
     assert c((1.0,)) != c((1,))
 
 
+def test_spec_classes_are_at_least_as_fine_as_tritons_own_rule():
+    """Values of equal classes get equal specializations from the installed Triton's own rule (where it exposes
+    it): a Triton whose rule grows a distinction that ``spec_classes`` lacks fails here."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.nvidia.compiler import CUDABackend
+    except ImportError:
+        pytest.skip("this Triton does not expose native_specialize_impl")
+    from attnplan.backends.triton import spec_classes
+
+    rnd = random.Random(7)
+    values = [0, 1, 2, 15, 16, 17, 32, -1, -16, -17, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 16, -2 ** 31,
+              -2 ** 31 - 16, 2 ** 62, 2 ** 63 - 1, 2 ** 63, 2 ** 63 + 16, 2 ** 64 - 16, 0.0, 1.0, 0.125, -3.5, 1e30]
+    values += [rnd.randrange(-2 ** 40, 2 ** 40) for _ in range(300)] + [16 * rnd.randrange(2 ** 36) for _ in range(100)]
+    seen: dict = {}
+    for v in values:
+        spec = native_specialize_impl(CUDABackend, v, False, True, True)
+        assert seen.setdefault(spec_classes((v,)), spec) == spec, (v, spec, seen[spec_classes((v,))])
+
+
 # -- on a GPU: no host sync, and the direct launches right ---------------------------------------------------
 
 GPU_BACKENDS = ["triton", "numba", "cuda_ptx"]
@@ -1372,11 +1485,16 @@ GPU_BACKENDS = ["triton", "numba", "cuda_ptx"]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("merge", ["separate", "fused"])
-def test_gpu_triton_rebind_over_a_growing_cache_matches_the_reference(merge):
+def test_gpu_triton_rebind_over_a_growing_cache_matches_the_reference(merge, monkeypatch):
     """A cache one token longer every step, as transformers' DynamicCache grows it (a new ``[b, kv_heads, L, d]``
     tensor read as the transposed view): one wrapper re-planned each step keeps its plan, and its new binding the
-    compiled kernels (launched raw from the first run); every step's output, written into poisoned memory, equals
-    the float64 reference."""
+    compiled kernels (launched directly from the first run: the JIT launches only the first step's); every step's
+    output, written into poisoned memory, equals the float64 reference."""
+    be = get_backend("triton")
+    jit = []
+    for name in ("_launch_partial", "_launch_merge"):
+        real = getattr(be, name)
+        monkeypatch.setattr(be, name, lambda *a, _real=real, _name=name: (jit.append(_name), _real(*a))[1])
     gen = torch.Generator(device="cuda").manual_seed(5)
     b, hq, hkv, d = 2, 32, 8, 128
     w = attnplan.DecodeWrapper(attnplan.load_config(split={"merge": merge}), backend="triton")
@@ -1393,7 +1511,9 @@ def test_gpu_triton_rebind_over_a_growing_cache_matches_the_reference(merge):
         if step:
             assert w._launcher.direct, "the new binding did not keep the compiled kernels"
         out = poison(torch.empty_like(q))
+        jit.clear()
         w.run(q, kt, vt, lens, out=out)
+        assert bool(jit) == (step == 0), jit
         ref, _ = reference.attention(q.cpu(), kt.cpu(), vt.cpu(), lens.cpu(), None, 1 / d ** 0.5)
         assert_close_to_reference(out.cpu(), ref, torch.bfloat16)
     assert len(plans) == 1 and w.plan_.merge in (merge, "none")

@@ -169,8 +169,9 @@ class BoundLaunch:
     input tensors.
 
     The first call for each output layout launches through Triton's JIT (which compiles a new specialization) and
-    keeps the compiled kernel it returned; later calls with the same output layout launch that compiled kernel
-    directly (``CompiledKernel.run``: the launcher Triton's JIT itself ends in), with arguments laid out once and
+    keeps the compiled kernel it returned (a binding made with ``previous``, :meth:`TritonBackend.bind`, starts with
+    the kernels of the layouts its predecessor launched, where the specialization is the same); later calls with the
+    same output layout launch that compiled kernel directly (``CompiledKernel.run``: the launcher Triton's JIT itself ends in), with arguments laid out once and
     data pointers passed as integers (the launcher then neither calls ``data_ptr()`` nor asks the driver about each
     pointer: every tensor here is device memory of the planned device, checked by ``run()``). A direct launch is
     used only for exactly the specialization Triton compiled: the key holds ``out``'s and ``lse``'s strides and
@@ -252,14 +253,17 @@ class BoundLaunch:
         of every scalar argument, :func:`spec_classes`) as this binding, so Triton's JIT would return the same
         compiled kernels for this binding's arguments. Raw launches are re-packed with this binding's scalars (the
         parameter layout the driver confirmed is kept); nothing is asked of the JIT or the driver."""
-        var = self._variant_ptrs() if self.variant_tensors else None
-        for key, (dp, dm, rp, rm) in previous.direct.items():
-            os_, ls = key[0], key[1] if key[1] is not None else (0, 0, 0)
-            if rp is not None:
-                rp = rp.with_values(self._direct_args((0, 0, 0, 0, 0), 0, 0, os_, ls, var) + dp.const_tail)
-            if rm is not None:
-                rm = rm.with_values(self._direct_merge_args(0, 0, os_, ls, var) + dm.const_tail)
-            self.direct[key] = (dp, dm, rp, rm)
+        try:
+            var = self._variant_ptrs() if self.variant_tensors else None
+            for key, (dp, dm, rp, rm) in previous.direct.items():
+                os_, ls = key[0], key[1] if key[1] is not None else (0, 0, 0)
+                if rp is not None:
+                    rp = rp.with_values(self._direct_args((0, 0, 0, 0, 0), 0, 0, os_, ls, var) + dp.const_tail)
+                if rm is not None:
+                    rm = rm.with_values(self._direct_merge_args(0, 0, os_, ls, var) + dm.const_tail)
+                self.direct[key] = (dp, dm, rp, rm)
+        except Exception:  # noqa: BLE001 - a value the packing refuses (a float beyond fp32): the JIT, as on a miss
+            self.direct.clear()
 
     def _inputs(self, q, k, v, sl, bt) -> DecodeInputs:
         return DecodeInputs(q, k, v, sl, bt, self.sm_scale, self.window_left, self.soft_cap, self.sinks,
