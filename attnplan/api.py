@@ -774,7 +774,15 @@ class DecodeWrapper:
         there): a plan with sinks or fp8 scales (float scales too: they are kept as tensors), where it always
         answers ``None`` (a caller that re-plans on ``None`` re-plans every call: use :meth:`run` there); a strided
         ``out`` or ``lse`` that :meth:`run` accepts; a backend that cannot run under the capture in progress
-        (:meth:`run` raises ``PlanNotReadyError``)."""
+        (:meth:`run` raises ``PlanNotReadyError``).
+
+        Args:
+            q, k_cache, v_cache, seq_lens, block_table, out, lse: as :meth:`run` (``out``: ``[batch, q_len,
+                num_q_heads, head_dim]`` in q's dtype or ``None``; ``lse``: fp32 ``[batch, q_len, num_q_heads]``).
+        Returns:
+            ``out`` (the wrapper's own buffer when ``out`` is ``None``) once the kernels are launched, else ``None``.
+        Raises:
+            nothing of its own: a launch error from the backend or the driver propagates, as from :meth:`run`."""
         f = self._fast
         if f is None:
             return None

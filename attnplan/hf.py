@@ -128,11 +128,14 @@ def _eager_context():
     return _EAGER_CTX[1]
 
 
+_CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only torch builds
+
+
 def _raw_stream(device: torch.device) -> int:
     """The current CUDA stream's handle on ``device`` (0 for a CPU tensor), without making a ``torch.cuda.Stream``."""
     if device.type != "cuda":
         return 0
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    get = _CURRENT_RAW_STREAM
     return get(device.index) if get is not None else torch.cuda.current_stream(device).cuda_stream
 
 

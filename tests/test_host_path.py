@@ -1229,6 +1229,29 @@ def _param_bytes(sig: dict, values) -> list[bytes]:
     return res + [bytes(8), bytes(8)]
 
 
+def _raw_stand_ins(monkeypatch) -> types.SimpleNamespace:
+    """Triton's compiled kernels (:class:`_FakeJitRaw`, handles 1001 / 1002) and cuda-python's driver
+    (:class:`_RawDriver`) stood in for, for the triton backend: ``be``, the shared launch ``log``, ``jits`` (partial,
+    merge), the driver ``drv`` and ``hooks``, Triton's own default launch hooks with its debug knob off (what a
+    binding's ``hooks`` holds on a GPU)."""
+    from attnplan.backends.cuda_ptx import _bindings
+    from attnplan.backends.triton import kernels
+    from triton import knobs
+
+    be = get_backend("triton")
+    log: list = []
+    sizes: dict = {}
+    jits = {"partial": _FakeJitRaw(kernels.split_kv_partial_kernel, log, 1001, sizes),
+            "merge": _FakeJitRaw(kernels.merge_kernel, log, 1002, sizes)}
+    monkeypatch.setattr(be, "_kernels", lambda: types.SimpleNamespace(split_kv_partial_kernel=jits["partial"],
+                                                                      merge_kernel=jits["merge"]))
+    drv = _RawDriver(_bindings.bindings()[0], sizes, log)
+    monkeypatch.setattr(_bindings, "_BINDINGS", (drv, None))
+    hooks = types.SimpleNamespace(launch_enter_hook=knobs.runtime.launch_enter_hook,
+                                  launch_exit_hook=knobs.runtime.launch_exit_hook, debug=False)
+    return types.SimpleNamespace(be=be, log=log, jits=jits, drv=drv, hooks=hooks)
+
+
 @needs_cuda_python
 @pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs the Triton interpreter")
 @pytest.mark.parametrize("page,with_lse,with_sinks", [(16, True, True), (None, False, False)],
@@ -1242,20 +1265,11 @@ def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, pag
     its launch fails); another driver error raises; a function whose parameters (as the driver reports them) differ
     from the derived ones is never launched raw. Paged with an lse and sinks (the variant pointers), and
     contiguous (the block table's stand-in)."""
-    from attnplan.backends.cuda_ptx import _bindings
     from attnplan.backends.cuda_ptx._bindings import DriverError
-    from attnplan.backends.triton import BoundLaunch, kernels
+    from attnplan.backends.triton import BoundLaunch
 
-    be = get_backend("triton")
-    log: list = []
-    sizes: dict = {}
-    jits = {"partial": _FakeJitRaw(kernels.split_kv_partial_kernel, log, 1001, sizes),
-            "merge": _FakeJitRaw(kernels.merge_kernel, log, 1002, sizes)}
-    monkeypatch.setattr(be, "_kernels", lambda: types.SimpleNamespace(split_kv_partial_kernel=jits["partial"],
-                                                                      merge_kernel=jits["merge"]))
-    real, _ = _bindings.bindings()
-    drv = _RawDriver(real, sizes, log)
-    monkeypatch.setattr(_bindings, "_BINDINGS", (drv, None))
+    st = _raw_stand_ins(monkeypatch)
+    be, log, jits, drv = st.be, st.log, st.jits, st.drv
     cfg = attnplan.load_config(split={"merge": "separate"})
     x = make_inputs(2, 8, 2, 32, [60, 20], page_size=page, dtype=torch.float32, generator=gen)
     sinks = torch.randn(8, generator=gen) if with_sinks else None
@@ -1266,10 +1280,7 @@ def test_triton_raw_launch_packs_what_tritons_launcher_is_given(monkeypatch, pag
     new_lse = (lambda: torch.empty(2, 1, 8)) if with_lse else (lambda: None)
     bl = w._launcher
     assert isinstance(bl, BoundLaunch) and bl.raw
-    from triton import knobs
-    bl.hooks = types.SimpleNamespace(launch_enter_hook=knobs.runtime.launch_enter_hook,
-                                     launch_exit_hook=knobs.runtime.launch_exit_hook, debug=False)
-    bl.current_device, bl.current_stream = (lambda: 0), (lambda d: 77)
+    bl.hooks, bl.current_device, bl.current_stream = st.hooks, (lambda: 0), (lambda d: 77)
     L = be._launch(plan, w.workspace)
 
     def run(y, out, lse):
@@ -1329,25 +1340,13 @@ def test_triton_rebind_keeps_the_compiled_kernels_of_an_equal_specialization(mon
     one's compiled kernels, so the first run launches raw (no JIT, no driver query), with exactly the JIT arguments
     of the new tensors. A scalar argument whose specialization class changes (q's batch stride no longer a multiple
     of 16) goes through the JIT again."""
-    from attnplan.backends.cuda_ptx import _bindings
-    from attnplan.backends.triton import BoundLaunch, kernels, spec_classes
+    from attnplan.backends.triton import BoundLaunch, spec_classes
 
-    be = get_backend("triton")
-    log: list = []
-    sizes: dict = {}
-    jits = {"partial": _FakeJitRaw(kernels.split_kv_partial_kernel, log, 1001, sizes),
-            "merge": _FakeJitRaw(kernels.merge_kernel, log, 1002, sizes)}
-    monkeypatch.setattr(be, "_kernels", lambda: types.SimpleNamespace(split_kv_partial_kernel=jits["partial"],
-                                                                      merge_kernel=jits["merge"]))
-    real, _ = _bindings.bindings()
-    drv = _RawDriver(real, sizes, log)
+    st = _raw_stand_ins(monkeypatch)
+    be, log, jits, drv, hooks = st.be, st.log, st.jits, st.drv, st.hooks
     queries = []
     info = drv.cuFuncGetParamInfo
     drv.cuFuncGetParamInfo = lambda fn, i: (queries.append(fn), info(fn, i))[1]
-    monkeypatch.setattr(_bindings, "_BINDINGS", (drv, None))
-    from triton import knobs
-    hooks = types.SimpleNamespace(launch_enter_hook=knobs.runtime.launch_enter_hook,
-                                  launch_exit_hook=knobs.runtime.launch_exit_hook, debug=False)
     cfg = attnplan.load_config(split={"merge": merge})
     w = attnplan.DecodeWrapper(cfg, backend="triton")
     b, hq, hkv, d = 2, 8, 2, 32
@@ -1413,20 +1412,9 @@ def test_triton_rebind_falls_back_to_the_jit_where_the_packing_refuses_a_value(m
     """A rebind whose re-packing fails (as packing a score scale beyond fp32 would) keeps no kernel, and plan() does
     not raise: the next run goes through the JIT, as a new binding's first run would."""
     from attnplan.backends.triton import raw as raw_mod
-    from attnplan.backends.cuda_ptx import _bindings
-    from attnplan.backends.triton import kernels
 
-    be = get_backend("triton")
-    log: list = []
-    sizes: dict = {}
-    jits = {"partial": _FakeJitRaw(kernels.split_kv_partial_kernel, log, 1001, sizes),
-            "merge": _FakeJitRaw(kernels.merge_kernel, log, 1002, sizes)}
-    monkeypatch.setattr(be, "_kernels", lambda: types.SimpleNamespace(split_kv_partial_kernel=jits["partial"],
-                                                                      merge_kernel=jits["merge"]))
-    monkeypatch.setattr(_bindings, "_BINDINGS", (_RawDriver(_bindings.bindings()[0], sizes, log), None))
-    from triton import knobs
-    hooks = types.SimpleNamespace(launch_enter_hook=knobs.runtime.launch_enter_hook,
-                                  launch_exit_hook=knobs.runtime.launch_exit_hook, debug=False)
+    st = _raw_stand_ins(monkeypatch)
+    log, hooks = st.log, st.hooks
     w = attnplan.DecodeWrapper(attnplan.load_config(split={"merge": "separate"}), backend="triton")
     x = make_inputs(2, 8, 2, 32, [60, 20], dtype=torch.float32, generator=gen)
     args = (x.q, x.k_cache, x.v_cache, x.seq_lens)
