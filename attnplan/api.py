@@ -181,10 +181,10 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
     """First backend of the config's order (or only ``backend`` when forced) that is available on
     ``device`` and supports ``problem``, in :func:`dispatch_order`. ``graph``: the plan is for CUDA-graph capture
     (a capacity plan on a CUDA device), so a backend that cannot run under capture (``graph_safe = False``) is
-    skipped with that reason. Unless forced, a backend that would launch once per block of queries
-    (:meth:`Backend.q_block` below ``q_len``: the KV read once per block) is passed over for a later one that holds
-    all the queries in one launch, with that reason; when none does (the float64 fallback aside), the one with the
-    fewest launches serves (the first of those in the order).
+    skipped with that reason. Unless forced, a backend that would read the KV more than once per step (launches
+    per block of queries or of a GQA group's query heads: :meth:`Backend.kv_passes`) is passed over for a later one
+    that holds the step in one launch, with that reason; when none does (the float64 fallback aside), the one with
+    the fewest passes serves (the first of those in the order).
 
     Returns:
         ``(backend, skipped)`` where ``skipped`` lists ``(name, reasons)`` of each earlier backend.
@@ -209,15 +209,17 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
             continue
         if backend:
             return be, skipped
-        qb = be.q_block(problem)
         if blocked is not None and be.fallback:
             break  # the float64 fallback is never preferred to a kernel backend's query blocks
-        if qb < problem.q_len:
-            n = -(-problem.q_len // qb)
+        n = be.kv_passes(problem)
+        if n > 1:
             if blocked is None or n < blocked[0]:
                 blocked = (n, be, list(skipped))
-            skipped.append((name, [f"GQA group x q_len = {problem.group_size * problem.q_len} rows need {n} launches "
-                                   f"of {qb} queries (the KV read {n} times); a later backend may hold them in one"]))
+            hb = be.head_block(problem)
+            how = (f"blocks of {hb} query heads, one query per launch" if hb else
+                   f"launches of {be.q_block(problem)} queries")
+            skipped.append((name, [f"GQA group x q_len = {problem.group_size * problem.q_len} rows need {how} (the "
+                                   f"KV read {n} times); a later backend may hold them in one"]))
             continue
         return be, skipped
     if blocked is not None:
@@ -337,9 +339,15 @@ def _plan_cached(get_problem, bucket_key: tuple, capacity: int, backend: Backend
         tuned = {k: v for k, v in tuned.items()
                  if not any(k in group and group & user.keys() for group in backend.option_aliases)}
 
-        # queries in blocks where the backend's program cannot hold them all: the kernel options are the launch's
-        q_block = backend.q_block(bucketed)
-        launch = bucketed if q_block >= bucketed.q_len else dataclasses.replace(bucketed, q_len=q_block)
+        # queries (and a GQA group's query heads) in blocks where the backend's program cannot hold them all: the
+        # kernel options are the launch's
+        q_block, head_block = backend.q_block(bucketed), backend.head_block(bucketed)
+        q_block = 0 if q_block >= bucketed.q_len else q_block
+        launch = bucketed
+        if q_block or head_block:
+            launch = dataclasses.replace(bucketed, q_len=q_block or bucketed.q_len)
+        if head_block:
+            launch = dataclasses.replace(launch, num_q_heads=head_block, num_kv_heads=1)
 
         def plan_with(opts: dict) -> SplitPlan:
             kernel = backend.kernel_config(launch, opts, device)
@@ -348,7 +356,7 @@ def _plan_cached(get_problem, bucket_key: tuple, capacity: int, backend: Backend
                              merge_strategies=backend.merge_strategies,
                              fused_merge_parallelism=backend.fused_merge_parallelism,
                              fused_merge_max_chunk=backend.fused_merge_max_chunk,
-                             q_block=0 if launch is bucketed else q_block)
+                             q_block=q_block, head_block=head_block)
 
         plan = plan_with({**tuned, **user})
         # the tuned row's own kernel options (planner.entry_options) go with its split count: only for a plan that
@@ -368,11 +376,15 @@ def _plan_cached(get_problem, bucket_key: tuple, capacity: int, backend: Backend
         ctx.cache.stats.misses += 1
         return build()
     def check(p: SplitPlan) -> None:  # a plan read from disk: it fits the problem, and its query blocks are this
-        problem = get_problem()  # backend's (a file's other q_block would launch more rows than a program holds)
+        problem = get_problem()  # backend's (a file's other blocks would launch more rows than a program holds)
         p.validate(problem)
-        qb = backend.q_block(problem)
-        if p.q_block != (0 if qb >= problem.q_len else qb):
-            raise ValueError(f"plan q_block {p.q_block} is not {backend.name}'s {qb} queries per launch")
+        qb, hb = backend.q_block(problem), backend.head_block(problem)
+        want = 0 if qb >= problem.q_len else qb
+        if p.q_block != want:
+            raise ValueError(f"plan q_block {p.q_block} is not {want}: {backend.name} holds {qb} of the "
+                             f"{problem.q_len} queries per launch")
+        if p.head_block != hb:
+            raise ValueError(f"plan head_block {p.head_block} is not {backend.name}'s {hb} query heads per launch")
 
     return ctx.cache.get_or_create(key, build, validate=check)
 
@@ -637,8 +649,8 @@ class DecodeWrapper:
         if prepare is not None and not (pm and pm[0] is plan and pm[1] is self.backend and pm[2] == dev):
             # compile / load kernels now, never inside a CUDA-graph capture; once per plan and device (a backend keeps
             # what it loaded: a plan-cache hit need not look it up again); each launch's with query blocks
-            for _, _, one in plan.launches:
-                prepare(one, dev)
+            for launch in plan.launches:
+                prepare(launch.plan, dev)
             self._prepared = (plan, self.backend, dev)
         ws_for = self._ws_for
         if not (ws_for and ws_for[0] is plan and ws_for[1] is self.workspace and ws_for[2] == dev):
@@ -716,10 +728,10 @@ class DecodeWrapper:
         if self._forget is not None:  # the previous plan's launch constants in the backend hold its workspace
             self._forget()
             self._forget = None
-        if plan.q_block:  # Backend.run's launches cache constants per workspace view: forgotten with the wrapper
+        if plan.multi_launch:  # Backend.run's launches cache constants per workspace view: forgotten with the wrapper
             self._forget = weakref.finalize(self, self.backend.forget, plan, self.workspace)
         bind = getattr(self.backend, "bind", None)
-        if bind is not None and not plan.q_block:  # a plan with query blocks launches through Backend.run
+        if bind is not None and not plan.multi_launch:  # a plan of several launches launches through Backend.run
             try:
                 self._launcher = bind(plan, self.workspace, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table,
                                                                          self._sm_scale, **self._variant),

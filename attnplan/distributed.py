@@ -80,7 +80,7 @@ class ContextParallelDecode:
         # the backend's own separate merge kernel merges the world's states (one launch instead of ~12 torch ops)
         self._merge_plan, self._workspace = merge_workspace(plan, world, q.device) if world > 1 else (None, None)
         if self._merge_plan is not None:  # compile / load its kernels now, not at the first exchange
-            self.local.backend.prepare(self._merge_plan, q.device)
+            self.local.backend.prepare_merge(self._merge_plan, q.device)
         self._result = torch.empty(b, ql, hq, d, dtype=q.dtype, device=q.device)
         self.comm_bytes = world * self._msg
         return plan
@@ -158,7 +158,7 @@ def merge_workspace(plan: SplitPlan, world: int, device: torch.device) -> tuple[
     sched = Schedule("forced", plan.schedule.granule, 1, world, zeros, p.batch * world)
     kernel = KernelOptions({**plan.kernel, "pdl": False}) if "pdl" in plan.kernel else plan.kernel
     merge_plan = replace(plan, schedule=sched, merge="separate", policy="forced", kernel=kernel, table_entry=None,
-                         candidates=())
+                         candidates=(), q_block=0, head_block=0)  # one merge launch over every row
     merge_plan.validate()
     state = PartialState.empty(1, p.q_len, p.num_q_heads, p.batch * world, p.head_dim, device=device)
     idx = torch.arange(p.batch, dtype=torch.int32) * world

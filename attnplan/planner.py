@@ -48,12 +48,13 @@ from .device import DeviceInfo
 from .problem import DecodeProblem, torch_dtype
 from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
 
-__all__ = ["SplitPlan", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION", "cost_model_for",
+__all__ = ["SplitPlan", "Launch", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION", "cost_model_for",
            "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
 
-PLAN_VERSION = 7  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
+PLAN_VERSION = 8  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
 #                  targets scaled to their warps; 5: that scaling bounded at saturation; 6: a row carried to another
-#                  pair count loads the SMs evenly (even_load_splits); 7: one-bucket live plans' grids fit their units
+#                  pair count loads the SMs evenly (even_load_splits); 7: one-bucket live plans' grids fit their units;
+#                  8: head_block (a GQA group larger than a program in several launches)
 #: cross-program merges: ``none`` (single pass), ``separate`` (merge kernel), ``fused`` (last program merges)
 MERGES = ("none", "separate", "fused")
 PLAN_POLICIES = ("tuned", "heuristic", "forced", "no-split", "batch-invariant")
@@ -158,6 +159,19 @@ class DeviceKey(NamedTuple):
         return DeviceKey(device.name, device.sm_count, tuple(device.compute_capability), device.driver)
 
 
+class Launch(NamedTuple):
+    """One launch of a plan (:attr:`SplitPlan.launches`): queries ``[i0, i1)``, query heads ``[h0, h1)`` and KV
+    heads ``[k0, k1)`` of the step, run as ``plan`` (the problem of that slice; ``q_block`` and ``head_block`` 0)."""
+
+    i0: int
+    i1: int
+    h0: int
+    h1: int
+    k0: int
+    k1: int
+    plan: "SplitPlan"
+
+
 @dataclass(frozen=True)
 class SplitPlan:
     """A frozen, hashable, serializable split-KV plan.
@@ -185,6 +199,12 @@ class SplitPlan:
             whole problem; :attr:`launches`), with its own meta and counters and the rows ``[i0, i1)`` of the
             workspace's state. Each launch reads the KV again. The schedule, the kernel options and the grid are
             the launch's (``problem`` stays the whole problem, the workspace is sized for it).
+        head_block: ``0``: a launch serves whole GQA groups. Else one GQA group alone is more rows than the
+            backend's program holds (``Backend.head_block``): each launch serves one KV head ``k`` and a block of
+            ``head_block`` of its query heads, ``[k * group + g0, k * group + g1)`` (the last block of a group may
+            be smaller), one query per launch (``q_block`` 1, or ``q_len`` 1). Launches go query block by query
+            block, then KV head by KV head, then head block by head block (:attr:`launches`); each reads its KV
+            head again.
         version: :data:`PLAN_VERSION`.
     """
 
@@ -200,6 +220,7 @@ class SplitPlan:
     table_entry: TableRow | None = None
     candidates: tuple[tuple[int, int, float], ...] = field(default=())
     q_block: int = 0
+    head_block: int = 0
     version: int = PLAN_VERSION
 
     # -- derived --------------------------------------------------------------------------------------
@@ -211,25 +232,57 @@ class SplitPlan:
         return tuple((i, min(q, i + b)) for i in range(0, q, b))
 
     @property
-    def launches(self) -> tuple[tuple[int, int, "SplitPlan"], ...]:
-        """``(i0, i1, plan)`` per launch: the plan of the problem with ``q_len = i1 - i0`` (``q_block`` 0), which a
-        backend executes on ``q[:, i0:i1]`` with lengths ``max(0, L - (q_len - i1))``; ``((0, q_len, self),)``
-        without query blocks. Computed once per plan."""
+    def head_blocks(self) -> tuple[tuple[int, int], ...]:
+        """The query-head ranges ``(g0, g1)`` inside one GQA group a launch serves: ``((0, group),)`` unless
+        :attr:`head_block` splits the group."""
+        g = self.problem.group_size
+        b = self.head_block or g
+        return tuple((i, min(g, i + b)) for i in range(0, g, b))
+
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        """One :class:`Launch` per launch, in launch order: the plan of the problem's slice (``q_len = i1 - i0``,
+        and with head blocks ``h1 - h0`` query heads over one KV head), which a backend executes on ``q[:, i0:i1,
+        h0:h1]`` and the caches' KV heads ``[k0, k1)`` with lengths ``max(0, L - (q_len - i1))``;
+        ``(Launch(0, q_len, 0, num_q_heads, 0, num_kv_heads, self),)`` when one launch serves it all. Computed
+        once per plan."""
         got = self.__dict__.get("_launches")
         if got is None:
-            if not self.q_block:
-                got = ((0, self.problem.q_len, self),)
-            else:
-                got = tuple((i0, i1, replace(self, problem=replace(self.problem, q_len=i1 - i0), q_block=0))
+            p = self.problem
+            if not self.q_block and not self.head_block:
+                got = (Launch(0, p.q_len, 0, p.num_q_heads, 0, p.num_kv_heads, self),)
+            elif not self.head_block:
+                got = tuple(Launch(i0, i1, 0, p.num_q_heads, 0, p.num_kv_heads,
+                                   replace(self, problem=replace(p, q_len=i1 - i0), q_block=0))
                             for i0, i1 in self.q_blocks)
+            else:
+                g, one = p.group_size, {}
+                for g0, g1 in self.head_blocks:  # one plan per block size (the last block may be smaller)
+                    one.setdefault(g1 - g0, {})
+                got = []
+                for i0, i1 in self.q_blocks:
+                    for k in range(p.num_kv_heads):
+                        for g0, g1 in self.head_blocks:
+                            plans = one[g1 - g0]
+                            if i1 - i0 not in plans:
+                                plans[i1 - i0] = replace(self, problem=replace(p, q_len=i1 - i0, num_q_heads=g1 - g0,
+                                                                               num_kv_heads=1),
+                                                         q_block=0, head_block=0)
+                            got.append(Launch(i0, i1, k * g + g0, k * g + g1, k, k + 1, plans[i1 - i0]))
+                got = tuple(got)
             object.__setattr__(self, "_launches", got)  # a memo, not a field: equality and hashing ignore it
         return got
 
     @property
+    def multi_launch(self) -> bool:
+        """Whether the plan runs in several launches (:attr:`q_block` or :attr:`head_block`)."""
+        return bool(self.q_block or self.head_block)
+
+    @property
     def launch_problem(self) -> DecodeProblem:
-        """The problem one launch serves: :attr:`problem` with ``q_len = q_block`` (the first launch's), or
-        :attr:`problem` itself."""
-        return self.launches[0][2].problem
+        """The problem one launch serves: the first launch's slice of :attr:`problem` (``q_len = q_block``, and
+        ``head_block`` query heads over one KV head), or :attr:`problem` itself."""
+        return self.launches[0].plan.problem
 
     @property
     def num_splits(self) -> int:
@@ -242,8 +295,9 @@ class SplitPlan:
 
     @property
     def grid(self) -> tuple[int]:
-        """The partial kernel's 1-D grid: ``max_units x num_kv_heads`` programs, unit-major."""
-        return (self.schedule.max_units * self.problem.num_kv_heads,)
+        """The partial kernel's 1-D grid: ``max_units x num_kv_heads`` programs, unit-major (one launch's: with
+        head blocks, of its one KV head)."""
+        return (self.schedule.max_units * self.launch_problem.num_kv_heads,)
 
     @property
     def num_programs(self) -> int:
@@ -258,12 +312,14 @@ class SplitPlan:
     def meta_words(self) -> int:
         """int32 words of the schedule's per-sequence table the partial kernel writes for the separate merge:
         ``indptr[b]`` then ``units[b]`` (``2 x batch`` per launch; 0 without a separate merge)."""
-        return 2 * self.problem.batch * len(self.q_blocks) if self.merge == "separate" else 0
+        return 2 * self.problem.batch * len(self.launches) if self.merge == "separate" else 0
 
     @property
     def sync_words(self) -> int:
-        """int32 completion counters of the fused merge, one per (sequence, KV head) and launch, zero at rest."""
-        return self.problem.batch * self.problem.num_kv_heads * len(self.q_blocks) if self.merge == "fused" else 0
+        """int32 completion counters of the fused merge, one per (sequence, KV head) of each launch, zero at rest."""
+        if self.merge != "fused":
+            return 0
+        return self.problem.batch * (1 if self.head_block else self.problem.num_kv_heads) * len(self.launches)
 
     @property
     def lens_words(self) -> int:
@@ -291,6 +347,11 @@ class SplitPlan:
         qb = self.q_block
         if isinstance(qb, bool) or not isinstance(qb, int) or not (qb == 0 or 1 <= qb < self.problem.q_len):
             raise ValueError(f"q_block {qb!r} must be 0 (one launch) or an int in [1, q_len {self.problem.q_len})")
+        hb, g = self.head_block, self.problem.group_size
+        if isinstance(hb, bool) or not isinstance(hb, int) or not (hb == 0 or 1 <= hb < g):
+            raise ValueError(f"head_block {hb!r} must be 0 (whole GQA groups) or an int in [1, GQA group {g})")
+        if hb and qb != 1 and self.problem.q_len != 1:
+            raise ValueError(f"head_block {hb} launches one query at a time (q_block 1 or q_len 1), not q_block {qb}")
         p = self.launch_problem  # the schedule and the kernel are the launch's
         if self.merge not in MERGES or self.policy not in PLAN_POLICIES:
             raise ValueError(f"plan merge {self.merge!r} / policy {self.policy!r} unknown")
@@ -325,7 +386,8 @@ class SplitPlan:
                 "policy": self.policy, "predicted_us": self.predicted_us, "capacity_mode": self.capacity_mode,
                 "table_entry": None if self.table_entry is None else
                 [*self.table_entry[:6], [list(o) for o in self.table_entry.options]],
-                "candidates": [list(c) for c in self.candidates], "q_block": self.q_block, "version": self.version}
+                "candidates": [list(c) for c in self.candidates], "q_block": self.q_block,
+                "head_block": self.head_block, "version": self.version}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -340,7 +402,7 @@ class SplitPlan:
         if not isinstance(d, dict):
             raise TypeError(f"a plan must be a mapping, got {type(d).__name__}")
         want = {"backend", "problem", "device", "schedule", "kernel", "merge", "policy", "predicted_us",
-                "capacity_mode", "table_entry", "candidates", "q_block", "version"}
+                "capacity_mode", "table_entry", "candidates", "q_block", "head_block", "version"}
         if set(d) != want:
             raise KeyError(f"plan keys {sorted(set(d) ^ want)} missing or unknown")
         if d["version"] != PLAN_VERSION:
@@ -356,7 +418,7 @@ class SplitPlan:
             policy=d["policy"], predicted_us=float(d["predicted_us"]), capacity_mode=bool(d["capacity_mode"]),
             table_entry=None if te is None else TableRow.from_row(te),
             candidates=tuple((int(a), int(b), float(c)) for a, b, c in d["candidates"]), q_block=d["q_block"],
-            version=d["version"])
+            head_block=d["head_block"], version=d["version"])
         plan.validate()
         return plan
 
@@ -366,7 +428,7 @@ class SplitPlan:
         default the planned lengths: every sequence at the planned maximum). Words: ``docs/glossary.md``."""
         p, dev, s = self.problem, self.device, self.schedule
         cpu = tuple(dev.cc) == (0, 0)
-        base = p.batch * p.num_kv_heads
+        base = p.batch * self.launch_problem.num_kv_heads  # per launch (head blocks: one KV head each)
         head = (f"backend {self.backend} on {dev.name} ({dev.sm_count} SMs"
                 + (": the planner's stand-in for a CPU run; times below are not predictions for this machine)"
                    if cpu else f", compute capability {dev.cc[0]}.{dev.cc[1]})"))
@@ -378,9 +440,16 @@ class SplitPlan:
             + (f"capacity plan (CUDA graphs): any lengths up to {p.capacity} tokens" if self.capacity_mode else
                f"planned for sequences of up to {p.max_kv_len} tokens, {p.total_kv_len // max(p.batch, 1)} on average "
                "(lengths rounded up to powers of two)"),
-            f"(sequence, KV head) pairs: {base} (one program per GQA group and unit) on {dev.sm_count} SMs",
+            f"(sequence, KV head) pairs: {base}" + (" per launch" if self.head_block else "")
+            + f" (one program per GQA group and unit) on {dev.sm_count} SMs",
         ]
-        if self.q_block:
+        if self.head_block:
+            n = len(self.launches)
+            lines.append(f"GQA group of {p.group_size} query heads is more rows than one {self.backend} program holds: "
+                         f"{n} launches, one per query, KV head and block of up to {self.head_block} of its query "
+                         f"heads ({len(self.head_blocks)} per GQA group); each reads its KV head again; the schedule "
+                         f"below is one launch's (one KV head)")
+        elif self.q_block:
             n = len(self.q_blocks)
             lines.append(f"queries in {n} launches of up to {self.q_block} (GQA group x q_len = "
                          f"{p.group_size * p.q_len} rows is more than one {self.backend} program holds): each launch "
@@ -400,7 +469,7 @@ class SplitPlan:
             lines.append(f"split counts from the device's measured split table (attnplan tune): at the planned "
                          f"length the nearest row is {e.pairs} pairs x {e.kv_len} tokens, best at "
                          f"{e.programs_per_sm:g} programs per SM")
-            pairs = self.problem.batch * self.problem.num_kv_heads
+            pairs = base
             if e.pairs != pairs:
                 lines.append(f"  carried from {e.pairs} to {pairs} pairs: a count whose programs leave the busiest SM "
                              f"more than {EVEN_LOAD_MAX_IMBALANCE:g}x above the mean is raised until they do not "
@@ -428,10 +497,11 @@ class SplitPlan:
             lines.append(
                 f"schedule ({s.policy}, computed on the GPU at every launch from seq_lens): granule {s.granule} "
                 f"tokens, units of at least {s.min_unit_granules * s.granule} tokens, at most {s.max_units_per_seq} "
-                f"units per sequence; grid {s.max_units} unit slots x {p.num_kv_heads} KV heads = "
+                f"units per sequence; grid {s.max_units} unit slots x {self.launch_problem.num_kv_heads} KV heads = "
                 f"{self.num_programs} programs (slots without a unit exit)")
             lens = [p.max_kv_len] * p.batch if seq_lens is None else [int(x) for x in seq_lens]
-            lines.append("  " + describe_units(self.launches[-1][2], lens, "planned" if seq_lens is None else "these"))
+            lines.append("  " + describe_units(self.launches[-1].plan, lens,
+                                               "planned" if seq_lens is None else "these"))
             lines.append("  merge: " + {"separate": "a merge kernel combines each row's unit states in unit order "
                                                     "(sequences with one unit are written directly)",
                                         "fused": "the last program of each (sequence, KV head) merges its rows in unit "
@@ -728,7 +798,7 @@ def _capacity_span(problem: DecodeProblem) -> int:
 def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: Mapping,
               *, capacity_mode: bool = False, num_splits: int | None = None,
               merge_strategies: frozenset[str] = frozenset({"separate"}), fused_merge_parallelism: int = 1,
-              fused_merge_max_chunk: int = 0, q_block: int = 0) -> SplitPlan:
+              fused_merge_max_chunk: int = 0, q_block: int = 0, head_block: int = 0) -> SplitPlan:
     """Plan a problem (usually already :meth:`DecodeProblem.bucketed`).
 
     Args:
@@ -749,17 +819,27 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             (:meth:`attnplan.backends.base.Backend.q_block`; 0 or ``>= q_len``: one launch). The launch problem
             (``q_len = q_block``) is planned, ``kernel`` must be its options, and the plan's predicted time is the
             launch's times the number of launches (:attr:`SplitPlan.q_block`).
+        head_block: query heads per launch when one GQA group alone is more rows than the backend's program holds
+            (:meth:`attnplan.backends.base.Backend.head_block`; 0 or ``>= group``: whole groups). The launch problem
+            (``head_block`` query heads over one KV head, ``q_len`` 1 or ``q_block``) is planned, ``kernel`` must be
+            its options, and the predicted time is the launch's times the number of launches
+            (:attr:`SplitPlan.head_block`; ``q_block`` is then 1 whatever is passed, or 0 at ``q_len`` 1).
     Returns:
         the :class:`SplitPlan`; it serves any lengths up to the cache's capacity.
     Raises:
         ValueError: ``kernel`` has no positive ``block_n``, or the batch's capacity exceeds 2^31 granules.
     """
-    if 0 < q_block < problem.q_len:
-        one = make_plan(replace(problem, q_len=q_block), device, config, backend, kernel, capacity_mode=capacity_mode,
+    head_block = head_block if 0 < head_block < problem.group_size else 0
+    q_block = 1 if head_block and problem.q_len > 1 else (q_block if 0 < q_block < problem.q_len else 0)
+    if q_block or head_block:
+        launch = replace(problem, q_len=q_block or problem.q_len)
+        if head_block:
+            launch = replace(launch, num_q_heads=head_block, num_kv_heads=1)
+        one = make_plan(launch, device, config, backend, kernel, capacity_mode=capacity_mode,
                         num_splits=num_splits, merge_strategies=merge_strategies,
                         fused_merge_parallelism=fused_merge_parallelism, fused_merge_max_chunk=fused_merge_max_chunk)
-        plan = replace(one, problem=problem, q_block=q_block,
-                       predicted_us=one.predicted_us * -(-problem.q_len // q_block))
+        plan = replace(one, problem=problem, q_block=q_block, head_block=head_block)
+        plan = replace(plan, predicted_us=one.predicted_us * len(plan.launches))
         plan.validate()
         return plan
     cm, bw = cost_model_for(device, config, backend)

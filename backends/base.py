@@ -33,6 +33,11 @@ defined once in :mod:`attnplan.schedule` and every backend computes exactly thos
   problem with that block's ``q_len`` and lengths ``max(0, L - (q_len - i1))``, so its queries see what they see in
   the whole problem. The kernels never know; each launch reads the KV again (speculative verification with a
   large GQA group, e.g. 8 query heads per KV head x 16 tokens).
+* **Head blocks** (``plan.head_block``): when one query's GQA group alone is more rows than a program holds
+  (:meth:`Backend.head_block`), ``run`` launches once per query, KV head and block of that KV head's query heads,
+  each launch the problem of one KV head and the block's query heads (views of q, the caches, ``out``, ``lse``,
+  the sinks and fp8 scales, and the workspace). The kernels never know; each launch reads its KV head again
+  (multi-query attention with many heads, e.g. Falcon-7B's 71 query heads on one KV head).
 * ``run`` launches on torch's current stream, allocates nothing and never syncs the host.
 """
 
@@ -61,14 +66,14 @@ class Workspace:
             ``lse [1, q_len, num_q_heads, max_units]`` fp32; ``None`` for a single-pass plan.
         meta: int32 ``[2 * batch]``: ``indptr[b]`` then ``units[b]``, written by program 0 for the separate merge;
             ``None`` otherwise.
-        counters: int32 ``[batch * num_kv_heads]``, zero at rest: the fused merge's completion counters; ``None``
-            otherwise.
+        counters: int32 ``[batch * num_kv_heads]`` (``SplitPlan.sync_words``), zero at rest: the fused merge's
+            completion counters; ``None`` otherwise.
         targets: int32 ``[64]`` (``NUM_TARGETS``): the schedule's targets table on the device, 32 near-uniform
             buckets then 32 long-tailed ones.
         targets_host: the same values on the host (so checking a workspace reads nothing from the device).
-        lens: int32 ``[launches - 1, batch]``: the lengths of a plan with query blocks (``SplitPlan.q_block``),
-            written before each launch but the last; ``None`` otherwise. ``meta`` and ``counters`` then hold one
-            table per launch, one after another.
+        lens: int32 ``[query blocks - 1, batch]``: the lengths of a plan with query blocks (``SplitPlan.q_block``),
+            written before each block's first launch but the last block's; ``None`` otherwise. With several launches
+            (query or head blocks) ``meta`` and ``counters`` hold one table per launch, one after another.
     """
 
     state: PartialState | None
@@ -97,8 +102,8 @@ class Workspace:
 
     @staticmethod
     def launch_lens(plan: SplitPlan, device: torch.device) -> torch.Tensor | None:
-        """The uninitialized int32 ``[launches - 1, batch]`` buffer of a plan with query blocks (:attr:`lens`; every
-        run writes it before reading), ``None`` for a plan without."""
+        """The uninitialized int32 ``[query blocks - 1, batch]`` buffer of a plan with query blocks (:attr:`lens`;
+        every run writes it before reading), ``None`` for a plan without."""
         if not plan.lens_words:
             return None
         return torch.empty(len(plan.q_blocks) - 1, plan.problem.batch, dtype=torch.int32, device=device)
@@ -114,10 +119,10 @@ class Workspace:
         return memo[1][j]
 
     def _launch_buffers(self, plan: SplitPlan, j: int) -> "Workspace":
-        i0, i1, one = plan.launches[j]
+        i0, i1, h0, h1, _, _, one = plan.launches[j]
         st = self.state
-        if st is not None:
-            st = PartialState(st.o[:, i0:i1], st.lse[:, i0:i1])
+        if st is not None:  # contiguous: whole heads, or one query (SplitPlan.validate)
+            st = PartialState(st.o[:, i0:i1, h0:h1], st.lse[:, i0:i1, h0:h1])
         meta, counters = self.meta, self.counters
         if one.meta_words:
             meta = meta[j * one.meta_words:(j + 1) * one.meta_words]
@@ -189,7 +194,8 @@ class Backend(abc.ABC):
     min_head_dim: ClassVar[int] = 16
     max_head_dim: ClassVar[int] = 256
     head_dim_multiple: ClassVar[int] = 8
-    #: largest GQA group x q_len one program holds (more queries go in several launches: :meth:`q_block`)
+    #: largest GQA group x q_len one program holds (more queries go in several launches: :meth:`q_block`, and a
+    #: larger GQA group in blocks of its query heads: :meth:`head_block`)
     max_rows_per_program: ClassVar[int] = 128
     #: whether ``partial`` can run on CUDA graphs' capture stream
     graph_safe: ClassVar[bool] = True
@@ -227,9 +233,6 @@ class Backend(abc.ABC):
         missing = problem.variants - self.variants
         if missing:
             reasons.append(f"variants {sorted(missing)} not served (serves {sorted(self.variants) or 'none'})")
-        if not self.q_block(problem):
-            reasons.append(f"GQA group of {problem.group_size} query heads per KV head exceeds "
-                           f"{self.rows_per_program(problem)} rows per program")
         return reasons
 
     def rows_per_program(self, problem: DecodeProblem) -> int:
@@ -237,16 +240,37 @@ class Backend(abc.ABC):
         whose limit depends on the dtypes or head_dim overrides this)."""
         return self.max_rows_per_program
 
+    def head_block(self, problem: DecodeProblem) -> int:
+        """Query heads of one GQA group one launch serves: 0 when the whole group fits one program
+        (:meth:`rows_per_program`), else ``ceil(group / blocks)`` for the fewest blocks that fit, so no block is
+        larger than it must be (the last may be smaller: 71 heads over 64 rows go as 36 + 35, 130 as 44 + 44 + 42);
+        the plan then launches once per query, KV head and block (:attr:`attnplan.SplitPlan.head_block`)."""
+        g, rows = problem.group_size, max(1, self.rows_per_program(problem))
+        if g <= rows:
+            return 0
+        return -(-g // -(-g // rows))
+
     def q_block(self, problem: DecodeProblem) -> int:
         """Most queries of a sequence one launch serves for ``problem``: ``problem.q_len`` when the GQA group x
         ``q_len`` rows fit one program (:meth:`rows_per_program`), else as many as fit (the plan then launches
-        the kernels once per block of queries, :attr:`attnplan.SplitPlan.q_block`); 0 when one query's GQA group
-        alone does not fit (refused by :meth:`supports`)."""
-        return min(problem.q_len, self.rows_per_program(problem) // problem.group_size)
+        the kernels once per block of queries, :attr:`attnplan.SplitPlan.q_block`); 1 when the GQA group alone
+        does not fit (:meth:`head_block`)."""
+        rows = max(1, self.rows_per_program(problem))
+        return max(1, min(problem.q_len, rows // (self.head_block(problem) or problem.group_size)))
+
+    def kv_passes(self, problem: DecodeProblem) -> int:
+        """How many times a step reads each KV head: once per block of queries (:meth:`q_block`) times once per
+        block of a GQA group's query heads (:meth:`head_block`); 1 when one launch serves the step."""
+        hb = self.head_block(problem)
+        return -(-problem.q_len // self.q_block(problem)) * (-(-problem.group_size // hb) if hb else 1)
 
     def prepare(self, plan: SplitPlan, device: torch.device) -> None:
         """Compile and load what ``plan`` will launch (called by ``plan()``, outside any capture).
         Default: nothing (kernels compile at their first launch)."""
+
+    def prepare_merge(self, plan: SplitPlan, device: torch.device) -> None:
+        """Compile and load only ``plan``'s separate merge (:meth:`merge` alone on a merge-only plan, e.g. context
+        parallelism's, whose GQA group x q_len rows need not fit one partial program). Default: nothing."""
 
     @abc.abstractmethod
     def kernel_config(self, problem: DecodeProblem, options: dict, device: torch.device) -> dict:
@@ -278,34 +302,46 @@ class Backend(abc.ABC):
         if not isinstance(launches, dict):
             return
         launches.pop((id(plan), id(workspace)), None)
-        if plan.q_block:
-            for j, (_, _, one) in enumerate(plan.launches):
-                launches.pop((id(one), id(workspace.launch(plan, j))), None)
+        if plan.multi_launch:
+            for j, launch in enumerate(plan.launches):
+                launches.pop((id(launch.plan), id(workspace.launch(plan, j))), None)
 
     def run(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
             lse: torch.Tensor | None = None) -> None:
         """Execute ``plan``: the partial kernel, then the separate merge if the plan has one. Launch-only.
 
-        A plan with query blocks (``plan.q_block``) runs each launch of ``plan.launches`` in order: launch ``(i0,
-        i1)`` on ``q[:, i0:i1]``, ``out[:, i0:i1]`` and ``lse[:, i0:i1]`` with the lengths ``max(0, L - (q_len -
-        i1))`` (two small torch kernels into ``workspace.lens``; none for the last launch, which reads ``seq_lens``)
-        and ``workspace.launch(plan, j)``'s buffers."""
-        if not plan.q_block:
+        A plan with several launches (``plan.q_block``, ``plan.head_block``) runs each of ``plan.launches`` in
+        order: launch ``(i0, i1, h0, h1, k0, k1)`` on ``q[:, i0:i1, h0:h1]``, ``out`` and ``lse`` likewise, the
+        caches' KV heads ``[k0, k1)`` (and their fp8 scales, ``sinks[h0:h1]``), with the lengths ``max(0, L - (q_len
+        - i1))`` (two small torch kernels into ``workspace.lens`` per block of queries; none for the last block,
+        which reads ``seq_lens``) and ``workspace.launch(plan, j)``'s buffers."""
+        if not plan.multi_launch:
             self.partial(plan, inputs, workspace, out, lse)
             if plan.merge == "separate":
                 self.merge(plan, workspace, out, lse, inputs.sinks)
             return
-        q_len = plan.problem.q_len
-        for j, (i0, i1, one) in enumerate(plan.launches):
-            lens = inputs.seq_lens
-            if i1 < q_len:
-                lens = workspace.lens[j]
-                torch.sub(inputs.seq_lens, q_len - i1, out=lens)
-                lens.clamp_(min=0)
+        p = plan.problem
+        q_len, qb = p.q_len, plan.q_block or p.q_len
+        lens, lens_for = inputs.seq_lens, q_len
+        for j, (i0, i1, h0, h1, k0, k1, one) in enumerate(plan.launches):
+            if i1 != lens_for:  # this block of queries' lengths, written once before its first launch
+                lens_for, lens = i1, inputs.seq_lens
+                if i1 < q_len:
+                    lens = workspace.lens[i0 // qb]
+                    torch.sub(inputs.seq_lens, q_len - i1, out=lens)
+                    lens.clamp_(min=0)
             x = dataclasses.replace(inputs, q=inputs.q[:, i0:i1], seq_lens=lens)
-            ws = workspace.launch(plan, j)
             o = out[:, i0:i1]
             lo = None if lse is None else lse[:, i0:i1]
+            sinks = inputs.sinks
+            if plan.head_block:
+                x = dataclasses.replace(
+                    x, q=x.q[:, :, h0:h1], k_cache=x.k_cache[:, :, k0:k1], v_cache=x.v_cache[:, :, k0:k1],
+                    sinks=None if sinks is None else sinks[h0:h1],
+                    k_scale=None if x.k_scale is None else x.k_scale[k0:k1],
+                    v_scale=None if x.v_scale is None else x.v_scale[k0:k1])
+                o, lo, sinks = o[:, :, h0:h1], None if lo is None else lo[:, :, h0:h1], x.sinks
+            ws = workspace.launch(plan, j)
             self.partial(one, x, ws, o, lo)
             if one.merge == "separate":
-                self.merge(one, ws, o, lo, inputs.sinks)
+                self.merge(one, ws, o, lo, sinks)

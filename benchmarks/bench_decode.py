@@ -105,7 +105,7 @@ def plan_record(plan, seq_lens) -> dict:
     ``launches`` (more than 1 with query blocks: the KV read once per launch)."""
     from attnplan.schedule import schedule_units
 
-    p = plan.launches[-1][2].problem
+    p = plan.launches[-1].plan.problem
     u = schedule_units(seq_lens, plan.schedule, p.q_len, p.window_left)
     return {"num_splits": plan.num_splits, "policy": plan.schedule.policy, "merge": plan.merge,
             "num_programs": plan.num_programs, "kernel": dict(plan.kernel), "predicted_us": plan.predicted_us,

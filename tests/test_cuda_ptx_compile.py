@@ -1163,8 +1163,8 @@ def test_backend_declarations_and_reasons():
     assert be.supports(DecodeProblem(1, 32, 8, 128, 1, 16, "float16", "float8_e4m3fn", 4096, kv_scale="tensor")) == []
     fp8 = be.supports(DecodeProblem(1, 8, 1, 72, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head"))
     assert any("multiple of 16" in r for r in fp8)
-    fp8 = be.supports(DecodeProblem(1, 64, 1, 128, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head"))
-    assert any("GQA group of 64 query heads per KV head exceeds 32 rows" in r for r in fp8)
+    fp8 = DecodeProblem(1, 64, 1, 128, 1, 16, "bfloat16", "float8_e4m3fn", 4096, kv_scale="head")
+    assert be.supports(fp8) == [] and (be.head_block(fp8), be.q_block(fp8), be.kv_passes(fp8)) == (32, 1, 2)
     # more queries than one program's rows: served in blocks of queries (the plan's q_block), whole GQA groups each
     spec16 = DecodeProblem(1, 64, 8, 128, 16, 16, "bfloat16", "bfloat16", 4096)  # group 8 x 16 queries = 128 rows
     assert be.supports(spec16) == [] and be.q_block(spec16) == 8
@@ -1174,7 +1174,8 @@ def test_backend_declarations_and_reasons():
     assert any("must equal kv_dtype" in r for r in be.supports(DecodeProblem(1, 8, 1, 128, 1, 16, "bfloat16",
                                                                              "float16", 4096)))
     reasons = be.supports(DecodeProblem(1, 128, 1, 100, 1, None, "bfloat16", "bfloat16", 10))
-    assert any("head_dim 100" in r for r in reasons) and any("rows" in r for r in reasons)
+    assert any("head_dim 100" in r for r in reasons) and not any("rows" in r for r in reasons)
+    assert be.head_block(DecodeProblem(1, 128, 1, 128, 1, None, "bfloat16", "bfloat16", 10)) == 64
 
 
 def test_kernel_config_options():

@@ -169,3 +169,36 @@ def test_merge_workspace_refuses_a_world_of_one():
     plan = w.plan(q, k, k, torch.tensor([8], dtype=torch.int32))
     with pytest.raises(ValueError, match="world must be an int >= 2"):
         merge_workspace(plan, 1, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("mma", [False, True], ids=["split_k", "mma"])
+def test_merge_workspace_of_a_plan_in_head_blocks(mma, gen):
+    """A local plan in head blocks (a GQA group of 66 over cuda_ptx's 64 rows) gives a merge-only plan of one launch
+    over every row: cuda_ptx's emulated merge kernel (only the merge's spec is built: a partial program could not
+    hold the 66 rows) merges the world's states per sequence like :func:`attnplan.merge_states`."""
+    emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
+    if emulate.compiler() is None:
+        pytest.skip("no C++ compiler for the host emulation")
+    from attnplan import PartialState, merge_states
+    from attnplan.api import Context, plan_problem
+    from attnplan.config import load_config
+    from attnplan.distributed import merge_workspace
+    from attnplan.problem import DecodeProblem
+    from attnplan.testing import assert_close_to_reference, poison
+
+    be = emulate.EmulatedCudaPtxBackend()
+    prob = DecodeProblem(2, 66, 1, 16, 1, 8, "bfloat16", "bfloat16", 32, 64, capacity=32)
+    ctx = Context.from_config(load_config(plan_cache={"enabled": False}, backend_options={"cuda_ptx": {"mma": mma}}))
+    plan = plan_problem(prob, be, torch.device("cpu"), ctx, num_splits=2)
+    assert plan.head_block == 33
+    world = 3
+    mp, ws = merge_workspace(plan, world, torch.device("cpu"))
+    assert (mp.q_block, mp.head_block, len(mp.launches)) == (0, 0, 1)
+    ws.state.o.copy_(torch.randn(ws.state.o.shape, generator=gen))
+    ws.state.lse.copy_(torch.randn(ws.state.lse.shape, generator=gen) * 3)
+    out = poison(torch.empty(2, 1, 66, 16, dtype=torch.bfloat16))
+    be.merge(mp, ws, out, None)
+    for b in range(2):
+        sl = slice(b * world, (b + 1) * world)
+        want, _ = merge_states(PartialState(ws.state.o[:, :, :, sl].double(), ws.state.lse[:, :, :, sl].double()))
+        assert_close_to_reference(out[b:b + 1], want, torch.bfloat16)

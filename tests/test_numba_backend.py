@@ -798,11 +798,11 @@ def test_supports_gives_reasons():
     assert be.supports(_problem(head_dim=256, num_q_heads=64, num_kv_heads=1)) == []  # 64 rows: the limit
     assert any("head_dim" in r for r in be.supports(_problem(head_dim=100)))
     assert any("head_dim" in r for r in be.supports(_problem(head_dim=264)))
-    # 16 x 5 = 80 rows: served in launches of 4 queries (64 rows); a group of 128 query heads alone is refused
+    # 16 x 5 = 80 rows: served in launches of 4 queries (64 rows); a group of 128 query heads alone in 2 head blocks
     assert be.supports(_problem(num_q_heads=16, num_kv_heads=1, q_len=5)) == []
     assert be.q_block(_problem(num_q_heads=16, num_kv_heads=1, q_len=5)) == 4
-    assert any("GQA group of 128 query heads per KV head exceeds 64 rows" in r
-               for r in be.supports(_problem(num_q_heads=128, num_kv_heads=1)))
+    big = _problem(num_q_heads=128, num_kv_heads=1)
+    assert be.supports(big) == [] and (be.head_block(big), be.kv_passes(big)) == (64, 2)
     assert be.merge_strategies == {"separate"}
 
 
@@ -821,7 +821,8 @@ def test_supports_declares_the_variants():
     assert be.variants == {"window", "softcap", "sinks", "fp8_kv"}
     assert be.supports(_problem(window_left=64, soft_cap=30.0, has_sinks=True, kv_dtype="float8_e4m3fn",
                                 kv_scale="head")) == []
-    assert any("rows" in r for r in be.supports(_problem(num_q_heads=128, num_kv_heads=1, window_left=8)))
+    big = _problem(num_q_heads=128, num_kv_heads=1, window_left=8)
+    assert be.supports(big) == [] and be.head_block(big) == 64
 
 
 def test_kernel_config():

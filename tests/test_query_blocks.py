@@ -46,8 +46,9 @@ def test_plan_splits_queries_into_launches(q_len, want_blocks):
     plan = plan_problem(prob, be, CPU, Context.from_config(load_config()), num_splits=3)
     assert plan.q_blocks == want_blocks and plan.q_block == (0 if q_len == 8 else 8)
     n = len(want_blocks)
-    assert [(i0, i1) for i0, i1, _ in plan.launches] == list(want_blocks)
-    for i0, i1, one in plan.launches:
+    assert [(la.i0, la.i1) for la in plan.launches] == list(want_blocks)
+    for i0, i1, h0, h1, k0, k1, one in plan.launches:
+        assert (h0, h1, k0, k1) == (0, 64, 0, 8) and plan.head_block == 0
         assert one.problem == dataclasses.replace(plan.problem, q_len=i1 - i0) and one.q_block == 0
         assert one.schedule == plan.schedule and one.kernel == plan.kernel
     assert plan.meta_words == 2 * prob.batch * n and plan.lens_words == prob.batch * (n - 1)
@@ -72,13 +73,66 @@ def test_plan_q_block_is_checked():
 
 
 @pytest.mark.parametrize("name", ["triton", "numba", "cuda_ptx"])
-def test_group_larger_than_a_program_is_refused(name):
-    """Whole GQA groups per launch: a group that alone exceeds the rows of one program is still refused, by name."""
+def test_group_larger_than_a_program_goes_in_head_blocks(name):
+    """A GQA group that alone exceeds the rows of one program is served in blocks of its query heads, as even as
+    whole heads allow, one query per launch; a group that fits keeps whole groups."""
     be = get_backend(name)
     most = be.max_rows_per_program
-    reasons = be.supports(_problem(2 * most, 1, 1))
-    assert any(f"GQA group of {2 * most} query heads per KV head exceeds {most} rows" in r for r in reasons), reasons
-    assert be.supports(_problem(most, 1, 2)) == [] and be.q_block(_problem(most, 1, 2)) == 1
+    for hq, q_len, hb, passes in ((2 * most, 1, most, 2), (most + 1, 3, most // 2 + 1, 6), (3 * most - 1, 2, most, 6)):
+        prob = _problem(hq, 1, q_len)
+        assert be.supports(prob) == []
+        assert (be.head_block(prob), be.q_block(prob), be.kv_passes(prob)) == (hb, 1, passes)
+    fits = _problem(most, 1, 2)
+    assert be.supports(fits) == [] and (be.head_block(fits), be.q_block(fits), be.kv_passes(fits)) == (0, 1, 2)
+
+
+def test_plan_splits_a_gqa_group_into_head_blocks():
+    """numba holds 64 rows: GQA group 72 over 2 KV heads at q_len 2 goes in 2 (queries) x 2 (KV heads) x 2 (blocks
+    of 36 heads) launches, in that order, each the problem of its slice; one meta / counter table per launch."""
+    be = get_backend("numba")
+    prob = _problem(144, 2, 2)
+    for merge in ("separate", "fused"):
+        plan = plan_problem(prob, be, CPU, Context.from_config(load_config(split={"merge": merge})), num_splits=3)
+        assert (plan.q_block, plan.head_block, plan.head_blocks) == (1, 36, ((0, 36), (36, 72)))
+        want = [(i, i + 1, k * 72 + g, k * 72 + g + 36, k, k + 1) for i in range(2) for k in range(2) for g in (0, 36)]
+        assert [tuple(la[:6]) for la in plan.launches] == want and plan.multi_launch
+        for la in plan.launches:
+            assert la.plan.problem == dataclasses.replace(prob, q_len=1, num_q_heads=36, num_kv_heads=1)
+            assert (la.plan.q_block, la.plan.head_block, la.plan.schedule) == (0, 0, plan.schedule)
+        assert plan.launch_problem.num_q_heads == 36 and plan.grid == (plan.schedule.max_units,)  # a launch's
+        n = len(want)
+        assert plan.meta_words == (2 * prob.batch * n if plan.merge == "separate" else 0)
+        assert plan.sync_words == (prob.batch * n if plan.merge == "fused" else 0)
+        assert plan.lens_words == prob.batch
+        assert SplitPlan.from_dict(plan.to_dict()) == plan
+        assert f"{n} launches, one per query, KV head and block of up to 36" in plan.explain()
+    odd = plan_problem(_problem(71, 1, 1), be, CPU, Context.from_config(load_config()), num_splits=2)
+    assert (odd.q_block, odd.head_block) == (0, 36)
+    assert [(la.h0, la.h1, la.plan.problem.num_q_heads) for la in odd.launches] == [(0, 36, 36), (36, 71, 35)]
+    assert odd.launches[0].plan.kernel == odd.launches[1].plan.kernel
+
+
+def test_plan_head_block_is_checked():
+    be = get_backend("numba")
+    plan = plan_problem(_problem(144, 2, 2), be, CPU, Context.from_config(load_config()), num_splits=2)
+    for bad in (72, 73, -1, True, 2.0):
+        with pytest.raises(ValueError, match="head_block"):
+            dataclasses.replace(plan, head_block=bad).validate()
+    for q_block in (2, 0):  # several queries in one launch of a head block: refused
+        with pytest.raises(ValueError, match="one query at a time"):
+            dataclasses.replace(plan, problem=dataclasses.replace(plan.problem, q_len=4), q_block=q_block).validate()
+    # make_plan launches a head block's queries one at a time, whatever q_block it is given
+    from attnplan.planner import make_plan
+    from attnplan.device import device_info
+    one = plan.launch_problem
+    for asked in (0, 2):
+        made = make_plan(plan.problem, device_info(CPU), load_config(), "numba", plan.kernel, q_block=asked,
+                         head_block=36, num_splits=2)
+        assert (made.q_block, made.head_block, made.launch_problem) == (1, 36, one)
+    d = plan.to_dict()
+    d.pop("head_block")
+    with pytest.raises(KeyError, match="head_block"):
+        SplitPlan.from_dict(d)
 
 
 # -- the kernels ---------------------------------------------------------------------------------------------
@@ -176,6 +230,98 @@ def test_query_blocks_keep_one_launch_table_per_workspace():
     assert views[1].state.o.data_ptr() == w.workspace.state.o[:, 8].data_ptr()
 
 
+# -- head blocks: a GQA group larger than a program -----------------------------------------------------------
+
+#: (backend, rows per program, heads, q_len, lens, variants, fp8, splits): rows cut to 4 so GQA groups of 5-6 go in
+#: head blocks (3 + 3, and 3 + 2: a smaller last block), over 2 KV heads (each launch's KV-head slice, its fp8 scales
+#: and sinks), with query blocks of one query and lengths below q_len and 0
+HEAD_CASES = [
+    ("triton", 4, (12, 2), 3, (40, 2, 0), {}, False, 3),
+    ("triton", 4, (10, 2), 2, (37, 15), dict(window_left=9, soft_cap=20.0, sinks=True), True, 2),
+    ("numba", 4, (12, 2), 3, (40, 2, 0), {}, False, 3),
+    ("numba", 4, (10, 2), 2, (37, 15), dict(window_left=9, soft_cap=20.0, sinks=True), True, 2),
+    ("cuda_ptx", 4, (12, 2), 2, (40, 2, 0), dict(sinks=True), False, 3),
+    ("cuda_ptx", 4, (10, 2), 1, (37, 15), dict(window_left=9, soft_cap=20.0), True, 2),
+    ("cuda_ptx", None, (71, 1), 1, (33, 0), {}, False, 2),  # Falcon-7B's 71 query heads on one KV head: 36 + 35
+]
+
+
+def _head_block_backend(name: str, rows: int | None):
+    """A fresh backend (``EmulatedCudaPtxBackend`` for cuda_ptx on the CPU) holding ``rows`` rows per program."""
+    if name == "cuda_ptx" and DEVICE == "cpu":
+        emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
+        if emulate.compiler() is None:
+            pytest.skip("no C++ compiler for the host emulation")
+        be = emulate.EmulatedCudaPtxBackend()
+    else:
+        if name not in kernel_backends(DEVICE):
+            pytest.skip(f"{name} unavailable on {DEVICE}")
+        be = type(get_backend(name))()
+    if rows is not None:
+        be.max_rows_per_program = rows
+    return be
+
+
+@pytest.mark.parametrize("merge", ["separate", "fused"])
+@pytest.mark.parametrize("name, rows, heads, q_len, lens, variants, fp8, splits", HEAD_CASES,
+                         ids=[f"{c[0]}-g{c[2][0] // c[2][1]}x{c[2][1]}-q{c[3]}" + "-variants" * bool(c[5])
+                              + "-fp8" * c[6] for c in HEAD_CASES])
+def test_head_blocks_match_reference(name, rows, heads, q_len, lens, variants, fp8, splits, merge):
+    be = _head_block_backend(name, rows)
+    if merge not in be.merge_strategies:
+        pytest.skip(f"{name} has no {merge} merge")
+    x = _inputs(heads, q_len, lens, variants, dtype=torch.bfloat16)
+    if fp8:  # per-KV-head scales: a launch given another KV head's scale is off by up to 2x
+        g = torch.Generator().manual_seed(1)
+        x = dataclasses.replace(x, k_cache=(x.k_cache.float() / 4).to(torch.float8_e4m3fn),
+                                v_cache=(x.v_cache.float() * 2).to(torch.float8_e4m3fn),
+                                k_scale=torch.rand(heads[1], generator=g) + 0.5,
+                                v_scale=torch.rand(heads[1], generator=g) + 0.5)
+    x = dataclasses.replace(x, **{f: None if getattr(x, f) is None else getattr(x, f).to(DEVICE)
+                                  for f in ("q", "k_cache", "v_cache", "seq_lens", "block_table", "sinks", "k_scale",
+                                            "v_scale")})
+    prob = problem_of(x)
+    ctx = Context.from_config(load_config(split={"merge": merge}))
+    plan = plan_problem(prob, be, torch.device(DEVICE), ctx, num_splits=splits)
+    group, most = prob.group_size, be.rows_per_program(prob)
+    assert plan.head_block == -(-group // -(-group // most)) and plan.merge == merge, plan
+    assert len(plan.launches) == q_len * heads[1] * len(plan.head_blocks)
+    ws = poisoned_workspace(plan, torch.device(DEVICE))
+    outs = []
+    for _ in range(2):  # reruns are bitwise identical
+        out = poison(torch.empty_like(x.q))
+        lse = poison(torch.empty(x.q.shape[:3], device=DEVICE))
+        be.run(plan, x, ws, out, lse)
+        ref, ref_lse = reference.attention(x.q.cpu(), x.k_cache.cpu(), x.v_cache.cpu(), x.seq_lens.cpu(),
+                                           x.block_table.cpu(), x.sm_scale, window_left=x.window_left,
+                                           soft_cap=x.soft_cap, sinks=None if x.sinks is None else x.sinks.cpu(),
+                                           k_scale=None if x.k_scale is None else x.k_scale.cpu(),
+                                           v_scale=None if x.v_scale is None else x.v_scale.cpu())
+        assert_close_to_reference(out.cpu(), ref, torch.bfloat16)
+        assert_close_to_reference(lse.cpu(), ref_lse, torch.float32, "lse")
+        outs.append((out, lse))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_head_blocks_through_the_wrapper():
+    """numba's real limit (64 rows): a GQA group of 65 query heads through ``DecodeWrapper`` (plan, bind-free runs
+    of the launches, a rerun) against the reference; the plan says how it launches."""
+    if "numba" not in kernel_backends(DEVICE):
+        pytest.skip(f"numba unavailable on {DEVICE}")
+    x = _inputs((65, 1), 1, (21, 0, 5), dict(sinks=True))
+    x = dataclasses.replace(x, **{f: getattr(x, f).to(DEVICE) for f in ("q", "k_cache", "v_cache", "seq_lens",
+                                                                          "block_table", "sinks")})
+    w = attnplan.DecodeWrapper(load_config(plan_cache={"enabled": False}), backend="numba")
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2, sinks=x.sinks)
+    assert (plan.head_block, len(plan.launches)) == (33, 2) and "GQA group of 65 query heads" in plan.explain()
+    for lens in ((21, 0, 5), (3, 21, 0)):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], device=DEVICE))
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
+        _check(out.cpu(), lse.cpu(), dataclasses.replace(x, **{f: getattr(x, f).cpu() for f in (
+            "q", "k_cache", "v_cache", "seq_lens", "block_table", "sinks")}))
+
+
 # -- cuda_ptx: the kernel text in the host emulation ---------------------------------------------------------
 
 @pytest.mark.parametrize("mma", [False, True], ids=["split_k", "mma"])
@@ -214,6 +360,13 @@ def test_query_blocks_capture_replay_without_syncs(name):
     w = attnplan.DecodeWrapper(backend=name)
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
     assert (plan.q_block != 0) == (w.backend.q_block(plan.problem) < 16)
+    _capture_replay_without_syncs(w, x, ((4096, 16, 0), (17, 4000, 2048)))
+
+
+def _capture_replay_without_syncs(w, x: DecodeInputs, length_vectors, sinks=None):
+    """Run ``w`` (planned on ``x`` with ``capacity=True``) once, capture its run() in a CUDA graph, replay it at each
+    length vector against the float64 reference (outputs poisoned with NaN before each replay), then run() once
+    more under ``torch.cuda.set_sync_debug_mode("error")``."""
     out = torch.empty_like(x.q)
     lse = torch.empty(x.q.shape[:3], device="cuda")
     w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)  # compiled before capture
@@ -221,14 +374,15 @@ def test_query_blocks_capture_replay_without_syncs(name):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
-    for lens in ((4096, 16, 0), (17, 4000, 2048)):
+    for lens in length_vectors:
         x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         ref, ref_lse = reference.attention(x.q.cpu(), x.k_cache.cpu(), x.v_cache.cpu(), x.seq_lens.cpu(),
-                                           x.block_table.cpu(), x.sm_scale)
+                                           x.block_table.cpu(), x.sm_scale,
+                                           sinks=None if sinks is None else sinks.cpu())
         assert_close_to_reference(out.cpu(), ref, torch.bfloat16)
         assert_close_to_reference(lse.cpu(), ref_lse, torch.float32, "lse")
     torch.cuda.set_sync_debug_mode("error")
@@ -239,6 +393,27 @@ def test_query_blocks_capture_replay_without_syncs(name):
     torch.cuda.synchronize()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["triton", "numba", "cuda_ptx"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_head_blocks_capture_replay_without_syncs(name, q_len):
+    """Falcon-7B's heads (71 query heads on one KV head, head_dim 64) and a 144-head group over 2 KV heads: more
+    rows than a cuda_ptx or numba program holds, so head blocks there (triton holds 128 rows: one launch at 71). A
+    capacity plan captured in a CUDA graph replays correctly at new lengths, and run() never synchronizes."""
+    if name not in kernel_backends("cuda"):
+        pytest.skip(f"{name} unavailable")
+    for hq, hkv, d in ((71, 1, 64), (288, 2, 128)):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = make_inputs(3, hq, hkv, d, [2048] * 3, q_len=q_len, page_size=16, dtype=torch.bfloat16, device="cuda",
+                        generator=g)
+        sinks = torch.randn(hq, device="cuda")
+        w = attnplan.DecodeWrapper(backend=name)
+        plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True, sinks=sinks)
+        assert plan.head_block == w.backend.head_block(plan.problem)
+        assert plan.head_block or name == "triton"
+        _capture_replay_without_syncs(w, x, ((2048, 2, 0), (17, 2000, 1024)), sinks)
+
+
 def test_dispatch_prefers_a_backend_that_holds_the_queries_in_one_launch():
     """Launching once per block of queries reads the KV once per block: dispatch passes over such a backend for a
     later kernel backend that holds the whole GQA group x q_len (with the reason), never for the float64 fallback;
@@ -247,7 +422,8 @@ def test_dispatch_prefers_a_backend_that_holds_the_queries_in_one_launch():
 
     prob = _problem(64, 8, 16)  # 128 rows: numba 2 launches, triton 1
     be, skipped = select_backend(prob, CPU, load_config(backends=["numba", "triton", "reference"]))
-    assert be.name == "triton" and skipped[0][0] == "numba" and "2 launches of 8 queries" in skipped[0][1][0]
+    assert be.name == "triton" and skipped[0][0] == "numba" and "launches of 8 queries (the KV read 2 times)" in \
+        skipped[0][1][0]
     be, skipped = select_backend(prob, CPU, load_config(backends=["numba", "reference"]))
     assert be.name == "numba" and skipped == []
     big = _problem(256, 8, 16)  # 512 rows: numba 8 launches, triton 4, only the fallback holds them in one

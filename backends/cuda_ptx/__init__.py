@@ -170,9 +170,10 @@ class CudaPtxBackend(Backend):
     Support (as data): q / KV dtypes float16, bfloat16, float32 (q and KV the same), or a
     float8_e4m3fn KV cache with fp16 / bf16 q (variant ``fp8_kv``, head_dim a multiple of 16, up to
     32 rows per program); head_dim a multiple of 8 in [16, 256]; GQA group x q_len up to 64 rows per
-    program, more queries in several launches of whole GQA groups (:meth:`q_block`; a GQA group of more than
-    64 query heads is refused); contiguous or paged caches with any power-of-two page size; variants sliding window,
-    soft-cap, sinks and fp8 KV; cross-program merges separate (:meth:`merge`) and fused (inside :meth:`partial`);
+    program, more queries in several launches of whole GQA groups (:meth:`q_block`), a larger GQA group in
+    launches of blocks of its query heads (:meth:`head_block`); contiguous or paged caches with any power-of-two
+    page size; variants sliding window, soft-cap, sinks and fp8 KV; cross-program merges separate (:meth:`merge`)
+    and fused (inside :meth:`partial`);
     compute capability 8.0 or newer (``cp.async`` and the bf16 conversions).
 
     Kernel options (``backend_options.cuda_ptx`` in the config, or a tuned table's
@@ -373,6 +374,12 @@ class CudaPtxBackend(Backend):
         for kind in ("partial", "merge") if plan.merge == "separate" else ("partial",):
             rt.function(self.spec_for(kind, plan, device))
 
+    def prepare_merge(self, plan: SplitPlan, device: torch.device) -> None:
+        """Compile and load only ``plan``'s separate merge kernel on ``device`` (a merge-only plan, whose rows
+        need not fit one partial program: context parallelism's)."""
+        device = torch.device(device)
+        self._runtime_for(device).function(self.spec_for("merge", plan, device))
+
     # -- launches ---------------------------------------------------------------------------------
     def _runtime(self, index: int) -> DeviceRuntime:
         rt = self._runtimes.get(index)
@@ -398,19 +405,22 @@ class CudaPtxBackend(Backend):
         else:
             rt.launch(spec, cfg, args, torch.cuda.current_stream(rt.index).cuda_stream, pdl)
 
-    def _launch_state(self, plan: SplitPlan, workspace: Workspace) -> _Launch:
-        """The launch constants of ``(plan, workspace)``, computed and checked once (cached by identity)."""
+    def _launch_state(self, plan: SplitPlan, workspace: Workspace, partial: bool = True) -> _Launch:
+        """The launch constants of ``(plan, workspace)``, computed and checked once (cached by identity);
+        ``partial=False``: the merge's only (no partial kernel spec: a merge-only plan's rows need not fit one
+        program)."""
         key = (id(plan), id(workspace))
         hit = self._launches.get(key)
-        if hit is not None and hit.plan is plan and hit.workspace is workspace:
+        if hit is not None and hit.plan is plan and hit.workspace is workspace \
+                and (hit.spec is not None or not partial):
             return hit
         self._check_workspace(plan, workspace)
         p, s = plan.problem, plan.schedule
         device = workspace.targets.device
         L = _Launch()
         L.plan, L.workspace = plan, workspace
-        L.spec = self.spec_for("partial", plan, device)
-        L.cfg = partial_launch_config(L.spec, s.max_units, p.num_kv_heads)
+        L.spec = self.spec_for("partial", plan, device) if partial else None
+        L.cfg = partial_launch_config(L.spec, s.max_units, p.num_kv_heads) if partial else None
         L.sched = None if plan.single_pass else s
         L.pdl = bool(plan.kernel.get("pdl", True))
         if plan.merge == "separate":
@@ -613,7 +623,7 @@ class CudaPtxBackend(Backend):
         """
         if plan.merge != "separate":
             raise ValueError(f"plan merge is {plan.merge!r}: no separate merge to launch")
-        L = self._launch_state(plan, workspace)
+        L = self._launch_state(plan, workspace, partial=False)
         st = workspace.state
         p = plan.problem
         b, ql, h, d = p.batch, p.q_len, p.num_q_heads, p.head_dim

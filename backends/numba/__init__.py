@@ -111,7 +111,8 @@ class NumbaBackend(Backend):
     ``head_dim`` a multiple of 8 in [16, 256]; the variants window, softcap, sinks, fp8_kv;
     ``group_size * q_len <= 64`` rows per program (every row keeps fp32 registers per lane, so
     large row counts spill and run slowly, but stay exact); more queries go in several launches of
-    whole GQA groups (``Backend.q_block``), a GQA group of more than 64 query heads is refused.
+    whole GQA groups (``Backend.q_block``), a larger GQA group in launches of blocks of its query heads
+    (``Backend.head_block``).
 
     ``partial`` and ``merge`` only launch (no allocation, no host sync), so ``run`` can be captured
     in a CUDA graph once each specialization has run (compiled) outside capture.
