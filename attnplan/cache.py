@@ -156,7 +156,9 @@ def load_plan_file(path: str | os.PathLike, key: tuple | None = None) -> SplitPl
     if not isinstance(data, dict):
         raise ValueError(f"a plan file holds a JSON object, got {type(data).__name__}")
     if data.get("plan_version") != PLAN_VERSION or data.get("library") != __version__:
-        raise ValueError(f"written by plan format {data.get('plan_version')!r} / attnplan {data.get('library')!r}"[:200])
+        raise ValueError((f"written by plan format {data.get('plan_version')!r} / attnplan {data.get('library')!r}"[:120]
+                          + f", not format {PLAN_VERSION} / {__version__!r}: never read by this attnplan "
+                          "(`attnplan plans clear` removes it)"))
     if key is not None and data.get("key") != json.loads(json.dumps(key, default=str)):
         raise ValueError("key mismatch (the file was written for another key)")
     if not isinstance(data.get("plan"), dict):

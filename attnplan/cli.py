@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             break
     parser = argparse.ArgumentParser(prog="attnplan", description="split-KV decode attention: run, inspect plans",
                                      allow_abbrev=False)
-    parser.add_argument("--config", default=None, help="YAML config file (default: $ATTNPLAN_CONFIG or plans/default.yaml)")
+    parser.add_argument("--config", default=None, help="YAML config file, merged over plans/default.yaml "
+                                                        "(default: $ATTNPLAN_CONFIG, if set)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a decode workload and check it against the float64 reference")
     r.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama-3.1-8b", help="head configuration preset")
@@ -282,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
     try:
         return _run(args, r) if args.cmd == "run" else _plans(args)
+    except BrokenPipeError:  # the reader went away (`attnplan plans show | head`): stop quietly, as Python's docs advise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except (ValueError, TypeError, RuntimeError, OSError, MemoryError) as e:  # ConfigError, NoBackendError, bad inputs
         print(f"attnplan: error: {e}", file=sys.stderr)
         return 2

@@ -227,9 +227,33 @@ def test_plans_show_and_clear_survive_hostile_files(tmp_path, capsys, monkeypatc
     assert cli.main(["--config", str(cfg), "plans", "show"]) == 0
     out = capsys.readouterr().out
     assert "5 plan file(s)" in out and out.count("unreadable:") == 4 and "GQA group 4" in out
+    assert f"written by plan format 1 / attnplan '0.1.0', not format {PLAN_VERSION}" in out \
+        and "`attnplan plans clear` removes it" in out
     real_unlink = Path.unlink
     monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(
         PermissionError(13, "Permission denied")) if self.name == "b.json" else real_unlink(self, missing_ok))
     assert cli.main(["--config", str(cfg), "plans", "clear"]) == 1
     out = capsys.readouterr().out
     assert "removed 4 plan file(s)" in out and "could not remove" in out and "b.json: Permission denied" in out
+
+
+def test_a_closed_pipe_ends_the_cli_quietly(tmp_path):
+    """`attnplan plans show | head`: the reader closes the pipe early; the CLI stops with status 0 and no error
+    (the writes after the reader left go to /dev/null), as Python's docs advise for SIGPIPE."""
+    import subprocess
+    import sys
+
+    code = ("import attnplan.cli as c\n"
+            "def show(args):\n"
+            "    for i in range(200000):\n"
+            "        print('plan line', i)\n"
+            "    return 0\n"
+            "c._plans = show\n"
+            "raise SystemExit(c.main(['plans', 'show']))\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "ATTNPLAN_CACHE_DIR": str(tmp_path)})
+    p.stdout.readline()
+    p.stdout.close()  # the reader goes away
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 0, err
+    assert "Broken pipe" not in err and "error" not in err, err
