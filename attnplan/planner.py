@@ -441,7 +441,7 @@ class SplitPlan:
                f"planned for sequences of up to {p.max_kv_len} tokens, {p.total_kv_len // max(p.batch, 1)} on average "
                "(lengths rounded up to powers of two)"),
             f"(sequence, KV head) pairs: {base}" + (" per launch" if self.head_block else "")
-            + f" (one program per GQA group and unit) on {dev.sm_count} SMs",
+            + f" (one program per {'head block' if self.head_block else 'GQA group'} and unit) on {dev.sm_count} SMs",
         ]
         if self.head_block:
             n = len(self.launches)

@@ -106,6 +106,7 @@ def test_plan_splits_a_gqa_group_into_head_blocks():
         assert plan.lens_words == prob.batch
         assert SplitPlan.from_dict(plan.to_dict()) == plan
         assert f"{n} launches, one per query, KV head and block of up to 36" in plan.explain()
+        assert "pairs: 2 per launch (one program per head block and unit)" in plan.explain()
     odd = plan_problem(_problem(71, 1, 1), be, CPU, Context.from_config(load_config()), num_splits=2)
     assert (odd.q_block, odd.head_block) == (0, 36)
     assert [(la.h0, la.h1, la.plan.problem.num_q_heads) for la in odd.launches] == [(0, 36, 36), (36, 71, 35)]
