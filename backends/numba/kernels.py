@@ -153,6 +153,10 @@ POS_INF = numpy.float32(numpy.inf)
 ZERO = numpy.float32(0.0)
 ONE = numpy.float32(1.0)
 TWO = numpy.float32(2.0)
+#: below this |x|, tanh(x) = x (1 - x^2 / 3) to fp32 precision (the next term, 2 x^5 / 15, is < 1e-11 x), where
+#: (1 - e^-2|x|) / (1 + e^-2|x|) would lose the digits of a small x in 1 - e^-2|x|
+TANH_SERIES_BELOW = numpy.float32(2.0 ** -7)
+THIRD = numpy.float32(1.0 / 3.0)
 NAN = numpy.float32(numpy.nan)
 TWO_POW_120 = numpy.float32(2.0 ** 120)
 FULL_MASK = 0xFFFFFFFF
@@ -1134,10 +1138,14 @@ def _build_decode(spec: DecodeSpec):
                 for uu in range(U):
                     pos = t0 + uu * NG + grp
                     x = sc[uu * R + r]
-                    if SOFTCAP:  # cap * tanh(x / cap), tanh from exp(-2|x / cap|): no overflow
+                    if SOFTCAP:  # cap * tanh(x / cap), tanh from exp(-2|x / cap|): no overflow; a series near 0
                         t = x * inv_cap
-                        ex = fexp(-(TWO * abs(t)))
-                        th = (ONE - ex) / (ONE + ex)
+                        at = abs(t)
+                        if at < TANH_SERIES_BELOW:
+                            th = at * (ONE - at * at * THIRD)
+                        else:
+                            ex = fexp(-(TWO * at))
+                            th = (ONE - ex) / (ONE + ex)
                         if t < ZERO:
                             th = -th
                         x = th * soft_cap

@@ -203,15 +203,17 @@ def _page(entry, last_page):
 def _scores(s, qk_scale, row_scale, soft_cap, SOFTCAP: tl.constexpr, FP8: tl.constexpr):
     """Raw ``q.k`` products to log2-domain scores: the scale (with fp8, the K scale and the q row's power-of-two
     shift folded in) and the soft-cap ``cap * tanh(x / cap)`` on the natural-log-scaled scores (tanh via
-    ``exp(-2|x|)``: no overflow)."""
+    ``exp(-2|x|)``: no overflow; below ``|x|`` = 2^-7 the series ``x (1 - x^2 / 3)``, exact to fp32 there, where
+    ``1 - exp(-2|x|)`` would lose a small ``x``'s digits: a large cap over ordinary scores)."""
     if FP8:
         s = s * (qk_scale * row_scale)
     else:
         s = s * qk_scale
     if SOFTCAP:
         x = s * (0.6931471805599453 / soft_cap)
-        e = tl.exp(-2.0 * tl.abs(x))
-        th = (1.0 - e) / (1.0 + e)
+        a = tl.abs(x)
+        e = tl.exp(-2.0 * a)
+        th = tl.where(a < 0.0078125, a * (1.0 - a * a * 0.3333333333333333), (1.0 - e) / (1.0 + e))
         s = tl.where(x < 0, -th, th) * (soft_cap * 1.4426950408889634)
     return s
 
