@@ -35,9 +35,9 @@ from .config import Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import SplitPlan, entry_options, make_plan
 from .state import PartialState
-from .problem import (DecodeProblem, check_sm_scale, check_variant_tensors, default_sm_scale, host_lengths,
-                      is_contiguous_layout, len_bucket, same_signature, signature_change, torch_dtype, validate_inputs,
-                      validate_outputs, validate_values)
+from .problem import (DecodeProblem, check_sm_scale, check_variant_tensors, default_sm_scale, has_internal_overlap,
+                      host_lengths, is_contiguous_layout, len_bucket, same_signature, signature_change, torch_dtype,
+                      validate_inputs, validate_outputs, validate_values)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem", "DECODE_WRAPPERS"]
@@ -378,6 +378,11 @@ def _plan_cached(get_problem, bucket_key: tuple, capacity: int, backend: Backend
     def check(p: SplitPlan) -> None:  # a plan read from disk: it fits the problem, and its query blocks are this
         problem = get_problem()  # backend's (a file's other blocks would launch more rows than a program holds)
         p.validate(problem)
+        if p.backend != backend.name:  # the kernel-option limits checked on reading are the named backend's
+            raise ValueError(f"plan for backend {p.backend!r}, not {backend.name!r}")
+        if p.merge != "none" and p.merge not in backend.merge_strategies:
+            raise ValueError(f"plan merge {p.merge!r} is not one of {backend.name}'s "
+                             f"{sorted(backend.merge_strategies)}")
         qb, hb = backend.q_block(problem), backend.head_block(problem)
         want = 0 if qb >= problem.q_len else qb
         if p.q_block != want:
@@ -418,10 +423,12 @@ def _outputs_fit(qsig: tuple, out, lse) -> bool:
     _, shape, _, dtype, device, _ = qsig
     T = torch.Tensor
     if out is not None and not (isinstance(out, T) and out.shape == shape and out.dtype == dtype
-                                and out.device == device and (shape[3] <= 1 or out.stride(3) == 1)):
+                                and out.device == device and (shape[3] <= 1 or out.stride(3) == 1)
+                                and (out.is_contiguous() or not has_internal_overlap(shape, out.stride()))):
         return False
     return lse is None or (isinstance(lse, T) and lse.dtype == _F32 and lse.shape == shape[:3]
-                           and lse.device == device and (shape[2] <= 1 or lse.stride(2) == 1))
+                           and lse.device == device and (shape[2] <= 1 or lse.stride(2) == 1)
+                           and (lse.is_contiguous() or not has_internal_overlap(shape[:3], lse.stride())))
 
 
 def _overlap(on: str, c0: int, c1: int, n: str, d0: int, d1: int) -> ValueError:
@@ -558,8 +565,21 @@ class DecodeWrapper:
 
     def _plan(self, sig, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, capacity, window_left,
               logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host) -> SplitPlan:
-        """:meth:`plan`; ``sig``: the inputs' :meth:`_signature` when the caller has it (else ``None``)."""
-        self._fast = None  # run() takes its full path until this plan is complete (and stays there if it fails)
+        """:meth:`plan`; ``sig``: the inputs' :meth:`_signature` when the caller has it (else ``None``). A plan()
+        that raises leaves no plan behind: its checks may have passed in part and replaced some of the previous
+        plan's state (the signature, the output buffer), so run() must not pair the new inputs with the old plan."""
+        try:
+            return self._plan_body(sig, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, capacity,
+                                   window_left, logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host)
+        except BaseException:
+            self._fast = self.plan_ = self._sig = None
+            self._launcher, self._bound_to, self._hit_memo = None, (), ()
+            raise
+
+    def _plan_body(self, sig, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, capacity,
+                   window_left, logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host) -> SplitPlan:
+        """:meth:`_plan` until it raises."""
+        self._fast = None  # run() takes its full path until this plan is complete
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 0 <= num_splits <= 1024):
             raise ValueError(f"num_splits must be an int in [0, 1024] (0 = planner, 1 = no split, >1 = forced) "
@@ -579,8 +599,8 @@ class DecodeWrapper:
                 and not isinstance(v_scale, torch.Tensor):
             skey = (sig, type(window_left), window_left, type(logits_soft_cap), logits_soft_cap, type(sm_scale),
                     sm_scale, type(k_scale), k_scale, type(v_scale), v_scale)
-        if skey is not None and skey == self._static_key:
-            static = self._static
+        if skey is not None and skey == self._static_key and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg()):
+            static = self._static  # (a lazily negated view has the same signature: the full checks refuse it)
         else:
             static = validate_inputs(q, k_cache, v_cache, seq_lens, block_table, window_left=window_left,
                                      soft_cap=logits_soft_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
@@ -844,7 +864,7 @@ class DecodeWrapper:
                 else:
                     s = o.stride()
                     a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
-                    ok = out is None or qs[3] <= 1 or s[3] == 1
+                    ok = out is None or ((qs[3] <= 1 or s[3] == 1) and not has_internal_overlap(qs, s))
                 ok = ok \
                     and not (e0 and a0 < p0 + e0 and p0 < a1) and not (e1 and a0 < p1 + e1 and p1 < a1) \
                     and not (e2 and a0 < p2 + e2 and p2 < a1) and not (e3 and a0 < p3 + e3 and p3 < a1) \
@@ -854,6 +874,7 @@ class DecodeWrapper:
                     c0 = lse.data_ptr()
                     c1 = c0 + (d0 * t[0] + d1 * t[1] + d2 * t[2] + 1) * 4
                     ok = (qs[2] <= 1 or t[2] == 1) and not (a0 < c1 and c0 < a1) \
+                        and (lse.is_contiguous() or not has_internal_overlap(ls3, t)) \
                         and not (e0 and c0 < p0 + e0 and p0 < c1) and not (e1 and c0 < p1 + e1 and p1 < c1) \
                         and not (e2 and c0 < p2 + e2 and p2 < c1) and not (e3 and c0 < p3 + e3 and p3 < c1) \
                         and not (e4 and c0 < p4 + e4 and p4 < c1)
@@ -886,7 +907,7 @@ class DecodeWrapper:
         var = self._variant
         sinks, k_scale, v_scale = var["sinks"], var["k_scale"], var["v_scale"]
         if sinks is not None or k_scale is not None or v_scale is not None:
-            check_variant_tensors(q, sinks, k_scale, v_scale)
+            check_variant_tensors(q, sinks, k_scale, v_scale, self._sig[1][1][2])
         self._check_overlap(out, lse, ptrs, sinks, k_scale, v_scale)
         if not self.backend.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise PlanNotReadyError(f"backend {self.backend.name} cannot run under CUDA-graph capture; plan with "

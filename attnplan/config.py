@@ -236,6 +236,13 @@ class PlanCacheConfig(_Strict):
                                                             "directory")
     memory_entries: int = Field(1024, ge=1, le=1 << 20)
 
+    @field_validator("dir")
+    @classmethod
+    def _no_nul(cls, v):
+        if v is not None and "\0" in v:
+            raise ValueError("a path cannot hold a NUL character")
+        return v
+
 
 class Config(_Strict):
     """The validated configuration. See ``plans/default.yaml`` for every key with its default."""

@@ -24,11 +24,14 @@ the leading strides of ``out`` and ``lse``. An axis of size 1 may have any strid
 
 *Values.* ``seq_lens`` in ``[0, capacity]``; the block-table entries a sequence uses (its first
 ``ceil(seq_len / page_size)``) in ``[0, num_pages)``, the others are never read. ``sm_scale`` finite
-(0 and negative scales are legal). ``logits_soft_cap`` finite and ``>= 0`` (0 = off). ``window_left``
-an ``int`` (not ``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal). fp8
-``k_scale`` / ``v_scale``: finite and ``> 0``. ``sinks``: no NaN and no ``+inf``; ``-inf`` means "no
-sink" for that head. Float scales are checked on every call. Tensor ``sinks`` / ``k_scale`` /
-``v_scale`` values are read once per tensor version: the first ``plan()`` that sees a tensor reads it
+(0 and negative scales are legal) and at most :data:`FP32_SCALED_MAX` in magnitude (fp32 after the
+``log2(e)`` factor). ``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]`` (0 = off). ``window_left`` an ``int`` (not
+``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal, of any size:
+:func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite and ``> 0`` (floats at most
+:data:`FP32_SCALED_MAX`, also times ``sm_scale``). A paged cache has at least one page. ``q``, ``k_cache`` and
+``v_cache`` are not lazily negated views (``Tensor.is_neg()``; checked by ``plan()``). ``sinks``: no NaN and
+no ``+inf``; ``-inf`` means "no sink" for that head. Float scales are checked on every call. Tensor ``sinks`` /
+``k_scale`` / ``v_scale`` values are read once per tensor version: the first ``plan()`` that sees a tensor reads it
 (one device-to-host copy, a sync), and later plans skip it while its data pointer, version counter
 (``tensor._version``, bumped by every in-place torch op) and device are unchanged. Writes that bypass
 the version counter (through ``.data``, an inference-mode tensor, or a foreign kernel) are not seen.
@@ -266,6 +269,17 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+#: the largest magnitude a float parameter the kernels scale by log2(e) may have (fp32's largest finite value over
+#: log2(e)): a larger finite ``sm_scale``, soft cap or fp8 scale would become inf in fp32, and the output NaN
+FP32_SCALED_MAX = 3.4028234663852886e38 / 1.4426950408889634
+
+
+#: the largest soft cap: the kernels compute ``tanh(score / cap)`` in fp32, and above ~1e30 a score that matters to
+#: the softmax (|score| >= ~1e-7) divided by the cap falls below fp32's smallest normal number (~1.2e-38) and is
+#: flushed to 0
+SOFT_CAP_MAX = 1e30
+
+
 def check_window_left(window_left) -> None:
     """``window_left`` must be an ``int`` (not ``bool``) ``>= -1`` tokens; raises ``TypeError`` / ``ValueError``."""
     if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral):
@@ -275,12 +289,27 @@ def check_window_left(window_left) -> None:
         raise ValueError(f"window_left must be -1 (no window) or an int >= 0 tokens, got {window_left!r}")
 
 
+#: windows of at least this many tokens are clamped (:func:`effective_window`)
+WINDOW_CLAMP = 1 << 30
+
+
+def effective_window(window_left: int, capacity: int) -> int:
+    """The window the kernels get: ``window_left`` itself below :data:`WINDOW_CLAMP` (2^30 tokens), else
+    ``max(2^30, min(window_left, capacity))``, which sees exactly the same positions (a window at least as long as
+    the cache is no window) and keeps the kernels' 32-bit position arithmetic (``L - q_len - window_left``) in
+    range. A live plan's key then does not depend on the capacity for any window below 2^30."""
+    if window_left < WINDOW_CLAMP:
+        return int(window_left)
+    return max(WINDOW_CLAMP, min(int(window_left), int(capacity)))
+
+
 def check_soft_cap(cap, name: str = "logits_soft_cap") -> None:
     """The soft cap must be a finite real ``>= 0`` (0 = off); raises ``TypeError`` / ``ValueError`` naming ``name``."""
     if not _is_real(cap):
         raise TypeError(f"{name} must be a float >= 0 (0 = off), got {type(cap).__name__} {cap!r}")
-    if not math.isfinite(cap) or cap < 0:
-        raise ValueError(f"{name} must be a finite float >= 0 (0 = off), got {cap!r}")
+    if not math.isfinite(cap) or cap < 0 or cap > SOFT_CAP_MAX:
+        raise ValueError(f"{name} must be a finite float in [0, {SOFT_CAP_MAX:g}] (0 = off; the kernels compute "
+                         f"score / cap in fp32, which a larger cap flushes to 0), got {cap!r}")
 
 
 def check_sm_scale(sm_scale) -> None:
@@ -291,8 +320,9 @@ def check_sm_scale(sm_scale) -> None:
     if not _is_real(sm_scale):
         raise TypeError(f"sm_scale must be a float or None (1/sqrt(head_dim)), got {type(sm_scale).__name__} "
                         f"{sm_scale!r}")
-    if not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be finite, got {sm_scale!r}")
+    if not math.isfinite(sm_scale) or abs(sm_scale) > FP32_SCALED_MAX:
+        raise ValueError(f"sm_scale must be finite and at most {FP32_SCALED_MAX:.4g} in magnitude (the kernels scale "
+                         f"it by log2(e) in fp32), got {sm_scale!r}")
 
 
 def _unit_stride(name: str, t: torch.Tensor, axis: int, what: str) -> None:
@@ -338,6 +368,12 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
         raise TypeError("an fp8 KV cache needs q in float16 or bfloat16, got float32")
     if not fp8 and k_cache.dtype != q.dtype:
         raise TypeError(f"k_cache.dtype {k_cache.dtype} must equal q.dtype {q.dtype} (or be float8_e4m3fn)")
+    if d < 1:
+        raise ValueError(f"head_dim (q.shape[3]) must be >= 1, got shape {_shape(q)}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.is_neg() or t.is_conj():
+            raise ValueError(f"{name} is a lazily negated or conjugated view (the kernels read its memory as it is): "
+                             f"pass {name}.resolve_neg() / .resolve_conj()")
     hkv = k_cache.shape[2]
     if k_cache.shape[3] != d:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q's head_dim {d} (shape {_shape(k_cache)})")
@@ -378,8 +414,15 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size (k_cache.shape[1]) must be a power of two, got {page_size}")
         capacity = int(block_table.shape[1]) * page_size
+        if k_cache.shape[0] == 0 and capacity > 0:  # the kernels clamp page indices into [0, num_pages): none there
+            raise ValueError(f"a paged k_cache needs at least one page (k_cache.shape[0] = 0) for a block table of "
+                             f"{block_table.shape[1]} pages per sequence: any length up to its capacity "
+                             f"({capacity} tokens) may be run with the plan")
     check_sm_scale(sm_scale)
     kv_scale = _check_scales(fp8, k_scale, v_scale, int(hkv), q.device)
+    if _is_real(k_scale) and sm_scale is not None and abs(sm_scale) * k_scale > FP32_SCALED_MAX:
+        raise ValueError(f"sm_scale x k_scale = {abs(sm_scale) * k_scale:.4g} exceeds {FP32_SCALED_MAX:.4g}: the "
+                         "kernels fold the K scale into the score scale in fp32")
     check_window_left(window_left)
     check_soft_cap(soft_cap)
     if sinks is not None:
@@ -392,7 +435,8 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
         _check_values_once("sinks", sinks)
     return dict(batch=int(batch), q_len=int(q_len), num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d),
                 page_size=page_size, q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k_cache.dtype), capacity=capacity,
-                window_left=int(window_left), soft_cap=float(soft_cap), has_sinks=sinks is not None, kv_scale=kv_scale)
+                window_left=effective_window(window_left, capacity), soft_cap=float(soft_cap),
+                has_sinks=sinks is not None, kv_scale=kv_scale)
 
 
 def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> str:
@@ -407,8 +451,9 @@ def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> str:
         if sc is None:
             raise ValueError(f"{name} is required with a float8_e4m3fn KV cache (a float, or float32 [num_kv_heads])")
         if _is_real(sc):
-            if not (math.isfinite(sc) and sc > 0):
-                raise ValueError(f"{name} must be a finite float > 0 (the dequantization scale), got {sc!r}")
+            if not (math.isfinite(sc) and 0 < sc <= FP32_SCALED_MAX):
+                raise ValueError(f"{name} must be a finite float in (0, {FP32_SCALED_MAX:.4g}] (the dequantization "
+                                 f"scale, applied in fp32), got {sc!r}")
             kinds.add("tensor")
         elif isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.shape == (hkv,) and sc.device == device:
             _unit_stride(name, sc, 0, "its KV-head axis")
@@ -470,6 +515,20 @@ def _check_values_once(name: str, t: torch.Tensor) -> None:
             _SEEN_VALUES.popitem(last=False)
 
 
+def has_internal_overlap(shape, strides) -> bool:
+    """Whether two elements of a tensor of this shape and these strides may share memory (O(ndim), no read): an
+    axis of more than one element whose stride is below the span of the axes with smaller strides (a zero stride
+    included, as of an ``expand()``). Conservative: a layout whose axes interleave without overlapping, which no
+    torch view makes, counts as overlapping."""
+    span = 1
+    for st, n in sorted(zip(strides, shape)):
+        if n > 1:
+            if st < span:
+                return True
+            span += (n - 1) * st
+    return False
+
+
 def validate_outputs(q: torch.Tensor, out, lse) -> None:
     """Check the output buffers against ``q`` (O(1), no sync): ``out`` ``[batch, q_len, num_q_heads,
     head_dim]`` in q's dtype and ``lse`` ``[batch, q_len, num_q_heads]`` float32 (either may be ``None``:
@@ -486,6 +545,7 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} "
                              f"{out.dtype} on {out.device}")
         _unit_stride("out", out, -1, "head_dim (last axis)")
+        _no_self_overlap("out", out)
     if lse is None:
         return
     if not isinstance(lse, torch.Tensor):
@@ -494,17 +554,31 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
         raise ValueError(f"lse must be {tuple(q.shape[:3])} float32 on {q.device}, got {tuple(lse.shape)} {lse.dtype} "
                          f"on {lse.device}")
     _unit_stride("lse", lse, -1, "num_q_heads (last axis)")
+    _no_self_overlap("lse", lse)
 
 
-def check_variant_tensors(q: torch.Tensor, sinks, k_scale, v_scale) -> None:
-    """``run()``'s O(1) recheck of the tensors ``plan()`` kept by reference: ``sinks`` ``[num_q_heads]``
-    and ``k_scale`` / ``v_scale`` ``[num_kv_heads]`` (their sizes are not rechecked here), float32 on q's
-    device with unit stride. Their values are not read (see the module docstring). Raises ``ValueError``."""
-    for name, t in (("sinks", sinks), ("k_scale", k_scale), ("v_scale", v_scale)):
+def _no_self_overlap(name: str, t: torch.Tensor) -> None:
+    """Raise ``ValueError`` when two elements of output ``t`` share memory (:func:`has_internal_overlap`): two
+    rows would be written to one place and one result lost."""
+    if not t.is_contiguous() and has_internal_overlap(t.shape, t.stride()):
+        raise ValueError(f"{name} has elements that share memory (shape {_shape(t)}, strides {tuple(t.stride())}, e.g. "
+                         f"an expand()): two rows would be written to one place; pass a buffer of distinct elements")
+
+
+def check_variant_tensors(q: torch.Tensor, sinks, k_scale, v_scale,
+                          num_kv_heads: int | None = None) -> None:
+    """``run()``'s O(1) recheck of the tensors ``plan()`` kept by reference (the caller may have resized them in
+    place since): ``sinks`` ``[num_q_heads]`` and ``k_scale`` / ``v_scale`` ``[num_kv_heads]`` (their sizes checked
+    when ``num_kv_heads`` is given), float32 on q's device with unit stride. Their values are not read (see the
+    module docstring). Raises ``ValueError``."""
+    for name, t, n in (("sinks", sinks, q.shape[2]), ("k_scale", k_scale, num_kv_heads),
+                       ("v_scale", v_scale, num_kv_heads)):
         if t is None:
             continue
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.float32 or t.device != q.device:
-            raise ValueError(f"{name} must be a 1-D float32 tensor on {q.device}, got {_describe(t)}")
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.float32 or t.device != q.device \
+                or (n is not None and t.shape[0] != n):
+            raise ValueError(f"{name} must be a 1-D float32 tensor of {n if n is not None else 'its'} elements on "
+                             f"{q.device}, got {_describe(t)}")
         _unit_stride(name, t, 0, "its only axis")
 
 

@@ -88,7 +88,7 @@ def _visible(q_len: int, length: int, lo: int, hi: int, num_heads: int, window_l
     pos = torch.arange(lo, hi)
     p = length - q_len + torch.arange(q_len)  # query i's own position; it sees positions <= p[i]
     vis = pos[None, :] <= p[:, None]
-    if window_left >= 0:
+    if 0 <= window_left < length:  # a window at least as long as the sequence is none (and any int is legal)
         vis &= pos[None, :] >= (p - window_left)[:, None]
     return vis.unsqueeze(1).expand(q_len, num_heads, hi - lo)
 

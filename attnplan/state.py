@@ -97,7 +97,8 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
 
     ``lse = logsumexp_s(lse_s)``; ``o = sum_s exp(lse_s - lse) * o_s``; a row whose every ``lse_s`` is ``-inf`` (or
     that has no split at all) gives ``o = 0, lse = -inf`` (no ``-inf - (-inf)``, no NaN). An empty split's ``o`` is
-    never read. NaN in a non-empty split's ``o`` or ``lse`` makes the row NaN: it never passes for an empty row.
+    never read. NaN in a non-empty split's ``o`` or ``lse`` makes the row NaN: it never passes for an empty row; so
+    does a ``+inf`` ``lse`` (a split of unbounded weight: no finite merge exists).
 
     Attention sinks (gpt-oss) are applied here, once, after the splits are merged: a sink logit ``z_h`` joins the
     softmax denominator only, ``lse' = logaddexp(lse, z_h)``, ``o' = o * exp(lse - lse')``. An empty row gets
@@ -113,12 +114,16 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
     Returns:
         ``(o, lse)``: ``o [B, Q, H, D]`` and ``lse [B, Q, H]`` in the state's dtype.
     Raises:
-        TypeError: ``state`` is not a :class:`PartialState`, or ``sinks`` / ``indptr`` have the wrong dtype.
+        TypeError: ``state`` is not a :class:`PartialState` of float tensors, or ``sinks`` / ``indptr`` have the
+            wrong dtype.
         ValueError: ``sinks`` or ``indptr`` have the wrong shape or device, or ``indptr`` is not a valid offset array
             (read to the host: ragged merges are for the host, not for CUDA-graph capture).
     """
     if not isinstance(state, PartialState):
         raise TypeError(f"merge_states: state must be a PartialState, got {type(state).__name__}")
+    if not (state.o.is_floating_point() and state.lse.is_floating_point()):
+        raise TypeError(f"merge_states: the state's o and lse must be float tensors, got {state.o.dtype} and "
+                        f"{state.lse.dtype}")
     heads = state.o.shape[2]
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():

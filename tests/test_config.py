@@ -171,3 +171,11 @@ def test_device_tables_still_load():
     from attnplan.config import device_table
 
     assert device_table("h200")["cost_model"]["programs_per_sm"] >= 1
+
+
+def test_plan_cache_dir_with_a_nul_is_refused_by_key():
+
+    from attnplan.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="plan_cache.dir: a path cannot hold a NUL character"):
+        load_config(plan_cache={"dir": "a\0b"})

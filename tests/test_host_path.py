@@ -104,10 +104,13 @@ def test_a_paged_cache_without_pages_is_refused_with_host_lengths():
     bt = torch.zeros(1, 2, dtype=torch.int32)
     sl = torch.tensor([5], dtype=torch.int32)
     w = attnplan.DecodeWrapper(backend="reference")
+    for lens in ([5], [0]):  # the plan would serve any length up to the table's capacity: refused even at 0
+        with pytest.raises(ValueError, match=r"a paged k_cache needs at least one page \(k_cache.shape\[0\] = 0\)"):
+            w.plan(q, k, k, sl * lens[0] // 5, bt, seq_lens_host=lens)
+    w.plan(q, k, k, sl * 0, bt[:, :0], seq_lens_host=[0])  # a table of no pages: capacity 0, nothing to read
     with pytest.raises(ValueError, match=r"k_cache has no pages \(num_pages = k_cache.shape\[0\] = 0\) but "
-                                         r"seq_lens\[0\] = 5 needs at least one"):
-        w.plan(q, k, k, sl, bt, seq_lens_host=[5])
-    w.plan(q, k, k, sl * 0, bt, seq_lens_host=[0])  # empty sequences read no page
+                                         r"seq_lens\[0\] = 5 needs at least one"):  # validate_values' own check
+        P.validate_values(dict(batch=1, capacity=16, page_size=8), sl, bt, 0, [5])
 
 
 # -- the fast checks raise what the general checks raise ---------------------------------------------------
@@ -398,16 +401,18 @@ def test_plan_hit_memo_follows_buckets_and_prepares_once(monkeypatch, gen):
     assert_close_to_reference(out, ref, torch.float32)
 
 
-def test_a_failed_plan_leaves_run_on_the_full_path(gen):
-    """A plan() that raises disables run()'s one-pass check (the wrapper's state may be partly updated); run() then
-    takes the full path with the last complete plan, and the next good plan() restores the check."""
+def test_a_failed_plan_leaves_no_plan(gen):
+    """A plan() that raises leaves no plan (the wrapper's state may be partly updated: pairing these inputs with the
+    previous plan could launch it on inputs it was not made for): run() refuses until the next good plan(), which
+    restores the one-pass check."""
     x, w = _planned(gen)
     args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     with pytest.raises(ValueError, match="seq_lens_host must hold 2"):
         w.plan(*args, seq_lens_host=[9, 4, 1])
-    assert w._fast is None
+    assert w._fast is None and w.plan_ is None
+    with pytest.raises(attnplan.PlanNotReadyError):
+        w.run(*args)
     ref, _ = _ref(x)
-    assert_close_to_reference(w.run(*args), ref, torch.float16)
     w.plan(*args, seq_lens_host=[9, 4])
     assert w._fast is not None
     assert_close_to_reference(w.run(*args), ref, torch.float16)

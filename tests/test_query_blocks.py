@@ -483,6 +483,33 @@ def test_plan_file_with_other_query_blocks_is_rebuilt(tmp_path):
     assert again.q_block == 8 and ctx.cache.stats.rebuilt == 1
 
 
+@pytest.mark.parametrize("field, value, needle", [
+    ("head_block", 0, "plan head_block 0 is not numba's 36"),
+    ("head_block", 40, "plan head_block 40 is not numba's 36"),
+    ("backend", "reference", "plan for backend 'reference', not 'numba'"),
+    ("merge", "fused", r"plan merge 'fused' is not one of numba's \['separate'\]"),
+])
+def test_plan_file_edited_to_misfit_its_backend_is_rebuilt(tmp_path, field, value, needle):
+    """A plan file that validates on its own but not for the backend asking (other head blocks, another backend's
+    name, which would skip this backend's kernel-option limits, a merge the backend lacks) is a miss with a
+    warning naming why, then rebuilt, not a failure at every call."""
+    import json
+
+    cfg = load_config(plan_cache={"dir": str(tmp_path)}, split={"merge": "separate"})
+    be = get_backend("numba")
+    prob = _problem(72, 1, 1)
+    plan = plan_problem(prob, be, CPU, Context.from_config(cfg), num_splits=2)
+    assert (plan.head_block, plan.merge) == (36, "separate")
+    (f,) = list(tmp_path.glob("v*/*.json"))
+    data = json.loads(f.read_text())
+    data["plan"][field] = value
+    f.write_text(json.dumps(data))
+    ctx = Context.from_config(cfg)
+    with pytest.warns(RuntimeWarning, match=needle):
+        again = plan_problem(prob, be, CPU, ctx, num_splits=2)
+    assert again == plan and ctx.cache.stats.rebuilt == 1
+
+
 #: more shapes: uneven blocks with a short last one (group 9: 7 + 7 + 2 queries on numba), one query per launch
 #: (group 64), window 0 and a window past the cache, a dominating sink and a -inf one, an fp8 cache
 MORE = [

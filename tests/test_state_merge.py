@@ -190,3 +190,15 @@ def test_nan_in_is_nan_out_never_an_empty_row():
     st = PartialState(torch.tensor([[[[[1.0, float("nan")], [2.0, 2.0]]]]]), torch.tensor([[[[0.0, 0.0]]]]))
     o, lse = merge_states(st)
     assert torch.isnan(o[..., 1]).all() and torch.isfinite(o[..., 0]).all() and torch.isfinite(lse).all()
+
+
+def test_merge_refuses_non_float_states_and_makes_a_plus_inf_lse_nan():
+    """A bool or integer state is a TypeError (not a failure deep in torch); a ``+inf`` LSE (a split of unbounded
+    weight) has no finite merge: the row is NaN, as documented, never a silent number."""
+    o, lse = torch.zeros(1, 1, 1, 2, 4), torch.tensor([[[[float("inf"), 0.0]]]])
+    with pytest.raises(TypeError, match="must be float tensors"):
+        merge_states(PartialState(o.bool(), lse))
+    with pytest.raises(TypeError, match="must be float tensors"):
+        merge_states(PartialState(o, lse.to(torch.int32)))
+    out, out_lse = merge_states(PartialState(o, lse))
+    assert torch.isnan(out).all() and torch.isnan(out_lse).all()

@@ -316,7 +316,10 @@ def test_run_refuses_a_non_tensor_by_name():
 # -- non-finite and out-of-range parameters -----------------------------------------------------------
 
 @pytest.mark.parametrize("kw,exc,needle", [
-    (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap must be a finite float >= 0"),
+    (dict(logits_soft_cap=float("inf")), ValueError, r"logits_soft_cap must be a finite float in \[0, 1e\+30\]"),
+    (dict(logits_soft_cap=2e30), ValueError, "logits_soft_cap must be a finite float in"),
+    (dict(sm_scale=1e39), ValueError, "sm_scale must be finite and at most 2.359e"),
+    (dict(sm_scale=-3e38), ValueError, "sm_scale must be finite and at most"),
     (dict(logits_soft_cap=float("nan")), ValueError, "logits_soft_cap"),
     (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap"),
     (dict(logits_soft_cap=True), TypeError, "logits_soft_cap"),
@@ -339,10 +342,13 @@ def test_bad_parameters_are_refused_by_name(kw, exc, needle):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("kw", [dict(sm_scale=0.0), dict(sm_scale=-0.7), dict(window_left=10**12),
+                                dict(window_left=2**64 + 2), dict(logits_soft_cap=1e4), dict(logits_soft_cap=1e30),
                                 dict(window_left=0), dict(sinks=torch.tensor([float("-inf"), 0.5, float("-inf"), -3.0])),
                                 dict(logits_soft_cap=1e-3)], ids=lambda kw: next(iter(kw)) + "=" + str(next(iter(kw.values())))[:12])
 def test_legal_edge_parameters_match_the_reference(backend, kw):
-    """0 and negative scales are legal math; a window longer than any cache is no window; a -inf sink is none."""
+    """0 and negative scales are legal math; a window longer than any cache is no window (any int); a -inf sink is
+    none; a soft cap far above the scores leaves them nearly unchanged (tanh of a tiny argument, which fp32 keeps
+    exact only through a series: 1 - exp(-2|x|) loses a small x)."""
     x = fp32_case(q_len=2)
     out, lse = poisoned(x)
     attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend, num_splits=3, out=out,
@@ -359,7 +365,7 @@ def fp8_case():
     return x, x.k_cache.to(torch.float8_e4m3fn), x.v_cache.to(torch.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0, 1e39])
 @pytest.mark.parametrize("name", ["k_scale", "v_scale"])
 @pytest.mark.parametrize("as_tensor", [False, True])
 def test_fp8_scales_must_be_finite_and_positive(bad, name, as_tensor):
@@ -367,7 +373,7 @@ def test_fp8_scales_must_be_finite_and_positive(bad, name, as_tensor):
     scales = {"k_scale": 1.0, "v_scale": 1.0}
     scales[name] = torch.tensor([1.0, bad]) if as_tensor else bad
     out, lse = poisoned(x)
-    needle = rf"{name}\[1\] = {bad}" if as_tensor else rf"{name} must be a finite float > 0"
+    needle = rf"{name}\[1\] = {float(torch.tensor(bad))}" if as_tensor else rf"{name} must be a finite float in \(0, "
     refused(ValueError, needle, lambda: attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference",
                                                         out=out, lse=lse, **scales), out, lse)
 
@@ -456,3 +462,100 @@ def test_disjoint_views_of_one_buffer_are_allowed():
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     assert_close_to_reference(out, ref, torch.float32)
     assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+# -- hostile inputs of the kinds a first round of checks missed ---------------------------------------------
+
+def test_a_paged_cache_without_pages_is_refused_for_any_capacity():
+    """A plan serves any lengths up to its capacity: a paged cache of 0 pages can serve none above 0 (the kernels
+    clamp page indices into [0, num_pages)), so it is refused even when the planned lengths are all 0."""
+    q = torch.zeros(1, 1, 2, 16)
+    k = torch.empty(0, 16, 1, 16)
+    bt, sl = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    for capacity in (False, True):
+        with pytest.raises(ValueError, match="a paged k_cache needs at least one page"):
+            attnplan.DecodeWrapper(backend="reference").plan(q, k, k, sl, bt, capacity=capacity)
+    out = attnplan.decode(q, k, k, sl, torch.zeros(1, 0, dtype=torch.int32), backend="reference")  # capacity 0
+    assert torch.equal(out, torch.zeros_like(q))
+
+
+def test_fp8_score_scale_times_k_scale_must_fit_fp32():
+    x, k8, v8 = fp8_case()
+    with pytest.raises(ValueError, match="sm_scale x k_scale"):
+        attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", sm_scale=1e30, k_scale=1e10,
+                        v_scale=1.0)
+
+
+def test_zero_head_dim_and_lazy_negated_views_are_refused():
+    x = fp32_case()
+    with pytest.raises(ValueError, match="head_dim"):
+        attnplan.decode(torch.zeros(1, 1, 1, 0), torch.zeros(1, 4, 1, 0), torch.zeros(1, 4, 1, 0),
+                        torch.tensor([2], dtype=torch.int32), backend="reference")
+    neg = torch._neg_view(x.q)
+    assert neg.is_neg()
+    attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend="reference")  # same signature
+    with pytest.raises(ValueError, match="q is a lazily negated or conjugated view"):
+        attnplan.decode(neg, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend="reference")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_outputs_whose_elements_share_memory_are_refused(backend):
+    """An expanded out (both sequences' rows in one place) or lse: one result would be lost. Refused by decode(),
+    by run()'s full path and by its one-pass check (a plan made without out)."""
+    from attnplan.problem import has_internal_overlap
+
+    x = fp32_case()
+    out = torch.full((1, 1, 4, 16), float("nan")).expand(2, 1, 4, 16)
+    lse = torch.full((1, 1, 4), float("nan")).expand(2, 1, 4)
+    good_out, good_lse = poisoned(x)
+    for o, lo, what in ((out, None, "out"), (None, lse, "lse"), (good_out, lse, "lse")):
+        refused(ValueError, f"{what} has elements that share memory", lambda: attnplan.decode(
+            x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend, out=o, lse=lo), good_out)
+    w = attnplan.DecodeWrapper(backend=backend)
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    for o, lo, what in ((out, None, "out"), (None, lse, "lse"), (good_out, lse, "lse")):
+        with pytest.raises(ValueError, match=f"{what} has elements that share memory"):
+            w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=o, lse=lo)
+    assert torch.isnan(good_out).all()
+    assert not has_internal_overlap((2, 3, 4), (12, 4, 1)) and not has_internal_overlap((2, 1, 4), (64, 0, 1))
+    assert has_internal_overlap((2, 3, 4), (4, 4, 1)) and has_internal_overlap((2, 4), (0, 1))
+
+
+def test_a_failed_plan_leaves_no_plan_to_run(monkeypatch):
+    """plan() that raises after its checks passed in part (here: binding the launch) must not leave the new
+    inputs' signature paired with the previous plan: run() then refuses until a plan() succeeds."""
+    x = fp32_case()
+    y = make_inputs(4, 4, 2, 16, [3, 9, 1, 5], page_size=4, dtype=torch.float32)
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    real = attnplan.DecodeWrapper._bind
+
+    def broken(self, *a, **k):
+        raise RuntimeError("binding failed")
+    monkeypatch.setattr(attnplan.DecodeWrapper, "_bind", broken)
+    with pytest.raises(RuntimeError, match="binding failed"):
+        w.plan(y.q, y.k_cache, y.v_cache, y.seq_lens, y.block_table)
+    for z in (y, x):
+        with pytest.raises(attnplan.PlanNotReadyError):
+            w.run(z.q, z.k_cache, z.v_cache, z.seq_lens, z.block_table)
+        assert w.try_run(z.q, z.k_cache, z.v_cache, z.seq_lens, z.block_table) is None
+    monkeypatch.setattr(attnplan.DecodeWrapper, "_bind", real)
+    w.plan(y.q, y.k_cache, y.v_cache, y.seq_lens, y.block_table)
+    ref, _ = reference.attention(y.q, y.k_cache, y.v_cache, y.seq_lens, y.block_table)
+    assert_close_to_reference(w.run(y.q, y.k_cache, y.v_cache, y.seq_lens, y.block_table), ref, torch.float32)
+
+
+def test_kept_variant_tensors_resized_after_plan_are_refused():
+    x = fp32_case()
+    sinks = torch.zeros(4)
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, sinks=sinks)
+    sinks.set_(torch.zeros(1))
+    with pytest.raises(ValueError, match="sinks must be a 1-D float32 tensor of 4 elements"):
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    x8, k8, v8 = fp8_case()
+    ks = torch.ones(2)
+    w.plan(x8.q, k8, v8, x8.seq_lens, x8.block_table, k_scale=ks, v_scale=1.0)
+    ks.set_(torch.ones(3))
+    with pytest.raises(ValueError, match="k_scale must be a 1-D float32 tensor of 2 elements"):
+        w.run(x8.q, k8, v8, x8.seq_lens, x8.block_table)
