@@ -484,6 +484,7 @@ class DecodeWrapper:
         # one-pass check (_make_fast: None while a plan() is in progress or after one failed, and for plans with sink
         # or scale tensors) with the binding it was made for
         self._hit_memo: tuple = ()
+        self._out_strides_ok: tuple | None = None  # run()'s one-pass check: (q's shape, out strides) found fine
         self._prepared: tuple = ()
         self._fast: tuple | None = None
         self._fast_made: tuple | None = None
@@ -702,6 +703,14 @@ class DecodeWrapper:
         self._fast = self._fast_made
         return plan
 
+    def _no_self_overlap(self, shape, strides) -> bool:
+        """Whether a strided ``out`` of ``shape`` has no elements that share memory; remembered for the next run()
+        (the one-pass check then compares the strides only)."""
+        if has_internal_overlap(shape, strides):
+            return False
+        self._out_strides_ok = (shape, strides)
+        return True
+
     def _make_fast(self) -> tuple | None:
         """The planned values :meth:`run`'s one-pass check compares with, flat (see :meth:`run`): per input its
         shape, strides, dtype, device and alignment (the block table's ``None`` when there is none), the inputs'
@@ -864,7 +873,10 @@ class DecodeWrapper:
                 else:
                     s = o.stride()
                     a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
-                    ok = out is None or ((qs[3] <= 1 or s[3] == 1) and not has_internal_overlap(qs, s))
+                    m = self._out_strides_ok  # the last strided out found free of self-overlap, for this shape
+                    ok = out is None or ((qs[3] <= 1 or s[3] == 1)
+                                         and ((m is not None and m[0] is qs and m[1] == s)
+                                              or self._no_self_overlap(qs, s)))
                 ok = ok \
                     and not (e0 and a0 < p0 + e0 and p0 < a1) and not (e1 and a0 < p1 + e1 and p1 < a1) \
                     and not (e2 and a0 < p2 + e2 and p2 < a1) and not (e3 and a0 < p3 + e3 and p3 < a1) \

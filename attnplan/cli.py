@@ -282,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
     try:
-        return _run(args, r) if args.cmd == "run" else _plans(args)
+        rc = _run(args, r) if args.cmd == "run" else _plans(args)
+        sys.stdout.flush()  # a reader gone before the buffered tail is written: raised here, not at exit
+        return rc
     except BrokenPipeError:  # the reader went away (`attnplan plans show | head`): stop quietly, as Python's docs advise
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

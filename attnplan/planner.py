@@ -6,11 +6,11 @@ at every launch. The planner's job is to choose those constants.
 
 How many splits a sequence should get (FlashAttention's ``num_splits_heuristic`` and Flash-Decoding's argument):
 programs are counted per KV head, ``batch x num_kv_heads x splits``, because one program serves a whole GQA group
-(each KV byte is read once; counting query heads would under-split GQA). For a batch of uniform length the split
-count comes from the device's measured split table (``plans/<device>.yaml``, written by ``attnplan tune``: the
-best split count of an exhaustive search, as programs per SM, at the nearest measured (sequence x KV head pairs,
-KV length, GQA group, head_dim)), or else from a small cost model in microseconds, taking the fewest splits within
-2% of the best:
+where its rows fit (each KV byte is read once; counting query heads would under-split GQA). For a batch of uniform
+length the split count comes from the device's measured split table (``plans/<device>.yaml``, written by
+``attnplan tune``: the best split count of an exhaustive search, as programs per SM, at the nearest measured
+(sequence x KV head pairs, KV length, GQA group, head_dim)), or else from a small cost model in microseconds, taking
+the fewest splits within 2% of the best:
 
     T(n) = launch + waves(n) * program_us                         partial kernel fixed costs
          + max(kv_bytes / (BW_eff * min(1, live(n) / (SMs * sat))),  bandwidth-bound time

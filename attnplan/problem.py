@@ -172,7 +172,8 @@ class DecodeProblem:
 
     @property
     def group_size(self) -> int:
-        """Query heads per KV head (the GQA group); one program serves a whole group."""
+        """Query heads per KV head (the GQA group); one program serves a whole group where its rows fit (else the
+        plan's head blocks split it)."""
         return self.num_q_heads // self.num_kv_heads
 
     @property
@@ -296,8 +297,9 @@ WINDOW_CLAMP = 1 << 30
 def effective_window(window_left: int, capacity: int) -> int:
     """The window the kernels get: ``window_left`` itself below :data:`WINDOW_CLAMP` (2^30 tokens), else
     ``max(2^30, min(window_left, capacity))``, which sees exactly the same positions (a window at least as long as
-    the cache is no window) and keeps the kernels' 32-bit position arithmetic (``L - q_len - window_left``) in
-    range. A live plan's key then does not depend on the capacity for any window below 2^30."""
+    the cache is no window) and keeps ``L - q_len - window_left`` within 32 bits for caches of up to 2^31 tokens
+    (larger ones: the kernels that take them use 64-bit positions, and cuda_ptx refuses them). A live plan's key
+    then does not depend on the capacity for any window below 2^30."""
     if window_left < WINDOW_CLAMP:
         return int(window_left)
     return max(WINDOW_CLAMP, min(int(window_left), int(capacity)))

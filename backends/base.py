@@ -6,9 +6,11 @@ Support is declared as data and refusals come back as reasons (xformers' ``xform
 Kernel contract shared by all backends (what "executes the plan as given" means); the schedule's integers are
 defined once in :mod:`attnplan.schedule` and every backend computes exactly those:
 
-* **Grid**: ``plan.grid = (plan.schedule.max_units * num_kv_heads,)``, 1-D. Program ``p`` serves unit
-  ``u = p // num_kv_heads`` for KV head ``h = p % num_kv_heads``: every query head of ``h``'s GQA group and all
-  ``q_len`` queries of the unit's sequence. Unit-major, so programs without a unit come last.
+* **Grid**: ``plan.grid = (plan.schedule.max_units * num_kv_heads,)`` (the launch's KV heads), 1-D. ``partial`` and
+  ``merge`` take the plan of one launch (``plan.launches``; a plan of several launches runs through ``run``).
+  Program ``p`` serves unit ``u = p // num_kv_heads`` for KV head ``h = p % num_kv_heads``: every query head of
+  ``h``'s GQA group and all ``q_len`` queries of the unit's sequence. Unit-major, so programs without a unit come
+  last.
 * **Prologue** (``plan.schedule.max_units_per_seq > 1``): the program reads ``seq_lens`` (all ``batch`` of them,
   from device memory, at every launch) and ``workspace.targets``, and computes the schedule: each sequence's
   granules, the batch's total, the granules per unit, each sequence's units and their exclusive prefix sum
@@ -54,7 +56,16 @@ from attnplan.planner import SplitPlan
 from attnplan.problem import DecodeProblem
 from attnplan.state import PartialState
 
-__all__ = ["Backend", "DecodeInputs", "Workspace"]
+__all__ = ["Backend", "DecodeInputs", "Workspace", "one_launch"]
+
+
+def one_launch(plan: SplitPlan) -> None:
+    """Raise ``ValueError`` for a plan of several launches (query or head blocks) handed to a backend's ``partial``
+    or ``merge``, which launch one plan's grid: such a plan runs through :meth:`Backend.run` (or each of its
+    ``plan.launches`` on its slice of the inputs); launched whole, it would leave rows unwritten."""
+    if plan.q_block or plan.head_block:
+        raise ValueError(f"a plan of {len(plan.launches)} launches (query or head blocks) runs through Backend.run, "
+                         "not partial() / merge(): launch each of plan.launches on its slice of the inputs")
 
 
 @dataclass(frozen=True)
@@ -109,9 +120,10 @@ class Workspace:
         return torch.empty(len(plan.q_blocks) - 1, plan.problem.batch, dtype=torch.int32, device=device)
 
     def launch(self, plan: SplitPlan, j: int) -> "Workspace":
-        """The buffers launch ``j`` of a plan with query blocks uses (views, no device memory): the state's rows of
-        its queries, its meta and counters tables. Made once per (workspace, plan) and kept (a backend that keys
-        launch constants on the workspace object finds the same one at every run)."""
+        """The buffers launch ``j`` of a plan of several launches (query or head blocks) uses (views, no device
+        memory): the state's rows of its queries and query heads, its meta and counters tables. Made once per
+        (workspace, plan) and kept (a backend that keys launch constants on the workspace object finds the same one at
+        every run)."""
         memo = self.__dict__.get("_launch_memo")
         if memo is None or memo[0] is not plan:
             memo = (plan, tuple(self._launch_buffers(plan, i) for i in range(len(plan.launches))))
@@ -295,7 +307,7 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"{self.name} has no separate merge")
 
     def forget(self, plan: SplitPlan, workspace: Workspace) -> None:
-        """Drop what this backend keeps for ``(plan, workspace)`` and, with query blocks, for each launch's plan and
+        """Drop what this backend keeps for ``(plan, workspace)`` and, with several launches, for each launch's plan and
         workspace view: launch constants that hold the workspace's tensors (a backend's ``_launches`` table keyed by
         ``(id(plan), id(workspace))``). Called when the workspace's owner lets it go."""
         launches = getattr(self, "_launches", None)

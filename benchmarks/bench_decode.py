@@ -101,8 +101,8 @@ def plan_record(plan, seq_lens) -> dict:
     """What the results keep of an attnplan plan: ``num_splits`` (most units per sequence the schedule allows),
     ``policy`` (the schedule's), ``merge``, ``num_programs`` (the grid), ``kernel`` (its options),
     ``predicted_us``, and ``units``: the units the schedule gives the longest sequence at ``seq_lens`` (host ints;
-    :func:`attnplan.schedule.schedule_units`; the last launch's with query blocks), the split count that ran, and
-    ``launches`` (more than 1 with query blocks: the KV read once per launch)."""
+    :func:`attnplan.schedule.schedule_units`; the last launch's with query or head blocks), the split count that ran,
+    and ``launches`` (more than 1 with query or head blocks: the KV read once per launch)."""
     from attnplan.schedule import schedule_units
 
     p = plan.launches[-1].plan.problem

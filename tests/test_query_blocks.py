@@ -282,7 +282,8 @@ def test_head_blocks_match_reference(name, rows, heads, q_len, lens, variants, f
                                   for f in ("q", "k_cache", "v_cache", "seq_lens", "block_table", "sinks", "k_scale",
                                             "v_scale")})
     prob = problem_of(x)
-    ctx = Context.from_config(load_config(split={"merge": merge}))
+    # no plan cache: this backend's rows per program are cut, and its plans must not be found by other tests
+    ctx = Context.from_config(load_config(split={"merge": merge}, plan_cache={"enabled": False}))
     plan = plan_problem(prob, be, torch.device(DEVICE), ctx, num_splits=splits)
     group, most = prob.group_size, be.rows_per_program(prob)
     assert plan.head_block == -(-group // -(-group // most)) and plan.merge == merge, plan
@@ -302,6 +303,29 @@ def test_head_blocks_match_reference(name, rows, heads, q_len, lens, variants, f
         assert_close_to_reference(lse.cpu(), ref_lse, torch.float32, "lse")
         outs.append((out, lse))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("name", ["reference", "numba", "triton"])
+def test_a_plan_of_several_launches_is_refused_by_partial_and_merge(name):
+    """partial() / merge() launch one plan's grid: handed a whole plan of head or query blocks they would leave rows
+    unwritten, so they refuse it (Backend.run launches each of plan.launches)."""
+    if name != "reference" and name not in kernel_backends(DEVICE):
+        pytest.skip(f"{name} unavailable on {DEVICE}")
+    be = get_backend(name)
+    for heads, q_len in (((144, 2), 1), ((64, 1), 3)):
+        x = _inputs(heads, q_len, (20, 5), {})
+        plan = plan_problem(problem_of(x), be, CPU, Context.from_config(load_config(split={"merge": "separate"})),
+                            num_splits=2)
+        if not plan.multi_launch:
+            assert name in ("reference", "triton")
+            continue
+        ws = poisoned_workspace(plan, CPU)
+        out = poison(torch.empty_like(x.q))
+        with pytest.raises(ValueError, match="runs through Backend.run"):
+            be.partial(plan, x, ws, out, None)
+        with pytest.raises(ValueError, match="runs through Backend.run"):
+            be.merge(plan, ws, out, None)
+        assert torch.isnan(out).all()
 
 
 def test_head_blocks_through_the_wrapper():

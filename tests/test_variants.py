@@ -8,6 +8,7 @@ A backend that does not declare a variant is skipped with its own reason (the di
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -238,3 +239,19 @@ def test_variants_are_part_of_the_plan_key():
         DecodeProblem(**{**a.to_dict(), "has_sinks": True}),
         DecodeProblem(**{**a.to_dict(), "kv_dtype": "float8_e4m3fn", "kv_scale": "head"}))}
     assert len(keys) == 5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cap", [1e3, 1e4, 1e6, 1e30])
+def test_soft_cap_far_above_nearly_equal_scores(backend, cap):
+    """A soft cap far above the scores (|score / cap| from ~1e-28 to ~0.1): ``tanh`` of a small argument in fp32
+    must keep its digits (``1 - exp(-2|x|)`` loses up to ~7 bits near 0.01 and all of them below ~6e-8); nearly
+    equal scores around 100 make any such loss visible in fp32 outputs."""
+    g = torch.Generator().manual_seed(0)
+    x = make_inputs(1, 4, 1, 16, [64], page_size=16, dtype=torch.float32, generator=g)
+    base = torch.randn(16, generator=g)
+    k = (base + 0.02 * torch.randn(x.k_cache.shape, generator=g)).to(DEVICE)
+    q = ((base * 25.0).expand_as(x.q) + 0.1 * torch.randn(x.q.shape, generator=g)).contiguous()
+    x = dataclasses.replace(x, q=q.to(DEVICE), k_cache=k, v_cache=x.v_cache.to(DEVICE),
+                            seq_lens=x.seq_lens.to(DEVICE), block_table=x.block_table.to(DEVICE))
+    _run(backend, x, torch.float32, 1, cap=cap)

@@ -15,7 +15,8 @@ Method: Flash-Decoding's split-KV (Dao et al. 2023) with the device-side schedul
 programs; at every launch each program's prologue (``schedule.cuh``: the program's threads read ``seq_lens`` in
 chunks of 256 sequences, warp shuffles and one exchange through shared memory for the total, a block scan for the
 prefix sum) computes which (sequence, unit, token range) it serves, so one plan serves every length up to its
-capacity and CUDA-graph replays. A program serves the whole GQA group and all queries (each KV byte read once);
+capacity and CUDA-graph replays. A program serves the whole GQA group and all queries (each KV byte read once)
+where their rows fit (else the plan's query or head blocks launch again);
 16-byte ``cp.async`` loads stream K and V through multi-stage shared-memory rings; fp32 accumulation with a base-2
 online softmax. A sequence with one unit is written to ``out`` directly (the sink joined); a unit of a longer one
 writes its partial state into workspace slot ``u``. A single-pass plan (one unit per sequence) runs the
@@ -117,7 +118,7 @@ import threading
 
 import torch
 
-from attnplan.backends.base import Backend, DecodeInputs, Workspace
+from attnplan.backends.base import Backend, DecodeInputs, Workspace, one_launch
 from attnplan.device import device_info
 from attnplan.planner import SplitPlan
 from attnplan.problem import DecodeProblem, dtype_name, torch_dtype
@@ -554,6 +555,7 @@ class CudaPtxBackend(Backend):
             ValueError: shapes, dtypes, strides, alignment or devices the kernel cannot take, or a workspace that
                 does not serve the plan (named).
         """
+        one_launch(plan)
         x = inputs
         L = self._launch_state(plan, workspace)
         spec = L.spec
@@ -621,6 +623,7 @@ class CudaPtxBackend(Backend):
             ValueError: a plan whose merge is not ``separate``, or dtypes, shapes, strides, alignment or devices the
                 kernel cannot take (named).
         """
+        one_launch(plan)
         if plan.merge != "separate":
             raise ValueError(f"plan merge is {plan.merge!r}: no separate merge to launch")
         L = self._launch_state(plan, workspace, partial=False)

@@ -58,7 +58,7 @@ from typing import ClassVar
 
 import torch
 
-from attnplan.backends.base import Backend, DecodeInputs, Workspace
+from attnplan.backends.base import Backend, DecodeInputs, Workspace, one_launch
 from attnplan.planner import SplitPlan
 
 __all__ = ["NumbaBackend", "BoundLaunch"]
@@ -306,6 +306,7 @@ class NumbaBackend(Backend):
             ValueError: an fp8 cache without ``k_scale``/``v_scale`` or with fp32 q; a plan whose kernel
                 options give an impossible thread layout; a plan with the fused merge.
         """
+        one_launch(plan)
         kern, tag, grid, threads, args, _ = self._partial_call(plan, inputs, workspace, out, lse)
         self._launch(kern, tag, grid, threads, args, inputs.q.device)
 
@@ -374,6 +375,7 @@ class NumbaBackend(Backend):
         Raises:
             ValueError: ``workspace`` has no state or meta (the plan's merge is not ``separate``).
         """
+        one_launch(plan)
         kern, tag, grid, threads, args, _ = self._merge_call(plan, workspace, out, lse, sinks)
         self._launch(kern, tag, grid, threads, args, out.device)
 

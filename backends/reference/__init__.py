@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from attnplan import reference
-from attnplan.backends.base import Backend, DecodeInputs, Workspace
+from attnplan.backends.base import Backend, DecodeInputs, Workspace, one_launch
 from attnplan.planner import SplitPlan
 from attnplan.state import PartialState
 
@@ -36,6 +36,7 @@ class ReferenceBackend(Backend):
 
     def partial(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
                 lse: torch.Tensor | None) -> None:
+        one_launch(plan)
         x = inputs
         st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
                                       plan.schedule, window_left=x.window_left, soft_cap=x.soft_cap,
@@ -64,6 +65,7 @@ class ReferenceBackend(Backend):
 
     def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
               sinks: torch.Tensor | None = None) -> None:
+        one_launch(plan)
         b = out.shape[0]
         meta = workspace.meta.to("cpu", torch.int64)
         indptr = torch.cat([meta[:b], (meta[b - 1:b] + meta[2 * b - 1:2 * b])]) if b else meta[:1]

@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from attnplan.backends.base import Backend, DecodeInputs, Workspace
+from attnplan.backends.base import Backend, DecodeInputs, Workspace, one_launch
 from attnplan.planner import SplitPlan
 from attnplan.problem import torch_dtype
 
@@ -588,6 +588,7 @@ class TritonBackend(Backend):
         Raises:
             ValueError: q's shape is not the plan's, or ``workspace`` does not serve the plan.
         """
+        one_launch(plan)
         self._launch_partial(self._launch(plan, workspace), inputs, out, lse)
 
     def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
@@ -599,4 +600,5 @@ class TritonBackend(Backend):
         Raises:
             ValueError: the plan's merge is not ``separate``, or ``workspace`` does not serve the plan.
         """
+        one_launch(plan)
         self._launch_merge(self._launch(plan, workspace), out, lse, sinks)
