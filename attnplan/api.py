@@ -19,7 +19,6 @@ is one signature, a plan-cache hit and a run.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -33,7 +32,7 @@ from .backends import Backend, DecodeInputs, Workspace, get_backend
 from .cache import PlanCache
 from .config import Config, device_table, load_config
 from .device import DeviceInfo, device_info
-from .planner import SplitPlan, entry_options, make_plan
+from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
 from .problem import (DecodeProblem, check_sm_scale, check_variant_tensors, default_sm_scale, has_internal_overlap,
                       host_lengths, is_contiguous_layout, len_bucket, same_signature, signature_change, torch_dtype,
@@ -343,11 +342,7 @@ def _plan_cached(get_problem, bucket_key: tuple, capacity: int, backend: Backend
         # kernel options are the launch's
         q_block, head_block = backend.q_block(bucketed), backend.head_block(bucketed)
         q_block = 0 if q_block >= bucketed.q_len else q_block
-        launch = bucketed
-        if q_block or head_block:
-            launch = dataclasses.replace(bucketed, q_len=q_block or bucketed.q_len)
-        if head_block:
-            launch = dataclasses.replace(launch, num_q_heads=head_block, num_kv_heads=1)
+        launch = launch_problem_of(bucketed, q_block, head_block)
 
         def plan_with(opts: dict) -> SplitPlan:
             kernel = backend.kernel_config(launch, opts, device)

@@ -48,8 +48,8 @@ from .device import DeviceInfo
 from .problem import DecodeProblem, torch_dtype
 from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
 
-__all__ = ["SplitPlan", "Launch", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION", "cost_model_for",
-           "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
+__all__ = ["SplitPlan", "Launch", "launch_problem_of", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION",
+           "cost_model_for", "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
 
 PLAN_VERSION = 8  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
 #                  targets scaled to their warps; 5: that scaling bounded at saturation; 6: a row carried to another
@@ -159,6 +159,17 @@ class DeviceKey(NamedTuple):
         return DeviceKey(device.name, device.sm_count, tuple(device.compute_capability), device.driver)
 
 
+def launch_problem_of(problem: DecodeProblem, q_block: int = 0, head_block: int = 0) -> DecodeProblem:
+    """The problem one launch of a plan serves (the planner plans it, the backend picks its kernel options for it):
+    ``problem`` with ``q_len = q_block`` (0: all queries), and with ``head_block > 0`` that many query heads over
+    one KV head (:attr:`SplitPlan.head_block`)."""
+    if q_block:
+        problem = replace(problem, q_len=q_block)
+    if head_block:
+        problem = replace(problem, num_q_heads=head_block, num_kv_heads=1)
+    return problem
+
+
 class Launch(NamedTuple):
     """One launch of a plan (:attr:`SplitPlan.launches`): queries ``[i0, i1)``, query heads ``[h0, h1)`` and KV
     heads ``[k0, k1)`` of the step, run as ``plan`` (the problem of that slice; ``q_block`` and ``head_block`` 0)."""
@@ -256,19 +267,16 @@ class SplitPlan:
                                    replace(self, problem=replace(p, q_len=i1 - i0), q_block=0))
                             for i0, i1 in self.q_blocks)
             else:
-                g, one = p.group_size, {}
-                for g0, g1 in self.head_blocks:  # one plan per block size (the last block may be smaller)
-                    one.setdefault(g1 - g0, {})
-                got = []
+                g, plans, got = p.group_size, {}, []
                 for i0, i1 in self.q_blocks:
                     for k in range(p.num_kv_heads):
                         for g0, g1 in self.head_blocks:
-                            plans = one[g1 - g0]
-                            if i1 - i0 not in plans:
-                                plans[i1 - i0] = replace(self, problem=replace(p, q_len=i1 - i0, num_q_heads=g1 - g0,
-                                                                               num_kv_heads=1),
-                                                         q_block=0, head_block=0)
-                            got.append(Launch(i0, i1, k * g + g0, k * g + g1, k, k + 1, plans[i1 - i0]))
+                            key = (i1 - i0, g1 - g0)  # one plan per slice shape (the last block may be smaller)
+                            one = plans.get(key)
+                            if one is None:
+                                one = plans[key] = replace(self, problem=launch_problem_of(p, *key), q_block=0,
+                                                           head_block=0)
+                            got.append(Launch(i0, i1, k * g + g0, k * g + g1, k, k + 1, one))
                 got = tuple(got)
             object.__setattr__(self, "_launches", got)  # a memo, not a field: equality and hashing ignore it
         return got
@@ -832,11 +840,8 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     head_block = head_block if 0 < head_block < problem.group_size else 0
     q_block = 1 if head_block and problem.q_len > 1 else (q_block if 0 < q_block < problem.q_len else 0)
     if q_block or head_block:
-        launch = replace(problem, q_len=q_block or problem.q_len)
-        if head_block:
-            launch = replace(launch, num_q_heads=head_block, num_kv_heads=1)
-        one = make_plan(launch, device, config, backend, kernel, capacity_mode=capacity_mode,
-                        num_splits=num_splits, merge_strategies=merge_strategies,
+        one = make_plan(launch_problem_of(problem, q_block, head_block), device, config, backend, kernel,
+                        capacity_mode=capacity_mode, num_splits=num_splits, merge_strategies=merge_strategies,
                         fused_merge_parallelism=fused_merge_parallelism, fused_merge_max_chunk=fused_merge_max_chunk)
         plan = replace(one, problem=problem, q_block=q_block, head_block=head_block)
         plan = replace(plan, predicted_us=one.predicted_us * len(plan.launches))

@@ -63,7 +63,7 @@ def one_launch(plan: SplitPlan) -> None:
     """Raise ``ValueError`` for a plan of several launches (query or head blocks) handed to a backend's ``partial``
     or ``merge``, which launch one plan's grid: such a plan runs through :meth:`Backend.run` (or each of its
     ``plan.launches`` on its slice of the inputs); launched whole, it would leave rows unwritten."""
-    if plan.q_block or plan.head_block:
+    if plan.multi_launch:
         raise ValueError(f"a plan of {len(plan.launches)} launches (query or head blocks) runs through Backend.run, "
                          "not partial() / merge(): launch each of plan.launches on its slice of the inputs")
 
