@@ -419,11 +419,13 @@ def _outputs_fit(qsig: tuple, out, lse) -> bool:
     T = torch.Tensor
     if out is not None and not (isinstance(out, T) and out.shape == shape and out.dtype == dtype
                                 and out.device == device and (shape[3] <= 1 or out.stride(3) == 1)
-                                and (out.is_contiguous() or not has_internal_overlap(shape, out.stride()))):
+                                and (out.is_contiguous() or not has_internal_overlap(shape, out.stride()))
+                                and not out.is_neg()):
         return False
     return lse is None or (isinstance(lse, T) and lse.dtype == _F32 and lse.shape == shape[:3]
                            and lse.device == device and (shape[2] <= 1 or lse.stride(2) == 1)
-                           and (lse.is_contiguous() or not has_internal_overlap(shape[:3], lse.stride())))
+                           and (lse.is_contiguous() or not has_internal_overlap(shape[:3], lse.stride()))
+                           and not lse.is_neg())
 
 
 def _overlap(on: str, c0: int, c1: int, n: str, d0: int, d1: int) -> ValueError:
@@ -858,9 +860,9 @@ class DecodeWrapper:
                                         and block_table.dtype is bd and block_table.device == bv
                                         and (not p4 & 15) is ba)) \
                     and (out is None or (isinstance(out, T) and out.shape == qs and out.dtype is qd
-                                         and out.device == qv)) \
+                                         and out.device == qv and not out.is_neg())) \
                     and (lse is None or (isinstance(lse, T) and lse.dtype is _F32 and lse.shape == ls3
-                                         and lse.device == qv)):
+                                         and lse.device == qv and not lse.is_neg())):
                 a0 = o.data_ptr()
                 if o.is_contiguous():  # its bytes: exactly its numel's (its last stride 1 where it matters)
                     a1 = a0 + nbytes

@@ -27,9 +27,10 @@ the leading strides of ``out`` and ``lse``. An axis of size 1 may have any strid
 (0 and negative scales are legal) and at most :data:`FP32_SCALED_MAX` in magnitude (fp32 after the
 ``log2(e)`` factor). ``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]`` (0 = off). ``window_left`` an ``int`` (not
 ``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal, of any size:
-:func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite and ``> 0`` (floats at most
-:data:`FP32_SCALED_MAX`, also times ``sm_scale``). A paged cache has at least one page. ``q``, ``k_cache`` and
-``v_cache`` are not lazily negated views (``Tensor.is_neg()``; checked by ``plan()``). ``sinks``: no NaN and
+:func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite, ``> 0`` and at most :data:`FP32_SCALED_MAX`
+(floats and tensor values alike), and ``sm_scale`` times the largest K scale too. A paged cache has at least one
+page. No input or output is a lazily negated view (``Tensor.is_neg()``; inputs checked by ``plan()``, ``out`` and
+``lse`` by ``run()`` and ``decode()``). ``sinks``: no NaN and
 no ``+inf``; ``-inf`` means "no sink" for that head. Float scales are checked on every call. Tensor ``sinks`` /
 ``k_scale`` / ``v_scale`` values are read once per tensor version: the first ``plan()`` that sees a tensor reads it
 (one device-to-host copy, a sync), and later plans skip it while its data pointer, version counter
@@ -373,9 +374,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
     if d < 1:
         raise ValueError(f"head_dim (q.shape[3]) must be >= 1, got shape {_shape(q)}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.is_neg() or t.is_conj():
-            raise ValueError(f"{name} is a lazily negated or conjugated view (the kernels read its memory as it is): "
-                             f"pass {name}.resolve_neg() / .resolve_conj()")
+        _not_lazy(name, t)
     hkv = k_cache.shape[2]
     if k_cache.shape[3] != d:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q's head_dim {d} (shape {_shape(k_cache)})")
@@ -421,9 +420,10 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
                              f"{block_table.shape[1]} pages per sequence: any length up to its capacity "
                              f"({capacity} tokens) may be run with the plan")
     check_sm_scale(sm_scale)
-    kv_scale = _check_scales(fp8, k_scale, v_scale, int(hkv), q.device)
-    if _is_real(k_scale) and sm_scale is not None and abs(sm_scale) * k_scale > FP32_SCALED_MAX:
-        raise ValueError(f"sm_scale x k_scale = {abs(sm_scale) * k_scale:.4g} exceeds {FP32_SCALED_MAX:.4g}: the "
+    kv_scale, k_max = _check_scales(fp8, k_scale, v_scale, int(hkv), q.device)
+    if sm_scale is not None and abs(sm_scale) * k_max > FP32_SCALED_MAX:
+        what = "k_scale" if _is_real(k_scale) else "max(k_scale)"
+        raise ValueError(f"sm_scale x {what} = {abs(sm_scale) * k_max:.4g} exceeds {FP32_SCALED_MAX:.4g}: the "
                          "kernels fold the K scale into the score scale in fp32")
     check_window_left(window_left)
     check_soft_cap(soft_cap)
@@ -434,6 +434,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
         if sinks.device != q.device:
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
         _unit_stride("sinks", sinks, 0, "its head axis")
+        _not_lazy("sinks", sinks)
         _check_values_once("sinks", sinks)
     return dict(batch=int(batch), q_len=int(q_len), num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d),
                 page_size=page_size, q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k_cache.dtype), capacity=capacity,
@@ -441,14 +442,15 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
                 has_sinks=sinks is not None, kv_scale=kv_scale)
 
 
-def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> str:
-    """fp8 caches need K and V dequantization scales: finite floats > 0 (per tensor) or fp32
-    ``[num_kv_heads]`` tensors with unit stride whose values are finite and > 0."""
+def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> tuple[str, float]:
+    """fp8 caches need K and V dequantization scales: finite floats in ``(0, FP32_SCALED_MAX]`` (per tensor) or
+    fp32 ``[num_kv_heads]`` tensors with unit stride whose values are. Returns the scale kind (``"none"``,
+    ``"tensor"``, ``"head"``) and the largest K scale (0 without one)."""
     if not fp8:
         if k_scale is not None or v_scale is not None:
             raise ValueError("k_scale / v_scale apply only to a float8_e4m3fn KV cache")
-        return "none"
-    kinds = set()
+        return "none", 0.0
+    kinds, k_max = set(), 0.0
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
         if sc is None:
             raise ValueError(f"{name} is required with a float8_e4m3fn KV cache (a float, or float32 [num_kv_heads])")
@@ -457,14 +459,26 @@ def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> str:
                 raise ValueError(f"{name} must be a finite float in (0, {FP32_SCALED_MAX:.4g}] (the dequantization "
                                  f"scale, applied in fp32), got {sc!r}")
             kinds.add("tensor")
+            vmax = float(sc)
         elif isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.shape == (hkv,) and sc.device == device:
             _unit_stride(name, sc, 0, "its KV-head axis")
-            _check_values_once(name, sc)
+            _not_lazy(name, sc)
+            vmax = _check_values_once(name, sc)
             kinds.add("head")
         else:
             raise ValueError(f"{name} must be a float or a float32 tensor [num_kv_heads] = [{hkv}] on {device}, got "
                              f"{_describe(sc)}")
-    return "head" if "head" in kinds else "tensor"
+        if name == "k_scale":
+            k_max = vmax
+    return ("head" if "head" in kinds else "tensor"), k_max
+
+
+def _not_lazy(name: str, t: torch.Tensor) -> None:
+    """Refuse a lazily negated or conjugated view (``Tensor.is_neg()`` / ``is_conj()``): the kernels read and write
+    its memory as it is, without the pending negation."""
+    if t.is_neg() or t.is_conj():
+        raise ValueError(f"{name} is a lazily negated or conjugated view (the kernels read and write its memory as it "
+                         f"is): pass {name}.resolve_neg() / .resolve_conj()")
 
 
 def _describe(x) -> str:
@@ -474,25 +488,27 @@ def _describe(x) -> str:
     return f"{type(x).__name__} {r[:80] + '...' if len(r) > 80 else r}"
 
 
-#: (data_ptr, version, device, shape, strides, name) -> weak reference to the checked tensor's base: the tensor
-#: values :func:`_check_values_once` has read (bounded; a hit needs the same base tensor still alive, so memory
-#: freed and reused by another tensor is read again)
-_SEEN_VALUES: "OrderedDict[tuple, weakref.ref]" = OrderedDict()
+#: (data_ptr, version, device, shape, strides, name) -> (weak reference to the checked tensor's base, its largest
+#: value): the tensor values :func:`_check_values_once` has read (bounded; a hit needs the same base tensor still
+#: alive, so memory freed and reused by another tensor is read again)
+_SEEN_VALUES: "OrderedDict[tuple, tuple[weakref.ref, float]]" = OrderedDict()
 _SEEN_LOCK = threading.Lock()
 _SEEN_MAX = 4096
 
 
 def _bad_values(name: str, v: torch.Tensor) -> int | None:
     """Index of the first value of ``v`` that ``name`` may not hold, or ``None`` (reads ``v``: a sync on a GPU)."""
-    bad = torch.isnan(v) | (v == float("inf")) if name == "sinks" else ~(torch.isfinite(v) & (v > 0))
+    bad = (torch.isnan(v) | (v == float("inf")) if name == "sinks"
+           else ~(torch.isfinite(v) & (v > 0) & (v <= FP32_SCALED_MAX)))
     if not bool(bad.any()):
         return None
     return int(bad.nonzero()[0, 0])
 
 
-def _check_values_once(name: str, t: torch.Tensor) -> None:
+def _check_values_once(name: str, t: torch.Tensor) -> float:
     """Read ``t``'s values (a device-to-host copy: a sync on a GPU) unless this tensor was checked at its
-    current version. ``sinks``: no NaN and no ``+inf``; ``k_scale`` / ``v_scale``: finite and ``> 0``."""
+    current version. ``sinks``: no NaN and no ``+inf``; ``k_scale`` / ``v_scale``: finite, ``> 0`` and at most
+    :data:`FP32_SCALED_MAX`. Returns the largest value (kept with the check, so a later plan needs no read)."""
     base = t if t._base is None else t._base
     try:
         version = t._version
@@ -500,21 +516,24 @@ def _check_values_once(name: str, t: torch.Tensor) -> None:
         version = -1
     key = (t.data_ptr(), version, str(t.device), _shape(t), tuple(t.stride()), name)
     with _SEEN_LOCK:
-        ref = _SEEN_VALUES.get(key)
-        if ref is not None and ref() is base:
+        seen = _SEEN_VALUES.get(key)
+        if seen is not None and seen[0]() is base:
             _SEEN_VALUES.move_to_end(key)
-            return
+            return seen[1]
     v = t.detach()
     i = _bad_values(name, v)
     if i is not None:
         want = ("must not be NaN or +inf (-inf = no sink for that head)" if name == "sinks"
-                else "must be finite and > 0 (a dequantization scale per KV head)")
+                else f"must be finite, > 0 and at most {FP32_SCALED_MAX:.4g} (a dequantization scale per KV head, "
+                     f"applied in fp32)")
         raise ValueError(f"{name}[{i}] = {float(v[i])}: {name} {want}")
+    vmax = float(v.max()) if v.numel() else 0.0
     with _SEEN_LOCK:
-        _SEEN_VALUES[key] = weakref.ref(base)
+        _SEEN_VALUES[key] = (weakref.ref(base), vmax)
         _SEEN_VALUES.move_to_end(key)
         while len(_SEEN_VALUES) > _SEEN_MAX:
             _SEEN_VALUES.popitem(last=False)
+    return vmax
 
 
 def has_internal_overlap(shape, strides) -> bool:
@@ -548,6 +567,7 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
                              f"{out.dtype} on {out.device}")
         _unit_stride("out", out, -1, "head_dim (last axis)")
         _no_self_overlap("out", out)
+        _not_lazy("out", out)
     if lse is None:
         return
     if not isinstance(lse, torch.Tensor):
@@ -557,6 +577,7 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
                          f"on {lse.device}")
     _unit_stride("lse", lse, -1, "num_q_heads (last axis)")
     _no_self_overlap("lse", lse)
+    _not_lazy("lse", lse)
 
 
 def _no_self_overlap(name: str, t: torch.Tensor) -> None:

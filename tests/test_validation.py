@@ -486,6 +486,45 @@ def test_fp8_score_scale_times_k_scale_must_fit_fp32():
                         v_scale=1.0)
 
 
+def test_fp8_score_scale_times_the_largest_tensor_k_scale_must_fit_fp32():
+    """Per-KV-head scales: each at most FP32_SCALED_MAX, and sm_scale times the largest of them too; the second plan
+    of the same tensor (its values remembered, not read again) is checked against its own sm_scale."""
+    from attnplan.problem import FP32_SCALED_MAX
+
+    x, k8, v8 = fp8_case()
+    ones = torch.ones(2)
+    big = torch.tensor([1.0, FP32_SCALED_MAX * 1.2])  # finite in fp32, beyond what the kernels' fp32 product holds
+    with pytest.raises(ValueError, match=r"k_scale\[1\] = .*at most"):
+        attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", k_scale=big, v_scale=ones)
+    k_scale = torch.tensor([1.0, 1e10])
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(x.q, k8, v8, x.seq_lens, x.block_table, k_scale=k_scale, v_scale=ones, sm_scale=1e20)
+    with pytest.raises(ValueError, match=r"sm_scale x max\(k_scale\) = 1e\+40"):
+        w.plan(x.q, k8, v8, x.seq_lens, x.block_table, k_scale=k_scale, v_scale=ones, sm_scale=1e30)
+    with pytest.raises(ValueError, match=r"sm_scale x max\(k_scale\)"):
+        attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", k_scale=k_scale, v_scale=ones,
+                        sm_scale=-1e30)
+
+
+@pytest.mark.parametrize("name", ["sinks", "k_scale", "out", "lse"])
+def test_lazy_negated_variant_tensors_and_outputs_are_refused(name):
+    """A lazily negated view reads (or is written) as its memory is, without the pending negation."""
+    x, k8, v8 = fp8_case()
+    out, lse = poisoned(x)
+    a = dict(sinks=torch.zeros(4), k_scale=torch.ones(2), v_scale=torch.ones(2), out=out, lse=lse)
+    a[name] = torch._neg_view(a[name])
+    refused(ValueError, f"{name} is a lazily negated", lambda: attnplan.decode(
+        x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", **a), None if name == "out" else out)
+    if name in ("out", "lse"):  # run(): its one-pass check and its full path
+        w = attnplan.DecodeWrapper(backend="reference")
+        good = dict(a, **{name: torch._neg_view(a[name])})  # undo: a plain tensor again
+        w.plan(x.q, k8, v8, x.seq_lens, x.block_table, sinks=good["sinks"], k_scale=good["k_scale"],
+               v_scale=good["v_scale"])
+        for _ in range(2):
+            with pytest.raises(ValueError, match=f"{name} is a lazily negated"):
+                w.run(x.q, k8, v8, x.seq_lens, x.block_table, out=a["out"], lse=a["lse"])
+
+
 def test_zero_head_dim_and_lazy_negated_views_are_refused():
     x = fp32_case()
     with pytest.raises(ValueError, match="head_dim"):
