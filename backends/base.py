@@ -226,6 +226,10 @@ class Backend(abc.ABC):
     #: kernel options that name the same thing (e.g. cuda_ptx's ``num_warps`` and ``threads``): where the config
     #: sets one of a group, the tuned table's values for the others are dropped (the config's choice wins)
     option_aliases: ClassVar[tuple[frozenset[str], ...]] = ()
+    #: entries a backend's ``_launches`` table (launch constants per plan and workspace) holds before it is cleared;
+    #: :meth:`run` raises it on the instance to twice a plan's launches, so a plan of more launches than the table
+    #: holds finds its constants again at every run instead of refilling the table
+    launch_table_max: int = 64
 
     @abc.abstractmethod
     def available(self, device: torch.device) -> tuple[bool, str]:
@@ -332,6 +336,8 @@ class Backend(abc.ABC):
             if plan.merge == "separate":
                 self.merge(plan, workspace, out, lse, inputs.sinks)
             return
+        if 2 * len(plan.launches) > self.launch_table_max:  # room for this plan's launches and another's
+            self.launch_table_max = 2 * len(plan.launches)
         p = plan.problem
         q_len, qb = p.q_len, plan.q_block or p.q_len
         lens, lens_for = inputs.seq_lens, q_len

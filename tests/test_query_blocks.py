@@ -231,6 +231,34 @@ def test_query_blocks_keep_one_launch_table_per_workspace():
     assert views[1].state.o.data_ptr() == w.workspace.state.o[:, 8].data_ptr()
 
 
+@pytest.mark.parametrize("name", ["triton", "cuda_ptx"])
+def test_a_plan_of_more_launches_than_the_table_keeps_its_constants(name):
+    """q_len 16 x 3 KV heads x 2 head blocks = 96 launches, more than a launch table's 64 entries: every launch's
+    constants are found again at the next run (the table grows for the plan instead of being cleared mid-run)."""
+    be = _head_block_backend(name, 4)
+    x = _inputs((15, 3), 16, (20,), {}, dtype=torch.float32)
+    x = dataclasses.replace(x, **{f: getattr(x, f).to(DEVICE) for f in ("q", "k_cache", "v_cache", "seq_lens",
+                                                                         "block_table")})
+    ctx = Context.from_config(load_config(split={"merge": "separate"}, plan_cache={"enabled": False}))
+    plan = plan_problem(problem_of(x), be, torch.device(DEVICE), ctx, num_splits=2)
+    assert len(plan.launches) == 96 > 64
+    ws = poisoned_workspace(plan, torch.device(DEVICE))
+    outs = []
+    for _ in range(2):
+        out = poison(torch.empty_like(x.q))
+        be.run(plan, x, ws, out)
+        outs.append(out)
+        if len(outs) == 1:
+            first = dict(be._launches)
+            keys = {(id(la.plan), id(ws.launch(plan, j))) for j, la in enumerate(plan.launches)}
+            assert keys <= set(first)
+    assert all(be._launches[k] is first[k] for k in keys)  # none recomputed
+    ref, _ = _reference(dataclasses.replace(x, **{f: getattr(x, f).cpu() for f in ("q", "k_cache", "v_cache",
+                                                                                  "seq_lens", "block_table")}))
+    assert_close_to_reference(outs[0].cpu(), ref, torch.float32)
+    assert torch.equal(outs[0], outs[1])
+
+
 # -- head blocks: a GQA group larger than a program -----------------------------------------------------------
 
 #: (backend, rows per program, heads, q_len, lens, variants, fp8, splits): rows cut to 4 so GQA groups of 5-6 go in

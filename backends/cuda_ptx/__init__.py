@@ -429,7 +429,7 @@ class CudaPtxBackend(Backend):
             L.merge_cfg = merge_launch_config(L.merge_spec, p.batch * p.q_len * p.num_q_heads)
         else:
             L.merge_spec = L.merge_cfg = None
-        if len(self._launches) >= 64:
+        if len(self._launches) >= self.launch_table_max:
             self._launches.clear()
         self._launches[key] = L
         return L

@@ -506,7 +506,7 @@ class TritonBackend(Backend):
         else:
             L.merge_grid = L.merge_const = None
         if remember:
-            if len(self._launches) >= 64:
+            if len(self._launches) >= self.launch_table_max:
                 self._launches.clear()
             self._launches[key] = L
         return L
