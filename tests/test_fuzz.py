@@ -81,6 +81,32 @@ def test_fuzz_decode_against_reference_numba(p):
     _check("numba", p)
 
 
+@st.composite
+def large_group_problems(draw):
+    """GQA groups x q_len beyond one program's rows (64 for numba and cuda_ptx, 128 for triton): the plans go in
+    query blocks and head blocks (Falcon-7B's 71 query heads on one KV head among them)."""
+    p = draw(problems())
+    hkv = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([24, 48, 71, 130]))
+    q_len = draw(st.sampled_from([1, 2, 3, 8]))
+    p.update(hq=hkv * group, hkv=hkv, q_len=q_len, d=draw(st.sampled_from([16, 32] if not HAS_CUDA else [64, 128])),
+             batch=min(p["batch"], 2), lens=p["lens"][:2])
+    return p
+
+
+FUZZ_GROUPS = settings(FUZZ, max_examples=max(6, EXAMPLES // 2))
+
+
+@pytest.mark.parametrize("backend", kernel_backends(DEVICE))
+@FUZZ_GROUPS
+@given(p=large_group_problems())
+def test_fuzz_large_gqa_groups_against_reference(backend, p):
+    _check(backend, p)
+    b, n = get_backend(backend), p["q_len"] * (p["hq"] // p["hkv"])
+    if n > b.max_rows_per_program:
+        event(f"{backend}: {'head blocks' if p['hq'] // p['hkv'] > b.max_rows_per_program else 'query blocks'}")
+
+
 def _check(backend: str, p: dict) -> None:
     x = make_inputs(p["batch"], p["hq"], p["hkv"], p["d"], p["lens"], q_len=p["q_len"], page_size=p["page"],
                     dtype=p["dtype"], device=DEVICE, generator=torch.Generator().manual_seed(p["seed"]))
