@@ -348,17 +348,18 @@ class Backend(abc.ABC):
                     lens = workspace.lens[i0 // qb]
                     torch.sub(inputs.seq_lens, q_len - i1, out=lens)
                     lens.clamp_(min=0)
-            x = dataclasses.replace(inputs, q=inputs.q[:, i0:i1], seq_lens=lens)
-            o = out[:, i0:i1]
-            lo = None if lse is None else lse[:, i0:i1]
-            sinks = inputs.sinks
-            if plan.head_block:
-                x = dataclasses.replace(
-                    x, q=x.q[:, :, h0:h1], k_cache=x.k_cache[:, :, k0:k1], v_cache=x.v_cache[:, :, k0:k1],
-                    sinks=None if sinks is None else sinks[h0:h1],
-                    k_scale=None if x.k_scale is None else x.k_scale[k0:k1],
-                    v_scale=None if x.v_scale is None else x.v_scale[k0:k1])
-                o, lo, sinks = o[:, :, h0:h1], None if lo is None else lo[:, :, h0:h1], x.sinks
+            x = inputs
+            if not plan.head_block:
+                x = dataclasses.replace(x, q=x.q[:, i0:i1], seq_lens=lens)
+                o, lo = out[:, i0:i1], None if lse is None else lse[:, i0:i1]
+            else:  # one query block, one KV head, one block of its query heads
+                ks, vs = x.k_scale, x.v_scale
+                x = DecodeInputs(x.q[:, i0:i1, h0:h1], x.k_cache[:, :, k0:k1], x.v_cache[:, :, k0:k1], lens,
+                                 x.block_table, x.sm_scale, x.window_left, x.soft_cap,
+                                 None if x.sinks is None else x.sinks[h0:h1], None if ks is None else ks[k0:k1],
+                                 None if vs is None else vs[k0:k1])
+                o, lo = out[:, i0:i1, h0:h1], None if lse is None else lse[:, i0:i1, h0:h1]
+            sinks = x.sinks
             ws = workspace.launch(plan, j)
             self.partial(one, x, ws, o, lo)
             if one.merge == "separate":
