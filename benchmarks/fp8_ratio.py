@@ -51,7 +51,7 @@ def main(argv=None) -> int:
                      "bf16_us": bu, "fp8_us": fu, "bf16_best": bb, "fp8_best": fb,
                      "ratio": round(bu[bb] / fu[fb], 3)})
     run = runs[0]["runs"][-1] if "runs" in runs[0] else runs[0]
-    doc = {"what": "best attnplan backend, bf16 KV against fp8 e4m3 KV (per-tensor scales), same points, one device call",
+    doc = {"what": "best attnplan backend, bf16 KV against fp8 e4m3 KV (per-tensor scales), same points, one run on one machine",
            "commands": [r["runs"][-1].get("command") if "runs" in r else r.get("command") for r in runs],
            "env": run.get("env"), "method": run.get("method"), "rows": rows}
     with open(args.out, "w") as fh:
