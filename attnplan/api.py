@@ -486,6 +486,9 @@ class DecodeWrapper:
         self._fast: tuple | None = None
         self._fast_made: tuple | None = None
         self._fast_src: tuple | None = None
+        # decode()'s last plan() on this wrapper with host lengths: (signature, scalars, lengths, plan); a call that
+        # repeats all of them (the layers of one step) has that plan already (see decode())
+        self._repeat: tuple = ()
 
     @staticmethod
     def _signature(q, k_cache, v_cache, seq_lens, block_table) -> tuple:
@@ -571,7 +574,7 @@ class DecodeWrapper:
                                    window_left, logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host)
         except BaseException:
             self._fast = self.plan_ = self._sig = None
-            self._launcher, self._bound_to, self._hit_memo = None, (), ()
+            self._launcher, self._bound_to, self._hit_memo, self._repeat = None, (), (), ()
             raise
 
     def _plan_body(self, sig, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, capacity,
@@ -1056,10 +1059,38 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
             sig = w._sig
     if w is None:
         w = DecodeWrapper(ctx, backend=backend)
+    # the plan() this wrapper made last, when this call repeats everything it depended on (the layers of one step
+    # call with the same shapes, scalars and lengths): the same signature (by identity: the pool's key compared it),
+    # the scalars by type and value, host lengths of equal values that are all Python ints (their sum an int: what
+    # host_lengths accepts), no sink or scale tensors (their values are checked per tensor version), inputs that are
+    # not lazily negated views, and a plan cache that is on (a cache that is off rebuilds at every plan())
+    scalars = rep = None
+    lt = type(seq_lens_host)
+    if (lt is list or lt is tuple) and sig is not None and sinks is None and not isinstance(k_scale, torch.Tensor) \
+            and not isinstance(v_scale, torch.Tensor):
+        scalars = (type(window_left), window_left, type(logits_soft_cap), logits_soft_cap, type(sm_scale), sm_scale,
+                   type(k_scale), k_scale, type(v_scale), v_scale, type(num_splits), num_splits)
+        rep = w._repeat
+        try:
+            if not (rep and rep[0] is sig and rep[3] is w.plan_ and rep[1] == scalars
+                    and rep[2] == (seq_lens_host if lt is tuple else tuple(seq_lens_host))
+                    and type(sum(seq_lens_host)) is int and ctx.config.plan_cache.enabled
+                    and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg())):
+                rep = None
+        except Exception:  # lengths or scalars that do not compare: plan() decides (and raises its own error)
+            rep = None
     w._out = out  # the caller's buffer (plan() then allocates none), or None: plan() allocates a new one
     try:
-        w._plan(sig, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, False, window_left,
-                logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host)
+        if rep is None:
+            w._plan(sig, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, False, window_left,
+                    logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host)
+            sig = w._sig
+            if scalars is not None:
+                w._repeat = (sig, scalars, tuple(seq_lens_host), w.plan_)
+        else:
+            ctx.cache.stats.hits += 1  # served by the plan its cache gave for these inputs: counted as the hit it is
+            if out is None:
+                w._out = torch.empty_like(q)
         # plan() validated the signature's tensors and this function out / lse: run() goes straight to its checks
         res = w._run(sig, ptrs, q, k_cache, v_cache, seq_lens, block_table, out, lse, True)
     finally:

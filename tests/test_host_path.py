@@ -511,6 +511,60 @@ def test_decode_reuses_one_wrapper_per_signature(monkeypatch, gen):
     assert not ctx._wrappers
 
 
+def test_decode_repeating_a_call_reuses_its_plan_and_replans_on_any_change(monkeypatch, gen):
+    """The layers of one step call decode() with the same shapes, scalars and host lengths: the wrapper's last plan
+    serves them without plan() (counted as plan-cache hits). Any change plans again: other lengths (equal values of
+    another type too), another scalar type or value, a lazily negated input, sink tensors."""
+    be = KERNELS[0] if KERNELS else "reference"
+    ctx = attnplan.Context.from_config(attnplan.load_config())
+    planned = []
+    real = attnplan.DecodeWrapper._plan_body
+    monkeypatch.setattr(attnplan.DecodeWrapper, "_plan_body", lambda self, *a: planned.append(1) or real(self, *a))
+    x = make_inputs(2, 8, 2, 32, [40, 7], page_size=16, dtype=torch.float32, generator=gen, capacity=64)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+
+    def call(lens, **kw):
+        n = len(planned)
+        out = poison(torch.empty_like(x.q))
+        assert attnplan.decode(*args, backend=be, config=ctx, seq_lens_host=lens, out=out, **kw) is out
+        return out, len(planned) - n
+
+    ref, _ = _ref(x)
+    hits = ctx.cache.stats.hits
+    for i, (lens, kw, replans) in enumerate([
+            ([40, 7], {}, 1), ([40, 7], {}, 0), ((40, 7), {}, 0), ([40, 7], dict(sm_scale=0.25), 1),
+            ([40, 7], dict(sm_scale=0.25), 0), ([40, 7], dict(window_left=-1), 1), ([40, 7], dict(window_left=-1), 0),
+            ([40, 7], dict(num_splits=2), 1), ([40, 7], dict(num_splits=2), 0), ([40, 7], dict(num_splits=2.0), 1)]):
+        n0 = len(planned)
+        try:
+            out, n = call(lens, **kw)
+        except ValueError:  # num_splits 2.0: refused by plan(), not served by the repeat
+            out, n = None, len(planned) - n0
+        assert n == replans, (i, lens, kw)
+        if out is not None:
+            r = ref if "sm_scale" not in kw else _ref(x, sm_scale=0.25)[0]
+            assert_close_to_reference(out, r, torch.float32)
+    assert ctx.cache.stats.hits > hits
+    call([40, 7])
+    n = len(planned)
+    try:  # equal lengths that are not all ints: plan() decides (the general path converts or refuses them)
+        call([40.0, 7])
+    except (TypeError, ValueError):
+        pass
+    assert len(planned) == n + 1
+    # other lengths: planned again, and the result is for those lengths
+    x.seq_lens.copy_(torch.tensor([33, 0], dtype=torch.int32))
+    out, n = call([33, 0])
+    assert n == 1
+    assert_close_to_reference(out, _ref(x)[0], torch.float32)
+    # a lazily negated q has the same signature: refused, not served by the repeat
+    with pytest.raises(ValueError, match="q is a lazily negated"):
+        attnplan.decode(torch._neg_view(x.q), *args[1:], backend=be, config=ctx, seq_lens_host=[33, 0])
+    out, n = call([33, 0], sinks=torch.zeros(8))
+    out, n = call([33, 0], sinks=torch.zeros(8))
+    assert n == 1  # tensor sinks: plan() every time (their values are checked per tensor version)
+
+
 def test_decode_does_not_keep_a_wrapper_that_failed(gen):
     ctx = attnplan.Context.from_config(attnplan.load_config())
     x = make_inputs(1, 4, 1, 16, [9], dtype=torch.float32, generator=gen)
