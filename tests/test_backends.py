@@ -336,6 +336,45 @@ def test_nan_outside_valid_positions_and_in_other_sequences_does_not_leak(backen
     assert_close_to_reference(out[keep], ref[keep], torch.float16)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_scores_give_nan_rows_never_empty_rows(backend, gen):
+    """Rows whose visible scores hold a NaN (a NaN query head; NaN in K at a sequence's only visible position; +inf
+    in q against K = 0) are NaN exactly where the reference's are, never empty rows (o = 0, lse = -inf); the other
+    rows within tolerance. Single pass and split."""
+    dt = torch.float16
+    x = make_inputs(3, 8, 2, 64, [40, 1, 30], dtype=dt, device=DEVICE, generator=gen)
+    x.q[0, 0, 2] = float("nan")
+    x.k_cache[1, 0, 1, 7] = float("nan")
+    x.k_cache[2, :, 0] = 0.0
+    x.q[2, 0, 1, 3] = float("inf")
+    ref, ref_lse = reference.attention(x.q.cpu(), x.k_cache.cpu(), x.v_cache.cpu(), x.seq_lens.cpu(), None, x.sm_scale)
+    for splits in (1, 3):
+        lse = torch.full(x.q.shape[:3], -7.0, device=DEVICE)
+        out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend=backend, num_splits=splits, lse=lse)
+        out, lse = out.cpu(), lse.cpu()
+        assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)), f"{splits} splits: NaN lse at " \
+            f"{torch.isnan(lse).nonzero().tolist()}, reference at {torch.isnan(ref_lse).nonzero().tolist()}"
+        assert torch.equal(torch.isnan(out), torch.isnan(ref))
+        assert_close_to_reference(out.nan_to_num(0.0), ref.nan_to_num(0.0), dt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_legal_scales_do_not_overflow(backend, gen):
+    """sm_scale 2e38 (below the bound, FP32_SCALED_MAX) over K = 0: every score is 0 and the output the mean of V; sm_scale
+    1e38 over K ~ 1e-37 (scores ~10). A kernel that scales q before the dot product overflows (inf x 0 = NaN)."""
+    for sm, kmag in ((2e38, 0.0), (1e38, 1e-37)):
+        x = make_inputs(2, 8, 2, 64, [40, 9], dtype=torch.float32, device=DEVICE, generator=gen)
+        x.k_cache.mul_(kmag)
+        ref, ref_lse = reference.attention(x.q.cpu(), x.k_cache.cpu(), x.v_cache.cpu(), x.seq_lens.cpu(), None, sm)
+        assert torch.isfinite(ref).all()
+        for splits in (1, 3):
+            lse = torch.full(x.q.shape[:3], -7.0, device=DEVICE)
+            out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend=backend, num_splits=splits, lse=lse,
+                                  sm_scale=sm)
+            assert_close_to_reference(out.cpu(), ref, torch.float32, f"out at sm_scale {sm:g}, {splits} splits")
+            assert_close_to_reference(lse.cpu(), ref_lse, torch.float32, f"lse at sm_scale {sm:g}, {splits} splits")
+
+
 def _merge_params():
     return [pytest.param(b, m, id=f"{b}-{m}") for b in BACKENDS for m in ("separate", "fused")]
 

@@ -824,6 +824,59 @@ def test_emulated_nan_in_v_reaches_only_rows_that_see_it(be, q_len, window, mode
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_emulated_non_finite_scores_give_nan_rows_never_empty_rows(be, mode, splits, gen):
+    """Rows whose visible scores hold a NaN: a NaN query head (sequence 0), NaN in K at a sequence's only visible
+    position (sequence 1, length 1), +inf in q against K = 0 (inf x 0, sequence 2). Each such row is NaN in out and
+    lse, exactly where the reference's is, never written as an empty row (o = 0, lse = -inf: a running maximum that
+    drops NaN left m at -inf); every other row within tolerance. Single pass and split (separate merge)."""
+    x = make_inputs(3, 8, 2, 64, [40, 1, 30], page_size=16, dtype=torch.bfloat16, generator=gen)
+    x.q[0, 0, 2] = float("nan")
+    x.k_cache[int(x.block_table[1, 0]), 0, 1, 7] = float("nan")  # KV head 1: query heads 4-7 of sequence 1
+    page = int(x.block_table[2, 0])
+    x.k_cache[page, :, 0] = 0.0  # KV head 0's K of sequence 2's first page zero ...
+    x.q[2, 0, 1, 3] = float("inf")  # ... and query head 1 (KV head 0) sees inf x 0 there
+    ref, ref_lse = _reference(x)
+    assert torch.isnan(ref_lse[0, 0, 2]) and torch.isnan(ref_lse[1, 0, 4:]).all() and torch.isnan(ref_lse[2, 0, 1])
+    plan = _plan(be, x, splits, mode)
+    out, lse = _outputs(x)
+    be.run(plan, x, _workspace(plan), out, lse)
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)), \
+        f"NaN lse at {torch.isnan(lse).nonzero().tolist()}, reference at {torch.isnan(ref_lse).nonzero().tolist()}"
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert_close_to_reference(out.float().nan_to_num(0.0), ref.nan_to_num(0.0), x.q.dtype)
+    assert_close_to_reference(lse.nan_to_num(0.0), ref_lse.nan_to_num(0.0), torch.float32, "lse")
+
+
+@pytest.mark.parametrize("mode,fp8", [("split_k", False), ("split_k", True), ("mma", False), ("mma", True)])
+def test_emulated_large_legal_scales_do_not_overflow_q(be, mode, fp8, gen):
+    """A score scale near the largest legal one (sm_scale 2e38, or an fp8 k_scale of 2e38 with sm_scale 1) over K = 0:
+    every score is 0 (the softmax is the mean of V); and sm_scale 1e38 over K ~ 1e-37 (scores ~10). Scaling q before
+    the dot product overflowed to inf (inf x 0 = NaN, or the row dropped as empty)."""
+    for sm, k_scale, kmag in ((2e38, 1.0, 0.0), (1.0, 2e38, 0.0), (1e38, 1.0, 1e-37)):
+        if k_scale != 1.0 and not fp8:
+            continue
+        x = make_inputs(2, 8, 2, 64, [40, 9], page_size=16, dtype=torch.bfloat16, generator=gen)
+        kc = x.k_cache.float() * kmag
+        vc, ks, vs = x.v_cache, None, None
+        if fp8:
+            kc, vc = (kc * 1e37 if kmag else kc).to(FP8), x.v_cache.to(FP8)  # fp8 holds no 1e-37: K x 1e37, sm / 1e37
+            sm = sm / 1e37 if kmag else sm
+            ks, vs = torch.full((2,), k_scale), torch.ones(2)
+        else:
+            kc = kc.to(x.k_cache.dtype)
+        x = dataclasses.replace(x, k_cache=kc, v_cache=vc, sm_scale=sm, k_scale=ks, v_scale=vs)
+        ref, ref_lse = _reference(x)
+        assert torch.isfinite(ref).all() and torch.isfinite(ref_lse).all()
+        for splits in (1, 3):
+            plan = _plan(be, x, splits, mode)
+            out, lse = _outputs(x)
+            be.run(plan, x, _workspace(plan), out, lse)
+            assert_close_to_reference(out, ref, x.q.dtype, f"out at sm_scale {sm:g}, k_scale {k_scale:g}")
+            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse at sm_scale {sm:g}, k_scale {k_scale:g}")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_emulated_nan_outside_the_rows_ranges_is_never_read(be, mode, gen):
     """NaN in K and V everywhere a row cannot see that the kernels may still touch: past each length in the last page,
     and in the unused pages; every output exact (q_len 2, split and single pass)."""

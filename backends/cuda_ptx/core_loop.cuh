@@ -2,7 +2,7 @@
 // option mma: false). FlashDecoding's split-KV; FlashInfer's decode kernels for the CUDA-core layout.
 //
 //  * Rows r = i*GROUP + g (query i, head g of the group). Row groups of RT rows; each warp holds its rows' q
-//    (pre-scaled by sm_scale*log2(e), and k_scale with fp8) in fp32 registers: the elements of one 16-byte KV
+//    (its scores scaled by sm_scale*log2(e), and k_scale with fp8) in fp32 registers: the elements of one 16-byte KV
 //    vector of head_dim per lane (8 for fp16 / bf16, 4 for fp32, 16 for fp8).
 //  * A token row of a K / V tile spans LPT lanes (NV 16-byte vectors each); a warp pass covers TPP = 32 / LPT
 //    tokens, a tile PASSES passes. Scores: each lane multiplies its head_dim slice, a butterfly over the LPT lanes
@@ -57,8 +57,11 @@ __device__ __forceinline__ void load_row(float (&f)[NV][KVEC], const unsigned ch
 // Scores (base 2) of this warp's rows for one tile in shared memory: sc[p][r] = q_r . k_t for token
 // t = p*TPP + slot of the tile, summed over the LPT lanes of the token row (every one of them holds the
 // sum), soft-capped.
+// The score scale applies to each dot product, not to q: a large legal scale (up to FP32_SCALED_MAX) times q would
+// overflow where the score does not (q x scale x 0 = NaN). fp8: the decoder's 2^-8 (FP8_UNIT) first, exactly.
 __device__ __forceinline__ void tile_scores(float (&sc)[PASSES][RT], const float (&qf)[RT][NV][KVEC],
-                                            const unsigned char *ks, int slot, int lv, float softcap_log2) {
+                                            const unsigned char *ks, int slot, int lv, float qscale,
+                                            float softcap_log2) {
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
         const int tok = p * TPP + slot;
@@ -77,6 +80,8 @@ __device__ __forceinline__ void tile_scores(float (&sc)[PASSES][RT], const float
         for (int off = LPT / 2; off >= 1; off >>= 1)
 #pragma unroll
             for (int r = 0; r < RT; ++r) sc[p][r] += __shfl_xor_sync(FULL_MASK, sc[p][r], off);
+#pragma unroll
+        for (int r = 0; r < RT; ++r) sc[p][r] = (KV8 ? sc[p][r] * FP8_UNIT : sc[p][r]) * qscale;
     }
     if constexpr (SOFTCAP) {
 #pragma unroll

@@ -1,5 +1,5 @@
 // attnplan cuda_ptx: the CUDA-core path's rows (core_loop.cuh), kernel-body fragment 1 of 3: this warp's rows
-// (row group rg: rows rg*RT + r; rows past R see nothing) with q in fp32 registers, pre-scaled to base 2, their
+// (row group rg: rows rg*RT + r; rows past R see nothing) with q in fp32 registers (its scores scaled to base 2 in tile_scores), their
 // visible ranges, the union, and the online-softmax state.
 //   uses: q, q_sb, q_si, q_sh, b, h, rg, lv, L, cs, ce, window_left, qscale
 //   declares: qf [RT][NV][KVEC], lo, hi [RT], start, end (KV is read only in [start, end)), max_lo, min_hi (tiles
@@ -8,7 +8,7 @@
 // kernel function. The kernel body is text, not calls, on purpose: NVVM optimizes a function before inlining it,
 // so moving any of this code into a function (even __forceinline__) changes the PTX the kernel compiles to, and
 // measured ptxas's register allocation with it (sm_80 CUDA-core split-K spilled).
-    // ---- this warp's rows: q in registers (pre-scaled to base 2), visible range [lo, hi) ----
+    // ---- this warp's rows: q in registers (unscaled), visible range [lo, hi) ----
     float qf[RT][NV][KVEC];
     int lo[RT], hi[RT];
     int start = ce, end = cs;  // KV is read only in [start, end): the visible union of the ring's rows
@@ -37,7 +37,7 @@
                         float f[VEC];
                         unpack16(*reinterpret_cast<const uint4 *>(qp + v * KVEC + c * VEC), f);
 #pragma unroll
-                        for (int e = 0; e < VEC; ++e) qf[r][j][c * VEC + e] = f[e] * qscale;
+                        for (int e = 0; e < VEC; ++e) qf[r][j][c * VEC + e] = f[e];  // scaled per score (tile_scores)
                     }
                 } else {
 #pragma unroll

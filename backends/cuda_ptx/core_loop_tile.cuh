@@ -6,7 +6,7 @@
 // so moving any of this code into a function (even __forceinline__) changes the PTX the kernel compiles to, and
 // measured ptxas's register allocation with it (sm_80 CUDA-core split-K spilled).
         float sc[PASSES][RT];
-        tile_scores(sc, qf, ks, slot, lv, softcap_log2);
+        tile_scores(sc, qf, ks, slot, lv, qscale, softcap_log2);
 
         // mask the tile's positions a row cannot see, then the online-softmax update of (m, l, acc); sc
         // becomes p = exp2(s - m). The row max is warp-uniform, so the rescale branch is too.
@@ -23,10 +23,12 @@
         for (int r = 0; r < RT; ++r) {
             float mx = sc[0][r];
 #pragma unroll
-            for (int p = 1; p < PASSES; ++p) mx = fmaxf(mx, sc[p][r]);
+            for (int p = 1; p < PASSES; ++p) mx = fmax_nan(mx, sc[p][r]);
 #pragma unroll
-            for (int off = LPT; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, off));
-            if (mx > m[r]) {
+            for (int off = LPT; off < 32; off <<= 1) mx = fmax_nan(mx, __shfl_xor_sync(FULL_MASK, mx, off));
+            // a larger max, or a NaN score (q or a visible K position non-finite): NaN then spreads into m, l and
+            // acc, so the row is NaN, never taken for an empty one (fmaxf would drop the NaN, mx > m is false)
+            if (!(mx <= m[r])) {
                 const float alpha = fast_exp2(m[r] - mx);  // 0 while m = -inf
                 m[r] = mx;
                 l[r] *= alpha;

@@ -332,9 +332,10 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
     float qscale = scale_log2, vscale = 1.f;
     if constexpr (KV8) {
         // dequantization folded into the score scale and into the normalized output (the CUDA-core decoder's
-        // values carry 2^-8, FP8_UNIT; the tensor-core path's fp16 values are exact)
-        qscale *= k_scale[h] * (MMA ? 1.f : FP8_UNIT);
-        vscale = v_scale[h] * (MMA ? 1.f : FP8_UNIT);
+        // values carry 2^-8, FP8_UNIT, taken out exactly where they are used: tile_scores, rows_out.cuh; the
+        // tensor-core path's fp16 values are exact). Bounded on the host: sm_scale x k_scale fits fp32 after log2(e)
+        qscale *= k_scale[h];
+        vscale = v_scale[h];
     }
 
     // ---- this warp's rows: q in registers, their visible ranges, the online-softmax state ----

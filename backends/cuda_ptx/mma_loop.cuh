@@ -169,12 +169,13 @@ __device__ __forceinline__ void mma_tile(float (&m)[NTW][2], float (&l)[NTW][2],
     for (int nt = 0; nt < NTW; ++nt)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            float mx = fmaxf(s[0][nt][j], s[0][nt][j + 2]);
+            float mx = fmax_nan(s[0][nt][j], s[0][nt][j + 2]);
 #pragma unroll
-            for (int mt = 1; mt < PASSES; ++mt) mx = fmaxf(mx, fmaxf(s[mt][nt][j], s[mt][nt][j + 2]));
+            for (int mt = 1; mt < PASSES; ++mt) mx = fmax_nan(mx, fmax_nan(s[mt][nt][j], s[mt][nt][j + 2]));
 #pragma unroll
-            for (int off = 4; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, off));
-            if (mx > m[nt][j]) {  // uniform over the 8 lanes of the row
+            for (int off = 4; off < 32; off <<= 1) mx = fmax_nan(mx, __shfl_xor_sync(FULL_MASK, mx, off));
+            // uniform over the 8 lanes of the row; a NaN score spreads into m, l and acc (the row is NaN, not empty)
+            if (!(mx <= m[nt][j])) {
                 const float alpha = fast_exp2(m[nt][j] - mx);  // 0 while m = -inf
                 m[nt][j] = mx;
                 l[nt][j] *= alpha;

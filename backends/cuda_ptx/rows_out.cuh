@@ -15,7 +15,7 @@
         const int w0 = (rr / RT) * NWK, r = rr % RT;
         float M = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < NWK; ++w) M = fmaxf(M, lds<float>(sm_m + (w0 + w) * RT + r));
+        for (int w = 0; w < NWK; ++w) M = fmax_nan(M, lds<float>(sm_m + (w0 + w) * RT + r));  // NaN: a NaN row
         float lsum = 0.f, a[4] = {0.f, 0.f, 0.f, 0.f};
         if (M != NEG_INF) {
 #pragma unroll
@@ -28,6 +28,10 @@
                 a[2] = fmaf(f, x.z, a[2]);
                 a[3] = fmaf(f, x.w, a[3]);
             }
+        }
+        if constexpr (KV8 && !MMA) {  // the CUDA-core fp8 decoder's 2^-8 (FP8_UNIT), out exactly before the scale
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[e] *= FP8_UNIT;
         }
         const int i = rr / GROUP, g = rr % GROUP;
         float lse_n, factor;

@@ -50,7 +50,8 @@ Method (the kernel contract of :mod:`attnplan.backends.base`; Flash-Decoding, Da
   ``L = sum_g l_g e^(m_g - M)``, ``o = sum_g acc_g e^(m_g - M) / L``, precise ``exp``/``log``) and
   the program writes its rows. A row that saw no position gets ``o = 0, lse = -inf`` (direct output
   with a sink: ``lse`` = the sink); a unit with no visible position reads no KV.
-* Scores are ``(q sm_scale) . k`` in fp32 (q pre-scaled once); accumulation is fp32 throughout.
+* Scores are ``(q . k) sm_scale`` in fp32 (the scale per dot product: a large legal scale never overflows q);
+  accumulation is fp32 throughout.
 
 NaN isolation (positions a row cannot see never affect it, NaN included; :func:`attnplan.reference._attend`
 defines the result): masked scores are *selected* to ``-inf``, never multiplied. Every running maximum
@@ -77,7 +78,7 @@ reference's and the Triton kernels' (:mod:`attnplan.reference`, base.py's ``Deco
   from its Taylor series to ``x^11`` (``1 - e`` would lose digits there): within 4 ulps of fp32.
 * fp8 KV (``float8_e4m3fn``; q fp16/bf16): the caches arrive as ``uint8`` bits (or ``int64`` words
   of 8 codes) and :func:`fp8_e4m3_to_f32` widens each code exactly in the kernel; ``k_scale[h]``
-  is folded into the score scale (q is pre-scaled by ``sm_scale * k_scale[h]``) and ``v_scale[h]``
+  is folded into the score scale (each dot product times ``sm_scale * k_scale[h]``) and ``v_scale[h]``
   into the factor that normalizes the unit's output.
 * sinks: never part of a partial state; the merge kernel and the direct (one-unit) epilogue apply
   ``lse' = logaddexp(lse, sink[head])``, ``o' = o exp(lse - lse')`` (an empty row: ``o = 0``,
@@ -1052,7 +1053,8 @@ def _build_decode(spec: DecodeSpec):
                 store_lse(lse_out, ws_lse, direct, b, qi, hq, u, empty_lse(sinks, hq, direct))
             return
 
-        # q of this lane's channels, all rows, pre-scaled by sm_scale (and the fp8 cache's k_scale)
+        # q of this lane's channels, all rows; the score scale (sm_scale, and the fp8 cache's k_scale) applies to each
+        # dot product, not to q: a large legal scale times q would overflow where the score does not (q x s x 0 = NaN)
         if FP8:
             qk_scale = qk_scale * k_scale[h]
         qv = cuda.local.array(N_QV, float32)
@@ -1062,7 +1064,7 @@ def _build_decode(spec: DecodeSpec):
                 w = i * T + lane
                 wc = min(w, NWORDS - 1)
                 for e in range(EW):
-                    x = qload(q[b, qi, hq0 + r - qi * G, wc * EW + e], 0) * qk_scale
+                    x = qload(q[b, qi, hq0 + r - qi * G, wc * EW + e], 0)
                     if w >= NWORDS:
                         x = ZERO
                     qv[(r * NSLOT + i) * EW + e] = x
@@ -1139,7 +1141,7 @@ def _build_decode(spec: DecodeSpec):
                 mn = mo
                 for uu in range(U):
                     pos = t0 + uu * NG + grp
-                    x = sc[uu * R + r]
+                    x = sc[uu * R + r] * qk_scale
                     if SOFTCAP:  # cap * tanh(x / cap), tanh from exp(-2|x / cap|): no overflow; a series near 0
                         t = x * inv_cap
                         at = abs(t)
