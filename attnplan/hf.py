@@ -22,14 +22,28 @@ Which cache, which path (what transformers hands the attention function decides;
   are the whole preallocated cache ``[batch, num_kv_heads, max_cache_len, head_dim]`` and a decode step comes
   with a boolean mask ``[batch, 1, q_len, max_cache_len]`` whose last row sees the positions up to the cache
   position of the newest token. The valid length is that row's count (cache position + 1), computed on the
-  device (never read back to the host), and the step runs through ``torch.ops.attnplan.decode``
-  (:mod:`attnplan.ops`): one capacity plan per input signature, shared by all layers, made on the first call;
-  under ``torch.compile`` the op traces without graph breaks (it has a fake implementation) and its kernels
-  capture into the CUDA graphs of ``mode="reduce-overhead"``, where every replay reads the new lengths.
-  Only batch 1 takes this path: with a mask, a larger batch may hold padding, which attnplan's
-  prefix-length cache cannot express, so it falls back to SDPA (a single sequence is taken to hold none).
+  device (never read back to the host; an eager call reads back one verdict per mask, below), and the step runs
+  through ``torch.ops.attnplan.decode`` (:mod:`attnplan.ops`): one capacity plan per input signature, shared by
+  all layers, made on the first call; under ``torch.compile`` the op traces without graph breaks (it has a fake
+  implementation) and its kernels capture into the CUDA graphs of ``mode="reduce-overhead"``, where every replay
+  reads the new lengths. Only batch 1 takes this path: with a mask, a larger batch may hold padding, which
+  attnplan's prefix-length cache cannot express, so it falls back to SDPA.
   A DynamicCache step of several tokens over a cache (speculative verification) comes with a mask too and takes
   this path; its shapes, so its plan, change every step.
+- **Which masks attnplan serves.** attnplan computes causal attention over a prefix: query ``i`` of ``q_len`` sees
+  the positions ``j < L - q_len + i + 1``, ``L`` the count of the mask's last row. A batch-1 mask that is anything
+  else (left padding, a masked hole, a tree mask of speculative decoding whose drafts do not all see each other)
+  goes to SDPA, which is exact for any mask. Eager calls check it once per mask tensor: the check compares the
+  mask with the prefix mask of its lengths on the device and reads the verdict back (one device-to-host sync per
+  mask, not per layer: transformers builds one mask per forward and hands the same tensor to every layer, and the
+  verdict and lengths are kept for the thread's last mask, keyed on the tensor's identity and ``_version``, its
+  in-place version counter; an inference-mode tensor has none, so its verdict holds while the layers' ``layer_idx``
+  rises, i.e. within one forward).
+  **Under torch.compile (and during a CUDA-graph capture) a batch-1 mask is taken to be the causal prefix of its
+  last row, unchecked**: the check needs the verdict on the host, a sync that would break the graph (and is illegal
+  under capture), and computing SDPA's answer too on every step, to pick between the two on the device, would cost
+  more than attnplan saves. A compiled model fed a batch-1 mask that is not a causal prefix gets wrong attention
+  silently; feed it an unpadded prompt, or run such masks with ``attn_implementation="sdpa"``.
 - Under ``torch.compile`` any served call goes through the op (with a DynamicCache the lengths are the
   tensors' ``kv_len``).
 
@@ -51,6 +65,7 @@ Example (StaticCache, compiled decode step: generate compiles the forward itself
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -68,6 +83,7 @@ STATS = {"attnplan": 0, "sdpa_fallback": 0}
 _SDPA = None  # transformers' sdpa_attention_forward, bound on first use
 _EAGER_CTX = None  # (the default context it was made from, the eager steps' context): _eager_context
 _STEP = threading.local()  # this thread's step: .wrapper, .seq_lens, and the .scale and .stream it was planned for
+_MASK = threading.local()  # this thread's last checked mask: .ref (weakref), .version, .layer, .lens (None: SDPA)
 
 
 def _sdpa():
@@ -84,14 +100,45 @@ def _count(what: str) -> None:
         STATS[what] += 1
 
 
-def _mask_lengths(mask: torch.Tensor, b: int, q_len: int, kv_len: int) -> torch.Tensor | None:
+def _mask_lengths(mask: torch.Tensor, b: int, q_len: int, kv_len: int, layer: int | None = None
+                  ) -> torch.Tensor | None:
     """The valid KV length per sequence from transformers' boolean attention mask ``[b, 1, q_len, kv_len]``
-    (True = attend): the count of the last query row, int32 ``[b]`` on the mask's device (no sync). ``None`` for a
-    mask of another kind (float, or another shape), which goes to SDPA."""
+    (True = attend): the count of the last query row, int32 ``[b]`` on the mask's device. ``None`` for a mask of
+    another kind (float, or another shape) and, in eager mode, for a mask that is not the causal prefix of those
+    lengths (:func:`_is_causal_prefix`): those go to SDPA. Eager: one check (a sync) per mask tensor, its verdict
+    and lengths kept for the thread's next calls with the same unchanged tensor (``layer``: the calling module's
+    ``layer_idx``, which bounds the verdict of a tensor without a version counter to one forward). Under
+    torch.compile or a CUDA-graph capture: the lengths, computed on the device, unchecked (no sync)."""
     if mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape[-2:]) != (q_len, kv_len) \
             or mask.shape[0] != b:
         return None
-    return mask[:, 0, -1].sum(-1, dtype=torch.int32)
+    if torch.compiler.is_compiling() or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return mask[:, 0, -1].sum(-1, dtype=torch.int32)
+    memo = _MASK
+    version = None if mask.is_inference() else mask._version
+    ref = getattr(memo, "ref", None)
+    if ref is not None and ref() is mask:
+        if version is None:  # an inference tensor has no version counter: the verdict holds within one forward
+            hit = layer is not None and memo.layer is not None and layer > memo.layer
+        else:
+            hit = memo.version == version
+        if hit:
+            memo.layer = layer
+            return memo.lens
+    memo.ref = None  # a check that raises leaves no verdict behind
+    lens = mask[:, 0, -1].sum(-1, dtype=torch.int32)
+    lens = lens if _is_causal_prefix(mask, lens, q_len, kv_len) else None
+    memo.ref, memo.version, memo.layer, memo.lens = weakref.ref(mask), version, layer, lens
+    return lens
+
+
+def _is_causal_prefix(mask: torch.Tensor, lens: torch.Tensor, q_len: int, kv_len: int) -> bool:
+    """Whether the boolean mask ``[b, 1, q_len, kv_len]`` is exactly the causal-prefix mask of ``lens`` (its last
+    rows' counts), the attention attnplan computes: query ``i`` sees the positions ``j < L - q_len + i + 1``. One
+    device-to-host sync (the verdict)."""
+    dev = mask.device
+    stop = lens.view(-1, 1, 1, 1) - q_len + 1 + torch.arange(q_len, device=dev).view(1, 1, -1, 1)
+    return torch.equal(mask, torch.arange(kv_len, device=dev) < stop)
 
 
 def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -173,10 +220,12 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
             whole ``max_cache_len`` of a StaticCache), query's dtype.
         attention_mask: ``None`` (a decode step over a DynamicCache: every position is visible), or
             transformers' boolean mask ``[batch, 1, q_len, kv_len]`` (True = attend): with batch 1 the valid length
-            is read from its last row on the device; with a larger batch it may hold padding, so SDPA serves it.
+            is read from its last row on the device and attnplan serves the mask if it is the causal prefix of
+            that length (checked once per mask tensor in eager mode, assumed under torch.compile: module
+            docstring), SDPA otherwise; with a larger batch it may hold padding, so SDPA serves it.
         dropout: must be 0 (or the module in eval mode) for attnplan to serve the call.
-        scaling: score scale (transformers passes ``head_dim ** -0.5`` or the model's own); ``None`` means
-            ``1/sqrt(head_dim)``.
+        scaling: score scale (transformers passes ``head_dim ** -0.5`` or the model's own), any finite float
+            (0 and negative ones too); ``None`` means ``1/sqrt(head_dim)``.
     Returns:
         ``(attn_output [batch, q_len, num_q_heads, head_dim], None)`` in query's dtype.
     Raises:
@@ -189,7 +238,7 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         if attention_mask is None:
             via = "host" if q_len == 1 else None  # q_len > 1 unmasked: a prefill (SDPA's causal path)
         elif b == 1:
-            lens = _mask_lengths(attention_mask, b, q_len, kv_len)
+            lens = _mask_lengths(attention_mask, b, q_len, kv_len, getattr(module, "layer_idx", None))
             via = None if lens is None else "device"
         else:
             via = None
@@ -208,7 +257,7 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         return _step_decode(q, k, v, kv_len, scaling), None
     if lens is None:
         lens = torch.full((b,), kv_len, dtype=torch.int32, device=query.device)
-    return torch.ops.attnplan.decode(q, k, v, lens, None, 0.0 if scaling is None else float(scaling), ""), None
+    return torch.ops.attnplan.decode(q, k, v, lens, None, None if scaling is None else float(scaling), ""), None
 
 
 def register() -> None:

@@ -35,10 +35,16 @@ captured graph never reads freed memory, even after its plan left the op's table
 
 The plan key is everything validation depends on: the shape, strides, dtype, device and 16-byte
 alignment of ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and ``block_table``
-(:meth:`DecodeWrapper._signature <attnplan.DecodeWrapper>`), the score scale and the backend. A call
+(:meth:`DecodeWrapper._signature <attnplan.DecodeWrapper>`), the score scale (the one the kernels use: ``None``
+keys as ``1/sqrt(head_dim)``) and the backend. A call
 whose key is new is validated and planned (reading ``seq_lens`` and the block table, as ``plan()``
 does); a call with a known key reuses the plan without reading any values, so the block-table
 entries and lengths must stay valid for the cache, as for :meth:`attnplan.DecodeWrapper.run`.
+
+``sm_scale`` is ``float?``: ``None`` (the default) means ``1/sqrt(head_dim)`` and every finite float is the scale,
+0 and negative ones included, as in :func:`attnplan.decode`. (Until this schema a ``float`` whose ``<= 0`` values
+meant the default, which made the scales 0 and below unreachable: a caller that passed ``0.0`` for the default
+now passes ``None`` or leaves the argument out.)
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import torch
 
 from .api import DecodeWrapper, PlanNotReadyError
 from .backends.base import DecodeInputs, Workspace
+from .problem import default_sm_scale
 from .state import PartialState
 
 __all__ = ["decode_op", "clear_op_plans", "MAX_OP_PLANS"]
@@ -66,9 +73,16 @@ _LOCK = threading.Lock()
 
 
 def _signature(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend) -> tuple:
-    """The op's plan key: every input's shape, strides, dtype, device and data-pointer alignment, the scale and the
-    backend (O(1), no sync). Raises ``TypeError`` naming an argument that is not a tensor."""
-    return (DecodeWrapper._signature(q, k_cache, v_cache, seq_lens, block_table), float(sm_scale), backend)
+    """The op's plan key: every input's shape, strides, dtype, device and data-pointer alignment, the scale the
+    kernels use (``None`` resolved to ``1/sqrt(head_dim)``, so it shares a plan with that scale given explicitly) and
+    the backend (O(1), no sync). Raises ``TypeError`` naming an argument that is not a tensor."""
+    sig = DecodeWrapper._signature(q, k_cache, v_cache, seq_lens, block_table)
+    return (sig, _scale(q, sm_scale), backend)
+
+
+def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
+    """The score scale the kernels use: ``sm_scale``, or ``1/sqrt(head_dim)`` for ``None``."""
+    return default_sm_scale(q.shape[-1]) if sm_scale is None else float(sm_scale)
 
 
 def clear_op_plans() -> None:
@@ -141,7 +155,7 @@ def _counters(words: int, q: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _plan_entry(q, k_cache, v_cache, seq_lens, block_table, sm_scale: float, backend: str) -> tuple:
+def _plan_entry(q, k_cache, v_cache, seq_lens, block_table, sm_scale: float | None, backend: str) -> tuple:
     """``(backend, plan, sm_scale, targets)`` for the call's signature: the cached entry, or a new capacity plan
     (validation, planning through the plan cache, kernels prepared), never during a capture."""
     key = _signature(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend)
@@ -154,8 +168,7 @@ def _plan_entry(q, k_cache, v_cache, seq_lens, block_table, sm_scale: float, bac
         raise PlanNotReadyError("attnplan::decode called for a new input signature during CUDA graph capture; "
                                 "run the model once eagerly (torch.compile's warm-up does) before capturing")
     w = DecodeWrapper(backend=backend or None)
-    plan = w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=None if sm_scale <= 0 else sm_scale,
-                  capacity=True)
+    plan = w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=key[1], capacity=True)
     # keep the plan, not the wrapper: its buffers, held across calls, would escape torch's graph memory pools
     entry = (w.backend, plan, w._sm_scale, _targets_tensor(plan.schedule.targets, q.device))
     del w
@@ -168,7 +181,7 @@ def _plan_entry(q, k_cache, v_cache, seq_lens, block_table, sm_scale: float, bac
 
 @torch.library.custom_op("attnplan::decode", mutates_args=())
 def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-              block_table: torch.Tensor | None, sm_scale: float, backend: str) -> torch.Tensor:
+              block_table: torch.Tensor | None, sm_scale: float | None = None, backend: str = "") -> torch.Tensor:
     """Decode attention as a custom op: same tensors and result as :func:`attnplan.decode`.
 
     Args:
@@ -176,8 +189,9 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
             ``[batch, capacity, num_kv_heads, head_dim]`` (any batch/token/head strides, unit stride in head_dim:
             transformers' ``[batch, num_kv_heads, capacity, head_dim]`` cache transposed) or paged cache (q's
             dtype); seq_lens: ``[batch]`` int32 on q's device, the valid tokens (``<=`` capacity, read by the kernels
-            at every call or replay); block_table: ``[batch, pages]`` int32 or ``None``; sm_scale: score scale
-            (``<= 0`` means ``1/sqrt(head_dim)``); backend: backend name or ``""`` for the config's order.
+            at every call or replay); block_table: ``[batch, pages]`` int32 or ``None``; sm_scale: score scale,
+            any finite float (0 and negative ones too), ``None`` (the default) for ``1/sqrt(head_dim)``; backend:
+            backend name or ``""`` (the default) for the config's order.
     Returns:
         a new ``[batch, q_len, num_q_heads, head_dim]`` tensor in q's dtype (``torch.empty_like(q)``'s strides).
     Raises:
@@ -185,8 +199,8 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
         TypeError, ValueError: bad inputs (see :mod:`attnplan.problem`), or ``sm_scale`` not finite,
             before any kernel runs.
     """
-    if not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale must be finite (<= 0 = 1/sqrt(head_dim)), got {sm_scale!r}")
+    if sm_scale is not None and not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be finite (or None for 1/sqrt(head_dim)), got {sm_scale!r}")
     be, plan, sm, targets = _plan_entry(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend)
     _, ql, hq, d = q.shape
     state = None if plan.single_pass else PartialState.empty(1, ql, hq, plan.state_slots, d, device=q.device)
@@ -205,5 +219,5 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
 
 
 @decode_op.register_fake
-def _decode_fake(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend):
+def _decode_fake(q, k_cache, v_cache, seq_lens, block_table, sm_scale=None, backend=""):
     return torch.empty_like(q)

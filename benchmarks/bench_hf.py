@@ -336,10 +336,10 @@ def op_check_one(args, L: int, gen: torch.Generator) -> dict:
             w.run(q, k, v, lens, out=o)
 
     def op_step():
-        op_outs[:] = [torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, "") for k, v in kv]
+        op_outs[:] = [torch.ops.attnplan.decode(q, k, v, lens, None, None, "") for k, v in kv]
 
     def layers_fn(q, lens, *flat):
-        return [torch.ops.attnplan.decode(q, flat[2 * i], flat[2 * i + 1], lens, None, 0.0, "")
+        return [torch.ops.attnplan.decode(q, flat[2 * i], flat[2 * i + 1], lens, None, None, "")
                 for i in range(layers)]
 
     gw, go = capture_on_warmup_stream(wrapper_step), capture_on_warmup_stream(op_step)

@@ -442,8 +442,8 @@ def _check_run_change(w, c, a, kw, device, dtype):
 
 
 def _check_op(backend, c, a, bad, before):
-    scale = c["sm_scale"] if c["sm_scale"] is not None else 0.0
-    if not math.isfinite(scale):
+    scale = c["sm_scale"]  # None: 1/sqrt(head_dim); every finite float is the scale (0 and negative too)
+    if scale is not None and not math.isfinite(scale):
         bad = bad | {"sm_scale"}
     attnplan.ops.clear_op_plans()
     call = lambda: torch.ops.attnplan.decode(a["q"], a["k_cache"], a["v_cache"], a["seq_lens"],  # noqa: E731
@@ -462,9 +462,9 @@ def _check_op(backend, c, a, bad, before):
         return
     event("op: computed")
     out = call()
-    _matches_reference(a, {"sm_scale": scale if scale > 0 else None}, out, None, a["q"].dtype)
+    _matches_reference(a, {"sm_scale": scale}, out, None, a["q"].dtype)
     out = call()  # the cached plan, no validation: the same answer
-    _matches_reference(a, {"sm_scale": scale if scale > 0 else None}, out, None, a["q"].dtype)
+    _matches_reference(a, {"sm_scale": scale}, out, None, a["q"].dtype)
 
 
 HOSTILE_CPU_BACKENDS = ["reference", *kernel_backends("cpu")] if not HAS_CUDA else []
@@ -550,10 +550,10 @@ def test_op_regressions_after_a_valid_call(backend, change):
     """After a valid first call of the op, a bf16 V returned inf and a V with fewer pages read out of bounds."""
     a, *_ = _build(_pinned(), DEVICE)
     attnplan.ops.clear_op_plans()
-    torch.ops.attnplan.decode(a["q"], a["k_cache"], a["v_cache"], a["seq_lens"], a["block_table"], 0.0, backend)
+    torch.ops.attnplan.decode(a["q"], a["k_cache"], a["v_cache"], a["seq_lens"], a["block_table"], None, backend)
     v = a["v_cache"].to(torch.bfloat16) if change == "v_cache other dtype" else a["v_cache"][:-1]
     with pytest.raises(REFUSALS, match="v_cache"):
-        torch.ops.attnplan.decode(a["q"], a["k_cache"], v, a["seq_lens"], a["block_table"], 0.0, backend)
+        torch.ops.attnplan.decode(a["q"], a["k_cache"], v, a["seq_lens"], a["block_table"], None, backend)
 
 
 # -- the plan cache: corrupt or hostile plan files in a temporary cache folder --------------------------------

@@ -149,6 +149,144 @@ def test_padded_batch_falls_back_and_unpadded_batch_is_served(gen):
     _assert_logits_close(logits, ref_logits)
 
 
+class _Attn(torch.nn.Module):
+    """What transformers' attention functions read of the attention module (a GQA group of 2)."""
+
+    is_causal = True
+    num_key_value_groups = 2
+
+    def __init__(self, layer_idx=0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.eval()
+
+
+def _prefix_mask(q_len, kv_len, length):
+    """The causal-prefix mask ``[1, 1, q_len, kv_len]`` of ``length``: query i sees ``j < length - q_len + i + 1``."""
+    stop = length - q_len + 1 + torch.arange(q_len).view(-1, 1)
+    return (torch.arange(kv_len) < stop).view(1, 1, q_len, kv_len).to(DEVICE)
+
+
+def _left_pad(m):
+    m[..., :5] = False  # a batch-1 prompt whose first 5 tokens are padding
+
+
+def _hole(m):
+    m[..., 10] = False  # one masked token in the middle
+
+
+def _tree(m):
+    m[0, 0, 2, 22] = False  # speculative tree: draft 2 does not see draft 1 (L = 24, q_len 3: drafts at 21, 22, 23)
+
+
+@pytest.mark.parametrize("q_len,change,served", [
+    (1, None, True), (3, None, True),  # the causal prefix of the last row's count: attnplan's
+    (1, _left_pad, False), (1, _hole, False), (3, _tree, False),  # anything else: SDPA's
+])
+def test_batch1_mask_is_served_only_when_it_is_the_causal_prefix(q_len, change, served, gen):
+    """A batch-1 boolean mask is served by attnplan only if it equals the causal-prefix mask of its last row's count;
+    any other (left padding, a hole, a tree mask at q_len 3) goes to SDPA, so the result equals SDPA's. (Taking every
+    batch-1 mask for a prefix put these 1.04, 0.23 and 1.2 off.)"""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    attnplan.hf.register()
+    mask = _prefix_mask(q_len, 32, 24)
+    if change is not None:
+        change(mask)
+    q = torch.randn(1, 4, q_len, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, 2, 32, 32, generator=gen).to(DEVICE) for _ in range(2))
+    before = dict(attnplan.hf.STATS)
+    got, _ = attnplan.hf.attnplan_attention_forward(_Attn(), q, k, v, mask)
+    assert attnplan.hf.STATS["attnplan"] - before["attnplan"] == int(served)
+    assert attnplan.hf.STATS["sdpa_fallback"] - before["sdpa_fallback"] == int(not served)
+    ref, _ = sdpa_attention_forward(_Attn(), q, k, v, mask)
+    _assert_logits_close(got, ref)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_batch1_left_padded_generate_equals_sdpa(cache, gen):
+    """Greedy generation of one left-padded prompt: the decode steps' masks are not causal prefixes, so SDPA serves
+    them (the tokens and logits equal SDPA's)."""
+    attnplan.hf.register()
+    ids = _ids(TINY["vocab_size"], (1, 15), gen)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    impl = None if cache == "dynamic" else "static"
+    ref, ref_logits = _generate(_model(TINY, DEVICE, torch.float32, "sdpa"), ids, 6, impl, mask=mask)
+    got, logits = _generate(_model(TINY, DEVICE, torch.float32, attnplan.hf.NAME), ids, 6, impl, mask=mask)
+    assert torch.equal(got, ref)
+    _assert_logits_close(logits, ref_logits)
+
+
+class _Checks:
+    """Counts the mask checks (``attnplan.hf._is_causal_prefix``: one device-to-host sync each)."""
+
+    def __init__(self, monkeypatch):
+        self.n, real = 0, attnplan.hf._is_causal_prefix
+
+        def counting(*a):
+            self.n += 1
+            return real(*a)
+
+        monkeypatch.setattr(attnplan.hf, "_is_causal_prefix", counting)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_mask_is_checked_once_per_forward_not_per_layer(mode, gen, monkeypatch):
+    """StaticCache generation: transformers builds one mask per forward and hands it to every layer, so the check
+    (a sync) runs once per decode step, whatever the number of layers (also for inference-mode tensors, which have
+    no version counter: their verdict holds while the layer index rises)."""
+    attnplan.hf.register()
+    cfg = {**TINY, "num_hidden_layers": 3}
+    ids = _ids(cfg["vocab_size"], (1, 9), gen)
+    model = _model(cfg, DEVICE, torch.float32, attnplan.hf.NAME)
+    checks, masked = _Checks(monkeypatch), _Counter(monkeypatch)
+    with getattr(torch, mode)():
+        _generate(model, ids, 6, "static")
+    assert masked.n == 5 * 3 and checks.n == 5
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_mask_changed_in_place_is_checked_again(inference, gen, monkeypatch):
+    """The verdict is kept per mask tensor and its in-place version: a mask edited in place (a caller's buffer
+    updated between steps) is checked again; an inference tensor (no version counter) is checked again when the
+    layer index does not rise (a new forward)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    attnplan.hf.register()
+    checks = _Checks(monkeypatch)
+    q = torch.randn(1, 4, 1, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, 2, 32, 32, generator=gen).to(DEVICE) for _ in range(2))
+    with torch.inference_mode(inference):
+        mask = _prefix_mask(1, 32, 24)
+        for layer in (0, 1):
+            attnplan.hf.attnplan_attention_forward(_Attn(layer), q, k, v, mask)
+        assert checks.n == 1
+        _hole(mask)  # the same tensor, edited in place: no longer a prefix
+        before = dict(attnplan.hf.STATS)
+        got, _ = attnplan.hf.attnplan_attention_forward(_Attn(0), q, k, v, mask)
+    assert checks.n == 2 and attnplan.hf.STATS["sdpa_fallback"] == before["sdpa_fallback"] + 1
+    ref, _ = sdpa_attention_forward(_Attn(), q, k, v, mask)
+    _assert_logits_close(got, ref)
+
+
+@pytest.mark.parametrize("scaling", [0.0, -0.1, None])
+def test_mask_path_honours_every_finite_scaling(scaling, gen):
+    """The mask path (torch.ops.attnplan.decode) computes with the scaling it is given, 0 and negative ones included
+    (the op once read ``<= 0`` as the default: 0.88 and 1.04 off SDPA); ``None`` is ``1/sqrt(head_dim)``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    attnplan.hf.register()
+    mask = _prefix_mask(1, 32, 24)
+    q = 4 * torch.randn(1, 4, 1, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, 2, 32, 32, generator=gen).to(DEVICE) for _ in range(2))
+    before = attnplan.hf.STATS["attnplan"]
+    got, _ = attnplan.hf.attnplan_attention_forward(_Attn(), q, k, v, mask, scaling=scaling)
+    assert attnplan.hf.STATS["attnplan"] == before + 1
+    ref, _ = sdpa_attention_forward(_Attn(), q, k, v, mask, scaling=scaling)
+    _assert_logits_close(got, ref)
+
+
 def _static_forced(model, ids, tokens, forward=None):
     """Prefill ``ids`` eagerly into a StaticCache, then feed ``tokens`` ``[1, n]`` one per decode step through
     ``forward`` (default the model's own; teacher forcing, so runs in other dtypes see the same context): the

@@ -34,11 +34,11 @@ def _use_config(tmp_path, monkeypatch, text: str) -> None:
 
 def test_op_eager_matches_reference(gen):
     x = make_inputs(2, 8, 2, 32, [20, 0], page_size=4, dtype=torch.float16, device=DEVICE, generator=gen)
-    out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, 0.0, BACKEND)
+    out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, None, BACKEND)
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     assert_close_to_reference(out, ref, torch.float16)
     x.seq_lens[0] = 11  # a later step with other lengths reuses the capacity plan
-    out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, 0.0, BACKEND)
+    out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, None, BACKEND)
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     assert_close_to_reference(out, ref, torch.float16)
 
@@ -46,7 +46,7 @@ def test_op_eager_matches_reference(gen):
 def test_op_opcheck(gen):
     x = make_inputs(1, 4, 2, 16, [9], dtype=torch.float32, device=DEVICE, generator=gen)
     torch.library.opcheck(torch.ops.attnplan.decode.default,
-                          (x.q, x.k_cache, x.v_cache, x.seq_lens, None, 0.0, BACKEND),
+                          (x.q, x.k_cache, x.v_cache, x.seq_lens, None, None, BACKEND),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -55,7 +55,7 @@ def test_op_compiles_fullgraph(gen):
     proj = torch.nn.Linear(32, 32, dtype=torch.float16, device=DEVICE)
 
     def layer(q, k, v, lens):
-        o = torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, BACKEND)
+        o = torch.ops.attnplan.decode(q, k, v, lens, None, None, BACKEND)
         return proj(o) * 2
 
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager" if not HAS_CUDA else "inductor")
@@ -70,7 +70,7 @@ def test_op_under_torch_compile_cudagraphs(gen):
                     generator=gen)
 
     def step(q, k, v, lens, bt):
-        return torch.ops.attnplan.decode(q, k, v, lens, bt, 0.0, BACKEND) + 1
+        return torch.ops.attnplan.decode(q, k, v, lens, bt, None, BACKEND) + 1
 
     f = torch.compile(step, fullgraph=True, mode="reduce-overhead")
     for lens in ([1000, 64], [4096, 0], [7, 3000], [5, 5]):
@@ -95,10 +95,10 @@ def test_op_validates_every_new_signature(change, exc, needle):
     attnplan.ops.clear_op_plans()
     x = make_inputs(2, 8, 2, 32, [20, 9], page_size=4, dtype=torch.float16, device=DEVICE)
     a = dict(q=x.q, k=x.k_cache, v=x.v_cache, lens=x.seq_lens, bt=x.block_table)
-    torch.ops.attnplan.decode(a["q"], a["k"], a["v"], a["lens"], a["bt"], 0.0, BACKEND)
+    torch.ops.attnplan.decode(a["q"], a["k"], a["v"], a["lens"], a["bt"], None, BACKEND)
     change(a)
     with pytest.raises(exc, match=needle):
-        torch.ops.attnplan.decode(a["q"], a["k"], a["v"], a["lens"], a["bt"], 0.0, BACKEND)
+        torch.ops.attnplan.decode(a["q"], a["k"], a["v"], a["lens"], a["bt"], None, BACKEND)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -106,6 +106,50 @@ def test_op_refuses_a_non_finite_scale(bad):
     x = make_inputs(1, 4, 2, 16, [9], dtype=torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="sm_scale must be finite"):
         torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, bad, BACKEND)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5, -0.0, 0.3, None])
+def test_op_honours_every_finite_scale(scale, gen):
+    """``sm_scale`` is ``float?``: every finite value is the scale, 0 and negative ones included (``<= 0`` once meant
+    the default: 0.0 and -0.5 were served at 1/sqrt(head_dim), max error 0.9 against the reference), ``None`` the
+    default; the scale and the backend may be left out."""
+    x = make_inputs(2, 8, 2, 32, [20, 7], page_size=4, dtype=torch.float32, device=DEVICE, generator=gen)
+    x.q.mul_(4)  # scores far from 0, so a wrong scale shows
+    for _ in range(2):  # planned, then the cached plan
+        out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, scale, BACKEND)
+        ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, scale)
+        assert_close_to_reference(out, ref, torch.float32, what=f"sm_scale {scale}")
+    if scale is None:
+        out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+        assert_close_to_reference(out, ref, torch.float32, what="no scale, no backend")
+
+
+def test_op_plan_key_is_the_scale_the_kernels_use(gen):
+    """``None`` shares a plan with ``1/sqrt(head_dim)`` given explicitly (the key holds the resolved scale); 0.0 and
+    a negative scale get plans of their own."""
+    from attnplan.problem import default_sm_scale
+
+    x = make_inputs(1, 8, 2, 32, [20], dtype=torch.float32, device=DEVICE, generator=gen)
+    for scale in (None, default_sm_scale(32), 0.0, -0.25):
+        torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, scale, BACKEND)
+    assert sorted(k[1] for k in attnplan.ops._PLANS) == [-0.25, 0.0, default_sm_scale(32)]
+    assert sorted(e[2] for e in attnplan.ops._PLANS.values()) == [-0.25, 0.0, default_sm_scale(32)]
+
+
+@pytest.mark.parametrize("scale", [None, -0.5, 0.0])
+def test_op_opcheck_and_compile_with_optional_scale(scale, gen):
+    """The ``float?`` scale passes opcheck's schema and fake-tensor checks and traces with fullgraph=True; the compiled
+    result equals the reference at that scale."""
+    x = make_inputs(1, 4, 2, 16, [9], dtype=torch.float32, device=DEVICE, generator=gen)
+    torch.library.opcheck(torch.ops.attnplan.decode.default, (x.q, x.k_cache, x.v_cache, x.seq_lens, None, scale,
+                                                              BACKEND), test_utils=("test_schema", "test_faketensor"))
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, lens: torch.ops.attnplan.decode(q, k, v, lens, None, scale, BACKEND) * 2,
+                      fullgraph=True, backend="aot_eager" if not HAS_CUDA else "inductor")
+    out = f(x.q, x.k_cache, x.v_cache, x.seq_lens)
+    torch._dynamo.reset()
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, scale)
+    assert_close_to_reference(out / 2, ref, torch.float32)
 
 
 def test_op_keeps_the_targets_with_the_plan_and_allocates_the_rest_per_call(gen, monkeypatch):
@@ -125,7 +169,7 @@ def test_op_keeps_the_targets_with_the_plan_and_allocates_the_rest_per_call(gen,
                     generator=gen)
     for lens in ([40, 3, 0], [64, 64, 1]):
         x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, 0.0, BACKEND)
+        out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, None, BACKEND)
         ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
         assert_close_to_reference(out, ref, torch.float16)
     (p1, w1), (p2, w2) = seen
@@ -151,7 +195,7 @@ def test_op_counters_stay_zero_at_rest_and_results_stay_right(merge, gen, tmp_pa
     _use_config(tmp_path, monkeypatch, f"split:\n  merge: {merge}\n  num_splits: 4\n")
     for hq, lens in ((8, [64, 40]), (8, [3, 64]), (4, [50, 0])):
         x = make_inputs(2, hq, 2, 32, lens, dtype=torch.float16, device=DEVICE, capacity=64, generator=gen)
-        out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, 0.0, BACKEND)
+        out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, None, BACKEND)
         ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
         assert_close_to_reference(out, ref, torch.float16)
         (_, plan, _, _), = [e for k, e in attnplan.ops._PLANS.items() if k[0][0][1] == x.q.shape]
@@ -166,16 +210,16 @@ def test_op_first_call_under_capture_raises_plan_not_ready(gen, monkeypatch):
     planned inside the capture; a signature planned before the capture runs."""
     attnplan.ops.clear_op_plans()
     x = make_inputs(1, 8, 2, 32, [20], dtype=torch.float16, device=DEVICE, capacity=32, generator=gen)
-    torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, 0.0, BACKEND)  # planned (warm-up)
+    torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, None, BACKEND)  # planned (warm-up)
     monkeypatch.setattr(attnplan.ops, "_capturing", lambda q: True)
-    out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, 0.0, BACKEND)
+    out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, None, BACKEND)
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
     assert_close_to_reference(out, ref, torch.float16)
     q2 = torch.randn(2, 1, 8, 32, dtype=torch.float16, generator=gen).to(DEVICE)  # another batch: a new signature
     k2, v2 = (torch.randn(2, 32, 2, 32, dtype=torch.float16, generator=gen).to(DEVICE) for _ in range(2))
     lens2 = torch.tensor([5, 32], dtype=torch.int32, device=DEVICE)
     with pytest.raises(attnplan.PlanNotReadyError, match="new input signature during CUDA graph capture"):
-        torch.ops.attnplan.decode(q2, k2, v2, lens2, None, 0.0, BACKEND)
+        torch.ops.attnplan.decode(q2, k2, v2, lens2, None, None, BACKEND)
     assert len(attnplan.ops._PLANS) == 1
 
 
@@ -187,13 +231,13 @@ def test_op_plans_are_an_lru_and_evicted_plans_keep_their_device_tables(gen, mon
     xs = [make_inputs(1, 8, 2, 32, [n], dtype=torch.float16, device=DEVICE, capacity=n, generator=gen)
           for n in (16, 24, 40)]
     for x in (xs[0], xs[1], xs[0], xs[2]):  # xs[1] is the least recently used when xs[2] comes
-        torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, 0.0, BACKEND)
+        torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, None, BACKEND)
     shapes = [k[0][1][1] for k in attnplan.ops._PLANS]  # the k_cache shapes kept, oldest first
     assert shapes == [xs[0].k_cache.shape, xs[2].k_cache.shape]
     tables = {e[3].data_ptr() for e in attnplan.ops._PLANS.values()}
     assert all(t.data_ptr() in {v.data_ptr() for v in attnplan.ops._TARGETS.values()} for t in
                (e[3] for e in attnplan.ops._PLANS.values())) and len(tables) <= 2
-    out = torch.ops.attnplan.decode(xs[1].q, xs[1].k_cache, xs[1].v_cache, xs[1].seq_lens, None, 0.0, BACKEND)
+    out = torch.ops.attnplan.decode(xs[1].q, xs[1].k_cache, xs[1].v_cache, xs[1].seq_lens, None, None, BACKEND)
     ref, _ = reference.attention(xs[1].q, xs[1].k_cache, xs[1].v_cache, xs[1].seq_lens, None, xs[1].sm_scale)
     assert_close_to_reference(out, ref, torch.float16)
 
@@ -214,7 +258,7 @@ def test_op_on_transformers_static_cache_views(gen):
     q, k, v, lens = _hf_layout(1, 8, 2, 32, 80, torch.float16, DEVICE, gen)
     for n in (80, 1, 33, 0, 64):
         lens.fill_(n)
-        out = torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, BACKEND)
+        out = torch.ops.attnplan.decode(q, k, v, lens, None, None, BACKEND)
         ref, _ = reference.attention(q, k, v, lens, None, 32 ** -0.5)
         assert_close_to_reference(out, ref, torch.float16, what=f"length {n}")
     assert len(attnplan.ops._PLANS) == 1
@@ -228,9 +272,9 @@ def test_op_first_call_under_real_capture_raises_plan_not_ready(gen):
     g = torch.cuda.CUDAGraph()
     with pytest.raises(attnplan.PlanNotReadyError, match="during CUDA graph capture"):
         with torch.cuda.graph(g):
-            torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, BACKEND)
+            torch.ops.attnplan.decode(q, k, v, lens, None, None, BACKEND)
     assert not attnplan.ops._PLANS
-    out = torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, BACKEND)  # eager after the failed capture: plans
+    out = torch.ops.attnplan.decode(q, k, v, lens, None, None, BACKEND)  # eager after the failed capture: plans
     ref, _ = reference.attention(q, k, v, lens, None, 64 ** -0.5)
     assert_close_to_reference(out, ref, torch.bfloat16)
 
@@ -246,7 +290,7 @@ def test_op_replays_with_changing_lengths_on_static_cache_views(how, gen):
     lens.fill_(1024)
 
     def step(q, k, v, lens):
-        return torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, BACKEND) * 2
+        return torch.ops.attnplan.decode(q, k, v, lens, None, None, BACKEND) * 2
 
     if how.startswith("by hand"):
         s = torch.cuda.Stream()
@@ -284,7 +328,7 @@ def test_op_long_lived_tables_are_outside_graph_pools(gen, tmp_path, monkeypatch
     pool = torch.cuda.MemPool()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s), torch.cuda.use_mem_pool(pool):
-        out = torch.ops.attnplan.decode(q, k, v, lens, None, 0.0, BACKEND)
+        out = torch.ops.attnplan.decode(q, k, v, lens, None, None, BACKEND)
         counters = attnplan.ops._COUNTERS[(q.device, s.cuda_stream)]
     torch.cuda.synchronize()
     (_, plan, _, targets), = attnplan.ops._PLANS.values()
@@ -313,7 +357,7 @@ def test_op_temporaries_do_not_outlive_the_call(gen, monkeypatch):
     monkeypatch.setattr(be, "run", spy)
     x = make_inputs(2, 8, 2, 32, [60, 7], dtype=torch.float16, device=DEVICE, capacity=64, generator=gen)
     for _ in range(2):
-        out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, 0.0, BACKEND)
+        out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, None, BACKEND)
     gc.collect()
     assert refs and all(r() is None for r in refs), "a per-call temporary is still referenced after the call"
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)

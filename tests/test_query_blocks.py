@@ -615,7 +615,7 @@ def test_query_blocks_through_decode_and_the_op():
         assert_close_to_reference(out, ref, x.q.dtype)
     be = get_backend("triton")
     before = set(be._launches)
-    out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, 0.0, "triton")
+    out = torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, None, "triton")
     assert_close_to_reference(out, ref, x.q.dtype)
     assert set(be._launches) <= before
 
