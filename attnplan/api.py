@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
 from .problem import (DecodeProblem, check_sm_scale, check_variant_tensors, default_sm_scale, has_internal_overlap,
                       host_lengths, is_contiguous_layout, len_bucket, same_signature, signature_change, torch_dtype,
-                      validate_inputs, validate_outputs, validate_values)
+                      validate_inputs, validate_outputs, validate_values, as_host_lengths)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem", "DECODE_WRAPPERS"]
@@ -153,13 +154,18 @@ def default_context() -> Context:
     return _DEFAULT
 
 
-def _context(config: Config | Context | str | None) -> Context:
+def _context(config: Config | Context | str | os.PathLike | None) -> Context:
+    """The context of a ``config`` argument. Raises ``TypeError`` naming it for anything else, and
+    :class:`~attnplan.config.ConfigError` for a file that does not load."""
     if config is None:
         return default_context()
     if isinstance(config, Context):
         return config
     if isinstance(config, Config):
         return Context.from_config(config)
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(f"config must be an attnplan Config, a Context, a path to a YAML file or None (the default "
+                        f"context), got {type(config).__name__}")
     return Context.from_config(load_config(config))
 
 
@@ -616,7 +622,8 @@ class DecodeWrapper:
         fast = None
         if seq_lens_host is not None:
             if type(seq_lens_host) is not list and type(seq_lens_host) is not tuple:
-                seq_lens_host = list(seq_lens_host)  # read once (an iterator would be spent by a second pass)
+                # read once (an iterator would be spent by a second pass), as ints (or a TypeError naming it)
+                seq_lens_host = as_host_lengths(seq_lens_host)
             fast = host_lengths(static, seq_lens_host, num_pages)
         if fast is not None:
             lens_host, max_len, total = fast

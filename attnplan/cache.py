@@ -12,8 +12,9 @@ is a miss with a ``RuntimeWarning`` naming the file, and is rebuilt (never an ex
 wrong answer). A file must be a regular file of at most :data:`MAX_PLAN_BYTES` bytes of UTF-8 JSON, an
 object with this library's and plan format's versions and the requested key, whose ``plan``
 rebuilds with :meth:`SplitPlan.from_dict` (strict: unknown or missing fields, bad types and an
-inconsistent schedule are refused) and passes :func:`check_plan` (``SplitPlan.validate`` and the
-kernels' hard limits), and the caller's own ``validate`` (see :meth:`PlanCache.get_or_create`).
+inconsistent schedule are refused) and passes :func:`check_plan` (``SplitPlan.validate``, sizes no larger than
+its problem can need, and kernel options its backend's ``kernel_config`` accepts and makes again), and the
+caller's own ``validate`` (see :meth:`PlanCache.get_or_create`).
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def atomic_write(path: str | os.PathLike, text: str, *, readable: bool = False, 
 
 
 def default_cache_dir() -> Path:
-    """``$ATTNPLAN_CACHE_DIR`` if set, else the platform's user cache directory for attnplan."""
+    """``$ATTNPLAN_CACHE_DIR`` if set (a leading ``~`` is the home folder), else the platform's user cache
+    directory for attnplan."""
     env = os.environ.get("ATTNPLAN_CACHE_DIR")
-    return Path(env) if env else Path(platformdirs.user_cache_dir("attnplan"))
+    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("attnplan"))
 
 
 def _int(name: str, v, lo: int = 0) -> int:
@@ -98,9 +100,71 @@ def _pow2(name: str, v, lo: int, hi: int) -> None:
         raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {v!r}")
 
 
+#: most units (splits) one sequence may get in any plan the planner makes (``split.max_splits`` and ``num_splits``
+#: are at most this)
+MAX_UNITS_PER_SEQ = 1024
+
+
+def _check_sizes(plan: SplitPlan) -> None:
+    """The size fields that drive the workspace's allocation and the grid, bounded by what the plan's problem can
+    need (a plan the planner makes has exactly these): ``max_units_per_seq`` at most :data:`MAX_UNITS_PER_SEQ`, the
+    capacity within the schedule's 32-bit counters, and ``max_units`` exactly the schedule's bound
+    (:attr:`SplitPlan.units_bound`; :meth:`SplitPlan.validate` has refused fewer)."""
+    s, p = plan.schedule, plan.first_launch_problem()
+    if s.max_units_per_seq > MAX_UNITS_PER_SEQ:
+        raise ValueError(f"schedule.max_units_per_seq {s.max_units_per_seq} exceeds {MAX_UNITS_PER_SEQ}, the most "
+                         "splits a plan is made with")
+    granules = -(-max(p.capacity, p.max_kv_len, 1) // s.granule)
+    if p.batch * granules >= 1 << 31:
+        raise ValueError(f"batch {p.batch} x {granules} granules of {s.granule} tokens exceeds the schedule's 32-bit "
+                         "counters (2^31 granules per batch)")
+    bound = plan.units_bound
+    if s.max_units > bound:
+        raise ValueError(f"schedule.max_units {s.max_units} exceeds the {bound} unit slots this problem can need "
+                         f"(batch {p.batch}, at most {s.max_units_per_seq} units per sequence, capacity {p.capacity} "
+                         "tokens)")
+
+
+def _kernel_device(plan: SplitPlan):
+    """The torch device the plan's backend picks kernel options for (the plan's device fingerprint: compute
+    capability (0, 0) is the CPU stand-in), or ``None`` where this process cannot ask (a GPU plan without CUDA)."""
+    import torch
+
+    if tuple(plan.device.cc) == (0, 0):
+        return torch.device("cpu")
+    return torch.device("cuda") if torch.cuda.is_available() else None
+
+
+def _ask_backend(plan: SplitPlan) -> None:
+    """The plan's backend must make the plan's kernel options again from them: its ``kernel_config`` for the
+    plan's launch problem, given the options, must accept them (raising ``ValueError`` names what is out of its
+    range) and return them unchanged (a derived option edited, an unknown one added). A backend that failed to
+    load is not asked (no plan runs on it)."""
+    from .backends import UnavailableBackend, get_backend
+
+    be = get_backend(plan.backend)  # ValueError: an unknown backend
+    if isinstance(be, UnavailableBackend):
+        return
+    device = _kernel_device(plan)
+    if device is None:
+        return
+    try:
+        again = be.kernel_config(plan.first_launch_problem(), plan.kernel.to_dict(), device)
+    except (ValueError, TypeError, KeyError, ArithmeticError, RuntimeError) as e:
+        raise ValueError(f"the {plan.backend} backend refuses the kernel options: {e} "
+                         f"(options {dict(plan.kernel)})"[:400]) from None
+    have = plan.kernel.to_dict()
+    if dict(again) != have:
+        diff = sorted(set(have) ^ set(again) | {n for n in set(have) & set(again) if have[n] != again[n]})
+        raise ValueError(f"kernel options {', '.join(f'{n}={have.get(n)!r}' for n in diff)} are not the "
+                         f"{plan.backend} backend's ({', '.join(f'{n}={again.get(n)!r}' for n in diff)} for the "
+                         "plan's other options)"[:400])
+
+
 def _check_kernel(plan: SplitPlan) -> None:
     """Hard limits of the kernels the plan's options feed (what a tampered file could break): Triton's
-    ``tl.arange`` tile and warp count must be powers of two; numba's thread layout must be whole."""
+    ``tl.arange`` tile and warp count must be powers of two; numba's thread layout must be whole; then the
+    backend itself is asked (:func:`_ask_backend`)."""
     k = plan.kernel
     _int("kernel.block_n", k.get("block_n"), 1)
     if plan.backend == "triton":
@@ -114,13 +178,15 @@ def _check_kernel(plan: SplitPlan) -> None:
         if threads > 1024 or threads % k["lanes"] or k["block_n"] != threads // k["lanes"] * unroll:
             raise ValueError(f"kernel threads {threads} / lanes {k['lanes']} / unroll {unroll} / block_n "
                              f"{k['block_n']} do not make a thread layout")
+    _ask_backend(plan)
 
 
 def check_plan(plan: SplitPlan, problem: DecodeProblem | None = None) -> DecodeProblem:
     """Validate a plan read from disk as strictly as a config: :meth:`SplitPlan.from_dict` already refused unknown
     or missing fields and bad types; here the plan's own consistency and its fit to ``problem``
-    (:meth:`SplitPlan.validate`; ``problem`` defaults to the plan's own), a finite prediction, and the hard limits
-    of the kernels its options feed.
+    (:meth:`SplitPlan.validate`; ``problem`` defaults to the plan's own), a finite prediction, sizes that drive an
+    allocation bounded by what the problem can need (:func:`_check_sizes`), and the hard limits of the kernels its
+    options feed, asking its backend (:func:`_check_kernel`).
 
     Returns the problem checked against. Raises ``ValueError`` / ``TypeError`` naming what is wrong.
     """
@@ -130,6 +196,7 @@ def check_plan(plan: SplitPlan, problem: DecodeProblem | None = None) -> DecodeP
         raise ValueError(f"predicted_us must be a finite number, got {plan.predicted_us!r}")
     problem = plan.problem if problem is None else problem
     plan.validate(problem)
+    _check_sizes(plan)
     _check_kernel(plan)
     return problem
 
@@ -187,14 +254,14 @@ class PlanCache:
     """In-memory LRU plan cache backed by a directory of JSON files.
 
     Args:
-        directory: on-disk folder (``None``: :func:`default_cache_dir`); plans go in
-            ``<directory>/v<PLAN_VERSION>/<key>.json``.
+        directory: on-disk folder (``None``: :func:`default_cache_dir`; a leading ``~`` is the home folder); plans
+            go in ``<directory>/v<PLAN_VERSION>/<key>.json``.
         disk: use the disk at all.
         memory_entries: LRU capacity.
     """
 
     def __init__(self, directory: str | os.PathLike | None = None, *, disk: bool = True, memory_entries: int = 1024):
-        self.directory = Path(directory) if directory is not None else default_cache_dir()
+        self.directory = Path(directory).expanduser() if directory is not None else default_cache_dir()
         self.disk = disk
         self.memory_entries = memory_entries
         self.stats = CacheStats()

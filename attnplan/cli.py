@@ -67,9 +67,13 @@ def _page_size(text: str) -> int:
     return v
 
 
+#: longest KV length the command takes: ``seq_lens`` are int32
+MAX_KV_LEN = (1 << 31) - 1
+
+
 def _kv_lens(text: str) -> list[int]:
-    """``--kv-lens``: comma-separated KV lengths in tokens, each >= 0."""
-    parse = _int_in(0, 1 << 31, "a KV length >= 0")
+    """``--kv-lens``: comma-separated KV lengths in tokens, each in ``[0, MAX_KV_LEN]``."""
+    parse = _int_in(0, MAX_KV_LEN, f"a KV length in [0, {MAX_KV_LEN}] (seq_lens are int32)")
     parts = [t.strip() for t in text.split(",")]
     if not parts or any(not t for t in parts):
         raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated lengths, e.g. 4096,512")
@@ -87,6 +91,72 @@ def _lengths(args, rng, parser) -> list[int]:
     from attnplan.testing import long_tailed_lengths
 
     return long_tailed_lengths(args.batch, args.max_kv, rng.randrange(2**31))
+
+
+def _memory_limit(cpu: bool) -> tuple[int, str]:
+    """The most bytes a run may allocate for its tensors, and what that is in words: half the host's memory (the
+    inputs are drawn on the host, in float32 before the cast), and on a GPU at most its memory too."""
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: assume a small machine
+        host = 16 << 30
+    limit, what = host // 2, f"half of this machine's {host / 2**30:.0f} GiB of memory"
+    if not cpu:
+        import torch
+
+        gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if gpu < limit:
+            limit, what = gpu, f"the GPU's {gpu / 2**30:.0f} GiB"
+    return limit, what
+
+
+def _check_size(args, lens, heads, itemsize: int, page: int | None, max_splits: int, cpu: bool, parser) -> None:
+    """Refuse (argparse's usage error) a workload whose tensors cannot fit :func:`_memory_limit`, before anything
+    is allocated: q and the output, the workspace's partial states at their largest (every sequence split into up to
+    ``--num-splits`` / the config's ``split.max_splits`` units of at least 16 tokens), the lengths and the block
+    table, and (not with ``--explain``, which plans on views of one row) the K and V caches."""
+    hq, hkv, d = heads
+    b, ql = args.batch, args.q_len
+    cap = max(max(lens), 1)
+    pages = -(-cap // page) if page else 0
+    q = b * ql * hq * d * itemsize
+    splits = 0 if args.num_splits == 1 else min(args.num_splits or max_splits, -(-cap // 16))
+    need = {"q and out": 2 * q, "lse and the partial states": b * ql * hq * 4 * (1 + splits * (d + 1))}
+    if args.explain:
+        need["lengths and one block-table row"] = 4 * (b + pages)
+    else:
+        rows = (b * pages + 3) * page if page else b * cap  # testing.make_inputs: 3 spare pages
+        need["K and V caches"] = 2 * rows * hkv * d * itemsize
+        need["block table"] = 12 * b * pages  # int32, and make_inputs' int64 permutation of the pages
+    total = sum(need.values())
+    limit, what = _memory_limit(cpu)
+    if total > limit:
+        parts = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in need.items() if v >= 2**27)
+        parser.error(f"this workload needs about {total / 2**30:.1f} GiB ({parts}) but {what} is the limit "
+                     f"({limit / 2**30:.1f} GiB): lower --batch, --max-kv / --kv-lens or --q-len")
+
+
+def _explain_inputs(args, lens, heads, dtype, page: int | None, device: str):
+    """The inputs ``--explain`` plans on: q and the caches views of one row (stride 0: no memory), the block table
+    one row of page indices seen by every sequence (its values are never read: ``seq_lens_host`` is given), the
+    real lengths. Nothing is computed on them."""
+    import torch
+
+    from attnplan.backends.base import DecodeInputs
+    from attnplan.problem import default_sm_scale
+
+    hq, hkv, d = heads
+    b, cap = args.batch, max(max(lens), 1)
+    one = torch.zeros(1, 1, 1, d, dtype=dtype, device=device)
+    q = one.expand(b, args.q_len, hq, d)
+    if page:
+        pages = -(-cap // page)
+        k = one.expand(pages, page, hkv, d)
+        table = torch.arange(pages, dtype=torch.int32, device=device).expand(b, pages)
+    else:
+        k, table = one.expand(b, cap, hkv, d), None
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    return DecodeInputs(q, k, k, sl, table, default_sm_scale(d))
 
 
 def _note(msg: str) -> None:
@@ -131,11 +201,16 @@ def _run(args, parser) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     page = args.page_size or None
     ctx = attnplan.Context.from_config(attnplan.load_config(args.config))
-    gen = torch.Generator().manual_seed(args.seed)
-    x = make_inputs(args.batch, hq, hkv, d, lens, q_len=args.q_len, page_size=page, dtype=dtype,
-                    device=device, generator=gen)
+    _check_size(args, lens, (hq, hkv, d), dtype.itemsize, page, ctx.config.split.max_splits, cpu, parser)
+    if args.explain:  # planned on views: the caches are never allocated, the lengths are given on the host
+        x = _explain_inputs(args, lens, (hq, hkv, d), dtype, page, device)
+    else:
+        gen = torch.Generator().manual_seed(args.seed)
+        x = make_inputs(args.batch, hq, hkv, d, lens, q_len=args.q_len, page_size=page, dtype=dtype,
+                        device=device, generator=gen)
     w = attnplan.DecodeWrapper(ctx, backend=args.backend)
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=args.num_splits)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=args.num_splits,
+                  seq_lens_host=lens if args.explain else None)
     report = {
         "device": attnplan.device_info(device).to_dict(), "mode": "cpu-interpreter" if cpu else "gpu",
         "model": args.model, "heads": [hq, hkv, d], "batch": args.batch, "q_len": args.q_len, "dtype": args.dtype,
@@ -242,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="sequences (default: the number of --kv-lens values, else 3 on CPU, 4 on GPU)")
     r.add_argument("--kv-lens", type=_kv_lens, default=None,
                    help="comma-separated KV lengths in tokens (one value = all sequences)")
-    r.add_argument("--max-kv", type=_int_in(1, 1 << 31), default=None,
+    r.add_argument("--max-kv", type=_int_in(1, MAX_KV_LEN, f"a KV length in [1, {MAX_KV_LEN}] (seq_lens are int32)"),
+                   default=None,
                    help="longest KV length of the long-tailed draw (default 200 on CPU, 32768 on GPU)")
     r.add_argument("--q-len", type=_int_in(1, 16), default=1, help="queries per sequence, 1..16 (speculative "
                                                                     "verification > 1)")

@@ -241,7 +241,7 @@ class PlanCacheConfig(_Strict):
     def _no_nul(cls, v):
         if v is not None and "\0" in v:
             raise ValueError("a path cannot hold a NUL character")
-        return v
+        return v if v is None else os.path.expanduser(v)  # "~/x": the home folder's x, not a folder named "~"
 
 
 class Config(_Strict):
@@ -322,8 +322,33 @@ def _validate(data: Any, source: str) -> Config:
         raise ConfigError(_format_errors(e, source)) from None
 
 
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping of the file names one key twice (PyYAML keeps the last silently)."""
+
+    def __init__(self, key: Any, mark, first):
+        super().__init__(f"duplicate key {_short(key)} at line {mark.line + 1}, column {mark.column + 1} (first at "
+                         f"line {first.line + 1}, column {first.column + 1}); a key may appear once per mapping")
+
+
 class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with nesting bounded to :data:`MAX_DEPTH` (its composer recurses per level)."""
+    """PyYAML's safe loader with nesting bounded to :data:`MAX_DEPTH` (its composer recurses per level) and
+    duplicate keys refused in every mapping, at any depth (:class:`_DuplicateKey`; a key a ``<<`` merge brings in
+    may still be overridden, as YAML's merge key intends)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: PyYAML's own error names it
+                    continue
+                if first is not key_node:
+                    raise _DuplicateKey(key, key_node.start_mark, first.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
     def compose_node(self, parent, index):
         depth = getattr(self, "_attnplan_depth", 0)
@@ -370,6 +395,8 @@ def _read_yaml(path: Path | str, source: str) -> dict:
         raise ConfigError(f"attnplan config {source} is not UTF-8 text: {e}") from None
     try:
         data = yaml.load(text, Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader subclass)
+    except _DuplicateKey as e:
+        raise ConfigError(f"invalid attnplan config ({source}): {e}") from None
     except yaml.YAMLError as e:
         msg = str(e)
         raise ConfigError(f"attnplan config {source} is not valid YAML: {msg[:500] + ' ...' if len(msg) > 500 else msg}") from None
@@ -390,15 +417,17 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
     """Load ``plans/default.yaml`` and merge the user's file over it.
 
     Args:
-        path: a YAML file; when ``None``, ``$ATTNPLAN_CONFIG`` if set.
+        path: a YAML file (a leading ``~`` is the home folder); when ``None``, ``$ATTNPLAN_CONFIG`` if set.
         **overrides: top-level keys merged last (for tests and the CLI).
     Raises:
         ConfigError: unreadable, oversized, non-UTF-8 or too deeply nested file, bad YAML, an alias
-            bomb, unknown key, or bad value (each names the file and the key).
+            bomb, a key given twice in one mapping, unknown key, or bad value (each names the file and the key).
     """
     data = dict(_default_data())
     src = "plans/default.yaml"
     path = path if path is not None else os.environ.get("ATTNPLAN_CONFIG") or None
+    if isinstance(path, (str, os.PathLike)):
+        path = os.path.expanduser(path)  # "~/attnplan.yaml" from the environment or a quoted argument
     if path is not None:
         user = _read_yaml(path, str(path))
         if not isinstance(user, dict):

@@ -292,6 +292,14 @@ class SplitPlan:
         ``head_block`` query heads over one KV head), or :attr:`problem` itself."""
         return self.launches[0].plan.problem
 
+    def first_launch_problem(self) -> DecodeProblem:
+        """:attr:`launch_problem` without building :attr:`launches` (one per query block, KV head and head block):
+        what :meth:`validate` and the checks of a plan read from disk use, before its head counts are known to fit
+        a problem (a file's ``num_kv_heads`` of 10^8 would otherwise build 10^8 launches)."""
+        got = self.__dict__.get("_launches")
+        return got[0].plan.problem if got is not None else launch_problem_of(self.problem, self.q_block,
+                                                                                 self.head_block)
+
     @property
     def num_splits(self) -> int:
         """Most units (splits) one sequence may get (``schedule.max_units_per_seq``)."""
@@ -336,6 +344,21 @@ class SplitPlan:
         return self.problem.batch * (len(self.q_blocks) - 1)
 
     @property
+    def units_bound(self) -> int:
+        """The most units the schedule can give one launch's batch at any lengths up to the capacity: ``batch x
+        min(max_units_per_seq, ceil(capacity granules / min_unit_granules))``, and for a balanced schedule at most
+        :func:`~attnplan.schedule.max_units_bound` of its targets (the slots :func:`make_plan` sizes ``max_units``
+        to; :meth:`validate` requires ``max_units`` to be at least this, a plan read from disk exactly this)."""
+        s, p = self.schedule, self.first_launch_problem()
+        if s.single_pass:
+            return p.batch
+        per_seq = min(s.max_units_per_seq, -(-(-(-_capacity_span(p) // s.granule)) // s.min_unit_granules))
+        bound = p.batch * per_seq
+        if s.policy == "balanced":
+            bound = min(bound, max_units_bound(s.targets, p.batch, s.max_units_per_seq))
+        return bound
+
+    @property
     def workspace_bytes(self) -> int:
         p = self.problem
         return (self.state_slots * p.q_len * p.num_q_heads * (p.head_dim + 1) * 4
@@ -360,7 +383,7 @@ class SplitPlan:
             raise ValueError(f"head_block {hb!r} must be 0 (whole GQA groups) or an int in [1, GQA group {g})")
         if hb and qb != 1 and self.problem.q_len != 1:
             raise ValueError(f"head_block {hb} launches one query at a time (q_block 1 or q_len 1), not q_block {qb}")
-        p = self.launch_problem  # the schedule and the kernel are the launch's
+        p = self.first_launch_problem()  # the schedule and the kernel are the launch's
         if self.merge not in MERGES or self.policy not in PLAN_POLICIES:
             raise ValueError(f"plan merge {self.merge!r} / policy {self.policy!r} unknown")
         if (self.merge == "none") != s.single_pass:
@@ -372,10 +395,7 @@ class SplitPlan:
             raise ValueError(f"granule {s.granule} must be a multiple of the page size {p.page_size}")
         if s.max_units < p.batch or (s.single_pass and s.max_units != p.batch):
             raise ValueError(f"max_units {s.max_units} must cover the batch {p.batch}")
-        per_seq = min(s.max_units_per_seq, -(-(-(-_capacity_span(p) // s.granule)) // s.min_unit_granules))
-        bound = p.batch * per_seq
-        if s.policy == "balanced":
-            bound = min(bound, max_units_bound(s.targets, p.batch, s.max_units_per_seq))
+        bound = self.units_bound
         if not s.single_pass and s.max_units < bound:
             raise ValueError(f"max_units {s.max_units} is below the schedule's bound {bound} for this problem")
         p = self.problem

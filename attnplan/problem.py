@@ -71,9 +71,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
+import sys
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Mapping, Set
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -346,13 +349,20 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
     Raises:
         TypeError: an argument is not a tensor (or a number where one is expected), or has an
             unsupported dtype.
-        ValueError: shapes, strides, devices or head counts do not agree, or a parameter's value is
+        ValueError: shapes, strides, devices or head counts do not agree, a tensor is on the meta device (no data),
+            or a parameter's value is
             out of range (non-finite scale, negative soft cap, NaN sink...); the message names the
             argument, what was given and what is expected.
     """
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
+                    ("block_table", block_table)):
         if not isinstance(t, torch.Tensor):
+            if name == "block_table":
+                continue  # None (a contiguous cache), or refused by name below
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_meta:
+            raise ValueError(f"{name} is on the meta device (a shape without data): attnplan reads and writes "
+                             "values, pass tensors on the CPU or a GPU")
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D [batch, q_len, num_q_heads, head_dim], got shape {_shape(q)}")
     batch, q_len, hq, d = q.shape
@@ -733,6 +743,91 @@ def host_lengths(static: dict, seq_lens_host, num_pages: int) -> tuple[list[int]
     return lens, int(hi), total
 
 
+_HOST_KINDS = "a list, tuple, 1-D CPU integer tensor or numpy integer array of one int per sequence"
+
+
+def as_host_lengths(seq_lens_host) -> list[int]:
+    """``seq_lens_host`` as a new list of Python ints: a list or tuple (or another ordered iterable: a range, an
+    iterator, read once) of ints (anything :func:`operator.index` takes: Python, numpy and 0-d torch integers;
+    bools count as 0 and 1), a 1-D CPU integer (or bool) tensor or a 1-D numpy integer (or bool) array. Plan-time
+    only (:func:`host_lengths` is the fast path of lists and tuples of Python ints, and never calls this).
+
+    Raises:
+        TypeError: a scalar, a string, a mapping, a set, a float or complex tensor or array, an entry that is not an
+            int (a float, even a whole one: no length is truncated; NaN, a string, ``None``, a list...).
+        ValueError: a tensor that is not 1-D or not on the CPU (reading it would be the device read that
+            ``seq_lens_host`` avoids), an array that is not 1-D.
+    """
+    x = seq_lens_host
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"seq_lens_host must be host integers, got a tensor on {x.device} (pass "
+                             "seq_lens_host=None to read seq_lens)")
+        if x.dim() != 1 or x.layout != torch.strided:
+            raise ValueError(f"seq_lens_host must be 1-D [batch] (dense), got a {x.layout} tensor of shape "
+                             f"{tuple(x.shape)}")
+        if x.is_floating_point() or x.is_complex():
+            raise TypeError(f"seq_lens_host must hold ints, got a {x.dtype} tensor")
+        return x.tolist()
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, np.ndarray):
+        if x.ndim != 1:
+            raise ValueError(f"seq_lens_host must be 1-D [batch], got an array of shape {x.shape}")
+        if x.dtype.kind not in "iub":
+            raise TypeError(f"seq_lens_host must hold ints, got a {x.dtype} array")
+        return x.tolist()
+    if isinstance(x, (str, bytes, bytearray, Mapping, Set)) or not hasattr(x, "__iter__"):
+        raise TypeError(f"seq_lens_host must be {_HOST_KINDS}, got {type(x).__name__}"
+                        + (f" {x!r}" if isinstance(x, numbers.Number) else ""))
+    items = list(x)
+    try:
+        return [operator.index(v) for v in items]
+    except TypeError:
+        for i, v in enumerate(items):
+            try:
+                operator.index(v)
+            except TypeError:
+                raise TypeError(f"seq_lens_host[{i}] must be an int (a length in tokens), got {_short(v)} "
+                                f"({type(v).__name__})") from None
+        raise
+
+
+def _short(v) -> str:
+    """``repr(v)`` of at most 60 characters (an int of any size included)."""
+    if isinstance(v, int) and v.bit_length() > 256:  # (str() refuses ints of more than 4300 digits)
+        return f"an int of {v.bit_length()} bits"
+    try:
+        text = repr(v)
+    except Exception:  # noqa: BLE001 - a foreign object's repr
+        return f"a {type(v).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_host_lengths(static: dict, lens: list[int], num_pages: int) -> tuple[int, int]:
+    """:func:`validate_values` for host lengths (Python ints of any size): the count, ``[0, capacity]`` and a
+    paged cache with pages. Returns ``(max_kv_len, total_kv_len)``."""
+    batch = static["batch"]
+    if len(lens) != batch:
+        raise ValueError(f"seq_lens_host must hold {batch} lengths (one per sequence), got {len(lens)}")
+    if not lens:
+        return 0, 0
+    if min(lens) < 0:
+        shown = ", ".join(_short(v) for v in lens[:16]) + (", ..." if len(lens) > 16 else "")
+        raise ValueError(f"seq_lens must be >= 0, got [{shown}] (given as seq_lens_host)")
+    hi = max(lens)
+    bad = lens.index(hi)
+    cap = static["capacity"]
+    if hi > cap:
+        where = "max_pages_per_seq * page_size" if static["page_size"] is not None else "k_cache.shape[1]"
+        raise ValueError(f"seq_lens[{bad}] = {_short(hi)} exceeds the cache capacity {cap} tokens ({where}; given "
+                         f"as seq_lens_host[{bad}])")
+    if static["page_size"] is not None and num_pages == 0 and hi > 0:
+        # the table is not read, so the one layout no clamp can make safe is refused here
+        raise ValueError(f"k_cache has no pages (num_pages = k_cache.shape[0] = 0) but seq_lens[{bad}] = {hi} needs "
+                         "at least one")
+    return int(hi), int(sum(lens))
+
+
 def _read_values(seq_lens: torch.Tensor, block_table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``seq_lens`` (and the block table) as int64 CPU tensors. On a GPU both are copied into pinned host
     memory without blocking and the host then waits once for the stream (one sync for both)."""
@@ -760,18 +855,16 @@ def validate_values(static: dict, seq_lens: torch.Tensor, block_table: torch.Ten
     Raises:
         ValueError: a length is negative or beyond the cache's capacity; a block-table entry a
             sequence uses is outside ``[0, num_pages)`` (checked without host lengths only); a paged
-            cache has no pages but a sequence is not empty; ``seq_lens_host`` has the wrong length.
+            cache has no pages but a sequence is not empty; ``seq_lens_host`` has the wrong length, or is a
+            tensor not 1-D on the CPU (:func:`as_host_lengths`).
+        TypeError: ``seq_lens_host`` is not a sequence of ints (:func:`as_host_lengths`).
     """
     if seq_lens_host is not None:
         fast = host_lengths(static, seq_lens_host, num_pages)
         if fast is not None:
             return fast[1], fast[2]
-        lens = torch.as_tensor(list(seq_lens_host), dtype=torch.int64)
-        if lens.ndim != 1 or lens.numel() != seq_lens.shape[0]:
-            raise ValueError(f"seq_lens_host must hold {seq_lens.shape[0]} lengths (one per sequence), got {lens.numel()}")
-        bt = None
-    else:
-        lens, bt = _read_values(seq_lens, block_table)
+        return _check_host_lengths(static, as_host_lengths(seq_lens_host), num_pages)
+    lens, bt = _read_values(seq_lens, block_table)
     if lens.numel() and int(lens.min()) < 0:
         raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()[:16]}")
     cap = static["capacity"]
@@ -779,11 +872,6 @@ def validate_values(static: dict, seq_lens: torch.Tensor, block_table: torch.Ten
         bad = int(lens.argmax())
         where = "max_pages_per_seq * page_size" if block_table is not None else "k_cache.shape[1]"
         raise ValueError(f"seq_lens[{bad}] = {int(lens[bad])} exceeds the cache capacity {cap} tokens ({where})")
-    if block_table is not None and bt is None and lens.numel() and num_pages == 0 and int(lens.max()) > 0:
-        # host lengths: the table is not read, so the one layout no clamp can make safe is refused here
-        bad = int(lens.argmax())
-        raise ValueError(f"k_cache has no pages (num_pages = k_cache.shape[0] = 0) but seq_lens[{bad}] = "
-                         f"{int(lens[bad])} needs at least one")
     if bt is not None and lens.numel():
         ps = static["page_size"]
         pages_used = (lens + ps - 1) // ps

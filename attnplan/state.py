@@ -24,7 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PartialState", "merge_states", "merge_state_pair"]
+__all__ = ["PartialState", "merge_states", "merge_state_pair", "MERGE_DTYPES"]
+
+#: the dtypes :func:`merge_states` computes in (an fp8 state is no state: torch has no arithmetic in fp8)
+MERGE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class PartialState:
     (:func:`merge_states` with ``indptr``; :mod:`attnplan.schedule`).
 
     Raises:
+        TypeError: ``o`` or ``lse`` is not a tensor.
         ValueError: if the two tensors' shapes or devices do not agree.
     """
 
@@ -54,6 +58,10 @@ class PartialState:
     lse: torch.Tensor
 
     def __post_init__(self) -> None:
+        for name in ("o", "lse"):
+            v = getattr(self, name)
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"PartialState: {name} must be a torch.Tensor, got {type(v).__name__}")
         if self.o.dim() != 5 or self.lse.dim() != 4:
             raise ValueError(
                 f"PartialState: o must be 5-D [batch, q_len, num_q_heads, num_splits, head_dim] and "
@@ -106,7 +114,8 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
     Partial states never include the sink, so splitting stays exact.
 
     Args:
-        state: dense: ``o [B, Q, H, S, D]``, ``lse [B, Q, H, S]`` in any float dtype on any device (``S`` may be 0).
+        state: dense: ``o [B, Q, H, S, D]``, ``lse [B, Q, H, S]`` in float16, bfloat16, float32 or float64 on any
+            device (``S`` may be 0).
             Ragged (with ``indptr``): the workspace layout of the device-side schedule, ``o [1, Q, H, U, D]``,
             ``lse [1, Q, H, U]``, sequence ``b``'s states in slots ``[indptr[b], indptr[b + 1])``.
         sinks: optional ``[H]`` float sink logits (natural-log units of the scaled scores), on the state's device.
@@ -114,16 +123,18 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
     Returns:
         ``(o, lse)``: ``o [B, Q, H, D]`` and ``lse [B, Q, H]`` in the state's dtype.
     Raises:
-        TypeError: ``state`` is not a :class:`PartialState` of float tensors, or ``sinks`` / ``indptr`` have the
-            wrong dtype.
+        TypeError: ``state`` is not a :class:`PartialState` of float16 / bfloat16 / float32 / float64 tensors
+            (:data:`MERGE_DTYPES`; fp8 is refused), or ``sinks`` / ``indptr`` have the wrong dtype.
         ValueError: ``sinks`` or ``indptr`` have the wrong shape or device, or ``indptr`` is not a valid offset array
             (read to the host: ragged merges are for the host, not for CUDA-graph capture).
     """
     if not isinstance(state, PartialState):
         raise TypeError(f"merge_states: state must be a PartialState, got {type(state).__name__}")
-    if not (state.o.is_floating_point() and state.lse.is_floating_point()):
-        raise TypeError(f"merge_states: the state's o and lse must be float tensors, got {state.o.dtype} and "
-                        f"{state.lse.dtype}")
+    for name in ("o", "lse"):
+        dt = getattr(state, name).dtype
+        if dt not in MERGE_DTYPES:
+            raise TypeError(f"merge_states: the state's {name} must be a float16, bfloat16, float32 or float64 tensor, "
+                            f"got {dt}")
     heads = state.o.shape[2]
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():

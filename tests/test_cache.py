@@ -251,6 +251,10 @@ HOSTILE = {
     "problem batch": lambda f: _mutated(f, _set("plan", "problem", "batch", 5)),
     "problem capacity": lambda f: _mutated(f, _set("plan", "problem", "capacity", 8)),
     "problem page size": lambda f: _mutated(f, _set("plan", "problem", "page_size", 8)),
+    # well-typed plans whose sizes are beyond what the problem can need (an allocation of that size would be tried)
+    "max_units above the bound": lambda f: _mutated(f, _add("max_units", 1)),
+    "max_units 2^31 - 1": lambda f: _mutated(f, _set("plan", "schedule", "max_units", (1 << 31) - 1)),
+    "problem capacity beyond the 32-bit counters": lambda f: _mutated(f, _set("plan", "problem", "capacity", 1 << 40)),
 }
 
 
@@ -258,7 +262,8 @@ HOSTILE = {
 KERNEL_RELEVANT = {"max_units 0", "max_units below the batch", "workspace too small", "kernel {}", "block_n 0",
                    "granule not a multiple of block_n", "granule not a multiple of the page size", "merge atomic",
                    "merge none with units", "problem batch", "problem capacity", "problem page size",
-                   "max_units_per_seq 0"}
+                   "max_units_per_seq 0", "max_units above the bound", "max_units 2^31 - 1",
+                   "problem capacity beyond the 32-bit counters"}
 
 
 def _decode_with_cache(ctx, x, backend=CACHE_BACKEND):
@@ -328,6 +333,78 @@ def test_check_plan_accepts_what_the_planner_makes():
                                                max_kv_len=100, window_left=20, soft_cap=5.0, has_sinks=True)):
         for dev in (DEV_A, DEV_B):
             check_plan(plan(ctx_at("/nonexistent-dir-never-written", disk=False), dev, prob))
+
+
+def test_check_plan_bounds_the_sizes_of_a_loaded_plan():
+    """A plan read from disk has exactly the unit slots its problem can need (SplitPlan.units_bound; validate()
+    refuses fewer, check_plan more), at most 1024 units per sequence, and a capacity within the schedule's 32-bit
+    counters: the workspace and the grid a file makes are never larger than a plan the planner makes."""
+    import dataclasses
+
+    from attnplan.cache import check_plan
+
+    p = plan(ctx_at("/nonexistent-dir-never-written", disk=False))
+    s = p.schedule
+    assert not p.single_pass and s.max_units == p.units_bound
+    check_plan(p)
+    bad = {
+        "exceeds the": dataclasses.replace(p, schedule=dataclasses.replace(s, max_units=s.max_units + 1)),
+        "exceeds 1024": dataclasses.replace(p, schedule=dataclasses.replace(s, max_units_per_seq=2000)),
+        "32-bit counters": dataclasses.replace(p, problem=dataclasses.replace(p.problem, capacity=1 << 40)),
+    }
+    for match, q in bad.items():
+        q.validate()  # consistent in itself: only the sizes are out of bounds
+        with pytest.raises(ValueError, match=match):
+            check_plan(q)
+
+
+@pytest.mark.parametrize("backend,option,value", [
+    ("cuda_ptx", "num_warps", 64), ("cuda_ptx", "num_stages", 0), ("cuda_ptx", "threads", 96),
+    ("cuda_ptx", "mma", "yes"), ("triton", "colour", 1), ("numba", "merge_threads", 7),
+    ("reference", "num_warps", 4)])
+def test_plan_file_kernel_options_its_backend_refuses_are_rebuilt(tmp_path, backend, option, value):
+    """A plan file's kernel options must be what the plan's backend makes of them: its kernel_config, given them
+    for the plan's launch problem, neither raises (an option out of the kernel's range: cuda_ptx's num_warps 64,
+    num_stages 0) nor changes them (a derived option edited, an unknown one added). Else the file is unusable and
+    rebuilt with a warning (nothing compiled here: plan_problem only plans)."""
+    prob = attnplan.DecodeProblem(batch=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16, max_kv_len=100,
+                                  capacity=128, q_dtype="float16", kv_dtype="float16")
+    be, cpu = get_backend(backend), torch.device("cpu")
+    first = plan_problem(prob, be, cpu, ctx_at(tmp_path), num_splits=3)
+    (f,) = list((tmp_path / VDIR).glob("*.json"))
+    f.write_text(_mutated(f, _set("plan", "kernel", option, value)))
+    ctx = ctx_at(tmp_path)
+    with pytest.warns(RuntimeWarning, match=f"{f.name} is unusable .*{option}"):
+        again = plan_problem(prob, be, cpu, ctx, num_splits=3)
+    assert again == first and ctx.cache.stats.rebuilt == 1 and ctx.cache.stats.disk_hits == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plan_problem(prob, be, cpu, ctx_at(tmp_path), num_splits=3) == first  # the rebuilt file is read
+
+
+def test_a_plan_file_with_a_huge_head_count_is_refused_without_building_its_launches(tmp_path, monkeypatch):
+    """A plan of head blocks (a GQA group larger than a program: one launch per query, KV head and head block) edited
+    to 10^6 KV heads: validating it must not build its 2 x 10^6 launches (SplitPlan.first_launch_problem); it does
+    not fit the caller's problem and is rebuilt with a warning."""
+    from attnplan.planner import SplitPlan
+
+    prob = attnplan.DecodeProblem(batch=2, num_q_heads=71, num_kv_heads=1, head_dim=64, page_size=16, max_kv_len=100,
+                                  capacity=128, q_dtype="bfloat16", kv_dtype="bfloat16")
+    be, cpu = get_backend("cuda_ptx"), torch.device("cpu")
+    first = plan_problem(prob, be, cpu, ctx_at(tmp_path), num_splits=3)
+    assert first.head_block and len(first.launches) == 2
+    (f,) = list((tmp_path / VDIR).glob("*.json"))
+    f.write_text(_mutated(f, lambda d: d["plan"]["problem"].update(num_q_heads=71 * 10**6, num_kv_heads=10**6)))
+    real = SplitPlan.launches.fget
+
+    def launches(self):
+        assert self.problem.num_kv_heads < 10**4, "built the launches of a plan file's 10^6 KV heads"
+        return real(self)
+    monkeypatch.setattr(SplitPlan, "launches", property(launches))
+    ctx = ctx_at(tmp_path)
+    with pytest.warns(RuntimeWarning, match=f"{f.name} is unusable .*num_q_heads, num_kv_heads differ"):
+        assert plan_problem(prob, be, cpu, ctx, num_splits=3) == first
+    assert ctx.cache.stats.rebuilt == 1
 
 
 def test_entries_and_clear_survive_hostile_files(tmp_path, monkeypatch):

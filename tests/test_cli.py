@@ -125,6 +125,9 @@ def test_bench_is_no_longer_a_subcommand(capsys):
     (["run", "--iters", "-1"], "--iters"),
     (["run", "--seed", "abc"], "--seed"),
     (["run", "--kv-lens", "3,4", "--batch", "3"], "--kv-lens gives 2 lengths but --batch is 3"),
+    (["run", "--kv-lens", "2147483648", "--explain"], "--kv-lens: 2147483648 is out of range: a KV length in "
+                                                      "[0, 2147483647] (seq_lens are int32)"),
+    (["run", "--max-kv", "2147483648"], "--max-kv: 2147483648 is out of range: a KV length in [1, 2147483647]"),
 ])
 def test_bad_arguments_are_usage_errors(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
@@ -264,3 +267,39 @@ def test_a_closed_pipe_ends_the_cli_quietly(tmp_path):
         err = p.stderr.read().decode()
         assert p.wait(timeout=60) == 0, err
         assert "Broken pipe" not in err and "BrokenPipeError" not in err and "error" not in err, err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--batch", "1048576", "--max-kv", "1", "--explain"], "q and out 16.0"),
+    (["--batch", "1048576", "--max-kv", "1"], "K and V caches 64.0"),
+    (["--kv-lens", "2147483647", "--batch", "1"], "K and V caches 8192.0"),
+    (["--kv-lens", "300000", "--batch", "64", "--page-size", "0"], "K and V caches 73.2"),
+])
+def test_a_workload_too_large_for_the_memory_is_a_usage_error_before_any_allocation(capsys, monkeypatch, argv,
+                                                                                     needle):
+    """The tensors' bytes (q and out, the largest workspace, the caches and the block table; with --explain no
+    caches) are checked against the memory before anything is drawn: argparse's usage error naming the sizes and
+    the limit, never an OOM kill."""
+    import attnplan
+    import attnplan.testing
+
+    monkeypatch.setattr(cli, "_memory_limit", lambda cpu: (4 << 30, "the test's 4 GiB"))
+    monkeypatch.setattr(attnplan.testing, "make_inputs", lambda *a, **k: pytest.fail("inputs were allocated"))
+    monkeypatch.setattr(attnplan.DecodeWrapper, "plan", lambda *a, **k: pytest.fail("planned"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert "this workload needs about" in err and needle in err and "but the test's 4 GiB is the limit (4.0 GiB)" in err
+
+
+def test_explain_plans_on_views_without_allocating_the_caches(capsys, monkeypatch):
+    """--explain plans on stride-0 views of one row of q and of the caches, with the lengths on the host: a
+    100M-token cache (400 GB in bf16 for llama-3.1-8b's heads) explains in a moment, nothing drawn."""
+    import attnplan.testing
+
+    monkeypatch.setattr(attnplan.testing, "make_inputs", lambda *a, **k: pytest.fail("inputs were allocated"))
+    for page in ("16", "0"):
+        assert cli.main(["run", "--explain", "--kv-lens", "100000000", "--batch", "1", "--page-size", page]) == 0
+        out = capsys.readouterr().out
+        assert "plan:" in out and "100000000" in out and "(sequence, KV head) pairs: 8" in out

@@ -179,3 +179,76 @@ def test_plan_cache_dir_with_a_nul_is_refused_by_key():
 
     with pytest.raises(ConfigError, match="plan_cache.dir: a path cannot hold a NUL character"):
         load_config(plan_cache={"dir": "a\0b"})
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("split:\n  num_splits: 2\nsplit:\n  num_splits: 3\n",
+     r"duplicate key 'split' at line 3, column 1 \(first at line 1, column 1\)"),
+    ("split: {num_splits: 2, num_splits: 5}\n",
+     r"duplicate key 'num_splits' at line 1, column 24 \(first at line 1, column 9\)"),
+    ("backend_options:\n  triton:\n    block_n: 32\n    num_warps: 4\n    block_n: 64\n",
+     r"duplicate key 'block_n' at line 5, column 5 \(first at line 3, column 5\)"),
+    ("cost_model:\n  launch_us: 1.0\nplan_cache: {enabled: true}\ncost_model: {launch_us: 1.0}\n",
+     "duplicate key 'cost_model' at line 4"),  # equal values too: the file says two things
+    ("colour: 1\ncolour: 2\n", "duplicate key 'colour' at line 2"),  # before the unknown key
+    ("backends: [triton, {a: 1, a: 2}]\n", "duplicate key 'a'"),  # inside a sequence
+    ("split:\n  num_splits: 1\n  0x1: a\n  1: b\n", "duplicate key 1 at line 4"),  # equal once resolved
+])
+def test_duplicate_keys_are_refused_at_any_depth(tmp_path, text, needle):
+    """PyYAML keeps the last of two equal keys silently; attnplan refuses the file, naming the key and both lines."""
+    f = tmp_path / "dup.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=needle) as e:
+        load_config(f)
+    assert str(f) in str(e.value)
+
+
+def test_a_merge_key_may_still_be_overridden(tmp_path):
+    """YAML's ``<<`` merge brings keys in that the mapping may override: no duplicate."""
+    f = tmp_path / "ok.yaml"
+    f.write_text("backend_options:\n  triton: &o {block_n: 32, num_warps: 4}\n  cuda_ptx: {<<: *o, num_warps: 8}\n")
+    c = load_config(f)
+    assert c.options("cuda_ptx").block_n == 32 and c.options("cuda_ptx").num_warps == 8
+
+
+def test_a_device_table_with_a_duplicate_key_is_refused(tmp_path, monkeypatch):
+    from attnplan.config import device_table
+    from attnplan.device import user_table_path
+
+    monkeypatch.setenv("ATTNPLAN_CACHE_DIR", str(tmp_path))
+    device_table.cache_clear()
+    try:
+        f = user_table_path("dup-gpu")
+        f.parent.mkdir(parents=True)
+        f.write_text("cost_model: {launch_us: 2.0}\ncost_model: {launch_us: 3.0}\n")
+        with pytest.raises(ConfigError, match="duplicate key 'cost_model' at line 2"):
+            device_table("dup-gpu")
+    finally:
+        device_table.cache_clear()
+
+
+def test_a_leading_tilde_is_the_home_folder_in_every_path_setting(tmp_path, monkeypatch):
+    """``plan_cache.dir: "~/x"``, ``$ATTNPLAN_CACHE_DIR``, ``$ATTNPLAN_CONFIG``, a config path and
+    ``PlanCache("~/x")`` mean the home folder's ``x``, never a folder named ``~`` in the current directory."""
+    from attnplan.api import Context
+    from attnplan.cache import PlanCache, default_cache_dir
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    (home / "c.yaml").write_text("plan_cache: {dir: ~/plans}\nsplit: {num_splits: 2}\n")
+    for cfg in (load_config("~/c.yaml"), load_config(plan_cache={"dir": "~/plans"})):
+        assert cfg.plan_cache.dir == str(home / "plans")
+    monkeypatch.setenv("ATTNPLAN_CONFIG", "~/c.yaml")
+    cfg = load_config()
+    assert cfg.split.num_splits == 2 and cfg.plan_cache.dir == str(home / "plans")
+    ctx = Context.from_config(cfg)
+    x = attnplan.testing.make_inputs(1, 4, 2, 16, [20], page_size=16, dtype=torch.float32)
+    attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend="reference", config=ctx)
+    assert ctx.cache.directory == home / "plans" and list((home / "plans").glob("v*/*.json"))
+    monkeypatch.setenv("ATTNPLAN_CACHE_DIR", "~/envcache")
+    assert default_cache_dir() == home / "envcache"
+    assert PlanCache("~/direct").directory == home / "direct"
+    assert not (cwd / "~").exists() and list(cwd.iterdir()) == []

@@ -196,9 +196,42 @@ def test_merge_refuses_non_float_states_and_makes_a_plus_inf_lse_nan():
     """A bool or integer state is a TypeError (not a failure deep in torch); a ``+inf`` LSE (a split of unbounded
     weight) has no finite merge: the row is NaN, as documented, never a silent number."""
     o, lse = torch.zeros(1, 1, 1, 2, 4), torch.tensor([[[[float("inf"), 0.0]]]])
-    with pytest.raises(TypeError, match="must be float tensors"):
+    with pytest.raises(TypeError, match="state's o must be a float16, bfloat16, float32 or float64 tensor, got "
+                                        "torch.bool"):
         merge_states(PartialState(o.bool(), lse))
-    with pytest.raises(TypeError, match="must be float tensors"):
+    with pytest.raises(TypeError, match="state's lse must be a float16, .* got torch.int32"):
         merge_states(PartialState(o, lse.to(torch.int32)))
     out, out_lse = merge_states(PartialState(o, lse))
     assert torch.isnan(out).all() and torch.isnan(out_lse).all()
+
+
+@pytest.mark.parametrize("field", ["o", "lse"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64])
+def test_merge_refuses_fp8_and_complex_states_by_field(field, dtype):
+    """fp8 (and complex) pass ``is_floating_point`` / are numbers, but torch has no merge arithmetic in them: a
+    TypeError naming the field and the dtypes the merge takes, not torch's RuntimeError / NotImplementedError."""
+    t = {"o": torch.zeros(1, 1, 2, 3, 4), "lse": torch.zeros(1, 1, 2, 3)}
+    t[field] = t[field].to(dtype)
+    with pytest.raises(TypeError, match=f"merge_states: the state's {field} must be a float16, bfloat16, float32 or "
+                                        f"float64 tensor, got {dtype}"):
+        merge_states(PartialState(t["o"], t["lse"]))
+    with pytest.raises(TypeError, match=f"the state's {field} must be"):
+        merge_state_pair(PartialState(t["o"], t["lse"]), PartialState(t["o"], t["lse"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_merge_takes_every_float_dtype_it_computes_in(dtype):
+    o, lse = torch.ones(1, 1, 2, 3, 4, dtype=dtype), torch.zeros(1, 1, 2, 3, dtype=dtype)
+    out, out_lse = merge_states(PartialState(o, lse))
+    assert out.dtype == dtype and torch.allclose(out.double(), torch.ones(1, 1, 2, 4, dtype=torch.float64))
+    assert torch.allclose(out_lse.double(), torch.full((1, 1, 2), math.log(3), dtype=torch.float64), atol=1e-2)
+
+
+@pytest.mark.parametrize("o,lse", [
+    ([1.0], torch.zeros(1, 1, 2, 3)), (torch.zeros(1, 1, 2, 3, 4), None), (None, None),
+    (torch.zeros(1, 1, 2, 3, 4), [[0.0]]), (__import__("numpy").zeros((1, 1, 2, 3, 4)), torch.zeros(1, 1, 2, 3))])
+def test_partial_state_fields_must_be_tensors(o, lse):
+    name = "o" if not isinstance(o, torch.Tensor) else "lse"
+    with pytest.raises(TypeError, match=f"PartialState: {name} must be a torch.Tensor, got "
+                                        f"{type(o if name == 'o' else lse).__name__}"):
+        PartialState(o, lse)

@@ -138,6 +138,71 @@ def test_seq_lens_host_replaces_the_device_read_and_is_checked():
         w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=[20, 999])
 
 
+def _np():
+    return pytest.importorskip("numpy")
+
+
+@pytest.mark.parametrize("bad,exc,needle", [
+    ([float("nan"), 5], TypeError, r"seq_lens_host\[0\] must be an int .*got nan \(float\)"),
+    ([float("inf"), 5], TypeError, r"seq_lens_host\[0\] must be an int .*got inf"),
+    ([19.5, 5.0], TypeError, r"seq_lens_host\[0\] must be an int .*got 19.5"),  # never truncated
+    ((20.0, 5), TypeError, r"seq_lens_host\[0\] must be an int"),
+    (["20", "5"], TypeError, r"seq_lens_host\[0\] must be an int .*'20' \(str\)"),
+    ([None, 5], TypeError, r"seq_lens_host\[0\] must be an int .*None"),
+    ([[20], [5]], TypeError, r"seq_lens_host\[0\] must be an int .*\[20\] \(list\)"),
+    ([20 + 0j, 5], TypeError, r"seq_lens_host\[0\] must be an int"),
+    (lambda: iter([20, 5.5]), TypeError, r"seq_lens_host\[1\] must be an int"),
+    (5, TypeError, r"seq_lens_host must be a list, tuple, .* got int 5"),
+    ("25", TypeError, r"seq_lens_host must be .* got str"),
+    (b"\x14\x05", TypeError, r"seq_lens_host must be .* got bytes"),
+    ({0: 20, 1: 5}, TypeError, r"seq_lens_host must be .* got dict"),
+    ({20, 5}, TypeError, r"seq_lens_host must be .* got set"),
+    (lambda: torch.tensor(20), ValueError, r"seq_lens_host must be 1-D \[batch\] \(dense\), got a torch.strided "
+                                           r"tensor of shape \(\)"),
+    (lambda: torch.tensor([[20, 5]]), ValueError, r"seq_lens_host must be 1-D"),
+    (lambda: torch.tensor([20, 5]).to_sparse(), ValueError, r"seq_lens_host must be 1-D \[batch\] \(dense\), got a "
+                                                            r"torch.sparse_coo tensor"),
+    (lambda: torch.tensor([20.0, 5.0]), TypeError, r"seq_lens_host must hold ints, got a torch.float32 tensor"),
+    (lambda: torch.tensor([20, 5], device="meta"), ValueError, r"seq_lens_host must be host integers, got a tensor "
+                                                                r"on meta"),
+    (lambda: _np().array([20.0, 5.0]), TypeError, r"seq_lens_host must hold ints, got a float64 array"),
+    (lambda: _np().array([[20, 5]]), ValueError, r"seq_lens_host must be 1-D"),
+    ([2**70, 5], ValueError, r"seq_lens\[0\] = 1180591620717411303424 exceeds the cache capacity 32 tokens "
+                             r"\(max_pages_per_seq \* page_size; given as seq_lens_host\[0\]\)"),
+    ([-2**70, 5], ValueError, r"seq_lens must be >= 0, got \[-1180591620717411303424, 5\] \(given as seq_lens_host\)"),
+    ([10**5000, 5], ValueError, r"seq_lens\[0\] = an int of 16610 bits"),
+    (lambda: _np().array([2**63 + 5, 5], dtype="uint64"), ValueError, r"seq_lens\[0\] = 9223372036854775813 "),
+])
+def test_seq_lens_host_of_other_kinds_is_refused_by_name(bad, exc, needle):
+    """``seq_lens_host`` is one int per sequence: a list or tuple (or another ordered iterable) of ints (Python,
+    numpy or 0-d torch integers; bools count), a 1-D CPU integer tensor or numpy integer array. A float is refused,
+    not truncated; so are NaN, strings, None, a scalar, a mapping (its keys are no lengths), a set (no order),
+    float tensors and tensors off the CPU; ints of any size are range-checked without overflow. Nothing runs."""
+    x = make_inputs(2, 4, 2, 16, [20, 5], page_size=16, dtype=torch.float16)
+    make = bad if callable(bad) else lambda: bad
+    out = torch.full_like(x.q, float("nan"))
+    with pytest.raises(exc, match=needle):
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend="reference", out=out,
+                        seq_lens_host=make())
+    assert torch.isnan(out).all()
+    w = attnplan.DecodeWrapper(backend="reference")
+    with pytest.raises(exc, match=needle):
+        w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=make())
+
+
+@pytest.mark.parametrize("good", [
+    [20, 5], (20, 5), range(20, 4, -15), iter([20, 5]), [True, 5], lambda: torch.tensor([20, 5]),
+    lambda: torch.tensor([20, 5], dtype=torch.int32), lambda: [torch.tensor(20), torch.tensor(5)],
+    lambda: _np().array([20, 5]), lambda: [_np().int64(20), _np().int32(5)], lambda: _np().array([20, 5], "uint8")])
+def test_seq_lens_host_kinds_that_are_ints_are_accepted(good):
+    x = make_inputs(2, 4, 2, 16, [20, 5], page_size=16, dtype=torch.float16)
+    good = good() if callable(good) else good
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=good)
+    lens = [int(v) for v in w._lens_host]
+    assert lens in ([20, 5], [1, 5]) and w.plan_.problem.max_kv_len == attnplan.problem.len_bucket(max(lens))
+
+
 
 # ---------------------------------------------------------------------------------------------------
 # The input contract (attnplan.problem's module docstring): every refusal names the argument and
@@ -601,3 +666,52 @@ def test_kept_variant_tensors_resized_after_plan_are_refused():
     ks.set_(torch.ones(3))
     with pytest.raises(ValueError, match="k_scale must be a 1-D float32 tensor of 2 elements"):
         w.run(x8.q, k8, v8, x8.seq_lens, x8.block_table)
+
+
+# -- the meta device, outputs torch guards, the config argument --------------------------------------------------
+
+@pytest.mark.parametrize("host", [None, [13, 7]])
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "seq_lens", "block_table", "all"])
+def test_meta_tensors_are_refused_by_name(name, host):
+    """A tensor on the meta device has a shape and no data: refused by name before anything else reads it (not
+    torch's NotImplementedError, nor an overlap of the empty byte ranges [0x0, ...) meta tensors report)."""
+    x = fp32_case()
+    args = dict(q=x.q, k_cache=x.k_cache, v_cache=x.v_cache, seq_lens=x.seq_lens, block_table=x.block_table)
+    for n in args if name == "all" else (name,):
+        args[n] = args[n].to("meta")
+    want = "q" if name == "all" else name
+    for backend in ("reference", *kernel_backends("cpu")):
+        with pytest.raises(ValueError, match=f"{want} is on the meta device \\(a shape without data\\)"):
+            attnplan.decode(*args.values(), backend=backend, seq_lens_host=host)
+        w = attnplan.DecodeWrapper(backend=backend)
+        with pytest.raises(ValueError, match=f"{want} is on the meta device"):
+            w.plan(*args.values(), seq_lens_host=host)
+
+
+@pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS if b != "numba"])
+@pytest.mark.parametrize("splits,merge", [(1, "auto"), (3, "separate"), (3, "fused")])
+def test_outputs_that_require_grad_or_are_inference_tensors_are_written_like_triton_does(backend, splits, merge):
+    """Triton's kernels write ``out`` and ``lse`` through their memory: an ``out`` that requires grad (a leaf) and an
+    ``lse`` made in inference mode are written like any buffer; so does the float64 reference backend (it wrote them
+    with torch's in-place ops, which refused both); ``out`` itself is returned, with no autograd graph."""
+    x = fp32_case(lens=(13, 7))
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}, split={"merge": merge}))
+    out = torch.full_like(x.q, float("nan")).requires_grad_()
+    with torch.inference_mode():
+        lse = torch.full(x.q.shape[:3], float("nan"))
+    got = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse, backend=backend,
+                          num_splits=splits, config=ctx)
+    assert got is out and out.requires_grad and out.grad_fn is None and lse.is_inference()
+    assert_close_to_reference(out.detach(), ref, torch.float32)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [5, 2.5, b"plans/default.yaml", ["c.yaml"], {"split": {"num_splits": 2}}])
+def test_a_config_of_another_kind_is_refused_by_name(bad):
+    x = fp32_case()
+    with pytest.raises(TypeError, match=f"config must be an attnplan Config, a Context, a path to a YAML file or None "
+                                        f"\\(the default context\\), got {type(bad).__name__}"):
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend="reference", config=bad)
+    with pytest.raises(TypeError, match="config must be an attnplan Config"):
+        attnplan.DecodeWrapper(bad)

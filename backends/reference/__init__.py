@@ -34,8 +34,22 @@ class ReferenceBackend(Backend):
     def kernel_config(self, problem, options, device) -> dict:
         return {"block_n": 16}
 
+    # The outputs are written as the kernel backends write them, through their memory, whatever autograd says of
+    # them: an ``out`` that requires grad (a leaf) or an inference-mode ``lse`` is written, not refused by torch's
+    # in-place checks (torch.inference_mode: no graph recorded, inference tensors writable; the result is ``out``
+    # itself, no grad_fn, as from triton).
     def partial(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
                 lse: torch.Tensor | None) -> None:
+        with torch.inference_mode():
+            self._partial(plan, inputs, workspace, out, lse)
+
+    def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
+              sinks: torch.Tensor | None = None) -> None:
+        with torch.inference_mode():
+            self._merge(plan, workspace, out, lse, sinks)
+
+    def _partial(self, plan: SplitPlan, inputs: DecodeInputs, workspace: Workspace, out: torch.Tensor,
+                 lse: torch.Tensor | None) -> None:
         one_launch(plan)
         x = inputs
         st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
@@ -63,8 +77,8 @@ class ReferenceBackend(Backend):
         if plan.merge == "fused":
             self._merge_rows(units.indptr, units.units, ws, out, lse, x.sinks)
 
-    def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
-              sinks: torch.Tensor | None = None) -> None:
+    def _merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
+               sinks: torch.Tensor | None = None) -> None:
         one_launch(plan)
         b = out.shape[0]
         meta = workspace.meta.to("cpu", torch.int64)
