@@ -38,9 +38,14 @@ no ``+inf``; ``-inf`` means "no sink" for that head. Float scales are checked on
 the version counter (through ``.data``, an inference-mode tensor, or a foreign kernel) are not seen.
 ``seq_lens`` and the block table are read by ``plan()`` only when ``seq_lens_host`` is not given (one
 device-to-host read of both, a single host sync); ``run()`` reads no values: keep them valid between
-``plan()`` and ``run()``.
+``plan()`` and ``run()``. The lengths on the device are not clamped: a ``seq_lens`` value outside
+``[0, capacity]`` written after ``plan()`` (or found at a CUDA-graph replay) is not detected and makes the
+kernels read outside the cache, as in other split-KV kernels; the page clamp below covers the block table's
+entries, not the lengths.
 
-*Host lengths.* With ``seq_lens_host`` (``batch`` host ints equal to ``seq_lens``) ``plan()`` and
+*Host lengths.* With ``seq_lens_host`` (``batch`` host ints equal to ``seq_lens``: a list, tuple or iterator
+of ``int``, a 1-D CPU integer tensor or a numpy integer array; floats, strings and other kinds are a
+``TypeError``, a device tensor too, since reading it is the sync this argument avoids) ``plan()`` and
 ``attnplan.decode()`` read nothing from the device: the host lengths are checked (``[0, capacity]``)
 and the block table's values are not read at all. The caller vouches for its lengths and its table, as
 FlashInfer's and vLLM's ``plan()`` do. The kernels make that safe: every page index a kernel backend
