@@ -688,7 +688,7 @@ def test_meta_tensors_are_refused_by_name(name, host):
             w.plan(*args.values(), seq_lens_host=host)
 
 
-@pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS if b != "numba"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("splits,merge", [(1, "auto"), (3, "separate"), (3, "fused")])
 def test_outputs_that_require_grad_or_are_inference_tensors_are_written_like_triton_does(backend, splits, merge):
     """Triton's kernels write ``out`` and ``lse`` through their memory: an ``out`` that requires grad (a leaf) and an

@@ -234,6 +234,8 @@ class NumbaBackend(Backend):
 
     # -- launching ---------------------------------------------------------------------------------
     def _array(self, t: torch.Tensor):
+        if t.requires_grad:  # numba reads the memory, as triton does: no autograd (its interface refuses such a tensor)
+            t = t.detach()
         if self._k.SIM:
             return self._k.sim_array(t.numpy())
         return self._k.cuda.as_cuda_array(t, sync=False)
