@@ -361,10 +361,16 @@ def test_non_finite_scores_give_nan_rows_never_empty_rows(backend, gen):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_large_legal_scales_do_not_overflow(backend, gen):
     """sm_scale 2e38 (below the bound, FP32_SCALED_MAX) over K = 0: every score is 0 and the output the mean of V; sm_scale
-    1e38 over K ~ 1e-37 (scores ~10). A kernel that scales q before the dot product overflows (inf x 0 = NaN)."""
-    for sm, kmag in ((2e38, 0.0), (1e38, 1e-37)):
+    1e38 over K that is 0 but in its first dimension, ~3e-38 there (scores ~10). A kernel that scales q before the
+    dot product overflows (|q| x 1e38 x log2(e) > fp32's max; inf x 0 = NaN)."""
+    for sm, kmag in ((2e38, 0.0), (1e38, 2e-38)):
         x = make_inputs(2, 8, 2, 64, [40, 9], dtype=torch.float32, device=DEVICE, generator=gen)
-        x.k_cache.mul_(kmag)
+        # |q_0| >= 1 and |k_0| >= 2e-38, the other K dimensions exactly 0: no product below fp32's normal range (a
+        # GPU may flush subnormals), and one product per score (its fp32 rounding stays within tolerance)
+        x.q[..., 0] = torch.sign(x.q[..., 0]) * (1.0 + x.q[..., 0].abs())
+        k0 = torch.sign(x.k_cache[..., 0]) * (1.0 + x.k_cache[..., 0].abs()) * kmag
+        x.k_cache.zero_()
+        x.k_cache[..., 0] = k0
         ref, ref_lse = reference.attention(x.q.cpu(), x.k_cache.cpu(), x.v_cache.cpu(), x.seq_lens.cpu(), None, sm)
         assert torch.isfinite(ref).all()
         for splits in (1, 3):

@@ -12,6 +12,11 @@ from attnplan import cli
 from conftest import HAS_CUDA
 
 
+#: tests of the CPU run's own messages (the interpreter / simulator fallback notes, cuda_ptx skipped for CPU tensors,
+#: the long-run warning): on a GPU machine the same command runs on the GPU and says other things
+CPU_MODE_ONLY = pytest.mark.skipif(HAS_CUDA, reason="the CPU run's messages; on a GPU machine the run is on the GPU")
+
+
 def test_run_default_checks_against_reference(capsys):
     assert cli.main(["run"]) == 0
     out = capsys.readouterr().out
@@ -160,6 +165,7 @@ def test_batch_is_inferred_from_kv_lens(capsys):
     assert rep["batch"] == 5 and rep["kv_lens"] == [20, 0, 7, 33, 5] and rep["check"]["sequences"] == 4
 
 
+@CPU_MODE_ONLY
 def test_explain_prints_the_plan_and_skipped_backends_without_computing(tmp_path, capsys, monkeypatch):
     import attnplan
 
@@ -184,6 +190,7 @@ def test_config_is_accepted_after_the_subcommand(tmp_path, capsys):
     assert "1 plan file" in capsys.readouterr().out
 
 
+@CPU_MODE_ONLY
 def test_falling_to_the_reference_backend_is_said_in_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cfg = tmp_path / "c.yaml"
@@ -196,6 +203,7 @@ def test_falling_to_the_reference_backend_is_said_in_one_line(tmp_path, capsys, 
     assert "reference backend" not in capsys.readouterr().err  # forced: no note
 
 
+@CPU_MODE_ONLY
 def test_a_large_cpu_run_prints_the_plan_and_warns_before_computing(capsys, monkeypatch):
     import attnplan
 

@@ -148,11 +148,13 @@ CASES = [
 ]
 
 
-def _inputs(heads, q_len, lens, variants, dtype=torch.float16, seed=0, capacity=None) -> DecodeInputs:
+def _inputs(heads, q_len, lens, variants, dtype=torch.float16, seed=0, capacity=None, device=DEVICE) -> DecodeInputs:
+    """Seeded inputs on ``device`` (the test machine's: the kernel backends run CPU tensors only in the interpreter
+    and the simulator; the cuda_ptx host emulation takes ``CPU``)."""
     g = torch.Generator().manual_seed(seed)
     x = make_inputs(len(lens), heads[0], heads[1], 32, list(lens), q_len=q_len, page_size=16, dtype=dtype,
-                    generator=g, capacity=capacity)
-    sinks = (torch.randn(heads[0], generator=g) * 2).float() if variants.get("sinks") else None
+                    generator=g, capacity=capacity, device=device)
+    sinks = (torch.randn(heads[0], generator=g) * 2).float().to(device) if variants.get("sinks") else None
     return dataclasses.replace(x, window_left=variants.get("window_left", -1),
                                soft_cap=variants.get("soft_cap", 0.0), sinks=sinks)
 
@@ -207,7 +209,7 @@ def test_query_blocks_capacity_plan_serves_other_lengths():
     assert plan.capacity_mode and len(plan.q_blocks) == 2
     for lens in ((64, 1), (0, 17), (40, 63)):
         x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3]))
+        out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], device=DEVICE))
         w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
         _check(out, lse, x)
 
@@ -386,7 +388,7 @@ def test_cuda_ptx_query_blocks_in_emulation(mma, merge):
     if emulate.compiler() is None:
         pytest.skip("no C++ compiler for the host emulation")
     be = emulate.EmulatedCudaPtxBackend()
-    x = _inputs((8, 1), 16, (40, 3, 0), dict(sinks=True), dtype=torch.bfloat16)
+    x = _inputs((8, 1), 16, (40, 3, 0), dict(sinks=True), dtype=torch.bfloat16, device=CPU)
     prob = problem_of(x)
     ctx = Context.from_config(load_config(split={"merge": merge}, backend_options={"cuda_ptx": {"mma": mma}}))
     plan = plan_problem(prob, be, CPU, ctx, num_splits=3)
@@ -474,17 +476,17 @@ def test_dispatch_prefers_a_backend_that_holds_the_queries_in_one_launch():
     from attnplan.api import select_backend
 
     prob = _problem(64, 8, 16)  # 128 rows: numba 2 launches, triton 1
-    be, skipped = select_backend(prob, CPU, load_config(backends=["numba", "triton", "reference"]))
+    be, skipped = select_backend(prob, torch.device(DEVICE), load_config(backends=["numba", "triton", "reference"]))
     assert be.name == "triton" and skipped[0][0] == "numba" and "launches of 8 queries (the KV read 2 times)" in \
         skipped[0][1][0]
-    be, skipped = select_backend(prob, CPU, load_config(backends=["numba", "reference"]))
+    be, skipped = select_backend(prob, torch.device(DEVICE), load_config(backends=["numba", "reference"]))
     assert be.name == "numba" and skipped == []
     big = _problem(256, 8, 16)  # 512 rows: numba 8 launches, triton 4, only the fallback holds them in one
-    be, skipped = select_backend(big, CPU, load_config(backends=["numba", "triton", "reference"]))
+    be, skipped = select_backend(big, torch.device(DEVICE), load_config(backends=["numba", "triton", "reference"]))
     assert be.name == "triton" and [n for n, _ in skipped] == ["numba"]
-    be, skipped = select_backend(big, CPU, load_config(backends=["triton", "numba", "reference"]))
+    be, skipped = select_backend(big, torch.device(DEVICE), load_config(backends=["triton", "numba", "reference"]))
     assert be.name == "triton" and skipped == []
-    be, _ = select_backend(prob, CPU, load_config(), backend="numba")
+    be, _ = select_backend(prob, torch.device(DEVICE), load_config(), backend="numba")
     assert be.name == "numba"
 
 
@@ -586,14 +588,15 @@ def test_more_query_block_shapes_match_reference(name, heads, q_len, lens, varia
     ks = vs = None
     if variants.get("fp8"):
         g = torch.Generator().manual_seed(1)
-        ks, vs = (torch.rand(heads[1], generator=g) + 0.5).float(), (torch.rand(heads[1], generator=g) + 0.5).float()
+        ks = (torch.rand(heads[1], generator=g) + 0.5).float().to(DEVICE)
+        vs = (torch.rand(heads[1], generator=g) + 0.5).float().to(DEVICE)
         x = dataclasses.replace(x, k_cache=(x.k_cache.float() / 4).to(torch.float8_e4m3fn),
                                 v_cache=(x.v_cache.float() * 2).to(torch.float8_e4m3fn), k_scale=ks, v_scale=vs)
     w = attnplan.DecodeWrapper(backend=name)
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2 if launches else 0,
                   window_left=x.window_left, logits_soft_cap=x.soft_cap, sinks=x.sinks, k_scale=ks, v_scale=vs)
     assert len(plan.launches) == launches, plan.q_blocks
-    out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3]))
+    out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], device=DEVICE))
     w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
                                        window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks,
@@ -635,14 +638,15 @@ def test_capacity_plan_with_blocks_on_numba_and_cuda_ptx(name):
         if emulate.compiler() is None:
             pytest.skip("no C++ compiler for the host emulation")
         be, merge = emulate.EmulatedCudaPtxBackend(), "fused"
-    x = _inputs((8, 1), 16, (64, 64), dict(sinks=True), dtype=torch.bfloat16, capacity=64)
+    dev = torch.device(DEVICE) if name == "numba" else CPU
+    x = _inputs((8, 1), 16, (64, 64), dict(sinks=True), dtype=torch.bfloat16, capacity=64, device=dev)
     prob = dataclasses.replace(problem_of(x), max_kv_len=64, total_kv_len=128, capacity=64)
-    plan = plan_problem(prob, be, CPU, Context.from_config(load_config(split={"merge": merge})), capacity_mode=True)
+    plan = plan_problem(prob, be, dev, Context.from_config(load_config(split={"merge": merge})), capacity_mode=True)
     assert plan.q_block == 8 and plan.merge == merge
-    ws = poisoned_workspace(plan, CPU)
+    ws = poisoned_workspace(plan, dev)
     for lens in ((64, 1), (0, 17), (40, 63)):
         x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-        out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3]))
+        out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], device=dev))
         be.run(plan, x, ws, out, lse)
         _check(out, lse, x)
         if ws.counters is not None:
