@@ -31,7 +31,7 @@ import torch
 
 from .backends import Backend, DecodeInputs, Workspace, get_backend
 from .cache import PlanCache
-from .config import Config, device_table, load_config
+from .config import MAX_SPLITS, Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
@@ -588,8 +588,8 @@ class DecodeWrapper:
         """:meth:`_plan` until it raises."""
         self._fast = None  # run() takes its full path until this plan is complete
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                       or not 0 <= num_splits <= 1024):
-            raise ValueError(f"num_splits must be an int in [0, 1024] (0 = planner, 1 = no split, >1 = forced) "
+                                       or not 0 <= num_splits <= MAX_SPLITS):
+            raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = planner, 1 = no split, >1 = forced) "
                              f"or None (the config's split.num_splits), got {num_splits!r}")
         # -- the static checks (attnplan.problem.validate_inputs), memoized: they depend only on what the key holds
         # (the inputs' signature, the scalars by type and value); tensor sinks / scales always take the full path

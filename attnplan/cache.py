@@ -35,7 +35,8 @@ from typing import Callable
 import platformdirs
 
 from ._version import __version__
-from .planner import PLAN_VERSION, SplitPlan
+from .config import MAX_SPLITS
+from .planner import PLAN_VERSION, SplitPlan, check_granule_counters
 from .problem import DecodeProblem
 
 __all__ = ["PlanCache", "CacheStats", "default_cache_dir", "check_plan", "load_plan_file", "atomic_write",
@@ -100,24 +101,18 @@ def _pow2(name: str, v, lo: int, hi: int) -> None:
         raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {v!r}")
 
 
-#: most units (splits) one sequence may get in any plan the planner makes (``split.max_splits`` and ``num_splits``
-#: are at most this)
-MAX_UNITS_PER_SEQ = 1024
 
 
 def _check_sizes(plan: SplitPlan) -> None:
     """The size fields that drive the workspace's allocation and the grid, bounded by what the plan's problem can
-    need (a plan the planner makes has exactly these): ``max_units_per_seq`` at most :data:`MAX_UNITS_PER_SEQ`, the
+    need (a plan the planner makes has exactly these): ``max_units_per_seq`` at most :data:`MAX_SPLITS`, the
     capacity within the schedule's 32-bit counters, and ``max_units`` exactly the schedule's bound
     (:attr:`SplitPlan.units_bound`; :meth:`SplitPlan.validate` has refused fewer)."""
     s, p = plan.schedule, plan.first_launch_problem()
-    if s.max_units_per_seq > MAX_UNITS_PER_SEQ:
-        raise ValueError(f"schedule.max_units_per_seq {s.max_units_per_seq} exceeds {MAX_UNITS_PER_SEQ}, the most "
+    if s.max_units_per_seq > MAX_SPLITS:
+        raise ValueError(f"schedule.max_units_per_seq {s.max_units_per_seq} exceeds {MAX_SPLITS}, the most "
                          "splits a plan is made with")
-    granules = -(-max(p.capacity, p.max_kv_len, 1) // s.granule)
-    if p.batch * granules >= 1 << 31:
-        raise ValueError(f"batch {p.batch} x {granules} granules of {s.granule} tokens exceeds the schedule's 32-bit "
-                         "counters (2^31 granules per batch)")
+    check_granule_counters(p, s.granule)
     bound = plan.units_bound
     if s.max_units > bound:
         raise ValueError(f"schedule.max_units {s.max_units} exceeds the {bound} unit slots this problem can need "

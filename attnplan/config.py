@@ -44,6 +44,10 @@ MAX_NODES = 200_000
 MAX_ERRORS = 20
 
 
+#: most splits (units) one sequence may get: the bound of ``split.num_splits`` / ``split.max_splits``, of a
+#: ``num_splits`` argument and of a plan read from disk
+MAX_SPLITS = 1024
+
 class ConfigError(ValueError):
     """A configuration file or value is invalid; the message names key, value and what is allowed."""
 
@@ -179,8 +183,8 @@ class SplitPolicy(_Strict):
         "auto", description="cross-program merge of sequences with several units: separate kernel, fused into the "
                             "last program of each (sequence, KV head) (atomic completion counter, fixed merge order), "
                             "or auto = the cheaper by the cost model")
-    num_splits: int = Field(0, ge=0, le=1024, description="0 = heuristic, 1 = never split, >1 = forced")
-    max_splits: int = Field(256, ge=1, le=1024, description="most splits a sequence may get")
+    num_splits: int = Field(0, ge=0, le=MAX_SPLITS, description="0 = heuristic, 1 = never split, >1 = forced")
+    max_splits: int = Field(256, ge=1, le=MAX_SPLITS, description="most splits a sequence may get")
     min_chunk_tokens: int = Field(64, ge=16, le=1 << 20, description="smallest chunk the planner makes (cost model "
                                                                      "and tuned table; not a forced num_splits), tokens")
     batch_invariant: bool = Field(False, description="fix each sequence's units from its own length alone (units of "

@@ -817,6 +817,20 @@ def _warps(kernel: Mapping) -> int | None:
     return w if isinstance(w, int) and not isinstance(w, bool) and w > 0 else None
 
 
+def check_granule_counters(problem: DecodeProblem, granule: int) -> int:
+    """The schedule's 32-bit counters hold a batch at ``problem``'s capacity in granules of ``granule`` tokens.
+    Returns the granules of one sequence at the capacity (its visible span, :func:`_capacity_span`).
+
+    Raises:
+        ValueError: ``batch x ceil(capacity span / granule) >= 2^31``."""
+    cap_granules = -(-_capacity_span(problem) // granule)
+    if problem.batch * cap_granules >= 1 << 31:
+        raise ValueError(f"batch {problem.batch} x {cap_granules} granules of {granule} tokens per sequence exceeds "
+                         "the schedule's 32-bit counters (2^31 granules per batch); use a larger page size or "
+                         "block_n")
+    return cap_granules
+
+
 def _capacity_span(problem: DecodeProblem) -> int:
     """Most positions any query of a sequence at the cache's capacity can see, tokens (the window bounds it)."""
     cap = max(problem.capacity, problem.max_kv_len, 1)
@@ -880,10 +894,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         problem_w = replace(problem, max_kv_len=span, total_kv_len=min(problem.total_kv_len, batch * span))
     else:
         problem_w = problem
-    cap_granules = -(-_capacity_span(problem) // granule)
-    if batch * cap_granules >= 1 << 31:
-        raise ValueError(f"batch {batch} x {cap_granules} granules of {granule} tokens per sequence exceeds the "
-                         "schedule's 32-bit counters (2^31 granules per batch); use a larger page size or block_n")
+    cap_granules = check_granule_counters(problem, granule)
     min_c = max(1, -(-config.split.min_chunk_tokens // granule))
     limit = max(1, min(config.split.max_splits, span // (min_c * granule)))
     zeros = (0,) * NUM_TARGETS
