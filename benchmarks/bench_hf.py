@@ -30,6 +30,9 @@ planned for the capacity and captured by hand, ``torch.ops.attnplan.decode`` cap
 ``torch.compile(mode="reduce-overhead")``; then every variant is replayed at other lengths (changed in place) and
 checked against a float32 reference on the GPU. The control: torch's SDPA on the same caches, captured by hand and
 compiled the same way (what reduce-overhead adds to SDPA is torch's), and the host time of each compiled step.
+The same 16 calls as a chain (each call's output is the next call's query; the step returns the last output, as a
+model's step returns its logits) are captured by hand and compiled: a compiled step of 16 outputs pays torch's
+rebuilding of every output tensor at each replay, which a model's step does not.
 
 Prints a table last and writes one JSON (``--out``) with the command and the environment, after every phase.
 
@@ -342,13 +345,36 @@ def op_check_one(args, L: int, gen: torch.Generator) -> dict:
         return [torch.ops.attnplan.decode(q, flat[2 * i], flat[2 * i + 1], lens, None, None, "")
                 for i in range(layers)]
 
+    # the chain: each call's output is the next call's query, and the step returns the last output only, as in a
+    # model, where attention feeds the next layer and a step's graph has one output (the logits); with 16 outputs,
+    # cudagraph trees rebuild each output tensor at every replay, which costs any op the same host time
+    chain_outs = [torch.empty_like(q) for _ in range(layers)]
+    chain_out: list = []
+
+    def wrapper_chain():
+        x = q
+        for (k, v), o in zip(kv, chain_outs):
+            x = w.run(x, k, v, lens, out=o)
+
+    def chain_fn(q, lens, *flat):
+        x = q
+        for i in range(layers):
+            x = torch.ops.attnplan.decode(x, flat[2 * i], flat[2 * i + 1], lens, None, None, "")
+        return x
+
     gw, go = capture_on_warmup_stream(wrapper_step), capture_on_warmup_stream(op_step)
+    gwc = capture_on_warmup_stream(wrapper_chain)
     torch._dynamo.reset()
     f = torch.compile(layers_fn, mode="reduce-overhead", fullgraph=True)
+    fc = torch.compile(chain_fn, mode="reduce-overhead", fullgraph=True)
 
     def compiled_step(_=0):
         torch.compiler.cudagraph_mark_step_begin()
         compiled_out[:] = f(q, lens, *flat)
+
+    def compiled_chain(_=0):
+        torch.compiler.cudagraph_mark_step_begin()
+        chain_out[:] = [fc(q, lens, *flat)]
 
     # the control: torch's SDPA over the same caches' first L positions, 16 calls, captured by hand and compiled the
     # same way; what reduce-overhead adds to SDPA's replay is torch's, not the op's
@@ -369,15 +395,18 @@ def op_check_one(args, L: int, gen: torch.Generator) -> dict:
 
     for _ in range(3):  # compile + warm-up, record, replay
         compiled_step()
+        compiled_chain()
         sdpa_compiled_step()
     torch.cuda.synchronize()
     t = {name: time_cuda(fn, iters=args.iters, flush=True)["median_us"] / layers
          for name, fn in (("wrapper_us", lambda i: gw.replay()), ("op_graph_us", lambda i: go.replay()),
                           ("op_compiled_us", compiled_step), ("sdpa_graph_us", lambda i: gs.replay()),
-                          ("sdpa_compiled_us", sdpa_compiled_step))}
+                          ("sdpa_compiled_us", sdpa_compiled_step), ("wrapper_chain_us", lambda i: gwc.replay()),
+                          ("op_compiled_chain_us", compiled_chain))}
     # host time of one compiled step (the Python call of cudagraph trees' replay, launch included), per call: where
     # it exceeds the device time, the replay above waits for the host
-    for name, fn in (("op_compiled_host_us", compiled_step), ("sdpa_compiled_host_us", sdpa_compiled_step)):
+    for name, fn in (("op_compiled_host_us", compiled_step), ("sdpa_compiled_host_us", sdpa_compiled_step),
+                     ("op_compiled_chain_host_us", compiled_chain)):
         torch.cuda.synchronize()
         h = []
         for _ in range(args.iters):
@@ -389,14 +418,19 @@ def op_check_one(args, L: int, gen: torch.Generator) -> dict:
     row.update(t, plan=w.plan_.explain([L]).splitlines()[-3:])
     row["op_compiled_over_wrapper"] = t["op_compiled_us"] / t["wrapper_us"]
     row["op_graph_over_wrapper"] = t["op_graph_us"] / t["wrapper_us"]
+    row["op_compiled_chain_over_wrapper"] = t["op_compiled_chain_us"] / t["wrapper_chain_us"]
     row["sdpa_compiled_over_graph"] = t["sdpa_compiled_us"] / t["sdpa_graph_us"]
-    errs = {"wrapper": 0.0, "op_graph": 0.0, "op_compiled": 0.0}
+    errs = {"wrapper": 0.0, "op_graph": 0.0, "op_compiled": 0.0, "op_compiled_chain": 0.0}
     for n in (L, 1, cap, L // 3 + 7, 0):
         lens.fill_(n)
         gw.replay()
         go.replay()
         compiled_step()
+        gwc.replay()
+        compiled_chain()
         torch.cuda.synchronize()
+        # the chain against its hand-captured twin (the same kernels in the same order)
+        errs["op_compiled_chain"] = max(errs["op_compiled_chain"], max_err(chain_out[0].float(), chain_outs[-1].float()))
         for i in (0, layers - 1):
             ref = reference_out(q, kv[i][0], kv[i][1], n) if n else torch.zeros(1, 1, hq, d, device="cuda")
             for name, o in (("wrapper", outs[i]), ("op_graph", op_outs[i]), ("op_compiled", compiled_out[i])):
@@ -416,7 +450,8 @@ def op_check(args, res: dict, save) -> None:
         try:
             row = op_check_one(args, L, gen)
             print(f"  L={L} op check: wrapper {row['wrapper_us']:.2f} us/call, op captured {row['op_graph_us']:.2f}, "
-                  f"op compiled {row['op_compiled_us']:.2f} ({row['op_compiled_over_wrapper']:.3f}x, host "
+                  f"op compiled {row['op_compiled_us']:.2f} ({row['op_compiled_over_wrapper']:.3f}x, chain "
+                  f"{row['op_compiled_chain_over_wrapper']:.3f}x, host "
                   f"{row['op_compiled_host_us']:.2f}); sdpa captured {row['sdpa_graph_us']:.2f}, compiled "
                   f"{row['sdpa_compiled_us']:.2f} ({row['sdpa_compiled_over_graph']:.3f}x); errors "
                   f"{row['max_err_at_other_lengths']}", flush=True)
@@ -464,16 +499,19 @@ def table(res: dict) -> str:
         lines.append(f"| {int(L):,} | {_f(h[0].get('median_call'), '{:.1f}')} | {_f(h[1].get('median_call'), '{:.1f}')} "
                      f"| {_f(h[0].get('per_token'), '{:.0f}')} | {_f(h[1].get('per_token'), '{:.0f}')} |")
     lines += ["", "16 decode calls per step, CUDA-graph replay device time per call (us); ratio = op / wrapper; "
-                  "SDPA's own ratio (compiled / captured by hand) and the compiled steps' host time per call beside it",
+                  "SDPA's own ratio (compiled / captured by hand) and the compiled steps' host time per call beside it; "
+                  "chain: each call's output is the next call's query and the step returns the last one",
               "| prompt | wrapper (by hand) | op (by hand) | op (reduce-overhead) | ratio | sdpa ratio | "
-              "host op / sdpa | max err at other lengths |",
-              "|---|---|---|---|---|---|---|---|"]
+              "host op / sdpa | chain: wrapper | chain: op (reduce-overhead) | chain ratio | max err at other lengths |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for L, row in res["op_check"].items():
         errs = row.get("max_err_at_other_lengths", {})
         lines.append(f"| {int(L):,} | {_f(row.get('wrapper_us'))} | {_f(row.get('op_graph_us'))} | "
                      f"{_f(row.get('op_compiled_us'))} | {_f(row.get('op_compiled_over_wrapper'), '{:.3f}')} | "
                      f"{_f(row.get('sdpa_compiled_over_graph'), '{:.3f}')} | "
                      f"{_f(row.get('op_compiled_host_us'))} / {_f(row.get('sdpa_compiled_host_us'))} | "
+                     f"{_f(row.get('wrapper_chain_us'))} | {_f(row.get('op_compiled_chain_us'))} | "
+                     f"{_f(row.get('op_compiled_chain_over_wrapper'), '{:.3f}')} | "
                      f"{_f(max(errs.values()) if errs else float('nan'), '{:.3g}')} |")
     errors = [f"{L} {k}: {v['error']}" for L, pt in res["points"].items() for k, v in pt.items()
               if isinstance(v, dict) and "error" in v]
