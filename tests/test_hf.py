@@ -411,12 +411,14 @@ def test_bench_hf_table_shows_speedups_errors_and_the_op_check():
            "op_check": {"1024": {"wrapper_us": 8.0, "op_graph_us": 8.1, "op_compiled_us": 8.2,
                                  "op_compiled_over_wrapper": 1.025, "sdpa_compiled_over_graph": 1.5,
                                  "op_compiled_host_us": 12.0, "sdpa_compiled_host_us": 11.0,
+                                 "wrapper_chain_us": 7.5, "op_compiled_chain_us": 7.6,
+                                 "op_compiled_chain_over_wrapper": 1.013,
                                  "max_err_at_other_lengths": {"wrapper": 0.004, "op_graph": 0.004,
-                                                              "op_compiled": 0.006}}}}
+                                                              "op_compiled": 0.006, "op_compiled_chain": 0.0}}}}
     text = _bench_hf().table(res)
     assert "| 1,024 | 51.50 | 28.80 | 1.79x | 4.00 | - | - |" in text
     assert "| 1,024 | 0.031 | 0.029 | 0.03 | - |" in text
-    assert "| 1,024 | 8.00 | 8.10 | 8.20 | 1.025 | 1.500 | 12.00 / 11.00 | 0.006 |" in text
+    assert "| 1,024 | 8.00 | 8.10 | 8.20 | 1.025 | 1.500 | 12.00 / 11.00 | 7.50 | 7.60 | 1.013 | 0.006 |" in text
     assert "1024 compiled_attnplan: RuntimeError: boom" in text
 
 
