@@ -8,6 +8,11 @@ Visibility: query ``i`` of a sequence of length ``L`` with ``q_len`` queries sit
 sliding window only ``>= p - window_left``. A row with no visible position has ``o = 0,
 lse = -inf`` (with a sink: ``lse`` = the sink logit).
 
+Lengths: each length is clamped into ``[0, capacity]`` (the tokens a sequence of the cache holds:
+``block_table.shape[1] * page_size``, or ``k_cache.shape[1]`` for a contiguous cache) before anything else, as
+every kernel clamps the lengths it reads on the device; a length within the capacity is unchanged. Page indices
+read from the block table are clamped into ``[0, num_pages)`` likewise (:func:`gather_kv`).
+
 Variants, computed the plain way in float64: fp8 K/V are dequantized as ``k * k_scale[h]``,
 ``v * v_scale[h]``; the soft-cap is ``cap * tanh(s / cap)`` on the scaled scores ``s``; a sink
 logit joins the softmax denominator.
@@ -18,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .problem import default_sm_scale
-from .schedule import Schedule, Units, schedule_units
+from .schedule import Schedule, Units, clamp_lengths, schedule_units
 from .state import PartialState, merge_states
 
 __all__ = ["attention", "partial", "merge", "gather_kv"]
@@ -32,6 +37,12 @@ def _scale_vec(scale, hkv: int) -> torch.Tensor:
     if isinstance(scale, torch.Tensor):
         return scale.to("cpu", F64).reshape(-1).expand(hkv) if scale.numel() == 1 else scale.to("cpu", F64)
     return torch.full((hkv,), float(scale), dtype=F64)
+
+
+def _lengths(seq_lens, k_cache: torch.Tensor, block_table: torch.Tensor | None) -> list[int]:
+    """The lengths as the kernels read them: each clamped into ``[0, capacity]`` (module docstring), host ints."""
+    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    return clamp_lengths(seq_lens, int(capacity)).tolist()
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, b: int, length: int,
@@ -103,7 +114,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
         q: ``[batch, q_len, num_q_heads, head_dim]``.
         k_cache, v_cache: contiguous ``[batch, max_kv_len, num_kv_heads, head_dim]`` or paged
             ``[num_pages, page_size, num_kv_heads, head_dim]`` (then ``block_table`` is given).
-        seq_lens: ``[batch]`` int, valid KV length of each sequence (0 allowed).
+        seq_lens: ``[batch]`` int, valid KV length of each sequence (0 allowed; clamped into ``[0, capacity]`` as the
+            kernels clamp it, module docstring).
         block_table: ``[batch, max_pages_per_seq]`` int32 or ``None``.
         sm_scale: score scale; default ``1/sqrt(head_dim)``.
         window_left, soft_cap, sinks, k_scale, v_scale: the variants (module docstring).
@@ -114,7 +126,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     batch, q_len, hq, d = q.shape
     scale = default_sm_scale(d) if sm_scale is None else sm_scale
     qf = q.to("cpu", F64)
-    lens = seq_lens.to("cpu", torch.int64).tolist()
+    lens = _lengths(seq_lens, k_cache, block_table)
     out = torch.zeros(batch, q_len, hq, d, dtype=F64)
     lse = torch.full((batch, q_len, hq), float("-inf"), dtype=F64)
     for b, length in enumerate(lens):
@@ -137,7 +149,8 @@ def partial(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_l
     :func:`attnplan.schedule.schedule_units`, in the ragged workspace layout (``o [1, q_len, num_q_heads, U, D]``,
     ``lse [1, q_len, num_q_heads, U]``; sequence ``b``'s units are slots ``[indptr[b], indptr[b + 1])``). Rows with
     no visible position in a unit get the empty state (``o = 0``, ``lse = -inf``). Sinks are not part of partial
-    states.
+    states. Lengths are clamped into ``[0, capacity]`` (module docstring), the schedule computed from the clamped
+    ones, as the kernels' prologues compute it.
 
     Returns:
         ``(state, units)``: a float64 :class:`PartialState` on the CPU and the batch's :class:`~attnplan.schedule.Units`.
@@ -145,7 +158,7 @@ def partial(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_l
     batch, q_len, hq, d = q.shape
     scale = default_sm_scale(d) if sm_scale is None else sm_scale
     qf = q.to("cpu", F64)
-    lens = seq_lens.to("cpu", torch.int64).tolist()
+    lens = _lengths(seq_lens, k_cache, block_table)
     units = schedule_units(lens, schedule, q_len, window_left)
     n = units.num_units
     st = PartialState(torch.zeros(1, q_len, hq, n, d, dtype=F64), torch.full((1, q_len, hq, n), float("-inf"), dtype=F64))

@@ -36,6 +36,12 @@ and exit). A sequence with one unit writes ``out`` / ``lse`` directly (sinks app
 unit writes its partial state into workspace slot ``u`` and the merge combines slots
 ``[indptr[b], indptr[b] + units[b])`` in slot order.
 
+Lengths on the device: the kernels read each length as ``min(max(seq_lens[b], 0), capacity)`` (``capacity`` the
+tokens a sequence of the cache holds), so a length written after ``plan()`` (or found at a CUDA-graph replay) outside
+``[0, capacity]`` is the clamped one in every definition above, in every program alike. :func:`schedule_units` and
+:func:`check_invariants` take the same ``capacity``; without it a negative length is refused (a host length outside
+the capacity is refused by the input validation before any schedule).
+
 Invariants (tested for many length vectors, :func:`check_invariants`): every visible position of every
 sequence lies in exactly one unit; units of a sequence are contiguous, in order and non-empty (except the
 one empty unit of an empty sequence); ``1 <= units[b] <= max_units_per_seq``; ``U <= max_units``; with
@@ -48,8 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Schedule", "Units", "schedule_units", "check_invariants", "NUM_TARGETS", "NUM_BUCKETS", "POLICIES",
-           "bucket_of", "max_units_bound", "is_long_tailed", "slot_unit"]
+__all__ = ["Schedule", "Units", "schedule_units", "check_invariants", "clamp_lengths", "NUM_TARGETS", "NUM_BUCKETS",
+           "POLICIES", "bucket_of", "max_units_bound", "is_long_tailed", "slot_unit"]
 
 #: buckets of batch work: ``k = bit_length(total granules)``, clamped to ``NUM_BUCKETS - 1``
 NUM_BUCKETS = 32
@@ -188,19 +194,37 @@ class Units:
         return int(self.indptr[-1])
 
 
-def schedule_units(seq_lens, schedule: Schedule, q_len: int = 1, window_left: int = -1) -> Units:
+def clamp_lengths(seq_lens, capacity: int) -> torch.Tensor:
+    """The lengths as the kernels read them: each clamped into ``[0, capacity]``, an int64 ``[B]`` CPU tensor.
+
+    Raises:
+        ValueError: ``capacity`` negative.
+    """
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    return torch.as_tensor(seq_lens).to("cpu", torch.int64).reshape(-1).clamp(0, int(capacity))
+
+
+def schedule_units(seq_lens, schedule: Schedule, q_len: int = 1, window_left: int = -1,
+                   capacity: int | None = None) -> Units:
     """The schedule of a batch: the module docstring's definitions, computed on the host.
 
     Args:
         seq_lens: ``[B]`` lengths in tokens (a list or a tensor; read to the host).
         schedule: the plan's :class:`Schedule`.
         q_len: queries per sequence; window_left: sliding window in tokens, ``-1`` = none.
+        capacity: tokens a sequence of the cache holds; given, each length is first clamped into ``[0, capacity]``
+            as the kernels clamp the lengths they read (:func:`clamp_lengths`; ``Units.start`` / ``end`` then lie in
+            the clamped span). ``None``: the lengths as given.
     Returns:
         :class:`Units`.
     Raises:
-        ValueError: a negative length.
+        ValueError: a negative length (without ``capacity``), or a negative ``capacity``.
     """
-    lens = torch.as_tensor(seq_lens).to("cpu", torch.int64).reshape(-1)
+    if capacity is not None:
+        lens = clamp_lengths(seq_lens, capacity)
+    else:
+        lens = torch.as_tensor(seq_lens).to("cpu", torch.int64).reshape(-1)
     if lens.numel() and int(lens.min()) < 0:
         raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()[:16]}")
     g = schedule.granule
@@ -229,13 +253,19 @@ def schedule_units(seq_lens, schedule: Schedule, q_len: int = 1, window_left: in
     return Units(base, nb, cb, units, indptr, seq, start, end, total, c)
 
 
-def check_invariants(seq_lens, schedule: Schedule, q_len: int = 1, window_left: int = -1) -> Units:
-    """Assert the module docstring's invariants for one batch; returns its :class:`Units`.
+def check_invariants(seq_lens, schedule: Schedule, q_len: int = 1, window_left: int = -1,
+                     capacity: int | None = None) -> Units:
+    """Assert the module docstring's invariants for one batch; returns its :class:`Units`. With ``capacity`` the
+    lengths are clamped into ``[0, capacity]`` first (:func:`schedule_units`) and the invariants hold for the
+    clamped lengths.
 
     Raises:
         AssertionError: naming the invariant and the first sequence that breaks it.
     """
-    lens = torch.as_tensor(seq_lens).to("cpu", torch.int64).reshape(-1)
+    if capacity is not None:
+        lens = clamp_lengths(seq_lens, capacity)
+    else:
+        lens = torch.as_tensor(seq_lens).to("cpu", torch.int64).reshape(-1)
     s = schedule_units(lens, schedule, q_len, window_left)
     assert s.num_units <= schedule.max_units, f"{s.num_units} units exceed max_units {schedule.max_units}"
     if s.units.numel():

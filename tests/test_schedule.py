@@ -56,6 +56,35 @@ def test_invariants_hold_for_any_lengths(sched_batch, data, q_len, window):
         assert covered[base:length].eq(1).all() and covered[:base].eq(0).all()
 
 
+@given(sched_batch=balanced_schedules(), data=st.data(), q_len=st.integers(1, 4),
+       window=st.sampled_from([-1, 0, 5, 100]), capacity=st.integers(0, 3000))
+@SETTINGS
+def test_capacity_clamps_device_lengths_as_the_kernels_read_them(sched_batch, data, q_len, window, capacity):
+    """With ``capacity`` every length is read as ``min(max(L, 0), capacity)`` (the kernels' clamp of lengths written
+    on the device): any int32 length, negative or past the cache, gives the schedule of the clamped lengths, whose
+    invariants hold and whose units lie inside ``[0, capacity]``; lengths within ``[0, capacity]`` are unchanged.
+    Without ``capacity`` a negative length is refused, as before."""
+    sched, batch = sched_batch
+    lens = data.draw(st.lists(st.one_of(st.integers(-2**31, 2**31 - 1), st.integers(-3, capacity + 3)),
+                              min_size=batch, max_size=batch))
+    clamped = [min(max(x, 0), capacity) for x in lens]
+    u = check_invariants(lens, sched, q_len, window, capacity=capacity)
+    want = schedule_units(clamped, sched, q_len, window)
+    for f in ("base", "granules", "unit_granules", "units", "indptr", "seq", "start", "end"):
+        assert torch.equal(getattr(u, f), getattr(want, f)), f
+    assert u.total_granules == want.total_granules and u.granules_per_unit == want.granules_per_unit
+    assert int(u.end.max()) <= capacity and int(u.start.min()) >= 0
+    assert u.num_units <= sched.max_units
+    inside = [min(x, capacity) for x in clamped]  # already in range: the same schedule with or without capacity
+    assert torch.equal(schedule_units(inside, sched, q_len, window, capacity=capacity).end,
+                       schedule_units(inside, sched, q_len, window).end)
+    if min(lens) < 0:
+        with pytest.raises(ValueError, match=">= 0"):
+            schedule_units(lens, sched, q_len, window)
+    with pytest.raises(ValueError, match="capacity"):
+        schedule_units(lens, sched, q_len, window, capacity=-1)
+
+
 @given(st.lists(st.integers(0, 20000), min_size=1, max_size=16), st.integers(1, 16), st.integers(1, 8))
 @SETTINGS
 def test_no_targets_means_batch_invariant(lens, chunk_granules, s_cap):

@@ -2,8 +2,10 @@
 
 It runs the plan's device-side schedule on the host (:func:`attnplan.schedule.schedule_units`): one float64 partial
 state per work unit, one-unit sequences written directly, the others merged by the one merge contract
-(:func:`attnplan.state.merge_states` over the ragged workspace). Slow and exact; always available. It copies inputs
-to the CPU, so it syncs the host and cannot be captured in a CUDA graph (``graph_safe = False``).
+(:func:`attnplan.state.merge_states` over the ragged workspace), with every length clamped into ``[0, capacity]``
+and every page index into ``[0, num_pages)`` as the kernels clamp them (:mod:`attnplan.reference`). Slow and exact;
+always available. It copies inputs to the CPU, so it syncs the host and cannot be captured in a CUDA graph
+(``graph_safe = False``).
 """
 
 from __future__ import annotations
