@@ -18,6 +18,10 @@ defined once in :mod:`attnplan.schedule` and every backend computes exactly thos
   ``u >= indptr[batch]`` exits at once, writing nothing. Program 0 also writes ``workspace.meta`` (``indptr[b]`` at
   ``b``, ``units[b]`` at ``batch + b``) when the plan's merge is ``separate``. With ``max_units_per_seq == 1``
   (single pass) there is no prologue: ``u = b``, ``[start, end) = [base_b, seq_lens[b])``.
+* **Lengths**: every length read from ``seq_lens`` (prologue, single pass, a unit's rows) is clamped into ``[0,
+  capacity]`` (:attr:`DecodeInputs.capacity`, a kernel argument), so ``L`` below is always the clamped length and a
+  length written on the device beyond the cache (after ``plan()``, or at a CUDA-graph replay) gives attention over
+  the clamped span, never a read outside the cache; every program of a launch derives the same schedule from it.
 * **Rows**: query ``i`` of sequence ``b`` (length ``L``) sees positions ``< L - q_len + i + 1`` (and, with a sliding
   window, ``>= L - q_len + i - window_left``). A row with no visible position in the unit gets the empty state
   ``o = 0, lse = -inf``; a program reads no KV outside ``[start, end)``. Positions a row cannot see never affect it,
@@ -32,8 +36,8 @@ defined once in :mod:`attnplan.schedule` and every backend computes exactly thos
   the (sequence, KV head)'s rows and resets the counter to 0 (zero at rest: graph replays work).
 * **Query blocks** (``plan.q_block``): when one program cannot hold the GQA group x ``q_len`` rows
   (:meth:`Backend.q_block`), ``run`` launches the kernels once per block of whole queries, each launch the
-  problem with that block's ``q_len`` and lengths ``max(0, L - (q_len - i1))``, so its queries see what they see in
-  the whole problem. The kernels never know; each launch reads the KV again (speculative verification with a
+  problem with that block's ``q_len`` and lengths ``max(0, L - (q_len - i1))`` (``L`` clamped into ``[0,
+  capacity]`` first), so its queries see what they see in the whole problem. The kernels never know; each launch reads the KV again (speculative verification with a
   large GQA group, e.g. 8 query heads per KV head x 16 tokens).
 * **Head blocks** (``plan.head_block``): when one query's GQA group alone is more rows than a program holds
   (:meth:`Backend.head_block`), ``run`` launches once per query, KV head and block of that KV head's query heads,
@@ -194,6 +198,15 @@ class DecodeInputs:
     def paged(self) -> bool:
         return self.block_table is not None
 
+    @property
+    def capacity(self) -> int:
+        """Tokens a sequence of the cache holds (shapes only, no device access): ``block_table.shape[1] x page_size``
+        for a paged cache, ``k_cache.shape[1]`` for a contiguous one. Every kernel clamps each length it reads from
+        ``seq_lens`` into ``[0, capacity]``."""
+        if self.block_table is None:
+            return int(self.k_cache.shape[1])
+        return int(self.block_table.shape[1]) * int(self.k_cache.shape[1])
+
 
 class Backend(abc.ABC):
     """Base class. Subclasses set the class attributes (support as data) and implement
@@ -329,8 +342,10 @@ class Backend(abc.ABC):
         A plan with several launches (``plan.q_block``, ``plan.head_block``) runs each of ``plan.launches`` in
         order: launch ``(i0, i1, h0, h1, k0, k1)`` on ``q[:, i0:i1, h0:h1]``, ``out`` and ``lse`` likewise, the
         caches' KV heads ``[k0, k1)`` (and their fp8 scales, ``sinks[h0:h1]``), with the lengths ``max(0, L - (q_len
-        - i1))`` (two small torch kernels into ``workspace.lens`` per block of queries; none for the last block,
-        which reads ``seq_lens``) and ``workspace.launch(plan, j)``'s buffers."""
+        - i1))`` of the lengths ``L`` clamped into ``[0, capacity]`` as the kernels clamp them (two small torch
+        kernels into ``workspace.lens`` per block of queries, the clamp before the subtraction so nothing wraps in
+        int32; none for the last block, whose kernels read ``seq_lens`` and clamp it) and ``workspace.launch(plan,
+        j)``'s buffers."""
         if not plan.multi_launch:
             self.partial(plan, inputs, workspace, out, lse)
             if plan.merge == "separate":
@@ -344,10 +359,11 @@ class Backend(abc.ABC):
         for j, (i0, i1, h0, h1, k0, k1, one) in enumerate(plan.launches):
             if i1 != lens_for:  # this block of queries' lengths, written once before its first launch
                 lens_for, lens = i1, inputs.seq_lens
-                if i1 < q_len:
+                if i1 < q_len:  # max(0, clamp(L, 0, capacity) - d) = clamp(L, d, max(capacity, d)) - d
                     lens = workspace.lens[i0 // qb]
-                    torch.sub(inputs.seq_lens, q_len - i1, out=lens)
-                    lens.clamp_(min=0)
+                    d = q_len - i1
+                    torch.clamp(inputs.seq_lens, min=d, max=max(min(inputs.capacity, 2**31 - 1), d), out=lens)
+                    lens.sub_(d)
             x = inputs
             if not plan.head_block:
                 x = dataclasses.replace(x, q=x.q[:, i0:i1], seq_lens=lens)

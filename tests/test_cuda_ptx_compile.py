@@ -781,6 +781,7 @@ def test_partial_args_strides_and_workspace():
     assert named["k_s0"] == 16 * 2 * 64 and named["k_s1"] == 2 * 64 and named["k_sh"] == 64
     assert named["bt_sb"] == x.block_table.stride(0) and named["block_table"] == x.block_table.data_ptr()
     assert named["last_page"] == x.k_cache.shape[0] - 1  # the clamp of every block-table entry
+    assert named["capacity"] == x.block_table.shape[1] * 16  # the clamp of every length: pages x page size
     assert named["num_kv_heads"] == 2
     assert abs(named["scale_log2"] - x.sm_scale * 1.4426950408889634) < 1e-12
     single_plan = _plan(prob, 1, be)
@@ -790,6 +791,7 @@ def test_partial_args_strides_and_workspace():
     assert sv["o_ss"] == sv["l_ss"] == 0 and sv["max_units_per_seq"] == 1 and sv["granule"] == 1
     assert sv["out_lse"] == sv["block_table"] == sv["bt_sb"] == sv["ws_o"] == sv["targets"] == sv["meta"] == 0
     assert sv["last_page"] == 0  # no block table: never read
+    assert sv["capacity"] == x.k_cache.shape[1]  # a contiguous cache's token axis
     A.PackedArgs(A.PARTIAL_SIGNATURE, vals)  # every value fits its slot
     balanced = Schedule("balanced", 64, 1, 8, (0, *([3] * 63)), 30)
     assert A.schedule_ints(balanced, 5) == (5, 64, 1, 8, 1) and A.schedule_ints(None, 5) == (5, 1, 1, 1, 0)
@@ -1080,15 +1082,18 @@ def test_signature_matches_ptx_entry(kind, signature):
 
 
 @needs_nvrtc
-def test_last_page_is_the_last_parameter_and_read_only_when_paged():
-    """``last_page``, the clamp of every block-table entry, comes after every other parameter (those keep the order
-    the single pass's registers were measured with: the single pass's 34 come first, then the schedule's and the
-    workspace's); every paged kernel reads it (the block-table window of a tile in one page and of PAGE_REG's pages,
-    the per-chunk loads; partial, single pass, fused merge), a contiguous one never does."""
+def test_last_page_and_capacity_are_the_last_parameters_and_read():
+    """``last_page``, the clamp of every block-table entry, then ``capacity``, the clamp of every length, come after
+    every other parameter (those keep the order the single pass's registers were measured with: the single pass's 34
+    come first, then the schedule's and the workspace's); every paged kernel reads ``last_page`` (the block-table
+    window of a tile in one page and of PAGE_REG's pages, the per-chunk loads; partial, single pass, fused merge), a
+    contiguous one never does; every kernel reads ``capacity`` (its lengths), and the probe takes it last."""
     names = [n for n, _ in A.PARTIAL_SIGNATURE]
-    assert A.PARTIAL_SIGNATURE[-1] == ("last_page", "i32") and names.count("last_page") == 1
+    assert A.PARTIAL_SIGNATURE[-2:] == (("last_page", "i32"), ("capacity", "i32"))
+    assert names.count("last_page") == 1 and names.count("capacity") == 1
+    assert A.PROBE_SIGNATURE[-1] == ("capacity", "i32")
     assert names.index("targets") == 34 and names[:34][-1] == "l_ss"
-    n = len(names)
+    n = len(names) - 1  # last_page's index + 1
     paged = [("partial", "bfloat16", 128, 4, 1, 16, {}),                         # mma, a tile in one page
              ("single", "bfloat16", 128, 4, 1, 16, {"kv_dtype": FP8}),           # fp8 mma: 2 pages per tile
              ("partial", "bfloat16", 128, 4, 1, 1, {}),                          # mma, per-chunk loads
@@ -1101,6 +1106,7 @@ def test_last_page_is_the_last_parameter_and_read_only_when_paged():
         body, _ = _entry_ptx(spec)
         assert (re.search(r"ld\.param\.u32\s+%r\d+, \[" + spec.entry + f"_param_{n - 1}\\]", body) is not None) \
             == reads, spec.name
+        assert re.search(r"ld\.param\.u32\s+%r\d+, \[" + spec.entry + f"_param_{n}\\]", body), spec.name
 
 
 def _entry_ptx(spec, arch="compute_90"):

@@ -213,11 +213,12 @@ def _probe_spec(q_len, window, warps):
     return S.make_spec("partial", "float16", 64, 1, q_len, None, num_warps=warps, mma=False, window=window)
 
 
-def _check_probe(be, spec, lens, sched, probe, q_len=1, window_left=-1):
+def _check_probe(be, spec, lens, sched, probe, q_len=1, window_left=-1, capacity=None):
     """The probe's (b, j, start, end, units, c, indptr, cb) of each unit of ``probe`` and ``meta`` equal
-    :func:`schedule_units`'s; units past the batch's report b = -1 and write nothing else."""
-    u = schedule_units(lens, sched, q_len, window_left)
-    res, meta = be.probe(spec, lens, sched, probe, window_left=window_left)
+    :func:`schedule_units`'s (both with ``capacity``: lengths clamped into ``[0, capacity]``); units past the batch's
+    report b = -1 and write nothing else."""
+    u = schedule_units(lens, sched, q_len, window_left, capacity)
+    res, meta = be.probe(spec, lens, sched, probe, window_left=window_left, capacity=capacity)
     assert_probe_matches(res, meta, u, probe)
     return u
 
@@ -267,6 +268,24 @@ def test_emulated_prologue_reads_the_long_tailed_table(be):
     tailed = _check_probe(be, spec, [600, 10, 15, 15], sched, range(20))
     assert uniform.granules_per_unit == 10 and tailed.granules_per_unit == 3
     assert int(tailed.units[0]) == 13 > int(uniform.units[0]) == 1
+
+
+@pytest.mark.parametrize("q_len,window,warps", [(1, False, 4), (2, True, 1)], ids=lambda v: str(v))
+@pytest.mark.parametrize("batch", [6, 40], ids=["one-warp", "chunks"])
+def test_emulated_prologue_clamps_lengths_into_the_capacity(be, q_len, window, warps, batch):
+    """Lengths outside ``[0, capacity]`` on the device (one past it, the largest int32, negative, the smallest
+    int32) are read clamped into it: every unit's integers and ``meta`` are :func:`schedule_units`'s for the clamped
+    lengths, on the one-warp path (batch <= 32) and the general one; unclamped, 2^31 - 1 tokens would overflow the
+    batch's 32-bit total and units would start past the cache."""
+    cap = 96
+    lens = ([cap + 1, 2**31 - 1, -5, 40, -2**31, cap] * 7)[:batch]
+    targets = tuple([0] + [min(4 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)])  # c = 1
+    sched = Schedule("balanced", 16, 1, 4, targets, max_units_bound(targets, batch, 4))
+    w = 7 if window else -1
+    n = schedule_units(lens, sched, q_len, w, cap).num_units
+    u = _check_probe(be, _probe_spec(q_len, window, warps), lens, sched, list(range(n + 1)), q_len, w, cap)
+    assert int(u.end.max()) <= cap and int(u.units[1]) == int(u.units[0]) and int(u.units[2]) == 1
+    assert int(u.units[0]) == 3 or window  # 6 granules in 3 units of 2; the window leaves one granule
 
 
 def test_emulated_prologue_over_many_chunks(be, gen):

@@ -52,6 +52,9 @@ Positions a row cannot see never affect it, NaN included: scores are selected aw
 union are never loaded (zero-filled copies), and with ``q_len`` > 1 the tiles holding positions some rows see and
 others do not (a unit's last ``q_len - 1`` positions, a window's first) keep a non-finite V entry out of the rows
 that cannot see it (P.V would multiply it by 0) and make it NaN in the rows that do, as the float64 reference does.
+Every length read from ``seq_lens`` is clamped into ``[0, capacity]`` (the last kernel parameter, the tokens a
+sequence of the cache holds) and every page index read from the block table into ``[0, num_pages)``, so lengths or
+entries written on the device after ``plan()`` never make a kernel read outside the cache.
 Strides: every offset into q, the caches, the block table, ``out``, ``lse`` and the workspace is a 64-bit product;
 q's and the caches' strides must be multiples of 16 bytes (the kernels' vector loads; refused by name otherwise),
 ``out``'s and ``lse``'s leading strides may be any.
@@ -654,15 +657,16 @@ class CudaPtxBackend(Backend):
         return BoundLaunch(self, plan, workspace, inputs)
 
     def probe(self, spec: KernelSpec, seq_lens: torch.Tensor, schedule, probe_units, *, window_left: int = -1,
-              write_meta: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+              write_meta: bool = True, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the partial kernel's schedule prologue alone (tests; ``spec`` a ``"partial"`` spec: its threads, q_len
         and window; its probe build): ``(res, meta)`` on ``seq_lens``'s device, ``res`` int32 ``[n, 8]`` = (b, j,
         start, end, units[b], c, indptr[b], cb) of each unit of ``probe_units`` (b = -1 and the rest -7 past the
         batch's units), ``meta`` int32 ``[2 B]`` written by the first probe block (``None`` without
-        ``write_meta``). Allocates and launches (not for a CUDA graph).
+        ``write_meta``). Each length is clamped into ``[0, capacity]`` tokens as the partial kernel clamps it
+        (``None``: ``2**31 - 1``, only negative lengths clamped). Allocates and launches (not for a CUDA graph).
 
         Raises:
-            ValueError: ``spec`` is not a ``"partial"`` spec.
+            ValueError: ``spec`` is not a ``"partial"`` spec, or ``capacity`` is negative.
         """
         import dataclasses
 
@@ -679,6 +683,7 @@ class CudaPtxBackend(Backend):
         meta = torch.full((2 * lens.numel(),), -7, dtype=torch.int32, device=dev) if write_meta else None
         targets = torch.tensor(schedule.targets, dtype=torch.int32, device=dev)
         cfg = LaunchConfig((units.numel(), 1, 1), (spec.threads, 1, 1), spec.smem_bytes)
-        self._launch(spec, cfg, PROBE_SIGNATURE, probe_args(lens, targets, meta, units, res, schedule, window_left),
-                     dev)
+        cap = {} if capacity is None else {"capacity": capacity}
+        self._launch(spec, cfg, PROBE_SIGNATURE,
+                     probe_args(lens, targets, meta, units, res, schedule, window_left, **cap), dev)
         return res, meta

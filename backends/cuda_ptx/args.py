@@ -17,10 +17,15 @@ scalars are packed so that every value the planner and the input validation allo
 ``min(window_left, capacity)`` (a window at least the cache's capacity restricts nothing); the schedule's integers
 are below 2**31 by :class:`~attnplan.schedule.Schedule`'s own checks.
 
-Page indices: the last parameter, ``last_page``, is a paged cache's ``k_cache.shape[0] - 1`` (0 for a contiguous
-cache, which never reads it); the kernels clamp every entry they read from the block table into ``[0, last_page]``
-(negative -> 0, past the cache -> ``last_page``), as :mod:`attnplan.reference` does, so an out-of-range entry reads a
-wrong page of the cache and never memory outside it.
+Page indices: ``last_page`` is a paged cache's ``k_cache.shape[0] - 1`` (0 for a contiguous cache, which never
+reads it); the kernels clamp every entry they read from the block table into ``[0, last_page]`` (negative -> 0, past
+the cache -> ``last_page``), as :mod:`attnplan.reference` does, so an out-of-range entry reads a wrong page of the
+cache and never memory outside it.
+
+Lengths: the last parameter, ``capacity``, is :func:`kv_capacity` (the tokens a sequence of the cache holds); the
+kernels clamp every length they read from ``seq_lens`` into ``[0, capacity]`` (``schedule.cuh``, ``seq_len_at``), as
+:mod:`attnplan.reference` does, so a length written on the device beyond the cache (after ``plan()``, or at a
+CUDA-graph replay) gives attention over the clamped span and never a read outside the cache.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ __all__ = ["PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "PROBE_SIGNATURE", "PackedArg
 #: page_size``), so that the kernels' 32-bit token positions, which run ahead of a chunk by the rings and the
 #: block-table window (under 2**22 tokens for any specialization), stay below 2**31
 MAX_KV_TOKENS = 2**30
+#: the largest int32: the most a length (or ``capacity``) can be
+INT32_MAX = 2**31 - 1
 
 
 def kv_capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
@@ -53,7 +60,8 @@ def kv_capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
 #: reads the first 34 (``granule`` / ``max_units_per_seq`` = 1 / ``o_ss`` = ``l_ss`` = 0 as its one split's chunk
 #: arithmetic), in the order it had before the device-side schedule (``decode.cu`` says why); the schedule's and the
 #: workspace's follow, then ``last_page`` (a paged cache's ``pages - 1``, the clamp of every block-table entry; 0
-#: and unread for a contiguous cache), which both kernels read.
+#: and unread for a contiguous cache) and ``capacity`` (:func:`kv_capacity`, the clamp of every length), which both
+#: kernels read.
 PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("q", "ptr"), ("k_cache", "ptr"), ("v_cache", "ptr"), ("seq_lens", "ptr"), ("block_table", "ptr"),
     ("out", "ptr"), ("out_lse", "ptr"), ("sinks", "ptr"), ("k_scale", "ptr"), ("v_scale", "ptr"),
@@ -70,8 +78,8 @@ PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("batch", "i32"), ("min_unit_granules", "i32"), ("balanced", "i32"),
     ("o_si", "i64"), ("o_sh", "i64"),
     ("l_si", "i64"), ("l_sh", "i64"),
-    # last, so that the parameters before it keep their order (and ptxas its register allocation)
-    ("last_page", "i32"),
+    # last, so that the parameters before them keep their order (and ptxas its register allocation)
+    ("last_page", "i32"), ("capacity", "i32"),
 )
 #: (name, kind) of each merge kernel parameter, in order
 MERGE_SIGNATURE: tuple[tuple[str, str], ...] = (
@@ -86,7 +94,7 @@ MERGE_SIGNATURE: tuple[tuple[str, str], ...] = (
 PROBE_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("seq_lens", "ptr"), ("targets", "ptr"), ("meta", "ptr"), ("probe_units", "ptr"), ("res", "ptr"),
     ("batch", "i32"), ("window_left", "i32"), ("granule", "i32"), ("min_unit_granules", "i32"),
-    ("max_units_per_seq", "i32"), ("balanced", "i32"),
+    ("max_units_per_seq", "i32"), ("balanced", "i32"), ("capacity", "i32"),
 )
 _SLOT_FORMAT = {"ptr": "Q", "i64": "q", "i32": "i4x", "f32": "f4x"}
 _LOG2E = 1.4426950408889634
@@ -207,7 +215,8 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         sinks: ``[num_q_heads]`` fp32 sink logits, joined where ``out`` is written (partial states exclude them).
         k_scale, v_scale: ``[num_kv_heads]`` fp32 dequantization scales of an fp8 cache (``spec.kv_fp8``).
     Strides are in elements. ``last_page`` is ``k_cache.shape[0] - 1`` for a paged cache (the clamp of the
-    block-table entries), 0 for a contiguous one.
+    block-table entries), 0 for a contiguous one; ``capacity`` is :func:`kv_capacity` (the clamp of the lengths read
+    from ``seq_lens``; at most ``2**31 - 1``, which clamps no int32 length from above).
 
     Raises:
         ValueError: ``window_left`` below -1.
@@ -228,7 +237,7 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         *_strides(out, 3), o_ss, *_strides(out_lse, 3), l_ss,
         _ptr(targets), _ptr(meta), _ptr(counters), _ptr(ws_o), _ptr(ws_lse), batch, min_c, balanced,
         o_si, o_sh, l_si, l_sh,
-        0 if bt is None else max(int(k_cache.shape[0]) - 1, 0),
+        0 if bt is None else max(int(k_cache.shape[0]) - 1, 0), min(kv_capacity(k_cache, block_table), INT32_MAX),
     ]
 
 
@@ -246,13 +255,22 @@ def merge_args(o: torch.Tensor, lse: torch.Tensor, meta: torch.Tensor, out: torc
 
 
 def probe_args(seq_lens: torch.Tensor, targets: torch.Tensor, meta: torch.Tensor | None, probe_units: torch.Tensor,
-               res: torch.Tensor, schedule, window_left: int = -1) -> list:
+               res: torch.Tensor, schedule, window_left: int = -1, capacity: int = INT32_MAX) -> list:
     """Argument values for :data:`PROBE_SIGNATURE`: the schedule of the units ``probe_units`` (int32 ``[n]``) into
-    ``res`` (int32 ``[n, 8]``) for ``seq_lens`` (int32 ``[B]``) under ``schedule``; ``meta`` (int32 ``[2 B]``) is
-    written when given."""
+    ``res`` (int32 ``[n, 8]``) for ``seq_lens`` (int32 ``[B]``) under ``schedule``, each length clamped into ``[0,
+    capacity]`` (tokens; the default clamps only negative lengths); ``meta`` (int32 ``[2 B]``) is written when given.
+    A window is packed as ``min(window_left, capacity)``, as :func:`partial_args` packs it.
+
+    Raises:
+        ValueError: ``capacity`` negative.
+    """
+    if int(capacity) < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    cap = min(int(capacity), INT32_MAX)
     b, granule, min_c, max_per, balanced = schedule_ints(schedule, seq_lens.shape[0])
+    window = max(int(window_left), -1)
     return [seq_lens.data_ptr(), targets.data_ptr(), _ptr(meta), probe_units.data_ptr(), res.data_ptr(), b,
-            max(int(window_left), -1), granule, min_c, max_per, balanced]
+            window if window < 0 else min(window, cap), granule, min_c, max_per, balanced, cap]
 
 
 def _ptr(t: torch.Tensor | None) -> int:

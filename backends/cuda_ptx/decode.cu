@@ -12,8 +12,9 @@
 //
 // Kernel contract (attnplan/backends/base.py): a 1-D grid of max_units x num_kv_heads programs, unit-major; the
 // program of unit u and KV head h serves every query head h*GROUP .. h*GROUP+GROUP-1 and all QLEN queries of the
-// unit's sequence b, over the unit's token range [cs, ce) (single pass: [base, L), L = seq_lens[b]; base = 0, or
-// with a sliding window max(0, L - QLEN - window_left)). Query i sits at position p = L - QLEN + i and sees
+// unit's sequence b, over the unit's token range [cs, ce) (single pass: [base, L); base = 0, or with a sliding
+// window max(0, L - QLEN - window_left)). L is seq_lens[b] clamped into [0, capacity] (schedule.cuh, seq_len_at),
+// in the prologue and everywhere after it. Query i sits at position p = L - QLEN + i and sees
 // positions <= p (and >= p - window_left with a window). A row with no visible position gets o = 0, lse = -inf.
 // A program past the batch's units exits writing nothing. Workspace slot u holds fp32 o (normalized) and
 // natural-log lse of each row; out takes q's dtype.
@@ -163,10 +164,13 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, const
 // max_units_per_seq (1), o_ss and l_ss (0) as its one split's chunk arithmetic and nothing else of the schedule or
 // the workspace: the parameters it reads come first, in the order they had before the schedule (its PTX and
 // registers are the same; parameter order moves ptxas's register allocation). last_page (pages - 1 of a paged cache,
-// 0 and never read for a contiguous one) comes last of all, after the schedule's and the workspace's: every page
-// index read from the block table is clamped into [0, last_page] (copy.cuh, page_at), so a bad entry reads a wrong
-// page, never outside the cache. out_lse, sinks [Hq], k_scale / v_scale [Hkv] may be null. Grid (1, Hkv, units), or
-// the unit-major program index u Hkv + h along x.
+// 0 and never read for a contiguous one) comes after the schedule's and the workspace's: every page index read from
+// the block table is clamped into [0, last_page] (copy.cuh, page_at), so a bad entry reads a wrong page, never
+// outside the cache. capacity (the tokens a sequence of the cache holds: block_table columns x PAGE, or the
+// contiguous cache's token axis) comes last of all: every length read from seq_lens is clamped into [0, capacity]
+// (schedule.cuh, seq_len_at), so a length beyond the cache reads the clamped span, never outside the cache.
+// out_lse, sinks [Hq], k_scale / v_scale [Hkv] may be null. Grid (1, Hkv, units), or the unit-major program index
+// u Hkv + h along x.
 #if ATTNPLAN_KIND == ATTNPLAN_KIND_PARTIAL
 // The partial kernel's end, out of line: the rows of the program (rows_out.cuh) from the KV warps' states in shared
 // memory. The schedule's prologue (schedule_unit) is out of line too: inlined, the two would share the kernel's
@@ -205,7 +209,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
                float *__restrict__ ws_o, float *__restrict__ ws_lse, int batch, int min_unit_granules, int balanced,
                i64 o_si, i64 o_sh,
                i64 l_si, i64 l_sh,
-               int last_page) {
+               int last_page, int capacity) {
     ATTNPLAN_DYNAMIC_SMEM(smem);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     if constexpr (!FUSED) pdl_launch_dependents();  // the merge kernel may launch now; it waits for this grid
@@ -238,7 +242,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
             h = (int)((lin / max_units_per_seq) % num_kv_heads);
             b = (int)(lin / max_units_per_seq / num_kv_heads);
         }
-        L = seq_lens[b];
+        L = seq_len_at(seq_lens, b, capacity);
         int base = 0;
         if constexpr (WINDOW) base = L - QLEN - window_left > 0 ? L - QLEN - window_left : 0;  // none before the window
         const i64 cs64 = (i64)base + (i64)s * granule;
@@ -264,14 +268,14 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         }
         const UnitInfo un = schedule_unit(seq_lens, targets, meta, batch, u, slots,
                                           meta != nullptr && u == 0 && h == 0, window_left, granule, min_unit_granules,
-                                          max_units_per_seq, balanced != 0, smem, tid);
+                                          max_units_per_seq, balanced != 0, smem, tid, capacity);
         if (un.b < 0) return;  // no unit for this slot: nothing to write
         u = un.u;
         b = un.b;
         first = un.first;
         units_b = un.units;
         direct = units_b == 1;
-        L = seq_lens[b];
+        L = seq_len_at(seq_lens, b, capacity);  // the length the schedule read
         unit_range(un, u, L, window_left, granule, cs, ce);
         ob = out + (i64)b * out_sb;
         lb = out_lse ? out_lse + (i64)b * ol_sb : out_lse;
@@ -450,21 +454,23 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 #if ATTNPLAN_KIND == ATTNPLAN_KIND_PARTIAL && defined(ATTNPLAN_SCHEDULE_PROBE)
 // The partial kernel's prologue alone (tests; the spec's probe flag): block k runs schedule_unit for unit
 // probe_units[k] with the partial kernel's threads and writes res[8 k .. 8 k + 8) = (b, j, cs, ce, units[b], c,
-// indptr[b], cb), or only b = -1 past the batch's units; block 0 writes meta when it is not null.
+// indptr[b], cb), or only b = -1 past the batch's units; block 0 writes meta when it is not null. Lengths are
+// clamped into [0, capacity] as in the partial kernel.
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 attnplan_schedule_probe(const int *__restrict__ seq_lens, const int *__restrict__ targets, int *__restrict__ meta,
                         const int *__restrict__ probe_units, int *__restrict__ res, int batch, int window_left,
-                        int granule, int min_unit_granules, int max_units_per_seq, int balanced) {
+                        int granule, int min_unit_granules, int max_units_per_seq, int balanced, int capacity) {
     ATTNPLAN_DYNAMIC_SMEM(smem);
     const int tid = threadIdx.x, k = (int)blockIdx.x, u = probe_units[k];
     const UnitInfo un = schedule_unit(seq_lens, targets, meta, batch, u, 0, meta != nullptr && k == 0, window_left,
-                                      granule, min_unit_granules, max_units_per_seq, balanced != 0, smem, tid);
+                                      granule, min_unit_granules, max_units_per_seq, balanced != 0, smem, tid,
+                                      capacity);
     if (tid != 0) return;
     int *r = res + 8 * (i64)k;
     r[0] = un.b;
     if (un.b < 0) return;
     int cs, ce;
-    unit_range(un, u, seq_lens[un.b], window_left, granule, cs, ce);
+    unit_range(un, u, seq_len_at(seq_lens, un.b, capacity), window_left, granule, cs, ce);
     r[1] = u - un.first;
     r[2] = cs;
     r[3] = ce;

@@ -2,8 +2,10 @@
 //
 // A plan fixes the grid, the granule and the targets table; at every launch each program of the partial kernel
 // computes, from the live seq_lens in device memory, which (sequence b, unit j, token range) its unit u is. The
-// integers are attnplan.schedule.schedule_units's, bit for bit (32-bit: the planner keeps a batch's capacity
-// below 2^31 granules; ceil(a / b) is (a - 1) / b + 1 for a >= 1, so no sum passes int32):
+// integers are attnplan.schedule.schedule_units's with the capacity given, bit for bit (32-bit: the planner keeps a
+// batch's capacity below 2^31 granules; ceil(a / b) is (a - 1) / b + 1 for a >= 1, so no sum passes int32). Every
+// length is read through seq_len_at, clamped into [0, capacity] (the tokens a sequence of the cache holds), so L
+// below is the clamped length wherever it appears and every program derives the same schedule from it:
 //   base = max(0, L - QLEN - window_left) with a window, else 0;  nb = ceil((L - base) / granule)  (0 if L <= base)
 //   T = sum_b nb, nb_max = max_b nb;  t = targets[k + 32 * tail], k = min(bit_length(T), 31), tail = 2 T < B nb_max
 //   c = max(min_unit_granules, ceil(T / t)), or min_unit_granules when t == 0 (or the schedule is not balanced)
@@ -34,6 +36,14 @@ static_assert(SMEM_BYTES >= 4 * SCHED_WORDS, "the schedule's exchange lives in t
 struct UnitInfo {
     int b, first, units, cb, c, u;  // u: the unit this program runs (its slot, or spread: attnplan.schedule.slot_unit)
 };
+
+// Sequence b's length as every kernel reads it: seq_lens[b] clamped into [0, capacity] (capacity: the tokens a
+// sequence of the cache holds, block_table columns x PAGE or the contiguous cache's token axis). A length written on
+// the device after plan() (or found at a CUDA-graph replay) beyond the cache then runs attention over the clamped
+// span instead of reading outside the cache; a negative one is an empty sequence.
+__device__ __forceinline__ int seq_len_at(const int *__restrict__ seq_lens, int b, int capacity) {
+    return cmin(cmax(seq_lens[b], 0), capacity);
+}
 
 // Sequence of length L: its first visible position (base) and the granules of its span [base, L).
 __device__ __forceinline__ int seq_granules(int L, int window_left, int granule, int &base) {
@@ -85,10 +95,10 @@ __device__ __forceinline__ int sched_granules_per_unit(int t_lo, int t_hi, int t
 __device__ __forceinline__ UnitInfo schedule_unit_warp(const int *__restrict__ seq_lens, int *__restrict__ meta,
                                                        int batch, int u, int slots, bool write_meta,
                                                        int window_left, int granule, int min_c, int max_per,
-                                                       bool balanced, int t_lo, int t_hi, int lane) {
+                                                       bool balanced, int t_lo, int t_hi, int lane, int capacity) {
     const bool in = lane < batch;
     int base;
-    const int nb = in ? seq_granules(seq_lens[lane], window_left, granule, base) : 0;
+    const int nb = in ? seq_granules(seq_len_at(seq_lens, lane, capacity), window_left, granule, base) : 0;
     int c = min_c;
     if (balanced) {
         int s = nb, m = nb;
@@ -132,13 +142,14 @@ __device__ __forceinline__ UnitInfo schedule_unit_warp(const int *__restrict__ s
 
 // The schedule of unit u (module comment). Called by every thread of the program (it has barriers); tid the
 // thread's index; meta written (all batch sequences) when write_meta; balanced: the plan's targets are not all zero;
-// slots: the grid's unit slots (0: u is the unit itself; a batch of at most 32 spreads its units over them).
+// slots: the grid's unit slots (0: u is the unit itself; a batch of at most 32 spreads its units over them);
+// capacity: the clamp of every length (seq_len_at).
 // Out of line (one call per program): inlined, it moved the partial kernel's main-loop register allocation (see
 // decode.cu, write_rows).
 __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens, const int *__restrict__ targets,
                                                   int *__restrict__ meta, int batch, int u, int slots, bool write_meta,
                                                   int window_left, int granule, int min_c, int max_per, bool balanced,
-                                                  unsigned char *smem, int tid) {
+                                                  unsigned char *smem, int tid, int capacity) {
     const int lane = tid & 31, warp = tid >> 5;
     int t_lo = 0, t_hi = 0;  // the targets table, in flight with seq_lens
     if (balanced) {
@@ -146,7 +157,8 @@ __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens,
         t_hi = targets[32 + lane];
     }
     if (batch <= 32) return schedule_unit_warp(seq_lens, meta, batch, u, slots, write_meta && warp == 0,
-                                               window_left, granule, min_c, max_per, balanced, t_lo, t_hi, lane);
+                                               window_left, granule, min_c, max_per, balanced, t_lo, t_hi, lane,
+                                               capacity);
     int *w_sum = reinterpret_cast<int *>(smem), *w_max = w_sum + NWARPS, *w_units = w_max + NWARPS;
     int *res = w_units + NWARPS;  // b, indptr[b], units[b], cb
     if (tid == 0) sts(res, -1);  // published by the first barrier below
@@ -156,7 +168,7 @@ __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens,
     for (int e = 0; e < SCHED_PER; ++e) {
         const int i = tid * SCHED_PER + e;
         int base;
-        nbv[e] = i < batch ? seq_granules(seq_lens[i], window_left, granule, base) : 0;
+        nbv[e] = i < batch ? seq_granules(seq_len_at(seq_lens, i, capacity), window_left, granule, base) : 0;
     }
     int c = min_c;
     if (balanced) {  // the batch's total granules and longest sequence
@@ -172,7 +184,7 @@ __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens,
                 const int i = c0 + tid * SCHED_PER + e;
                 if (i < batch) {
                     int base;
-                    const int nb = seq_granules(seq_lens[i], window_left, granule, base);
+                    const int nb = seq_granules(seq_len_at(seq_lens, i, capacity), window_left, granule, base);
                     s += nb;
                     m = nb > m ? nb : m;
                 }
@@ -209,7 +221,7 @@ __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens,
             int nb = nbv[e];
             if (c0 > 0) {
                 int base;
-                nb = i < batch ? seq_granules(seq_lens[i], window_left, granule, base) : 0;
+                nb = i < batch ? seq_granules(seq_len_at(seq_lens, i, capacity), window_left, granule, base) : 0;
             }
             un[e] = i < batch ? seq_units(nb, c, max_per, cbv[e]) : 0;
             mine += un[e];
@@ -261,7 +273,8 @@ __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens,
     return r;
 }
 
-// Token range [cs, ce) of unit u (schedule_unit's un) of a sequence of length L: unit j = u - first covers
+// Token range [cs, ce) of unit u (schedule_unit's un) of a sequence of length L (seq_len_at's, clamped, as the
+// schedule read it): unit j = u - first covers
 // [base + j cb G, min(base + (j + 1) cb G, L)); an empty sequence's one unit is [L, L).
 __device__ __forceinline__ void unit_range(const UnitInfo &un, int u, int L, int window_left, int granule, int &cs,
                                            int &ce) {
