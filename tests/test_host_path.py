@@ -613,6 +613,10 @@ class _FakeJit:
         params = inspect.signature(real.fn).parameters
         self.arg_names = list(params)
         self.constexprs = [i for i, p in enumerate(params.values()) if "constexpr" in str(p.annotation)]
+        # the parameters Triton does not specialize on (@triton.jit(do_not_specialize=...); the interpreter keeps it
+        # among its keyword arguments)
+        self.unspecialized = set(getattr(real, "do_not_specialize", None)
+                                 or getattr(real, "kwargs", {}).get("do_not_specialize") or ())
         self.log = log
         self.compiled = _FakeCompiled(log)
 
@@ -1245,7 +1249,7 @@ class _FakeJitRaw(_FakeJit):
         def raw_ready(*args, **kw):
             ck = launch(*args, **kw)
             full = args + tuple(kw[n] for n in self.arg_names[len(args):])
-            self.sig = _triton_signature(self.arg_names, set(self.constexprs), full)
+            self.sig = _triton_signature(self.arg_names, set(self.constexprs), full, self.unspecialized)
             ck.src = types.SimpleNamespace(signature=self.sig)
             ck.metadata = types.SimpleNamespace(num_warps=4, shared=4096 + self.handle, num_ctas=1,
                                                 global_scratch_size=0, profile_scratch_size=0, launch_pdl=False,
@@ -1256,12 +1260,13 @@ class _FakeJitRaw(_FakeJit):
         return raw_ready
 
 
-def _triton_signature(names, constexprs, values) -> dict:
+def _triton_signature(names, constexprs, values, unspecialized=()) -> dict:
     """The signature Triton gives a specialization of these argument values: ``constexpr`` for constexprs and for
-    ints equal to 1, pointer types for tensors, ``i32`` / ``fp32`` for ints and floats."""
+    ints equal to 1 (but those of ``unspecialized`` parameters), pointer types for tensors, ``i32`` / ``fp32`` for
+    ints and floats."""
     sig = {}
     for i, (n, v) in enumerate(zip(names, values)):
-        if i in constexprs or (type(v) is int and v == 1):
+        if i in constexprs or (type(v) is int and v == 1 and n not in unspecialized):
             sig[n] = "constexpr"
         elif isinstance(v, torch.Tensor):
             sig[n] = "*fp32"

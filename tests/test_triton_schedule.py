@@ -56,15 +56,16 @@ except ImportError:  # the module's tests skip (pytestmark)
 
 if triton is not None:
     @triton.jit
-    def _probe_kernel(SEQ_LENS, TARGETS, META, US, OUT, batch, window_left, min_c, max_s, Q_LEN: tl.constexpr,
-                      GRANULE: tl.constexpr, WINDOW: tl.constexpr, BALANCED: tl.constexpr, BLOCK_B: tl.constexpr,
-                      ONE_BLOCK: tl.constexpr):
-        """The partial kernel's prologue alone: program ``p`` asks for unit ``US[p]`` and stores what it finds."""
+    def _probe_kernel(SEQ_LENS, TARGETS, META, US, OUT, batch, window_left, min_c, max_s, capacity,
+                      Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.constexpr, BALANCED: tl.constexpr,
+                      BLOCK_B: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """The partial kernel's prologue alone: program ``p`` asks for unit ``US[p]`` and stores what it finds
+        (lengths clamped into ``[0, capacity]``)."""
         pid = tl.program_id(0)
         u = tl.load(US + pid)
         b, first, units, cb, seq_len, _ = _schedule(SEQ_LENS, 1, TARGETS, META, batch, u, 0, pid, window_left,
-                                                    min_c, max_s, Q_LEN, GRANULE, WINDOW, BALANCED, True, BLOCK_B,
-                                                    ONE_BLOCK)
+                                                    min_c, max_s, capacity, Q_LEN, GRANULE, WINDOW, BALANCED, True,
+                                                    BLOCK_B, ONE_BLOCK)
         tl.store(OUT + pid * 5, b)
         tl.store(OUT + pid * 5 + 1, first)
         tl.store(OUT + pid * 5 + 2, units)
@@ -77,34 +78,35 @@ if triton is not None:
                            BLOCK_B: tl.constexpr):
         """The prologue of grid slot ``p`` of ``slots`` (the single-block path): the sequence and unit it runs."""
         pid = tl.program_id(0)
-        b, _, _, _, _, u = _schedule(SEQ_LENS, 1, TARGETS, META, batch, pid, slots, pid, 0, min_c, max_s, 1,
-                                     GRANULE, False, True, False, BLOCK_B, True)
+        b, _, _, _, _, u = _schedule(SEQ_LENS, 1, TARGETS, META, batch, pid, slots, pid, 0, min_c, max_s,
+                                     2**31 - 1, 1, GRANULE, False, True, False, BLOCK_B, True)
         tl.store(OUT + pid * 2, b)
         tl.store(OUT + pid * 2 + 1, u)
 
 
-def _probe(lens, sched: Schedule, q_len, window, us, block_b, one_block=False):
+def _probe(lens, sched: Schedule, q_len, window, us, block_b, one_block=False, capacity=2**31 - 1):
     """Run the prologue alone for units ``us`` (program 0 must ask for unit 0: it writes the meta); ``one_block``:
-    the single-block path (``len(lens) <= block_b``)."""
+    the single-block path (``len(lens) <= block_b``); lengths clamped into ``[0, capacity]``."""
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     meta = torch.full((2 * len(lens),), -7, dtype=torch.int32, device=DEVICE)
     out = torch.full((len(us), 5), -7, dtype=torch.int32, device=DEVICE)
     _probe_kernel[(len(us),)](lens_t, torch.tensor(sched.targets, dtype=torch.int32, device=DEVICE), meta,
                        torch.tensor(us, dtype=torch.int32, device=DEVICE), out, len(lens), max(window, 0),
-                       sched.min_unit_granules, sched.max_units_per_seq, Q_LEN=q_len, GRANULE=sched.granule,
+                       sched.min_unit_granules, sched.max_units_per_seq, capacity, Q_LEN=q_len, GRANULE=sched.granule,
                        WINDOW=window >= 0, BALANCED=any(sched.targets), BLOCK_B=block_b, ONE_BLOCK=one_block)
     return out.cpu(), meta.cpu()
 
 
-def _expect(lens, sched, q_len, window, us):
-    s = schedule_units(lens, sched, q_len, window)
+def _expect(lens, sched, q_len, window, us, capacity=None):
+    s = schedule_units(lens, sched, q_len, window, capacity)
     rows = []
     for u in us:
         if u >= s.num_units:
             rows.append(-1)
             continue
         b = int(s.seq[u])
-        rows.append([b, int(s.indptr[b]), int(s.units[b]), int(s.unit_granules[b]), int(lens[b])])
+        length = int(lens[b]) if capacity is None else min(max(int(lens[b]), 0), capacity)
+        rows.append([b, int(s.indptr[b]), int(s.units[b]), int(s.unit_granules[b]), length])
     return s, rows
 
 
@@ -138,6 +140,27 @@ def test_prologue_matches_host_schedule(name, q_len, window, batch, block_b, one
     for u, (row, want) in enumerate(zip(got.tolist(), rows)):
         assert (row[0] == -1) if want == -1 else row == want, f"unit {u}: kernel {row}, host {want}"
     assert meta[:batch].tolist() == s.indptr[:-1].tolist() and meta[batch:].tolist() == s.units.tolist()
+
+
+@pytest.mark.parametrize("q_len,window", [(1, -1), (2, 7)])
+@pytest.mark.parametrize("block_b,one_block", [(16, True), (4, False)])
+def test_prologue_clamps_lengths_into_the_capacity(q_len, window, block_b, one_block):
+    """Lengths outside ``[0, capacity]`` on the device (one past it, the largest int32, negative, the smallest int32)
+    are read clamped into it: every unit's sequence, first unit, unit count, granules per unit and length, and the
+    meta, are the host schedule's for the clamped lengths (the single-block path and the blocked loops)."""
+    cap = 96
+    lens = [cap + 1, 2**31 - 1, -5, 40, -2**31, cap]
+    targets = tuple([0] + [min(4 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)])  # c = 1
+    sched = Schedule("balanced", 16, 1, 4, targets, 1 << 20)
+    s = schedule_units(lens, sched, q_len, window, cap)
+    assert int(s.end.max()) <= cap and int(s.units[1]) == int(s.units[0]) and int(s.units[2]) == 1
+    assert int(s.units[0]) == 3 or window >= 0  # 6 granules in 3 units of 2; the window leaves one granule
+    us = list(range(s.num_units)) + [s.num_units]
+    got, meta = _probe(lens, sched, q_len, window, us, block_b, one_block, capacity=cap)
+    _, rows = _expect(lens, sched, q_len, window, us, capacity=cap)
+    for u, (row, want) in enumerate(zip(got.tolist(), rows)):
+        assert (row[0] == -1) if want == -1 else row == want, f"unit {u}: kernel {row}, host {want}"
+    assert meta[:6].tolist() == s.indptr[:-1].tolist() and meta[6:].tolist() == s.units.tolist()
 
 
 @pytest.mark.parametrize("extra", [0, 3, "2x", "2x+1", "3x+2"])

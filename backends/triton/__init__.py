@@ -14,8 +14,9 @@ separate merge kernel (``plan.merge == "separate"``) or by the last program of e
 plan-derived launch constants are computed once per (plan, workspace). ``DecodeWrapper.run()`` launches through
 :class:`BoundLaunch` (:meth:`TritonBackend.bind`, made by ``plan()``), which launches the compiled kernel of a known
 specialization directly instead of through the JIT (one ``cuLaunchKernel`` per kernel with arguments packed once,
-:mod:`.raw`, where the compiled kernel's parameters allow; else Triton's own launcher). Block-table entries are
-clamped into ``[0, num_pages)`` by the kernel.
+:mod:`.raw`, where the compiled kernel's parameters allow; else Triton's own launcher). Lengths read from
+``seq_lens`` are clamped into ``[0, capacity]`` (the ``capacity`` argument, :attr:`DecodeInputs.capacity`) and
+block-table entries into ``[0, num_pages)`` by the kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ __all__ = ["TritonBackend", "BoundLaunch", "merge_geometry", "spec_classes"]
 _LOG2E = 1.4426950408889634
 #: most sequences the prologue reads per step (one ``tl.arange`` block; larger batches loop)
 MAX_BLOCK_B = 1024
+#: the largest int32: the ``capacity`` argument is at most this (it clamps no int32 length from above)
+INT32_MAX = 2**31 - 1
 
 
 def _interpreting() -> bool:
@@ -192,9 +195,10 @@ class BoundLaunch:
     launches are prepared: changing it affects layouts first seen afterwards.
     """
 
-    __slots__ = ("backend", "L", "paged", "mid", "mid_ptrs", "tail", "tail_scalars", "last_page", "sm_scale",
-                 "window_left", "soft_cap", "sinks", "k_scale", "v_scale", "fp8", "variant_tensors", "direct",
-                 "merge", "merge_ints", "grids", "hooks", "current_device", "current_stream", "raw", "lock", "spec")
+    __slots__ = ("backend", "L", "paged", "mid", "mid_ptrs", "tail", "tail_scalars", "last_page", "capacity",
+                 "sm_scale", "window_left", "soft_cap", "sinks", "k_scale", "v_scale", "fp8", "variant_tensors",
+                 "direct", "merge", "merge_ints", "grids", "hooks", "current_device", "current_stream", "raw", "lock",
+                 "spec")
 
     def __init__(self, backend: "TritonBackend", plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs,
                  raw: bool = True, previous: "BoundLaunch | None" = None):
@@ -212,6 +216,7 @@ class BoundLaunch:
         self.paged = bt is not None
         bts = bt.stride() if self.paged else (0, 0)
         self.last_page = max(int(k.shape[0]) - 1, 0) if self.paged else 0
+        self.capacity = min(x.capacity, INT32_MAX)  # the clamp of every length the kernel reads
         ks, vs, qs = k.stride(), v.stride(), q.stride()
         self.sm_scale, self.window_left, self.soft_cap = x.sm_scale, x.window_left, x.soft_cap
         self.sinks, self.k_scale, self.v_scale = x.sinks, x.k_scale, x.v_scale
@@ -219,7 +224,7 @@ class BoundLaunch:
         self.mid = tuple(L.ws)  # targets, meta, counters, ws_o, ws_lse: the workspace, fixed
         self.mid_ptrs = tuple(t.data_ptr() for t in self.mid)
         self.tail_scalars = (x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, self.last_page,
-                             sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+                             self.capacity, sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                              bts[0], bts[1])
         self.tail = (x.k_scale if fp8 else targets, x.v_scale if fp8 else targets,
                      x.sinks if x.sinks is not None else targets) + self.tail_scalars
@@ -231,8 +236,10 @@ class BoundLaunch:
         self.hooks = self.current_device = self.current_stream = None
         self.raw = raw
         self.lock = threading.Lock()
+        ts = self.tail_scalars
+        at = 3 + len(L.ints) + 1  # capacity: never specialized on (kernels.UNSPECIALIZED), so not a class here
         self.spec = (tuple((t.dtype, t.data_ptr() & 15) for t in (q, k, v, sl) + ((bt,) if self.paged else ())),
-                     spec_classes(self.tail_scalars))
+                     spec_classes(ts[:at] + ts[at + 1:]))
         if previous is not None and previous.raw == raw and previous.paged == self.paged \
                 and previous.spec == self.spec and previous.sinks is self.sinks and previous.k_scale is self.k_scale \
                 and previous.v_scale is self.v_scale:
@@ -250,7 +257,8 @@ class BoundLaunch:
     def _inherit(self, previous: "BoundLaunch") -> None:
         """Take ``previous``'s compiled kernels for every output layout it launched directly: the same plan,
         workspace, variant tensors and specialization (the inputs' 16-byte alignment and the specialization classes
-        of every scalar argument, :func:`spec_classes`) as this binding, so Triton's JIT would return the same
+        of every scalar argument Triton specializes on, :func:`spec_classes`: all but ``capacity``,
+        ``kernels.UNSPECIALIZED``) as this binding, so Triton's JIT would return the same
         compiled kernels for this binding's arguments. Raw launches are re-packed with this binding's scalars (the
         parameter layout the driver confirmed is kept); nothing is asked of the JIT or the driver."""
         try:
@@ -524,11 +532,12 @@ class TritonBackend(Backend):
         else:
             bts = bt.stride()
             last_page = max(int(k.shape[0]) - 1, 0)  # page indices are clamped into [0, num_pages)
+        capacity = min(x.capacity, INT32_MAX)  # lengths are clamped into [0, capacity]
         ls = lse.stride() if lse is not None else (0, 0)
         ks, vs, qs, os_ = k.stride(), v.stride(), q.stride(), out.stride()
         return (q, k, v, sl, bt, targets, meta, counters, ws_o, ws_lse, out, lse if lse is not None else targets,
                 x.k_scale if fp8 else targets, x.v_scale if fp8 else targets, sinks if sinks is not None else targets,
-                x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, last_page,
+                x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, last_page, capacity,
                 sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], bts[0], bts[1],
                 os_[0], os_[1], os_[2], ls[0], ls[1])
 
@@ -582,8 +591,9 @@ class TritonBackend(Backend):
         ``workspace.meta`` for the separate merge; the fused merge inside.
 
         ``out``'s three leading strides and ``lse``'s two are honoured (their last axes have unit stride), as are
-        q's, the cache's and the block table's strides and ``seq_lens``'s. Page indices read from the block table
-        are clamped into ``[0, num_pages)`` (``num_pages = k_cache.shape[0]``).
+        q's, the cache's and the block table's strides and ``seq_lens``'s. Lengths read from ``seq_lens`` are clamped
+        into ``[0, capacity]`` (:attr:`DecodeInputs.capacity`) and page indices read from the block table into ``[0,
+        num_pages)`` (``num_pages = k_cache.shape[0]``).
 
         Raises:
             ValueError: q's shape is not the plan's, or ``workspace`` does not serve the plan.

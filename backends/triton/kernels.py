@@ -9,7 +9,10 @@ in device memory: a prologue computes the schedule of :mod:`attnplan.schedule` (
 granules per unit from the plan's targets table, each sequence's units and their exclusive prefix sum) in the
 same integers as :func:`attnplan.schedule.schedule_units` (FlashAttention-3's ``hopper/flash_prepare_scheduler.cu``
 makes the same choice on the device in a separate kernel). So one plan and one grid serve all lengths, and CUDA-graph
-replays. The contract is :mod:`attnplan.backends.base`'s.
+replays. The contract is :mod:`attnplan.backends.base`'s. Every length loaded from ``seq_lens`` is clamped into
+``[0, capacity]`` (:func:`_length`; ``capacity`` the tokens a sequence of the cache holds, a kernel argument) before
+anything uses it, so a length written on the device beyond the cache reads the clamped span, never outside the
+cache, and every program derives the same schedule.
 
 Offsets: every offset that can pass 2^31 elements is computed in int64 (row, head and slot indices are widened
 before they meet a stride: Triton multiplies an int32 index by an int32 stride in 32 bits, so a head-major cache
@@ -59,6 +62,14 @@ def _add_sink(o, lse, SINKS, head, row_ok):
 
 
 @triton.jit
+def _length(seq_len, capacity):
+    """Lengths loaded from ``seq_lens`` as every kernel reads them: clamped into ``[0, capacity]`` (``capacity``: the
+    tokens a sequence of the cache holds), so a length beyond the cache reads the clamped span, never outside the
+    cache, and a negative one is an empty sequence (the input contract of :mod:`attnplan.problem`)."""
+    return tl.minimum(tl.maximum(seq_len, 0), capacity)
+
+
+@triton.jit
 def _granules(seq_len, Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.constexpr, window_left):
     """``(base, nb)``: a sequence's first visible position and the granules of its span ``[base, seq_len)``
     (:mod:`attnplan.schedule`); ``ceil`` as ``(n - 1) // G + 1`` so no intermediate passes int32."""
@@ -101,12 +112,13 @@ def _units(nb, ok, c, max_units_per_seq):
 
 @triton.jit
 def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, slots, pid, window_left, min_unit_granules,
-              max_units_per_seq, Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.constexpr,
+              max_units_per_seq, capacity, Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.constexpr,
               BALANCED: tl.constexpr, WRITE_META: tl.constexpr, BLOCK_B: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """The prologue: the schedule of the live batch, as :func:`attnplan.schedule.schedule_units` computes it.
+    """The prologue: the schedule of the live batch, as :func:`attnplan.schedule.schedule_units` computes it with
+    ``capacity`` (every length clamped into ``[0, capacity]`` as it is loaded, :func:`_length`).
 
     Returns ``(b, indptr_b, units_b, cb, seq_len_b, u)``: the sequence of the program's unit (``-1`` when there is
-    none), its first unit, its unit count, its granules per unit, its length, and the unit. ``u`` is the unit, or
+    none), its first unit, its unit count, its granules per unit, its (clamped) length, and the unit. ``u`` is the unit, or
     with ``slots > 0`` (``ONE_BLOCK`` only, where ``U`` is known before the search) the program's slot of the grid's
     ``slots``, whose unit is :func:`attnplan.schedule.slot_unit`'s (the working programs spread over a grid of many more
     slots than units, else packed at its start).
@@ -122,7 +134,7 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, slots, pid, window_l
         table = tl.load(TARGETS + tl.arange(0, 64))
     if ONE_BLOCK:
         ok = offs_blk < batch
-        lens = tl.load(SEQ_LENS + offs_blk.to(tl.int64) * stride_sl, mask=ok, other=0)
+        lens = _length(tl.load(SEQ_LENS + offs_blk.to(tl.int64) * stride_sl, mask=ok, other=0), capacity)
         _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
         c = min_unit_granules
         if BALANCED:
@@ -153,7 +165,7 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, slots, pid, window_l
         nb_max = tl.full([], 0, tl.int64)
         for b0 in range(0, batch, BLOCK_B):
             offs = b0 + offs_blk
-            lens = tl.load(SEQ_LENS + offs.to(tl.int64) * stride_sl, mask=offs < batch, other=0)
+            lens = _length(tl.load(SEQ_LENS + offs.to(tl.int64) * stride_sl, mask=offs < batch, other=0), capacity)
             _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
             total += tl.sum(nb.to(tl.int64), 0)
             nb_max = tl.maximum(nb_max, tl.max(nb.to(tl.int64), 0))
@@ -171,7 +183,7 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, slots, pid, window_l
     while (b0 < batch) & ((running <= u) | (pid == writer)):
         offs = b0 + offs_blk
         ok = offs < batch
-        lens = tl.load(SEQ_LENS + offs.to(tl.int64) * stride_sl, mask=ok, other=0)
+        lens = _length(tl.load(SEQ_LENS + offs.to(tl.int64) * stride_sl, mask=ok, other=0), capacity)
         _, nb = _granules(lens, Q_LEN, GRANULE, WINDOW, window_left)
         cb, units = _units(nb, ok, c, max_units_per_seq)
         incl = running + tl.cumsum(units, 0)
@@ -372,10 +384,16 @@ def _store_out(o, lse, OUT, LSE_OUT, SINKS, b64, qi64, head64, head, row_ok, off
         tl.store(LSE_OUT + b64 * stride_lob + qi64 * stride_lot + head64, lse, mask=row_ok)
 
 
-@triton.jit
+#: parameters of :func:`split_kv_partial_kernel` Triton does not specialize on (no constant for 1, no divisibility):
+#: ``capacity`` changes with a contiguous cache's length (one token more per step) and only clamps lengths, so a new
+#: value never compiles a new specialization
+UNSPECIALIZED = ("capacity",)
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def split_kv_partial_kernel(
     Q, K, V, SEQ_LENS, BLOCK_TABLE, TARGETS, META, COUNTERS, WS_O, WS_LSE, OUT, LSE_OUT, K_SCALE, V_SCALE, SINKS,
-    sm_scale_log2, window_left, soft_cap, batch, ws_slots, min_unit_granules, max_units_per_seq, last_page,
+    sm_scale_log2, window_left, soft_cap, batch, ws_slots, min_unit_granules, max_units_per_seq, last_page, capacity,
     stride_sl, stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb, stride_btc, stride_outb, stride_outt, stride_outh, stride_lob, stride_lot,
@@ -392,8 +410,10 @@ def split_kv_partial_kernel(
     ``MULTI`` (``max_units_per_seq > 1``): the prologue (:func:`_schedule`) finds the slot's unit ``u`` (the slot
     itself, or with ``ONE_BLOCK`` the live units spread over the slots, :func:`attnplan.schedule.slot_unit`), its
     sequence ``b`` and token range; a program without a unit exits. Otherwise (single pass) ``b = u`` and the range
-    is the sequence's visible span. Every page index loaded from ``BLOCK_TABLE`` is clamped into ``[0, last_page]``
-    (``num_pages - 1``): a bad entry reads a wrong page but never outside the cache. A sequence with one unit is
+    is the sequence's visible span. Every length loaded from ``SEQ_LENS`` is clamped into ``[0, capacity]`` (the
+    tokens a sequence of the cache holds, :func:`_length`) and every page index loaded from ``BLOCK_TABLE`` into
+    ``[0, last_page]`` (``num_pages - 1``): a bad length or entry reads a wrong span or page but never outside the
+    cache. A sequence with one unit is
     written to ``OUT`` / ``LSE_OUT`` (the sink applied); otherwise the unit's normalized fp32 state goes to
     workspace slot ``u`` (``WS_O [1, Q, H, ws_slots, D]``, ``WS_LSE [1, Q, H, ws_slots]``, contiguous, natural-log
     LSE, no sink), and with ``MERGE == "fused"`` the program counts itself in ``COUNTERS[b * NUM_KV_HEADS + h]``;
@@ -417,9 +437,9 @@ def split_kv_partial_kernel(
         if ONE_BLOCK:  # spread the working programs over the grid (attnplan.schedule.slot_unit)
             slots = tl.num_programs(0) // NUM_KV_HEADS
         b, first, units_b, cb, seq_len, u = _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, slots, pid,
-                                                      window_left, min_unit_granules, max_units_per_seq, Q_LEN,
-                                                      GRANULE, WINDOW, BALANCED, MERGE == "separate", BLOCK_B,
-                                                      ONE_BLOCK)
+                                                      window_left, min_unit_granules, max_units_per_seq,
+                                                      capacity, Q_LEN, GRANULE, WINDOW, BALANCED,
+                                                      MERGE == "separate", BLOCK_B, ONE_BLOCK)
         if b < 0:  # no unit for this slot: the batch has fewer than max_units
             return
         base, _ = _granules(seq_len, Q_LEN, GRANULE, WINDOW, window_left)
@@ -431,7 +451,7 @@ def split_kv_partial_kernel(
         b = u
         first = u
         units_b = 1
-        seq_len = tl.load(SEQ_LENS + b.to(tl.int64) * stride_sl)
+        seq_len = _length(tl.load(SEQ_LENS + b.to(tl.int64) * stride_sl), capacity)
         base, _ = _granules(seq_len, Q_LEN, GRANULE, WINDOW, window_left)
         start = base
         end = seq_len

@@ -47,7 +47,7 @@ _kernels = _sibling("kernels")
 
 __all__ = ["compile_partial", "compile_merge", "compile_cases"]
 
-_PARTIAL_INTS = ["batch", "ws_slots", "min_unit_granules", "max_units_per_seq", "last_page", "stride_sl",
+_PARTIAL_INTS = ["batch", "ws_slots", "min_unit_granules", "max_units_per_seq", "last_page", "capacity", "stride_sl",
                  "stride_qb", "stride_qt", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt",
                  "stride_vh", "stride_btb", "stride_btc", "stride_outb", "stride_outt", "stride_outh", "stride_lob",
                  "stride_lot"]
