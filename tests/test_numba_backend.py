@@ -125,8 +125,9 @@ PROBE_THREADS = [1, 2, 8] if kernels.SIM else [32, 64, 256]
 
 
 def _probe(lens, sched: Schedule, probe_units, *, threads=PROBE_THREADS[-1], q_len=1, window_left=-1,
-           write_meta=True):
-    """Run the kernels' schedule prologue alone: ``(res [n, 6], meta [2B])`` (kernels.schedule_probe_kernel)."""
+           write_meta=True, capacity=2**31 - 1):
+    """Run the kernels' schedule prologue alone: ``(res [n, 6], meta [2B])`` (kernels.schedule_probe_kernel), each
+    length clamped into ``[0, capacity]``."""
     lens = torch.as_tensor(lens, dtype=torch.int32)
     units = torch.as_tensor(probe_units, dtype=torch.int64)
     res = torch.full((units.numel(), 6), -7, dtype=torch.int64)
@@ -139,7 +140,7 @@ def _probe(lens, sched: Schedule, probe_units, *, threads=PROBE_THREADS[-1], q_l
         with kernels.launch_scope():
             kern[units.numel(), threads](*(cuda.as_cuda_array(a) for a in dev), sched.granule,
                                          sched.min_unit_granules, sched.max_units_per_seq, int(write_meta),
-                                         max(window_left, 0))
+                                         max(window_left, 0), capacity)
         torch.cuda.synchronize()
         res, meta = dev[4].cpu(), dev[2].cpu()
     else:
@@ -149,14 +150,14 @@ def _probe(lens, sched: Schedule, probe_units, *, threads=PROBE_THREADS[-1], q_l
             with kernels.launch_scope():
                 kern[units.numel(), threads](*(kernels.sim_array(a.numpy()) for a in args), sched.granule,
                                              sched.min_unit_granules, sched.max_units_per_seq, int(write_meta),
-                                             max(window_left, 0))
+                                             max(window_left, 0), capacity)
         finally:
             sys.setswitchinterval(old)
     return res, meta
 
 
-def _check_probe(lens, sched, probe_units, res, meta, q_len=1, window_left=-1, write_meta=True):
-    u = schedule_units(lens, sched, q_len, window_left)
+def _check_probe(lens, sched, probe_units, res, meta, q_len=1, window_left=-1, write_meta=True, capacity=None):
+    u = schedule_units(lens, sched, q_len, window_left, capacity)
     for row, unit in zip(res.tolist(), probe_units):
         if unit >= u.num_units:
             assert row[0] == -1 and row[1:] == [-7] * 5, f"unit {unit} past {u.num_units}: {row}"
@@ -211,6 +212,23 @@ def test_prologue_over_many_scan_chunks(gen):
     probe = [u.num_units - 1, int(u.indptr[1234]) + 3, u.num_units]
     res, meta = _probe(lens, sched, probe)
     _check_probe(lens, sched, probe, res, meta)
+
+
+@pytest.mark.parametrize("q_len,window", [(1, -1), (2, 7)])
+def test_prologue_clamps_lengths_into_the_capacity(q_len, window):
+    """Lengths outside ``[0, capacity]`` on the device (one past it, the largest int32, negative, the smallest int32)
+    are read clamped into it: every unit's integers and ``meta`` are :func:`schedule_units`'s for the clamped
+    lengths (several scan chunks of 2 simulated threads); unclamped, units would start past the cache."""
+    cap = 96
+    lens = [cap + 1, 2**31 - 1, -5, 40, -2**31, cap]
+    targets = tuple([0] + [min(4 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)])  # c = 1
+    sched = Schedule("balanced", 16, 1, 4, targets, max_units_bound(targets, len(lens), 4))
+    u = schedule_units(lens, sched, q_len, window, cap)
+    assert int(u.end.max()) <= cap and int(u.units[1]) == int(u.units[0]) and int(u.units[2]) == 1
+    assert int(u.units[0]) == 3 or window >= 0  # 6 granules in 3 units of 2; the window leaves one granule
+    probe = list(range(u.num_units + 1))
+    res, meta = _probe(lens, sched, probe, threads=PROBE_THREADS[1], q_len=q_len, window_left=window, capacity=cap)
+    _check_probe(lens, sched, probe, res, meta, q_len, window, capacity=cap)
 
 
 @pytest.mark.gpu
@@ -757,7 +775,8 @@ try:
         print(tag, "local", local[0] if local else 0)
     probe = k.schedule_probe_kernel(256, 2, True)
     i64, i32 = numba.int64, numba.int32
-    cuda.compile_ptx(probe.py_func, (i32[:], i32[:], i32[:], i64[:], i64[:, :], i64, i64, i64, i64, i64), cc=(9, 0))
+    cuda.compile_ptx(probe.py_func, (i32[:], i32[:], i32[:], i64[:], i64[:, :], i64, i64, i64, i64, i64, i64),
+                     cc=(9, 0))
 except NvvmSupportError as e:
     print("NO-NVVM", e)
     sys.exit(3)

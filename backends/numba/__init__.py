@@ -31,7 +31,9 @@ run (the simulator's barriers otherwise cost milliseconds each).
 ``plan()``): on a GPU, after the first launch of an output layout through the dispatcher, it keeps the
 compiled kernel and numba's own marshalling of its arguments and later only writes the call's data pointers
 into it before ``cuda.core.launch`` (numba's typing and marshalling of every argument are most of a
-dispatcher launch's host time). Block-table entries are clamped into ``[0, num_pages)`` by the kernel.
+dispatcher launch's host time). Lengths read from ``seq_lens`` are clamped into ``[0, capacity]``
+(:attr:`~attnplan.backends.base.DecodeInputs.capacity`, a kernel argument) and block-table entries into ``[0,
+num_pages)`` by the kernel.
 
 Attention variants (``variants``: window, softcap, sinks, fp8_kv) are flags of the kernel
 specialization, with the semantics of :mod:`attnplan.reference` and the Triton kernels: a sliding
@@ -342,6 +344,7 @@ class NumbaBackend(Backend):
         ints = workspace.targets  # an int32 stand-in for arrays the specialization never reads
         page_shift = int(x.k_cache.shape[1]).bit_length() - 1 if x.paged else 0
         last_page = max(int(x.k_cache.shape[0]) - 1, 0) if x.paged else 0  # page ids are clamped into it
+        capacity = min(x.capacity, 2**31 - 1)  # lengths are clamped into [0, capacity]
         st = workspace.state
         meta = workspace.meta if sched and plan.merge == "separate" and workspace.meta is not None else ints
         stride_t = k.numpy.int32 if max(ks + vs) < 2**31 else k.numpy.int64
@@ -354,7 +357,7 @@ class NumbaBackend(Backend):
                  (st.o, None) if sched else (ints, None), (st.lse, None) if sched else (ints, None),
                  (meta, None), (workspace.targets, None))
         ints_ = (int(hkv), int(s.granule), int(s.min_unit_granules), int(s.max_units_per_seq), int(meta is not ints),
-                 page_shift, last_page, k.numpy.float32(x.sm_scale), int(x.window_left) if window else 0,
+                 page_shift, last_page, capacity, k.numpy.float32(x.sm_scale), int(x.window_left) if window else 0,
                  k.numpy.float32(x.soft_cap if softcap else 1.0))
         tail = ((x.k_scale, "k_scale") if fp8 else (ints, None), (x.v_scale, "v_scale") if fp8 else (ints, None),
                 (x.sinks, "sinks") if sinks_on else (ints, None))

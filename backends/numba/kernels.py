@@ -19,7 +19,10 @@ Method (the kernel contract of :mod:`attnplan.backends.base`; Flash-Decoding, Da
   prefix sum (a block scan per chunk, carried across chunks; warp shuffles and one shared word per
   warp on the GPU, a shared-memory tree in the simulator), hence the program's sequence ``b``,
   unit index ``j`` and token range ``[start, end)``. ``ceil(a / b)`` is computed as
-  ``(a - 1) // b + 1`` for ``a >= 1`` (no ``a + b - 1`` overflow); the total is 64-bit. A program
+  ``(a - 1) // b + 1`` for ``a >= 1`` (no ``a + b - 1`` overflow); the total is 64-bit. Every length is
+  read as ``min(max(seq_lens[b], 0), capacity)`` (``capacity`` the tokens a sequence of the cache holds, a kernel
+  argument; ``seq_len_at``), in the prologue and after it, so a length written on the device beyond the cache
+  reads the clamped span, never outside the cache, and every program derives the same schedule. A program
   with ``u >= indptr[batch]`` exits before reading any KV. Program 0 writes ``meta`` (``indptr``
   then ``units``) for the separate merge. Without the prologue (single pass) ``u = b``.
 * A sequence with one unit writes ``out`` (q's dtype) and ``lse`` directly, the sink applied; a unit
@@ -672,22 +675,29 @@ def _make_block_reductions(threads: int):
 
 
 def _make_schedule(threads: int, q_len: int, window: bool):
-    """``(prologue, unit_range, seq_span)`` device functions for ``threads`` threads per program.
+    """``(prologue, unit_range, seq_span, seq_len_at)`` device functions for ``threads`` threads per program.
 
+    * ``seq_len_at(seq_lens, b, capacity) -> int64``: sequence ``b``'s length clamped into ``[0, capacity]``, as
+      every read of ``seq_lens`` takes it.
     * ``seq_span(length, window_left, granule) -> (base, nb)``: first visible position and granules.
     * ``prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_unit_granules,
-      max_units_per_seq, write_meta) -> (b, j, c)``: called by all threads of the program (it has barriers);
+      max_units_per_seq, write_meta, capacity) -> (b, j, c)``: called by all threads of the program (it has barriers);
       ``buf`` is a shared int64 ``[_sched_buffer_words(threads)]`` array and ``info`` a shared int64 ``[2]``.
       Returns unit ``u``'s sequence ``b`` (``-1`` when ``u`` is past the batch's units) and index ``j`` in
       it, and the granules per unit ``c``; with ``write_meta`` it writes ``meta[i] = indptr[i]``,
       ``meta[batch + i] = units[i]`` for every sequence (and scans the whole batch; otherwise it stops
       after ``u``'s chunk).
-    * ``unit_range(seq_lens, b, j, c, window_left, granule, max_units_per_seq) -> (start, end, units_b)``.
+    * ``unit_range(seq_lens, b, j, c, window_left, granule, max_units_per_seq, capacity) -> (start, end, units_b)``.
     """
     NT, QL, WINDOW, PER = threads, q_len, window, SCHED_PER
     CH = NT * PER
     LAST_BUCKET = NUM_BUCKETS - 1
     block_sum, block_scan, block_max = _make_block_reductions(NT)
+
+    @_device
+    def seq_len_at(seq_lens, b, capacity):
+        # a length beyond the cache reads the clamped span (never outside the cache); a negative one is empty
+        return min(max(int64(seq_lens[b]), int64(0)), int64(capacity))
 
     @_device
     def seq_span(length, window_left, granule):
@@ -712,7 +722,8 @@ def _make_schedule(threads: int, q_len: int, window: bool):
         return (nb - 1) // cb + 1, cb
 
     @_device
-    def prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_c, max_per, write_meta):
+    def prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_c, max_per, write_meta,
+                 capacity):
         nbatch = seq_lens.shape[0]
         if tid == 0:
             info[0] = -1
@@ -721,7 +732,7 @@ def _make_schedule(threads: int, q_len: int, window: bool):
         tot = int64(0)
         mx = int64(0)
         for i in range(tid, nbatch, NT):
-            _, nb = seq_span(int64(seq_lens[i]), window_left, granule)
+            _, nb = seq_span(seq_len_at(seq_lens, i, capacity), window_left, granule)
             tot += nb
             mx = max(mx, nb)
         total = block_sum(tot, tid, buf)  # its barriers also publish info's reset
@@ -746,7 +757,7 @@ def _make_schedule(threads: int, q_len: int, window: bool):
             for e in range(PER):
                 x = int64(0)
                 if i0 + e < nbatch:
-                    _, nb = seq_span(int64(seq_lens[i0 + e]), window_left, granule)
+                    _, nb = seq_span(seq_len_at(seq_lens, i0 + e, capacity), window_left, granule)
                     x, _ = seq_units(nb, c, max_per)
                 un[e] = x
                 mine += x
@@ -768,8 +779,8 @@ def _make_schedule(threads: int, q_len: int, window: bool):
         return info[0], u - info[1], c
 
     @_device
-    def unit_range(seq_lens, b, j, c, window_left, granule, max_per):
-        length = int64(seq_lens[b])
+    def unit_range(seq_lens, b, j, c, window_left, granule, max_per, capacity):
+        length = seq_len_at(seq_lens, b, capacity)
         base, nb = seq_span(length, window_left, granule)
         units_b, cb = seq_units(nb, c, max_per)
         if nb <= 0:  # an empty sequence: one empty unit at its end
@@ -778,7 +789,7 @@ def _make_schedule(threads: int, q_len: int, window: bool):
         hi = min(lo + cb * granule, length)
         return lo, hi, units_b
 
-    return prologue, unit_range, seq_span
+    return prologue, unit_range, seq_span, seq_len_at
 
 
 def schedule_probe_kernel(threads: int, q_len: int = 1, window: bool = False):
@@ -794,27 +805,29 @@ def schedule_probe_kernel(threads: int, q_len: int = 1, window: bool = False):
         res       [n, 6] int64: (b, j, start, end, units_b, c) of that unit; b = -1 (rest untouched) past the
                   batch's units
         granule, min_unit_granules, max_units_per_seq, write_meta, window_left: ints
+        capacity  int: every length is clamped into [0, capacity], as the decode kernel clamps it
     """
     if not SIM and threads % 32:
         raise ValueError(f"the schedule prologue runs whole warps on a GPU: threads {threads} is not a multiple of 32")
     key = (threads, q_len, window)
     kern = _PROBE_CACHE.get(key)
     if kern is None:
-        prologue, unit_range, _ = _make_schedule(threads, q_len, window)
+        prologue, unit_range, _, _ = _make_schedule(threads, q_len, window)
         NBUF = _sched_buffer_words(threads)
 
-        def schedule_probe(seq_lens, targets, meta, units, res, granule, min_c, max_per, write_meta, window_left):
+        def schedule_probe(seq_lens, targets, meta, units, res, granule, min_c, max_per, write_meta, window_left,
+                           capacity):
             buf = cuda.shared.array(NBUF, int64)
             info = cuda.shared.array(2, int64)
             blk = cuda.blockIdx.x
             tid = cuda.threadIdx.x
             u = int64(units[blk])
             b, j, c = prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_c, max_per,
-                               write_meta != 0 and blk == 0)
+                               write_meta != 0 and blk == 0, capacity)
             if tid == 0:
                 res[blk, 0] = b
                 if b >= 0:
-                    lo, hi, ub = unit_range(seq_lens, b, j, c, window_left, granule, max_per)
+                    lo, hi, ub = unit_range(seq_lens, b, j, c, window_left, granule, max_per, capacity)
                     res[blk, 1] = j
                     res[blk, 2] = lo
                     res[blk, 3] = hi
@@ -911,6 +924,7 @@ def decode_kernel(spec: DecodeSpec):
         write_meta int: 1 when the plan's merge is separate
         page_shift int, log2(page_size) (0 when not paged)
         last_page int, num_pages - 1 (0 when not paged): page ids from the table are clamped into [0, last_page]
+        capacity  int, the tokens a sequence of the cache holds: lengths from seq_lens are clamped into [0, capacity]
         qk_scale  float32, sm_scale
         window_left int, the sliding window (read only when ``spec.window``)
         soft_cap  float32, the cap (read only when ``spec.softcap``)
@@ -961,7 +975,7 @@ def _build_decode(spec: DecodeSpec):
     qload = _make_unpack(kind, 1)
     pack = _make_pack(kind)
     allreduce = _make_allreduce(T, NRED, NT)
-    prologue, unit_range, seq_span = _make_schedule(NT, QL, WINDOW)
+    prologue, unit_range, seq_span, seq_len_at = _make_schedule(NT, QL, WINDOW)
     NBUF = _sched_buffer_words(NT)
     token_offset = _device(_make_token_offset(PAGED))
     head_base = _device(_make_head_base(PAGED))
@@ -1011,7 +1025,7 @@ def _build_decode(spec: DecodeSpec):
 
     def split_kv_decode(q, k, v, ks0, ks1, ks2, vs0, vs1, vs2, seq_lens, table, out, lse_out, ws_o, ws_lse, meta,
                         targets, num_kv_heads, granule, min_unit_granules, max_units_per_seq, write_meta,
-                        page_shift, last_page, qk_scale, window_left, soft_cap, k_scale, v_scale, sinks):
+                        page_shift, last_page, capacity, qk_scale, window_left, soft_cap, k_scale, v_scale, sinks):
         m_sh = cuda.shared.array(N_ML, float32)
         l_sh = cuda.shared.array(N_ML, float32)
         acc_sh = cuda.shared.array(N_ACC_SH, float32)
@@ -1030,17 +1044,17 @@ def _build_decode(spec: DecodeSpec):
 
         if SCHED:
             b, j, c = prologue(seq_lens, targets, meta, int64(u), tid, sched_buf, info, window_left, granule,
-                               min_unit_granules, max_units_per_seq, write_meta != 0 and p == 0)
+                               min_unit_granules, max_units_per_seq, write_meta != 0 and p == 0, capacity)
             if b < 0:  # no unit for this program: write nothing
                 return
-            lo, hi, units_b = unit_range(seq_lens, b, j, c, window_left, granule, max_units_per_seq)
+            lo, hi, units_b = unit_range(seq_lens, b, j, c, window_left, granule, max_units_per_seq, capacity)
             direct = units_b == 1
         else:  # single pass: unit u is sequence u, written directly
             b = int64(u)
-            lo, _ = seq_span(int64(seq_lens[b]), window_left, granule)
-            hi = int64(seq_lens[b])
+            lo, _ = seq_span(seq_len_at(seq_lens, b, capacity), window_left, granule)
+            hi = seq_len_at(seq_lens, b, capacity)
             direct = True
-        length = int64(seq_lens[b])
+        length = seq_len_at(seq_lens, b, capacity)  # the length the schedule read
 
         if lo >= hi:  # empty unit (whole program): read nothing, write empty states
             for idx in range(tid, R * D, NT):
