@@ -3,10 +3,12 @@
 One graph is captured once and replayed while the caller rewrites ``seq_lens`` and
 ``block_table`` in place; every replay must equal the float64 reference at the new lengths
 (stale splits after a length change, a padded batch whose idle programs must still write their rows, GQA group 16,
-launches on the capture stream).
+launches on the capture stream), and lengths written outside ``[0, capacity]`` are read clamped into it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -91,6 +93,58 @@ def test_live_plan_replays_any_lengths(backend, page, gen):
         g.replay()
         torch.cuda.synchronize()
         check(x, out, lse, torch.bfloat16)
+
+
+def _nan_past_the_capacity(x, cap: int, page: int | None):
+    """``x`` with NaN wherever a read past a sequence's capacity would land: a contiguous k / v becomes the first
+    ``cap`` positions of a longer tensor whose other positions are NaN; a paged block table becomes the first columns
+    of a wider table whose other columns name a page of NaN (appended to the cache; no sequence maps it)."""
+    nan = float("nan")
+    if page is None:
+        k, v = (torch.cat([t, torch.full_like(t[:, :64], nan)], 1)[:, :cap] for t in (x.k_cache, x.v_cache))
+        return dataclasses.replace(x, k_cache=k, v_cache=v)
+    k, v = (torch.cat([t, torch.full_like(t[:1], nan)]) for t in (x.k_cache, x.v_cache))
+    cols = x.block_table.shape[1]
+    wide = torch.full((x.block_table.shape[0], cols + 8), k.shape[0] - 1, dtype=torch.int32, device="cuda")
+    wide[:, :cols] = x.block_table
+    return dataclasses.replace(x, k_cache=k, v_cache=v, block_table=wide[:, :cols])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("how", ["capacity", "single"])
+def test_graph_replay_clamps_lengths_outside_the_capacity(backend, page, q_len, how, gen):
+    """A captured capacity plan (and a single-pass live plan) replayed with lengths written outside ``[0,
+    capacity]`` (one past it, 2^31 - 1, far past it, negative, the smallest int32): every kernel reads each length
+    clamped into ``[0, capacity]``, so every replay equals the reference on the clamped lengths and nothing past the
+    capacity is read (NaN there: :func:`_nan_past_the_capacity`)."""
+    cap = 4096
+    x = make_inputs(4, 32, 8, 128, [100] * 4, q_len=q_len, page_size=page, dtype=torch.bfloat16, device="cuda",
+                    capacity=cap, generator=gen)
+    x = _nan_past_the_capacity(x, cap, page)
+    assert (x.k_cache.shape[1] if page is None else x.block_table.shape[1] * page) == cap
+    w = attnplan.DecodeWrapper(backend=backend)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    if how == "capacity":
+        plan = w.plan(*args, capacity=True)
+        assert plan.capacity_mode
+    else:
+        plan = w.plan(*args, num_splits=1, seq_lens_host=[100] * 4)
+        assert plan.single_pass
+    out = torch.empty_like(x.q)
+    lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device="cuda")
+    g = capture(w, x, out, lse)
+    for lens in ([cap + 1, 2**31 - 1, -5, 100], [-2**31, cap, 2**31 - 1, 0], [cap + 1000, 17, -1, cap - 1]):
+        x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        clamped = torch.tensor([min(max(n, 0), cap) for n in lens], dtype=torch.int32)
+        ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, clamped, x.block_table, x.sm_scale)
+        assert_close_to_reference(out, ref, torch.bfloat16)
+        assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

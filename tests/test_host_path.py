@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import random
 import threading
@@ -59,6 +60,87 @@ def test_bad_block_table_entries_read_a_clamped_page(backend, q_len, splits, gen
     w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, bt, out=out, lse=lse)
     ref, ref_lse = _ref(x, bt.clamp(0, num_pages - 1))
     assert_close_to_reference(out, ref, torch.float32)
+    assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+# -- the length clamp ---------------------------------------------------------------------------------------
+
+#: tokens per sequence the clamp tests' caches hold; the lengths written on the device after plan(): one past the
+#: capacity, the largest int32, a negative one, one within (the host lengths plan() saw were all within)
+CLAMP_CAP = 48
+CLAMP_HOST = [40, 17, 5, 33]
+CLAMP_DEVICE = [CLAMP_CAP + 1, 2**31 - 1, -5, 33]
+
+
+def _clamp_inputs(page, q_len, gen, device="cpu"):
+    """Inputs of 4 sequences (fp16, 4 query heads on 1 KV head, head_dim 32) whose cache holds CLAMP_CAP tokens each,
+    laid out so that a read past a sequence's capacity finds NaN: a contiguous k / v is the first CLAMP_CAP positions
+    of a longer tensor whose other positions are NaN; a paged block table is the first columns of a wider table whose
+    other columns name a page of NaN (the cache's last page, which no sequence maps)."""
+    x = make_inputs(4, 4, 1, 32, CLAMP_HOST, q_len=q_len, page_size=page, dtype=torch.float16, capacity=CLAMP_CAP,
+                    generator=gen)
+    if page is None:  # views of the first CLAMP_CAP positions (made on the device: a copy would drop the NaN tail)
+        k, v = (torch.cat([t, torch.full_like(t[:, :16], float("nan"))], 1).to(device)[:, :CLAMP_CAP]
+                for t in (x.k_cache, x.v_cache))
+        bt = None
+    else:
+        k, v = (torch.cat([t, torch.full_like(t[:1], float("nan"))]).to(device) for t in (x.k_cache, x.v_cache))
+        cols = x.block_table.shape[1]
+        wide = torch.full((4, cols + 2), k.shape[0] - 1, dtype=torch.int32)
+        wide[:, :cols] = x.block_table
+        bt = wide.to(device)[:, :cols]
+        assert cols * page == CLAMP_CAP and bt.stride(0) == cols + 2
+    return DecodeInputs(x.q.to(device), k, v, x.seq_lens.to(device), bt, x.sm_scale)
+
+
+def _emulated_cuda_ptx():
+    """The cuda_ptx kernels' text in the host emulation (a backend instance of its own), or a skip."""
+    emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
+    if emulate.compiler() is None:
+        pytest.skip("no C++ compiler for the cuda_ptx host emulation")
+    return emulate.EmulatedCudaPtxBackend()
+
+
+CLAMP_BACKENDS = ["reference", *KERNELS, "cuda_ptx"]
+
+
+@pytest.mark.parametrize("backend", CLAMP_BACKENDS)
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("how", ["single", "split", "capacity"])
+def test_device_lengths_outside_the_capacity_are_clamped(backend, page, q_len, how, gen):
+    """Lengths written into ``seq_lens`` after plan() (host lengths within the capacity) one past the capacity, at
+    2^31 - 1 and negative are read clamped into [0, capacity] by every kernel: the output is the reference's on the
+    clamped lengths, never a read outside the cache (whose positions past the capacity hold NaN here). A single
+    pass, a split of several units per sequence (num_splits 3: the prologue's schedule) and a capacity plan; the
+    kernel backends (cuda_ptx's kernel text in the host emulation) and the reference backend."""
+    from attnplan.api import Context, plan_problem
+    from attnplan.testing import poisoned_workspace, problem_of
+
+    x = _clamp_inputs(page, q_len, gen)
+    out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
+    kw = {"capacity": True} if how == "capacity" else {"num_splits": 1 if how == "single" else 3}
+    if backend == "cuda_ptx":  # the emulated backend, outside the wrapper: planned and run as the wrapper would
+        be = _emulated_cuda_ptx()
+        prob = problem_of(x)
+        if how == "capacity":
+            prob = dataclasses.replace(prob, max_kv_len=CLAMP_CAP, total_kv_len=4 * CLAMP_CAP, capacity=CLAMP_CAP)
+        ctx = Context.from_config(attnplan.load_config(plan_cache={"enabled": False}))
+        plan = plan_problem(prob, be, torch.device("cpu"), ctx, capacity_mode=how == "capacity",
+                            num_splits=kw.get("num_splits"))
+        x.seq_lens.copy_(torch.tensor(CLAMP_DEVICE, dtype=torch.int32))
+        be.run(plan, x, poisoned_workspace(plan, torch.device("cpu")), out, lse)
+    else:
+        w = attnplan.DecodeWrapper(backend=backend)
+        args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+        plan = w.plan(*args, seq_lens_host=CLAMP_HOST, **kw)
+        x.seq_lens.copy_(torch.tensor(CLAMP_DEVICE, dtype=torch.int32))
+        w.run(*args, out=out, lse=lse)
+    assert plan.single_pass == (how == "single") and plan.capacity_mode == (how == "capacity")
+    clamped = torch.tensor([min(max(n, 0), CLAMP_CAP) for n in CLAMP_DEVICE], dtype=torch.int32)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, clamped, x.block_table, x.sm_scale)
+    assert not ref.isnan().any()
+    assert_close_to_reference(out, ref, torch.float16)
     assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
 
 

@@ -214,6 +214,30 @@ def test_query_blocks_capacity_plan_serves_other_lengths():
         _check(out, lse, x)
 
 
+@pytest.mark.parametrize("name", ["triton", "numba", "cuda_ptx"])
+def test_query_blocks_clamp_device_lengths_into_the_capacity(name):
+    """Lengths outside ``[0, capacity]`` written on the device after the plan (one past it, 2^31 - 1, negative, the
+    smallest int32) with query blocks: a block's lengths are ``max(0, clamp(L, 0, capacity) - (q_len - i1))``,
+    computed without an int32 wrap, so each block's queries see what they see in the whole problem at the clamped
+    lengths (the last block's kernels read ``seq_lens`` and clamp it themselves); the outputs equal the reference's
+    on the clamped lengths."""
+    be = _head_block_backend(name, 8)  # 8 rows: group 4 x 4 queries in 2 launches of 2 queries
+    cap = 48
+    x = _inputs((4, 1), 4, (40, 20, 5, 1, 33), {}, capacity=cap)
+    ctx = Context.from_config(load_config(split={"merge": "separate"}, plan_cache={"enabled": False}))
+    plan = plan_problem(problem_of(x), be, torch.device(DEVICE), ctx, num_splits=2)
+    assert plan.q_blocks == ((0, 2), (2, 4)) and x.block_table.shape[1] * 16 == cap
+    ws = poisoned_workspace(plan, torch.device(DEVICE))
+    lens = [cap + 1, 2**31 - 1, -5, -2**31, 33]
+    x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], device=DEVICE))
+    be.run(plan, x, ws, out, lse)
+    clamped = [min(max(n, 0), cap) for n in lens]
+    assert ws.lens[0].tolist() == [max(0, n - 2) for n in clamped]
+    _check(out.cpu(), lse.cpu(), dataclasses.replace(x, **{f: getattr(x, f).cpu() for f in (
+        "q", "k_cache", "v_cache", "block_table")}, seq_lens=torch.tensor(clamped, dtype=torch.int32)))
+
+
 def test_query_blocks_keep_one_launch_table_per_workspace():
     """The launches' workspace views are made once per (workspace, plan): a backend that keys its launch constants
     on the workspace object (triton) finds them again at every run instead of filling its table."""
