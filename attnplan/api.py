@@ -780,6 +780,11 @@ class DecodeWrapper:
             lse: torch.Tensor | None = None) -> torch.Tensor:
         """Launch the planned kernels on the current stream: no allocation, no host sync.
 
+        The kernels read ``seq_lens`` and the block table on the device at every launch; each length is read
+        clamped into ``[0, capacity]`` and each page index into ``[0, num_pages)``, so values written after
+        ``plan()`` outside those ranges give attention over the clamped span (or a wrong page), never a read
+        outside the cache (:mod:`attnplan.problem`'s input contract).
+
         Args:
             out: ``[batch, q_len, num_q_heads, head_dim]`` in q's dtype; ``None`` writes the
                 wrapper's own buffer (valid until the next ``run``).

@@ -38,10 +38,13 @@ no ``+inf``; ``-inf`` means "no sink" for that head. Float scales are checked on
 the version counter (through ``.data``, an inference-mode tensor, or a foreign kernel) are not seen.
 ``seq_lens`` and the block table are read by ``plan()`` only when ``seq_lens_host`` is not given (one
 device-to-host read of both, a single host sync); ``run()`` reads no values: keep them valid between
-``plan()`` and ``run()``. The lengths on the device are not clamped: a ``seq_lens`` value outside
-``[0, capacity]`` written after ``plan()`` (or found at a CUDA-graph replay) is not detected and makes the
-kernels read outside the cache, as in other split-KV kernels; the page clamp below covers the block table's
-entries, not the lengths.
+``plan()`` and ``run()``. Lengths are still validated on the host wherever the host reads them (``plan()``,
+``seq_lens_host``). On the device every kernel backend (triton, numba, cuda_ptx) reads each length clamped
+into ``[0, capacity]`` (``min(max(seq_lens[b], 0), capacity)``, the schedule and every row derived from the
+clamped value), and the reference backend does the same: a ``seq_lens`` value outside ``[0, capacity]``
+written after ``plan()`` (or found at a CUDA-graph replay) is not detected, but the output is then attention
+over the clamped span (a negative length is an empty sequence: ``out = 0``, ``lse = -inf`` or the sink), never
+a read outside the cache. The page clamp below does the same for the block table's entries.
 
 *Host lengths.* With ``seq_lens_host`` (``batch`` host ints equal to ``seq_lens``: a list, tuple or iterator
 of ``int``, a 1-D CPU integer tensor or a numpy integer array; floats, strings and other kinds are a
