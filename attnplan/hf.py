@@ -141,6 +141,15 @@ def _is_causal_prefix(mask: torch.Tensor, lens: torch.Tensor, q_len: int, kv_len
     return torch.equal(mask, torch.arange(kv_len, device=dev) < stop)
 
 
+def _module_attr(module: torch.nn.Module, name: str, default=None):
+    """``getattr(module, name, default)`` without ``nn.Module.__getattr__``'s raise-and-catch where the name is
+    neither the instance's nor its class's (an attention module without ``sliding_window``: about 1 us a layer)."""
+    d = module.__dict__
+    if name in d:
+        return d[name]
+    return getattr(module, name, default) if hasattr(type(module), name) else default
+
+
 def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             dropout: float, kwargs: dict) -> bool:
     """Whether this call is plain decode attention attnplan computes (the mask aside)."""
@@ -151,8 +160,8 @@ def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
             and (dropout == 0.0 or not module.training)
             and kwargs.get("softcap") is None and kwargs.get("sinks") is None and kwargs.get("s_aux") is None
             and kwargs.get("position_bias") is None and kwargs.get("sliding_window") is None
-            and getattr(module, "sliding_window", None) is None
-            and kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False)
+            and _module_attr(module, "sliding_window") is None
+            and kwargs.get("is_causal", _module_attr(module, "is_causal", True)) is not False)
 
 
 def _eager_context():

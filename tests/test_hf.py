@@ -203,6 +203,51 @@ def test_batch1_mask_is_served_only_when_it_is_the_causal_prefix(q_len, change, 
     _assert_logits_close(got, ref)
 
 
+class _SlidingClass(_Attn):
+    sliding_window = 8
+
+
+class _SlidingProperty(_Attn):
+    @property
+    def sliding_window(self):
+        return 8
+
+
+class _NoWindowProperty(_Attn):
+    @property
+    def sliding_window(self):
+        return None
+
+
+def _sliding_instance():
+    m = _Attn()
+    m.sliding_window = 8
+    return m
+
+
+def _not_causal_instance():
+    m = _Attn()
+    m.is_causal = False
+    return m
+
+
+@pytest.mark.parametrize("make,served", [
+    (_Attn, True), (_NoWindowProperty, True),
+    (_SlidingClass, False), (_SlidingProperty, False), (_sliding_instance, False), (_not_causal_instance, False),
+])
+def test_module_attributes_are_read_wherever_they_are_defined(make, served, gen):
+    """The attention module's ``sliding_window`` and ``is_causal`` are read from the instance, its class or a
+    property: a sliding window or a non-causal module goes to SDPA, anything else is attnplan's (an unmasked decode
+    call)."""
+    attnplan.hf.register()
+    q = torch.randn(1, 4, 1, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, 2, 20, 32, generator=gen).to(DEVICE) for _ in range(2))
+    before = dict(attnplan.hf.STATS)
+    attnplan.hf.attnplan_attention_forward(make(), q, k, v, None)
+    assert attnplan.hf.STATS["attnplan"] - before["attnplan"] == int(served)
+    assert attnplan.hf.STATS["sdpa_fallback"] - before["sdpa_fallback"] == int(not served)
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_batch1_left_padded_generate_equals_sdpa(cache, gen):
     """Greedy generation of one left-padded prompt: the decode steps' masks are not causal prefixes, so SDPA serves
