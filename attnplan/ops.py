@@ -38,8 +38,9 @@ alignment of ``q``, ``k_cache``, ``v_cache``, ``seq_lens`` and ``block_table``
 (:meth:`DecodeWrapper._signature <attnplan.DecodeWrapper>`), the score scale (the one the kernels use: ``None``
 keys as ``1/sqrt(head_dim)``) and the backend. A call
 whose key is new is validated and planned (reading ``seq_lens`` and the block table, as ``plan()``
-does); a call with a known key reuses the plan without reading any values, so the block-table
-entries and lengths must stay valid for the cache, as for :meth:`attnplan.DecodeWrapper.run`.
+does); a call with a known key reuses the plan without reading any values, as
+:meth:`attnplan.DecodeWrapper.run` does: the kernels clamp each length into ``[0, capacity]`` and each page index
+into the cache, so a bad value gives attention over the clamped span, never a read outside the cache.
 
 ``sm_scale`` is ``float?``: ``None`` (the default) means ``1/sqrt(head_dim)`` and every finite float is the scale,
 0 and negative ones included, as in :func:`attnplan.decode`. (Until this schema a ``float`` whose ``<= 0`` values
@@ -188,8 +189,8 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
         q: ``[batch, q_len, num_q_heads, head_dim]``; k_cache / v_cache: contiguous
             ``[batch, capacity, num_kv_heads, head_dim]`` (any batch/token/head strides, unit stride in head_dim:
             transformers' ``[batch, num_kv_heads, capacity, head_dim]`` cache transposed) or paged cache (q's
-            dtype); seq_lens: ``[batch]`` int32 on q's device, the valid tokens (``<=`` capacity, read by the kernels
-            at every call or replay); block_table: ``[batch, pages]`` int32 or ``None``; sm_scale: score scale,
+            dtype); seq_lens: ``[batch]`` int32 on q's device, the valid tokens (``<=`` capacity; read by the
+            kernels at every call or replay, a value outside ``[0, capacity]`` clamped into it); block_table: ``[batch, pages]`` int32 or ``None``; sm_scale: score scale,
             any finite float (0 and negative ones too), ``None`` (the default) for ``1/sqrt(head_dim)``; backend:
             backend name or ``""`` (the default) for the config's order.
     Returns:

@@ -271,21 +271,26 @@ def test_emulated_prologue_reads_the_long_tailed_table(be):
 
 
 @pytest.mark.parametrize("q_len,window,warps", [(1, False, 4), (2, True, 1)], ids=lambda v: str(v))
-@pytest.mark.parametrize("batch", [6, 40], ids=["one-warp", "chunks"])
-def test_emulated_prologue_clamps_lengths_into_the_capacity(be, q_len, window, warps, batch):
+@pytest.mark.parametrize("batch,table", [(6, "c1"), (40, "c1"), (6, "total"), (300, "total")],
+                         ids=["one-warp", "chunks", "one-warp-total", "two-chunks-total"])
+def test_emulated_prologue_clamps_lengths_into_the_capacity(be, q_len, window, warps, batch, table):
     """Lengths outside ``[0, capacity]`` on the device (one past it, the largest int32, negative, the smallest
     int32) are read clamped into it: every unit's integers and ``meta`` are :func:`schedule_units`'s for the clamped
     lengths, on the one-warp path (batch <= 32) and the general one; unclamped, 2^31 - 1 tokens would overflow the
-    batch's 32-bit total and units would start past the cache."""
+    batch's 32-bit total and units would start past the cache. Table "c1": units of one granule whatever the total;
+    "total" (a constant target): granules per unit ceil(T / target), so the total must be of clamped lengths, and
+    at batch 300 in the chunks after the first (a chunk holds at least 256 sequences) as well."""
     cap = 96
-    lens = ([cap + 1, 2**31 - 1, -5, 40, -2**31, cap] * 7)[:batch]
-    targets = tuple([0] + [min(4 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)])  # c = 1
+    lens = ([cap + 1, 2**31 - 1, -5, 40, -2**31, cap] * 60)[:batch]
+    targets = {"c1": tuple([0] + [min(4 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)]),
+               "total": (8 if batch <= 32 else 600,) * NUM_TARGETS}[table]
     sched = Schedule("balanced", 16, 1, 4, targets, max_units_bound(targets, batch, 4))
     w = 7 if window else -1
     n = schedule_units(lens, sched, q_len, w, cap).num_units
-    u = _check_probe(be, _probe_spec(q_len, window, warps), lens, sched, list(range(n + 1)), q_len, w, cap)
+    probe = list(range(n + 1)) if n <= 64 else list(range(0, n, 7)) + [n - 1, n]
+    u = _check_probe(be, _probe_spec(q_len, window, warps), lens, sched, probe, q_len, w, cap)
     assert int(u.end.max()) <= cap and int(u.units[1]) == int(u.units[0]) and int(u.units[2]) == 1
-    assert int(u.units[0]) == 3 or window  # 6 granules in 3 units of 2; the window leaves one granule
+    assert table != "c1" or int(u.units[0]) == 3 or window  # 6 granules in 3 units of 2; a window: one
 
 
 def test_emulated_prologue_over_many_chunks(be, gen):

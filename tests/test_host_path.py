@@ -122,9 +122,9 @@ def test_device_lengths_outside_the_capacity_are_clamped(backend, page, q_len, h
     kw = {"capacity": True} if how == "capacity" else {"num_splits": 1 if how == "single" else 3}
     if backend == "cuda_ptx":  # the emulated backend, outside the wrapper: planned and run as the wrapper would
         be = _emulated_cuda_ptx()
-        prob = problem_of(x)
+        prob = dataclasses.replace(problem_of(x), capacity=CLAMP_CAP)  # the cache's, as plan() sees it
         if how == "capacity":
-            prob = dataclasses.replace(prob, max_kv_len=CLAMP_CAP, total_kv_len=4 * CLAMP_CAP, capacity=CLAMP_CAP)
+            prob = dataclasses.replace(prob, max_kv_len=CLAMP_CAP, total_kv_len=4 * CLAMP_CAP)
         ctx = Context.from_config(attnplan.load_config(plan_cache={"enabled": False}))
         plan = plan_problem(prob, be, torch.device("cpu"), ctx, capacity_mode=how == "capacity",
                             num_splits=kw.get("num_splits"))
@@ -142,6 +142,20 @@ def test_device_lengths_outside_the_capacity_are_clamped(backend, page, q_len, h
     assert not ref.isnan().any()
     assert_close_to_reference(out, ref, torch.float16)
     assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+@pytest.mark.parametrize("page", [None, 16])
+def test_reference_clamps_lengths_into_the_capacity(page, gen):
+    """The float64 reference reads lengths as the kernels do: ``attention()`` and ``partial()`` given lengths outside
+    ``[0, capacity]`` (one past it, 2^31 - 1, negative) give exactly their result on the clamped lengths, without
+    reading the cache's NaN past the capacity."""
+    x = _clamp_inputs(page, 1, gen)
+    raw = torch.tensor(CLAMP_DEVICE, dtype=torch.int32)
+    clamped = torch.tensor([min(max(n, 0), CLAMP_CAP) for n in CLAMP_DEVICE], dtype=torch.int32)
+    got = reference.attention(x.q, x.k_cache, x.v_cache, raw, x.block_table, x.sm_scale)
+    want = reference.attention(x.q, x.k_cache, x.v_cache, clamped, x.block_table, x.sm_scale)
+    assert not want[0].isnan().any()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_numba_token_offset_clamps_the_page():

@@ -214,18 +214,22 @@ def test_prologue_over_many_scan_chunks(gen):
     _check_probe(lens, sched, probe, res, meta)
 
 
+@pytest.mark.parametrize("table", ["c1", "total"])
 @pytest.mark.parametrize("q_len,window", [(1, -1), (2, 7)])
-def test_prologue_clamps_lengths_into_the_capacity(q_len, window):
+def test_prologue_clamps_lengths_into_the_capacity(q_len, window, table):
     """Lengths outside ``[0, capacity]`` on the device (one past it, the largest int32, negative, the smallest int32)
     are read clamped into it: every unit's integers and ``meta`` are :func:`schedule_units`'s for the clamped
-    lengths (several scan chunks of 2 simulated threads); unclamped, units would start past the cache."""
+    lengths (several scan chunks of 2 simulated threads); unclamped, units would start past the cache. Table "c1":
+    units of one granule; "total" (8 units for any bucket): granules per unit ceil(T / 8), so the batch's total
+    must be of clamped lengths too."""
     cap = 96
     lens = [cap + 1, 2**31 - 1, -5, 40, -2**31, cap]
-    targets = tuple([0] + [min(4 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)])  # c = 1
+    targets = {"c1": tuple([0] + [min(4 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)]),
+               "total": (8,) * NUM_TARGETS}[table]
     sched = Schedule("balanced", 16, 1, 4, targets, max_units_bound(targets, len(lens), 4))
     u = schedule_units(lens, sched, q_len, window, cap)
     assert int(u.end.max()) <= cap and int(u.units[1]) == int(u.units[0]) and int(u.units[2]) == 1
-    assert int(u.units[0]) == 3 or window >= 0  # 6 granules in 3 units of 2; the window leaves one granule
+    assert table != "c1" or int(u.units[0]) == 3 or window >= 0  # 6 granules in 3 units of 2; a window: one
     probe = list(range(u.num_units + 1))
     res, meta = _probe(lens, sched, probe, threads=PROBE_THREADS[1], q_len=q_len, window_left=window, capacity=cap)
     _check_probe(lens, sched, probe, res, meta, q_len, window, capacity=cap)

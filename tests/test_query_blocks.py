@@ -225,7 +225,8 @@ def test_query_blocks_clamp_device_lengths_into_the_capacity(name):
     cap = 48
     x = _inputs((4, 1), 4, (40, 20, 5, 1, 33), {}, capacity=cap)
     ctx = Context.from_config(load_config(split={"merge": "separate"}, plan_cache={"enabled": False}))
-    plan = plan_problem(problem_of(x), be, torch.device(DEVICE), ctx, num_splits=2)
+    plan = plan_problem(dataclasses.replace(problem_of(x), capacity=cap), be, torch.device(DEVICE), ctx,
+                        num_splits=2)  # the cache's capacity, as plan() sees it
     assert plan.q_blocks == ((0, 2), (2, 4)) and x.block_table.shape[1] * 16 == cap
     ws = poisoned_workspace(plan, torch.device(DEVICE))
     lens = [cap + 1, 2**31 - 1, -5, -2**31, 33]

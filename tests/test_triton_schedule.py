@@ -142,19 +142,26 @@ def test_prologue_matches_host_schedule(name, q_len, window, batch, block_b, one
     assert meta[:batch].tolist() == s.indptr[:-1].tolist() and meta[batch:].tolist() == s.units.tolist()
 
 
+#: targets tables of the clamp tests: "c1" gives units of one granule whatever the batch's total; "total" (8
+#: units for any bucket) makes the granules per unit ceil(T / 8), so an unclamped length in the total shows
+CLAMP_TARGETS = {"c1": tuple([0] + [min(4 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)]),
+                 "total": (8,) * NUM_TARGETS}
+
+
+@pytest.mark.parametrize("table", ["c1", "total"])
 @pytest.mark.parametrize("q_len,window", [(1, -1), (2, 7)])
 @pytest.mark.parametrize("block_b,one_block", [(16, True), (4, False)])
-def test_prologue_clamps_lengths_into_the_capacity(q_len, window, block_b, one_block):
+def test_prologue_clamps_lengths_into_the_capacity(q_len, window, block_b, one_block, table):
     """Lengths outside ``[0, capacity]`` on the device (one past it, the largest int32, negative, the smallest int32)
     are read clamped into it: every unit's sequence, first unit, unit count, granules per unit and length, and the
-    meta, are the host schedule's for the clamped lengths (the single-block path and the blocked loops)."""
+    meta, are the host schedule's for the clamped lengths (the single-block path and the blocked loops; with a
+    table whose granules per unit follow the batch's total, the total's clamp too)."""
     cap = 96
     lens = [cap + 1, 2**31 - 1, -5, 40, -2**31, cap]
-    targets = tuple([0] + [min(4 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)])  # c = 1
-    sched = Schedule("balanced", 16, 1, 4, targets, 1 << 20)
+    sched = Schedule("balanced", 16, 1, 4, CLAMP_TARGETS[table], 1 << 20)
     s = schedule_units(lens, sched, q_len, window, cap)
     assert int(s.end.max()) <= cap and int(s.units[1]) == int(s.units[0]) and int(s.units[2]) == 1
-    assert int(s.units[0]) == 3 or window >= 0  # 6 granules in 3 units of 2; the window leaves one granule
+    assert table != "c1" or int(s.units[0]) == 3 or window >= 0  # 6 granules in 3 units of 2; a window: one
     us = list(range(s.num_units)) + [s.num_units]
     got, meta = _probe(lens, sched, q_len, window, us, block_b, one_block, capacity=cap)
     _, rows = _expect(lens, sched, q_len, window, us, capacity=cap)
