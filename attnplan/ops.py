@@ -190,8 +190,8 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
             ``[batch, capacity, num_kv_heads, head_dim]`` (any batch/token/head strides, unit stride in head_dim:
             transformers' ``[batch, num_kv_heads, capacity, head_dim]`` cache transposed) or paged cache (q's
             dtype); seq_lens: ``[batch]`` int32 on q's device, the valid tokens (``<=`` capacity; read by the
-            kernels at every call or replay, a value outside ``[0, capacity]`` clamped into it); block_table: ``[batch, pages]`` int32 or ``None``; sm_scale: score scale,
-            any finite float (0 and negative ones too), ``None`` (the default) for ``1/sqrt(head_dim)``; backend:
+            kernels at every call or replay, a value outside ``[0, capacity]`` clamped into it); block_table:
+            ``[batch, pages]`` int32 or ``None``; sm_scale: score scale, any finite float (0 and negative ones too), ``None`` (the default) for ``1/sqrt(head_dim)``; backend:
             backend name or ``""`` (the default) for the config's order.
     Returns:
         a new ``[batch, q_len, num_q_heads, head_dim]`` tensor in q's dtype (``torch.empty_like(q)``'s strides).

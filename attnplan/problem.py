@@ -306,6 +306,14 @@ def check_window_left(window_left) -> None:
 WINDOW_CLAMP = 1 << 30
 
 
+def kv_capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """Tokens a sequence of the cache can hold: ``k_cache.shape[1]`` (contiguous ``[B, T, Hkv, D]``), or
+    ``block_table.shape[1] x page_size`` (paged ``[pages, page_size, Hkv, D]``). Shapes only: no device access."""
+    if block_table is None:
+        return int(k_cache.shape[1])
+    return int(block_table.shape[1]) * int(k_cache.shape[1])
+
+
 def effective_window(window_left: int, capacity: int) -> int:
     """The window the kernels get: ``window_left`` itself below :data:`WINDOW_CLAMP` (2^30 tokens), else
     ``max(2^30, min(window_left, capacity))``, which sees exactly the same positions (a window at least as long as

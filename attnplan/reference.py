@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .problem import default_sm_scale
+from .problem import default_sm_scale, kv_capacity
 from .schedule import Schedule, Units, clamp_lengths, schedule_units
 from .state import PartialState, merge_states
 
@@ -41,8 +41,7 @@ def _scale_vec(scale, hkv: int) -> torch.Tensor:
 
 def _lengths(seq_lens, k_cache: torch.Tensor, block_table: torch.Tensor | None) -> list[int]:
     """The lengths as the kernels read them: each clamped into ``[0, capacity]`` (module docstring), host ints."""
-    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-    return clamp_lengths(seq_lens, int(capacity)).tolist()
+    return clamp_lengths(seq_lens, kv_capacity(k_cache, block_table)).tolist()
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, b: int, length: int,

@@ -205,6 +205,13 @@ def clamp_lengths(seq_lens, capacity: int) -> torch.Tensor:
     return torch.as_tensor(seq_lens).to("cpu", torch.int64).reshape(-1).clamp(0, int(capacity))
 
 
+def _host_lengths(seq_lens, capacity: int | None) -> torch.Tensor:
+    """``seq_lens`` as an int64 ``[B]`` CPU tensor, clamped into ``[0, capacity]`` when ``capacity`` is given."""
+    if capacity is not None:
+        return clamp_lengths(seq_lens, capacity)
+    return torch.as_tensor(seq_lens).to("cpu", torch.int64).reshape(-1)
+
+
 def schedule_units(seq_lens, schedule: Schedule, q_len: int = 1, window_left: int = -1,
                    capacity: int | None = None) -> Units:
     """The schedule of a batch: the module docstring's definitions, computed on the host.
@@ -221,10 +228,7 @@ def schedule_units(seq_lens, schedule: Schedule, q_len: int = 1, window_left: in
     Raises:
         ValueError: a negative length (without ``capacity``), or a negative ``capacity``.
     """
-    if capacity is not None:
-        lens = clamp_lengths(seq_lens, capacity)
-    else:
-        lens = torch.as_tensor(seq_lens).to("cpu", torch.int64).reshape(-1)
+    lens = _host_lengths(seq_lens, capacity)
     if lens.numel() and int(lens.min()) < 0:
         raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()[:16]}")
     g = schedule.granule
@@ -262,10 +266,7 @@ def check_invariants(seq_lens, schedule: Schedule, q_len: int = 1, window_left: 
     Raises:
         AssertionError: naming the invariant and the first sequence that breaks it.
     """
-    if capacity is not None:
-        lens = clamp_lengths(seq_lens, capacity)
-    else:
-        lens = torch.as_tensor(seq_lens).to("cpu", torch.int64).reshape(-1)
+    lens = _host_lengths(seq_lens, capacity)
     s = schedule_units(lens, schedule, q_len, window_left)
     assert s.num_units <= schedule.max_units, f"{s.num_units} units exceed max_units {schedule.max_units}"
     if s.units.numel():

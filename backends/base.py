@@ -57,7 +57,10 @@ from typing import ClassVar
 import torch
 
 from attnplan.planner import SplitPlan
-from attnplan.problem import DecodeProblem
+from attnplan.problem import DecodeProblem, kv_capacity
+
+#: the largest int32: the kernels' ``capacity`` argument is at most this (it clamps no int32 length from above)
+INT32_MAX = 2**31 - 1
 from attnplan.state import PartialState
 
 __all__ = ["Backend", "DecodeInputs", "Workspace", "one_launch"]
@@ -200,12 +203,10 @@ class DecodeInputs:
 
     @property
     def capacity(self) -> int:
-        """Tokens a sequence of the cache holds (shapes only, no device access): ``block_table.shape[1] x page_size``
-        for a paged cache, ``k_cache.shape[1]`` for a contiguous one. Every kernel clamps each length it reads from
-        ``seq_lens`` into ``[0, capacity]``."""
-        if self.block_table is None:
-            return int(self.k_cache.shape[1])
-        return int(self.block_table.shape[1]) * int(self.k_cache.shape[1])
+        """Tokens a sequence of the cache holds (:func:`attnplan.problem.kv_capacity`; shapes only, no device
+        access), at most :data:`INT32_MAX` (the kernels' int32 argument, which then clamps no length from above).
+        Every kernel clamps each length it reads from ``seq_lens`` into ``[0, capacity]``."""
+        return min(kv_capacity(self.k_cache, self.block_table), INT32_MAX)
 
 
 class Backend(abc.ABC):
@@ -362,7 +363,7 @@ class Backend(abc.ABC):
                 if i1 < q_len:  # max(0, clamp(L, 0, capacity) - d) = clamp(L, d, max(capacity, d)) - d
                     lens = workspace.lens[i0 // qb]
                     d = q_len - i1
-                    torch.clamp(inputs.seq_lens, min=d, max=max(min(inputs.capacity, 2**31 - 1), d), out=lens)
+                    torch.clamp(inputs.seq_lens, min=d, max=max(inputs.capacity, d), out=lens)
                     lens.sub_(d)
             x = inputs
             if not plan.head_block:

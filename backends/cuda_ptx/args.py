@@ -36,6 +36,9 @@ import struct
 
 import torch
 
+from attnplan.backends.base import INT32_MAX
+from attnplan.problem import kv_capacity
+
 from .spec import KernelSpec
 
 __all__ = ["PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "PROBE_SIGNATURE", "PackedArgs", "partial_args", "merge_args",
@@ -45,16 +48,8 @@ __all__ = ["PARTIAL_SIGNATURE", "MERGE_SIGNATURE", "PROBE_SIGNATURE", "PackedArg
 #: page_size``), so that the kernels' 32-bit token positions, which run ahead of a chunk by the rings and the
 #: block-table window (under 2**22 tokens for any specialization), stay below 2**31
 MAX_KV_TOKENS = 2**30
-#: the largest int32: the most a length (or ``capacity``) can be
-INT32_MAX = 2**31 - 1
 
 
-def kv_capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
-    """Tokens a sequence of the cache can hold: ``k_cache.shape[1]`` (contiguous ``[B, T, Hkv, D]``), or
-    ``block_table.shape[1] x page_size`` (paged ``[pages, page_size, Hkv, D]``). Shapes only: no device access."""
-    if block_table is None:
-        return int(k_cache.shape[1])
-    return int(block_table.shape[1]) * int(k_cache.shape[1])
 
 #: (name, kind) of each partial / single-pass kernel parameter, in order; kinds: ptr, i32, f32, i64. The single pass
 #: reads the first 34 (``granule`` / ``max_units_per_seq`` = 1 / ``o_ss`` = ``l_ss`` = 0 as its one split's chunk

@@ -344,7 +344,6 @@ class NumbaBackend(Backend):
         ints = workspace.targets  # an int32 stand-in for arrays the specialization never reads
         page_shift = int(x.k_cache.shape[1]).bit_length() - 1 if x.paged else 0
         last_page = max(int(x.k_cache.shape[0]) - 1, 0) if x.paged else 0  # page ids are clamped into it
-        capacity = min(x.capacity, 2**31 - 1)  # lengths are clamped into [0, capacity]
         st = workspace.state
         meta = workspace.meta if sched and plan.merge == "separate" and workspace.meta is not None else ints
         stride_t = k.numpy.int32 if max(ks + vs) < 2**31 else k.numpy.int64
@@ -357,7 +356,7 @@ class NumbaBackend(Backend):
                  (st.o, None) if sched else (ints, None), (st.lse, None) if sched else (ints, None),
                  (meta, None), (workspace.targets, None))
         ints_ = (int(hkv), int(s.granule), int(s.min_unit_granules), int(s.max_units_per_seq), int(meta is not ints),
-                 page_shift, last_page, capacity, k.numpy.float32(x.sm_scale), int(x.window_left) if window else 0,
+                 page_shift, last_page, x.capacity, k.numpy.float32(x.sm_scale), int(x.window_left) if window else 0,
                  k.numpy.float32(x.soft_cap if softcap else 1.0))
         tail = ((x.k_scale, "k_scale") if fp8 else (ints, None), (x.v_scale, "v_scale") if fp8 else (ints, None),
                 (x.sinks, "sinks") if sinks_on else (ints, None))

@@ -35,8 +35,6 @@ __all__ = ["TritonBackend", "BoundLaunch", "merge_geometry", "spec_classes"]
 _LOG2E = 1.4426950408889634
 #: most sequences the prologue reads per step (one ``tl.arange`` block; larger batches loop)
 MAX_BLOCK_B = 1024
-#: the largest int32: the ``capacity`` argument is at most this (it clamps no int32 length from above)
-INT32_MAX = 2**31 - 1
 
 
 def _interpreting() -> bool:
@@ -216,7 +214,7 @@ class BoundLaunch:
         self.paged = bt is not None
         bts = bt.stride() if self.paged else (0, 0)
         self.last_page = max(int(k.shape[0]) - 1, 0) if self.paged else 0
-        self.capacity = min(x.capacity, INT32_MAX)  # the clamp of every length the kernel reads
+        self.capacity = x.capacity  # the clamp of every length the kernel reads
         ks, vs, qs = k.stride(), v.stride(), q.stride()
         self.sm_scale, self.window_left, self.soft_cap = x.sm_scale, x.window_left, x.soft_cap
         self.sinks, self.k_scale, self.v_scale = x.sinks, x.k_scale, x.v_scale
@@ -532,7 +530,7 @@ class TritonBackend(Backend):
         else:
             bts = bt.stride()
             last_page = max(int(k.shape[0]) - 1, 0)  # page indices are clamped into [0, num_pages)
-        capacity = min(x.capacity, INT32_MAX)  # lengths are clamped into [0, capacity]
+        capacity = x.capacity  # lengths are clamped into [0, capacity]
         ls = lse.stride() if lse is not None else (0, 0)
         ks, vs, qs, os_ = k.stride(), v.stride(), q.stride(), out.stride()
         return (q, k, v, sl, bt, targets, meta, counters, ws_o, ws_lse, out, lse if lse is not None else targets,
