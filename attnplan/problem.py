@@ -282,6 +282,17 @@ def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _as_float(x) -> float:
+    """``float(x)`` of a real number (:func:`_is_real`), or ``+-inf`` for one beyond the float range (an int of
+    more than 1024 bits, a huge ``Fraction``), which the range checks then refuse by name (never an
+    ``OverflowError``). Range checks compare this Python float, not ``x``: a numpy ``float16`` compared with a bound
+    above its range would warn on the bound's cast."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
 #: the largest magnitude a float parameter the kernels scale by log2(e) may have (fp32's largest finite value over
 #: log2(e)): a larger finite ``sm_scale``, soft cap or fp8 scale would become inf in fp32, and the output NaN
 FP32_SCALED_MAX = 3.4028234663852886e38 / 1.4426950408889634
@@ -299,7 +310,7 @@ def check_window_left(window_left) -> None:
         raise TypeError(f"window_left must be an int (-1 = no window, else tokens >= 0), got "
                         f"{type(window_left).__name__} {window_left!r}")
     if window_left < -1:
-        raise ValueError(f"window_left must be -1 (no window) or an int >= 0 tokens, got {window_left!r}")
+        raise ValueError(f"window_left must be -1 (no window) or an int >= 0 tokens, got {_short(window_left)}")
 
 
 #: windows of at least this many tokens are clamped (:func:`effective_window`)
@@ -329,9 +340,10 @@ def check_soft_cap(cap, name: str = "logits_soft_cap") -> None:
     """The soft cap must be a finite real ``>= 0`` (0 = off); raises ``TypeError`` / ``ValueError`` naming ``name``."""
     if not _is_real(cap):
         raise TypeError(f"{name} must be a float >= 0 (0 = off), got {type(cap).__name__} {cap!r}")
-    if not math.isfinite(cap) or cap < 0 or cap > SOFT_CAP_MAX:
+    c = _as_float(cap)
+    if not math.isfinite(c) or c < 0 or c > SOFT_CAP_MAX:
         raise ValueError(f"{name} must be a finite float in [0, {SOFT_CAP_MAX:g}] (0 = off; the kernels compute "
-                         f"score / cap in fp32, which a larger cap flushes to 0), got {cap!r}")
+                         f"score / cap in fp32, which a larger cap flushes to 0), got {_short(cap)}")
 
 
 def check_sm_scale(sm_scale) -> None:
@@ -342,9 +354,10 @@ def check_sm_scale(sm_scale) -> None:
     if not _is_real(sm_scale):
         raise TypeError(f"sm_scale must be a float or None (1/sqrt(head_dim)), got {type(sm_scale).__name__} "
                         f"{sm_scale!r}")
-    if not math.isfinite(sm_scale) or abs(sm_scale) > FP32_SCALED_MAX:
+    v = _as_float(sm_scale)
+    if not math.isfinite(v) or abs(v) > FP32_SCALED_MAX:
         raise ValueError(f"sm_scale must be finite and at most {FP32_SCALED_MAX:.4g} in magnitude (the kernels scale "
-                         f"it by log2(e) in fp32), got {sm_scale!r}")
+                         f"it by log2(e) in fp32), got {_short(sm_scale)}")
 
 
 def _unit_stride(name: str, t: torch.Tensor, axis: int, what: str) -> None:
@@ -447,9 +460,9 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
                              f"({capacity} tokens) may be run with the plan")
     check_sm_scale(sm_scale)
     kv_scale, k_max = _check_scales(fp8, k_scale, v_scale, int(hkv), q.device)
-    if sm_scale is not None and abs(sm_scale) * k_max > FP32_SCALED_MAX:
+    if sm_scale is not None and abs(float(sm_scale)) * k_max > FP32_SCALED_MAX:
         what = "k_scale" if _is_real(k_scale) else "max(k_scale)"
-        raise ValueError(f"sm_scale x {what} = {abs(sm_scale) * k_max:.4g} exceeds {FP32_SCALED_MAX:.4g}: the "
+        raise ValueError(f"sm_scale x {what} = {abs(float(sm_scale)) * k_max:.4g} exceeds {FP32_SCALED_MAX:.4g}: the "
                          "kernels fold the K scale into the score scale in fp32")
     check_window_left(window_left)
     check_soft_cap(soft_cap)
@@ -481,11 +494,11 @@ def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> tuple[str, f
         if sc is None:
             raise ValueError(f"{name} is required with a float8_e4m3fn KV cache (a float, or float32 [num_kv_heads])")
         if _is_real(sc):
-            if not (math.isfinite(sc) and 0 < sc <= FP32_SCALED_MAX):
+            vmax = _as_float(sc)
+            if not (math.isfinite(vmax) and 0 < vmax <= FP32_SCALED_MAX):
                 raise ValueError(f"{name} must be a finite float in (0, {FP32_SCALED_MAX:.4g}] (the dequantization "
-                                 f"scale, applied in fp32), got {sc!r}")
+                                 f"scale, applied in fp32), got {_short(sc)}")
             kinds.add("tensor")
-            vmax = float(sc)
         elif isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.shape == (hkv,) and sc.device == device:
             _unit_stride(name, sc, 0, "its KV-head axis")
             _not_lazy(name, sc)

@@ -397,6 +397,11 @@ def test_run_refuses_a_non_tensor_by_name():
     (dict(window_left=-2), ValueError, "window_left must be -1"),
     (dict(sinks=torch.tensor([0.0, float("nan"), 0.0, 0.0])), ValueError, r"sinks\[1\] = nan"),
     (dict(sinks=torch.tensor([0.0, 0.0, 0.0, float("inf")])), ValueError, r"sinks\[3\] = inf"),
+    # real numbers beyond the float range: refused as out of range, named, never an OverflowError
+    (dict(sm_scale=10**400), ValueError, "sm_scale must be finite and at most .* got an int of 1329 bits"),
+    (dict(sm_scale=-10**5000), ValueError, "sm_scale must be finite and at most .* got an int of 16610 bits"),
+    (dict(logits_soft_cap=10**400), ValueError, "logits_soft_cap must be a finite float in .* got an int of"),
+    (dict(window_left=-10**5000), ValueError, "window_left must be -1 .* got an int of 16610 bits"),
 ])
 def test_bad_parameters_are_refused_by_name(kw, exc, needle):
     x = fp32_case()
@@ -441,6 +446,29 @@ def test_fp8_scales_must_be_finite_and_positive(bad, name, as_tensor):
     needle = rf"{name}\[1\] = {float(torch.tensor(bad))}" if as_tensor else rf"{name} must be a finite float in \(0, "
     refused(ValueError, needle, lambda: attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference",
                                                         out=out, lse=lse, **scales), out, lse)
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+def test_fp8_float_scales_beyond_the_float_range_are_refused_by_name(name):
+    x, k8, v8 = fp8_case()
+    scales = {"k_scale": 1.0, "v_scale": 1.0, name: 10**400}
+    out, lse = poisoned(x)
+    refused(ValueError, rf"{name} must be a finite float in \(0, .* got an int of 1329 bits",
+            lambda: attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", out=out, lse=lse,
+                                    **scales), out, lse)
+
+
+def test_numpy_float16_parameters_are_checked_without_warnings():
+    """A numpy ``float16`` is a real number like any other: its range checks compare Python floats (comparing the
+    float16 itself with the ~2.4e38 bound would warn on casting the bound to float16)."""
+    import warnings
+
+    np = pytest.importorskip("numpy")
+    x, k8, v8 = fp8_case()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", sm_scale=np.float16(0.25),
+                        logits_soft_cap=np.float16(30.0), k_scale=np.float16(0.5), v_scale=np.float16(2.0))
 
 
 def test_tensor_values_are_read_once_per_version(monkeypatch):
