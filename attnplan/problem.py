@@ -25,7 +25,8 @@ the leading strides of ``out`` and ``lse``. An axis of size 1 may have any strid
 *Values.* ``seq_lens`` in ``[0, capacity]``; the block-table entries a sequence uses (its first
 ``ceil(seq_len / page_size)``) in ``[0, num_pages)``, the others are never read. ``sm_scale`` finite
 (0 and negative scales are legal) and at most :data:`FP32_SCALED_MAX` in magnitude (fp32 after the
-``log2(e)`` factor). ``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]`` (0 = off). ``window_left`` an ``int`` (not
+``log2(e)`` factor). ``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]``: 0 (off) or at least :data:`SOFT_CAP_MIN`
+(fp32's smallest normal number). ``window_left`` an ``int`` (not
 ``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal, of any size:
 :func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite, ``> 0`` and at most :data:`FP32_SCALED_MAX`
 (floats and tensor values alike), and ``sm_scale`` times the largest K scale too. A paged cache has at least one
@@ -303,6 +304,11 @@ FP32_SCALED_MAX = 3.4028234663852886e38 / 1.4426950408889634
 #: flushed to 0
 SOFT_CAP_MAX = 1e30
 
+#: the smallest positive soft cap: fp32's smallest normal number (2^-126, ~1.18e-38). A smaller positive cap is 0 or
+#: a subnormal in fp32 (which a GPU may flush to 0), and ``score / cap`` of a score of 0 would be ``0 / 0`` (the row
+#: NaN); at this cap and above, ``1 / cap`` is finite in fp32 and every score is capped to within ``cap`` of 0
+SOFT_CAP_MIN = 2.0 ** -126
+
 
 def check_window_left(window_left) -> None:
     """``window_left`` must be an ``int`` (not ``bool``) ``>= -1`` tokens; raises ``TypeError`` / ``ValueError``."""
@@ -337,13 +343,18 @@ def effective_window(window_left: int, capacity: int) -> int:
 
 
 def check_soft_cap(cap, name: str = "logits_soft_cap") -> None:
-    """The soft cap must be a finite real ``>= 0`` (0 = off); raises ``TypeError`` / ``ValueError`` naming ``name``."""
+    """The soft cap must be a finite real in ``[0, SOFT_CAP_MAX]``, ``0`` (off) or at least :data:`SOFT_CAP_MIN`;
+    raises ``TypeError`` / ``ValueError`` naming ``name``."""
     if not _is_real(cap):
         raise TypeError(f"{name} must be a float >= 0 (0 = off), got {type(cap).__name__} {cap!r}")
     c = _as_float(cap)
     if not math.isfinite(c) or c < 0 or c > SOFT_CAP_MAX:
         raise ValueError(f"{name} must be a finite float in [0, {SOFT_CAP_MAX:g}] (0 = off; the kernels compute "
                          f"score / cap in fp32, which a larger cap flushes to 0), got {_short(cap)}")
+    if 0 < c < SOFT_CAP_MIN:
+        raise ValueError(f"{name} must be a finite float in [0, {SOFT_CAP_MAX:g}], 0 (off) or at least "
+                         f"{SOFT_CAP_MIN:.4g} (fp32's smallest normal number: the kernels compute score / cap in fp32, "
+                         f"where a smaller cap is 0 or flushed to 0), got {_short(cap)}")
 
 
 def check_sm_scale(sm_scale) -> None:

@@ -397,6 +397,9 @@ def test_run_refuses_a_non_tensor_by_name():
     (dict(window_left=-2), ValueError, "window_left must be -1"),
     (dict(sinks=torch.tensor([0.0, float("nan"), 0.0, 0.0])), ValueError, r"sinks\[1\] = nan"),
     (dict(sinks=torch.tensor([0.0, 0.0, 0.0, float("inf")])), ValueError, r"sinks\[3\] = inf"),
+    (dict(logits_soft_cap=1e-300), ValueError, "logits_soft_cap must be .* 0 \\(off\\) or at least 1.175e-38"),
+    (dict(logits_soft_cap=5e-324), ValueError, "logits_soft_cap must be .* at least 1.175e-38"),
+    (dict(logits_soft_cap=1e-39), ValueError, "logits_soft_cap must be .* at least 1.175e-38"),
     # real numbers beyond the float range: refused as out of range, named, never an OverflowError
     (dict(sm_scale=10**400), ValueError, "sm_scale must be finite and at most .* got an int of 1329 bits"),
     (dict(sm_scale=-10**5000), ValueError, "sm_scale must be finite and at most .* got an int of 16610 bits"),
@@ -428,6 +431,26 @@ def test_legal_edge_parameters_match_the_reference(backend, kw):
                                        rkw.pop("sm_scale", None), **rkw)
     assert_close_to_reference(out, ref, torch.float32)
     assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_the_smallest_soft_cap_matches_the_reference_at_zero_scores(backend):
+    """At the smallest legal soft cap (fp32's smallest normal number) ``1 / cap`` is finite in fp32, so a score of
+    exactly 0 (here a query of zeros beside an ordinary one) is capped to 0, not ``0 / 0``: the rows match the
+    float64 reference. A smaller positive cap is refused (it is 0 or subnormal in fp32)."""
+    from attnplan.problem import SOFT_CAP_MIN
+
+    x = fp32_case(q_len=2)
+    x.q[0].zero_()
+    out, lse = poisoned(x)
+    attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend, num_splits=3, out=out,
+                    lse=lse, logits_soft_cap=SOFT_CAP_MIN)
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, soft_cap=SOFT_CAP_MIN)
+    assert_close_to_reference(out, ref, torch.float32)
+    assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+    with pytest.raises(ValueError, match="logits_soft_cap must be .* at least 1.175e-38"):
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend,
+                        logits_soft_cap=SOFT_CAP_MIN / 2)
 
 
 def fp8_case():
