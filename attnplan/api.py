@@ -37,7 +37,7 @@ from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
 from .problem import (DecodeProblem, check_sm_scale, check_variant_tensors, default_sm_scale, has_internal_overlap,
                       host_lengths, is_contiguous_layout, len_bucket, same_signature, signature_change, torch_dtype,
-                      validate_inputs, validate_outputs, validate_values, as_host_lengths)
+                      validate_inputs, validate_outputs, validate_values, as_host_lengths, explain_lengths)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem", "DECODE_WRAPPERS"]
@@ -992,13 +992,18 @@ class DecodeWrapper:
                     raise _overlap("lse", c0, c1, n, b0, b1)
 
     def explain(self, seq_lens=None) -> str:
-        """The plan's :meth:`SplitPlan.explain` at ``seq_lens`` (host ints; default: the ``seq_lens_host`` given to
-        ``plan()``, else the planned lengths), plus why earlier backends were skipped."""
+        """The plan's :meth:`SplitPlan.explain` at ``seq_lens`` (``batch`` ints in ``[0, capacity]``, the capacity
+        of the cache ``plan()`` saw: a list, tuple, numpy array or tensor; default: the ``seq_lens_host`` given to
+        ``plan()``, else the planned lengths), plus why earlier backends were skipped.
+
+        Raises:
+            TypeError, ValueError: ``seq_lens`` is not ``batch`` ints in ``[0, capacity]``
+                (:func:`attnplan.problem.explain_lengths`).
+        """
         if self.plan_ is None:
             return "no plan yet"
-        lens = self._lens_host if seq_lens is None else seq_lens
-        if lens is not None:
-            lens = [int(x) for x in lens]
+        lens = self._lens_host if seq_lens is None else \
+            explain_lengths(seq_lens, self.plan_.problem.batch, self._static["capacity"])
         skipped = "".join(f"\nskipped {n}: " + "; ".join(r) for n, r in self.skipped)
         return self.plan_.explain(lens) + skipped
 

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 from .config import Config, CostModel, device_table
 from .device import DeviceInfo
-from .problem import DecodeProblem, torch_dtype
+from .problem import DecodeProblem, explain_lengths, torch_dtype
 from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
 
 __all__ = ["SplitPlan", "Launch", "launch_problem_of", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION",
@@ -452,8 +452,16 @@ class SplitPlan:
 
     # -- explanation ----------------------------------------------------------------------------------
     def explain(self, seq_lens=None) -> str:
-        """Why this plan: shapes, the split choice, the schedule and what it does at ``seq_lens`` (host ints; by
-        default the planned lengths: every sequence at the planned maximum). Words: ``docs/glossary.md``."""
+        """Why this plan: shapes, the split choice, the schedule and what it does at ``seq_lens`` (``batch`` ints in
+        ``[0, capacity]``: a list, tuple, numpy array or tensor; by default the planned lengths: every sequence at
+        the planned maximum). Words: ``docs/glossary.md``.
+
+        Raises:
+            TypeError, ValueError: ``seq_lens`` is not ``batch`` ints in ``[0, capacity]``
+                (:func:`attnplan.problem.explain_lengths`).
+        """
+        if seq_lens is not None:
+            seq_lens = explain_lengths(seq_lens, self.problem.batch, self.problem.capacity)
         p, dev, s = self.problem, self.device, self.schedule
         cpu = tuple(dev.cc) == (0, 0)
         base = p.batch * self.launch_problem.num_kv_heads  # per launch (head blocks: one KV head each)
@@ -527,7 +535,7 @@ class SplitPlan:
                 f"tokens, units of at least {s.min_unit_granules * s.granule} tokens, at most {s.max_units_per_seq} "
                 f"units per sequence; grid {s.max_units} unit slots x {self.launch_problem.num_kv_heads} KV heads = "
                 f"{self.num_programs} programs (slots without a unit exit)")
-            lens = [p.max_kv_len] * p.batch if seq_lens is None else [int(x) for x in seq_lens]
+            lens = [p.max_kv_len] * p.batch if seq_lens is None else seq_lens
             lines.append("  " + describe_units(self.launches[-1].plan, lens,
                                                "planned" if seq_lens is None else "these"))
             lines.append("  merge: " + {"separate": "a merge kernel combines each row's unit states in unit order "

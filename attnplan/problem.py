@@ -92,7 +92,7 @@ import torch
 
 __all__ = ["DecodeProblem", "validate_inputs", "validate_values", "host_lengths", "validate_outputs",
            "check_no_overlap", "check_sm_scale", "tensor_signature", "signature_change", "same_signature",
-           "is_contiguous_layout", "DTYPE_NAMES", "dtype_name", "len_bucket"]
+           "is_contiguous_layout", "DTYPE_NAMES", "dtype_name", "len_bucket", "explain_lengths"]
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float8_e4m3fn: "float8_e4m3fn"}
@@ -786,11 +786,12 @@ def host_lengths(static: dict, seq_lens_host, num_pages: int) -> tuple[list[int]
 _HOST_KINDS = "a list, tuple, 1-D CPU integer tensor or numpy integer array of one int per sequence"
 
 
-def as_host_lengths(seq_lens_host) -> list[int]:
+def as_host_lengths(seq_lens_host, name: str = "seq_lens_host") -> list[int]:
     """``seq_lens_host`` as a new list of Python ints: a list or tuple (or another ordered iterable: a range, an
     iterator, read once) of ints (anything :func:`operator.index` takes: Python, numpy and 0-d torch integers;
     bools count as 0 and 1), a 1-D CPU integer (or bool) tensor or a 1-D numpy integer (or bool) array. Plan-time
-    only (:func:`host_lengths` is the fast path of lists and tuples of Python ints, and never calls this).
+    only (:func:`host_lengths` is the fast path of lists and tuples of Python ints, and never calls this). ``name``:
+    the argument the errors name.
 
     Raises:
         TypeError: a scalar, a string, a mapping, a set, a float or complex tensor or array, an entry that is not an
@@ -801,23 +802,23 @@ def as_host_lengths(seq_lens_host) -> list[int]:
     x = seq_lens_host
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
-            raise ValueError(f"seq_lens_host must be host integers, got a tensor on {x.device} (pass "
+            raise ValueError(f"{name} must be host integers, got a tensor on {x.device} (pass "
                              "seq_lens_host=None to read seq_lens)")
         if x.dim() != 1 or x.layout != torch.strided:
-            raise ValueError(f"seq_lens_host must be 1-D [batch] (dense), got a {x.layout} tensor of shape "
+            raise ValueError(f"{name} must be 1-D [batch] (dense), got a {x.layout} tensor of shape "
                              f"{tuple(x.shape)}")
         if x.is_floating_point() or x.is_complex():
-            raise TypeError(f"seq_lens_host must hold ints, got a {x.dtype} tensor")
+            raise TypeError(f"{name} must hold ints, got a {x.dtype} tensor")
         return x.tolist()
     np = sys.modules.get("numpy")
     if np is not None and isinstance(x, np.ndarray):
         if x.ndim != 1:
-            raise ValueError(f"seq_lens_host must be 1-D [batch], got an array of shape {x.shape}")
+            raise ValueError(f"{name} must be 1-D [batch], got an array of shape {x.shape}")
         if x.dtype.kind not in "iub":
-            raise TypeError(f"seq_lens_host must hold ints, got a {x.dtype} array")
+            raise TypeError(f"{name} must hold ints, got a {x.dtype} array")
         return x.tolist()
     if isinstance(x, (str, bytes, bytearray, Mapping, Set)) or not hasattr(x, "__iter__"):
-        raise TypeError(f"seq_lens_host must be {_HOST_KINDS}, got {type(x).__name__}"
+        raise TypeError(f"{name} must be {_HOST_KINDS}, got {type(x).__name__}"
                         + (f" {x!r}" if isinstance(x, numbers.Number) else ""))
     items = list(x)
     try:
@@ -827,9 +828,29 @@ def as_host_lengths(seq_lens_host) -> list[int]:
             try:
                 operator.index(v)
             except TypeError:
-                raise TypeError(f"seq_lens_host[{i}] must be an int (a length in tokens), got {_short(v)} "
+                raise TypeError(f"{name}[{i}] must be an int (a length in tokens), got {_short(v)} "
                                 f"({type(v).__name__})") from None
         raise
+
+
+def explain_lengths(seq_lens, batch: int, capacity: int) -> list[int]:
+    """The lengths an ``explain()`` is asked about, as a new list of ``batch`` Python ints in ``[0, capacity]``: any
+    kind :func:`as_host_lengths` takes, or a tensor on any device (read: explaining is not a hot path).
+
+    Raises:
+        TypeError: not a sequence of ints (named ``seq_lens``, as :func:`as_host_lengths` names it).
+        ValueError: not ``batch`` lengths, or one outside ``[0, capacity]`` (the kernels read each length clamped
+            into that range: a schedule at other lengths is none the plan runs).
+    """
+    if isinstance(seq_lens, torch.Tensor) and seq_lens.device.type != "cpu":
+        seq_lens = seq_lens.detach().cpu()
+    lens = as_host_lengths(seq_lens, "seq_lens")
+    if len(lens) != batch:
+        raise ValueError(f"seq_lens must hold {batch} lengths (one per sequence of the plan), got {len(lens)}")
+    for i, n in enumerate(lens):
+        if not 0 <= n <= capacity:
+            raise ValueError(f"seq_lens[{i}] = {_short(n)} is outside [0, {capacity}] (the plan's capacity in tokens)")
+    return lens
 
 
 def _short(v) -> str:

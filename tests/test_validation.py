@@ -766,3 +766,30 @@ def test_a_config_of_another_kind_is_refused_by_name(bad):
         attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend="reference", config=bad)
     with pytest.raises(TypeError, match="config must be an attnplan Config"):
         attnplan.DecodeWrapper(bad)
+
+
+@pytest.mark.parametrize("bad,exc,needle", [
+    ([5, 9, 1], ValueError, r"seq_lens must hold 2 lengths \(one per sequence of the plan\), got 3"),
+    ([5], ValueError, "seq_lens must hold 2 lengths"),
+    ([-1, 9], ValueError, r"seq_lens\[0\] = -1 is outside \[0, 12\]"),
+    ([5, 13], ValueError, r"seq_lens\[1\] = 13 is outside \[0, 12\]"),  # the cache's capacity, not its bucket's (16)
+    ([5, 10**30], ValueError, r"seq_lens\[1\] = 10+ is outside"),
+    ([5.0, 9.0], TypeError, r"seq_lens\[0\] must be an int"),
+    ("59", TypeError, "seq_lens must be a list, tuple"),
+    ([5, None], TypeError, r"seq_lens\[1\] must be an int"),
+])
+def test_explain_refuses_lengths_the_plan_cannot_run(bad, exc, needle):
+    """explain(seq_lens) describes the schedule at lengths the plan could run: ``batch`` ints in ``[0, capacity]``;
+    anything else is refused by name (not truncated, nor explained for another batch or an impossible length)."""
+    x = make_inputs(2, 4, 2, 16, [5, 9], page_size=4, dtype=torch.float32)
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=3)
+    good = w.explain([5, 9])
+    for kind in ((5, 9), torch.tensor([5, 9]), _np().array([5, 9]) if _np() else [5, 9]):
+        assert w.explain(kind) == good
+    with pytest.raises(exc, match=needle):
+        w.explain(bad)
+    if "13" not in needle:
+        with pytest.raises(exc, match=needle.replace("12", "16")):  # the plan alone knows its capacity's bucket
+            w.plan_.explain(bad)
+    assert w.plan_.explain([5, 16]) and w.explain([5, 12])
