@@ -546,8 +546,9 @@ class DecodeWrapper:
             sm_scale: score scale, default ``1/sqrt(head_dim)``.
             num_splits: 0 = heuristic, 1 = no split, >1 = forced (FlashAttention's convention);
                 ``None`` takes the config's ``split.num_splits``.
-            capacity: plan for the cache's capacity (every length up to it) instead of the live
-                lengths: the plan to capture in a CUDA graph.
+            capacity: ``True``: plan for the cache's capacity (every length up to it) instead of the live
+                lengths: the plan to capture in a CUDA graph (a ``bool``: the capacity is the cache's, never given
+                here as a number).
             window_left: sliding window in tokens (query at position ``p`` sees ``[p - window_left, p]``),
                 ``-1`` = none; the plan covers only the window.
             logits_soft_cap: ``cap * tanh(score / cap)`` on the scaled scores, ``0`` = off.
@@ -587,6 +588,10 @@ class DecodeWrapper:
                    window_left, logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host) -> SplitPlan:
         """:meth:`_plan` until it raises."""
         self._fast = None  # run() takes its full path until this plan is complete
+        if capacity is not True and capacity is not False:  # e.g. capacity=4096, read as tokens: it is not
+            raise TypeError(f"capacity must be a bool (True: plan for every length up to the cache's capacity, "
+                            f"k_cache.shape[1] or max_pages_per_seq * page_size; False: the live lengths), got "
+                            f"{type(capacity).__name__} {capacity!r:.60}")
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 0 <= num_splits <= MAX_SPLITS):
             raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = planner, 1 = no split, >1 = forced) "

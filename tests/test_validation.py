@@ -793,3 +793,15 @@ def test_explain_refuses_lengths_the_plan_cannot_run(bad, exc, needle):
         with pytest.raises(exc, match=needle.replace("12", "16")):  # the plan alone knows its capacity's bucket
             w.plan_.explain(bad)
     assert w.plan_.explain([5, 16]) and w.explain([5, 12])
+
+
+@pytest.mark.parametrize("bad", [4096, 1, 0, None, "no", 1.0])
+def test_plan_capacity_must_be_a_bool(bad):
+    """``capacity`` chooses a capacity plan; the capacity itself is the cache's. A number (a capacity in tokens, as
+    a caller may read it) or a string ("no" is truthy) is refused by name instead of picking a mode."""
+    x = make_inputs(2, 4, 2, 16, [5, 9], page_size=4, dtype=torch.float32)
+    w = attnplan.DecodeWrapper(backend="reference")
+    with pytest.raises(TypeError, match=f"capacity must be a bool .*got {type(bad).__name__}"):
+        w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=bad)
+    assert w.plan_ is None
+    assert w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True).capacity_mode
