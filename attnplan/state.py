@@ -89,7 +89,17 @@ class PartialState:
 
     @staticmethod
     def concat(states: "list[PartialState]") -> "PartialState":
-        """Join states along the split axis (e.g. states of different backends or devices)."""
+        """Join states of the same rows along the split axis (e.g. states of different backends or split counts).
+
+        Raises:
+            TypeError: an element is not a :class:`PartialState`.
+            ValueError: no state, or states whose rows (``[batch, q_len, num_q_heads]``), ``head_dim`` or device
+                differ (named by position).
+        """
+        states = list(states)
+        if not states:
+            raise ValueError("PartialState.concat: needs at least one state")
+        _check_same_rows(states, "PartialState.concat")
         return PartialState(torch.cat([s.o for s in states], dim=3), torch.cat([s.lse for s in states], dim=3))
 
     def fill_(self, value: float) -> "PartialState":
@@ -97,6 +107,22 @@ class PartialState:
         self.o.fill_(value)
         self.lse.fill_(value)
         return self
+
+
+def _check_same_rows(states, what: str) -> None:
+    """Raise ``TypeError`` for an element that is not a :class:`PartialState`, ``ValueError`` naming the first state
+    whose rows (``o.shape[:3]``), ``head_dim`` or device differ from the first's (their dtypes may differ: torch
+    promotes them)."""
+    for i, s in enumerate(states):
+        if not isinstance(s, PartialState):
+            raise TypeError(f"{what}: state {i} must be a PartialState, got {type(s).__name__}")
+    first = states[0]
+    rows, d, dev = tuple(first.o.shape[:3]), first.o.shape[4], first.o.device
+    for i, s in enumerate(states[1:], 1):
+        if tuple(s.o.shape[:3]) != rows or s.o.shape[4] != d or s.o.device != dev:
+            raise ValueError(f"{what}: state {i} has rows [batch, q_len, num_q_heads] = {list(s.o.shape[:3])}, "
+                             f"head_dim {s.o.shape[4]} on {s.o.device}; state 0 has {list(rows)}, head_dim {d} on "
+                             f"{dev}: only states of the same rows merge")
 
 
 def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
@@ -161,6 +187,8 @@ def _ragged_to_dense(state: PartialState, indptr: torch.Tensor) -> PartialState:
     if not isinstance(indptr, torch.Tensor) or indptr.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"merge_states: indptr must be an int32/int64 tensor, got "
                         f"{getattr(indptr, 'dtype', type(indptr).__name__)}")
+    if indptr.is_meta:
+        raise ValueError("merge_states: indptr is on the meta device (a shape without data): its offsets are read")
     if state.o.shape[0] != 1 or indptr.dim() != 1 or indptr.numel() < 1:
         raise ValueError(f"merge_states: a ragged state has batch axis 1 and indptr [B + 1]; got o "
                          f"{tuple(state.o.shape)}, indptr {tuple(indptr.shape)}")
@@ -205,7 +233,13 @@ def merge_state_pair(a: PartialState, b: PartialState) -> PartialState:
 
     Used to combine states that came from different places (backends, devices, context-parallel
     ranks). Each input is first merged over its own splits; the result has one split.
+
+    Raises:
+        TypeError: as :func:`merge_states`, or an argument is not a :class:`PartialState`.
+        ValueError: the two states' rows (``[batch, q_len, num_q_heads]``), ``head_dim`` or device differ (move
+            both to one device first).
     """
+    _check_same_rows([a, b], "merge_state_pair")
     oa, la = merge_states(a)
     ob, lb = merge_states(b)
     both = PartialState(torch.stack([oa, ob], dim=3), torch.stack([la, lb], dim=3))

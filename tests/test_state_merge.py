@@ -235,3 +235,26 @@ def test_partial_state_fields_must_be_tensors(o, lse):
     with pytest.raises(TypeError, match=f"PartialState: {name} must be a torch.Tensor, got "
                                         f"{type(o if name == 'o' else lse).__name__}"):
         PartialState(o, lse)
+
+
+@pytest.mark.parametrize("other", [
+    lambda o, lse: PartialState(o[:1], lse[:1]),  # another batch
+    lambda o, lse: PartialState(o[:, :, :1], lse[:, :, :1]),  # other heads
+    lambda o, lse: PartialState(o[..., :2], lse),  # another head_dim
+    lambda o, lse: PartialState(o.to("meta"), lse.to("meta")),  # another device
+], ids=["batch", "heads", "head_dim", "device"])
+def test_states_of_other_rows_are_refused_by_merge_pair_and_concat(other):
+    """Only states of the same rows merge: a pair or concat of others is a ValueError naming both shapes, not
+    torch's stack / cat error from deep inside the merge."""
+    o, lse = torch.zeros(2, 1, 3, 2, 4), torch.zeros(2, 1, 3, 2)
+    b = other(o, lse)
+    with pytest.raises(ValueError, match=r"merge_state_pair: state 1 has rows \[batch, q_len, num_q_heads\]"):
+        merge_state_pair(PartialState(o, lse), b)
+    with pytest.raises(ValueError, match=r"PartialState.concat: state 1 has rows"):
+        PartialState.concat([PartialState(o, lse), b])
+    with pytest.raises(ValueError, match="needs at least one state"):
+        PartialState.concat([])
+    with pytest.raises(TypeError, match="state 1 must be a PartialState, got tuple"):
+        PartialState.concat([PartialState(o, lse), (o, lse)])
+    with pytest.raises(ValueError, match="indptr is on the meta device"):
+        merge_states(PartialState(o[:1], lse[:1]), indptr=torch.tensor([0, 2], device="meta"))
