@@ -35,7 +35,7 @@ from typing import Callable
 import platformdirs
 
 from ._version import __version__
-from .config import MAX_SPLITS
+from .config import MAX_SPLITS, expand_home
 from .planner import PLAN_VERSION, SplitPlan, check_granule_counters
 from .problem import DecodeProblem
 
@@ -85,9 +85,14 @@ def atomic_write(path: str | os.PathLike, text: str, *, readable: bool = False, 
 
 def default_cache_dir() -> Path:
     """``$ATTNPLAN_CACHE_DIR`` if set (a leading ``~`` is the home folder), else the platform's user cache
-    directory for attnplan."""
+    directory for attnplan.
+
+    Raises:
+        ConfigError: ``$ATTNPLAN_CACHE_DIR`` starts with a ``~user`` that cannot be expanded
+            (:func:`attnplan.config.expand_home`).
+    """
     env = os.environ.get("ATTNPLAN_CACHE_DIR")
-    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("attnplan"))
+    return Path(expand_home(env, "ATTNPLAN_CACHE_DIR")) if env else Path(platformdirs.user_cache_dir("attnplan"))
 
 
 def _int(name: str, v, lo: int = 0) -> int:
@@ -256,7 +261,8 @@ class PlanCache:
     """
 
     def __init__(self, directory: str | os.PathLike | None = None, *, disk: bool = True, memory_entries: int = 1024):
-        self.directory = Path(directory).expanduser() if directory is not None else default_cache_dir()
+        self.directory = Path(expand_home(directory, "PlanCache directory")) if directory is not None \
+            else default_cache_dir()
         self.disk = disk
         self.memory_entries = memory_entries
         self.stats = CacheStats()

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 __all__ = ["Config", "ConfigError", "load_config", "device_table", "CostModel", "BACKEND_NAMES", "TritonOptions",
            "NumbaOptions", "CudaPtxOptions", "ReferenceOptions", "BackendOptions", "MAX_CONFIG_BYTES", "MAX_DEPTH",
-           "MAX_NODES"]
+           "MAX_NODES", "expand_home"]
 
 BACKEND_NAMES = ("triton", "cuda_ptx", "numba", "reference")
 BackendName = Literal["cuda_ptx", "triton", "numba", "reference"]
@@ -50,6 +50,22 @@ MAX_SPLITS = 1024
 
 class ConfigError(ValueError):
     """A configuration file or value is invalid; the message names key, value and what is allowed."""
+
+
+def expand_home(path: str | os.PathLike, source: str) -> str:
+    """``path`` with a leading ``~`` (the home folder) or ``~user`` expanded, as ``os.path.expanduser`` does.
+
+    Raises:
+        ConfigError: naming ``source`` (where the path came from), when the leading ``~`` cannot be expanded (no such
+            user, or no home folder): the path would otherwise name a relative folder called ``~user``.
+    """
+    text = os.fspath(path)
+    out = os.path.expanduser(text)
+    if out.startswith("~"):
+        head = out.split("/", 1)[0]
+        raise ConfigError(f"{source} = {text!r:.200}: cannot expand {head!r:.60} (no such user, or no home folder); "
+                          "give the folder's full path (or ./ before a name that starts with ~)")
+    return out
 
 
 class _Strict(BaseModel):
@@ -245,7 +261,12 @@ class PlanCacheConfig(_Strict):
     def _no_nul(cls, v):
         if v is not None and "\0" in v:
             raise ValueError("a path cannot hold a NUL character")
-        return v if v is None else os.path.expanduser(v)  # "~/x": the home folder's x, not a folder named "~"
+        if v is None:
+            return v
+        try:  # "~/x": the home folder's x, not a folder named "~"
+            return expand_home(v, "plan_cache.dir")
+        except ConfigError as e:
+            raise ValueError(str(e).split(": ", 1)[1]) from None
 
 
 class Config(_Strict):

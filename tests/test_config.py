@@ -1,5 +1,7 @@
 """YAML config: defaults, user overrides, environment variable, clear errors."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -252,3 +254,29 @@ def test_a_leading_tilde_is_the_home_folder_in_every_path_setting(tmp_path, monk
     assert default_cache_dir() == home / "envcache"
     assert PlanCache("~/direct").directory == home / "direct"
     assert not (cwd / "~").exists() and list(cwd.iterdir()) == []
+
+
+def test_a_tilde_user_that_does_not_expand_is_a_config_error_naming_its_source(tmp_path, monkeypatch):
+    """``~nosuchuser/x`` cannot be expanded: as ``plan_cache.dir``, ``$ATTNPLAN_CACHE_DIR`` or a ``PlanCache``
+    folder it is a ConfigError naming where it came from (not a folder named ``~nosuchuser`` in the current
+    directory, nor pathlib's RuntimeError out of every decode() call)."""
+    from attnplan.api import Context
+    from attnplan.cache import PlanCache, default_cache_dir
+
+    monkeypatch.chdir(tmp_path)
+    bad = "~attnplan-no-such-user-x9/plans"
+    with pytest.raises(ConfigError, match=r"plan_cache.dir: cannot expand '~attnplan-no-such-user-x9' \(no such "
+                                          r"user, or no home folder\)"):
+        load_config(plan_cache={"dir": bad})
+    with pytest.raises(ConfigError, match="PlanCache directory = '~attnplan-no-such-user-x9/plans': cannot expand"):
+        PlanCache(bad)
+    monkeypatch.setenv("ATTNPLAN_CACHE_DIR", bad)
+    with pytest.raises(ConfigError, match="ATTNPLAN_CACHE_DIR = '~attnplan-no-such-user-x9/plans': cannot expand"):
+        default_cache_dir()
+    x = attnplan.testing.make_inputs(1, 4, 2, 16, [20], page_size=16, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="ATTNPLAN_CACHE_DIR"):
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend="reference",
+                        config=Context.from_config(load_config()))
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv("ATTNPLAN_CACHE_DIR", "./~attnplan-no-such-user-x9")  # a folder so named, said so
+    assert default_cache_dir() == Path("./~attnplan-no-such-user-x9")
