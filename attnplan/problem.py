@@ -117,6 +117,10 @@ def len_bucket(n: int) -> int:
     return 16 if n <= 16 else 1 << (int(n) - 1).bit_length()
 
 
+#: the :class:`DecodeProblem` fields that must be ints (``page_size`` too, unless ``None``)
+_INT_FIELDS = ("batch", "num_q_heads", "num_kv_heads", "head_dim", "q_len", "max_kv_len", "total_kv_len", "capacity")
+
+
 @dataclass(frozen=True)
 class DecodeProblem:
     """One decode-attention problem as the planner sees it.
@@ -141,6 +145,11 @@ class DecodeProblem:
         has_sinks: a per-query-head sink logit joins the softmax denominator (gpt-oss), applied at merge.
         kv_scale: dequantization scales of an fp8 cache: ``"none"``, ``"tensor"`` or ``"head"``
             (per KV head); K and V are multiplied by their scales.
+
+    Raises:
+        TypeError: a count, length or ``page_size`` that is not an int (a bool, a float, a string; numpy integers
+            are taken as ints), ``has_sinks`` not a bool, ``window_left`` / ``soft_cap`` of the wrong type.
+        ValueError: a value out of range (named, with the range).
     """
 
     batch: int
@@ -160,6 +169,19 @@ class DecodeProblem:
     kv_scale: str = "none"
 
     def __post_init__(self) -> None:
+        # the types first: every field reaches the planner's integer arithmetic, the plan cache's key and JSON
+        for name in _INT_FIELDS if self.page_size is None else _INT_FIELDS + ("page_size",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"DecodeProblem.{name} must be an int, got {type(v).__name__} {_short(v)}")
+            object.__setattr__(self, name, int(v))  # numpy / other integers as Python ints
+        if not isinstance(self.has_sinks, bool):
+            raise TypeError(f"DecodeProblem.has_sinks must be a bool, got {type(self.has_sinks).__name__} "
+                            f"{_short(self.has_sinks)}")
+        check_window_left(self.window_left)
+        check_soft_cap(self.soft_cap, "soft_cap")
+        object.__setattr__(self, "window_left", int(self.window_left))
+        object.__setattr__(self, "soft_cap", float(self.soft_cap))
         if self.total_kv_len < 0:
             object.__setattr__(self, "total_kv_len", self.batch * self.max_kv_len)
         if self.capacity <= 0:
@@ -176,8 +198,6 @@ class DecodeProblem:
             raise ValueError(f"q_dtype must be one of {Q_DTYPES}, got {self.q_dtype!r}")
         if self.kv_dtype not in _NAME_TO_DTYPE:
             raise ValueError(f"kv_dtype must be one of {sorted(_NAME_TO_DTYPE)}, got {self.kv_dtype!r}")
-        check_window_left(self.window_left)
-        check_soft_cap(self.soft_cap, "soft_cap")
         if self.kv_scale not in KV_SCALES:
             raise ValueError(f"kv_scale must be one of {KV_SCALES}, got {self.kv_scale!r}")
         if self.max_kv_len < 0:

@@ -526,6 +526,33 @@ def test_problem_refuses_bool_window_and_infinite_soft_cap():
         attnplan.DecodeProblem(batch=1, num_q_heads=4, num_kv_heads=2, head_dim=16, soft_cap=math.inf)
 
 
+@pytest.mark.parametrize("kw,needle", [
+    (dict(q_len=2.5), "DecodeProblem.q_len must be an int, got float 2.5"),
+    (dict(head_dim=16.0), "DecodeProblem.head_dim must be an int, got float 16.0"),
+    (dict(batch=True), "DecodeProblem.batch must be an int, got bool True"),
+    (dict(head_dim="16"), "DecodeProblem.head_dim must be an int, got str '16'"),
+    (dict(page_size=16.0), "DecodeProblem.page_size must be an int, got float"),
+    (dict(max_kv_len=1e9), "DecodeProblem.max_kv_len must be an int"),
+    (dict(capacity=1.5), "DecodeProblem.capacity must be an int"),
+    (dict(has_sinks="no"), "DecodeProblem.has_sinks must be a bool, got str 'no'"),  # truthy: had sinks
+])
+def test_problem_fields_of_the_wrong_type_are_refused_by_name(kw, needle):
+    """A DecodeProblem made by hand (for make_plan) checks its fields' types: a float count or length was planned
+    with (q_len 2.5, head_dim 16.0), a string compared deep in the planner, a truthy string read as sinks."""
+    with pytest.raises(TypeError, match=needle):
+        attnplan.DecodeProblem(**{**dict(batch=2, num_q_heads=4, num_kv_heads=2, head_dim=16, max_kv_len=100), **kw})
+
+
+def test_problem_takes_numpy_integers_as_python_ints():
+    np = _np()
+    p = attnplan.DecodeProblem(batch=np.int64(2), num_q_heads=np.int32(4), num_kv_heads=2, head_dim=16,
+                               page_size=np.int64(16), max_kv_len=np.int64(100), window_left=np.int64(7))
+    for name in ("batch", "num_q_heads", "page_size", "max_kv_len", "window_left", "total_kv_len", "capacity"):
+        assert type(getattr(p, name)) is int, name
+    assert p == attnplan.DecodeProblem(batch=2, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16,
+                                       max_kv_len=100, window_left=7)
+
+
 # -- aliasing ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
