@@ -71,7 +71,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.attnplan.decode, which the compiled path calls)
 from .api import Context, DecodeWrapper, default_context
-from .problem import MAX_Q_LEN
+from .problem import DTYPE_NAMES, MAX_Q_LEN, Q_DTYPES
 
 __all__ = ["register", "attnplan_attention_forward", "NAME", "STATS"]
 
@@ -84,6 +84,8 @@ _SDPA = None  # transformers' sdpa_attention_forward, bound on first use
 _EAGER_CTX = None  # (the default context it was made from, the eager steps' context): _eager_context
 _STEP = threading.local()  # this thread's step: .wrapper, .seq_lens, and the .scale and .stream it was planned for
 _MASK = threading.local()  # this thread's last checked mask: .ref (weakref), .version, .layer, .lens (None: SDPA)
+#: the query dtypes attnplan's kernels take; a model in another (float64) runs on SDPA
+_SERVED_DTYPES = frozenset(t for t, name in DTYPE_NAMES.items() if name in Q_DTYPES)
 
 
 def _sdpa():
@@ -152,11 +154,14 @@ def _module_attr(module: torch.nn.Module, name: str, default=None):
 
 def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             dropout: float, kwargs: dict) -> bool:
-    """Whether this call is plain decode attention attnplan computes (the mask aside)."""
+    """Whether this call is plain decode attention attnplan computes (the mask aside): anything else, a float64
+    model or query heads that are not a whole multiple of the KV heads included, goes to SDPA."""
     b, hq, q_len, d = query.shape
     kv_len = key.shape[2]
-    return (1 <= q_len <= MAX_Q_LEN and kv_len >= q_len
-            and query.dtype == key.dtype == value.dtype and key.shape[-1] == value.shape[-1] == d
+    hkv = key.shape[1]
+    return (1 <= q_len <= MAX_Q_LEN and kv_len >= q_len and 0 < hkv == value.shape[1] and hq % hkv == 0
+            and query.dtype == key.dtype == value.dtype and query.dtype in _SERVED_DTYPES
+            and key.shape[-1] == value.shape[-1] == d
             and (dropout == 0.0 or not module.training)
             and kwargs.get("softcap") is None and kwargs.get("sinks") is None and kwargs.get("s_aux") is None
             and kwargs.get("position_bias") is None and kwargs.get("sliding_window") is None
@@ -238,7 +243,8 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     Returns:
         ``(attn_output [batch, q_len, num_q_heads, head_dim], None)`` in query's dtype.
     Raises:
-        NoBackendError: no attnplan backend serves the model's heads or dtype (the reasons are listed).
+        NoBackendError: no attnplan backend serves the model's heads (e.g. its head_dim; the reasons are listed);
+            a dtype the kernels do not take (float64) and uneven head counts go to SDPA instead.
     """
     b, _, q_len, _ = query.shape
     kv_len = key.shape[2]

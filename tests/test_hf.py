@@ -248,6 +248,29 @@ def test_module_attributes_are_read_wherever_they_are_defined(make, served, gen)
     assert attnplan.hf.STATS["sdpa_fallback"] - before["sdpa_fallback"] == int(not served)
 
 
+def test_float64_models_and_uneven_head_counts_go_to_sdpa(gen, monkeypatch):
+    """What attnplan's kernels do not take goes to SDPA, as any call it does not serve: a float64 model (no kernel
+    takes a float64 query) gets SDPA's result, and query heads that are not a whole multiple of the KV heads are
+    handed to SDPA (whose own rules decide), never to a plan() that raises."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    attnplan.hf.register()
+    q = torch.randn(1, 4, 1, 32, generator=gen, dtype=torch.float64).to(DEVICE)
+    k, v = (torch.randn(1, 2, 20, 32, generator=gen, dtype=torch.float64).to(DEVICE) for _ in range(2))
+    before = dict(attnplan.hf.STATS)
+    got, _ = attnplan.hf.attnplan_attention_forward(_Attn(), q, k, v, None)
+    assert attnplan.hf.STATS["sdpa_fallback"] - before["sdpa_fallback"] == 1
+    assert attnplan.hf.STATS["attnplan"] == before["attnplan"]
+    torch.testing.assert_close(got, sdpa_attention_forward(_Attn(), q, k, v, None)[0], atol=0, rtol=0)
+
+    handed = []
+    monkeypatch.setattr(attnplan.hf, "_sdpa", lambda: lambda module, query, *a, **kw: handed.append(query.shape))
+    q3 = torch.randn(1, 3, 1, 32, generator=gen).to(DEVICE)
+    k2, v2 = (torch.randn(1, 2, 20, 32, generator=gen).to(DEVICE) for _ in range(2))
+    attnplan.hf.attnplan_attention_forward(_Attn(), q3, k2, v2, None)
+    assert handed == [q3.shape]
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_batch1_left_padded_generate_equals_sdpa(cache, gen):
     """Greedy generation of one left-padded prompt: the decode steps' masks are not causal prefixes, so SDPA serves
