@@ -15,7 +15,10 @@ Which cache, which path (what transformers hands the attention function decides;
 - **DynamicCache** (the default): the key/value tensors hold exactly the valid tokens and a decode step
   (``q_len == 1``) comes with no mask, so every sequence's length is ``kv_len``, known on the host. Eager calls
   plan once per step for the live length (the first layer plans, the other layers reuse the plan: same shapes)
-  through :class:`~attnplan.DecodeWrapper`, with no device sync; the plan comes from the plan cache except once per
+  through :class:`~attnplan.DecodeWrapper`, with no device sync; a layer whose tensors have the raw shapes, strides,
+  dtype, device and alignment of the last call the wrapper verified launches that call's kernels again with its own
+  data pointers, without re-checking them (most of an eager call's host time is Python, dearer between transformers'
+  per-layer work than in a loop); the plan comes from the plan cache except once per
   power-of-two length bucket, and where the config leaves the merge to the planner the steps use the fused merge
   (one kernel launch per layer: an eager step's time is the host's).
 - **StaticCache** (``cache_implementation="static"``, the cache of ``torch.compile``): the key/value tensors
@@ -82,8 +85,10 @@ STATS = {"attnplan": 0, "sdpa_fallback": 0}
 
 _SDPA = None  # transformers' sdpa_attention_forward, bound on first use
 _EAGER_CTX = None  # (the default context it was made from, the eager steps' context): _eager_context
-_STEP = threading.local()  # this thread's step: .wrapper, .seq_lens, and the .scale and .stream it was planned for
+_STEP = threading.local()  # this thread's step: .wrapper, .seq_lens, the .scale and .stream it was planned for, .memo
 _MASK = threading.local()  # this thread's last checked mask: .ref (weakref), .version, .layer, .lens (None: SDPA)
+#: keyword arguments of the attention call that ask for a variant attnplan does not serve here (any that is not None)
+_VARIANT_KWARGS = frozenset(("softcap", "sinks", "s_aux", "position_bias", "sliding_window"))
 #: the query dtypes attnplan's kernels take; a model in another (float64) runs on SDPA
 _SERVED_DTYPES = frozenset(t for t, name in DTYPE_NAMES.items() if name in Q_DTYPES)
 
@@ -163,8 +168,7 @@ def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
             and query.dtype == key.dtype == value.dtype and query.dtype in _SERVED_DTYPES
             and key.shape[-1] == value.shape[-1] == d
             and (dropout == 0.0 or not module.training)
-            and kwargs.get("softcap") is None and kwargs.get("sinks") is None and kwargs.get("s_aux") is None
-            and kwargs.get("position_bias") is None and kwargs.get("sliding_window") is None
+            and (_VARIANT_KWARGS.isdisjoint(kwargs) or all(kwargs.get(n) is None for n in _VARIANT_KWARGS))
             and _module_attr(module, "sliding_window") is None
             and kwargs.get("is_causal", _module_attr(module, "is_causal", True)) is not False)
 
@@ -192,35 +196,82 @@ def _eager_context():
 _CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU-only torch builds
 
 
-def _raw_stream(device: torch.device) -> int:
-    """The current CUDA stream's handle on ``device`` (0 for a CPU tensor), without making a ``torch.cuda.Stream``."""
-    if device.type != "cuda":
+def _stream_of(index: int) -> int:
+    """The current CUDA stream's handle on device ``index`` (``Tensor.get_device()``: -1, a CPU tensor, gives 0),
+    without making a ``torch.cuda.Stream`` or a ``torch.device``."""
+    if index < 0:
         return 0
     get = _CURRENT_RAW_STREAM
-    return get(device.index) if get is not None else torch.cuda.current_stream(device).cuda_stream
+    return get(index) if get is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def _step_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, scale: float | None) -> torch.Tensor:
-    """Eager decode with every sequence ``kv_len`` long: this thread's :class:`DecodeWrapper`, run into a fresh
-    output where the inputs are what it was planned for (:meth:`DecodeWrapper.try_run` compares their shapes,
-    strides, dtypes, devices and alignment with the plan's, so a model's layers run on one plan), planned again for
-    the live length when they are not (a DynamicCache one token longer: once per step, a plan-cache hit within the
-    length's power-of-two bucket), when the score scale changes or on another stream."""
+def _step_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_len: int,
+                 scale: float | None) -> torch.Tensor:
+    """Eager decode with every sequence ``kv_len`` long, on transformers' tensors (query ``[b, hq, q_len, d]``, key
+    and value ``[b, hkv, kv_len, d]``), into a fresh contiguous output ``[b, q_len, hq, d]``.
+
+    This thread's :class:`DecodeWrapper` runs where the inputs are what it was planned for
+    (:meth:`DecodeWrapper.try_run` compares the token-major views' shapes, strides, dtypes, devices and alignment
+    with the plan's, so a model's layers run on one plan); it plans again for the live length where they are not (a
+    DynamicCache one token longer: once per step, a plan-cache hit within the length's power-of-two bucket), when the
+    score scale changes or on another stream. A layer whose tensors repeat the raw signature of the last call so
+    verified (:func:`_repeat`) launches again without the views and the check."""
     st = _STEP
-    w = getattr(st, "wrapper", None)
-    stream = _raw_stream(q.device)
-    if w is not None and st.scale == scale and st.stream == stream:
-        out = w.try_run(q, k, v, st.seq_lens, None, out=torch.empty_like(q))
+    memo = getattr(st, "memo", None)
+    if memo is not None and memo[0] == scale:
+        out = _repeat(memo, query, key, value)
         if out is not None:
             return out
-    b = q.shape[0]
-    lens = torch.full((b,), kv_len, dtype=torch.int32, device=q.device)
-    w = w or DecodeWrapper(_eager_context())
-    st.wrapper = w
-    st.scale = st.stream = None  # a plan() that raises leaves no usable step behind
-    w.plan(q, k, v, lens, None, sm_scale=scale, seq_lens_host=[kv_len] * b)
-    st.scale, st.stream, st.seq_lens = scale, stream, lens
-    return w.run(q, k, v, lens, None, out=torch.empty_like(q))
+    st.memo = None
+    q = query.transpose(1, 2)  # [b, q_len, hq, d]
+    copied = q.stride(-1) != 1
+    if copied:
+        q = q.contiguous()
+    k = key.transpose(1, 2)  # [b, kv_len, hkv, d] views of the cache
+    v = value.transpose(1, 2)
+    w = getattr(st, "wrapper", None)
+    dev = query.get_device()
+    stream = _stream_of(dev)
+    out = None
+    if w is not None and st.scale == scale and st.stream == stream:
+        out = w.try_run(q, k, v, st.seq_lens, None, out=q.new_empty(q.shape))
+    if out is None:
+        b = q.shape[0]
+        lens = torch.full((b,), kv_len, dtype=torch.int32, device=q.device)
+        w = w or DecodeWrapper(_eager_context())
+        st.wrapper = w
+        st.scale = st.stream = None  # a plan() that raises leaves no usable step behind
+        w.plan(q, k, v, lens, None, sm_scale=scale, seq_lens_host=[kv_len] * b)
+        st.scale, st.stream, st.seq_lens = scale, stream, lens
+        out = w.run(q, k, v, lens, None, out=q.new_empty(q.shape))
+    launcher = w._launcher  # the bound launch run() / try_run() just used, while the plan stays (attnplan.api)
+    if w._fast is not None and not copied and w.backend.graph_safe \
+            and getattr(launcher, "launch_direct", None) is not None:
+        pq, pk, pv = query.data_ptr(), key.data_ptr(), value.data_ptr()
+        st.memo = (scale, w, w._fast, launcher, st.seq_lens.data_ptr(), out.shape, query.dtype, dev, stream,
+                   query.shape, query.stride(), not pq & 15, key.shape, key.stride(), not pk & 15,
+                   value.shape, value.stride(), not pv & 15)
+    return out
+
+
+def _repeat(memo: tuple, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+    """The launch of the last verified call (:func:`_step_decode`'s memo) again for this layer's tensors, or ``None``
+    (nothing launched). It launches only where the wrapper still holds the plan and bound launch of that call and
+    query, key and value have its raw shapes, strides, dtype, device and 16-byte alignment, on the same stream:
+    their token-major views then have the signature ``try_run()`` accepted, and the output is fresh (it overlaps
+    nothing), so ``try_run()`` would launch the same kernels with the same arguments but the data pointers."""
+    (_, w, fast, launcher, p_lens, oshape, dtype, dev, stream,
+     qs, qst, qa, ks, kst, ka, vs, vst, va) = memo
+    if w._fast is fast and w._launcher is launcher \
+            and query.shape == qs and query.stride() == qst and query.dtype is dtype and query.get_device() == dev \
+            and key.shape == ks and key.stride() == kst and key.dtype is dtype and key.get_device() == dev \
+            and value.shape == vs and value.stride() == vst and value.dtype is dtype and value.get_device() == dev:
+        pq, pk, pv = query.data_ptr(), key.data_ptr(), value.data_ptr()
+        if (not pq & 15) is qa and (not pk & 15) is ka and (not pv & 15) is va and _stream_of(dev) == stream:
+            out = query.new_empty(oshape)
+            if launcher.launch_direct((pq, pk, pv, p_lens, 0), out, None):
+                return out
+    return None
 
 
 def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -263,13 +314,13 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         _count("sdpa_fallback")
         return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     _count("attnplan")
+    if via == "host" and not torch.compiler.is_compiling():
+        return _step_decode(query, key, value, kv_len, scaling), None
     q = query.transpose(1, 2)  # [b, q_len, hq, d]
     if q.stride(-1) != 1:
         q = q.contiguous()
     k = key.transpose(1, 2)  # [b, kv_len, hkv, d] view of the cache
     v = value.transpose(1, 2)
-    if via == "host" and not torch.compiler.is_compiling():
-        return _step_decode(q, k, v, kv_len, scaling), None
     if lens is None:
         lens = torch.full((b,), kv_len, dtype=torch.int32, device=query.device)
     return torch.ops.attnplan.decode(q, k, v, lens, None, None if scaling is None else float(scaling), ""), None

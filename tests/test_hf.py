@@ -248,6 +248,138 @@ def test_module_attributes_are_read_wherever_they_are_defined(make, served, gen)
     assert attnplan.hf.STATS["sdpa_fallback"] - before["sdpa_fallback"] == int(not served)
 
 
+def _layer_tensors(gen, kv=20, dtype=torch.float32, q_offset=0, kv_room=0):
+    """One layer's attention inputs as transformers makes them: query ``[1, 4, 1, 32]`` a transposed view of the
+    projection's ``[1, 1, 4, 32]`` (starting ``q_offset`` elements into its storage), key and value ``[1, 2, kv, 32]``
+    (a DynamicCache's tensors; ``kv_room`` > 0: key alone a view of a longer buffer, of other strides)."""
+    raw = torch.randn(q_offset + 4 * 32, generator=gen, dtype=dtype).to(DEVICE)
+    q = raw[q_offset:].view(1, 1, 4, 32).transpose(1, 2)
+    k = torch.randn(1, 2, kv + kv_room, 32, generator=gen, dtype=dtype).to(DEVICE)[:, :, :kv]
+    v = torch.randn(1, 2, kv, 32, generator=gen, dtype=dtype).to(DEVICE)
+    return q, k, v
+
+
+def _sdpa_ref(q, k, v, scaling=None):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(_Attn(), q, k, v, None, scaling=scaling)[0]
+
+
+class _DirectSpy:
+    """Records every ``launch_direct`` of the eager step's bound launches as ``(route, data pointers, out's shape,
+    strides and dtype, lse)``, route ``"repeat"`` from :func:`attnplan.hf._repeat` and ``"verified"`` from
+    ``run()`` / ``try_run()``. A repeat answers ``repeat_answer`` without launching where it is given (the
+    interpreter has no direct launches); every other call goes to the real method."""
+
+    def __init__(self, monkeypatch, launcher, repeat_answer=None):
+        self.calls, real, real_repeat = [], type(launcher).launch_direct, attnplan.hf._repeat
+        inside = []
+
+        def spy(bl, ptrs, out, lse):
+            route = "repeat" if inside else "verified"
+            self.calls.append((route, ptrs, tuple(out.shape), out.stride(), out.dtype, lse))
+            if inside and repeat_answer is not None:
+                return repeat_answer
+            return real(bl, ptrs, out, lse)
+
+        def repeat(*a):
+            inside.append(1)
+            try:
+                return real_repeat(*a)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(type(launcher), "launch_direct", spy)
+        monkeypatch.setattr(attnplan.hf, "_repeat", repeat)
+
+    def routes(self):
+        return [c[0] for c in self.calls]
+
+
+def _eager_layer(q, k, v, scaling=None):
+    out, _ = attnplan.hf.attnplan_attention_forward(_Attn(), q, k, v, None, scaling=scaling)
+    return out
+
+
+@pytest.mark.parametrize("change", ["none", "key strides", "query alignment", "scale", "dtype"])
+def test_a_layer_repeating_the_verified_signature_launches_the_same_arguments(change, gen, monkeypatch):
+    """An eager decode layer whose query, key and value repeat the raw shapes, strides, dtype, device and alignment of
+    the last verified call (and its scale) launches through the bound launch's direct path with exactly the arguments
+    the verified path (``try_run()``) gives the same tensors: the data pointers of query, key, value, the step's
+    lengths and no table, a fresh contiguous ``[1, 1, 4, 32]`` output, no lse, and no ``try_run()``. A layer that
+    differs in any of them takes the verified path (``try_run()``, else ``plan()``) and equals SDPA."""
+    attnplan.hf.register()
+    attnplan.hf._STEP.__dict__.clear()
+    q, k, v = _layer_tensors(gen)
+    _assert_logits_close(_eager_layer(q, k, v), _sdpa_ref(q, k, v))  # plans; the launch is prepared
+    w = attnplan.hf._STEP.wrapper
+    spy = _DirectSpy(monkeypatch, w._launcher, repeat_answer=True)
+    tried = []  # the verified path: try_run(), or plan() where the scale changed
+    for name in ("try_run", "plan"):
+        real_method = getattr(attnplan.DecodeWrapper, name)
+        monkeypatch.setattr(attnplan.DecodeWrapper, name, lambda self, *a, _m=real_method, _n=name, **kw: tried.append(
+            _n) or _m(self, *a, **kw))
+    kw = {}
+    if change == "none":
+        q2, k2, v2 = _layer_tensors(gen)
+    elif change == "key strides":
+        q2, k2, v2 = _layer_tensors(gen, kv_room=8)
+    elif change == "query alignment":
+        q2, k2, v2 = _layer_tensors(gen, q_offset=1)
+    elif change == "scale":
+        q2, k2, v2 = _layer_tensors(gen)
+        kw = {"scaling": 0.3}
+    else:
+        q2, k2, v2 = _layer_tensors(gen, dtype=torch.float16)
+    got = _eager_layer(q2, k2, v2, **kw)
+    lens = attnplan.hf._STEP.seq_lens
+    if change == "none":
+        assert not tried and spy.routes() == ["repeat"]
+        assert spy.calls[0][1:] == ((q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), lens.data_ptr(), 0), (1, 1, 4, 32),
+                                    (128, 128, 32, 1), torch.float32, None)
+        # the verified path, given the same tensors, hands the bound launch the same arguments
+        spy.calls.clear()
+        w.try_run(q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2), lens, None,
+                  out=torch.empty(1, 1, 4, 32, device=DEVICE))
+        assert spy.routes() == ["verified"] and spy.calls[0][1:] == (
+            (q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), lens.data_ptr(), 0), (1, 1, 4, 32), (128, 128, 32, 1),
+            torch.float32, None)
+    else:
+        assert "repeat" not in spy.routes() and tried, spy.routes()
+        _assert_logits_close(got, _sdpa_ref(q2, k2, v2, kw.get("scaling")), q2.dtype)
+
+
+def test_a_direct_launch_that_is_not_ready_takes_the_verified_path(gen, monkeypatch):
+    """Where the bound launch has no direct launch for the output (it answers ``False``: nothing launched), the
+    layer goes through ``try_run()`` and its result equals SDPA's."""
+    attnplan.hf.register()
+    attnplan.hf._STEP.__dict__.clear()
+    q, k, v = _layer_tensors(gen)
+    _eager_layer(q, k, v)
+    spy = _DirectSpy(monkeypatch, attnplan.hf._STEP.wrapper._launcher, repeat_answer=False)
+    q2, k2, v2 = _layer_tensors(gen)
+    got = _eager_layer(q2, k2, v2)
+    assert spy.routes()[0] == "repeat", "the repeat was tried first"
+    _assert_logits_close(got, _sdpa_ref(q2, k2, v2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_repeated_layers_launch_directly_and_equal_sdpa_gpu(dtype, gen, monkeypatch):
+    """On the GPU the layers after the first of a step really launch through the direct path (counted), and each
+    result equals SDPA's within the dtype's tolerance."""
+    attnplan.hf.register()
+    attnplan.hf._STEP.__dict__.clear()
+    q, k, v = _layer_tensors(gen, kv=300, dtype=dtype)
+    _eager_layer(q, k, v)
+    spy = _DirectSpy(monkeypatch, attnplan.hf._STEP.wrapper._launcher)
+    for _ in range(3):
+        q2, k2, v2 = _layer_tensors(gen, kv=300, dtype=dtype)
+        _assert_logits_close(_eager_layer(q2, k2, v2), _sdpa_ref(q2, k2, v2), dtype)
+    assert spy.routes() == ["repeat"] * 3
+
+
 def test_float64_models_and_uneven_head_counts_go_to_sdpa(gen, monkeypatch):
     """What attnplan's kernels do not take goes to SDPA, as any call it does not serve: a float64 model (no kernel
     takes a float64 query) gets SDPA's result, and query heads that are not a whole multiple of the KV heads are

@@ -117,32 +117,46 @@ class BoundLaunch:
                  out: torch.Tensor, lse: torch.Tensor | None, ptrs: tuple | None = None) -> None:
         """Launch the partial kernel (and the separate merge) on torch's current stream. No allocation, no sync.
         ``ptrs``: the data pointers of q, k, v, sl and bt (0 for ``None``) when the caller has them."""
-        po = out.data_ptr()
-        if lse is None:
-            pl = 0
-            key = (out.stride(), None, po & 15)
-        else:
-            pl = lse.data_ptr()
-            key = (out.stride(), lse.stride(), po & 15, pl & 15)
-        entry = self.direct.get(key)
-        rt = self.rt
-        if entry is not None and self.current_device() == rt.index:
-            if ptrs is None:
-                ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), 0 if bt is None else bt.data_ptr())
-            var = tuple(0 if t is None else t.data_ptr() for t in self.variant_tensors) if self.variant else ()
-            stream = self.raw_stream(rt.index)
-            p, m = entry
-            with self.lock:
-                p.pack.pack_into(p.args.buffer, p.at, *ptrs, po, pl, *var)
-                rt.launch_current(p.fn, p.name, p.cfg, p.params, stream, p.pdl)
-                if m is not None:
-                    m.pack.pack_into(m.args.buffer, m.at, po, pl, *var[:1])
-                    rt.launch_current(m.fn, m.name, m.cfg, m.params, stream, m.pdl)
+        if ptrs is None:
+            ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), 0 if bt is None else bt.data_ptr())
+        if self.launch_direct(ptrs, out, lse):
             return
         x = DecodeInputs(q, k, v, sl, bt, self.sm_scale, self.window_left, self.soft_cap, *self.variant_tensors)
         self.backend.run(self.plan, x, self.workspace, out, lse)
-        if entry is None and len(self.direct) < MAX_LAYOUTS:
+        key = self._layout(out, lse)[0]
+        if key not in self.direct and len(self.direct) < MAX_LAYOUTS:
             self.direct[key] = self._prepare(x, out, lse)
+
+    @staticmethod
+    def _layout(out: torch.Tensor, lse: torch.Tensor | None) -> tuple:
+        """``(key, out pointer, lse pointer or 0)``: a prepared launch's key is the output layout, ``out``'s (and
+        ``lse``'s) strides and 16-byte alignment."""
+        po = out.data_ptr()
+        if lse is None:
+            return (out.stride(), None, po & 15), po, 0
+        pl = lse.data_ptr()
+        return (out.stride(), lse.stride(), po & 15, pl & 15), po, pl
+
+    def launch_direct(self, ptrs: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
+        """The prepared launches alone, for inputs of the bound signature whose data pointers are ``ptrs`` (q, k, v,
+        sl, bt; 0 for no block table): ``True`` once launched on torch's current stream; ``False``, with nothing
+        launched, where no launch is prepared yet for ``out``'s and ``lse``'s layout or another device is current
+        (:meth:`__call__` then takes the unbound path, which prepares it)."""
+        key, po, pl = self._layout(out, lse)
+        entry = self.direct.get(key)
+        rt = self.rt
+        if entry is None or self.current_device() != rt.index:
+            return False
+        var = tuple(0 if t is None else t.data_ptr() for t in self.variant_tensors) if self.variant else ()
+        stream = self.raw_stream(rt.index)
+        p, m = entry
+        with self.lock:
+            p.pack.pack_into(p.args.buffer, p.at, *ptrs, po, pl, *var)
+            rt.launch_current(p.fn, p.name, p.cfg, p.params, stream, p.pdl)
+            if m is not None:
+                m.pack.pack_into(m.args.buffer, m.at, po, pl, *var[:1])
+                rt.launch_current(m.fn, m.name, m.cfg, m.params, stream, m.pdl)
+        return True
 
     def _prepare(self, x: DecodeInputs, out: torch.Tensor, lse: torch.Tensor | None) -> tuple:
         """The launches of the unbound path for these (just checked) tensors, packed."""

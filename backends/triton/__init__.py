@@ -308,10 +308,10 @@ class BoundLaunch:
         return (self.k_scale.data_ptr() if self.fp8 else t, self.v_scale.data_ptr() if self.fp8 else t,
                 self.sinks.data_ptr() if self.sinks is not None else t)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor | None,
-                 out: torch.Tensor, lse: torch.Tensor | None, ptrs: tuple | None = None) -> None:
-        """Launch the partial kernel (and the separate merge) on the current stream. No allocation, no sync.
-        ``ptrs``: the data pointers of q, k, v, sl and bt (0 for ``None``) when the caller has them."""
+    def _layout(self, out: torch.Tensor, lse: torch.Tensor | None) -> tuple:
+        """``(key, out strides, lse strides, out pointer, lse pointer)``: the direct launches' key holds ``out``'s and
+        ``lse``'s strides and the 16-byte alignment of every pointer that can change (the class docstring); without
+        an lse the kernels get the workspace's first pointer and zero strides."""
         os_ = out.stride()
         po = out.data_ptr()
         if lse is None:
@@ -323,39 +323,60 @@ class BoundLaunch:
         vt = self.variant_tensors
         if vt:
             key += tuple(t.data_ptr() & 15 for t in vt)
+        return key, os_, ls, po, pl
+
+    def launch_direct(self, ptrs: tuple, out: torch.Tensor, lse: torch.Tensor | None) -> bool:
+        """The direct launches alone (see the class docstring), for inputs of the bound signature whose data pointers
+        are ``ptrs`` (q, k, v, sl, bt; 0 for no block table): ``True`` once launched on the current stream; ``False``,
+        with nothing launched, where the JIT must launch (no direct launch for ``out``'s and ``lse``'s layout yet, a
+        launch hook set, Triton's debug knob changed, another current device): :meth:`__call__` then does."""
+        key, os_, ls, po, pl = self._layout(out, lse)
+        vt = self.variant_tensors
         entry = self.direct.get(key)
         h = self.hooks
-        if entry is not None and h is not None and not _hook_set(h.launch_enter_hook) \
-                and not _hook_set(h.launch_exit_hook):
-            dp, dm, rp, rm = entry
-            dev = self.current_device()
-            if dp.device == dev and dp.debug == h.debug:
-                if ptrs is None:
-                    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), bt.data_ptr() if self.paged else 0)
-                var = self._variant_ptrs() if vt else None
-                stream = self.current_stream(dev)
-                if rp is not None:
-                    ins = ptrs if self.paged else (ptrs[0], ptrs[1], ptrs[2], ptrs[3], self.mid_ptrs[0])
-                    with self.lock:
-                        status = rp.launch(stream, ins, (po, pl) + var if vt else (po, pl))
-                        if status == 0:
-                            if rm is None:
-                                return
-                            status = rm.launch(stream, (po, pl, var[2]) if vt else (po, pl))
-                            if status == 0:
-                                return
-                            _check_raw(status, "merge")
-                            dm.run(*self.grids[3:], stream, dm.function, dm.packed, None, None, None,
-                                   *self._direct_merge_args(po, pl, os_, ls, var), *dm.const_tail)
-                            return
-                    _check_raw(status, "partial")  # a context error: nothing enqueued, Triton's launcher runs both
-                g = self.grids
-                dp.run(g[0], g[1], g[2], stream, dp.function, dp.packed, None, None, None,
-                       *self._direct_args(ptrs, po, pl, os_, ls, var), *dp.const_tail)
-                if dm is not None:
-                    dm.run(g[3], g[4], g[5], stream, dm.function, dm.packed, None, None, None,
+        if entry is None or h is None or _hook_set(h.launch_enter_hook) or _hook_set(h.launch_exit_hook):
+            return False
+        dp, dm, rp, rm = entry
+        dev = self.current_device()
+        if dp.device != dev or dp.debug != h.debug:
+            return False
+        var = self._variant_ptrs() if vt else None
+        stream = self.current_stream(dev)
+        if rp is not None:
+            ins = ptrs if self.paged else (ptrs[0], ptrs[1], ptrs[2], ptrs[3], self.mid_ptrs[0])
+            with self.lock:
+                status = rp.launch(stream, ins, (po, pl) + var if vt else (po, pl))
+                if status == 0:
+                    if rm is None:
+                        return True
+                    status = rm.launch(stream, (po, pl, var[2]) if vt else (po, pl))
+                    if status == 0:
+                        return True
+                    _check_raw(status, "merge")
+                    dm.run(*self.grids[3:], stream, dm.function, dm.packed, None, None, None,
                            *self._direct_merge_args(po, pl, os_, ls, var), *dm.const_tail)
-                return
+                    return True
+            _check_raw(status, "partial")  # a context error: nothing enqueued, Triton's launcher runs both
+        g = self.grids
+        dp.run(g[0], g[1], g[2], stream, dp.function, dp.packed, None, None, None,
+               *self._direct_args(ptrs, po, pl, os_, ls, var), *dp.const_tail)
+        if dm is not None:
+            dm.run(g[3], g[4], g[5], stream, dm.function, dm.packed, None, None, None,
+                   *self._direct_merge_args(po, pl, os_, ls, var), *dm.const_tail)
+        return True
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sl: torch.Tensor, bt: torch.Tensor | None,
+                 out: torch.Tensor, lse: torch.Tensor | None, ptrs: tuple | None = None) -> None:
+        """Launch the partial kernel (and the separate merge) on the current stream. No allocation, no sync.
+        ``ptrs``: the data pointers of q, k, v, sl and bt (0 for ``None``) when the caller has them."""
+        if ptrs is None:
+            ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), sl.data_ptr(), bt.data_ptr() if self.paged else 0)
+        if self.launch_direct(ptrs, out, lse):
+            return
+        key, os_, ls, po, pl = self._layout(out, lse)
+        vt = self.variant_tensors
+        entry = self.direct.get(key)
+        h = self.hooks
         # through the JIT: compiles a new specialization; keeps the compiled kernels for direct launches
         be, L = self.backend, self.L
         ck, args = be._launch_partial(L, self._inputs(q, k, v, sl, bt), out, lse)
