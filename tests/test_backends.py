@@ -459,3 +459,50 @@ def test_dispatch_error_names_every_backend_and_its_reason(monkeypatch):
         assert f"  {name}: " in msg and "['softcap'] not served" in msg
     with pytest.raises(attnplan.NoBackendError, match=r"reference: variants \['softcap'\] not served"):
         attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, logits_soft_cap=10.0, backend="reference")
+
+
+def _in_threads(fns, timeout: float = 120) -> None:
+    """Run each of ``fns`` in its own thread, all released at once; join them within ``timeout`` and raise the first
+    error any of them raised."""
+    import threading
+
+    start, errors = threading.Barrier(len(fns)), []
+
+    def body(f):
+        try:
+            start.wait(timeout)
+            f()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=body, args=(f,), daemon=True) for f in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish (deadlock?)"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_threads_decode_on_one_backend_at_once(backend, gen):
+    """Several Python threads decoding at once on one backend (a serving loop's workers) each get their own
+    problem's attention. On the CPU the kernels run in Triton's interpreter / numba's simulator, which run one
+    kernel at a time: the backend serializes those launches (an unserialized second launch moved the first's
+    program ids, or found the other launch's simulated ``cuda`` module, and raised)."""
+    cases = [make_inputs(2, 4, 2, 32, [40, 7], page_size=16, dtype=torch.float16, generator=gen, device=DEVICE),
+             make_inputs(3, 8, 2, 16, [33, 0, 50], dtype=torch.float32, generator=gen, device=DEVICE),
+             make_inputs(1, 2, 1, 64, [70], page_size=8, dtype=torch.bfloat16, generator=gen, device=DEVICE)]
+    ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+
+    def worker(x):
+        def f():
+            ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+            for _ in range(3):
+                out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend,
+                                      config=ctx, seq_lens_host=x.seq_lens.tolist())
+                assert_close_to_reference(out, ref, x.q.dtype)
+        return f
+
+    _in_threads([worker(x) for x in cases])

@@ -120,6 +120,12 @@ fields are compile-time constants (closure variables), and cached per specializa
 inside :func:`launch_scope`: the process-wide patches numba needs here are installed for the
 launch only and restored afterwards (the simulator's shared arrays made atomic; numpy's
 ``row_stack`` for numba-cuda's first compile under numpy >= 2.4).
+
+Threads: on a GPU, launches and kernel builds from several Python threads run concurrently. numba's simulator
+runs one kernel at a time (it keeps the running launch's fake ``cuda`` module in process-wide state and swaps it
+into this module's globals, where a concurrent launch or a kernel build reading ``cuda`` finds the other launch's),
+so under ``NUMBA_ENABLE_CUDASIM=1`` :func:`launch_scope` and the kernel builds take one re-entrant process-wide lock:
+simulated launches from several threads run one after another.
 """
 
 from __future__ import annotations
@@ -420,12 +426,14 @@ def fp8_decode_kernel():
     codes and a float32 ``out`` of the same length (grid-stride loop; any launch shape). It runs the
     kernels' own decoder, compiled on a GPU or in the simulator, for tests."""
     if not _FP8_DECODE:
-        def fp8_decode(codes, out):
-            start = cuda.grid(1)
-            step = cuda.gridsize(1)
-            for i in range(start, codes.shape[0], step):
-                out[i] = fp8_e4m3_to_f32(_bits(codes[i]))
-        _FP8_DECODE.append(cuda.jit(fp8_decode))
+        with _sim_serial():
+            if not _FP8_DECODE:
+                def fp8_decode(codes, out):
+                    start = cuda.grid(1)
+                    step = cuda.gridsize(1)
+                    for i in range(start, codes.shape[0], step):
+                        out[i] = fp8_e4m3_to_f32(_bits(codes[i]))
+                _FP8_DECODE.append(cuda.jit(fp8_decode))
     return _FP8_DECODE[0]
 
 
@@ -435,6 +443,14 @@ def fp8_decode_kernel():
 
 _SCOPE_LOCK = threading.Lock()
 _SCOPE_DEPTH = [0]
+#: the simulator's one launch at a time (module docstring, "Threads"): held by :func:`launch_scope` and the kernel
+#: builds under the simulator, never on a GPU
+_SIM_LOCK = threading.RLock()
+
+
+def _sim_serial():
+    """The simulator's process-wide lock (:data:`_SIM_LOCK`) under ``NUMBA_ENABLE_CUDASIM=1``; a no-op on a GPU."""
+    return _SIM_LOCK if SIM else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -450,19 +466,21 @@ def launch_scope():
 
     Nested and concurrent scopes (several Python threads) share one installation: the first to enter
     installs, the last to leave restores. Every launch of this module's kernels belongs inside one
-    (the backend's launches are; tests that launch a kernel themselves use it too).
+    (the backend's launches are; tests that launch a kernel themselves use it too). Under the simulator
+    the scope also holds the simulator's lock (module docstring, "Threads"): scopes of other threads wait.
     """
-    with _SCOPE_LOCK:
-        if _SCOPE_DEPTH[0] == 0:
-            _install_patches()
-        _SCOPE_DEPTH[0] += 1
-    try:
-        yield
-    finally:
+    with _sim_serial():
         with _SCOPE_LOCK:
-            _SCOPE_DEPTH[0] -= 1
             if _SCOPE_DEPTH[0] == 0:
-                _remove_patches()
+                _install_patches()
+            _SCOPE_DEPTH[0] += 1
+        try:
+            yield
+        finally:
+            with _SCOPE_LOCK:
+                _SCOPE_DEPTH[0] -= 1
+                if _SCOPE_DEPTH[0] == 0:
+                    _remove_patches()
 
 
 @_device
@@ -812,29 +830,36 @@ def schedule_probe_kernel(threads: int, q_len: int = 1, window: bool = False):
     key = (threads, q_len, window)
     kern = _PROBE_CACHE.get(key)
     if kern is None:
-        prologue, unit_range, _, _ = _make_schedule(threads, q_len, window)
-        NBUF = _sched_buffer_words(threads)
+        with _sim_serial():
+            kern = _PROBE_CACHE.get(key) or _build_probe(key, threads, q_len, window)
+    return kern
 
-        def schedule_probe(seq_lens, targets, meta, units, res, granule, min_c, max_per, write_meta, window_left,
-                           capacity):
-            buf = cuda.shared.array(NBUF, int64)
-            info = cuda.shared.array(2, int64)
-            blk = cuda.blockIdx.x
-            tid = cuda.threadIdx.x
-            u = int64(units[blk])
-            b, j, c = prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_c, max_per,
-                               write_meta != 0 and blk == 0, capacity)
-            if tid == 0:
-                res[blk, 0] = b
-                if b >= 0:
-                    lo, hi, ub = unit_range(seq_lens, b, j, c, window_left, granule, max_per, capacity)
-                    res[blk, 1] = j
-                    res[blk, 2] = lo
-                    res[blk, 3] = hi
-                    res[blk, 4] = ub
-                    res[blk, 5] = c
 
-        kern = _PROBE_CACHE[key] = cuda.jit(schedule_probe)
+def _build_probe(key: tuple, threads: int, q_len: int, window: bool):
+    """:func:`schedule_probe_kernel`'s build on a miss (under the simulator's lock), kept in the cache."""
+    prologue, unit_range, _, _ = _make_schedule(threads, q_len, window)
+    NBUF = _sched_buffer_words(threads)
+
+    def schedule_probe(seq_lens, targets, meta, units, res, granule, min_c, max_per, write_meta, window_left,
+                       capacity):
+        buf = cuda.shared.array(NBUF, int64)
+        info = cuda.shared.array(2, int64)
+        blk = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        u = int64(units[blk])
+        b, j, c = prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_c, max_per,
+                           write_meta != 0 and blk == 0, capacity)
+        if tid == 0:
+            res[blk, 0] = b
+            if b >= 0:
+                lo, hi, ub = unit_range(seq_lens, b, j, c, window_left, granule, max_per, capacity)
+                res[blk, 1] = j
+                res[blk, 2] = lo
+                res[blk, 3] = hi
+                res[blk, 4] = ub
+                res[blk, 5] = c
+
+    kern = _PROBE_CACHE[key] = cuda.jit(schedule_probe)
     return kern
 
 
@@ -933,8 +958,10 @@ def decode_kernel(spec: DecodeSpec):
     """
     kern = _DECODE_CACHE.get(spec)
     if kern is None:
-        kern = _build_decode(spec)
-        _DECODE_CACHE[spec] = kern
+        with _sim_serial():
+            kern = _DECODE_CACHE.get(spec)
+            if kern is None:
+                kern = _DECODE_CACHE[spec] = _build_decode(spec)
     return kern
 
 
@@ -1308,8 +1335,10 @@ def merge_kernel(spec: MergeSpec):
     """
     kern = _MERGE_CACHE.get(spec)
     if kern is None:
-        kern = _build_merge(spec)
-        _MERGE_CACHE[spec] = kern
+        with _sim_serial():
+            kern = _MERGE_CACHE.get(spec)
+            if kern is None:
+                kern = _MERGE_CACHE[spec] = _build_merge(spec)
     return kern
 
 

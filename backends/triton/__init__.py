@@ -17,6 +17,11 @@ specialization directly instead of through the JIT (one ``cuLaunchKernel`` per k
 :mod:`.raw`, where the compiled kernel's parameters allow; else Triton's own launcher). Lengths read from
 ``seq_lens`` are clamped into ``[0, capacity]`` (the ``capacity`` argument, :attr:`DecodeInputs.capacity`) and
 block-table entries into ``[0, num_pages)`` by the kernel.
+
+Threads: on a GPU, launches from several Python threads run concurrently. Triton's interpreter runs one kernel at a
+time (its grid and its patches of ``triton.language`` are process-wide state: a second launch mid-run moves the
+first's program ids or fails), so the interpreted launches of this backend take one process-wide lock and run one
+after another.
 """
 
 from __future__ import annotations
@@ -39,6 +44,19 @@ MAX_BLOCK_B = 1024
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+#: serializes this backend's launches of interpreted kernels (module docstring, "Threads")
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _interpreted(kernel) -> bool:
+    """Whether ``kernel`` (a ``@triton.jit`` function) runs in Triton's interpreter (decided when it was decorated)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except Exception:  # noqa: BLE001 - a Triton without the interpreter: compiled kernels only
+        return False
+    return isinstance(kernel, InterpretedFunction)
 
 
 def merge_geometry(rows: int, num_splits: int, head_dim: int, sm_count: int) -> tuple[int, int, int]:
@@ -431,11 +449,13 @@ class TritonBackend(Backend):
 
     def __init__(self) -> None:
         self._triton = None
+        self._serial = None  # _INTERPRETER_LOCK where the kernels are interpreted, else None (set by _kernels)
         self._launches: dict[tuple[int, int], _Launch] = {}
 
     def _kernels(self):
         if self._triton is None:
             from . import kernels
+            self._serial = _INTERPRETER_LOCK if _interpreted(kernels.split_kv_partial_kernel) else None
             self._triton = kernels
         return self._triton
 
@@ -575,8 +595,12 @@ class TritonBackend(Backend):
         if x.q.shape != L.q_shape:
             raise ValueError(f"q has shape {tuple(x.q.shape)}, the plan {L.q_shape}: re-plan")
         args = self._partial_args(L, x, out, lse)
-        ck = self._kernels().split_kv_partial_kernel[L.grid](
-            *args, WRITE_LSE=lse is not None, SINKS_ON=x.sinks is not None, **L.const)
+        kernel = self._kernels().split_kv_partial_kernel[L.grid]
+        if self._serial is None:
+            ck = kernel(*args, WRITE_LSE=lse is not None, SINKS_ON=x.sinks is not None, **L.const)
+        else:
+            with self._serial:
+                ck = kernel(*args, WRITE_LSE=lse is not None, SINKS_ON=x.sinks is not None, **L.const)
         return ck, args
 
     def _launch_merge(self, L: _Launch, out: torch.Tensor, lse: torch.Tensor | None, sinks: torch.Tensor | None):
@@ -584,8 +608,12 @@ class TritonBackend(Backend):
         if L.merge_grid is None:
             raise ValueError(f"plan merge is {L.plan.merge!r}: no separate merge to launch")
         args = self._merge_args(L, out, lse, sinks)
-        ck = self._kernels().merge_kernel[L.merge_grid](
-            *args, WRITE_LSE=lse is not None, SINKS_ON=sinks is not None, **L.merge_const)
+        kernel = self._kernels().merge_kernel[L.merge_grid]
+        if self._serial is None:
+            ck = kernel(*args, WRITE_LSE=lse is not None, SINKS_ON=sinks is not None, **L.merge_const)
+        else:
+            with self._serial:
+                ck = kernel(*args, WRITE_LSE=lse is not None, SINKS_ON=sinks is not None, **L.merge_const)
         return ck, args
 
     def bind(self, plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs,
