@@ -5,7 +5,10 @@ plan-format versions, the backend, the problem bucket (batch, heads, head_dim, q
 size, KV-length buckets), whether the plan is a capacity plan, and the config's planning inputs
 (split policy, cost model, the backend's kernel options). Files are written atomically (a
 temporary file in the same folder, then ``os.replace``), so another process never reads a
-half-written plan; an unwritable folder drops to memory with one warning.
+half-written plan; an unwritable folder drops to memory with one warning. Processes may share the folder, and one
+may clear or remove it while others use it: a write whose folder or temporary file vanished is tried again, a file
+that vanished is a miss. One :class:`PlanCache` may serve several threads (its memory LRU is locked; its counters
+are approximate under contention).
 
 The cache trusts nothing it reads: a file that does not load and validate as a plan for its key
 is a miss with a ``RuntimeWarning`` naming the file, and is rebuilt (never an exception, never a
@@ -48,6 +51,8 @@ MAX_PLAN_BYTES = 1 << 20
 UNUSABLE = (ValueError, TypeError, KeyError, AttributeError, IndexError, json.JSONDecodeError, UnicodeDecodeError,
             OSError, RecursionError, OverflowError)
 _TMP_PREFIX = ".tmp-"
+#: tries of a plan file's write whose folder or temporary file another process removed meanwhile
+_WRITE_TRIES = 4
 
 
 def _read_umask() -> int:
@@ -358,16 +363,26 @@ class PlanCache:
             return None
 
     def _write(self, key: tuple, plan: SplitPlan) -> None:
+        """Write the plan's file. Another process may empty the folder meanwhile (``attnplan plans clear`` removes
+        the temporary files of writes in flight too) or remove it: a write that finds its folder or its temporary
+        file gone is tried again (the folder is made again), up to :data:`_WRITE_TRIES` times, before the cache drops
+        to memory; any other ``OSError`` drops it at once."""
         if not self.disk:
             return
         path = self._path(key)
         payload = json.dumps({"plan_version": PLAN_VERSION, "library": __version__, "key": key,
                               "plan": plan.to_dict()}, sort_keys=True, default=str)
-        try:
-            atomic_write(path, payload, suffix=".json")
-            self.stats.writes += 1
-        except OSError as e:
-            self._warn_disk(f"cannot write {path}: {e}")
+        for attempt in range(_WRITE_TRIES):
+            try:
+                atomic_write(path, payload, suffix=".json")
+                self.stats.writes += 1
+                return
+            except FileNotFoundError as e:  # removed meanwhile by another process: write again
+                if attempt + 1 == _WRITE_TRIES:
+                    self._warn_disk(f"cannot write {path}: {e}")
+            except OSError as e:
+                self._warn_disk(f"cannot write {path}: {e}")
+                return
 
     def _files(self) -> list[Path]:
         """Every ``v*/*.json`` entry under the directory (plans and leftover temporary files), sorted;

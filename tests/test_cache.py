@@ -129,6 +129,44 @@ def test_concurrent_processes_never_read_half_written_files(tmp_path):
     assert not list((tmp_path / VDIR).glob(".tmp-*"))
 
 
+@pytest.mark.parametrize("removed", ["temporary file", "folder"])
+def test_a_clear_by_another_process_during_a_write_keeps_the_disk(tmp_path, monkeypatch, removed):
+    """Another process clearing the shared folder (``attnplan plans clear`` also removes the temporary files of
+    writes in flight) or removing it while this one writes a plan: the write is made again, with no warning, and the
+    cache stays on disk (it dropped to memory for good, warning that it could not write). A removal at every try
+    is an unusable folder: one warning, memory only."""
+    import attnplan.cache as cache_mod
+
+    real = os.replace
+    clears = [1]
+
+    def replace_after_a_clear(src, dst):
+        if clears:
+            clears.pop()
+            if removed == "folder":
+                import shutil
+
+                shutil.rmtree(tmp_path)
+            else:
+                PlanCache(tmp_path).clear()
+        return real(src, dst)
+
+    monkeypatch.setattr(cache_mod.os, "replace", replace_after_a_clear)
+    ctx = ctx_at(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = plan(ctx)
+    assert not clears and ctx.cache.disk and ctx.cache.stats.writes == 1
+    files = list((tmp_path / VDIR).iterdir())
+    assert len(files) == 1 and not files[0].name.startswith(".tmp-")
+    assert plan(ctx_at(tmp_path)).to_json() == p.to_json() and not clears
+
+    clears.extend([1] * cache_mod._WRITE_TRIES)
+    with pytest.warns(RuntimeWarning, match="memory only"):
+        plan(ctx, DEV_B)
+    assert not ctx.cache.disk and not clears
+
+
 def test_clear_and_entries(tmp_path):
     ctx = ctx_at(tmp_path)
     plan(ctx)
