@@ -449,6 +449,15 @@ class DecodeWrapper:
         backend: force one backend by name (its refusal reasons become the error); ``None``
             walks the config's order.
 
+    Threads: a wrapper is not thread-safe; use one per thread (or per stream), as :func:`decode` and the Hugging
+    Face integration do. Wrappers of one :class:`Context` may run in different threads at once (the context, its
+    plan cache and the backends are shared safely). Two threads must not call one wrapper's methods at the same
+    time: its runs share one workspace (the partial states, the merge's table and the fused merge's counters), and
+    ``run(out=None)``'s buffer, so overlapping runs give wrong results; ``plan()`` replaces what ``run()`` reads.
+    ``run()`` and ``try_run()`` take no lock (they cost microseconds); their one-pass check and the launch it
+    passes read one snapshot made by ``plan()``, so a run (with ``out`` given) that overlaps a ``plan()`` for other
+    inputs launches the binding its check compared the inputs with, never one made for another signature or scale.
+
     Example::
 
         w = attnplan.DecodeWrapper()
@@ -726,9 +735,10 @@ class DecodeWrapper:
     def _make_fast(self) -> tuple | None:
         """The planned values :meth:`run`'s one-pass check compares with, flat (see :meth:`run`): per input its
         shape, strides, dtype, device and alignment (the block table's ``None`` when there is none), the inputs'
-        byte extents, the out extent's terms, lse's planned shape and whether the backend is graph-safe. ``None``
-        (the full path every time) for a binding with sink or scale tensors, or a score scale that is not a finite
-        float."""
+        byte extents, the out extent's terms, lse's planned shape and whether the backend is graph-safe; then what
+        the launch uses, the bound launch and ``(backend, plan, workspace, score scale, variants)``, so a run launches
+        exactly the binding its check passed for, whatever a ``plan()`` does meanwhile. ``None`` (the full path
+        every time) for a binding with sink or scale tensors, or a score scale that is not a finite float."""
         var, sm = self._variant, self._sm_scale
         if var["sinks"] is not None or var["k_scale"] is not None or var["v_scale"] is not None \
                 or type(sm) is not float or sm - sm != 0.0:
@@ -740,7 +750,8 @@ class DecodeWrapper:
             return (t[1], None if is_contiguous_layout(t[1], t[2]) else t[2], *t[3:])
 
         return (*fields(sq), *fields(sk), *fields(sv), *fields(ss), *(fields(sb) if sb is not None else (None,) * 5),
-                *self._extents, d0, d1, d2, d3, isz, math.prod(sq[1]) * isz, sq[1][:3], self.backend.graph_safe)
+                *self._extents, d0, d1, d2, d3, isz, math.prod(sq[1]) * isz, sq[1][:3], self.backend.graph_safe,
+                self._launcher, (self.backend, self.plan_, self.workspace, sm, var))
 
     def _scale(self, scale, hkv: int, device) -> torch.Tensor | None:
         """:func:`_scale_tensor`, reusing the tensor of the same float scale (a plan-cache hit allocates nothing)."""
@@ -856,7 +867,7 @@ class DecodeWrapper:
         # A stride of None: the planned tensor is C-contiguous, and so must this one be (Tensor.is_contiguous(),
         # cheaper than reading the strides; same_signature() is the full path's equal rule).
         (qs, qst, qd, qv, qa, ks, kst, kd, kv, ka, vs, vst, vd, vv, va, ss, sst, sd, sv, sa, bs, bst, bd, bv, ba,
-         e0, e1, e2, e3, e4, d0, d1, d2, d3, isz, nbytes, ls3, graph_safe) = f
+         e0, e1, e2, e3, e4, d0, d1, d2, d3, isz, nbytes, ls3, graph_safe, launcher, launch) = f
         T = torch.Tensor
         if isinstance(q, T) and isinstance(k_cache, T) and isinstance(v_cache, T) and isinstance(seq_lens, T) \
                 and (isinstance(block_table, T) if bs is not None else block_table is None):
@@ -908,13 +919,11 @@ class DecodeWrapper:
                         and not (e2 and c0 < p2 + e2 and p2 < c1) and not (e3 and c0 < p3 + e3 and p3 < c1) \
                         and not (e4 and c0 < p4 + e4 and p4 < c1)
                 if ok and (graph_safe or not q.is_cuda or not torch.cuda.is_current_stream_capturing()):
-                    launcher = self._launcher
                     if launcher is not None:
                         launcher(q, k_cache, v_cache, seq_lens, block_table, o, lse, (p0, p1, p2, p3, p4))
                     else:
-                        self.backend.run(self.plan_, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table,
-                                                                  self._sm_scale, **self._variant),
-                                         self.workspace, o, lse)
+                        be, plan, ws, sm, var = launch
+                        be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm, **var), ws, o, lse)
                     return o
         return None
 

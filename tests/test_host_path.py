@@ -514,6 +514,38 @@ def test_a_failed_plan_leaves_no_plan(gen):
     assert_close_to_reference(w.run(*args), ref, torch.float16)
 
 
+class _PlansWhenChecked(torch.Tensor):
+    """An ``out`` whose ``is_neg()`` (read by run()'s one-pass check, before the launch) first calls ``replan()``:
+    a ``plan()`` of another thread landing between a run's check and its launch, made deterministic."""
+
+    replan = None
+
+    def is_neg(self):
+        f, type(self).replan = type(self).replan, None
+        if f is not None:
+            f()
+        return False
+
+
+@pytest.mark.parametrize("backend", ["reference", *KERNELS])
+def test_a_run_launches_the_binding_its_check_passed_for(backend, gen):
+    """A wrapper shared by two threads is unsupported (DecodeWrapper's docstring), but a plan() that lands between a
+    run()'s one-pass check and its launch must not make the run launch the new binding on the inputs checked against
+    the old one (a binding holds its inputs' strides, capacity and scale: on a GPU another signature's binding reads
+    and writes out of bounds). The run launches the binding it checked: here the old score scale's."""
+    x = make_inputs(2, 8, 2, 16, [9, 4], page_size=8, dtype=torch.float32, generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    w = attnplan.DecodeWrapper(backend=backend)
+    w.plan(*args, sm_scale=0.5, seq_lens_host=[9, 4])
+    assert w._fast is not None
+    out = poison(torch.empty_like(x.q)).as_subclass(_PlansWhenChecked)
+    _PlansWhenChecked.replan = lambda: w.plan(*args, sm_scale=0.125, seq_lens_host=[9, 4])
+    w.run(*args, out=out)
+    assert _PlansWhenChecked.replan is None and w._sm_scale == 0.125, "the plan() did not land inside the run"
+    assert_close_to_reference(out.as_subclass(torch.Tensor), _ref(x, sm_scale=0.5)[0], torch.float32)
+    assert_close_to_reference(w.run(*args), _ref(x, sm_scale=0.125)[0], torch.float32)
+
+
 def test_decode_output_checks_are_validate_outputs(gen):
     """decode()'s output checks, made from the inputs' signature, raise what validate_outputs raises, before any
     other check (a bad config path, a bad input) and after the score scale's."""
