@@ -144,14 +144,26 @@ class Context:
 
 
 _DEFAULT: Context | None = None
+_DEFAULT_LOCK = threading.Lock()
 
 
 def default_context() -> Context:
-    """The process-wide context built from ``plans/default.yaml`` and ``$ATTNPLAN_CONFIG``."""
+    """The process-wide context built from ``plans/default.yaml`` and ``$ATTNPLAN_CONFIG`` (and the cache directory,
+    ``$ATTNPLAN_CACHE_DIR``) as they are at the first call, made once: threads calling it at once get the same
+    context, and later changes of the variables do not affect it (pass a config or a :class:`Context` instead).
+
+    Raises:
+        ConfigError: ``$ATTNPLAN_CONFIG`` names a file that does not load (nothing is kept: the next call tries
+            again).
+    """
     global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = Context.from_config(load_config())
-    return _DEFAULT
+    ctx = _DEFAULT
+    if ctx is None:
+        with _DEFAULT_LOCK:
+            ctx = _DEFAULT
+            if ctx is None:
+                ctx = _DEFAULT = Context.from_config(load_config())
+    return ctx
 
 
 def _context(config: Config | Context | str | os.PathLike | None) -> Context:

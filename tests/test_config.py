@@ -25,6 +25,44 @@ def test_user_file_overrides_and_env(tmp_path, monkeypatch):
     assert load_config().split.num_splits == 4
 
 
+def test_threads_asking_for_the_default_context_at_once_get_one(tmp_path, monkeypatch):
+    """The process-wide context is made once even when its first callers are several threads at once, with the
+    config of that moment (``$ATTNPLAN_CONFIG`` changed meanwhile by another thread does not split it in two); each
+    caller had its own context, the config file read by whichever thread got there, and the last one kept."""
+    import threading
+    import time
+
+    import attnplan.api as api
+
+    f = tmp_path / "c.yaml"
+    f.write_text("split:\n  num_splits: 4\n")
+    monkeypatch.setenv("ATTNPLAN_CONFIG", str(f))
+    monkeypatch.setattr(api, "_DEFAULT", None)
+    loads, real = [], api.load_config
+
+    def slow_load(*a, **k):  # a load takes long enough for the other threads to arrive meanwhile
+        loads.append(1)
+        c = real(*a, **k)
+        time.sleep(0.05)
+        return c
+
+    monkeypatch.setattr(api, "load_config", slow_load)
+    start, got = threading.Barrier(4), []
+
+    def ask():
+        start.wait(10)
+        got.append(attnplan.default_context())
+        monkeypatch.delenv("ATTNPLAN_CONFIG", raising=False)  # later callers' changes do not matter
+
+    threads = [threading.Thread(target=ask, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(got) == 4 and all(c is got[0] for c in got) and loads == [1]
+    assert got[0] is attnplan.default_context() and got[0].config.split.num_splits == 4
+
+
 @pytest.mark.parametrize("text,needle", [
     ("backends: [triton, cudnn]", "backends.1"),
     ("split:\n  num_splitz: 4", "split.num_splitz: unknown key"),
