@@ -822,9 +822,26 @@ def _nan_in_v(x, positions):
             x.v_cache[b, pos, 0, 5] = float("nan")
 
 
-@pytest.mark.parametrize("q_len,window", [(2, -1), (3, -1), (3, 20)])
-@pytest.mark.parametrize("mode,fp8", [("split_k", False), ("mma", False), ("mma", True), ("split_k", True)])
-@pytest.mark.parametrize("splits", [1, 3])
+def _nan_cases():
+    """Every (kernel path, split count) with one (q_len, window) pair in the default run: each path meets the window
+    (single pass on two paths, split on the other two) and one of q_len 2 and 3 without it; the other pairs in the
+    full tier (the same path at another query count or window)."""
+    pairs = [(2, -1), (3, -1), (3, 20)]
+    paths = [("split_k", False), ("mma", False), ("mma", True), ("split_k", True)]
+    out = []
+    for i, (mode, fp8) in enumerate(paths):
+        for splits in (1, 3):
+            windowed = splits == (1 if i % 2 == 0 else 3)
+            chosen = (3, 20) if windowed else (2, -1) if i < 2 else (3, -1)
+            for q_len, window in pairs:
+                full = (q_len, window) != chosen
+                out.append(pytest.param(q_len, window, mode, fp8, splits,
+                                        id=f"{splits}-{mode}-{'fp8' if fp8 else 'bf16'}-q{q_len}-w{window}",
+                                        marks=pytest.mark.full if full else ()))
+    return out
+
+
+@pytest.mark.parametrize("q_len,window,mode,fp8,splits", _nan_cases())
 def test_emulated_nan_in_v_reaches_only_rows_that_see_it(be, q_len, window, mode, fp8, splits, gen):
     """NaN in V at a sequence's last position (query 0 cannot see it; with q_len 2 it made query 0 NaN) and just before
     the last query's window (earlier queries see it, the last does not): exactly the reference's NaN (the column of

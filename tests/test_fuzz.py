@@ -84,11 +84,13 @@ def test_fuzz_decode_against_reference_numba(p):
 @st.composite
 def large_group_problems(draw):
     """GQA groups x q_len beyond one program's rows (64 for numba and cuda_ptx, 128 for triton): the plans go in
-    query blocks and head blocks (Falcon-7B's 71 query heads on one KV head among them)."""
+    query blocks and head blocks (Falcon-7B's 71 query heads on one KV head among them). On the CPU q_len stops at 3
+    (48 x 3 and 71 x 2 rows still pass triton's 128): the interpreter's cost grows with the rows, and
+    ``test_query_blocks.py`` checks 16 queries a sequence."""
     p = draw(problems())
     hkv = draw(st.sampled_from([1, 2]))
     group = draw(st.sampled_from([24, 48, 71, 130]))
-    q_len = draw(st.sampled_from([1, 2, 3, 8]))
+    q_len = draw(st.sampled_from([1, 2, 3, 8] if HAS_CUDA else [1, 2, 3]))
     p.update(hq=hkv * group, hkv=hkv, q_len=q_len, d=draw(st.sampled_from([16, 32] if not HAS_CUDA else [64, 128])),
              batch=min(p["batch"], 2), lens=p["lens"][:2])
     return p
