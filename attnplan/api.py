@@ -35,9 +35,9 @@ from .config import MAX_SPLITS, Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
-from .problem import (DecodeProblem, check_sm_scale, check_variant_tensors, default_sm_scale, has_internal_overlap,
-                      host_lengths, is_contiguous_layout, len_bucket, same_signature, signature_change, torch_dtype,
-                      validate_inputs, validate_outputs, validate_values, as_host_lengths, explain_lengths)
+from .problem import (DecodeProblem, check_no_grad, check_sm_scale, check_variant_tensors, default_sm_scale,
+                      has_internal_overlap, host_lengths, is_contiguous_layout, len_bucket, same_signature,
+                      signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values, as_host_lengths, explain_lengths)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem", "DECODE_WRAPPERS"]
@@ -586,7 +586,9 @@ class DecodeWrapper:
         Returns:
             the :class:`SplitPlan` (also kept as ``self.plan_``).
         Raises:
-            TypeError, ValueError: bad inputs (named argument, value and expectation), before any kernel.
+            TypeError, ValueError: bad inputs (named argument, value and expectation), before any kernel; an input
+                that requires grad while grad mode is on (attnplan computes no gradients:
+                :func:`attnplan.problem.check_no_grad`).
             NoBackendError: no backend fits.
         """
         return self._plan(None, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, capacity,
@@ -643,6 +645,7 @@ class DecodeWrapper:
             # lengths (DecodeProblem.static_bucket_key's order), the default score scale
             bk = DecodeProblem.static_bucket_key(static, 0, 0)
             self._bucket_parts = (bk[:8], bk[10:], float(default_sm_scale(static["head_dim"])))
+        check_no_grad(q, k_cache, v_cache, sinks)  # not part of the memoized checks: grad mode is a thread's state
         # -- the lengths: host ints checked in Python (no tensor, no device read), else validate_values
         num_pages = sig[1][1][0] if block_table is not None else 0  # k_cache.shape[0]
         fast = None
@@ -1074,7 +1077,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
         ``out`` in q's dtype. Query ``i`` of a sequence of length ``L`` attends to KV positions
         ``< L - q_len + i + 1``; a row with none gets zeros.
     Raises:
-        TypeError, ValueError: bad inputs, before any kernel runs. NoBackendError: no backend fits.
+        TypeError, ValueError: bad inputs, before any kernel runs (an input that requires grad while grad mode is on
+            among them: attnplan computes no gradients). NoBackendError: no backend fits.
     """
     # -- argument checks (the inputs' own: DecodeWrapper.plan; out / lse overlap: DecodeWrapper.run) --
     check_sm_scale(sm_scale)
@@ -1131,6 +1135,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
             if scalars is not None:
                 w._repeat = (sig, scalars, tuple(seq_lens_host), w.plan_)
         else:
+            check_no_grad(q, k_cache, v_cache)  # the one check of plan() that depends on more than the repeated key
             ctx.cache.stats.hits += 1  # served by the plan its cache gave for these inputs: counted as the hit it is
             if out is None:
                 w._out = torch.empty_like(q)

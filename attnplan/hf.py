@@ -160,7 +160,8 @@ def _module_attr(module: torch.nn.Module, name: str, default=None):
 def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             dropout: float, kwargs: dict) -> bool:
     """Whether this call is plain decode attention attnplan computes (the mask aside): anything else, a float64
-    model or query heads that are not a whole multiple of the KV heads included, goes to SDPA."""
+    model, query heads that are not a whole multiple of the KV heads and a call that needs gradients (grad mode on
+    and an input that requires grad: attnplan computes none) included, goes to SDPA."""
     b, hq, q_len, d = query.shape
     kv_len = key.shape[2]
     hkv = key.shape[1]
@@ -168,6 +169,7 @@ def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
             and query.dtype == key.dtype == value.dtype and query.dtype in _SERVED_DTYPES
             and key.shape[-1] == value.shape[-1] == d
             and (dropout == 0.0 or not module.training)
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
             and (_VARIANT_KWARGS.isdisjoint(kwargs) or all(kwargs.get(n) is None for n in _VARIANT_KWARGS))
             and _module_attr(module, "sliding_window") is None
             and kwargs.get("is_causal", _module_attr(module, "is_causal", True)) is not False)

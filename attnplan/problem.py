@@ -91,7 +91,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 __all__ = ["DecodeProblem", "validate_inputs", "validate_values", "host_lengths", "validate_outputs",
-           "check_no_overlap", "check_sm_scale", "tensor_signature", "signature_change", "same_signature",
+           "check_no_overlap", "check_sm_scale", "check_no_grad", "tensor_signature", "signature_change", "same_signature",
            "is_contiguous_layout", "DTYPE_NAMES", "dtype_name", "len_bucket", "explain_lengths"]
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -375,6 +375,22 @@ def check_soft_cap(cap, name: str = "logits_soft_cap") -> None:
         raise ValueError(f"{name} must be a finite float in [0, {SOFT_CAP_MAX:g}], 0 (off) or at least "
                          f"{SOFT_CAP_MIN:.4g} (fp32's smallest normal number: the kernels compute score / cap in fp32, "
                          f"where a smaller cap is 0 or flushed to 0), got {_short(cap)}")
+
+
+def check_no_grad(q, k_cache, v_cache, sinks=None) -> None:
+    """attnplan computes no gradients (decode attention, for inference): while grad mode is on, an input that requires
+    grad would get an output detached from it, silently. Refused instead (``plan()`` and ``decode()``; ``run()``
+    does not look). O(1), no sync.
+
+    Raises:
+        ValueError: grad mode is on and ``q``, ``k_cache``, ``v_cache`` or ``sinks`` requires grad (named)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("sinks", sinks)):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(f"{name} requires grad: attnplan computes no gradients (its output would be detached "
+                             f"from {name}); call it under torch.no_grad() or torch.inference_mode(), or pass "
+                             f"{name}.detach()")
 
 
 def check_sm_scale(sm_scale) -> None:

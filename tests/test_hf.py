@@ -380,6 +380,23 @@ def test_repeated_layers_launch_directly_and_equal_sdpa_gpu(dtype, gen, monkeypa
     assert spy.routes() == ["repeat"] * 3
 
 
+def test_calls_that_need_gradients_go_to_sdpa(gen):
+    """attnplan computes no gradients: a decode call with grad mode on and a query that requires grad (a model
+    trained with a cache) goes to SDPA, whose result carries the gradient; the same call under ``torch.no_grad()``
+    is attnplan's."""
+    attnplan.hf.register()
+    q, k, v = _layer_tensors(gen)
+    q = q.detach().requires_grad_()
+    before = dict(attnplan.hf.STATS)
+    got = _eager_layer(q, k, v)
+    assert attnplan.hf.STATS["sdpa_fallback"] - before["sdpa_fallback"] == 1 and got.grad_fn is not None
+    got.sum().backward()
+    assert q.grad is not None
+    with torch.no_grad():
+        _eager_layer(q, k, v)
+    assert attnplan.hf.STATS["attnplan"] - before["attnplan"] == 1
+
+
 def test_float64_models_and_uneven_head_counts_go_to_sdpa(gen, monkeypatch):
     """What attnplan's kernels do not take goes to SDPA, as any call it does not serve: a float64 model (no kernel
     takes a float64 query) gets SDPA's result, and query heads that are not a whole multiple of the KV heads are

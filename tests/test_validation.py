@@ -785,6 +785,36 @@ def test_outputs_that_require_grad_or_are_inference_tensors_are_written_like_tri
     assert torch.allclose(lse.double(), ref_lse, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "sinks"])
+def test_inputs_that_require_grad_are_refused_while_grad_mode_is_on(name):
+    """attnplan computes no gradients: with grad mode on, an input that requires grad is refused by name by plan() and
+    decode() (also where decode() repeats its last call's plan, which skips plan()), instead of an output silently
+    detached from it; under ``torch.no_grad()`` the same tensors are served and equal the reference."""
+    x = fp32_case(lens=(13, 7))
+    hq = x.q.shape[2]
+    args = dict(q=x.q, k_cache=x.k_cache, v_cache=x.v_cache, sinks=torch.randn(hq) if name == "sinks" else None)
+    ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+    host = [13, 7]
+    grad = {**args, name: args[name].clone().requires_grad_()}
+
+    def call(a, **kw):
+        return attnplan.decode(a["q"], a["k_cache"], a["v_cache"], x.seq_lens, x.block_table, sinks=a["sinks"],
+                               backend="reference", config=ctx, **kw)
+
+    call(args, seq_lens_host=host)  # the pooled wrapper now repeats this call's plan for the same inputs
+    for kw in ({"seq_lens_host": host}, {}):  # the repeat first: a plan() that raises leaves no plan to repeat
+        with pytest.raises(ValueError, match=f"{name} requires grad: attnplan computes no gradients"):
+            call(grad, **kw)
+    w = attnplan.DecodeWrapper(ctx, backend="reference")
+    with pytest.raises(ValueError, match=f"{name} requires grad"):
+        w.plan(grad["q"], grad["k_cache"], grad["v_cache"], x.seq_lens, x.block_table, sinks=grad["sinks"])
+    with torch.no_grad():
+        got = call(grad, seq_lens_host=host)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
+                                 sinks=args["sinks"])
+    assert_close_to_reference(got, ref, torch.float32)
+
+
 @pytest.mark.parametrize("bad", [5, 2.5, b"plans/default.yaml", ["c.yaml"], {"split": {"num_splits": 2}}])
 def test_a_config_of_another_kind_is_refused_by_name(bad):
     x = fp32_case()
