@@ -17,6 +17,7 @@ reads them through the same reader.
 from __future__ import annotations
 
 import functools
+import difflib
 import os
 import reprlib
 import typing
@@ -316,6 +317,21 @@ def _short(value: Any) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def _known_keys(loc: tuple) -> str:
+    """For an unknown key at ``loc``: the nearest known key (``difflib``) and the keys its mapping takes, as text
+    (empty where the mapping is not one of the config's models)."""
+    model: Any = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return ""
+        model = ann
+    keys = [k for k, f in model.model_fields.items() if not f.exclude]
+    near = difflib.get_close_matches(str(loc[-1]), keys, n=1)
+    return (f"; did you mean {near[0]!r}?" if near else "") + f" (known keys: {', '.join(keys)})"
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
     errors = err.errors()
@@ -324,7 +340,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
         val = e.get("input")
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = "unknown key" + _known_keys(e["loc"])
         if not e["loc"]:  # a cross-key check (Config's model validator): its message names the keys
             lines.append("  " + msg.removeprefix("Value error, "))
             continue

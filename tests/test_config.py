@@ -82,6 +82,23 @@ def test_errors_name_key_and_value(tmp_path, text, needle):
     assert str(f) in str(e.value)
 
 
+@pytest.mark.parametrize("text,needle", [
+    ("split:\n  max_split: 256", "split.max_split: unknown key; did you mean 'max_splits'? (known keys: partition, "
+                                 "merge, num_splits, max_splits,"),
+    ("splits: {num_splits: 2}", "splits: unknown key; did you mean 'split'? (known keys: version, backends,"),
+    ("backend_options: {triton: {mma: true}}", "backend_options.triton.mma: unknown key (known keys: block_n, "
+                                               "num_warps, num_stages)"),
+    ("backend_options: {tritn: {}}", "did you mean 'triton'?"),
+])
+def test_unknown_keys_name_the_nearest_and_the_known_keys(tmp_path, text, needle):
+    """A typo in a key is answered with the nearest known key and every key that mapping takes."""
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert needle in str(e.value), str(e.value)
+
+
 def test_missing_file_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "nope.yaml")
