@@ -337,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--json", action="store_true", help="machine-readable output")
     r.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file (also accepted before `run`)")
     p = sub.add_parser("plans", help="inspect or clear the on-disk plan cache")
-    p.add_argument("action", choices=["show", "clear"])
+    p.add_argument("action", choices=["show", "clear"],
+                   help="show: every cached plan, explained, with its file; clear: remove the cached plan files")
     p.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file (also accepted before `plans`)")
     tune = sub.add_parser("tune", help="measure this GPU and write its planner table, <cache dir>/plans/<device>.yaml "
                                        "(--out: another file); --help for options", add_help=False)

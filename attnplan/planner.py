@@ -479,6 +479,18 @@ class SplitPlan:
             f"(sequence, KV head) pairs: {base}" + (" per launch" if self.head_block else "")
             + f" (one program per {'head block' if self.head_block else 'GQA group'} and unit) on {dev.sm_count} SMs",
         ]
+        variants = []
+        if p.window_left >= 0:
+            variants.append(f"sliding window of {p.window_left} tokens (query at position t sees [t - {p.window_left}, "
+                            f"t]: each sequence's last {p.visible_span} positions at most are planned and read)")
+        if p.soft_cap:
+            variants.append(f"soft cap {p.soft_cap:g} (cap x tanh(score / cap))")
+        if p.has_sinks:
+            variants.append("sinks (a logit per query head joins each row's softmax denominator at the merge)")
+        if p.kv_scale != "none":
+            variants.append(f"fp8 KV with {'per-KV-head' if p.kv_scale == 'head' else 'per-tensor'} scales")
+        if variants:
+            lines.append("variants: " + "; ".join(variants))
         if self.head_block:
             n = len(self.launches)
             lines.append(f"GQA group of {p.group_size} query heads is more rows than one {self.backend} program holds: "
