@@ -37,7 +37,8 @@ from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
 from .problem import (DecodeProblem, check_no_grad, check_sm_scale, check_variant_tensors, default_sm_scale,
                       has_internal_overlap, host_lengths, is_contiguous_layout, len_bucket, same_signature,
-                      signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values, as_host_lengths, explain_lengths)
+                      signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values,
+                      as_host_lengths, explain_lengths)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem", "DECODE_WRAPPERS"]

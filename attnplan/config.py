@@ -16,8 +16,8 @@ reads them through the same reader.
 
 from __future__ import annotations
 
-import functools
 import difflib
+import functools
 import os
 import reprlib
 import typing
