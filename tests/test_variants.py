@@ -77,6 +77,7 @@ def test_soft_cap(backend, hq, hkv, page, gen):
     _run(backend, x, torch.float16, 2, cap=5.0)
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no lane subtracts equal infinities (an empty sequence)
 @pytest.mark.parametrize("backend,hq,hkv,page", _grid("sinks"))
 def test_sinks(backend, hq, hkv, page, gen):
     x = make_inputs(3, hq, hkv, 32, [40, 1, 0], page_size=page, device=DEVICE, generator=gen)

@@ -47,17 +47,29 @@ def fused_unroll(block_m: int, block_d: int) -> int:
 
 
 @triton.jit
-def _add_sink(o, lse, SINKS, head, row_ok):
-    """The sink logit ``z`` joins the denominator: ``lse' = logaddexp(lse, z)``, ``o' = o exp(lse - lse')``
-    (:func:`attnplan.state.merge_states`'s sink rule). An empty row (``lse = -inf``) gets ``o = 0, lse = z``; a
-    ``-inf`` sink is no sink (an empty row stays ``0 / -inf``, no NaN); a ``+inf`` sink takes all the weight
-    (``o = 0, lse = +inf``)."""
-    z = tl.load(SINKS + head, mask=row_ok, other=float("-inf"))
-    hi = tl.maximum(lse, z, propagate_nan=tl.PropagateNan.ALL)  # a NaN row stays NaN
+def _sink_join(lse, z):
+    """``(scale, lse')``: the sink logit ``z`` joins a merged row's denominator, ``lse' = logaddexp(lse, z)``, and the
+    row's ``o`` is multiplied by ``scale = exp(lse - lse')`` (:func:`attnplan.state.merge_states`'s sink rule). An
+    empty row (``lse = -inf``) gets ``scale = 0, lse' = z``; a ``-inf`` sink is no sink (an empty row stays
+    ``0 / -inf``, no NaN); a ``+inf`` sink takes all the weight (``scale = 0, lse' = +inf``); a NaN row stays NaN.
+    Both sides of a ``tl.where`` are computed, so operands are zeroed where a result is not taken: no lane subtracts
+    equal infinities (a NaN there, and a numpy warning under the interpreter)."""
+    hi = tl.maximum(lse, z, propagate_nan=tl.PropagateNan.ALL)
     lo = tl.minimum(lse, z, propagate_nan=tl.PropagateNan.ALL)
-    diff = tl.where(lo == hi, 0.0, lo - hi)  # equal infinities: no inf - inf
+    same = lo == hi
+    diff = tl.where(same, 0.0, lo) - tl.where(same, 0.0, hi)  # equal values (infinities too): 0
     new = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log(1.0 + tl.exp(diff)))
-    scale = tl.where(new == float("-inf"), 0.0, tl.exp(lse - new))
+    empty = new == float("-inf")
+    scale = tl.where(empty, 0.0, tl.exp(tl.where(empty, 0.0, lse) - tl.where(empty, 0.0, new)))
+    return scale, new
+
+
+@triton.jit
+def _add_sink(o, lse, SINKS, head, row_ok):
+    """:func:`_sink_join` for the rows ``head`` of a program (``o [BLOCK_M, BLOCK_D]``, ``lse [BLOCK_M]``); rows
+    outside ``row_ok`` get no sink."""
+    z = tl.load(SINKS + head, mask=row_ok, other=float("-inf"))
+    scale, new = _sink_join(lse, z)
     return o * scale[:, None], new
 
 
@@ -609,14 +621,9 @@ def merge_kernel(
     tot_safe = tl.where(all_empty, 1.0, tot)
     out = acc / tot_safe
     lse = tl.where(all_empty, float("-inf"), m_base + tl.log(tot_safe))
-    if SINKS_ON:  # the sink joins the denominator once, after the states are merged (_add_sink's rule)
-        z = tl.load(SINKS + h)
-        hi = tl.maximum(lse, z, propagate_nan=tl.PropagateNan.ALL)
-        lo = tl.minimum(lse, z, propagate_nan=tl.PropagateNan.ALL)
-        diff = tl.where(lo == hi, 0.0, lo - hi)
-        new = tl.where(hi == float("-inf"), float("-inf"), hi + tl.log(1.0 + tl.exp(diff)))
-        out = out * tl.where(new == float("-inf"), 0.0, tl.exp(lse - new))
-        lse = new
+    if SINKS_ON:  # the sink joins the denominator once, after the states are merged (_sink_join)
+        scale, lse = _sink_join(lse, tl.load(SINKS + h))
+        out = out * scale
     b64 = b.to(tl.int64)
     tl.store(OUT + b64 * stride_outb + t.to(tl.int64) * stride_outt + h.to(tl.int64) * stride_outh + offs_d,
              out.to(OUT.dtype.element_ty), mask=d_ok)
