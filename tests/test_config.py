@@ -335,3 +335,30 @@ def test_a_tilde_user_that_does_not_expand_is_a_config_error_naming_its_source(t
     assert not list(tmp_path.iterdir())
     monkeypatch.setenv("ATTNPLAN_CACHE_DIR", "./~attnplan-no-such-user-x9")  # a folder so named, said so
     assert default_cache_dir() == Path("./~attnplan-no-such-user-x9")
+
+
+def test_the_packaged_default_file_names_every_key():
+    """``plans/default.yaml`` is where the README sends a user for the config's keys ("every key"): it names every
+    field of the config's models (a removed key kept only for its error, excluded from dumps, aside), at the model's
+    default, so loading it changes nothing the models do not already say."""
+    import yaml
+    from importlib import resources
+
+    from attnplan.config import Config
+
+    data = yaml.safe_load((resources.files("attnplan.plans") / "default.yaml").read_text())
+    missing = []
+
+    def walk(model, node, prefix):
+        for name, field in model.model_fields.items():
+            if field.exclude:
+                continue
+            if name not in node:
+                missing.append(prefix + name)
+            elif hasattr(field.annotation, "model_fields") and isinstance(node[name], dict):
+                walk(field.annotation, node[name], prefix + name + ".")
+
+    walk(Config, data, "")
+    assert not missing, f"keys the default file does not name: {missing}"
+    defaults, loaded = Config().model_dump(), Config.model_validate(data).model_dump()
+    assert {k for k in defaults if defaults[k] != loaded[k]} <= {"backends_fp8_kv"}  # the one value set on purpose
