@@ -7,8 +7,12 @@ a longer cache) through attnplan, reading transformers' KV cache tensors
 ``[batch, num_kv_heads, kv_len, head_dim]`` in place as a contiguous cache
 ``[batch, kv_len, num_kv_heads, head_dim]`` (a transposed view: attnplan's kernels take any
 batch/token/head strides with unit stride in head_dim), with no copy. Everything else (prefill,
-padded batches, sliding windows, soft-capping, sinks, dropout) goes to transformers' own SDPA
-implementation.
+padded batches, sliding windows, dropout, float64 models) goes to transformers' own SDPA implementation, except
+calls that SDPA would get wrong or refuse: a soft cap (``softcap=``, Gemma-2), attention sinks (``s_aux=`` /
+``sinks=``, gpt-oss) and a position bias go to the model's own eager attention (its modeling module's
+``eager_attention_forward``, what ``attn_implementation="eager"`` runs), and sparse attention over selected
+positions (``indices=`` / ``block_indices=``, DeepSeek-V3.2-style models) raises ``NotImplementedError``: neither
+attnplan nor SDPA reads those positions, and computing dense attention instead would be silently wrong.
 
 Which cache, which path (what transformers hands the attention function decides; it never sees the cache):
 
@@ -67,6 +71,7 @@ Example (StaticCache, compiled decode step: generate compiles the forward itself
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -81,14 +86,19 @@ __all__ = ["register", "attnplan_attention_forward", "NAME", "STATS"]
 NAME = "attnplan"
 #: how eager calls were served, for tests and for users who want to know (calls traced by ``torch.compile`` are
 #: not counted: dynamo would guard on the counter's value and recompile at every step)
-STATS = {"attnplan": 0, "sdpa_fallback": 0}
+STATS = {"attnplan": 0, "sdpa_fallback": 0, "eager_fallback": 0}
 
 _SDPA = None  # transformers' sdpa_attention_forward, bound on first use
 _EAGER_CTX = None  # (the default context it was made from, the eager steps' context): _eager_context
 _STEP = threading.local()  # this thread's step: .wrapper, .seq_lens, the .scale and .stream it was planned for, .memo
 _MASK = threading.local()  # this thread's last checked mask: .ref (weakref), .version, .layer, .lens (None: SDPA)
 #: keyword arguments of the attention call that ask for a variant attnplan does not serve here (any that is not None)
-_VARIANT_KWARGS = frozenset(("softcap", "sinks", "s_aux", "position_bias", "sliding_window"))
+_VARIANT_KWARGS = frozenset(("softcap", "sinks", "s_aux", "position_bias", "sliding_window", "indices",
+                             "block_indices"))
+#: of those, the ones transformers' SDPA function ignores or refuses: the model's own eager attention serves them
+_EAGER_KWARGS = ("softcap", "sinks", "s_aux", "position_bias")
+#: sparse attention over selected positions (DeepSeek-V3.2-style top-k indices): no fallback computes it
+_SPARSE_KWARGS = ("indices", "block_indices")
 #: the query dtypes attnplan's kernels take; a model in another (float64) runs on SDPA
 _SERVED_DTYPES = frozenset(t for t, name in DTYPE_NAMES.items() if name in Q_DTYPES)
 
@@ -100,6 +110,54 @@ def _sdpa():
 
         _SDPA = sdpa_attention_forward
     return _SDPA
+
+
+def _fallback(module: torch.nn.Module, kwargs: dict):
+    """The attention function for a call attnplan does not serve: transformers' SDPA, or the model's own eager
+    attention where the call carries a variant SDPA ignores (sinks, a position bias) or refuses (a soft cap).
+
+    Raises:
+        NotImplementedError: the call asks for sparse attention over selected positions (``indices=`` /
+            ``block_indices=``), which neither attnplan nor SDPA computes, or for an eager-only variant on a module
+            whose modeling file has no ``eager_attention_forward``; the message names the argument.
+    """
+    if kwargs:
+        for name in _SPARSE_KWARGS:
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(
+                    f"attnplan: the attention call of {type(module).__name__} passes {name}= (sparse attention over "
+                    f"selected positions), which neither attnplan nor its SDPA fallback computes; load the model "
+                    f"with attn_implementation='eager' or 'sdpa', which fold the selection into the mask")
+        for name in _EAGER_KWARGS:
+            if kwargs.get(name) is not None:
+                eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+                if eager is None:
+                    raise NotImplementedError(
+                        f"attnplan: the attention call of {type(module).__name__} passes {name}=, which SDPA does not "
+                        f"compute, and its module has no eager_attention_forward to fall back to; load the model "
+                        f"with attn_implementation='eager'")
+                return _with_additive_mask(eager)
+    return _sdpa()
+
+
+def _with_additive_mask(eager):
+    """``eager`` called with the additive mask it expects. attnplan registers SDPA's mask function, which hands the
+    attention call a boolean mask (True = attend), or ``None`` where SDPA's own ``is_causal`` would do (no padding);
+    a model's eager attention adds its mask to the scores. So a boolean mask becomes 0 / the dtype's lowest value
+    (transformers' ``eager_mask``), and a missing one over several queries the mask SDPA's ``is_causal`` applies:
+    query ``i`` sees positions ``j <= i`` (aligned to the cache's start: SDPA's mask function returns ``None`` only
+    where that is the causal mask, a prefill, or a StaticCache whose unwritten tail those rows must not see)."""
+    def call(module, query, key, value, attention_mask, **kw):
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if attention_mask is None and q_len > 1:
+            i = torch.arange(q_len, device=query.device)[:, None]
+            attention_mask = (torch.arange(kv_len, device=query.device)[None, :] <= i)[None, None]
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            low = torch.finfo(query.dtype).min
+            attention_mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~attention_mask, low)
+        return eager(module, query, key, value, attention_mask, **kw)
+
+    return call
 
 
 def _count(what: str) -> None:
@@ -160,12 +218,14 @@ def _module_attr(module: torch.nn.Module, name: str, default=None):
 def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             dropout: float, kwargs: dict) -> bool:
     """Whether this call is plain decode attention attnplan computes (the mask aside): anything else, a float64
-    model, query heads that are not a whole multiple of the KV heads and a call that needs gradients (grad mode on
-    and an input that requires grad: attnplan computes none) included, goes to SDPA."""
+    model, query heads that are not a whole multiple of the KV heads, an empty batch, a key or value whose head_dim
+    is strided, and a call that needs gradients (grad mode on and an input that requires grad: attnplan computes
+    none) included, goes to :func:`_fallback`."""
     b, hq, q_len, d = query.shape
     kv_len = key.shape[2]
     hkv = key.shape[1]
-    return (1 <= q_len <= MAX_Q_LEN and kv_len >= q_len and 0 < hkv == value.shape[1] and hq % hkv == 0
+    return (b >= 1 and 1 <= q_len <= MAX_Q_LEN and kv_len >= q_len and 0 < hkv == value.shape[1] and hq % hkv == 0
+            and key.stride(-1) == 1 and value.stride(-1) == 1
             and query.dtype == key.dtype == value.dtype and query.dtype in _SERVED_DTYPES
             and key.shape[-1] == value.shape[-1] == d
             and (dropout == 0.0 or not module.training)
@@ -298,6 +358,8 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     Raises:
         NoBackendError: no attnplan backend serves the model's heads (e.g. its head_dim; the reasons are listed);
             a dtype the kernels do not take (float64) and uneven head counts go to SDPA instead.
+        NotImplementedError: sparse attention over selected positions (``indices=`` / ``block_indices=``), or a
+            variant only the model's eager attention computes on a module without one (:func:`_fallback`).
     """
     b, _, q_len, _ = query.shape
     kv_len = key.shape[2]
@@ -313,8 +375,9 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     else:
         via = None
     if via is None:
-        _count("sdpa_fallback")
-        return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        fallback = _fallback(module, kwargs)
+        _count("sdpa_fallback" if fallback is _SDPA else "eager_fallback")
+        return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     _count("attnplan")
     if via == "host" and not torch.compiler.is_compiling():
         return _step_decode(query, key, value, kv_len, scaling), None

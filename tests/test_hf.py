@@ -703,3 +703,84 @@ def test_register_without_transformers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes ``from transformers import ...`` fail
     with pytest.raises(ImportError, match=r"pip install 'attnplan\[hf\]'"):
         attnplan.hf.register()
+
+
+def _generate_both(model, ids, n, cache=None):
+    """Greedy ``n`` tokens with the model's eager attention, then with attnplan's: both ``(tokens, logits)`` and the
+    change in :data:`attnplan.hf.STATS` over the second run."""
+    model.config._attn_implementation = "eager"
+    ref = _generate(model, ids, n, cache=cache)
+    model.config._attn_implementation = "attnplan"
+    before = dict(attnplan.hf.STATS)
+    got = _generate(model, ids, n, cache=cache)
+    return ref, got, {k: attnplan.hf.STATS[k] - before[k] for k in before}
+
+
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_soft_capped_model_runs_its_own_eager_attention(cache, gen):
+    """A Gemma-2-style model passes ``softcap=``, which SDPA refuses (it raised ValueError at the first forward):
+    every call goes to the model's own eager attention, with the boolean mask SDPA's mask function gives turned
+    additive (and SDPA's implicit causal mask built where it gives none: a StaticCache prefill), so generation
+    equals the model's eager generation exactly."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    attnplan.hf.register()
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                       sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=None)
+    model = Gemma2ForCausalLM(cfg).to(DEVICE).eval()
+    ids = _ids(128, (1, 20), gen)
+    (ref, ref_logits), (got, got_logits), stats = _generate_both(model, ids, 4, cache)
+    assert torch.equal(got, ref) and torch.equal(got_logits, ref_logits)
+    assert stats == {"attnplan": 0, "sdpa_fallback": 0, "eager_fallback": 4 * 2}
+
+
+def test_model_with_attention_sinks_runs_its_own_eager_attention(gen):
+    """gpt-oss passes its sink logits as ``s_aux=``, which SDPA ignores silently (logits 0.23 off): the calls go to
+    the model's eager attention and generation equals its eager generation exactly."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    attnplan.hf.register()
+    torch.manual_seed(0)
+    cfg = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                       num_experts_per_tok=2, max_position_embeddings=256, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"],
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = GptOssForCausalLM(cfg).to(DEVICE).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(generator=None)
+    ids = _ids(128, (1, 12), gen)
+    (ref, ref_logits), (got, got_logits), stats = _generate_both(model, ids, 3)
+    assert torch.equal(got, ref) and torch.equal(got_logits, ref_logits)
+    assert stats == {"attnplan": 0, "sdpa_fallback": 0, "eager_fallback": 3 * 2}
+
+
+@pytest.mark.parametrize("name", ["indices", "block_indices"])
+def test_sparse_attention_calls_are_refused_naming_the_argument(name, gen):
+    """Sparse attention over selected positions (DeepSeek-V3.2-style top-k ``indices=``) is computed by neither
+    attnplan nor SDPA (dense attention instead put logits 0.3-0.4 off): the call raises, naming the argument."""
+    attnplan.hf.register()
+    q = torch.randn(1, 4, 1, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, 2, 20, 32, generator=gen).to(DEVICE) for _ in range(2))
+    with pytest.raises(NotImplementedError, match=f"{name}="):
+        attnplan.hf.attnplan_attention_forward(_Attn(), q, k, v, None, **{name: torch.zeros(1, 1, 4, dtype=torch.long)})
+    attnplan.hf.attnplan_attention_forward(_Attn(), q, k, v, None, **{name: None})  # None: plain attention
+
+
+def test_a_strided_head_dim_goes_to_sdpa(gen):
+    """A key whose head_dim is strided goes to SDPA (it raised attnplan's argument error, naming attnplan's
+    ``k_cache`` rather than anything of the model's)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    attnplan.hf.register()
+    q = torch.randn(1, 4, 1, 32, generator=gen).to(DEVICE)
+    k = torch.randn(1, 2, 20, 64, generator=gen).to(DEVICE)[..., ::2]
+    v = torch.randn(1, 2, 20, 32, generator=gen).to(DEVICE)
+    before = dict(attnplan.hf.STATS)
+    got, _ = attnplan.hf.attnplan_attention_forward(_Attn(), q, k, v, None)
+    assert attnplan.hf.STATS["sdpa_fallback"] - before["sdpa_fallback"] == 1
+    ref, _ = sdpa_attention_forward(_Attn(), q, k, v, None)
+    _assert_logits_close(got, ref)
