@@ -77,16 +77,26 @@ def _attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> tup
     """Softmax-weighted V over the visible positions: ``o [Q, H, D]``, ``lse [Q, H]``; empty rows 0 / -inf.
 
     Positions a row cannot see never touch it, NaN included: scores are selected (not multiplied) away, and a
-    non-finite V entry reaches only the rows that see its position (there it makes the output NaN)."""
+    non-finite V entry reaches only the rows that see its position (there it makes the output NaN).
+
+    The weights are ``exp(s - max) / sum``, not ``exp(s - lse)``: with scores near 1e16 and above, ``lse = max +
+    log(sum)`` rounds ``log(sum)`` away in float64 and ``exp(s - lse)`` would not sum to 1 (128 equal scores of
+    1e17 gave 128 x the mean of V)."""
     group = scores.shape[1] // v.shape[1]
     s = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], float("-inf"), dtype=F64)
-    empty = torch.isneginf(lse)
-    p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse).unsqueeze(-1))
+    if s.shape[-1]:
+        lse = torch.logsumexp(s, dim=-1)
+        m = s.amax(dim=-1)
+    else:
+        lse = m = torch.full(s.shape[:-1], float("-inf"), dtype=F64)
+    empty = torch.isneginf(m)
+    p = torch.exp(s - torch.where(empty, torch.zeros_like(m), m).unsqueeze(-1))
     p = p.masked_fill(~visible, 0.0)
+    total = p.sum(dim=-1)
     v_rep = v.repeat_interleave(group, dim=1)  # [n, Hq, D]
     finite = torch.isfinite(v_rep)
     o = torch.einsum("qhn,nhd->qhd", p, torch.where(finite, v_rep, torch.zeros_like(v_rep)))
+    o = o / torch.where(empty, torch.ones_like(total), total).unsqueeze(-1)
     if not bool(finite.all()):  # rows that see a non-finite V entry: NaN in those columns
         seen = torch.einsum("qhn,nhd->qhd", visible.to(F64), (~finite).to(F64)) > 0
         o = torch.where(seen, torch.full_like(o, float("nan")), o)

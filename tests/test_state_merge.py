@@ -258,3 +258,19 @@ def test_states_of_other_rows_are_refused_by_merge_pair_and_concat(other):
         PartialState.concat([PartialState(o, lse), (o, lse)])
     with pytest.raises(ValueError, match="indptr is on the meta device"):
         merge_states(PartialState(o[:1], lse[:1]), indptr=torch.tensor([0, 2], device="meta"))
+
+
+@pytest.mark.parametrize("scale", [1e14, 1e17, 1e30])
+def test_reference_weights_sum_to_one_at_huge_scores(scale, gen):
+    """The float64 oracle at legal score scales far past fp32's usual range: 128 equal scores give the mean of V,
+    whatever their size (normalizing by ``exp(s - lse)`` lost ``log(128)`` in ``lse`` from ~1e16 on and gave 128x
+    the mean), and a soft cap of 1e30 over scores of ~1e36 keeps every output inside V's range."""
+    q = torch.ones(1, 1, 1, 16)
+    k = torch.ones(1, 128, 1, 16)
+    v = torch.randn(1, 128, 1, 16, generator=gen)
+    lens = torch.tensor([128], dtype=torch.int32)
+    o, lse = reference.attention(q, k, v, lens, None, scale)
+    torch.testing.assert_close(o, v.double().mean(1, keepdim=True), rtol=1e-12, atol=1e-12)
+    assert lse.item() == pytest.approx(16 * scale + math.log(128), rel=1e-12)
+    o, _ = reference.attention(q, k, v, lens, None, scale * 1e6, soft_cap=1e30)
+    assert o.abs().max() <= v.double().abs().max()
