@@ -20,6 +20,7 @@ import difflib
 import functools
 import os
 import reprlib
+import stat
 import typing
 from importlib import resources
 from pathlib import Path
@@ -313,7 +314,10 @@ _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 60, 60, 40
 
 def _short(value: Any) -> str:
     """``repr(value)`` bounded in depth, items and length (reprlib: never walks more than it shows)."""
-    text = _SHORT.repr(value)
+    try:
+        text = _SHORT.repr(value)
+    except ValueError:  # an int past Python's decimal-conversion limit (a hexadecimal literal of a YAML file)
+        return f"an int of {value.bit_length()} bits" if isinstance(value, int) else f"a {type(value).__name__}"
     return text if len(text) <= 200 else text[:197] + "..."
 
 
@@ -391,6 +395,19 @@ class _BoundedLoader(yaml.SafeLoader):
                     raise _DuplicateKey(key, key_node.start_mark, first.start_mark)
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node):
+        if ":" in node.value:  # YAML 1.1's base 60 (1:00 is 60): a time-like typo, not a number anyone means here
+            raise yaml.constructor.ConstructorError(None, None, f"{node.value!r} is a base-60 number in YAML 1.1 "
+                                                    f"(it would read as {super().construct_yaml_int(node)}); write the "
+                                                    "number itself", node.start_mark)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        if ":" in node.value:
+            raise yaml.constructor.ConstructorError(None, None, f"{node.value!r} is a base-60 number in YAML 1.1; "
+                                                    "write the number itself", node.start_mark)
+        return super().construct_yaml_float(node)
+
     def compose_node(self, parent, index):
         depth = getattr(self, "_attnplan_depth", 0)
         if depth >= MAX_DEPTH:
@@ -401,6 +418,10 @@ class _BoundedLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._attnplan_depth = depth
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+_BoundedLoader.add_constructor("tag:yaml.org,2002:float", _BoundedLoader.construct_yaml_float)
 
 
 def _count_values(data: Any, limit: int) -> int:
@@ -422,6 +443,9 @@ def _count_values(data: Any, limit: int) -> int:
 def _read_yaml(path: Path | str, source: str) -> dict:
     """Read a YAML file as UTF-8 within the module's bounds. Raises :class:`ConfigError` for every failure."""
     try:
+        if not isinstance(path, resources.abc.Traversable) and not stat.S_ISREG(os.stat(path).st_mode):
+            # a FIFO or a device would block or never end: a config is a file
+            raise ConfigError(f"attnplan config {source} is not a regular file")
         opener = path.open if isinstance(path, resources.abc.Traversable) else Path(path).open
         with opener("rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
@@ -443,6 +467,8 @@ def _read_yaml(path: Path | str, source: str) -> dict:
         raise ConfigError(f"attnplan config {source} is not valid YAML: {msg[:500] + ' ...' if len(msg) > 500 else msg}") from None
     except RecursionError:
         raise ConfigError(f"attnplan config {source} is nested too deeply") from None
+    except ValueError as e:  # an int of more digits than Python converts (sys.get_int_max_str_digits)
+        raise ConfigError(f"attnplan config {source} holds a value that cannot be read: {e}") from None
     if _count_values(data, MAX_NODES) > MAX_NODES:
         raise ConfigError(f"attnplan config {source} expands to more than {MAX_NODES} values (YAML aliases "
                           "repeating a large value?)")

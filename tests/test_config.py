@@ -362,3 +362,30 @@ def test_the_packaged_default_file_names_every_key():
     assert not missing, f"keys the default file does not name: {missing}"
     defaults, loaded = Config().model_dump(), Config.model_validate(data).model_dump()
     assert {k for k in defaults if defaults[k] != loaded[k]} <= {"backends_fp8_kv"}  # the one value set on purpose
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("split: {num_splits: " + "9" * 5000 + "}", "cannot be read"),       # past Python's int conversion limit
+    ("split: {num_splits: 0x" + "f" * 5000 + "}", "an int of 20000 bits"),  # read, then refused by its bound
+    ("split: {num_splits: 1:00}", "base-60"),                              # YAML 1.1 would read 60
+    ("cost_model: {launch_us: 1:30.5}", "base-60"),
+])
+def test_numbers_yaml_reads_oddly_are_config_errors(tmp_path, text, needle):
+    """Numbers PyYAML reads but a user does not mean, or that Python cannot print, are ConfigErrors naming the file
+    (a 5,000-digit int raised a bare ValueError, in PyYAML or in the error's own formatting; ``1:00`` loaded as 60)."""
+    path = tmp_path / "odd.yaml"
+    path.write_text("version: 1\n" + text + "\n")
+    with pytest.raises(ConfigError, match=needle) as e:
+        load_config(path)
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs here")
+def test_a_config_path_that_is_not_a_file_is_refused(tmp_path):
+    """A FIFO (or any other non-regular file) as the config is refused at once; opening it blocked forever."""
+    import os
+
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(fifo)
