@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import os
 import threading
 import weakref
@@ -616,6 +617,9 @@ class DecodeWrapper:
             raise TypeError(f"capacity must be a bool (True: plan for every length up to the cache's capacity, "
                             f"k_cache.shape[1] or max_pages_per_seq * page_size; False: the live lengths), got "
                             f"{type(capacity).__name__} {capacity!r:.60}")
+        if num_splits is not None and not isinstance(num_splits, (int, bool)) \
+                and hasattr(num_splits, "__index__"):  # a numpy integer, like window_left takes
+            num_splits = operator.index(num_splits)
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 0 <= num_splits <= MAX_SPLITS):
             raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = planner, 1 = no split, >1 = forced) "

@@ -848,6 +848,8 @@ def as_host_lengths(seq_lens_host, name: str = "seq_lens_host") -> list[int]:
         return x.tolist()
     np = sys.modules.get("numpy")
     if np is not None and isinstance(x, np.ndarray):
+        if isinstance(x, np.ma.MaskedArray):  # its masked entries would read as None
+            raise TypeError(f"{name} must be {_HOST_KINDS}, got a numpy masked array (pass x.filled(...) or a list)")
         if x.ndim != 1:
             raise ValueError(f"{name} must be 1-D [batch], got an array of shape {x.shape}")
         if x.dtype.kind not in "iub":
@@ -878,6 +880,8 @@ def explain_lengths(seq_lens, batch: int, capacity: int) -> list[int]:
         ValueError: not ``batch`` lengths, or one outside ``[0, capacity]`` (the kernels read each length clamped
             into that range: a schedule at other lengths is none the plan runs).
     """
+    if isinstance(seq_lens, torch.Tensor) and seq_lens.device.type == "meta":
+        raise ValueError("seq_lens must hold lengths to explain, got a meta tensor (it has no values)")
     if isinstance(seq_lens, torch.Tensor) and seq_lens.device.type != "cpu":
         seq_lens = seq_lens.detach().cpu()
     lens = as_host_lengths(seq_lens, "seq_lens")

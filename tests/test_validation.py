@@ -106,6 +106,7 @@ def test_forced_unsupported_backend_gives_reasons():
 
 @pytest.mark.parametrize("bad", [-3, 5000, 2.5, True, "4"])
 def test_plan_num_splits_is_checked(bad):
+    """Refused by name: not an int in [0, MAX_SPLITS] (a numpy integer is an int, as window_left takes one)."""
     import attnplan
     from attnplan.testing import make_inputs
 
@@ -113,6 +114,9 @@ def test_plan_num_splits_is_checked(bad):
     w = attnplan.DecodeWrapper(backend="reference")
     with pytest.raises(ValueError, match="num_splits"):
         w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=bad)
+    if _np() is not None:
+        w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=_np().int64(2))
+        assert w.plan_.num_splits == 2
 
 
 @pytest.mark.parametrize("bad", [24, 64, 17])
@@ -834,6 +838,9 @@ def test_a_config_of_another_kind_is_refused_by_name(bad):
     ([5.0, 9.0], TypeError, r"seq_lens\[0\] must be an int"),
     ("59", TypeError, "seq_lens must be a list, tuple"),
     ([5, None], TypeError, r"seq_lens\[1\] must be an int"),
+    (torch.empty(2, dtype=torch.int32, device="meta"), ValueError, "seq_lens must hold lengths to explain, got a "
+                                                                   "meta tensor"),
+    ("masked", TypeError, "seq_lens must be .* got a numpy masked array"),
 ])
 def test_explain_refuses_lengths_the_plan_cannot_run(bad, exc, needle):
     """explain(seq_lens) describes the schedule at lengths the plan could run: ``batch`` ints in ``[0, capacity]``;
@@ -844,6 +851,10 @@ def test_explain_refuses_lengths_the_plan_cannot_run(bad, exc, needle):
     good = w.explain([5, 9])
     for kind in ((5, 9), torch.tensor([5, 9]), _np().array([5, 9]) if _np() else [5, 9]):
         assert w.explain(kind) == good
+    if isinstance(bad, str) and bad == "masked":
+        if _np() is None:
+            pytest.skip("needs numpy")
+        bad = _np().ma.masked_array([5, 9], mask=[False, True])  # its masked entry read as None
     with pytest.raises(exc, match=needle):
         w.explain(bad)
     if "13" not in needle:
