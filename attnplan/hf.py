@@ -8,11 +8,12 @@ a longer cache) through attnplan, reading transformers' KV cache tensors
 ``[batch, kv_len, num_kv_heads, head_dim]`` (a transposed view: attnplan's kernels take any
 batch/token/head strides with unit stride in head_dim), with no copy. Everything else (prefill,
 padded batches, sliding windows, dropout, float64 models) goes to transformers' own SDPA implementation, except
-calls that SDPA would get wrong or refuse: a soft cap (``softcap=``, Gemma-2), attention sinks (``s_aux=`` /
-``sinks=``, gpt-oss) and a position bias go to the model's own eager attention (its modeling module's
-``eager_attention_forward``, what ``attn_implementation="eager"`` runs), and sparse attention over selected
-positions (``indices=`` / ``block_indices=``, DeepSeek-V3.2-style models) raises ``NotImplementedError``: neither
-attnplan nor SDPA reads those positions, and computing dense attention instead would be silently wrong.
+calls that SDPA would get wrong or refuse: a soft cap (``softcap=``, Gemma-2) other than on the eager DynamicCache
+decode steps attnplan serves with it (``logits_soft_cap``), attention sinks (``s_aux=`` / ``sinks=``, gpt-oss) and a
+position bias go to the model's own eager attention (its modeling module's ``eager_attention_forward``, what
+``attn_implementation="eager"`` runs), and sparse attention over selected positions (``indices=`` /
+``block_indices=``, DeepSeek-V3.2-style models) raises ``NotImplementedError``: neither attnplan nor SDPA reads
+those positions, and computing dense attention instead would be silently wrong.
 
 Which cache, which path (what transformers hands the attention function decides; it never sees the cache):
 
@@ -79,7 +80,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.attnplan.decode, which the compiled path calls)
 from .api import Context, DecodeWrapper, default_context
-from .problem import DTYPE_NAMES, MAX_Q_LEN, Q_DTYPES
+from .problem import DTYPE_NAMES, MAX_Q_LEN, Q_DTYPES, SOFT_CAP_MAX, SOFT_CAP_MIN
 
 __all__ = ["register", "attnplan_attention_forward", "NAME", "STATS"]
 
@@ -92,9 +93,9 @@ _SDPA = None  # transformers' sdpa_attention_forward, bound on first use
 _EAGER_CTX = None  # (the default context it was made from, the eager steps' context): _eager_context
 _STEP = threading.local()  # this thread's step: .wrapper, .seq_lens, the .scale and .stream it was planned for, .memo
 _MASK = threading.local()  # this thread's last checked mask: .ref (weakref), .version, .layer, .lens (None: SDPA)
-#: keyword arguments of the attention call that ask for a variant attnplan does not serve here (any that is not None)
-_VARIANT_KWARGS = frozenset(("softcap", "sinks", "s_aux", "position_bias", "sliding_window", "indices",
-                             "block_indices"))
+#: keyword arguments of the attention call that ask for a variant attnplan does not serve here (any that is not None;
+#: ``softcap`` is served on the eager DynamicCache path: :func:`_soft_cap`)
+_VARIANT_KWARGS = frozenset(("sinks", "s_aux", "position_bias", "sliding_window", "indices", "block_indices"))
 #: of those, the ones transformers' SDPA function ignores or refuses: the model's own eager attention serves them
 _EAGER_KWARGS = ("softcap", "sinks", "s_aux", "position_bias")
 #: sparse attention over selected positions (DeepSeek-V3.2-style top-k indices): no fallback computes it
@@ -206,6 +207,17 @@ def _is_causal_prefix(mask: torch.Tensor, lens: torch.Tensor, q_len: int, kv_len
     return torch.equal(mask, torch.arange(kv_len, device=dev) < stop)
 
 
+def _soft_cap(kwargs: dict) -> float | None:
+    """The call's soft cap (Gemma-2's ``softcap=``) as attnplan's ``logits_soft_cap``: ``0.0`` for none, ``None``
+    for a value attnplan does not take (not a real number, or outside ``[SOFT_CAP_MIN, SOFT_CAP_MAX]``)."""
+    cap = kwargs.get("softcap") if kwargs else None
+    if cap is None:
+        return 0.0
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not SOFT_CAP_MIN <= cap <= SOFT_CAP_MAX:
+        return None
+    return float(cap)
+
+
 def _module_attr(module: torch.nn.Module, name: str, default=None):
     """``getattr(module, name, default)`` without ``nn.Module.__getattr__``'s raise-and-catch where the name is
     neither the instance's nor its class's (an attention module without ``sliding_window``: about 1 us a layer)."""
@@ -268,7 +280,7 @@ def _stream_of(index: int) -> int:
 
 
 def _step_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_len: int,
-                 scale: float | None) -> torch.Tensor:
+                 scale: float | None, cap: float = 0.0) -> torch.Tensor:
     """Eager decode with every sequence ``kv_len`` long, on transformers' tensors (query ``[b, hq, q_len, d]``, key
     and value ``[b, hkv, kv_len, d]``), into a fresh contiguous output ``[b, q_len, hq, d]``.
 
@@ -280,7 +292,7 @@ def _step_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     verified (:func:`_repeat`) launches again without the views and the check."""
     st = _STEP
     memo = getattr(st, "memo", None)
-    if memo is not None and memo[0] == scale:
+    if memo is not None and memo[0] == scale and memo[1] == cap:
         out = _repeat(memo, query, key, value)
         if out is not None:
             return out
@@ -295,22 +307,22 @@ def _step_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     dev = query.get_device()
     stream = _stream_of(dev)
     out = None
-    if w is not None and st.scale == scale and st.stream == stream:
+    if w is not None and st.scale == scale and st.cap == cap and st.stream == stream:
         out = w.try_run(q, k, v, st.seq_lens, None, out=q.new_empty(q.shape))
     if out is None:
         b = q.shape[0]
         lens = torch.full((b,), kv_len, dtype=torch.int32, device=q.device)
         w = w or DecodeWrapper(_eager_context())
         st.wrapper = w
-        st.scale = st.stream = None  # a plan() that raises leaves no usable step behind
-        w.plan(q, k, v, lens, None, sm_scale=scale, seq_lens_host=[kv_len] * b)
-        st.scale, st.stream, st.seq_lens = scale, stream, lens
+        st.scale = st.cap = st.stream = None  # a plan() that raises leaves no usable step behind
+        w.plan(q, k, v, lens, None, sm_scale=scale, logits_soft_cap=cap, seq_lens_host=[kv_len] * b)
+        st.scale, st.cap, st.stream, st.seq_lens = scale, cap, stream, lens
         out = w.run(q, k, v, lens, None, out=q.new_empty(q.shape))
     launcher = w._launcher  # the bound launch run() / try_run() just used, while the plan stays (attnplan.api)
     if w._fast is not None and not copied and w.backend.graph_safe \
             and getattr(launcher, "launch_direct", None) is not None:
         pq, pk, pv = query.data_ptr(), key.data_ptr(), value.data_ptr()
-        st.memo = (scale, w, w._fast, launcher, st.seq_lens.data_ptr(), out.shape, query.dtype, dev, stream,
+        st.memo = (scale, cap, w, w._fast, launcher, st.seq_lens.data_ptr(), out.shape, query.dtype, dev, stream,
                    query.shape, query.stride(), not pq & 15, key.shape, key.stride(), not pk & 15,
                    value.shape, value.stride(), not pv & 15)
     return out
@@ -322,7 +334,7 @@ def _repeat(memo: tuple, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     query, key and value have its raw shapes, strides, dtype, device and 16-byte alignment, on the same stream:
     their token-major views then have the signature ``try_run()`` accepted, and the output is fresh (it overlaps
     nothing), so ``try_run()`` would launch the same kernels with the same arguments but the data pointers."""
-    (_, w, fast, launcher, p_lens, oshape, dtype, dev, stream,
+    (_, _, w, fast, launcher, p_lens, oshape, dtype, dev, stream,
      qs, qst, qa, ks, kst, ka, vs, vst, va) = memo
     if w._fast is fast and w._launcher is launcher \
             and query.shape == qs and query.stride() == qst and query.dtype is dtype and query.get_device() == dev \
@@ -364,9 +376,14 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     b, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     lens = None
-    if _serves(module, query, key, value, dropout, kwargs):
+    cap = _soft_cap(kwargs)
+    if cap is not None and _serves(module, query, key, value, dropout, kwargs):
         if attention_mask is None:
             via = "host" if q_len == 1 else None  # q_len > 1 unmasked: a prefill (SDPA's causal path)
+            if cap and torch.compiler.is_compiling():
+                via = None  # the op takes no soft cap: a compiled soft-capped step runs the model's eager attention
+        elif cap:
+            via = None  # the device-lengths path (the op) takes no soft cap
         elif b == 1:
             lens = _mask_lengths(attention_mask, b, q_len, kv_len, getattr(module, "layer_idx", None))
             via = None if lens is None else "device"
@@ -380,7 +397,7 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     _count("attnplan")
     if via == "host" and not torch.compiler.is_compiling():
-        return _step_decode(query, key, value, kv_len, scaling), None
+        return _step_decode(query, key, value, kv_len, scaling, cap), None
     q = query.transpose(1, 2)  # [b, q_len, hq, d]
     if q.stride(-1) != 1:
         q = q.contiguous()

@@ -717,23 +717,58 @@ def _generate_both(model, ids, n, cache=None):
 
 
 @pytest.mark.parametrize("cache", [None, "static"])
-def test_soft_capped_model_runs_its_own_eager_attention(cache, gen):
-    """A Gemma-2-style model passes ``softcap=``, which SDPA refuses (it raised ValueError at the first forward):
-    every call goes to the model's own eager attention, with the boolean mask SDPA's mask function gives turned
-    additive (and SDPA's implicit causal mask built where it gives none: a StaticCache prefill), so generation
-    equals the model's eager generation exactly."""
+def test_soft_capped_model_generates_as_its_eager_attention(cache, gen):
+    """A Gemma-2-style model passes ``softcap=``, which SDPA refuses (it raised ValueError at the first forward).
+    With a DynamicCache its full-attention layers' decode steps are attnplan's, with the soft cap; every other call
+    (prefill, the sliding-window layers, a StaticCache's masked steps) goes to the model's own eager attention, with
+    the boolean mask SDPA's mask function gives turned additive (and SDPA's implicit causal mask built where it gives
+    none: a StaticCache prefill). Generation equals the eager model's: the same tokens, the logits within fp32
+    rounding (exactly, where every call is eager)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     attnplan.hf.register()
     torch.manual_seed(0)
     cfg = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                       sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=None)
+                       sliding_window=8, attn_logit_softcapping=0.05, final_logit_softcapping=None)
     model = Gemma2ForCausalLM(cfg).to(DEVICE).eval()
     ids = _ids(128, (1, 20), gen)
     (ref, ref_logits), (got, got_logits), stats = _generate_both(model, ids, 4, cache)
-    assert torch.equal(got, ref) and torch.equal(got_logits, ref_logits)
-    assert stats == {"attnplan": 0, "sdpa_fallback": 0, "eager_fallback": 4 * 2}
+    assert torch.equal(got, ref)
+    if cache is None:  # layer 1 (full attention) serves the 3 decode steps
+        _assert_logits_close(got_logits, ref_logits)
+        assert stats == {"attnplan": 3, "sdpa_fallback": 0, "eager_fallback": 4 * 2 - 3}
+    else:
+        assert torch.equal(got_logits, ref_logits)
+        assert stats == {"attnplan": 0, "sdpa_fallback": 0, "eager_fallback": 4 * 2}
+
+
+def test_soft_capped_decode_call_is_attnplans_with_the_cap(gen):
+    """An eager decode call with ``softcap=`` (no mask: a DynamicCache step) runs attnplan with that soft cap, the
+    scores large enough that the cap changes the result: it equals Gemma-2's eager attention with the cap and is far
+    from the result without it; repeated layers (the launch repeated without the check) keep the cap apart from a
+    call with another cap."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    attnplan.hf.register()
+    q = (4 * torch.randn(1, 4, 1, 32, generator=gen)).to(DEVICE)
+    k, v = (torch.randn(1, 2, 20, 32, generator=gen).to(DEVICE) for _ in range(2))
+    mod = _Attn()
+    for cap in (1.0, 1.0, 3.0):
+        before = attnplan.hf.STATS["attnplan"]
+        got, _ = attnplan.hf.attnplan_attention_forward(mod, q, k, v, None, scaling=0.5, softcap=cap)
+        assert attnplan.hf.STATS["attnplan"] == before + 1
+        ref, _ = eager_attention_forward(mod, q, k, v, None, scaling=0.5, softcap=cap)
+        _assert_logits_close(got, ref)
+        uncapped, _ = eager_attention_forward(mod, q, k, v, None, scaling=0.5)
+        assert (got - uncapped).abs().max() > 0.05
+    # a cap attnplan does not take (a bool, a tensor, 0) goes to the module's eager attention; this test module has
+    # none, so the call is refused by name
+    before = dict(attnplan.hf.STATS)
+    for bad in (True, torch.tensor(1.0), 0.0):
+        with pytest.raises(NotImplementedError, match="softcap=.*no eager_attention_forward"):
+            attnplan.hf.attnplan_attention_forward(mod, q, k, v, None, scaling=0.5, softcap=bad)
+    assert attnplan.hf.STATS["attnplan"] == before["attnplan"]
 
 
 def test_model_with_attention_sinks_runs_its_own_eager_attention(gen):
