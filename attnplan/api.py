@@ -617,8 +617,7 @@ class DecodeWrapper:
             raise TypeError(f"capacity must be a bool (True: plan for every length up to the cache's capacity, "
                             f"k_cache.shape[1] or max_pages_per_seq * page_size; False: the live lengths), got "
                             f"{type(capacity).__name__} {capacity!r:.60}")
-        if num_splits is not None and not isinstance(num_splits, (int, bool)) \
-                and hasattr(num_splits, "__index__"):  # a numpy integer, like window_left takes
+        if not isinstance(num_splits, int) and hasattr(num_splits, "__index__"):  # a numpy integer, as window_left
             num_splits = operator.index(num_splits)
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 0 <= num_splits <= MAX_SPLITS):

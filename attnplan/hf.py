@@ -365,6 +365,10 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         dropout: must be 0 (or the module in eval mode) for attnplan to serve the call.
         scaling: score scale (transformers passes ``head_dim ** -0.5`` or the model's own), any finite float
             (0 and negative ones too); ``None`` means ``1/sqrt(head_dim)``.
+        **kwargs: the model's other arguments, passed on to a fallback. ``softcap`` (a float in
+            ``[SOFT_CAP_MIN, SOFT_CAP_MAX]``, Gemma-2) is attnplan's ``logits_soft_cap`` on eager unmasked decode
+            steps; ``sinks`` / ``s_aux`` / ``position_bias`` (and a soft cap elsewhere) send the call to the model's
+            own eager attention, ``sliding_window`` to SDPA; ``indices`` / ``block_indices`` raise (below).
     Returns:
         ``(attn_output [batch, q_len, num_q_heads, head_dim], None)`` in query's dtype.
     Raises:
