@@ -19,7 +19,6 @@ from __future__ import annotations
 import difflib
 import functools
 import os
-import reprlib
 import stat
 import typing
 from importlib import resources
@@ -28,6 +27,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from ._repr import short_repr
 
 __all__ = ["Config", "ConfigError", "load_config", "device_table", "CostModel", "BACKEND_NAMES", "TritonOptions",
            "NumbaOptions", "CudaPtxOptions", "ReferenceOptions", "BackendOptions", "MAX_CONFIG_BYTES", "MAX_DEPTH",
@@ -307,20 +308,6 @@ def _deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple = 3, 6, 8, 8
-_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 60, 60, 40
-
-
-def _short(value: Any) -> str:
-    """``repr(value)`` bounded in depth, items and length (reprlib: never walks more than it shows)."""
-    try:
-        text = _SHORT.repr(value)
-    except ValueError:  # an int past Python's decimal-conversion limit (a hexadecimal literal of a YAML file)
-        return f"an int of {value.bit_length()} bits" if isinstance(value, int) else f"a {type(value).__name__}"
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
 def _known_keys(loc: tuple) -> str:
     """For an unknown key at ``loc``: the nearest known key (``difflib``) and the keys its mapping takes, as text
     (empty where the mapping is not one of the config's models)."""
@@ -348,7 +335,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if not e["loc"]:  # a cross-key check (Config's model validator): its message names the keys
             lines.append("  " + msg.removeprefix("Value error, "))
             continue
-        lines.append(f"  {key}: {msg.removeprefix('Value error, ')} (got {_short(val)})")
+        lines.append(f"  {key}: {msg.removeprefix('Value error, ')} (got {short_repr(val, 200)})")
     if len(errors) > MAX_ERRORS:
         lines.append(f"  ... and {len(errors) - MAX_ERRORS} more")
     return f"invalid attnplan config ({source}):\n" + "\n".join(lines)
@@ -360,7 +347,8 @@ def _validate(data: Any, source: str) -> Config:
     for key in ("backends", "backends_fp8_kv"):
         v = data.get(key)
         if isinstance(v, list) and all(isinstance(x, str) for x in v) and len(set(v)) != len(v):
-            raise ConfigError(f"invalid attnplan config ({source}):\n  {key}: duplicate entries (got {_short(v)})")
+            raise ConfigError(f"invalid attnplan config ({source}):\n  {key}: duplicate entries "
+                              f"(got {short_repr(v, 200)})")
     try:
         return Config.model_validate(data)
     except ValidationError as e:
@@ -371,8 +359,8 @@ class _DuplicateKey(yaml.YAMLError):
     """A mapping of the file names one key twice (PyYAML keeps the last silently)."""
 
     def __init__(self, key: Any, mark, first):
-        super().__init__(f"duplicate key {_short(key)} at line {mark.line + 1}, column {mark.column + 1} (first at "
-                         f"line {first.line + 1}, column {first.column + 1}); a key may appear once per mapping")
+        super().__init__(f"duplicate key {short_repr(key, 200)} at line {mark.line + 1}, column {mark.column + 1} "
+                         f"(first at line {first.line + 1}, column {first.column + 1}); a key may appear once per mapping")
 
 
 class _BoundedLoader(yaml.SafeLoader):

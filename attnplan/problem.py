@@ -90,6 +90,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ._repr import short_repr as _short
+
 __all__ = ["DecodeProblem", "validate_inputs", "validate_values", "host_lengths", "validate_outputs",
            "check_no_overlap", "check_sm_scale", "check_no_grad", "tensor_signature", "signature_change", "same_signature",
            "is_contiguous_layout", "DTYPE_NAMES", "dtype_name", "len_bucket", "explain_lengths"]
@@ -891,17 +893,6 @@ def explain_lengths(seq_lens, batch: int, capacity: int) -> list[int]:
         if not 0 <= n <= capacity:
             raise ValueError(f"seq_lens[{i}] = {_short(n)} is outside [0, {capacity}] (the plan's capacity in tokens)")
     return lens
-
-
-def _short(v) -> str:
-    """``repr(v)`` of at most 60 characters (an int of any size included)."""
-    if isinstance(v, int) and v.bit_length() > 256:  # (str() refuses ints of more than 4300 digits)
-        return f"an int of {v.bit_length()} bits"
-    try:
-        text = repr(v)
-    except Exception:  # noqa: BLE001 - a foreign object's repr
-        return f"a {type(v).__name__}"
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_host_lengths(static: dict, lens: list[int], num_pages: int) -> tuple[int, int]:

@@ -873,3 +873,19 @@ def test_plan_capacity_must_be_a_bool(bad):
         w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=bad)
     assert w.plan_ is None
     assert w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True).capacity_mode
+
+
+def test_error_messages_show_values_bounded():
+    """Values shown in error messages are bounded: a long list is cut as it is built, a huge int named by its size,
+    and a value whose repr raises by its type (the error being raised is not replaced by another)."""
+    from attnplan._repr import short_repr
+
+    class Hostile:
+        def __repr__(self):
+            raise RuntimeError("repr")
+
+    assert short_repr(list(range(10**6))) == "[0, 1, 2, 3, 4, 5, 6, 7, ...]"
+    assert short_repr(2**5000) == "an int of 5001 bits"
+    assert short_repr([10**5000]) == "a list"
+    assert len(short_repr("x" * 500, limit=40)) == 40
+    assert "Hostile" in short_repr(Hostile())
