@@ -506,9 +506,13 @@ class SplitPlan:
         if self.policy == "forced":
             lines.append(f"split count forced: up to {self.num_splits} equal units per sequence")
         elif self.policy == "no-split":
-            lines.append("single pass: one program per (sequence, KV head), no partial states, no merge "
-                         "(num_splits = 1, or the best split count at these lengths is 1, or the targets of their "
-                         "bucket give them one unit per sequence)")
+            if not self.candidates:
+                why = "num_splits = 1"
+            elif min(c[0] for c in self.candidates if c[2] <= min(t for _, _, t in self.candidates) * 1.02) == 1:
+                why = "the cost model's split count at the planned lengths is 1"
+            else:
+                why = "the targets of the planned lengths' bucket give each sequence one unit"
+            lines.append(f"single pass: one program per (sequence, KV head), no partial states, no merge ({why})")
         elif self.policy == "batch-invariant":
             lines.append(f"batch-invariant: units of {s.min_unit_granules * s.granule} tokens from each sequence's "
                          "own length (outputs bitwise independent of the batchmates)")

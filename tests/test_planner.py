@@ -92,6 +92,7 @@ def test_batch_times_kv_heads_that_fill_the_sms_run_single_pass(table):
     assert plan.single_pass and plan.policy == "no-split" and plan.merge == "none"
     assert plan.num_splits == 1 and plan.grid == (64 * 8,) and plan.state_slots == 0
     assert plan.workspace_bytes == 4 * NUM_TARGETS and plan.meta_words == plan.sync_words == 0
+    assert "no merge (the cost model's split count at the planned lengths is 1)" in plan.explain()
     assert make_plan(P(max_kv_len=64), GPU, CFG, "x", KERNEL).single_pass  # one granule: nothing to split
 
 
@@ -414,9 +415,19 @@ def test_no_split_policy(table):
     plan = make_plan(P(batch=2), GPU, CFG.with_overrides(split={"num_splits": 1}), "x", KERNEL)
     assert plan.policy == "no-split" and plan.single_pass and plan.merge == "none" and plan.grid == (2 * 8,)
     assert units(plan, [32768, 5]) == [1, 1]
-    assert "single pass" in plan.explain()
+    assert "no merge (num_splits = 1)" in plan.explain()
     cap = make_plan(P(batch=2, capacity=32768), GPU, CFG, "x", KERNEL, capacity_mode=True, num_splits=1)
     assert cap.single_pass  # num_splits 1 is single pass even for a capacity plan
+
+
+def test_explain_names_why_a_plan_is_single_pass(table):
+    """The cost model asks for splits at the planned lengths, but the targets of their bucket (planned at its middle)
+    give each sequence one unit: explain() says which of the three reasons made the plan single pass."""
+    plan = make_plan(P(batch=48, num_q_heads=28, num_kv_heads=4, max_kv_len=1000).bucketed(), GPU, CFG, "x", KERNEL)
+    assert plan.policy == "no-split" and plan.single_pass and chosen(plan) > 1
+    text = plan.explain()
+    assert "(the targets of the planned lengths' bucket give each sequence one unit)" in text, text
+    assert "cost model's split count" not in text and "num_splits = 1" not in text
 
 
 def test_batch_invariant_policy(table):
