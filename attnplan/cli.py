@@ -7,7 +7,8 @@ backend and the error against the float64 reference (and, on a GPU, time and ban
 ``attnplan tune``: measure this GPU and write its planner table (:mod:`attnplan.tune`).
 The GPU benchmark against torch's attention is a script, ``benchmarks/bench_decode.py``.
 
-``--config FILE`` may come before or after the subcommand. Every bad argument is an argparse usage
+``--config FILE`` may come before or after the subcommand (after ``tune``, tune's own parser takes it, with the
+same meaning). Every bad argument is an argparse usage
 error (exit status 2) or a one-line ``attnplan: error: ...`` (exit status 2), never a traceback.
 
 On a machine without a CUDA GPU the command sets ``TRITON_INTERPRET=1`` and

@@ -280,7 +280,8 @@ class Config(_Strict):
     backends_fp8_kv: list[BackendName] | None = Field(
         None, min_length=1, max_length=4, description="for a 1-byte (fp8) KV cache these go first, in this order; only "
                                                       "backends also in `backends` are used; null = backends' order")
-    deterministic: bool = True
+    deterministic: bool = Field(True, description="no effect, either value: reruns of one plan are always bitwise "
+                                                  "identical (fixed merge order); accepted for older config files")
     split: SplitPolicy = SplitPolicy()
     cost_model: CostModel = CostModel()
     plan_cache: PlanCacheConfig = PlanCacheConfig()

@@ -17,20 +17,25 @@ the fewest splits within 2% of the best:
                chunk_bytes(n) / bw_per_program)                      critical path of one chunk
          + [n > 1] * merge(n)                                       separate merge kernel or fused
 
-Worked example (batch 1, 32/8/128 bf16, 32K tokens, 132 SMs, 4.35 TB/s, default constants): 8 KV heads give 8
-programs unsplit, so one program would stream 16 MiB alone (~570 us); at 17 splits the 136 programs cover every SM
-and the step is bandwidth-bound (~35 us); more splits buy nothing, so the planner stops near there.
+Worked example (batch 1, 32/8/128 bf16, 32K tokens, 132 SMs, 4.35 TB/s, default constants): one program streams
+at most ``0.9 x 4.35 TB/s / (132 x 2)`` = 14.8 GB/s. 8 KV heads give 8 programs unsplit, so each streams 16 MiB
+alone (1135.3 us); at 17 splits the 136 programs cover every SM once, about half the 264 that saturate the memory
+(75.6 us); at 32 splits 256 programs stream 0.5 MiB each at nearly the whole bandwidth (42.6 us); 64 splits predict
+43.9 us, so the planner takes 32.
 
 The schedule turns that choice into a rule the GPU applies to any lengths: for every size of batch work (total
 granules ``T``, bucketed by powers of two) the plan stores the number of work units a uniform batch of that size
 would get (``targets``: splits x batch); a live batch of ``T`` granules then gets units of about ``T / targets``
 granules each, so a long sequence among short ones gets many units and each short one one unit. A capacity plan
-(CUDA graphs) and a live plan thus schedule the same lengths the same way; only kernel options (compile-time)
-come from the planned length.
+(CUDA graphs) fills that table for every bucket up to the capacity and counts each bucket's split-table row in
+programs of its own warps (:func:`row_programs_per_sm`); a live plan takes the rows as measured and fills the
+buckets its rounded lengths reach. So the two may give the same lengths different units (cuda_ptx's rows carry
+their own warps), with the same result within rounding.
 
 Policies (``SplitPlan.policy``): ``tuned`` (the split table), ``heuristic`` (the cost model), ``forced``
 (``num_splits > 1``: up to that many equal units per sequence), ``no-split`` (``num_splits = 1``, or a live plan of
-near-uniform lengths whose best split count is 1: single pass) and ``batch-invariant`` (config
+near-uniform lengths whose cost-model split count is 1 or whose targets give the planned lengths one unit per
+sequence: single pass; a tuned plan that ends single pass keeps ``tuned``) and ``batch-invariant`` (config
 ``split.batch_invariant``: units of a fixed size from each sequence's own length, so a sequence's output is
 bitwise independent of its batchmates).
 """

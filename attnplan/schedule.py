@@ -30,11 +30,14 @@ Definitions (all integers; ``B`` sequences, ``Q`` queries per sequence, ``G`` to
   ``sum_b ceil(nb / c) <= T / c + B <= max(targets) + B``).
 * Unit ``j`` of ``b`` covers tokens ``[base + j * cb * G, min(base + (j + 1) * cb * G, L))``.
 
-Programs: a 1-D grid of ``max_units * num_kv_heads`` programs; program ``p`` serves unit ``u = p //
-num_kv_heads`` for KV head ``h = p % num_kv_heads`` (unit-major: programs without a unit, ``u >= U``, come last
-and exit). A sequence with one unit writes ``out`` / ``lse`` directly (sinks applied there); with more, each
-unit writes its partial state into workspace slot ``u`` and the merge combines slots
-``[indptr[b], indptr[b] + units[b])`` in slot order.
+Programs: a 1-D grid of ``max_units * num_kv_heads`` programs; program ``p`` serves grid slot ``s = p //
+num_kv_heads`` for KV head ``h = p % num_kv_heads`` (unit-major). Slot ``s`` runs unit ``s`` (packed: the slots
+``s >= U`` come last and exit), except where the prologue knows ``U`` before its search and the grid holds more
+than ``pack`` slots per unit: there :func:`slot_unit` spreads the ``U`` units evenly over the slots, and the
+slots between them exit (cuda_ptx: batches of at most 32 sequences, ``pack`` 1; triton: batches of one prologue
+block, at most 1,024 sequences, ``pack`` 2). A sequence with one unit writes ``out`` / ``lse`` directly (sinks
+applied there); with more, unit ``u`` writes its partial state into workspace slot ``u`` (whichever grid slot
+ran it) and the merge combines slots ``[indptr[b], indptr[b] + units[b])`` in slot order.
 
 Lengths on the device: the kernels read each length as ``min(max(seq_lens[b], 0), capacity)`` (``capacity`` the
 tokens a sequence of the cache holds), so a length written after ``plan()`` (or found at a CUDA-graph replay) outside

@@ -37,6 +37,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import statistics
 import weakref
 
@@ -334,9 +335,18 @@ def _row_key(r) -> tuple:
     return (r[0], r[1], row.group, row.head_dim)
 
 
-def main(argv=None) -> int:
-    """``attnplan tune``: sweep, fit, write the device table, report planner quality. Returns the exit status."""
+def parse_args(argv=None) -> argparse.Namespace:
+    """``attnplan tune``'s arguments. ``--config FILE`` means what it means before the subcommand: the YAML config
+    merged over ``plans/default.yaml``; it is set as ``$ATTNPLAN_CONFIG``, which the tool's planning contexts read.
+    The config in effect (that file, else ``$ATTNPLAN_CONFIG``'s) is loaded once here, before any GPU work.
+
+    Raises:
+        SystemExit: ``--help`` (status 0), or a usage error (status 2): a bad argument, an option combination the
+            tool refuses, or a config file :func:`attnplan.load_config` rejects (the message names the file and key).
+    """
     ap = argparse.ArgumentParser(prog="attnplan tune", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=None, help="YAML config file, merged over plans/default.yaml (also accepted "
+                                                   "before `tune`; default: $ATTNPLAN_CONFIG, if set)")
     ap.add_argument("--backends", default="triton")
     ap.add_argument("--out", default=None, help="YAML to write (default: the user's table, <cache dir>/plans/<device>.yaml, "
                                                 "which the planner reads before the packaged plans/<device>.yaml)")
@@ -372,6 +382,24 @@ def main(argv=None) -> int:
     if args.kv_dtype != "bfloat16" and not args.no_options:
         ap.error("--kv-dtype float8_e4m3fn needs --no-options (the kernel-option sweep is bf16; fp8 options go "
                  "under kernel_options.<backend>.<layout>_fp8 by hand)")
+    from attnplan.config import ConfigError, load_config
+
+    if args.config is not None:  # the tool's planning contexts read the config from the environment
+        os.environ["ATTNPLAN_CONFIG"] = args.config
+    try:
+        load_config()
+    except ConfigError as e:
+        ap.error(str(e))
+    return args
+
+
+def main(argv=None) -> int:
+    """``attnplan tune``: sweep, fit, write the device table, report planner quality. Returns the exit status.
+
+    Raises:
+        SystemExit: from :func:`parse_args` (``--help``, or a usage error with status 2).
+    """
+    args = parse_args(argv)
     import attnplan
     from attnplan.device import device_info
     from attnplan.timing import read_bandwidth_gbs

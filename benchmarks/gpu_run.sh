@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-machine call: install, then the steps named in STEPS (default "tests bench"):
+# One run on a GPU machine: install, then the steps named in STEPS (default "tests bench"):
 #   tests     the test suite on the GPU (gpu-marked tests included; TESTS, PYTEST_K, XDIST workers)
 #   tests_bg  the same, in the background while the next steps run (sanitize only: not for timing)
 #   wait      wait for tests_bg to finish (put it before any timing step)

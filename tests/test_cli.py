@@ -67,6 +67,28 @@ def test_tool_options_reach_the_tool(cmd, module, monkeypatch):
     assert os.environ["ATTNPLAN_CONFIG"] == "x.yaml"  # --config reaches the tool's planning contexts
 
 
+def test_tune_takes_config_after_the_subcommand(tmp_path, monkeypatch, capsys):
+    """``attnplan tune --config FILE``: tune's own parser takes ``--config`` with its meaning before the subcommand
+    (the file reaches the tool's planning contexts as ``$ATTNPLAN_CONFIG``); a file the config loader rejects is a
+    usage error naming it, before any GPU work."""
+    from attnplan import tune
+
+    monkeypatch.setenv("ATTNPLAN_CONFIG", "unset")  # restored after the test
+    good = tmp_path / "good.yaml"
+    good.write_text("split:\n  num_splits: 1\n")
+    args = tune.parse_args(["--config", str(good), "--iters", "3"])
+    assert args.config == str(good) and args.iters == 3 and os.environ["ATTNPLAN_CONFIG"] == str(good)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("split:\n  num_splitz: 1\n")
+    with pytest.raises(SystemExit) as e:
+        tune.parse_args(["--config", str(bad)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "bad.yaml" in err and "num_splitz" in err
+    with pytest.raises(SystemExit) as e:  # through the command line: tune's help, which lists --config
+        cli.main(["tune", "--config", str(good), "--help"])
+    assert e.value.code == 0 and "--config CONFIG" in capsys.readouterr().out
+
+
 def test_time_report_counts_bytes_and_bandwidth(monkeypatch):
     """The GPU timing branch of `attnplan run`, with the CUDA-event timer replaced (CPU)."""
     import argparse
