@@ -28,10 +28,11 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 BACKENDS = kernel_backends(DEVICE)
 
 
-def _plan(backend, batch, q_len, heads, d, max_units_per_seq, sm_count):
-    """A separate-merge plan of ``backend`` for a 1-KV-head problem whose schedule allows ``max_units_per_seq`` units
-    per sequence, the device's SM count set; and its workspace."""
-    x = make_inputs(batch, heads, 1, d, [64] * batch, q_len=q_len, dtype=torch.float16, device=DEVICE)
+def _plan(backend, batch, q_len, heads, d, max_units_per_seq, sm_count, dtype=torch.float16):
+    """A separate-merge plan of ``backend`` for a 1-KV-head problem in ``dtype`` (the output's: cuda_ptx's merge checks
+    it against the plan's) whose schedule allows ``max_units_per_seq`` units per sequence, the device's SM count set;
+    and its workspace."""
+    x = make_inputs(batch, heads, 1, d, [64] * batch, q_len=q_len, dtype=dtype, device=DEVICE)
     w = attnplan.DecodeWrapper(attnplan.load_config(split={"merge": "separate"}, plan_cache={"disk": False}),
                                backend=backend)
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2)
@@ -92,7 +93,7 @@ def _check(be, plan, ws, units, indptr, o, lse, dtype, z):
 ])
 def test_merge_kernel_few_rows_many_units(backend, batch, q_len, heads, d, units, dtype, sinks, gen):
     be = get_backend(backend)
-    plan, ws = _plan(backend, batch, q_len, heads, d, units, sm_count=132)
+    plan, ws = _plan(backend, batch, q_len, heads, d, units, sm_count=132, dtype=DTYPES[dtype])
     u, indptr, o, lse = _ragged(batch, q_len, heads, d, units, gen)
     _fill(ws, u, indptr, o, lse)
     z = torch.randn(heads, generator=gen) if sinks else None
