@@ -79,6 +79,13 @@ def arch_cases(specs, archs=ARCHS, ids=spec_id):
             for i, sp in enumerate(specs) for cc in archs]
 
 
+def arch_params(values, archs=ARCHS, ids=str):
+    """``(*value, cc)`` parameters like :func:`arch_cases` for a list of parameter tuples: every value for the first
+    architecture, the other architectures for the first value in the default run and the rest in the full tier."""
+    return [pytest.param(*v, cc, id=f"{ids(v)}-sm_{cc[0]}{cc[1]}", marks=() if cc == archs[0] or i == 0 else FULL)
+            for i, v in enumerate(values) for cc in archs]
+
+
 FP8 = "float8_e4m3fn"
 CORE = {"mma": False}
 WS = {"window": True, "softcap": True}
@@ -134,7 +141,14 @@ FP8_MMA_SPECS = [
 
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> N.CompileCache:
-    """One compile cache per test process: each specialization compiles once (several tests share some)."""
+    """One compile cache per test run: each specialization compiles once (several tests share some). Under
+    pytest-xdist the workers share its directory (in the run's own base temp directory, fresh for every run), so a
+    specialization another worker compiled is read from disk (written atomically) instead of compiled again."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # base is <the run's base temp>/popen-gwN
+        shared = base.parent / "compile-cache"
+        shared.mkdir(exist_ok=True)
+        return N.CompileCache(shared)
     return N.CompileCache(tmp_path_factory.mktemp("cc"))
 
 
@@ -212,8 +226,8 @@ def test_mma_compiles_without_spills(s, cc, cache):
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
-@pytest.mark.parametrize("passes,warps,page", [(2, 2, None), (2, 2, 16), (4, 1, None)])
+@pytest.mark.parametrize("passes,warps,page,cc", arch_params([(2, 2, None), (2, 2, 16), (4, 1, None)],
+                                                             ids=lambda v: "-".join(map(str, v))))
 def test_mma_larger_warp_tiles_compile_without_spills(passes, warps, page, cc, cache):
     """Option ``passes`` (16-token m-tiles per warp tile, tensor-core path): the tile, the ring and the
     name follow it; cubins without spills within the register limit."""
@@ -226,7 +240,9 @@ def test_mma_larger_warp_tiles_compile_without_spills(passes, warps, page, cc, c
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("args,passes", [(("single", "bfloat16", 128, 1, 1, 2), 8), (("partial", "bfloat16", 256, 1, 1, 1), 4)],
+@pytest.mark.parametrize("args,passes", [(("single", "bfloat16", 128, 1, 1, 2), 8),
+                                         # the same 64-page tile (the block-table window's batches) at head_dim 256
+                                         pytest.param(("partial", "bfloat16", 256, 1, 1, 1), 4, marks=FULL)],
                          ids=["d128-page2-p8", "d256-page1-p4"])
 def test_mma_tiles_over_more_than_32_pages_compile(args, passes, cache):
     """Tensor-core tiles spanning more than 32 pages (64 here) keep the per-page block-table loads: the
@@ -408,8 +424,11 @@ MERGE_TEAM_SPECS = [(dt, d, t) for t in (2, 8) for d in (64, 128, 256) for dt in
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
-@pytest.mark.parametrize("dtype,head_dim,teams", MERGE_TEAM_SPECS, ids=lambda v: str(v))
+# float16's teams in the full tier: the teams merge fp32 states, only the output's conversion is the dtype's (bfloat16
+# compiles every head_dim and team count in the default run; float16's one-team merges: test_merge_kernel_compiles)
+@pytest.mark.parametrize("dtype,head_dim,teams,cc",
+                         [p if p.values[0] == "bfloat16" else pytest.param(*p.values, id=p.id, marks=FULL)
+                          for p in arch_params(MERGE_TEAM_SPECS, ids=lambda v: "-".join(map(str, v)))])
 def test_merge_teams_compile_without_spills(dtype, head_dim, teams, cc, cache):
     """Merge kernels of 2 and 8 teams: cubins for sm_90 and sm_80, no spills, no stack, registers within the
     limit and one CTA within an SM's register file (``__launch_bounds__`` of teams x team threads: 512 at
@@ -527,10 +546,13 @@ NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
-@pytest.mark.parametrize("s", [(*SPECS[0], CORE), (*SPECS[4], CORE), SPECS[5], FP8_CORE_SPECS[0], FP8_CORE_SPECS[3],
-                               MMA_SPECS[0], MMA_SPECS[6], FP8_MMA_SPECS[0]], ids=spec_id)
+@pytest.mark.parametrize("s", [(*SPECS[0], CORE), FP8_CORE_SPECS[0], MMA_SPECS[0], FP8_MMA_SPECS[0]]
+                         + [pytest.param(s, marks=FULL) for s in ((*SPECS[4], CORE), SPECS[5], FP8_CORE_SPECS[3],
+                                                                  MMA_SPECS[6])], ids=spec_id)
 def test_nvcc_ptxas_verbose_no_spills(s, tmp_path):
-    """The same source through nvcc's ptxas (another toolkit version than the pip NVRTC)."""
+    """The same source through nvcc's ptxas (another toolkit version than the pip NVRTC): the target problem on
+    each path (CUDA cores, fp8 on CUDA cores, tensor cores, fp8 on tensor cores) in the default run, more shapes in
+    the full tier (NVRTC's ptxas checks every one of them in the default run)."""
     spec = S.make_spec(*s[:6], **(s[6] if len(s) > 6 else {}))
     src = tmp_path / "decode.cu"
     src.write_text(PROG.flattened())
@@ -1141,8 +1163,7 @@ def test_schedule_structure_in_the_ptx():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("cc", ARCHS, ids=lambda c: f"sm_{c[0]}{c[1]}")
-@pytest.mark.parametrize("warps", [1, 4, 8])
+@pytest.mark.parametrize("warps,cc", arch_params([(1,), (4,), (8,)], ids=lambda v: str(v[0])))
 def test_schedule_probe_compiles_without_spills(warps, cc, cache):
     """The probe (the prologue with 32, 128 and 256 threads, 8 / 2 / 1 sequences per thread and chunk): a cubin, no
     spills, few registers (it runs before the main loop and holds none of its state)."""

@@ -44,6 +44,8 @@ from attnplan.state import PartialState, merge_states
 from attnplan.testing import (DecodeCase, assert_close_to_reference, assert_probe_matches, make_inputs, poison,
                               poisoned_workspace, problem_of)
 
+from conftest import FULL_ENV, HAS_CUDA
+
 emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
 from attnplan.backends.cuda_ptx import spec as S  # noqa: E402 (after the import check)
 pytestmark = pytest.mark.skipif(emulate.compiler() is None, reason="no C++ compiler for the host emulation")
@@ -56,9 +58,10 @@ MODES = {"mma": True, "split_k": False}
 
 
 @pytest.fixture(scope="module")
-def be():
+def be(request):
     b = emulate.EmulatedCudaPtxBackend()
-    specs = list(dict.fromkeys(_parametrized_specs(b)))
+    full = HAS_CUDA or FULL_ENV or request.config.getoption("--full")  # conftest's full tier
+    specs = list(dict.fromkeys(_parametrized_specs(b, full)))
     # pytest-xdist workers share the build directory (the cache dir set before they start) and each builds every
     # specialization its tests may launch: odd-numbered workers build from the other end, so two workers meet in
     # the middle and load the rest from each other's builds instead of compiling everything twice
@@ -179,9 +182,63 @@ def _modes(cases, mma=None):
     """``(case, mode)`` params: every case on CUDA cores (``split_k``), and those at indices ``mma`` (default: every
     fp16 / bf16 case with head_dim a multiple of 16) on tensor cores (each emulated specialization is a C++ build of
     ~0.6 s: the subsets keep the file fast while covering both layouts, GQA groups 1 / 4 / 7 / 8, several row groups,
-    q_len > 1, head_dim 16-256 and every variant)."""
-    return [pytest.param(c, p, id=f"{c.id}-{p}") for i, c in enumerate(cases) for p in MODES
-            if p == "split_k" or (p == "mma" and _mma_ok(c) and (mma is None or i in mma))]
+    q_len > 1, head_dim 16-256 and every variant). Params whose id is in :data:`FULL_TIER` are in the full tier, and
+    the single pass (split count 1) of those in :data:`SINGLE_FULL_TIER` (:func:`_tiered`)."""
+    return [p for i, c in enumerate(cases) for m in MODES
+            if m == "split_k" or (m == "mma" and _mma_ok(c) and (mma is None or i in mma))
+            for p in _tiered(c, m)]
+
+
+def _tiered(case, mode) -> list:
+    """The params of ``(case, mode)``: one, in the full tier if its id is in :data:`FULL_TIER`; for an id in
+    :data:`SINGLE_FULL_TIER`, the case without split count 1 (same id) and its single pass alone in the full tier
+    (id ``...-single``)."""
+    pid = f"{case.id}-{mode}"
+    if pid in SINGLE_FULL_TIER and 1 in case.splits:
+        rest = dataclasses.replace(case, splits=tuple(s for s in case.splits if s != 1))
+        return [pytest.param(rest, mode, id=pid),
+                pytest.param(dataclasses.replace(case, splits=(1,)), mode, id=f"{pid}-single", marks=pytest.mark.full)]
+    return [pytest.param(case, mode, id=pid, marks=pytest.mark.full if pid in FULL_TIER else ())]
+
+
+#: (case, mode) params whose single pass (split count 1) is in the full tier, their other split counts in the default
+#: run; the single pass with each one's features runs in other default params (named in the notes)
+SINGLE_FULL_TIER = {
+    # fp16: the fp16 q_len 5 paged-32 case (both modes); pages of 16 and a partly filled last page: the 4097-token
+    # case (both modes); sinks: the window + soft-cap + sinks variant (both modes)
+    "fp16-gqa4-8x2-paged16-d64-q1-len1_16_17-split_k", "fp16-gqa4-8x2-paged16-d64-q1-len1_16_17-mma",
+    "fp16-gqa4-8x2-paged16-d64-q1-len160_0-sinks-split_k",
+    # several row groups on CUDA cores: the q_len 5 case (3 row groups)
+    "bf16-gqa16-16x1-contig-d32-q1-len300-split_k",
+    # a window on CUDA cores: the window variants (q_len 3 paged; window + soft-cap + sinks)
+    "bf16-gqa8-8x1-contig-d128-q1-len270_9-w0-split_k",
+    # an fp8 cache: the fp8 contiguous and window + soft-cap + sinks cases (both modes), the 4400-token paged fp8 case
+    "fp16-gqa7-7x1-paged16-d64-q1-len140_3-split_k", "fp16-gqa7-7x1-paged16-d64-q1-len140_3-mma",
+    # q_len 3 on tensor cores: the q_len 3 window variant, the head_dim 80 case; pages of 4 on tensor cores: the
+    # bad-block-table page-4 mma param
+    "fp16-gqa1-4x4-paged4-d64-q3-len90_1_0-mma",
+    # fp8 on tensor cores: as above; several row groups on tensor cores: the q_len 5 case (2 row groups)
+    "bf16-gqa8-8x1-paged16-d128-q3-len1_64_329-mma",
+}
+
+#: (case, mode) params in the full tier: a variant of paths the default run checks (each note names them); the
+#: fixture builds no specialization for them unless the full tier runs
+FULL_TIER = {
+    # more splits than granules is the schedule's (the split_k param); d32 on tensor cores: every emulated
+    # conformance case (fp16 d32 mma), paged 16 among them
+    "bf16-gqa4-4x1-paged16-d32-q1-len40-mma",
+    # 16 rows on tensor cores (2 n8-tiles): MMA_CASES' fp16 d96 group 8 x q_len 2; d32 on tensor cores: as above
+    "bf16-gqa16-16x1-contig-d32-q1-len300-mma",
+    # window 0 (a query sees only itself): the split_k param; the window on tensor cores: the window cases' mma params
+    # (q_len 3 paged, window + soft-cap + sinks, the head_dim 128 tensor-core case)
+    "bf16-gqa8-8x1-contig-d128-q1-len270_9-w0-mma",
+    # sinks on tensor cores: the window + soft-cap + sinks mma param and the fused merge's mma cases (specializations
+    # shared with test_emulated_kernels_match_reference's fp16 paged 16 mma case)
+    "fp16-gqa4-8x2-paged16-d64-q1-len160_0-sinks-mma",
+    # fp8 on tensor cores with window + soft-cap at head_dim 128, q_len 3: the fused merge's fp8 case (the same shape,
+    # paged) and the fp8 window + soft-cap + sinks mma param
+    "bf16-gqa4-8x2-contig-d128-q3-len261_1-w140-cap2-mma",
+}
 
 
 def _inputs(case, gen, fp8=False, **kw):
@@ -328,12 +385,12 @@ CASES = [
     Case((4, 1), 32, (40,), page=16, splits=(16,)),                       # more splits than granules
     Case((16, 2), 128, (21, 9), q_len=4, page=1, splits=(3,)),             # page 1, q_len 4 (2 row groups)
     Case((7, 1), 96, (400, 3), page=4, dtype="fp32", splits=(2,)),         # group 7, non-pow2 head_dim
-    Case((64, 4), 32, (300,), splits=(1, 2)),                              # group 16
+    Case((16, 1), 32, (300,), splits=(1, 2)),                              # group 16
     Case((8, 1), 256, (300,), page=64, dtype="bf16", splits=(2,)),         # group 8, head_dim 256, page 64
     Case((8, 2), 128, (21, 4), q_len=5, page=32, dtype="fp16", splits=(1, 3)),  # odd q_len, L < q_len
     Case((4, 4), 16, (90, 3), page=1, dtype="fp32", splits=(1, 3)),         # MHA, head_dim 16
-    Case((28, 4), 64, (233,), q_len=2, page=16, splits=(2,)),              # 14 rows
-    Case((8, 2), 128, (4097,), page=16, splits=(1, 3)),                     # a few hundred tiles
+    Case((14, 2), 64, (233,), q_len=2, page=16, splits=(2,)),              # 14 rows
+    Case((4, 1), 128, (4097,), page=16, splits=(1, 3)),                     # a few hundred tiles
 ]  # one unit crosses block-table batches of 32 tiles (copy.cuh, PageWindow): a CUDA-core split-K warp ~129 of
 #    8 tokens (5 batches), a tensor-core warp 64-65 (3)
 
@@ -343,10 +400,10 @@ MMA_CASES = [
     Case((4, 4), 64, (90, 1, 0), q_len=3, page=4, dtype="fp16", splits=(1, 3)),
     Case((8, 1), 80, (377, 5), q_len=3, page=8, splits=(1, 2)),
     Case((8, 1), 96, (245, 2), q_len=2, dtype="fp16", splits=(2,)),
-    Case((64, 2), 128, (250, 3), q_len=2, page=16, splits=(2,)),
+    Case((32, 1), 128, (250, 3), q_len=2, page=16, splits=(2,)),
 ]
 
-CASE_PARAMS = _modes(CASES) + [pytest.param(c, "mma", id=f"{c.id}-mma") for c in MMA_CASES]
+CASE_PARAMS = _modes(CASES) + [p for c in MMA_CASES for p in _tiered(c, "mma")]
 
 
 @pytest.mark.parametrize("case,mode", CASE_PARAMS)
@@ -372,7 +429,7 @@ def test_emulated_capacity_plan_spreads_a_long_sequence(be, mode, gen):
     """A balanced capacity plan (the one a CUDA graph captures) on a long-tailed, padded batch: the long sequence is
     spread over many units, the short ones and the zero-length padding slots get one unit each and are written
     directly; the same plan then serves all-zero and all-full batches."""
-    x = make_inputs(6, 8, 2, 64, [900, 5, 0, 0, 40, 1], page_size=16, dtype=torch.bfloat16, generator=gen,
+    x = make_inputs(6, 4, 1, 32, [900, 5, 0, 0, 40, 1], page_size=16, dtype=torch.bfloat16, generator=gen,
                     capacity=960)
     plan = _plan(be, x, 0, mode, capacity=960)
     assert plan.schedule.policy == "balanced" and any(plan.schedule.targets), plan.explain()
@@ -435,11 +492,18 @@ def _ragged_states(ws, units, gen, pad_nan=True):
 
 
 #: (dtype, head_dim, teams): 1 (the single-team path), 2 and 8 teams per CTA; head_dim 64 / 128 (one-warp teams,
-#: 16-unit chunks, 64 with half the lanes owning no columns) and 256 (two-warp teams, 8-unit chunks)
+#: 16-unit chunks, 64 with half the lanes owning no columns) and 256 (two-warp teams, 8-unit chunks). In bf16 every
+#: head_dim alone and with 2 and 8 teams, but for one-warp teams 2 teams at head_dim 64 and 8 at 128 (the other two in
+#: the full tier: the same one-warp teams, at the other count); fp16 (only the output's conversion differs: the teams
+#: merge fp32 states) at the single team of head_dim 64 / 128 and at 8 two-warp teams, its other teams in the full tier
 MERGE_TEAMS = [(dt, d, t) for dt in ("bf16", "fp16") for d in (64, 128, 256) for t in (1, 2, 8)]
+MERGE_TEAMS_FULL = {("bf16", 64, 8), ("bf16", 128, 2), ("fp16", 64, 2), ("fp16", 64, 8), ("fp16", 128, 2),
+                    ("fp16", 128, 8), ("fp16", 256, 1), ("fp16", 256, 2)}
+MERGE_TEAMS_PARAMS = [pytest.param(*m, id=f"{m[0]}-d{m[1]}-t{m[2]}",
+                                   marks=pytest.mark.full if m in MERGE_TEAMS_FULL else ()) for m in MERGE_TEAMS]
 
 
-@pytest.mark.parametrize("dtype,head_dim,teams", [pytest.param(*m, id=f"{m[0]}-d{m[1]}-t{m[2]}") for m in MERGE_TEAMS])
+@pytest.mark.parametrize("dtype,head_dim,teams", MERGE_TEAMS_PARAMS)
 def test_emulated_merge_teams_match_reference(be, dtype, head_dim, teams, gen, monkeypatch):
     """The separate merge with ``teams`` teams per CTA (pinned; :meth:`merge_teams_for` chooses it otherwise) over a
     ragged workspace of sequences of 130, 1, 17, 5 and 40 units (one past a chunk, fewer than a chunk, ranges not a
@@ -598,10 +662,10 @@ FP8_MMA_CASES = [
     VariantCase((8, 1), 128, (1, 64, 329), q_len=3, page=16, splits=(1, 3)),
     VariantCase((4, 4), 80, (245, 2), dtype="fp16", splits=(2,)),
     VariantCase((8, 2), 128, (261, 1), q_len=3, cap=2.0, window=140, splits=(1, 3)),
-    VariantCase((8, 2), 128, (4400, 5), page=16, splits=(1,)),
+    VariantCase((4, 1), 128, (4400, 5), page=16, splits=(1,)),
 ]
 
-FP8_PARAMS = _modes(FP8_CASES) + [pytest.param(c, "mma", id=f"{c.id}-mma") for c in FP8_MMA_CASES]
+FP8_PARAMS = _modes(FP8_CASES) + [p for c in FP8_MMA_CASES for p in _tiered(c, "mma")]
 
 
 @pytest.mark.parametrize("case,mode", FP8_PARAMS)
@@ -684,8 +748,15 @@ def test_emulated_fp8_decoder_all_256_codes(be, mode, gen):
     assert torch.allclose(ws.state.lse[0, 0, :, 1].double(), want_lse, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("mode,fp8", [("split_k", False), ("mma", False), ("mma", True)])
-@pytest.mark.parametrize("granule", [13, 24, 40])
+def _off_grid_params():
+    """(granule, mode, fp8): granules 13, 24 and 40 on CUDA cores; on the tensor cores (fp8 too) 13 (off the page
+    and the tile) in the default run, 24 and 40 (the same self-aligning, masked tiles at other offsets) in the full
+    tier."""
+    return [pytest.param(g, m, f, id=f"{g}-{m}-{f}", marks=pytest.mark.full if m == "mma" and g != 13 else ())
+            for g in (13, 24, 40) for m, f in (("split_k", False), ("mma", False), ("mma", True))]
+
+
+@pytest.mark.parametrize("granule,mode,fp8", _off_grid_params())
 def test_emulated_units_off_the_tile_grid(be, granule, mode, fp8, gen):
     """Unit boundaries that are not multiples of the tile or the page (a schedule granule of 13, 24 or 40 tokens: the
     kernels take any): tiles self-align and mask (fp8 on tensor cores: 64-token tiles over 8-token pages)."""
@@ -714,12 +785,12 @@ def test_emulated_mma_larger_warp_tiles_match_reference(be, passes, warps, page,
 # 4 row groups x 2 warps), one warp over head_dim 256 (2 slots per thread), group 7 over fp32 head_dim 96
 FUSED = [
     ("mma", VariantCase((8, 2), 64, (270, 0, 33), q_len=2, page=16, sinks=True, splits=(5,)), False, {}),
-    ("split_k", VariantCase((16, 2), 64, (145, 0, 7), q_len=4, dtype="fp16", splits=(4,)), False, {}),
+    ("split_k", VariantCase((8, 1), 64, (145, 0, 7), q_len=4, dtype="fp16", splits=(4,)), False, {}),
     ("split_k", VariantCase((4, 1), 256, (133, 0), dtype="fp32", sinks=True, splits=(3,)), False, {"num_warps": 1}),
     ("split_k", VariantCase((7, 1), 96, (140, 0, 3), page=4, dtype="fp32", sinks=True, splits=(3,)), False, {}),
     ("mma", VariantCase((8, 2), 128, (261, 0, 1), q_len=3, page=16, window=140, cap=2.0, sinks=True, splits=(3,)),
      True, {}),
-    ("split_k", VariantCase((16, 2), 64, (280, 0, 7), q_len=2, page=4, window=76, splits=(4,)), False, {}),
+    ("split_k", VariantCase((8, 1), 64, (280, 0, 7), q_len=2, page=4, window=76, splits=(4,)), False, {}),
 ]
 FUSED_PARAMS = [pytest.param(mode, c, f, o, id=f"{c.id}-{mode}" + ("-kvfp8" if f else "")
                              + "".join(f"-{k}{v}" for k, v in o.items())) for mode, c, f, o in FUSED]
@@ -791,9 +862,16 @@ def api_backend(be, monkeypatch):
 import test_schedule_backends as conformance  # noqa: E402
 
 
-@pytest.mark.parametrize("case", conformance.CASES, ids=conformance._ids)
-@pytest.mark.parametrize("mode", ["capacity", "live", "forced3", "invariant"])
+@pytest.mark.parametrize("case", [pytest.param(c, id=conformance._ids(c), marks=pytest.mark.full if c[3] >= 0 or c[4]
+                                               else ()) for c in conformance.CASES])
+@pytest.mark.parametrize("mode", ["capacity", pytest.param("live", marks=pytest.mark.full),
+                                  pytest.param("forced3", marks=pytest.mark.full), "invariant"])
 def test_emulated_schedule_conformance(api_backend, mode, case, gen):
+    """tests/test_schedule_backends.py's conformance on the emulation: capacity plans (balanced targets) and the
+    batch-invariant schedule of the long-tailed, padded and uniform batches in the default run; in the full tier
+    live plans (the same balanced-targets kernel path as a capacity plan, at the live lengths' targets), forced
+    counts (what every test_emulated_kernels_match_reference case launches) and the window / soft-cap cases (the
+    same prologue; the variants' kernels: test_emulated_variants_match_reference and the fused merge's cases)."""
     conformance.test_schedule_matches_reference(api_backend, mode, case, gen)
 
 
@@ -846,8 +924,9 @@ def test_emulated_nan_in_v_reaches_only_rows_that_see_it(be, q_len, window, mode
     """NaN in V at a sequence's last position (query 0 cannot see it; with q_len 2 it made query 0 NaN) and just before
     the last query's window (earlier queries see it, the last does not): exactly the reference's NaN (the column of
     the rows that see it), every other element within tolerance; single pass and split, separate merge."""
-    # GQA group 2: a row group holds rows of several queries on every path (fp8 CUDA cores: 4 rows per warp)
-    case = VariantCase((4, 2), 64, (137, 90), q_len=q_len, page=16, window=window, dtype="bf16")
+    # a row group holds rows of several queries on every path: GQA group 4 (the specializations of the bf16 variant
+    # and bad-block-table tests), 2 with an fp8 cache (fp8 CUDA cores: 4 rows per warp)
+    case = VariantCase((4, 2) if fp8 else (8, 2), 64, (137, 90), q_len=q_len, page=16, window=window, dtype="bf16")
     x = _inputs(case, gen, fp8=fp8)
     pos = [(b, L - 1) for b, L in enumerate(case.lens)]
     if window >= 0:
@@ -897,13 +976,13 @@ def test_emulated_large_legal_scales_do_not_overflow_q(be, mode, fp8, gen):
     for sm, k_scale, kmag in ((2e38, 1.0, 0.0), (1.0, 2e38, 0.0), (1e38, 1.0, 1e-37)):
         if k_scale != 1.0 and not fp8:
             continue
-        x = make_inputs(2, 8, 2, 64, [40, 9], page_size=16, dtype=torch.bfloat16, generator=gen)
+        x = make_inputs(2, 4, 1, 64, [40, 9], page_size=16, dtype=torch.bfloat16, generator=gen)
         kc = x.k_cache.float() * kmag
         vc, ks, vs = x.v_cache, None, None
         if fp8:
             kc, vc = (kc * 1e37 if kmag else kc).to(FP8), x.v_cache.to(FP8)  # fp8 holds no 1e-37: K x 1e37, sm / 1e37
             sm = sm / 1e37 if kmag else sm
-            ks, vs = torch.full((2,), k_scale), torch.ones(2)
+            ks, vs = torch.full((1,), k_scale), torch.ones(1)
         else:
             kc = kc.to(x.k_cache.dtype)
         x = dataclasses.replace(x, k_cache=kc, v_cache=vc, sm_scale=sm, k_scale=ks, v_scale=vs)
@@ -921,7 +1000,7 @@ def test_emulated_large_legal_scales_do_not_overflow_q(be, mode, fp8, gen):
 def test_emulated_nan_outside_the_rows_ranges_is_never_read(be, mode, gen):
     """NaN in K and V everywhere a row cannot see that the kernels may still touch: past each length in the last page,
     and in the unused pages; every output exact (q_len 2, split and single pass)."""
-    x = make_inputs(3, 8, 2, 64, [37, 100, 5], q_len=2, page_size=16, dtype=torch.bfloat16, generator=gen)
+    x = make_inputs(3, 4, 1, 64, [37, 100, 5], q_len=2, page_size=16, dtype=torch.bfloat16, generator=gen)
     used = set()
     for b, n in enumerate(x.seq_lens.tolist()):
         pages = x.block_table[b, : -(-n // 16)].tolist()
@@ -952,7 +1031,7 @@ def test_emulated_head_major_cache_with_head_stride_2_30(be, page, mode, gen):
     """A head-major fp8 cache view (head stride 2**30 elements, 3 KV heads: head 2 starts past 2**31), as a cache pool
     with heads outermost: the head offset h x head stride is a 64-bit product (a 32-bit one would read head 0's rows
     for head 2, or fault); outputs against the float64 reference, single pass and split."""
-    x0 = make_inputs(2, 6, 3, 64, [70, 33], page_size=page, dtype=torch.bfloat16, generator=gen)
+    x0 = make_inputs(2, 12, 3, 64, [70, 33], page_size=page, dtype=torch.bfloat16, generator=gen)
     kc, vc = (_head_major(c.float().mul(0.5).to(FP8), 2**30) for c in (x0.k_cache, x0.v_cache))
     assert kc.stride(2) == 2**30 and 2 * kc.stride(2) >= 2**31
     x = DecodeInputs(x0.q, kc, vc, x0.seq_lens, x0.block_table, x0.sm_scale, k_scale=torch.ones(3),
@@ -965,7 +1044,7 @@ def test_emulated_head_major_cache_with_head_stride_2_30(be, page, mode, gen):
 def test_emulated_q_and_out_with_strides_past_2_31(be, splits, gen):
     """q and out as views whose batch stride is 2**31 + 64 elements (sequence 1 past 2**31 in both; lse's batch stride
     2**20 + 4): read and written through 64-bit products; the separate merge writes out through the same strides."""
-    x0 = make_inputs(2, 8, 2, 64, [140, 33], page_size=16, dtype=torch.bfloat16, generator=gen)
+    x0 = make_inputs(2, 4, 1, 64, [140, 33], page_size=16, dtype=torch.bfloat16, generator=gen)
 
     def strided(t, stride0, fill=None):
         buf = torch.empty(stride0 + t[0].numel(), dtype=t.dtype)
@@ -1004,10 +1083,11 @@ def test_emulated_out_rows_off_the_vector_grid(be, merge, gen):
 def test_emulated_window_wider_than_the_cache(be, mode, gen):
     """A sliding window at least the cache's capacity, up to 10**30 (any int the input validation allows), sees every
     position: outputs, lse and partial states equal the float64 reference without a window (the packing caps the
-    window at the capacity; a window just below it does restrict, and matches the reference with that window)."""
-    x0 = make_inputs(2, 8, 2, 64, [170, 33], q_len=2, page_size=16, dtype=torch.bfloat16, generator=gen)
+    window at the capacity; a window just below it does restrict, and matches the reference with that window).
+    (Group 4 x q_len 3: the windowed specializations of test_emulated_variants_match_reference.)"""
+    x0 = make_inputs(2, 4, 1, 64, [90, 33], q_len=3, page_size=16, dtype=torch.bfloat16, generator=gen)
     capacity = x0.block_table.shape[1] * 16
-    assert capacity == 176
+    assert capacity == 96
     for window in (capacity - 40, capacity, capacity + 1, 2**31, 10**30):
         x = dataclasses.replace(x0, window_left=window)
         ref_window = window if window < capacity else -1  # the reference cannot take 10**30 (int64 positions)
@@ -1058,7 +1138,7 @@ def test_emulated_offsets_past_2_31_elements(be, layout, mode, gen):
     single pass and split."""
     lens = [140, 23]
     kc, vc, bt = _fp8_cache_past_2_31(layout, lens, gen)
-    q = torch.randn(2, 1, 8, 128, generator=gen).to(torch.bfloat16)
+    q = torch.randn(2, 1, 4, 128, generator=gen).to(torch.bfloat16)  # group 4: FP8_CASES' specializations
     ks = (torch.rand(1, generator=gen) + 0.5).float()
     vs = (torch.rand(1, generator=gen) + 0.5).float()
     x = DecodeInputs(q, kc, vc, torch.tensor(lens, dtype=torch.int32), bt, 128 ** -0.5, k_scale=ks, v_scale=vs)
@@ -1071,7 +1151,7 @@ def test_emulated_block_table_rows_of_a_wider_table(be, mode, gen):
     """A block table whose rows are the first columns of a wider table (row stride 11 > 4 pages per sequence, the
     columns past them poisoned with out-of-range page ids) is read through its row stride; the same table's transposed
     storage (column stride > 1) and a strided seq_lens are refused naming the argument."""
-    x0 = make_inputs(3, 8, 2, 64, [50, 0, 33], page_size=16, dtype=torch.float16, generator=gen)
+    x0 = make_inputs(3, 4, 1, 64, [50, 0, 33], page_size=16, dtype=torch.float16, generator=gen)
     wide = torch.full((3, 11), 10**6, dtype=torch.int32)  # poison: a read of it would take the last page (clamped)
     wide[:, :4] = x0.block_table
     bt = wide[:, :4]
@@ -1106,7 +1186,7 @@ BAD_TABLE = [
 def _bad_table_inputs(page, head_dim, fp8, gen):
     """Inputs whose block table holds out-of-range entries in slots the sequences use (negative, -2**31, num_pages,
     past it, 2**31 - 1; the first, a middle and the last used slot) and in unused slots past the lengths."""
-    case = VariantCase((8, 2), head_dim, (150, 37, 0), q_len=2, page=page)
+    case = VariantCase((4, 1), head_dim, (150, 37, 0), q_len=2, page=page)
     x = _inputs(case, gen, fp8=fp8)
     num_pages = x.k_cache.shape[0]
     bt = x.block_table.clone()
@@ -1118,9 +1198,33 @@ def _bad_table_inputs(page, head_dim, fp8, gen):
     return dataclasses.replace(x, block_table=bt)
 
 
-@pytest.mark.parametrize("mode,page,head_dim,fp8,merge", BAD_TABLE,
-                         ids=[f"{m}-page{p}-d{d}{'-kvfp8' if f else ''}-{g}" for m, p, d, f, g in BAD_TABLE])
-def test_emulated_bad_block_table_entries_read_a_clamped_page(be, mode, page, head_dim, fp8, merge, gen):
+#: BAD_TABLE separate-merge entries whose single pass is in the full tier (id ``...-single``; their split of 3 units
+#: stays in the default run): the single pass and the partial kernel read the block table through the same copy.cuh
+#: paths, and the single pass meets bad entries on both modes' windows (the page-16 entries)
+BAD_SINGLE_FULL = {("split_k", 4, 64, False), ("mma", 4, 64, False), ("mma", 1, 128, False), ("mma", 16, 128, True)}
+
+
+def _bad_params():
+    """``(mode, page, head_dim, fp8, merge, splits)`` of every BAD_TABLE entry: the fused merge at 3 units, the
+    separate one at 1 and 3 (1 in the full tier for :data:`BAD_SINGLE_FULL`)."""
+    out = []
+    for m, p, d, f, g in BAD_TABLE:
+        pid = f"{m}-page{p}-d{d}{'-kvfp8' if f else ''}-{g}"
+        if g == "fused":
+            out.append(pytest.param(m, p, d, f, g, (3,), id=pid))
+        elif (m, p, d, f) in BAD_SINGLE_FULL:
+            out += [pytest.param(m, p, d, f, g, (3,), id=pid),
+                    pytest.param(m, p, d, f, g, (1,), id=f"{pid}-single", marks=pytest.mark.full)]
+        else:
+            out.append(pytest.param(m, p, d, f, g, (1, 3), id=pid))
+    return out
+
+
+BAD_PARAMS = _bad_params()
+
+
+@pytest.mark.parametrize("mode,page,head_dim,fp8,merge,splits", BAD_PARAMS)
+def test_emulated_bad_block_table_entries_read_a_clamped_page(be, mode, page, head_dim, fp8, merge, splits, gen):
     """Block-table entries outside [0, num_pages) in used slots: every page index the kernels load is clamped into
     [0, last_page] (negative -> page 0, too large -> the last page), as the reference clamps them, so the single pass,
     the partial kernel's units and states, the separate and the fused merge equal the reference on the same table, and
@@ -1147,8 +1251,8 @@ def test_emulated_bad_block_table_entries_read_a_clamped_page(be, mode, page, he
         assert_close_to_reference(out, ref, x.q.dtype, "out (fused merge)")
         assert_close_to_reference(lse, ref_lse, torch.float32, "lse (fused merge)")
         return
-    for splits in (1, 3):
-        plan = _plan(be, x, splits, mode)
+    for n in splits:
+        plan = _plan(be, x, n, mode)
         spec = be.spec_for("partial", plan)
         assert spec.mma == (mode == "mma") and spec.page_size == page
         _run_checked(be, x, plan, mode, fp8=fp8)
@@ -1202,7 +1306,9 @@ def _functions(asm: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("spec", [S.make_spec("partial", "bfloat16", 128, 4, 2, None, num_warps=4, mma=True, window=True),
-                                  S.merge_spec("float16", 64, 2)], ids=lambda s: s.name)
+                                  # the same -include on the merge kernel's build
+                                  pytest.param(S.merge_spec("float16", 64, 2), marks=pytest.mark.full)],
+                         ids=lambda s: s.name)
 def test_precompiled_standard_headers_are_used_and_change_no_function(spec, tmp_path):
     """The builds' ``-include`` of the precompiled standard headers: GCC loads the ``.gch`` (``-H`` marks it ``!``),
     and every function of the kernel's assembly is the one a build without it makes (only their order differs)."""
@@ -1223,13 +1329,16 @@ def test_precompiled_standard_headers_are_used_and_change_no_function(spec, tmp_
     assert len(theirs) > 50 and ours == theirs
 
 
-def _parametrized_specs(be) -> list:
-    """Every specialization the case-parametrized tests launch (same inputs and plans as the tests)."""
+def _parametrized_specs(be, full: bool = True) -> list:
+    """Every specialization the case-parametrized tests launch (same inputs and plans as the tests); without ``full``
+    not those of parameters in the full tier (they build their own when it runs them)."""
     g = torch.Generator().manual_seed(0)
     specs = [_probe_spec(*p) for p in PROBE_SPECS]
     specs = [dataclasses.replace(s, probe=True) for s in specs]
     for params, fp8 in ((CASE_PARAMS, False), (VARIANT_PARAMS, False), (FP8_PARAMS, True)):
         for param in params:
+            if not full and any(m.name == "full" for m in param.marks):
+                continue
             case, mode = param.values
             x = _inputs(case, g, fp8)
             for splits in case.splits:
@@ -1240,10 +1349,14 @@ def _parametrized_specs(be) -> list:
     for mode, case, fp8, options in FUSED:
         x = _inputs(case, g, fp8)
         specs.append(be.spec_for("partial", _plan(be, x, case.splits[0], mode, merge="fused", **options)))
-    specs += [S.merge_spec(dtype_name(DT[dt]), d, t) for dt, d, t in MERGE_TEAMS]
-    for mode, page, head_dim, fp8, merge in BAD_TABLE:
+    specs += [S.merge_spec(dtype_name(DT[dt]), d, t) for dt, d, t in MERGE_TEAMS
+              if full or (dt, d, t) not in MERGE_TEAMS_FULL]
+    for param in BAD_PARAMS:
+        if not full and any(m.name == "full" for m in param.marks):
+            continue
+        mode, page, head_dim, fp8, merge, bad_splits = param.values
         x = _bad_table_inputs(page, head_dim, fp8, g)
-        for splits in ((3,) if merge == "fused" else (1, 3)):
+        for splits in bad_splits:
             plan = _plan(be, x, splits, mode, merge=merge)
             specs.append(be.spec_for("partial", plan))
             if plan.merge == "separate":

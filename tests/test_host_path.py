@@ -104,10 +104,16 @@ def _emulated_cuda_ptx():
 CLAMP_BACKENDS = ["reference", *KERNELS, "cuda_ptx"]
 
 
-@pytest.mark.parametrize("backend", CLAMP_BACKENDS)
-@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("q_len", [1, 2])
-@pytest.mark.parametrize("how", ["single", "split", "capacity"])
+def _clamp_params():
+    """(how, q_len, page, backend): every combination, the kernel backends' q_len 2 of the single pass and the
+    capacity plan in the full tier (each path's clamp runs at q_len 1 on both layouts, and the clamped length's
+    q_len offset at q_len 2 in the split plan's kernels)."""
+    return [pytest.param(how, q, page, be, id=f"{how}-{q}-{'paged' if page else 'contiguous'}-{be}",
+                         marks=pytest.mark.full if be != "reference" and q == 2 and how != "split" else ())
+            for how in ("single", "split", "capacity") for q in (1, 2) for page in (None, 16) for be in CLAMP_BACKENDS]
+
+
+@pytest.mark.parametrize("how,q_len,page,backend", _clamp_params())
 def test_device_lengths_outside_the_capacity_are_clamped(backend, page, q_len, how, gen):
     """Lengths written into ``seq_lens`` after plan() (host lengths within the capacity) one past the capacity, at
     2^31 - 1 and negative are read clamped into [0, capacity] by every kernel: the output is the reference's on the
@@ -617,7 +623,7 @@ def test_decode_reuses_one_wrapper_per_signature(monkeypatch, gen):
     allocs = []
     real = Workspace.allocate
     monkeypatch.setattr(Workspace, "allocate", staticmethod(lambda plan, dev: allocs.append(1) or real(plan, dev)))
-    x = make_inputs(2, 8, 2, 32, [40, 7], page_size=16, dtype=torch.float32, generator=gen)
+    x = make_inputs(2, 2, 1, 32, [40, 7], page_size=16, dtype=torch.float32, generator=gen)
     args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     ref, _ = _ref(x)
     first = attnplan.decode(*args, backend=be, config=ctx, seq_lens_host=[40, 7], num_splits=2)
@@ -632,7 +638,7 @@ def test_decode_reuses_one_wrapper_per_signature(monkeypatch, gen):
     assert len(allocs) == 1 and ctx.cache.stats.hits >= 2
     # another signature, another wrapper; the pool stays bounded; release_wrappers empties it
     for b in range(1, attnplan.api.DECODE_WRAPPERS + 3):
-        y = make_inputs(b, 8, 2, 32, [5] * b, dtype=torch.float32, generator=gen)
+        y = make_inputs(b, 2, 1, 32, [5] * b, dtype=torch.float32, generator=gen)
         attnplan.decode(y.q, y.k_cache, y.v_cache, y.seq_lens, backend=be, config=ctx, seq_lens_host=[5] * b)
     assert len(ctx._wrappers) == attnplan.api.DECODE_WRAPPERS
     ctx.release_wrappers()

@@ -144,7 +144,7 @@ CASES = [
     ("triton", (16, 1), 16, (40, 3, 0), {}, 3),
     ("triton", (32, 2), 15, (37, 15), dict(window_left=9, soft_cap=20.0, sinks=True), 0),
     ("numba", (8, 1), 16, (40, 3, 0), {}, 3),
-    ("numba", (16, 2), 15, (37, 15), dict(window_left=9, soft_cap=20.0, sinks=True), 2),
+    ("numba", (8, 1), 15, (37, 15), dict(window_left=9, soft_cap=20.0, sinks=True), 2),
 ]
 
 
@@ -170,9 +170,15 @@ def _check(out, lse, x):
     assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
 
 
+#: CASES in the full tier: numba's plain case (query blocks of a plain problem on numba, lengths below q_len and 0:
+#: MORE's numba-g9-q16-plain, three launches; separate-merge reruns bitwise: numba's variants case)
+FULL_CASES = {("numba", (8, 1), 16)}
+
+
 @pytest.mark.parametrize("merge", ["separate", "fused"])
-@pytest.mark.parametrize("name, heads, q_len, lens, variants, splits", CASES,
-                         ids=[f"{c[0]}-g{c[1][0] // c[1][1]}-q{c[2]}" + "-variants" * bool(c[4]) for c in CASES])
+@pytest.mark.parametrize("name, heads, q_len, lens, variants, splits",
+                         [pytest.param(*c, id=f"{c[0]}-g{c[1][0] // c[1][1]}-q{c[2]}" + "-variants" * bool(c[4]),
+                                       marks=pytest.mark.full if c[:3] in FULL_CASES else ()) for c in CASES])
 def test_query_blocks_match_reference(name, heads, q_len, lens, variants, splits, merge):
     if name not in kernel_backends(DEVICE):
         pytest.skip(f"{name} unavailable on {DEVICE}")
@@ -244,11 +250,12 @@ def test_query_blocks_keep_one_launch_table_per_workspace():
     on the workspace object (triton) finds them again at every run instead of filling its table."""
     if "triton" not in kernel_backends(DEVICE):
         pytest.skip("triton unavailable")
-    x = _inputs((16, 1), 16, (20, 5), {})
-    w = attnplan.DecodeWrapper(backend="triton")
+    x = _inputs((16, 1), 9, (20, 5), {})  # 144 rows: launches of 8 and 1 queries
+    w = attnplan.DecodeWrapper(load_config(split={"merge": "fused"}), backend="triton")  # no merge kernel to run
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2)
+    assert len(plan.launches) == 2
     views = [w.workspace.launch(plan, j) for j in range(len(plan.launches))]
-    for _ in range(3):
+    for _ in range(2):
         w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     assert [w.workspace.launch(plan, j) for j in range(len(plan.launches))] == views
     assert all(a is b for a, b in zip(views, [w.workspace.launch(plan, j) for j in range(len(plan.launches))]))
@@ -260,15 +267,18 @@ def test_query_blocks_keep_one_launch_table_per_workspace():
 
 @pytest.mark.parametrize("name", ["triton", "cuda_ptx"])
 def test_a_plan_of_more_launches_than_the_table_keeps_its_constants(name):
-    """q_len 16 x 3 KV heads x 2 head blocks = 96 launches, more than a launch table's 64 entries: every launch's
+    """q_len 3 x 3 KV heads x 2 head blocks = 18 launches, more than the launch table's entries (cut from the default
+    64 to 16 on this fresh backend, so the plan stays small in the interpreter and the emulation): every launch's
     constants are found again at the next run (the table grows for the plan instead of being cleared mid-run)."""
     be = _head_block_backend(name, 4)
-    x = _inputs((15, 3), 16, (20,), {}, dtype=torch.float32)
+    assert be.launch_table_max == 64  # the default the cut stands in for
+    be.launch_table_max = 16
+    x = _inputs((15, 3), 3, (20,), {}, dtype=torch.float32)
     x = dataclasses.replace(x, **{f: getattr(x, f).to(DEVICE) for f in ("q", "k_cache", "v_cache", "seq_lens",
                                                                          "block_table")})
     ctx = Context.from_config(load_config(split={"merge": "separate"}, plan_cache={"enabled": False}))
     plan = plan_problem(problem_of(x), be, torch.device(DEVICE), ctx, num_splits=2)
-    assert len(plan.launches) == 96 > 64
+    assert len(plan.launches) == 18 > be.launch_table_max
     ws = poisoned_workspace(plan, torch.device(DEVICE))
     outs = []
     for _ in range(2):
@@ -292,12 +302,13 @@ def test_a_plan_of_more_launches_than_the_table_keeps_its_constants(name):
 #: head blocks (3 + 3, and 3 + 2: a smaller last block), over 2 KV heads (each launch's KV-head slice, its fp8 scales
 #: and sinks), with query blocks of one query and lengths below q_len and 0
 HEAD_CASES = [
-    ("triton", 4, (12, 2), 3, (40, 2, 0), {}, False, 3),
+    ("triton", 4, (12, 2), 2, (40, 1, 0), {}, False, 2),
     ("triton", 4, (10, 2), 2, (37, 15), dict(window_left=9, soft_cap=20.0, sinks=True), True, 2),
-    ("numba", 4, (12, 2), 3, (40, 2, 0), {}, False, 3),
+    ("numba", 4, (12, 2), 2, (40, 1, 0), {}, False, 2),
     ("numba", 4, (10, 2), 2, (37, 15), dict(window_left=9, soft_cap=20.0, sinks=True), True, 2),
     ("cuda_ptx", 4, (12, 2), 2, (40, 2, 0), dict(sinks=True), False, 3),
-    ("cuda_ptx", 4, (10, 2), 1, (37, 15), dict(window_left=9, soft_cap=20.0), True, 2),
+    # 3 + 3 (one emulated specialization per merge); cuda_ptx's smaller last block: Falcon-7B's below
+    ("cuda_ptx", 4, (12, 2), 1, (37, 15), dict(window_left=9, soft_cap=20.0), True, 2),
     ("cuda_ptx", None, (71, 1), 1, (33, 0), {}, False, 2),  # Falcon-7B's 71 query heads on one KV head: 36 + 35
 ]
 
@@ -318,10 +329,18 @@ def _head_block_backend(name: str, rows: int | None):
     return be
 
 
+#: HEAD_CASES in the full tier: numba's plain case (numba's head blocks: its variants case, blocks 3 + 2, and
+#: test_head_blocks_through_the_wrapper, 33 + 32 with a length 0; numba's launch lengths below q_len: MORE's numba
+#: cases; this case's lengths on head blocks: the triton and cuda_ptx plain cases)
+HEAD_FULL = {("numba", (12, 2))}
+
+
 @pytest.mark.parametrize("merge", ["separate", "fused"])
-@pytest.mark.parametrize("name, rows, heads, q_len, lens, variants, fp8, splits", HEAD_CASES,
-                         ids=[f"{c[0]}-g{c[2][0] // c[2][1]}x{c[2][1]}-q{c[3]}" + "-variants" * bool(c[5])
-                              + "-fp8" * c[6] for c in HEAD_CASES])
+@pytest.mark.parametrize("name, rows, heads, q_len, lens, variants, fp8, splits",
+                         [pytest.param(*c, id=f"{c[0]}-g{c[2][0] // c[2][1]}x{c[2][1]}-q{c[3]}"
+                                       + "-variants" * bool(c[5]) + "-fp8" * c[6],
+                                       marks=pytest.mark.full if (c[0], c[2]) in HEAD_FULL else ())
+                          for c in HEAD_CASES])
 def test_head_blocks_match_reference(name, rows, heads, q_len, lens, variants, fp8, splits, merge):
     be = _head_block_backend(name, rows)
     if merge not in be.merge_strategies:
@@ -388,13 +407,13 @@ def test_head_blocks_through_the_wrapper():
     of the launches, a rerun) against the reference; the plan says how it launches."""
     if "numba" not in kernel_backends(DEVICE):
         pytest.skip(f"numba unavailable on {DEVICE}")
-    x = _inputs((65, 1), 1, (21, 0, 5), dict(sinks=True))
+    x = _inputs((65, 1), 1, (21, 0), dict(sinks=True))
     x = dataclasses.replace(x, **{f: getattr(x, f).to(DEVICE) for f in ("q", "k_cache", "v_cache", "seq_lens",
                                                                           "block_table", "sinks")})
     w = attnplan.DecodeWrapper(load_config(plan_cache={"enabled": False}), backend="numba")
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2, sinks=x.sinks)
     assert (plan.head_block, len(plan.launches)) == (33, 2) and "GQA group of 65 query heads" in plan.explain()
-    for lens in ((21, 0, 5), (3, 21, 0)):
+    for lens in ((21, 0), (3, 21)):
         x.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], device=DEVICE))
         w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
@@ -404,8 +423,12 @@ def test_head_blocks_through_the_wrapper():
 
 # -- cuda_ptx: the kernel text in the host emulation ---------------------------------------------------------
 
-@pytest.mark.parametrize("mma", [False, True], ids=["split_k", "mma"])
-@pytest.mark.parametrize("merge", ["separate", "fused"])
+# both kernel modes and both merges, on the diagonal in the default run (the launches of the blocks are
+# Backend.run's whatever the kernel; each mode with each merge on plain launches: tests/test_cuda_ptx_emulation.py)
+@pytest.mark.parametrize("mma,merge", [pytest.param(False, "separate", id="separate-split_k"),
+                                       pytest.param(True, "separate", id="separate-mma", marks=pytest.mark.full),
+                                       pytest.param(False, "fused", id="fused-split_k", marks=pytest.mark.full),
+                                       pytest.param(True, "fused", id="fused-mma")])
 def test_cuda_ptx_query_blocks_in_emulation(mma, merge):
     """cuda_ptx holds 64 rows (32 with an fp8 cache at head_dim 128): group 8 x 16 queries goes in two launches of
     8; the emulated kernels (the real kernel text compiled for the CPU) against the reference, poisoned workspace."""
@@ -526,8 +549,9 @@ def test_blocked_wrapper_frees_its_workspace():
     if "triton" not in kernel_backends(DEVICE):
         pytest.skip("triton unavailable")
     be = get_backend("triton")
-    x = _inputs((64, 1), 6, (40, 3, 0), {})  # 384 rows: 3 launches of 2 queries x 64 heads
-    w = attnplan.DecodeWrapper(backend="triton")
+    x = _inputs((64, 1), 5, (20, 3), {})  # 320 rows: 3 launches of 2, 2 and 1 queries x 64 heads
+    # the fused merge: no merge kernel of 640 rows in the interpreter (the table holds the same launches either way)
+    w = attnplan.DecodeWrapper(load_config(split={"merge": "fused"}), backend="triton")
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=3)
     assert len(plan.launches) == 3
     w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
@@ -594,16 +618,22 @@ def test_plan_file_edited_to_misfit_its_backend_is_rebuilt(tmp_path, field, valu
 #: more shapes: uneven blocks with a short last one (group 9: 7 + 7 + 2 queries on numba), one query per launch
 #: (group 64), window 0 and a window past the cache, a dominating sink and a -inf one, an fp8 cache
 MORE = [
-    ("numba", (18, 2), 16, (40, 3, 0, 16), {}, torch.float16, 3),
+    ("numba", (9, 1), 16, (40, 3, 0, 16), {}, torch.float16, 3),
     ("numba", (64, 1), 4, (33, 2), dict(window_left=0, sinks=True), torch.bfloat16, 4),
-    ("triton", (36, 2), 16, (40, 16, 1), dict(window_left=1000, soft_cap=5.0, sinks=True), torch.float16, 3),
+    ("triton", (18, 1), 16, (40, 16, 1), dict(window_left=1000, soft_cap=5.0, sinks=True), torch.float16, 3),
     ("triton", (16, 1), 16, (37, 5), dict(fp8=True), torch.bfloat16, 2),
     ("numba", (16, 2), 16, (37, 5), dict(fp8=True, window_left=7), torch.float16, 2),
 ]
 
 
-@pytest.mark.parametrize("name, heads, q_len, lens, variants, dtype, launches", MORE,
-                         ids=[f"{c[0]}-g{c[1][0] // c[1][1]}-q{c[2]}-{'-'.join(c[4]) or 'plain'}" for c in MORE])
+#: MORE in the full tier: numba's fp8 + window case (an fp8 cache with query blocks: triton's fp8 case; fp8 + window on
+#: numba's launches of one query over 2 KV heads: HEAD_CASES' numba variants case)
+MORE_FULL = {("numba", (16, 2))}
+
+
+@pytest.mark.parametrize("name, heads, q_len, lens, variants, dtype, launches",
+                         [pytest.param(*c, id=f"{c[0]}-g{c[1][0] // c[1][1]}-q{c[2]}-{'-'.join(c[4]) or 'plain'}",
+                                       marks=pytest.mark.full if c[:2] in MORE_FULL else ()) for c in MORE])
 def test_more_query_block_shapes_match_reference(name, heads, q_len, lens, variants, dtype, launches):
     if name not in kernel_backends(DEVICE):
         pytest.skip(f"{name} unavailable on {DEVICE}")
@@ -637,7 +667,7 @@ def test_query_blocks_through_decode_and_the_op():
 
     if "triton" not in kernel_backends(DEVICE):
         pytest.skip("triton unavailable")
-    x = _inputs((16, 1), 16, (40, 17), {})
+    x = _inputs((16, 1), 9, (40, 17), {})  # 144 rows: launches of 8 and 1 queries
     ref, _ = _reference(x)
     for lens_host in (None, [40, 17]):
         out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend="triton",
@@ -664,7 +694,9 @@ def test_capacity_plan_with_blocks_on_numba_and_cuda_ptx(name):
             pytest.skip("no C++ compiler for the host emulation")
         be, merge = emulate.EmulatedCudaPtxBackend(), "fused"
     dev = torch.device(DEVICE) if name == "numba" else CPU
-    x = _inputs((8, 1), 16, (64, 64), dict(sinks=True), dtype=torch.bfloat16, capacity=64, device=dev)
+    # launches of 8 queries: 8 + 1 on numba, 8 + 8 on cuda_ptx (one emulated specialization for both)
+    q_len = 9 if name == "numba" else 16
+    x = _inputs((8, 1), q_len, (64, 64), dict(sinks=True), dtype=torch.bfloat16, capacity=64, device=dev)
     prob = dataclasses.replace(problem_of(x), max_kv_len=64, total_kv_len=128, capacity=64)
     plan = plan_problem(prob, be, dev, Context.from_config(load_config(split={"merge": merge})), capacity_mode=True)
     assert plan.q_block == 8 and plan.merge == merge

@@ -55,13 +55,21 @@ def _run(backend, x, dtype, splits, *, window=-1, cap=0.0, sinks=None, fp8=None,
     return out, ref
 
 
-GQA = [(4, 4), (8, 2), (7, 1), (8, 1), (16, 1)]  # group sizes 1, 4, 7, 8, 16
+GQA = [(2, 2), (8, 2), (7, 1), (8, 1), (16, 1)]  # group sizes 1, 4, 7, 8, 16
+
+
+#: the groups that run each variant on a paged cache in the default run (every group does on a contiguous one): the
+#: variants act on the scores and values after the KV load, whose paged addressing is the same for every group; the
+#: other groups' paged params are in the full tier
+PAGED_GQA = {(8, 2), (7, 1)}
 
 
 def _grid(extra):
     out = []
     for be, (hq, hkv), page in itertools.product(BACKENDS, GQA, [None, 16]):
-        out.append(pytest.param(be, hq, hkv, page, id=f"{be}-{hq}x{hkv}-{'paged16' if page else 'contig'}-{extra}"))
+        full = page is not None and (hq, hkv) not in PAGED_GQA
+        out.append(pytest.param(be, hq, hkv, page, id=f"{be}-{hq}x{hkv}-{'paged16' if page else 'contig'}-{extra}",
+                                marks=pytest.mark.full if full else ()))
     return out
 
 
@@ -195,7 +203,7 @@ def test_softcap_overflow(backend, gen):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 112, 128, 192, 256])
 def test_head_dims(backend, head_dim, gen):
-    x = make_inputs(2, 8, 2, head_dim, [19, 1], page_size=16, device=DEVICE, generator=gen)
+    x = make_inputs(2, 4, 1, head_dim, [19, 1], page_size=16, device=DEVICE, generator=gen)
     _run(backend, x, torch.float16, 2)
 
 
@@ -203,7 +211,7 @@ def test_head_dims(backend, head_dim, gen):
 @pytest.mark.parametrize("page", [1, 16, 32, 64])
 def test_page_sizes_and_boundaries(backend, page, gen):
     lens = [page, page + 1, page - 1 if page > 1 else 0, 2 * page]
-    x = make_inputs(4, 8, 2, 32, lens, q_len=3, page_size=page, device=DEVICE, generator=gen)
+    x = make_inputs(4, 4, 1, 32, lens, q_len=3, page_size=page, device=DEVICE, generator=gen)
     _run(backend, x, torch.float16, 2)
 
 
