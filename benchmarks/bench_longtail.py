@@ -125,7 +125,10 @@ def scaled_plan(w, scale: float) -> None:
     w.plan_ = dataclasses.replace(plan, schedule=sched)
     w.plan_.validate(p)
     w.workspace = Workspace.allocate(w.plan_, w.workspace.targets.device)
-    w._bound_to, w._launcher = (), None  # the backend's bound launch holds the old plan and workspace: drop it
+    # the backend's bound launch and run()'s one-pass check (its launch tuple) hold the old plan and workspace: drop
+    # both, so run() takes its full path with this plan
+    w._bound_to, w._launcher = (), None
+    w._fast = w._fast_made = w._fast_src = None
 
 
 def graph_time(step, iters: int) -> float:

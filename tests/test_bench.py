@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from attnplan import reference
-from attnplan.testing import make_inputs
+from attnplan.testing import assert_close_to_reference, make_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_decode as bd  # noqa: E402
@@ -215,3 +216,35 @@ def test_environment_records_the_commit_it_is_told(monkeypatch):
     monkeypatch.delenv("ATTNPLAN_COMMIT")
     got = bd.environment()["commit"]
     assert got != "abc1234" and (got is None or len(got.split("+")[0]) >= 7)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_longtail_rescaled_plan_is_the_plan_that_runs(backend, gen, monkeypatch):
+    """``bench_longtail.scaled_plan`` swaps a planned and run wrapper's capacity plan for one with its long-tailed
+    targets scaled: the next run() launches that plan (not the bound launch or the one-pass check's launch tuple of
+    the old one, which had made every rescaled timing the old plan's)."""
+    if backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton on CPU needs TRITON_INTERPRET=1")
+    import attnplan
+    import bench_longtail as bl
+    from attnplan import load_config
+    from attnplan.schedule import NUM_BUCKETS
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = make_inputs(4, 4, 1, 32, [600, 3, 0, 9], page_size=16, dtype=torch.float32, device=dev, generator=gen,
+                    capacity=1024)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    w = attnplan.DecodeWrapper(load_config(plan_cache={"enabled": False}), backend=backend)
+    old = w.plan(*args, capacity=True)
+    w.run(*args)  # binds the launch and makes the one-pass check
+    bl.scaled_plan(w, 2.0)
+    tail, old_tail = w.plan_.schedule.targets[NUM_BUCKETS:], old.schedule.targets[NUM_BUCKETS:]
+    assert any(old_tail) and tail == tuple(2 * t for t in old_tail)
+    seen = []
+    real = type(w.backend).run
+    monkeypatch.setattr(type(w.backend), "run",
+                        lambda self, plan, *a, **k: seen.append(plan) or real(self, plan, *a, **k))
+    out = w.run(*args).clone()
+    assert len(seen) == 1 and seen[0] is w.plan_ and seen[0] is not old
+    ref, _ = reference.attention(*args, x.sm_scale)
+    assert_close_to_reference(out, ref, torch.float32)
