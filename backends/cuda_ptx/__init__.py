@@ -31,9 +31,10 @@ there):
   warp-shuffle max / sum, unrolled o loads; launched with PDL on sm_90+) merges the row's slots in slot order.
   Deterministic. With few rows and many units one team of threads per row is latency bound (H200, CUPTI: 8 rows x
   128 splits took 9.3 us, 8 dependent round trips of 16 splits' o rows per CTA), so the CTA then holds several
-  merge teams (:func:`~.spec.merge_teams` of the plan's most units per sequence: 1 when the rows fill the SMs or
-  16 units hold them all, else up to 8), each merging a contiguous range of the units, combined through shared
-  memory in team order (still deterministic for a given team count).
+  merge teams (:func:`~.spec.merge_teams` of the plan's most units per sequence: 1 when the rows that may hold
+  many units fill the SMs or 16 units hold them all, else up to 8; :meth:`CudaPtxBackend.merge_teams_for`), each
+  merging a contiguous range of the units, combined through shared memory in team order (still deterministic for
+  a given team count); a row of at most 16 units is merged by one team.
 * ``fused``: one launch. Every unit of a sequence with several writes its state, fences it (``__threadfence``),
   gathers at a barrier, and one thread counts the program in its (sequence, KV head)'s completion counter with an
   ``atom.acq_rel.gpu`` add; the program that brings it to the sequence's units (the others have released their
@@ -354,12 +355,22 @@ class CudaPtxBackend(Backend):
     @staticmethod
     def merge_teams_for(plan: SplitPlan, device: torch.device | None = None) -> int:
         """Merge teams per merge-kernel CTA for ``plan`` (:func:`~.spec.merge_teams`, where the rule and the
-        measurement behind it are): the plan's rows ``batch x q_len x num_q_heads``, the most units one row may
-        have (``plan.schedule.max_units_per_seq``) and the SM count of ``device`` (:func:`attnplan.device.device_info`;
-        the plan's device fingerprint when ``device`` is None). E.g. batch 1, 8 query heads, up to 128 units per
-        sequence on an H200 (132 SMs): 8; batch 32 (256 rows): 1."""
+        measurement behind it are): the rows that may each hold many units, the most units one row may have
+        (``plan.schedule.max_units_per_seq``) and the SM count of ``device`` (:func:`attnplan.device.device_info`;
+        the plan's device fingerprint when ``device`` is None).
+
+        The rows are the plan's ``batch x q_len x num_q_heads`` for a forced split count (every sequence gets
+        about the same units), but one sequence's ``q_len x num_q_heads`` for a schedule that sizes units from the
+        lengths (``balanced``, ``batch_invariant``): there one long sequence among short ones gets most of the units
+        while its batchmates' rows have one (their CTAs exit), so its few rows walk their units alone whatever the
+        batch (one team: one dependent round trip per 16 units). A row of at most 16 units is merged by one team
+        whatever the count (the others exit). E.g. a forced 128 splits at batch 1 with 8 query heads on an H200
+        (132 SMs): 8; at batch 32 (256 rows): 1; a capacity plan of 8 query heads (up to 256 units per sequence):
+        8 at any batch."""
         p = plan.problem
-        rows = p.batch * p.q_len * p.num_q_heads
+        rows = p.q_len * p.num_q_heads
+        if plan.schedule.policy not in ("balanced", "batch_invariant"):
+            rows *= p.batch
         sm_count = device_info(device).sm_count if device is not None else plan.device.sm_count
         return merge_teams(rows, plan.schedule.max_units_per_seq, sm_count)
 
