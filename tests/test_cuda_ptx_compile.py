@@ -504,14 +504,17 @@ def test_backend_merge_teams_from_plan():
     assert be.merge_teams_for(plan(1, 2, 128, q_len=3)) == 8  # 6 rows (q_len counts)
     assert be.merge_teams_for(dataclasses.replace(few, device=few.device._replace(sm_count=4))) == 1
     # schedules that size units from the lengths: one long sequence's rows may hold most units whatever the batch,
-    # so the rows that count are one sequence's (4 here), not the batch's 16 that fill the 8 SMs
-    prob = DecodeProblem(4, 4, 1, 128, 1, 16, "bfloat16", "bfloat16", 4096, 4096 * 4)
-    kc = be.kernel_config(prob, {}, torch.device("cpu"))
-    for split in ({"merge": "separate"}, {"merge": "separate", "batch_invariant": True}):
-        p = make_plan(prob, CPU_STANDIN, load_config(split=split), "cuda_ptx", kc, capacity_mode=True)
-        s = p.schedule
-        assert s.policy in ("balanced", "batch_invariant") and p.merge == "separate" and s.max_units_per_seq > 64
-        assert be.merge_teams_for(p) == 8 == S.merge_teams(4, s.max_units_per_seq, 8) != S.merge_teams(16, 65, 8)
+    # so the rows that count are one sequence's (4 here), not the batch's 16 that fill the 8 SMs, while the batch's
+    # 8-team CTAs (256 threads at head_dim 128) are resident at once: 2,048 x 8 / 256 = 64 rows; past it the batch's
+    for batch, teams in ((4, 8), (16, 8), (17, 1)):
+        prob = DecodeProblem(batch, 4, 1, 128, 1, 16, "bfloat16", "bfloat16", 4096, 4096 * batch)
+        kc = be.kernel_config(prob, {}, torch.device("cpu"))
+        for split in ({"merge": "separate"}, {"merge": "separate", "batch_invariant": True}):
+            p = make_plan(prob, CPU_STANDIN, load_config(split=split), "cuda_ptx", kc, capacity_mode=True)
+            s = p.schedule
+            assert s.policy in ("balanced", "batch_invariant") and p.merge == "separate" and s.max_units_per_seq > 64
+            assert be.merge_teams_for(p) == teams, (batch, split)
+    assert S.merge_spec("bfloat16", 128, 8).threads == 256
     forced = plan(4, 4, 128)  # 16 rows of a forced count: they fill the SMs
     assert forced.schedule.policy == "forced" and be.merge_teams_for(forced) == 1
 

@@ -34,7 +34,7 @@ there):
   merge teams (:func:`~.spec.merge_teams` of the plan's most units per sequence: 1 when the rows that may hold
   many units fill the SMs or 16 units hold them all, else up to 8; :meth:`CudaPtxBackend.merge_teams_for`), each
   merging a contiguous range of the units, combined through shared memory in team order (still deterministic for
-  a given team count); a row of at most 16 units is merged by one team.
+  a given team count).
 * ``fused``: one launch. Every unit of a sequence with several writes its state, fences it (``__threadfence``),
   gathers at a barrier, and one thread counts the program in its (sequence, KV head)'s completion counter with an
   ``atom.acq_rel.gpu`` add; the program that brings it to the sequence's units (the others have released their
@@ -137,8 +137,8 @@ from .nvrtc import CompileCache, Compiled, select_target
 from .runtime import DeviceRuntime
 from .source import kernel_program
 from .spec import (
-    FP8, KernelSpec, make_spec, max_rows, merge_launch_config, merge_spec, merge_teams, mma_unsupported,
-    partial_launch_config,
+    FP8, MAX_MERGE_TEAMS, KernelSpec, make_spec, max_rows, merge_launch_config, merge_spec, merge_teams,
+    mma_unsupported, partial_launch_config,
 )
 
 __all__ = ["CudaPtxBackend", "BoundLaunch", "CudaPtxError", "NvrtcError", "DriverError", "KernelSpec", "CompileCache"]
@@ -167,6 +167,11 @@ class _Launch:
     (separate merge only) and whether it launches with PDL."""
 
     __slots__ = ("plan", "workspace", "spec", "cfg", "sched", "pdl", "merge_spec", "merge_cfg")
+
+
+#: resident threads per SM that bound the merge grid of 8-team CTAs :meth:`CudaPtxBackend.merge_teams_for` accepts
+#: for one sequence's rows (sm_80 and sm_90; sm_86 and sm_89 hold 1,536, where the bound is a third too high)
+MERGE_THREADS_PER_SM = 2048
 
 
 class CudaPtxBackend(Backend):
@@ -359,19 +364,22 @@ class CudaPtxBackend(Backend):
         (``plan.schedule.max_units_per_seq``) and the SM count of ``device`` (:func:`attnplan.device.device_info`;
         the plan's device fingerprint when ``device`` is None).
 
-        The rows are the plan's ``batch x q_len x num_q_heads`` for a forced split count (every sequence gets
-        about the same units), but one sequence's ``q_len x num_q_heads`` for a schedule that sizes units from the
-        lengths (``balanced``, ``batch_invariant``): there one long sequence among short ones gets most of the units
-        while its batchmates' rows have one (their CTAs exit), so its few rows walk their units alone whatever the
-        batch (one team: one dependent round trip per 16 units). A row of at most 16 units is merged by one team
-        whatever the count (the others exit). E.g. a forced 128 splits at batch 1 with 8 query heads on an H200
-        (132 SMs): 8; at batch 32 (256 rows): 1; a capacity plan of 8 query heads (up to 256 units per sequence):
-        8 at any batch."""
+        The rows are the plan's ``batch x q_len x num_q_heads``, except for a schedule that sizes units from the
+        lengths (``balanced``, ``batch_invariant``) whose merge grid of 8-team CTAs is resident at once
+        (:data:`MERGE_THREADS_PER_SM` threads per SM): there one sequence's ``q_len x num_q_heads``. In such a
+        schedule one long sequence among short ones gets most of the units while its batchmates' rows have one (their
+        CTAs exit at once), so its few rows would walk their units with one team whatever the batch (one dependent
+        round trip per 16 units: H100, 8/1/128, 64 sequences, one 128K sequence's 171 units, the step 57.0 -> 50.3 us
+        with 8 teams). Past one resident wave the 8-team CTAs cost more than they save (the same change at 2,048-4,096
+        rows: 0.4-1.7% slower steps), and the batch's rows decide. E.g. a forced 128 splits at batch 1 with 8 query
+        heads on an H200 (132 SMs): 8; at batch 32 (256 rows): 1; a capacity plan of 8 query heads and head_dim 128 (up
+        to 256 units per sequence): 8 up to batch 132, 1 beyond."""
         p = plan.problem
-        rows = p.q_len * p.num_q_heads
-        if plan.schedule.policy not in ("balanced", "batch_invariant"):
-            rows *= p.batch
+        rows = p.batch * p.q_len * p.num_q_heads
         sm_count = device_info(device).sm_count if device is not None else plan.device.sm_count
+        if plan.schedule.policy in ("balanced", "batch_invariant") and \
+                rows * merge_spec(p.q_dtype, p.head_dim, MAX_MERGE_TEAMS).threads <= MERGE_THREADS_PER_SM * sm_count:
+            rows = p.q_len * p.num_q_heads
         return merge_teams(rows, plan.schedule.max_units_per_seq, sm_count)
 
     def compile(self, spec: KernelSpec, compute_capability: tuple[int, int] = (9, 0)) -> Compiled:

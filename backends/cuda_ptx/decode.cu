@@ -56,8 +56,7 @@
 // at most one unit exits (the partial kernel wrote it). MERGE_TEAMS teams of TEAM_THREADS threads.
 // Launched with programmatic dependent launch after the partial kernel: it waits for the partial grid (and so for
 // meta) first.
-// One team (MERGE_TEAMS 1), and team 0 alone for a row of at most MERGE_CHUNK units (one round trip; the other
-// teams exit), merges the row with merge_row: no shared memory, no barrier. Several teams (2, 4 or 8:
+// One team (MERGE_TEAMS 1) merges the row with merge_row: no shared memory, no barrier. Several teams (2, 4 or 8:
 // the host's merge_teams, for few rows of many splits, where one team walks ceil(n / MERGE_CHUNK) dependent memory
 // round trips; H200, CUPTI: batch 1, 1 KV head, 8 query heads = 8 rows, 128 splits: 9.3 us, 8 round trips per
 // CTA): team k merges the contiguous splits [k per, min(n, (k + 1) per)) of the row's n, per = ceil(n / MERGE_TEAMS)
@@ -93,11 +92,6 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, const
     if constexpr (MERGE_TEAMS == 1) {
         merge_row<TEAM_THREADS, MERGE_CHUNK, false>(lr, l_ss, orow, o_ss, units, sink, outp, olp, threadIdx.x);
     } else {  // several teams per row: ranges of the splits, combined in team order
-        if (units <= MERGE_CHUNK) {  // one chunk: team 0 alone, as the one-team kernel (no shared memory, no barrier)
-            if (threadIdx.x < TEAM_THREADS)
-                merge_row<TEAM_THREADS, MERGE_CHUNK, false>(lr, l_ss, orow, o_ss, units, sink, outp, olp, threadIdx.x);
-            return;
-        }
         ATTNPLAN_DYNAMIC_SMEM(smem);
         float *sm_a = reinterpret_cast<float *>(smem);  // [MERGE_TEAMS][HEAD_DIM]
         float *sm_m = sm_a + MERGE_TEAMS * HEAD_DIM, *sm_tot = sm_m + MERGE_TEAMS;
