@@ -395,8 +395,9 @@ def cpu_stages(be: str, calls: int, hq: int, hkv: int, d: int, kv: int) -> list[
     if be == "cuda_ptx" and bound is not None:  # the driver's calls stubbed (cuda_ptx_cpu_stand_in)
         inputs = DecodeInputs(*args, w._sm_scale, **w._variant)
         rows.append(("run(), bound launch (driver stubbed)", per_call_cpu_us(lambda: w.run(*args, out=out), calls)))
-        # run()'s full path without the bound launch: the one-pass check's launch tuple holds it too
-        fast, w._fast, w._launcher = w._fast, None, None
+        # run() without the bound launch: the one-pass check made again without it (its launch tuple held it)
+        fast, w._launcher = w._fast, None
+        w._fast = w._make_fast()
         rows.append(("run(), unbound: backend.run (driver stubbed)",
                      per_call_cpu_us(lambda: w.run(*args, out=out), calls)))
         w._fast, w._launcher = fast, bound

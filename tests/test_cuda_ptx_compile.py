@@ -504,17 +504,20 @@ def test_backend_merge_teams_from_plan():
     assert be.merge_teams_for(plan(1, 2, 128, q_len=3)) == 8  # 6 rows (q_len counts)
     assert be.merge_teams_for(dataclasses.replace(few, device=few.device._replace(sm_count=4))) == 1
     # schedules that size units from the lengths: one long sequence's rows may hold most units whatever the batch,
-    # so the rows that count are one sequence's (4 here), not the batch's 16 that fill the 8 SMs, while the batch's
-    # 8-team CTAs (256 threads at head_dim 128) are resident at once: 2,048 x 8 / 256 = 64 rows; past it the batch's
-    for batch, teams in ((4, 8), (16, 8), (17, 1)):
-        prob = DecodeProblem(batch, 4, 1, 128, 1, 16, "bfloat16", "bfloat16", 4096, 4096 * batch)
+    # so the rows that count are one sequence's (q heads x q_len: 4 here), not the batch's that fill the 8 SMs, while
+    # the batch's 8-team CTAs stay within MERGE_THREADS_PER_SM (1,024) threads per SM: 1,024 x 8 = 8,192 threads,
+    # i.e. 32 rows of 256 threads (head_dim 128) or 16 rows of 512 (head_dim 256); past that the batch's rows decide
+    assert S.merge_spec("bfloat16", 128, 8).threads == 256 and S.merge_spec("bfloat16", 256, 8).threads == 512
+    for batch, heads, q_len, head_dim, teams in ((2, 4, 1, 128, 8), (8, 4, 1, 128, 8), (9, 4, 1, 128, 1),
+                                                 (8, 2, 2, 128, 8), (9, 2, 2, 128, 1), (4, 4, 1, 256, 8),
+                                                 (5, 4, 1, 256, 1)):
+        prob = DecodeProblem(batch, heads, 1, head_dim, q_len, 16, "bfloat16", "bfloat16", 4096, 4096 * batch)
         kc = be.kernel_config(prob, {}, torch.device("cpu"))
         for split in ({"merge": "separate"}, {"merge": "separate", "batch_invariant": True}):
             p = make_plan(prob, CPU_STANDIN, load_config(split=split), "cuda_ptx", kc, capacity_mode=True)
             s = p.schedule
             assert s.policy in ("balanced", "batch_invariant") and p.merge == "separate" and s.max_units_per_seq > 64
-            assert be.merge_teams_for(p) == teams, (batch, split)
-    assert S.merge_spec("bfloat16", 128, 8).threads == 256
+            assert be.merge_teams_for(p) == teams, (batch, heads, q_len, head_dim, split)
     forced = plan(4, 4, 128)  # 16 rows of a forced count: they fill the SMs
     assert forced.schedule.policy == "forced" and be.merge_teams_for(forced) == 1
 

@@ -229,9 +229,6 @@ FULL_TIER = {
     "bf16-gqa4-4x1-paged16-d32-q1-len40-mma",
     # 16 rows on tensor cores (2 n8-tiles): MMA_CASES' fp16 d96 group 8 x q_len 2; d32 on tensor cores: as above
     "bf16-gqa16-16x1-contig-d32-q1-len300-mma",
-    # window 0 (a query sees only itself): the split_k param; the window on tensor cores: the window cases' mma params
-    # (q_len 3 paged, window + soft-cap + sinks, the head_dim 128 tensor-core case)
-    "bf16-gqa8-8x1-contig-d128-q1-len270_9-w0-mma",
     # sinks on tensor cores: the window + soft-cap + sinks mma param and the fused merge's mma cases (specializations
     # shared with test_emulated_kernels_match_reference's fp16 paged 16 mma case)
     "fp16-gqa4-8x2-paged16-d64-q1-len160_0-sinks-mma",

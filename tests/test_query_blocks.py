@@ -307,8 +307,10 @@ HEAD_CASES = [
     ("numba", 4, (12, 2), 2, (40, 1, 0), {}, False, 2),
     ("numba", 4, (10, 2), 2, (37, 15), dict(window_left=9, soft_cap=20.0, sinks=True), True, 2),
     ("cuda_ptx", 4, (12, 2), 2, (40, 2, 0), dict(sinks=True), False, 3),
-    # 3 + 3 (one emulated specialization per merge); cuda_ptx's smaller last block: Falcon-7B's below
+    # 3 + 3 (one emulated specialization per merge); the smaller last block (3 + 2) with these variants in the full
+    # tier (a plain smaller last block: Falcon-7B's below)
     ("cuda_ptx", 4, (12, 2), 1, (37, 15), dict(window_left=9, soft_cap=20.0), True, 2),
+    ("cuda_ptx", 4, (10, 2), 1, (37, 15), dict(window_left=9, soft_cap=20.0), True, 2),
     ("cuda_ptx", None, (71, 1), 1, (33, 0), {}, False, 2),  # Falcon-7B's 71 query heads on one KV head: 36 + 35
 ]
 
@@ -331,8 +333,9 @@ def _head_block_backend(name: str, rows: int | None):
 
 #: HEAD_CASES in the full tier: numba's plain case (numba's head blocks: its variants case, blocks 3 + 2, and
 #: test_head_blocks_through_the_wrapper, 33 + 32 with a length 0; numba's launch lengths below q_len: MORE's numba
-#: cases; this case's lengths on head blocks: the triton and cuda_ptx plain cases)
-HEAD_FULL = {("numba", (12, 2))}
+#: cases; this case's lengths on head blocks: the triton and cuda_ptx plain cases), and cuda_ptx's variants case of a
+#: smaller last block (its 3 + 3 case and Falcon-7B's 36 + 35 in the default run)
+HEAD_FULL = {("numba", (12, 2)), ("cuda_ptx", (10, 2))}
 
 
 @pytest.mark.parametrize("merge", ["separate", "fused"])

@@ -169,9 +169,13 @@ class _Launch:
     __slots__ = ("plan", "workspace", "spec", "cfg", "sched", "pdl", "merge_spec", "merge_cfg")
 
 
-#: resident threads per SM that bound the merge grid of 8-team CTAs :meth:`CudaPtxBackend.merge_teams_for` accepts
-#: for one sequence's rows (sm_80 and sm_90; sm_86 and sm_89 hold 1,536, where the bound is a third too high)
-MERGE_THREADS_PER_SM = 2048
+#: threads per SM of 8-team merge CTAs (the batch's rows x the CTA's threads, over the SMs) up to which
+#: :meth:`CudaPtxBackend.merge_teams_for` counts one sequence's rows: an empirical bound from long-tailed capacity
+#: plans on an H100 (132 SMs, head_dim 128: 256 threads a CTA): 256-512 rows (up to ~1,000 threads per SM) up to 12%
+#: faster or level; 1,024 rows (~2,000) 0-0.6% slower; 2,048-4,096 rows 0.4-1.7% slower. Not an occupancy limit: the
+#: 8-team CTA at head_dim 128 takes 124 registers a thread (ptxas, sm_90), so two are resident per SM and larger grids
+#: run in waves of CTAs that mostly exit.
+MERGE_THREADS_PER_SM = 1024
 
 
 class CudaPtxBackend(Backend):
@@ -365,15 +369,15 @@ class CudaPtxBackend(Backend):
         the plan's device fingerprint when ``device`` is None).
 
         The rows are the plan's ``batch x q_len x num_q_heads``, except for a schedule that sizes units from the
-        lengths (``balanced``, ``batch_invariant``) whose merge grid of 8-team CTAs is resident at once
-        (:data:`MERGE_THREADS_PER_SM` threads per SM): there one sequence's ``q_len x num_q_heads``. In such a
+        lengths (``balanced``, ``batch_invariant``) whose merge grid of 8-team CTAs stays within
+        :data:`MERGE_THREADS_PER_SM` threads per SM: there one sequence's ``q_len x num_q_heads``. In such a
         schedule one long sequence among short ones gets most of the units while its batchmates' rows have one (their
         CTAs exit at once), so its few rows would walk their units with one team whatever the batch (one dependent
         round trip per 16 units: H100, 8/1/128, 64 sequences, one 128K sequence's 171 units, the step 57.0 -> 50.3 us
-        with 8 teams). Past one resident wave the 8-team CTAs cost more than they save (the same change at 2,048-4,096
-        rows: 0.4-1.7% slower steps), and the batch's rows decide. E.g. a forced 128 splits at batch 1 with 8 query
+        with 8 teams). In larger grids the 8-team CTAs cost more than they save (the same change at 2,048-4,096 rows:
+        0.4-1.7% slower steps), and the batch's rows decide. E.g. a forced 128 splits at batch 1 with 8 query
         heads on an H200 (132 SMs): 8; at batch 32 (256 rows): 1; a capacity plan of 8 query heads and head_dim 128 (up
-        to 256 units per sequence): 8 up to batch 132, 1 beyond."""
+        to 256 units per sequence): 8 up to batch 66, 1 beyond."""
         p = plan.problem
         rows = p.batch * p.q_len * p.num_q_heads
         sm_count = device_info(device).sm_count if device is not None else plan.device.sm_count
