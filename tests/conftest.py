@@ -38,8 +38,13 @@ def pytest_addoption(parser):
                      help="also run the tests marked full (the default on a machine with a CUDA GPU)")
 
 
+def full_tier(config) -> bool:
+    """Whether this run includes the tests marked ``full`` (a GPU machine, ``--full`` or ATTNPLAN_FULL_TESTS=1)."""
+    return HAS_CUDA or FULL_ENV or config.getoption("--full")
+
+
 def pytest_collection_modifyitems(config, items):
-    full = HAS_CUDA or FULL_ENV or config.getoption("--full")
+    full = full_tier(config)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_full = pytest.mark.skip(reason="full tier: a variant of a path the default run checks (--full runs it)")
     for item in items:

@@ -44,7 +44,7 @@ from attnplan.state import PartialState, merge_states
 from attnplan.testing import (DecodeCase, assert_close_to_reference, assert_probe_matches, make_inputs, poison,
                               poisoned_workspace, problem_of)
 
-from conftest import FULL_ENV, HAS_CUDA
+from conftest import full_tier
 
 emulate = pytest.importorskip("attnplan.backends.cuda_ptx.emulate")
 from attnplan.backends.cuda_ptx import spec as S  # noqa: E402 (after the import check)
@@ -60,8 +60,7 @@ MODES = {"mma": True, "split_k": False}
 @pytest.fixture(scope="module")
 def be(request):
     b = emulate.EmulatedCudaPtxBackend()
-    full = HAS_CUDA or FULL_ENV or request.config.getoption("--full")  # conftest's full tier
-    specs = list(dict.fromkeys(_parametrized_specs(b, full)))
+    specs = list(dict.fromkeys(_parametrized_specs(b, full_tier(request.config))))
     # pytest-xdist workers share the build directory (the cache dir set before they start) and each builds every
     # specialization its tests may launch: odd-numbered workers build from the other end, so two workers meet in
     # the middle and load the rest from each other's builds instead of compiling everything twice
