@@ -28,16 +28,17 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 BACKENDS = kernel_backends(DEVICE)
 
 
-def _plan(backend, batch, q_len, heads, d, max_units_per_seq, sm_count, dtype=torch.float16):
+def _plan(backend, batch, q_len, heads, d, max_units_per_seq, sm_count, dtype=torch.float16, policy="forced"):
     """A separate-merge plan of ``backend`` for a 1-KV-head problem in ``dtype`` (the output's: cuda_ptx's merge checks
-    it against the plan's) whose schedule allows ``max_units_per_seq`` units per sequence, the device's SM count set;
-    and its workspace."""
+    it against the plan's) whose schedule (``policy``: ``forced``, or ``balanced``, a schedule sized from the lengths,
+    whose merge geometry counts on long tails) allows ``max_units_per_seq`` units per sequence, the device's SM count
+    set; and its workspace."""
     x = make_inputs(batch, heads, 1, d, [64] * batch, q_len=q_len, dtype=dtype, device=DEVICE)
     w = attnplan.DecodeWrapper(attnplan.load_config(split={"merge": "separate"}, plan_cache={"disk": False}),
                                backend=backend)
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2)
-    sched = Schedule("forced", plan.schedule.granule, 1, max_units_per_seq, (0,) * NUM_TARGETS,
-                     batch * max_units_per_seq)
+    targets = (0,) * NUM_TARGETS if policy == "forced" else (batch,) * NUM_TARGETS
+    sched = Schedule(policy, plan.schedule.granule, 1, max_units_per_seq, targets, batch * max_units_per_seq)
     plan = dataclasses.replace(plan, schedule=sched, device=plan.device._replace(sm_count=sm_count))
     return plan, Workspace.allocate(plan, torch.device(DEVICE))
 
@@ -105,6 +106,27 @@ def test_merge_kernel_few_rows_many_units(backend, batch, q_len, heads, d, units
                                                                              out_lse.nan_to_num())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_merge_kernel_long_tail_geometry(backend, gen):
+    """A schedule sized from the lengths whose rows fill the SMs (5 sequences x 8 query heads = 40 rows on 16 SMs):
+    Triton still cuts each row into column slices (4 of 32 dims, 128 units per load: the 160 programs resident at 16
+    per SM) and cuda_ptx runs 8 merge teams per row, as for one sequence's 8 rows; sequence 0 over 200 units among
+    short ones, against the contract."""
+    be = get_backend(backend)
+    plan, ws = _plan(backend, 5, 1, 8, 128, 200, sm_count=16, dtype=torch.bfloat16, policy="balanced")
+    if backend == "triton":
+        from attnplan.backends.triton import merge_geometry
+
+        assert merge_geometry(40, 200, 128, 16, long_tail=True) == (4, 32, 128) != merge_geometry(40, 200, 128, 16)
+    u, indptr, o, lse = _ragged(5, 1, 8, 128, 200, gen)
+    u[1:] = torch.tensor([3, 1, 17, 1])
+    indptr[1:] = torch.cumsum(u, 0)
+    n = int(indptr[-1])
+    o, lse = o[..., :n, :], lse[..., :n]
+    _fill(ws, u, indptr, o, lse)
+    _check(be, plan, ws, u, indptr, o, lse, "bf16", None)
+
+
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # the sink rule subtracts no equal infinities in any lane
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_merge_kernel_sinks_and_nan(backend, gen):
@@ -149,3 +171,12 @@ def test_triton_merge_geometry():
             slices, block_d, block_s = merge_geometry(rows, 500, d, 132)
             assert block_d >= 16 and slices * block_d >= d and block_s * block_d <= 4096
             assert rows * slices <= 2 * 2 * 132
+            assert merge_geometry(rows, 500, d, 132, long_tail=True) == (slices, block_d, block_s)
+    # a schedule from the lengths (long tails): rows that fill the SMs are sliced while the grid stays resident
+    # (16 programs per SM: 2,112 on 132 SMs), from 1,056 rows on one program per row
+    assert merge_geometry(512, 256, 128, 132, long_tail=True) == (4, 32, 128)
+    assert merge_geometry(1024, 256, 128, 132, long_tail=True) == (2, 64, 64)
+    assert merge_geometry(1056, 256, 128, 132, long_tail=True) == (2, 64, 64)
+    assert merge_geometry(1057, 256, 128, 132, long_tail=True) == merge_geometry(512, 256, 128, 132) == (1, 128, 32)
+    assert merge_geometry(132, 256, 256, 132, long_tail=True) == (16, 16, 256)
+    assert merge_geometry(512, 256, 128, 0, long_tail=True) == (1, 128, 32)

@@ -59,7 +59,13 @@ def _interpreted(kernel) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
-def merge_geometry(rows: int, num_splits: int, head_dim: int, sm_count: int) -> tuple[int, int, int]:
+#: merge programs (4 warps) per SM a long-tailed plan's sliced merge grid may hold, so that all of it is resident at
+#: once (2,048 threads per SM on sm_80 / sm_90): rows that only exit then cost no wave of their own
+MERGE_PROGRAMS_PER_SM = 16
+
+
+def merge_geometry(rows: int, num_splits: int, head_dim: int, sm_count: int,
+                   long_tail: bool = False) -> tuple[int, int, int]:
     """The merge kernel's ``(column slices per row, BLOCK_D, BLOCK_S)``: its grid is ``(rows, slices)``,
     each program merges ``BLOCK_D`` output columns over a row's units, ``BLOCK_S`` units per load.
 
@@ -68,14 +74,21 @@ def merge_geometry(rows: int, num_splits: int, head_dim: int, sm_count: int) -> 
     one KV head: 8 rows), each row is cut into up to ``head_dim / 16`` column slices (at most about ``2 * sm_count``
     programs in all) and each program loads up to 256 units at once (``BLOCK_S * BLOCK_D <= 4096`` fp32 per load),
     so a row over hundreds of units costs one or two memory round trips instead of ``num_splits / 32`` (measured on
-    an H200: 6.0-10.8 us at 8 rows x 128-256 splits with one program per row). ``sm_count`` 0 (unknown) keeps the
-    default.
+    an H200: 6.0-10.8 us at 8 rows x 128-256 splits with one program per row). ``long_tail``: the schedule sizes
+    units from the lengths (``balanced``, ``batch_invariant``), so one long sequence among short ones may hold most
+    units while the other rows have one (their programs exit at once): rows that fill the SMs are still cut into as
+    many slices (up to ``head_dim / 16``) as keep the whole grid resident (:data:`MERGE_PROGRAMS_PER_SM` per SM; e.g.
+    512 rows on 132 SMs: 4 slices, 128 units per load), so the long rows are not walked 32 units per round trip; from
+    1,056 rows on, one program per row. ``sm_count`` 0 (unknown) keeps the default.
     """
     block_d = max(16, _next_pow2(head_dim))
     slices = 1
     if 0 < rows < sm_count:
         want = -(-2 * sm_count // rows)
         while slices * 2 <= min(block_d // 16, want):
+            slices *= 2
+    elif long_tail and sm_count > 0:
+        while slices * 2 <= block_d // 16 and rows * slices * 2 <= MERGE_PROGRAMS_PER_SM * sm_count:
             slices *= 2
     block_d //= slices
     block_s = min(max(2, _next_pow2(num_splits)), 32 if slices == 1 else min(256, max(32, 4096 // block_d)))
@@ -546,7 +559,8 @@ class TritonBackend(Backend):
                 workspace.counters if workspace.counters is not None else dummy, ws_o, ws_lse)
         if plan.merge == "separate":
             rows = p.batch * p.q_len * p.num_q_heads
-            slices, block_d, block_s = merge_geometry(rows, s.max_units_per_seq, d, plan.device.sm_count)
+            slices, block_d, block_s = merge_geometry(rows, s.max_units_per_seq, d, plan.device.sm_count,
+                                                      s.policy in ("balanced", "batch_invariant"))
             L.merge_grid = (rows, slices)
             L.merge_const = dict(NUM_HEADS=p.num_q_heads, Q_LEN=p.q_len, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s,
                                  num_warps=1 if interp else 4)
