@@ -59,8 +59,9 @@ def _interpreted(kernel) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
-#: merge programs (4 warps) per SM a long-tailed plan's sliced merge grid may hold, so that all of it is resident at
-#: once (2,048 threads per SM on sm_80 / sm_90): rows that only exit then cost no wave of their own
+#: merge programs (4 warps) per SM a long-tailed plan's sliced merge grid may hold (2,048 threads per SM). A bound to
+#: measure, not an occupancy: whether that many are resident at once depends on the kernel's registers, and cuda_ptx's
+#: 8-team merge stopped paying at grids of ~2,000 threads per SM on an H100 (its rule keeps 1,024)
 MERGE_PROGRAMS_PER_SM = 16
 
 
@@ -77,9 +78,9 @@ def merge_geometry(rows: int, num_splits: int, head_dim: int, sm_count: int,
     an H200: 6.0-10.8 us at 8 rows x 128-256 splits with one program per row). ``long_tail``: the schedule sizes
     units from the lengths (``balanced``, ``batch_invariant``), so one long sequence among short ones may hold most
     units while the other rows have one (their programs exit at once): rows that fill the SMs are still cut into as
-    many slices (up to ``head_dim / 16``) as keep the whole grid resident (:data:`MERGE_PROGRAMS_PER_SM` per SM; e.g.
-    512 rows on 132 SMs: 4 slices, 128 units per load), so the long rows are not walked 32 units per round trip; from
-    1,056 rows on, one program per row. ``sm_count`` 0 (unknown) keeps the default.
+    many slices (up to ``head_dim / 16``) as keep the grid within :data:`MERGE_PROGRAMS_PER_SM` programs per SM
+    (e.g. 512 rows on 132 SMs: 4 slices, 128 units per load), so the long rows are not walked 32 units per round
+    trip; from 1,057 rows on, one program per row. ``sm_count`` 0 (unknown) keeps the default.
     """
     block_d = max(16, _next_pow2(head_dim))
     slices = 1
