@@ -3,12 +3,15 @@
 # "old" / "new2") with this tree's AB_DIRS (default: backends/cuda_ptx backends/triton), then with OLD's (the root
 # of an earlier commit's copy of them, e.g. `git archive <rev> backends | tar x -C .snap/old`), then with this
 # tree's again (new2: drift between the two new runs bounds the noise). Each tree compiles its own kernels
-# (separate ATTNPLAN_CACHE_DIR). The tree is restored afterwards.
+# (separate ATTNPLAN_CACHE_DIR). The tree is restored afterwards. EXTRA="tag=root ..." adds more trees (variants of a
+# change), run between old and new2.
 #   OLD=.snap/old CMD_AB='python3 benchmarks/profile_kernels.py ... --out $R/prof-$TAG.json' bash benchmarks/ab_tree.sh
 set -u
 : "${OLD:?set OLD to the root of the earlier tree}" "${CMD_AB:?set CMD_AB}"
 DIRS=${AB_DIRS:-backends/cuda_ptx backends/triton}
-for d in $DIRS; do [ -d "$OLD/$d" ] || { echo "OLD=$OLD holds no $d" >&2; exit 2; }; done
+for root in "$OLD" $(for e in ${EXTRA:-}; do echo "${e#*=}"; done); do
+  for d in $DIRS; do [ -d "$root/$d" ] || { echo "$root holds no $d" >&2; exit 2; }; done
+done
 export R=${R:-${OUT:-ab-out}/run}; mkdir -p "$R"
 NEW=$(mktemp -d)
 for d in $DIRS; do mkdir -p "$NEW/$(dirname $d)" && cp -r "$d" "$NEW/$d" || exit 2; done
@@ -20,5 +23,7 @@ run() {
   place "$2" || { status=2; return; }
   echo "== $TAG"; bash -c "$CMD_AB" || status=1
 }
-run new "$NEW"; run old "$OLD"; run new2 "$NEW"
+run new "$NEW"; run old "$OLD"
+for e in ${EXTRA:-}; do run "${e%%=*}" "${e#*=}"; done
+run new2 "$NEW"
 exit $status
