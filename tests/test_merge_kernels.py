@@ -157,7 +157,8 @@ def test_merge_kernel_sinks_and_nan(backend, gen):
 
 def test_triton_merge_geometry():
     """Few rows: column slices of at least 16 dims, up to ~2 programs per SM, loads of up to 256 units;
-    rows that fill the SMs (or an unknown SM count) keep one program per row and 32 units per load."""
+    rows that fill the SMs (or an unknown SM count) keep one program per row and 32 units per load, unless the
+    schedule sizes units from the lengths and a row may hold more than 32 units."""
     from attnplan.backends.triton import merge_geometry
 
     assert merge_geometry(8, 256, 128, 132) == (8, 16, 256)
@@ -180,3 +181,6 @@ def test_triton_merge_geometry():
     assert merge_geometry(1057, 256, 128, 132, long_tail=True) == merge_geometry(512, 256, 128, 132) == (1, 128, 32)
     assert merge_geometry(132, 256, 256, 132, long_tail=True) == (16, 16, 256)
     assert merge_geometry(512, 256, 128, 0, long_tail=True) == (1, 128, 32)
+    # rows of at most one 32-unit load (a live plan of short sequences) keep one program per row
+    assert merge_geometry(512, 32, 128, 132, long_tail=True) == (1, 128, 32)
+    assert merge_geometry(512, 33, 128, 132, long_tail=True) == (4, 32, 64)

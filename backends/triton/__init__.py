@@ -59,9 +59,9 @@ def _interpreted(kernel) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
-#: merge programs (4 warps) per SM a long-tailed plan's sliced merge grid may hold (2,048 threads per SM). A bound to
-#: measure, not an occupancy: whether that many are resident at once depends on the kernel's registers, and cuda_ptx's
-#: 8-team merge stopped paying at grids of ~2,000 threads per SM on an H100 (its rule keeps 1,024)
+#: merge programs (4 warps) per SM a long-tailed plan's sliced merge grid may hold (2,048 threads per SM). Measured,
+#: not an occupancy: on an H100, 16 and 8 were level on every long-tailed point (8/1/128 b64 one-long: 0.95x and
+#: 0.96x of one program per row)
 MERGE_PROGRAMS_PER_SM = 16
 
 
@@ -77,10 +77,13 @@ def merge_geometry(rows: int, num_splits: int, head_dim: int, sm_count: int,
     so a row over hundreds of units costs one or two memory round trips instead of ``num_splits / 32`` (measured on
     an H200: 6.0-10.8 us at 8 rows x 128-256 splits with one program per row). ``long_tail``: the schedule sizes
     units from the lengths (``balanced``, ``batch_invariant``), so one long sequence among short ones may hold most
-    units while the other rows have one (their programs exit at once): rows that fill the SMs are still cut into as
-    many slices (up to ``head_dim / 16``) as keep the grid within :data:`MERGE_PROGRAMS_PER_SM` programs per SM
-    (e.g. 512 rows on 132 SMs: 4 slices, 128 units per load), so the long rows are not walked 32 units per round
-    trip; from 1,057 rows on, one program per row. ``sm_count`` 0 (unknown) keeps the default.
+    units while the other rows have one (their programs exit at once): when a row may hold more units than one
+    32-unit load, rows that fill the SMs are still cut into as many slices (up to ``head_dim / 16``) as keep the
+    grid within :data:`MERGE_PROGRAMS_PER_SM` programs per SM (e.g. 512 rows on 132 SMs: 4 slices, 128 units per
+    load), so the long rows are not walked 32 units per round trip; from 1,057 rows on, one program per row.
+    Measured on an H100 (triton, capacity plans): 8/1/128 b64 with one 128K sequence among short ones 63.7 -> 60.5
+    us, the other long-tailed points within 1%; live plans of at most 32 units per row keep one program per row
+    (4 slices cost 2-4% there: 8/1/128 b64 and 28/4/128 b16 at 4K). ``sm_count`` 0 (unknown) keeps the default.
     """
     block_d = max(16, _next_pow2(head_dim))
     slices = 1
@@ -88,7 +91,7 @@ def merge_geometry(rows: int, num_splits: int, head_dim: int, sm_count: int,
         want = -(-2 * sm_count // rows)
         while slices * 2 <= min(block_d // 16, want):
             slices *= 2
-    elif long_tail and sm_count > 0:
+    elif long_tail and sm_count > 0 and num_splits > 32:
         while slices * 2 <= block_d // 16 and rows * slices * 2 <= MERGE_PROGRAMS_PER_SM * sm_count:
             slices *= 2
     block_d //= slices
