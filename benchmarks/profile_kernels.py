@@ -6,6 +6,10 @@ short-context step's time goes (e.g. cuda_ptx against cuDNN at b1 KV 4K).
 
     python benchmarks/profile_kernels.py --backends triton,cuda_ptx --kv 4096,32768 --out prof.json
 
+``--dist`` (``lognormal``, ``bimodal``, ``one_long``: ``bench_longtail.py``'s first length vector of that point)
+profiles a long-tailed batch instead, through a capacity plan for ``--kv`` tokens per sequence (paged layouts),
+as ``bench_longtail.py`` times it.
+
 Each kernel's time is the median over ``--iters`` steps of its CUPTI duration (start to end on the
 GPU); "gap" is the step's span minus the sum of its kernels: eager launch latency between kernels, which
 a CUDA graph replay mostly removes.
@@ -20,27 +24,36 @@ import statistics
 import torch
 
 
-def _setup(backend: str, batch: int, kv: int, heads, layout: str, kv_dtype: str = "bfloat16"):
+def _setup(backend: str, batch: int, kv: int, heads, layout: str, kv_dtype: str = "bfloat16", dist: str = ""):
     """Random bf16 inputs of one shape (page 16 for ``layout == "paged"``; the KV cache cast to ``kv_dtype``, e.g.
-    ``float8_e4m3fn`` with per-tensor scale 1), a wrapper and its plan: ``(wrapper, plan, run arguments)``."""
+    ``float8_e4m3fn`` with per-tensor scale 1), a wrapper and its plan: ``(wrapper, plan, run arguments)``.
+    ``dist``: long-tailed lengths up to ``kv`` (``bench_longtail.draw_lengths``, its first vector's seed) and a
+    capacity plan for ``kv`` tokens per sequence; else ``kv`` tokens in every sequence and a plan for them."""
+    import zlib
+
     import attnplan
     from attnplan.testing import make_inputs
 
     hq, hkv, d = heads
     gen = torch.Generator(device="cuda").manual_seed(3)
-    x = make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=16 if layout == "paged" else None,
+    lens = [kv] * batch
+    if dist:
+        from bench_longtail import draw_lengths
+
+        lens = draw_lengths(dist, batch, kv, seed=zlib.crc32(f"{dist}-{batch}-{hq}-{hkv}-{d}-0".encode()))
+    x = make_inputs(batch, hq, hkv, d, lens, page_size=16 if layout == "paged" else None, capacity=kv,
                     dtype=torch.bfloat16, device="cuda", generator=gen, extra_pages=0)
     k, v = x.k_cache, x.v_cache
     if kv_dtype != "bfloat16":
         k, v = k.to(getattr(torch, kv_dtype)), v.to(getattr(torch, kv_dtype))
     scales = {} if kv_dtype == "bfloat16" else {"k_scale": 1.0, "v_scale": 1.0}
     w = attnplan.DecodeWrapper(backend=backend)
-    plan = w.plan(x.q, k, v, x.seq_lens, x.block_table, **scales)
+    plan = w.plan(x.q, k, v, x.seq_lens, x.block_table, capacity=bool(dist), **scales)
     return w, plan, (x.q, k, v, x.seq_lens, x.block_table)
 
 
 def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int, graph: bool = False,
-            kv_dtype: str = "bfloat16") -> dict:
+            kv_dtype: str = "bfloat16", dist: str = "") -> dict:
     """Kernel durations (us) of ``iters`` decode steps of one shape, L2 flushed before each: eager launches, or
     (``graph``) replays of one CUDA graph of the step, as the benchmarks time it (CUPTI records a graph's kernel
     nodes like launches)."""
@@ -48,7 +61,7 @@ def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int, g
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    w, plan, args = _setup(backend, batch, kv, heads, layout, kv_dtype)
+    w, plan, args = _setup(backend, batch, kv, heads, layout, kv_dtype, dist)
     out = torch.empty_like(args[0])
     step = lambda: w.run(*args, out=out)  # noqa: E731
     if graph:
@@ -68,6 +81,8 @@ def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int, g
     steps, cur = [], []
     for e in sorted(kernels, key=lambda e: e.time_range.start):
         if "reduce_kernel" in e.name:  # the flush (torch.sum) that starts every step
+            while cur and cur[-1].name.startswith("Memset"):
+                cur.pop()  # the flush's own memset (torch zeroes its reduction's semaphores), after the host's sync
             if cur:
                 steps.append(cur)
             cur = []
@@ -82,7 +97,8 @@ def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int, g
             by_name.setdefault(e.name[:60], []).append(e.time_range.elapsed_us())
         spans.append(st[-1].time_range.end - st[0].time_range.start)
         sums.append(sum(e.time_range.elapsed_us() for e in st))
-    return {"backend": backend, "batch": batch, "kv": kv, "heads": list(heads), "layout": layout, "graph": graph,
+    return {"backend": backend, "batch": batch, "kv": kv, "dist": dist, "heads": list(heads), "layout": layout,
+            "graph": graph, "merge": plan.merge,
             "splits": plan.num_splits, "programs": plan.num_programs, "steps": len(steps),
             "kernels_us": {k: statistics.median(v) for k, v in by_name.items()},
             "span_us": statistics.median(spans) if spans else None,
@@ -113,6 +129,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--graph", action="store_true", help="time replays of a CUDA graph of the step, not launches")
     ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"])
+    ap.add_argument("--dist", default="", help="long-tailed lengths (lognormal, bimodal, one_long) up to --kv, "
+                                               "through a capacity plan ('' = uniform lengths of --kv)")
     ap.add_argument("--plain", action="store_true",
                     help="run the steps with no profiler attached (for ncu), print nothing but a line per shape")
     a = ap.parse_args()
@@ -125,10 +143,11 @@ def main() -> None:
                     if a.plain:
                         plain_steps(be, batch, kv, heads, layout, a.iters, a.kv_dtype)
                         continue
-                    r = profile(be, batch, kv, heads, layout, a.iters, a.graph, a.kv_dtype)
+                    r = profile(be, batch, kv, heads, layout, a.iters, a.graph, a.kv_dtype, a.dist)
                     rows.append(r)
                     ks = "  ".join(f"{k}={v:.1f}" for k, v in r["kernels_us"].items())
-                    print(f"{be:8s} {layout:10s} b{batch:<3d} kv{kv:<7d} {r['splits']:3d} splits  span {r['span_us']:.1f} us"
+                    print(f"{be:8s} {layout:10s} b{batch:<3d} kv{kv:<7d} {a.dist or 'uniform':9s} {r['splits']:3d} splits "
+                          f"{r['merge']} merge  span {r['span_us']:.1f} us"
                           f"  gap {r['gap_us']:.1f}  | {ks}", flush=True)
     if a.out:
         with open(a.out, "w") as f:
