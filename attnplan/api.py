@@ -183,15 +183,16 @@ def _context(config: Config | Context | str | os.PathLike | None) -> Context:
     return Context.from_config(load_config(config))
 
 
-def dispatch_order(config: Config, fp8_kv: bool) -> list[str]:
-    """The backends to try, in order: ``config.backends``; for a 1-byte (fp8) KV cache the
-    backends listed in ``config.backends_fp8_kv`` come first, in that list's order. Only backends
-    in ``config.backends`` are ever used: a user's ``backends: [triton, reference]`` keeps fp8
-    caches off cuda_ptx even though the default ``backends_fp8_kv`` names it first."""
+def dispatch_order(config: Config, fp8_kv: bool, arch: str | None = None) -> list[str]:
+    """The backends to try, in order: ``config.backends``, with first, in their lists' order, for a 1-byte (fp8) KV
+    cache the backends of ``config.backends_fp8_kv``, then on a GPU of architecture ``arch`` (``"sm_90"``; ``None``
+    off a GPU) those of ``config.backends_by_arch[arch]``. Only backends in ``config.backends`` are ever used: a
+    user's ``backends: [triton, reference]`` keeps fp8 caches and sm_90 GPUs off cuda_ptx even though the defaults
+    name it first there."""
     order = list(config.backends)
-    if not fp8_kv or not config.backends_fp8_kv:
-        return order
-    first = [b for b in config.backends_fp8_kv if b in order]
+    first = [*(config.backends_fp8_kv or ()), *config.backends_by_arch.get(arch, ())] if fp8_kv else \
+        list(config.backends_by_arch.get(arch, ()))
+    first = [b for i, b in enumerate(first) if b in order and b not in first[:i]]
     return first + [b for b in order if b not in first]
 
 
@@ -211,7 +212,8 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
         NoBackendError: none fits; the message gives the problem and every backend's reasons.
         ValueError: ``backend`` is not a known backend name.
     """
-    order = [backend] if backend else dispatch_order(config, torch_dtype(problem.kv_dtype).itemsize == 1)
+    arch = device_info(device).arch if device.type == "cuda" else None
+    order = [backend] if backend else dispatch_order(config, torch_dtype(problem.kv_dtype).itemsize == 1, arch)
     skipped: list[tuple[str, list[str]]] = []
     blocked: tuple[int, Backend, list] | None = None  # the backend with the fewest query blocks, what it skipped
     for name in order:

@@ -23,10 +23,11 @@ import stat
 import typing
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from ._repr import short_repr
 
@@ -280,6 +281,11 @@ class Config(_Strict):
     backends_fp8_kv: list[BackendName] | None = Field(
         None, min_length=1, max_length=4, description="for a 1-byte (fp8) KV cache these go first, in this order; only "
                                                       "backends also in `backends` are used; null = backends' order")
+    backends_by_arch: dict[Annotated[str, StringConstraints(pattern=r"^sm_[0-9]{2,3}$")],
+                           Annotated[list[BackendName], Field(min_length=1, max_length=4)]] = Field(
+        default_factory=dict, description="per GPU architecture (`sm_90` for compute capability 9.0), the backends that "
+                                          "go first there, in this order (after backends_fp8_kv for an fp8 cache); "
+                                          "only backends also in `backends` are used")
     deterministic: bool = Field(True, description="no effect, either value: reruns of one plan are always bitwise "
                                                   "identical (fixed merge order); accepted for older config files")
     split: SplitPolicy = SplitPolicy()
@@ -345,8 +351,10 @@ def _format_errors(err: ValidationError, source: str) -> str:
 def _validate(data: Any, source: str) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid attnplan config ({source}): top level must be a mapping, got {type(data).__name__}")
-    for key in ("backends", "backends_fp8_kv"):
-        v = data.get(key)
+    lists = [(key, data.get(key)) for key in ("backends", "backends_fp8_kv")]
+    if isinstance(data.get("backends_by_arch"), dict):
+        lists += [(f"backends_by_arch.{k}", v) for k, v in data["backends_by_arch"].items()]
+    for key, v in lists:
         if isinstance(v, list) and all(isinstance(x, str) for x in v) and len(set(v)) != len(v):
             raise ConfigError(f"invalid attnplan config ({source}):\n  {key}: duplicate entries "
                               f"(got {short_repr(v, 200)})")

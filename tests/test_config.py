@@ -137,6 +137,38 @@ def test_fp8_kv_cache_follows_its_own_dispatch_order(tmp_path):
         load_config(f)
 
 
+def test_backends_by_arch_orders_one_architecture(tmp_path):
+    """``backends_by_arch`` puts its backends first on GPUs of that architecture only (after the fp8 list for a
+    1-byte cache), bounded by ``backends``; a user file replaces one architecture's list; bad keys and duplicates
+    are errors naming the key."""
+    from attnplan.api import dispatch_order
+
+    c = load_config()
+    assert c.backends[0] == "triton" and c.backends_by_arch == {"sm_90": ["cuda_ptx"]}
+    assert dispatch_order(c, False, "sm_90") == ["cuda_ptx", "triton", "numba", "reference"]
+    assert dispatch_order(c, False, "sm_80") == dispatch_order(c, False, None) == list(c.backends)
+    f = tmp_path / "c.yaml"
+    f.write_text("backends: [triton, numba, reference]\nbackends_fp8_kv: [numba]\n"
+                 "backends_by_arch: {sm_90: [reference, numba], sm_100: [numba]}\n")
+    c = load_config(f)
+    assert dispatch_order(c, False, "sm_90") == ["reference", "numba", "triton"]
+    assert dispatch_order(c, True, "sm_90") == ["numba", "reference", "triton"]  # fp8's list first, no repeats
+    assert dispatch_order(c, True, "sm_89") == ["numba", "triton", "reference"]
+    assert dispatch_order(c, False, "sm_100") == ["numba", "triton", "reference"]
+    f.write_text("backends: [triton, reference]\n")  # the default sm_90 entry names a backend not listed: unused
+    assert dispatch_order(load_config(f), False, "sm_90") == ["triton", "reference"]
+    f.write_text("backends_by_arch: {sm_90: [triton]}\n")  # merged over the default key by key
+    assert dispatch_order(load_config(f), False, "sm_90")[:2] == ["triton", "cuda_ptx"]
+    for text, needle in [("backends_by_arch: {hopper: [triton]}", "backends_by_arch.hopper"),
+                         ("backends_by_arch: {sm_90: []}", "backends_by_arch.sm_90"),
+                         ("backends_by_arch: {sm_90: [cudnn]}", "backends_by_arch.sm_90"),
+                         ("backends_by_arch: {sm_90: [triton, triton]}", "backends_by_arch.sm_90: duplicate"),
+                         ("backends_by_arch: [sm_90]", "backends_by_arch")]:
+        f.write_text(text + "\n")
+        with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+            load_config(f)
+
+
 # -- hostile files: every failure is a ConfigError naming the file and the key, quickly and briefly --------
 
 ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
@@ -361,7 +393,7 @@ def test_the_packaged_default_file_names_every_key():
     walk(Config, data, "")
     assert not missing, f"keys the default file does not name: {missing}"
     defaults, loaded = Config().model_dump(), Config.model_validate(data).model_dump()
-    assert {k for k in defaults if defaults[k] != loaded[k]} <= {"backends_fp8_kv"}  # the one value set on purpose
+    assert {k for k in defaults if defaults[k] != loaded[k]} <= {"backends_fp8_kv", "backends_by_arch"}  # on purpose
 
 
 @pytest.mark.parametrize("text,needle", [

@@ -636,7 +636,7 @@ def test_fuzz_hostile_plan_files_kernel(tmp_path_factory, edit):
 # -- the config: hostile YAML ----------------------------------------------------------------------------
 
 REAL_KEYS = {
-    None: ["version", "backends", "backends_fp8_kv", "deterministic", "split", "cost_model", "plan_cache",
+    None: ["version", "backends", "backends_fp8_kv", "backends_by_arch", "deterministic", "split", "cost_model", "plan_cache",
            "backend_options"],
     "split": ["partition", "merge", "num_splits", "max_splits", "min_chunk_tokens"],
     "cost_model": ["launch_us", "program_us", "programs_per_sm", "paged_programs_per_sm", "sat_programs_per_sm",
