@@ -504,7 +504,7 @@ class DecodeWrapper:
         self._variant_key: tuple = ()
         self._launcher = None
         self._bound_to: tuple = ()
-        self._forget = None  # weakref.finalize dropping a blocked plan's launch constants (Backend.forget)
+        self._forget = None  # weakref.finalize dropping the bound plan's launch constants (Backend.forget)
         # run()'s constants for the planned signature: each input's byte extent and the out extent's terms
         self._extents: tuple = ()
         self._q_terms: tuple = ()
@@ -801,8 +801,10 @@ class DecodeWrapper:
         if self._forget is not None:  # the previous plan's launch constants in the backend hold its workspace
             self._forget()
             self._forget = None
-        if plan.multi_launch:  # Backend.run's launches cache constants per workspace view: forgotten with the wrapper
-            self._forget = weakref.finalize(self, self.backend.forget, plan, self.workspace)
+        # what the backend keeps for this (plan, workspace) (Backend.run's launch constants, which hold the workspace's
+        # tensors; per workspace view for several launches) is forgotten with the wrapper or its next binding: a
+        # wrapper's workspace dies with it, also one allocated in a torch.compile CUDA-graph pool
+        self._forget = weakref.finalize(self, self.backend.forget, plan, self.workspace)
         bind = getattr(self.backend, "bind", None)
         if bind is not None and not plan.multi_launch:  # a plan of several launches launches through Backend.run
             try:

@@ -172,6 +172,7 @@ def _plan_entry(q, k_cache, v_cache, seq_lens, block_table, sm_scale: float | No
     plan = w.plan(q, k_cache, v_cache, seq_lens, block_table, sm_scale=key[1], capacity=True)
     # keep the plan, not the wrapper: its buffers, held across calls, would escape torch's graph memory pools
     entry = (w.backend, plan, w._sm_scale, _targets_tensor(plan.schedule.targets, q.device))
+    w.backend.forget(plan, w.workspace)  # nothing of the wrapper's workspace stays in the backend (see DecodeWrapper)
     del w
     with _LOCK:
         _PLANS[key] = entry

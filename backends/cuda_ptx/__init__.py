@@ -432,8 +432,11 @@ class CudaPtxBackend(Backend):
         else:
             rt.launch(spec, cfg, args, torch.cuda.current_stream(rt.index).cuda_stream, pdl)
 
-    def _launch_state(self, plan: SplitPlan, workspace: Workspace, partial: bool = True) -> _Launch:
-        """The launch constants of ``(plan, workspace)``, computed and checked once (cached by identity);
+    def _launch_state(self, plan: SplitPlan, workspace: Workspace, partial: bool = True,
+                      remember: bool = True) -> _Launch:
+        """The launch constants of ``(plan, workspace)``, computed and checked once (kept in ``self._launches``, by
+        identity, when ``remember``: a :class:`~.bound.BoundLaunch` holds its own and keeps nothing here, so its
+        wrapper's workspace dies with the wrapper, e.g. one allocated in a torch.compile CUDA-graph pool);
         ``partial=False``: the merge's only (no partial kernel spec: a merge-only plan's rows need not fit one
         program)."""
         key = (id(plan), id(workspace))
@@ -455,9 +458,10 @@ class CudaPtxBackend(Backend):
             L.merge_cfg = merge_launch_config(L.merge_spec, p.batch * p.q_len * p.num_q_heads)
         else:
             L.merge_spec = L.merge_cfg = None
-        if len(self._launches) >= self.launch_table_max:
-            self._launches.clear()
-        self._launches[key] = L
+        if remember:
+            if len(self._launches) >= self.launch_table_max:
+                self._launches.clear()
+            self._launches[key] = L
         return L
 
     @staticmethod

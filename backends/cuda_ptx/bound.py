@@ -96,7 +96,7 @@ class BoundLaunch:
 
     def __init__(self, backend, plan, workspace, inputs: DecodeInputs):
         x = inputs
-        L = backend._launch_state(plan, workspace)
+        L = backend._launch_state(plan, workspace, remember=False)
         backend._check_inputs(plan, x, L.spec)
         backend._check_sinks(x.sinks, x.q.shape[2])
         if workspace.targets.device != x.q.device:
