@@ -1031,7 +1031,8 @@ class DecodeWrapper:
     def explain(self, seq_lens=None) -> str:
         """The plan's :meth:`SplitPlan.explain` at ``seq_lens`` (``batch`` ints in ``[0, capacity]``, the capacity
         of the cache ``plan()`` saw: a list, tuple, numpy array or tensor; default: the ``seq_lens_host`` given to
-        ``plan()``, else the planned lengths), plus why earlier backends were skipped.
+        ``plan()``, else the planned lengths), plus the dispatch order where the config's per-architecture or fp8
+        lists changed it (:func:`dispatch_order`) and why earlier backends were skipped.
 
         Raises:
             TypeError, ValueError: ``seq_lens`` is not ``batch`` ints in ``[0, capacity]``
@@ -1041,8 +1042,17 @@ class DecodeWrapper:
             return "no plan yet"
         lens = self._lens_host if seq_lens is None else \
             explain_lengths(seq_lens, self.plan_.problem.batch, self._static["capacity"])
-        skipped = "".join(f"\nskipped {n}: " + "; ".join(r) for n, r in self.skipped)
-        return self.plan_.explain(lens) + skipped
+        text = self.plan_.explain(lens)
+        if not self.forced_backend:
+            c, cc = self.ctx.config, self.plan_.device.cc
+            arch = f"sm_{cc[0]}{cc[1]}" if tuple(cc) != (0, 0) else None
+            fp8 = torch_dtype(self.plan_.problem.kv_dtype).itemsize == 1
+            order = dispatch_order(c, fp8, arch)
+            if order != list(c.backends):
+                why = [w for w, on in (("backends_fp8_kv", fp8 and c.backends_fp8_kv),
+                                       (f"backends_by_arch.{arch}", arch in c.backends_by_arch)) if on]
+                text += f"\ndispatch order {', '.join(order)} ({' and '.join(why)} first)"
+        return text + "".join(f"\nskipped {n}: " + "; ".join(r) for n, r in self.skipped)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,

@@ -159,6 +159,17 @@ def test_backends_by_arch_orders_one_architecture(tmp_path):
     assert dispatch_order(load_config(f), False, "sm_90") == ["triton", "reference"]
     f.write_text("backends_by_arch: {sm_90: [triton]}\n")  # merged over the default key by key
     assert dispatch_order(load_config(f), False, "sm_90")[:2] == ["triton", "cuda_ptx"]
+    # explain() shows an order the per-architecture (or fp8) list changed, and nothing where it did not
+    import dataclasses
+
+    x = attnplan.testing.make_inputs(1, 4, 2, 16, [5])
+    w = attnplan.DecodeWrapper()
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens)
+    assert "dispatch order" not in w.explain()
+    w.plan_ = dataclasses.replace(w.plan_, device=w.plan_.device._replace(cc=(9, 0)))
+    assert "\ndispatch order cuda_ptx, triton, numba, reference (backends_by_arch.sm_90 first)" in w.explain()
+    w.plan_ = dataclasses.replace(w.plan_, device=w.plan_.device._replace(cc=(8, 0)))
+    assert "dispatch order" not in w.explain()
     for text, needle in [("backends_by_arch: {hopper: [triton]}", "backends_by_arch.hopper"),
                          ("backends_by_arch: {sm_90: []}", "backends_by_arch.sm_90"),
                          ("backends_by_arch: {sm_90: [cudnn]}", "backends_by_arch.sm_90"),
