@@ -745,6 +745,52 @@ class DecodeWrapper:
         self._fast = self._fast_made
         return plan
 
+    def use_plan(self, plan: SplitPlan) -> SplitPlan:
+        """Serve the inputs of the last :meth:`plan` with ``plan`` instead of the plan it made: e.g. an edited copy
+        of :attr:`plan_` (``dataclasses.replace``: another schedule, split count or kernel options, to time or test
+        it) or one read back with :meth:`SplitPlan.from_dict`. The inputs' signature, scalars and variants stay
+        ``plan()``'s; the kernels are compiled or loaded now (not under a CUDA-graph capture) and a workspace is
+        allocated when the current one does not serve ``plan``. Later :meth:`run` calls launch ``plan`` through the
+        backend's unbound path (``Backend.run``: the same kernels, more host work per call than a bound launch)
+        until the next :meth:`plan`, which plans afresh.
+
+        Returns:
+            ``plan``, now :attr:`plan_`.
+        Raises:
+            PlanNotReadyError: no ``plan()`` was made.
+            TypeError: ``plan`` is not a :class:`SplitPlan`.
+            ValueError: ``plan`` is for another backend, or does not serve the planned problem
+                (:meth:`SplitPlan.validate`, naming what does not fit).
+        """
+        if self.plan_ is None or self.backend is None or self.workspace is None:
+            raise PlanNotReadyError("DecodeWrapper.use_plan() called before plan()")
+        if not isinstance(plan, SplitPlan):
+            raise TypeError(f"plan must be a SplitPlan, got {type(plan).__name__}")
+        if plan.backend != self.backend.name:
+            raise ValueError(f"the plan is for backend {plan.backend!r}, this wrapper's inputs were planned on "
+                             f"{self.backend.name!r}")
+        if plan.problem != self.plan_.problem:
+            a, b = vars(self.plan_.problem), vars(plan.problem) if hasattr(plan.problem, "__dict__") else {}
+            diff = [f"{k} {a[k]!r:.40} (the plan: {b.get(k)!r:.40})" for k in a if b.get(k) != a[k]]
+            raise ValueError(f"the plan is for another problem than the planned inputs: {'; '.join(diff[:4])}")
+        plan.validate(self.plan_.problem)
+        dev = self.workspace.targets.device
+        prepare = getattr(self.backend, "prepare", None)
+        if prepare is not None:
+            for launch in plan.launches:
+                prepare(launch.plan, dev)
+        if not self.workspace.serves(plan, dev):
+            self.workspace = Workspace.allocate(plan, dev)
+        # no bound launch and no one-pass check (both hold the previous plan): run() takes its full path
+        self._fast = self._fast_made = self._fast_src = None
+        self._launcher, self._bound_to, self._hit_memo, self._repeat = None, (), (), ()
+        if self._forget is not None:
+            self._forget()
+        self._forget = weakref.finalize(self, self.backend.forget, plan, self.workspace)
+        self._prepared, self._ws_for = (plan, self.backend, dev), (plan, self.workspace, dev)
+        self.plan_ = plan
+        return plan
+
     def _no_self_overlap(self, shape, strides) -> bool:
         """Whether a strided ``out`` of ``shape`` has no elements that share memory; remembered for the next run()
         (the one-pass check then compares the strides only)."""

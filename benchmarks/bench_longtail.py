@@ -106,11 +106,10 @@ def read_us(nbytes: int, iters: int) -> float:
 
 def scaled_plan(w, scale: float) -> None:
     """Replace ``w``'s capacity plan by the same plan with its long-tailed targets table (entries 32-63) scaled by
-    ``scale`` and the unit slots the new table needs, with a workspace to match (what ``cost_model.tail_target_scale``
-    would plan)."""
+    ``scale`` and the unit slots the new table needs (what ``cost_model.tail_target_scale`` would plan), through
+    ``DecodeWrapper.use_plan`` (a workspace to match; run() then launches this plan)."""
     import dataclasses
 
-    from attnplan.backends.base import Workspace
     from attnplan.schedule import NUM_BUCKETS, max_units_bound
 
     plan = w.plan_
@@ -122,13 +121,7 @@ def scaled_plan(w, scale: float) -> None:
     cap_units = p.batch * min(s.max_units_per_seq, -(-(-(-p.capacity // s.granule)) // s.min_unit_granules))
     sched = dataclasses.replace(s, targets=targets,
                                 max_units=min(max_units_bound(targets, p.batch, s.max_units_per_seq), cap_units))
-    w.plan_ = dataclasses.replace(plan, schedule=sched)
-    w.plan_.validate(p)
-    w.workspace = Workspace.allocate(w.plan_, w.workspace.targets.device)
-    # the backend's bound launch and run()'s one-pass check (its launch tuple) hold the old plan and workspace: drop
-    # both, so run() takes its full path with this plan
-    w._bound_to, w._launcher = (), None
-    w._fast = w._fast_made = w._fast_src = None
+    w.use_plan(dataclasses.replace(plan, schedule=sched))
 
 
 def graph_time(step, iters: int) -> float:

@@ -709,23 +709,70 @@ def test_decode_does_not_keep_a_wrapper_that_failed(gen):
         attnplan.decode(x.q, [1], x.v_cache, x.seq_lens, backend="reference", config=ctx)
 
 
-@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("backend", kernel_backends("cuda" if HAS_CUDA else "cpu"))
 def test_a_dropped_wrapper_leaves_no_workspace_behind(backend, gen):
-    """The bound launch lives in its wrapper: a wrapper planned (and run) then dropped leaves no reference to its
-    workspace in the backend (torch.ops.attnplan.decode plans with a throw-away wrapper whose buffers must die)."""
+    """The bound launch lives in its wrapper, and what a launch through the unbound path (``Backend.run``) leaves in
+    the backend (launch constants per (plan, workspace), holding the workspace's tensors) is forgotten with the
+    wrapper: a wrapper planned (and run) then dropped leaves no reference to its workspace in the backend.
+    torch.ops.attnplan.decode plans with a throw-away wrapper during torch.compile's CUDA-graph warm-up, whose
+    buffers live in the graph's pool and must die (cuda_ptx's bound launch had kept them: torch then raised
+    "tensor(s) in the cudagraph pool not tracked as outputs")."""
     import gc
     import weakref
 
-    x = make_inputs(2, 8, 2, 32, [40, 7], dtype=torch.float32, generator=gen)
-    for runs in (0, 2):
-        w = attnplan.DecodeWrapper(backend=backend)
+    dev = "cuda" if HAS_CUDA else "cpu"
+    x = make_inputs(2, 8, 2, 32, [40, 7], dtype=torch.float16 if HAS_CUDA else torch.float32, generator=gen,
+                    device=dev)
+    for runs in (0, 2, "unbound"):
+        w = attnplan.DecodeWrapper(attnplan.load_config(split={"merge": "separate"}), backend=backend)
         w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, num_splits=2, seq_lens_host=[40, 7])
-        for _ in range(runs):
+        for _ in range(runs if runs != "unbound" else 1):
             w.run(x.q, x.k_cache, x.v_cache, x.seq_lens)
+        if runs == "unbound":
+            out = poison(torch.empty_like(x.q))
+            w.backend.run(w.plan_, x, w.workspace, out)  # keeps the launch constants, by (plan, workspace)
+            assert_close_to_reference(out, _ref(x)[0], x.q.dtype)
         refs = [weakref.ref(t) for t in (w.workspace.targets, w.workspace.state.o)]
         del w
         gc.collect()
-        assert all(r() is None for r in refs), f"a workspace tensor outlived its wrapper after {runs} runs"
+        assert all(r() is None for r in refs), f"a workspace tensor outlived its wrapper ({runs} runs)"
+
+
+@pytest.mark.parametrize("backend", ["reference", *KERNELS])
+def test_use_plan_serves_the_planned_inputs_with_another_plan(backend, gen, monkeypatch):
+    """``use_plan`` swaps the plan of a planned (and run, so bound) wrapper for another plan of the same problem: the
+    next run() launches that plan on a workspace that serves it, right; a plan of another problem or backend, or
+    none planned yet, is refused before anything changes; the next plan() plans afresh."""
+    x = make_inputs(3, 8, 2, 32, [70, 5, 33], page_size=16, dtype=torch.float32, generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    cfg = attnplan.load_config(plan_cache={"enabled": False})
+    w = attnplan.DecodeWrapper(cfg, backend=backend)
+    with pytest.raises(attnplan.PlanNotReadyError, match="before plan"):
+        w.use_plan(None)
+    one = w.plan(*args, num_splits=1)
+    w.run(*args)
+    other = attnplan.DecodeWrapper(cfg, backend=backend).plan(*args, num_splits=4)
+    assert other.num_splits != one.num_splits and other.problem == one.problem
+    assert w.use_plan(other) is other and w.plan_ is other and w.workspace.serves(other, x.q.device)
+    seen = []
+    real = type(w.backend).run
+    monkeypatch.setattr(type(w.backend), "run", lambda self, plan, *a, **k: seen.append(plan) or real(self, plan, *a, **k))
+    out = w.run(*args, out=poison(torch.empty_like(x.q)))
+    assert seen == [other]
+    assert_close_to_reference(out, _ref(x)[0], torch.float32)
+    y = make_inputs(3, 8, 4, 32, [70, 5, 33], page_size=16, dtype=torch.float32, generator=gen)  # 4 KV heads
+    elsewhere = attnplan.DecodeWrapper(cfg, backend=backend).plan(y.q, y.k_cache, y.v_cache, y.seq_lens,
+                                                                   y.block_table, num_splits=4)
+    with pytest.raises(ValueError, match="another problem"):
+        w.use_plan(elsewhere)
+    if backend != "reference":
+        ref_plan = attnplan.DecodeWrapper(cfg, backend="reference").plan(*args)
+        with pytest.raises(ValueError, match="for backend 'reference'"):
+            w.use_plan(ref_plan)
+    with pytest.raises(TypeError, match="SplitPlan"):
+        w.use_plan(other.to_dict() if hasattr(other, "to_dict") else {})
+    assert w.plan_ is other
+    assert w.plan(*args, num_splits=1).num_splits == one.num_splits and w.plan_ is not other
 
 
 # -- Triton's direct launch: the logic, with a stand-in for the compiled kernel ----------------------------

@@ -569,29 +569,6 @@ def test_blocked_wrapper_frees_its_workspace():
     assert alive() is None, "the blocked wrapper's workspace outlived it"
 
 
-@pytest.mark.parametrize("backend", kernel_backends(DEVICE))
-def test_wrapper_frees_its_workspace(backend):
-    """A one-launch plan's launch constants left in the backend (a launch through ``Backend.run`` keeps them per
-    (plan, workspace), with the workspace's tensors; cuda_ptx's bound launch kept them too) are forgotten when the
-    wrapper dies, so its workspace is freed with it: a wrapper that plans during torch.compile's CUDA-graph warm-up
-    allocates its workspace in the graph's pool, where a tensor that outlives the run fails the graph's checks."""
-    import gc
-    import weakref
-
-    x = _inputs((8, 2), 1, (70, 33), {})
-    w = attnplan.DecodeWrapper(load_config(split={"merge": "separate"}), backend=backend)
-    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=2)
-    assert not plan.multi_launch and not plan.single_pass
-    w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
-    out = poison(torch.empty_like(x.q))
-    w.backend.run(plan, x, w.workspace, out)  # the unbound path, which keeps the launch constants
-    assert_close_to_reference(out, _reference(x)[0], x.q.dtype)
-    alive = weakref.ref(w.workspace.state.o)
-    del w
-    gc.collect()
-    assert alive() is None, "the wrapper's workspace outlived it"
-
-
 def test_plan_file_with_other_query_blocks_is_rebuilt(tmp_path):
     """A plan file whose q_block is not the backend's (edited, or from another version of the backend) is unusable:
     rebuilt with a warning, never launched with more rows per program than the program holds."""
