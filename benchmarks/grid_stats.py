@@ -9,7 +9,7 @@ means over the points both files hold) and the points whose best attnplan time m
 ``--tolerance``: a re-run on the same device and code should stay within about 2% (the run-to-run spread
 measured on an H200 between whole-grid runs was 1-3% per heads configuration, peers included).
 
-    python benchmarks/grid_stats.py benchmarks/results/decode_grid.csv
+    python benchmarks/grid_stats.py benchmarks/results/decode_grid.csv --kind uniform
     python benchmarks/grid_stats.py new.csv --baseline benchmarks/results/decode_grid.csv
 """
 
@@ -85,8 +85,12 @@ def main(argv=None) -> int:
     ap.add_argument("csv")
     ap.add_argument("--baseline", default=None, help="a results CSV to compare with (e.g. the committed decode_grid.csv)")
     ap.add_argument("--tolerance", type=float, default=0.03, help="list points whose best attnplan time moved more")
+    ap.add_argument("--kind", default=None, help="only the points of this kind (uniform, varlen); default: all")
     a = ap.parse_args(argv)
-    s = stats(read_csv(a.csv))
+    rows = [r for r in read_csv(a.csv) if a.kind is None or r.get("kind") == a.kind]
+    if not rows:
+        ap.error(f"{a.csv} holds no points of kind {a.kind!r}")
+    s = stats(rows)
     print("| heads | points | geomean | min |\n|---|---|---|---|")
     for h, v in s["by_heads"].items():
         print(f"| {h} | {v['points']} | {v['geomean']:.2f}x | {v['min']:.2f}x |")

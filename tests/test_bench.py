@@ -100,6 +100,21 @@ def test_grid_stats_and_baseline_comparison():
     assert [m[0] for m in c["moved"]] == [pytest.approx(1.1)]
 
 
+def test_grid_stats_kind_keeps_one_kind_of_point(tmp_path, capsys):
+    """``--kind uniform`` states the uniform points alone (the README's headline), without the long-tailed ones."""
+    ours = ["triton", "cuda_ptx"]
+    rows = [bd.to_row(_point(kv=1024, ours=(10.0, 11.0), peer=12.0), ours, 4000.0),
+            bd.to_row(_point(kv=4096, ours=(10.0, 11.0), peer=5.0), ours, 4000.0)]
+    rows[1]["kind"] = "varlen"
+    bd.write_results(str(tmp_path / "g"), rows, {"command": "test"})
+    assert grid_stats.main([str(tmp_path / "g.csv"), "--kind", "uniform"]) == 0
+    assert "| all | 1 | 1.200x | 1.20x |" in capsys.readouterr().out
+    assert grid_stats.main([str(tmp_path / "g.csv")]) == 0
+    assert "| all | 2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        grid_stats.main([str(tmp_path / "g.csv"), "--kind", "longtail"])
+
+
 #: GQA groups FlashInfer's CUDA-core decode dispatches to (``DISPATCH_GQA_GROUP_SIZE`` in FlashInfer's
 #: ``include/flashinfer/utils.cuh``); its tensor-core decode takes any group
 FLASHINFER_CORE_GROUPS = {1, 2, 3, 4, 8}
