@@ -189,9 +189,11 @@ def dispatch_order(config: Config, fp8_kv: bool, arch: str | None = None) -> lis
     off a GPU) those of ``config.backends_by_arch[arch]``. Only backends in ``config.backends`` are ever used: a
     user's ``backends: [triton, reference]`` keeps fp8 caches and sm_90 GPUs off cuda_ptx even though the defaults
     name it first there."""
+    if arch is not None and not isinstance(arch, str):
+        raise TypeError(f"arch must be a str such as 'sm_90' or None, got {type(arch).__name__}")
     order = list(config.backends)
-    first = [*(config.backends_fp8_kv or ()), *config.backends_by_arch.get(arch, ())] if fp8_kv else \
-        list(config.backends_by_arch.get(arch, ()))
+    by_arch = (config.backends_by_arch or {}).get(arch, ())
+    first = [*(config.backends_fp8_kv or ()), *by_arch] if fp8_kv else list(by_arch)
     first = [b for i, b in enumerate(first) if b in order and b not in first[:i]]
     return first + [b for b in order if b not in first]
 
@@ -392,23 +394,33 @@ def _plan_cached(get_problem, bucket_key: tuple, capacity: int, backend: Backend
     if not ctx.config.plan_cache.enabled:
         ctx.cache.stats.misses += 1
         return build()
-    def check(p: SplitPlan) -> None:  # a plan read from disk: it fits the problem, and its query blocks are this
-        problem = get_problem()  # backend's (a file's other blocks would launch more rows than a program holds)
-        p.validate(problem)
-        if p.backend != backend.name:  # the kernel-option limits checked on reading are the named backend's
-            raise ValueError(f"plan for backend {p.backend!r}, not {backend.name!r}")
-        if p.merge != "none" and p.merge not in backend.merge_strategies:
-            raise ValueError(f"plan merge {p.merge!r} is not one of {backend.name}'s "
-                             f"{sorted(backend.merge_strategies)}")
-        qb, hb = backend.q_block(problem), backend.head_block(problem)
-        want = 0 if qb >= problem.q_len else qb
-        if p.q_block != want:
-            raise ValueError(f"plan q_block {p.q_block} is not {want}: {backend.name} holds {qb} of the "
-                             f"{problem.q_len} queries per launch")
-        if p.head_block != hb:
-            raise ValueError(f"plan head_block {p.head_block} is not {backend.name}'s {hb} query heads per launch")
+    def check(p: SplitPlan) -> None:  # a plan read from disk
+        check_plan_serves(p, get_problem(), backend)
 
     return ctx.cache.get_or_create(key, build, validate=check)
+
+
+def check_plan_serves(p: SplitPlan, problem: DecodeProblem, backend: Backend) -> None:
+    """That a plan not made here (read from disk, or given to :meth:`DecodeWrapper.use_plan`) serves ``problem`` on
+    ``backend``: :meth:`SplitPlan.validate`, the backend's name, one of its merges, and its query and head blocks (a
+    plan of other blocks would launch more rows than a program holds).
+
+    Raises:
+        ValueError: naming what does not fit.
+    """
+    p.validate(problem)
+    if p.backend != backend.name:  # the kernel-option limits checked on reading are the named backend's
+        raise ValueError(f"plan for backend {p.backend!r}, not {backend.name!r}")
+    if p.merge != "none" and p.merge not in backend.merge_strategies:
+        raise ValueError(f"plan merge {p.merge!r} is not one of {backend.name}'s "
+                         f"{sorted(backend.merge_strategies)}")
+    qb, hb = backend.q_block(problem), backend.head_block(problem)
+    want = 0 if qb >= problem.q_len else qb
+    if p.q_block != want:
+        raise ValueError(f"plan q_block {p.q_block} is not {want}: {backend.name} holds {qb} of the "
+                         f"{problem.q_len} queries per launch")
+    if p.head_block != hb:
+        raise ValueError(f"plan head_block {p.head_block} is not {backend.name}'s {hb} query heads per launch")
 
 
 def _scale_tensor(scale, hkv: int, device) -> torch.Tensor | None:
@@ -759,8 +771,8 @@ class DecodeWrapper:
         Raises:
             PlanNotReadyError: no ``plan()`` was made.
             TypeError: ``plan`` is not a :class:`SplitPlan`.
-            ValueError: ``plan`` is for another backend, or does not serve the planned problem
-                (:meth:`SplitPlan.validate`, naming what does not fit).
+            ValueError: ``plan`` is for another backend, or does not serve the planned problem on it
+                (:func:`check_plan_serves`, naming what does not fit).
         """
         if self.plan_ is None or self.backend is None or self.workspace is None:
             raise PlanNotReadyError("DecodeWrapper.use_plan() called before plan()")
@@ -773,7 +785,7 @@ class DecodeWrapper:
             a, b = vars(self.plan_.problem), vars(plan.problem) if hasattr(plan.problem, "__dict__") else {}
             diff = [f"{k} {a[k]!r:.40} (the plan: {b.get(k)!r:.40})" for k in a if b.get(k) != a[k]]
             raise ValueError(f"the plan is for another problem than the planned inputs: {'; '.join(diff[:4])}")
-        plan.validate(self.plan_.problem)
+        check_plan_serves(plan, self.plan_.problem, self.backend)
         dev = self.workspace.targets.device
         prepare = getattr(self.backend, "prepare", None)
         if prepare is not None:
@@ -1096,7 +1108,7 @@ class DecodeWrapper:
             order = dispatch_order(c, fp8, arch)
             if order != list(c.backends):
                 why = [w for w, on in (("backends_fp8_kv", fp8 and c.backends_fp8_kv),
-                                       (f"backends_by_arch.{arch}", arch in c.backends_by_arch)) if on]
+                                       (f"backends_by_arch.{arch}", (c.backends_by_arch or {}).get(arch))) if on]
                 text += f"\ndispatch order {', '.join(order)} ({' and '.join(why)} first)"
         return text + "".join(f"\nskipped {n}: " + "; ".join(r) for n, r in self.skipped)
 

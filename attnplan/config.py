@@ -282,10 +282,11 @@ class Config(_Strict):
         None, min_length=1, max_length=4, description="for a 1-byte (fp8) KV cache these go first, in this order; only "
                                                       "backends also in `backends` are used; null = backends' order")
     backends_by_arch: dict[Annotated[str, StringConstraints(pattern=r"^sm_[0-9]{2,3}$")],
-                           Annotated[list[BackendName], Field(min_length=1, max_length=4)]] = Field(
+                           Annotated[list[BackendName], Field(max_length=4)]] | None = Field(
         default_factory=dict, description="per GPU architecture (`sm_90` for compute capability 9.0), the backends that "
                                           "go first there, in this order (after backends_fp8_kv for an fp8 cache); "
-                                          "only backends also in `backends` are used")
+                                          "only backends also in `backends` are used; [] for an architecture or null "
+                                          "for all: `backends`' order")
     deterministic: bool = Field(True, description="no effect, either value: reruns of one plan are always bitwise "
                                                   "identical (fixed merge order); accepted for older config files")
     split: SplitPolicy = SplitPolicy()

@@ -170,8 +170,16 @@ def test_backends_by_arch_orders_one_architecture(tmp_path):
     assert "\ndispatch order cuda_ptx, triton, numba, reference (backends_by_arch.sm_90 first)" in w.explain()
     w.plan_ = dataclasses.replace(w.plan_, device=w.plan_.device._replace(cc=(8, 0)))
     assert "dispatch order" not in w.explain()
+    for text in ("backends_by_arch: {sm_90: []}", "backends_by_arch: null"):  # the ways out of the default
+        f.write_text(text + "\n")
+        assert dispatch_order(load_config(f), False, "sm_90") == list(load_config().backends)
+    f.write_text("backends_by_arch: {}\n")  # merged key by key: the default stays
+    assert dispatch_order(load_config(f), False, "sm_90")[0] == "cuda_ptx"
+    with pytest.raises(TypeError, match="arch must be a str"):
+        dispatch_order(c, False, ["sm_90"])
     for text, needle in [("backends_by_arch: {hopper: [triton]}", "backends_by_arch.hopper"),
-                         ("backends_by_arch: {sm_90: []}", "backends_by_arch.sm_90"),
+                         ("backends_by_arch: {sm_90: [triton, numba, cuda_ptx, reference, triton]}",
+                          "backends_by_arch.sm_90"),
                          ("backends_by_arch: {sm_90: [cudnn]}", "backends_by_arch.sm_90"),
                          ("backends_by_arch: {sm_90: [triton, triton]}", "backends_by_arch.sm_90: duplicate"),
                          ("backends_by_arch: [sm_90]", "backends_by_arch")]:

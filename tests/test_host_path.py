@@ -769,6 +769,9 @@ def test_use_plan_serves_the_planned_inputs_with_another_plan(backend, gen, monk
         ref_plan = attnplan.DecodeWrapper(cfg, backend="reference").plan(*args)
         with pytest.raises(ValueError, match="for backend 'reference'"):
             w.use_plan(ref_plan)
+    if backend == "numba":  # a merge the backend does not have is refused here, not at the next run()
+        with pytest.raises(ValueError, match="merge 'fused' is not one of numba's"):
+            w.use_plan(dataclasses.replace(other, merge="fused"))
     with pytest.raises(TypeError, match="SplitPlan"):
         w.use_plan(other.to_dict() if hasattr(other, "to_dict") else {})
     assert w.plan_ is other
