@@ -502,6 +502,7 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
         src = str(path)
     if overrides:
         data = _deep_merge(data, overrides)
+        src = f"{src} with overrides" if path is not None else "override"
     return _validate(data, src)
 
 

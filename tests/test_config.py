@@ -177,6 +177,11 @@ def test_backends_by_arch_orders_one_architecture(tmp_path):
     assert dispatch_order(load_config(f), False, "sm_90")[0] == "cuda_ptx"
     with pytest.raises(TypeError, match="arch must be a str"):
         dispatch_order(c, False, ["sm_90"])
+    # a bad override is named as one, not as the shipped file's value
+    with pytest.raises(ConfigError, match=r"\(override\):\n  backends_by_arch\.sm_90"):
+        load_config(backends_by_arch={"sm_90": "x"})
+    with pytest.raises(ConfigError, match=r"c\.yaml with overrides\)"):
+        load_config(f, backends_by_arch={"sm_90": "x"})
     for text, needle in [("backends_by_arch: {hopper: [triton]}", "backends_by_arch.hopper"),
                          ("backends_by_arch: {sm_90: [triton, numba, cuda_ptx, reference, triton]}",
                           "backends_by_arch.sm_90"),
