@@ -769,13 +769,16 @@ class DecodeWrapper:
         Returns:
             ``plan``, now :attr:`plan_`.
         Raises:
-            PlanNotReadyError: no ``plan()`` was made.
+            PlanNotReadyError: no ``plan()`` was made, or a CUDA graph is being captured.
             TypeError: ``plan`` is not a :class:`SplitPlan`.
             ValueError: ``plan`` is for another backend, or does not serve the planned problem on it
                 (:func:`check_plan_serves`, naming what does not fit).
         """
         if self.plan_ is None or self.backend is None or self.workspace is None:
             raise PlanNotReadyError("DecodeWrapper.use_plan() called before plan()")
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise PlanNotReadyError("DecodeWrapper.use_plan() called during CUDA graph capture (it may compile kernels "
+                                    "and allocate a workspace): call it before capturing")
         if not isinstance(plan, SplitPlan):
             raise TypeError(f"plan must be a SplitPlan, got {type(plan).__name__}")
         if plan.backend != self.backend.name:

@@ -775,6 +775,12 @@ def test_use_plan_serves_the_planned_inputs_with_another_plan(backend, gen, monk
     with pytest.raises(TypeError, match="SplitPlan"):
         w.use_plan(other.to_dict() if hasattr(other, "to_dict") else {})
     assert w.plan_ is other
+    with monkeypatch.context() as m:  # never under a capture (it may compile and allocate)
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.raises(attnplan.PlanNotReadyError, match="during CUDA graph capture"):
+            w.use_plan(one)
+    assert w.plan_ is other
     assert w.plan(*args, num_splits=1).num_splits == one.num_splits and w.plan_ is not other
 
 
