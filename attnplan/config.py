@@ -251,6 +251,12 @@ class CostModel(_Strict):
     tail_target_scale: float = Field(1.0, ge=0.125, le=16, description="work units of a long-tailed batch (mean "
                                      "length below half the longest) per unit of a uniform batch of the same work: "
                                      "the device-side schedule's second targets table")
+    tail_programs_per_sm: float = Field(0.0, ge=0, le=64, description="long-tailed batches: at least this many "
+                                        "programs with work per SM (targets raised to this x SMs / KV heads units); "
+                                        "0 = off")
+    tail_min_unit_tokens: int = Field(0, ge=0, le=1 << 20, description="long-tailed batches: units of at least this "
+                                      "many tokens on average (targets capped at the bucket's tokens / this; it wins "
+                                      "over tail_programs_per_sm); 0 = off")
 
 
 class PlanCacheConfig(_Strict):

@@ -997,7 +997,9 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
     """The balanced schedule's targets: for each bucket ``k`` of total granules, the units a uniform batch of that
     much work gets (the split count :func:`_choose_splits` asks for, before chunk alignment, x batch; the schedule
     aligns on the device at the live total, and clamps to ``min_unit_granules``); then the long-tailed table, the
-    same counts times ``cost_model.tail_target_scale``. A capacity plan fills every
+    same counts times ``cost_model.tail_target_scale``, raised to ``cost_model.tail_programs_per_sm`` programs per SM
+    and capped at units of ``cost_model.tail_min_unit_tokens`` tokens on average (both off by default: unmeasured
+    candidates for batches whose longest sequence holds much of the work). A capacity plan fills every
     bucket up to the capacity; a live plan computes the buckets its (bucketed) lengths can reach and extends the
     ends. ``one_bucket``: a live plan whose (bucketed) mean and longest lengths share one power-of-two bucket, so no
     batch of its bucket is long-tailed (the mean above the bucket's lower end, so above half the longest): its
@@ -1032,5 +1034,13 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
     # long-tailed batches: the same work's units, scaled by the device's measured factor (cost_model.tail_target_scale)
     scale = 1.0 if one_bucket else cm.tail_target_scale
     tail = [0] + [max(1, round(t * scale)) if t else 0 for t in targets[1:]]
+    if not one_bucket and (cm.tail_programs_per_sm or cm.tail_min_unit_tokens):
+        floor = math.ceil(cm.tail_programs_per_sm * device.sm_count / problem.num_kv_heads)
+        for k in range(1, NUM_BUCKETS):
+            if tail[k]:
+                tail[k] = max(tail[k], floor)
+                if cm.tail_min_unit_tokens:  # the bucket's representative work, as for its uniform target above
+                    t_rep = min((1 << k) - 1, max(1 << (k - 1), round(2 ** (k - 0.5))))
+                    tail[k] = max(1, min(tail[k], t_rep * granule // cm.tail_min_unit_tokens))
     targets = targets + tail
     return tuple(targets)

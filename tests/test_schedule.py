@@ -279,6 +279,31 @@ def test_planner_scales_the_long_tailed_table():
 _GPU132 = DeviceInfo("Test GPU", 132, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
 
 
+@given(lens=st.lists(st.integers(0, 131072), min_size=16, max_size=16))
+@settings(max_examples=40, deadline=None)
+def test_planner_floors_and_caps_the_long_tailed_table(lens):
+    """``tail_programs_per_sm`` raises each long-tailed target to that many programs per SM (x SMs / KV heads units),
+    ``tail_min_unit_tokens`` caps it at the bucket's representative tokens / that size (the cap wins); the uniform
+    table and the off defaults are untouched; any length vector is still covered exactly once by the schedule."""
+    prob = DecodeProblem(16, 32, 8, 128, 1, 16, max_kv_len=131072, capacity=131072).bucketed()
+    plan = lambda **cm: make_plan(prob, _GPU132, load_config(cost_model=cm), "triton", {"block_n": 64},  # noqa: E731
+                                  capacity_mode=True).schedule
+    a, b = plan(), plan(tail_programs_per_sm=5.0, tail_min_unit_tokens=2048)
+    assert b.targets[:NUM_BUCKETS] == a.targets[:NUM_BUCKETS]
+    floor = math.ceil(5.0 * 132 / 8)
+    for k in range(1, NUM_BUCKETS):
+        t = a.targets[NUM_BUCKETS + k]
+        if not t:
+            assert b.targets[NUM_BUCKETS + k] == 0
+            continue
+        t_rep = min((1 << k) - 1, max(1 << (k - 1), round(2 ** (k - 0.5))))
+        assert b.targets[NUM_BUCKETS + k] == max(1, min(max(t, floor), t_rep * a.granule // 2048)), k
+    assert any(b.targets[NUM_BUCKETS + k] > a.targets[NUM_BUCKETS + k] for k in range(NUM_BUCKETS))
+    assert any(b.targets[NUM_BUCKETS + k] < a.targets[NUM_BUCKETS + k] for k in range(NUM_BUCKETS))
+    assert b.max_units >= max(b.targets)
+    check_invariants(lens, b)
+
+
 @given(data=st.data())
 @settings(max_examples=60, deadline=None)
 def test_a_uniform_live_plan_sizes_its_grid_for_the_batches_it_serves(data):
