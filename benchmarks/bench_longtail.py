@@ -24,6 +24,7 @@ per point, the means over its vectors; the JSON has every vector. Distributions 
 Usage (GPU machine)::
 
     python benchmarks/bench_longtail.py --out benchmarks/results/longtail.json
+    python benchmarks/bench_longtail.py --backends cuda_ptx --no-flashinfer --configs benchmarks/configs/tail-programs.yaml
 """
 
 from __future__ import annotations
@@ -193,6 +194,10 @@ def run_point(hq, hkv, d, batch, dist, args, fi, gen) -> dict:
                 sw.plan(q0, k_cache, v_cache, sl0, bt0, capacity=True)
                 scaled_plan(sw, scale)
                 variants.append((f"tail{scale:g}", sw))
+            for path in args.configs:  # the capacity plan of another config file (e.g. benchmarks/configs/*.yaml)
+                cw = attnplan.DecodeWrapper(path, backend=be)
+                cw.plan(q0, k_cache, v_cache, sl0, bt0, capacity=True)
+                variants.append((config_key(path), cw))
             if args.invariant:  # split.batch_invariant: each sequence's units from its own length alone
                 iw = attnplan.DecodeWrapper(attnplan.load_config(split={"batch_invariant": True}), backend=be)
                 iw.plan(q0, k_cache, v_cache, sl0, bt0, capacity=True)
@@ -225,7 +230,13 @@ def run_point(hq, hkv, d, batch, dist, args, fi, gen) -> dict:
     return res
 
 
-def summarize(pt: dict, backends, tail_scales=()) -> dict:
+def config_key(path: str) -> str:
+    """The result key of a ``--configs`` file: ``cfg_<file stem>`` (``benchmarks/configs/tail-programs.yaml`` ->
+    ``cfg_tail-programs``)."""
+    return "cfg_" + os.path.splitext(os.path.basename(path))[0]
+
+
+def summarize(pt: dict, backends, tail_scales=(), configs=()) -> dict:
     """Per point: means over vectors of the best backend's capacity / live times, FlashInfer's best, the read."""
     vs = pt["vectors"]
 
@@ -245,11 +256,12 @@ def summarize(pt: dict, backends, tail_scales=()) -> dict:
     if all(x == x for x in inv):  # the batch-invariant capacity plan (best backend) against the default's
         out["invariant_us"] = statistics.fmean(inv)
         out["invariant_over_cap"] = gm([i / c for i, c in zip(inv, cap)])
-    for scale in tail_scales:  # the rescaled long-tailed table against the plan as made, per backend
+    # the rescaled long-tailed tables and the other configs' capacity plans against the plan as made, per backend
+    for name in [f"tail{scale:g}" for scale in tail_scales] + [config_key(c) for c in configs]:
         for b in backends:
-            key = f"{b}_tail{scale:g}_us"
+            key = f"{b}_{name}_us"
             if all(key in v and f"{b}_capacity_us" in v for v in vs):
-                out[f"{b}_tail{scale:g}_over_cap"] = gm([v[key] / v[f"{b}_capacity_us"] for v in vs])
+                out[f"{b}_{name}_over_cap"] = gm([v[key] / v[f"{b}_capacity_us"] for v in vs])
     return out
 
 
@@ -267,12 +279,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--tail-scales", default="", help="also time the capacity plan with its long-tailed targets "
                     "scaled by each of these factors (comma-separated), to choose cost_model.tail_target_scale")
+    ap.add_argument("--configs", default="", help="also time the capacity plans of these config files (comma-"
+                    "separated YAML paths, each merged over plans/default.yaml) against the default's, per backend")
     ap.add_argument("--invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="also time capacity plans with split.batch_invariant (its cost beside the default)")
     ap.add_argument("--out", default="benchmarks/results/longtail.json")
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     args.tail_scales = [float(x) for x in args.tail_scales.split(",") if x]
+    args.configs = [c for c in args.configs.split(",") if c]
+    for c in args.configs:
+        attnplan.load_config(c)  # a bad file fails here, not after the first points
     if not torch.cuda.is_available():
         print("bench_longtail needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -290,7 +307,7 @@ def main(argv=None) -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             for dist in args.dists.split(","):
                 pt = run_point(hq, hkv, d, batch, dist, args, fi, gen)
-                pt["summary"] = summarize(pt, args.backends, args.tail_scales)
+                pt["summary"] = summarize(pt, args.backends, args.tail_scales, args.configs)
                 points.append(pt)
                 s = pt["summary"]
                 print(f"{hq}/{hkv}/{d} b{batch} {dist}: capacity {s['capacity_us']:.1f} us, live {s['live_us']:.1f}, "
@@ -303,14 +320,15 @@ def main(argv=None) -> int:
         g = math.exp(statistics.fmean(math.log(r) for r in rs))
         print(f"batch-invariant capacity plans (split.batch_invariant): time / default's {g:.3f} geomean over "
               f"{len(rs)} points, {min(rs):.3f}-{max(rs):.3f}")
-    for scale in args.tail_scales:
+    for name, what in [(f"tail{s:g}", f"long-tailed targets x{s:g}") for s in args.tail_scales] + \
+            [(config_key(c), c) for c in args.configs]:
         for b in args.backends:
-            rs = [pt["summary"].get(f"{b}_tail{scale:g}_over_cap") for pt in points]
+            rs = [pt["summary"].get(f"{b}_{name}_over_cap") for pt in points]
             rs = [r for r in rs if r]
             if rs:
                 g = math.exp(statistics.fmean(math.log(r) for r in rs))
-                print(f"{b} long-tailed targets x{scale:g}: time / plan's {g:.3f} (geomean over {len(rs)} points; "
-                      f"faster at {sum(r < 0.99 for r in rs)}, slower at {sum(r > 1.01 for r in rs)})")
+                print(f"{b} {what}: time / plan's {g:.3f} (geomean over {len(rs)} points, {min(rs):.3f}-"
+                      f"{max(rs):.3f}; faster at {sum(r < 0.99 for r in rs)}, slower at {sum(r > 1.01 for r in rs)})")
     return 0
 
 

@@ -233,6 +233,20 @@ def test_environment_records_the_commit_it_is_told(monkeypatch):
     assert got != "abc1234" and (got is None or len(got.split("+")[0]) >= 7)
 
 
+def test_longtail_summary_states_each_config_against_the_default():
+    """``--configs``: each file's capacity plan is a variant keyed by its stem, summarized per backend as the geometric
+    mean over the point's vectors of its time over the default capacity plan's."""
+    import bench_longtail as bl
+
+    key = bl.config_key("benchmarks/configs/tail-programs.yaml")
+    assert key == "cfg_tail-programs"
+    vs = [{"read_us": 10.0, "cuda_ptx_capacity_us": 20.0, "cuda_ptx_live_us": 20.0, f"cuda_ptx_{key}_us": 18.0},
+          {"read_us": 10.0, "cuda_ptx_capacity_us": 40.0, "cuda_ptx_live_us": 40.0, f"cuda_ptx_{key}_us": 40.0 * 1.1}]
+    s = bl.summarize({"vectors": vs}, ["cuda_ptx"], (), ["benchmarks/configs/tail-programs.yaml"])
+    assert s[f"cuda_ptx_{key}_over_cap"] == pytest.approx(math.sqrt(0.9 * 1.1))
+    assert "cuda_ptx_tail2_over_cap" not in s and s["capacity_us"] == pytest.approx(30.0)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_longtail_rescaled_plan_is_the_plan_that_runs(backend, gen, monkeypatch):
     """``bench_longtail.scaled_plan`` swaps a planned and run wrapper's capacity plan for one with its long-tailed
