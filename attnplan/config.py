@@ -300,6 +300,17 @@ class Config(_Strict):
     plan_cache: PlanCacheConfig = PlanCacheConfig()
     backend_options: BackendOptions = BackendOptions()
 
+    @model_validator(mode="after")
+    def _no_duplicate_backends(self) -> "Config":
+        """No backend twice in one list (a file's lists are checked before validation, with the file named; this
+        covers a ``Config`` built directly)."""
+        lists = [("backends", self.backends), ("backends_fp8_kv", self.backends_fp8_kv or [])]
+        lists += [(f"backends_by_arch.{k}", v) for k, v in (self.backends_by_arch or {}).items()]
+        for key, v in lists:
+            if len(set(v)) != len(v):
+                raise ValueError(f"{key}: duplicate entries (got {v})")
+        return self
+
     def options(self, backend: str) -> BaseModel:
         """The options model of ``backend`` (:data:`OPTION_MODELS`); raises ``KeyError`` for an unknown name."""
         if backend not in OPTION_MODELS:

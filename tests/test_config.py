@@ -7,7 +7,7 @@ import torch
 
 import attnplan
 import attnplan.testing
-from attnplan.config import ConfigError, load_config
+from attnplan.config import Config, ConfigError, load_config
 
 
 def test_defaults_load():
@@ -177,6 +177,9 @@ def test_backends_by_arch_orders_one_architecture(tmp_path):
     assert dispatch_order(load_config(f), False, "sm_90")[0] == "cuda_ptx"
     with pytest.raises(TypeError, match="arch must be a str"):
         dispatch_order(c, False, ["sm_90"])
+    for bad in ({"backends": ["triton", "triton"]}, {"backends_by_arch": {"sm_90": ["numba", "numba"]}}):
+        with pytest.raises(ValueError, match="duplicate entries"):  # a Config built directly, not from a file
+            Config(**bad)
     # a bad override is named as one, not as the shipped file's value
     with pytest.raises(ConfigError, match=r"\(override\):\n  backends_by_arch\.sm_90"):
         load_config(backends_by_arch={"sm_90": "x"})
