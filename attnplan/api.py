@@ -188,7 +188,11 @@ def dispatch_order(config: Config, fp8_kv: bool, arch: str | None = None) -> lis
     cache the backends of ``config.backends_fp8_kv``, then on a GPU of architecture ``arch`` (``"sm_90"``; ``None``
     off a GPU) those of ``config.backends_by_arch[arch]``. Only backends in ``config.backends`` are ever used: a
     user's ``backends: [triton, reference]`` keeps fp8 caches and sm_90 GPUs off cuda_ptx even though the defaults
-    name it first there."""
+    name it first there.
+
+    Raises:
+        TypeError: ``arch`` is neither a str nor None.
+    """
     if arch is not None and not isinstance(arch, str):
         raise TypeError(f"arch must be a str such as 'sm_90' or None, got {type(arch).__name__}")
     order = list(config.backends)
@@ -1105,8 +1109,7 @@ class DecodeWrapper:
             explain_lengths(seq_lens, self.plan_.problem.batch, self._static["capacity"])
         text = self.plan_.explain(lens)
         if not self.forced_backend:
-            c, cc = self.ctx.config, self.plan_.device.cc
-            arch = f"sm_{cc[0]}{cc[1]}" if tuple(cc) != (0, 0) else None
+            c, arch = self.ctx.config, self.plan_.device.arch
             fp8 = torch_dtype(self.plan_.problem.kv_dtype).itemsize == 1
             order = dispatch_order(c, fp8, arch)
             if order != list(c.backends):

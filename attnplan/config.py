@@ -302,13 +302,13 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _no_duplicate_backends(self) -> "Config":
-        """No backend twice in one list (a file's lists are checked before validation, with the file named; this
-        covers a ``Config`` built directly)."""
+        """No backend twice in one list (``backends``, ``backends_fp8_kv``, each of ``backends_by_arch``): a file's
+        error names the file and the key (:func:`_format_errors`)."""
         lists = [("backends", self.backends), ("backends_fp8_kv", self.backends_fp8_kv or [])]
         lists += [(f"backends_by_arch.{k}", v) for k, v in (self.backends_by_arch or {}).items()]
         for key, v in lists:
             if len(set(v)) != len(v):
-                raise ValueError(f"{key}: duplicate entries (got {v})")
+                raise ValueError(f"{key}: duplicate entries (got {short_repr(v, 200)})")
         return self
 
     def options(self, backend: str) -> BaseModel:
@@ -369,13 +369,6 @@ def _format_errors(err: ValidationError, source: str) -> str:
 def _validate(data: Any, source: str) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"invalid attnplan config ({source}): top level must be a mapping, got {type(data).__name__}")
-    lists = [(key, data.get(key)) for key in ("backends", "backends_fp8_kv")]
-    if isinstance(data.get("backends_by_arch"), dict):
-        lists += [(f"backends_by_arch.{k}", v) for k, v in data["backends_by_arch"].items()]
-    for key, v in lists:
-        if isinstance(v, list) and all(isinstance(x, str) for x in v) and len(set(v)) != len(v):
-            raise ConfigError(f"invalid attnplan config ({source}):\n  {key}: duplicate entries "
-                              f"(got {short_repr(v, 200)})")
     try:
         return Config.model_validate(data)
     except ValidationError as e:

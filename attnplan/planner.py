@@ -159,6 +159,12 @@ class DeviceKey(NamedTuple):
     cc: tuple[int, int]
     driver: str = ""
 
+    @property
+    def arch(self) -> str | None:
+        """``sm_90`` style architecture name (:attr:`attnplan.device.DeviceInfo.arch`); ``None`` for the CPU
+        stand-in (compute capability (0, 0))."""
+        return None if tuple(self.cc) == (0, 0) else f"sm_{self.cc[0]}{self.cc[1]}"
+
     @staticmethod
     def of(device: DeviceInfo) -> "DeviceKey":
         return DeviceKey(device.name, device.sm_count, tuple(device.compute_capability), device.driver)
@@ -990,6 +996,12 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
                      candidates=choice.candidates if choice is not None else ())
 
 
+def _bucket_granules(k: int) -> int:
+    """The granules of bucket ``k``'s representative batch, about ``2^(k - 1/2)`` (within the bucket's
+    ``[2^(k-1), 2^k)``), where :func:`_targets` plans the bucket's units."""
+    return min((1 << k) - 1, max(1 << (k - 1), round(2 ** (k - 0.5))))
+
+
 def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostModel, bw: float, config: Config,
              granule: int, min_c: int, merges, fused_parallelism: int, fused_max_chunk: int, cap_granules: int,
              capacity_mode: bool, choice: _Choice, num_warps: int | None = None,
@@ -1018,8 +1030,7 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
     targets = [0] * NUM_BUCKETS
     memo: dict[int, int] = {}
     for k in range(k_lo, k_hi + 1):
-        t_rep = min((1 << k) - 1, max(1 << (k - 1), round(2 ** (k - 0.5))))  # a batch of about 2^(k - 1/2) granules
-        m = max(1, t_rep * granule // batch)  # tokens per sequence of that uniform batch
+        m = max(1, _bucket_granules(k) * granule // batch)  # tokens per sequence of that uniform batch
         if m not in memo:
             virt = replace(problem, max_kv_len=m, total_kv_len=m * batch, window_left=-1, capacity=max(m, 1))
             limit = max(1, min(config.split.max_splits, m // (min_c * granule)))
@@ -1040,7 +1051,6 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
             if tail[k]:
                 tail[k] = max(tail[k], floor)
                 if cm.tail_min_unit_tokens:  # the bucket's representative work, as for its uniform target above
-                    t_rep = min((1 << k) - 1, max(1 << (k - 1), round(2 ** (k - 0.5))))
-                    tail[k] = max(1, min(tail[k], t_rep * granule // cm.tail_min_unit_tokens))
+                    tail[k] = max(1, min(tail[k], _bucket_granules(k) * granule // cm.tail_min_unit_tokens))
     targets = targets + tail
     return tuple(targets)

@@ -120,6 +120,12 @@ class Schedule:
             raise ValueError(f"a {self.policy} schedule has no targets (all zero)")
 
     @property
+    def sized_by_lengths(self) -> bool:
+        """Units sized from the live lengths (``balanced``, ``batch_invariant``): one long sequence among short ones
+        may hold most of the units while its batchmates' rows have one."""
+        return self.policy in ("balanced", "batch_invariant")
+
+    @property
     def single_pass(self) -> bool:
         """One unit per sequence: programs write the output directly; no workspace, no merge."""
         return self.max_units_per_seq == 1

@@ -381,7 +381,7 @@ class CudaPtxBackend(Backend):
         p = plan.problem
         rows = p.batch * p.q_len * p.num_q_heads
         sm_count = device_info(device).sm_count if device is not None else plan.device.sm_count
-        if plan.schedule.policy in ("balanced", "batch_invariant") and \
+        if plan.schedule.sized_by_lengths and \
                 rows * merge_spec(p.q_dtype, p.head_dim, MAX_MERGE_TEAMS).threads <= MERGE_THREADS_PER_SM * sm_count:
             rows = p.q_len * p.num_q_heads
         return merge_teams(rows, plan.schedule.max_units_per_seq, sm_count)

@@ -564,7 +564,7 @@ class TritonBackend(Backend):
         if plan.merge == "separate":
             rows = p.batch * p.q_len * p.num_q_heads
             slices, block_d, block_s = merge_geometry(rows, s.max_units_per_seq, d, plan.device.sm_count,
-                                                      s.policy in ("balanced", "batch_invariant"))
+                                                      s.sized_by_lengths)
             L.merge_grid = (rows, slices)
             L.merge_const = dict(NUM_HEADS=p.num_q_heads, Q_LEN=p.q_len, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=block_s,
                                  num_warps=1 if interp else 4)
