@@ -6,7 +6,7 @@
 #   bench     benchmarks/bench_decode.py (args: BENCH_ARGS) -> decode_grid.csv, .json, .png
 #   bench2/3  more of the same grid, merged into those files (args: BENCH2_ARGS / BENCH3_ARGS, run with --merge);
 #             copy decode_grid.* to benchmarks/results/ when the run is the new baseline
-#   sanitize  compute-sanitizer memcheck + racecheck on benchmarks/sanitize.py for each backend
+#   sanitize  compute-sanitizer memcheck, racecheck and initcheck (SAN_TOOLS) on benchmarks/sanitize.py per backend
 #   sweep     benchmarks/sweep_kernel.py (SWEEP_BACKEND, SWEEP_ARGS) -> sweep.json
 #   merge     benchmarks/bench_merge.py (MERGE_MODE=merge,partition): the plan axes side by side -> merge.json
 #   cp        benchmarks/bench_cp.py: context-parallel decode over 2 GPUs (NCCL) -> cp.json
@@ -81,7 +81,7 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
         --iters ${MERGE_ITERS:-30} --out "$R/merge.json" > "$R/merge.log" 2>&1; echo "merge rc=$?" ;;
     sanitize)  # all backends x tools in parallel (one GPU, many cores); device-side errors only
       for be in ${SAN_BACKENDS:-triton numba cuda_ptx}; do
-        for tool in memcheck racecheck; do
+        for tool in ${SAN_TOOLS:-memcheck racecheck initcheck}; do
           ( timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool $tool --report-api-errors no --print-limit 1000 \
             python3 benchmarks/sanitize.py --backend $be > "$R/sanitize-$be-$tool.log" 2>&1; echo "rc=$?" >> "$R/sanitize-$be-$tool.log" ) &
         done
