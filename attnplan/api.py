@@ -12,7 +12,7 @@ and the bound launches are reused; the previous call's backend and cache key ser
 repeat, and a backend's ``prepare`` runs once per plan and device) and synchronizes nothing; ``run()``
 reads each argument's shape, strides, dtype, device and data pointer once, compares them with the planned
 values (any difference takes the full checks, which raise their own errors) and launches through the
-backend's bound launch (:meth:`Backend.bind <attnplan.backends.triton.TritonBackend.bind>` where the
+backend's bound launch (:meth:`Backend.bind <attnplan.backends.base.Backend.bind>` where the
 backend has one); :func:`decode` keeps its wrappers per context and input signature, so a repeated call
 is one signature, a plan-cache hit and a run.
 """
@@ -37,7 +37,7 @@ from .device import DeviceInfo, device_info
 from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
 from .problem import (DecodeProblem, check_no_grad, check_sm_scale, check_variant_tensors, default_sm_scale,
-                      has_internal_overlap, host_lengths, is_contiguous_layout, len_bucket, same_signature,
+                      has_internal_overlap, host_lengths, overlap_error, is_contiguous_layout, len_bucket, same_signature,
                       signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values,
                       as_host_lengths, explain_lengths)
 
@@ -129,19 +129,21 @@ class Context:
         hit = self._selected.get(key)
         if hit is None:
             be, skipped = select_backend(problem(), device, self.config, backend, graph)
-            hit = (be, skipped, be.plan_key_extra() if hasattr(be, "plan_key_extra") else "")
+            hit = (be, skipped, be.plan_key_extra())
             if len(self._selected) >= 4096:
                 self._selected.clear()
             self._selected[key] = hit
         return hit[0], list(hit[1]), hit[2]
 
     def planning_fingerprint(self, backend: str) -> str:
-        """The config's planning inputs for ``backend`` (part of the plan-cache key), computed once."""
+        """The config's planning inputs for ``backend`` (part of the plan-cache key), computed once. The keys that
+        are accepted with no effect (``deterministic``, ``split.partition``) are left out, so setting them does not
+        plan again."""
         fp = self._fp.get(backend)
         if fp is None:
             c = self.config
-            fp = self._fp[backend] = json.dumps([c.split.model_dump(), c.cost_model.model_dump(),
-                                                 c.options(backend).model_dump(), c.deterministic], sort_keys=True)
+            fp = self._fp[backend] = json.dumps([c.split.model_dump(exclude={"partition"}), c.cost_model.model_dump(),
+                                                 c.options(backend).model_dump()], sort_keys=True)
         return fp
 
 
@@ -332,7 +334,7 @@ def plan_problem(problem: DecodeProblem, backend: Backend, device: torch.device,
     else:
         dkey = _device_key(dev_info)
         table_text = _table_text(dev_info.slug()) if dev_info.compute_capability != (0, 0) else ""
-    extra = backend.plan_key_extra() if hasattr(backend, "plan_key_extra") else ""
+    extra = backend.plan_key_extra()
     return _plan_cached(lambda: problem, problem.bucket_key(), problem.capacity, backend, device, ctx, dev_info,
                         dkey, table_text, extra, capacity_mode, num_splits)
 
@@ -464,12 +466,6 @@ def _outputs_fit(qsig: tuple, out, lse) -> bool:
                            and lse.device == device and (shape[2] <= 1 or lse.stride(2) == 1)
                            and (lse.is_contiguous() or not has_internal_overlap(shape[:3], lse.stride()))
                            and not lse.is_neg())
-
-
-def _overlap(on: str, c0: int, c1: int, n: str, d0: int, d1: int) -> ValueError:
-    """:func:`attnplan.problem.check_no_overlap`'s error, word for word."""
-    return ValueError(f"{on} overlaps {n} in memory (bytes [{c0:#x}, {c1:#x}) and [{d0:#x}, {d1:#x})); "
-                      f"the kernels would read what they write: pass a separate {on} buffer")
 
 
 class DecodeWrapper:
@@ -870,10 +866,9 @@ class DecodeWrapper:
         # tensors; per workspace view for several launches) is forgotten with the wrapper or its next binding: a
         # wrapper's workspace dies with it, also one allocated in a torch.compile CUDA-graph pool
         self._forget = weakref.finalize(self, self.backend.forget, plan, self.workspace)
-        bind = getattr(self.backend, "bind", None)
-        if bind is not None and not plan.multi_launch:  # a plan of several launches launches through Backend.run
+        if not plan.multi_launch:  # a plan of several launches launches through Backend.run
             try:
-                self._launcher = bind(plan, self.workspace, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table,
+                self._launcher = self.backend.bind(plan, self.workspace, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table,
                                                                          self._sm_scale, **self._variant),
                                       previous=previous)
             except ValueError:  # the backend's own run() raises it, with its message, when run() is called
@@ -1067,7 +1062,7 @@ class DecodeWrapper:
             c0 = lse.data_ptr()
             c1 = c0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + 1) * 4
             if a0 < c1 and c0 < a1:
-                raise _overlap("out", a0, a1, "lse", c0, c1)
+                raise overlap_error("out", a0, a1, "lse", c0, c1)
         if sinks is None and k_scale is None and v_scale is None:
             # the tests of the loops below, written out (no list built): nothing overlaps, the common case, returns
             e0, e1, e2, e3, e4 = self._extents
@@ -1087,11 +1082,11 @@ class DecodeWrapper:
                     ins.append((n, p, p + _extent(t.shape, t.stride(), t.element_size())))
         for n, b0, b1 in ins:
             if a0 < b1 and b0 < a1:
-                raise _overlap("out", a0, a1, n, b0, b1)
+                raise overlap_error("out", a0, a1, n, b0, b1)
         if lse is not None:
             for n, b0, b1 in ins:
                 if c0 < b1 and b0 < c1:
-                    raise _overlap("lse", c0, c1, n, b0, b1)
+                    raise overlap_error("lse", c0, c1, n, b0, b1)
 
     def explain(self, seq_lens=None) -> str:
         """The plan's :meth:`SplitPlan.explain` at ``seq_lens`` (``batch`` ints in ``[0, capacity]``, the capacity

@@ -1,6 +1,6 @@
 """The plan cache: an in-memory LRU in front of versioned JSON files on disk.
 
-Key: the device fingerprint (name, SM count, compute capability, driver), the library and
+Key: the device fingerprint (name, SM count, compute capability, CUDA version), the library and
 plan-format versions, the backend, the problem bucket (batch, heads, head_dim, q_len, dtypes, page
 size, KV-length buckets), whether the plan is a capacity plan, and the config's planning inputs
 (split policy, cost model, the backend's kernel options). Files are written atomically (a
@@ -252,6 +252,7 @@ class CacheStats:
     rebuilt: int = 0
 
     def as_dict(self) -> dict:
+        """The counters by name (a new dict, e.g. for logging or JSON)."""
         return dict(self.__dict__)
 
 

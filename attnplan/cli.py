@@ -211,7 +211,7 @@ def _run(args, parser) -> int:
                         device=device, generator=gen)
     w = attnplan.DecodeWrapper(ctx, backend=args.backend)
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=args.num_splits,
-                  seq_lens_host=lens if args.explain else None)
+                  seq_lens_host=lens)
     report = {
         "device": attnplan.device_info(device).to_dict(), "mode": "cpu-interpreter" if cpu else "gpu",
         "model": args.model, "heads": [hq, hkv, d], "batch": args.batch, "q_len": args.q_len, "dtype": args.dtype,
@@ -349,7 +349,6 @@ def main(argv: list[str] | None = None) -> int:
         args.tune_args = passthrough
         if args.config:  # its planning contexts read the config from the environment
             os.environ["ATTNPLAN_CONFIG"] = args.config
-    if args.cmd == "tune":
         if _cpu_mode() and not {"-h", "--help"} & set(args.tune_args):
             print("attnplan: error: tune needs a CUDA GPU", file=sys.stderr)
             return 2

@@ -27,9 +27,11 @@ class DeviceInfo:
         compute_capability: ``(major, minor)``; ``(0, 0)`` for the CPU stand-in.
         smem_per_block: opt-in shared memory per block, bytes.
         l2_bytes: L2 cache size, bytes.
-        mem_bandwidth_gbs: memory read bandwidth, GB/s (the tuned table's measured value when
-            one exists, else the datasheet estimate from clock and bus width, else a default).
-        driver: CUDA driver / toolkit version string ("" on CPU), part of the compile-cache key.
+        mem_bandwidth_gbs: memory read bandwidth, GB/s: the datasheet estimate from clock and bus width, else a
+            default (the planner's cost model uses the device table's measured value instead where one exists,
+            :func:`attnplan.planner.cost_model_for`).
+        driver: the CUDA version torch was built with (``"cuda-13.0"``; "" on CPU), not the installed driver's;
+            part of the plan-cache key.
     """
 
     name: str
@@ -47,7 +49,7 @@ class DeviceInfo:
 
     def fingerprint(self) -> dict:
         """What the plan cache keys on: name, SM count, compute capability (a cubin or a tuned split is
-        only valid for its architecture and SM count) and driver."""
+        only valid for its architecture and SM count) and CUDA version."""
         return {"name": self.name, "sm_count": self.sm_count, "cc": list(self.compute_capability), "driver": self.driver}
 
     def slug(self) -> str:

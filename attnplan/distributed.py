@@ -7,7 +7,8 @@ packed message per rank and merged by the local backend's separate merge kernel 
 workspace whose ``(indptr, units)`` table gives every sequence ``world`` units (the contract of
 :func:`attnplan.merge_states`), so the result equals single-device decode within rounding
 (Flash-Decoding's merge, Dao et al. 2023, applied across devices: the split reduction runs over ranks
-instead of programs).
+instead of programs). A rank's ``o`` travels in q's dtype (half the bytes of the fp32 partial-state format), so the
+result has one rounding more than single-device decode, within that dtype's tolerance; ``lse`` travels in fp32.
 Works with NCCL on GPUs and gloo on CPUs.
 
 Visibility: shards are any disjoint sets of a sequence's positions (contiguous ranges in

@@ -93,7 +93,7 @@ import torch
 from ._repr import short_repr as _short
 
 __all__ = ["DecodeProblem", "validate_inputs", "validate_values", "host_lengths", "validate_outputs",
-           "check_no_overlap", "check_sm_scale", "check_no_grad", "tensor_signature", "signature_change", "same_signature",
+           "check_no_overlap", "overlap_error", "check_sm_scale", "check_no_grad", "tensor_signature", "signature_change", "same_signature",
            "is_contiguous_layout", "DTYPE_NAMES", "dtype_name", "len_bucket", "explain_lengths"]
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -795,8 +795,14 @@ def check_no_overlap(outputs, inputs) -> None:
             if a0 < b1 and b0 < a1 and t.device == ot.device:
                 (c0, c1), (d0, d1) = _byte_range(ot), _byte_range(t)
                 if c0 < d1 and d0 < c1:
-                    raise ValueError(f"{on} overlaps {n} in memory (bytes [{c0:#x}, {c1:#x}) and [{d0:#x}, {d1:#x})); "
-                                     f"the kernels would read what they write: pass a separate {on} buffer")
+                    raise overlap_error(on, c0, c1, n, d0, d1)
+
+
+def overlap_error(on: str, c0: int, c1: int, n: str, d0: int, d1: int) -> ValueError:
+    """The error of output ``on`` (bytes ``[c0, c1)``) overlapping tensor ``n`` (bytes ``[d0, d1)``), which
+    :func:`check_no_overlap` raises and ``DecodeWrapper.run()``'s own check of the same rule too."""
+    return ValueError(f"{on} overlaps {n} in memory (bytes [{c0:#x}, {c1:#x}) and [{d0:#x}, {d1:#x})); "
+                      f"the kernels would read what they write: pass a separate {on} buffer")
 
 
 def host_lengths(static: dict, seq_lens_host, num_pages: int) -> tuple[list[int], int, int] | None:

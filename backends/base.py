@@ -294,6 +294,24 @@ class Backend(abc.ABC):
         hb = self.head_block(problem)
         return -(-problem.q_len // self.q_block(problem)) * (-(-problem.group_size // hb) if hb else 1)
 
+    def plan_key_extra(self) -> str:
+        """What besides the problem, the device and the config changes this backend's kernel options in this process
+        (part of the plan-cache key; e.g. Triton's interpreter plans other tiles). Default: ``""``."""
+        return ""
+
+    def bind(self, plan: SplitPlan, workspace: Workspace, inputs: DecodeInputs, previous=None):
+        """A bound launch of ``plan`` on ``workspace`` for inputs of ``inputs``' signature: a callable
+        ``(q, k_cache, v_cache, seq_lens, block_table, out, lse, ptrs=None)`` that launches what :meth:`run` would,
+        with the checks that do not involve the outputs done once here (``DecodeWrapper.plan()`` calls this,
+        its ``run()`` calls the result; ``previous``: the binding this one replaces, whose prepared state may be
+        kept). Default: ``None``, no bound launch (``run()`` goes through :meth:`run`).
+
+        Raises:
+            ValueError: the inputs or workspace do not serve the plan (``run()`` then raises the same through
+                :meth:`run`).
+        """
+        return None
+
     def prepare(self, plan: SplitPlan, device: torch.device) -> None:
         """Compile and load what ``plan`` will launch (called by ``plan()``, outside any capture).
         Default: nothing (kernels compile at their first launch)."""

@@ -206,6 +206,24 @@ def test_a_hit_never_rebuilds_and_a_disabled_cache_always_does(monkeypatch):
     assert len(builds) == 4 and cold.cache.stats.misses == 3 and cold.cache.stats.hits == 0
 
 
+
+def test_keys_without_effect_do_not_plan_again(tmp_path):
+    """``deterministic`` and ``split.partition`` are accepted with no effect, so a config differing only in them
+    keys the same plans (no new plan, no new file); a key the planner reads (``split.max_splits``) keys others."""
+    import attnplan.api as api
+
+    base = attnplan.load_config(plan_cache={"dir": str(tmp_path)})
+    same = base.model_copy(update={"deterministic": False,
+                                   "split": base.split.model_copy(update={"partition": "split_k"})})
+    other = base.model_copy(update={"split": base.split.model_copy(update={"max_splits": 128})})
+    fps = [api.Context.from_config(c).planning_fingerprint("triton") for c in (base, same, other)]
+    assert fps[0] == fps[1] != fps[2]
+    be, dev = get_backend("reference"), torch.device("cpu")
+    first = api.plan_problem(PROB, be, dev, api.Context.from_config(base), dev_info=DEV_A)
+    ctx = api.Context.from_config(same)
+    assert api.plan_problem(PROB, be, dev, ctx, dev_info=DEV_A) == first
+    assert ctx.cache.stats.misses == 0 and ctx.cache.stats.disk_hits == 1
+
 # -- hostile plan files: a miss with a warning naming the file, never an exception or a wrong answer -------
 
 from conftest import kernel_backends  # noqa: E402

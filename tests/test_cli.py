@@ -23,6 +23,14 @@ def test_run_default_checks_against_reference(capsys):
     assert "backend:" in out and "PASS" in out and "split" in out
 
 
+def test_run_explains_the_schedule_at_its_own_lengths(capsys):
+    """``attnplan run`` passes its lengths on the host, so the plan's schedule line is evaluated at them (3 + 2 + 1
+    units here), not at the planned powers of two (256 tokens for every sequence: 3 units each)."""
+    assert cli.main(["run", "--batch", "3", "--kv-lens", "200,61,1", "--num-splits", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "at these lengths: 6 units (1-3 per sequence)" in out and "at planned lengths" not in out
+
+
 def test_run_json_and_options(capsys):
     rc = cli.main(["run", "--model", "qwen2.5-7b", "--batch", "2", "--kv-lens", "40,0", "--page-size", "0",
                    "--dtype", "fp16", "--num-splits", "3", "--json"])

@@ -277,8 +277,8 @@ class CudaPtxBackend(Backend):
         return reasons
 
     def rows_per_program(self, problem: DecodeProblem) -> int:
-        """64 (:attr:`max_rows_per_program`), fewer for an fp8 cache at large head_dim (:func:`~.spec.max_rows`:
-        the CUDA-core path's registers, the tensor-core path's fallback)."""
+        """64 (:attr:`max_rows_per_program`); 32 for an fp8 cache at every head_dim (:func:`~.spec.max_rows`: the
+        CUDA-core path's registers, the tensor-core path's fallback)."""
         if problem.kv_dtype == FP8:
             return min(self.max_rows_per_program, max_rows(FP8, problem.head_dim))
         return self.max_rows_per_program
