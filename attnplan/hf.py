@@ -252,8 +252,9 @@ def _eager_context():
     ``plans/default.yaml`` and ``$ATTNPLAN_CONFIG``), with the fused merge where the config leaves the merge to the
     planner (``split.merge: auto``, not batch-invariant). An eager step is host bound (transformers' own per-layer
     work takes longer than the GPU's), so one kernel launch per layer (the last program of each sequence and KV head
-    merges) beats a merge kernel's second launch: measured on an H200 host, the attention call took 20.1 us with the
-    fused merge against 40.1 (triton) and 24.3 (cuda_ptx) with the separate one. The price is GPU time where chunks
+    merges) beats a merge kernel's second launch: measured on an H200 host (host time per call, the GPU busy), the
+    attention call took 23.9 us (triton) and 22.0 (cuda_ptx) with the fused merge against 27.5 and 26.2 with the
+    separate one. The price is GPU time where chunks
     are long (cuda_ptx's fused kernel streams chunks over 2,048 tokens 4-9% slower), hidden while the step is host
     bound. A backend without the fused merge plans the separate one."""
     global _EAGER_CTX

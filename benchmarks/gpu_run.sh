@@ -8,19 +8,22 @@
 #             copy decode_grid.* to benchmarks/results/ when the run is the new baseline
 #   sanitize  compute-sanitizer memcheck, racecheck and initcheck (SAN_TOOLS) on benchmarks/sanitize.py per backend
 #   sweep     benchmarks/sweep_kernel.py (SWEEP_BACKEND, SWEEP_ARGS) -> sweep.json
-#   merge     benchmarks/bench_merge.py (MERGE_MODE=merge,partition): the plan axes side by side -> merge.json
+#   merge     benchmarks/bench_merge.py (MERGE_MODE=merge): the merge strategies side by side -> merge.json
 #   cp        benchmarks/bench_cp.py: context-parallel decode over 2 GPUs (NCCL) -> cp.json
 #   tune      attnplan tune (args: TUNE_ARGS): writes $ATTNPLAN_CACHE_DIR/plans/<device>.yaml, copied out
 #   longtail  benchmarks/bench_longtail.py (args: LONGTAIL_ARGS): capacity vs live plans vs FlashInfer -> longtail.json
 #   host      benchmarks/bench_host.py (args: HOST_ARGS): host cost per eager call -> host.json
 #   cmd       the shell command in CMD (output: cmd.log); cmd_bg runs it in the background (untimed work only)
-# FlashInfer (the paged-decode peer) is used when it imports, or when a prepared copy is carried in .peers/flashinfer
-# (a stripped flashinfer-python package with prebuilt sm_90a decode modules, and its apache-tvm-ffi wheel).
+# Optional, for a machine without network access: wheels in .whl/ (e.g. pydantic, platformdirs, pyelftools) are
+# installed first, and a FlashInfer copy in .peers/flashinfer/ (a flashinfer-python package with prebuilt sm_90a
+# decode modules, as flashinfer_stripped.tar.xz, and its apache-tvm-ffi wheel) is put on the path. FlashInfer (the
+# paged-decode peer; elsewhere `pip install flashinfer-python`) is used when it imports, and the benchmarks say so
+# when it does not.
 # Everything lands in $OUT/run/ and is packed into $OUT/run.tgz (one file to copy back);
 # short summaries are printed last.
 # Usage (repository root, on the GPU machine): STEPS="tests bench" bash benchmarks/gpu_run.sh
-# On a machine that runs a copy of the working tree, pass the commit the results are for: ATTNPLAN_COMMIT=<sha>
-# (the copy's .git may be another commit's; the results files record it).
+# Where the checkout's .git is absent or another commit's, pass the commit the results are for: ATTNPLAN_COMMIT=<sha>
+# (the results files record it).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; R="$OUT/run"; mkdir -p "$R"
 export PYTHONUNBUFFERED=1 ATTNPLAN_CACHE_DIR=$(mktemp -d) ATTNPLAN_FAILURE_LOG=$R/failures.log  # failures as they happen
@@ -87,7 +90,7 @@ for step in ${STEPS-tests bench}; do  # STEPS="" installs only
         done
       done
       wait $(jobs -p | grep -v -x -e "${TESTS_PID:-none}" -e "${CMD_PID:-none}") 2>/dev/null ;;
-    cp)  # needs kind nvidia-h200-x2 (2 GPUs); keep NCCL_NVLS_ENABLE=0 as the machine sets it
+    cp)  # needs 2 GPUs of one host (NCCL)
       python3 benchmarks/bench_cp.py --world ${CP_WORLD:-2} --kv ${CP_KV:-1048576,2097152} --out "$R/cp.json" \
         > "$R/cp.log" 2>&1; echo "cp rc=$?" ;;
     tune)
