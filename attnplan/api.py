@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .backends import Backend, DecodeInputs, Workspace, get_backend
-from .cache import PlanCache
+from .cache import PlanCache, check_plan
 from .config import MAX_SPLITS, Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
@@ -760,19 +760,22 @@ class DecodeWrapper:
     def use_plan(self, plan: SplitPlan) -> SplitPlan:
         """Serve the inputs of the last :meth:`plan` with ``plan`` instead of the plan it made: e.g. an edited copy
         of :attr:`plan_` (``dataclasses.replace``: another schedule, split count or kernel options, to time or test
-        it) or one read back with :meth:`SplitPlan.from_dict`. The inputs' signature, scalars and variants stay
-        ``plan()``'s; the kernels are compiled or loaded now (not under a CUDA-graph capture) and a workspace is
-        allocated when the current one does not serve ``plan``. Later :meth:`run` calls launch ``plan`` through the
-        backend's unbound path (``Backend.run``: the same kernels, more host work per call than a bound launch)
-        until the next :meth:`plan`, which plans afresh.
+        it) or one read back with :meth:`SplitPlan.from_dict`. It is checked as a plan file is
+        (:func:`attnplan.cache.check_plan`: the plan's consistency, a finite prediction, sizes bounded by what the
+        problem can need, kernel options its backend accepts unchanged) and against the planned inputs
+        (:func:`check_plan_serves`). The inputs' signature, scalars and variants stay ``plan()``'s; the kernels are
+        compiled or loaded now (not under a CUDA-graph capture) and a workspace is allocated when the current one
+        does not serve ``plan``. Later :meth:`run` and :meth:`try_run` calls launch ``plan`` through the backend's
+        unbound path (``Backend.run``: the same kernels, more host work per call than a bound launch) until the next
+        :meth:`plan`, which plans afresh.
 
         Returns:
             ``plan``, now :attr:`plan_`.
         Raises:
             PlanNotReadyError: no ``plan()`` was made, or a CUDA graph is being captured.
             TypeError: ``plan`` is not a :class:`SplitPlan`.
-            ValueError: ``plan`` is for another backend, or does not serve the planned problem on it
-                (:func:`check_plan_serves`, naming what does not fit).
+            ValueError: ``plan`` is for another backend, fails the plan-file checks, or does not serve the planned
+                problem on it (naming what does not fit); ``TypeError`` for a field of the wrong type.
         """
         if self.plan_ is None or self.backend is None or self.workspace is None:
             raise PlanNotReadyError("DecodeWrapper.use_plan() called before plan()")
@@ -788,6 +791,7 @@ class DecodeWrapper:
             a, b = vars(self.plan_.problem), vars(plan.problem) if hasattr(plan.problem, "__dict__") else {}
             diff = [f"{k} {a[k]!r:.40} (the plan: {b.get(k)!r:.40})" for k in a if b.get(k) != a[k]]
             raise ValueError(f"the plan is for another problem than the planned inputs: {'; '.join(diff[:4])}")
+        check_plan(plan, self.plan_.problem)
         check_plan_serves(plan, self.plan_.problem, self.backend)
         dev = self.workspace.targets.device
         prepare = getattr(self.backend, "prepare", None)
@@ -804,6 +808,10 @@ class DecodeWrapper:
         self._forget = weakref.finalize(self, self.backend.forget, plan, self.workspace)
         self._prepared, self._ws_for = (plan, self.backend, dev), (plan, self.workspace, dev)
         self.plan_ = plan
+        # run()'s one-pass check (and try_run()) for the planned inputs, launching this plan unbound; the next plan()
+        # binds again (its _bind sees no binding) and makes its own
+        self._fast = self._fast_made = self._make_fast()
+        self._fast_src = self._bound_to
         return plan
 
     def _no_self_overlap(self, shape, strides) -> bool:

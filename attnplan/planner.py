@@ -194,6 +194,23 @@ class Launch(NamedTuple):
     plan: "SplitPlan"
 
 
+_FIELD_KINDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _field(v, kind: type, what: str):
+    """A plan file's field ``v`` if it is a JSON value of ``kind``, else ``TypeError`` naming it (nothing is
+    converted): ``int`` an int, not a bool; ``float`` an int or a float, not a bool; ``bool`` and ``str`` exactly."""
+    if kind is bool:
+        ok = type(v) is bool
+    elif kind is float:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    else:
+        ok = isinstance(v, kind) and not isinstance(v, bool)
+    if not ok:
+        raise TypeError(f"plan {what} must be {_FIELD_KINDS[kind]}, got {v!r:.40}")
+    return v
+
+
 @dataclass(frozen=True)
 class SplitPlan:
     """A frozen, hashable, serializable split-KV plan.
@@ -449,15 +466,24 @@ class SplitPlan:
         if not isinstance(d["problem"], dict) or not isinstance(d["device"], list) or len(d["device"]) != 4:
             raise TypeError("plan problem must be a mapping and device [name, sm_count, cc, driver]")
         name, sms, cc, driver = d["device"]
+        if not isinstance(cc, (list, tuple)) or len(cc) != 2:
+            raise TypeError(f"plan device compute capability must be [major, minor], got {cc!r}")
+        cands = d["candidates"]
+        if not isinstance(cands, (list, tuple)) or any(not isinstance(c, (list, tuple)) or len(c) != 3 for c in cands):
+            raise TypeError("plan candidates must be a list of [splits, chunk_tokens, predicted_us]")
         te = d["table_entry"]
         plan = SplitPlan(
-            backend=str(d["backend"]), problem=DecodeProblem(**d["problem"]),
-            device=DeviceKey(str(name), int(sms), (int(cc[0]), int(cc[1])), str(driver)),
+            backend=_field(d["backend"], str, "backend"), problem=DecodeProblem(**d["problem"]),
+            device=DeviceKey(_field(name, str, "device name"), _field(sms, int, "device sm_count"),
+                             (_field(cc[0], int, "device cc"), _field(cc[1], int, "device cc")),
+                             _field(driver, str, "device driver")),
             schedule=Schedule.from_dict(d["schedule"]), kernel=KernelOptions(d["kernel"]), merge=d["merge"],
-            policy=d["policy"], predicted_us=float(d["predicted_us"]), capacity_mode=bool(d["capacity_mode"]),
+            policy=d["policy"], predicted_us=float(_field(d["predicted_us"], float, "predicted_us")),
+            capacity_mode=_field(d["capacity_mode"], bool, "capacity_mode"),
             table_entry=None if te is None else TableRow.from_row(te),
-            candidates=tuple((int(a), int(b), float(c)) for a, b, c in d["candidates"]), q_block=d["q_block"],
-            head_block=d["head_block"], version=d["version"])
+            candidates=tuple((_field(a, int, "candidate splits"), _field(b, int, "candidate chunk_tokens"),
+                              float(_field(c, float, "candidate predicted_us"))) for a, b, c in cands),
+            q_block=d["q_block"], head_block=d["head_block"], version=d["version"])
         plan.validate()
         return plan
 

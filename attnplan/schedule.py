@@ -27,7 +27,8 @@ Definitions (all integers; ``B`` sequences, ``Q`` queries per sequence, ``G`` to
   (length 0, or no visible position) still gets one (empty) unit, so its output is written.
 * ``indptr`` is the exclusive prefix sum of ``units`` in sequence order; the batch has ``U = indptr[B]``
   units, ``U <= max_units`` always (``max_units`` is chosen by the planner from this bound:
-  ``sum_b ceil(nb / c) <= T / c + B <= max(targets) + B``).
+  ``sum_b ceil(nb / c) <= T / c + B <= max(targets) + B``; ``B * max_units_per_seq`` where a bucket holding work
+  has no target: :func:`max_units_bound`).
 * Unit ``j`` of ``b`` covers tokens ``[base + j * cb * G, min(base + (j + 1) * cb * G, L))``.
 
 Programs: a 1-D grid of ``max_units * num_kv_heads`` programs; program ``p`` serves grid slot ``s = p //
@@ -146,7 +147,12 @@ class Schedule:
 
 
 def max_units_bound(schedule_targets, batch: int, max_units_per_seq: int) -> int:
-    """The most units any length vector can produce under a balanced schedule: ``min(B * S, max(t) + B)``."""
+    """The most units any length vector can produce under a balanced schedule: ``min(B * S, max(t) + B)`` (units of
+    ``c >= T / t`` granules: ``sum ceil(nb / c) <= T / c + B <= t + B``), or ``B * S`` where a bucket that holds work
+    has no target (a zero outside buckets 0 and 32: its units are of ``min_unit_granules``, as many as the lengths
+    make)."""
+    if any(t == 0 for k, t in enumerate(schedule_targets) if k % 32):
+        return batch * max_units_per_seq
     return min(batch * max_units_per_seq, max(schedule_targets) + batch)
 
 

@@ -293,6 +293,9 @@ HOSTILE = {
     "candidates not triples": lambda f: _mutated(f, _set("plan", "candidates", [[1, 2]])),
     "problem not a problem": lambda f: _mutated(f, _set("plan", "problem", "num_kv_heads", 3)),
     "NaN prediction": lambda f: _mutated(f, _set("plan", "predicted_us", float("nan"))),
+    "prediction a string": lambda f: _mutated(f, _set("plan", "predicted_us", "3.5")),
+    "capacity_mode a string": lambda f: _mutated(f, _set("plan", "capacity_mode", "no")),
+    "sm_count a string": lambda f: _mutated(f, lambda d: d["plan"]["device"].__setitem__(1, str(d["plan"]["device"][1]))),
     # well-typed plans a kernel would execute wrongly if they were trusted
     "max_units 0": lambda f: _mutated(f, _set("plan", "schedule", "max_units", 0)),
     "max_units below the batch": lambda f: _mutated(f, _set("plan", "schedule", "max_units", 1)),
@@ -309,6 +312,9 @@ HOSTILE = {
     "problem page size": lambda f: _mutated(f, _set("plan", "problem", "page_size", 8)),
     # well-typed plans whose sizes are beyond what the problem can need (an allocation of that size would be tried)
     "max_units above the bound": lambda f: _mutated(f, _add("max_units", 1)),
+    # a balanced schedule without targets makes units of min_unit_granules: more than slots for the batch alone
+    "balanced without targets, slots for the batch": lambda f: _mutated(f, lambda d: d["plan"]["schedule"].update(
+        policy="balanced", targets=[0] * 64, max_units=2)),
     "max_units 2^31 - 1": lambda f: _mutated(f, _set("plan", "schedule", "max_units", (1 << 31) - 1)),
     "problem capacity beyond the 32-bit counters": lambda f: _mutated(f, _set("plan", "problem", "capacity", 1 << 40)),
 }
@@ -319,7 +325,7 @@ KERNEL_RELEVANT = {"max_units 0", "max_units below the batch", "workspace too sm
                    "granule not a multiple of block_n", "granule not a multiple of the page size", "merge atomic",
                    "merge none with units", "problem batch", "problem capacity", "problem page size",
                    "max_units_per_seq 0", "max_units above the bound", "max_units 2^31 - 1",
-                   "problem capacity beyond the 32-bit counters"}
+                   "problem capacity beyond the 32-bit counters", "balanced without targets, slots for the batch"}
 
 
 def _decode_with_cache(ctx, x, backend=CACHE_BACKEND):

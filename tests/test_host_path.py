@@ -28,6 +28,7 @@ import attnplan
 from attnplan import problem as P
 from attnplan import reference
 from attnplan.backends import DecodeInputs, Workspace, get_backend
+from attnplan.planner import KernelOptions
 from attnplan.testing import assert_close_to_reference, make_inputs, poison
 
 from conftest import HAS_CUDA, kernel_backends
@@ -782,6 +783,39 @@ def test_use_plan_serves_the_planned_inputs_with_another_plan(backend, gen, monk
             w.use_plan(one)
     assert w.plan_ is other
     assert w.plan(*args, num_splits=1).num_splits == one.num_splits and w.plan_ is not other
+
+
+@pytest.mark.parametrize("backend", ["reference", *KERNELS])
+def test_use_plan_checks_a_plan_as_a_plan_file_and_try_run_serves_it(backend, gen):
+    """``use_plan`` runs the plan-file checks (``cache.check_plan``): kernel options the backend would not make, a
+    non-finite prediction, more unit slots than the problem can need, and a balanced schedule whose zero targets
+    would make more units than its slots (units of ``min_unit_granules``: the workspace overflows) are refused,
+    with the wrapper's plan unchanged; ``try_run`` then launches the plan that was given."""
+    x = make_inputs(4, 8, 2, 32, [300, 300, 7, 300], page_size=16, dtype=torch.float32, generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    w = attnplan.DecodeWrapper(attnplan.load_config(plan_cache={"enabled": False}), backend=backend)
+    p = w.plan(*args, capacity=True)
+    s = p.schedule
+    bad = [dataclasses.replace(p, predicted_us=float("nan")),
+           dataclasses.replace(p, schedule=dataclasses.replace(s, max_units=s.max_units + 1)),
+           dataclasses.replace(p, schedule=dataclasses.replace(s, targets=(0,) * len(s.targets), max_units=4))]
+    if backend == "triton":
+        bad.append(dataclasses.replace(p, kernel=KernelOptions({**p.kernel, "num_warps": 3})))
+    if backend != "reference":
+        bad.append(dataclasses.replace(p, kernel=KernelOptions({**p.kernel, "bogus": 1})))
+    for plan in bad:
+        with pytest.raises(ValueError):
+            w.use_plan(plan)
+        assert w.plan_ is p
+    # zero targets with the slots they need: accepted, and right
+    zero = dataclasses.replace(s, targets=(0,) * len(s.targets))
+    other = dataclasses.replace(p, schedule=dataclasses.replace(zero, max_units=dataclasses.replace(
+        p, schedule=dataclasses.replace(zero, max_units=10 ** 6)).units_bound))
+    assert other.schedule.max_units > max(4, s.max_units)  # 5 + 5 + 1 + 5 units of 4 granules at these lengths
+    w.use_plan(other)
+    out = w.try_run(*args, out=poison(torch.empty_like(x.q)))
+    assert out is not None and w.plan_ is other
+    assert_close_to_reference(out, _ref(x)[0], torch.float32)
 
 
 # -- Triton's direct launch: the logic, with a stand-in for the compiled kernel ----------------------------
