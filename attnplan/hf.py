@@ -7,7 +7,7 @@ a longer cache) through attnplan, reading transformers' KV cache tensors
 ``[batch, num_kv_heads, kv_len, head_dim]`` in place as a contiguous cache
 ``[batch, kv_len, num_kv_heads, head_dim]`` (a transposed view: attnplan's kernels take any
 batch/token/head strides with unit stride in head_dim), with no copy. Everything else (prefill,
-padded batches, sliding windows, dropout, float64 models) goes to transformers' own SDPA implementation, except
+padded batches, sliding-window or chunked layers, dropout, float64 models) goes to transformers' own SDPA implementation, except
 calls that SDPA would get wrong or refuse: a soft cap (``softcap=``, Gemma-2) other than on the eager DynamicCache
 decode steps attnplan serves with it (``logits_soft_cap``), attention sinks (``s_aux=`` / ``sinks=``, gpt-oss) and a
 position bias go to the model's own eager attention (its modeling module's ``eager_attention_forward``, what
@@ -227,12 +227,29 @@ def _module_attr(module: torch.nn.Module, name: str, default=None):
     return getattr(module, name, default) if hasattr(type(module), name) else default
 
 
+def _full_attention_layer(module: torch.nn.Module) -> bool:
+    """Whether the module's layer attends to its whole causal prefix by its model's config: its entry of
+    ``config.layer_types`` is ``"full_attention"``, or, for a config without per-layer types, the config sets no
+    ``sliding_window`` and no ``attention_chunk_size``. A sliding or chunked layer whose module carries no
+    ``sliding_window`` attribute (Llama-4's chunked layers, PhiMoE's windows: the window lives only in the mask and the
+    cache) must not be served: under ``torch.compile`` its mask is taken to be a causal prefix, and it is not one."""
+    cfg = _module_attr(module, "config")
+    if cfg is None:
+        return True
+    types = getattr(cfg, "layer_types", None)
+    idx = _module_attr(module, "layer_idx")
+    if isinstance(types, (list, tuple)) and isinstance(idx, int) and 0 <= idx < len(types):
+        return types[idx] == "full_attention"
+    return getattr(cfg, "sliding_window", None) is None and getattr(cfg, "attention_chunk_size", None) is None
+
+
 def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             dropout: float, kwargs: dict) -> bool:
     """Whether this call is plain decode attention attnplan computes (the mask aside): anything else, a float64
     model, query heads that are not a whole multiple of the KV heads, an empty batch, a key or value whose head_dim
-    is strided, and a call that needs gradients (grad mode on and an input that requires grad: attnplan computes
-    none) included, goes to :func:`_fallback`."""
+    is strided, a layer its config makes sliding or chunked (:func:`_full_attention_layer`), and a call that needs
+    gradients (grad mode on and an input that requires grad: attnplan computes none) included, goes to
+    :func:`_fallback`."""
     b, hq, q_len, d = query.shape
     kv_len = key.shape[2]
     hkv = key.shape[1]
@@ -244,7 +261,8 @@ def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
             and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
             and (_VARIANT_KWARGS.isdisjoint(kwargs) or all(kwargs.get(n) is None for n in _VARIANT_KWARGS))
             and _module_attr(module, "sliding_window") is None
-            and kwargs.get("is_causal", _module_attr(module, "is_causal", True)) is not False)
+            and kwargs.get("is_causal", _module_attr(module, "is_causal", True)) is not False
+            and _full_attention_layer(module))
 
 
 def _eager_context():

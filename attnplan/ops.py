@@ -58,7 +58,7 @@ import torch
 
 from .api import DecodeWrapper, PlanNotReadyError
 from .backends.base import DecodeInputs, Workspace
-from .problem import default_sm_scale
+from .problem import check_no_grad, default_sm_scale
 from .state import PartialState
 
 __all__ = ["decode_op", "clear_op_plans", "MAX_OP_PLANS"]
@@ -198,8 +198,9 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
         a new ``[batch, q_len, num_q_heads, head_dim]`` tensor in q's dtype (``torch.empty_like(q)``'s strides).
     Raises:
         PlanNotReadyError: first call for this signature happens during CUDA-graph capture.
-        TypeError, ValueError: bad inputs (see :mod:`attnplan.problem`), or ``sm_scale`` not finite,
-            before any kernel runs.
+        TypeError, ValueError: bad inputs (see :mod:`attnplan.problem`), ``sm_scale`` not finite, a tensor on
+            another device than q's (a meta tensor among real ones too), or, under grad mode, an input that requires
+            grad (attnplan computes no gradients), before any kernel runs.
     """
     if sm_scale is not None and not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale must be finite (or None for 1/sqrt(head_dim)), got {sm_scale!r}")
@@ -222,4 +223,35 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
 
 @decode_op.register_fake
 def _decode_fake(q, k_cache, v_cache, seq_lens, block_table, sm_scale=None, backend=""):
+    """The output's shape, dtype and device (fake tensors under ``torch.compile``, the meta device). Every tensor
+    must be on q's device, as the real op requires: a real tensor among meta ones (the meta kernel runs for the mix)
+    would otherwise get an uninitialized output.
+
+    Raises:
+        ValueError: a tensor on another device than q's (named).
+    """
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens), ("block_table", block_table)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: every tensor must be on q's device")
     return torch.empty_like(q)
+
+
+def _no_grad_context(ctx, inputs, output) -> None:
+    """Autograd's context of a call that needs gradients (grad mode on and an input that requires grad; autograd
+    calls this only then): refused at once, as :func:`attnplan.decode` refuses it, not at ``backward()``.
+
+    Raises:
+        ValueError: naming the input that requires grad.
+    """
+    q, k_cache, v_cache = inputs[:3]
+    with torch.enable_grad():
+        check_no_grad(q, k_cache, v_cache)
+    raise ValueError("an input requires grad: attnplan computes no gradients; call it under torch.no_grad() or "
+                     "torch.inference_mode()")
+
+
+def _no_backward(ctx, grad):
+    raise RuntimeError("attnplan computes no gradients")  # never reached: _no_grad_context raises first
+
+
+decode_op.register_autograd(_no_backward, setup_context=_no_grad_context)

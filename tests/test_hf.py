@@ -819,3 +819,31 @@ def test_a_strided_head_dim_goes_to_sdpa(gen):
     assert attnplan.hf.STATS["sdpa_fallback"] - before["sdpa_fallback"] == 1
     ref, _ = sdpa_attention_forward(_Attn(), q, k, v, None)
     _assert_logits_close(got, ref)
+
+
+@pytest.mark.parametrize("arch, served", [
+    ("llama", [True, True]), ("qwen2", [True, True]), ("llama4-chunked", [False, True]), ("phimoe", [False, False])])
+def test_layers_sliding_or_chunked_by_their_config_are_not_served(arch, served):
+    """A layer whose window or chunk lives only in the config and the mask (Llama-4's chunked layers, PhiMoE's sliding
+    window: their attention modules carry no ``sliding_window``) goes to SDPA: under ``torch.compile`` attnplan takes
+    a batch-1 mask to be a causal prefix, which theirs is not (measured on CPU, a 2-layer model of each compiled with
+    aot_eager: logits 0.44 / 0.17 from SDPA's before, within 1e-7 after). Full-attention layers stay served."""
+    import transformers.models.llama.modeling_llama as llama
+    import transformers.models.llama4.modeling_llama4 as llama4
+    import transformers.models.phimoe.modeling_phimoe as phimoe
+    import transformers.models.qwen2.modeling_qwen2 as qwen2
+
+    small = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
+    cls, cfg = {
+        "llama": (llama.LlamaAttention, transformers.LlamaConfig(**small)),
+        "qwen2": (qwen2.Qwen2Attention, transformers.Qwen2Config(**small)),
+        "llama4-chunked": (llama4.Llama4TextAttention, transformers.Llama4TextConfig(
+            **small, attention_chunk_size=4, layer_types=["chunked_attention", "full_attention"],
+            no_rope_layers=[1, 0])),
+        "phimoe": (phimoe.PhimoeAttention, transformers.PhimoeConfig(**small, sliding_window=6)),
+    }[arch]
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 9, 16)
+    for idx, want in enumerate(served):
+        module = cls(cfg, idx).eval()
+        assert getattr(module, "sliding_window", None) is None  # the module alone does not say so
+        assert attnplan.hf._serves(module, q, k, k, 0.0, {}) is want, (arch, idx)

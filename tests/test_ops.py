@@ -108,6 +108,35 @@ def test_op_refuses_a_non_finite_scale(bad):
         torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, None, bad, BACKEND)
 
 
+@pytest.mark.parametrize("which", ["k_cache", "seq_lens"])
+def test_op_refuses_a_tensor_on_the_meta_device_among_real_ones(which, gen):
+    """A meta tensor among real ones sends the call to the fake kernel: it refuses the mix (as attnplan.decode
+    does) instead of returning uninitialized memory; all on meta, it gives the output's shape and dtype."""
+    x = make_inputs(2, 4, 2, 16, [17, 33], dtype=torch.float32, device=DEVICE, generator=gen)
+    a = dict(q=x.q, k_cache=x.k_cache, v_cache=x.v_cache, seq_lens=x.seq_lens)
+    mixed = {**a, which: a[which].to("meta")}
+    with pytest.raises(ValueError, match=f"{which} is on meta"):
+        torch.ops.attnplan.decode(*mixed.values(), None, None, BACKEND)
+    out = torch.ops.attnplan.decode(*(t.to("meta") for t in a.values()), None, None, BACKEND)
+    assert out.device.type == "meta" and out.shape == x.q.shape and out.dtype == x.q.dtype
+
+
+@pytest.mark.parametrize("which", ["q", "k_cache", "v_cache"])
+def test_op_refuses_an_input_that_requires_grad(which, gen):
+    """As attnplan.decode: under grad mode an input that requires grad is refused at the call (attnplan computes no
+    gradients), not at backward(); under no_grad the same call is served."""
+    x = make_inputs(1, 4, 2, 16, [9], dtype=torch.float32, device=DEVICE, generator=gen)
+    a = dict(q=x.q, k_cache=x.k_cache, v_cache=x.v_cache)
+    a[which] = a[which].detach().requires_grad_()
+    with pytest.raises(ValueError, match=f"{which} requires grad"):
+        torch.ops.attnplan.decode(*a.values(), x.seq_lens, None, None, BACKEND)
+    with torch.no_grad():
+        out = torch.ops.attnplan.decode(*a.values(), x.seq_lens, None, None, BACKEND)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
+    assert not out.requires_grad
+    assert_close_to_reference(out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.5, -0.0, 0.3, None])
 def test_op_honours_every_finite_scale(scale, gen):
     """``sm_scale`` is ``float?``: every finite value is the scale, 0 and negative ones included (``<= 0`` once meant
