@@ -37,7 +37,7 @@ from .device import DeviceInfo, device_info
 from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
 from .problem import (DecodeProblem, check_no_grad, check_sm_scale, check_variant_tensors, default_sm_scale,
-                      has_internal_overlap, host_lengths, overlap_error, is_contiguous_layout, len_bucket, same_signature,
+                      has_internal_overlap, host_lengths, overlap_error, rows_16_byte, is_contiguous_layout, len_bucket, same_signature,
                       signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values,
                       as_host_lengths, explain_lengths)
 
@@ -117,18 +117,19 @@ class Context:
         return facts
 
     def select(self, bucket_key: tuple, capacity: int, device: torch.device, backend: str | None, graph: bool,
-               problem) -> tuple[Backend, list[tuple[str, list[str]]], str]:
-        """:func:`select_backend` memoized per (problem bucket, capacity, device, forced backend, graph mode): a
-        backend's reasons depend only on the problem's bucketed fields, its availability on the device (and on the
-        process's ``TRITON_INTERPRET`` / ``NUMBA_ENABLE_CUDASIM``, read at a context's first selection for that
-        key). ``problem``: a callable returning the :class:`DecodeProblem` (made only on a miss).
+               problem, rows16: tuple[bool, bool, bool] = (True, True, True)) -> tuple[Backend, list, str]:
+        """:func:`select_backend` memoized per (problem bucket, capacity, device, forced backend, graph mode, inputs'
+        layout ``rows16``): a backend's reasons depend only on the problem's bucketed fields, the layout, its
+        availability on the device (and on the process's ``TRITON_INTERPRET`` / ``NUMBA_ENABLE_CUDASIM``, read at a
+        context's first selection for that key). ``problem``: a callable returning the :class:`DecodeProblem` (made
+        only on a miss).
 
         Returns ``(backend, skipped, the backend's plan_key_extra())``; raises what :func:`select_backend` raises
         (nothing is memoized then)."""
-        key = (bucket_key, capacity, device, backend, graph)
+        key = (bucket_key, capacity, device, backend, graph, rows16)
         hit = self._selected.get(key)
         if hit is None:
-            be, skipped = select_backend(problem(), device, self.config, backend, graph)
+            be, skipped = select_backend(problem(), device, self.config, backend, graph, rows16)
             hit = (be, skipped, be.plan_key_extra())
             if len(self._selected) >= 4096:
                 self._selected.clear()
@@ -205,11 +206,14 @@ def dispatch_order(config: Config, fp8_kv: bool, arch: str | None = None) -> lis
 
 
 def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
-                   backend: str | None = None, graph: bool = False) -> tuple[Backend, list[tuple[str, list[str]]]]:
+                   backend: str | None = None, graph: bool = False,
+                   rows16: tuple[bool, bool, bool] = (True, True, True)) -> tuple[Backend, list[tuple[str, list[str]]]]:
     """First backend of the config's order (or only ``backend`` when forced) that is available on
-    ``device`` and supports ``problem``, in :func:`dispatch_order`. ``graph``: the plan is for CUDA-graph capture
-    (a capacity plan on a CUDA device), so a backend that cannot run under capture (``graph_safe = False``) is
-    skipped with that reason. Unless forced, a backend that would read the KV more than once per step (launches
+    ``device`` and supports ``problem`` and the inputs' layout, in :func:`dispatch_order`. ``graph``: the plan is
+    for CUDA-graph capture (a capacity plan on a CUDA device), so a backend that cannot run under capture
+    (``graph_safe = False``) is skipped with that reason. ``rows16``: for q, k_cache and v_cache, whether they can
+    be read in 16-byte vectors (:func:`attnplan.problem.rows_16_byte`; a backend that needs it,
+    :meth:`Backend.layout_reasons`, is skipped for a strided view that cannot). Unless forced, a backend that would read the KV more than once per step (launches
     per block of queries or of a GQA group's query heads: :meth:`Backend.kv_passes`) is passed over for a later one
     that holds the step in one launch, with that reason; when none does (the float64 fallback aside), the one with
     the fewest passes serves (the first of those in the order).
@@ -230,7 +234,7 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
         if not ok:
             skipped.append((name, [why]))
             continue
-        reasons = be.supports(problem)
+        reasons = be.supports(problem) + be.layout_reasons(rows16)
         if graph and not be.graph_safe:
             reasons = [*reasons, "not graph-safe: it cannot run under CUDA-graph capture (a capacity plan)"]
         if reasons:
@@ -711,8 +715,9 @@ class DecodeWrapper:
                 return made[0]
 
             bkey = head + (b_max, b_mean) + tail
+            rows16 = (rows_16_byte(sq), rows_16_byte(sig[1]), rows_16_byte(sig[2]))
             self.backend, self.skipped, extra = ctx.select(bkey, cap, dev, self.forced_backend,
-                                                           capacity and dev.type == "cuda", problem)
+                                                           capacity and dev.type == "cuda", problem, rows16)
             dev_info, dkey, table_text = ctx.device_facts(dev)
             plan = _plan_cached(problem, bkey, cap, self.backend, dev, ctx, dev_info, dkey, table_text, extra,
                                 capacity, num_splits)

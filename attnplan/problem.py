@@ -20,7 +20,10 @@ names the argument, what was given and what is required.
 tensor ``k_scale`` / ``v_scale``: the kernels address these with ``base + index``. Every other stride is
 free: ``q``'s batch / query / head strides, the cache's page (or batch), token and head strides (a
 cache may be a view into a larger pool, K and V may be interleaved), the block table's row stride and
-the leading strides of ``out`` and ``lse``. An axis of size 1 may have any stride (it is never stepped).
+the leading strides of ``out`` and ``lse``. An axis of size 1 may have any stride (it is never stepped). A
+backend whose kernels read ``q`` and the caches in 16-byte vectors (``Backend.vector_rows``: cuda_ptx) serves only
+views whose data pointer and strides are multiples of 16 bytes (:func:`rows_16_byte`); dispatch passes it over
+for other views, and a plan forced onto it is refused at ``plan()``.
 
 *Values.* ``seq_lens`` in ``[0, capacity]``; the block-table entries a sequence uses (its first
 ``ceil(seq_len / page_size)``) in ``[0, num_pages)``, the others are never read. ``sm_scale`` finite
@@ -93,8 +96,9 @@ import torch
 from ._repr import short_repr as _short
 
 __all__ = ["DecodeProblem", "validate_inputs", "validate_values", "host_lengths", "validate_outputs",
-           "check_no_overlap", "overlap_error", "check_sm_scale", "check_no_grad", "tensor_signature", "signature_change", "same_signature",
-           "is_contiguous_layout", "DTYPE_NAMES", "dtype_name", "len_bucket", "explain_lengths"]
+           "check_no_overlap", "overlap_error", "rows_16_byte", "check_sm_scale", "check_no_grad", "tensor_signature",
+           "signature_change", "same_signature", "is_contiguous_layout", "DTYPE_NAMES", "dtype_name", "len_bucket",
+           "explain_lengths"]
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float8_e4m3fn: "float8_e4m3fn"}
@@ -708,6 +712,15 @@ def tensor_signature(name: str, t) -> tuple | None:
 
 
 _SIG_FIELDS = ("shape", "strides", "dtype", "device", "16-byte alignment of the data pointer")
+
+
+def rows_16_byte(sig: tuple) -> bool:
+    """Whether the tensor of :func:`tensor_signature` ``sig`` can be read in 16-byte vectors: its data pointer and
+    every stride of an axis longer than one (in bytes) are multiples of 16 (a C-contiguous tensor whose rows are
+    whole 16-byte vectors, or a view into a pool of such rows)."""
+    _, shape, strides, dtype, _, aligned = sig
+    size = dtype.itemsize
+    return aligned and all(s * size % 16 == 0 for s, n in zip(strides[:-1], shape[:-1]) if n > 1)
 
 
 def is_contiguous_layout(shape, strides) -> bool:

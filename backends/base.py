@@ -225,6 +225,10 @@ class Backend(abc.ABC):
     max_rows_per_program: ClassVar[int] = 128
     #: whether ``partial`` can run on CUDA graphs' capture stream
     graph_safe: ClassVar[bool] = True
+    #: whether the kernels read q, k_cache and v_cache in 16-byte vectors, so that each one's data pointer and every
+    #: stride of an axis longer than one must be a multiple of 16 bytes (:meth:`layout_reasons`); False: any
+    #: strides with a unit last one
+    vector_rows: ClassVar[bool] = False
     #: serves nearly anything, slowly (the float64 reference): dispatch never passes over a kernel backend for it
     fallback: ClassVar[bool] = False
     #: attention variants served (:attr:`attnplan.DecodeProblem.variants`): window, softcap, sinks, fp8_kv
@@ -248,6 +252,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def available(self, device: torch.device) -> tuple[bool, str]:
         """Whether the backend can run on tensors on ``device``, with the reason when it cannot."""
+
+    def layout_reasons(self, rows16: tuple[bool, bool, bool]) -> list[str]:
+        """Why this backend cannot read inputs of this layout (empty if it can). ``rows16``: for q, k_cache and
+        v_cache, whether the data pointer and every stride of an axis longer than one are multiples of 16 bytes
+        (:func:`attnplan.problem.rows_16_byte`); dispatch asks at ``plan()``, so a strided view a backend cannot read
+        goes to the next backend instead of failing at ``run()``."""
+        if not self.vector_rows:
+            return []
+        return [f"{n}: its data pointer or a stride is not a multiple of 16 bytes (the kernels' 16-byte vector "
+                "loads); pass a contiguous tensor" for n, ok in zip(("q", "k_cache", "v_cache"), rows16) if not ok]
 
     def supports(self, problem: DecodeProblem) -> list[str]:
         """Reasons this backend cannot serve ``problem`` (empty list: it can)."""

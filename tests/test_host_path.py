@@ -1938,3 +1938,39 @@ def test_gpu_plan_misses_with_host_lengths_never_sync(backend):
         torch.cuda.set_sync_debug_mode("default")
     for plan, ws in plans:
         assert ws.serves(plan, x.q.device) and ws.targets.tolist() == list(plan.schedule.targets)
+
+
+def test_a_strided_view_cuda_ptx_cannot_read_goes_to_the_next_backend(monkeypatch, gen):
+    """cuda_ptx reads q and the caches in 16-byte vectors. A view whose rows are not whole vectors (an fp8 cache in a
+    pool of 72-byte rows, a bf16 q sliced from 68-element rows) is passed over at plan() with that reason, and the
+    next backend serves it right; forced, cuda_ptx refuses it at plan(), not at run(). Whole rows still go to it."""
+    from attnplan import backends as B
+
+    be = _emulated_cuda_ptx()
+    be.prepare = lambda plan, device: None  # nothing to compile: the aligned case is only planned
+    monkeypatch.setitem(B._instances, "cuda_ptx", be)
+    x = make_inputs(1, 8, 2, 64, [40], dtype=torch.bfloat16, generator=gen)
+    f8 = torch.float8_e4m3fn
+
+    def pooled(t, pad):  # the same values in a pool of wider rows (unit last stride, the other strides free)
+        pool = torch.zeros(*t.shape[:-1], t.shape[-1] + pad, dtype=t.dtype)
+        view = pool[..., :t.shape[-1]]
+        view.copy_(t)
+        return view
+
+    k8, v8 = x.k_cache.float().to(f8), x.v_cache.float().to(f8)
+    cases = {"k_cache": (x.q, pooled(k8, 8), pooled(v8, 8)), "q": (pooled(x.q, 4), k8, v8)}
+    ctx = attnplan.Context.from_config(attnplan.load_config(backends=["cuda_ptx", "triton", "numba", "reference"],
+                                                            plan_cache={"disk": False}))
+    for name, (q, k, v) in cases.items():
+        ref, _ = reference.attention(q, k, v, x.seq_lens, None, k_scale=1.0, v_scale=1.0)
+        w = attnplan.DecodeWrapper(ctx)
+        w.plan(q, k, v, x.seq_lens, None, k_scale=1.0, v_scale=1.0)
+        assert w.backend.name != "cuda_ptx"
+        assert any(n == "cuda_ptx" and any(r.startswith(f"{name}: ") for r in why) for n, why in w.skipped), w.skipped
+        assert_close_to_reference(w.run(q, k, v, x.seq_lens, None), ref, torch.bfloat16)
+        with pytest.raises(attnplan.NoBackendError, match="not a multiple of 16 bytes"):
+            attnplan.DecodeWrapper(ctx, backend="cuda_ptx").plan(q, k, v, x.seq_lens, None, k_scale=1.0, v_scale=1.0)
+    w = attnplan.DecodeWrapper(ctx)
+    w.plan(x.q, k8, v8, x.seq_lens, None, k_scale=1.0, v_scale=1.0)
+    assert w.backend.name == "cuda_ptx"

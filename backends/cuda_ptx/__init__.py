@@ -211,6 +211,7 @@ class CudaPtxBackend(Backend):
     head_dim_multiple = 8
     max_rows_per_program = 64
     graph_safe = True
+    vector_rows = True  # q and the caches in 16-byte vectors (args.check_layout, run()'s own check)
     variants = frozenset({"window", "softcap", "sinks", "fp8_kv"})
     merge_strategies = frozenset({"separate", "fused"})
     #: merge_row spreads a group's splits over lanes with 8 o loads in flight per thread and its rows over
