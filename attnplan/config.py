@@ -19,6 +19,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+import re
 import stat
 import typing
 from importlib import resources
@@ -348,6 +349,10 @@ def _known_keys(loc: tuple) -> str:
     return (f"; did you mean {near[0]!r}?" if near else "") + f" (known keys: {', '.join(keys)})"
 
 
+#: number text that YAML 1.1 leaves a string (``1e3``, ``1.5E3``): a float written without its dot or exponent sign
+_FLOAT_TEXT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
     errors = err.errors()
@@ -357,6 +362,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key" + _known_keys(e["loc"])
+        elif isinstance(val, str) and e["type"] in ("float_type", "float_parsing") and _FLOAT_TEXT.fullmatch(val):
+            # YAML 1.1 (PyYAML) reads an exponent without a dot or a signed exponent as a string
+            msg += f"; YAML reads {val} as a string: write it with a dot and a signed exponent, e.g. 1.0e+3"
         if not e["loc"]:  # a cross-key check (Config's model validator): its message names the keys
             lines.append("  " + msg.removeprefix("Value error, "))
             continue

@@ -73,6 +73,7 @@ def test_threads_asking_for_the_default_context_at_once_get_one(tmp_path, monkey
     ("backend_options:\n  triton: {block_n: 3}", "backend_options.triton.block_n"),
     ("- a\n- b", "mapping"),
     ("split: [1, 2", "not valid YAML"),
+    ("cost_model: {tail_target_scale: 1e1}", "YAML reads 1e1 as a string: write it with a dot"),
 ])
 def test_errors_name_key_and_value(tmp_path, text, needle):
     f = tmp_path / "bad.yaml"
