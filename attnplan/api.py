@@ -36,10 +36,10 @@ from .config import MAX_SPLITS, Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
-from .problem import (DecodeProblem, check_no_grad, check_sm_scale, check_variant_tensors, default_sm_scale,
-                      has_internal_overlap, host_lengths, overlap_error, rows_16_byte, is_contiguous_layout, len_bucket, same_signature,
-                      signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values,
-                      as_host_lengths, explain_lengths)
+from .problem import (DecodeProblem, as_host_lengths, check_no_grad, check_sm_scale, check_variant_tensors,
+                      default_sm_scale, explain_lengths, has_internal_overlap, host_lengths, is_contiguous_layout,
+                      len_bucket, overlap_error, rows_16_byte, same_signature, signature_change, torch_dtype,
+                      validate_inputs, validate_outputs, validate_values)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem", "DECODE_WRAPPERS"]
@@ -213,9 +213,9 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
     for CUDA-graph capture (a capacity plan on a CUDA device), so a backend that cannot run under capture
     (``graph_safe = False``) is skipped with that reason. ``rows16``: for q, k_cache and v_cache, whether they can
     be read in 16-byte vectors (:func:`attnplan.problem.rows_16_byte`; a backend that needs it,
-    :meth:`Backend.layout_reasons`, is skipped for a strided view that cannot). Unless forced, a backend that would read the KV more than once per step (launches
-    per block of queries or of a GQA group's query heads: :meth:`Backend.kv_passes`) is passed over for a later one
-    that holds the step in one launch, with that reason; when none does (the float64 fallback aside), the one with
+    :meth:`Backend.layout_reasons`, is skipped for a strided view that cannot). Unless forced, a backend that would
+    read the KV more than once per step (launches per block of queries or of a GQA group's query heads:
+    :meth:`Backend.kv_passes`) is passed over for a later one that holds the step in one launch, with that reason; when none does (the float64 fallback aside), the one with
     the fewest passes serves (the first of those in the order).
 
     Returns:
@@ -799,22 +799,19 @@ class DecodeWrapper:
         check_plan(plan, self.plan_.problem)
         check_plan_serves(plan, self.plan_.problem, self.backend)
         dev = self.workspace.targets.device
-        prepare = getattr(self.backend, "prepare", None)
-        if prepare is not None:
-            for launch in plan.launches:
-                prepare(launch.plan, dev)
+        for launch in plan.launches:
+            self.backend.prepare(launch.plan, dev)
         if not self.workspace.serves(plan, dev):
             self.workspace = Workspace.allocate(plan, dev)
-        # no bound launch and no one-pass check (both hold the previous plan): run() takes its full path
-        self._fast = self._fast_made = self._fast_src = None
+        # no bound launch (it holds the previous plan): run() launches through Backend.run
         self._launcher, self._bound_to, self._hit_memo, self._repeat = None, (), (), ()
         if self._forget is not None:
             self._forget()
         self._forget = weakref.finalize(self, self.backend.forget, plan, self.workspace)
         self._prepared, self._ws_for = (plan, self.backend, dev), (plan, self.workspace, dev)
         self.plan_ = plan
-        # run()'s one-pass check (and try_run()) for the planned inputs, launching this plan unbound; the next plan()
-        # binds again (its _bind sees no binding) and makes its own
+        # run()'s one-pass check (and try_run()) for the planned inputs, made again: it launches this plan unbound; the
+        # next plan() binds again (its _bind sees no binding) and makes its own
         self._fast = self._fast_made = self._make_fast()
         self._fast_src = self._bound_to
         return plan
@@ -881,9 +878,8 @@ class DecodeWrapper:
         self._forget = weakref.finalize(self, self.backend.forget, plan, self.workspace)
         if not plan.multi_launch:  # a plan of several launches launches through Backend.run
             try:
-                self._launcher = self.backend.bind(plan, self.workspace, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table,
-                                                                         self._sm_scale, **self._variant),
-                                      previous=previous)
+                inputs = DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, self._sm_scale, **self._variant)
+                self._launcher = self.backend.bind(plan, self.workspace, inputs, previous=previous)
             except ValueError:  # the backend's own run() raises it, with its message, when run() is called
                 self._launcher = None
 

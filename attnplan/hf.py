@@ -7,8 +7,8 @@ a longer cache) through attnplan, reading transformers' KV cache tensors
 ``[batch, num_kv_heads, kv_len, head_dim]`` in place as a contiguous cache
 ``[batch, kv_len, num_kv_heads, head_dim]`` (a transposed view: attnplan's kernels take any
 batch/token/head strides with unit stride in head_dim), with no copy. Everything else (prefill,
-padded batches, sliding-window or chunked layers, dropout, float64 models) goes to transformers' own SDPA implementation, except
-calls that SDPA would get wrong or refuse: a soft cap (``softcap=``, Gemma-2) other than on the eager DynamicCache
+padded batches, sliding-window or chunked layers, dropout, float64 models) goes to transformers' own SDPA
+implementation, except calls that SDPA would get wrong or refuse: a soft cap (``softcap=``, Gemma-2) other than on the eager DynamicCache
 decode steps attnplan serves with it (``logits_soft_cap``), attention sinks (``s_aux=`` / ``sinks=``, gpt-oss) and a
 position bias go to the model's own eager attention (its modeling module's ``eager_attention_forward``, what
 ``attn_implementation="eager"`` runs), and sparse attention over selected positions (``indices=`` /
@@ -272,9 +272,8 @@ def _eager_context():
     work takes longer than the GPU's), so one kernel launch per layer (the last program of each sequence and KV head
     merges) beats a merge kernel's second launch: measured on an H200 host (host time per call, the GPU busy), the
     attention call took 23.9 us (triton) and 22.0 (cuda_ptx) with the fused merge against 27.5 and 26.2 with the
-    separate one. The price is GPU time where chunks
-    are long (cuda_ptx's fused kernel streams chunks over 2,048 tokens 4-9% slower), hidden while the step is host
-    bound. A backend without the fused merge plans the separate one."""
+    separate one. The price is GPU time where chunks are long (cuda_ptx's fused kernel streams chunks over 2,048
+    tokens 4-9% slower), hidden while the step is host bound. A backend without the fused merge plans the separate one."""
     global _EAGER_CTX
     base = default_context()
     if _EAGER_CTX is None or _EAGER_CTX[0] is not base:

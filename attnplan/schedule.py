@@ -151,7 +151,7 @@ def max_units_bound(schedule_targets, batch: int, max_units_per_seq: int) -> int
     ``c >= T / t`` granules: ``sum ceil(nb / c) <= T / c + B <= t + B``), or ``B * S`` where a bucket that holds work
     has no target (a zero outside buckets 0 and 32: its units are of ``min_unit_granules``, as many as the lengths
     make)."""
-    if any(t == 0 for k, t in enumerate(schedule_targets) if k % 32):
+    if any(t == 0 for k, t in enumerate(schedule_targets) if k % NUM_BUCKETS):
         return batch * max_units_per_seq
     return min(batch * max_units_per_seq, max(schedule_targets) + batch)
 

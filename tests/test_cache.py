@@ -295,7 +295,8 @@ HOSTILE = {
     "NaN prediction": lambda f: _mutated(f, _set("plan", "predicted_us", float("nan"))),
     "prediction a string": lambda f: _mutated(f, _set("plan", "predicted_us", "3.5")),
     "capacity_mode a string": lambda f: _mutated(f, _set("plan", "capacity_mode", "no")),
-    "sm_count a string": lambda f: _mutated(f, lambda d: d["plan"]["device"].__setitem__(1, str(d["plan"]["device"][1]))),
+    "sm_count a string": lambda f: _mutated(
+        f, lambda d: d["plan"]["device"].__setitem__(1, str(d["plan"]["device"][1]))),
     # well-typed plans a kernel would execute wrongly if they were trusted
     "max_units 0": lambda f: _mutated(f, _set("plan", "schedule", "max_units", 0)),
     "max_units below the batch": lambda f: _mutated(f, _set("plan", "schedule", "max_units", 1)),

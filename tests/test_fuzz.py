@@ -636,12 +636,12 @@ def test_fuzz_hostile_plan_files_kernel(tmp_path_factory, edit):
 # -- the config: hostile YAML ----------------------------------------------------------------------------
 
 REAL_KEYS = {
-    None: ["version", "backends", "backends_fp8_kv", "backends_by_arch", "deterministic", "split", "cost_model", "plan_cache",
-           "backend_options"],
+    None: ["version", "backends", "backends_fp8_kv", "backends_by_arch", "deterministic", "split", "cost_model",
+           "plan_cache", "backend_options"],
     "split": ["partition", "merge", "num_splits", "max_splits", "min_chunk_tokens"],
     "cost_model": ["launch_us", "program_us", "programs_per_sm", "paged_programs_per_sm", "sat_programs_per_sm",
-                   "paged_sat_programs_per_sm", "bandwidth_fraction", "mem_bandwidth_gbs", "merge_split_latency_us", "tail_target_scale",
-                   "tail_programs_per_sm", "tail_min_unit_tokens"],
+                   "paged_sat_programs_per_sm", "bandwidth_fraction", "mem_bandwidth_gbs", "merge_split_latency_us",
+                   "tail_target_scale", "tail_programs_per_sm", "tail_min_unit_tokens"],
     "plan_cache": ["enabled", "disk", "memory_entries"],
     "backend_options": ["triton", "numba", "cuda_ptx", "reference"],
     "options": ["block_n", "num_warps", "num_stages", "threads", "lanes", "unroll", "mma", "pdl", "passes", "block_dv"],
