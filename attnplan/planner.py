@@ -414,6 +414,8 @@ class SplitPlan:
         p = self.first_launch_problem()  # the schedule and the kernel are the launch's
         if self.merge not in MERGES or self.policy not in PLAN_POLICIES:
             raise ValueError(f"plan merge {self.merge!r} / policy {self.policy!r} unknown")
+        if self.policy == "tuned" and self.table_entry is None:
+            raise ValueError("a tuned plan names the split-table row it used (table_entry)")
         if (self.merge == "none") != s.single_pass:
             raise ValueError(f"merge {self.merge!r} does not fit max_units_per_seq {s.max_units_per_seq}")
         bn = k.get("block_n")
@@ -578,7 +580,8 @@ class SplitPlan:
         elif self.candidates:
             best = min(c[2] for c in self.candidates)
             shown = sorted(self.candidates, key=lambda c: c[2])[:5]
-            lines.append("cost model at the planned length (splits: chunk tokens, predicted us): " + ", ".join(
+            per = (f" of one launch; {len(self.launches)} launches per step" if self.multi_launch else "")
+            lines.append(f"cost model at the planned length (splits: chunk tokens, predicted us{per}): " + ", ".join(
                 f"{n}: {c}, {t:.1f}" for n, c, t in sorted(shown)) + f"; the fewest splits within 2% of {best:.1f}")
         if s.single_pass:
             lines.append(f"schedule: single pass, grid {self.num_programs} programs (one per sequence x KV head)")
@@ -610,8 +613,11 @@ def describe_units(plan: SplitPlan, seq_lens, which: str = "these") -> str:
     if not real.numel():
         return f"at {which} lengths: {u.num_units} units, all empty"
     heavy, mean = int(real.max()) * per_tok, float(real.double().mean()) * per_tok
+    empty = u.num_units - real.numel()  # the one empty unit of each sequence with no visible position
     return (f"at {which} lengths: {u.num_units} units ({int(u.units.min())}-{int(u.units.max())} per sequence) = "
-            f"{u.num_units * p.num_kv_heads} programs with work; heaviest program {heavy / 2**20:.2f} MiB of KV vs "
+            f"{real.numel() * p.num_kv_heads} programs with work"
+            + (f" (+{empty * p.num_kv_heads} of empty sequences)" if empty else "")
+            + f"; heaviest program {heavy / 2**20:.2f} MiB of KV vs "
             f"mean {mean / 2**20:.2f} MiB ({heavy / mean:.2f}x)")
 
 

@@ -626,6 +626,7 @@ def test_validate_refuses_an_inconsistent_plan(table):
         "single pass over fewer slots than sequences": dataclasses.replace(
             plan, merge="none", schedule=Schedule("single", s.granule, 1, 1, (0,) * NUM_TARGETS, 3)),
         "unknown policy": dataclasses.replace(plan, policy="magic"),
+        "tuned without its table row": dataclasses.replace(plan, policy="tuned", table_entry=None),
         "old version": dataclasses.replace(plan, version=1),
     }
     for name, p in bad.items():
@@ -650,7 +651,9 @@ def test_explain_lines(table):
     assert "merge: " in text and "predicted" in lines[-1] and "workspace" in lines[-1]
     m = units(plan, [32768, 0])
     assert m[1] == 1 and m[0] > 1
-    assert f"at these lengths: {sum(m)} units (1-{m[0]} per sequence)" in plan.explain([32768, 0])
+    # the empty sequence's one unit reads nothing: not a program with work, and not in the mean
+    assert (f"at these lengths: {sum(m)} units (1-{m[0]} per sequence) = {m[0] * 8} programs with work "
+            f"(+8 of empty sequences); heaviest program") in plan.explain([32768, 0])
     cpu = make_plan(P(), attnplan.CPU_STANDIN, CFG, "x", KERNEL)
     assert "stand-in" in cpu.explain() and "predicted" not in cpu.explain().splitlines()[-1]
 

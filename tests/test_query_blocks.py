@@ -20,6 +20,7 @@ from attnplan import reference
 from attnplan.api import Context, plan_problem
 from attnplan.backends import DecodeInputs, get_backend
 from attnplan.config import load_config
+from attnplan.device import DeviceInfo
 from attnplan.planner import SplitPlan
 from attnplan.problem import DecodeProblem
 from attnplan.testing import assert_close_to_reference, make_inputs, poison, poisoned_workspace, problem_of
@@ -58,6 +59,21 @@ def test_plan_splits_queries_into_launches(q_len, want_blocks):
     assert again == plan and again.q_blocks == plan.q_blocks
     if n > 1:
         assert f"queries in {n} launches of up to 8" in plan.explain()
+
+
+def test_explain_of_several_launches_gives_the_cost_model_per_launch():
+    """The cost model's candidate times are one launch's; the plan's prediction is the step's, every launch."""
+    h200 = DeviceInfo("NVIDIA H200", 132, (9, 0), 227 * 1024, 60 * 2**20, 4800.0, "cuda-13.0")
+    ctx = Context.from_config(load_config(plan_cache={"disk": False}))
+    for hq, hkv, q_len in ((160, 1, 1), (64, 4, 16)):  # head blocks, query blocks
+        prob = DecodeProblem(8, hq, hkv, 128, q_len, 16, "bfloat16", "bfloat16", 4096, 4096 + 16)
+        plan = plan_problem(prob, get_backend("triton"), CPU, ctx, dev_info=h200)
+        n = len(plan.launches)
+        assert n == 2 and plan.candidates
+        assert f"(splits: chunk tokens, predicted us of one launch; {n} launches per step)" in plan.explain()
+        best = min(t for _, _, t in plan.candidates)
+        chosen = min((s, t) for s, _, t in plan.candidates if t <= 1.02 * best)[1]  # the fewest splits within 2%
+        assert plan.predicted_us == pytest.approx(n * chosen, rel=1e-3)
 
 
 def test_plan_q_block_is_checked():
