@@ -487,7 +487,7 @@ class DecodeWrapper:
     time: its runs share one workspace (the partial states, the merge's table and the fused merge's counters), and
     ``run(out=None)``'s buffer, so overlapping runs give wrong results; ``plan()`` replaces what ``run()`` reads.
     ``run()`` and ``try_run()`` take no lock (they cost microseconds); their one-pass check and the launch it
-    passes read one snapshot made by ``plan()``, so a run (with ``out`` given) that overlaps a ``plan()`` for other
+    passes read one snapshot made by ``plan()``, and ``run()``'s full path another, so a run (with ``out`` given) that overlaps a ``plan()`` for other
     inputs launches the binding its check compared the inputs with, never one made for another signature or scale.
 
     Example::
@@ -532,6 +532,9 @@ class DecodeWrapper:
         self._prepared: tuple = ()
         self._fast: tuple | None = None
         self._fast_made: tuple | None = None
+        # run()'s full path reads the last complete plan's state from one snapshot (_snapshot), kept until the next
+        # plan() completes: a run overlapping a plan() never pairs one plan's signature with another's launch
+        self._snap: tuple | None = None
         self._fast_src: tuple | None = None
         # decode()'s last plan() on this wrapper with host lengths: (signature, scalars, lengths, plan); a call that
         # repeats all of them (the layers of one step) has that plan already (see decode())
@@ -623,7 +626,7 @@ class DecodeWrapper:
             return self._plan_body(sig, q, k_cache, v_cache, seq_lens, block_table, sm_scale, num_splits, capacity,
                                    window_left, logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host)
         except BaseException:
-            self._fast = self.plan_ = self._sig = None
+            self._fast = self.plan_ = self._sig = self._snap = None
             self._launcher, self._bound_to, self._hit_memo, self._repeat = None, (), (), ()
             raise
 
@@ -740,7 +743,8 @@ class DecodeWrapper:
         self._lens_host = lens_host
         o = self._out
         if o is None or o.shape != sq[1] or o.dtype != sq[3] or o.device != dev:
-            self._out = torch.empty_like(q)
+            with torch.inference_mode(False):  # reused by later runs in any mode (Workspace.allocate)
+                self._out = torch.empty_like(q)
         if sig is not self._sig and sig != self._sig:
             self._sig = sig
             self._extents = tuple(0 if t is None else _extent(t[1], t[2], t[3].itemsize) for t in sig)
@@ -759,6 +763,7 @@ class DecodeWrapper:
         self.plan_ = plan
         if self._fast_src is not self._bound_to:  # _bind replaces _bound_to whenever what run() relies on changes
             self._fast_made, self._fast_src = self._make_fast(), self._bound_to
+        self._snapshot()
         self._fast = self._fast_made
         return plan
 
@@ -812,6 +817,7 @@ class DecodeWrapper:
         self.plan_ = plan
         # run()'s one-pass check (and try_run()) for the planned inputs, made again: it launches this plan unbound; the
         # next plan() binds again (its _bind sees no binding) and makes its own
+        self._snapshot()
         self._fast = self._fast_made = self._make_fast()
         self._fast_src = self._bound_to
         return plan
@@ -823,6 +829,11 @@ class DecodeWrapper:
             return False
         self._out_strides_ok = (shape, strides)
         return True
+
+    def _snapshot(self) -> None:
+        """What run()'s full path reads, taken together once a plan is complete (one assignment)."""
+        self._snap = (self._sig, self._extents, self._q_terms, self._sm_scale, self._variant, self.backend,
+                      self.plan_, self.workspace, self._launcher)
 
     def _make_fast(self) -> tuple | None:
         """The planned values :meth:`run`'s one-pass check compares with, flat (see :meth:`run`): per input its
@@ -914,7 +925,7 @@ class DecodeWrapper:
             o = self._run_fast(f, q, k_cache, v_cache, seq_lens, block_table, out, lse)
             if o is not None:
                 return o
-        if self.plan_ is None:
+        if self._snap is None:
             capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
             raise PlanNotReadyError(
                 "DecodeWrapper.run() called before plan()" + (
@@ -1021,47 +1032,52 @@ class DecodeWrapper:
 
     def _run(self, sig, ptrs, q, k_cache, v_cache, seq_lens, block_table, out, lse, outputs_checked: bool):
         """:meth:`run` after the signature; ``outputs_checked``: the caller (:func:`decode`) has just run
-        :func:`validate_outputs` on these ``q``, ``out`` and ``lse``."""
-        if sig is not self._sig and not same_signature(self._sig, sig):  # equal, or equal but length-one strides
-            raise ValueError(f"run() inputs differ from the planned ones: {signature_change(self._sig, sig)}; "
+        :func:`validate_outputs` on these ``q``, ``out`` and ``lse``. Everything it reads of the plan comes from
+        one snapshot of the last complete ``plan()`` (:meth:`_snapshot`)."""
+        snap = self._snap
+        if snap is None:
+            raise PlanNotReadyError("DecodeWrapper.run() called before plan() (or after a plan() that raised)")
+        psig, extents, q_terms, sm, var, backend, plan, workspace, launcher = snap
+        if sig is not psig and not same_signature(psig, sig):  # equal, or equal but length-one strides
+            raise ValueError(f"run() inputs differ from the planned ones: {signature_change(psig, sig)}; "
                              "call plan() again")
         if out is None:  # the wrapper's own buffer, made by plan() for q's planned shape, dtype and device
-            out = self._out
+            out = self._out  # not in the snapshot: decode() hands each call's own buffer through it
             if not outputs_checked and lse is not None:
-                self._check_outputs(q, None, lse)
+                self._check_outputs(psig, q, None, lse)
         elif not outputs_checked:
-            self._check_outputs(q, out, lse)
-        sm = self._sm_scale
+            self._check_outputs(psig, q, out, lse)
         if type(sm) is not float or sm - sm != 0.0:  # not a finite float: the full check decides (and raises)
             check_sm_scale(sm)
-        var = self._variant
         sinks, k_scale, v_scale = var["sinks"], var["k_scale"], var["v_scale"]
         if sinks is not None or k_scale is not None or v_scale is not None:
-            check_variant_tensors(q, sinks, k_scale, v_scale, self._sig[1][1][2])
-        self._check_overlap(out, lse, ptrs, sinks, k_scale, v_scale)
-        if not self.backend.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise PlanNotReadyError(f"backend {self.backend.name} cannot run under CUDA-graph capture; plan with "
+            check_variant_tensors(q, sinks, k_scale, v_scale, psig[1][1][2])
+        self._check_overlap(extents, q_terms, out, lse, ptrs, sinks, k_scale, v_scale)
+        if not backend.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise PlanNotReadyError(f"backend {backend.name} cannot run under CUDA-graph capture; plan with "
                                     "capacity=True before capturing (it picks a graph-safe backend)")
         # -- end of argument checks --
-        if self._launcher is not None:
-            self._launcher(q, k_cache, v_cache, seq_lens, block_table, out, lse, ptrs)
+        if launcher is not None:
+            launcher(q, k_cache, v_cache, seq_lens, block_table, out, lse, ptrs)
         else:
             inputs = DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm, **var)
-            self.backend.run(self.plan_, inputs, self.workspace, out, lse)
+            backend.run(plan, inputs, workspace, out, lse)
         return out
 
-    def _check_outputs(self, q, out, lse) -> None:
-        """:func:`validate_outputs` (the same errors): q matches the planned signature here, so what it compares
-        ``out`` and ``lse`` with is read from that signature; any difference goes to the full check."""
-        if not _outputs_fit(self._sig[0], out, lse):
+    @staticmethod
+    def _check_outputs(psig, q, out, lse) -> None:
+        """:func:`validate_outputs` (the same errors): q matches the planned signature ``psig`` here, so what it
+        compares ``out`` and ``lse`` with is read from that signature; any difference goes to the full check."""
+        if not _outputs_fit(psig[0], out, lse):
             validate_outputs(q, out, lse)
 
-    def _check_overlap(self, out, lse, ptrs, sinks, k_scale, v_scale) -> None:
+    @staticmethod
+    def _check_overlap(extents, q_terms, out, lse, ptrs, sinks, k_scale, v_scale) -> None:
         """:func:`attnplan.problem.check_no_overlap` for ``run()``'s tensors, with the same order and errors, from
-        the data pointers and the planned inputs' byte extents (every tensor is on q's device here: the signature
-        and the output checks said so; a tensor's bytes lie within its storage's, so comparing the tensors'
-        ranges alone decides the same)."""
-        (d0, d1, d2, d3), isz = self._q_terms
+        the data pointers and the planned inputs' byte extents (``extents``; ``q_terms``: q's last indices and
+        element size; every tensor is on q's device here: the signature and the output checks said so; a tensor's
+        bytes lie within its storage's, so comparing the tensors' ranges alone decides the same)."""
+        (d0, d1, d2, d3), isz = q_terms
         s = out.stride()
         a0 = out.data_ptr()
         a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
@@ -1074,7 +1090,7 @@ class DecodeWrapper:
                 raise overlap_error("out", a0, a1, "lse", c0, c1)
         if sinks is None and k_scale is None and v_scale is None:
             # the tests of the loops below, written out (no list built): nothing overlaps, the common case, returns
-            e0, e1, e2, e3, e4 = self._extents
+            e0, e1, e2, e3, e4 = extents
             p0, p1, p2, p3, p4 = ptrs
             if not ((e0 and a0 < p0 + e0 and p0 < a1) or (e1 and a0 < p1 + e1 and p1 < a1)
                     or (e2 and a0 < p2 + e2 and p2 < a1) or (e3 and a0 < p3 + e3 and p3 < a1)
@@ -1083,7 +1099,7 @@ class DecodeWrapper:
                                              or (e2 and c0 < p2 + e2 and p2 < c1) or (e3 and c0 < p3 + e3 and p3 < c1)
                                              or (e4 and c0 < p4 + e4 and p4 < c1))):
                 return
-        ins = [(n, p, p + e) for n, p, e in zip(_INPUTS, ptrs, self._extents) if e]
+        ins = [(n, p, p + e) for n, p, e in zip(_INPUTS, ptrs, extents) if e]
         if sinks is not None or k_scale is not None or v_scale is not None:
             for n, t in (("sinks", sinks), ("k_scale", k_scale), ("v_scale", v_scale)):
                 if t is not None and t.numel():

@@ -329,18 +329,21 @@ def cpu_stages(be: str, calls: int, hq: int, hkv: int, d: int, kv: int) -> list[
     out = torch.empty_like(x.q)
     sig, ptrs = w._signature_ptrs(*args)
     rows = []
-    bound, fast = w._launcher, w._fast
+    bound, fast, snap = w._launcher, w._fast, w._snap
     w._launcher = lambda *a: None
     w._fast = w._make_fast()  # the one-pass check holds the launch it makes
+    w._snapshot()  # and the full path's snapshot
     rows.append(("run(), launch stubbed", per_call_cpu_us(lambda: w.run(*args, out=out), calls)))
     w._fast = None
     rows.append(("  the full path (one-pass check off)", per_call_cpu_us(lambda: w.run(*args, out=out), calls)))
-    w._launcher, w._fast = bound, fast
+    w._launcher, w._fast, w._snap = bound, fast, snap
     rows.append(("  signature and pointers (full path, decode)", per_call_cpu_us(lambda: w._signature_ptrs(*args),
                                                                                calls)))
-    rows.append(("  out / lse checks (full path)", per_call_cpu_us(lambda: w._check_outputs(x.q, out, None), calls)))
+    rows.append(("  out / lse checks (full path)", per_call_cpu_us(lambda: w._check_outputs(w._sig, x.q, out, None),
+                                                                        calls)))
     rows.append(("  overlap checks (full path, decode)",
-                 per_call_cpu_us(lambda: w._check_overlap(out, None, ptrs, None, None, None), calls)))
+                 per_call_cpu_us(lambda: w._check_overlap(w._extents, w._q_terms, out, None, ptrs, None, None, None),
+                                 calls)))
     if be == "triton" and bound is not None:
         from attnplan.backends.triton import _Direct
 
