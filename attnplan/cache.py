@@ -409,7 +409,8 @@ class PlanCache:
             return 0
         for f in files:
             try:
-                if f.is_symlink() or f.is_file():
+                mode = f.lstat().st_mode  # FileNotFoundError: another process removed or renamed it meanwhile
+                if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
                     f.unlink()
                     removed += 1
                 elif errors is not None:

@@ -175,6 +175,19 @@ def test_clear_and_entries(tmp_path):
     assert ctx.cache.clear() == 2 and ctx.cache.entries() == []
 
 
+def test_clear_skips_files_another_process_removed_meanwhile(tmp_path, monkeypatch):
+    """A file listed by clear() that another process removes (or renames into place) before clear() reaches it is
+    gone, not an error: one process may clear the folder while others write plans."""
+    ctx = ctx_at(tmp_path)
+    plan(ctx)
+    files = ctx.cache._files()
+    assert len(files) == 1
+    gone = files[0].with_name(".tmp-renamed-meanwhile.json")  # listed, then renamed away by its writer
+    monkeypatch.setattr(ctx.cache, "_files", lambda: [gone, *files])
+    errors = []
+    assert ctx.cache.clear(errors=errors) == 1 and errors == []
+
+
 def test_lru_evicts(tmp_path):
     cache = PlanCache(tmp_path, disk=False, memory_entries=2)
     made = []

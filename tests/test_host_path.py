@@ -1974,3 +1974,109 @@ def test_a_strided_view_cuda_ptx_cannot_read_goes_to_the_next_backend(monkeypatc
     w = attnplan.DecodeWrapper(ctx)
     w.plan(x.q, k8, v8, x.seq_lens, None, k_scale=1.0, v_scale=1.0)
     assert w.backend.name == "cuda_ptx"
+
+
+@pytest.mark.parametrize("backend", ["reference", *kernel_backends("cpu")])
+def test_buffers_made_under_inference_mode_serve_calls_outside_it(backend, gen):
+    """decode() shares its wrappers between threads, and a wrapper's workspace and output buffer outlive the call
+    that made them: made under ``torch.inference_mode()``, they must serve a later call under ``no_grad`` (the
+    query-block plan writes its workspace's lengths with torch's in-place ops; the reference backend writes every
+    buffer so)."""
+    x = make_inputs(1, 64, 1, 16, [20], q_len=4, dtype=torch.float16, capacity=24, generator=gen)  # query blocks
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens)
+    ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+    ref = reference.attention(*args, None, x.sm_scale)[0]
+    got = {}
+
+    def call(mode, key):
+        with mode():
+            got[key] = attnplan.decode(*args, backend=backend, config=ctx).clone()
+
+    for i, mode in enumerate((torch.inference_mode, torch.no_grad)):  # one thread each, one pooled wrapper
+        t = threading.Thread(target=call, args=(mode, i))
+        t.start()
+        t.join()
+    assert set(got) == {0, 1}, "a call raised"
+    assert torch.equal(got[0], got[1])
+    assert_close_to_reference(got[1], ref, torch.float16)
+    w = attnplan.DecodeWrapper(ctx, backend=backend)
+    with torch.inference_mode():
+        w.plan(*args, seq_lens_host=[20])
+    with torch.no_grad():
+        assert torch.equal(w.run(*args), got[0])  # the wrapper's own output buffer
+
+
+def test_a_run_overlapping_a_plan_launches_the_plan_its_check_passed(monkeypatch, gen):
+    """A run() (with out given) on the full path while another thread's plan() for inputs of another signature and
+    scale completes between its check and its launch: it launches what its check compared the inputs with (one
+    snapshot of the last complete plan), not the new plan's binding or scale."""
+    from attnplan import api
+
+    x = make_inputs(2, 4, 2, 16, [30, 17], dtype=torch.float32, capacity=32, generator=gen)
+    kb = torch.randn(2, 2, 32, 16, generator=gen).transpose(1, 2)  # x.k_cache's shape, other strides
+    vb = torch.randn(2, 2, 32, 16, generator=gen).transpose(1, 2)
+    ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+    w = attnplan.DecodeWrapper(ctx, backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, seq_lens_host=[30, 17])
+    want = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, out=torch.empty_like(x.q)).clone()
+    w._fast = None  # as while a plan() is in progress: run() takes its full path
+    fit, paused, resume = api._outputs_fit, threading.Event(), threading.Event()
+
+    def slow_fit(*a):  # right after run()'s signature check
+        if threading.current_thread().name == "runner":
+            paused.set()
+            resume.wait(30)
+        return fit(*a)
+
+    monkeypatch.setattr(api, "_outputs_fit", slow_fit)
+    out, errors = torch.full_like(x.q, float("nan")), []
+
+    def runner():
+        try:
+            w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, out=out)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=runner, name="runner")
+    t.start()
+    assert paused.wait(30)
+    w.plan(x.q, kb, vb, x.seq_lens, seq_lens_host=[30, 17], sm_scale=0.5)
+    resume.set()
+    t.join()
+    assert not errors and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("name", [b for b in kernel_backends("cpu")])
+def test_a_fork_while_another_thread_launches_leaves_the_child_a_free_lock(name):
+    """The Triton interpreter and the numba simulator run one launch at a time under a process-wide lock. A child
+    forked while another thread holds it must not inherit it held (no thread of the child would release it): the
+    fork waits for the launch, and parent and child each get the lock free."""
+    import multiprocessing
+
+    if name == "triton":
+        from attnplan.backends.triton import _INTERPRETER_LOCK as lock
+    else:
+        from attnplan.backends.numba.kernels import _SIM_LOCK as lock
+    held, release = threading.Event(), threading.Event()
+
+    def launcher():  # another thread in the middle of a launch
+        with lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=launcher)
+    t.start()
+    assert held.wait(30)
+    threading.Timer(0.3, release.set).start()  # the launch ends while the fork waits for it
+    child = multiprocessing.get_context("fork").Process(target=_exit_with_lock_state, args=(lock,))
+    child.start()
+    child.join(60)
+    t.join()
+    assert child.exitcode == 0, "the child found the lock held"
+
+
+def _exit_with_lock_state(lock) -> None:
+    import os
+
+    got = lock.acquire(timeout=5)
+    os._exit(0 if got else 3)

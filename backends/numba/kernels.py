@@ -132,6 +132,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 from typing import NamedTuple
 
@@ -446,6 +447,9 @@ _SCOPE_DEPTH = [0]
 #: the simulator's one launch at a time (module docstring, "Threads"): held by :func:`launch_scope` and the kernel
 #: builds under the simulator, never on a GPU
 _SIM_LOCK = threading.RLock()
+# held across a fork (as the Triton interpreter's lock): a child forked while another thread simulates a launch
+# would otherwise inherit the lock held by a thread it does not have
+os.register_at_fork(before=_SIM_LOCK.acquire, after_in_parent=_SIM_LOCK.release, after_in_child=_SIM_LOCK.release)
 
 
 def _sim_serial():

@@ -48,6 +48,10 @@ def _interpreting() -> bool:
 
 #: serializes this backend's launches of interpreted kernels (module docstring, "Threads")
 _INTERPRETER_LOCK = threading.Lock()
+# a fork while another thread interprets a kernel would leave the child a lock no thread of it releases: hold it
+# across the fork, so that parent and child each release their own
+os.register_at_fork(before=_INTERPRETER_LOCK.acquire, after_in_parent=_INTERPRETER_LOCK.release,
+                    after_in_child=_INTERPRETER_LOCK.release)
 
 
 def _interpreted(kernel) -> bool:
