@@ -586,10 +586,11 @@ class SplitPlan:
         if s.single_pass:
             lines.append(f"schedule: single pass, grid {self.num_programs} programs (one per sequence x KV head)")
         else:
+            hkv = self.launch_problem.num_kv_heads
             lines.append(
                 f"schedule ({s.policy}, computed on the GPU at every launch from seq_lens): granule {s.granule} "
                 f"tokens, units of at least {s.min_unit_granules * s.granule} tokens, at most {s.max_units_per_seq} "
-                f"units per sequence; grid {s.max_units} unit slots x {self.launch_problem.num_kv_heads} KV heads = "
+                f"units per sequence; grid {s.max_units} unit slots x {hkv} KV head{'s' * (hkv != 1)} = "
                 f"{self.num_programs} programs (slots without a unit exit)")
             lens = [p.max_kv_len] * p.batch if seq_lens is None else seq_lens
             lines.append("  " + describe_units(self.launches[-1].plan, lens,
@@ -617,8 +618,12 @@ def describe_units(plan: SplitPlan, seq_lens, which: str = "these") -> str:
     return (f"at {which} lengths: {u.num_units} units ({int(u.units.min())}-{int(u.units.max())} per sequence) = "
             f"{real.numel() * p.num_kv_heads} programs with work"
             + (f" (+{empty * p.num_kv_heads} of empty sequences)" if empty else "")
-            + f"; heaviest program {heavy / 2**20:.2f} MiB of KV vs "
-            f"mean {mean / 2**20:.2f} MiB ({heavy / mean:.2f}x)")
+            + f"; heaviest program {_size(heavy, heavy)} of KV vs mean {_size(mean, heavy)} ({heavy / mean:.2f}x)")
+
+
+def _size(n: float, scale: float) -> str:
+    """``n`` bytes in MiB, or in KiB where ``scale`` (the larger of the numbers shown together) is under 0.1 MiB."""
+    return f"{n / 2**10:.1f} KiB" if scale < 2**20 / 10 else f"{n / 2**20:.2f} MiB"
 
 
 def cost_model_for(device: DeviceInfo, config: Config, backend: str | None = None) -> tuple[CostModel, float]:

@@ -654,6 +654,11 @@ def test_explain_lines(table):
     # the empty sequence's one unit reads nothing: not a program with work, and not in the mean
     assert (f"at these lengths: {sum(m)} units (1-{m[0]} per sequence) = {m[0] * 8} programs with work "
             f"(+8 of empty sequences); heaviest program") in plan.explain([32768, 0])
+    # sizes under 0.1 MiB in KiB (both numbers of the line in one unit), and one KV head is one head
+    small = make_plan(P(batch=2, num_q_heads=8, num_kv_heads=1, max_kv_len=300), GPU, CFG, "x", KERNEL)
+    line = [ln for ln in small.explain([300, 100]).splitlines() if "heaviest program" in ln][0]
+    assert "KiB of KV vs mean" in line and line.count(" KiB") == 2 and "MiB" not in line
+    assert " x 1 KV head = " in small.explain()
     cpu = make_plan(P(), attnplan.CPU_STANDIN, CFG, "x", KERNEL)
     assert "stand-in" in cpu.explain() and "predicted" not in cpu.explain().splitlines()[-1]
 
