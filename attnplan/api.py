@@ -561,15 +561,22 @@ class DecodeWrapper:
             raise _not_a_tensor("v_cache", v_cache)
         if not isinstance(seq_lens, T):
             raise _not_a_tensor("seq_lens", seq_lens)
-        pq, pk, pv, ps = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr()
-        if block_table is None:
-            sb, pb = None, 0
-        elif not isinstance(block_table, T):
-            raise _not_a_tensor("block_table", block_table)
-        else:
-            pb = block_table.data_ptr()
-            sb = ("block_table", block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
-                  not pb & 15)
+        try:
+            pq, pk, pv, ps = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr()
+            if block_table is None:
+                sb, pb = None, 0
+            elif not isinstance(block_table, T):
+                raise _not_a_tensor("block_table", block_table)
+            else:
+                pb = block_table.data_ptr()
+                sb = ("block_table", block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
+                      not pb & 15)
+        except RuntimeError:  # a tensor without a data pointer: sparse, or another layout than strided
+            for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
+                            ("block_table", block_table)):
+                if t is not None and t.layout != torch.strided:
+                    raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}") from None
+            raise
         return ((("q", q.shape, q.stride(), q.dtype, q.device, not pq & 15),
                  ("k_cache", k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, not pk & 15),
                  ("v_cache", v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, not pv & 15),
@@ -974,60 +981,64 @@ class DecodeWrapper:
         T = torch.Tensor
         if isinstance(q, T) and isinstance(k_cache, T) and isinstance(v_cache, T) and isinstance(seq_lens, T) \
                 and (isinstance(block_table, T) if bs is not None else block_table is None):
-            p0, p1, p2, p3 = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr()
-            p4 = block_table.data_ptr() if bs is not None else 0
-            o = self._out if out is None else out
-            if q.shape == qs and (q.is_contiguous() if qst is None else q.stride() == qst) and q.dtype is qd \
-                    and q.device == qv and (not p0 & 15) is qa \
-                    and k_cache.shape == ks \
-                    and (k_cache.is_contiguous() if kst is None else k_cache.stride() == kst) \
-                    and k_cache.dtype is kd and k_cache.device == kv and (not p1 & 15) is ka \
-                    and v_cache.shape == vs \
-                    and (v_cache.is_contiguous() if vst is None else v_cache.stride() == vst) \
-                    and v_cache.dtype is vd and v_cache.device == vv and (not p2 & 15) is va \
-                    and seq_lens.shape == ss \
-                    and (seq_lens.is_contiguous() if sst is None else seq_lens.stride() == sst) \
-                    and seq_lens.dtype is sd and seq_lens.device == sv and (not p3 & 15) is sa \
-                    and (bs is None or (block_table.shape == bs
-                                        and (block_table.is_contiguous() if bst is None
-                                             else block_table.stride() == bst)
-                                        and block_table.dtype is bd and block_table.device == bv
-                                        and (not p4 & 15) is ba)) \
-                    and (out is None or (isinstance(out, T) and out.shape == qs and out.dtype is qd
-                                         and out.device == qv and not out.is_neg())) \
-                    and (lse is None or (isinstance(lse, T) and lse.dtype is _F32 and lse.shape == ls3
-                                         and lse.device == qv and not lse.is_neg())):
-                a0 = o.data_ptr()
-                if o.is_contiguous():  # its bytes: exactly its numel's (its last stride 1 where it matters)
-                    a1 = a0 + nbytes
-                    ok = True
-                else:
-                    s = o.stride()
-                    a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
-                    m = self._out_strides_ok  # the last strided out found free of self-overlap, for this shape
-                    ok = out is None or ((qs[3] <= 1 or s[3] == 1)
-                                         and ((m is not None and m[0] is qs and m[1] == s)
-                                              or self._no_self_overlap(qs, s)))
-                ok = ok \
-                    and not (e0 and a0 < p0 + e0 and p0 < a1) and not (e1 and a0 < p1 + e1 and p1 < a1) \
-                    and not (e2 and a0 < p2 + e2 and p2 < a1) and not (e3 and a0 < p3 + e3 and p3 < a1) \
-                    and not (e4 and a0 < p4 + e4 and p4 < a1)
-                if ok and lse is not None:
-                    t = lse.stride()
-                    c0 = lse.data_ptr()
-                    c1 = c0 + (d0 * t[0] + d1 * t[1] + d2 * t[2] + 1) * 4
-                    ok = (qs[2] <= 1 or t[2] == 1) and not (a0 < c1 and c0 < a1) \
-                        and (lse.is_contiguous() or not has_internal_overlap(ls3, t)) \
-                        and not (e0 and c0 < p0 + e0 and p0 < c1) and not (e1 and c0 < p1 + e1 and p1 < c1) \
-                        and not (e2 and c0 < p2 + e2 and p2 < c1) and not (e3 and c0 < p3 + e3 and p3 < c1) \
-                        and not (e4 and c0 < p4 + e4 and p4 < c1)
-                if ok and (graph_safe or not q.is_cuda or not torch.cuda.is_current_stream_capturing()):
-                    if launcher is not None:
-                        launcher(q, k_cache, v_cache, seq_lens, block_table, o, lse, (p0, p1, p2, p3, p4))
+            ok = False
+            try:
+                p0, p1, p2, p3 = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr()
+                p4 = block_table.data_ptr() if bs is not None else 0
+                o = self._out if out is None else out
+                if q.shape == qs and (q.is_contiguous() if qst is None else q.stride() == qst) and q.dtype is qd \
+                        and q.device == qv and (not p0 & 15) is qa \
+                        and k_cache.shape == ks \
+                        and (k_cache.is_contiguous() if kst is None else k_cache.stride() == kst) \
+                        and k_cache.dtype is kd and k_cache.device == kv and (not p1 & 15) is ka \
+                        and v_cache.shape == vs \
+                        and (v_cache.is_contiguous() if vst is None else v_cache.stride() == vst) \
+                        and v_cache.dtype is vd and v_cache.device == vv and (not p2 & 15) is va \
+                        and seq_lens.shape == ss \
+                        and (seq_lens.is_contiguous() if sst is None else seq_lens.stride() == sst) \
+                        and seq_lens.dtype is sd and seq_lens.device == sv and (not p3 & 15) is sa \
+                        and (bs is None or (block_table.shape == bs
+                                            and (block_table.is_contiguous() if bst is None
+                                                 else block_table.stride() == bst)
+                                            and block_table.dtype is bd and block_table.device == bv
+                                            and (not p4 & 15) is ba)) \
+                        and (out is None or (isinstance(out, T) and out.shape == qs and out.dtype is qd
+                                             and out.device == qv and not out.is_neg())) \
+                        and (lse is None or (isinstance(lse, T) and lse.dtype is _F32 and lse.shape == ls3
+                                             and lse.device == qv and not lse.is_neg())):
+                    a0 = o.data_ptr()
+                    if o.is_contiguous():  # its bytes: exactly its numel's (its last stride 1 where it matters)
+                        a1 = a0 + nbytes
+                        ok = True
                     else:
-                        be, plan, ws, sm, var = launch
-                        be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm, **var), ws, o, lse)
-                    return o
+                        s = o.stride()
+                        a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
+                        m = self._out_strides_ok  # the last strided out found free of self-overlap, for this shape
+                        ok = out is None or ((qs[3] <= 1 or s[3] == 1)
+                                             and ((m is not None and m[0] is qs and m[1] == s)
+                                                  or self._no_self_overlap(qs, s)))
+                    ok = ok \
+                        and not (e0 and a0 < p0 + e0 and p0 < a1) and not (e1 and a0 < p1 + e1 and p1 < a1) \
+                        and not (e2 and a0 < p2 + e2 and p2 < a1) and not (e3 and a0 < p3 + e3 and p3 < a1) \
+                        and not (e4 and a0 < p4 + e4 and p4 < a1)
+                    if ok and lse is not None:
+                        t = lse.stride()
+                        c0 = lse.data_ptr()
+                        c1 = c0 + (d0 * t[0] + d1 * t[1] + d2 * t[2] + 1) * 4
+                        ok = (qs[2] <= 1 or t[2] == 1) and not (a0 < c1 and c0 < a1) \
+                            and (lse.is_contiguous() or not has_internal_overlap(ls3, t)) \
+                            and not (e0 and c0 < p0 + e0 and p0 < c1) and not (e1 and c0 < p1 + e1 and p1 < c1) \
+                            and not (e2 and c0 < p2 + e2 and p2 < c1) and not (e3 and c0 < p3 + e3 and p3 < c1) \
+                            and not (e4 and c0 < p4 + e4 and p4 < c1)
+            except RuntimeError:  # a tensor without a data pointer (sparse): the full path names it
+                return None
+            if ok and (graph_safe or not q.is_cuda or not torch.cuda.is_current_stream_capturing()):
+                if launcher is not None:
+                    launcher(q, k_cache, v_cache, seq_lens, block_table, o, lse, (p0, p1, p2, p3, p4))
+                else:
+                    be, plan, ws, sm, var = launch
+                    be.run(plan, DecodeInputs(q, k_cache, v_cache, seq_lens, block_table, sm, **var), ws, o, lse)
+                return o
         return None
 
     def _run(self, sig, ptrs, q, k_cache, v_cache, seq_lens, block_table, out, lse, outputs_checked: bool):

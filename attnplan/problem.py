@@ -442,6 +442,8 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
             if name == "block_table":
                 continue  # None (a contiguous cache), or refused by name below
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}")
         if t.is_meta:
             raise ValueError(f"{name} is on the meta device (a shape without data): attnplan reads and writes "
                              "values, pass tensors on the CPU or a GPU")
@@ -654,6 +656,8 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        if out.layout != torch.strided:
+            raise TypeError(f"out must be a dense (strided) tensor, got {out.layout}")
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} "
                              f"{out.dtype} on {out.device}")
@@ -664,6 +668,8 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
         return
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"lse must be a torch.Tensor or None, got {type(lse).__name__}")
+    if lse.layout != torch.strided:
+        raise TypeError(f"lse must be a dense (strided) tensor, got {lse.layout}")
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(f"lse must be {tuple(q.shape[:3])} float32 on {q.device}, got {tuple(lse.shape)} {lse.dtype} "
                          f"on {lse.device}")

@@ -47,7 +47,9 @@ class PartialState:
     The device-side schedule's workspace is the same format in its *ragged* form: batch axis 1 and
     the split axis holding every sequence's units one after another, ``o [1, q_len, num_q_heads,
     max_units, head_dim]``; sequence ``b``'s states are slots ``[indptr[b], indptr[b + 1])``
-    (:func:`merge_states` with ``indptr``; :mod:`attnplan.schedule`).
+    (:func:`merge_states` with ``indptr``; :mod:`attnplan.schedule`). A run writes there the states of
+    the sequences of two or more units (separate merge); a sequence of one unit writes ``out`` and
+    ``lse`` directly and leaves its slot unwritten, and the fused merge keeps no ``indptr`` table.
 
     Raises:
         TypeError: ``o`` or ``lse`` is not a tensor.
@@ -62,6 +64,8 @@ class PartialState:
             v = getattr(self, name)
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"PartialState: {name} must be a torch.Tensor, got {type(v).__name__}")
+            if v.layout != torch.strided:
+                raise TypeError(f"PartialState: {name} must be a dense (strided) tensor, got {v.layout}")
         if self.o.dim() != 5 or self.lse.dim() != 4:
             raise ValueError(
                 f"PartialState: o must be 5-D [batch, q_len, num_q_heads, num_splits, head_dim] and "
@@ -163,7 +167,7 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
                             f"got {dt}")
     heads = state.o.shape[2]
     if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        if not isinstance(sinks, torch.Tensor) or sinks.layout != torch.strided or not sinks.is_floating_point():
             raise TypeError(f"merge_states: sinks must be a float tensor [num_heads = {heads}], got "
                             f"{getattr(sinks, 'dtype', type(sinks).__name__)}")
         if tuple(sinks.shape) != (heads,) or sinks.device != state.o.device:
@@ -184,8 +188,10 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
 
 def _ragged_to_dense(state: PartialState, indptr: torch.Tensor) -> PartialState:
     """The ragged (scheduled) workspace as a dense state padded with empty splits."""
-    if not isinstance(indptr, torch.Tensor) or indptr.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"merge_states: indptr must be an int32/int64 tensor, got "
+    if not isinstance(indptr, torch.Tensor) or indptr.dtype not in (torch.int32, torch.int64) \
+            or indptr.layout != torch.strided:
+        raise TypeError(f"merge_states: indptr must be a dense int32/int64 tensor, got "
+                        f"{getattr(indptr, 'layout', '')} "
                         f"{getattr(indptr, 'dtype', type(indptr).__name__)}")
     if indptr.is_meta:
         raise ValueError("merge_states: indptr is on the meta device (a shape without data): its offsets are read")

@@ -889,3 +889,37 @@ def test_error_messages_show_values_bounded():
     assert short_repr([10**5000]) == "a list"
     assert len(short_repr("x" * 500, limit=40)) == 40
     assert "Hostile" in short_repr(Hostile())
+
+
+def test_sparse_tensors_are_refused_naming_the_argument():
+    """A sparse tensor has no data pointer and no strides: every entry point refuses it with a TypeError naming the
+    argument, never torch's own error from inside a check."""
+    from attnplan import PartialState, merge_states
+
+    o, lse = torch.randn(1, 1, 2, 3, 4), torch.randn(1, 1, 2, 3)
+    for name, call in (("o", lambda: PartialState(o.to_sparse(), lse)),
+                       ("lse", lambda: PartialState(o, lse.to_sparse())),
+                       ("sinks", lambda: merge_states(PartialState(o, lse), torch.zeros(2).to_sparse())),
+                       ("indptr", lambda: merge_states(PartialState(o, lse), indptr=torch.tensor([0, 3]).to_sparse()))):
+        with pytest.raises(TypeError, match=name):
+            call()
+    q, k = torch.randn(1, 1, 2, 16), torch.randn(1, 8, 1, 16)
+    sl = torch.tensor([4], dtype=torch.int32)
+    args = {"q": q, "k_cache": k, "v_cache": k.clone(), "seq_lens": sl}
+    for name in args:
+        bad = {**args, name: args[name].to_sparse()}
+        with pytest.raises(TypeError, match=f"{name} must be a dense"):
+            attnplan.decode(*bad.values(), None, backend="reference")
+        w = attnplan.DecodeWrapper(backend="reference")
+        with pytest.raises(TypeError, match=f"{name} must be a dense"):
+            w.plan(*bad.values(), seq_lens_host=[4])
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(*args.values(), seq_lens_host=[4])
+    with pytest.raises(TypeError, match="q must be a dense"):
+        w.run(q.to_sparse(), k, args["v_cache"], sl)
+    for name, kw in (("out", dict(out=torch.zeros_like(q).to_sparse())),
+                     ("lse", dict(lse=torch.zeros(1, 1, 2).to_sparse()))):
+        with pytest.raises(TypeError, match=f"{name} must be a dense"):
+            w.run(*args.values(), **kw)
+        with pytest.raises(TypeError, match=f"{name} must be a dense"):
+            attnplan.decode(*args.values(), None, backend="reference", **kw)
