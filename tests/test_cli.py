@@ -23,6 +23,24 @@ def test_run_default_checks_against_reference(capsys):
     assert "backend:" in out and "PASS" in out and "split" in out
 
 
+def test_run_checks_the_lse_values_too(capsys, monkeypatch):
+    """A backend whose LSE is off (here in base 2, where the contract is the natural log) fails the check, though its
+    output and its -inf rows are right."""
+    import attnplan.api
+
+    run = attnplan.api.DecodeWrapper.run
+
+    def base2_lse(self, *a, lse=None, **kw):
+        out = run(self, *a, lse=lse, **kw)
+        if lse is not None:
+            lse.mul_(1.4426950408889634)
+        return out
+
+    monkeypatch.setattr(attnplan.api.DecodeWrapper, "run", base2_lse)
+    assert cli.main(["run", "--backend", "reference", "--batch", "2", "--kv-lens", "40,0", "--iters", "0"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
 def test_run_explains_the_schedule_at_its_own_lengths(capsys):
     """``attnplan run`` passes its lengths on the host, so the plan's schedule line is evaluated at them (3 + 2 + 1
     units here), not at the planned powers of two (256 tokens for every sequence: 3 units each)."""
@@ -276,6 +294,18 @@ def test_plans_show_and_clear_survive_hostile_files(tmp_path, capsys, monkeypatc
     assert cli.main(["--config", str(cfg), "plans", "clear"]) == 1
     out = capsys.readouterr().out
     assert "removed 4 plan file(s)" in out and "could not remove" in out and "b.json: Permission denied" in out
+
+
+def test_a_cli_started_with_stdout_closed_ends_quietly(tmp_path):
+    """`attnplan plans show >&-`: Python starts with ``sys.stdout = None``; the command's output goes nowhere and it
+    ends with its own status, no traceback."""
+    import subprocess
+    import sys
+
+    code = "import attnplan.cli as c; raise SystemExit(c.main(['plans', 'show']))"
+    p = subprocess.run(["bash", "-c", f'"{sys.executable}" -c "{code}" >&-'], capture_output=True, text=True,
+                       env={**os.environ, "ATTNPLAN_CACHE_DIR": str(tmp_path)}, timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
 
 
 def test_a_closed_pipe_ends_the_cli_quietly(tmp_path):
