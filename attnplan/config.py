@@ -281,7 +281,10 @@ class PlanCacheConfig(_Strict):
 
 
 class Config(_Strict):
-    """The validated configuration. See ``plans/default.yaml`` for every key with its default."""
+    """The validated configuration. See ``plans/default.yaml`` for every key with its default: ``load_config()``
+    reads that file first. A bare ``Config()`` holds the models' own defaults, which differ from the file's in two
+    keys: ``backends_fp8_kv`` (``None``) and ``backends_by_arch`` (``{}``), so it keeps ``backends``' order for an
+    fp8 cache and on sm_90 (where the file puts cuda_ptx first)."""
 
     version: Literal[1] = 1
     backends: list[BackendName] = Field(default_factory=lambda: list(BACKEND_NAMES), min_length=1, max_length=4)
