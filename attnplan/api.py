@@ -487,8 +487,9 @@ class DecodeWrapper:
     time: its runs share one workspace (the partial states, the merge's table and the fused merge's counters), and
     ``run(out=None)``'s buffer, so overlapping runs give wrong results; ``plan()`` replaces what ``run()`` reads.
     ``run()`` and ``try_run()`` take no lock (they cost microseconds); their one-pass check and the launch it
-    passes read one snapshot made by ``plan()``, and ``run()``'s full path another, so a run (with ``out`` given) that overlaps a ``plan()`` for other
-    inputs launches the binding its check compared the inputs with, never one made for another signature or scale.
+    passes read one snapshot made by ``plan()``, and ``run()``'s full path another, so a run (with ``out`` given)
+    that overlaps a ``plan()`` for other inputs launches the binding its check compared the inputs with, never one
+    made for another signature or scale.
 
     Example::
 

@@ -167,7 +167,9 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
                             f"got {dt}")
     heads = state.o.shape[2]
     if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or sinks.layout != torch.strided or not sinks.is_floating_point():
+        if isinstance(sinks, torch.Tensor) and sinks.layout != torch.strided:
+            raise TypeError(f"merge_states: sinks must be a dense (strided) tensor, got {sinks.layout}")
+        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
             raise TypeError(f"merge_states: sinks must be a float tensor [num_heads = {heads}], got "
                             f"{getattr(sinks, 'dtype', type(sinks).__name__)}")
         if tuple(sinks.shape) != (heads,) or sinks.device != state.o.device:
@@ -188,11 +190,11 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
 
 def _ragged_to_dense(state: PartialState, indptr: torch.Tensor) -> PartialState:
     """The ragged (scheduled) workspace as a dense state padded with empty splits."""
-    if not isinstance(indptr, torch.Tensor) or indptr.dtype not in (torch.int32, torch.int64) \
-            or indptr.layout != torch.strided:
-        raise TypeError(f"merge_states: indptr must be a dense int32/int64 tensor, got "
-                        f"{getattr(indptr, 'layout', '')} "
+    if not isinstance(indptr, torch.Tensor) or indptr.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"merge_states: indptr must be an int32/int64 tensor, got "
                         f"{getattr(indptr, 'dtype', type(indptr).__name__)}")
+    if indptr.layout != torch.strided:
+        raise TypeError(f"merge_states: indptr must be a dense (strided) tensor, got {indptr.layout}")
     if indptr.is_meta:
         raise ValueError("merge_states: indptr is on the meta device (a shape without data): its offsets are read")
     if state.o.shape[0] != 1 or indptr.dim() != 1 or indptr.numel() < 1:

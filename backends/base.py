@@ -102,17 +102,13 @@ class Workspace:
     lens: torch.Tensor | None = None
 
     @staticmethod
+    @torch.inference_mode(False)
     def allocate(plan: SplitPlan, device: torch.device) -> "Workspace":
         """Buffers for ``plan`` on ``device`` (the state uninitialized: kernels write what they own). On a GPU the
         targets table is copied from pinned host memory without blocking (ordered before later launches on the
         current stream), so allocating never syncs the host. The buffers are ordinary tensors even when made under
         ``torch.inference_mode()``: a workspace is reused by later calls, in any mode, which write some of it with
         torch's in-place ops (an inference tensor refuses those outside inference mode)."""
-        with torch.inference_mode(False):
-            return Workspace._allocate(plan, device)
-
-    @staticmethod
-    def _allocate(plan: SplitPlan, device: torch.device) -> "Workspace":
         p = plan.problem
         state = None if plan.single_pass else PartialState.empty(1, p.q_len, p.num_q_heads, plan.state_slots,
                                                                  p.head_dim, device=device)
