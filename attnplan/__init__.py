@@ -10,7 +10,8 @@ Quick use::
 """
 
 from ._version import __version__
-from .api import Context, DecodeWrapper, NoBackendError, PlanNotReadyError, decode, default_context, select_backend
+from .api import (Context, DecodeWrapper, NoBackendError, PlanNotReadyError, decode, default_context,
+                  reload_device_tables, select_backend)
 from .config import Config, ConfigError, load_config
 from .device import CPU_STANDIN, DeviceInfo, device_info
 from .planner import SplitPlan, make_plan
@@ -19,6 +20,7 @@ from .state import PartialState, merge_state_pair, merge_states
 
 __all__ = [
     "__version__", "decode", "DecodeWrapper", "Context", "NoBackendError", "PlanNotReadyError", "default_context",
-    "select_backend", "Config", "ConfigError", "load_config", "DeviceInfo", "CPU_STANDIN", "device_info",
+    "select_backend", "reload_device_tables", "Config", "ConfigError", "load_config", "DeviceInfo", "CPU_STANDIN",
+    "device_info",
     "SplitPlan", "make_plan", "DecodeProblem", "PartialState", "merge_states", "merge_state_pair",
 ]

@@ -290,13 +290,13 @@ def _tuned_lookup(slug: str, backend: str, paged: bool, filled: bool, fp8: bool,
     table = device_table(slug)
     if not table:
         return (), ""
-    per_backend = table.get("kernel_options", {}).get(backend, {})
+    per_backend = (table.get("kernel_options") or {}).get(backend) or {}  # empty sections: read as {}
     layout = "paged" if paged else "contiguous"
     if fp8 and f"{layout}_fp8" in per_backend:
-        opts = dict(per_backend[f"{layout}_fp8"])
+        opts = dict(per_backend[f"{layout}_fp8"] or {})
     else:
-        opts = dict(per_backend.get(f"{layout}_filled") if filled and f"{layout}_filled" in per_backend
-                    else per_backend.get(layout, {}))
+        opts = dict((per_backend.get(f"{layout}_filled") if filled and f"{layout}_filled" in per_backend
+                     else per_backend.get(layout)) or {})
         if fp8 and opts.get("block_n"):
             # tables measured with a 2-byte cache: a 1-byte cache keeps a tile's bytes (and so the
             # bytes in flight per program) by doubling its tokens
@@ -308,6 +308,20 @@ def _tuned_lookup(slug: str, backend: str, paged: bool, filled: bool, fp8: bool,
 def _device_key(dev_info: DeviceInfo) -> str:
     """The device part of the plan-cache key (computed once per device)."""
     return repr(sorted(dev_info.fingerprint().items()))
+
+
+def reload_device_tables() -> None:
+    """Read the device tables (``plans/<device>.yaml``, :func:`attnplan.config.device_table`) again at the next plan:
+    forgets the memoized tables and every view the planner keeps of them (the plan-cache key's table text, the
+    tuned kernel options, the parsed split-table rows). Call it after writing a table or changing
+    ``$ATTNPLAN_CACHE_DIR``; ``attnplan tune`` does. Plans already made are not changed, and the plan cache keys
+    plans by the table's text, so a plan of the old table is not served for the new one."""
+    from . import planner
+
+    device_table.cache_clear()
+    _table_text.cache_clear()
+    _tuned_lookup.cache_clear()
+    planner._ROWS.clear()
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 import os
 import re
 import stat
@@ -527,6 +528,9 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
     return _validate(data, src)
 
 
+_TABLE_OVERRIDES: dict[str, dict] = {}  # slug -> table: attnplan tune's table while it tunes
+
+
 @functools.lru_cache(maxsize=None)
 def device_table(slug: str) -> dict:
     """The tuned table of the device ``slug`` (e.g. ``"h200"``) as a dict (``{}`` when there is none).
@@ -542,15 +546,18 @@ def device_table(slug: str) -> dict:
     name, :class:`CostModel` keys that override ``cost_model`` for that backend's plans),
     ``kernel_options``, ``split_table`` and optionally ``measured`` notes.
 
-    Memoized per ``slug`` for the process: after writing a table or changing ``$ATTNPLAN_CACHE_DIR``,
-    call ``device_table.cache_clear()`` (``attnplan tune`` does).
+    Memoized per ``slug`` for the process, as are the planner's views of it: after writing a table or changing
+    ``$ATTNPLAN_CACHE_DIR``, call :func:`attnplan.reload_device_tables` (``attnplan tune`` does).
 
     Raises:
-        ConfigError: the file found is unreadable, not YAML, or its cost-model constants are invalid;
-            the message names the file.
+        ConfigError: the file found is unreadable, not YAML, or fails :func:`check_device_table` (a section that
+            is not a mapping, invalid cost-model constants, a bad or duplicated split-table row); the message
+            names the file and the key or row.
     """
     from .device import user_table_path
 
+    if slug in _TABLE_OVERRIDES:  # attnplan tune's table while it tunes (tune.table_override)
+        return _TABLE_OVERRIDES[slug]
     user = user_table_path(slug)
     if user.is_file():
         f, source = user, str(user)
@@ -558,13 +565,68 @@ def device_table(slug: str) -> dict:
         f, source = resources.files("attnplan.plans") / f"{slug}.yaml", f"plans/{slug}.yaml"
         if not f.is_file():
             return {}
-    data = _read_yaml(f, source)
+    return check_device_table(_read_yaml(f, source), source)
+
+
+_TABLE_SECTIONS = ("cost_model", "cost_model_by_backend", "kernel_options", "split_table", "measured")
+
+
+def check_device_table(data, source: str) -> dict:
+    """``data`` (a device table as read from YAML) if it is one, with every section checked; else ``ConfigError``.
+
+    Checks: the top level and each of ``cost_model``, ``cost_model_by_backend`` (per backend),
+    ``kernel_options`` (per backend, per layout: option name to JSON scalar), ``split_table`` (per backend, per
+    layout: a list of rows) and ``measured`` is a mapping or empty; the cost-model constants validate as
+    :class:`CostModel`; every split-table row parses (:meth:`attnplan.planner.TableRow.from_row`: positive int
+    pairs, KV length, group and head_dim, a finite programs per SM > 0); no two rows of a layout share a point
+    (pairs, KV length, group, head_dim), which the planner and ``attnplan tune`` would otherwise resolve apart.
+
+    Raises:
+        ConfigError: the first defect, naming ``source`` and the key or row.
+    """
+    from .planner import TableRow
+
+    def mapping(value, where: str) -> dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"invalid device table ({source}): {where} must be a mapping, got {type(value).__name__}")
+        return value
+
     if not isinstance(data, dict):
         raise ConfigError(f"invalid device table ({source}): top level must be a mapping, got {type(data).__name__}")
+    for key in _TABLE_SECTIONS:
+        mapping(data.get(key), key)
     try:
         CostModel.model_validate(data.get("cost_model") or {})
-        for entry in (data.get("cost_model_by_backend") or {}).values():
-            CostModel.model_validate({**(data.get("cost_model") or {}), **(entry or {})})
+        for name, entry in mapping(data.get("cost_model_by_backend"), "cost_model_by_backend").items():
+            CostModel.model_validate({**(data.get("cost_model") or {}), **mapping(entry, f"cost_model_by_backend.{name}")})
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source)) from None
+    for backend, layouts in mapping(data.get("kernel_options"), "kernel_options").items():
+        for layout, opts in mapping(layouts, f"kernel_options.{backend}").items():
+            for name, value in mapping(opts, f"kernel_options.{backend}.{layout}").items():
+                if not isinstance(value, (int, float, str)) or (isinstance(value, float) and not math.isfinite(value)):
+                    raise ConfigError(f"invalid device table ({source}): kernel_options.{backend}.{layout}.{name} "
+                                      f"must be a JSON scalar, got {value!r}")
+    for backend, layouts in mapping(data.get("split_table"), "split_table").items():
+        for layout, rows in mapping(layouts, f"split_table.{backend}").items():
+            where = f"split_table.{backend}.{layout}"
+            if rows is None:
+                continue
+            if not isinstance(rows, list):
+                raise ConfigError(f"invalid device table ({source}): {where} must be a list of rows, got "
+                                  f"{type(rows).__name__}")
+            seen: dict = {}
+            for i, raw in enumerate(rows):
+                try:
+                    row = TableRow.from_row(raw)
+                except ValueError as e:
+                    raise ConfigError(f"invalid device table ({source}): {where}[{i}]: {e}") from None
+                point = (row.pairs, row.kv_len, row.group, row.head_dim)
+                if point in seen:
+                    raise ConfigError(f"invalid device table ({source}): {where}[{seen[point]}] and [{i}] are both "
+                                      f"rows of {row.pairs} pairs x {row.kv_len} tokens (group {row.group}, head_dim "
+                                      f"{row.head_dim}); keep one")
+                seen[point] = i
     return data

@@ -53,7 +53,11 @@ class DeviceInfo:
         return {"name": self.name, "sm_count": self.sm_count, "cc": list(self.compute_capability), "driver": self.driver}
 
     def slug(self) -> str:
-        """File-name form of the device name, used for ``plans/<slug>.yaml`` (``NVIDIA H200`` -> ``h200``)."""
+        """File-name form of the whole device name, used for ``plans/<slug>.yaml``: lower case, ``NVIDIA`` dropped,
+        other characters than letters and digits as ``_`` (``NVIDIA H200`` -> ``h200``, ``NVIDIA H100 80GB HBM3`` ->
+        ``h100_80gb_hbm3``, ``NVIDIA GeForce RTX 4090`` -> ``geforce_rtx_4090``). The whole name, because models
+        that share a first word (an H100's SXM and PCIe parts, a family of GeForce cards, MIG slices) differ in SMs
+        and bandwidth, and a table measured on one would plan the other."""
         return _slug(self.name)
 
     def to_dict(self) -> dict:
@@ -63,7 +67,7 @@ class DeviceInfo:
 @functools.lru_cache(maxsize=64)
 def _slug(name: str) -> str:
     n = name.lower().replace("nvidia", "").strip()
-    return "".join(c if c.isalnum() else "_" for c in n).strip("_").split("_")[0] or "unknown"
+    return "_".join(filter(None, "".join(c if c.isascii() and c.isalnum() else "_" for c in n).split("_"))) or "unknown"
 
 
 CPU_STANDIN = DeviceInfo(

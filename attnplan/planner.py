@@ -126,19 +126,38 @@ class TableRow(NamedTuple):
 
     @staticmethod
     def from_row(row) -> "TableRow":
-        """A YAML row ``[pairs, kv_len, programs_per_sm, us, group?, head_dim?, options?]``. Raises ``ValueError``."""
-        if not isinstance(row, (list, tuple)) or len(row) < 4:
-            raise ValueError(f"a split-table row needs [pairs, kv_len, programs_per_sm, us, ...], got {row!r}")
+        """A YAML row ``[pairs, kv_len, programs_per_sm, us, group?, head_dim?, options?]``.
+
+        Raises:
+            ValueError: not a list of 4, 6 or 7 fields; pairs, kv_len or head_dim not a positive int; group not a
+                positive int or null; programs_per_sm not a finite number > 0; us not a finite number >= 0; options
+                not a mapping (or list of pairs) of an option name to a JSON scalar.
+        """
+        if not isinstance(row, (list, tuple)) or len(row) not in (4, 6, 7):
+            raise ValueError("a split-table row is [pairs, kv_len, programs_per_sm, us(, group, head_dim(, "
+                             f"options))], got {row!r}")
         group, head_dim = (row[4], row[5]) if len(row) >= 6 else (None, 128)
         opts = row[6] if len(row) >= 7 else {}
         if isinstance(opts, Mapping):
-            opts = tuple(sorted(dict(opts).items()))
+            opts = tuple(sorted(dict(opts).items(), key=lambda kv: str(kv[0])))
         elif isinstance(opts, (list, tuple)) and all(isinstance(o, (list, tuple)) and len(o) == 2 for o in opts):
             opts = tuple(tuple(o) for o in opts)
         else:
             raise ValueError(f"split-table row options must be a mapping of option to value, got {opts!r}")
-        return TableRow(int(row[0]), int(row[1]), float(row[2]), float(row[3]),
-                        None if group is None else int(group), int(head_dim), opts)
+        for name, value in opts:
+            if not isinstance(name, str) or not isinstance(value, (int, float, str)) or (
+                    isinstance(value, float) and not math.isfinite(value)):
+                raise ValueError(f"split-table row option {name!r} must map a name to a JSON scalar, got {value!r}")
+        for name, v in (("pairs", row[0]), ("kv_len", row[1]), ("head_dim", head_dim)) + (
+                (("group", group),) if group is not None else ()):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"split-table row {name} must be a positive int, got {v!r} in {list(row)!r}")
+        for name, v, least in (("programs_per_sm", row[2], None), ("us", row[3], 0.0)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                    v <= 0 if least is None else v < least):
+                raise ValueError(f"split-table row {name} must be a finite number {'> 0' if least is None else '>= 0'}"
+                                 f", got {v!r} in {list(row)!r}")
+        return TableRow(row[0], row[1], float(row[2]), float(row[3]), group, head_dim, opts)
 
 
 def entry_options(entry: TableRow | None) -> dict:

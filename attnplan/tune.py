@@ -34,16 +34,20 @@ their inputs were built ran 11-14% slow, and the tune wrote 2-split rows where o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 import os
 import statistics
+import sys
 import weakref
 
 import torch
 import yaml
 
+#: heads (query heads, KV heads, head_dim) of the kernel-option sweep (:func:`sweep`), whatever ``--heads`` says
+SWEEP_HEADS = (32, 8, 128)
 SHAPES = [(1, 131072), (1, 32768), (1, 4096), (4, 32768), (4, 4096), (16, 4096), (16, 32768)]
 
 #: kernel-option grids swept per backend (each goes to ``backend_options.<backend>``); a backend not listed
@@ -75,6 +79,29 @@ def parse_option_grid(text: str) -> dict:
     if not grid:
         raise argparse.ArgumentTypeError("empty option grid")
     return grid
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """``'1,4,16'`` -> ``(1, 4, 16)``: positive ints. Raises ``argparse.ArgumentTypeError`` otherwise."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def _heads(text: str) -> tuple[int, int, int]:
+    """``'32,8,128'`` -> ``(32, 8, 128)``: query heads, KV heads, head_dim; the query heads a multiple of the KV
+    heads. Raises ``argparse.ArgumentTypeError`` otherwise."""
+    heads = _int_list(text)
+    if len(heads) != 3 or heads[0] % heads[1]:
+        raise argparse.ArgumentTypeError(f"expected num_q_heads,num_kv_heads,head_dim with num_q_heads a multiple "
+                                         f"of num_kv_heads, got {text!r}")
+    return heads
+
+
+def _positive_int(text: str) -> int:
+    (n,) = _int_list(text)
+    return n
 
 
 #: warm-up (ms) of the first timing on a set of freshly built inputs (:func:`_graph_time`); the evidence is at
@@ -164,7 +191,7 @@ def merge_rows(old: list, new: list) -> list:
     return [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1], k[2] or 0, k[3]))]
 
 
-def sweep(backend: str, heads=(32, 8, 128), shapes=SHAPES, layouts=("contiguous", "paged"), iters: int = 15,
+def sweep(backend: str, heads=SWEEP_HEADS, shapes=SHAPES, layouts=("contiguous", "paged"), iters: int = 15,
           option_grid: dict | None = None, progress=None,
           programs_per_sm=SWEEP_PROGRAMS_PER_SM) -> list[dict]:
     """Time every (shape, layout, kernel options, split count) under CUDA-graph replay.
@@ -351,7 +378,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="YAML to write (default: the user's table, <cache dir>/plans/<device>.yaml, "
                                                 "which the planner reads before the packaged plans/<device>.yaml)")
     ap.add_argument("--json", default=None, help="also write every timing here")
-    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--iters", type=_positive_int, default=15)
     ap.add_argument("--no-options", action="store_true", help="keep the table's kernel options (skip their sweep)")
     ap.add_argument("--option-grid", default=None, type=parse_option_grid,
                     help="kernel options to sweep instead of the backend's default grid, e.g. "
@@ -359,10 +386,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--row-options", default=None, type=parse_option_grid,
                     help="kernel options the split search also varies per point, e.g. 'num_warps=4,8': each row "
                          "records the options of its best time and the planner runs them with the row's split count")
-    ap.add_argument("--batches", default="1,4,16,64", help="split search grid: batches")
-    ap.add_argument("--kv", default="1024,4096,16384,65536,131072", help="split search grid: KV lengths")
+    ap.add_argument("--batches", type=_int_list, default="1,4,16,64", help="split search grid: batches")
+    ap.add_argument("--kv", type=_int_list, default="1024,4096,16384,65536,131072", help="split search grid: KV lengths")
     ap.add_argument("--max-gb", type=float, default=16.0, help="skip grid points whose K+V exceed this many GB")
-    ap.add_argument("--heads", default="32,8,128", help="num_q_heads,num_kv_heads,head_dim of the split search "
+    ap.add_argument("--heads", type=_heads, default="32,8,128", help="num_q_heads,num_kv_heads,head_dim of the split search "
                     "(rows are keyed by batch x KV heads, KV length, GQA group and head_dim)")
     ap.add_argument("--planner-options", action="store_true",
                     help="with --check-only: the split search also runs every split count with the kernel options the "
@@ -400,43 +427,59 @@ def main(argv=None) -> int:
         SystemExit: from :func:`parse_args` (``--help``, or a usage error with status 2).
     """
     args = parse_args(argv)
-    import attnplan
+    from attnplan.config import ConfigError
     from attnplan.device import device_info
+
+    dev = device_info("cuda")
+    path, planner_reads = table_paths(dev.slug(), args.out)
+    try:
+        table = start_table(dev.slug(), path)
+    except ConfigError as e:
+        print(f"attnplan tune: error: {e}", file=sys.stderr)
+        return 2
+    heads = args.heads
+    kv_bytes = getattr(torch, args.kv_dtype).itemsize
+    points = [(layout, b, kv) for layout in ("contiguous", "paged") for b in args.batches
+              for kv in args.kv if 2 * kv_bytes * b * kv * heads[1] * heads[2] <= args.max_gb * 1e9]
+    if args.check_only:
+        return _tune(args, dev, table, path, planner_reads, heads, points)
+    # the split search and the quality check plan with the table this tune builds, whatever file it goes to
+    with table_override(dev.slug(), table):
+        return _tune(args, dev, table, path, planner_reads, heads, points)
+
+
+def _tune(args, dev, table: dict, path: str, planner_reads: str, heads, points) -> int:
+    """:func:`main` after the arguments, the device and the starting table."""
+    import attnplan
     from attnplan.timing import read_bandwidth_gbs
 
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
-    dev = device_info("cuda")
-    path, planner_reads = table_paths(dev.slug(), args.out)
-    table = start_table(dev.slug(), path)
-    heads = tuple(int(v) for v in args.heads.split(","))
-    kv_bytes = getattr(torch, args.kv_dtype).itemsize
-    points = [(layout, b, kv) for layout in ("contiguous", "paged") for b in map(int, args.batches.split(","))
-              for kv in map(int, args.kv.split(",")) if 2 * kv_bytes * b * kv * heads[1] * heads[2] <= args.max_gb * 1e9]
     ceiling = read_bandwidth_gbs()
     allrows, searches = {}, {}
-    cm = table.setdefault("cost_model", {})
+    cm = _section(table, "cost_model")
     for i, backend in enumerate(args.backends.split(",")):
         if not args.no_options:
             bar = tqdm(total=2 * len(SHAPES), desc=f"options {backend}", unit="shape") if tqdm else None
-            rows = sweep(backend, iters=args.iters, option_grid=args.option_grid, progress=(lambda *a: bar.update(1)) if bar else None)
+            rows = sweep(backend, heads=SWEEP_HEADS, iters=args.iters, option_grid=args.option_grid,
+                         progress=(lambda *a: bar.update(1)) if bar else None)
             if bar:
                 bar.close()
             allrows[backend] = rows
-            f = fit(rows, backend, dev.sm_count, heads[1])
+            f = fit(rows, backend, dev.sm_count, SWEEP_HEADS[1])  # the KV heads the sweep ran, not --heads'
             # keep hand-written keys of the backend (e.g. ``contiguous_filled``) the sweep did not measure
-            table.setdefault("kernel_options", {}).setdefault(backend, {}).update(f["kernel_options"][backend])
+            _section(_section(table, "kernel_options"), backend).update(f["kernel_options"][backend])
             sats = {"sat_programs_per_sm": f["sat_by_layout"].get("contiguous"),
                     "paged_sat_programs_per_sm": f["sat_by_layout"].get("paged")}
             sats = {k: round(statistics.median(v), 2) for k, v in sats.items() if v}
             # the first backend's constants are the device's; every backend's also go under its name
             if i == 0:
                 cm.update(sats)
-            table.setdefault("cost_model_by_backend", {}).setdefault(backend, {}).update(sats)
-            _write_table(path, table, dev.slug())  # the split search below uses the new kernel options
-            _reload()
+            _section(_section(table, "cost_model_by_backend"), backend).update(sats)
+            _write_table(path, table, dev.slug())
+            _reload()  # the split search below plans with the new kernel options (the table override)
         bar = tqdm(total=len(points), desc=f"splits {backend}", unit="point") if tqdm else None
         searches[backend] = split_search(backend, points, heads, args.iters, progress=bar.update if bar else None,
                                          kv_dtype=args.kv_dtype, row_options=args.row_options,
@@ -445,10 +488,10 @@ def main(argv=None) -> int:
             bar.close()
         if args.check_only:
             continue
-        mine = table.setdefault("split_table", {}).setdefault(backend, {})
+        mine = _section(_section(table, "split_table"), backend)
         for layout, rows in split_table(searches[backend], heads).items():
             key = _table_key(layout, args.kv_dtype)  # earlier tunes' other points and dtypes stay
-            mine[key] = merge_rows(mine.get(key, []), rows)
+            mine[key] = merge_rows(mine.get(key) or [], rows)
     if not args.check_only:
         cm["mem_bandwidth_gbs"] = round(ceiling["ceiling_gbs"], 1)
         table["measured"] = {"device": dev.name, "sm_count": dev.sm_count, "ceiling": ceiling,
@@ -457,8 +500,8 @@ def main(argv=None) -> int:
         print(f"wrote {path}: {json.dumps({k: table[k] for k in ('cost_model', 'kernel_options') if k in table})}")
         _reload()
     if path != planner_reads and not args.check_only:
-        print(f"note: the planner reads {planner_reads} (if it exists, else the packaged table); the quality check "
-              f"below uses that table, not {path}")
+        print(f"note: the planner reads {planner_reads} (if it exists, else the packaged table), not {path}; this "
+              f"tune's split search and quality check used {path}'s table")
     if args.json:  # the measurements so far, in case the quality check is cut short
         _atomic_write(args.json, json.dumps({"option_sweep": allrows, "split_search": searches, "table": table},
                                             indent=1, default=str))
@@ -503,16 +546,38 @@ def start_table(slug: str, path: str) -> dict:
     """The table a tune starts from and updates: the packaged ``plans/<slug>.yaml``, then the user's table,
     then the target ``path``'s own, each file's top-level keys replacing the earlier ones (files that do not
     exist are left out). So a first tune into the user directory keeps the packaged rows it does not measure."""
+    from .config import _read_yaml, check_device_table
     from .device import user_table_path
 
     table: dict = {}
     for src in dict.fromkeys((_packaged_table(slug), str(user_table_path(slug)), str(path))):
-        try:
-            with open(src) as fh:
-                table.update(yaml.safe_load(fh) or {})
-        except OSError:
-            pass
-    return table
+        if os.path.lexists(src):  # a file that cannot be read, or is not a valid table, is an error, not skipped
+            table.update(check_device_table(_read_yaml(src, src), src) or {})
+    return check_device_table(table, f"{path} (as merged)")
+
+
+def _section(table: dict, key: str) -> dict:
+    """``table[key]``, a new empty mapping where it is absent or empty (``key:`` with nothing under it)."""
+    if table.get(key) is None:
+        table[key] = {}
+    return table[key]
+
+
+
+@contextlib.contextmanager
+def table_override(slug: str, table: dict):
+    """Within the block, the planner plans the device ``slug`` with ``table`` (a dict this tune updates in place;
+    call :func:`_reload` after each change), not with the file it would read: so the split search and the quality
+    check run the kernel options and rows being written, whichever file ``--out`` names."""
+    import attnplan.config
+
+    attnplan.config._TABLE_OVERRIDES[slug] = table
+    _reload()
+    try:
+        yield table
+    finally:
+        attnplan.config._TABLE_OVERRIDES.pop(slug, None)
+        _reload()
 
 
 def _leading_comments(path: str, stamp: str) -> list[str] | None:
@@ -551,14 +616,9 @@ def _atomic_write(path: str, text: str) -> None:
 
 def _reload() -> None:
     """Forget every cached view of the device table (after it was rewritten)."""
-    import attnplan.api
-    import attnplan.config
-    import attnplan.planner
+    from attnplan.api import reload_device_tables
 
-    attnplan.config.device_table.cache_clear()
-    attnplan.api._table_text.cache_clear()
-    attnplan.api._tuned_lookup.cache_clear()
-    attnplan.planner._ROWS.clear()
+    reload_device_tables()
 
 
 def _choice(plan, searched_keys, kv: int) -> tuple:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from importlib import resources
 
 import pytest
+import torch
 import yaml
 
 import attnplan
@@ -101,3 +102,110 @@ def test_new_user_table_keeps_the_packaged_header_and_is_read_back(user_dir):
     tune._reload()
     assert device_table("h200")["cost_model"]["sat_programs_per_sm"] == 3.25
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+ROW = [32, 32768, 2.0, 100.0, 4, 128]
+
+
+@pytest.mark.parametrize("table,where", [
+    ({"split_table": {"triton": {"contiguous": [ROW[:1] + [0] + ROW[2:]]}}}, r"split_table\.triton\.contiguous\[0\]: .*kv_len must be a positive int"),
+    ({"split_table": {"triton": {"paged": [ROW, ROW[:2] + [float("nan")] + ROW[3:]]}}}, r"split_table\.triton\.paged\[1\]: .*programs_per_sm must be a finite number > 0"),
+    ({"split_table": {"triton": {"paged": [ROW[:2] + [-5.0] + ROW[3:]]}}}, r"programs_per_sm must be a finite number > 0"),
+    ({"split_table": {"triton": {"paged": [[True] + ROW[1:]]}}}, r"pairs must be a positive int, got True"),
+    ({"split_table": {"triton": {"paged": [ROW[:5] + [-1]]}}}, r"head_dim must be a positive int"),
+    ({"split_table": {"triton": {"paged": [ROW + [{"num_warps": [4]}]]}}}, r"option 'num_warps' must map a name to a JSON scalar"),
+    ({"split_table": {"triton": {"paged": [ROW, ROW[:2] + [12.0, 60.0] + ROW[4:]]}}}, r"paged\[0\] and \[1\] are both rows of 32 pairs x 32768"),
+    ({"split_table": {"triton": [ROW]}}, r"split_table\.triton must be a mapping, got list"),
+    ({"split_table": {"triton": {"paged": {"a": 1}}}}, r"split_table\.triton\.paged must be a list of rows"),
+    ({"kernel_options": ["a"]}, r"kernel_options must be a mapping, got list"),
+    ({"kernel_options": {"triton": {"paged": {"num_warps": None}}}}, r"kernel_options\.triton\.paged\.num_warps must be a JSON scalar"),
+    ({"cost_model_by_backend": ["triton"]}, r"cost_model_by_backend must be a mapping, got list"),
+    ({"cost_model_by_backend": {"triton": [1]}}, r"cost_model_by_backend\.triton must be a mapping"),
+    ({"measured": "h200"}, r"measured must be a mapping, got str"),
+])
+def test_a_bad_table_section_or_row_is_refused_naming_the_file_and_the_row(user_dir, table, where):
+    """Every section and split-table row is checked when the table is read (a hand-edited table's defect is a
+    ``ConfigError`` naming the file and the key or row, never a planner crash or a silently used row), and
+    ``attnplan tune`` reads its starting table through the same check, before any GPU work."""
+    path = user_dir / "plans" / "h200.yaml"
+    _write(path, table)
+    with pytest.raises(ConfigError, match=rf"invalid device table \({path}\): .*{where}"):
+        device_table("h200")
+    with pytest.raises(ConfigError, match=where):
+        tune.start_table("h200", str(path))
+
+
+def test_empty_sections_plan_as_absent(user_dir):
+    """``kernel_options:`` or ``split_table:`` left with nothing under them (e.g. every entry commented out) read as
+    empty sections: the planner plans from the cost model with the backend's default options."""
+    from attnplan import api
+    from attnplan.backends import get_backend
+    from attnplan.problem import DecodeProblem
+
+    _write(user_dir / "plans" / "h200.yaml", {"cost_model": None, "kernel_options": {"triton": None},
+                                             "split_table": {"triton": {"paged": None}}, "measured": None})
+    prob = DecodeProblem(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, max_kv_len=32768,
+                         total_kv_len=4 * 32768, page_size=16)
+    ctx = api.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+    plan = api.plan_problem(prob, get_backend("triton"), torch.device("cpu"), ctx, dev_info=H200)
+    assert plan.policy != "tuned" and plan.num_splits >= 1
+
+
+def test_reload_device_tables_makes_an_edited_table_plan(user_dir):
+    """After a table is rewritten, :func:`attnplan.reload_device_tables` makes an existing context plan from the new
+    rows (the plan-cache key's table text, the kernel options and the parsed rows are all read again)."""
+    from attnplan import api
+    from attnplan.backends import get_backend
+    from attnplan.problem import DecodeProblem
+
+    path = user_dir / "plans" / "h200.yaml"
+    prob = DecodeProblem(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, max_kv_len=32768,
+                         total_kv_len=4 * 32768, page_size=None)
+    ctx = api.Context.from_config(attnplan.load_config())
+
+    def row_used():
+        plan = api.plan_problem(prob, get_backend("triton"), torch.device("cpu"), ctx, dev_info=H200)
+        return plan.policy, plan.table_entry.programs_per_sm
+
+    _write(path, {"split_table": {"triton": {"contiguous": [ROW]}}})
+    attnplan.reload_device_tables()
+    assert row_used() == ("tuned", 2.0)
+    _write(path, {"split_table": {"triton": {"contiguous": [ROW[:2] + [12.0] + ROW[3:]]}}})
+    assert row_used() == ("tuned", 2.0)  # memoized until reloaded
+    attnplan.reload_device_tables()
+    assert row_used() == ("tuned", 12.0)
+
+
+def test_tune_plans_with_the_table_it_builds_whatever_file_it_writes(user_dir):
+    """``attnplan tune --out FILE``: inside :func:`attnplan.tune.table_override` the planner's table is the one the
+    tune is building (its new kernel options and rows), not the user's or the packaged file; outside, the file
+    again."""
+    packaged = device_table("h200")
+    building = {"kernel_options": {"triton": {"contiguous": {"num_warps": 8}}}, "split_table": {}}
+    with tune.table_override("h200", building):
+        assert device_table("h200") is building
+        building["kernel_options"]["triton"]["contiguous"]["num_warps"] = 2
+        tune._reload()
+        from attnplan.api import _tuned_lookup
+        assert dict(_tuned_lookup("h200", "triton", False, False, False, True)[0]) == {"num_warps": 2}
+    assert device_table("h200") == packaged
+
+
+@pytest.mark.parametrize("name,slug", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100_80gb_hbm3"),
+                                       ("NVIDIA H100 PCIe", "h100_pcie"), ("NVIDIA GeForce RTX 4090", "geforce_rtx_4090"),
+                                       ("Tesla V100-SXM2-16GB", "tesla_v100_sxm2_16gb"), ("", "unknown")])
+def test_a_table_file_is_named_by_the_whole_device_name(name, slug):
+    """Models that share a first word (an H100's SXM and PCIe parts, GeForce cards) differ in SMs and bandwidth,
+    so each reads its own table."""
+    assert DeviceInfo(name, 132, (9, 0), 227 * 1024, 60 * 2**20, 4800.0, "").slug() == slug
+
+
+@pytest.mark.parametrize("argv,msg", [(["--heads", "32,8"], "num_q_heads,num_kv_heads,head_dim"),
+                                      (["--heads", "30,8,128"], "multiple of num_kv_heads"),
+                                      (["--heads", "abc"], "positive integers"), (["--batches", "1,,4"], "positive"),
+                                      (["--kv", "4k"], "positive integers"), (["--iters", "-3"], "positive integers"),
+                                      (["--iters", "0"], "positive integers")])
+def test_tune_bad_grid_arguments_are_usage_errors(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        tune.parse_args(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
