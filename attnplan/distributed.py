@@ -8,7 +8,9 @@ workspace whose ``(indptr, units)`` table gives every sequence ``world`` units (
 :func:`attnplan.merge_states`), so the result equals single-device decode within rounding
 (Flash-Decoding's merge, Dao et al. 2023, applied across devices: the split reduction runs over ranks
 instead of programs). A rank's ``o`` travels in q's dtype (half the bytes of the fp32 partial-state format), so the
-result has one rounding more than single-device decode, within that dtype's tolerance; ``lse`` travels in fp32.
+result has one rounding more than single-device decode: within that dtype's tolerance of the largest rank's ``o``,
+which exceeds the merged output's where the ranks' outputs cancel (large V values of both signs spread over the
+shards); ``lse`` travels in fp32.
 Works with NCCL on GPUs and gloo on CPUs.
 
 Visibility: shards are any disjoint sets of a sequence's positions (contiguous ranges in
@@ -24,7 +26,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from .api import DecodeWrapper
+from .api import DecodeWrapper, PlanNotReadyError
 from .backends.base import Workspace
 from .planner import KernelOptions, SplitPlan
 from .schedule import NUM_TARGETS, Schedule
@@ -58,25 +60,33 @@ class ContextParallelDecode:
             q: ``[batch, q_len, num_q_heads, head_dim]``, identical on every rank.
             k_shard, v_shard, block_table: this rank's shard of the cache, in the usual layouts.
             shard_lens: ``[batch]`` int32, tokens of each sequence on this rank (0 allowed).
+
+        One all-gather of six integers (q's shape and dtype, the message size) checks that every rank planned the
+        same q; it waits for the other ranks and reads the result on the host.
+
         Raises:
-            ValueError: bad inputs, or ``q_len > 1``.
+            ValueError: bad inputs (:meth:`attnplan.DecodeWrapper.plan`'s checks), ``q_len > 1``, or a q whose shape
+                or dtype differs between ranks (raised on every rank).
         """
+        self._send = None  # a failed plan leaves none
         world = dist.get_world_size(self.group)
-        if q.shape[1] != 1:
+        if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != 1:
             raise ValueError(f"context-parallel decode supports q_len 1 (q.shape[1]), got {q.shape[1]}: with more queries "
                              "a shard that is not a sequence's tail would need query-dependent visibility")
         plan = self.local.plan(q, k_shard, v_shard, shard_lens, block_table, sm_scale=sm_scale, num_splits=num_splits,
                                capacity=capacity)
         b, ql, hq, d = q.shape
+        self._check_ranks_agree(q, world)
         # one packed message per rank: o in q's dtype, then lse fp32 at a 16-byte offset; the local
         # decode writes straight into it, so the exchange is one all-gather with no copies
         o_bytes = b * ql * hq * d * q.element_size()
         self._lse_off = -(-o_bytes // 16) * 16
         self._msg = -(-(self._lse_off + b * ql * hq * 4) // 16) * 16
         self._shape = (b, ql, hq, d)
-        self._send = torch.empty(self._msg, dtype=torch.uint8, device=q.device)
+        send = torch.empty(self._msg, dtype=torch.uint8, device=q.device)
         self._recv = torch.empty(world * self._msg, dtype=torch.uint8, device=q.device)  # flat: gloo wants it so
-        self._out, self._lse = self._views(self._send, q.dtype)
+        self._out, self._lse = self._views(send, q.dtype)
+        self._lse.fill_(float("nan"))  # an exchange() before any run() merges NaN, not stale memory
         self._gather_o, self._gather_lse = self._views(self._recv.view(world, self._msg), q.dtype)
         # the backend's own separate merge kernel merges the world's states (one launch instead of ~12 torch ops)
         self._merge_plan, self._workspace = merge_workspace(plan, world, q.device) if world > 1 else (None, None)
@@ -84,7 +94,24 @@ class ContextParallelDecode:
             self.local.backend.prepare_merge(self._merge_plan, q.device)
         self._result = torch.empty(b, ql, hq, d, dtype=q.dtype, device=q.device)
         self.comm_bytes = world * self._msg
+        self._send = send
         return plan
+
+    _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+    def _check_ranks_agree(self, q: torch.Tensor, world: int) -> None:
+        """Raise ``ValueError`` on every rank unless every rank's q has this rank's shape and dtype (a mismatch
+        would otherwise exchange messages of other sizes, which the backend aborts on, or reinterpret another
+        rank's bytes in this rank's dtype)."""
+        code = self._DTYPES.index(q.dtype) if q.dtype in self._DTYPES else len(self._DTYPES)
+        mine = torch.tensor([*q.shape, code, world], dtype=torch.int64, device=q.device)
+        every = torch.empty(world * mine.numel(), dtype=torch.int64, device=q.device)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        rows = every.view(world, -1).tolist()
+        if any(r != rows[0] for r in rows):
+            names = [*map(str, self._DTYPES), "other"]
+            raise ValueError("context-parallel decode needs the same q on every rank; got (shape, dtype) per rank: "
+                             + ", ".join(f"rank {i}: {tuple(r[:4])} {names[r[4]]}" for i, r in enumerate(rows)))
 
     def _views(self, buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(o, lse)`` views of packed messages ``buf [..., msg]`` (uint8): ``o [..., B, Q, H, D]`` in
@@ -99,9 +126,14 @@ class ContextParallelDecode:
         """Local partial, one all-gather of the packed ``(o, lse)`` messages, merge.
 
         Returns ``out [batch, 1, num_q_heads, head_dim]`` in q's dtype (the wrapper's buffer, valid
-        until the next ``run``). The local ``o`` travels in q's dtype (half the bytes of fp32; its
-        rounding is within the output dtype's tolerance) and ``lse`` in fp32.
+        until the next ``run``). The local ``o`` travels in q's dtype (half the bytes of fp32; see the module's
+        note on its rounding) and ``lse`` in fp32.
+
+        Raises:
+            PlanNotReadyError: no :meth:`plan` (or the last one raised).
         """
+        if self._send is None:
+            raise PlanNotReadyError("ContextParallelDecode.run() before plan() (or after a plan() that raised)")
         self.local.run(q, k_shard, v_shard, shard_lens, block_table, out=self._out, lse=self._lse)
         return self.exchange()
 

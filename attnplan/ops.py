@@ -81,9 +81,12 @@ def _signature(q, k_cache, v_cache, seq_lens, block_table, sm_scale, backend) ->
     return (sig, _scale(q, sm_scale), backend)
 
 
-def _scale(q: torch.Tensor, sm_scale: float | None) -> float:
-    """The score scale the kernels use: ``sm_scale``, or ``1/sqrt(head_dim)`` for ``None``."""
-    return default_sm_scale(q.shape[-1]) if sm_scale is None else float(sm_scale)
+def _scale(q: torch.Tensor, sm_scale: float | None) -> float | None:
+    """The score scale the kernels use: ``sm_scale``, or ``1/sqrt(head_dim)`` for ``None``; ``None`` where q has no
+    head_dim to take it from (not 4-D, or head_dim 0), left to the planner's checks to name."""
+    if sm_scale is not None:
+        return float(sm_scale)
+    return default_sm_scale(q.shape[-1]) if q.dim() == 4 and q.shape[-1] >= 1 else None
 
 
 def clear_op_plans() -> None:

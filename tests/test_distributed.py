@@ -69,6 +69,56 @@ def test_context_parallel_gloo_two_ranks(backend):
         assert not nan and err < 4e-3, (rank, err)
 
 
+def _mismatch_worker(rank, world, port, q_out):
+    import torch.distributed as dist
+
+    from attnplan.api import PlanNotReadyError
+    from attnplan.distributed import ContextParallelDecode
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    seen = []
+    try:
+        cp = ContextParallelDecode(backend="reference")
+        k = torch.zeros(3, 8, 2, 16, dtype=torch.float16)
+        lens = torch.tensor([8, 8, 8], dtype=torch.int32)
+        q = torch.zeros(3, 1, 4, 16, dtype=torch.float16)
+        try:
+            cp.run(q, k, k, lens)
+        except PlanNotReadyError as e:
+            seen.append(("run before plan", str(e)))
+        # rank 1 plans a batch of 2 (its shard of the first two sequences): every rank must refuse, none abort
+        cases = (((q, k, lens), (q[:2], k[:2], lens[:2])), ((q, k, lens), (q.bfloat16(), k.bfloat16(), lens)))
+        for on_rank0, on_rank1 in cases:
+            qq, kk, ll = on_rank0 if rank == 0 else on_rank1
+            try:
+                cp.plan(qq, kk, kk, ll)
+                seen.append(("planned", ""))
+            except ValueError as e:
+                seen.append(("mismatch", str(e)))
+        try:
+            cp.run(q, k, k, lens)  # the failed plan left none
+        except PlanNotReadyError as e:
+            seen.append(("run after a failed plan", str(e)))
+        q_out.put((rank, seen))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_context_parallel_ranks_must_plan_the_same_q():
+    """A rank whose q differs in shape or dtype from another's: every rank's plan() raises a ValueError naming each
+    rank's q (before, the shape mismatch aborted one process inside gloo and the dtype mismatch exchanged bytes read
+    in the wrong dtype, giving the ranks different outputs); run() before plan(), or after a plan() that raised,
+    raises PlanNotReadyError."""
+    port = _free_port()
+    res = run_spawned(_mismatch_worker, [(r, 2, port) for r in range(2)], timeout=120)
+    for rank, seen in res:
+        kinds = [k for k, _ in seen]
+        assert kinds == ["run before plan", "mismatch", "mismatch", "run after a failed plan"], (rank, seen)
+        assert "rank 0: (3, 1, 4, 16) torch.float16, rank 1: (2, 1, 4, 16) torch.float16" in seen[1][1]
+        assert "rank 1: (3, 1, 4, 16) torch.bfloat16" in seen[2][1]
+
+
 def test_context_parallel_refuses_q_len_above_one(monkeypatch):
     import attnplan.distributed as d
 
@@ -143,6 +193,8 @@ def test_context_parallel_merge_in_one_process(backend, world, gen, monkeypatch)
     x = make_inputs(len(lens), 4, 2, 32, lens, page_size=4, dtype=torch.float16, generator=gen)
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     monkeypatch.setattr(d.dist, "get_world_size", lambda group=None: world)
+    # plan()'s check that the ranks agree on q: every rank sends the same descriptor
+    monkeypatch.setattr(d.dist, "all_gather_into_tensor", lambda recv, send, group=None: recv.copy_(send.repeat(world)))
     ranks = []
     for r in range(world):
         cp = d.ContextParallelDecode(backend=backend)

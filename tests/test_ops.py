@@ -391,3 +391,16 @@ def test_op_temporaries_do_not_outlive_the_call(gen, monkeypatch):
     assert refs and all(r() is None for r in refs), "a per-call temporary is still referenced after the call"
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
     assert_close_to_reference(out, ref, torch.float16)
+
+
+@pytest.mark.parametrize("shape,msg", [((), r"q must be 4-D"), ((1, 1, 4, 0), r"head_dim \(q.shape\[3\]\) must be >= 1")])
+def test_op_default_scale_of_a_q_without_head_dim_is_a_named_error(shape, msg):
+    """``sm_scale=None`` with a 0-d q or head_dim 0: the planner's ValueError naming q, as with a scale given (the
+    op's plan key took ``1/sqrt(q.shape[-1])`` first: IndexError, ZeroDivisionError)."""
+    import attnplan.ops  # noqa: F401
+
+    q = torch.zeros(shape, dtype=torch.float16)
+    k = torch.zeros(1, 8, 2, max(shape[-1], 1) if shape else 16, dtype=torch.float16)
+    for scale in (None, 1.0):
+        with pytest.raises(ValueError, match=msg):
+            torch.ops.attnplan.decode(q, k, k, torch.tensor([8], dtype=torch.int32), None, scale, "reference")
