@@ -77,7 +77,8 @@ def _attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> tup
     """Softmax-weighted V over the visible positions: ``o [Q, H, D]``, ``lse [Q, H]``; empty rows 0 / -inf.
 
     Positions a row cannot see never touch it, NaN included: scores are selected (not multiplied) away, and a
-    non-finite V entry reaches only the rows that see its position (there it makes the output NaN).
+    non-finite V entry reaches only the rows that see its position (there it makes the output's columns NaN; a
+    kernel's weighted sum gives +-inf for an infinite entry, which tests compare as non-finite).
 
     The weights are ``exp(s - max) / sum``, not ``exp(s - lse)``: with scores near 1e16 and above, ``lse = max +
     log(sum)`` rounds ``log(sum)`` away in float64 and ``exp(s - lse)`` would not sum to 1 (128 equal scores of

@@ -365,6 +365,30 @@ def test_non_finite_scores_give_nan_rows_never_empty_rows(backend, gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_infinite_v_entry_makes_exactly_the_columns_that_see_it_non_finite(backend, gen):
+    """+inf and -inf in V at positions some rows see: the columns of exactly those rows are non-finite (the
+    reference writes NaN there; a kernel's weighted sum gives +-inf, or NaN where the signs meet), the rest within
+    tolerance; the LSE is untouched (V does not reach it). Single pass and split."""
+    dt = torch.float16
+    x = make_inputs(3, 8, 2, 64, [40, 1, 30], dtype=dt, device=DEVICE, generator=gen)
+    x.v_cache[0, 17, 1, 5] = float("inf")
+    x.v_cache[2, 3, 0, 9] = float("-inf")
+    x.v_cache[2, 29, 0, 9] = float("inf")  # both signs in one column: NaN
+    x.v_cache[1, 1, 0, 2] = float("inf")  # past sequence 1's length: never read
+    ref, ref_lse = reference.attention(x.q.cpu(), x.k_cache.cpu(), x.v_cache.cpu(), x.seq_lens.cpu(), None, x.sm_scale)
+    bad = torch.isnan(ref)
+    assert bad[0, 0, 4:8, 5].all() and bad[2, 0, 0:4, 9].all() and int(bad.sum()) == 8  # the GQA groups of 4
+    for splits in (1, 3):
+        lse = torch.empty(x.q.shape[:3], device=DEVICE)
+        out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend=backend, num_splits=splits, lse=lse)
+        out, lse = out.cpu(), lse.cpu()
+        assert torch.equal(~torch.isfinite(out), bad), f"{splits} splits: non-finite at " \
+            f"{(~torch.isfinite(out)).nonzero().tolist()}, reference's NaN at {bad.nonzero().tolist()}"
+        assert_close_to_reference(out.masked_fill(bad, 0.0), ref.masked_fill(bad, 0.0), dt)
+        assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_large_legal_scales_do_not_overflow(backend, gen):
     """sm_scale 2e38 (below the bound, FP32_SCALED_MAX) over K = 0: every score is 0 and the output the mean of V; sm_scale
     1e38 over K that is 0 but in its first dimension, ~3e-38 there (scores ~10). A kernel that scales q before the
