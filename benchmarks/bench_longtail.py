@@ -18,7 +18,8 @@ vector, the graph replay of one decode step (L2 flushed in front: device time of
 
 Every output is checked against a float32 reference on the GPU before it is timed. The table printed last gives,
 per point, the means over its vectors; the JSON has every vector. Distributions (tokens, capped at ``--capacity``):
-``lognormal`` (median capacity / 16, sigma 1.2), ``bimodal`` (90% in [16, 2048), 10% in [capacity / 2, capacity]),
+``lognormal`` (median capacity / 16, sigma 1.2), ``bimodal`` (10% of the batch, rounded: 2 of 16, 6 of 64, in
+[capacity / 2, capacity], the rest in [16, 2048)),
 ``one_long`` (one sequence at the capacity, the rest in [16, 2048)).
 
 Usage (GPU machine)::
@@ -84,8 +85,19 @@ def reference_out(q, k_cache, v_cache, lens, bt, page):
     return out
 
 
+#: largest difference from the float32 reference allowed per sequence, relative to that sequence's largest output
+#: element: bf16 rounding is ~0.4% of it, while a long sequence read in part or not at all differs by tens of
+#: percent (an absolute bound cannot tell: on random inputs a sequence's outputs shrink as 1/sqrt(length), to
+#: ~0.02 at 128K tokens)
+CHECK_REL = 0.02
+
+
 def max_err(out, ref) -> float:
-    return float((out.float() - ref).abs().max())
+    """``max over sequences b of max|out[b] - ref[b]| / max|ref[b]|`` (``[batch, ...]``; a sequence whose reference
+    is all zeros compares its absolute difference)."""
+    d = (out.float() - ref.float()).flatten(1).abs().amax(dim=1)
+    m = ref.float().flatten(1).abs().amax(dim=1)
+    return float(torch.where(m > 0, d / m.clamp_min(1e-30), d).max())
 
 
 _READ: dict = {}
@@ -133,13 +145,13 @@ def graph_time(step, iters: int) -> float:
 
 
 def checked_time(w, q, k_cache, v_cache, sl, bt, ref, what: str, iters: int) -> tuple[float, float]:
-    """Run ``w`` once on these inputs, check its output against ``ref`` (max abs error under 0.05, else
-    AssertionError naming ``what``), then time its captured step: ``(graph replay us, max error)``."""
+    """Run ``w`` once on these inputs, check its output against ``ref`` (:func:`max_err` under :data:`CHECK_REL`,
+    else AssertionError naming ``what``), then time its captured step: ``(graph replay us, relative error)``."""
     out = torch.empty_like(q)
     w.run(q, k_cache, v_cache, sl, bt, out=out)
     torch.cuda.synchronize()
     err = max_err(out, ref)
-    assert err < 0.05, f"{what}: max error {err:.3g}"
+    assert err < CHECK_REL, f"{what}: error {err:.3g} of a sequence's largest output element"
     return graph_time(lambda: w.run(q, k_cache, v_cache, sl, bt, out=out), iters), err
 
 
@@ -220,7 +232,8 @@ def run_point(hq, hkv, d, batch, dist, args, fi, gen) -> dict:
                     pe.run(q, k_cache, v_cache, out)
                     torch.cuda.synchronize()
                     err = max_err(out, refs[vi])
-                    assert err < 0.05, f"FlashInfer ({name}): max error {err:.3g} at vector {vi}"
+                    assert err < CHECK_REL, \
+                        f"FlashInfer ({name}): error {err:.3g} of a sequence's largest output at vector {vi}"
                     res["vectors"][vi][f"{name}_us"] = graph_time(lambda: pe.run(q, k_cache, v_cache, out), args.iters)
             except Exception as e:  # noqa: BLE001
                 res.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -68,12 +68,45 @@ def test_summary_prints_speedups_bounds_and_geomeans(capsys):
     rows = [bd.to_row(_point(kv=kv, ours=(10.0 * i, 20.0 * i), peer=12.0 * i, read=5.0 * i), ["triton", "cuda_ptx"], 4000.0)
             for i, kv in enumerate((1024, 4096), start=1)]
     rows.append(bd.to_row(_point(heads=(8, 1, 128), ours=(40.0, 20.0), peer=10.0), ["triton", "cuda_ptx"], 4000.0))
+    # a varlen point: the padded SDPA peer is timed but not the best peer; FlashInfer is
+    varlen = _point(kind="varlen", kv=8192, ours=(30.0, 25.0), peer=5.0)
+    varlen["results"]["flashinfer"] = {"graph_us": 50.0}
+    rows.append(bd.to_row(varlen, ["triton", "cuda_ptx"], 4000.0))
+    assert rows[-1]["speedup"] == 2.0
     bd.summary(rows, {"triton", "cuda_ptx"})
     out = capsys.readouterr().out
     assert "1.20x" in out and "0.50x" in out
-    assert "32/8/128: best attnplan vs best peer: geometric mean 1.200x, min 1.20x over 2 points" in out
-    assert "all: geometric mean 0.896x, min 0.50x over 3 points; 2 at 0.95x or better" in out  # (1.2 * 1.2 * 0.5)^(1/3)
+    assert "32/8/128 uniform: best attnplan vs best peer: geometric mean 1.200x, min 1.20x over 2 points" in out
+    # uniform and varlen apart: (1.2 * 1.2 * 0.5)^(1/3)
+    assert "all uniform: geometric mean 0.896x, min 0.50x over 3 points; 2 at 0.95x or better" in out
+    assert "all varlen: geometric mean 2.000x, min 2.00x over 1 points" in out
     assert "5.0 (2.40x)" in out and "3.8-3.8 us" in out
+
+
+def test_rows_of_another_kv_dtype_or_q_len_do_not_replace_a_point():
+    """A run merged into the grid with an fp8 cache or several queries keeps its own rows beside the bf16 q_len-1
+    rows of the same point; a row written before these columns existed is a bf16 q_len-1 row."""
+    ours = ["triton", "cuda_ptx"]
+    bf16 = bd.to_row(_point(), ours, 4000.0)
+    fp8 = bd.to_row({**_point(ours=(5.0, 6.0)), "kv_dtype": "float8_e4m3fn"}, ours, 4000.0)
+    q4 = bd.to_row({**_point(ours=(7.0, 8.0)), "q_len": 4}, ours, 4000.0)
+    merged = bd.merge_rows([bf16], [fp8, q4])
+    assert len(merged) == 3 and {(r["kv_dtype"], r["q_len"]) for r in merged} == {
+        ("bfloat16", 1), ("float8_e4m3fn", 1), ("bfloat16", 4)}
+    old = {k: v for k, v in bf16.items() if k not in ("kv_dtype", "q_len")}
+    assert bd._key(old) == bd._key({k: str(v) for k, v in bf16.items()})
+
+
+def test_the_output_check_is_per_sequence():
+    """A long sequence's output read in part or not at all is caught (its elements are small: an absolute bound
+    passes it); bf16 rounding is not."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(3, 1, 8, 64, generator=g)
+    ref[2] *= 0.01  # a long sequence: small outputs
+    assert bd.seq_rel_diff(ref.bfloat16(), ref) < bd.CHECK_REL
+    wrong = ref.clone()
+    wrong[2] = 0.0
+    assert float((wrong - ref).abs().max()) < 0.05 and bd.seq_rel_diff(wrong, ref) > 0.5
 
 
 def test_plot_writes_a_small_png(tmp_path):
