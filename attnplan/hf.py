@@ -91,7 +91,20 @@ STATS = {"attnplan": 0, "sdpa_fallback": 0, "eager_fallback": 0}
 
 _SDPA = None  # transformers' sdpa_attention_forward, bound on first use
 _EAGER_CTX = None  # (the default context it was made from, the eager steps' context): _eager_context
-_STEP = threading.local()  # this thread's step: .wrapper, .seq_lens, the .scale and .stream it was planned for, .memo
+_STEP = threading.local()  # this thread's steps: .memo (the last verified call), .by_stream ((device, stream) ->
+# _StreamStep), .last (the _StreamStep of the last call that was not a repeat)
+
+
+class _StreamStep:
+    """One thread's eager steps on one CUDA stream: its own :class:`DecodeWrapper` (so runs on two streams never
+    share a workspace) and the ``seq_lens`` tensor, scale and soft cap its plan was made for."""
+
+    __slots__ = ("wrapper", "seq_lens", "scale", "cap")
+
+    def __init__(self):
+        self.wrapper = self.seq_lens = self.scale = self.cap = None
+
+
 _MASK = threading.local()  # this thread's last checked mask: .ref (weakref), .version, .layer, .lens (None: SDPA)
 #: keyword arguments of the attention call that ask for a variant attnplan does not serve here (any that is not None;
 #: ``softcap`` is served on the eager DynamicCache path: :func:`_soft_cap`)
@@ -307,7 +320,9 @@ def _step_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
     with the plan's, so a model's layers run on one plan); it plans again for the live length where they are not (a
     DynamicCache one token longer: once per step, a plan-cache hit within the length's power-of-two bucket), when the
     score scale changes or on another stream. A layer whose tensors repeat the raw signature of the last call so
-    verified (:func:`_repeat`) launches again without the views and the check."""
+    verified (:func:`_repeat`) launches again without the views and the check. Each stream of the thread has its
+    own wrapper (:class:`_StreamStep`): unsynchronized steps on two streams (a draft and a target model) never run
+    one workspace at once."""
     st = _STEP
     memo = getattr(st, "memo", None)
     if memo is not None and memo[0] == scale and memo[1] == cap:
@@ -321,26 +336,32 @@ def _step_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
         q = q.contiguous()
     k = key.transpose(1, 2)  # [b, kv_len, hkv, d] views of the cache
     v = value.transpose(1, 2)
-    w = getattr(st, "wrapper", None)
     dev = query.get_device()
     stream = _stream_of(dev)
+    by_stream = getattr(st, "by_stream", None)
+    if by_stream is None:
+        by_stream = st.by_stream = {}
+    ss = by_stream.get((dev, stream))
+    if ss is None:
+        ss = by_stream[(dev, stream)] = _StreamStep()
+    st.last = ss  # the step this call used (for inspection)
+    w = ss.wrapper
     out = None
-    if w is not None and st.scale == scale and st.cap == cap and st.stream == stream:
-        out = w.try_run(q, k, v, st.seq_lens, None, out=q.new_empty(q.shape))
+    if w is not None and ss.scale == scale and ss.cap == cap:
+        out = w.try_run(q, k, v, ss.seq_lens, None, out=q.new_empty(q.shape))
     if out is None:
         b = q.shape[0]
         lens = torch.full((b,), kv_len, dtype=torch.int32, device=q.device)
-        w = w or DecodeWrapper(_eager_context())
-        st.wrapper = w
-        st.scale = st.cap = st.stream = None  # a plan() that raises leaves no usable step behind
+        w = ss.wrapper = w or DecodeWrapper(_eager_context())
+        ss.scale = ss.cap = None  # a plan() that raises leaves no usable step behind
         w.plan(q, k, v, lens, None, sm_scale=scale, logits_soft_cap=cap, seq_lens_host=[kv_len] * b)
-        st.scale, st.cap, st.stream, st.seq_lens = scale, cap, stream, lens
+        ss.scale, ss.cap, ss.seq_lens = scale, cap, lens
         out = w.run(q, k, v, lens, None, out=q.new_empty(q.shape))
     launcher = w._launcher  # the bound launch run() / try_run() just used, while the plan stays (attnplan.api)
     if w._fast is not None and not copied and w.backend.graph_safe \
             and getattr(launcher, "launch_direct", None) is not None:
         pq, pk, pv = query.data_ptr(), key.data_ptr(), value.data_ptr()
-        st.memo = (scale, cap, w, w._fast, launcher, st.seq_lens.data_ptr(), out.shape, query.dtype, dev, stream,
+        st.memo = (scale, cap, w, w._fast, launcher, ss.seq_lens.data_ptr(), out.shape, query.dtype, dev, stream,
                    query.shape, query.stride(), not pq & 15, key.shape, key.stride(), not pk & 15,
                    value.shape, value.stride(), not pv & 15)
     return out
@@ -406,7 +427,7 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
                 via = None  # the op takes no soft cap: a compiled soft-capped step runs the model's eager attention
         elif cap:
             via = None  # the device-lengths path (the op) takes no soft cap
-        elif b == 1:
+        elif b == 1 and kv_len > q_len:  # a step over a cache (a prefill with an empty one goes to SDPA)
             lens = _mask_lengths(attention_mask, b, q_len, kv_len, getattr(module, "layer_idx", None))
             via = None if lens is None else "device"
         else:

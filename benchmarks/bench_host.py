@@ -229,7 +229,7 @@ def hf_calls(backends: list[str], calls: int, kv: int, hq: int = 32, hkv: int = 
                 try:
                     ref = reference_hf(query, key, value, scale)
                     err = (call()[0].float() - ref).abs().max().item()
-                    w = hf._STEP.wrapper
+                    w = hf._STEP.last.wrapper
                     r = {"what": "hf attnplan", "kv": kv, "backend": be, "merge": w.plan_.merge, "max_err": err,
                          "host_us": host_us(call, calls), "us": per_call_us(call, calls)}
                     bound, fast = w._launcher, w._fast

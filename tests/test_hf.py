@@ -101,7 +101,7 @@ def test_dynamic_cache_plans_once_per_step_and_misses_once_per_length_bucket(gen
     ids = _ids(TINY["vocab_size"], (1, prompt), gen)
     model = _model(TINY, DEVICE, torch.float32, attnplan.hf.NAME)
     _generate(model, ids[:, :4], 2)  # this thread's wrapper exists (planned for 5 tokens)
-    w = attnplan.hf._STEP.wrapper
+    w = attnplan.hf._STEP.last.wrapper
     assert w.ctx.config.split.merge == "fused"  # host-bound eager steps: one launch per layer (the default is auto)
     misses = w.ctx.cache.stats.misses
     plans.clear()
@@ -201,6 +201,45 @@ def test_batch1_mask_is_served_only_when_it_is_the_causal_prefix(q_len, change, 
     assert attnplan.hf.STATS["sdpa_fallback"] - before["sdpa_fallback"] == int(not served)
     ref, _ = sdpa_attention_forward(_Attn(), q, k, v, mask)
     _assert_logits_close(got, ref)
+
+
+def test_a_prefill_with_a_mask_goes_to_sdpa(gen):
+    """A batch-1 prefill over an empty cache (query and key of one length) that comes with a boolean causal mask
+    (models that always build one, e.g. Falcon) goes to SDPA, as an unmasked prefill does; only steps over a longer
+    cache are attnplan's."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    attnplan.hf.register()
+    q = torch.randn(1, 4, 8, 32, generator=gen).to(DEVICE)
+    k, v = (torch.randn(1, 2, 8, 32, generator=gen).to(DEVICE) for _ in range(2))
+    mask = _prefix_mask(8, 8, 8)
+    before = dict(attnplan.hf.STATS)
+    got, _ = attnplan.hf.attnplan_attention_forward(_Attn(), q, k, v, mask)
+    assert attnplan.hf.STATS["attnplan"] == before["attnplan"]
+    assert attnplan.hf.STATS["sdpa_fallback"] - before["sdpa_fallback"] == 1
+    _assert_logits_close(got, sdpa_attention_forward(_Attn(), q, k, v, mask)[0])
+
+
+def test_each_stream_of_a_thread_has_its_own_wrapper(gen, monkeypatch):
+    """Eager steps of one thread on two streams (a draft and a target model, unsynchronized) run two wrappers with
+    two workspaces, each planned once; switching back reuses the stream's own, and every output equals SDPA's."""
+    attnplan.hf.register()
+    attnplan.hf._STEP.__dict__.clear()
+    streams = iter([111, 222, 111, 222])
+    monkeypatch.setattr(attnplan.hf, "_stream_of", lambda dev: next(streams))
+    monkeypatch.setattr(attnplan.hf, "_repeat", lambda *a: None)  # every call takes the stream's wrapper
+    plans = []
+    real = attnplan.DecodeWrapper.plan
+    monkeypatch.setattr(attnplan.DecodeWrapper, "plan", lambda self, *a, **kw: plans.append(id(self)) or real(
+        self, *a, **kw))
+    used = []
+    for _ in range(4):
+        q, k, v = _layer_tensors(gen)
+        _assert_logits_close(_eager_layer(q, k, v), _sdpa_ref(q, k, v))
+        used.append(attnplan.hf._STEP.last.wrapper)
+    assert used[0] is used[2] and used[1] is used[3] and used[0] is not used[1]
+    assert used[0].workspace is not used[1].workspace
+    assert plans == [id(used[0]), id(used[1])]
 
 
 class _SlidingClass(_Attn):
@@ -312,7 +351,7 @@ def test_a_layer_repeating_the_verified_signature_launches_the_same_arguments(ch
     attnplan.hf._STEP.__dict__.clear()
     q, k, v = _layer_tensors(gen)
     _assert_logits_close(_eager_layer(q, k, v), _sdpa_ref(q, k, v))  # plans; the launch is prepared
-    w = attnplan.hf._STEP.wrapper
+    w = attnplan.hf._STEP.last.wrapper
     spy = _DirectSpy(monkeypatch, w._launcher, repeat_answer=True)
     tried = []  # the verified path: try_run(), or plan() where the scale changed
     for name in ("try_run", "plan"):
@@ -332,7 +371,7 @@ def test_a_layer_repeating_the_verified_signature_launches_the_same_arguments(ch
     else:
         q2, k2, v2 = _layer_tensors(gen, dtype=torch.float16)
     got = _eager_layer(q2, k2, v2, **kw)
-    lens = attnplan.hf._STEP.seq_lens
+    lens = attnplan.hf._STEP.last.seq_lens
     if change == "none":
         assert not tried and spy.routes() == ["repeat"]
         assert spy.calls[0][1:] == ((q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), lens.data_ptr(), 0), (1, 1, 4, 32),
@@ -356,7 +395,7 @@ def test_a_direct_launch_that_is_not_ready_takes_the_verified_path(gen, monkeypa
     attnplan.hf._STEP.__dict__.clear()
     q, k, v = _layer_tensors(gen)
     _eager_layer(q, k, v)
-    spy = _DirectSpy(monkeypatch, attnplan.hf._STEP.wrapper._launcher, repeat_answer=False)
+    spy = _DirectSpy(monkeypatch, attnplan.hf._STEP.last.wrapper._launcher, repeat_answer=False)
     q2, k2, v2 = _layer_tensors(gen)
     got = _eager_layer(q2, k2, v2)
     assert spy.routes()[0] == "repeat", "the repeat was tried first"
@@ -373,7 +412,7 @@ def test_repeated_layers_launch_directly_and_equal_sdpa_gpu(dtype, gen, monkeypa
     attnplan.hf._STEP.__dict__.clear()
     q, k, v = _layer_tensors(gen, kv=300, dtype=dtype)
     _eager_layer(q, k, v)
-    spy = _DirectSpy(monkeypatch, attnplan.hf._STEP.wrapper._launcher)
+    spy = _DirectSpy(monkeypatch, attnplan.hf._STEP.last.wrapper._launcher)
     for _ in range(3):
         q2, k2, v2 = _layer_tensors(gen, kv=300, dtype=dtype)
         _assert_logits_close(_eager_layer(q2, k2, v2), _sdpa_ref(q2, k2, v2), dtype)
