@@ -121,20 +121,6 @@ def plan_record(plan, seq_lens) -> dict:
             "units": int(u.units.max()) if u.units.numel() else 0, "launches": len(plan.launches)}
 
 
-#: largest difference from the reference output allowed per sequence, relative to that sequence's largest element:
-#: bf16 rounding of both outputs is ~0.4% of it, a sequence read in part or not at all differs by tens of percent (an
-#: absolute bound does not see that at long sequences, whose outputs shrink as 1/sqrt(length) on random inputs)
-CHECK_REL = 0.02
-
-
-def seq_rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``max over sequences b of max|out[b] - ref[b]| / max|ref[b]|`` (outputs ``[batch, ...]``; a sequence whose
-    reference is all zeros compares its absolute difference)."""
-    d = (out.float() - ref.float()).flatten(1).abs().amax(dim=1)
-    m = ref.float().flatten(1).abs().amax(dim=1)
-    return float(torch.where(m > 0, d / m.clamp_min(1e-30), d).max())
-
-
 def time_backend(name, sets, iters, num_splits=None):
     """Plan and time one attnplan backend on ``sets`` (:func:`peers.time_step`'s times), plus the first run's time
     (``first_run_s``, compilation included) and the plan's main fields (:func:`plan_record`). ``num_splits`` goes to
@@ -552,10 +538,10 @@ def main(argv=None) -> int:
                 r, o = time_backend(name, sets, args.iters, num_splits=0)
                 if ref_out is not None and args.kv_dtype == "bfloat16":
                     r["max_abs_diff_vs_peer"] = float((o.float() - ref_out.float()).abs().max())
-                    r["max_rel_diff_vs_peer"] = rel = seq_rel_diff(o, ref_out)
-                    if not rel < CHECK_REL:  # a wrong output is an error of the point, not a time
+                    r["max_rel_diff_vs_peer"] = rel = attnplan.testing.max_seq_rel_error(o, ref_out)
+                    if not rel < attnplan.testing.BENCH_CHECK_REL:  # a wrong output: an error of the point, no time
                         raise AssertionError(f"output differs from the peer's by {rel:.3g} of a sequence's largest "
-                                             f"element (limit {CHECK_REL})")
+                                             f"element (limit {attnplan.testing.BENCH_CHECK_REL})")
             except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
                 r = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             pt["results"][name] = r

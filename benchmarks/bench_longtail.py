@@ -43,6 +43,7 @@ import zlib
 import torch
 
 import attnplan
+import attnplan.testing
 from attnplan.timing import capture_graphs, time_cuda
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -85,19 +86,10 @@ def reference_out(q, k_cache, v_cache, lens, bt, page):
     return out
 
 
-#: largest difference from the float32 reference allowed per sequence, relative to that sequence's largest output
-#: element: bf16 rounding is ~0.4% of it, while a long sequence read in part or not at all differs by tens of
-#: percent (an absolute bound cannot tell: on random inputs a sequence's outputs shrink as 1/sqrt(length), to
-#: ~0.02 at 128K tokens)
-CHECK_REL = 0.02
-
-
 def max_err(out, ref) -> float:
-    """``max over sequences b of max|out[b] - ref[b]| / max|ref[b]|`` (``[batch, ...]``; a sequence whose reference
-    is all zeros compares its absolute difference)."""
-    d = (out.float() - ref.float()).flatten(1).abs().amax(dim=1)
-    m = ref.float().flatten(1).abs().amax(dim=1)
-    return float(torch.where(m > 0, d / m.clamp_min(1e-30), d).max())
+    """:func:`attnplan.testing.max_seq_rel_error`: the largest difference per sequence, relative to its largest
+    output element."""
+    return attnplan.testing.max_seq_rel_error(out, ref)
 
 
 _READ: dict = {}
@@ -145,13 +137,15 @@ def graph_time(step, iters: int) -> float:
 
 
 def checked_time(w, q, k_cache, v_cache, sl, bt, ref, what: str, iters: int) -> tuple[float, float]:
-    """Run ``w`` once on these inputs, check its output against ``ref`` (:func:`max_err` under :data:`CHECK_REL`,
-    else AssertionError naming ``what``), then time its captured step: ``(graph replay us, relative error)``."""
+    """Run ``w`` once on these inputs, check its output against ``ref`` (:func:`max_err` under
+    :data:`attnplan.testing.BENCH_CHECK_REL`, else AssertionError naming ``what``), then time its captured step:
+    ``(graph replay us, relative error)``."""
     out = torch.empty_like(q)
     w.run(q, k_cache, v_cache, sl, bt, out=out)
     torch.cuda.synchronize()
     err = max_err(out, ref)
-    assert err < CHECK_REL, f"{what}: error {err:.3g} of a sequence's largest output element"
+    assert err < attnplan.testing.BENCH_CHECK_REL, \
+        f"{what}: error {err:.3g} of a sequence's largest output element"
     return graph_time(lambda: w.run(q, k_cache, v_cache, sl, bt, out=out), iters), err
 
 
@@ -232,7 +226,7 @@ def run_point(hq, hkv, d, batch, dist, args, fi, gen) -> dict:
                     pe.run(q, k_cache, v_cache, out)
                     torch.cuda.synchronize()
                     err = max_err(out, refs[vi])
-                    assert err < CHECK_REL, \
+                    assert err < attnplan.testing.BENCH_CHECK_REL, \
                         f"FlashInfer ({name}): error {err:.3g} of a sequence's largest output at vector {vi}"
                     res["vectors"][vi][f"{name}_us"] = graph_time(lambda: pe.run(q, k_cache, v_cache, out), args.iters)
             except Exception as e:  # noqa: BLE001

@@ -98,15 +98,17 @@ def test_rows_of_another_kv_dtype_or_q_len_do_not_replace_a_point():
 
 
 def test_the_output_check_is_per_sequence():
-    """A long sequence's output read in part or not at all is caught (its elements are small: an absolute bound
-    passes it); bf16 rounding is not."""
+    """The benchmarks' check (:func:`attnplan.testing.max_seq_rel_error`): a long sequence's output read in part or
+    not at all is caught (its elements are small: an absolute bound passes it); bf16 rounding is not."""
+    from attnplan.testing import BENCH_CHECK_REL, max_seq_rel_error
+
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(3, 1, 8, 64, generator=g)
     ref[2] *= 0.01  # a long sequence: small outputs
-    assert bd.seq_rel_diff(ref.bfloat16(), ref) < bd.CHECK_REL
+    assert max_seq_rel_error(ref.bfloat16(), ref) < BENCH_CHECK_REL
     wrong = ref.clone()
     wrong[2] = 0.0
-    assert float((wrong - ref).abs().max()) < 0.05 and bd.seq_rel_diff(wrong, ref) > 0.5
+    assert float((wrong - ref).abs().max()) < 0.05 and max_seq_rel_error(wrong, ref) > 0.5
 
 
 def test_plot_writes_a_small_png(tmp_path):
