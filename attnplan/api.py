@@ -106,15 +106,16 @@ class Context:
 
     def device_facts(self, device: torch.device) -> tuple[DeviceInfo, str, str]:
         """``(DeviceInfo, its plan-cache key part, its device table's text)`` for ``device``, computed once per
-        device (a CUDA device without an index is resolved to the current device each time)."""
+        device and generation of the device tables (:func:`reload_device_tables`; a CUDA device without an index is
+        resolved to the current device each time)."""
         facts = self._devices.get(device)
-        if facts is None:
+        if facts is None or facts[3] != _TABLES[0]:
             dev_info = device_info(device)
             facts = (dev_info, _device_key(dev_info),
-                     _table_text(dev_info.slug()) if dev_info.compute_capability != (0, 0) else "")
+                     _table_text(dev_info.slug()) if dev_info.compute_capability != (0, 0) else "", _TABLES[0])
             if torch.device(device).type != "cuda" or torch.device(device).index is not None:
                 self._devices[device] = facts
-        return facts
+        return facts[:3]
 
     def select(self, bucket_key: tuple, capacity: int, device: torch.device, backend: str | None, graph: bool,
                problem, rows16: tuple[bool, bool, bool] = (True, True, True)) -> tuple[Backend, list, str]:
@@ -310,14 +311,27 @@ def _device_key(dev_info: DeviceInfo) -> str:
     return repr(sorted(dev_info.fingerprint().items()))
 
 
+#: the generation of the device tables: :func:`reload_device_tables` moves it, and memos made under an older one
+#: (:meth:`Context.device_facts`, a wrapper's last plan-cache key, :func:`decode`'s last plan) are not used
+_TABLES = [0]
+
+
 def reload_device_tables() -> None:
     """Read the device tables (``plans/<device>.yaml``, :func:`attnplan.config.device_table`) again at the next plan:
     forgets the memoized tables and every view the planner keeps of them (the plan-cache key's table text, the
-    tuned kernel options, the parsed split-table rows). Call it after writing a table or changing
-    ``$ATTNPLAN_CACHE_DIR``; ``attnplan tune`` does. Plans already made are not changed, and the plan cache keys
-    plans by the table's text, so a plan of the old table is not served for the new one."""
+    tuned kernel options, the parsed split-table rows, each context's device facts, the wrappers' memos of their
+    last plan-cache key and :func:`decode`'s of its last plan, the op's per-signature plans). Call it after writing
+    a table or changing ``$ATTNPLAN_CACHE_DIR``; ``attnplan tune`` does. The plan cache keys plans by the table's
+    text, so a plan of the old table is not served for the new one; a plan a wrapper already holds runs until its
+    next ``plan()``, and a captured graph keeps its own."""
+    import sys
+
     from . import planner
 
+    _TABLES[0] += 1
+    ops = sys.modules.get("attnplan.ops")
+    if ops is not None:
+        ops.clear_op_plans()
     device_table.cache_clear()
     _table_text.cache_clear()
     _tuned_lookup.cache_clear()
@@ -729,7 +743,7 @@ class DecodeWrapper:
         hm = self._hit_memo
         if hm and hm[0] is static and hm[1] == b_max and hm[2] == b_mean and hm[3] == cap and hm[4] == capacity \
                 and hm[5] == num_splits and hm[6] == self.forced_backend and hm[7] is ctx and hm[8] is self.backend \
-                and ctx.config.plan_cache.enabled:
+                and ctx.config.plan_cache.enabled and hm[10] == _TABLES[0]:
             plan = ctx.cache.hit(hm[9])
         if plan is None:
             made: list[DecodeProblem] = []
@@ -748,7 +762,7 @@ class DecodeWrapper:
                                 capacity, num_splits)
             self._hit_memo = (static, b_max, b_mean, cap, capacity, num_splits, self.forced_backend, ctx,
                               self.backend, _plan_key(bkey, cap, self.backend, ctx, dkey, table_text, extra, capacity,
-                                                      num_splits))
+                                                      num_splits), _TABLES[0])
         prepare = getattr(self.backend, "prepare", None)
         pm = self._prepared
         if prepare is not None and not (pm and pm[0] is plan and pm[1] is self.backend and pm[2] == dev):
@@ -1247,7 +1261,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
                    type(k_scale), k_scale, type(v_scale), v_scale, type(num_splits), num_splits)
         rep = w._repeat
         try:
-            if not (rep and rep[0] is sig and rep[3] is w.plan_ and rep[1] == scalars
+            if not (rep and rep[0] is sig and rep[3] is w.plan_ and rep[4] == _TABLES[0] and rep[1] == scalars
                     and rep[2] == (seq_lens_host if lt is tuple else tuple(seq_lens_host))
                     and type(sum(seq_lens_host)) is int and ctx.config.plan_cache.enabled
                     and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg())):
@@ -1261,7 +1275,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
                     logits_soft_cap, sinks, k_scale, v_scale, seq_lens_host)
             sig = w._sig
             if scalars is not None:
-                w._repeat = (sig, scalars, tuple(seq_lens_host), w.plan_)
+                w._repeat = (sig, scalars, tuple(seq_lens_host), w.plan_, _TABLES[0])
         else:
             check_no_grad(q, k_cache, v_cache)  # the one check of plan() that depends on more than the repeated key
             ctx.cache.stats.hits += 1  # served by the plan its cache gave for these inputs: counted as the hit it is

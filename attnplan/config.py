@@ -600,15 +600,17 @@ def check_device_table(data, source: str) -> dict:
     try:
         CostModel.model_validate(data.get("cost_model") or {})
         for name, entry in mapping(data.get("cost_model_by_backend"), "cost_model_by_backend").items():
-            CostModel.model_validate({**(data.get("cost_model") or {}), **mapping(entry, f"cost_model_by_backend.{name}")})
+            over = mapping(entry, f"cost_model_by_backend.{name}")
+            CostModel.model_validate({**(data.get("cost_model") or {}), **over})
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source)) from None
     for backend, layouts in mapping(data.get("kernel_options"), "kernel_options").items():
         for layout, opts in mapping(layouts, f"kernel_options.{backend}").items():
             for name, value in mapping(opts, f"kernel_options.{backend}.{layout}").items():
-                if not isinstance(value, (int, float, str)) or (isinstance(value, float) and not math.isfinite(value)):
+                if not (value is None or isinstance(value, (int, float, str))) or (
+                        isinstance(value, float) and not math.isfinite(value)):
                     raise ConfigError(f"invalid device table ({source}): kernel_options.{backend}.{layout}.{name} "
-                                      f"must be a JSON scalar, got {value!r}")
+                                      f"must be a JSON scalar (null: the backend's default), got {value!r}")
     for backend, layouts in mapping(data.get("split_table"), "split_table").items():
         for layout, rows in mapping(layouts, f"split_table.{backend}").items():
             where = f"split_table.{backend}.{layout}"

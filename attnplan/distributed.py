@@ -61,7 +61,7 @@ class ContextParallelDecode:
             k_shard, v_shard, block_table: this rank's shard of the cache, in the usual layouts.
             shard_lens: ``[batch]`` int32, tokens of each sequence on this rank (0 allowed).
 
-        One all-gather of six integers (q's shape and dtype, the message size) checks that every rank planned the
+        One all-gather of six integers (q's shape, its dtype and the world size) checks that every rank planned the
         same q; it waits for the other ranks and reads the result on the host.
 
         Raises:

@@ -184,7 +184,9 @@ def _mask_lengths(mask: torch.Tensor, b: int, q_len: int, kv_len: int, layer: in
     """The valid KV length per sequence from transformers' boolean attention mask ``[b, 1, q_len, kv_len]``
     (True = attend): the count of the last query row, int32 ``[b]`` on the mask's device. ``None`` for a mask of
     another kind (float, or another shape) and, in eager mode, for a mask that is not the causal prefix of those
-    lengths (:func:`_is_causal_prefix`): those go to SDPA. Eager: one check (a sync) per mask tensor, its verdict
+    lengths or whose lengths hold no earlier token (a prefill into an empty cache: a count of ``q_len``; a
+    StaticCache's key is its whole capacity, so ``kv_len`` alone cannot tell) (:func:`_is_causal_prefix`): those go
+    to SDPA. Eager: one check (a sync) per mask tensor, its verdict
     and lengths kept for the thread's next calls with the same unchanged tensor (``layer``: the calling module's
     ``layer_idx``, which bounds the verdict of a tensor without a version counter to one forward). Under
     torch.compile or a CUDA-graph capture: the lengths, computed on the device, unchecked (no sync)."""
@@ -213,11 +215,11 @@ def _mask_lengths(mask: torch.Tensor, b: int, q_len: int, kv_len: int, layer: in
 
 def _is_causal_prefix(mask: torch.Tensor, lens: torch.Tensor, q_len: int, kv_len: int) -> bool:
     """Whether the boolean mask ``[b, 1, q_len, kv_len]`` is exactly the causal-prefix mask of ``lens`` (its last
-    rows' counts), the attention attnplan computes: query ``i`` sees the positions ``j < L - q_len + i + 1``. One
-    device-to-host sync (the verdict)."""
+    rows' counts), the attention attnplan computes (query ``i`` sees the positions ``j < L - q_len + i + 1``), over
+    a cache that holds earlier tokens (every ``L > q_len``: not a prefill). One device-to-host sync (the verdict)."""
     dev = mask.device
     stop = lens.view(-1, 1, 1, 1) - q_len + 1 + torch.arange(q_len, device=dev).view(1, 1, -1, 1)
-    return torch.equal(mask, torch.arange(kv_len, device=dev) < stop)
+    return bool(((mask == (torch.arange(kv_len, device=dev) < stop)).all() & (lens > q_len).all()).item())
 
 
 def _soft_cap(kwargs: dict) -> float | None:

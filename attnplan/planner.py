@@ -131,7 +131,7 @@ class TableRow(NamedTuple):
         Raises:
             ValueError: not a list of 4, 6 or 7 fields; pairs, kv_len or head_dim not a positive int; group not a
                 positive int or null; programs_per_sm not a finite number > 0; us not a finite number >= 0; options
-                not a mapping (or list of pairs) of an option name to a JSON scalar.
+                not a mapping (or list of pairs) of an option name to a JSON scalar (null: the backend's default).
         """
         if not isinstance(row, (list, tuple)) or len(row) not in (4, 6, 7):
             raise ValueError("a split-table row is [pairs, kv_len, programs_per_sm, us(, group, head_dim(, "
@@ -145,7 +145,7 @@ class TableRow(NamedTuple):
         else:
             raise ValueError(f"split-table row options must be a mapping of option to value, got {opts!r}")
         for name, value in opts:
-            if not isinstance(name, str) or not isinstance(value, (int, float, str)) or (
+            if not isinstance(name, str) or not (value is None or isinstance(value, (int, float, str))) or (
                     isinstance(value, float) and not math.isfinite(value)):
                 raise ValueError(f"split-table row option {name!r} must map a name to a JSON scalar, got {value!r}")
         for name, v in (("pairs", row[0]), ("kv_len", row[1]), ("head_dim", head_dim)) + (

@@ -387,9 +387,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="kernel options the split search also varies per point, e.g. 'num_warps=4,8': each row "
                          "records the options of its best time and the planner runs them with the row's split count")
     ap.add_argument("--batches", type=_int_list, default="1,4,16,64", help="split search grid: batches")
-    ap.add_argument("--kv", type=_int_list, default="1024,4096,16384,65536,131072", help="split search grid: KV lengths")
+    ap.add_argument("--kv", type=_int_list, default="1024,4096,16384,65536,131072",
+                    help="split search grid: KV lengths")
     ap.add_argument("--max-gb", type=float, default=16.0, help="skip grid points whose K+V exceed this many GB")
-    ap.add_argument("--heads", type=_heads, default="32,8,128", help="num_q_heads,num_kv_heads,head_dim of the split search "
+    ap.add_argument("--heads", type=_heads, default="32,8,128",
+                    help="num_q_heads,num_kv_heads,head_dim of the split search "
                     "(rows are keyed by batch x KV heads, KV length, GQA group and head_dim)")
     ap.add_argument("--planner-options", action="store_true",
                     help="with --check-only: the split search also runs every split count with the kernel options the "
@@ -561,7 +563,6 @@ def _section(table: dict, key: str) -> dict:
     if table.get(key) is None:
         table[key] = {}
     return table[key]
-
 
 
 @contextlib.contextmanager

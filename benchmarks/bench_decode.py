@@ -11,7 +11,8 @@ of every contender with CUDA events after warm-up (at least 10 calls and 25 ms),
 
 Graph-replay times are device time: an L2 flush (a 256 MB read) is queued in front of each replay, so L2
 is cold and the host's launch latency is hidden (``triton.testing.do_bench``'s method). Inputs are random
-bf16 (never zeros), rotated over enough copies that at least 512 MB cycle (L2 is 60 MB on an H200). In the
+bf16 (never zeros), rotated over up to 8 copies (at least 512 MB cycle where 8 copies reach it; L2 is 60 MB on an
+H200, so a point under ~64 MB has its copies in L2, which the flush in front of each replay empties). In the
 same run: the streaming-read ceiling (GB/s, :func:`attnplan.timing.read_bandwidth_gbs`) and, per point,
 the read bound (``read_us``: one streaming-read kernel over the point's bytes, timed the same way) and the
 method's floor (``floor_us``: a graph of one 1-element kernel). Bytes are those a step must move: K + V of
@@ -556,10 +557,10 @@ def main(argv=None) -> int:
     run = {"command": " ".join(["python"] + [os.path.relpath(sys.argv[0])] + sys.argv[1:]), "env": environment(),
            "ceiling": ceiling, "host": host, "iters": args.iters, "q_len": args.q_len, "kv_dtype": args.kv_dtype,
            "points": len(rows), "method": "CUDA events after >= 10 calls and 25 ms of warm-up, medians; graph replay "
-           "with an L2 flush queued in front (device time); inputs rotated over up to 8 copies (>= 512 MB where 8 reach "
-           "it); peers on a dense bf16 copy padded to the longest sequence (at varlen points unmasked, so not counted "
-           "as the best peer there); attnplan's output checked per sequence against the first peer that computes the "
-           "same attention; read bound and floor measured in the same process"}
+           "with an L2 flush queued in front (device time); inputs rotated over up to 8 copies (>= 512 MB where 8 "
+           "reach it); peers on a dense bf16 copy padded to the longest sequence (at varlen points unmasked, so not "
+           "counted as the best peer there); attnplan's output checked per sequence against the first peer that "
+           "computes the same attention; read bound and floor measured in the same process"}
     if args.raw:
         _atomic_write(args.raw, json.dumps({**run, "points": points}, indent=1))
     if args.out:

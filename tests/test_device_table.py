@@ -107,18 +107,27 @@ def test_new_user_table_keeps_the_packaged_header_and_is_read_back(user_dir):
 ROW = [32, 32768, 2.0, 100.0, 4, 128]
 
 
+SPLIT = r"split_table\.triton\."
+
+
+def _rows(*rows, layout="paged"):
+    return {"split_table": {"triton": {layout: list(rows)}}}
+
+
 @pytest.mark.parametrize("table,where", [
-    ({"split_table": {"triton": {"contiguous": [ROW[:1] + [0] + ROW[2:]]}}}, r"split_table\.triton\.contiguous\[0\]: .*kv_len must be a positive int"),
-    ({"split_table": {"triton": {"paged": [ROW, ROW[:2] + [float("nan")] + ROW[3:]]}}}, r"split_table\.triton\.paged\[1\]: .*programs_per_sm must be a finite number > 0"),
-    ({"split_table": {"triton": {"paged": [ROW[:2] + [-5.0] + ROW[3:]]}}}, r"programs_per_sm must be a finite number > 0"),
-    ({"split_table": {"triton": {"paged": [[True] + ROW[1:]]}}}, r"pairs must be a positive int, got True"),
-    ({"split_table": {"triton": {"paged": [ROW[:5] + [-1]]}}}, r"head_dim must be a positive int"),
-    ({"split_table": {"triton": {"paged": [ROW + [{"num_warps": [4]}]]}}}, r"option 'num_warps' must map a name to a JSON scalar"),
-    ({"split_table": {"triton": {"paged": [ROW, ROW[:2] + [12.0, 60.0] + ROW[4:]]}}}, r"paged\[0\] and \[1\] are both rows of 32 pairs x 32768"),
+    (_rows(ROW[:1] + [0] + ROW[2:], layout="contiguous"), SPLIT + r"contiguous\[0\]: .*kv_len must be a positive int"),
+    (_rows(ROW, ROW[:2] + [float("nan")] + ROW[3:]),
+     SPLIT + r"paged\[1\]: .*programs_per_sm must be a finite number > 0"),
+    (_rows(ROW[:2] + [-5.0] + ROW[3:]), r"programs_per_sm must be a finite number > 0"),
+    (_rows([True] + ROW[1:]), r"pairs must be a positive int, got True"),
+    (_rows(ROW[:5] + [-1]), r"head_dim must be a positive int"),
+    (_rows(ROW + [{"num_warps": [4]}]), r"option 'num_warps' must map a name to a JSON scalar"),
+    (_rows(ROW, ROW[:2] + [12.0, 60.0] + ROW[4:]), r"paged\[0\] and \[1\] are both rows of 32 pairs x 32768"),
     ({"split_table": {"triton": [ROW]}}, r"split_table\.triton must be a mapping, got list"),
-    ({"split_table": {"triton": {"paged": {"a": 1}}}}, r"split_table\.triton\.paged must be a list of rows"),
+    ({"split_table": {"triton": {"paged": {"a": 1}}}}, SPLIT + r"paged must be a list of rows"),
     ({"kernel_options": ["a"]}, r"kernel_options must be a mapping, got list"),
-    ({"kernel_options": {"triton": {"paged": {"num_warps": None}}}}, r"kernel_options\.triton\.paged\.num_warps must be a JSON scalar"),
+    ({"kernel_options": {"triton": {"paged": {"num_warps": [4]}}}},
+     r"kernel_options\.triton\.paged\.num_warps must be a JSON scalar"),
     ({"cost_model_by_backend": ["triton"]}, r"cost_model_by_backend must be a mapping, got list"),
     ({"cost_model_by_backend": {"triton": [1]}}, r"cost_model_by_backend\.triton must be a mapping"),
     ({"measured": "h200"}, r"measured must be a mapping, got str"),
@@ -133,6 +142,23 @@ def test_a_bad_table_section_or_row_is_refused_naming_the_file_and_the_row(user_
         device_table("h200")
     with pytest.raises(ConfigError, match=where):
         tune.start_table("h200", str(path))
+
+
+def test_null_kernel_options_mean_the_backends_default(user_dir):
+    """``num_stages: null`` (a table's or a row's option) is a JSON scalar meaning "the backend's default", as in a
+    config's ``backend_options``: the table loads and the planner plans."""
+    from attnplan import api
+    from attnplan.backends import get_backend
+    from attnplan.problem import DecodeProblem
+
+    _write(user_dir / "plans" / "h200.yaml", {"kernel_options": {"triton": {"contiguous": {"num_stages": None}}},
+                                             **_rows(ROW + [{"num_warps": None}], layout="contiguous")})
+    assert device_table("h200")["kernel_options"]["triton"]["contiguous"] == {"num_stages": None}
+    prob = DecodeProblem(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, max_kv_len=32768,
+                         total_kv_len=4 * 32768, page_size=None)
+    ctx = api.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+    plan = api.plan_problem(prob, get_backend("triton"), torch.device("cpu"), ctx, dev_info=H200)
+    assert plan.policy == "tuned" and plan.table_entry.options == (("num_warps", None),)
 
 
 def test_empty_sections_plan_as_absent(user_dir):
@@ -151,20 +177,22 @@ def test_empty_sections_plan_as_absent(user_dir):
     assert plan.policy != "tuned" and plan.num_splits >= 1
 
 
-def test_reload_device_tables_makes_an_edited_table_plan(user_dir):
+def test_reload_device_tables_makes_an_edited_table_plan(user_dir, monkeypatch):
     """After a table is rewritten, :func:`attnplan.reload_device_tables` makes an existing context plan from the new
-    rows (the plan-cache key's table text, the kernel options and the parsed rows are all read again)."""
+    rows: the plan-cache key's table text (through the context's memo of its device facts), the kernel options and
+    the parsed rows are all read again. The device is the H200 (its facts stand in for the CPU's)."""
     from attnplan import api
     from attnplan.backends import get_backend
     from attnplan.problem import DecodeProblem
 
+    monkeypatch.setattr(api, "device_info", lambda device=None: H200)
     path = user_dir / "plans" / "h200.yaml"
     prob = DecodeProblem(batch=4, num_q_heads=32, num_kv_heads=8, head_dim=128, max_kv_len=32768,
                          total_kv_len=4 * 32768, page_size=None)
     ctx = api.Context.from_config(attnplan.load_config())
 
     def row_used():
-        plan = api.plan_problem(prob, get_backend("triton"), torch.device("cpu"), ctx, dev_info=H200)
+        plan = api.plan_problem(prob, get_backend("triton"), torch.device("cpu"), ctx)
         return plan.policy, plan.table_entry.programs_per_sm
 
     _write(path, {"split_table": {"triton": {"contiguous": [ROW]}}})
@@ -191,9 +219,10 @@ def test_tune_plans_with_the_table_it_builds_whatever_file_it_writes(user_dir):
     assert device_table("h200") == packaged
 
 
-@pytest.mark.parametrize("name,slug", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100_80gb_hbm3"),
-                                       ("NVIDIA H100 PCIe", "h100_pcie"), ("NVIDIA GeForce RTX 4090", "geforce_rtx_4090"),
-                                       ("Tesla V100-SXM2-16GB", "tesla_v100_sxm2_16gb"), ("", "unknown")])
+@pytest.mark.parametrize("name,slug", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100_80gb_hbm3"), ("NVIDIA H100 PCIe", "h100_pcie"),
+    ("NVIDIA GeForce RTX 4090", "geforce_rtx_4090"), ("Tesla V100-SXM2-16GB", "tesla_v100_sxm2_16gb"), ("", "unknown"),
+])
 def test_a_table_file_is_named_by_the_whole_device_name(name, slug):
     """Models that share a first word (an H100's SXM and PCIe parts, GeForce cards) differ in SMs and bandwidth,
     so each reads its own table."""

@@ -203,16 +203,18 @@ def test_batch1_mask_is_served_only_when_it_is_the_causal_prefix(q_len, change, 
     _assert_logits_close(got, ref)
 
 
-def test_a_prefill_with_a_mask_goes_to_sdpa(gen):
-    """A batch-1 prefill over an empty cache (query and key of one length) that comes with a boolean causal mask
-    (models that always build one, e.g. Falcon) goes to SDPA, as an unmasked prefill does; only steps over a longer
-    cache are attnplan's."""
+@pytest.mark.parametrize("kv_len", [8, 64])
+def test_a_prefill_with_a_mask_goes_to_sdpa(kv_len, gen):
+    """A batch-1 prefill into an empty cache that comes with a boolean causal mask (models that always build one,
+    e.g. Falcon) goes to SDPA, as an unmasked prefill does: a DynamicCache's key of the prompt's length (8) and a
+    StaticCache's of its capacity (64), the mask's last row counting the prompt's 8 tokens; only steps over a cache
+    that holds earlier tokens are attnplan's."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     attnplan.hf.register()
     q = torch.randn(1, 4, 8, 32, generator=gen).to(DEVICE)
-    k, v = (torch.randn(1, 2, 8, 32, generator=gen).to(DEVICE) for _ in range(2))
-    mask = _prefix_mask(8, 8, 8)
+    k, v = (torch.randn(1, 2, kv_len, 32, generator=gen).to(DEVICE) for _ in range(2))
+    mask = _prefix_mask(8, kv_len, 8)
     before = dict(attnplan.hf.STATS)
     got, _ = attnplan.hf.attnplan_attention_forward(_Attn(), q, k, v, mask)
     assert attnplan.hf.STATS["attnplan"] == before["attnplan"]

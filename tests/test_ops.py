@@ -393,7 +393,9 @@ def test_op_temporaries_do_not_outlive_the_call(gen, monkeypatch):
     assert_close_to_reference(out, ref, torch.float16)
 
 
-@pytest.mark.parametrize("shape,msg", [((), r"q must be 4-D"), ((1, 1, 4, 0), r"head_dim \(q.shape\[3\]\) must be >= 1")])
+@pytest.mark.parametrize("shape,msg", [
+    ((), r"q must be 4-D"), ((1, 1, 4, 0), r"head_dim \(q.shape\[3\]\) must be >= 1"),
+])
 def test_op_default_scale_of_a_q_without_head_dim_is_a_named_error(shape, msg):
     """``sm_scale=None`` with a 0-d q or head_dim 0: the planner's ValueError naming q, as with a scale given (the
     op's plan key took ``1/sqrt(q.shape[-1])`` first: IndexError, ZeroDivisionError)."""

@@ -25,7 +25,7 @@
 // separate merge's 380, extra IMAD / LOP3 address arithmetic); as a call the loop is the separate kernel's (388).
 // The call costs once per program, at its end.
 __device__ __noinline__ void fused_merge(unsigned char *smem, int tid, int units, int *counter,
-                                            const float *ob0, i64 o_si, i64 o_sh, i64 o_ss,
+                                         const float *ob0, i64 o_si, i64 o_sh, i64 o_ss,
                                          const float *lb0, i64 l_si, i64 l_sh, i64 l_ss,
                                          elem_t *outb, i64 out_si, i64 out_sh, float *olb, i64 ol_si, i64 ol_sh,
                                          const float *sinkb) {
