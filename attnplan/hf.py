@@ -95,6 +95,10 @@ _STEP = threading.local()  # this thread's steps: .memo (the last verified call)
 # _StreamStep), .last (the _StreamStep of the last call that was not a repeat)
 
 
+#: streams per thread whose eager-step wrappers are kept (a thread that cycles through more frees the oldest's)
+STREAM_STEPS = 8
+
+
 class _StreamStep:
     """One thread's eager steps on one CUDA stream: its own :class:`DecodeWrapper` (so runs on two streams never
     share a workspace) and the ``seq_lens`` tensor, scale and soft cap its plan was made for."""
@@ -345,6 +349,8 @@ def _step_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
         by_stream = st.by_stream = {}
     ss = by_stream.get((dev, stream))
     if ss is None:
+        while len(by_stream) >= STREAM_STEPS:  # the least recently created first (its wrapper and workspace freed)
+            del by_stream[next(iter(by_stream))]
         ss = by_stream[(dev, stream)] = _StreamStep()
     st.last = ss  # the step this call used (for inspection)
     w = ss.wrapper

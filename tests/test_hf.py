@@ -242,6 +242,12 @@ def test_each_stream_of_a_thread_has_its_own_wrapper(gen, monkeypatch):
     assert used[0] is used[2] and used[1] is used[3] and used[0] is not used[1]
     assert used[0].workspace is not used[1].workspace
     assert plans == [id(used[0]), id(used[1])]
+    # a thread cycling through more streams keeps the wrappers of the last STREAM_STEPS only
+    streams = iter(range(1000, 1000 + attnplan.hf.STREAM_STEPS + 3))
+    for _ in range(attnplan.hf.STREAM_STEPS + 3):
+        q, k, v = _layer_tensors(gen)
+        _eager_layer(q, k, v)
+    assert len(attnplan.hf._STEP.by_stream) == attnplan.hf.STREAM_STEPS
 
 
 class _SlidingClass(_Attn):
