@@ -565,8 +565,8 @@ class DecodeWrapper:
         # plan() completes: a run overlapping a plan() never pairs one plan's signature with another's launch
         self._snap: tuple | None = None
         self._fast_src: tuple | None = None
-        # decode()'s last plan() on this wrapper with host lengths: (signature, scalars, lengths, plan); a call that
-        # repeats all of them (the layers of one step) has that plan already (see decode())
+        # decode()'s last plan() on this wrapper with host lengths: (signature, scalars, lengths, plan, the device
+        # tables' generation); a call that repeats all of them (the layers of one step) has that plan already
         self._repeat: tuple = ()
 
     @staticmethod
@@ -603,7 +603,7 @@ class DecodeWrapper:
         except RuntimeError:  # a tensor without a data pointer: sparse, or another layout than strided
             for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
                             ("block_table", block_table)):
-                if t is not None and t.layout != torch.strided:
+                if t is not None and t.layout != torch.strided:  # check_strided's error, without the context
                     raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}") from None
             raise
         return ((("q", q.shape, q.stride(), q.dtype, q.device, not pq & 15),

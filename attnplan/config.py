@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import math
 import os
 import re
 import stat
@@ -584,7 +583,7 @@ def check_device_table(data, source: str) -> dict:
     Raises:
         ConfigError: the first defect, naming ``source`` and the key or row.
     """
-    from .planner import TableRow
+    from .planner import TableRow, json_scalar
 
     def mapping(value, where: str) -> dict:
         if value is None:
@@ -607,8 +606,7 @@ def check_device_table(data, source: str) -> dict:
     for backend, layouts in mapping(data.get("kernel_options"), "kernel_options").items():
         for layout, opts in mapping(layouts, f"kernel_options.{backend}").items():
             for name, value in mapping(opts, f"kernel_options.{backend}.{layout}").items():
-                if not (value is None or isinstance(value, (int, float, str))) or (
-                        isinstance(value, float) and not math.isfinite(value)):
+                if not json_scalar(value):
                     raise ConfigError(f"invalid device table ({source}): kernel_options.{backend}.{layout}.{name} "
                                       f"must be a JSON scalar (null: the backend's default), got {value!r}")
     for backend, layouts in mapping(data.get("split_table"), "split_table").items():

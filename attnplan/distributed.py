@@ -61,8 +61,8 @@ class ContextParallelDecode:
             k_shard, v_shard, block_table: this rank's shard of the cache, in the usual layouts.
             shard_lens: ``[batch]`` int32, tokens of each sequence on this rank (0 allowed).
 
-        One all-gather of six integers (q's shape, its dtype and the world size) checks that every rank planned the
-        same q; it waits for the other ranks and reads the result on the host.
+        One all-gather of five integers (q's shape and its dtype) checks that every rank planned the same q; it waits
+        for the other ranks and reads the result on the host.
 
         Raises:
             ValueError: bad inputs (:meth:`attnplan.DecodeWrapper.plan`'s checks), ``q_len > 1``, or a q whose shape
@@ -104,7 +104,7 @@ class ContextParallelDecode:
         would otherwise exchange messages of other sizes, which the backend aborts on, or reinterpret another
         rank's bytes in this rank's dtype)."""
         code = self._DTYPES.index(q.dtype) if q.dtype in self._DTYPES else len(self._DTYPES)
-        mine = torch.tensor([*q.shape, code, world], dtype=torch.int64, device=q.device)
+        mine = torch.tensor([*q.shape, code], dtype=torch.int64, device=q.device)
         every = torch.empty(world * mine.numel(), dtype=torch.int64, device=q.device)
         dist.all_gather_into_tensor(every, mine, group=self.group)
         rows = every.view(world, -1).tolist()

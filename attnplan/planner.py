@@ -104,6 +104,12 @@ class KernelOptions(Mapping):
         return dict(self._items)
 
 
+def json_scalar(value) -> bool:
+    """Whether ``value`` is a kernel option's value in a device table: ``None`` (the backend's default), a bool, an
+    int, a finite float or a string."""
+    return value is None or isinstance(value, (int, str)) or (isinstance(value, float) and math.isfinite(value))
+
+
 class TableRow(NamedTuple):
     """One row of a device's measured split table (``split_table.<backend>.<layout>`` in ``plans/<device>.yaml``).
 
@@ -145,8 +151,7 @@ class TableRow(NamedTuple):
         else:
             raise ValueError(f"split-table row options must be a mapping of option to value, got {opts!r}")
         for name, value in opts:
-            if not isinstance(name, str) or not (value is None or isinstance(value, (int, float, str))) or (
-                    isinstance(value, float) and not math.isfinite(value)):
+            if not isinstance(name, str) or not json_scalar(value):
                 raise ValueError(f"split-table row option {name!r} must map a name to a JSON scalar, got {value!r}")
         for name, v in (("pairs", row[0]), ("kv_len", row[1]), ("head_dim", head_dim)) + (
                 (("group", group),) if group is not None else ()):

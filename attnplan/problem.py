@@ -383,6 +383,13 @@ def check_soft_cap(cap, name: str = "logits_soft_cap") -> None:
                          f"where a smaller cap is 0 or flushed to 0), got {_short(cap)}")
 
 
+def check_strided(t: torch.Tensor, name: str) -> None:
+    """Raise ``TypeError`` unless the tensor ``t`` (named ``name`` in the message) has torch's dense, strided layout:
+    a sparse or other tensor has no data pointer the kernels could read."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}")
+
+
 def check_no_grad(q, k_cache, v_cache, sinks=None) -> None:
     """attnplan computes no gradients (decode attention, for inference): while grad mode is on, an input that requires
     grad would get an output detached from it, silently. Refused instead (``plan()`` and ``decode()``; ``run()``
@@ -442,8 +449,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
             if name == "block_table":
                 continue  # None (a contiguous cache), or refused by name below
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.layout != torch.strided:
-            raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}")
+        check_strided(t, name)
         if t.is_meta:
             raise ValueError(f"{name} is on the meta device (a shape without data): attnplan reads and writes "
                              "values, pass tensors on the CPU or a GPU")
@@ -656,8 +662,7 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
-        if out.layout != torch.strided:
-            raise TypeError(f"out must be a dense (strided) tensor, got {out.layout}")
+        check_strided(out, "out")
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} "
                              f"{out.dtype} on {out.device}")
@@ -668,8 +673,7 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
         return
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"lse must be a torch.Tensor or None, got {type(lse).__name__}")
-    if lse.layout != torch.strided:
-        raise TypeError(f"lse must be a dense (strided) tensor, got {lse.layout}")
+    check_strided(lse, "lse")
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(f"lse must be {tuple(q.shape[:3])} float32 on {q.device}, got {tuple(lse.shape)} {lse.dtype} "
                          f"on {lse.device}")

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .problem import check_strided
+
 __all__ = ["PartialState", "merge_states", "merge_state_pair", "MERGE_DTYPES"]
 
 #: the dtypes :func:`merge_states` computes in (an fp8 state is no state: torch has no arithmetic in fp8)
@@ -64,8 +66,7 @@ class PartialState:
             v = getattr(self, name)
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"PartialState: {name} must be a torch.Tensor, got {type(v).__name__}")
-            if v.layout != torch.strided:
-                raise TypeError(f"PartialState: {name} must be a dense (strided) tensor, got {v.layout}")
+            check_strided(v, f"PartialState: {name}")
         if self.o.dim() != 5 or self.lse.dim() != 4:
             raise ValueError(
                 f"PartialState: o must be 5-D [batch, q_len, num_q_heads, num_splits, head_dim] and "
@@ -167,8 +168,8 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
                             f"got {dt}")
     heads = state.o.shape[2]
     if sinks is not None:
-        if isinstance(sinks, torch.Tensor) and sinks.layout != torch.strided:
-            raise TypeError(f"merge_states: sinks must be a dense (strided) tensor, got {sinks.layout}")
+        if isinstance(sinks, torch.Tensor):
+            check_strided(sinks, "merge_states: sinks")
         if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
             raise TypeError(f"merge_states: sinks must be a float tensor [num_heads = {heads}], got "
                             f"{getattr(sinks, 'dtype', type(sinks).__name__)}")
@@ -193,8 +194,7 @@ def _ragged_to_dense(state: PartialState, indptr: torch.Tensor) -> PartialState:
     if not isinstance(indptr, torch.Tensor) or indptr.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"merge_states: indptr must be an int32/int64 tensor, got "
                         f"{getattr(indptr, 'dtype', type(indptr).__name__)}")
-    if indptr.layout != torch.strided:
-        raise TypeError(f"merge_states: indptr must be a dense (strided) tensor, got {indptr.layout}")
+    check_strided(indptr, "merge_states: indptr")
     if indptr.is_meta:
         raise ValueError("merge_states: indptr is on the meta device (a shape without data): its offsets are read")
     if state.o.shape[0] != 1 or indptr.dim() != 1 or indptr.numel() < 1:

@@ -46,6 +46,8 @@ import weakref
 import torch
 import yaml
 
+from .api import reload_device_tables
+
 #: heads (query heads, KV heads, head_dim) of the kernel-option sweep (:func:`sweep`), whatever ``--heads`` says
 SWEEP_HEADS = (32, 8, 128)
 SHAPES = [(1, 131072), (1, 32768), (1, 4096), (4, 32768), (4, 4096), (16, 4096), (16, 32768)]
@@ -481,7 +483,7 @@ def _tune(args, dev, table: dict, path: str, planner_reads: str, heads, points) 
                 cm.update(sats)
             _section(_section(table, "cost_model_by_backend"), backend).update(sats)
             _write_table(path, table, dev.slug())
-            _reload()  # the split search below plans with the new kernel options (the table override)
+            reload_device_tables()  # the split search below plans with the new kernel options (the table override)
         bar = tqdm(total=len(points), desc=f"splits {backend}", unit="point") if tqdm else None
         searches[backend] = split_search(backend, points, heads, args.iters, progress=bar.update if bar else None,
                                          kv_dtype=args.kv_dtype, row_options=args.row_options,
@@ -500,7 +502,7 @@ def _tune(args, dev, table: dict, path: str, planner_reads: str, heads, points) 
                              "torch": str(torch.__version__), "attnplan": str(attnplan.__version__)}
         _write_table(path, table, dev.slug())
         print(f"wrote {path}: {json.dumps({k: table[k] for k in ('cost_model', 'kernel_options') if k in table})}")
-        _reload()
+        reload_device_tables()
     if path != planner_reads and not args.check_only:
         print(f"note: the planner reads {planner_reads} (if it exists, else the packaged table), not {path}; this "
               f"tune's split search and quality check used {path}'s table")
@@ -554,7 +556,7 @@ def start_table(slug: str, path: str) -> dict:
     table: dict = {}
     for src in dict.fromkeys((_packaged_table(slug), str(user_table_path(slug)), str(path))):
         if os.path.lexists(src):  # a file that cannot be read, or is not a valid table, is an error, not skipped
-            table.update(check_device_table(_read_yaml(src, src), src) or {})
+            table.update(check_device_table(_read_yaml(src, src), src))
     return check_device_table(table, f"{path} (as merged)")
 
 
@@ -568,17 +570,17 @@ def _section(table: dict, key: str) -> dict:
 @contextlib.contextmanager
 def table_override(slug: str, table: dict):
     """Within the block, the planner plans the device ``slug`` with ``table`` (a dict this tune updates in place;
-    call :func:`_reload` after each change), not with the file it would read: so the split search and the quality
-    check run the kernel options and rows being written, whichever file ``--out`` names."""
+    call :func:`attnplan.reload_device_tables` after each change), not with the file it would read: so the split
+    search and the quality check run the kernel options and rows being written, whichever file ``--out`` names."""
     import attnplan.config
 
     attnplan.config._TABLE_OVERRIDES[slug] = table
-    _reload()
+    reload_device_tables()
     try:
         yield table
     finally:
         attnplan.config._TABLE_OVERRIDES.pop(slug, None)
-        _reload()
+        reload_device_tables()
 
 
 def _leading_comments(path: str, stamp: str) -> list[str] | None:
@@ -613,13 +615,6 @@ def _atomic_write(path: str, text: str) -> None:
     from .cache import atomic_write
 
     atomic_write(path, text, readable=True)
-
-
-def _reload() -> None:
-    """Forget every cached view of the device table (after it was rewritten)."""
-    from attnplan.api import reload_device_tables
-
-    reload_device_tables()
 
 
 def _choice(plan, searched_keys, kv: int) -> tuple:

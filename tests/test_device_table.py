@@ -23,9 +23,9 @@ PACKAGED = resources.files("attnplan.plans") / "h200.yaml"
 def user_dir(tmp_path, monkeypatch):
     """An empty user cache directory; the memoized tables are cleared before and after the test."""
     monkeypatch.setenv("ATTNPLAN_CACHE_DIR", str(tmp_path))
-    tune._reload()
+    attnplan.reload_device_tables()
     yield tmp_path
-    tune._reload()
+    attnplan.reload_device_tables()
 
 
 def _write(path, table):
@@ -52,7 +52,7 @@ def test_user_table_replaces_the_packaged_one(user_dir):
     cm, bw = cost_model_for(H200, attnplan.load_config())
     assert cm.sat_programs_per_sm == 7.5 and bw == 1234.0
     (user_dir / "plans" / "h200.yaml").unlink()
-    tune._reload()
+    attnplan.reload_device_tables()
     assert device_table("h200") == yaml.safe_load(PACKAGED.read_text())
 
 
@@ -61,7 +61,7 @@ def test_invalid_user_table_names_the_file(user_dir):
     _write(path, {"cost_model": {"programs_per_sm": 0}})
     with pytest.raises(ConfigError, match=rf"{path}.*\n  programs_per_sm: .*greater than or equal to 1"):
         device_table("h200")
-    tune._reload()
+    attnplan.reload_device_tables()
     path.write_text("[1, 2]")
     with pytest.raises(ConfigError, match=rf"invalid device table \({path}\): top level must be a mapping"):
         device_table("h200")
@@ -99,7 +99,7 @@ def test_new_user_table_keeps_the_packaged_header_and_is_read_back(user_dir):
     packaged_header = [ln for ln in PACKAGED.read_text().splitlines(keepends=True) if ln.startswith("#")][:3]
     assert text.startswith("".join(packaged_header)) and "# Written by `attnplan tune`" in text
     assert text.count("# Written by `attnplan tune`") == 1
-    tune._reload()
+    attnplan.reload_device_tables()
     assert device_table("h200")["cost_model"]["sat_programs_per_sm"] == 3.25
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]
 
@@ -213,7 +213,7 @@ def test_tune_plans_with_the_table_it_builds_whatever_file_it_writes(user_dir):
     with tune.table_override("h200", building):
         assert device_table("h200") is building
         building["kernel_options"]["triton"]["contiguous"]["num_warps"] = 2
-        tune._reload()
+        attnplan.reload_device_tables()
         from attnplan.api import _tuned_lookup
         assert dict(_tuned_lookup("h200", "triton", False, False, False, True)[0]) == {"num_warps": 2}
     assert device_table("h200") == packaged
