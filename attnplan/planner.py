@@ -56,10 +56,11 @@ from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_b
 __all__ = ["SplitPlan", "Launch", "launch_problem_of", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION",
            "cost_model_for", "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
 
-PLAN_VERSION = 8  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
+PLAN_VERSION = 9  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
 #                  targets scaled to their warps; 5: that scaling bounded at saturation; 6: a row carried to another
 #                  pair count loads the SMs evenly (even_load_splits); 7: one-bucket live plans' grids fit their units;
-#                  8: head_block (a GQA group larger than a program in several launches)
+#                  8: head_block (a GQA group larger than a program in several launches); 9: long-tailed live plans
+#                  from the longest length's row (and keys that keep the batch long-tailed: problem.mean_bucket)
 #: cross-program merges: ``none`` (single pass), ``separate`` (merge kernel), ``fused`` (last program merges)
 MERGES = ("none", "separate", "fused")
 PLAN_POLICIES = ("tuned", "heuristic", "forced", "no-split", "batch-invariant")
@@ -593,9 +594,14 @@ class SplitPlan:
                 lines.append("  the planned lengths get one unit per sequence: single pass (the row's count, or the "
                              "targets of the length's bucket, planned at its middle)")
             w = _warps(self.kernel)
-            if self.capacity_mode and w is not None:
-                lines.append(f"  capacity plan: each bucket's row counted in programs of {w} warps (a row measured "
-                             "with other warps scaled by the ratio, up to the memory's saturation point)")
+            tail = not self.capacity_mode and 2 * p.total_kv_len < p.batch * p.max_kv_len
+            if tail:
+                lines.append("  a long-tailed batch (mean below half the longest): planned as a capacity plan of its "
+                             "longest length, from the row of a uniform batch at that length")
+            if (self.capacity_mode or tail) and w is not None:
+                lines.append(f"  {'capacity plan' if self.capacity_mode else 'as there'}: each bucket's row counted "
+                             f"in programs of {w} warps (a row measured with other warps scaled by the ratio, up to "
+                             "the memory's saturation point)")
             if e.options:
                 ran = all(self.kernel.get(k) == v for k, v in e.options)
                 lines.append(f"  the row's kernel options {dict(e.options)} "
@@ -871,12 +877,15 @@ def even_load_splits(asked: int, pairs: int, sm_count: int, most: int) -> int:
 
 def _choose_splits(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostModel, bw: float, limit: int,
                    align: int, merges: tuple[str, ...], fused_parallelism: int, fused_max_chunk: int,
-                   num_warps: int | None = None) -> _Choice:
+                   num_warps: int | None = None, row_at_max: bool = False) -> _Choice:
     """The split count for ``problem`` at its lengths (the table's row, else the cost model's fewest splits within
     2% of the best); ``limit``: most splits; ``align``: chunk alignment in tokens; ``num_warps``: the plan's warps
-    per program, which a row measured with other warps is scaled to (:func:`row_programs_per_sm`)."""
+    per program, which a row measured with other warps is scaled to (:func:`row_programs_per_sm`);
+    ``row_at_max``: take the row of a uniform batch at the problem's longest length (for a long-tailed batch,
+    which no row serves as it is; the time predicted is then that uniform batch's split count at these lengths)."""
     max_len = max(problem.visible_span, 1)
-    if (entry := _table_entry(problem, device, backend)) is not None:
+    row_problem = replace(problem, total_kv_len=problem.batch * problem.max_kv_len) if row_at_max else problem
+    if (entry := _table_entry(row_problem, device, backend)) is not None:
         sat = _sat_programs_per_sm(cm, problem.paged)
         pairs = problem.batch * problem.num_kv_heads
         asked = max(1, round(row_programs_per_sm(entry, num_warps, sat) * device.sm_count / pairs))
@@ -1010,13 +1019,22 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         sched = Schedule("batch_invariant", granule, c, s_cap, zeros, batch * min(s_cap, -(-cap_granules // c)))
         splits, chunk = min(s_cap, -(-span // (c * granule))), c * granule
     else:
+        # a live long-tailed batch (its bucketed lengths say so: problem.mean_bucket) is planned as a capacity plan
+        # of its longest length is: from the split-table row of a uniform batch at that length, whose kernel
+        # options api.plan_problem applies, with every bucket's row scaled to them. Measured on an H200, such
+        # batches planned by the cost model with the backend's default options ran 1.1-1.3x their capacity plans.
+        uniform = 2 * problem.total_kv_len >= batch * problem.max_kv_len
+        tail_live = not capacity_mode and not uniform
         # a capacity plan's rows are scaled to its own warps (row_programs_per_sm): it runs one row's options at
         # every live length, so the other buckets' rows were measured with other programs
-        warps = _warps(kernel) if capacity_mode else None
+        warps = _warps(kernel) if capacity_mode or tail_live else None
         choice = _choose_splits(problem_w, device, backend, cm, bw, limit, granule, merges, fused_merge_parallelism,
-                                fused_merge_max_chunk, warps)
+                                fused_merge_max_chunk, warps, row_at_max=tail_live)
+        if tail_live and choice.entry is not None:  # the row's count is a uniform batch's: predict from the lengths
+            choice = choice._replace(predicted=_choose_splits(
+                problem_w, device, backend, cm, bw, limit, granule, merges, fused_merge_parallelism,
+                fused_merge_max_chunk).predicted)
         policy, splits, chunk = choice.policy, choice.splits, choice.chunk
-        uniform = 2 * problem.total_kv_len >= batch * problem.max_kv_len
         if choice.splits == 1 and uniform and not capacity_mode:
             sched = Schedule("single", granule, 1, 1, zeros, batch)
             policy = "no-split" if policy == "heuristic" else policy

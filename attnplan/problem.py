@@ -123,6 +123,18 @@ def len_bucket(n: int) -> int:
     return 16 if n <= 16 else 1 << (int(n) - 1).bit_length()
 
 
+def mean_bucket(total_kv_len: int, batch: int, max_kv_len: int) -> int:
+    """The mean length's bucket in a plan-cache key (tokens): :func:`len_bucket` of the mean, except for a
+    long-tailed batch (mean below half the longest: ``2 x total < batch x max``) whose mean rounds up to half the
+    longest's bucket, which gets a quarter of it. So the bucketed lengths say whether the batch is long-tailed, as
+    the real ones do: a near-uniform batch's mean bucket is at least half its longest's, a long-tailed one's at
+    most a quarter (the plan of a long-tailed batch is never a single pass, :func:`attnplan.planner.make_plan`)."""
+    m = len_bucket(-(-total_kv_len // batch))
+    if 2 * total_kv_len < batch * max_kv_len and 2 * m == len_bucket(max_kv_len):
+        return m // 2
+    return m
+
+
 #: the :class:`DecodeProblem` fields that must be ints (``page_size`` too, unless ``None``)
 _INT_FIELDS = ("batch", "num_q_heads", "num_kv_heads", "head_dim", "q_len", "max_kv_len", "total_kv_len", "capacity")
 
@@ -258,7 +270,7 @@ class DecodeProblem:
             "head_dim": self.head_dim, "q_len": self.q_len, "page_size": self.page_size,
             "q_dtype": self.q_dtype, "kv_dtype": self.kv_dtype,
             "max_kv_len": len_bucket(self.max_kv_len),
-            "mean_kv_len": len_bucket(-(-self.total_kv_len // self.batch)),
+            "mean_kv_len": mean_bucket(self.total_kv_len, self.batch, self.max_kv_len),
             "window_left": self.window_left, "soft_cap": self.soft_cap, "has_sinks": self.has_sinks,
             "kv_scale": self.kv_scale,
         }
@@ -267,7 +279,8 @@ class DecodeProblem:
         """:meth:`bucket`'s values as a tuple, in its order (the plan-cache key; built without a dict
         because a cache hit must cost microseconds)."""
         return (self.batch, self.num_q_heads, self.num_kv_heads, self.head_dim, self.q_len, self.page_size,
-                self.q_dtype, self.kv_dtype, len_bucket(self.max_kv_len), len_bucket(-(-self.total_kv_len // self.batch)),
+                self.q_dtype, self.kv_dtype, len_bucket(self.max_kv_len),
+                mean_bucket(self.total_kv_len, self.batch, self.max_kv_len),
                 self.window_left, self.soft_cap, self.has_sinks, self.kv_scale)
 
     @staticmethod
@@ -278,8 +291,8 @@ class DecodeProblem:
         b = static["batch"]
         return (b, static["num_q_heads"], static["num_kv_heads"], static["head_dim"], static["q_len"],
                 static["page_size"], static["q_dtype"], static["kv_dtype"], len_bucket(max_kv_len),
-                len_bucket(-(-total_kv_len // b)), static["window_left"], static["soft_cap"], static["has_sinks"],
-                static["kv_scale"])
+                mean_bucket(total_kv_len, b, max_kv_len), static["window_left"], static["soft_cap"],
+                static["has_sinks"], static["kv_scale"])
 
     def bucketed(self) -> "DecodeProblem":
         """The problem the plan is made for: lengths raised to their bucket's upper bound, so one

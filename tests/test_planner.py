@@ -134,8 +134,8 @@ def test_cost_model_candidates_are_aligned_to_the_granule(table):
 
 def test_split_table_row_sets_the_split_where_it_applies(table):
     """The nearest row within 4x (pairs and length) sets programs per SM: splits = round(ppsm x SMs / pairs), then
-    aligned to whole granules; elsewhere (out of reach, long-tailed lengths, other head_dim, other backend, fp8
-    without its own rows) the cost model."""
+    aligned to whole granules; a long-tailed batch the row of a uniform batch at its longest length; elsewhere (out
+    of reach, other head_dim, other backend, fp8 without its own rows) the cost model."""
     table["split_table"] = {"triton": {"paged": [[8, 131072, 4.0, 0.0], [32, 32768, 8.0, 0.0]],
                                        "contiguous": [[8, 131072, 2.0, 0.0]]}}
     big = P(max_kv_len=131072)
@@ -149,10 +149,11 @@ def test_split_table_row_sets_the_split_where_it_applies(table):
     assert units(b4, [32768] * 4) == [32] * 4  # round(8 x 132 / 32) = 33 -> 1024-token chunks -> 32
     contig = make_plan(P(page_size=None, max_kv_len=65536), GPU, CFG, "triton", KERNEL)
     assert contig.policy == "tuned" and units(contig, [65536]) == [32]  # 33 -> 2048-token chunks -> 32
-    # out of reach (16x fewer tokens), long-tailed lengths, large heads, another backend: the cost model
+    tail = make_plan(P(batch=4, max_kv_len=131072, total_kv_len=131072 + 3000), GPU, CFG, "triton", KERNEL)
+    assert tail.policy == "tuned" and tail.table_entry == TableRow(8, 131072, 4.0, 0.0)  # a tie: the first row
+    assert "a long-tailed batch" in tail.explain() and not tail.schedule.single_pass
+    # out of reach (16x fewer tokens), large heads, another backend: the cost model
     assert make_plan(P(max_kv_len=4096), GPU, CFG, "triton", KERNEL).policy == "heuristic"
-    assert make_plan(P(batch=4, max_kv_len=131072, total_kv_len=131072 + 3000), GPU, CFG, "triton",
-                     KERNEL).policy == "heuristic"
     assert make_plan(P(head_dim=256, num_q_heads=16, max_kv_len=131072), GPU, CFG, "triton",
                      KERNEL).policy == "heuristic"
     assert make_plan(big, GPU, CFG, "cuda_ptx", KERNEL).policy == "heuristic"
@@ -388,6 +389,53 @@ def test_capacity_plan_scales_rows_of_other_warps_to_its_own(table):
     own = _plan_rows(cfg=attnplan.load_config(plan_cache={"disk": False},
                                               backend_options={"cuda_ptx": {"threads": 64}}))
     assert own.kernel["num_warps"] == 2 and units(own, [16384] * 16) == [5] * 16
+
+
+def test_a_long_tailed_key_stays_long_tailed():
+    """The plan-cache key's mean bucket: a long-tailed batch (mean below half the longest) whose mean rounds up to
+    half the longest's bucket gets a quarter, so its bucketed problem is long-tailed too; a near-uniform batch keeps
+    its mean's bucket. The hit path's key (static_bucket_key) is the same."""
+    from attnplan.problem import DecodeProblem, mean_bucket
+    assert mean_bucket(16 * 21146, 16, 63952) == 16384  # mean 0.33 of the longest: 32K would say near-uniform
+    assert mean_bucket(16 * 31000, 16, 33000) == 32768  # near-uniform across a power of two: kept
+    assert mean_bucket(16 * 3000, 16, 131072) == 4096  # already a quarter or less: kept
+    assert mean_bucket(16 * 40000, 16, 65536) == 65536
+    for lens in ([63952] + [19225] * 15, [33000] * 8 + [29000] * 8, [131072] + [100] * 15, [20] * 3 + [16] * 5):
+        prob = P(batch=len(lens), max_kv_len=max(lens), total_kv_len=sum(lens))
+        b = prob.bucketed()
+        assert (2 * b.total_kv_len < b.batch * b.max_kv_len) == (2 * sum(lens) < len(lens) * max(lens))
+        static = {k: getattr(prob, k) for k in ("batch", "num_q_heads", "num_kv_heads", "head_dim", "q_len",
+                                                "page_size", "q_dtype", "kv_dtype", "window_left", "soft_cap",
+                                                "has_sinks", "kv_scale")}
+        assert DecodeProblem.static_bucket_key(static, max(lens), sum(lens)) == prob.bucket_key() == b.bucket_key()
+
+
+def test_a_long_tailed_live_plan_is_planned_as_a_capacity_plan(table):
+    """A live long-tailed batch takes the split-table row of a uniform batch at its longest length, with the row's
+    kernel options and its buckets scaled to them, never a single pass: its plan is the capacity plan of that
+    length. Measured on an H200: 16/8/256 b16 with a mean of 0.33 of the longest ran its 64K row's single pass,
+    1,104 us against 666 for its capacity plan; 8/1/128 b64 with one 128K sequence ran the cost model's split with
+    the backend's default options, 50 against 40 us."""
+    table.update({"split_table": {"cuda_ptx": {"contiguous": [
+        [16, 65536, 0.12, 0.0, 8, 128, {"num_warps": 8}], [16, 16384, 4.0, 0.0, 8, 128, {"num_warps": 2}]]}}})
+    ctx = api.Context.from_config(attnplan.load_config(plan_cache={"disk": False}))
+    lens = [63952, 40000] + [17850] * 14  # mean 0.33 of the longest
+    base = dict(batch=16, num_q_heads=8, num_kv_heads=1, page_size=None, capacity=65536)
+    prob = P(max_kv_len=max(lens), total_kv_len=sum(lens), **base)
+    live = api.plan_problem(prob, RowOptionsBackend(), torch.device("cpu"), ctx, dev_info=GPU)
+    assert not live.schedule.single_pass and live.policy == "tuned"
+    assert live.table_entry.kv_len == 65536 and live.kernel["num_warps"] == 8  # the longest length's row, applied
+    assert "a long-tailed batch" in live.explain(lens)
+    cap = api.plan_problem(P(max_kv_len=65536, **base), RowOptionsBackend(), torch.device("cpu"), ctx, dev_info=GPU,
+                           capacity_mode=True)
+    assert cap.kernel == live.kernel and cap.merge == live.merge
+    u_live, u_cap = units(live, lens), units(cap, lens)
+    assert u_live == u_cap and max(u_live) > 1  # the long sequence spread, as the capacity plan spreads it
+    # a near-uniform batch of the same buckets is still the row's single pass
+    even = [64000] * 8 + [60000] * 8
+    near = api.plan_problem(P(max_kv_len=max(even), total_kv_len=sum(even), **base), RowOptionsBackend(),
+                            torch.device("cpu"), ctx, dev_info=GPU)
+    assert near.schedule.single_pass and near.kernel["num_warps"] == 8
 
 
 def test_batch_invariant_plans_take_no_row_options(table):
