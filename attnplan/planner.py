@@ -1022,7 +1022,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         # a live long-tailed batch (its bucketed lengths say so: problem.mean_bucket) is planned as a capacity plan
         # of its longest length is: from the split-table row of a uniform batch at that length, whose kernel
         # options api.plan_problem applies, with every bucket's row scaled to them. Measured on an H200, such
-        # batches planned by the cost model with the backend's default options ran 1.1-1.3x their capacity plans.
+        # batches planned by the cost model with the backend's default options ran 1.1-1.7x their capacity plans.
         uniform = 2 * problem.total_kv_len >= batch * problem.max_kv_len
         tail_live = not capacity_mode and not uniform
         # a capacity plan's rows are scaled to its own warps (row_programs_per_sm): it runs one row's options at
