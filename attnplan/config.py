@@ -561,10 +561,24 @@ def device_table(slug: str) -> dict:
     if user.is_file():
         f, source = user, str(user)
     else:
+        _warn_old_table_name(user, slug)
         f, source = resources.files("attnplan.plans") / f"{slug}.yaml", f"plans/{slug}.yaml"
         if not f.is_file():
             return {}
     return check_device_table(_read_yaml(f, source), source)
+
+
+def _warn_old_table_name(user: Path, slug: str) -> None:
+    """Warn where the user's table directory holds a file of the name an earlier attnplan gave this device's table
+    (the device name's first word, ``h100.yaml`` for ``h100_80gb_hbm3``) and none of the current name: it is not
+    read, since that name was shared by every model of the first word (an H100's SXM and PCIe parts)."""
+    old = user.with_name(slug.split("_")[0] + ".yaml")
+    if old != user and old.is_file():
+        import warnings
+
+        warnings.warn(f"{old} is not read: device tables are named by the whole device name now; if it was measured "
+                      f"on this device, rename it to {user.name} (then attnplan.reload_device_tables())",
+                      UserWarning, stacklevel=3)
 
 
 _TABLE_SECTIONS = ("cost_model", "cost_model_by_backend", "kernel_options", "split_table", "measured")

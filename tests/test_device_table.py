@@ -4,6 +4,7 @@ writes to the user's directory, never into the installed package."""
 
 from __future__ import annotations
 
+import warnings
 from importlib import resources
 
 import pytest
@@ -227,6 +228,20 @@ def test_a_table_file_is_named_by_the_whole_device_name(name, slug):
     """Models that share a first word (an H100's SXM and PCIe parts, GeForce cards) differ in SMs and bandwidth,
     so each reads its own table."""
     assert DeviceInfo(name, 132, (9, 0), 227 * 1024, 60 * 2**20, 4800.0, "").slug() == slug
+
+
+def test_a_table_of_the_old_short_name_is_named_in_a_warning(user_dir):
+    """A user table written under the device name's first word (an earlier attnplan's name) is not read, since
+    the models of that word share it; the lookup says so instead of planning silently without it."""
+    _write(user_dir / "plans" / "h100.yaml", {"cost_model": {"sat_programs_per_sm": 7.5}})
+    with pytest.warns(UserWarning, match="h100.yaml is not read.*rename it to h100_80gb_hbm3.yaml"):
+        assert device_table("h100_80gb_hbm3") == {}
+    _write(user_dir / "plans" / "h100_80gb_hbm3.yaml", {"cost_model": {"sat_programs_per_sm": 6.5}})
+    attnplan.reload_device_tables()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert device_table("h100_80gb_hbm3") == {"cost_model": {"sat_programs_per_sm": 6.5}}
+        assert device_table("h200")  # one word: no other name to look for
 
 
 @pytest.mark.parametrize("argv,msg", [(["--heads", "32,8"], "num_q_heads,num_kv_heads,head_dim"),
