@@ -38,7 +38,7 @@ from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
 from .problem import (DecodeProblem, as_host_lengths, check_no_grad, check_sm_scale, check_variant_tensors,
                       default_sm_scale, explain_lengths, has_internal_overlap, host_lengths, is_contiguous_layout,
-                      len_bucket, overlap_error, rows_16_byte, same_signature, signature_change, torch_dtype,
+                      len_bucket, mean_bucket, overlap_error, rows_16_byte, same_signature, signature_change, torch_dtype,
                       validate_inputs, validate_outputs, validate_values)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
@@ -727,8 +727,7 @@ class DecodeWrapper:
         dev = sq[4]
         ctx = self.ctx
         head, tail, default_scale = self._bucket_parts
-        mean = -(-total // static["batch"])
-        b_max, b_mean = len_bucket(max_len), len_bucket(mean)
+        b_max, b_mean = len_bucket(max_len), mean_bucket(total, static["batch"], max_len)
         cap = static["capacity"] if static["capacity"] > 0 else max_len
         if not capacity:
             # a live plan is made for its capacity's power-of-two bucket (len_bucket), like its lengths: it serves

@@ -882,7 +882,8 @@ def _choose_splits(problem: DecodeProblem, device: DeviceInfo, backend: str, cm:
     2% of the best); ``limit``: most splits; ``align``: chunk alignment in tokens; ``num_warps``: the plan's warps
     per program, which a row measured with other warps is scaled to (:func:`row_programs_per_sm`);
     ``row_at_max``: take the row of a uniform batch at the problem's longest length (for a long-tailed batch,
-    which no row serves as it is; the time predicted is then that uniform batch's split count at these lengths)."""
+    which no row serves as it is: the row sets the kernel options and the merge; the schedule's targets set the
+    units)."""
     max_len = max(problem.visible_span, 1)
     row_problem = replace(problem, total_kv_len=problem.batch * problem.max_kv_len) if row_at_max else problem
     if (entry := _table_entry(row_problem, device, backend)) is not None:
@@ -1030,7 +1031,8 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         warps = _warps(kernel) if capacity_mode or tail_live else None
         choice = _choose_splits(problem_w, device, backend, cm, bw, limit, granule, merges, fused_merge_parallelism,
                                 fused_merge_max_chunk, warps, row_at_max=tail_live)
-        if tail_live and choice.entry is not None:  # the row's count is a uniform batch's: predict from the lengths
+        if tail_live and choice.entry is not None:  # the row's count is a uniform batch's, not what the targets give
+            # these lengths: the time predicted is the cost model's best at them
             choice = choice._replace(predicted=_choose_splits(
                 problem_w, device, backend, cm, bw, limit, granule, merges, fused_merge_parallelism,
                 fused_merge_max_chunk).predicted)

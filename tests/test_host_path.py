@@ -504,6 +504,25 @@ def test_plan_hit_memo_follows_buckets_and_prepares_once(monkeypatch, gen):
     assert_close_to_reference(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("order", ["near first", "tail first"])
+def test_plan_keys_tell_a_long_tailed_batch_from_a_near_uniform_one(order, gen):
+    """Lengths of one pair of power-of-two buckets (longest 64, mean 32) may be near-uniform (mean at least half
+    the longest) or long-tailed; the wrapper's plan-cache key says which, as the problem's own key does
+    (problem.mean_bucket), so neither batch is served the other's plan whatever came first (a long-tailed batch
+    given a near-uniform batch's single pass runs its longest sequence in one program)."""
+    x = make_inputs(4, 8, 2, 32, [60, 30, 20, 18], page_size=16, dtype=torch.float32, capacity=256, generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    w = attnplan.DecodeWrapper(attnplan.Context.from_config(attnplan.load_config()), backend="reference")
+    near, tail = [60, 30, 20, 18], [60, 20, 20, 17]  # means 32 and 29.25: 2 x total >= / < 4 x 60
+    plans = {}
+    for lens in ([near, tail] if order == "near first" else [tail, near]):
+        plans[tuple(lens)] = p = w.plan(*args, seq_lens_host=lens)
+        b = p.problem
+        assert (2 * b.total_kv_len < b.batch * b.max_kv_len) == (2 * sum(lens) < 4 * max(lens))
+        assert w.plan(*args, seq_lens_host=lens) is p  # the memo's key is the same key
+    assert plans[tuple(near)] is not plans[tuple(tail)]
+
+
 def test_a_failed_plan_leaves_no_plan(gen):
     """A plan() that raises leaves no plan (the wrapper's state may be partly updated: pairing these inputs with the
     previous plan could launch it on inputs it was not made for): run() refuses until the next good plan(), which
