@@ -62,12 +62,13 @@ def test_plan_splits_queries_into_launches(q_len, want_blocks):
 
 
 def test_explain_of_several_launches_gives_the_cost_model_per_launch():
-    """The cost model's candidate times are one launch's; the plan's prediction is the step's, every launch."""
-    h200 = DeviceInfo("NVIDIA H200", 132, (9, 0), 227 * 1024, 60 * 2**20, 4800.0, "cuda-13.0")
+    """The cost model's candidate times are one launch's; the plan's prediction is the step's, every launch (a
+    device without a split table: the cost model plans)."""
+    gpu = DeviceInfo("Test GPU without a table", 132, (9, 0), 227 * 1024, 60 * 2**20, 4800.0, "cuda-13.0")
     ctx = Context.from_config(load_config(plan_cache={"disk": False}))
     for hq, hkv, q_len in ((160, 1, 1), (64, 4, 16)):  # head blocks, query blocks
         prob = DecodeProblem(8, hq, hkv, 128, q_len, 16, "bfloat16", "bfloat16", 4096, 4096 + 16)
-        plan = plan_problem(prob, get_backend("triton"), CPU, ctx, dev_info=h200)
+        plan = plan_problem(prob, get_backend("triton"), CPU, ctx, dev_info=gpu)
         n = len(plan.launches)
         assert n == 2 and plan.candidates
         assert f"(splits: chunk tokens, predicted us of one launch; {n} launches per step)" in plan.explain()
