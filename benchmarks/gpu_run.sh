@@ -25,7 +25,7 @@
 # Where the checkout's .git is absent or another commit's, pass the commit the results are for: ATTNPLAN_COMMIT=<sha>
 # (the results files record it).
 set -uo pipefail
-OUT=${OUT:-gpu-out}; R="$OUT/run"; mkdir -p "$R"
+OUT=${OUT:-gpu-out}; R="$OUT/run"; mkdir -p "$R"; export R  # CMD may write under $R
 export PYTHONUNBUFFERED=1 ATTNPLAN_CACHE_DIR=$(mktemp -d) ATTNPLAN_FAILURE_LOG=$R/failures.log  # failures as they happen
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
