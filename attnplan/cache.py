@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 import tempfile
 import threading
@@ -51,6 +52,9 @@ MAX_PLAN_BYTES = 1 << 20
 UNUSABLE = (ValueError, TypeError, KeyError, AttributeError, IndexError, json.JSONDecodeError, UnicodeDecodeError,
             OSError, RecursionError, OverflowError)
 _TMP_PREFIX = ".tmp-"
+#: the names attnplan gives its cache's files and folders: ``v<plan format>/<32 hex digits>.json`` (PlanCache.disk_key)
+_VERSION_DIR = re.compile(r"v[0-9]+")
+_PLAN_FILE = re.compile(r"[0-9a-f]{32}\.json")
 #: tries of a plan file's write whose folder or temporary file another process removed meanwhile
 _WRITE_TRIES = 4
 
@@ -353,7 +357,7 @@ class PlanCache:
             return plan
         except FileNotFoundError:
             return None
-        except PermissionError as e:
+        except (PermissionError, NotADirectoryError) as e:  # the cache's folder is not one we can use
             self._warn_disk(f"cannot read {path}: {e}")
             return None
         except UNUSABLE as e:
@@ -386,11 +390,25 @@ class PlanCache:
                 return
 
     def _files(self) -> list[Path]:
-        """Every ``v*/*.json`` entry under the directory (plans and leftover temporary files), sorted;
-        raises ``OSError`` when the directory cannot be listed."""
-        if not self.directory.is_dir():
+        """attnplan's own files under the directory, sorted: plan files (``v<N>/<32 hex digits>.json``) and
+        leftover temporary files of writes (``v<N>/.tmp-*.json``), in version folders that are folders, not links.
+        Nothing else is listed (nor removed by :meth:`clear`): a directory shared with other files keeps them.
+
+        Raises:
+            OSError: the directory or a version folder cannot be listed (``NotADirectoryError`` for a file).
+        """
+        try:
+            top = sorted(os.scandir(self.directory), key=lambda e: e.name)
+        except FileNotFoundError:
             return []
-        return sorted(self.directory.glob("v*/*.json"))
+        out = []
+        for d in top:
+            if not _VERSION_DIR.fullmatch(d.name) or not d.is_dir(follow_symlinks=False):
+                continue
+            with os.scandir(d.path) as it:
+                out += [Path(f.path) for f in it if _PLAN_FILE.fullmatch(f.name)
+                        or (f.name.startswith(_TMP_PREFIX) and f.name.endswith(".json"))]
+        return sorted(out)
 
     def clear(self, *, disk: bool = True, errors: list | None = None) -> int:
         """Empty the memory LRU and (``disk=True``) delete every plan file and leftover temporary file;

@@ -487,29 +487,30 @@ def test_entries_and_clear_survive_hostile_files(tmp_path, monkeypatch):
     ctx = ctx_at(tmp_path)
     plan(ctx)
     folder = tmp_path / VDIR
-    (folder / "aaaa.json").write_bytes(b"\xff\xfe")
-    (folder / "bbbb.json").write_text("[1]")
+    A, B, C, D = (c * 32 + ".json" for c in "abcd")  # hostile contents under the cache's own file names
+    (folder / A).write_bytes(b"\xff\xfe")
+    (folder / B).write_text("[1]")
     (folder / ".tmp-leftover.json").write_text('{"plan_ver')
-    (folder / "cccc.json").mkdir()
+    (folder / C).mkdir()
     (tmp_path / "v0").mkdir()
-    (tmp_path / "v0" / "old.json").write_text(json.dumps({"plan_version": 0, "plan": {}}))
+    (tmp_path / "v0" / D).write_text(json.dumps({"plan_version": 0, "plan": {}}))
     entries = {Path(e["file"]).name: e for e in ctx.cache.entries()}
     assert sum("plan" in e for e in entries.values()) == 1
-    assert "UnicodeDecodeError" in entries["aaaa.json"]["error"] and "JSON object" in entries["bbbb.json"]["error"]
+    assert "UnicodeDecodeError" in entries[A]["error"] and "JSON object" in entries[B]["error"]
     assert "leftover temporary file" in entries[".tmp-leftover.json"]["error"]
-    assert "not a regular file" in entries["cccc.json"]["error"] and "plan format 0" in entries["old.json"]["error"]
+    assert "not a regular file" in entries[C]["error"] and "plan format 0" in entries[D]["error"]
     real_unlink = Path.unlink
 
     def unlink(self, missing_ok=False):  # a read-only folder (root ignores permissions, so simulated)
-        if self.name == "bbbb.json":
+        if self.name == B:
             raise PermissionError(13, "Permission denied")
         return real_unlink(self, missing_ok=missing_ok)
     monkeypatch.setattr(Path, "unlink", unlink)
     errors = []
     assert ctx.cache.clear(errors=errors) == 4
-    assert len(errors) == 2 and any("bbbb.json: Permission denied" in e for e in errors)
-    assert any("cccc.json: not a regular file" in e for e in errors)
-    assert sorted(p.name for p in folder.iterdir()) == ["bbbb.json", "cccc.json"]
+    assert len(errors) == 2 and any(f"{B}: Permission denied" in e for e in errors)
+    assert any(f"{C}: not a regular file" in e for e in errors)
+    assert sorted(p.name for p in folder.iterdir()) == [B, C]
 
 
 def test_atomic_write_replaces_whole_files_and_cleans_up(tmp_path, monkeypatch):

@@ -89,27 +89,39 @@ def test_tool_options_reach_the_tool(cmd, module, monkeypatch):
     monkeypatch.setattr(cli, "_cpu_mode", lambda: False)
     monkeypatch.setenv("ATTNPLAN_CONFIG", "unset")  # restored (removed) after the test
     assert cli.main(["--config", "x.yaml", cmd, "--json", "out.json", "--iters", "3"]) == 0
-    assert seen == [["--json", "out.json", "--iters", "3"]]
-    assert os.environ["ATTNPLAN_CONFIG"] == "x.yaml"  # --config reaches the tool's planning contexts
+    assert seen == [["--config", "x.yaml", "--json", "out.json", "--iters", "3"]]  # the tool's own --config
+    assert os.environ["ATTNPLAN_CONFIG"] == "unset"  # the hand-off changes no environment
 
 
 def test_tune_takes_config_after_the_subcommand(tmp_path, monkeypatch, capsys):
     """``attnplan tune --config FILE``: tune's own parser takes ``--config`` with its meaning before the subcommand
-    (the file reaches the tool's planning contexts as ``$ATTNPLAN_CONFIG``); a file the config loader rejects is a
-    usage error naming it, before any GPU work."""
+    (``main`` hands the file to the tool's planning contexts as ``$ATTNPLAN_CONFIG``; parsing, failed or not, changes
+    no environment); a file the config loader rejects is a usage error naming it, before any GPU work."""
+    import attnplan.device
     from attnplan import tune
 
     monkeypatch.setenv("ATTNPLAN_CONFIG", "unset")  # restored after the test
     good = tmp_path / "good.yaml"
     good.write_text("split:\n  num_splits: 1\n")
     args = tune.parse_args(["--config", str(good), "--iters", "3"])
-    assert args.config == str(good) and args.iters == 3 and os.environ["ATTNPLAN_CONFIG"] == str(good)
+    assert args.config == str(good) and args.iters == 3 and os.environ["ATTNPLAN_CONFIG"] == "unset"
     bad = tmp_path / "bad.yaml"
     bad.write_text("split:\n  num_splitz: 1\n")
     with pytest.raises(SystemExit) as e:
         tune.parse_args(["--config", str(bad)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "bad.yaml" in err and "num_splitz" in err
+    assert os.environ["ATTNPLAN_CONFIG"] == "unset"
+
+    class NoGPU(Exception):
+        pass
+
+    def no_gpu(*a, **k):
+        raise NoGPU
+    monkeypatch.setattr(attnplan.device, "device_info", no_gpu)
+    with pytest.raises(NoGPU):  # main sets it before any GPU work
+        tune.main(["--config", str(good)])
+    assert os.environ["ATTNPLAN_CONFIG"] == str(good)
     with pytest.raises(SystemExit) as e:  # through the command line: tune's help, which lists --config
         cli.main(["tune", "--config", str(good), "--help"])
     assert e.value.code == 0 and "--config CONFIG" in capsys.readouterr().out
@@ -277,10 +289,11 @@ def test_plans_show_and_clear_survive_hostile_files(tmp_path, capsys, monkeypatc
     assert cli.main(["--config", str(cfg), "run", "--kv-lens", "20", "--batch", "1"]) == 0
     from attnplan.planner import PLAN_VERSION
 
-    folder = tmp_path / f"v{PLAN_VERSION}"
-    (folder / "a.json").write_bytes(b"\xff\xfe")
-    (folder / "b.json").write_text("null")
-    (folder / "c.json").write_text(json.dumps({"plan_version": 1, "library": "0.1.0", "plan": {"grid": [1, 1, 1]}}))
+    folder = tmp_path / f"v{PLAN_VERSION}"  # hostile contents under the cache's own file names
+    (folder / ("a" * 32 + ".json")).write_bytes(b"\xff\xfe")
+    (folder / ("b" * 32 + ".json")).write_text("null")
+    (folder / ("c" * 32 + ".json")).write_text(json.dumps({"plan_version": 1, "library": "0.1.0",
+                                                           "plan": {"grid": [1, 1, 1]}}))
     (folder / ".tmp-x.json").write_text("{")
     capsys.readouterr()
     assert cli.main(["--config", str(cfg), "plans", "show"]) == 0
@@ -289,11 +302,38 @@ def test_plans_show_and_clear_survive_hostile_files(tmp_path, capsys, monkeypatc
     assert f"written by plan format 1 / attnplan '0.1.0', not format {PLAN_VERSION}" in out \
         and "`attnplan plans clear` removes it" in out
     real_unlink = Path.unlink
+    b_json = "b" * 32 + ".json"
     monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(
-        PermissionError(13, "Permission denied")) if self.name == "b.json" else real_unlink(self, missing_ok))
+        PermissionError(13, "Permission denied")) if self.name == b_json else real_unlink(self, missing_ok))
     assert cli.main(["--config", str(cfg), "plans", "clear"]) == 1
     out = capsys.readouterr().out
-    assert "removed 4 plan file(s)" in out and "could not remove" in out and "b.json: Permission denied" in out
+    assert "removed 4 plan file(s)" in out and "could not remove" in out and f"{b_json}: Permission denied" in out
+
+
+def test_plans_clear_touches_only_the_caches_own_files(tmp_path, capsys):
+    """A cache directory shared with other files (``plan_cache.dir`` set to a project folder): ``plans show`` lists
+    and ``plans clear`` removes only ``v<N>/<32 hex digits>.json`` plans and ``v<N>/.tmp-*.json`` leftovers, in
+    version folders that are not links; a cache path that cannot be listed (a file) is reported, and clear fails."""
+    cfg = tmp_path / "c.yaml"
+    cache = tmp_path / "project"
+    cfg.write_text(f"plan_cache:\n  dir: {cache}\n")
+    assert cli.main(["--config", str(cfg), "run", "--kv-lens", "20", "--batch", "1"]) == 0
+    keep = [cache / "vendor" / "package.json", cache / "videos" / "meta.json", cache / "v9" / "notes.json",
+            tmp_path / "elsewhere" / "settings.json"]
+    for f in keep:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("{}")
+    (cache / "v99").symlink_to(tmp_path / "elsewhere")
+    capsys.readouterr()
+    assert cli.main(["--config", str(cfg), "plans", "show"]) == 0
+    assert "(1 plan file(s))" in capsys.readouterr().out
+    assert cli.main(["--config", str(cfg), "plans", "clear"]) == 0
+    assert "removed 1 plan file(s)" in capsys.readouterr().out and all(f.is_file() for f in keep)
+    cfg.write_text(f"plan_cache:\n  dir: {keep[0]}\n")  # a file where the folder should be
+    assert cli.main(["--config", str(cfg), "plans", "show"]) == 0
+    assert "cannot list the cache" in capsys.readouterr().out
+    assert cli.main(["--config", str(cfg), "plans", "clear"]) == 1
+    assert "could not remove" in capsys.readouterr().out and keep[0].is_file()
 
 
 def test_a_cli_started_with_stdout_closed_ends_quietly(tmp_path):
