@@ -352,9 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("tune_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.cmd == "tune":
-        args.tune_args = passthrough
-        if args.config:  # its planning contexts read the config from the environment
-            os.environ["ATTNPLAN_CONFIG"] = args.config
+        # a --config before `tune` goes to tune's own --config (one given after `tune` comes later and wins)
+        args.tune_args = (["--config", args.config] if args.config else []) + passthrough
         if _cpu_mode() and not {"-h", "--help"} & set(args.tune_args):
             print("attnplan: error: tune needs a CUDA GPU", file=sys.stderr)
             return 2

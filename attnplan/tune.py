@@ -106,6 +106,28 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _positive_float(text: str) -> float:
+    """A finite number above 0 (``--max-gb``), else argparse's usage error."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
+    return x
+
+
+def _backend_list(text: str) -> str:
+    """Comma-separated kernel backends tune can time (``--backends``): known names, each once."""
+    from attnplan.config import BACKEND_NAMES
+
+    names = text.split(",")
+    known = [b for b in BACKEND_NAMES if b != "reference"]
+    if not text or any(n not in known for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"must be distinct names of {', '.join(known)}, comma-separated, got {text!r}")
+    return text
+
+
 #: warm-up (ms) of the first timing on a set of freshly built inputs (:func:`_graph_time`); the evidence is at
 #: :data:`attnplan.timing.WARMUP_MS`: a step timed right after its inputs were built ran slow for several ms
 FIRST_WARMUP_MS = 100.0
@@ -366,8 +388,9 @@ def _row_key(r) -> tuple:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """``attnplan tune``'s arguments. ``--config FILE`` means what it means before the subcommand: the YAML config
-    merged over ``plans/default.yaml``; it is set as ``$ATTNPLAN_CONFIG``, which the tool's planning contexts read.
-    The config in effect (that file, else ``$ATTNPLAN_CONFIG``'s) is loaded once here, before any GPU work.
+    merged over ``plans/default.yaml``; :func:`main` sets it as ``$ATTNPLAN_CONFIG``, which the tool's planning
+    contexts read (parsing changes no environment). The config in effect (that file, else ``$ATTNPLAN_CONFIG``'s) is
+    loaded once here, before any GPU work.
 
     Raises:
         SystemExit: ``--help`` (status 0), or a usage error (status 2): a bad argument, an option combination the
@@ -376,7 +399,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="attnplan tune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="YAML config file, merged over plans/default.yaml (also accepted "
                                                    "before `tune`; default: $ATTNPLAN_CONFIG, if set)")
-    ap.add_argument("--backends", default="triton")
+    ap.add_argument("--backends", type=_backend_list, default="triton")
     ap.add_argument("--out", default=None, help="YAML to write (default: the user's table, <cache dir>/plans/<device>.yaml, "
                                                 "which the planner reads before the packaged plans/<device>.yaml)")
     ap.add_argument("--json", default=None, help="also write every timing here")
@@ -391,7 +414,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batches", type=_int_list, default="1,4,16,64", help="split search grid: batches")
     ap.add_argument("--kv", type=_int_list, default="1024,4096,16384,65536,131072",
                     help="split search grid: KV lengths")
-    ap.add_argument("--max-gb", type=float, default=16.0, help="skip grid points whose K+V exceed this many GB")
+    ap.add_argument("--max-gb", type=_positive_float, default=16.0, help="skip grid points whose K+V exceed this many GB")
     ap.add_argument("--heads", type=_heads, default="32,8,128",
                     help="num_q_heads,num_kv_heads,head_dim of the split search "
                     "(rows are keyed by batch x KV heads, KV length, GQA group and head_dim)")
@@ -415,10 +438,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "under kernel_options.<backend>.<layout>_fp8 by hand)")
     from attnplan.config import ConfigError, load_config
 
-    if args.config is not None:  # the tool's planning contexts read the config from the environment
-        os.environ["ATTNPLAN_CONFIG"] = args.config
-    try:
-        load_config()
+    try:  # checked here; main() hands it to the tool's planning contexts (the environment), parsing does not
+        load_config(args.config)
     except ConfigError as e:
         ap.error(str(e))
     return args
@@ -433,6 +454,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from attnplan.config import ConfigError
     from attnplan.device import device_info
+
+    if args.config is not None:  # the tool's planning contexts read the config from the environment
+        os.environ["ATTNPLAN_CONFIG"] = args.config
 
     dev = device_info("cuda")
     path, planner_reads = table_paths(dev.slug(), args.out)

@@ -248,7 +248,11 @@ def test_a_table_of_the_old_short_name_is_named_in_a_warning(user_dir):
                                       (["--heads", "30,8,128"], "multiple of num_kv_heads"),
                                       (["--heads", "abc"], "positive integers"), (["--batches", "1,,4"], "positive"),
                                       (["--kv", "4k"], "positive integers"), (["--iters", "-3"], "positive integers"),
-                                      (["--iters", "0"], "positive integers")])
+                                      (["--iters", "0"], "positive integers"), (["--max-gb", "nan"], "finite"),
+                                      (["--max-gb", "-1"], "above 0"), (["--backends", "bogus"], "distinct names"),
+                                      (["--backends", ""], "distinct names"),
+                                      (["--backends", "triton,triton"], "distinct names"),
+                                      (["--backends", "reference"], "distinct names")])
 def test_tune_bad_grid_arguments_are_usage_errors(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         tune.parse_args(argv)
