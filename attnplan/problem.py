@@ -348,6 +348,11 @@ SOFT_CAP_MAX = 1e30
 #: NaN); at this cap and above, ``1 / cap`` is finite in fp32 and every score is capped to within ``cap`` of 0
 SOFT_CAP_MIN = 2.0 ** -126
 
+#: the smallest fp8 dequantization scale (``k_scale`` / ``v_scale``): fp32's smallest normal number. The kernels
+#: apply the scale in fp32, where a smaller positive float is 0 or a subnormal that a GPU may flush to 0 (all scores
+#: 0, or an all-zero output), so it is refused like 0
+SCALE_MIN = 2.0 ** -126
+
 
 def check_window_left(window_left) -> None:
     """``window_left`` must be an ``int`` (not ``bool``) ``>= -1`` tokens; raises ``TypeError`` / ``ValueError``."""
@@ -556,8 +561,8 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
 
 
 def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> tuple[str, float]:
-    """fp8 caches need K and V dequantization scales: finite floats in ``(0, FP32_SCALED_MAX]`` (per tensor) or
-    fp32 ``[num_kv_heads]`` tensors with unit stride whose values are. Returns the scale kind (``"none"``,
+    """fp8 caches need K and V dequantization scales: finite floats in ``[SCALE_MIN, FP32_SCALED_MAX]`` (per tensor)
+    or fp32 ``[num_kv_heads]`` tensors with unit stride whose values are. Returns the scale kind (``"none"``,
     ``"tensor"``, ``"head"``) and the largest K scale (0 without one)."""
     if not fp8:
         if k_scale is not None or v_scale is not None:
@@ -569,9 +574,10 @@ def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> tuple[str, f
             raise ValueError(f"{name} is required with a float8_e4m3fn KV cache (a float, or float32 [num_kv_heads])")
         if _is_real(sc):
             vmax = _as_float(sc)
-            if not (math.isfinite(vmax) and 0 < vmax <= FP32_SCALED_MAX):
-                raise ValueError(f"{name} must be a finite float in (0, {FP32_SCALED_MAX:.4g}] (the dequantization "
-                                 f"scale, applied in fp32), got {_short(sc)}")
+            if not (math.isfinite(vmax) and SCALE_MIN <= vmax <= FP32_SCALED_MAX):
+                raise ValueError(f"{name} must be a finite float in [{SCALE_MIN:.4g}, {FP32_SCALED_MAX:.4g}] (the "
+                                 f"dequantization scale, applied in fp32: smaller is 0 or subnormal there), got "
+                                 f"{_short(sc)}")
             kinds.add("tensor")
         elif isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.shape == (hkv,) and sc.device == device:
             _unit_stride(name, sc, 0, "its KV-head axis")
@@ -612,7 +618,7 @@ _SEEN_MAX = 4096
 def _bad_values(name: str, v: torch.Tensor) -> int | None:
     """Index of the first value of ``v`` that ``name`` may not hold, or ``None`` (reads ``v``: a sync on a GPU)."""
     bad = (torch.isnan(v) | (v == float("inf")) if name == "sinks"
-           else ~(torch.isfinite(v) & (v > 0) & (v <= FP32_SCALED_MAX)))
+           else ~(torch.isfinite(v) & (v >= SCALE_MIN) & (v <= FP32_SCALED_MAX)))
     if not bool(bad.any()):
         return None
     return int(bad.nonzero()[0, 0])
@@ -620,8 +626,8 @@ def _bad_values(name: str, v: torch.Tensor) -> int | None:
 
 def _check_values_once(name: str, t: torch.Tensor) -> float:
     """Read ``t``'s values (a device-to-host copy: a sync on a GPU) unless this tensor was checked at its
-    current version. ``sinks``: no NaN and no ``+inf``; ``k_scale`` / ``v_scale``: finite, ``> 0`` and at most
-    :data:`FP32_SCALED_MAX`. Returns the largest value (kept with the check, so a later plan needs no read)."""
+    current version. ``sinks``: no NaN and no ``+inf``; ``k_scale`` / ``v_scale``: finite, at least
+    :data:`SCALE_MIN` and at most :data:`FP32_SCALED_MAX`. Returns the largest value (kept with the check, so a later plan needs no read)."""
     base = t if t._base is None else t._base
     try:
         version = t._version
@@ -637,8 +643,8 @@ def _check_values_once(name: str, t: torch.Tensor) -> float:
     i = _bad_values(name, v)
     if i is not None:
         want = ("must not be NaN or +inf (-inf = no sink for that head)" if name == "sinks"
-                else f"must be finite, > 0 and at most {FP32_SCALED_MAX:.4g} (a dequantization scale per KV head, "
-                     f"applied in fp32)")
+                else f"must be finite, at least {SCALE_MIN:.4g} (fp32's smallest normal number) and at most "
+                     f"{FP32_SCALED_MAX:.4g} (a dequantization scale per KV head, applied in fp32)")
         raise ValueError(f"{name}[{i}] = {float(v[i])}: {name} {want}")
     vmax = float(v.max()) if v.numel() else 0.0
     with _SEEN_LOCK:
