@@ -128,7 +128,8 @@ def mean_bucket(total_kv_len: int, batch: int, max_kv_len: int) -> int:
     long-tailed batch (mean below half the longest: ``2 x total < batch x max``) whose mean rounds up to half the
     longest's bucket, which gets a quarter of it. So the bucketed lengths say whether the batch is long-tailed, as
     the real ones do: a near-uniform batch's mean bucket is at least half its longest's, a long-tailed one's at
-    most a quarter (the plan of a long-tailed batch is never a single pass, :func:`attnplan.planner.make_plan`)."""
+    most a quarter (the plan of a long-tailed batch is never a single pass, :func:`attnplan.planner.make_plan`),
+    except where the longest is at most 16 tokens (one bucket: both are 16)."""
     m = len_bucket(-(-total_kv_len // batch))
     if 2 * total_kv_len < batch * max_kv_len and 2 * m == len_bucket(max_kv_len):
         return m // 2
