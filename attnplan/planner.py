@@ -1020,7 +1020,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     min_c = max(1, -(-config.split.min_chunk_tokens // granule))
     limit = max(1, min(config.split.max_splits, span // (min_c * granule)))
     zeros = (0,) * NUM_TARGETS
-    choice = None
+    choice, tail_live = None, False
     if forced == 1:
         policy, sched = "no-split", Schedule("single", granule, 1, 1, zeros, batch)
         splits, chunk = 1, _align_up(span, granule)
@@ -1036,8 +1036,8 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         sched = Schedule("batch_invariant", granule, c, s_cap, zeros, batch * min(s_cap, -(-cap_granules // c)))
         splits, chunk = min(s_cap, -(-span // (c * granule))), c * granule
     else:
-        # a live long-tailed batch (its bucketed lengths say so: problem.mean_bucket) is planned as a capacity plan
-        # of its longest length is: from the split-table row of a uniform batch at that length, whose kernel
+        # a live long-tailed batch (its bucketed lengths say so: problem.mean_bucket) is planned as the capacity plan
+        # of its longest length would be: from the split-table row of a uniform batch at that length, whose kernel
         # options api.plan_problem applies, with every bucket's row scaled to them. Measured on an H200, such
         # batches planned by the cost model with the backend's default options ran 1.1-1.7x their capacity plans.
         uniform = 2 * problem.total_kv_len >= batch * problem.max_kv_len
