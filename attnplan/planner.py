@@ -719,9 +719,8 @@ def _merges_for(merges: tuple[str, ...], chunk: int, fused_max_chunk: int) -> tu
 
 
 def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_program: float, splits: int,
-                   fused_parallelism: int = 1, fused_splits: int | None = None) -> dict:
-    """Cost of each merge strategy after the partial kernel, microseconds; ``splits``: partial states per row,
-    ``fused_splits``: those of the row the fused merge waits for, the longest sequence's (default ``splits``).
+                   fused_parallelism: int = 1) -> dict:
+    """Cost of each merge strategy after the partial kernel, microseconds.
 
     separate: one more launch, then all rows' states read at full bandwidth.
     fused: no launch; the last program of each (sequence, KV head) reads its group's states alone (at one
@@ -735,24 +734,9 @@ def _merge_cost_us(problem: DecodeProblem, cm: CostModel, bw: float, bw_per_prog
     state_bytes = (problem.head_dim + 1) * 4 * splits
     out_bytes = problem.head_dim * torch_dtype(problem.q_dtype).itemsize
     group_rows = problem.q_len * problem.group_size
-    fs = splits if fused_splits is None else fused_splits
-    fused_state_bytes = (problem.head_dim + 1) * 4 * fs
     return {"separate": cm.launch_us + rows * (2 * state_bytes + out_bytes) / bw,
-            "fused": cm.program_us + (2 * fs * cm.merge_split_latency_us
-                                      + group_rows * (fused_state_bytes + out_bytes) / bw_per_program)
-            / fused_parallelism}
-
-
-def _longest_units(problem: DecodeProblem, sched: Schedule, capacity_mode: bool) -> int:
-    """Units ``sched`` gives the longest sequence of the most long-tailed batch ``problem``'s plan serves: one
-    sequence at the planned longest length and the rest empty (a capacity plan), or sharing the rest of the planned
-    total evenly (a live plan). The fused merge waits for that sequence's last program, which merges all of its
-    units' states: measured on an H200, Triton's capacity plans at 32/8/128 and 64/8/128, 64 sequences, one of 128K,
-    merged 82-90 units of that sequence in its last program and ran 7-16% slower than with the merge kernel."""
-    batch, longest = problem.batch, max(problem.max_kv_len, 1)
-    rest = 0 if capacity_mode or batch == 1 else max(0, problem.total_kv_len - longest) // (batch - 1)
-    u = schedule_units([longest] + [rest] * (batch - 1), sched, problem.q_len, problem.window_left)
-    return int(u.units[0])
+            "fused": cm.program_us + (2 * splits * cm.merge_split_latency_us
+                                      + group_rows * (state_bytes + out_bytes) / bw_per_program) / fused_parallelism}
 
 
 #: a split-table entry serves problems within this factor of its work and length (log-space box)
@@ -1020,7 +1004,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     min_c = max(1, -(-config.split.min_chunk_tokens // granule))
     limit = max(1, min(config.split.max_splits, span // (min_c * granule)))
     zeros = (0,) * NUM_TARGETS
-    choice, tail_live = None, False
+    choice = None
     if forced == 1:
         policy, sched = "no-split", Schedule("single", granule, 1, 1, zeros, batch)
         splits, chunk = 1, _align_up(span, granule)
@@ -1082,12 +1066,8 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         want = config.split.merge
         if want == "auto" and sched.policy != "batch_invariant":
             bwp = bw * 1e3 * cm.bandwidth_fraction
-            fused_splits = max(splits, 2)
-            if sched.policy == "balanced" and (capacity_mode or tail_live):
-                fused_splits = max(fused_splits, _longest_units(problem_w, sched, capacity_mode))
             costs = _merge_cost_us(problem_w, cm, bwp, bwp / (device.sm_count * cm.sat_programs_per_sm),
-                                   max(splits, 2), fused_parallelism=fused_merge_parallelism,
-                                   fused_splits=fused_splits)
+                                   max(splits, 2), fused_parallelism=fused_merge_parallelism)
             merge = min((costs[m], m) for m in _merges_for(merges, chunk, fused_merge_max_chunk))[1]
         else:
             merge = want if want in merges else "separate"

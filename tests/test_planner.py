@@ -438,22 +438,6 @@ def test_a_long_tailed_live_plan_is_planned_as_a_capacity_plan(table):
     assert near.schedule.single_pass and near.kernel["num_warps"] == 8
 
 
-def test_the_fused_merge_is_costed_at_the_longest_sequences_units():
-    """A plan that may see a long-tailed batch (a capacity plan, a long-tailed live plan) costs the fused merge at the
-    units its schedule gives the longest sequence of such a batch, whose last program merges them all: measured on
-    an H200, Triton's capacity plans at 64 sequences with one of 128K merged 82-90 units there and ran 7-16% slower
-    than with the merge kernel."""
-    kw = dict(merge_strategies=frozenset({"separate", "fused"}), fused_merge_parallelism=1)
-    for hq, d in ((32, 128), (64, 128), (16, 256)):
-        prob = P(batch=64, num_q_heads=hq, head_dim=d, max_kv_len=131072, capacity=131072)
-        cap = make_plan(prob, H200, CFG, "triton", KERNEL, capacity_mode=True, **kw)
-        assert cap.merge == "separate" and max(units(cap, [131072] + [0] * 63)) > 64
-        lens = [131072] + [2000] * 63
-        tail = make_plan(P(batch=64, num_q_heads=hq, head_dim=d, max_kv_len=131072, total_kv_len=sum(lens),
-                           capacity=131072).bucketed(), H200, CFG, "triton", KERNEL, **kw)
-        assert tail.merge == "separate"
-
-
 def test_batch_invariant_plans_take_no_row_options(table):
     table.update({"split_table": {"cuda_ptx": {"contiguous": [[16, 16384, 0.61, 40.6, 8, 128, {"num_warps": 8}]]}}})
     p = _plan_rows(cfg=attnplan.load_config(plan_cache={"disk": False}, split={"batch_invariant": True}))
