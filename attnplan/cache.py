@@ -441,9 +441,9 @@ class PlanCache:
         return removed
 
     def entries(self) -> list[dict]:
-        """Every file in the cache folders (all versions), for ``attnplan plans show``: ``{"file",
-        "plan"}`` (the plan as a dict, validated by :func:`load_plan_file`) or ``{"file", "error"}``
-        (why it is unusable: corrupt, another version, a leftover temporary file...). Never raises."""
+        """attnplan's own files in the cache's version folders (all versions; :meth:`_files`), for ``attnplan plans
+        show``: ``{"file", "plan"}`` (the plan as a dict, validated by :func:`load_plan_file`) or ``{"file",
+        "error"}`` (why it is unusable: corrupt, another version, a leftover temporary file...). Never raises."""
         try:
             files = self._files()
         except OSError as e:

@@ -31,8 +31,8 @@ for other views, and a plan forced onto it is refused at ``plan()``.
 ``log2(e)`` factor). ``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]``: 0 (off) or at least :data:`SOFT_CAP_MIN`
 (fp32's smallest normal number). ``window_left`` an ``int`` (not
 ``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal, of any size:
-:func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite, ``> 0`` and at most :data:`FP32_SCALED_MAX`
-(floats and tensor values alike), and ``sm_scale`` times the largest K scale too. A paged cache has at least one
+:func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite, at least :data:`SCALE_MIN` (fp32's smallest
+normal number) and at most :data:`FP32_SCALED_MAX` (floats and tensor values alike), and ``sm_scale`` times the largest K scale too. A paged cache has at least one
 page. No input or output is a lazily negated view (``Tensor.is_neg()``; inputs checked by ``plan()``, ``out`` and
 ``lse`` by ``run()`` and ``decode()``). ``sinks``: no NaN and
 no ``+inf``; ``-inf`` means "no sink" for that head. Float scales are checked on every call. Tensor ``sinks`` /

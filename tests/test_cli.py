@@ -323,6 +323,8 @@ def test_plans_clear_touches_only_the_caches_own_files(tmp_path, capsys):
     for f in keep:
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text("{}")
+    keep.append(tmp_path / "elsewhere" / ("e" * 32 + ".json"))  # a plan's name, behind a linked version folder
+    keep[-1].write_text("{}")
     (cache / "v99").symlink_to(tmp_path / "elsewhere")
     capsys.readouterr()
     assert cli.main(["--config", str(cfg), "plans", "show"]) == 0
