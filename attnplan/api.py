@@ -38,8 +38,8 @@ from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
 from .problem import (DecodeProblem, as_host_lengths, check_no_grad, check_sm_scale, check_variant_tensors,
                       default_sm_scale, explain_lengths, has_internal_overlap, host_lengths, is_contiguous_layout,
-                      len_bucket, mean_bucket, overlap_error, rows_16_byte, same_signature, signature_change, torch_dtype,
-                      validate_inputs, validate_outputs, validate_values)
+                      len_bucket, mean_bucket, overlap_error, rows_16_byte, same_signature, signature_change,
+                      torch_dtype, validate_inputs, validate_outputs, validate_values)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem", "DECODE_WRAPPERS"]

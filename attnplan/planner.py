@@ -594,7 +594,7 @@ class SplitPlan:
                 lines.append("  the planned lengths get one unit per sequence: single pass (the row's count, or the "
                              "targets of the length's bucket, planned at its middle)")
             w = _warps(self.kernel)
-            tail = not self.capacity_mode and 2 * p.total_kv_len < p.batch * p.max_kv_len
+            tail = not self.capacity_mode and p.long_tailed
             if tail:
                 lines.append("  a long-tailed batch (mean below half the longest): planned as a capacity plan of its "
                              "longest length, from the row of a uniform batch at that length")
@@ -771,8 +771,7 @@ def table_candidates(problem: DecodeProblem, device: DeviceInfo, backend: str) -
     an H200, 32/32/128 and 16/8/256 planned from other heads' rows or the cost model missed the best by 5-25%.
     """
     itemsize = torch_dtype(problem.kv_dtype).itemsize
-    if device.compute_capability == (0, 0) or itemsize not in (1, 2) \
-            or problem.total_kv_len * 2 < problem.batch * problem.max_kv_len:
+    if device.compute_capability == (0, 0) or itemsize not in (1, 2) or problem.long_tailed:
         return []
     layout = split_table_layout("paged" if problem.paged else "contiguous", itemsize)
     rows = _table_rows(device.slug(), backend, layout)
@@ -1024,8 +1023,8 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
         # of its longest length would be: from the split-table row of a uniform batch at that length, whose kernel
         # options api.plan_problem applies, with every bucket's row scaled to them. Measured on an H200, such
         # batches planned by the cost model with the backend's default options ran 1.1-1.7x their capacity plans.
-        uniform = 2 * problem.total_kv_len >= batch * problem.max_kv_len
-        tail_live = not capacity_mode and not uniform
+        uniform = not problem.long_tailed
+        tail_live = not capacity_mode and problem.long_tailed
         # a capacity plan's rows are scaled to its own warps (row_programs_per_sm): it runs one row's options at
         # every live length, so the other buckets' rows were measured with other programs
         warps = _warps(kernel) if capacity_mode or tail_live else None

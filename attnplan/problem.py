@@ -32,8 +32,9 @@ for other views, and a plan forced onto it is refused at ``plan()``.
 (fp32's smallest normal number). ``window_left`` an ``int`` (not
 ``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal, of any size:
 :func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite, at least :data:`SCALE_MIN` (fp32's smallest
-normal number) and at most :data:`FP32_SCALED_MAX` (floats and tensor values alike), and ``sm_scale`` times the largest K scale too. A paged cache has at least one
-page. No input or output is a lazily negated view (``Tensor.is_neg()``; inputs checked by ``plan()``, ``out`` and
+normal number) and at most :data:`FP32_SCALED_MAX` (floats and tensor values alike), and ``sm_scale`` times the
+largest K scale too. A paged cache has at least one page. No input or output is a lazily negated view
+(``Tensor.is_neg()``; inputs checked by ``plan()``, ``out`` and
 ``lse`` by ``run()`` and ``decode()``). ``sinks``: no NaN and
 no ``+inf``; ``-inf`` means "no sink" for that head. Float scales are checked on every call. Tensor ``sinks`` /
 ``k_scale`` / ``v_scale`` values are read once per tensor version: the first ``plan()`` that sees a tensor reads it
@@ -233,6 +234,12 @@ class DecodeProblem:
         return self.page_size is not None
 
     @property
+    def long_tailed(self) -> bool:
+        """Whether the lengths are long-tailed: the mean below half the longest, ``2 x total_kv_len < batch x
+        max_kv_len`` (the device-side schedule's test, :func:`attnplan.schedule.is_long_tailed`, in tokens)."""
+        return 2 * self.total_kv_len < self.batch * self.max_kv_len
+
+    @property
     def visible_span(self) -> int:
         """Most KV positions any query of a sequence can see, tokens (the window bounds it)."""
         if self.window_left < 0:
@@ -344,15 +351,18 @@ FP32_SCALED_MAX = 3.4028234663852886e38 / 1.4426950408889634
 #: flushed to 0
 SOFT_CAP_MAX = 1e30
 
-#: the smallest positive soft cap: fp32's smallest normal number (2^-126, ~1.18e-38). A smaller positive cap is 0 or
-#: a subnormal in fp32 (which a GPU may flush to 0), and ``score / cap`` of a score of 0 would be ``0 / 0`` (the row
-#: NaN); at this cap and above, ``1 / cap`` is finite in fp32 and every score is capped to within ``cap`` of 0
-SOFT_CAP_MIN = 2.0 ** -126
+#: fp32's smallest normal number (2^-126, ~1.18e-38): a smaller positive float is 0 or a subnormal in fp32, which a
+#: GPU may flush to 0
+FP32_NORMAL_MIN = 2.0 ** -126
 
-#: the smallest fp8 dequantization scale (``k_scale`` / ``v_scale``): fp32's smallest normal number. The kernels
-#: apply the scale in fp32, where a smaller positive float is 0 or a subnormal that a GPU may flush to 0 (all scores
-#: 0, or an all-zero output), so it is refused like 0
-SCALE_MIN = 2.0 ** -126
+#: the smallest positive soft cap (:data:`FP32_NORMAL_MIN`): below it ``score / cap`` of a score of 0 could be
+#: ``0 / 0`` (the row NaN); at this cap and above, ``1 / cap`` is finite in fp32 and every score is capped to within
+#: ``cap`` of 0
+SOFT_CAP_MIN = FP32_NORMAL_MIN
+
+#: the smallest fp8 dequantization scale (``k_scale`` / ``v_scale``; :data:`FP32_NORMAL_MIN`): the kernels apply it in
+#: fp32, where a smaller one could be 0 (all scores 0, or an all-zero output), so it is refused like 0
+SCALE_MIN = FP32_NORMAL_MIN
 
 
 def check_window_left(window_left) -> None:
@@ -628,7 +638,8 @@ def _bad_values(name: str, v: torch.Tensor) -> int | None:
 def _check_values_once(name: str, t: torch.Tensor) -> float:
     """Read ``t``'s values (a device-to-host copy: a sync on a GPU) unless this tensor was checked at its
     current version. ``sinks``: no NaN and no ``+inf``; ``k_scale`` / ``v_scale``: finite, at least
-    :data:`SCALE_MIN` and at most :data:`FP32_SCALED_MAX`. Returns the largest value (kept with the check, so a later plan needs no read)."""
+    :data:`SCALE_MIN` and at most :data:`FP32_SCALED_MAX`. Returns the largest value (kept with the check, so a later
+    plan needs no read)."""
     base = t if t._base is None else t._base
     try:
         version = t._version

@@ -414,7 +414,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batches", type=_int_list, default="1,4,16,64", help="split search grid: batches")
     ap.add_argument("--kv", type=_int_list, default="1024,4096,16384,65536,131072",
                     help="split search grid: KV lengths")
-    ap.add_argument("--max-gb", type=_positive_float, default=16.0, help="skip grid points whose K+V exceed this many GB")
+    ap.add_argument("--max-gb", type=_positive_float, default=16.0,
+                    help="skip grid points whose K+V exceed this many GB")
     ap.add_argument("--heads", type=_heads, default="32,8,128",
                     help="num_q_heads,num_kv_heads,head_dim of the split search "
                     "(rows are keyed by batch x KV heads, KV length, GQA group and head_dim)")
