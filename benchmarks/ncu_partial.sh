@@ -2,17 +2,17 @@
 # Nsight Compute (ncu) profile of the split-KV partial (or single-pass) kernel of one decode step per backend, on the GPU
 # machine: hardware counters (DRAM throughput, occupancy, warp stall reasons) to see why one backend's
 # partial streams slower than another's. Clocks left alone (--clock-control none), as the timings leave them.
-#   OUT=dir BACKENDS="triton cuda_ptx" KVS="32768" BATCH=1 LAYOUT=contiguous HEADS=32,8,128 [KV_DTYPE=float8_e4m3fn] \
+#   OUT=dir BACKENDS="triton cuda_ptx" KVS="32768" BATCH=1 LAYOUT=contiguous HEADS=32,8,128 [KV_DTYPE=float8_e4m3fn] [DIST=one_long] \
 #     bash benchmarks/ncu_partial.sh
 # cuda_ptx runs with benchmarks/configs/cuda-ptx-no-pdl.yaml (one kernel at a time, no early launch).
 set -uo pipefail
 OUT=${OUT:-ncu-out}; mkdir -p "$OUT"; status=0
 for kv in ${KVS:-32768}; do
   for be in ${BACKENDS:-triton cuda_ptx}; do
-    rep="$OUT/ncu-$be-${LAYOUT:-contiguous}-b${BATCH:-1}-$kv${KV_DTYPE:+-$KV_DTYPE}"
+    rep="$OUT/ncu-$be-${LAYOUT:-contiguous}-b${BATCH:-1}-$kv${KV_DTYPE:+-$KV_DTYPE}${DIST:+-$DIST}"
     ATTNPLAN_CONFIG=benchmarks/configs/cuda-ptx-no-pdl.yaml timeout ${NCU_TIMEOUT:-120} \
       ncu --clock-control none --set full -k 'regex:attnplan_decode|split_kv' --launch-skip 3 --launch-count 1 -f -o "$rep" \
-      python3 benchmarks/profile_kernels.py --plain --iters 5 --backends $be --batches ${BATCH:-1} --layouts ${LAYOUT:-contiguous} --kv $kv --heads ${HEADS:-32,8,128} --kv-dtype ${KV_DTYPE:-bfloat16} \
+      python3 benchmarks/profile_kernels.py --plain --iters 5 --backends $be --batches ${BATCH:-1} --layouts ${LAYOUT:-contiguous} --kv $kv --heads ${HEADS:-32,8,128} --kv-dtype ${KV_DTYPE:-bfloat16} ${DIST:+--dist $DIST} \
       > "$rep.log" 2>&1
     rc=$?; echo "ncu $be ${LAYOUT:-contiguous} b${BATCH:-1} kv$kv rc=$rc"
     if [ $rc -ne 0 ] || [ ! -f "$rep.ncu-rep" ]; then status=1; tail -5 "$rep.log"; continue; fi

@@ -105,12 +105,13 @@ def profile(backend: str, batch: int, kv: int, heads, layout: str, iters: int, g
             "gap_us": statistics.median(s - k for s, k in zip(spans, sums)) if spans else None}
 
 
-def plain_steps(backend: str, batch: int, kv: int, heads, layout: str, iters: int, kv_dtype: str = "bfloat16") -> None:
+def plain_steps(backend: str, batch: int, kv: int, heads, layout: str, iters: int, kv_dtype: str = "bfloat16",
+                dist: str = "") -> None:
     """``iters`` eager decode steps of one shape with no profiler attached, L2 flushed before each: the
     process for an outside profiler (``ncu``, see ``benchmarks/ncu_partial.sh``) to attach to."""
     from attnplan.timing import l2_flush
 
-    w, plan, args = _setup(backend, batch, kv, heads, layout, kv_dtype)
+    w, plan, args = _setup(backend, batch, kv, heads, layout, kv_dtype, dist)
     for _ in range(iters):
         l2_flush()
         w.run(*args)
@@ -141,7 +142,7 @@ def main() -> None:
             for kv in map(int, a.kv.split(",")):
                 for be in a.backends.split(","):
                     if a.plain:
-                        plain_steps(be, batch, kv, heads, layout, a.iters, a.kv_dtype)
+                        plain_steps(be, batch, kv, heads, layout, a.iters, a.kv_dtype, a.dist)
                         continue
                     r = profile(be, batch, kv, heads, layout, a.iters, a.graph, a.kv_dtype, a.dist)
                     rows.append(r)
