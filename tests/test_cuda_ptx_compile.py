@@ -759,8 +759,13 @@ def test_pdl_launch_config_and_griddepcontrol():
     for arch, present in (("compute_90", True), ("compute_80", False)):
         for spec, insn in ((S.merge_spec("bfloat16", 128), "griddepcontrol.wait"),
                            (partial, "griddepcontrol.launch_dependents")):
-            ptx = PROG.compile(spec.options(), N.CompileTarget(arch, "ptx")).image
-            assert (insn in ptx.decode()) == present, (arch, spec.name)
+            ptx = PROG.compile(spec.options(), N.CompileTarget(arch, "ptx")).image.decode()
+            assert (insn in ptx) == present, (arch, spec.name)
+            if present and spec is partial:
+                # the trigger follows the KV stream: after the last cp.async of the ring, so the merge's CTAs,
+                # once launched, wait only through the programs' epilogues
+                body = ptx[ptx.index(".entry attnplan_decode_partial"):]
+                assert body.index(insn) > body.rindex("cp.async.wait_group"), "trigger before the ring's last wait"
 
 
 def test_packed_args_layout():
