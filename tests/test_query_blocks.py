@@ -188,7 +188,7 @@ def _check(out, lse, x):
 
 
 #: CASES in the full tier: numba's plain case (query blocks of a plain problem on numba, lengths below q_len and 0:
-#: MORE's numba-g9-q16-plain, three launches; separate-merge reruns bitwise: numba's variants case)
+#: MORE's numba-g9-q16-plain, three launches; separate-merge reruns bitwise: numba's variants case on a GPU)
 FULL_CASES = {("numba", (8, 1), 16)}
 
 
@@ -211,13 +211,15 @@ def test_query_blocks_match_reference(name, heads, q_len, lens, variants, splits
                   window_left=x.window_left, logits_soft_cap=x.soft_cap, sinks=x.sinks)
     assert plan.q_block and len(plan.q_blocks) == 2, plan.q_blocks
     outs = []
-    for _ in range(2):  # reruns are bitwise identical (fixed merge order, per-launch tables)
+    # reruns are bitwise identical (fixed merge order, per-launch tables); numba in the CPU simulator runs once (its
+    # reruns, bitwise under thread switches, are test_numba_backend's; the per-launch tables rerun on triton here)
+    for _ in range(1 if name == "numba" and DEVICE == "cpu" else 2):
         out, lse = poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], device=DEVICE))
         w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
         _check(out.cpu(), lse.cpu(), dataclasses.replace(x, **{f: getattr(x, f).cpu() for f in (
             "q", "k_cache", "v_cache", "seq_lens", "block_table")}, sinks=None if x.sinks is None else x.sinks.cpu()))
         outs.append((out, lse))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert all(torch.equal(o, outs[0][0]) and torch.equal(l_, outs[0][1]) for o, l_ in outs[1:])
 
 
 def test_query_blocks_capacity_plan_serves_other_lengths():
