@@ -2,7 +2,7 @@
 # Nsight Compute (ncu) profile of the split-KV partial (or single-pass) kernel of one decode step per backend, on the GPU
 # machine: hardware counters (DRAM throughput, occupancy, warp stall reasons) to see why one backend's
 # partial streams slower than another's. Clocks left alone (--clock-control none), as the timings leave them.
-#   OUT=dir BACKENDS="triton cuda_ptx" KVS="32768" BATCH=1 LAYOUT=contiguous HEADS=32,8,128 [KV_DTYPE=float8_e4m3fn] [DIST=one_long] \
+#   OUT=dir BACKENDS="triton cuda_ptx" KVS="32768" BATCH=1 LAYOUT=contiguous HEADS=32,8,128 [KV_DTYPE=float8_e4m3fn] [DIST=one_long] [NCU_SOURCE=cuda_ptx] \
 #     bash benchmarks/ncu_partial.sh
 # cuda_ptx runs with benchmarks/configs/cuda-ptx-no-pdl.yaml (one kernel at a time, no early launch).
 set -uo pipefail
