@@ -26,9 +26,10 @@ Cross-program merges (``plan.merge``; the global reduction of split-K, paid eith
 the partial one; peers: FlashInfer's ``merge_states`` and FlashAttention-2's split-KV combine, separate kernels
 there):
 
-* ``separate`` (default): program 0 of the partial kernel writes ``workspace.meta`` (``indptr`` then ``units``),
+* ``separate``: program 0 of the partial kernel writes ``workspace.meta`` (``indptr`` then ``units``),
   then the merge kernel (one CTA per output row; it exits for rows of one-unit sequences; lanes over units,
-  warp-shuffle max / sum, unrolled o loads; launched with PDL on sm_90+) merges the row's slots in slot order.
+  warp-shuffle max / sum, unrolled o loads; launched with PDL on sm_90+, allowed once every partial program has
+  read its KV) merges the row's slots in slot order.
   Deterministic. With few rows and many units one team of threads per row is latency bound (H200, CUPTI: 8 rows x
   128 splits took 9.3 us, 8 dependent round trips of 16 splits' o rows per CTA), so the CTA then holds several
   merge teams (:func:`~.spec.merge_teams` of the plan's most units per sequence: 1 when the rows that may hold
