@@ -12,7 +12,8 @@ Tensor conventions (the same as FlashAttention's kvcache API and vLLM's paged ca
 Input contract
 --------------
 Every input below is checked on the host before any kernel runs; a violation raises ``TypeError``
-(wrong type or dtype) or ``ValueError`` (shape, stride, device, value or aliasing), and the message
+(wrong type or dtype of q, the cache, lengths or block table) or ``ValueError`` (shape, stride, device, value or
+aliasing; and any fault of ``sinks``, including its type or dtype), and the message
 names the argument, what was given and what is required.
 
 *Strides.* Unit stride (in elements) is required on the last axis of ``q``, ``k_cache``, ``v_cache``,
@@ -151,7 +152,8 @@ class DecodeProblem:
         head_dim: channels per head.
         q_len: queries per sequence (1 = plain decode, >1 = speculative verification).
         page_size: tokens per page for a paged cache, ``None`` for a contiguous cache.
-        q_dtype / kv_dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"``; the output takes q's.
+        q_dtype / kv_dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"`` (kv_dtype also ``"float8_e4m3fn"``); the
+            output takes q's.
         max_kv_len: the longest sequence the plan must serve, in tokens (live maximum for an
             eager plan, the cache capacity for a CUDA-graph plan).
         total_kv_len: sum of all sequences' lengths in tokens (``batch * max_kv_len`` when only
@@ -466,7 +468,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
 
     Raises:
         TypeError: an argument is not a tensor (or a number where one is expected), or has an
-            unsupported dtype.
+            unsupported dtype (``sinks`` raises ``ValueError`` for these).
         ValueError: shapes, strides, devices or head counts do not agree, a tensor is on the meta device (no data),
             or a parameter's value is
             out of range (non-finite scale, negative soft cap, NaN sink...); the message names the
