@@ -335,11 +335,22 @@ def test_nan_outside_valid_positions_and_in_other_sequences_does_not_leak(backen
             x.k_cache[p] = float("nan")
             x.v_cache[p] = float("nan")
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
-    # now poison sequence 2's own q and KV
+    # now poison sequence 2's own q and KV (its visible positions)
     x.q[2] = float("nan")
+    n2 = lens[2]
+    if page is None:
+        x.k_cache[2, :n2] = float("nan")
+        x.v_cache[2, :n2] = float("nan")
+    else:
+        for p in x.block_table[2, : -(-n2 // page)].tolist():
+            x.k_cache[p] = float("nan")
+            x.v_cache[p] = float("nan")
+    ref2, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    assert torch.isnan(ref2[2]).all()
     out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend, num_splits=3)
     keep = [0, 1, 3]
     assert_close_to_reference(out[keep], ref[keep], torch.float16)
+    assert torch.isnan(out[2]).all(), "the poisoned sequence's rows must stay NaN (its own), not turn finite"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

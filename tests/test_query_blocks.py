@@ -401,19 +401,21 @@ def test_head_blocks_match_reference(name, rows, heads, q_len, lens, variants, f
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-@pytest.mark.parametrize("name", ["reference", "numba", "triton"])
+@pytest.mark.parametrize("name", ["numba", "triton"])
 def test_a_plan_of_several_launches_is_refused_by_partial_and_merge(name):
     """partial() / merge() launch one plan's grid: handed a whole plan of head or query blocks they would leave rows
-    unwritten, so they refuse it (Backend.run launches each of plan.launches)."""
-    if name != "reference" and name not in kernel_backends(DEVICE):
+    unwritten, so they refuse it (Backend.run launches each of plan.launches). (The reference backend serves any
+    rows in one launch: it never makes such a plan.)"""
+    if name not in kernel_backends(DEVICE):
         pytest.skip(f"{name} unavailable on {DEVICE}")
     be = get_backend(name)
+    refused = 0
     for heads, q_len in (((144, 2), 1), ((64, 1), 3)):
         x = _inputs(heads, q_len, (20, 5), {})
         plan = plan_problem(problem_of(x), be, CPU, Context.from_config(load_config(split={"merge": "separate"})),
                             num_splits=2)
         if not plan.multi_launch:
-            assert name in ("reference", "triton")
+            assert name == "triton"  # 72 rows fit a Triton program; numba's 64 do not
             continue
         ws = poisoned_workspace(plan, CPU)
         out = poison(torch.empty_like(x.q))
@@ -422,6 +424,8 @@ def test_a_plan_of_several_launches_is_refused_by_partial_and_merge(name):
         with pytest.raises(ValueError, match="runs through Backend.run"):
             be.merge(plan, ws, out, None)
         assert torch.isnan(out).all()
+        refused += 1
+    assert refused >= 1, "neither problem made a plan of several launches: nothing was refused"
 
 
 def test_head_blocks_through_the_wrapper():
