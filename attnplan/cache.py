@@ -317,8 +317,8 @@ class PlanCache:
                 :data:`UNUSABLE` (e.g. ``ValueError``: the plan does not fit the caller's problem) makes
                 the file a miss with a warning. Plans from memory or ``build`` are not re-validated.
         """
-        plan = self.lookup(key)
-        if plan is not None:  # the hit path: one more hash of the key, no allocation
+        plan = self.hit(key)
+        if plan is not None:  # a memory hit: counted and made most recently used, as hit() does
             return plan
         plan = self._read(key, validate)
         if plan is not None:

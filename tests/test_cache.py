@@ -189,11 +189,15 @@ def test_clear_skips_files_another_process_removed_meanwhile(tmp_path, monkeypat
 
 
 def test_lru_evicts(tmp_path):
+    """The memory cache evicts the least recently used plan: a hit refreshes it (first in is not first out)."""
     cache = PlanCache(tmp_path, disk=False, memory_entries=2)
     made = []
-    for k in range(3):
+    for k in range(2):
         cache.get_or_create(("k", k), lambda k=k: made.append(k) or k)
-    assert cache.lookup(("k", 0)) is None and cache.lookup(("k", 2)) == 2
+    assert cache.get_or_create(("k", 0), lambda: made.append("again") or -1) == 0  # a hit: k0 is now the newest
+    cache.get_or_create(("k", 2), lambda: made.append(2) or 2)
+    assert cache.lookup(("k", 1)) is None and cache.lookup(("k", 0)) == 0 and cache.lookup(("k", 2)) == 2
+    assert made == [0, 1, 2]
 
 
 def test_a_hit_never_rebuilds_and_a_disabled_cache_always_does(monkeypatch):

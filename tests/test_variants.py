@@ -17,6 +17,7 @@ import torch
 import attnplan
 from attnplan import reference
 from attnplan.backends import get_backend
+from attnplan.config import load_config
 from attnplan.problem import DecodeProblem, dtype_name
 from attnplan.schedule import schedule_units
 from attnplan.testing import assert_close_to_reference, make_inputs, poison
@@ -164,7 +165,10 @@ def test_window_plans_only_the_window(backend, gen):
     n = int(x.seq_lens[0])
     units = schedule_units([n], plan.schedule, 1, 64)
     assert int(units.start[0]) == n - 1 - 64 and int(units.end[-1]) == n  # the units cover the window only
-    assert all(c <= 128 for _, c, _ in plan.candidates)  # chunks sized for the window's 65 tokens
+    # the planner's candidates are split counts of the window's 65 tokens, not of the whole sequence: chunks sized
+    # for them, and no more splits than 65 tokens hold at the least chunk
+    most = -(-65 // load_config().split.min_chunk_tokens)
+    assert all(c <= 128 and s <= most for s, c, _ in plan.candidates), plan.candidates
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
