@@ -126,7 +126,10 @@ def test_verification_step_of_several_tokens_equals_sdpa(cache, gen):
         kv = DynamicCache(config=m.config) if cache == "dynamic" else StaticCache(config=m.config, max_cache_len=64)
         with torch.no_grad():
             m(ids[:, :20], cache=kv, use_cache=True)
+            before = attnplan.hf.STATS["attnplan"]
             logits[attn] = m(ids[:, 20:], cache=kv, use_cache=True).logits
+            served = attnplan.hf.STATS["attnplan"] - before
+    assert served == TINY["num_hidden_layers"], served  # attnplan served the 4-token step in every layer
     _assert_logits_close(logits[attnplan.hf.NAME], logits["sdpa"])
 
 
