@@ -118,6 +118,8 @@ def test_merge_kernel_long_tail_geometry(backend, gen):
         from attnplan.backends.triton import merge_geometry
 
         assert merge_geometry(40, 200, 128, 16, long_tail=True) == (4, 32, 128) != merge_geometry(40, 200, 128, 16)
+        L = be._launch(plan, ws, remember=False)  # the backend launches that geometry for this plan
+        assert L.merge_grid == (40, 4) and (L.merge_const["BLOCK_D"], L.merge_const["BLOCK_S"]) == (32, 128)
     u, indptr, o, lse = _ragged(5, 1, 8, 128, 200, gen)
     u[1:] = torch.tensor([3, 1, 17, 1])
     indptr[1:] = torch.cumsum(u, 0)
