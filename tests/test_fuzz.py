@@ -226,6 +226,12 @@ def hostile_decodes(draw, entries=("decode", "wrapper", "run-changed", "op")):
             ["seq_lens strided", "block_table column-major", "q head stride", "K and V interleaved",
              "block_table row stride"]), max_size=2)), alias=None)
         return c
+    if entry == "run-changed":  # a legal plan and run, then one input changed: the change is the hostile part
+        c.update(sm_scale=draw(st.sampled_from([None, 0.3, -0.5])), soft_cap=0.0, window=-1, sinks=None,
+                 scales=(0.5, [1.0] * hkv) if kind == "fp8" else None, strides=set(), alias=None,
+                 page=4 if draw(st.booleans()) else page,
+                 change=draw(st.sampled_from(sorted(RUN_CHANGES))))  # each change is also pinned (PINNED)
+        return c
     c["soft_cap"] = legal_or(0.0, [4.0, INF, NAN, -1.0])
     c["window"] = legal_or(-1, [0, 5, 10**9, -2, True, 2.5])
     c["sinks"] = draw(st.sampled_from([None, None, "values"])) and draw(
@@ -238,7 +244,7 @@ def hostile_decodes(draw, entries=("decode", "wrapper", "run-changed", "op")):
         c["scales"] = None
     c["strides"] = draw(st.sets(st.sampled_from(sorted(STRIDES)), max_size=2))
     c["alias"] = draw(st.sampled_from([None] * 5 + ALIASES))
-    c["change"] = draw(st.sampled_from(sorted(RUN_CHANGES))) if entry == "run-changed" else None
+    c["change"] = None
     return c
 
 
@@ -525,6 +531,9 @@ PINNED = {
     "run q misaligned": _pinned(entry="run-changed", change="q misaligned"),
     "run V other dtype": _pinned(entry="run-changed", change="v_cache other dtype"),
     "run V fewer pages": _pinned(entry="run-changed", change="v_cache fewer pages"),
+    "run seq_lens int64": _pinned(entry="run-changed", change="seq_lens int64"),
+    "run block table column-major": _pinned(entry="run-changed", change="block_table column-major"),
+    "run q new buffer": _pinned(entry="run-changed", change="q from a new buffer"),
     "soft cap inf": _pinned(soft_cap=INF), "soft cap nan": _pinned(soft_cap=NAN), "soft cap -1": _pinned(soft_cap=-1.0),
     "sm_scale nan": _pinned(sm_scale=NAN), "sm_scale inf": _pinned(sm_scale=INF),
     "sm_scale 0": _pinned(sm_scale=0.0), "sm_scale negative": _pinned(sm_scale=-0.5),
