@@ -89,13 +89,19 @@ def test_tune_starts_from_packaged_then_user_then_target(user_dir, tmp_path_fact
     assert t["split_table"] == {} and t["kernel_options"] == {"triton": {"contiguous": {"num_warps": 8}}}
 
 
-def test_new_user_table_keeps_the_packaged_header_and_is_read_back(user_dir):
-    """``_write_table`` into a missing folder: made atomically, with the packaged file's provenance comments and
-    the tune's stamp; the planner's table is then that file."""
+def test_new_user_table_keeps_the_packaged_header_and_is_read_back(user_dir, monkeypatch):
+    """``_write_table`` into a missing folder: made atomically (through the cache's atomic writer: a temporary file
+    replaced into place), with the packaged file's provenance comments and the tune's stamp; the planner's table is
+    then that file."""
+    import attnplan.cache
+
+    written, real = [], attnplan.cache.atomic_write
+    monkeypatch.setattr(attnplan.cache, "atomic_write", lambda p, t, **kw: written.append(str(p)) or real(p, t, **kw))
     path = user_table_path("h200")
     table = tune.start_table("h200", str(path))
     table["cost_model"] = {**table["cost_model"], "sat_programs_per_sm": 3.25}
     tune._write_table(str(path), table, "h200")
+    assert written == [str(path)]
     text = path.read_text()
     packaged_header = [ln for ln in PACKAGED.read_text().splitlines(keepends=True) if ln.startswith("#")][:3]
     assert text.startswith("".join(packaged_header)) and "# Written by `attnplan tune`" in text
