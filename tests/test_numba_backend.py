@@ -100,7 +100,8 @@ def _check_partial_launch(x, plan, workspace, out, lse):
             if lse is not None:
                 assert_close_to_reference(lse[b], ref_lse[b], F32_TOL, what=f"lse of one-unit sequence {b}")
             if st is not None:
-                assert torch.isnan(st.lse[0, :, :, lo]).all(), f"one-unit sequence {b} wrote its workspace slot"
+                assert torch.isnan(st.lse[0, :, :, lo]).all() and torch.isnan(st.o[0, :, :, lo]).all(), \
+                    f"one-unit sequence {b} wrote its workspace slot"
         else:
             hi = int(units.indptr[b + 1])
             assert_close_to_reference(st.o[0, :, :, lo:hi], ref_st.o[0, :, :, lo:hi], F32_TOL,
@@ -108,6 +109,8 @@ def _check_partial_launch(x, plan, workspace, out, lse):
             assert_close_to_reference(st.lse[0, :, :, lo:hi], ref_st.lse[0, :, :, lo:hi], F32_TOL,
                                       what=f"lse of units {lo}..{hi - 1} (sequence {b})")
             assert torch.isnan(out[b].float()).all(), f"the partial kernel wrote out rows of sequence {b}"
+            if lse is not None:
+                assert torch.isnan(lse[b]).all(), f"the partial kernel wrote lse rows of sequence {b}"
     if st is not None:
         assert torch.isnan(st.o[0, :, :, n:]).all() and torch.isnan(st.lse[0, :, :, n:]).all(), \
             "a program without a unit wrote its slot"

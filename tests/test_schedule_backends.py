@@ -129,7 +129,8 @@ def test_programs_without_a_unit_write_nothing(backend, gen):
     """Slots past the batch's units exit: the workspace slots they would own keep their poison, and out rows are
     written by the units that own them (no stray writes into other sequences)."""
     cfg = load_config()
-    x = _inputs([120, 0, 0, 0], 1, 16, gen, capacity=120)
+    # a capacity plan for 1,024 tokens a sequence run at 120: fewer units than the grid's slots on every backend
+    x = _inputs([120, 0, 0, 0], 1, 16, gen, capacity=1024)
     w = attnplan.DecodeWrapper(cfg, backend=backend)
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
     used = schedule_units(x.seq_lens.tolist(), plan.schedule).num_units
@@ -137,5 +138,7 @@ def test_programs_without_a_unit_write_nothing(backend, gen):
         w.workspace.state.fill_(float("nan"))
     out, lse = _run(w, x)
     _check(x, out, lse)
-    if w.workspace.state is not None and used < plan.schedule.max_units:
+    if w.workspace.state is not None:
+        assert used < plan.schedule.max_units, (used, plan.schedule.max_units)  # else nothing here is checked
         assert torch.isnan(w.workspace.state.o[:, :, :, used:]).all()
+        assert torch.isnan(w.workspace.state.lse[:, :, :, used:]).all()
