@@ -798,9 +798,11 @@ def test_shipped_h200_table_cost_model_applies_on_that_device_only():
 
 
 def test_bucket_key_is_the_bucket_in_order():
-    p = P(max_kv_len=3000, total_kv_len=2500)
-    assert p.bucket_key() == tuple(p.bucket().values())
-    assert p.bucketed().bucket_key() == p.bucket_key()
+    """bucket_key() holds bucket()'s values in its order (q and KV of different dtypes, so a swap shows)."""
+    for p in (P(max_kv_len=3000, total_kv_len=2500),
+              P(max_kv_len=3000, total_kv_len=2500, q_dtype="bfloat16", kv_dtype="float8_e4m3fn")):
+        assert p.bucket_key() == tuple(p.bucket().values())
+        assert p.bucketed().bucket_key() == p.bucket_key()
 
 
 # -- tune's pure functions -----------------------------------------------------------------------------------------
@@ -921,8 +923,11 @@ def test_tune_inputs_and_planning_for_an_fp8_cache():
                                           k_scale=x.k_scale, v_scale=x.v_scale)
     attnplan.testing.assert_close_to_reference(out, ref, torch.bfloat16)
     assert _table_key("paged", "float8_e4m3fn") == "paged_fp8" and _table_key("paged", "bfloat16") == "paged"
-    with pytest.raises(SystemExit):  # the option sweep is bf16 only
-        from attnplan.tune import main
+    from attnplan.tune import main, parse_args
+
+    with pytest.raises(SystemExit) as e:  # the option sweep is bf16 only
         main(["--kv-dtype", "float8_e4m3fn"])
+    assert e.value.code == 2  # argparse's usage error, before any GPU work
+    assert parse_args(["--kv-dtype", "float8_e4m3fn", "--no-options"]).kv_dtype == "float8_e4m3fn"
     with pytest.raises(SystemExit):  # rows naming every option a kernel ran must not enter a table
         main(["--planner-options"])
