@@ -241,8 +241,8 @@ def test_reference_backend_runs_the_schedule(case, batch_invariant, gen):
                     capacity=max(lens) + 5)
     sinks = torch.randn(8, generator=gen)
     w = attnplan.DecodeWrapper(cfg, backend="reference")
-    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=splits, capacity=capacity,
-           window_left=window, sinks=sinks)
+    plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=splits, capacity=capacity,
+                  window_left=window, sinks=sinks)
     out = torch.full_like(x.q, float("nan"))
     lse = torch.full(x.q.shape[:3], float("nan"))
     w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse)
@@ -250,6 +250,11 @@ def test_reference_backend_runs_the_schedule(case, batch_invariant, gen):
                                        sinks=sinks)
     assert_close_to_reference(out, ref)
     assert_close_to_reference(lse, ref_lse, torch.float32, "lse")
+    if w.workspace is not None and w.workspace.meta is not None:  # the run took the plan's units, not others
+        units = schedule_units(x.seq_lens.tolist(), plan.schedule, q_len, window)
+        b = len(lens)
+        assert w.workspace.meta[:b].tolist() == units.indptr[:-1].tolist()
+        assert w.workspace.meta[b:2 * b].tolist() == units.units.tolist()
 
 
 def test_long_tailed_batches_read_the_second_targets_table():
