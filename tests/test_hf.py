@@ -2,6 +2,7 @@
 fp32 tolerance) with a DynamicCache and a StaticCache; the decode steps are attnplan's and the prefill SDPA's;
 the StaticCache decode step traces under torch.compile with no graph break; compiled generation on a GPU."""
 
+import statistics
 import pytest
 import torch
 
@@ -723,7 +724,11 @@ def test_bench_hf_alternates_the_implementations_token_by_token(monkeypatch):
     monkeypatch.setattr(type(bf16), "forward", logged_forward)
     pt: dict = {}
     ref = torch.zeros(2, TINY["vocab_size"])
+    against = []
+    real_err = b.max_err
+    monkeypatch.setattr(b, "max_err", lambda got, want: against.append(want) or real_err(got, want))
     b.paired_steps(args, bf16, ids, tokens, 9, ref, pt, compiled=False)
+    assert len(against) == len(b.IMPLS) and all(w is ref for w in against)  # each error is against the reference
     # the two prefills, then five tokens in alternating order
     assert order == ["sdpa", "attnplan"] + ["sdpa", "attnplan", "attnplan", "sdpa"] * 2 + ["sdpa", "attnplan"]
     assert len({c[2] for c in calls}) == 2 and len({c[3] for c in calls}) == 2  # own model and cache each
@@ -733,7 +738,9 @@ def test_bench_hf_alternates_the_implementations_token_by_token(monkeypatch):
     sp = pt["eager_speedup"]
     ratios = [x / y for x, y in zip(pt["eager_sdpa"]["step_ms"], pt["eager_attnplan"]["step_ms"])]
     assert sp["tokens"] == 4 and sp["min"] == min(ratios) and sp["max"] == max(ratios)
-    assert min(ratios) <= sp["median"] <= max(ratios)
+    assert sp["median"] == statistics.median(ratios)
+    for impl in b.IMPLS:
+        assert pt[f"eager_{impl}"]["median_ms"] == statistics.median(pt[f"eager_{impl}"]["step_ms"])
     for impl in b.IMPLS:  # every layer's attention call of the timed tokens, timed on the host
         h = pt[f"eager_{impl}"]["attn_host_us"]
         assert h["calls"] == 4 * TINY["num_hidden_layers"] and h["median_call"] > 0 and h["per_token"] > 0
