@@ -216,7 +216,8 @@ def test_fp8_core_compile_without_spills(s, cc, cache):
 def test_mma_compiles_without_spills(s, cc, cache):
     """Tensor-core specializations (mma.sync, ldmatrix(.trans), movmatrix, cvt.rn.{bf16,f16}x2): cubins for
     sm_90 and sm_80, no spills, no stack, registers within the limit, two programs' registers per SM for
-    one-row-group specs (the 2-programs-per-SM target), and the instructions in the SASS-bound PTX."""
+    one-row-group specs (the 2-programs-per-SM target). The PTX's instructions are checked in
+    test_mma_ptx_uses_tensor_core_instructions and test_fp8_mma_ptx_instructions."""
     spec = S.make_spec(*s[:6], **s[6])
     assert spec.mma and spec.defines()["ATTNPLAN_MMA"] == 1 and spec.name.endswith(
         "-mma" + ("-window-softcap" if s[6] else ""))
@@ -273,13 +274,16 @@ def test_mma_passes_option_is_checked():
 def test_fp8_mma_compiles_without_spills(s, cc, cache):
     """fp8 KV on the tensor cores: cubins for sm_90 and sm_89 (cvt.rn.f16x2.e4m3x2) and sm_80 (the integer
     decoder), no spills, no stack, registers within the limit, two programs' registers per SM for
-    one-row-group specs; the tile keeps the bf16 default's bytes (8 KB stages). (These kernels state
+    one-row-group specs; at head_dim 128 the tile keeps the bf16 default's bytes (8 KB stages). (These kernels state
     __launch_bounds__(threads, 1): see decode.cu.)"""
     spec = S.make_spec(*s[:6], **s[6])
     suffix = "-kvfp8-mma" + ("-window-softcap" if "window" in s[6] else "")
     assert spec.mma and spec.kv_fp8 and spec.name.endswith(suffix)
     d = spec.defines()
     assert d["ATTNPLAN_MMA"] == 1 and d["ATTNPLAN_KV_FP8"] == 1
+    if s[2] == 128:  # the same spec with bf16 KV: the same 8 KB stages, twice the tokens of 1-byte KV
+        bf16 = S.make_spec(*s[:6], **{k: v for k, v in s[6].items() if k != "kv_dtype"})
+        assert spec.stage_bytes == bf16.stage_bytes == 8192 and spec.tile_tokens == 2 * bf16.tile_tokens
     res = _compiled_resources(spec, cc, cache, two_programs=True)
     print(f"{spec.name} sm_{cc[0]}{cc[1]}: {res['registers']} regs, spills {res['spill_stores']}/{res['spill_loads']}, "
           f"dynamic smem {spec.smem_bytes}, tile {spec.tile_tokens}, stages {spec.stages}, "
@@ -357,7 +361,7 @@ def test_in_kernel_merge_specs():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_fp8_mma_ptx_instructions(dtype):
     """The fp8 tensor-core spec's PTX: fp16 mma.sync (q bf16 or fp16), ldmatrix(.trans), movmatrix, and for
-    sm_90 cvt.rn.f16x2.e4m3x2 (no integer fallback's mul.rn.f16x2); for sm_80 the fallback, no e4m3 cvt."""
+    sm_89 and sm_90 cvt.rn.f16x2.e4m3x2 (no integer fallback's mul.rn.f16x2); for sm_80 the fallback, no e4m3 cvt."""
     spec = S.make_spec("partial", dtype, 128, 4, 1, 16, kv_dtype=FP8)
 
     def ptx(arch):
@@ -373,6 +377,8 @@ def test_fp8_mma_ptx_instructions(dtype):
         assert "bf16.bf16" not in p and "cvt.rn.bf16x2.f32" not in p  # every fp8 mma is fp16
     assert "cvt.rn.f16x2.e4m3x2" in p90 and "mul.rn.f16x2" not in p90
     assert "cvt.rn.f16x2.e4m3x2" not in p80 and "mul.rn.f16x2" in p80
+    p89 = ptx("compute_89")  # Ada has the e4m3 conversion too
+    assert "cvt.rn.f16x2.e4m3x2" in p89 and "mul.rn.f16x2" not in p89
 
 
 @needs_nvrtc
