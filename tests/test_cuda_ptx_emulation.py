@@ -1309,9 +1309,10 @@ def _functions(asm: str) -> dict[str, str]:
                                   # the same -include on the merge kernel's build
                                   pytest.param(S.merge_spec("float16", 64, 2), marks=pytest.mark.full)],
                          ids=lambda s: s.name)
-def test_precompiled_standard_headers_are_used_and_change_no_function(spec, tmp_path):
-    """The builds' ``-include`` of the precompiled standard headers: GCC loads the ``.gch`` (``-H`` marks it ``!``),
-    and every function of the kernel's assembly is the one a build without it makes (only their order differs)."""
+def test_precompiled_standard_headers_are_used_and_change_no_function(spec, tmp_path, monkeypatch):
+    """The builds' ``-include`` of the precompiled standard headers: an emulation build passes it, GCC loads the
+    ``.gch`` (``-H`` marks it ``!``), and every function of the kernel's assembly is the one a build without it makes
+    (only their order differs)."""
     import subprocess
 
     cxx = emulate.compiler()
@@ -1327,6 +1328,12 @@ def test_precompiled_standard_headers_are_used_and_change_no_function(spec, tmp_
     assert f"! {header}.gch" in r.stderr.splitlines()
     ours, theirs = _functions(r.stdout), _functions(plain)
     assert len(theirs) > 50 and ours == theirs
+    cmds, real = [], subprocess.run
+    monkeypatch.setattr(emulate.subprocess, "run", lambda c, *a, **k: cmds.append(list(c)) or real(c, *a, **k))
+    emulate.EmulatedKernel(spec, tmp_path / "builds")  # the emulation's own build of the spec
+    build = [c for c in cmds if str(emulate._EMU_DIR / "harness.cpp") in c and "-shared" in c]
+    assert len(build) == 1 and "-include" in build[0], cmds
+    assert build[0][build[0].index("-include") + 1].startswith(str(tmp_path / "builds"))
 
 
 def _parametrized_specs(be, full: bool = True) -> list:
