@@ -398,7 +398,8 @@ class PlanCache:
             OSError: the directory or a version folder cannot be listed (``NotADirectoryError`` for a file).
         """
         try:
-            top = sorted(os.scandir(self.directory), key=lambda e: e.name)
+            with os.scandir(self.directory) as it:
+                top = sorted(it, key=lambda e: e.name)
         except FileNotFoundError:
             return []
         out = []

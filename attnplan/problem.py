@@ -96,6 +96,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from ._repr import short_repr as _short
+from .schedule import is_long_tailed
 
 __all__ = ["DecodeProblem", "validate_inputs", "validate_values", "host_lengths", "validate_outputs",
            "check_no_overlap", "overlap_error", "rows_16_byte", "check_sm_scale", "check_no_grad", "tensor_signature",
@@ -133,6 +134,7 @@ def mean_bucket(total_kv_len: int, batch: int, max_kv_len: int) -> int:
     most a quarter (the plan of a long-tailed batch is never a single pass, :func:`attnplan.planner.make_plan`),
     except where the longest is at most 16 tokens (one bucket: both are 16)."""
     m = len_bucket(-(-total_kv_len // batch))
+    # is_long_tailed's test written out: this runs on every plan-cache hit, where the call cost 0.2 us more
     if 2 * total_kv_len < batch * max_kv_len and 2 * m == len_bucket(max_kv_len):
         return m // 2
     return m
@@ -239,7 +241,7 @@ class DecodeProblem:
     def long_tailed(self) -> bool:
         """Whether the lengths are long-tailed: the mean below half the longest, ``2 x total_kv_len < batch x
         max_kv_len`` (the device-side schedule's test, :func:`attnplan.schedule.is_long_tailed`, in tokens)."""
-        return 2 * self.total_kv_len < self.batch * self.max_kv_len
+        return is_long_tailed(self.total_kv_len, self.batch, self.max_kv_len)
 
     @property
     def visible_span(self) -> int:

@@ -3,6 +3,7 @@ fp32 tolerance) with a DynamicCache and a StaticCache; the decode steps are attn
 the StaticCache decode step traces under torch.compile with no graph break; compiled generation on a GPU."""
 
 import statistics
+
 import pytest
 import torch
 
