@@ -36,9 +36,9 @@ there):
   many units fill the SMs or 16 units hold them all, else up to 8; :meth:`CudaPtxBackend.merge_teams_for`), each
   merging a contiguous range of the units, combined through shared memory in team order (still deterministic for
   a given team count).
-* ``fused``: one launch. Every unit of a sequence with several writes its state, fences it (``__threadfence``),
-  gathers at a barrier, and one thread counts the program in its (sequence, KV head)'s completion counter with an
-  ``atom.acq_rel.gpu`` add; the program that brings it to the sequence's units (the others have released their
+* ``fused``: one launch. Every unit of a sequence with several writes its state and gathers at a barrier, and one
+  thread counts the program in its (sequence, KV head)'s completion counter with an ``atom.acq_rel.gpu`` add (its
+  release is cumulative over the stores the barrier ordered before it, as in cooperative groups' grid sync); the program that brings it to the sequence's units (the others have released their
   states before) resets the counter to 0 and merges the group's GQA group x ``q_len`` rows over its units in unit
   order, reading the states through L2 (``ld.global.cg``) with the merge kernel's own per-row code
   (``merge_row``; the program's warps split into teams of one row's merge threads). Same math, same empty-row and

@@ -254,6 +254,8 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         ob = out + (i64)b * out_sb + (i64)s * o_ss;
         lb = out_lse ? out_lse + (i64)b * ol_sb + (i64)s * l_ss : out_lse;
     } else {
+        // the schedule's loads first (schedule.cuh, sched_loads): in flight while the prologue's code is fetched
+        const SchedLoads pre = sched_loads(seq_lens, targets, batch, balanced != 0, lane);
         int u, slots;  // the program's unit slot of the grid's slots (schedule_unit may spread the units over them)
         if (gridDim.x == 1u && gridDim.y == (unsigned)num_kv_heads) {
             h = (int)blockIdx.y;
@@ -265,9 +267,9 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
             h = p - u * num_kv_heads;
             slots = (int)gridDim.x / num_kv_heads;
         }
-        const UnitInfo un = schedule_unit(seq_lens, targets, meta, batch, u, slots,
-                                          meta != nullptr && u == 0 && h == 0, window_left, granule, min_unit_granules,
-                                          max_units_per_seq, balanced != 0, smem, tid, capacity);
+        const UnitInfo un = schedule_unit(seq_lens, meta, batch, u, slots, meta != nullptr && u == 0 && h == 0,
+                                          window_left, granule, min_unit_granules, max_units_per_seq, balanced != 0,
+                                          pre, smem, tid, capacity);
         if (un.b < 0) return;  // no unit for this slot: nothing to write
         u = un.u;
         b = un.b;
@@ -466,9 +468,9 @@ attnplan_schedule_probe(const int *__restrict__ seq_lens, const int *__restrict_
                         int granule, int min_unit_granules, int max_units_per_seq, int balanced, int capacity) {
     ATTNPLAN_DYNAMIC_SMEM(smem);
     const int tid = threadIdx.x, k = (int)blockIdx.x, u = probe_units[k];
-    const UnitInfo un = schedule_unit(seq_lens, targets, meta, batch, u, 0, meta != nullptr && k == 0, window_left,
-                                      granule, min_unit_granules, max_units_per_seq, balanced != 0, smem, tid,
-                                      capacity);
+    const SchedLoads pre = sched_loads(seq_lens, targets, batch, balanced != 0, tid & 31);
+    const UnitInfo un = schedule_unit(seq_lens, meta, batch, u, 0, meta != nullptr && k == 0, window_left, granule,
+                                      min_unit_granules, max_units_per_seq, balanced != 0, pre, smem, tid, capacity);
     if (tid != 0) return;
     int *r = res + 8 * (i64)k;
     r[0] = un.b;

@@ -11,10 +11,13 @@
 // Fused merge: every thread of the program calls it once its unit's state is written (the group's units are the
 // workspace slots first .. first + units - 1: unit k's o at ob0 + k * o_ss, lse at lb0 + k * l_ss, ob0 / lb0 at
 // slot `first`; rows r = i*GROUP + g at i * _si + g * _sh; out / out_lse / sinks likewise at the group's first
-// head). Release: each thread fences its own state stores (__threadfence), the barrier gathers
-// the program, then one thread counts the program in the (sequence, KV head) completion counter with an
-// acq_rel atomic: its release is cumulative over the stores the barrier ordered before it, so the whole state
-// is visible at gpu scope before the count moves; its acquire makes every state released before it visible
+// head). Release: the barrier orders every thread's state stores before thread 0's count (bar.sync synchronizes
+// the program's threads), then thread 0 counts the program in the (sequence, KV head) completion counter with an
+// acq_rel atomic at gpu scope: release is cumulative in the PTX memory model, so the stores ordered before it
+// through the barrier are visible at gpu scope before the count moves (the pattern of cooperative groups' grid
+// sync and CUTLASS's arrive_inc, cutlass/barrier.h: one fence, in the thread that signals; a __threadfence in
+// every thread, the classic threadFenceReduction sample, cost every warp a MEMBAR.SC.GPU, ~4% of a b1 1K step's
+// stall samples on an H100). Its acquire makes every state released before it visible
 // to that thread, and through the second barrier to the program. The program that counts last resets the
 // counter (no other program of the launch touches it again: zero for the next launch and graph replays) and
 // merges the group's rows over its units in unit order with the merge kernel's merge_row, reading the
@@ -29,7 +32,6 @@ __device__ __noinline__ void fused_merge(unsigned char *smem, int tid, int units
                                          const float *lb0, i64 l_si, i64 l_sh, i64 l_ss,
                                          elem_t *outb, i64 out_si, i64 out_sh, float *olb, i64 ol_si, i64 ol_sh,
                                          const float *sinkb) {
-    __threadfence();
     __syncthreads();
     int *flag = reinterpret_cast<int *>(smem);  // the program is done with its shared memory
     if (tid == 0) {

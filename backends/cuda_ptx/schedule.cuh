@@ -13,8 +13,8 @@
 //   (empty) unit, cb = 0;  indptr = the exclusive prefix sum of units;  unit j of b: [base + j cb G, +cb G) within L
 // (FlashAttention-3's hopper/flash_prepare_scheduler.cu makes the same kind of choice on the device, in a kernel of
 // its own.) A batch of at most 32 sequences is scheduled by each warp alone, one sequence per lane, without shared
-// memory or barriers (schedule_unit_warp). Otherwise every thread of the program runs it: the batch is read in
-// chunks of SCHED_CHUNK sequences, SCHED_PER consecutive ones per thread (one chunk, one read of seq_lens, for
+// memory or barriers (schedule_unit_warp). Otherwise every thread of the program runs it (schedule_unit_chunked):
+// the batch is read in chunks of SCHED_CHUNK sequences, SCHED_PER consecutive ones per thread (one chunk, one read of seq_lens, for
 // batch <= 256 whatever the program's threads), the total and the longest by warp shuffles and one exchange through
 // shared memory, the prefix sum by a warp scan and the warps' totals. The scan stops at the chunk holding u, except
 // in the program that writes meta (indptr[b] at b, units[b] at batch + b: the separate merge's table), which scans
@@ -84,6 +84,16 @@ __device__ __forceinline__ int sched_granules_per_unit(int t_lo, int t_hi, int t
     return c;
 }
 
+// attnplan.schedule.slot_unit: the unit that grid slot `slot` of `slots` runs when the batch has `total` < slots
+// units (total: none), the working programs spread over the grid's order. 64-bit products: a plan may hold more
+// slots than 2^15. Out of line: its 64-bit divisions are ~80 instructions that a grid of exactly its units (every
+// uniform live plan) never runs, and inline they sat between the prologue's load and its use, one more cold
+// instruction fetch on the path to the first KV tile.
+__device__ __noinline__ int spread_slot(int slot, int total, int slots) {
+    const i64 v = ((i64)slot * total + slots - 1) / slots;
+    return (v < total && (v * slots) / total == slot) ? (int)v : total;
+}
+
 // The schedule of unit u for a batch of at most 32 sequences: each warp computes all of it by itself, lane i
 // holding sequence i (the sums by butterfly, the prefix sum by a warp scan, u's sequence by a ballot), with no
 // shared memory and no barrier. The general path's exchange, three barriers and chunk loop were ~290 instructions
@@ -92,13 +102,13 @@ __device__ __forceinline__ int sched_granules_per_unit(int t_lo, int t_hi, int t
 // writing program (write_meta). t_lo / t_hi: sched_granules_per_unit's.
 // slots > 0: u is the program's grid slot of `slots`, and the program runs unit slot_unit(u, U, slots) of the
 // batch's U units (attnplan.schedule.slot_unit: the working programs spread over the grid's order).
-__device__ __forceinline__ UnitInfo schedule_unit_warp(const int *__restrict__ seq_lens, int *__restrict__ meta,
-                                                       int batch, int u, int slots, bool write_meta,
-                                                       int window_left, int granule, int min_c, int max_per,
-                                                       bool balanced, int t_lo, int t_hi, int lane, int capacity) {
+__device__ __forceinline__ UnitInfo schedule_unit_warp(int len, int *__restrict__ meta, int batch, int u, int slots,
+                                                       bool write_meta, int window_left, int granule, int min_c,
+                                                       int max_per, bool balanced, int t_lo, int t_hi, int lane,
+                                                       int capacity) {
     const bool in = lane < batch;
     int base;
-    const int nb = in ? seq_granules(seq_len_at(seq_lens, lane, capacity), window_left, granule, base) : 0;
+    const int nb = in ? seq_granules(cmin(cmax(len, 0), capacity), window_left, granule, base) : 0;
     int c = min_c;
     if (balanced) {
         int s = nb, m = nb;
@@ -124,10 +134,7 @@ __device__ __forceinline__ UnitInfo schedule_unit_warp(const int *__restrict__ s
         meta[batch + lane] = un;
     }
     const int total = __shfl_sync(FULL_MASK, incl, 31);  // U (lanes past the batch add 0)
-    if (slots > total) {  // slot_unit: U <= slots always (the plan's bound); equal needs no spread. 64-bit
-        const i64 v = ((i64)u * total + slots - 1) / slots;  // products: a plan may hold more slots than 2^15
-        u = (v < total && (v * slots) / total == u) ? (int)v : total;  // total: no unit
-    }
+    if (slots > total) u = spread_slot(u, total, slots);  // U <= slots always (the plan's bound); equal: no spread
     const unsigned hit = __ballot_sync(FULL_MASK, in && u >= start && u < incl);
     const int src = hit ? __ffs((int)hit) - 1 : 0;
     UnitInfo r;
@@ -140,25 +147,33 @@ __device__ __forceinline__ UnitInfo schedule_unit_warp(const int *__restrict__ s
     return r;
 }
 
-// The schedule of unit u (module comment). Called by every thread of the program (it has barriers); tid the
-// thread's index; meta written (all batch sequences) when write_meta; balanced: the plan's targets are not all zero;
-// slots: the grid's unit slots (0: u is the unit itself; a batch of at most 32 spreads its units over them);
-// capacity: the clamp of every length (seq_len_at).
-// Out of line (one call per program): inlined, it moved the partial kernel's main-loop register allocation (see
-// decode.cu, write_rows).
-__device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens, const int *__restrict__ targets,
-                                                  int *__restrict__ meta, int batch, int u, int slots, bool write_meta,
-                                                  int window_left, int granule, int min_c, int max_per, bool balanced,
-                                                  unsigned char *smem, int tid, int capacity) {
-    const int lane = tid & 31, warp = tid >> 5;
-    int t_lo = 0, t_hi = 0;  // the targets table, in flight with seq_lens
+// The prologue's first loads: this lane's length seq_lens[lane] (raw; clamped where it is used) for a batch of at
+// most 32 and the targets table (t_lo / t_hi, sched_granules_per_unit's), issued by the partial kernel before any
+// branch or call, so their DRAM round trip overlaps the cold fetch of the schedule's code (ncu, H100, b1 1K: the
+// load issued after two instruction-fetch stalls of ~0.3 us each, its use stalled again).
+struct SchedLoads {
+    int len, t_lo, t_hi;
+};
+
+__device__ __forceinline__ SchedLoads sched_loads(const int *__restrict__ seq_lens, const int *__restrict__ targets,
+                                                  int batch, bool balanced, int lane) {
+    SchedLoads r{0, 0, 0};
+    if (batch <= 32 && lane < batch) r.len = seq_lens[lane];
     if (balanced) {
-        t_lo = targets[lane];
-        t_hi = targets[32 + lane];
+        r.t_lo = targets[lane];
+        r.t_hi = targets[32 + lane];
     }
-    if (batch <= 32) return schedule_unit_warp(seq_lens, meta, batch, u, slots, write_meta && warp == 0,
-                                               window_left, granule, min_c, max_per, balanced, t_lo, t_hi, lane,
-                                               capacity);
+    return r;
+}
+
+// The schedule of a batch of more than 32 sequences (schedule_unit's, every thread of the program: it has
+// barriers). Out of line, so the warp path of small batches is the only code between the call and its return.
+__device__ __noinline__ UnitInfo schedule_unit_chunked(const int *__restrict__ seq_lens, int *__restrict__ meta,
+                                                          int batch, int u, bool write_meta, int window_left,
+                                                          int granule, int min_c, int max_per, bool balanced,
+                                                          int t_lo, int t_hi, unsigned char *smem, int tid,
+                                                          int capacity) {
+    const int lane = tid & 31, warp = tid >> 5;
     int *w_sum = reinterpret_cast<int *>(smem), *w_max = w_sum + NWARPS, *w_units = w_max + NWARPS;
     int *res = w_units + NWARPS;  // b, indptr[b], units[b], cb
     if (tid == 0) sts(res, -1);  // published by the first barrier below
@@ -271,6 +286,23 @@ __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens,
     r.u = u;  // no spread here: u is the slot (the scan stops at u's chunk, before U is known)
     __syncthreads();  // every read of the exchange is done: the rings may overwrite it
     return r;
+}
+
+// The schedule of unit u (module comment). Called by every thread of the program (the chunked path has barriers);
+// pre: sched_loads's, issued at the kernel's start; tid the thread's index; meta written (all batch sequences) when
+// write_meta; balanced: the plan's targets are not all zero; slots: the grid's unit slots (0: u is the unit itself;
+// a batch of at most 32 spreads its units over them); capacity: the clamp of every length (seq_len_at).
+// Out of line (one call per program): inlined, it moved the partial kernel's main-loop register allocation (see
+// decode.cu, write_rows).
+__device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens, int *__restrict__ meta, int batch,
+                                                  int u, int slots, bool write_meta, int window_left, int granule,
+                                                  int min_c, int max_per, bool balanced, SchedLoads pre,
+                                                  unsigned char *smem, int tid, int capacity) {
+    if (batch > 32)
+        return schedule_unit_chunked(seq_lens, meta, batch, u, write_meta, window_left, granule, min_c, max_per,
+                                     balanced, pre.t_lo, pre.t_hi, smem, tid, capacity);
+    return schedule_unit_warp(pre.len, meta, batch, u, slots, write_meta && (tid >> 5) == 0, window_left, granule,
+                              min_c, max_per, balanced, pre.t_lo, pre.t_hi, tid & 31, capacity);
 }
 
 // Token range [cs, ce) of unit u (schedule_unit's un) of a sequence of length L (seq_len_at's, clamped, as the
