@@ -746,6 +746,39 @@ def test_fused_merge_gpu(mode, fp8, gen):
         assert all(torch.equal(o, runs[0][0]) and torch.equal(ls, runs[0][1]) for o, ls in runs[1:])
 
 
+
+@pytest.mark.parametrize("heads,lens,splits", [((8, 1), [4096], 64), ((32, 8), [4096, 1000, 0], 16)])
+def test_fused_merge_reads_this_launchs_states(heads, lens, splits, gen):
+    """The fused merge's release / acquire on the device: two inputs A and B of one plan (same caches, different
+    q) launched alternately 200 times each on one stream into one workspace, so a merging program that read a
+    state not yet visible would read the other input's (same slot, a launch earlier) and differ. Every A output
+    bitwise the first A's (and B's the first B's: the merge order is fixed), the first of each within tolerance of
+    the reference, the counters back at zero."""
+    be = _backend()
+    hq, hkv = heads
+    xa = make_inputs(len(lens), hq, hkv, 128, lens, page_size=16, dtype=torch.bfloat16, device="cuda",
+                     generator=gen)
+    xb = DecodeInputs(torch.randn(xa.q.shape, generator=gen).to(xa.q), xa.k_cache, xa.v_cache, xa.seq_lens,
+                      xa.block_table, xa.sm_scale)
+    plan = _direct_plan(be, xa, splits, merge="fused")
+    assert plan.merge == "fused" and be.spec_for("partial", plan, xa.q.device).merge == "fused"
+    ws = _workspace(plan)
+    outs = {"a": [], "b": []}
+    for _ in range(200):
+        for name, x in (("a", xa), ("b", xb)):
+            out, lse = _outputs(x)
+            be.run(plan, x, ws, out, lse)
+            outs[name].append((out, lse))
+    torch.cuda.synchronize()
+    assert int(ws.counters.abs().sum()) == 0, "counters not reset"
+    for name, x in (("a", xa), ("b", xb)):
+        ref, ref_lse = _reference(x)
+        o0, l0 = outs[name][0]
+        assert_close_to_reference(o0, ref, torch.bfloat16, f"out {name}")
+        assert_close_to_reference(l0, ref_lse, torch.float32, f"lse {name}")
+        bad = [i for i, (o, ls) in enumerate(outs[name]) if not (torch.equal(o, o0) and torch.equal(ls, l0))]
+        assert not bad, f"{name}: {len(bad)} of 200 launches differ from the first (first at {bad[0]})"
+
 WARPS_CASES = [
     Case((8, 1), 128, (2048, 1000, 17, 0), splits=(1, 5)),           # group 1, contiguous
     Case((8, 1), 128, (4097, 16, 1), page=16, splits=(0, 5)),         # group 1, paged

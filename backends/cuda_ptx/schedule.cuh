@@ -37,6 +37,11 @@ struct UnitInfo {
     int b, first, units, cb, c, u;  // u: the unit this program runs (its slot, or spread: attnplan.schedule.slot_unit)
 };
 
+// ceil(a / b) for a >= 1, b >= 1, as (a - 1) / b + 1 (no sum passes int32): unsigned, since every operand of the
+// schedule is non-negative (a signed division compiles to ~10 more instructions of sign handling, on the
+// prologue's dependent path before the first KV tile)
+__device__ __forceinline__ int ceil_div_pos(int a, int b) { return (int)((unsigned)(a - 1) / (unsigned)b) + 1; }
+
 // Sequence b's length as every kernel reads it: seq_lens[b] clamped into [0, capacity] (capacity: the tokens a
 // sequence of the cache holds, block_table columns x PAGE or the contiguous cache's token axis). A length written on
 // the device after plan() (or found at a CUDA-graph replay) beyond the cache then runs attention over the clamped
@@ -50,7 +55,7 @@ __device__ __forceinline__ int seq_granules(int L, int window_left, int granule,
     base = 0;
     if constexpr (WINDOW) base = L - QLEN - window_left > 0 ? L - QLEN - window_left : 0;
     const int n = L - base;
-    return n > 0 ? (n - 1) / granule + 1 : 0;
+    return n > 0 ? ceil_div_pos(n, granule) : 0;
 }
 
 // Units of a sequence of nb granules when units hold c granules (at most max_per units), and cb, the granules of
@@ -60,10 +65,10 @@ __device__ __forceinline__ int seq_units(int nb, int c, int max_per, int &cb) {
         cb = 0;
         return 1;
     }
-    int uu = (nb - 1) / c + 1;
+    int uu = ceil_div_pos(nb, c);
     if (uu > max_per) uu = max_per;
-    cb = (nb - 1) / uu + 1;
-    return (nb - 1) / cb + 1;
+    cb = ceil_div_pos(nb, uu);
+    return ceil_div_pos(nb, cb);
 }
 
 // The batch's granules per unit c from its total T and its longest sequence nb_max (the targets table's bucket).
@@ -78,7 +83,7 @@ __device__ __forceinline__ int sched_granules_per_unit(int t_lo, int t_hi, int t
     const int t = __shfl_sync(FULL_MASK, k >= 32 ? t_hi : t_lo, k & 31);
     int c = min_c;
     if (t > 0 && total > 0) {
-        const int per = (total - 1) / t + 1;
+        const int per = ceil_div_pos(total, t);
         if (per > c) c = per;
     }
     return c;
@@ -110,16 +115,9 @@ __device__ __forceinline__ UnitInfo schedule_unit_warp(int len, int *__restrict_
     int base;
     const int nb = in ? seq_granules(cmin(cmax(len, 0), capacity), window_left, granule, base) : 0;
     int c = min_c;
-    if (balanced) {
-        int s = nb, m = nb;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            s += __shfl_xor_sync(FULL_MASK, s, off);
-            const int o = __shfl_xor_sync(FULL_MASK, m, off);
-            m = o > m ? o : m;
-        }
-        c = sched_granules_per_unit(t_lo, t_hi, s, m, batch, min_c);
-    }
+    if (balanced)  // the total and the longest: one redux.sync each (sm_80), not five shuffle steps
+        c = sched_granules_per_unit(t_lo, t_hi, __reduce_add_sync(FULL_MASK, nb), __reduce_max_sync(FULL_MASK, nb),
+                                    batch, min_c);
     int cb = 0;
     const int un = in ? seq_units(nb, c, max_per, cb) : 0;
     int incl = un;

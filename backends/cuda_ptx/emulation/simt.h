@@ -18,7 +18,7 @@
 // which the fp8 decoder relies on); __byte_perm is prmt's default mode; ex2.approx.ftz is exp2f with denormal
 // results flushed. cvt.rn.f16x2.e4m3x2's twin is decode.cu's integer decoder (fp8x2_to_half2_int, also the
 // sm_80 fallback), built on these. __shfl_sync / __shfl_xor_sync / __shfl_up_sync share one exchange (__any_sync is
-// a butterfly over it, __ballot_sync too); __clz counts leading zeros (32 for 0), __ffs finds the lowest set bit.
+// a butterfly over it, __ballot_sync and __reduce_add_sync / __reduce_max_sync too); __clz counts leading zeros (32 for 0), __ffs finds the lowest set bit.
 // Shared-memory race check: the kernel's shared-memory loads and stores (decode.cu's lds / sts helpers)
 // and cp.async copies are recorded per 4-byte word with the warp and the __syncthreads epoch. A copy
 // counts as written only when its issuing thread's cp.async.wait_group retires its group (then in that
@@ -462,6 +462,18 @@ inline unsigned __ballot_sync(unsigned, int pred) {
     unsigned m = pred ? 1u << (emu::cur().tid.x & 31) : 0u;
     for (int off = 1; off < 32; off <<= 1) m |= emu::shfl(m, off, true);
     return m;
+}
+// redux.sync (sm_80): the warp's sum / maximum of an int, the same in every lane (butterflies over the exchange)
+inline int __reduce_add_sync(unsigned, int v) {
+    for (int off = 1; off < 32; off <<= 1) v += emu::shfl(v, off, true);
+    return v;
+}
+inline int __reduce_max_sync(unsigned, int v) {
+    for (int off = 1; off < 32; off <<= 1) {
+        const int o = emu::shfl(v, off, true);
+        v = o > v ? o : v;
+    }
+    return v;
 }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }  // 1 + the lowest set bit's index, 0 for 0
