@@ -35,10 +35,11 @@ class FlashInferDecode:
         num_q_heads, num_kv_heads, head_dim, page_size: the problem.
         batch: sequences; max_pages: most pages any plan may index (the cuda-graph buffers' size).
         tensor_cores: ``use_tensor_cores`` (FlashInfer's prefill-kernel decode path).
+        kv_layout: ``"NHD"`` (``[pages, page, Hkv, D]``, attnplan's) or ``"HND"`` (``[pages, Hkv, page, D]``).
     """
 
     def __init__(self, fi, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, batch: int,
-                 max_pages: int, tensor_cores: bool):
+                 max_pages: int, tensor_cores: bool, kv_layout: str = "NHD"):
         dev = torch.device("cuda")
         if "ws" not in _WORKSPACE:
             _WORKSPACE["ws"] = torch.zeros(512 << 20, dtype=torch.uint8, device=dev)
@@ -46,7 +47,7 @@ class FlashInferDecode:
         self.indices = torch.zeros(max(max_pages, 1), dtype=torch.int32, device=dev)
         self.last = torch.zeros(batch, dtype=torch.int32, device=dev)
         self.w = fi.BatchDecodeWithPagedKVCacheWrapper(
-            _WORKSPACE["ws"], "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+            _WORKSPACE["ws"], kv_layout, use_cuda_graph=True, use_tensor_cores=tensor_cores,
             paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
             paged_kv_last_page_len_buffer=self.last)
         self.shape = (num_q_heads, num_kv_heads, head_dim, page_size)

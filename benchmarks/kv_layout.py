@@ -1,0 +1,126 @@
+"""The KV cache's layout, token-major against head-major, for the same values in one process.
+
+Token-major (NHD: ``[B, T, Hkv, D]`` contiguous, ``[pages, page, Hkv, D]`` paged) is attnplan's default layout and
+FlashInfer's ``"NHD"``: a KV head's token rows are ``D`` elements long (256 B at bf16 head_dim 128) and
+``Hkv x D`` elements apart. Head-major (HND: ``[B, Hkv, T, D]``, ``[pages, Hkv, page, D]``, FlashInfer's ``"HND"``)
+keeps each head's tokens together, as torch SDPA's dense copy does. attnplan reads a head-major cache as a strided
+view of the token-major shape (no copy, no option: the kernels take the cache's strides); the step reads the same
+bytes either way.
+
+Times are CUDA-graph replays with an L2 flush in front (:func:`peers.time_step`), medians; the read bound is
+:func:`bench_decode.read_bound` of the same bytes. Peers: cuDNN (SDPA on its dense head-major copy), FlashInfer's
+paged decode in both layouts (tensor cores on and off) where it imports.
+
+    python benchmarks/kv_layout.py --heads '32,8,128;28,4,128' --batches 4,16 --kv 16384 --out kv_layout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+from attnplan.testing import make_inputs
+from bench_decode import environment, read_bound, time_backend
+from peers import time_peer, time_step
+
+
+def head_major(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(storage, view)``: ``t``'s values head-major (``[B, Hkv, T, D]`` or ``[pages, Hkv, page, D]``, contiguous)
+    and the same storage viewed in ``t``'s token-major shape (strides of a permuted tensor)."""
+    hm = t.permute(0, 2, 1, 3).contiguous()
+    return hm, hm.permute(0, 2, 1, 3)
+
+
+def time_flashinfer(x, hm_k, hm_v, layout: str, tensor_cores: bool, iters: int) -> tuple[dict, torch.Tensor | None]:
+    """FlashInfer's paged decode on ``x``'s block table with the cache in ``layout`` (``"NHD"``: ``x``'s own
+    caches; ``"HND"``: ``hm_k`` / ``hm_v``, ``[pages, Hkv, page, D]``)."""
+    from flashinfer_peer import FlashInferDecode, load
+
+    fi, why = load()
+    if fi is None:
+        return {"error": f"flashinfer not available: {why}"}, None
+    try:
+        b, _, hq, d = x.q.shape
+        hkv, page = x.k_cache.shape[2], x.k_cache.shape[1]
+        pe = FlashInferDecode(fi, hq, hkv, d, page, b, x.block_table.numel(), tensor_cores, kv_layout=layout)
+        pe.plan([int(n) for n in x.seq_lens.tolist()], x.block_table)
+        kc, vc = (x.k_cache, x.v_cache) if layout == "NHD" else (hm_k, hm_v)
+        out = torch.empty_like(x.q)
+        step = lambda j: pe.run(x.q, kc, vc, out)  # noqa: E731
+        step(0)
+        torch.cuda.synchronize()
+        first = out.clone()
+        res: dict = {}
+        time_step(step, 1, iters, res)
+        return res, first
+    except Exception as e:  # noqa: BLE001 - recorded, not fatal
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}, None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", default="32,8,128;28,4,128;64,8,128")
+    ap.add_argument("--batches", default="4,16")
+    ap.add_argument("--kv", default="16384")
+    ap.add_argument("--layouts", default="contig,paged16")
+    ap.add_argument("--backends", default="cuda_ptx,triton")
+    ap.add_argument("--peers", default="cudnn,flashinfer,flashinfer_tc")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for hs in args.heads.split(";"):
+        hq, hkv, d = (int(v) for v in hs.split(","))
+        for layout in args.layouts.split(","):
+            page = int(layout[5:]) if layout.startswith("paged") else None
+            for batch in (int(v) for v in args.batches.split(",")):
+                for kv in (int(v) for v in args.kv.split(",")):
+                    x = make_inputs(batch, hq, hkv, d, [kv] * batch, page_size=page, dtype=torch.bfloat16,
+                                    device="cuda", generator=gen, extra_pages=0)
+                    hm_k, vk = head_major(x.k_cache)
+                    hm_v, vv = head_major(x.v_cache)
+                    xh = dataclasses.replace(x, k_cache=vk, v_cache=vv)
+                    nbytes = 2 * batch * kv * hkv * d * 2 + 2 * x.q.numel() * 2
+                    row = {"heads": f"{hq}/{hkv}/{d}", "layout": layout, "batch": batch, "kv": kv, "bytes": nbytes,
+                           "read_us": round(read_bound(nbytes, args.iters)["read_us"], 1)}
+                    ref = None
+                    for be in args.backends.split(","):
+                        for name, xx in (("nhd", x), ("hnd", xh)):
+                            r, o = time_backend(be, [xx], args.iters)
+                            row[f"{be}_{name}_us"] = round(r.get("graph_us", float("nan")), 1)
+                            if ref is None:
+                                ref = o
+                            else:  # against the first: 0 for the same backend and plan in the other layout
+                                row[f"{be}_{name}_maxdiff"] = float((o.float() - ref.float()).abs().max())
+                    for peer in args.peers.split(","):
+                        if peer == "cudnn":
+                            r, _ = time_peer("cudnn", [x], args.iters)
+                            row["cudnn_us"] = round(r["graph_us"], 1) if "graph_us" in r else r.get("error")
+                        elif page is not None:
+                            for lay in ("NHD", "HND"):
+                                r, _ = time_flashinfer(x, hm_k, hm_v, lay, peer == "flashinfer_tc", args.iters)
+                                key = f"{peer}_{lay.lower()}_us"
+                                row[key] = round(r["graph_us"], 1) if "graph_us" in r else r.get("error")
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    del x, xh, hm_k, hm_v, vk, vv
+                    torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": "python benchmarks/kv_layout.py " + " ".join(
+                f"--{k.replace('_', '-')} '{v}'" for k, v in vars(args).items() if k != "out"),
+                "env": environment(), "rows": rows}, f, indent=1)
+    # the table, last
+    keys = list(dict.fromkeys(k for r in rows for k in r if k.endswith("_us")))
+    print("heads      layout   batch     kv  " + "  ".join(f"{k[:-3]:>14s}" for k in keys))
+    for r in rows:
+        print(f"{r['heads']:10s} {r['layout']:8s} {r['batch']:5d} {r['kv']:6d}  "
+              + "  ".join(f"{r.get(k) if isinstance(r.get(k), float) else 'err':>14}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
