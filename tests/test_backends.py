@@ -178,9 +178,9 @@ def _mixed_pairs():
 def test_mixed_backend_merge(writer, merger, gen):
     """The workspace (ragged states and meta) written by one backend's partial kernel, merged by another's merge
     kernel: equals the reference (one state format, one merge contract). The first sequence spans three granules
-    of 128 tokens (the largest a planned head_dim 32 gets: cuda_ptx's on a device without a split table), so it has
-    several units on every device."""
-    case = Case((4, 2), 32, (260, 0, 31), q_len=2, page=16, dtype="bf16")
+    of 256 tokens (the largest a head_dim 32 plan gets: numba's on a GPU; cuda_ptx's is 128 on a device without a
+    split table), so it has several units on every device."""
+    case = Case((4, 2), 32, (520, 0, 31), q_len=2, page=16, dtype="bf16")
     x = _inputs(case, gen)
     w, plan, units, out, lse = _scheduled(writer, x, 4)
     assert int(units.units.max()) > 1
@@ -193,8 +193,9 @@ def test_mixed_backend_merge(writer, merger, gen):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_states_of_two_backends_merge_across_split_points(backend, gen):
     """The first two units of each sequence from ``backend``, the others from the reference, one ragged merge (the
-    first sequence three granules long at the largest planned granule, 128 tokens: more than two units anywhere)."""
-    x = _inputs(Case((4, 1), 32, (260, 20)), gen)
+    first sequence three granules long at the largest head_dim 32 granule, 256 tokens: more than two units on every
+    device)."""
+    x = _inputs(Case((4, 1), 32, (520, 20)), gen)
     w, plan, units, _, _ = _scheduled(backend, x, 4)
     ref_st, _ = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, plan.schedule)
     assert int(units.units[0]) > 2
