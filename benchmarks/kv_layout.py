@@ -8,8 +8,11 @@ view of the token-major shape (no copy, no option: the kernels take the cache's 
 bytes either way.
 
 Times are CUDA-graph replays with an L2 flush in front (:func:`peers.time_step`), medians; the read bound is
-:func:`bench_decode.read_bound` of the same bytes. Peers: cuDNN (SDPA on its dense head-major copy), FlashInfer's
-paged decode in both layouts (tensor cores on and off) where it imports.
+:func:`bench_decode.read_bound` of the same bytes. Peers: cuDNN (SDPA on its dense head-major copy) and, at paged
+points, FlashInfer's paged decode in both layouts (tensor cores on and off) where it imports. Outputs are compared
+(``*_maxdiff``, max abs): each backend's head-major output with its token-major one, every other output (other
+backends, FlashInfer) with the first backend's token-major one. A column that could not run holds its error under
+``*_error``.
 
     python benchmarks/kv_layout.py --heads '32,8,128;28,4,128' --batches 4,16 --kv 16384 --out kv_layout.json
 """
@@ -87,27 +90,49 @@ def main() -> None:
                     nbytes = 2 * batch * kv * hkv * d * 2 + 2 * x.q.numel() * 2
                     row = {"heads": f"{hq}/{hkv}/{d}", "layout": layout, "batch": batch, "kv": kv, "bytes": nbytes,
                            "read_us": round(read_bound(nbytes, args.iters)["read_us"], 1)}
-                    ref = None
+                    first = None  # (name, output) of the first backend's token-major run
+
+                    def record(key, res, out, mine=None):
+                        """``key``'s time (or error) and its output's difference from ``mine`` (the same backend's
+                        token-major output) or else from the first backend's."""
+                        nonlocal first
+                        if "graph_us" not in res:
+                            row[f"{key}_error"] = res.get("error") or res.get("graph_error") or "no time"
+                            return
+                        row[f"{key}_us"] = round(res["graph_us"], 1)
+                        if out is None:
+                            return
+                        if mine is not None:
+                            row[f"{key}_maxdiff"] = float((out.float() - mine.float()).abs().max())
+                        elif first is None:
+                            first = (key, out)
+                        else:
+                            row[f"{key}_maxdiff_vs_{first[0]}"] = float((out.float() - first[1].float()).abs().max())
+
                     for be in args.backends.split(","):
+                        mine = None
                         for name, xx in (("nhd", x), ("hnd", xh)):
-                            r, o = time_backend(be, [xx], args.iters)
-                            row[f"{be}_{name}_us"] = round(r.get("graph_us", float("nan")), 1)
-                            if ref is None:
-                                ref = o
-                            else:  # against the first: 0 for the same backend and plan in the other layout
-                                row[f"{be}_{name}_maxdiff"] = float((o.float() - ref.float()).abs().max())
+                            try:
+                                r, o = time_backend(be, [xx], args.iters)
+                            except Exception as e:  # noqa: BLE001 - a backend that refuses is recorded
+                                r, o = {"error": f"{type(e).__name__}: {str(e)[:200]}"}, None
+                            if "plan" in r:
+                                row[f"{be}_{name}_units"] = r["plan"]["units"]
+                            record(f"{be}_{name}", r, o, mine)
+                            if name == "nhd":
+                                mine = o
+                        del mine
                     for peer in args.peers.split(","):
                         if peer == "cudnn":
-                            r, _ = time_peer("cudnn", [x], args.iters)
-                            row["cudnn_us"] = round(r["graph_us"], 1) if "graph_us" in r else r.get("error")
+                            r, o = time_peer("cudnn", [x], args.iters)
+                            record("cudnn", r, o)
                         elif page is not None:
                             for lay in ("NHD", "HND"):
-                                r, _ = time_flashinfer(x, hm_k, hm_v, lay, peer == "flashinfer_tc", args.iters)
-                                key = f"{peer}_{lay.lower()}_us"
-                                row[key] = round(r["graph_us"], 1) if "graph_us" in r else r.get("error")
+                                r, o = time_flashinfer(x, hm_k, hm_v, lay, peer == "flashinfer_tc", args.iters)
+                                record(f"{peer}_{lay.lower()}", r, o)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    del x, xh, hm_k, hm_v, vk, vv
+                    del x, xh, xx, hm_k, hm_v, vk, vv, first
                     torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
@@ -115,11 +140,15 @@ def main() -> None:
                 f"--{k.replace('_', '-')} '{v}'" for k, v in vars(args).items() if k != "out"),
                 "env": environment(), "rows": rows}, f, indent=1)
     # the table, last
-    keys = list(dict.fromkeys(k for r in rows for k in r if k.endswith("_us")))
-    print("heads      layout   batch     kv  " + "  ".join(f"{k[:-3]:>14s}" for k in keys))
+    keys = list(dict.fromkeys(k.rsplit("_", 1)[0] for r in rows for k in r if k.endswith(("_us", "_error"))))
+
+    def cell(r, k):
+        return f"{r[k + '_us']}" if k + "_us" in r else "err" if k + "_error" in r else "-"
+
+    print("heads      layout   batch     kv  " + "  ".join(f"{k:>14s}" for k in keys))
     for r in rows:
         print(f"{r['heads']:10s} {r['layout']:8s} {r['batch']:5d} {r['kv']:6d}  "
-              + "  ".join(f"{r.get(k) if isinstance(r.get(k), float) else 'err':>14}" for k in keys))
+              + "  ".join(f"{cell(r, k):>14}" for k in keys))
 
 
 if __name__ == "__main__":

@@ -312,3 +312,17 @@ def test_longtail_rescaled_plan_is_the_plan_that_runs(backend, gen, monkeypatch)
     assert len(seen) == 1 and seen[0] is w.plan_ and seen[0] is not old
     ref, _ = reference.attention(*args, x.sm_scale)
     assert_close_to_reference(out, ref, torch.float32)
+
+
+def test_kv_layout_head_major_view():
+    """kv_layout.py's head-major cache: the values of a token-major cache stored head by head, viewed in the
+    token-major shape through strides (no copy between the view and the storage)."""
+    from kv_layout import head_major
+
+    for shape in ((2, 5, 3, 4), (7, 16, 2, 8)):  # [B, T, Hkv, D] and [pages, page, Hkv, D]
+        t = torch.randn(shape)
+        hm, view = head_major(t)
+        n, tok, h, d = shape
+        assert hm.shape == (n, h, tok, d) and hm.is_contiguous()
+        assert view.shape == t.shape and torch.equal(view, t) and view.data_ptr() == hm.data_ptr()
+        assert view.stride() == (h * tok * d, d, tok * d, 1)

@@ -325,9 +325,9 @@ def test_in_kernel_merge_compiles_without_spills(s, cc, cache):
 @needs_nvrtc
 def test_in_kernel_merge_ptx():
     """The fused kernel counts with atom.acq_rel.gpu after a barrier (no per-thread fence) and reads the states
-    with ld.global.cg, never the
-    non-coherent path, and triggers no dependent launch (no merge kernel follows); the plain partial kernel has
-    none of them (and the PDL trigger); no kernel takes a lock (no CAS, no release exchange)."""
+    with ld.global.cg, never the non-coherent path, and triggers no dependent launch (no merge kernel follows); the
+    plain partial kernel has none of them (and the PDL trigger); no kernel takes a lock (no CAS, no release
+    exchange)."""
     def ptx(**kw):
         spec = S.make_spec("partial", "bfloat16", 128, 4, 1, 16, **kw)
         c = PROG.compile(spec.options(), N.CompileTarget("compute_90", "ptx"))
@@ -339,10 +339,12 @@ def test_in_kernel_merge_ptx():
     assert "atom.acq_rel.gpu.global.add.s32" in fused and "ld.global.cg.v4.f32" in fused and "ld.global.cg.f32" in fused
     # one fence, the count's release in the thread that counts: no __threadfence (membar.gl / fence.sc) per thread
     assert "membar.gl" not in fused and "fence.sc" not in fused
-    start = re.search(r"\.func\s+\S*fused_merge", fused).end()
+    # the function's definition (its parameter list followed by a body, not a declaration), up to the next one
+    start = re.search(r"\.func\s+\S*fused_merge\S*\s*\([^)]*\)\s*\{", fused).end()
     nxt = re.search(r"\.(func|entry)\s", fused[start:])
     body = fused[start:start + nxt.start()] if nxt else fused[start:]
-    assert "bar.sync" in body and body.index("bar.sync") < body.index("atom.acq_rel.gpu")  # states, then the count
+    assert "bar.sync" in body and "atom.acq_rel.gpu" in body
+    assert body.index("bar.sync") < body.index("atom.acq_rel.gpu")  # the states, then the count
     # the merge kernel's merge_row reads the states of an earlier launch through the non-coherent path; the
     # fused merge's never does (fp32 vector loads are only the states')
     assert "ld.global.nc.v4.f32" in merge and "ld.global.nc.v4.f32" not in fused

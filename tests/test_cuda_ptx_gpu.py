@@ -746,14 +746,14 @@ def test_fused_merge_gpu(mode, fp8, gen):
         assert all(torch.equal(o, runs[0][0]) and torch.equal(ls, runs[0][1]) for o, ls in runs[1:])
 
 
-
 @pytest.mark.parametrize("heads,lens,splits", [((8, 1), [4096], 64), ((32, 8), [4096, 1000, 0], 16)])
 def test_fused_merge_reads_this_launchs_states(heads, lens, splits, gen):
-    """The fused merge's release / acquire on the device: two inputs A and B of one plan (same caches, different
-    q) launched alternately 200 times each on one stream into one workspace, so a merging program that read a
-    state not yet visible would read the other input's (same slot, a launch earlier) and differ. Every A output
-    bitwise the first A's (and B's the first B's: the merge order is fixed), the first of each within tolerance of
-    the reference, the counters back at zero."""
+    """The fused merge's release / acquire on the device, as a smoke test: two inputs A and B of one plan (same
+    caches, different q) launched alternately 200 times each on one stream into one workspace, so a merging program
+    that read a state not yet visible would read the other input's (same slot, a launch earlier) and differ. Every
+    A output bitwise the first A's (and B's the first B's: the merge order is fixed), the first of each within
+    tolerance of the reference, the counters back at zero. It catches a merge that often reads early (a count
+    before the barrier, no release); a rare, narrow window may pass it."""
     be = _backend()
     hq, hkv = heads
     xa = make_inputs(len(lens), hq, hkv, 128, lens, page_size=16, dtype=torch.bfloat16, device="cuda",
@@ -778,6 +778,7 @@ def test_fused_merge_reads_this_launchs_states(heads, lens, splits, gen):
         assert_close_to_reference(l0, ref_lse, torch.float32, f"lse {name}")
         bad = [i for i, (o, ls) in enumerate(outs[name]) if not (torch.equal(o, o0) and torch.equal(ls, l0))]
         assert not bad, f"{name}: {len(bad)} of 200 launches differ from the first (first at {bad[0]})"
+
 
 WARPS_CASES = [
     Case((8, 1), 128, (2048, 1000, 17, 0), splits=(1, 5)),           # group 1, contiguous

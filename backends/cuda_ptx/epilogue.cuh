@@ -9,20 +9,21 @@
 #pragma once
 
 // Fused merge: every thread of the program calls it once its unit's state is written (the group's units are the
-// workspace slots first .. first + units - 1: unit k's o at ob0 + k * o_ss, lse at lb0 + k * l_ss, ob0 / lb0 at
-// slot `first`; rows r = i*GROUP + g at i * _si + g * _sh; out / out_lse / sinks likewise at the group's first
-// head). Release: the barrier orders every thread's state stores before thread 0's count (bar.sync synchronizes
-// the program's threads), then thread 0 counts the program in the (sequence, KV head) completion counter with an
-// acq_rel atomic at gpu scope: release is cumulative in the PTX memory model, so the stores ordered before it
-// through the barrier are visible at gpu scope before the count moves (the pattern of cooperative groups' grid
-// sync and CUTLASS's arrive_inc, cutlass/barrier.h: one fence, in the thread that signals; a __threadfence in
-// every thread, the classic threadFenceReduction sample, cost every warp a MEMBAR.SC.GPU, ~4% of a b1 1K step's
-// stall samples on an H100). Its acquire makes every state released before it visible
-// to that thread, and through the second barrier to the program. The program that counts last resets the
-// counter (no other program of the launch touches it again: zero for the next launch and graph replays) and
-// merges the group's rows over its units in unit order with the merge kernel's merge_row, reading the
-// states through L2 (ld.global.cg). Its threads form teams of TW (one row's merge_row team, fewer warps if the
-// program has fewer) that take the rows r, r + TEAMS, ...; each thread keeps 8 splits' o loads in flight.
+// workspace slots first .. first + units - 1: unit k's o at ob0 + k * o_ss, lse at lb0 + k * l_ss, ob0 / lb0 at slot
+// `first`; rows r = i*GROUP + g at i * _si + g * _sh; out / out_lse / sinks likewise at the group's first head).
+// Release: the barrier orders every thread's state stores before thread 0's count (bar.sync synchronizes the
+// program's threads), and thread 0 counts the program in the (sequence, KV head) completion counter with an acq_rel
+// atomic at gpu scope. Release is cumulative in the PTX memory model: the stores ordered before the count through the
+// barrier are visible to any thread whose acquire reads this count or a later add of the counter's chain of atomic
+// adds, which is how every earlier program's states reach the program that counts last (the pattern of cooperative
+// groups' grid sync and CUTLASS's arrive_inc, cutlass/barrier.h: one fence, in the thread that signals; a
+// __threadfence in every thread, the classic threadFenceReduction sample, cost every warp a MEMBAR.SC.GPU, ~5% of a
+// b1 1K step's stall samples on an H100). That acquire, then the second barrier, orders the program's reads of the
+// states after it. The program that counts last resets the counter (no other program of the launch touches it again:
+// zero for the next launch and graph replays) and merges the group's rows over its units in unit order with the merge
+// kernel's merge_row, reading the states through L2 (ld.global.cg). Its threads form teams of TW (one row's merge_row
+// team, fewer warps if the program has fewer) that take the rows r, r + TEAMS, ...; each thread keeps 8 splits' o
+// loads in flight.
 // Not inlined: inlined, its code changed ptxas's allocation of the whole kernel, and the tile loop of the fused
 // specialization compiled to ~10% more instructions (sm_90, bf16 head_dim 128 page 16, 4 KV warps: 420 against the
 // separate merge's 380, extra IMAD / LOP3 address arithmetic); as a call the loop is the separate kernel's (388).

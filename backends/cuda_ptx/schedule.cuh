@@ -13,12 +13,12 @@
 //   (empty) unit, cb = 0;  indptr = the exclusive prefix sum of units;  unit j of b: [base + j cb G, +cb G) within L
 // (FlashAttention-3's hopper/flash_prepare_scheduler.cu makes the same kind of choice on the device, in a kernel of
 // its own.) A batch of at most 32 sequences is scheduled by each warp alone, one sequence per lane, without shared
-// memory or barriers (schedule_unit_warp). Otherwise every thread of the program runs it (schedule_unit_chunked):
-// the batch is read in chunks of SCHED_CHUNK sequences, SCHED_PER consecutive ones per thread (one chunk, one read of seq_lens, for
-// batch <= 256 whatever the program's threads), the total and the longest by warp shuffles and one exchange through
-// shared memory, the prefix sum by a warp scan and the warps' totals. The scan stops at the chunk holding u, except
-// in the program that writes meta (indptr[b] at b, units[b] at batch + b: the separate merge's table), which scans
-// the whole batch.
+// memory or barriers (schedule_unit_warp). Otherwise every thread of the program runs it (schedule_unit_chunked): the
+// batch is read in chunks of SCHED_CHUNK sequences, SCHED_PER consecutive ones per thread (one chunk, one read of
+// seq_lens, for batch <= 256 whatever the program's threads), the total and the longest by warp shuffles and one
+// exchange through shared memory, the prefix sum by a warp scan and the warps' totals. The scan stops at the chunk
+// holding u, except in the program that writes meta (indptr[b] at b, units[b] at batch + b: the separate merge's
+// table), which scans the whole batch.
 //
 // Shared memory: SCHED_WORDS int32 words at the start of the dynamic shared memory, free again when schedule_unit
 // returns (its last barrier is after every read), so the rings may reuse them at once.
@@ -100,10 +100,11 @@ __device__ __noinline__ int spread_slot(int slot, int total, int slots) {
 }
 
 // The schedule of unit u for a batch of at most 32 sequences: each warp computes all of it by itself, lane i
-// holding sequence i (the sums by butterfly, the prefix sum by a warp scan, u's sequence by a ballot), with no
+// holding sequence i (the total and the longest by redux.sync, the prefix sum by a warp scan, u's sequence by a
+// ballot), with no
 // shared memory and no barrier. The general path's exchange, three barriers and chunk loop were ~290 instructions
 // per warp on the dependent path before the first KV tile (ncu on an H200, b1 4K: 1.36M instructions against
-// 1.05M without a schedule, 14.1 us against 11.5). The same integers as schedule_unit's; meta by warp 0 of the
+// 1.05M without a schedule, 14.1 us against 11.5). The same integers as schedule_unit_chunked's; meta by warp 0 of the
 // writing program (write_meta). t_lo / t_hi: sched_granules_per_unit's.
 // slots > 0: u is the program's grid slot of `slots`, and the program runs unit slot_unit(u, U, slots) of the
 // batch's U units (attnplan.schedule.slot_unit: the working programs spread over the grid's order).
@@ -147,8 +148,9 @@ __device__ __forceinline__ UnitInfo schedule_unit_warp(int len, int *__restrict_
 
 // The prologue's first loads: this lane's length seq_lens[lane] (raw; clamped where it is used) for a batch of at
 // most 32 and the targets table (t_lo / t_hi, sched_granules_per_unit's), issued by the partial kernel before any
-// branch or call, so their DRAM round trip overlaps the cold fetch of the schedule's code (ncu, H100, b1 1K: the
-// load issued after two instruction-fetch stalls of ~0.3 us each, its use stalled again).
+// branch or call. Inside the schedule they were issued after two cold instruction fetches of ~0.3 us each (ncu, H100,
+// b1 1K); issued first, their DRAM round trip overlaps the kernel's own code up to the call, whose by-value
+// arguments then wait for it (the profile's largest prologue stall after the change: one round trip, unhidden).
 struct SchedLoads {
     int len, t_lo, t_hi;
 };

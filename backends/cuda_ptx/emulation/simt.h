@@ -18,7 +18,8 @@
 // which the fp8 decoder relies on); __byte_perm is prmt's default mode; ex2.approx.ftz is exp2f with denormal
 // results flushed. cvt.rn.f16x2.e4m3x2's twin is decode.cu's integer decoder (fp8x2_to_half2_int, also the
 // sm_80 fallback), built on these. __shfl_sync / __shfl_xor_sync / __shfl_up_sync share one exchange (__any_sync is
-// a butterfly over it, __ballot_sync and __reduce_add_sync / __reduce_max_sync too); __clz counts leading zeros (32 for 0), __ffs finds the lowest set bit.
+// a butterfly over it, __ballot_sync and __reduce_add_sync / __reduce_max_sync too); __clz counts leading zeros
+// (32 for 0), __ffs finds the lowest set bit.
 // Shared-memory race check: the kernel's shared-memory loads and stores (decode.cu's lds / sts helpers)
 // and cp.async copies are recorded per 4-byte word with the warp and the __syncthreads epoch. A copy
 // counts as written only when its issuing thread's cp.async.wait_group retires its group (then in that
@@ -26,11 +27,10 @@
 // wrote in the current epoch (no __syncthreads between), to write (or copy into) a word another warp
 // read or wrote in the current epoch, or to copy into a word with a copy still in flight. Lanes of one
 // warp are not checked against each other (they order through __syncwarp and shuffles).
-// Global-memory atomics (atomicAdd / atomicExch on int) and __threadfence, for decode.cu's fused merge: blocks
-// run one after another on one OS thread, so a read-modify-write is atomic as written and a fence has nothing
-// to order; they check that the word lies in a registered buffer. __ldcg (ld.global.cg) is a load from a
-// registered buffer, like __ldg. emu_launch may run the blocks in a permuted order (harness.cpp), so the
-// program that finishes a group last is not always its last split.
+// Global-memory atomics (atomicAdd / atomicExch on int), for decode.cu's fused merge: blocks run one after another on
+// one OS thread, so a read-modify-write is atomic as written; they check that the word lies in a registered buffer.
+// __ldcg (ld.global.cg) is a load from a registered buffer, like __ldg. emu_launch may run the blocks in a permuted
+// order (harness.cpp), so the program that finishes a group last is not always its last split.
 // What this cannot show: the real PTX instructions' behaviour, races through global memory (concurrent
 // blocks, memory ordering), orders the fiber schedule (each fiber runs until it blocks) happens not to
 // produce for intra-warp hazards, alignment faults other than the ones checked, and performance.
@@ -493,7 +493,6 @@ inline T __ldcg(const T *p) {
     }
     return *p;
 }
-inline void __threadfence() {}
 inline bool emu_atomic_ok(const int *p) {
     if (((uintptr_t)p & 3) || !emu::readable(p, 4)) {
         emu::fail("atomic on a word outside every registered buffer (counters) or misaligned");
