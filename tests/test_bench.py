@@ -326,3 +326,38 @@ def test_kv_layout_head_major_view():
         assert hm.shape == (n, h, tok, d) and hm.is_contiguous()
         assert view.shape == t.shape and torch.equal(view, t) and view.data_ptr() == hm.data_ptr()
         assert view.stride() == (h * tok * d, d, tok * d, 1)
+
+
+def test_ncu_sass_regions_and_reasons(tmp_path):
+    """ncu_sass.py on a small SASS source CSV: stall columns (not the "Not Issued" ones) summed per reason,
+    regions split after a call / exit and before the first cp.async of a run, unexecuted lines in no region."""
+    import ncu_sass
+
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_long_sb",
+            "stall_no_inst", "stall_long_sb (Not Issued)"]
+    body = [  # index: text, executed, long_sb, no_inst, long_sb not issued (must be ignored)
+        ["0x0", "LDC R1, c[0x0][0x28]", "3", "4", "0", "3", "9"],
+        ["0x10", "CALL.REL.NOINC 0x100", "0", "4", "0", "0", "9"],
+        ["0x20", "IMAD R2, R3, R4, RZ", "5", "4", "5", "0", "9"],
+        ["0x30", "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", "0", "4", "0", "0", "0"],
+        ["0x40", "@P0 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]", "0", "4", "0", "0", "0"],
+        ["0x50", "WARPSYNC.ALL", "7", "4", "7", "0", "9"],
+        ["0x60", "EXIT", "0", "4", "0", "0", "0"],
+        ["0x70", "BRA 0x70", "0", "0", "0", "0", "0"],  # never executed
+    ]
+    p = tmp_path / "k-sass.csv"
+    with open(p, "w", newline="") as f:
+        w = __import__("csv").writer(f)
+        w.writerows([["Kernel Name", "attnplan_decode_partial"], head, *body])
+    kernel, ins = ncu_sass.read_sass_csv(str(p))
+    assert kernel == "attnplan_decode_partial" and len(ins) == 8
+    assert ins[0].samples == {"no_inst": 3} and ins[5].samples == {"long_sb": 7} and ins[4].opcode == "LDGSTS.E.BYPASS.128"
+    regs = ncu_sass.regions(ins)
+    assert [(a, b) for a, b, _ in regs] == [(0, 1), (2, 2), (3, 6)]
+    assert regs[1][2] == {"long_sb": 5} and regs[2][2] == {"long_sb": 7}
+    text = ncu_sass.report(str(p), top=2)
+    assert "15 samples" in text and "long_sb 80.0%" in text and "no_inst 20.0%" in text
+    bad = tmp_path / "bad.csv"
+    bad.write_text("Address,Source\n0x0,EXIT\n")
+    with pytest.raises(ValueError, match="not an ncu SASS source CSV"):
+        ncu_sass.read_sass_csv(str(bad))
