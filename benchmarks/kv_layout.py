@@ -8,11 +8,11 @@ view of the token-major shape (no copy, no option: the kernels take the cache's 
 bytes either way.
 
 Times are CUDA-graph replays with an L2 flush in front (:func:`peers.time_step`), medians; the read bound is
-:func:`bench_decode.read_bound` of the same bytes. Peers: cuDNN (SDPA on its dense head-major copy) and, at paged
-points, FlashInfer's paged decode in both layouts (tensor cores on and off) where it imports. Outputs are compared
-(``*_maxdiff``, max abs): each backend's head-major output with its token-major one, every other output (other
-backends, FlashInfer) with the first backend's token-major one. A column that could not run holds its error under
-``*_error``.
+:func:`bench_decode.read_bound` of the same bytes. Peers: cuDNN (SDPA on its dense head-major copy; ``flash`` and
+``flex`` likewise) and, at paged points, FlashInfer's paged decode in both layouts (tensor cores on and off) where
+it imports. Outputs are compared (``*_maxdiff``, max abs): each backend's head-major output with its token-major
+one, every other output (other backends, FlashInfer) with the first output of the point (the first backend's
+token-major one unless it refused). A column that could not run holds its error under ``*_error``.
 
     python benchmarks/kv_layout.py --heads '32,8,128;28,4,128' --batches 4,16 --kv 16384 --out kv_layout.json
 """
@@ -70,7 +70,8 @@ def main() -> None:
     ap.add_argument("--kv", default="16384")
     ap.add_argument("--layouts", default="contig,paged16")
     ap.add_argument("--backends", default="cuda_ptx,triton")
-    ap.add_argument("--peers", default="cudnn,flashinfer,flashinfer_tc")
+    ap.add_argument("--peers", default="cudnn,flashinfer,flashinfer_tc",
+                    help="cudnn / flash / flex on SDPA's dense copy; flashinfer / flashinfer_tc on paged points")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -96,18 +97,18 @@ def main() -> None:
                         """``key``'s time (or error) and its output's difference from ``mine`` (the same backend's
                         token-major output) or else from the first backend's."""
                         nonlocal first
-                        if "graph_us" not in res:
-                            row[f"{key}_error"] = res.get("error") or res.get("graph_error") or "no time"
-                            return
-                        row[f"{key}_us"] = round(res["graph_us"], 1)
-                        if out is None:
-                            return
-                        if mine is not None:
-                            row[f"{key}_maxdiff"] = float((out.float() - mine.float()).abs().max())
-                        elif first is None:
-                            first = (key, out)
+                        if out is not None:  # checked whether or not it could be timed
+                            if mine is not None:
+                                row[f"{key}_maxdiff"] = float((out.float() - mine.float()).abs().max())
+                            elif first is None:
+                                first = (key, out)
+                            else:
+                                d = float((out.float() - first[1].float()).abs().max())
+                                row[f"{key}_maxdiff_vs_{first[0]}"] = d
+                        if "graph_us" in res:
+                            row[f"{key}_us"] = round(res["graph_us"], 1)
                         else:
-                            row[f"{key}_maxdiff_vs_{first[0]}"] = float((out.float() - first[1].float()).abs().max())
+                            row[f"{key}_error"] = res.get("error") or res.get("graph_error") or "no time"
 
                     for be in args.backends.split(","):
                         mine = None
@@ -123,9 +124,9 @@ def main() -> None:
                                 mine = o
                         del mine
                     for peer in args.peers.split(","):
-                        if peer == "cudnn":
-                            r, o = time_peer("cudnn", [x], args.iters)
-                            record("cudnn", r, o)
+                        if peer not in ("flashinfer", "flashinfer_tc"):  # cudnn, flash, flex: on the dense copy
+                            r, o = time_peer(peer, [x], args.iters)
+                            record(peer, r, o)
                         elif page is not None:
                             for lay in ("NHD", "HND"):
                                 r, o = time_flashinfer(x, hm_k, hm_v, lay, peer == "flashinfer_tc", args.iters)
@@ -145,10 +146,11 @@ def main() -> None:
     def cell(r, k):
         return f"{r[k + '_us']}" if k + "_us" in r else "err" if k + "_error" in r else "-"
 
-    print("heads      layout   batch     kv  " + "  ".join(f"{k:>14s}" for k in keys))
+    widths = [max(14, len(k)) for k in keys]
+    print("heads      layout   batch     kv  " + "  ".join(f"{k:>{n}s}" for k, n in zip(keys, widths)))
     for r in rows:
         print(f"{r['heads']:10s} {r['layout']:8s} {r['batch']:5d} {r['kv']:6d}  "
-              + "  ".join(f"{cell(r, k):>14}" for k in keys))
+              + "  ".join(f"{cell(r, k):>{n}}" for k, n in zip(keys, widths)))
 
 
 if __name__ == "__main__":

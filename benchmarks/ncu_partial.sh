@@ -19,8 +19,8 @@ for kv in ${KVS:-32768}; do
     if [ $rc -ne 0 ] || [ ! -f "$rep.ncu-rep" ]; then status=1; tail -5 "$rep.log"; continue; fi
     ncu --import "$rep.ncu-rep" --page details > "$rep.txt" 2>&1
     if [ "$be" = "${NCU_SOURCE:-}" ]; then  # the SASS with stall samples, and where they fall (ncu_sass.py)
-      ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep-sass.csv" 2>&1
-      python3 "$(dirname "$0")/ncu_sass.py" "$rep-sass.csv" --top 10 > "$rep-sass.txt" 2>&1 && head -40 "$rep-sass.txt"
+      ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep-sass.csv" 2> "$rep-sass.err"
+      python3 "$(dirname "$0")/ncu_sass.py" "$rep-sass.csv" --top 10 > "$rep-sass.txt" 2>&1; head -40 "$rep-sass.txt"
     fi
     grep -E "^  [A-Za-z]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Waves Per SM|Theoretical Occupancy|Block Limit|Dynamic Shared|Issued Ipc|Warp Cycles Per Issued|L2 Hit|Eligible Warps|No Eligible" "$rep.txt" | head -60
   done

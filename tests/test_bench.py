@@ -329,34 +329,46 @@ def test_kv_layout_head_major_view():
 
 
 def test_ncu_sass_regions_and_reasons(tmp_path):
-    """ncu_sass.py on a small SASS source CSV: stall columns (not the "Not Issued" ones) summed per reason,
-    regions split after a call / exit and before the first cp.async of a run, unexecuted lines in no region."""
+    """ncu_sass.py on a small SASS source CSV: stall columns (not the "Not Issued" ones) summed per reason and per
+    region; regions split after a call / return / exit, before a region's first cp.async (copies interleaved with
+    other code stay in one region, predicated ones included), at a dropped short row and at lines with neither
+    executions nor samples; warnings before the kernel line skipped and a second kernel's lines not read."""
+    import csv
+
     import ncu_sass
 
     head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_long_sb",
             "stall_no_inst", "stall_long_sb (Not Issued)"]
-    body = [  # index: text, executed, long_sb, no_inst, long_sb not issued (must be ignored)
-        ["0x0", "LDC R1, c[0x0][0x28]", "3", "4", "0", "3", "9"],
-        ["0x10", "CALL.REL.NOINC 0x100", "0", "4", "0", "0", "9"],
-        ["0x20", "IMAD R2, R3, R4, RZ", "5", "4", "5", "0", "9"],
-        ["0x30", "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", "0", "4", "0", "0", "0"],
-        ["0x40", "@P0 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]", "0", "4", "0", "0", "0"],
-        ["0x50", "WARPSYNC.ALL", "7", "4", "7", "0", "9"],
-        ["0x60", "EXIT", "0", "4", "0", "0", "0"],
-        ["0x70", "BRA 0x70", "0", "0", "0", "0", "0"],  # never executed
+    body = [  # Address, Source, all samples, executed, long_sb, no_inst, long_sb not issued (must be ignored)
+        ["0x0", "LDC R1, c[0x0][0x28]", "3", "4", "0", "3", "9"],            # 0
+        ["0x10", "CALL.REL.NOINC 0x100", "0", "4", "0", "0", "9"],           # 1: ends region 0-1
+        ["0x20", "IMAD R2, R3, R4, RZ", "5", "4", "5", "0", "9"],            # 2
+        ["0x30", "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]", "0", "4", "0", "0", "0"],  # 3: starts a region
+        ["0x40", "IMAD R5, R6, R7, RZ", "2", "4", "1", "1", "0"],            # 4
+        ["0x50", "@!UP1 LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]", "0", "4", "0", "0", "0"],  # 5: same region
+        ["0x60", "WARPSYNC.ALL", "7", "4", "7", "0", "9"],                   # 6
+        ["0x70", "RET.REL.NODEC R4, 0x0", "0", "4", "0", "0", "0"],          # 7: ends region 3-7
+        ["0x80", "IADD3 R1, R1, 0x1, RZ", "1", "4", "0", "1", "0"],          # 8
+        ["0x90"],                                                            # 9: short row, dropped: a gap
+        ["0xa0", "IADD3 R2, R2, 0x1, RZ", "4", "4", "4", "0", "0"],          # 10
+        ["0xb0", "EXIT", "0", "4", "0", "0", "0"],                           # 11
+        ["0xc0", "BRA 0xc0", "0", "0", "0", "0", "0"],                       # 12: never executed
     ]
     p = tmp_path / "k-sass.csv"
     with open(p, "w", newline="") as f:
-        w = __import__("csv").writer(f)
-        w.writerows([["Kernel Name", "attnplan_decode_partial"], head, *body])
+        w = csv.writer(f)
+        w.writerows([["==WARNING== a warning"], ["Kernel Name", "attnplan_decode_partial"], head, *body,
+                     ["Kernel Name", "another"], head, ["0x0", "EXIT", "99", "1", "99", "0", "0"]])
     kernel, ins = ncu_sass.read_sass_csv(str(p))
-    assert kernel == "attnplan_decode_partial" and len(ins) == 8
-    assert ins[0].samples == {"no_inst": 3} and ins[5].samples == {"long_sb": 7} and ins[4].opcode == "LDGSTS.E.BYPASS.128"
+    assert kernel == "attnplan_decode_partial" and len(ins) == 12 and [i.index for i in ins][8:10] == [8, 10]
+    assert ins[0].samples == {"no_inst": 3} and ins[6].samples == {"long_sb": 7}
+    assert ins[5].opcode == "LDGSTS.E.BYPASS.128" and ins[7].opcode == "RET.REL.NODEC"
     regs = ncu_sass.regions(ins)
-    assert [(a, b) for a, b, _ in regs] == [(0, 1), (2, 2), (3, 6)]
-    assert regs[1][2] == {"long_sb": 5} and regs[2][2] == {"long_sb": 7}
+    assert [(a, b) for a, b, _ in regs] == [(0, 1), (2, 2), (3, 7), (8, 8), (10, 11)]
+    assert regs[2][2] == {"long_sb": 8, "no_inst": 1} and regs[4][2] == {"long_sb": 4}
     text = ncu_sass.report(str(p), top=2)
-    assert "15 samples" in text and "long_sb 80.0%" in text and "no_inst 20.0%" in text
+    assert "22 samples" in text and "long_sb 77.3%" in text and "no_inst 22.7%" in text
+    assert "[LDGSTS.E.BYPASS.128 .. RET.REL.NODEC]" in text and "[IADD3 .. EXIT]" in text
     bad = tmp_path / "bad.csv"
     bad.write_text("Address,Source\n0x0,EXIT\n")
     with pytest.raises(ValueError, match="not an ncu SASS source CSV"):
