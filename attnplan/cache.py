@@ -278,6 +278,7 @@ class PlanCache:
         self.stats = CacheStats()
         self._mem: OrderedDict[tuple, SplitPlan] = OrderedDict()
         self._lock = threading.Lock()
+        self._building: dict[tuple, threading.Lock] = {}  # one lock per key being read or built (get_or_create)
         self._warned_disk = False
 
     @property
@@ -312,6 +313,10 @@ class PlanCache:
                       validate: Callable[[SplitPlan], None] | None = None) -> SplitPlan:
         """Return the cached plan for ``key`` or build, store and return it.
 
+        Threads that miss the same key at once read or build it once: the first takes the key's lock and the
+        others wait on it, then find the plan in memory (a hit each). A ``build`` that raises lets the next
+        waiter try its own.
+
         Args:
             validate: called with a plan read from disk, after :func:`check_plan`; raising one of
                 :data:`UNUSABLE` (e.g. ``ValueError``: the plan does not fit the caller's problem) makes
@@ -320,15 +325,26 @@ class PlanCache:
         plan = self.hit(key)
         if plan is not None:  # a memory hit: counted and made most recently used, as hit() does
             return plan
-        plan = self._read(key, validate)
-        if plan is not None:
-            self.stats.disk_hits += 1
-        else:
-            self.stats.misses += 1
-            plan = build()
-            self._write(key, plan)
-        self._remember(key, plan)
-        return plan
+        with self._lock:
+            flight = self._building.setdefault(key, threading.Lock())
+        try:
+            with flight:
+                plan = self.hit(key)  # built by the thread this one waited for
+                if plan is not None:
+                    return plan
+                plan = self._read(key, validate)
+                if plan is not None:
+                    self.stats.disk_hits += 1
+                else:
+                    self.stats.misses += 1
+                    plan = build()
+                    self._write(key, plan)
+                self._remember(key, plan)
+                return plan
+        finally:
+            with self._lock:  # later callers hit memory; waiters still hold the lock object
+                if self._building.get(key) is flight:
+                    del self._building[key]
 
     def _remember(self, key: tuple, plan: SplitPlan) -> None:
         with self._lock:

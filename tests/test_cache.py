@@ -537,3 +537,49 @@ def test_atomic_write_replaces_whole_files_and_cleans_up(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         atomic_write(path, "three")
     assert path.read_text() == "two" and sorted(p.name for p in path.parent.iterdir()) == ["t.txt"]
+
+
+def test_threads_missing_one_key_build_it_once(tmp_path):
+    """Threads that miss the same key together build it once: the others wait for the build and hit memory (one
+    miss, three hits); a build that raises leaves the key to the next waiter, which builds its own."""
+    import threading
+    import time
+
+    def run_threads(cache, build, n):
+        out: list = []
+
+        def call():
+            try:
+                out.append(cache.get_or_create(("k",), build))
+            except RuntimeError as e:
+                out.append(e)
+
+        threads = [threading.Thread(target=call) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+    builds: list = []
+
+    def slow_build():
+        builds.append(1)
+        time.sleep(0.2)
+        return "plan"
+
+    cache = PlanCache(tmp_path, disk=False)
+    assert run_threads(cache, slow_build, 4) == ["plan"] * 4 and len(builds) == 1
+    assert cache.stats.misses == 1 and cache.stats.hits == 3
+
+    tries: list = []
+
+    def flaky_build():
+        tries.append(1)
+        time.sleep(0.1)
+        if len(tries) == 1:
+            raise RuntimeError("the first build fails")
+        return "plan"
+
+    out = run_threads(PlanCache(tmp_path, disk=False), flaky_build, 2)
+    assert len(tries) == 2 and "plan" in out and any(isinstance(o, RuntimeError) for o in out)
