@@ -254,7 +254,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         ob = out + (i64)b * out_sb + (i64)s * o_ss;
         lb = out_lse ? out_lse + (i64)b * ol_sb + (i64)s * l_ss : out_lse;
     } else {
-        // the schedule's loads first (schedule.cuh, sched_loads): in flight while the prologue's code is fetched
+        // the schedule's loads first (schedule.cuh, sched_loads): issued before the grid arithmetic and the call
         const SchedLoads pre = sched_loads(seq_lens, targets, batch, balanced != 0, lane);
         int u, slots;  // the program's unit slot of the grid's slots (schedule_unit may spread the units over them)
         if (gridDim.x == 1u && gridDim.y == (unsigned)num_kv_heads) {

@@ -99,15 +99,15 @@ __device__ __noinline__ int spread_slot(int slot, int total, int slots) {
     return (v < total && (v * slots) / total == slot) ? (int)v : total;
 }
 
-// The schedule of unit u for a batch of at most 32 sequences: each warp computes all of it by itself, lane i
-// holding sequence i (the total and the longest by redux.sync, the prefix sum by a warp scan, u's sequence by a
-// ballot), with no
-// shared memory and no barrier. The general path's exchange, three barriers and chunk loop were ~290 instructions
-// per warp on the dependent path before the first KV tile (ncu on an H200, b1 4K: 1.36M instructions against
-// 1.05M without a schedule, 14.1 us against 11.5). The same integers as schedule_unit_chunked's; meta by warp 0 of the
-// writing program (write_meta). t_lo / t_hi: sched_granules_per_unit's.
-// slots > 0: u is the program's grid slot of `slots`, and the program runs unit slot_unit(u, U, slots) of the
-// batch's U units (attnplan.schedule.slot_unit: the working programs spread over the grid's order).
+// The schedule of unit u for a batch of at most 32 sequences: each warp computes all of it by itself, lane i holding
+// sequence i (the total and the longest by redux.sync, the prefix sum by a warp scan, u's sequence by a ballot), with
+// no shared memory and no barrier. The general path's exchange, three barriers and chunk loop were ~290 instructions
+// per warp on the dependent path before the first KV tile (ncu on an H200, b1 4K: 1.36M instructions against 1.05M
+// without a schedule, 14.1 us against 11.5). The same integers as schedule_unit_chunked's; meta by warp 0 of the
+// writing program (write_meta). len: this lane's length as sched_loads read it (clamped here); t_lo / t_hi:
+// sched_granules_per_unit's.
+// slots > 0: u is the program's grid slot of `slots`, and the program runs unit slot_unit(u, U, slots) of the batch's
+// U units (attnplan.schedule.slot_unit: the working programs spread over the grid's order).
 __device__ __forceinline__ UnitInfo schedule_unit_warp(int len, int *__restrict__ meta, int batch, int u, int slots,
                                                        bool write_meta, int window_left, int granule, int min_c,
                                                        int max_per, bool balanced, int t_lo, int t_hi, int lane,
