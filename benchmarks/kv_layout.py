@@ -25,9 +25,9 @@ import json
 
 import torch
 
-from attnplan.testing import make_inputs
+from attnplan.testing import make_inputs, problem_of
 from bench_decode import environment, read_bound, time_backend
-from peers import time_peer, time_step
+from peers import time_flashinfer, time_peer
 
 
 def head_major(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,32 +35,6 @@ def head_major(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     and the same storage viewed in ``t``'s token-major shape (strides of a permuted tensor)."""
     hm = t.permute(0, 2, 1, 3).contiguous()
     return hm, hm.permute(0, 2, 1, 3)
-
-
-def time_flashinfer(x, hm_k, hm_v, layout: str, tensor_cores: bool, iters: int) -> tuple[dict, torch.Tensor | None]:
-    """FlashInfer's paged decode on ``x``'s block table with the cache in ``layout`` (``"NHD"``: ``x``'s own
-    caches; ``"HND"``: ``hm_k`` / ``hm_v``, ``[pages, Hkv, page, D]``)."""
-    from flashinfer_peer import FlashInferDecode, load
-
-    fi, why = load()
-    if fi is None:
-        return {"error": f"flashinfer not available: {why}"}, None
-    try:
-        b, _, hq, d = x.q.shape
-        hkv, page = x.k_cache.shape[2], x.k_cache.shape[1]
-        pe = FlashInferDecode(fi, hq, hkv, d, page, b, x.block_table.numel(), tensor_cores, kv_layout=layout)
-        pe.plan([int(n) for n in x.seq_lens.tolist()], x.block_table)
-        kc, vc = (x.k_cache, x.v_cache) if layout == "NHD" else (hm_k, hm_v)
-        out = torch.empty_like(x.q)
-        step = lambda j: pe.run(x.q, kc, vc, out)  # noqa: E731
-        step(0)
-        torch.cuda.synchronize()
-        first = out.clone()
-        res: dict = {}
-        time_step(step, 1, iters, res)
-        return res, first
-    except Exception as e:  # noqa: BLE001 - recorded, not fatal
-        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}, None
 
 
 def main() -> None:
@@ -88,7 +62,7 @@ def main() -> None:
                     hm_k, vk = head_major(x.k_cache)
                     hm_v, vv = head_major(x.v_cache)
                     xh = dataclasses.replace(x, k_cache=vk, v_cache=vv)
-                    nbytes = 2 * batch * kv * hkv * d * 2 + 2 * x.q.numel() * 2
+                    nbytes = problem_of(x).bytes_moved()
                     row = {"heads": f"{hq}/{hkv}/{d}", "layout": layout, "batch": batch, "kv": kv, "bytes": nbytes,
                            "read_us": round(read_bound(nbytes, args.iters)["read_us"], 1)}
                     first = None  # (name, output) of the first backend's token-major run
@@ -129,7 +103,8 @@ def main() -> None:
                             record(peer, r, o)
                         elif page is not None:
                             for lay in ("NHD", "HND"):
-                                r, o = time_flashinfer(x, hm_k, hm_v, lay, peer == "flashinfer_tc", args.iters)
+                                r, o = time_flashinfer([x], args.iters, peer == "flashinfer_tc", kv_layout=lay,
+                                                       caches=[(hm_k, hm_v)] if lay == "HND" else None)
                                 record(f"{peer}_{lay.lower()}", r, o)
                     rows.append(row)
                     print(json.dumps(row), flush=True)

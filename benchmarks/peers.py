@@ -83,9 +83,12 @@ def time_step(step, n: int, iters: int, res: dict) -> None:
     del graphs
 
 
-def time_flashinfer(sets, iters: int, tensor_cores: bool) -> tuple[dict, torch.Tensor | None]:
+def time_flashinfer(sets, iters: int, tensor_cores: bool, kv_layout: str = "NHD",
+                    caches=None) -> tuple[dict, torch.Tensor | None]:
     """Time FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (:mod:`flashinfer_peer`) on the paged ``sets``
     themselves (same cache, same block tables as attnplan): plan() on the host per set, run() captured.
+    ``kv_layout`` ``"HND"`` reads ``caches`` instead, one ``(k, v)`` pair ``[pages, Hkv, page, D]`` per set (the same
+    values head-major); the sets keep giving the shapes, lengths and block tables.
 
     Returns ``(result, out)`` like :func:`time_peer`; ``{"error": ...}`` when FlashInfer does not import, the
     cache is not paged bf16, or ``q_len > 1``."""
@@ -103,13 +106,15 @@ def time_flashinfer(sets, iters: int, tensor_cores: bool) -> tuple[dict, torch.T
         lens = [int(n) for n in x0.seq_lens.tolist()]
         wrappers, outs = [], []
         for x in sets:
-            pe = FlashInferDecode(fi, hq, hkv, d, page, b, x.block_table.numel(), tensor_cores)
+            pe = FlashInferDecode(fi, hq, hkv, d, page, b, x.block_table.numel(), tensor_cores, kv_layout=kv_layout)
             pe.plan(lens, x.block_table)
             wrappers.append(pe)
             outs.append(torch.empty_like(x.q))
 
+        kv = caches if caches is not None else [(x.k_cache, x.v_cache) for x in sets]
+
         def step(j):
-            wrappers[j].run(sets[j].q, sets[j].k_cache, sets[j].v_cache, outs[j])
+            wrappers[j].run(sets[j].q, kv[j][0], kv[j][1], outs[j])
 
         step(0)
         torch.cuda.synchronize()

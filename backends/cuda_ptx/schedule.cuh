@@ -46,8 +46,10 @@ __device__ __forceinline__ int ceil_div_pos(int a, int b) { return (int)((unsign
 // sequence of the cache holds, block_table columns x PAGE or the contiguous cache's token axis). A length written on
 // the device after plan() (or found at a CUDA-graph replay) beyond the cache then runs attention over the clamped
 // span instead of reading outside the cache; a negative one is an empty sequence.
+__device__ __forceinline__ int clamp_len(int len, int capacity) { return cmin(cmax(len, 0), capacity); }
+
 __device__ __forceinline__ int seq_len_at(const int *__restrict__ seq_lens, int b, int capacity) {
-    return cmin(cmax(seq_lens[b], 0), capacity);
+    return clamp_len(seq_lens[b], capacity);
 }
 
 // Sequence of length L: its first visible position (base) and the granules of its span [base, L).
@@ -114,7 +116,7 @@ __device__ __forceinline__ UnitInfo schedule_unit_warp(int len, int *__restrict_
                                                        int capacity) {
     const bool in = lane < batch;
     int base;
-    const int nb = in ? seq_granules(cmin(cmax(len, 0), capacity), window_left, granule, base) : 0;
+    const int nb = in ? seq_granules(clamp_len(len, capacity), window_left, granule, base) : 0;
     int c = min_c;
     if (balanced)  // the total and the longest: one redux.sync each (sm_80), not five shuffle steps
         c = sched_granules_per_unit(t_lo, t_hi, __reduce_add_sync(FULL_MASK, nb), __reduce_max_sync(FULL_MASK, nb),
