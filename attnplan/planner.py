@@ -56,11 +56,12 @@ from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_b
 __all__ = ["SplitPlan", "Launch", "launch_problem_of", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION",
            "cost_model_for", "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
 
-PLAN_VERSION = 9  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
+PLAN_VERSION = 10  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
 #                  targets scaled to their warps; 5: that scaling bounded at saturation; 6: a row carried to another
 #                  pair count loads the SMs evenly (even_load_splits); 7: one-bucket live plans' grids fit their units;
 #                  8: head_block (a GQA group larger than a program in several launches); 9: long-tailed live plans
-#                  from the longest length's row (and keys that keep the batch long-tailed: problem.mean_bucket)
+#                  from the longest length's row (and keys that keep the batch long-tailed: problem.mean_bucket);
+#                  10: buckets of bit_length(T + T/2), each planned at its power of two
 #: cross-program merges: ``none`` (single pass), ``separate`` (merge kernel), ``fused`` (last program merges)
 MERGES = ("none", "separate", "fused")
 PLAN_POLICIES = ("tuned", "heuristic", "forced", "no-split", "batch-invariant")
@@ -575,7 +576,7 @@ class SplitPlan:
             elif min(c[0] for c in self.candidates if c[2] <= min(t for _, _, t in self.candidates) * 1.02) == 1:
                 why = "the cost model's split count at the planned lengths is 1"
             else:
-                why = "the targets of the planned lengths' bucket give each sequence one unit"
+                why = "the targets give one unit per sequence at the middle of the lengths the plan serves"
             lines.append(f"single pass: one program per (sequence, KV head), no partial states, no merge ({why})")
         elif self.policy == "batch-invariant":
             lines.append(f"batch-invariant: units of {s.min_unit_granules * s.granule} tokens from each sequence's "
@@ -591,8 +592,8 @@ class SplitPlan:
                              f"more than {EVEN_LOAD_MAX_IMBALANCE:g}x above the mean is raised until they do not "
                              f"(units of at least {EVEN_LOAD_MIN_CHUNK} tokens at the planned length)")
             if s.single_pass:
-                lines.append("  the planned lengths get one unit per sequence: single pass (the row's count, or the "
-                             "targets of the length's bucket, planned at its middle)")
+                lines.append("  one unit per sequence: single pass (the row's count at the planned lengths, or the "
+                             "targets at the middle of the lengths the plan serves)")
             w = _warps(self.kernel)
             tail = not self.capacity_mode and p.long_tailed
             if tail:
@@ -1047,12 +1048,13 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             s_cap = config.split.max_splits
             sched = Schedule("balanced", granule, min_c, s_cap, targets,
                              min(max_units_bound(targets, batch, s_cap), batch * min(s_cap, -(-cap_granules // min_c))))
-            if one_bucket and int(schedule_units(
-                    [problem.max_kv_len] * batch, sched, problem.q_len, problem.window_left).units.max()) <= 1:
-                # the targets (planned at each bucket's middle) give the planned lengths one unit per sequence, and
-                # the bucket holds no long-tailed batch: the single-pass kernel serves that without a scheduled grid
-                # (measured on an H200, 28/4/128 paged, 48 sequences of 3,000 tokens: 75.2 us single pass against
-                # 82.7 scheduled with one unit each)
+            if one_bucket and int(schedule_units([max(1, round(problem.max_kv_len / math.sqrt(2)))] * batch, sched,
+                                                 problem.q_len, problem.window_left).units.max()) <= 1:
+                # the planned (bucketed) lengths stand for real ones from half of them up (problem.len_bucket); where
+                # the targets give the middle of those one unit per sequence, and the bucket holds no long-tailed
+                # batch, the single-pass kernel serves the plan without a scheduled grid (measured on an H200,
+                # 28/4/128 paged, 48 sequences of 3,000 tokens: 75.2 us single pass against 82.7 scheduled with one
+                # unit each)
                 sched = Schedule("single", granule, 1, 1, zeros, batch)
                 splits, chunk = 1, _align_up(span, granule)
                 policy = "no-split" if policy == "heuristic" else policy
@@ -1076,10 +1078,15 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
                      candidates=choice.candidates if choice is not None else ())
 
 
-def _bucket_granules(k: int) -> int:
-    """The granules of bucket ``k``'s representative batch, about ``2^(k - 1/2)`` (within the bucket's
-    ``[2^(k-1), 2^k)``), where :func:`_targets` plans the bucket's units."""
-    return min((1 << k) - 1, max(1 << (k - 1), round(2 ** (k - 0.5))))
+def _bucket_granules(k: int, top: int | None = None) -> int:
+    """The granules of bucket ``k``'s representative batch, where :func:`_targets` plans the bucket's units: the one
+    power of two the bucket holds, ``2^(k-1)`` (:func:`~attnplan.schedule.bucket_of` puts it 6% above the bucket's
+    geometric middle), at most ``top`` (the most granules a batch of the plan holds). Uniform batches of power-of-two
+    batches and lengths, where split-table rows are measured and live plans are made (``len_bucket``), total it: the
+    schedule then gives them exactly the split a live plan chooses at their length (``ceil(T / target)`` granules
+    per unit of the chosen chunk)."""
+    p = 1 << max(0, k - 1)
+    return p if top is None else max(1, min(p, top))
 
 
 def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostModel, bw: float, config: Config,
@@ -1103,14 +1110,22 @@ def _targets(problem: DecodeProblem, device: DeviceInfo, backend: str, cm: CostM
     k_max = bucket_of(batch * cap_granules)
     if capacity_mode:
         k_lo, k_hi = 1, k_max
+        top = batch * cap_granules  # the most granules a batch of this plan holds
     else:
         span = max(problem.max_kv_len, 1)
-        k_hi = min(k_max, bucket_of(batch * -(-span // granule)))
-        k_lo = max(1, min(k_hi, bucket_of(max(1, problem.total_kv_len // granule))))
+        top = batch * -(-span // granule)  # a uniform batch at the planned longest length
+        k_hi = min(k_max, bucket_of(top))
+        # the bucketed lengths stand for real ones down to half of them (attnplan.problem.len_bucket)
+        k_lo = max(1, min(k_hi, bucket_of(max(1, problem.total_kv_len // (2 * granule)))))
     targets = [0] * NUM_BUCKETS
     memo: dict[int, int] = {}
     for k in range(k_lo, k_hi + 1):
-        m = max(1, _bucket_granules(k) * granule // batch)  # tokens per sequence of that uniform batch
+        # each bucket planned at its power of two (the buckets put it near their middle, at a split-table row's
+        # length): planned at a bucket's end between two rows, a uniform batch of a power-of-two batch and length
+        # ran the row of 1.4x its length, measured on an H100 at cuda_ptx 32/8/128 b4 64K contiguous: the 64K row's 3
+        # units ran as the 128K row's 13, 364 against 346 us
+        rep = _bucket_granules(k, top)
+        m = max(1, rep * granule // batch)  # tokens per sequence of that uniform batch
         if m not in memo:
             virt = replace(problem, max_kv_len=m, total_kv_len=m * batch, window_left=-1, capacity=max(m, 1))
             limit = max(1, min(config.split.max_splits, m // (min_c * granule)))

@@ -18,7 +18,9 @@ Definitions (all integers; ``B`` sequences, ``Q`` queries per sequence, ``G`` to
   with a sliding window, else ``0``; its span ``n = L - base`` covers ``nb = ceil(n / G)`` granules.
 * The batch holds ``T = sum_b nb`` granules, its longest sequence ``nb_max``. The plan's ``targets`` table
   gives the wanted number of work units for a batch of that size: ``t = targets[k + 32 * tail]`` with
-  ``k = min(bit_length(T), 31)`` and ``tail = 2 * T < B * nb_max`` (a long-tailed batch, padding slots counted:
+  ``k = min(bit_length(T + (T >> 1)), 31)`` (:func:`bucket_of`: bucket ``k`` holds ``T`` in
+  ``[ceil(2^k / 3), ceil(2^(k+1) / 3))``, so ``T = 2^n`` sits near its bucket's geometric middle) and
+  ``tail = 2 * T < B * nb_max`` (a long-tailed batch, padding slots counted:
   entries 32-63 are a second table for those; a near-uniform batch reads entries 0-31).
 * Granules per unit: ``c = max(min_unit_granules, ceil(T / t))``, or ``min_unit_granules`` when ``t == 0``
   (batch-invariant and forced schedules: no dependence on the batchmates).
@@ -59,9 +61,9 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Schedule", "Units", "schedule_units", "check_invariants", "clamp_lengths", "NUM_TARGETS", "NUM_BUCKETS",
-           "POLICIES", "bucket_of", "max_units_bound", "is_long_tailed", "slot_unit"]
+           "POLICIES", "bucket_of", "bucket_range", "max_units_bound", "is_long_tailed", "slot_unit"]
 
-#: buckets of batch work: ``k = bit_length(total granules)``, clamped to ``NUM_BUCKETS - 1``
+#: buckets of batch work: ``k = bit_length(T + (T >> 1))`` for ``T`` total granules, clamped to ``NUM_BUCKETS - 1``
 NUM_BUCKETS = 32
 #: entries of the targets table: the near-uniform table (``[0, 32)``), then the long-tailed one (``[32, 64)``)
 NUM_TARGETS = 2 * NUM_BUCKETS
@@ -71,8 +73,25 @@ POLICIES = ("balanced", "batch_invariant", "forced", "single")
 
 
 def bucket_of(total_granules: int) -> int:
-    """Bucket of a batch of ``total_granules`` granules: its bit length, at most ``NUM_BUCKETS - 1`` (31)."""
-    return min(int(total_granules).bit_length(), NUM_BUCKETS - 1)
+    """Bucket of a batch of ``T = total_granules`` granules: ``bit_length(T + (T >> 1))`` (of ``floor(3 T / 2)``), at
+    most ``NUM_BUCKETS - 1`` (31). Bucket ``k`` holds ``[ceil(2^k / 3), ceil(2^(k+1) / 3))`` (:func:`bucket_range`):
+    each bucket holds one power of two, ``2^(k-1)``, at most 6.1% above its geometric middle: the planner plans
+    the bucket there (:func:`attnplan.planner.make_plan`), at the total of a uniform batch of a power-of-two batch
+    and length (where live plans are made and split-table rows measured), not at a bucket's end between two rows."""
+    t = int(total_granules)
+    return min((t + (t >> 1)).bit_length(), NUM_BUCKETS - 1)
+
+
+def bucket_range(k: int) -> tuple[int, int]:
+    """The totals of granules bucket ``k`` holds (:func:`bucket_of`), ``(lo, hi)`` inclusive; ``hi`` is ``None`` for
+    the last bucket (``NUM_BUCKETS - 1``), which holds every larger total too. Raises ``ValueError`` for ``k``
+    outside ``[0, NUM_BUCKETS)``."""
+    if not 0 <= k < NUM_BUCKETS:
+        raise ValueError(f"bucket {k} is not in [0, {NUM_BUCKETS})")
+    if k == 0:
+        return 0, 0
+    lo = -(-(1 << k) // 3)
+    return lo, (None if k == NUM_BUCKETS - 1 else -(-(1 << (k + 1)) // 3) - 1)
 
 
 def is_long_tailed(total_granules: int, batch: int, max_granules: int) -> bool:

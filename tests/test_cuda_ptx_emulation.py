@@ -39,7 +39,7 @@ from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN
 from attnplan.planner import make_plan
 from attnplan.problem import DecodeProblem, dtype_name
-from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
+from attnplan.schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
 from attnplan.state import PartialState, merge_states
 from attnplan.testing import (DecodeCase, assert_close_to_reference, assert_probe_matches, make_inputs, poison,
                               poisoned_workspace, problem_of)
@@ -321,6 +321,22 @@ def test_emulated_prologue_reads_the_long_tailed_table(be):
     tailed = _check_probe(be, spec, [600, 10, 15, 15], sched, range(20))
     assert uniform.granules_per_unit == 10 and tailed.granules_per_unit == 3
     assert int(tailed.units[0]) == 13 > int(uniform.units[0]) == 1
+
+
+def test_emulated_prologue_reads_the_bucket_of_the_total(be):
+    """Totals at both ends of buckets (``bit_length(T + T // 2)``), in the one-warp path (1 and 3 sequences) and the
+    chunked one (40): only ``bucket_of(T)``'s entries (both tables) are ``T`` (units of one granule), every other
+    entry 1 (one unit per sequence), so a bucket off by one shows in the unit count."""
+    spec = _probe_spec(1, False, 4)
+    for total in (2, 3, 5, 6, 42, 43, 85, 86, 170, 171):
+        targets = [1] * NUM_TARGETS
+        targets[bucket_of(total)] = targets[NUM_BUCKETS + bucket_of(total)] = total
+        sched = Schedule("balanced", 16, 1, 256, tuple(targets), 256 + 40)
+        for lens in ([16 * total], [16 * (total - total // 2), 0, 16 * (total // 2)],
+                     [16 * max(0, total - 39)] + [16] * min(39, total) + [0] * max(0, 39 - total)):
+            u = schedule_units(lens, sched)
+            assert u.num_units == total + lens.count(0), (total, len(lens))
+            _check_probe(be, spec, lens, sched, [0, u.num_units - 1, u.num_units])
 
 
 @pytest.mark.parametrize("q_len,window,warps", [(1, False, 4), (2, True, 1)], ids=lambda v: str(v))

@@ -28,7 +28,7 @@ from attnplan import reference
 from attnplan.backends import get_backend
 from attnplan.backends.base import Workspace
 from attnplan.problem import DecodeProblem
-from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
+from attnplan.schedule import NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
 from attnplan.state import PartialState
 from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison
 
@@ -215,6 +215,21 @@ def test_prologue_over_many_scan_chunks(gen):
     probe = [u.num_units - 1, int(u.indptr[1234]) + 3, u.num_units]
     res, meta = _probe(lens, sched, probe)
     _check_probe(lens, sched, probe, res, meta)
+
+
+@pytest.mark.parametrize("total", [2, 3, 5, 6, 42, 43, 85, 86, 170, 171])
+def test_prologue_reads_the_bucket_of_the_total(total):
+    """Totals at both ends of buckets (``bit_length(T + T // 2)``): only ``bucket_of(T)``'s target is ``T`` (units of
+    one granule), every other entry 1 (one unit per sequence), so a bucket off by one shows in the unit count."""
+    targets = [1] * NUM_TARGETS
+    targets[bucket_of(total)] = total
+    sched = Schedule("balanced", 16, 1, 256, tuple(targets), 256 + 3)
+    for lens in ([16 * total], [16 * (total - total // 2), 0, 16 * (total // 2)]):
+        u = schedule_units(lens, sched)
+        assert u.num_units == total + (len(lens) == 3)  # units of one granule; the empty sequence gets one
+        probe = [u.num_units - 1, u.num_units]
+        res, meta = _probe(lens, sched, probe)
+        _check_probe(lens, sched, probe, res, meta)
 
 
 @pytest.mark.parametrize("table", ["c1", "total"])

@@ -469,12 +469,13 @@ def test_no_split_policy(table):
 
 
 def test_explain_names_why_a_plan_is_single_pass(table):
-    """The cost model asks for splits at the planned lengths, but the targets of their bucket (planned at its middle)
-    give each sequence one unit: explain() says which of the three reasons made the plan single pass."""
+    """The cost model asks for splits at the planned lengths, but the targets give the middle of the lengths the plan
+    serves (1/sqrt(2) of the planned ones) one unit per sequence: explain() says which of the three reasons made the
+    plan single pass."""
     plan = make_plan(P(batch=48, num_q_heads=28, num_kv_heads=4, max_kv_len=1000).bucketed(), GPU, CFG, "x", KERNEL)
     assert plan.policy == "no-split" and plan.single_pass and chosen(plan) > 1
     text = plan.explain()
-    assert "(the targets of the planned lengths' bucket give each sequence one unit)" in text, text
+    assert "(the targets give one unit per sequence at the middle of the lengths the plan serves)" in text, text
     assert "cost model's split count" not in text and "num_splits = 1" not in text
 
 
@@ -550,10 +551,11 @@ def test_kernel_without_block_n_and_a_huge_capacity_are_refused(table):
 # -- targets: a uniform batch gets the live plan's split -----------------------------------------------------------
 
 def _bucket_length(k: int, granule: int, batch: int) -> int:
-    """Tokens per sequence of a uniform batch of about 2^(k - 1/2) granules (the length bucket k's target is
-    planned at)."""
-    t_rep = min((1 << k) - 1, max(1 << (k - 1), round(2 ** (k - 0.5))))
-    return t_rep * granule // batch
+    """Tokens per sequence of a uniform batch of the granules bucket k's target is planned at (about the geometric
+    middle of the totals it holds)."""
+    from attnplan.planner import _bucket_granules
+
+    return _bucket_granules(k) * granule // batch
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
@@ -576,13 +578,20 @@ def test_targets_give_a_uniform_batch_the_live_plans_split(table, batch):
     assert checked >= 5
 
 
-@pytest.mark.xfail(strict=True, reason="the target of a bucket is planned at 2^(k - 1/2) granules; a uniform batch "
-                   "at the bucket's lower end (a power of two, where live plans are bucketed) gets ceil(T / target) "
-                   "granules per unit, fewer units than the cost model picks at that length: batch 1, 32/8/128, "
-                   "4096 tokens picks 32 splits (11.7 us predicted) and the schedule runs 22 (13.8 us)")
 def test_a_uniform_batch_at_a_power_of_two_length_gets_the_live_plans_split(table):
-    plan = make_plan(P(max_kv_len=4096), GPU, CFG, "x", KERNEL)
-    assert units(plan, [4096]) == [chosen(plan)]
+    """A uniform batch of a power-of-two batch and length (where live plans are made, ``len_bucket``, and split-table
+    rows measured) totals its bucket's power of two, where the bucket is planned: the schedule gives it exactly the
+    split the live plan chooses. (Planned at the bucket's geometric middle, b1 32/8/128 at 4,096 tokens, 64 granules,
+    chose 32 splits and ran 22: the middle's 30 units made granules per unit ceil(64 / 30) = 3.)"""
+    checked = 0
+    for b in (1, 4, 16):
+        for length in (1024, 2048, 4096, 16384, 65536, 131072):
+            plan = make_plan(P(batch=b, max_kv_len=length), GPU, CFG, "x", KERNEL)
+            if plan.single_pass:
+                continue
+            assert units(plan, [length] * b) == [chosen(plan)] * b, (b, length)
+            checked += 1
+    assert checked >= 12
 
 
 def test_a_capacity_plan_schedules_uniform_batches_like_live_plans(table):
@@ -739,7 +748,7 @@ def test_shipped_h200_table_rows_parse_and_plan():
 
 
 def test_shipped_h200_table_never_schedules_one_unit_per_sequence():
-    """A uniform live plan whose targets (planned at each bucket's middle) give its planned lengths one unit per
+    """A uniform live plan whose targets give the middle of the lengths it serves one unit per
     sequence runs the single pass, not a scheduled grid of one unit each: e.g. 28/4/128 at 48 sequences of 3,000 tokens,
     where the even-load rule asks 2 splits at the bucket's 4,096 tokens and the bucket's targets give 1 (measured on
     an H200, paged: 75.2 us single pass against 82.7 scheduled)."""

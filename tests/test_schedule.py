@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN, DeviceInfo
-from attnplan.planner import SplitPlan, make_plan
+from attnplan.planner import SplitPlan, _bucket_granules, make_plan
 from attnplan.problem import DecodeProblem
-from attnplan.schedule import (NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, check_invariants, is_long_tailed,
+from attnplan.schedule import (NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, bucket_range, check_invariants, is_long_tailed,
                                max_units_bound, schedule_units)
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
@@ -119,8 +119,20 @@ def test_forced_gives_equal_units_up_to_the_count():
 
 
 def test_bucket_of():
-    assert [bucket_of(t) for t in (0, 1, 2, 3, 4, 255, 256)] == [0, 1, 2, 2, 3, 8, 9]
+    """``bit_length(T + T // 2)``: ``bucket_range`` gives each bucket's ends, and a power of two of granules sits
+    at most 6.1% above its bucket's geometric middle (``3 / 2^1.5`` for long buckets)."""
+    assert [bucket_of(t) for t in (0, 1, 2, 3, 4, 5, 6, 255, 256, 341, 342)] == [0, 1, 2, 3, 3, 3, 4, 9, 9, 9, 10]
     assert bucket_of(1 << 40) == NUM_BUCKETS - 1 == 31 and NUM_TARGETS == 64
+    assert bucket_range(0) == (0, 0) and bucket_range(3) == (3, 5) and bucket_range(31) == (715827883, None)
+    for k in range(1, NUM_BUCKETS - 1):
+        lo, hi = bucket_range(k)
+        assert bucket_of(lo - 1) == k - 1 and bucket_of(lo) == bucket_of(hi) == k and bucket_of(hi + 1) == k + 1, k
+    for n in range(2, 30):
+        lo, hi = bucket_range(bucket_of(1 << n))
+        assert 1.0 <= (1 << n) / math.sqrt(lo * hi) <= 1.061, n
+    for bad in (-1, NUM_BUCKETS):
+        with pytest.raises(ValueError, match="bucket"):
+            bucket_range(bad)
 
 
 def test_schedule_refuses_bad_fields():
@@ -301,7 +313,7 @@ def test_planner_floors_and_caps_the_long_tailed_table(lens):
         if not t:
             assert b.targets[NUM_BUCKETS + k] == 0
             continue
-        t_rep = min((1 << k) - 1, max(1 << (k - 1), round(2 ** (k - 0.5))))
+        t_rep = _bucket_granules(k)
         assert b.targets[NUM_BUCKETS + k] == max(1, min(max(t, floor), t_rep * a.granule // 2048)), k
     assert any(b.targets[NUM_BUCKETS + k] > a.targets[NUM_BUCKETS + k] for k in range(NUM_BUCKETS))
     assert any(b.targets[NUM_BUCKETS + k] < a.targets[NUM_BUCKETS + k] for k in range(NUM_BUCKETS))

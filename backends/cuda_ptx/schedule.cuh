@@ -7,7 +7,7 @@
 // length is read through seq_len_at, clamped into [0, capacity] (the tokens a sequence of the cache holds), so L
 // below is the clamped length wherever it appears and every program derives the same schedule from it:
 //   base = max(0, L - QLEN - window_left) with a window, else 0;  nb = ceil((L - base) / granule)  (0 if L <= base)
-//   T = sum_b nb, nb_max = max_b nb;  t = targets[k + 32 * tail], k = min(bit_length(T), 31), tail = 2 T < B nb_max
+//   T = sum_b nb, nb_max = max_b nb;  t = targets[k + 32 * tail], k = min(bit_length(T + T/2), 31), tail = 2 T < B nb_max
 //   c = max(min_unit_granules, ceil(T / t)), or min_unit_granules when t == 0 (or the schedule is not balanced)
 //   units of b: uu = min(max_units_per_seq, ceil(nb / c)), cb = ceil(nb / uu), units = ceil(nb / cb); nb == 0: one
 //   (empty) unit, cb = 0;  indptr = the exclusive prefix sum of units;  unit j of b: [base + j cb G, +cb G) within L
@@ -79,7 +79,8 @@ __device__ __forceinline__ int seq_units(int nb, int c, int max_per, int &cb) {
 // warp-uniform, so the entry comes by one shuffle.
 __device__ __forceinline__ int sched_granules_per_unit(int t_lo, int t_hi, int total, int nb_max, int batch,
                                                        int min_c) {
-    int k = total > 0 ? 32 - __clz(total) : 0;  // bit_length(T)
+    const unsigned t3 = (unsigned)total + ((unsigned)total >> 1);  // T + T/2 < 3 * 2^30: no unsigned overflow
+    int k = 32 - __clz((int)t3);  // bit_length(T + T/2) (__clz(0) = 32)
     if (k > 31) k = 31;
     if (2 * (i64)total < (i64)batch * nb_max) k += 32;  // a long-tailed batch: the second table
     const int t = __shfl_sync(FULL_MASK, k >= 32 ? t_hi : t_lo, k & 31);

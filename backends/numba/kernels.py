@@ -15,7 +15,7 @@ Method (the kernel contract of :mod:`attnplan.backends.base`; Flash-Decoding, Da
   threads read all ``batch`` lengths from ``seq_lens`` (in chunks of ``threads x SCHED_PER``
   sequences, so any batch works) and compute :func:`attnplan.schedule.schedule_units`'s integers
   exactly: each sequence's granules ``nb``, the total ``T`` (a block reduction), the granules per
-  unit ``c`` from ``targets[min(bit_length(T), 31) + 32 * (2 T < batch * nb_max)]``, each sequence's units and their exclusive
+  unit ``c`` from ``targets[min(bit_length(T + T // 2), 31) + 32 * (2 T < batch * nb_max)]``, each sequence's units and their exclusive
   prefix sum (a block scan per chunk, carried across chunks; warp shuffles and one shared word per
   warp on the GPU, a shared-memory tree in the simulator), hence the program's sequence ``b``,
   unit index ``j`` and token range ``[start, end)``. ``ceil(a / b)`` is computed as
@@ -759,8 +759,9 @@ def _make_schedule(threads: int, q_len: int, window: bool):
             mx = max(mx, nb)
         total = block_sum(tot, tid, buf)  # its barriers also publish info's reset
         nb_max = block_max(mx, tid, buf)
-        k = 0  # bucket: bit_length(total), at most NUM_BUCKETS - 1
-        while k < LAST_BUCKET and (total >> k) != 0:
+        k = 0  # bucket: bit_length(total + total // 2), at most NUM_BUCKETS - 1
+        t3 = total + (total >> 1)
+        while k < LAST_BUCKET and (t3 >> k) != 0:
             k += 1
         if 2 * total < int64(nbatch) * nb_max:  # a long-tailed batch: the second table
             k += NUM_BUCKETS

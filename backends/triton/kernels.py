@@ -95,14 +95,15 @@ def _granules(seq_len, Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.co
 
 @triton.jit
 def _granules_per_unit(total, nb_max, batch, table, min_unit_granules):
-    """``c = max(min_unit_granules, ceil(T / targets[k + 32 * tail]))`` with ``k = bit_length(T)`` clamped to 31 and
+    """``c = max(min_unit_granules, ceil(T / targets[k + 32 * tail]))`` with ``k = bit_length(T + T // 2)`` clamped to 31 and
     ``tail = 2 T < batch * nb_max`` (the long-tailed table), or ``min_unit_granules`` when that target is 0; ``total``
     (``T``) and ``nb_max`` int64, ``c`` int32 (a ``c`` of 2^31 or more acts as ``c = T``: one unit per sequence either
     way). ``table``: the 64 targets, loaded with ``seq_lens`` (a load after the bucket is known would be one more
     dependent DRAM round trip before the first KV tile)."""
     bits = tl.arange(0, 32)
-    # bit_length(T) clamped to 31: the number of i < 31 with T >= 2^i
-    bucket = tl.sum(((total >= (tl.full([32], 1, tl.int64) << bits.to(tl.int64))) & (bits < 31)).to(tl.int32), 0)
+    # bit_length(T + T // 2) clamped to 31 (attnplan.schedule.bucket_of): the number of i < 31 with T + T // 2 >= 2^i
+    t3 = total + (total >> 1)
+    bucket = tl.sum(((t3 >= (tl.full([32], 1, tl.int64) << bits.to(tl.int64))) & (bits < 31)).to(tl.int32), 0)
     bucket = tl.where(2 * total < nb_max * batch, bucket + 32, bucket)
     t = tl.sum(tl.where(tl.arange(0, 64) == bucket, table, 0), 0).to(tl.int64)
     per = tl.where(t > 0, (total + tl.maximum(t, 1) - 1) // tl.maximum(t, 1), 0)
