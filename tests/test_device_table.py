@@ -238,15 +238,16 @@ def test_a_table_file_is_named_by_the_whole_device_name(name, slug):
 
 def test_a_table_of_the_old_short_name_is_named_in_a_warning(user_dir):
     """A user table written under the device name's first word (an earlier attnplan's name) is not read, since
-    the models of that word share it; the lookup says so instead of planning silently without it."""
-    _write(user_dir / "plans" / "h100.yaml", {"cost_model": {"sat_programs_per_sm": 7.5}})
-    with pytest.warns(UserWarning, match="h100.yaml is not read.*rename it to h100_80gb_hbm3.yaml"):
-        assert device_table("h100_80gb_hbm3") == {}
-    _write(user_dir / "plans" / "h100_80gb_hbm3.yaml", {"cost_model": {"sat_programs_per_sm": 6.5}})
+    the models of that word share it; the lookup says so instead of planning silently without it (a device with no
+    packaged table: an A100 SXM4 80GB, whose earlier name was a100.yaml)."""
+    _write(user_dir / "plans" / "a100.yaml", {"cost_model": {"sat_programs_per_sm": 7.5}})
+    with pytest.warns(UserWarning, match="a100.yaml is not read.*rename it to a100_sxm4_80gb.yaml"):
+        assert device_table("a100_sxm4_80gb") == {}
+    _write(user_dir / "plans" / "a100_sxm4_80gb.yaml", {"cost_model": {"sat_programs_per_sm": 6.5}})
     attnplan.reload_device_tables()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert device_table("h100_80gb_hbm3") == {"cost_model": {"sat_programs_per_sm": 6.5}}
+        assert device_table("a100_sxm4_80gb") == {"cost_model": {"sat_programs_per_sm": 6.5}}
         assert device_table("h200")  # one word: no other name to look for
 
 
