@@ -339,6 +339,20 @@ def test_emulated_prologue_reads_the_bucket_of_the_total(be):
             _check_probe(be, spec, lens, sched, [0, u.num_units - 1, u.num_units])
 
 
+def test_emulated_prologue_reads_the_top_buckets(be):
+    """Totals at the last buckets' boundary (715,827,882 | 715,827,883 granules) and a total whose ``T + T / 2``
+    is past 2^31 (15 sequences of 2^31 - 1 tokens: a negative int to ``__clz``, clamped to bucket 31): only the right
+    bucket's targets give 8 units per sequence, every other entry one."""
+    spec = _probe_spec(1, False, 4)
+    for lens in ([16 * 89478485] * 7 + [16 * 89478487], [16 * 89478485] * 7 + [16 * 89478488], [2**31 - 1] * 15):
+        total = sum(-(-n // 16) for n in lens)
+        targets = [1] * NUM_TARGETS
+        targets[bucket_of(total)] = targets[NUM_BUCKETS + bucket_of(total)] = 8 * len(lens)
+        sched = Schedule("balanced", 16, 1, 256, tuple(targets), 256 * len(lens))
+        u = _check_probe(be, spec, lens, sched, [0, 8 * len(lens) - 1, 8 * len(lens)])
+        assert u.units.tolist() == [8] * len(lens), total
+
+
 @pytest.mark.parametrize("q_len,window,warps", [(1, False, 4), (2, True, 1)], ids=lambda v: str(v))
 @pytest.mark.parametrize("batch,table", [(6, "c1"), (40, "c1"), (6, "total"), (300, "total")],
                          ids=["one-warp", "chunks", "one-warp-total", "two-chunks-total"])

@@ -28,7 +28,7 @@ from attnplan import reference
 from attnplan.backends import get_backend
 from attnplan.backends.base import Workspace
 from attnplan.problem import DecodeProblem
-from attnplan.schedule import NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
+from attnplan.schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
 from attnplan.state import PartialState
 from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison
 
@@ -230,6 +230,23 @@ def test_prologue_reads_the_bucket_of_the_total(total):
         probe = [u.num_units - 1, u.num_units]
         res, meta = _probe(lens, sched, probe)
         _check_probe(lens, sched, probe, res, meta)
+
+
+@pytest.mark.parametrize("lens", [[16 * 89478485] * 7 + [16 * 89478487], [16 * 89478485] * 7 + [16 * 89478488],
+                                  [2**31 - 1] * 15], ids=["bucket-30-end", "bucket-31-start", "T+T/2-past-2^31"])
+def test_prologue_reads_the_top_buckets(lens):
+    """Totals at the last buckets' boundary (715,827,882 | 715,827,883 granules) and a total whose ``T + T // 2`` is
+    past 2^31 (15 sequences of 2^31 - 1 tokens: bucket 31, not a wrapped one): only the right bucket's targets give 8
+    units per sequence, every other entry one."""
+    total = sum(-(-n // 16) for n in lens)
+    targets = [1] * NUM_TARGETS
+    targets[bucket_of(total)] = targets[NUM_BUCKETS + bucket_of(total)] = 8 * len(lens)
+    sched = Schedule("balanced", 16, 1, 256, tuple(targets), 256 * len(lens))
+    u = schedule_units(lens, sched)
+    assert u.units.tolist() == [8] * len(lens)
+    probe = [0, u.num_units - 1, u.num_units]
+    res, meta = _probe(lens, sched, probe)
+    _check_probe(lens, sched, probe, res, meta)
 
 
 @pytest.mark.parametrize("table", ["c1", "total"])

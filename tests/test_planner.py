@@ -23,6 +23,7 @@ from attnplan.schedule import NUM_TARGETS, bucket_of, check_invariants, schedule
 
 GPU = DeviceInfo("Test GPU", 132, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
 H200 = DeviceInfo("NVIDIA H200", 132, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
+H100 = DeviceInfo("NVIDIA H100 80GB HBM3", 132, (9, 0), 227 * 1024, 50 * 2**20, 3350.0, "cuda-13.0")
 KERNEL = {"block_n": 64}
 CFG = attnplan.load_config()
 
@@ -722,13 +723,16 @@ def test_explain_lines(table):
 
 # -- the shipped H200 table ----------------------------------------------------------------------------------------
 
-def test_shipped_h200_table_rows_parse_and_plan():
-    """Every row of the packaged plans/h200.yaml split table parses into a TableRow, and a problem at one of its
-    32/8/128 points (group 4) plans from that point's row."""
+@pytest.mark.parametrize("device", [H200, H100], ids=lambda d: d.slug())
+def test_shipped_table_rows_parse_and_plan(device):
+    """Every row of a packaged split table (plans/h200.yaml, plans/h100_80gb_hbm3.yaml) parses into a TableRow, and a
+    uniform batch at one of its 32/8/128 points (group 4) plans from that point's row and runs the row's own split
+    count: ``round(programs per SM x SMs / pairs)``, aligned to whole granules. (With buckets planned at 1.4x a
+    power-of-two total, the H100's 64K row of 32 pairs, 3 units, ran the 128K row's 13.)"""
     from attnplan.config import device_table
 
     _clear_tables()
-    sections = device_table(H200.slug())["split_table"]
+    sections = device_table(device.slug())["split_table"]
     n = 0
     for backend, layouts in sections.items():
         for layout, rows in layouts.items():
@@ -737,14 +741,21 @@ def test_shipped_h200_table_rows_parse_and_plan():
                 assert row.pairs >= 1 and row.kv_len >= 1 and row.programs_per_sm > 0 and row.us > 0
                 n += 1
     assert n > 50
-    own = [TableRow.from_row(r) for r in sections["triton"]["contiguous"]]
-    own = [r for r in own if r.group == 4 and r.head_dim == 128 and r.pairs % 8 == 0]
-    assert own
-    for row in own:
-        prob = P(page_size=None, batch=row.pairs // 8, max_kv_len=row.kv_len)
-        plan = make_plan(prob, H200, CFG, "triton", KERNEL)
-        assert plan.policy == "tuned" and plan.table_entry[:2] == (row.pairs, row.kv_len), row
-        assert plan.table_entry.group == 4
+    checked = 0
+    for backend, layouts in sections.items():
+        for layout in ("contiguous", "paged"):
+            own = [TableRow.from_row(r) for r in layouts.get(layout) or []]
+            for row in (r for r in own if r.group == 4 and r.head_dim == 128 and r.pairs % 8 == 0):
+                b, length = row.pairs // 8, row.kv_len
+                plan = make_plan(P(page_size=None if layout == "contiguous" else 16, batch=b, max_kv_len=length),
+                                 device, CFG, backend, KERNEL)
+                assert plan.policy == "tuned" and plan.table_entry[:2] == (row.pairs, row.kv_len), row
+                assert plan.table_entry.group == 4
+                want = min(CFG.split.max_splits, length // 64, max(1, round(row.programs_per_sm * 132 / row.pairs)))
+                chunk = -(-(-(-length // want)) // 64) * 64
+                assert units(plan, [length] * b) == [-(-length // chunk)] * b, (backend, layout, row)
+                checked += 1
+    assert checked >= 20
 
 
 def test_shipped_h200_table_never_schedules_one_unit_per_sequence():

@@ -7,7 +7,8 @@
 // length is read through seq_len_at, clamped into [0, capacity] (the tokens a sequence of the cache holds), so L
 // below is the clamped length wherever it appears and every program derives the same schedule from it:
 //   base = max(0, L - QLEN - window_left) with a window, else 0;  nb = ceil((L - base) / granule)  (0 if L <= base)
-//   T = sum_b nb, nb_max = max_b nb;  t = targets[k + 32 * tail], k = min(bit_length(T + T/2), 31), tail = 2 T < B nb_max
+//   T = sum_b nb, nb_max = max_b nb;  t = targets[k + 32 * tail], k = min(bit_length(T + T/2), 31),
+//   tail = 2 T < B nb_max
 //   c = max(min_unit_granules, ceil(T / t)), or min_unit_granules when t == 0 (or the schedule is not balanced)
 //   units of b: uu = min(max_units_per_seq, ceil(nb / c)), cb = ceil(nb / uu), units = ceil(nb / cb); nb == 0: one
 //   (empty) unit, cb = 0;  indptr = the exclusive prefix sum of units;  unit j of b: [base + j cb G, +cb G) within L

@@ -15,10 +15,10 @@ Method (the kernel contract of :mod:`attnplan.backends.base`; Flash-Decoding, Da
   threads read all ``batch`` lengths from ``seq_lens`` (in chunks of ``threads x SCHED_PER``
   sequences, so any batch works) and compute :func:`attnplan.schedule.schedule_units`'s integers
   exactly: each sequence's granules ``nb``, the total ``T`` (a block reduction), the granules per
-  unit ``c`` from ``targets[min(bit_length(T + T // 2), 31) + 32 * (2 T < batch * nb_max)]``, each sequence's units and their exclusive
-  prefix sum (a block scan per chunk, carried across chunks; warp shuffles and one shared word per
-  warp on the GPU, a shared-memory tree in the simulator), hence the program's sequence ``b``,
-  unit index ``j`` and token range ``[start, end)``. ``ceil(a / b)`` is computed as
+  unit ``c`` from ``targets[min(bit_length(T + T // 2), 31) + 32 * (2 T < batch * nb_max)]``, each
+  sequence's units and their exclusive prefix sum (a block scan per chunk, carried across chunks; warp
+  shuffles and one shared word per warp on the GPU, a shared-memory tree in the simulator), hence the
+  program's sequence ``b``, unit index ``j`` and token range ``[start, end)``. ``ceil(a / b)`` is computed as
   ``(a - 1) // b + 1`` for ``a >= 1`` (no ``a + b - 1`` overflow); the total is 64-bit. Every length is
   read as ``min(max(seq_lens[b], 0), capacity)`` (``capacity`` the tokens a sequence of the cache holds, a kernel
   argument; ``seq_len_at``), in the prologue and after it, so a length written on the device beyond the cache

@@ -95,11 +95,11 @@ def _granules(seq_len, Q_LEN: tl.constexpr, GRANULE: tl.constexpr, WINDOW: tl.co
 
 @triton.jit
 def _granules_per_unit(total, nb_max, batch, table, min_unit_granules):
-    """``c = max(min_unit_granules, ceil(T / targets[k + 32 * tail]))`` with ``k = bit_length(T + T // 2)`` clamped to 31 and
-    ``tail = 2 T < batch * nb_max`` (the long-tailed table), or ``min_unit_granules`` when that target is 0; ``total``
-    (``T``) and ``nb_max`` int64, ``c`` int32 (a ``c`` of 2^31 or more acts as ``c = T``: one unit per sequence either
-    way). ``table``: the 64 targets, loaded with ``seq_lens`` (a load after the bucket is known would be one more
-    dependent DRAM round trip before the first KV tile)."""
+    """``c = max(min_unit_granules, ceil(T / targets[k + 32 * tail]))`` with ``k = bit_length(T + T // 2)`` clamped
+    to 31 and ``tail = 2 T < batch * nb_max`` (the long-tailed table), or ``min_unit_granules`` when that target is 0;
+    ``total`` (``T``) and ``nb_max`` int64, ``c`` int32 (a ``c`` of 2^31 or more acts as ``c = T``: one unit per
+    sequence either way). ``table``: the 64 targets, loaded with ``seq_lens`` (a load after the bucket is known would
+    be one more dependent DRAM round trip before the first KV tile)."""
     bits = tl.arange(0, 32)
     # bit_length(T + T // 2) clamped to 31 (attnplan.schedule.bucket_of): the number of i < 31 with T + T // 2 >= 2^i
     t3 = total + (total >> 1)
