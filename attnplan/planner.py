@@ -449,8 +449,11 @@ class SplitPlan:
             raise ValueError(f"kernel block_n {bn!r} must be a positive int dividing the granule {s.granule}")
         if p.page_size and s.granule % p.page_size:
             raise ValueError(f"granule {s.granule} must be a multiple of the page size {p.page_size}")
-        if s.max_units < p.batch or (s.single_pass and s.max_units != p.batch):
+        if s.max_units < p.batch:
             raise ValueError(f"max_units {s.max_units} must cover the batch {p.batch}")
+        if s.single_pass and s.max_units != p.batch:
+            raise ValueError(f"a single-pass schedule has one slot per sequence: max_units {s.max_units} is not the "
+                             f"batch {p.batch}")
         bound = self.units_bound
         if not s.single_pass and s.max_units < bound:
             raise ValueError(f"max_units {s.max_units} is below the schedule's bound {bound} for this problem")

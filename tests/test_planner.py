@@ -270,9 +270,12 @@ def test_table_rows_parse_strictly():
     assert TableRow.from_row([8, 4096, 1.5, 9.0, 4, 256, {"num_warps": 8, "num_stages": 2}]).options == (
         ("num_stages", 2), ("num_warps", 8))
     assert TableRow.from_row([8, 4096, 1.5, 9.0, 4, 256, [["num_warps", 8]]]).options == (("num_warps", 8),)
-    for bad in ([8, 4096, 1.5], "8,4096,1.5,9", None, [8, "x", 1.5, 9.0], [8, 4096, 1.5, 9.0, 4, 128, "num_warps=8"],
-                [8, 4096, 1.5, 9.0, 4, 128, [["num_warps"]]]):
-        with pytest.raises((ValueError, TypeError)):
+    shape = r"a split-table row is \[pairs, kv_len"
+    for bad, msg in (([8, 4096, 1.5], shape), ("8,4096,1.5,9", shape), (None, shape),
+                     ([8, "x", 1.5, 9.0], "kv_len must be a positive int, got 'x'"),
+                     ([8, 4096, 1.5, 9.0, 4, 128, "num_warps=8"], "options must be a mapping"),
+                     ([8, 4096, 1.5, 9.0, 4, 128, [["num_warps"]]], "options must be a mapping")):
+        with pytest.raises(ValueError, match=msg):  # the documented error, naming what is wrong
             TableRow.from_row(bad)
 
 
@@ -675,22 +678,31 @@ def test_validate_refuses_an_inconsistent_plan(table):
 
     plan = make_plan(P(batch=2, capacity=32768), GPU, CFG, "x", KERNEL, capacity_mode=True)
     s = plan.schedule
-    bad = {
-        "merge none with units": dataclasses.replace(plan, merge="none"),
-        "block_n not dividing the granule": dataclasses.replace(plan, kernel=planner.KernelOptions(block_n=48)),
-        "max_units below the bound": dataclasses.replace(plan, schedule=dataclasses.replace(s, max_units=s.max_units - 1)),
-        "granule not a multiple of the page": dataclasses.replace(plan, kernel=planner.KernelOptions(block_n=8),
-                                                                  schedule=dataclasses.replace(s, granule=8)),
-        "single pass over fewer slots than sequences": dataclasses.replace(
+    bad = {  # the plan, then the message validate() and from_dict() refuse it with (a ValueError each)
+        "merge none with units": (dataclasses.replace(plan, merge="none"), "merge 'none' does not fit"),
+        "block_n not dividing the granule": (dataclasses.replace(plan, kernel=planner.KernelOptions(block_n=48)),
+                                             "block_n 48 must be a positive int dividing the granule"),
+        "max_units below the bound": (
+            dataclasses.replace(plan, schedule=dataclasses.replace(s, max_units=s.max_units - 1)),
+            "below the schedule's bound"),
+        "granule not a multiple of the page": (dataclasses.replace(plan, kernel=planner.KernelOptions(block_n=8),
+                                                                   schedule=dataclasses.replace(s, granule=8)),
+                                               "granule 8 must be a multiple of the page size 16"),
+        "single pass over fewer slots than sequences": (dataclasses.replace(
+            plan, merge="none", schedule=Schedule("single", s.granule, 1, 1, (0,) * NUM_TARGETS, 1)),
+            "max_units 1 must cover the batch 2"),
+        "single pass over more slots than sequences": (dataclasses.replace(
             plan, merge="none", schedule=Schedule("single", s.granule, 1, 1, (0,) * NUM_TARGETS, 3)),
-        "unknown policy": dataclasses.replace(plan, policy="magic"),
-        "tuned without its table row": dataclasses.replace(plan, policy="tuned", table_entry=None),
-        "old version": dataclasses.replace(plan, version=1),
+            "one slot per sequence: max_units 3 is not the batch 2"),
+        "unknown policy": (dataclasses.replace(plan, policy="magic"), "policy 'magic' unknown"),
+        "tuned without its table row": (dataclasses.replace(plan, policy="tuned", table_entry=None),
+                                        "names the split-table row it used"),
+        "old version": (dataclasses.replace(plan, version=1), "plan version 1 is not"),
     }
-    for name, p in bad.items():
-        with pytest.raises(ValueError):
+    for name, (p, msg) in bad.items():
+        with pytest.raises(ValueError, match=msg):
             p.validate()
-        with pytest.raises((ValueError, TypeError, KeyError)):
+        with pytest.raises(ValueError, match=msg):
             SplitPlan.from_dict(json.loads(json.dumps(p.to_dict())))
 
 

@@ -218,12 +218,17 @@ def test_plan_round_trips_and_validates_strictly():
     again = SplitPlan.from_dict(plan.to_dict())
     assert again == plan and hash(again) == hash(plan)
     d = plan.to_dict()
-    for mutate in (lambda d: d.pop("schedule"), lambda d: d.update(extra=1), lambda d: d.update(version=1),
-                   lambda d: d["schedule"].update(max_units=1), lambda d: d["kernel"].update(block_n=48),
-                   lambda d: d.update(merge="atomic"), lambda d: d.update(problem=[1, 2])):
+    # each refusal's own type and message (from_dict documents KeyError / ValueError / TypeError by cause)
+    for mutate, err, msg in ((lambda d: d.pop("schedule"), KeyError, r"\['schedule'\] missing or unknown"),
+                             (lambda d: d.update(extra=1), KeyError, r"\['extra'\] missing or unknown"),
+                             (lambda d: d.update(version=1), ValueError, "plan version 1 is not"),
+                             (lambda d: d["schedule"].update(max_units=1), ValueError, "max_units 1 must cover"),
+                             (lambda d: d["kernel"].update(block_n=48), ValueError, "block_n 48 must be"),
+                             (lambda d: d.update(merge="atomic"), ValueError, "merge 'atomic'"),
+                             (lambda d: d.update(problem=[1, 2]), TypeError, "problem must be a mapping")):
         bad = plan.to_dict()
         mutate(bad)
-        with pytest.raises((ValueError, TypeError, KeyError)):
+        with pytest.raises(err, match=msg):
             SplitPlan.from_dict(bad)
     with pytest.raises(ValueError, match="num_kv_heads"):
         plan.validate(DecodeProblem(4, 32, 4, 128, 1, 16, max_kv_len=8192, capacity=8192))
