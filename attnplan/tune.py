@@ -22,8 +22,10 @@ kernel options too) writes ``split_table.<backend>.<layout>`` rows (the planner'
 ``--row-options`` carries its options, which the planner runs with the row's split count; rows of other points
 and heads stay), and ``cost_model.mem_bandwidth_gbs``, the streaming-read ceiling measured in the same run.
 
-It then re-plans every searched point with the new table, times the planner's choice beside the search's
-best, and reports how many points land within 5% (in sample, and leave-one-out without the point's own row).
+With ``--repeats N`` each point's candidates are timed N times round-robin and their medians kept
+(:func:`interleaved_medians`). It then re-plans every searched point with the new table, times the planner's choice
+beside the search's best, and reports how many points land within 5% (in sample, and leave-one-out without the
+point's own row).
 
 Every timing is a CUDA-graph replay's device time (L2 flushed in front; :func:`attnplan.timing.time_cuda`),
 after at least 25 ms of warm-up, 100 ms for the first timing on a point's freshly built inputs
@@ -297,9 +299,25 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
     return out
 
 
+def interleaved_medians(timers, repeats: int = 1) -> tuple[list[float], list[list[float]]]:
+    """Call each of ``timers`` (callables returning a time) ``repeats`` times, round-robin (all of them, then all of
+    them again), and return ``(medians, runs)``: per timer the median of its times, and the times in call order.
+    Round-robin puts a slow drift of the device (clocks, temperature) on every candidate alike, and the median drops a
+    one-off fast or slow timing: a single timing per candidate is how a tune's split choice follows noise (on an H100
+    one configuration at a ~11 us step timed 10.6-11.4 us within one process). Raises ``ValueError`` if
+    ``repeats < 1``."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    runs = [[] for _ in timers]
+    for _ in range(repeats):
+        for i, timer in enumerate(timers):
+            runs[i].append(float(timer()))
+    return [statistics.median(r) for r in runs], runs
+
+
 def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, progress=None,
                  kv_dtype: str = "bfloat16", row_options: dict | None = None,
-                 planner_options: bool = False) -> list[dict]:
+                 planner_options: bool = False, repeats: int = 1) -> list[dict]:
     """Exhaustive split search with the planner's kernel options: for every ``(layout, batch, kv)``
     point, every split count that puts :data:`SEARCH_PROGRAMS_PER_SM` programs on each SM, forced through
     ``num_splits`` and deduplicated by the units the schedule gives the point's length
@@ -310,7 +328,9 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
     ``{}`` without ``row_options``). With ``planner_options``, every split count also under the kernel options the
     planner itself runs at the point (its table row's, :func:`attnplan.planner.entry_options`) where they differ
     from those combinations: the planner's split choice is then judged at equal options, and any other split rule
-    that keeps the planner's options can be scored from the rows."""
+    that keeps the planner's options can be scored from the rows. ``repeats``: each point's candidates are planned
+    first (their wrappers' workspaces held together), then timed ``repeats`` times round-robin
+    (:func:`interleaved_medians`); a row's ``us`` is the median, and with ``repeats > 1`` its ``us_runs`` the times."""
     import attnplan
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -334,6 +354,7 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
             if mine not in point_combos:
                 point_combos.append(mine)
         seen = set()
+        pending = []  # (row, wrapper) of this point, timed together below
         for opts in point_combos:
             ctx = _context(backend, opts)
             for ppsm in SEARCH_PROGRAMS_PER_SM:
@@ -353,8 +374,15 @@ def split_search(backend: str, points, heads=(32, 8, 128), iters: int = 15, prog
                 if splits != want:
                     _plan(w, x, splits)
                 programs = splits * pairs
-                rows.append({"layout": layout, "batch": batch, "kv": kv, "options": ran, "splits": splits,
-                             "programs": programs, "ppsm": round(programs / sms, 3), "us": _graph_time(w, x, iters)})
+                pending.append(({"layout": layout, "batch": batch, "kv": kv, "options": ran, "splits": splits,
+                                 "programs": programs, "ppsm": round(programs / sms, 3)}, w))
+        medians, runs = interleaved_medians([lambda w=w: _graph_time(w, x, iters) for _, w in pending], repeats)
+        for (row, _), us, times in zip(pending, medians, runs):
+            row["us"] = us
+            if repeats > 1:
+                row["us_runs"] = times
+            rows.append(row)
+        del pending
         if progress:
             progress()
         del x
@@ -404,6 +432,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                 "which the planner reads before the packaged plans/<device>.yaml)")
     ap.add_argument("--json", default=None, help="also write every timing here")
     ap.add_argument("--iters", type=_positive_int, default=15)
+    ap.add_argument("--repeats", type=_positive_int, default=1,
+                    help="time each split-search candidate this many times, round-robin over a point's candidates, "
+                         "and keep the median (1: once each)")
     ap.add_argument("--no-options", action="store_true", help="keep the table's kernel options (skip their sweep)")
     ap.add_argument("--option-grid", default=None, type=parse_option_grid,
                     help="kernel options to sweep instead of the backend's default grid, e.g. "
@@ -511,6 +542,7 @@ def _tune(args, dev, table: dict, path: str, planner_reads: str, heads, points) 
             reload_device_tables()  # the split search below plans with the new kernel options (the table override)
         bar = tqdm(total=len(points), desc=f"splits {backend}", unit="point") if tqdm else None
         searches[backend] = split_search(backend, points, heads, args.iters, progress=bar.update if bar else None,
+                                         repeats=args.repeats,
                                          kv_dtype=args.kv_dtype, row_options=args.row_options,
                                          planner_options=args.planner_options)
         if bar:

@@ -259,8 +259,31 @@ def test_a_table_of_the_old_short_name_is_named_in_a_warning(user_dir):
                                       (["--max-gb", "-1"], "above 0"), (["--backends", "bogus"], "distinct names"),
                                       (["--backends", ""], "distinct names"),
                                       (["--backends", "triton,triton"], "distinct names"),
-                                      (["--backends", "reference"], "distinct names")])
+                                      (["--backends", "reference"], "distinct names"),
+                                      (["--repeats", "0"], "positive integers")])
 def test_tune_bad_grid_arguments_are_usage_errors(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         tune.parse_args(argv)
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_tune_times_a_points_candidates_round_robin_and_keeps_medians():
+    """``interleaved_medians``: every candidate once, then every candidate again (a device drifting between them moves
+    all alike), each candidate's median kept; one run per candidate without repeats; fewer than one refused."""
+    calls = []
+    series = {0: iter([11.0, 10.6, 11.4]), 1: iter([9.0, 30.0, 9.2]), 2: iter([12.0, 12.0, 12.0])}
+
+    def timer(i):
+        def t():
+            calls.append(i)
+            return next(series[i])
+        return t
+
+    medians, runs = tune.interleaved_medians([timer(i) for i in range(3)], repeats=3)
+    assert calls == [0, 1, 2, 0, 1, 2, 0, 1, 2]
+    assert medians == [11.0, 9.2, 12.0]  # candidate 1's one slow timing (30) is dropped
+    assert runs == [[11.0, 10.6, 11.4], [9.0, 30.0, 9.2], [12.0, 12.0, 12.0]]
+    assert tune.interleaved_medians([lambda: 5], repeats=1) == ([5.0], [[5.0]])
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        tune.interleaved_medians([lambda: 5], repeats=0)
+    assert tune.parse_args(["--repeats", "3"]).repeats == 3 and tune.parse_args([]).repeats == 1
