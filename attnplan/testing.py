@@ -15,7 +15,8 @@ import torch
 from .backends.base import DecodeInputs
 from .problem import DecodeProblem, default_sm_scale, dtype_name
 
-__all__ = ["TOLERANCES", "tolerance", "make_inputs", "problem_of", "assert_close_to_reference", "poison", "poisoned_workspace", "assert_probe_matches", "DecodeCase", "DTYPES", "long_tailed_lengths"]
+__all__ = ["TOLERANCES", "tolerance", "make_inputs", "problem_of", "assert_close_to_reference", "poison", "poisoned_workspace", "assert_probe_matches", "DecodeCase", "DTYPES", "long_tailed_lengths",
+           "bucket_schedule", "BUCKET_END_TOTALS", "TOP_BUCKET_LENGTHS"]
 
 #: short dtype names used in test ids
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -161,6 +162,26 @@ def assert_probe_matches(res, meta, units, probe) -> None:
         assert row == want, f"unit {unit}: kernel {row}, schedule_units {want}"
     bsz = len(units.units)
     assert meta[:bsz].tolist() == units.indptr[:-1].tolist() and meta[bsz:].tolist() == units.units.tolist(), "meta"
+
+
+#: totals of granules at both ends of buckets 2-9 (:func:`attnplan.schedule.bucket_of`: ``bit_length(T + T // 2)``)
+BUCKET_END_TOTALS = (2, 3, 5, 6, 42, 43, 85, 86, 170, 171)
+#: lengths (tokens, granule 16) whose totals end bucket 30 (715,827,882 granules), start bucket 31 (715,827,883), and
+#: make ``T + T // 2`` pass 2^31 (15 x 2^31 - 1 tokens: bucket 31 by the clamp, not a wrapped int)
+TOP_BUCKET_LENGTHS = ([16 * 89478485] * 7 + [16 * 89478487], [16 * 89478485] * 7 + [16 * 89478488], [2**31 - 1] * 15)
+
+
+def bucket_schedule(total: int, units: int, max_units: int, granule: int = 16):
+    """A balanced :class:`~attnplan.schedule.Schedule` (granule ``granule`` tokens, units of at least one granule, at
+    most 256 per sequence, ``max_units`` slots) whose targets are 1 except ``bucket_of(total)``'s entry in both tables
+    (near-uniform and long-tailed), which is ``units``: a batch of ``total`` granules gets ``units`` units in all
+    (each sequence's share), a kernel that reads any other bucket one per sequence. Raises ``ValueError`` (from the
+    schedule) for fields out of range."""
+    from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of
+
+    targets = [1] * NUM_TARGETS
+    targets[bucket_of(total)] = targets[NUM_BUCKETS + bucket_of(total)] = units
+    return Schedule("balanced", granule, 1, 256, tuple(targets), max_units)
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None,

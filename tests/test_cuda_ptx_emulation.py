@@ -39,10 +39,11 @@ from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN
 from attnplan.planner import make_plan
 from attnplan.problem import DecodeProblem, dtype_name
-from attnplan.schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
+from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
 from attnplan.state import PartialState, merge_states
-from attnplan.testing import (DecodeCase, assert_close_to_reference, assert_probe_matches, make_inputs, poison,
-                              poisoned_workspace, problem_of)
+from attnplan.testing import (BUCKET_END_TOTALS, TOP_BUCKET_LENGTHS, DecodeCase, assert_close_to_reference,
+                              assert_probe_matches, bucket_schedule, make_inputs, poison, poisoned_workspace,
+                              problem_of)
 
 from conftest import full_tier
 
@@ -328,10 +329,8 @@ def test_emulated_prologue_reads_the_bucket_of_the_total(be):
     chunked one (40): only ``bucket_of(T)``'s entries (both tables) are ``T`` (units of one granule), every other
     entry 1 (one unit per sequence), so a bucket off by one shows in the unit count."""
     spec = _probe_spec(1, False, 4)
-    for total in (2, 3, 5, 6, 42, 43, 85, 86, 170, 171):
-        targets = [1] * NUM_TARGETS
-        targets[bucket_of(total)] = targets[NUM_BUCKETS + bucket_of(total)] = total
-        sched = Schedule("balanced", 16, 1, 256, tuple(targets), 256 + 40)
+    for total in BUCKET_END_TOTALS:
+        sched = bucket_schedule(total, total, 256 + 40)
         for lens in ([16 * total], [16 * (total - total // 2), 0, 16 * (total // 2)],
                      [16 * max(0, total - 39)] + [16] * min(39, total) + [0] * max(0, 39 - total)):
             u = schedule_units(lens, sched)
@@ -344,11 +343,9 @@ def test_emulated_prologue_reads_the_top_buckets(be):
     is past 2^31 (15 sequences of 2^31 - 1 tokens: a negative int to ``__clz``, clamped to bucket 31): only the right
     bucket's targets give 8 units per sequence, every other entry one."""
     spec = _probe_spec(1, False, 4)
-    for lens in ([16 * 89478485] * 7 + [16 * 89478487], [16 * 89478485] * 7 + [16 * 89478488], [2**31 - 1] * 15):
+    for lens in TOP_BUCKET_LENGTHS:
         total = sum(-(-n // 16) for n in lens)
-        targets = [1] * NUM_TARGETS
-        targets[bucket_of(total)] = targets[NUM_BUCKETS + bucket_of(total)] = 8 * len(lens)
-        sched = Schedule("balanced", 16, 1, 256, tuple(targets), 256 * len(lens))
+        sched = bucket_schedule(total, 8 * len(lens), 256 * len(lens))
         u = _check_probe(be, spec, lens, sched, [0, 8 * len(lens) - 1, 8 * len(lens)])
         assert u.units.tolist() == [8] * len(lens), total
 

@@ -28,9 +28,10 @@ from attnplan import reference
 from attnplan.backends import get_backend
 from attnplan.backends.base import Workspace
 from attnplan.problem import DecodeProblem
-from attnplan.schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
+from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
 from attnplan.state import PartialState
-from attnplan.testing import DecodeCase, assert_close_to_reference, make_inputs, poison
+from attnplan.testing import (BUCKET_END_TOTALS, TOP_BUCKET_LENGTHS, DecodeCase, assert_close_to_reference,
+                              bucket_schedule, make_inputs, poison)
 
 from conftest import HAS_CUDA
 
@@ -217,13 +218,11 @@ def test_prologue_over_many_scan_chunks(gen):
     _check_probe(lens, sched, probe, res, meta)
 
 
-@pytest.mark.parametrize("total", [2, 3, 5, 6, 42, 43, 85, 86, 170, 171])
+@pytest.mark.parametrize("total", BUCKET_END_TOTALS)
 def test_prologue_reads_the_bucket_of_the_total(total):
-    """Totals at both ends of buckets (``bit_length(T + T // 2)``): only ``bucket_of(T)``'s target is ``T`` (units of
+    """Totals at both ends of buckets (``bit_length(T + T // 2)``): only ``bucket_of(T)``'s targets are ``T`` (units of
     one granule), every other entry 1 (one unit per sequence), so a bucket off by one shows in the unit count."""
-    targets = [1] * NUM_TARGETS
-    targets[bucket_of(total)] = total
-    sched = Schedule("balanced", 16, 1, 256, tuple(targets), 256 + 3)
+    sched = bucket_schedule(total, total, 256 + 3)
     for lens in ([16 * total], [16 * (total - total // 2), 0, 16 * (total // 2)]):
         u = schedule_units(lens, sched)
         assert u.num_units == total + (len(lens) == 3)  # units of one granule; the empty sequence gets one
@@ -232,16 +231,12 @@ def test_prologue_reads_the_bucket_of_the_total(total):
         _check_probe(lens, sched, probe, res, meta)
 
 
-@pytest.mark.parametrize("lens", [[16 * 89478485] * 7 + [16 * 89478487], [16 * 89478485] * 7 + [16 * 89478488],
-                                  [2**31 - 1] * 15], ids=["bucket-30-end", "bucket-31-start", "T+T/2-past-2^31"])
+@pytest.mark.parametrize("lens", TOP_BUCKET_LENGTHS, ids=["bucket-30-end", "bucket-31-start", "T+T/2-past-2^31"])
 def test_prologue_reads_the_top_buckets(lens):
     """Totals at the last buckets' boundary (715,827,882 | 715,827,883 granules) and a total whose ``T + T // 2`` is
     past 2^31 (15 sequences of 2^31 - 1 tokens: bucket 31, not a wrapped one): only the right bucket's targets give 8
     units per sequence, every other entry one."""
-    total = sum(-(-n // 16) for n in lens)
-    targets = [1] * NUM_TARGETS
-    targets[bucket_of(total)] = targets[NUM_BUCKETS + bucket_of(total)] = 8 * len(lens)
-    sched = Schedule("balanced", 16, 1, 256, tuple(targets), 256 * len(lens))
+    sched = bucket_schedule(sum(-(-n // 16) for n in lens), 8 * len(lens), 256 * len(lens))
     u = schedule_units(lens, sched)
     assert u.units.tolist() == [8] * len(lens)
     probe = [0, u.num_units - 1, u.num_units]
