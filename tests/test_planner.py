@@ -738,36 +738,38 @@ def test_explain_lines(table):
 @pytest.mark.parametrize("device", [H200, H100], ids=lambda d: d.slug())
 def test_shipped_table_rows_parse_and_plan(device):
     """Every row of a packaged split table (plans/h200.yaml, plans/h100_80gb_hbm3.yaml) parses into a TableRow, and a
-    uniform batch at one of its 32/8/128 points (group 4) plans from that point's row and runs the row's own split
-    count: ``round(programs per SM x SMs / pairs)``, aligned to whole granules. (With buckets planned at 1.4x a
-    power-of-two total, the H100's 64K row of 32 pairs, 3 units, ran the 128K row's 13.)"""
+    uniform batch at its point (its pairs as 8 KV heads where they divide by 8, else one; its GQA group and head_dim)
+    plans from that row and runs the row's own split count: ``round(programs per SM x SMs / pairs)``, aligned to whole
+    granules. (With buckets planned at 1.4x a power-of-two total, the H100's 64K row of 32/8/128 at 4 sequences, 3
+    units, ran the 128K row's 13.)"""
     from attnplan.config import device_table
 
     _clear_tables()
     sections = device_table(device.slug())["split_table"]
-    n = 0
+    checked = set()
     for backend, layouts in sections.items():
         for layout, rows in layouts.items():
             for r in rows:
                 row = TableRow.from_row(r)
                 assert row.pairs >= 1 and row.kv_len >= 1 and row.programs_per_sm > 0 and row.us > 0
-                n += 1
-    assert n > 50
-    checked = 0
-    for backend, layouts in sections.items():
-        for layout in ("contiguous", "paged"):
-            own = [TableRow.from_row(r) for r in layouts.get(layout) or []]
-            for row in (r for r in own if r.group == 4 and r.head_dim == 128 and r.pairs % 8 == 0):
-                b, length = row.pairs // 8, row.kv_len
-                plan = make_plan(P(page_size=None if layout == "contiguous" else 16, batch=b, max_kv_len=length),
+            if layout not in ("contiguous", "paged"):
+                continue
+            for row in (TableRow.from_row(r) for r in rows):
+                hkv = 8 if row.pairs % 8 == 0 else 1
+                b, length = row.pairs // hkv, row.kv_len
+                plan = make_plan(P(page_size=None if layout == "contiguous" else 16, batch=b, num_kv_heads=hkv,
+                                   num_q_heads=row.group * hkv, head_dim=row.head_dim, max_kv_len=length),
                                  device, CFG, backend, KERNEL)
-                assert plan.policy == "tuned" and plan.table_entry[:2] == (row.pairs, row.kv_len), row
-                assert plan.table_entry.group == 4
+                entry = plan.table_entry
+                assert plan.policy == "tuned" and entry is not None, (backend, layout, row)
+                assert (entry.pairs, entry.kv_len, entry.group, entry.head_dim) == \
+                    (row.pairs, row.kv_len, row.group, row.head_dim), (backend, layout, row)
                 want = min(CFG.split.max_splits, length // 64, max(1, round(row.programs_per_sm * 132 / row.pairs)))
                 chunk = -(-(-(-length // want)) // 64) * 64
                 assert units(plan, [length] * b) == [-(-length // chunk)] * b, (backend, layout, row)
-                checked += 1
-    assert checked >= 20
+                checked.add((row.group, row.head_dim))
+    # every head configuration of the table: 32/8/128, 8/1/128 and 64/8/128, 28/4/128, 32/32/128, 16/8/256, 32/8/64
+    assert checked >= {(4, 128), (8, 128), (7, 128), (1, 128), (2, 256)}, checked
 
 
 def test_shipped_h200_table_never_schedules_one_unit_per_sequence():
