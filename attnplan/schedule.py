@@ -82,7 +82,7 @@ def bucket_of(total_granules: int) -> int:
     return min((t + (t >> 1)).bit_length(), NUM_BUCKETS - 1)
 
 
-def bucket_range(k: int) -> tuple[int, int]:
+def bucket_range(k: int) -> tuple[int, int | None]:
     """The totals of granules bucket ``k`` holds (:func:`bucket_of`), ``(lo, hi)`` inclusive; ``hi`` is ``None`` for
     the last bucket (``NUM_BUCKETS - 1``), which holds every larger total too. Raises ``ValueError`` for ``k``
     outside ``[0, NUM_BUCKETS)``."""
