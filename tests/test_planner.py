@@ -555,8 +555,8 @@ def test_kernel_without_block_n_and_a_huge_capacity_are_refused(table):
 # -- targets: a uniform batch gets the live plan's split -----------------------------------------------------------
 
 def _bucket_length(k: int, granule: int, batch: int) -> int:
-    """Tokens per sequence of a uniform batch of the granules bucket k's target is planned at (about the geometric
-    middle of the totals it holds)."""
+    """Tokens per sequence of a uniform batch of the granules bucket k's target is planned at (the one power of two
+    the bucket holds, near the geometric middle of its totals)."""
     from attnplan.planner import _bucket_granules
 
     return _bucket_granules(k) * granule // batch
