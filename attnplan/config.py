@@ -617,12 +617,29 @@ def check_device_table(data, source: str) -> dict:
             CostModel.model_validate({**(data.get("cost_model") or {}), **over})
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source)) from None
+    def check_options(backend, opts: dict, where: str) -> None:
+        """A built-in backend's kernel options as its ``backend_options`` model takes them (the same ranges as a
+        config file's), so a hand-edited table cannot plan a kernel the backend cannot build."""
+        model = OPTION_MODELS.get(backend)
+        if model is None:  # another backend's options: its own kernel_config checks them
+            return
+        try:
+            model.model_validate({k: v for k, v in opts.items() if v is not None})
+        except ValidationError as e:
+            first = e.errors()[0]
+            key = ".".join(str(p) for p in first["loc"])
+            msg = ("unknown key" + _known_keys(("backend_options", backend, key)) if first["type"] == "extra_forbidden"
+                   else first["msg"].removeprefix("Value error, "))
+            raise ConfigError(f"invalid device table ({source}): {where}.{key}: {msg} (got "
+                              f"{short_repr(first.get('input'), 200)})") from None
+
     for backend, layouts in mapping(data.get("kernel_options"), "kernel_options").items():
         for layout, opts in mapping(layouts, f"kernel_options.{backend}").items():
             for name, value in mapping(opts, f"kernel_options.{backend}.{layout}").items():
                 if not json_scalar(value):
                     raise ConfigError(f"invalid device table ({source}): kernel_options.{backend}.{layout}.{name} "
                                       f"must be a JSON scalar (null: the backend's default), got {value!r}")
+            check_options(backend, opts or {}, f"kernel_options.{backend}.{layout}")
     for backend, layouts in mapping(data.get("split_table"), "split_table").items():
         for layout, rows in mapping(layouts, f"split_table.{backend}").items():
             where = f"split_table.{backend}.{layout}"
@@ -637,6 +654,7 @@ def check_device_table(data, source: str) -> dict:
                     row = TableRow.from_row(raw)
                 except ValueError as e:
                     raise ConfigError(f"invalid device table ({source}): {where}[{i}]: {e}") from None
+                check_options(backend, dict(row.options or {}), f"{where}[{i}].options")
                 point = (row.pairs, row.kv_len, row.group, row.head_dim)
                 if point in seen:
                     raise ConfigError(f"invalid device table ({source}): {where}[{seen[point]}] and [{i}] are both "
