@@ -34,7 +34,7 @@ from .backends import Backend, DecodeInputs, Workspace, get_backend
 from .cache import PlanCache, check_plan
 from .config import MAX_SPLITS, Config, device_table, load_config
 from .device import DeviceInfo, device_info
-from .planner import SplitPlan, entry_options, launch_problem_of, make_plan
+from .planner import DeviceKey, SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
 from .problem import (DecodeProblem, as_host_lengths, check_no_grad, check_sm_scale, check_variant_tensors,
                       default_sm_scale, explain_lengths, has_internal_overlap, host_lengths, is_contiguous_layout,
@@ -433,6 +433,8 @@ def _plan_cached(get_problem, bucket_key: tuple, capacity: int, backend: Backend
         ctx.cache.stats.misses += 1
         return build()
     def check(p: SplitPlan) -> None:  # a plan read from disk
+        if p.device != DeviceKey.of(dev_info):  # its kernel options were checked for the device it names
+            raise ValueError(f"plan for device {tuple(p.device)}, not {tuple(DeviceKey.of(dev_info))}")
         check_plan_serves(p, get_problem(), backend)
 
     return ctx.cache.get_or_create(key, build, validate=check)
