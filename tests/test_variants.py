@@ -126,6 +126,29 @@ def test_fp8_scale_is_not_dropped(backend, gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_nan_in_k_or_v_reaches_the_rows_that_see_it(backend, gen):
+    """An e4m3 NaN (0x7f) in the fp8 K cache at a visible position makes every row of its (sequence, KV head) NaN,
+    and one in V makes those rows' columns it reaches NaN, as with fp16 caches (the README's NaN rule); the other
+    sequences stay exact. Skipped on Triton's CPU interpreter, which converts an e4m3 NaN to +-480 (the README names
+    that exception)."""
+    if backend == "triton" and DEVICE == "cpu":
+        pytest.skip("Triton's interpreter converts an e4m3 NaN to +-480 (a GPU's conversion keeps it)")
+    x = make_inputs(3, 8, 2, 64, [70, 5, 33], page_size=16, dtype=torch.bfloat16, device=DEVICE, generator=gen)
+    kc, vc = x.k_cache.to(FP8), x.v_cache.to(FP8)
+    pk, pv = x.block_table[0, 0], x.block_table[2, 1]  # sequence 0's first page, sequence 2's second (tokens 16-31)
+    kc.view(torch.uint8)[pk, 3, 1, 5] = 0x7F  # sequence 0, token 3, KV head 1
+    vc.view(torch.uint8)[pv, 2, 0, 9] = 0x7F  # sequence 2, token 18, KV head 0, column 9
+    ref, _ = reference.attention(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, k_scale=1.0, v_scale=1.0)
+    for splits in (1, 3):
+        out = attnplan.decode(x.q, kc, vc, x.seq_lens, x.block_table, backend=backend, num_splits=splits,
+                              k_scale=1.0, v_scale=1.0)
+        assert torch.isnan(out[0, :, 4:8]).all() and not torch.isnan(out[0, :, :4]).any()  # KV head 1: heads 4-7
+        assert torch.isnan(out[2, :, :4, 9]).all() and not torch.isnan(out[2, :, :4, :9]).any()
+        assert not torch.isnan(out[2, :, 4:]).any()
+        assert_close_to_reference(out[1], ref[1], torch.bfloat16)
+        assert torch.equal(torch.isnan(out), torch.isnan(ref.to(out.device)))
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_window_all_masked_rows(backend, gen):
     """q_len 4, window 2, some queries see nothing (length < q_len)."""
     x = make_inputs(3, 8, 2, 32, [2, 3, 30], q_len=4, device=DEVICE, generator=gen)
