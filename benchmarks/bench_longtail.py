@@ -327,16 +327,28 @@ def main(argv=None) -> int:
         g = math.exp(statistics.fmean(math.log(r) for r in rs))
         print(f"batch-invariant capacity plans (split.batch_invariant): time / default's {g:.3f} geomean over "
               f"{len(rs)} points, {min(rs):.3f}-{max(rs):.3f}")
-    for name, what in [(f"tail{s:g}", f"long-tailed targets x{s:g}") for s in args.tail_scales] + \
-            [(config_key(c), c) for c in args.configs]:
-        for b in args.backends:
-            rs = [pt["summary"].get(f"{b}_{name}_over_cap") for pt in points]
-            rs = [r for r in rs if r]
-            if rs:
-                g = math.exp(statistics.fmean(math.log(r) for r in rs))
-                print(f"{b} {what}: time / plan's {g:.3f} (geomean over {len(rs)} points, {min(rs):.3f}-"
-                      f"{max(rs):.3f}; faster at {sum(r < 0.99 for r in rs)}, slower at {sum(r > 1.01 for r in rs)})")
+    print_variants(points, [(f"tail{s:g}", f"long-tailed targets x{s:g}") for s in args.tail_scales] +
+                   [(config_key(c), c) for c in args.configs], args.backends)
     return 0
+
+
+def print_variants(points, variants, backends, moved: float = 0.02) -> None:
+    """Per backend and variant (``(name, what)``: a rescaled table or a config file), its capacity plans' time over
+    the default's: the geometric mean over the points, the range, the points faster / slower by over 1%, then each
+    point that moved by more than ``moved``."""
+    for name, what in variants:
+        for b in backends:
+            key = f"{b}_{name}_over_cap"
+            rs = [pt["summary"][key] for pt in points if pt["summary"].get(key)]
+            if not rs:
+                continue
+            g = math.exp(statistics.fmean(math.log(r) for r in rs))
+            print(f"{b} {what}: time / plan's {g:.3f} (geomean over {len(rs)} points, {min(rs):.3f}-"
+                  f"{max(rs):.3f}; faster at {sum(r < 0.99 for r in rs)}, slower at {sum(r > 1.01 for r in rs)})")
+            far = [f"{'/'.join(map(str, pt['heads']))} b{pt['batch']} {pt['dist']} {pt['summary'][key]:.3f}"
+                   for pt in points if pt["summary"].get(key) and abs(pt["summary"][key] - 1) > moved]
+            if far:
+                print(f"  moved by more than {moved:.0%}: " + ", ".join(far))
 
 
 def print_table(points) -> None:

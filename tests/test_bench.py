@@ -282,6 +282,24 @@ def test_longtail_summary_states_each_config_against_the_default():
     assert "cuda_ptx_tail2_over_cap" not in s and s["capacity_us"] == pytest.approx(30.0)
 
 
+def test_longtail_variants_name_the_points_that_moved(capsys):
+    """The variants' summary: per backend and config, the geometric mean and range of time / the default's, then
+    each point that moved by more than 2% (and only those), named by heads, batch and distribution."""
+    import bench_longtail as bl
+
+    key = bl.config_key("warps4.yaml")
+    points = [{"heads": [16, 8, 256], "batch": 16, "dist": "bimodal", "summary": {f"cuda_ptx_{key}_over_cap": 0.912}},
+              {"heads": [8, 1, 128], "batch": 64, "dist": "one_long", "summary": {f"cuda_ptx_{key}_over_cap": 1.005}},
+              {"heads": [8, 1, 128], "batch": 16, "dist": "lognormal", "summary": {f"cuda_ptx_{key}_over_cap": 1.03}},
+              {"heads": [8, 1, 128], "batch": 16, "dist": "bimodal", "summary": {}}]
+    bl.print_variants(points, [(key, "warps4.yaml")], ["cuda_ptx", "triton"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("cuda_ptx warps4.yaml: time / plan's 0.981 (geomean over 3 points, 0.912-1.030; "
+                             "faster at 1, slower at 1)")
+    assert out[1] == "  moved by more than 2%: 16/8/256 b16 bimodal 0.912, 8/1/128 b16 lognormal 1.030"
+    assert len(out) == 2  # no triton line: it has no such rows
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_longtail_rescaled_plan_is_the_plan_that_runs(backend, gen, monkeypatch):
     """``bench_longtail.scaled_plan`` swaps a planned and run wrapper's capacity plan for one with its long-tailed
