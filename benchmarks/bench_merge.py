@@ -88,7 +88,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     heads = [tuple(int(v) for v in h.split(",")) for h in args.heads.split(";")]
     shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
-    pages = [None if lay == "contig" else int(lay.removeprefix("paged")) for lay in args.layouts.split(",")]
+    pages = []
+    for lay in args.layouts.split(","):
+        size = lay.removeprefix("paged")
+        if lay != "contig" and not (lay.startswith("paged") and size.isdigit() and int(size) > 0):
+            ap.error(f"--layouts: {lay!r} is neither contig nor paged<page size>, e.g. paged16")
+        pages.append(None if lay == "contig" else int(size))
     if not torch.cuda.is_available():
         print("bench_merge.py needs a CUDA GPU", file=sys.stderr)
         return 2
