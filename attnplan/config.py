@@ -617,6 +617,7 @@ def check_device_table(data, source: str) -> dict:
             CostModel.model_validate({**(data.get("cost_model") or {}), **over})
     except ValidationError as e:
         raise ConfigError(_format_errors(e, source)) from None
+
     def check_options(backend, opts: dict, where: str) -> None:
         """A built-in backend's kernel options as its ``backend_options`` model takes them (the same ranges as a
         config file's), so a hand-edited table cannot plan a kernel the backend cannot build."""

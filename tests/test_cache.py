@@ -462,7 +462,6 @@ def test_plan_file_kernel_options_its_backend_refuses_are_rebuilt(tmp_path, back
         assert plan_problem(prob, be, cpu, ctx_at(tmp_path), num_splits=3) == first  # the rebuilt file is read
 
 
-
 def test_a_plan_file_naming_another_device_is_rebuilt(tmp_path):
     """A plan file whose plan names another device than the one it is read for (a GPU's, read on the CPU, where its
     backend's kernel options cannot be checked for that GPU) is unusable and rebuilt with a warning, even with its
@@ -477,6 +476,7 @@ def test_a_plan_file_naming_another_device_is_rebuilt(tmp_path):
     with pytest.warns(RuntimeWarning, match=f"{f.name} is unusable .*plan for device .*H100"):
         assert plan_problem(prob, be, cpu, ctx, num_splits=3) == first
     assert ctx.cache.stats.rebuilt == 1 and ctx.cache.stats.disk_hits == 0
+
 
 def test_a_plan_file_with_a_huge_head_count_is_refused_without_building_its_launches(tmp_path, monkeypatch):
     """A plan of head blocks (a GQA group larger than a program: one launch per query, KV head and head block) edited

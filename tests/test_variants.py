@@ -129,8 +129,8 @@ def test_fp8_scale_is_not_dropped(backend, gen):
 def test_fp8_nan_in_k_or_v_reaches_the_rows_that_see_it(backend, gen):
     """An e4m3 NaN (0x7f) in the fp8 K cache at a visible position makes every row of its (sequence, KV head) NaN,
     and one in V makes those rows' columns it reaches NaN, as with fp16 caches (the README's NaN rule); nothing else
-    is NaN, and the clean sequence stays close to the reference. Skipped on Triton's CPU interpreter, which converts an e4m3 NaN to +-480 (the README names
-    that exception)."""
+    is NaN, and the clean sequence stays close to the reference. Skipped on Triton's CPU interpreter, which converts
+    an e4m3 NaN to +-480 (the README names that exception)."""
     if backend == "triton" and DEVICE == "cpu":
         pytest.skip("Triton's interpreter converts an e4m3 NaN to +-480 (a GPU's conversion keeps it)")
     x = make_inputs(3, 8, 2, 64, [70, 5, 33], page_size=16, dtype=torch.bfloat16, device=DEVICE, generator=gen)
@@ -147,6 +147,7 @@ def test_fp8_nan_in_k_or_v_reaches_the_rows_that_see_it(backend, gen):
         assert not torch.isnan(out[2, :, 4:]).any()
         assert_close_to_reference(out[1], ref[1], torch.bfloat16)
         assert torch.equal(torch.isnan(out), torch.isnan(ref.to(out.device)))
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_window_all_masked_rows(backend, gen):
