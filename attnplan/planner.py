@@ -639,7 +639,8 @@ class SplitPlan:
 
 
 def describe_units(plan: SplitPlan, seq_lens, which: str = "these") -> str:
-    """One line: what the schedule does at ``seq_lens`` (units, programs, heaviest program's KV bytes vs the mean)."""
+    """One line: what the schedule does at ``seq_lens`` (units, programs, heaviest program's KV bytes vs the mean;
+    with a targets table, the granules per unit it gives the batch's total against the target)."""
     p = plan.problem
     u = schedule_units(seq_lens, plan.schedule, p.q_len, p.window_left)
     sizes = (u.end - u.start).clamp(min=0)
@@ -649,10 +650,13 @@ def describe_units(plan: SplitPlan, seq_lens, which: str = "these") -> str:
         return f"at {which} lengths: {u.num_units} units, all empty"
     heavy, mean = int(real.max()) * per_tok, float(real.double().mean()) * per_tok
     empty = u.num_units - real.numel()  # the one empty unit of each sequence with no visible position
+    c = u.granules_per_unit
     return (f"at {which} lengths: {u.num_units} units ({int(u.units.min())}-{int(u.units.max())} per sequence) = "
             f"{real.numel() * p.num_kv_heads} programs with work"
             + (f" (+{empty * p.num_kv_heads} of empty sequences)" if empty else "")
-            + f"; heaviest program {_size(heavy, heavy)} of KV vs mean {_size(mean, heavy)} ({heavy / mean:.2f}x)")
+            + f"; heaviest program {_size(heavy, heavy)} of KV vs mean {_size(mean, heavy)} ({heavy / mean:.2f}x)"
+            + (f"; {c} granule{'s' * (c != 1)} per unit ({u.total_granules} granules, target {u.target} units)"
+               if u.target else ""))
 
 
 def _size(n: float, scale: float) -> str:

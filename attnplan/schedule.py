@@ -209,7 +209,8 @@ class Units:
         units: ``[B]`` units per sequence (>= 1).
         indptr: ``[B + 1]`` first unit of each sequence; ``indptr[B]`` = total units ``U``.
         seq, start, end: ``[U]`` each unit's sequence and token range ``[start, end)``.
-        total_granules: ``T``; granules_per_unit: ``c``.
+        total_granules: ``T``; granules_per_unit: ``c``; target: ``t``, the targets table's entry for this batch
+            (0: none, units from each sequence's own length).
     """
 
     base: torch.Tensor
@@ -222,6 +223,7 @@ class Units:
     end: torch.Tensor
     total_granules: int
     granules_per_unit: int
+    target: int = 0
 
     @property
     def num_units(self) -> int:
@@ -288,7 +290,7 @@ def schedule_units(seq_lens, schedule: Schedule, q_len: int = 1, window_left: in
     end = torch.minimum(start + cb[seq] * g, lens[seq])
     start = torch.where(empty[seq], lens[seq], start)
     end = torch.where(empty[seq], lens[seq], end)
-    return Units(base, nb, cb, units, indptr, seq, start, end, total, c)
+    return Units(base, nb, cb, units, indptr, seq, start, end, total, c, int(t))
 
 
 def check_invariants(seq_lens, schedule: Schedule, q_len: int = 1, window_left: int = -1,

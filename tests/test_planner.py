@@ -776,6 +776,27 @@ def test_shipped_table_rows_parse_and_plan(device):
     assert heads >= {(4, 128), (8, 128), (7, 128), (1, 128), (2, 256)}, heads
 
 
+def test_explain_names_the_granules_per_unit_against_the_target():
+    """explain()'s units line ends with the granules per unit the batch's total gets and the target it was divided
+    into (whole granules per unit: a total just above a target gets 2 a unit, about half the units asked for); a
+    schedule without targets (a forced split count) has no such clause."""
+    plan = make_plan(P(batch=3, num_q_heads=8, num_kv_heads=1, max_kv_len=4096, page_size=None), GPU, CFG, "x",
+                     KERNEL)
+    assert plan.schedule.policy == "balanced"
+    for lens in ([4096] * 3, [3000] * 3, [4096, 1, 0]):
+        u = schedule_units(lens, plan.schedule)
+        tail = 2 * u.total_granules < len(lens) * int(u.granules.max())
+        assert u.target == plan.schedule.targets[bucket_of(u.total_granules) + NUM_TARGETS // 2 * tail] > 0
+        assert u.granules_per_unit == max(plan.schedule.min_unit_granules, -(-u.total_granules // u.target))
+        line = [ln for ln in plan.explain(lens).splitlines() if "lengths:" in ln][0]
+        c = u.granules_per_unit
+        assert line.endswith(f"; {c} granule{'s' * (c != 1)} per unit ({u.total_granules} granules, target "
+                             f"{u.target} units)"), line
+    forced = make_plan(P(batch=3, num_q_heads=8, num_kv_heads=1, max_kv_len=4096, page_size=None), GPU, CFG, "x",
+                       KERNEL, num_splits=4)
+    assert "granules per unit" not in forced.explain() and "granule per unit" not in forced.explain()
+
+
 def test_shipped_h200_table_never_schedules_one_unit_per_sequence():
     """A uniform live plan whose targets give the middle of the lengths it serves one unit per
     sequence runs the single pass, not a scheduled grid of one unit each: e.g. 28/4/128 at 48 sequences of 3,000 tokens,
