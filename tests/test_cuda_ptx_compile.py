@@ -242,6 +242,7 @@ def test_mma_single_pass_head_dim_64_at_16_rows_spills(s, cache):
     assert spec.mma
     _compiled_resources(spec, (9, 0), cache)
 
+
 @needs_nvrtc
 @pytest.mark.parametrize("passes,warps,page,cc", arch_params([(2, 2, None), (2, 2, 16), (4, 1, None)],
                                                              ids=lambda v: "-".join(map(str, v))))

@@ -19,7 +19,7 @@ import attnplan.planner as planner
 from attnplan.backends.reference import ReferenceBackend
 from attnplan.device import DeviceInfo
 from attnplan.planner import SplitPlan, TableRow, make_plan
-from attnplan.schedule import NUM_TARGETS, bucket_of, check_invariants, schedule_units
+from attnplan.schedule import NUM_TARGETS, bucket_of, check_invariants, is_long_tailed, schedule_units
 
 GPU = DeviceInfo("Test GPU", 132, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
 H200 = DeviceInfo("NVIDIA H200", 132, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
@@ -785,7 +785,7 @@ def test_explain_names_the_granules_per_unit_against_the_target():
     assert plan.schedule.policy == "balanced"
     for lens in ([4096] * 3, [3000] * 3, [4096, 1, 0]):
         u = schedule_units(lens, plan.schedule)
-        tail = 2 * u.total_granules < len(lens) * int(u.granules.max())
+        tail = is_long_tailed(u.total_granules, len(lens), int(u.granules.max()))
         assert u.target == plan.schedule.targets[bucket_of(u.total_granules) + NUM_TARGETS // 2 * tail] > 0
         assert u.granules_per_unit == max(plan.schedule.min_unit_granules, -(-u.total_granules // u.target))
         line = [ln for ln in plan.explain(lens).splitlines() if "lengths:" in ln][0]
