@@ -36,10 +36,10 @@ from .config import MAX_SPLITS, Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import DeviceKey, SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
-from .problem import (DecodeProblem, as_host_lengths, check_no_grad, check_sm_scale, check_variant_tensors,
-                      default_sm_scale, explain_lengths, has_internal_overlap, host_lengths, is_contiguous_layout,
-                      len_bucket, mean_bucket, overlap_error, rows_16_byte, same_signature, signature_change,
-                      torch_dtype, validate_inputs, validate_outputs, validate_values)
+from .problem import (DecodeProblem, as_host_lengths, check_no_grad, check_not_lazy, check_sm_scale,
+                      check_variant_tensors, default_sm_scale, explain_lengths, has_internal_overlap, host_lengths,
+                      is_contiguous_layout, len_bucket, mean_bucket, overlap_error, rows_16_byte, same_signature,
+                      signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem", "DECODE_WRAPPERS"]
@@ -953,7 +953,8 @@ class DecodeWrapper:
             ValueError: the shape, strides, dtype, device or 16-byte alignment of q, k_cache, v_cache,
                 seq_lens or block_table differ from the planned ones (named; the strides of a tensor C-contiguous
                 now and at plan() may differ along axes of length one, see
-                :func:`attnplan.problem.same_signature`); ``out`` / ``lse`` have the
+                :func:`attnplan.problem.same_signature`); one of them is a lazily negated view (``Tensor.is_neg()``,
+                which the signature does not show); ``out`` / ``lse`` have the
                 wrong shape, dtype, device or last-axis stride, or overlap an input or each other; the
                 planned ``sm_scale`` is not finite. All before any kernel runs.
         """
@@ -1031,7 +1032,8 @@ class DecodeWrapper:
                                             and (block_table.is_contiguous() if bst is None
                                                  else block_table.stride() == bst)
                                             and block_table.dtype is bd and block_table.device == bv
-                                            and (not p4 & 15) is ba)) \
+                                            and (not p4 & 15) is ba and not block_table.is_neg())) \
+                        and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg() or seq_lens.is_neg()) \
                         and (out is None or (isinstance(out, T) and out.shape == qs and out.dtype is qd
                                              and out.device == qv and not out.is_neg())) \
                         and (lse is None or (isinstance(lse, T) and lse.dtype is _F32 and lse.shape == ls3
@@ -1082,6 +1084,12 @@ class DecodeWrapper:
         if sig is not psig and not same_signature(psig, sig):  # equal, or equal but length-one strides
             raise ValueError(f"run() inputs differ from the planned ones: {signature_change(psig, sig)}; "
                              "call plan() again")
+        if q.is_neg() or k_cache.is_neg() or v_cache.is_neg() or seq_lens.is_neg() or (
+                block_table is not None and block_table.is_neg()):  # a view the signature does not tell apart
+            for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
+                            ("block_table", block_table)):
+                if t is not None:
+                    check_not_lazy(name, t)
         if out is None:  # the wrapper's own buffer, made by plan() for q's planned shape, dtype and device
             out = self._out  # not in the snapshot: decode() hands each call's own buffer through it
             if not outputs_checked and lse is not None:

@@ -266,15 +266,17 @@ def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
             dropout: float, kwargs: dict) -> bool:
     """Whether this call is plain decode attention attnplan computes (the mask aside): anything else, a float64
     model, query heads that are not a whole multiple of the KV heads, an empty batch, a key or value whose head_dim
-    is strided, a layer its config makes sliding or chunked (:func:`_full_attention_layer`), and a call that needs
-    gradients (grad mode on and an input that requires grad: attnplan computes none) included, goes to
-    :func:`_fallback`."""
+    is strided, an eager call's lazily negated view (the kernels read memory as it is; the op, the compiled path,
+    gets it materialized by torch's dispatcher), a layer its config makes sliding or chunked
+    (:func:`_full_attention_layer`), and a call that needs gradients (grad mode on and an input that requires grad:
+    attnplan computes none) included, goes to :func:`_fallback`."""
     b, hq, q_len, d = query.shape
     kv_len = key.shape[2]
     hkv = key.shape[1]
     return (b >= 1 and 1 <= q_len <= MAX_Q_LEN and kv_len >= q_len and 0 < hkv == value.shape[1] and hq % hkv == 0
             and key.stride(-1) == 1 and value.stride(-1) == 1
             and query.dtype == key.dtype == value.dtype and query.dtype in _SERVED_DTYPES
+            and (torch.compiler.is_compiling() or not (query.is_neg() or key.is_neg() or value.is_neg()))
             and key.shape[-1] == value.shape[-1] == d
             and (dropout == 0.0 or not module.training)
             and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))

@@ -35,8 +35,8 @@ for other views, and a plan forced onto it is refused at ``plan()``.
 :func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite, at least :data:`SCALE_MIN` (fp32's smallest
 normal number) and at most :data:`FP32_SCALED_MAX` (floats and tensor values alike), and ``sm_scale`` times the
 largest K scale too. A paged cache has at least one page. No input or output is a lazily negated view
-(``Tensor.is_neg()``; inputs checked by ``plan()``, ``out`` and
-``lse`` by ``run()`` and ``decode()``). ``sinks``: no NaN and
+(``Tensor.is_neg()``; checked by ``plan()``, ``run()`` and ``decode()``, ``seq_lens`` and the block table
+included: such a view has the signature of the tensor it views). ``sinks``: no NaN and
 no ``+inf``; ``-inf`` means "no sink" for that head. Float scales are checked on every call. Tensor ``sinks`` /
 ``k_scale`` / ``v_scale`` values are read once per tensor version: the first ``plan()`` that sees a tensor reads it
 (one device-to-host copy, a sync), and later plans skip it while its data pointer, version counter
@@ -507,7 +507,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
     if d < 1:
         raise ValueError(f"head_dim (q.shape[3]) must be >= 1, got shape {_shape(q)}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        _not_lazy(name, t)
+        check_not_lazy(name, t)
     hkv = k_cache.shape[2]
     if k_cache.shape[3] != d:
         raise ValueError(f"k_cache head_dim {k_cache.shape[3]} must equal q's head_dim {d} (shape {_shape(k_cache)})")
@@ -523,6 +523,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
         raise ValueError(f"seq_lens must have shape [batch] = [{batch}], got {_shape(seq_lens)}")
     if seq_lens.dtype != torch.int32:
         raise TypeError(f"seq_lens.dtype must be torch.int32, got {seq_lens.dtype}")
+    check_not_lazy("seq_lens", seq_lens)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in head_dim (last axis), got strides {t.stride()}")
@@ -541,6 +542,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
             raise ValueError(f"block_table must have shape [batch={batch}, max_pages_per_seq], got {_shape(block_table)}")
         if block_table.dtype != torch.int32:
             raise TypeError(f"block_table.dtype must be torch.int32, got {block_table.dtype}")
+        check_not_lazy("block_table", block_table)
         if block_table.device != q.device:
             raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
         _unit_stride("block_table", block_table, 1, "its last axis (the pages of one sequence; rows may be strided)")
@@ -567,7 +569,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
         if sinks.device != q.device:
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
         _unit_stride("sinks", sinks, 0, "its head axis")
-        _not_lazy("sinks", sinks)
+        check_not_lazy("sinks", sinks)
         _check_values_once("sinks", sinks)
     return dict(batch=int(batch), q_len=int(q_len), num_q_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d),
                 page_size=page_size, q_dtype=dtype_name(q.dtype), kv_dtype=dtype_name(k_cache.dtype), capacity=capacity,
@@ -596,7 +598,7 @@ def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> tuple[str, f
             kinds.add("tensor")
         elif isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.shape == (hkv,) and sc.device == device:
             _unit_stride(name, sc, 0, "its KV-head axis")
-            _not_lazy(name, sc)
+            check_not_lazy(name, sc)
             vmax = _check_values_once(name, sc)
             kinds.add("head")
         else:
@@ -607,7 +609,7 @@ def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> tuple[str, f
     return ("head" if "head" in kinds else "tensor"), k_max
 
 
-def _not_lazy(name: str, t: torch.Tensor) -> None:
+def check_not_lazy(name: str, t: torch.Tensor) -> None:
     """Refuse a lazily negated or conjugated view (``Tensor.is_neg()`` / ``is_conj()``): the kernels read and write
     its memory as it is, without the pending negation."""
     if t.is_neg() or t.is_conj():
@@ -703,7 +705,7 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
                              f"{out.dtype} on {out.device}")
         _unit_stride("out", out, -1, "head_dim (last axis)")
         _no_self_overlap("out", out)
-        _not_lazy("out", out)
+        check_not_lazy("out", out)
     if lse is None:
         return
     if not isinstance(lse, torch.Tensor):
@@ -714,7 +716,7 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
                          f"on {lse.device}")
     _unit_stride("lse", lse, -1, "num_q_heads (last axis)")
     _no_self_overlap("lse", lse)
-    _not_lazy("lse", lse)
+    check_not_lazy("lse", lse)
 
 
 def _no_self_overlap(name: str, t: torch.Tensor) -> None:

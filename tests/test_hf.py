@@ -353,13 +353,14 @@ def _eager_layer(q, k, v, scaling=None):
     return out
 
 
-@pytest.mark.parametrize("change", ["none", "key strides", "query alignment", "scale", "dtype"])
+@pytest.mark.parametrize("change", ["none", "key strides", "query alignment", "scale", "dtype", "negated key"])
 def test_a_layer_repeating_the_verified_signature_launches_the_same_arguments(change, gen, monkeypatch):
     """An eager decode layer whose query, key and value repeat the raw shapes, strides, dtype, device and alignment of
     the last verified call (and its scale) launches through the bound launch's direct path with exactly the arguments
     the verified path (``try_run()``) gives the same tensors: the data pointers of query, key, value, the step's
     lengths and no table, a fresh contiguous ``[1, 1, 4, 32]`` output, no lse, and no ``try_run()``. A layer that
-    differs in any of them takes the verified path (``try_run()``, else ``plan()``) and equals SDPA."""
+    differs in any of them takes the verified path (``try_run()``, else ``plan()``) and equals SDPA; one whose key
+    is a lazily negated view of the same signature goes to SDPA."""
     attnplan.hf.register()
     attnplan.hf._STEP.__dict__.clear()
     q, k, v = _layer_tensors(gen)
@@ -381,6 +382,9 @@ def test_a_layer_repeating_the_verified_signature_launches_the_same_arguments(ch
     elif change == "scale":
         q2, k2, v2 = _layer_tensors(gen)
         kw = {"scaling": 0.3}
+    elif change == "negated key":  # the raw signature of the last call, but a pending negation
+        q2, k2, v2 = _layer_tensors(gen)
+        k2 = torch._neg_view(k2)
     else:
         q2, k2, v2 = _layer_tensors(gen, dtype=torch.float16)
     got = _eager_layer(q2, k2, v2, **kw)
@@ -396,6 +400,9 @@ def test_a_layer_repeating_the_verified_signature_launches_the_same_arguments(ch
         assert spy.routes() == ["verified"] and spy.calls[0][1:] == (
             (q2.data_ptr(), k2.data_ptr(), v2.data_ptr(), lens.data_ptr(), 0), (1, 1, 4, 32), (128, 128, 32, 1),
             torch.float32, None)
+    elif change == "negated key":  # SDPA serves it (the kernels would read the memory without the negation)
+        assert not spy.routes() and not tried, (spy.routes(), tried)
+        _assert_logits_close(got, _sdpa_ref(q2, k2.resolve_neg(), v2), q2.dtype)
     else:
         assert "repeat" not in spy.routes() and tried, spy.routes()
         _assert_logits_close(got, _sdpa_ref(q2, k2, v2, kw.get("scaling")), q2.dtype)

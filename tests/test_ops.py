@@ -43,6 +43,18 @@ def test_op_eager_matches_reference(gen):
     assert_close_to_reference(out, ref, torch.float16)
 
 
+def test_op_resolves_lazily_negated_inputs(gen):
+    """torch's dispatcher materializes a lazily negated view before a custom op sees it, so the op computes with the
+    negation (DecodeWrapper.run(), which would read the memory as it is, refuses such a view instead), also on the
+    call after a plan-cache hit of the same signature."""
+    x = make_inputs(2, 8, 2, 32, [20, 7], page_size=4, dtype=torch.float16, device=DEVICE, generator=gen)
+    torch.ops.attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, None, BACKEND)
+    for args in ((torch._neg_view(x.q), x.k_cache, x.v_cache), (x.q, x.k_cache, torch._neg_view(x.v_cache))):
+        out = torch.ops.attnplan.decode(*args, x.seq_lens, x.block_table, None, BACKEND)
+        ref, _ = reference.attention(*(a.resolve_neg() for a in args), x.seq_lens, x.block_table, x.sm_scale)
+        assert_close_to_reference(out, ref, torch.float16)
+
+
 def test_op_opcheck(gen):
     x = make_inputs(1, 4, 2, 16, [9], dtype=torch.float32, device=DEVICE, generator=gen)
     torch.library.opcheck(torch.ops.attnplan.decode.default,

@@ -688,6 +688,27 @@ def test_zero_head_dim_and_lazy_negated_views_are_refused():
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "seq_lens", "block_table"])
+def test_lazy_negated_inputs_are_refused_by_plan_and_run(name, backend):
+    """A lazily negated input has the shape, strides, dtype, device and data pointer of the tensor it views, so run()'s
+    signature cannot tell them apart: plan(), run()'s one-pass check and its full path each refuse it by name before
+    any kernel runs (it would be read as its memory is, without the negation), and the wrapper still runs the plain
+    tensor afterwards."""
+    x = fp32_case()
+    args = dict(q=x.q, k_cache=x.k_cache, v_cache=x.v_cache, seq_lens=x.seq_lens, block_table=x.block_table)
+    bad = dict(args, **{name: torch._neg_view(args[name])})
+    out, lse = poisoned(x)
+    w = attnplan.DecodeWrapper(backend=backend)
+    refused(ValueError, f"{name} is a lazily negated", lambda: w.plan(*bad.values()))
+    w.plan(*args.values())
+    for _ in range(2):  # the first run() after plan() takes the one-pass check, a refused one the full path
+        refused(ValueError, f"{name} is a lazily negated", lambda: w.run(*bad.values(), out=out, lse=lse), out, lse)
+        assert w.try_run(*bad.values(), out=out, lse=lse) is None and torch.isnan(out).all()
+    ref_out, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    assert_close_to_reference(w.run(*args.values(), out=out, lse=lse), ref_out)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_outputs_whose_elements_share_memory_are_refused(backend):
     """An expanded out (both sequences' rows in one place) or lse: one result would be lost. Refused by decode(),
     by run()'s full path and by its one-pass check (a plan made without out)."""
