@@ -21,6 +21,8 @@ need query-dependent visibility.
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import replace
 
 import torch
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from .api import DecodeWrapper, PlanNotReadyError
 from .backends.base import Workspace
 from .planner import KernelOptions, SplitPlan
+from .problem import default_sm_scale
 from .schedule import NUM_TARGETS, Schedule
 from .state import PartialState
 
@@ -61,22 +64,31 @@ class ContextParallelDecode:
             k_shard, v_shard, block_table: this rank's shard of the cache, in the usual layouts.
             shard_lens: ``[batch]`` int32, tokens of each sequence on this rank (0 allowed).
 
-        One all-gather of five integers (q's shape and its dtype) checks that every rank planned the same q; it waits
-        for the other ranks and reads the result on the host.
+        One all-gather of seven integers (whether the local plan raised, q's shape and dtype, the score scale) checks
+        that every rank planned, and planned the same q and scale; it waits for the other ranks and reads the result
+        on the host. So a plan that raises on one rank raises on every rank instead of leaving the others waiting in
+        a collective. (:meth:`run` adds no such check to a step: a ``run()`` that raises on one rank, e.g. for inputs
+        that differ from its plan, leaves the others in the exchange until the group's timeout.)
 
         Raises:
             ValueError: bad inputs (:meth:`attnplan.DecodeWrapper.plan`'s checks), ``q_len > 1``, or a q whose shape
-                or dtype differs between ranks (raised on every rank).
+                or dtype, or a score scale (``sm_scale``, ``None`` meaning ``1/sqrt(head_dim)``), that differs between
+                ranks (raised on every rank); on the other ranks, a plan that raised on one (that rank raises its own
+                error, of whatever type).
         """
         self._send = None  # a failed plan leaves none
         world = dist.get_world_size(self.group)
-        if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != 1:
-            raise ValueError(f"context-parallel decode supports q_len 1 (q.shape[1]), got {q.shape[1]}: with more queries "
-                             "a shard that is not a sequence's tail would need query-dependent visibility")
-        plan = self.local.plan(q, k_shard, v_shard, shard_lens, block_table, sm_scale=sm_scale, num_splits=num_splits,
-                               capacity=capacity)
+        failed, plan = None, None
+        try:
+            if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != 1:
+                raise ValueError(f"context-parallel decode supports q_len 1 (q.shape[1]), got {q.shape[1]}: with more "
+                                 "queries a shard that is not a sequence's tail would need query-dependent visibility")
+            plan = self.local.plan(q, k_shard, v_shard, shard_lens, block_table, sm_scale=sm_scale,
+                                   num_splits=num_splits, capacity=capacity)
+        except Exception as e:  # every rank learns of it in the check below, then raises
+            failed = e
+        self._check_ranks_agree(q, sm_scale, world, failed)
         b, ql, hq, d = q.shape
-        self._check_ranks_agree(q, world)
         # one packed message per rank: o in q's dtype, then lse fp32 at a 16-byte offset; the local
         # decode writes straight into it, so the exchange is one all-gather with no copies
         o_bytes = b * ql * hq * d * q.element_size()
@@ -99,19 +111,37 @@ class ContextParallelDecode:
 
     _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-    def _check_ranks_agree(self, q: torch.Tensor, world: int) -> None:
-        """Raise ``ValueError`` on every rank unless every rank's q has this rank's shape and dtype (a mismatch
-        would otherwise exchange messages of other sizes, which the backend aborts on, or reinterpret another
-        rank's bytes in this rank's dtype)."""
-        code = self._DTYPES.index(q.dtype) if q.dtype in self._DTYPES else len(self._DTYPES)
-        mine = torch.tensor([*q.shape, code], dtype=torch.int64, device=q.device)
-        every = torch.empty(world * mine.numel(), dtype=torch.int64, device=q.device)
+    def _check_ranks_agree(self, q, sm_scale, world: int, failed: Exception | None) -> None:
+        """Raise on every rank unless every rank planned (``failed`` is this rank's plan error, raised here as it
+        is; the other ranks raise ``ValueError`` naming the ranks that failed), and planned a q of this rank's shape
+        and dtype with this rank's score scale (``ValueError``): a mismatch would otherwise exchange messages of
+        other sizes, which the backend aborts on, reinterpret another rank's bytes in this rank's dtype, or merge
+        states of different scores."""
+        ok = failed is None
+        code = self._DTYPES.index(q.dtype) if ok and q.dtype in self._DTYPES else len(self._DTYPES)
+        shape = list(q.shape) if ok else [-1] * 4
+        scale = (default_sm_scale(q.shape[3]) if sm_scale is None else float(sm_scale)) if ok else math.nan
+        bits = struct.unpack("<q", struct.pack("<d", scale))[0]  # compared bit for bit
+        device = q.device if isinstance(q, torch.Tensor) and q.device.type != "meta" else (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl"
+            else torch.device("cpu"))
+        mine = torch.tensor([int(not ok), *shape, code, bits], dtype=torch.int64, device=device)
+        every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
         dist.all_gather_into_tensor(every, mine, group=self.group)
         rows = every.view(world, -1).tolist()
-        if any(r != rows[0] for r in rows):
+        bad = [i for i, r in enumerate(rows) if r[0]]
+        if failed is not None:
+            raise failed
+        if bad:
+            raise ValueError(f"context-parallel decode: plan() raised on rank(s) {bad} (each raises its own error)")
+        if any(r[1:6] != rows[0][1:6] for r in rows):
             names = [*map(str, self._DTYPES), "other"]
             raise ValueError("context-parallel decode needs the same q on every rank; got (shape, dtype) per rank: "
-                             + ", ".join(f"rank {i}: {tuple(r[:4])} {names[r[4]]}" for i, r in enumerate(rows)))
+                             + ", ".join(f"rank {i}: {tuple(r[1:5])} {names[r[5]]}" for i, r in enumerate(rows)))
+        if any(r[6] != rows[0][6] for r in rows):
+            scales = [struct.unpack("<d", struct.pack("<q", r[6]))[0] for r in rows]
+            raise ValueError("context-parallel decode needs the same sm_scale on every rank (None: 1/sqrt(head_dim)); "
+                             "got " + ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(scales)))
 
     def _views(self, buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(o, lse)`` views of packed messages ``buf [..., msg]`` (uint8): ``o [..., B, Q, H, D]`` in
