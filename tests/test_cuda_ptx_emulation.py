@@ -915,6 +915,15 @@ def test_emulated_programs_without_a_unit_write_nothing(api_backend, gen):
     conformance.test_programs_without_a_unit_write_nothing(api_backend, gen)
 
 
+def test_emulated_threads_decode_at_once(api_backend, gen):
+    """tests/test_backends.py's decode from several threads at once on the emulation: its launches run one at a
+    time (the harness keeps a launch's state in globals, and ctypes releases the GIL: two launches at once crashed
+    the process) and each thread's launch reads its own inputs."""
+    import test_backends
+
+    test_backends.test_threads_decode_on_one_backend_at_once(api_backend, gen)
+
+
 # -- hostile inputs: NaN isolation, strides, 64-bit offsets ----------------------------------------------------------
 
 def _nan_in_v(x, positions):

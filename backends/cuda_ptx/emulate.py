@@ -66,6 +66,9 @@ def tensor_range(t: torch.Tensor) -> tuple[int, int]:
 #: in about four fifths of -O1's time (-O0 in about nine tenths) and the emulated kernels run as fast
 _FLAGS = ("-std=c++20", "-Og", "-fPIC", "-w", "-DATTNPLAN_HOST_EMULATION")
 _STD_LOCK = threading.Lock()
+#: one emulated launch at a time in the process: the harness keeps a launch's state (its parameters, the block order,
+#: the readable ranges, the blocks' shared memory) in globals of its shared object, and ctypes releases the GIL
+_LAUNCH_LOCK = threading.Lock()
 _STD_HEADERS: dict[tuple[str, Path], Path | None] = {}
 
 
@@ -164,17 +167,20 @@ class EmulatedKernel:
         atomics update). ``block_order``: 0 runs the blocks in order (x fastest), another value in a
         permutation drawn from it (blocks run one at a time either way).
 
+        Launches from several threads run one at a time (the harness's launch state is global).
+
         Raises:
             EmulationError: the kernel read outside ``readable`` or deadlocked at a barrier.
         """
         if cfg.block[1:] != (1, 1):
             raise EmulationError(f"block {cfg.block}: only 1-D blocks are emulated")
-        self.lib.emu_block_order(int(block_order))
         ranges = [x for t in readable if t is not None for x in tensor_range(t)]
         arr = (ctypes.c_ulonglong * max(1, len(ranges)))(*ranges)
         err = ctypes.create_string_buffer(512)
-        rc = self.lib.emu_launch(*cfg.grid, cfg.block[0], cfg.smem, args.kernel_params, ctypes.addressof(arr),
-                                 len(ranges) // 2, err, len(err))
+        with _LAUNCH_LOCK:
+            self.lib.emu_block_order(int(block_order))
+            rc = self.lib.emu_launch(*cfg.grid, cfg.block[0], cfg.smem, args.kernel_params, ctypes.addressof(arr),
+                                     len(ranges) // 2, err, len(err))
         if rc:
             raise EmulationError(f"emulated {self.spec.name} failed: {err.value.decode(errors='replace')}")
 
@@ -188,9 +194,18 @@ class EmulatedCudaPtxBackend(CudaPtxBackend):
         super().__init__()
         self.build_dir = build_dir
         self.kernels: dict[KernelSpec, EmulatedKernel] = {}
-        self._readable: list[torch.Tensor] = []
+        self._tls = threading.local()  # each thread's launch, its readable tensors (partial / merge set them)
         #: the order launches run their blocks in (:meth:`EmulatedKernel.launch`'s ``block_order``)
         self.block_order = 0
+
+    @property
+    def _readable(self) -> list[torch.Tensor]:
+        """The tensors this thread's current launch may read (:meth:`EmulatedKernel.launch`'s ``readable``)."""
+        return getattr(self._tls, "readable", [])
+
+    @_readable.setter
+    def _readable(self, tensors: list[torch.Tensor]) -> None:
+        self._tls.readable = tensors
 
     def available(self, device: torch.device) -> tuple[bool, str]:
         if torch.device(device).type != "cpu":
