@@ -697,7 +697,9 @@ class DecodeWrapper:
                 and not isinstance(v_scale, torch.Tensor):
             skey = (sig, type(window_left), window_left, type(logits_soft_cap), logits_soft_cap, type(sm_scale),
                     sm_scale, type(k_scale), k_scale, type(v_scale), v_scale)
-        if skey is not None and skey == self._static_key and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg()):
+        if skey is not None and skey == self._static_key and not (
+                q.is_neg() or k_cache.is_neg() or v_cache.is_neg() or seq_lens.is_neg()
+                or (block_table is not None and block_table.is_neg())):
             static = self._static  # (a lazily negated view has the same signature: the full checks refuse it)
         else:
             static = validate_inputs(q, k_cache, v_cache, seq_lens, block_table, window_left=window_left,
@@ -1273,7 +1275,8 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
             if not (rep and rep[0] is sig and rep[3] is w.plan_ and rep[4] == _TABLES[0] and rep[1] == scalars
                     and rep[2] == (seq_lens_host if lt is tuple else tuple(seq_lens_host))
                     and type(sum(seq_lens_host)) is int and ctx.config.plan_cache.enabled
-                    and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg())):
+                    and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg() or seq_lens.is_neg()
+                             or (block_table is not None and block_table.is_neg()))):
                 rep = None
         except Exception:  # lengths or scalars that do not compare: plan() decides (and raises its own error)
             rep = None
