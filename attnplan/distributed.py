@@ -64,10 +64,10 @@ class ContextParallelDecode:
             k_shard, v_shard, block_table: this rank's shard of the cache, in the usual layouts.
             shard_lens: ``[batch]`` int32, tokens of each sequence on this rank (0 allowed).
 
-        One all-gather of seven integers (whether the local plan raised, q's shape and dtype, the score scale) checks
-        that every rank planned, and planned the same q and scale; it waits for the other ranks and reads the result
-        on the host. So a plan that raises on one rank raises on every rank instead of leaving the others waiting in
-        a collective. (:meth:`run` adds no such check to a step: a ``run()`` that raises on one rank, e.g. for inputs
+        One all-gather of seven integers (whether the local plan and the exchange's buffers and merge kernels failed,
+        q's shape and dtype, the score scale) checks that every rank planned, and planned the same q and scale; it
+        waits for the other ranks and reads the result on the host. So a plan that raises on one rank raises on every
+        rank instead of leaving the others waiting in a collective. (:meth:`run` adds no such check to a step: a ``run()`` that raises on one rank, e.g. for inputs
         that differ from its plan, leaves the others in the exchange until the group's timeout.)
 
         Raises:
@@ -85,9 +85,18 @@ class ContextParallelDecode:
                                  "queries a shard that is not a sequence's tail would need query-dependent visibility")
             plan = self.local.plan(q, k_shard, v_shard, shard_lens, block_table, sm_scale=sm_scale,
                                    num_splits=num_splits, capacity=capacity)
+            send = self._allocate(plan, q, world)
         except Exception as e:  # every rank learns of it in the check below, then raises
             failed = e
         self._check_ranks_agree(q, sm_scale, world, failed)
+        self.comm_bytes = world * self._msg
+        self._send = send
+        return plan
+
+    def _allocate(self, plan: SplitPlan, q: torch.Tensor, world: int) -> torch.Tensor:
+        """The exchange's buffers and the merge's workspace and kernels for ``plan`` (before the ranks' agreement,
+        so that a failure here, e.g. out of memory or a kernel that does not load, is one the other ranks learn of);
+        returns the send buffer, which :meth:`plan` keeps once the ranks agree."""
         b, ql, hq, d = q.shape
         # one packed message per rank: o in q's dtype, then lse fp32 at a 16-byte offset; the local
         # decode writes straight into it, so the exchange is one all-gather with no copies
@@ -105,9 +114,7 @@ class ContextParallelDecode:
         if self._merge_plan is not None:  # compile / load its kernels now, not at the first exchange
             self.local.backend.prepare_merge(self._merge_plan, q.device)
         self._result = torch.empty(b, ql, hq, d, dtype=q.dtype, device=q.device)
-        self.comm_bytes = world * self._msg
-        self._send = send
-        return plan
+        return send
 
     _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -120,11 +127,13 @@ class ContextParallelDecode:
         ok = failed is None
         code = self._DTYPES.index(q.dtype) if ok and q.dtype in self._DTYPES else len(self._DTYPES)
         shape = list(q.shape) if ok else [-1] * 4
-        scale = (default_sm_scale(q.shape[3]) if sm_scale is None else float(sm_scale)) if ok else math.nan
-        bits = struct.unpack("<q", struct.pack("<d", scale))[0]  # compared bit for bit
-        device = q.device if isinstance(q, torch.Tensor) and q.device.type != "meta" else (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl"
-            else torch.device("cpu"))
+        # the scale as the plan uses it (None: 1/sqrt(head_dim)), -0.0 as 0.0, compared bit for bit
+        scale = (default_sm_scale(q.shape[3]) if sm_scale is None else float(sm_scale)) + 0.0 if ok else math.nan
+        bits = struct.unpack("<q", struct.pack("<d", scale))[0]
+        # q's device once it planned; a rank that failed (q maybe on the wrong device, or no tensor) takes the
+        # group's: NCCL's current GPU, else the CPU
+        device = q.device if ok else (torch.device("cuda", torch.cuda.current_device())
+                                      if dist.get_backend(self.group) == "nccl" else torch.device("cpu"))
         mine = torch.tensor([int(not ok), *shape, code, bits], dtype=torch.int64, device=device)
         every = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
         dist.all_gather_into_tensor(every, mine, group=self.group)

@@ -90,7 +90,8 @@ def _mismatch_worker(rank, world, port, q_out):
         # rank 1 plans a batch of 2 (its shard of the first two sequences), q in another dtype, another score scale,
         # a length past its shard's capacity (its own plan() raises): every rank must refuse, none abort or wait
         same = (q, k, lens, None)
-        cases = ((same, (q[:2], k[:2], lens[:2], None)), (same, (q.bfloat16(), k.bfloat16(), lens, None)),
+        cases = ((same, (q, k, lens, 0.25)),  # None is 1/sqrt(head_dim) = 0.25: the same scale, planned
+                 (same, (q[:2], k[:2], lens[:2], None)), (same, (q.bfloat16(), k.bfloat16(), lens, None)),
                  (same, (q, k, lens, 1.0)), (same, (q, k, torch.tensor([8, 9, 8], dtype=torch.int32), None)))
         for on_rank0, on_rank1 in cases:
             qq, kk, ll, sc = on_rank0 if rank == 0 else on_rank1
@@ -112,24 +113,25 @@ def test_context_parallel_ranks_must_plan_the_same_q():
     """A rank whose q differs in shape or dtype from another's, or whose score scale does: every rank's plan() raises
     a ValueError naming each rank's (before, the shape mismatch aborted one process inside gloo, the dtype mismatch
     exchanged bytes read in the wrong dtype, and other scales merged states of other scores, giving wrong or
-    different outputs). A plan() that raises on one rank raises on every rank (before, the others waited in the
-    agreement's all-gather until the group's timeout). run() before plan(), or after a plan() that raised, raises
+    different outputs; ``None`` and an explicit 1/sqrt(head_dim) agree). A plan() that raises on one rank raises on
+    every rank (before, the others waited in the agreement's all-gather until the group's timeout). run() before plan(), or after a plan() that raised, raises
     PlanNotReadyError."""
     port = _free_port()
     res = run_spawned(_mismatch_worker, [(r, 2, port) for r in range(2)], timeout=120)
     for rank, seen in res:
         kinds = [k for k, _ in seen]
-        assert kinds == ["run before plan"] + ["mismatch"] * 4 + ["run after a failed plan"], (rank, seen)
-        assert "rank 0: (3, 1, 4, 16) torch.float16, rank 1: (2, 1, 4, 16) torch.float16" in seen[1][1]
-        assert "rank 1: (3, 1, 4, 16) torch.bfloat16" in seen[2][1]
-        assert "same sm_scale" in seen[3][1] and "rank 0: 0.25, rank 1: 1.0" in seen[3][1]
-        assert ("plan() raised on rank(s) [1]" if rank == 0 else "seq_lens") in seen[4][1], seen[4]
+        assert kinds == ["run before plan", "planned"] + ["mismatch"] * 4 + ["run after a failed plan"], (rank, seen)
+        assert "rank 0: (3, 1, 4, 16) torch.float16, rank 1: (2, 1, 4, 16) torch.float16" in seen[2][1]
+        assert "rank 1: (3, 1, 4, 16) torch.bfloat16" in seen[3][1]
+        assert "same sm_scale" in seen[4][1] and "rank 0: 0.25, rank 1: 1.0" in seen[4][1]
+        assert ("plan() raised on rank(s) [1]" if rank == 0 else "seq_lens") in seen[5][1], seen[5]
 
 
 def test_context_parallel_refuses_q_len_above_one(monkeypatch):
     import attnplan.distributed as d
 
     monkeypatch.setattr(d.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(d.dist, "get_backend", lambda group=None: "gloo")
     # the agreement's all-gather, as two ranks refusing the same q would make it
     monkeypatch.setattr(d.dist, "all_gather_into_tensor", lambda out, mine, group=None: out.copy_(mine.repeat(2)))
     cp = d.ContextParallelDecode(backend="reference")
