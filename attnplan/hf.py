@@ -266,8 +266,9 @@ def _serves(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
             dropout: float, kwargs: dict) -> bool:
     """Whether this call is plain decode attention attnplan computes (the mask aside): anything else, a float64
     model, query heads that are not a whole multiple of the KV heads, an empty batch, a key or value whose head_dim
-    is strided, an eager call's lazily negated view (the kernels read memory as it is; the op, the compiled path,
-    gets it materialized by torch's dispatcher), a layer its config makes sliding or chunked
+    is strided, an eager call's lazily negated view (the kernels read memory as it is; under torch.compile the call
+    goes through ``torch.ops.attnplan.decode``, which torch's dispatcher hands materialized inputs, and is not
+    checked, to keep the graph whole), a layer its config makes sliding or chunked
     (:func:`_full_attention_layer`), and a call that needs gradients (grad mode on and an input that requires grad:
     attnplan computes none) included, goes to :func:`_fallback`."""
     b, hq, q_len, d = query.shape
