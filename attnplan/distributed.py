@@ -67,8 +67,9 @@ class ContextParallelDecode:
         One all-gather of seven integers (whether the local plan and the exchange's buffers and merge kernels failed,
         q's shape and dtype, the score scale) checks that every rank planned, and planned the same q and scale; it
         waits for the other ranks and reads the result on the host. So a plan that raises on one rank raises on every
-        rank instead of leaving the others waiting in a collective. (:meth:`run` adds no such check to a step: a ``run()`` that raises on one rank, e.g. for inputs
-        that differ from its plan, leaves the others in the exchange until the group's timeout.)
+        rank instead of leaving the others waiting in a collective. (:meth:`run` adds no such check to a step: a
+        ``run()`` that raises on one rank, e.g. for inputs that differ from its plan, leaves the others in the
+        exchange until the group's timeout.)
 
         Raises:
             ValueError: bad inputs (:meth:`attnplan.DecodeWrapper.plan`'s checks), ``q_len > 1``, or a q whose shape
