@@ -485,6 +485,13 @@ def _extent(shape, strides, itemsize: int) -> int:
     return (sum((n - 1) * st for n, st in zip(shape, strides)) + 1) * itemsize
 
 
+def _any_lazy(q, k_cache, v_cache, seq_lens, block_table) -> bool:
+    """Whether an input (tensors; ``block_table`` may be ``None``) is a lazily negated view (``Tensor.is_neg()``):
+    it has the signature of the tensor it views, so checks reused by signature must not accept it. O(1)."""
+    return (q.is_neg() or k_cache.is_neg() or v_cache.is_neg() or seq_lens.is_neg()
+            or (block_table is not None and block_table.is_neg()))
+
+
 def _outputs_fit(qsig: tuple, out, lse) -> bool:
     """Whether :func:`validate_outputs` passes ``out`` and ``lse`` for a 4-D q of signature ``qsig`` (its
     :func:`~attnplan.problem.tensor_signature`): the same tests, with q's shape, dtype and device taken from the
@@ -697,9 +704,7 @@ class DecodeWrapper:
                 and not isinstance(v_scale, torch.Tensor):
             skey = (sig, type(window_left), window_left, type(logits_soft_cap), logits_soft_cap, type(sm_scale),
                     sm_scale, type(k_scale), k_scale, type(v_scale), v_scale)
-        if skey is not None and skey == self._static_key and not (
-                q.is_neg() or k_cache.is_neg() or v_cache.is_neg() or seq_lens.is_neg()
-                or (block_table is not None and block_table.is_neg())):
+        if skey is not None and skey == self._static_key and not _any_lazy(q, k_cache, v_cache, seq_lens, block_table):
             static = self._static  # (a lazily negated view has the same signature: the full checks refuse it)
         else:
             static = validate_inputs(q, k_cache, v_cache, seq_lens, block_table, window_left=window_left,
@@ -1086,8 +1091,7 @@ class DecodeWrapper:
         if sig is not psig and not same_signature(psig, sig):  # equal, or equal but length-one strides
             raise ValueError(f"run() inputs differ from the planned ones: {signature_change(psig, sig)}; "
                              "call plan() again")
-        if q.is_neg() or k_cache.is_neg() or v_cache.is_neg() or seq_lens.is_neg() or (
-                block_table is not None and block_table.is_neg()):  # a view the signature does not tell apart
+        if _any_lazy(q, k_cache, v_cache, seq_lens, block_table):  # a view the signature does not tell apart
             for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
                             ("block_table", block_table)):
                 if t is not None:
@@ -1275,8 +1279,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
             if not (rep and rep[0] is sig and rep[3] is w.plan_ and rep[4] == _TABLES[0] and rep[1] == scalars
                     and rep[2] == (seq_lens_host if lt is tuple else tuple(seq_lens_host))
                     and type(sum(seq_lens_host)) is int and ctx.config.plan_cache.enabled
-                    and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg() or seq_lens.is_neg()
-                             or (block_table is not None and block_table.is_neg()))):
+                    and not _any_lazy(q, k_cache, v_cache, seq_lens, block_table)):
                 rep = None
         except Exception:  # lengths or scalars that do not compare: plan() decides (and raises its own error)
             rep = None

@@ -610,8 +610,12 @@ def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> tuple[str, f
 
 
 def check_not_lazy(name: str, t: torch.Tensor) -> None:
-    """Refuse a lazily negated or conjugated view (``Tensor.is_neg()`` / ``is_conj()``): the kernels read and write
-    its memory as it is, without the pending negation."""
+    """Refuse a lazily negated or conjugated view (``Tensor.is_neg()`` / ``is_conj()``) of any shape and dtype: the
+    kernels read and write its memory as it is, without the pending negation.
+
+    Raises:
+        ValueError: ``t`` is such a view (the message names ``name``).
+    """
     if t.is_neg() or t.is_conj():
         raise ValueError(f"{name} is a lazily negated or conjugated view (the kernels read and write its memory as it "
                          f"is): pass {name}.resolve_neg() / .resolve_conj()")
