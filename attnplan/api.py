@@ -684,7 +684,10 @@ class DecodeWrapper:
                             f"k_cache.shape[1] or max_pages_per_seq * page_size; False: the live lengths), got "
                             f"{type(capacity).__name__} {capacity!r:.60}")
         if not isinstance(num_splits, int) and hasattr(num_splits, "__index__"):  # a numpy integer, as window_left
-            num_splits = operator.index(num_splits)
+            try:
+                num_splits = operator.index(num_splits)
+            except TypeError:  # a float tensor, an array of several: not an int, refused below by name
+                pass
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 0 <= num_splits <= MAX_SPLITS):
             raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = planner, 1 = no split, >1 = forced) "
@@ -715,7 +718,7 @@ class DecodeWrapper:
             # lengths (DecodeProblem.static_bucket_key's order), the default score scale
             bk = DecodeProblem.static_bucket_key(static, 0, 0)
             self._bucket_parts = (bk[:8], bk[10:], float(default_sm_scale(static["head_dim"])))
-        check_no_grad(q, k_cache, v_cache, sinks)  # not part of the memoized checks: grad mode is a thread's state
+        check_no_grad(q, k_cache, v_cache, sinks, k_scale, v_scale)  # not memoized: grad mode is a thread's state
         # -- the lengths: host ints checked in Python (no tensor, no device read), else validate_values
         num_pages = sig[1][1][0] if block_table is not None else 0  # k_cache.shape[0]
         fast = None

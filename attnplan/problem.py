@@ -423,16 +423,18 @@ def check_strided(t: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}")
 
 
-def check_no_grad(q, k_cache, v_cache, sinks=None) -> None:
+def check_no_grad(q, k_cache, v_cache, sinks=None, k_scale=None, v_scale=None) -> None:
     """attnplan computes no gradients (decode attention, for inference): while grad mode is on, an input that requires
     grad would get an output detached from it, silently. Refused instead (``plan()`` and ``decode()``; ``run()``
     does not look). O(1), no sync.
 
     Raises:
-        ValueError: grad mode is on and ``q``, ``k_cache``, ``v_cache`` or ``sinks`` requires grad (named)."""
+        ValueError: grad mode is on and ``q``, ``k_cache``, ``v_cache``, ``sinks``, ``k_scale`` or ``v_scale`` (fp8
+            scale tensors) requires grad (named)."""
     if not torch.is_grad_enabled():
         return
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("sinks", sinks)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("sinks", sinks), ("k_scale", k_scale),
+                    ("v_scale", v_scale)):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             raise ValueError(f"{name} requires grad: attnplan computes no gradients (its output would be detached "
                              f"from {name}); call it under torch.no_grad() or torch.inference_mode(), or pass "

@@ -104,9 +104,11 @@ def test_forced_unsupported_backend_gives_reasons():
                         backend="triton")
 
 
-@pytest.mark.parametrize("bad", [-3, 5000, 2.5, True, "4"])
+@pytest.mark.parametrize("bad", [-3, 5000, 2.5, True, "4", torch.tensor(2.0), torch.tensor([2, 3])],
+                         ids=["-3", "5000", "2.5", "True", "str", "float-tensor", "two-element-tensor"])
 def test_plan_num_splits_is_checked(bad):
-    """Refused by name: not an int in [0, MAX_SPLITS] (a numpy integer is an int, as window_left takes one)."""
+    """Refused by name: not an int in [0, MAX_SPLITS] (a numpy integer is an int, as window_left takes one; a float
+    or many-element tensor, which ``operator.index`` refuses with its own words, is not)."""
     import attnplan
     from attnplan.testing import make_inputs
 
@@ -476,6 +478,26 @@ def test_fp8_scales_must_be_finite_and_positive(bad, name, as_tensor):
               else rf"{name} must be a finite float in \[1.175e-38, ")
     refused(ValueError, needle, lambda: attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference",
                                                         out=out, lse=lse, **scales), out, lse)
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+def test_fp8_scale_tensors_that_require_grad_are_refused(name):
+    """As q, the caches and sinks: with grad mode on, a scale tensor that requires grad is refused by name by plan()
+    and decode() (the output would be detached from it); under ``torch.no_grad()`` the same call is served."""
+    x, k8, v8 = fp8_case()
+    scales = {"k_scale": torch.full((2,), 0.5), "v_scale": torch.full((2,), 2.0)}
+    scales[name] = scales[name].clone().requires_grad_()
+    out, lse = poisoned(x)
+    refused(ValueError, f"{name} requires grad: attnplan computes no gradients",
+            lambda: attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", out=out, lse=lse,
+                                    **scales), out, lse)
+    with pytest.raises(ValueError, match=f"{name} requires grad"):
+        attnplan.DecodeWrapper(backend="reference").plan(x.q, k8, v8, x.seq_lens, x.block_table, **scales)
+    with torch.no_grad():
+        got = attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", **scales)
+        ref, _ = reference.attention(x.q, k8, v8, x.seq_lens, x.block_table, x.sm_scale, **scales)
+    assert not got.requires_grad
+    assert_close_to_reference(got, ref, torch.float16)
 
 
 @pytest.mark.parametrize("name", ["k_scale", "v_scale"])
