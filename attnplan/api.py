@@ -36,7 +36,7 @@ from .config import MAX_SPLITS, Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import DeviceKey, SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
-from .problem import (DecodeProblem, as_host_lengths, check_no_grad, check_not_lazy, check_sm_scale,
+from .problem import (DecodeProblem, as_host_lengths, check_no_grad, check_not_lazy, check_sm_scale, check_strided,
                       check_variant_tensors, default_sm_scale, explain_lengths, has_internal_overlap, host_lengths,
                       is_contiguous_layout, len_bucket, mean_bucket, overlap_error, rows_16_byte, same_signature,
                       signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values)
@@ -498,15 +498,18 @@ def _outputs_fit(qsig: tuple, out, lse) -> bool:
     signature instead of read again. ``False`` sends the caller to :func:`validate_outputs`, which raises."""
     _, shape, _, dtype, device, _ = qsig
     T = torch.Tensor
-    if out is not None and not (isinstance(out, T) and out.shape == shape and out.dtype == dtype
-                                and out.device == device and (shape[3] <= 1 or out.stride(3) == 1)
-                                and (out.is_contiguous() or not has_internal_overlap(shape, out.stride()))
-                                and not out.is_neg()):
+    try:
+        if out is not None and not (isinstance(out, T) and out.shape == shape and out.dtype == dtype
+                                    and out.device == device and (shape[3] <= 1 or out.stride(3) == 1)
+                                    and (out.is_contiguous() or not has_internal_overlap(shape, out.stride()))
+                                    and not out.is_neg()):
+            return False
+        return lse is None or (isinstance(lse, T) and lse.dtype == _F32 and lse.shape == shape[:3]
+                               and lse.device == device and (shape[2] <= 1 or lse.stride(2) == 1)
+                               and (lse.is_contiguous() or not has_internal_overlap(shape[:3], lse.stride()))
+                               and not lse.is_neg())
+    except RuntimeError:  # a tensor without one shape (nested) or strides (sparse): validate_outputs names it
         return False
-    return lse is None or (isinstance(lse, T) and lse.dtype == _F32 and lse.shape == shape[:3]
-                           and lse.device == device and (shape[2] <= 1 or lse.stride(2) == 1)
-                           and (lse.is_contiguous() or not has_internal_overlap(shape[:3], lse.stride()))
-                           and not lse.is_neg())
 
 
 class DecodeWrapper:
@@ -609,17 +612,18 @@ class DecodeWrapper:
                 pb = block_table.data_ptr()
                 sb = ("block_table", block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
                       not pb & 15)
-        except RuntimeError:  # a tensor without a data pointer: sparse, or another layout than strided
+            return ((("q", q.shape, q.stride(), q.dtype, q.device, not pq & 15),
+                     ("k_cache", k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, not pk & 15),
+                     ("v_cache", v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, not pv & 15),
+                     ("seq_lens", seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device, not ps & 15),
+                     sb),
+                    (pq, pk, pv, ps, pb))
+        except RuntimeError:  # a tensor without a data pointer (sparse, another layout) or without one shape (nested)
             for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
                             ("block_table", block_table)):
-                if t is not None and t.layout != torch.strided:  # check_strided's error, without the context
-                    raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}") from None
+                if t is not None:
+                    check_strided(t, name)
             raise
-        return ((("q", q.shape, q.stride(), q.dtype, q.device, not pq & 15),
-                 ("k_cache", k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, not pk & 15),
-                 ("v_cache", v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, not pv & 15),
-                 ("seq_lens", seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device, not ps & 15), sb),
-                (pq, pk, pv, ps, pb))
 
     def plan(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
              block_table: torch.Tensor | None = None, *, sm_scale: float | None = None,

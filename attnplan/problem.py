@@ -418,9 +418,11 @@ def check_soft_cap(cap, name: str = "logits_soft_cap") -> None:
 
 def check_strided(t: torch.Tensor, name: str) -> None:
     """Raise ``TypeError`` unless the tensor ``t`` (named ``name`` in the message) has torch's dense, strided layout:
-    a sparse or other tensor has no data pointer the kernels could read."""
-    if t.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense (strided) tensor, got {t.layout}")
+    a sparse or other tensor has no data pointer the kernels could read, and a nested tensor (whose layout may say
+    strided) no single shape."""
+    if t.layout != torch.strided or t.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got "
+                        f"{'a nested tensor' if t.is_nested else t.layout}")
 
 
 def check_no_grad(q, k_cache, v_cache, sinks=None, k_scale=None, v_scale=None) -> None:
@@ -565,6 +567,8 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
     check_window_left(window_left)
     check_soft_cap(soft_cap)
     if sinks is not None:
+        if isinstance(sinks, torch.Tensor):
+            check_strided(sinks, "sinks")
         if not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,) or sinks.dtype != torch.float32:
             raise ValueError(f"sinks must be a float32 tensor of shape [num_q_heads] = [{hq}], got "
                              f"{getattr(sinks, 'shape', type(sinks).__name__)} {getattr(sinks, 'dtype', '')}")
@@ -598,14 +602,17 @@ def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> tuple[str, f
                                  f"dequantization scale, applied in fp32: smaller is 0 or subnormal there), got "
                                  f"{_short(sc)}")
             kinds.add("tensor")
-        elif isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.shape == (hkv,) and sc.device == device:
+        else:
+            if isinstance(sc, torch.Tensor):
+                check_strided(sc, name)
+            if not (isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.shape == (hkv,)
+                    and sc.device == device):
+                raise ValueError(f"{name} must be a float or a float32 tensor [num_kv_heads] = [{hkv}] on {device}, "
+                                 f"got {_describe(sc)}")
             _unit_stride(name, sc, 0, "its KV-head axis")
             check_not_lazy(name, sc)
             vmax = _check_values_once(name, sc)
             kinds.add("head")
-        else:
-            raise ValueError(f"{name} must be a float or a float32 tensor [num_kv_heads] = [{hkv}] on {device}, got "
-                             f"{_describe(sc)}")
         if name == "k_scale":
             k_max = vmax
     return ("head" if "head" in kinds else "tensor"), k_max

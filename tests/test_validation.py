@@ -1,5 +1,7 @@
 """Bad input: each check trips with a message naming the argument, the value and the expectation."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -941,23 +943,33 @@ def test_error_messages_show_values_bounded():
     assert "Hostile" in short_repr(Hostile())
 
 
-def test_sparse_tensors_are_refused_naming_the_argument():
-    """A sparse tensor has no data pointer and no strides: every entry point refuses it with a TypeError naming the
-    argument, never torch's own error from inside a check."""
+def _nested(t: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch's "prototype stage" notice of the strided nested layout
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([t])
+
+
+@pytest.mark.parametrize("kind", ["sparse", "nested"])
+def test_sparse_and_nested_tensors_are_refused_naming_the_argument(kind):
+    """A sparse tensor has no data pointer and no strides, a nested one (whose layout says strided) no single shape:
+    every entry point refuses either with a TypeError naming the argument, never torch's own error from inside a
+    check (for a nested tensor, an "Internal error ... Please file an issue")."""
     from attnplan import PartialState, merge_states
 
+    conv = (lambda t: t.to_sparse()) if kind == "sparse" else _nested
+
     o, lse = torch.randn(1, 1, 2, 3, 4), torch.randn(1, 1, 2, 3)
-    for name, call in (("o", lambda: PartialState(o.to_sparse(), lse)),
-                       ("lse", lambda: PartialState(o, lse.to_sparse())),
-                       ("sinks", lambda: merge_states(PartialState(o, lse), torch.zeros(2).to_sparse())),
-                       ("indptr", lambda: merge_states(PartialState(o, lse), indptr=torch.tensor([0, 3]).to_sparse()))):
+    for name, call in (("o", lambda: PartialState(conv(o), lse)),
+                       ("lse", lambda: PartialState(o, conv(lse))),
+                       ("sinks", lambda: merge_states(PartialState(o, lse), conv(torch.zeros(2)))),
+                       ("indptr", lambda: merge_states(PartialState(o, lse), indptr=conv(torch.tensor([0, 3]))))):
         with pytest.raises(TypeError, match=name):
             call()
     q, k = torch.randn(1, 1, 2, 16), torch.randn(1, 8, 1, 16)
     sl = torch.tensor([4], dtype=torch.int32)
     args = {"q": q, "k_cache": k, "v_cache": k.clone(), "seq_lens": sl}
     for name in args:
-        bad = {**args, name: args[name].to_sparse()}
+        bad = {**args, name: conv(args[name])}
         with pytest.raises(TypeError, match=f"{name} must be a dense"):
             attnplan.decode(*bad.values(), None, backend="reference")
         w = attnplan.DecodeWrapper(backend="reference")
@@ -966,10 +978,17 @@ def test_sparse_tensors_are_refused_naming_the_argument():
     w = attnplan.DecodeWrapper(backend="reference")
     w.plan(*args.values(), seq_lens_host=[4])
     with pytest.raises(TypeError, match="q must be a dense"):
-        w.run(q.to_sparse(), k, args["v_cache"], sl)
-    for name, kw in (("out", dict(out=torch.zeros_like(q).to_sparse())),
-                     ("lse", dict(lse=torch.zeros(1, 1, 2).to_sparse()))):
+        w.run(conv(q), k, args["v_cache"], sl)
+    for name, kw in (("out", dict(out=conv(torch.zeros_like(q)))),
+                     ("lse", dict(lse=conv(torch.zeros(1, 1, 2))))):
         with pytest.raises(TypeError, match=f"{name} must be a dense"):
             w.run(*args.values(), **kw)
         with pytest.raises(TypeError, match=f"{name} must be a dense"):
             attnplan.decode(*args.values(), None, backend="reference", **kw)
+    with pytest.raises(TypeError, match="sinks must be a dense"):
+        attnplan.decode(*args.values(), None, backend="reference", sinks=conv(torch.zeros(2)))
+    x, k8, v8 = fp8_case()
+    for name in ("k_scale", "v_scale"):
+        scales = {"k_scale": torch.ones(2), "v_scale": torch.ones(2), name: conv(torch.ones(2))}
+        with pytest.raises(TypeError, match=f"{name} must be a dense"):
+            attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", **scales)
