@@ -793,7 +793,11 @@ class DecodeWrapper:
             self._ws_for = (plan, self.workspace, dev)
         self._lens_host = lens_host
         o = self._out
-        if o is None or o.shape != sq[1] or o.dtype != sq[3] or o.device != dev:
+        # a new buffer also where the kept one is q's memory (a run()'s result passed back as q, which run() would
+        # refuse as an overlap of out and q); the buffer is dense, so its bytes are numel x itemsize
+        if o is None or o.shape != sq[1] or o.dtype != sq[3] or o.device != dev \
+                or (o.data_ptr() < q.data_ptr() + _extent(sq[1], sq[2], sq[3].itemsize)
+                    and q.data_ptr() < o.data_ptr() + o.numel() * sq[3].itemsize):
             with torch.inference_mode(False):  # reused by later runs in any mode (Workspace.allocate)
                 self._out = torch.empty_like(q)
         if sig is not self._sig and sig != self._sig:
@@ -1103,7 +1107,8 @@ class DecodeWrapper:
                             ("block_table", block_table)):
                 if t is not None:
                     check_not_lazy(name, t)
-        if out is None:  # the wrapper's own buffer, made by plan() for q's planned shape, dtype and device
+        own = out is None
+        if own:  # the wrapper's own buffer, made by plan() for q's planned shape, dtype and device
             out = self._out  # not in the snapshot: decode() hands each call's own buffer through it
             if not outputs_checked and lse is not None:
                 self._check_outputs(psig, q, None, lse)
@@ -1114,7 +1119,13 @@ class DecodeWrapper:
         sinks, k_scale, v_scale = var["sinks"], var["k_scale"], var["v_scale"]
         if sinks is not None or k_scale is not None or v_scale is not None:
             check_variant_tensors(q, sinks, k_scale, v_scale, psig[1][1][2])
-        self._check_overlap(extents, q_terms, out, lse, ptrs, sinks, k_scale, v_scale)
+        try:
+            self._check_overlap(extents, q_terms, out, lse, ptrs, sinks, k_scale, v_scale)
+        except ValueError as e:
+            if not own:
+                raise
+            raise ValueError(f"{e} (out is the wrapper's own buffer, which holds the last run()'s result: plan() with "
+                             "these inputs makes a new one, or pass out=)") from None
         if not backend.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise PlanNotReadyError(f"backend {backend.name} cannot run under CUDA-graph capture; plan with "
                                     "capacity=True before capturing (it picks a graph-safe backend)")

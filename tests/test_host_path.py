@@ -2099,3 +2099,26 @@ def _exit_with_lock_state(lock) -> None:
 
     got = lock.acquire(timeout=5)
     os._exit(0 if got else 3)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_runs_result_passed_back_as_q_is_served_after_plan(backend, gen):
+    """The wrapper's own output buffer (``run()`` without ``out``) passed back as the next q: ``run()`` refuses it (out
+    would overlap q), and ``try_run()`` declines; ``plan()`` with it as q then makes a new buffer, so the run that
+    follows is served, equals the reference and leaves that q as it was. Before, plan() kept the buffer, and every
+    run() after it refused the overlap with an ``out`` the caller had not passed."""
+    x = make_inputs(2, 4, 2, 32, [29, 11], page_size=8, dtype=torch.float32, generator=gen)
+    w = attnplan.DecodeWrapper(backend=backend)
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    o = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    q2 = o.clone()
+    with pytest.raises(ValueError, match=r"out overlaps q .* \(out is the wrapper's own buffer, which holds the last "
+                                         r"run\(\)'s result: plan\(\) with these inputs makes a new one"):
+        w.run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    assert w.try_run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table) is None
+    w.plan(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    got = w.run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    assert got.data_ptr() != o.data_ptr() and torch.equal(o, q2)
+    ref, _ = reference.attention(q2, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    assert_close_to_reference(got, ref, torch.float32)
+    assert w.try_run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table) is got
