@@ -531,12 +531,24 @@ class DecodeWrapper:
     that overlaps a ``plan()`` for other inputs launches the binding its check compared the inputs with, never one
     made for another signature or scale.
 
+    Copies: a wrapper is neither copied nor pickled (``copy.copy``, ``copy.deepcopy`` and ``pickle`` raise
+    ``TypeError``): a copy would share its workspace, ``run(out=None)``'s buffer and bound launches with the original.
+    Make a new wrapper of the same config instead; its plan (``plan_``, a :class:`SplitPlan`) copies and pickles, and
+    the new wrapper's :meth:`use_plan` takes it after a ``plan()`` of the same inputs.
+
     Example::
 
         w = attnplan.DecodeWrapper()
         w.plan(q, k_cache, v_cache, seq_lens, block_table, seq_lens_host=lens)  # host work, no sync
         out = w.run(q, k_cache, v_cache, seq_lens, block_table)               # launches only
     """
+
+    def _refuse_copy(self, *_):
+        raise TypeError("a DecodeWrapper cannot be copied or pickled: a copy would share its workspace, its output "
+                        "buffer and its bound launches; make a new DecodeWrapper(config) (its plan_, a SplitPlan, "
+                        "can be copied, pickled and passed to use_plan())")
+
+    __copy__ = __deepcopy__ = __reduce_ex__ = _refuse_copy
 
     def __init__(self, config: Config | Context | str | None = None, *, backend: str | None = None):
         self.ctx = _context(config)

@@ -2122,3 +2122,29 @@ def test_a_runs_result_passed_back_as_q_is_served_after_plan(backend, gen):
     ref, _ = reference.attention(q2, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     assert_close_to_reference(got, ref, torch.float32)
     assert w.try_run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table) is got
+
+
+def test_a_wrapper_is_neither_copied_nor_pickled_and_its_plan_is(gen):
+    """copy.copy, copy.deepcopy and pickle of a DecodeWrapper raise a TypeError that says why (a copy would share the
+    workspace, the output buffer and the bound launches; copy.copy did, so two wrappers overwrote each other's
+    results; deepcopy and pickle failed on a lock inside the context, in torch's words); its plan copies and pickles,
+    and a new wrapper's use_plan() of the copy (after a plan() of its own) runs it equal to the reference."""
+    import copy
+    import pickle
+
+    x = make_inputs(2, 4, 2, 32, [29, 11], page_size=8, dtype=torch.float32, generator=gen)
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    for f in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="a DecodeWrapper cannot be copied or pickled: a copy would share its "
+                                            "workspace"):
+            f(w)
+    for plan in (copy.deepcopy(w.plan_), pickle.loads(pickle.dumps(w.plan_))):
+        assert plan == w.plan_
+        w2 = attnplan.DecodeWrapper(backend="reference")
+        w2.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, num_splits=1)  # another plan, replaced
+        w2.use_plan(plan)
+        assert w2.plan_ == w.plan_
+        got = w2.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+        ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+        assert_close_to_reference(got, ref, torch.float32)
