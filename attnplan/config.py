@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_serializer,
+                      field_validator, model_validator)
 
 from ._repr import short_repr
 
@@ -280,11 +280,27 @@ class PlanCacheConfig(_Strict):
             raise ValueError(str(e).split(": ", 1)[1]) from None
 
 
+class _FrozenDict(dict):
+    """A dict that refuses edits (a validated :class:`Config`'s ``backends_by_arch``); it copies and pickles."""
+
+    def _refuse(self, *_, **__):
+        raise TypeError("a Config is immutable: make a new one (Config.with_overrides, load_config)")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):
+        return type(self), (dict(self),)
+
+
 class Config(_Strict):
     """The validated configuration. See ``plans/default.yaml`` for every key with its default: ``load_config()``
     reads that file first. A bare ``Config()`` holds the models' own defaults, which differ from the file's in two
     keys: ``backends_fp8_kv`` (``None``) and ``backends_by_arch`` (``{}``), so it keeps ``backends``' order for an
-    fp8 cache and on sm_90 (where the file puts cuda_ptx first)."""
+    fp8 cache and on sm_90 (where the file puts cuda_ptx first).
+
+    Immutable all the way down: after validation the backend lists are tuples and ``backends_by_arch`` a dict that
+    refuses edits (``TypeError``), so no edit skips the checks; ``model_dump()`` gives plain lists. Make a changed
+    config with :meth:`with_overrides` or :func:`load_config`."""
 
     version: Literal[1] = 1
     backends: list[BackendName] = Field(default_factory=lambda: list(BACKEND_NAMES), min_length=1, max_length=4)
@@ -313,7 +329,23 @@ class Config(_Strict):
         for key, v in lists:
             if len(set(v)) != len(v):
                 raise ValueError(f"{key}: duplicate entries (got {short_repr(v, 200)})")
+        # frozen all the way down: a list edited in place after validation (``config.backends.insert(...)``) would
+        # skip these checks and change the backend order of new wrappers only (a context memoizes its own)
+        object.__setattr__(self, "backends", tuple(self.backends))
+        if self.backends_fp8_kv is not None:
+            object.__setattr__(self, "backends_fp8_kv", tuple(self.backends_fp8_kv))
+        if self.backends_by_arch is not None:
+            object.__setattr__(self, "backends_by_arch",
+                               _FrozenDict({k: tuple(v) for k, v in self.backends_by_arch.items()}))
         return self
+
+    @field_serializer("backends", "backends_fp8_kv")
+    def _dump_list(self, v):
+        return None if v is None else list(v)
+
+    @field_serializer("backends_by_arch")
+    def _dump_by_arch(self, v):
+        return None if v is None else {k: list(x) for k, x in v.items()}
 
     def options(self, backend: str) -> BaseModel:
         """The options model of ``backend`` (:data:`OPTION_MODELS`); raises ``KeyError`` for an unknown name."""

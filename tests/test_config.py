@@ -19,7 +19,7 @@ def test_user_file_overrides_and_env(tmp_path, monkeypatch):
     f = tmp_path / "c.yaml"
     f.write_text("backends: [triton, reference]\nsplit:\n  num_splits: 4\n")
     c = load_config(f)
-    assert c.backends == ["triton", "reference"] and c.split.num_splits == 4
+    assert c.backends == ("triton", "reference") and c.split.num_splits == 4
     assert c.split.max_splits == 256  # untouched keys keep their defaults
     monkeypatch.setenv("ATTNPLAN_CONFIG", str(f))
     assert load_config().split.num_splits == 4
@@ -145,7 +145,7 @@ def test_backends_by_arch_orders_one_architecture(tmp_path):
     from attnplan.api import dispatch_order
 
     c = load_config()
-    assert c.backends[0] == "triton" and c.backends_by_arch == {"sm_90": ["cuda_ptx"]}
+    assert c.backends[0] == "triton" and c.backends_by_arch == {"sm_90": ("cuda_ptx",)}
     assert dispatch_order(c, False, "sm_90") == ["cuda_ptx", "triton", "numba", "reference"]
     assert dispatch_order(c, False, "sm_80") == dispatch_order(c, False, None) == list(c.backends)
     f = tmp_path / "c.yaml"
@@ -449,3 +449,29 @@ def test_a_config_path_that_is_not_a_file_is_refused(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(ConfigError, match="not a regular file"):
         load_config(fifo)
+
+
+def test_a_config_is_immutable_all_the_way_down():
+    """A validated Config's backend lists and per-architecture table refuse edits in place: before, a frozen model's
+    lists could be edited after validation (a duplicate or an unknown backend went unchecked until plan()), and new
+    wrappers of the config took the edit while a wrapper that had planned kept the old order. Dumps stay plain
+    lists (with_overrides, YAML); the config copies, pickles and compares equal."""
+    import copy
+    import pickle
+
+    import yaml
+
+    c = attnplan.load_config(backends_by_arch={"sm_90": ["cuda_ptx"]}, backends_fp8_kv=["triton"])
+    for edit in (lambda: c.backends.insert(0, "reference"), lambda: c.backends_fp8_kv.append("numba"),
+                 lambda: c.backends_by_arch.__setitem__("sm_90", ["reference"]),
+                 lambda: c.backends_by_arch["sm_90"].append("triton"), lambda: c.backends_by_arch.update(sm_80=[]),
+                 lambda: c.backends_by_arch.pop("sm_90")):
+        with pytest.raises((AttributeError, TypeError)):
+            edit()
+    assert list(c.backends) == list(attnplan.load_config().backends) and dict(c.backends_by_arch) == {
+        "sm_90": ("cuda_ptx",)} and c.backends_fp8_kv == ("triton",)
+    d = c.model_dump()
+    assert type(d["backends"]) is list and d["backends_by_arch"] == {"sm_90": ["cuda_ptx"]}
+    assert type(d["backends_by_arch"]["sm_90"]) is list and yaml.safe_load(yaml.safe_dump(d)) == d
+    assert c.with_overrides(split={"num_splits": 2}).backends == c.backends
+    assert copy.deepcopy(c) == c == pickle.loads(pickle.dumps(c))

@@ -2127,7 +2127,7 @@ def test_a_runs_result_passed_back_as_q_is_served_after_plan(backend, gen):
 def test_a_wrapper_is_neither_copied_nor_pickled_and_its_plan_is(gen):
     """copy.copy, copy.deepcopy and pickle of a DecodeWrapper raise a TypeError that says why (a copy would share the
     workspace, the output buffer and the bound launches; copy.copy did, so two wrappers overwrote each other's
-    results; deepcopy and pickle failed on a lock inside the context, in torch's words); its plan copies and pickles,
+    results; deepcopy and pickle failed on a lock inside the context, in pickle's words); its plan copies and pickles,
     and a new wrapper's use_plan() of the copy (after a plan() of its own) runs it equal to the reference."""
     import copy
     import pickle
