@@ -13,8 +13,11 @@ Input contract
 --------------
 Every input below is checked on the host before any kernel runs; a violation raises ``TypeError``
 (wrong type or dtype of q, the cache, lengths or block table) or ``ValueError`` (shape, stride, device, value or
-aliasing; and any fault of ``sinks``, including its type or dtype), and the message
+aliasing; and any fault of ``sinks`` but its layout, including its type or dtype), and the message
 names the argument, what was given and what is required.
+
+*Layout.* Every tensor is dense (strided): a sparse or nested tensor (the latter's layout says strided) is a
+``TypeError`` naming it.
 
 *Strides.* Unit stride (in elements) is required on the last axis of ``q``, ``k_cache``, ``v_cache``,
 ``out`` and ``lse``, on ``seq_lens``, on the block table's last axis (its columns), on ``sinks`` and on
