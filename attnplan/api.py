@@ -804,18 +804,18 @@ class DecodeWrapper:
                 self.workspace = Workspace.allocate(plan, dev)
             self._ws_for = (plan, self.workspace, dev)
         self._lens_host = lens_host
-        o = self._out
-        # a new buffer also where the kept one is q's memory (a run()'s result passed back as q, which run() would
-        # refuse as an overlap of out and q); the buffer is dense, so its bytes are numel x itemsize
-        if o is None or o.shape != sq[1] or o.dtype != sq[3] or o.device != dev \
-                or (o.data_ptr() < q.data_ptr() + _extent(sq[1], sq[2], sq[3].itemsize)
-                    and q.data_ptr() < o.data_ptr() + o.numel() * sq[3].itemsize):
-            with torch.inference_mode(False):  # reused by later runs in any mode (Workspace.allocate)
-                self._out = torch.empty_like(q)
         if sig is not self._sig and sig != self._sig:
             self._sig = sig
             self._extents = tuple(0 if t is None else _extent(t[1], t[2], t[3].itemsize) for t in sig)
             self._q_terms = (tuple(n - 1 for n in sq[1]), sq[3].itemsize)
+        o = self._out
+        # a new buffer also where the kept one is q's memory (a run()'s result passed back as q, which run() would
+        # refuse as an overlap of out and q); the buffer is dense, so its bytes are numel x itemsize
+        if o is None or o.shape != sq[1] or o.dtype != sq[3] or o.device != dev \
+                or (o.data_ptr() < q.data_ptr() + self._extents[0]
+                    and q.data_ptr() < o.data_ptr() + o.numel() * sq[3].itemsize):
+            with torch.inference_mode(False):  # reused by later runs in any mode (Workspace.allocate)
+                self._out = torch.empty_like(q)
         self._sm_scale = default_scale if sm_scale is None else float(sm_scale)
         ks = k_scale if k_scale is None or isinstance(k_scale, torch.Tensor) else \
             self._scale(k_scale, static["num_kv_heads"], dev)
