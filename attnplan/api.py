@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._repr import short_repr
 from .backends import Backend, DecodeInputs, Workspace, get_backend
 from .cache import PlanCache, check_plan
 from .config import MAX_SPLITS, Config, device_table, load_config
@@ -558,6 +559,7 @@ class DecodeWrapper:
         self.skipped: list[tuple[str, list[str]]] = []
         self.workspace: Workspace | None = None
         self._out: torch.Tensor | None = None
+        self._own_out: torch.Tensor | None = None  # the last buffer plan() made itself (not a caller's out)
         self._lens_host: list | None = None  # plan()'s seq_lens_host, copied (explain() converts them to ints)
         self._sig: tuple | None = None
         self._sm_scale = 0.0
@@ -707,7 +709,7 @@ class DecodeWrapper:
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                        or not 0 <= num_splits <= MAX_SPLITS):
             raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = planner, 1 = no split, >1 = forced) "
-                             f"or None (the config's split.num_splits), got {num_splits!r}")
+                             f"or None (the config's split.num_splits), got {short_repr(num_splits, 80)}")
         # -- the static checks (attnplan.problem.validate_inputs), memoized: they depend only on what the key holds
         # (the inputs' signature, the scalars by type and value); tensor sinks / scales always take the full path
         if sig is None:
@@ -809,13 +811,15 @@ class DecodeWrapper:
             self._extents = tuple(0 if t is None else _extent(t[1], t[2], t[3].itemsize) for t in sig)
             self._q_terms = (tuple(n - 1 for n in sq[1]), sq[3].itemsize)
         o = self._out
-        # a new buffer also where the kept one is q's memory (a run()'s result passed back as q, which run() would
-        # refuse as an overlap of out and q); the buffer is dense, so its bytes are numel x itemsize
-        if o is None or o.shape != sq[1] or o.dtype != sq[3] or o.device != dev \
-                or (o.data_ptr() < q.data_ptr() + self._extents[0]
-                    and q.data_ptr() < o.data_ptr() + o.numel() * sq[3].itemsize):
+        if o is None or o.shape != sq[1] or o.dtype != sq[3] or o.device != dev:
             with torch.inference_mode(False):  # reused by later runs in any mode (Workspace.allocate)
-                self._out = torch.empty_like(q)
+                self._out = self._own_out = torch.empty_like(q)
+        elif o is self._own_out:  # made here (dense: numel x itemsize bytes), not a caller's out set by decode()
+            # a new one where it is q's memory (a run()'s result passed back as q: run() would refuse the overlap)
+            pq, po = q.data_ptr(), o.data_ptr()
+            if po < pq + self._extents[0] and pq < po + o.numel() * sq[3].itemsize:
+                with torch.inference_mode(False):
+                    self._out = self._own_out = torch.empty_like(q)
         self._sm_scale = default_scale if sm_scale is None else float(sm_scale)
         ks = k_scale if k_scale is None or isinstance(k_scale, torch.Tensor) else \
             self._scale(k_scale, static["num_kv_heads"], dev)
@@ -1092,7 +1096,7 @@ class DecodeWrapper:
                             and not (e0 and c0 < p0 + e0 and p0 < c1) and not (e1 and c0 < p1 + e1 and p1 < c1) \
                             and not (e2 and c0 < p2 + e2 and p2 < c1) and not (e3 and c0 < p3 + e3 and p3 < c1) \
                             and not (e4 and c0 < p4 + e4 and p4 < c1)
-            except RuntimeError:  # a tensor without a data pointer (sparse): the full path names it
+            except RuntimeError:  # no data pointer (sparse) or no one shape (nested): the full path names it
                 return None
             if ok and (graph_safe or not q.is_cuda or not torch.cuda.is_current_stream_capturing()):
                 if launcher is not None:
@@ -1136,8 +1140,10 @@ class DecodeWrapper:
         except ValueError as e:
             if not own:
                 raise
-            raise ValueError(f"{e} (out is the wrapper's own buffer, which holds the last run()'s result: plan() with "
-                             "these inputs makes a new one, or pass out=)") from None
+            # plan() makes a new buffer where the kept one is q's memory; against another input it keeps it
+            raise ValueError(f"{e} (out here is the wrapper's own buffer, which holds the last run()'s result: "
+                             + ("plan() with these inputs makes a new one, or " if str(e).startswith("out overlaps q ")
+                                else "") + "pass out=)") from None
         if not backend.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise PlanNotReadyError(f"backend {backend.name} cannot run under CUDA-graph capture; plan with "
                                     "capacity=True before capturing (it picks a graph-safe backend)")

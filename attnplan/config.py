@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_serializer,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo,
+                      field_serializer, field_validator, model_validator)
 
 from ._repr import short_repr
 
@@ -298,9 +298,11 @@ class Config(_Strict):
     keys: ``backends_fp8_kv`` (``None``) and ``backends_by_arch`` (``{}``), so it keeps ``backends``' order for an
     fp8 cache and on sm_90 (where the file puts cuda_ptx first).
 
-    Immutable all the way down: after validation the backend lists are tuples and ``backends_by_arch`` a dict that
-    refuses edits (``TypeError``), so no edit skips the checks; ``model_dump()`` gives plain lists. Make a changed
-    config with :meth:`with_overrides` or :func:`load_config`."""
+    Immutable all the way down: after validation the backend lists (lists in a file, lists or tuples in code) are
+    stored as tuples and ``backends_by_arch`` as a dict that refuses edits (``TypeError``), so they cannot be edited
+    in place past the checks; ``model_dump()`` gives plain lists, and a config's own values may be passed back
+    (``with_overrides(backends=c.backends[:2])``). Make a changed config with :meth:`with_overrides` or
+    :func:`load_config` (pydantic's ``model_copy(update=...)`` validates nothing)."""
 
     version: Literal[1] = 1
     backends: list[BackendName] = Field(default_factory=lambda: list(BACKEND_NAMES), min_length=1, max_length=4)
@@ -319,6 +321,20 @@ class Config(_Strict):
     cost_model: CostModel = CostModel()
     plan_cache: PlanCacheConfig = PlanCacheConfig()
     backend_options: BackendOptions = BackendOptions()
+
+    @field_validator("backends", "backends_fp8_kv", mode="before")
+    @classmethod
+    def _list_from_tuple(cls, v):
+        """A config's own (tuple) values passed back, e.g. ``with_overrides(backends=c.backends[:2])``."""
+        return list(v) if isinstance(v, tuple) else v
+
+    @field_validator("backends_by_arch", mode="before")
+    @classmethod
+    def _by_arch_from_frozen(cls, v):
+        """As :meth:`_list_from_tuple`, for ``backends_by_arch`` (its own frozen dict of tuples, passed back)."""
+        if isinstance(v, dict):
+            return {k: list(x) if isinstance(x, tuple) else x for k, x in v.items()}
+        return v
 
     @model_validator(mode="after")
     def _no_duplicate_backends(self) -> "Config":

@@ -475,3 +475,8 @@ def test_a_config_is_immutable_all_the_way_down():
     assert type(d["backends_by_arch"]["sm_90"]) is list and yaml.safe_load(yaml.safe_dump(d)) == d
     assert c.with_overrides(split={"num_splits": 2}).backends == c.backends
     assert copy.deepcopy(c) == c == pickle.loads(pickle.dumps(c))
+    # its own values passed back (tuples, the frozen dict) are taken as the lists they were
+    assert c.with_overrides(backends=c.backends[:2]).backends == c.backends[:2]
+    assert attnplan.load_config(backends=c.backends, backends_by_arch=c.backends_by_arch,
+                                backends_fp8_kv=c.backends_fp8_kv) == c
+    assert Config(**dict(c)) == c

@@ -2112,9 +2112,14 @@ def test_a_runs_result_passed_back_as_q_is_served_after_plan(backend, gen):
     w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     o = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     q2 = o.clone()
-    with pytest.raises(ValueError, match=r"out overlaps q .* \(out is the wrapper's own buffer, which holds the last "
-                                         r"run\(\)'s result: plan\(\) with these inputs makes a new one"):
+    with pytest.raises(ValueError, match=r"out overlaps q .* \(out here is the wrapper's own buffer, which holds the "
+                                         r"last run\(\)'s result: plan\(\) with these inputs makes a new one"):
         w.run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    # an lse inside that buffer: plan() would keep the buffer (it only replaces one that is q's memory), so no hint
+    lse = o.view(-1)[:o.shape[0] * o.shape[1] * o.shape[2]].view(o.shape[:3])
+    with pytest.raises(ValueError, match=r"out overlaps lse .* \(out here is the wrapper's own buffer, which holds "
+                                         r"the last run\(\)'s result: pass out=\)$"):
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, lse=lse)
     assert w.try_run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table) is None
     w.plan(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     got = w.run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
