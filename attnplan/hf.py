@@ -72,6 +72,7 @@ Example (StaticCache, compiled decode step: generate compiles the forward itself
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import weakref
@@ -85,9 +86,18 @@ from .problem import DTYPE_NAMES, MAX_Q_LEN, Q_DTYPES, SOFT_CAP_MAX, SOFT_CAP_MI
 __all__ = ["register", "attnplan_attention_forward", "NAME", "STATS"]
 
 NAME = "attnplan"
+class _Stats(collections.Counter):
+    """:data:`STATS`: a ``Counter`` whose ``clear()`` sets its counts to 0 and keeps its keys."""
+
+    def clear(self) -> None:
+        for k in self:
+            self[k] = 0
+
+
 #: how eager calls were served, for tests and for users who want to know (calls traced by ``torch.compile`` are
-#: not counted: dynamo would guard on the counter's value and recompile at every step)
-STATS = {"attnplan": 0, "sdpa_fallback": 0, "eager_fallback": 0}
+#: not counted: dynamo would guard on the counter's value and recompile at every step); ``STATS.clear()`` resets
+#: the counts to 0 (a key deleted by hand counts from 0 again)
+STATS = _Stats({"attnplan": 0, "sdpa_fallback": 0, "eager_fallback": 0})
 
 _SDPA = None  # transformers' sdpa_attention_forward, bound on first use
 _EAGER_CTX = None  # (the default context it was made from, the eager steps' context): _eager_context

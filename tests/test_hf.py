@@ -61,6 +61,22 @@ class _Counter:
         monkeypatch.setattr(attnplan.hf, "_mask_lengths", counting)
 
 
+def test_stats_cleared_count_again(gen):
+    """``attnplan.hf.STATS`` is a user's to read and reset: after ``STATS.clear()`` the next forward counts from 0
+    (before, every later attention call raised ``KeyError`` in the counter, so the model stopped working)."""
+    attnplan.hf.register()
+    m = _model(TINY, DEVICE, torch.float32, attnplan.hf.NAME)
+    attnplan.hf.STATS.clear()
+    assert dict(attnplan.hf.STATS) == {"attnplan": 0, "sdpa_fallback": 0, "eager_fallback": 0}
+    with torch.no_grad():
+        m(_ids(TINY["vocab_size"], (1, 5), gen))  # a prefill: SDPA serves every layer
+    assert dict(attnplan.hf.STATS) == {"attnplan": 0, "sdpa_fallback": TINY["num_hidden_layers"], "eager_fallback": 0}
+    del attnplan.hf.STATS["sdpa_fallback"]  # a key deleted by hand counts from 0 again
+    with torch.no_grad():
+        m(_ids(TINY["vocab_size"], (1, 5), gen))
+    assert dict(attnplan.hf.STATS) == {"attnplan": 0, "sdpa_fallback": TINY["num_hidden_layers"], "eager_fallback": 0}
+
+
 @pytest.mark.parametrize("prompt_len", [9, 23])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_generate_equals_sdpa_and_decode_steps_are_attnplans(cache, prompt_len, gen, monkeypatch):
