@@ -41,6 +41,8 @@ MODEL_PRESETS = {
 #: about a minute in Triton's interpreter on one core (the default CPU workload is ~40x less); the float64
 #: reference (torch on the CPU) is ~100x faster and warns at 64x this
 CPU_WARN_MACS = 1 << 27
+#: programs (one at least per sequence and KV head) past which the same warning is given: ~10 ms each on the CPU
+CPU_WARN_PROGRAMS = 4096
 
 
 def _cpu_mode() -> bool:
@@ -235,11 +237,15 @@ def _run(args, parser) -> int:
               + ("; on a CPU set TRITON_INTERPRET=1 and NUMBA_ENABLE_CUDASIM=1 before starting Python to run the "
                  "kernels in Triton's interpreter and numba's simulator" if cpu else ""))
     macs = 2 * sum(lens) * hq * d * args.q_len
-    if cpu and macs > CPU_WARN_MACS * (64 if w.backend.name == "reference" else 1):
+    # the interpreter / simulator also pays per program (~10 ms each), one at least per (sequence, KV head), however
+    # short the sequences: 1,000 empty ones at 8 KV heads took 82 s
+    programs = args.batch * hkv
+    slow = w.backend.name != "reference" and programs > CPU_WARN_PROGRAMS
+    if cpu and (macs > CPU_WARN_MACS * (64 if w.backend.name == "reference" else 1) or slow):
         _note(f"warning: {sum(lens)} KV tokens x {hq} query heads x head_dim {d} x q_len {args.q_len} "
-              f"({macs / 1e9:.1f} G multiply-adds) on the CPU ({w.backend.name}"
-              f"{' in the interpreter / simulator' if w.backend.name != 'reference' else ''}) may take minutes; "
-              "--batch, --max-kv or --kv-lens make it smaller")
+              f"({macs / 1e9:.1f} G multiply-adds{f', {programs} programs at least' if slow else ''}) on the CPU "
+              f"({w.backend.name}{' in the interpreter / simulator' if w.backend.name != 'reference' else ''}) may "
+              "take minutes; --batch, --max-kv or --kv-lens make it smaller")
     lse = torch.empty(x.q.shape[:3], dtype=torch.float32, device=device)
     out = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, lse=lse)
     if not args.no_check:
@@ -290,6 +296,9 @@ def _plans(args) -> int:
             print(f"  could not remove {e}")
         return 1 if errors else 0
     entries = cache.entries()
+    if len(entries) == 1 and entries[0]["file"] == str(cache.directory) and "error" in entries[0]:
+        print(f"attnplan: error: plan cache {cache.directory}: {entries[0]['error']}", file=sys.stderr)
+        return 1  # the folder could not be listed (a file, no permission): no plan file to show
     print(f"plan cache: {cache.directory} ({len(entries)} plan file(s))")
     for e in entries:
         print(f"\n== {e['file']}")
@@ -368,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdout is not None:  # None: started with stdout closed (`>&-`), where print() writes nothing
             sys.stdout.flush()  # a reader gone before the buffered tail is written: raised here, not at exit
         return rc
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status for SIGINT, not the interpreter's traceback
+        print("attnplan: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (`attnplan plans show | head`): stop quietly, as Python's docs advise
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -313,7 +313,7 @@ def test_plans_show_and_clear_survive_hostile_files(tmp_path, capsys, monkeypatc
 def test_plans_clear_touches_only_the_caches_own_files(tmp_path, capsys):
     """A cache directory shared with other files (``plan_cache.dir`` set to a project folder): ``plans show`` lists
     and ``plans clear`` removes only ``v<N>/<32 hex digits>.json`` plans and ``v<N>/.tmp-*.json`` leftovers, in
-    version folders that are not links; a cache path that cannot be listed (a file) is reported, and clear fails."""
+    version folders that are not links; a cache path that cannot be listed (a file) is reported, and both fail."""
     cfg = tmp_path / "c.yaml"
     cache = tmp_path / "project"
     cfg.write_text(f"plan_cache:\n  dir: {cache}\n")
@@ -332,8 +332,8 @@ def test_plans_clear_touches_only_the_caches_own_files(tmp_path, capsys):
     assert cli.main(["--config", str(cfg), "plans", "clear"]) == 0
     assert "removed 1 plan file(s)" in capsys.readouterr().out and all(f.is_file() for f in keep)
     cfg.write_text(f"plan_cache:\n  dir: {keep[0]}\n")  # a file where the folder should be
-    assert cli.main(["--config", str(cfg), "plans", "show"]) == 0
-    assert "cannot list the cache" in capsys.readouterr().out
+    assert cli.main(["--config", str(cfg), "plans", "show"]) == 1
+    assert "cannot list the cache" in capsys.readouterr().err
     assert cli.main(["--config", str(cfg), "plans", "clear"]) == 1
     assert "could not remove" in capsys.readouterr().out and keep[0].is_file()
 
@@ -413,3 +413,37 @@ def test_explain_plans_on_views_without_allocating_the_caches(capsys, monkeypatc
         assert cli.main(["run", "--explain", "--kv-lens", "100000000", "--batch", "1", "--page-size", page]) == 0
         out = capsys.readouterr().out
         assert "plan:" in out and "100000000" in out and "(sequence, KV head) pairs: 8" in out
+
+
+def test_run_warns_of_many_programs_however_short(capsys, monkeypatch):
+    """The CPU warning counts programs too (one at least per sequence and KV head, ~10 ms each in the interpreter):
+    1,000 empty sequences had no multiply-adds to warn of and took 82 s. Shown here with the threshold lowered;
+    the same small run under the default threshold warns of nothing."""
+    args = ["run", "--batch", "4", "--kv-lens", "0", "--page-size", "0", "--backend", "triton", "--iters", "0"]
+    assert cli.main(args) == 0
+    assert "may take minutes" not in capsys.readouterr().err
+    monkeypatch.setattr(cli, "CPU_WARN_PROGRAMS", 8)
+    assert cli.main(args) == 0
+    assert "multiply-adds, 32 programs at least) on the CPU (triton in the interpreter / simulator) may take " \
+           "minutes" in " ".join(capsys.readouterr().err.split())
+
+
+def test_interrupted_run_prints_one_line(capsys, monkeypatch):
+    """Ctrl-C during a command: one line on stderr and the shell's status for SIGINT (130), not a traceback."""
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_run", interrupted)
+    assert cli.main(["run"]) == 130
+    assert capsys.readouterr().err == "attnplan: interrupted\n"
+
+
+def test_plans_show_of_a_cache_path_that_is_a_file(tmp_path, monkeypatch, capsys):
+    """A cache path that cannot be listed (here a file): one error line and status 1, as `plans clear` does, not a
+    listing that counts the path as a plan file."""
+    f = tmp_path / "afile"
+    f.write_text("hi")
+    monkeypatch.setenv("ATTNPLAN_CACHE_DIR", str(f))
+    assert cli.main(["plans", "show"]) == 1
+    cap = capsys.readouterr()
+    assert "plan file" not in cap.out and cap.err.startswith(f"attnplan: error: plan cache {f}: cannot list the cache")
