@@ -79,7 +79,7 @@ class ContextParallelDecode:
         """
         self._send = None  # a failed plan leaves none
         world = dist.get_world_size(self.group)
-        failed, plan = None, None
+        failed = plan = send = None  # send: the exchange buffer, kept once every rank agrees
         try:
             if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] != 1:
                 raise ValueError(f"context-parallel decode supports q_len 1 (q.shape[1]), got {q.shape[1]}: with more "

@@ -86,6 +86,8 @@ from .problem import DTYPE_NAMES, MAX_Q_LEN, Q_DTYPES, SOFT_CAP_MAX, SOFT_CAP_MI
 __all__ = ["register", "attnplan_attention_forward", "NAME", "STATS"]
 
 NAME = "attnplan"
+
+
 class _Stats(collections.Counter):
     """:data:`STATS`: a ``Counter`` whose ``clear()`` sets its counts to 0 and keeps its keys."""
 
