@@ -4,9 +4,9 @@ Each rank computes, with any backend, the attention of the queries over its own 
 partial state per row (normalized ``o`` and natural-log ``lse``, the :class:`PartialState`
 contract). The states are exchanged with one ``torch.distributed.all_gather_into_tensor`` of a
 packed message per rank and merged by the local backend's separate merge kernel over a ragged
-workspace whose ``(indptr, units)`` table gives every sequence ``world`` units (the contract of
-:func:`attnplan.merge_states`), so the result equals single-device decode within rounding
-(Flash-Decoding's merge, Dao et al. 2023, applied across devices: the split reduction runs over ranks
+workspace whose ``(first, units)`` table gives every sequence ``world`` consecutive units in index order (the
+ragged layout of :func:`attnplan.merge_states`, ``first`` its ``indptr``), so the result equals single-device decode
+within rounding (Flash-Decoding's merge, Dao et al. 2023, applied across devices: the split reduction runs over ranks
 instead of programs). A rank's ``o`` travels in q's dtype (half the bytes of the fp32 partial-state format), so the
 result has one rounding more than single-device decode: within that dtype's tolerance of the largest rank's ``o``,
 which exceeds the merged output's where the ranks' outputs cancel (large V values of both signs spread over the
@@ -208,7 +208,7 @@ def merge_workspace(plan: SplitPlan, world: int, device: torch.device) -> tuple[
 
     The states of the ``batch`` sequences lie in the ragged workspace layout (:class:`~attnplan.PartialState`
     with batch axis 1): sequence ``b``'s ``world`` states in slots ``[b * world, (b + 1) * world)``, in rank order;
-    its ``meta`` holds ``indptr[b] = b * world`` then ``units[b] = world`` (what a partial kernel writes for the
+    its ``meta`` holds ``first[b] = b * world`` then ``units[b] = world`` (what a partial kernel writes for the
     separate merge, here written once). The plan is ``plan`` with a forced schedule of ``world`` units per
     sequence and the separate merge; a cuda_ptx plan's merge is launched without programmatic dependent launch
     (the kernel before it is a copy, not the partial kernel).

@@ -11,7 +11,7 @@ Device memory, by lifetime:
 
 - per call, allocated through torch (``torch.empty``, so torch's CUDA-graph memory pools own them and a replay
   costs nothing for them): the ragged partial states ``[1, q_len, num_q_heads, max_units, head_dim]`` fp32 and the
-  ``(indptr, units)`` table ``[2 * batch]`` int32 per launch of the separate merge, written by the partial kernel before
+  ``(first, units)`` table ``[2 * batch]`` int32 per launch of the separate merge, written by the partial kernel before
   they are read, and the output;
 - per plan, constant: the schedule's ``targets`` table (int32 ``[NUM_TARGETS]`` of :mod:`attnplan.schedule`),
   copied to the device once, when the plan is made (a host-to-device copy under capture is illegal), and shared

@@ -381,7 +381,7 @@ class SplitPlan:
     @property
     def meta_words(self) -> int:
         """int32 words of the schedule's per-sequence table the partial kernel writes for the separate merge:
-        ``indptr[b]`` then ``units[b]`` (``2 x batch`` per launch; 0 without a separate merge)."""
+        ``first[b]`` then ``units[b]`` (``2 x batch`` per launch; 0 without a separate merge)."""
         return 2 * self.problem.batch * len(self.launches) if self.merge == "separate" else 0
 
     @property
@@ -640,7 +640,8 @@ class SplitPlan:
 
 def describe_units(plan: SplitPlan, seq_lens, which: str = "these") -> str:
     """One line: what the schedule does at ``seq_lens`` (units, programs, heaviest program's KV bytes vs the mean;
-    with a targets table, the granules per unit it gives the batch's total against the target)."""
+    with a targets table, the granules per unit it gives the batch's total against the target; whether the slots
+    are longest units first rather than in sequence order)."""
     p = plan.problem
     u = schedule_units(seq_lens, plan.schedule, p.q_len, p.window_left)
     sizes = (u.end - u.start).clamp(min=0)
@@ -656,7 +657,8 @@ def describe_units(plan: SplitPlan, seq_lens, which: str = "these") -> str:
             + (f" (+{empty * p.num_kv_heads} of empty sequences)" if empty else "")
             + f"; heaviest program {_size(heavy, heavy)} of KV vs mean {_size(mean, heavy)} ({heavy / mean:.2f}x)"
             + (f"; {c} granule{'s' * (c != 1)} per unit ({u.total_granules} granules, target {u.target} units)"
-               if u.target else ""))
+               if u.target else "")
+            + ("; slots longest units first" if u.first.tolist() != u.indptr[:-1].tolist() else ""))
 
 
 def _size(n: float, scale: float) -> str:

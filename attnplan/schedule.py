@@ -32,6 +32,15 @@ Definitions (all integers; ``B`` sequences, ``Q`` queries per sequence, ``G`` to
   ``sum_b ceil(nb / c) <= T / c + B <= max(targets) + B``; ``B * max_units_per_seq`` where a bucket holding work
   has no target: :func:`max_units_bound`).
 * Unit ``j`` of ``b`` covers tokens ``[base + j * cb * G, min(base + (j + 1) * cb * G, L))``.
+* Slots, longest units first: sequence ``b``'s units occupy the consecutive slots ``[first[b], first[b] +
+  units[b])``, unit ``j`` in slot ``first[b] + j``. In a batch of at most :data:`LONGEST_FIRST_BATCH` (64)
+  sequences the sequences take the slots in order of decreasing ``cb``, ties by index (an empty sequence,
+  ``cb = 0``, last), so ``first[b]`` is the sum of ``units[i]`` over the sequences ``i`` with ``cb[i] > cb[b]``,
+  or ``cb[i] == cb[b]`` and ``i < b``; a larger batch takes them in index order (``first = indptr[:-1]``). A grid
+  fills the SMs in slot order, so where the units make more than one wave of programs the longest start first
+  and the wave's tail is short units (longest-processing-time-first list scheduling; FlashAttention-3's
+  ``hopper/flash_prepare_scheduler.cu`` orders a varlen batch the same way, ``varlen_sort_batches``). The slot
+  changes where a unit runs and where its partial state goes, never what it computes or the merge order.
 
 Programs: a 1-D grid of ``max_units * num_kv_heads`` programs; program ``p`` serves grid slot ``s = p //
 num_kv_heads`` for KV head ``h = p % num_kv_heads`` (unit-major). Slot ``s`` runs unit ``s`` (packed: the slots
@@ -40,7 +49,8 @@ than ``pack`` slots per unit: there :func:`slot_unit` spreads the ``U`` units ev
 slots between them exit (cuda_ptx: batches of at most 32 sequences, ``pack`` 1; triton: batches of one prologue
 block, at most 1,024 sequences, ``pack`` 2). A sequence with one unit writes ``out`` / ``lse`` directly (sinks
 applied there); with more, unit ``u`` writes its partial state into workspace slot ``u`` (whichever grid slot
-ran it) and the merge combines slots ``[indptr[b], indptr[b] + units[b])`` in slot order.
+ran it) and the merge combines slots ``[first[b], first[b] + units[b])`` in slot order (the kernels write
+``first`` and ``units`` to the workspace's ``meta``).
 
 Lengths on the device: the kernels read each length as ``min(max(seq_lens[b], 0), capacity)`` (``capacity`` the
 tokens a sequence of the cache holds), so a length written after ``plan()`` (or found at a CUDA-graph replay) outside
@@ -50,8 +60,9 @@ the capacity is refused by the input validation before any schedule).
 
 Invariants (tested for many length vectors, :func:`check_invariants`): every visible position of every
 sequence lies in exactly one unit; units of a sequence are contiguous, in order and non-empty (except the
-one empty unit of an empty sequence); ``1 <= units[b] <= max_units_per_seq``; ``U <= max_units``; with
-``targets`` all zero, a sequence's units depend on its own length alone (batch invariance).
+one empty unit of an empty sequence); ``1 <= units[b] <= max_units_per_seq``; ``U <= max_units``; the sequences'
+slot ranges tile ``[0, U)`` in the order above; with ``targets`` all zero, a sequence's units depend on its own
+length alone (batch invariance; its slots may move with its batchmates, its arithmetic does not).
 """
 
 from __future__ import annotations
@@ -61,7 +72,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Schedule", "Units", "schedule_units", "check_invariants", "clamp_lengths", "NUM_TARGETS", "NUM_BUCKETS",
-           "POLICIES", "bucket_of", "bucket_range", "max_units_bound", "is_long_tailed", "slot_unit"]
+           "POLICIES", "LONGEST_FIRST_BATCH", "bucket_of", "bucket_range", "max_units_bound", "is_long_tailed",
+           "slot_unit", "first_slots"]
 
 #: buckets of batch work: ``k = bit_length(T + (T >> 1))`` for ``T`` total granules, clamped to ``NUM_BUCKETS - 1``
 NUM_BUCKETS = 32
@@ -70,6 +82,10 @@ NUM_TARGETS = 2 * NUM_BUCKETS
 #: ``balanced``: units from the batch's total work (default); ``batch_invariant``: from each sequence's own length;
 #: ``forced``: up to ``max_units_per_seq`` units per sequence (a forced split count); ``single``: one unit each
 POLICIES = ("balanced", "batch_invariant", "forced", "single")
+#: the largest batch whose sequences take the slots longest units first (each sequence's first slot counted from
+#: every other's: a warp's shuffles or one shared-memory table on cuda_ptx, a ``[64, 64]`` comparison in Triton's
+#: prologue); a larger batch takes them in index order, a scan
+LONGEST_FIRST_BATCH = 64
 
 
 def bucket_of(total_granules: int) -> int:
@@ -207,8 +223,12 @@ class Units:
         granules: ``[B]`` granules of each sequence's span (``nb``).
         unit_granules: ``[B]`` granules per unit (``cb``; 0 for an empty sequence).
         units: ``[B]`` units per sequence (>= 1).
-        indptr: ``[B + 1]`` first unit of each sequence; ``indptr[B]`` = total units ``U``.
-        seq, start, end: ``[U]`` each unit's sequence and token range ``[start, end)``.
+        indptr: ``[B + 1]`` first unit of each sequence in sequence order (the exclusive prefix sum of ``units``);
+            ``indptr[B]`` = total units ``U``. Unit ``indptr[b] + j`` is unit ``j`` of ``b``.
+        seq, start, end: ``[U]`` each unit's sequence and token range ``[start, end)``, in sequence order.
+        first: ``[B]`` the slot of each sequence's unit 0 (:func:`first_slots`): unit ``j`` of ``b`` runs in grid
+            slot ``first[b] + j`` and writes its partial state to workspace slot ``first[b] + j``.
+        slot: ``[U]`` each unit's slot, ``first[seq] + j`` (a permutation of ``[0, U)``).
         total_granules: ``T``; granules_per_unit: ``c``; target: ``t``, the targets table's entry for this batch
             (0: none, units from each sequence's own length).
     """
@@ -224,10 +244,34 @@ class Units:
     total_granules: int
     granules_per_unit: int
     target: int = 0
+    first: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
 
     @property
     def num_units(self) -> int:
         return int(self.indptr[-1])
+
+    def by_slot(self) -> torch.Tensor:
+        """``[U]`` the unit (sequence-order index) in each slot: the inverse of :attr:`slot`; gathering a workspace's
+        ``[..., U, ...]`` states with it puts them in sequence order, the ragged layout of ``indptr``."""
+        inv = torch.empty_like(self.slot)
+        inv[self.slot] = torch.arange(self.slot.numel())
+        return inv
+
+
+def first_slots(unit_granules, units) -> torch.Tensor:
+    """``first[b]``, the slot of sequence ``b``'s unit 0 (the module docstring's "Slots, longest units first"), from
+    ``cb`` (``unit_granules``) and ``units``, both ``[B]``: an int64 ``[B]`` CPU tensor."""
+    cb = torch.as_tensor(unit_granules).to("cpu", torch.int64).reshape(-1)
+    un = torch.as_tensor(units).to("cpu", torch.int64).reshape(-1)
+    n = un.numel()
+    order = sorted(range(n), key=lambda b: (-int(cb[b]), b)) if n <= LONGEST_FIRST_BATCH else range(n)
+    first = torch.zeros(n, dtype=torch.int64)
+    pos = 0
+    for b in order:
+        first[b] = pos
+        pos += int(un[b])
+    return first
 
 
 def clamp_lengths(seq_lens, capacity: int) -> torch.Tensor:
@@ -290,7 +334,8 @@ def schedule_units(seq_lens, schedule: Schedule, q_len: int = 1, window_left: in
     end = torch.minimum(start + cb[seq] * g, lens[seq])
     start = torch.where(empty[seq], lens[seq], start)
     end = torch.where(empty[seq], lens[seq], end)
-    return Units(base, nb, cb, units, indptr, seq, start, end, total, c, int(t))
+    first = first_slots(cb, units)
+    return Units(base, nb, cb, units, indptr, seq, start, end, total, c, int(t), first, first[seq] + j)
 
 
 def check_invariants(seq_lens, schedule: Schedule, q_len: int = 1, window_left: int = -1,
@@ -309,8 +354,18 @@ def check_invariants(seq_lens, schedule: Schedule, q_len: int = 1, window_left: 
         assert int(s.units.min()) >= 1, "a sequence has no unit"
         assert int(s.units.max()) <= schedule.max_units_per_seq, \
             f"a sequence has more than max_units_per_seq = {schedule.max_units_per_seq} units"
-    for b in range(lens.numel()):
+    assert sorted(s.slot.tolist()) == list(range(s.num_units)), "the units' slots are not a permutation of [0, U)"
+    n = lens.numel()
+    order = sorted(range(n), key=lambda b: int(s.first[b]))
+    if n <= LONGEST_FIRST_BATCH:
+        keys = [(-int(s.unit_granules[b]), b) for b in order]
+        assert keys == sorted(keys), "the sequences do not take the slots longest units first"
+    else:
+        assert order == list(range(n)), "a batch above LONGEST_FIRST_BATCH does not take the slots in index order"
+    for b in range(n):
         lo, hi = int(s.indptr[b]), int(s.indptr[b + 1])
+        assert s.slot[lo:hi].tolist() == list(range(int(s.first[b]), int(s.first[b]) + hi - lo)), \
+            f"sequence {b}: its units' slots are not [first, first + units) in order"
         starts, ends = s.start[lo:hi].tolist(), s.end[lo:hi].tolist()
         assert (s.seq[lo:hi] == b).all(), f"sequence {b}: units out of order"
         length, base = int(lens[b]), int(s.base[b])

@@ -147,21 +147,24 @@ def poisoned_workspace(plan, device):
 def assert_probe_matches(res, meta, units, probe) -> None:
     """Assert a schedule probe's output equals :func:`attnplan.schedule.schedule_units`'s ``units``.
 
-    ``res``: int ``[len(probe), 8]``, per probed unit ``(b, j, start, end, units_b, c, indptr_b, cb)`` (sequence,
-    index in it, token range, the sequence's units, granules per unit, its first unit, its granules per unit);
-    a unit past the batch's reports ``b = -1`` and leaves the rest at the probe's fill, -7. ``meta``: int
-    ``[2 B]``, ``indptr[:-1]`` then ``units``. Raises AssertionError naming the first unit that differs."""
+    ``probe``: slots. ``res``: int ``[len(probe), 8]``, per probed slot ``(b, j, start, end, units_b, c, first_b,
+    cb)`` of the unit there (sequence, index in it, token range, the sequence's units, granules per unit, the slot of
+    its unit 0, its granules per unit); a slot past the batch's units reports ``b = -1`` and leaves the rest at the
+    probe's fill, -7. ``meta``: int ``[2 B]``, ``first`` then ``units``. Raises AssertionError naming the first slot
+    that differs."""
     n = units.num_units
-    for row, unit in zip(res.tolist(), probe):
-        if unit >= n:
-            assert row == [-1] + [-7] * 7, f"unit {unit} past {n}: {row}"
+    in_slot = units.by_slot()
+    for row, slot in zip(res.tolist(), probe):
+        if slot >= n:
+            assert row == [-1] + [-7] * 7, f"slot {slot} past {n}: {row}"
             continue
-        b = int(units.seq[unit])
-        want = [b, unit - int(units.indptr[b]), int(units.start[unit]), int(units.end[unit]), int(units.units[b]),
-                units.granules_per_unit, int(units.indptr[b]), int(units.unit_granules[b])]
-        assert row == want, f"unit {unit}: kernel {row}, schedule_units {want}"
+        k = int(in_slot[slot])
+        b = int(units.seq[k])
+        want = [b, k - int(units.indptr[b]), int(units.start[k]), int(units.end[k]), int(units.units[b]),
+                units.granules_per_unit, int(units.first[b]), int(units.unit_granules[b])]
+        assert row == want, f"slot {slot}: kernel {row}, schedule_units {want}"
     bsz = len(units.units)
-    assert meta[:bsz].tolist() == units.indptr[:-1].tolist() and meta[bsz:].tolist() == units.units.tolist(), "meta"
+    assert meta[:bsz].tolist() == units.first.tolist() and meta[bsz:].tolist() == units.units.tolist(), "meta"
 
 
 #: totals of granules at both ends of buckets 2-9 (:func:`attnplan.schedule.bucket_of`: ``bit_length(T + T // 2)``)

@@ -13,9 +13,11 @@ defined once in :mod:`attnplan.schedule` and every backend computes exactly thos
   last.
 * **Prologue** (``plan.schedule.max_units_per_seq > 1``): the program reads ``seq_lens`` (all ``batch`` of them,
   from device memory, at every launch) and ``workspace.targets``, and computes the schedule: each sequence's
-  granules, the batch's total, the granules per unit, each sequence's units and their exclusive prefix sum
-  ``indptr``, hence its own sequence ``b``, unit index ``j`` and token range ``[start, end)``. A program with
-  ``u >= indptr[batch]`` exits at once, writing nothing. Program 0 also writes ``workspace.meta`` (``indptr[b]`` at
+  granules, the batch's total, the granules per unit, each sequence's units and the slot of its first unit
+  ``first[b]`` (:func:`attnplan.schedule.first_slots`: longest units first in a batch of at most 64, else the
+  exclusive prefix sum in index order), hence the sequence ``b`` whose slots ``[first[b], first[b] + units[b])``
+  hold ``u``, its unit index ``j = u - first[b]`` and token range ``[start, end)``. A program with ``u`` past the
+  batch's ``U`` units exits at once, writing nothing. Program 0 also writes ``workspace.meta`` (``first[b]`` at
   ``b``, ``units[b]`` at ``batch + b``) when the plan's merge is ``separate``. With ``max_units_per_seq == 1``
   (single pass) there is no prologue: ``u = b``, ``[start, end) = [base_b, seq_lens[b])``.
 * **Lengths**: every length read from ``seq_lens`` (prologue, single pass, a unit's rows) is clamped into ``[0,
@@ -29,7 +31,7 @@ defined once in :mod:`attnplan.schedule` and every backend computes exactly thos
 * **Output**: a sequence with ``units[b] == 1`` is written directly: ``out[b, i, hq, :]`` in q's dtype and, if
   requested, ``lse[b, i, hq]`` fp32, the sink applied (:func:`attnplan.state.merge_states`'s sink rule). Otherwise
   the unit writes its normalized fp32 partial state into ``workspace.state`` slot ``u`` (``o[0, i, hq, u, :]``,
-  ``lse[0, i, hq, u]``, natural-log LSE, no sink), and the merge combines slots ``[indptr[b], indptr[b] +
+  ``lse[0, i, hq, u]``, natural-log LSE, no sink), and the merge combines slots ``[first[b], first[b] +
   units[b])`` of each row in slot order: ``separate``, a merge kernel over all rows that reads ``workspace.meta``
   and skips rows of one-unit sequences; ``fused``, after its state is stored and fenced the program increments
   ``workspace.counters[b * num_kv_heads + h]`` (acquire-release); the one that brings it to ``units[b]`` merges
@@ -82,8 +84,8 @@ class Workspace:
     Attributes:
         state: the ragged :class:`~attnplan.PartialState`: ``o [1, q_len, num_q_heads, max_units, head_dim]`` fp32,
             ``lse [1, q_len, num_q_heads, max_units]`` fp32; ``None`` for a single-pass plan.
-        meta: int32 ``[2 * batch]``: ``indptr[b]`` then ``units[b]``, written by program 0 for the separate merge;
-            ``None`` otherwise.
+        meta: int32 ``[2 * batch]``: ``first[b]`` then ``units[b]`` (sequence ``b``'s states in slots ``[first[b],
+            first[b] + units[b])``), written by program 0 for the separate merge; ``None`` otherwise.
         counters: int32 ``[batch * num_kv_heads]`` (``SplitPlan.sync_words``), zero at rest: the fused merge's
             completion counters; ``None`` otherwise.
         targets: int32 ``[64]`` (``NUM_TARGETS``): the schedule's targets table on the device, 32 near-uniform

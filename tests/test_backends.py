@@ -146,27 +146,28 @@ def _scheduled(backend: str, x, num_splits: int, merge: str = "separate"):
 def test_partial_states_match_reference(backend, case, num_splits, gen):
     """The partial kernel alone: each unit's (o, lse) in the ragged workspace against ``reference.partial`` for the
     sequences with several units, the one-unit sequences' rows written to out / lse directly, the workspace
-    slots past the batch's units untouched (NaN poison), ``workspace.meta`` = the schedule's indptr and units."""
+    slots past the batch's units untouched (NaN poison), ``workspace.meta`` = the schedule's first slots and units."""
     x = _inputs(case, gen)
     w, plan, units, out, lse = _scheduled(backend, x, num_splits)
     ref, _ = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.schedule)
     full, full_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     ws = w.workspace.state
     for b in range(len(case.lens)):
-        lo, hi = int(units.indptr[b]), int(units.indptr[b + 1])
+        lo, hi = int(units.indptr[b]), int(units.indptr[b + 1])  # the reference's states, in sequence order
+        f, g = int(units.first[b]), int(units.first[b]) + hi - lo  # the kernel's slots
         if hi - lo == 1:
             assert_close_to_reference(out[b], full[b], DT[case.dtype])
             assert_close_to_reference(lse[b], full_lse[b], torch.float32, what="lse")
-            assert torch.isnan(ws.o[:, :, :, lo]).all(), "a one-unit sequence wrote its state"
+            assert torch.isnan(ws.o[:, :, :, f]).all(), "a one-unit sequence wrote its state"
         else:
-            assert_close_to_reference(ws.o[:, :, :, lo:hi], ref.o[:, :, :, lo:hi], DT[case.dtype], what="partial o")
-            assert_close_to_reference(ws.lse[:, :, :, lo:hi], ref.lse[:, :, :, lo:hi], torch.float32, what="partial lse")
+            assert_close_to_reference(ws.o[:, :, :, f:g], ref.o[:, :, :, lo:hi], DT[case.dtype], what="partial o")
+            assert_close_to_reference(ws.lse[:, :, :, f:g], ref.lse[:, :, :, lo:hi], torch.float32, what="partial lse")
             assert torch.isnan(out[b]).all(), "a split sequence's output was written before the merge"
     n = units.num_units
     assert torch.isnan(ws.o[:, :, :, n:]).all() and torch.isnan(ws.lse[:, :, :, n:]).all(), "wrote past the units"
     meta = w.workspace.meta.cpu()
     batch = len(case.lens)
-    assert meta[:batch].tolist() == units.indptr[:-1].tolist() and meta[batch:].tolist() == units.units.tolist()
+    assert meta[:batch].tolist() == units.first.tolist() and meta[batch:].tolist() == units.units.tolist()
 
 
 def _mixed_pairs():
@@ -206,8 +207,9 @@ def test_states_of_two_backends_merge_across_split_points(backend, gen):
         lo, hi = int(units.indptr[b]), int(units.indptr[b + 1])
         if hi - lo > 1:
             mine[lo:lo + 2] = True
-    o = torch.where(mine.view(1, 1, 1, n, 1), ws.o[:, :, :, :n].cpu().double(), ref_st.o)
-    ls = torch.where(mine.view(1, 1, 1, n), ws.lse[:, :, :, :n].cpu().double(), ref_st.lse)
+    sl = units.slot.to(ws.o.device)  # the backend's states in sequence order, the reference's layout
+    o = torch.where(mine.view(1, 1, 1, n, 1), ws.o[:, :, :, sl].cpu().double(), ref_st.o)
+    ls = torch.where(mine.view(1, 1, 1, n), ws.lse[:, :, :, sl].cpu().double(), ref_st.lse)
     out, _ = merge_states(PartialState(o, ls), indptr=units.indptr)
     ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale)
     many = units.units > 1

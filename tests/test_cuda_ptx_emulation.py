@@ -127,18 +127,19 @@ def _check_partial_launch(x, plan, ws, out, lse, o_dtype):
     ref_o, ref_lse = _reference(x)
     st = ws.state
     for b in range(x.q.shape[0]):
-        lo, hi = int(units.indptr[b]), int(units.indptr[b + 1])
+        lo, hi = int(units.indptr[b]), int(units.indptr[b + 1])  # the reference's states, in sequence order
+        f, g = int(units.first[b]), int(units.first[b]) + hi - lo  # the kernel's slots
         if hi - lo == 1:
             assert_close_to_reference(out[b], ref_o[b], x.q.dtype, f"out of one-unit sequence {b}")
             assert_close_to_reference(lse[b], ref_lse[b], torch.float32, f"lse of one-unit sequence {b}")
             if st is not None:
-                assert torch.isnan(st.lse[0, :, :, lo]).all() and torch.isnan(st.o[0, :, :, lo]).all(), \
+                assert torch.isnan(st.lse[0, :, :, f]).all() and torch.isnan(st.o[0, :, :, f]).all(), \
                     f"one-unit sequence {b} wrote its workspace slot"
         else:
-            assert_close_to_reference(st.o[0, :, :, lo:hi], ref_st.o[0, :, :, lo:hi], o_dtype,
-                                      f"o of units {lo}..{hi - 1} (sequence {b})")
-            assert_close_to_reference(st.lse[0, :, :, lo:hi], ref_st.lse[0, :, :, lo:hi], torch.float32,
-                                      f"lse of units {lo}..{hi - 1} (sequence {b})")
+            assert_close_to_reference(st.o[0, :, :, f:g], ref_st.o[0, :, :, lo:hi], o_dtype,
+                                      f"o of slots {f}..{g - 1} (sequence {b})")
+            assert_close_to_reference(st.lse[0, :, :, f:g], ref_st.lse[0, :, :, lo:hi], torch.float32,
+                                      f"lse of slots {f}..{g - 1} (sequence {b})")
             assert torch.isnan(out[b].float()).all() and torch.isnan(lse[b]).all(), \
                 f"the partial kernel wrote out rows of sequence {b}"
     if st is not None:
@@ -147,7 +148,7 @@ def _check_partial_launch(x, plan, ws, out, lse, o_dtype):
             "a program without a unit wrote its slot"
     if ws.meta is not None:
         bsz = x.q.shape[0]
-        assert ws.meta[:bsz].tolist() == units.indptr[:-1].tolist(), "meta: indptr"
+        assert ws.meta[:bsz].tolist() == units.first.tolist(), "meta: first"
         assert ws.meta[bsz:2 * bsz].tolist() == units.units.tolist(), "meta: units"
     return units
 
@@ -161,8 +162,8 @@ def _run_checked(be, x, plan, mode, fp8=False):
     units = _check_partial_launch(x, plan, ws, out, lse, _o_dtype(mode, x.q.dtype, fp8))
     if plan.merge == "separate":
         be.merge(plan, ws, out, lse, x.sinks)
-        n = units.num_units
-        o2, l2 = merge_states(PartialState(ws.state.o[..., :n, :].double(), ws.state.lse[..., :n].double()),
+        sl = units.slot  # the kernel's slots in sequence order: the ragged layout of indptr
+        o2, l2 = merge_states(PartialState(ws.state.o[:, :, :, sl].double(), ws.state.lse[:, :, :, sl].double()),
                               None if x.sinks is None else x.sinks.double(), indptr=units.indptr)
         ref, ref_lse = _reference(x)
         many = units.units >= 2
@@ -268,7 +269,7 @@ def _probe_spec(q_len, window, warps):
 
 
 def _check_probe(be, spec, lens, sched, probe, q_len=1, window_left=-1, capacity=None):
-    """The probe's (b, j, start, end, units, c, indptr, cb) of each unit of ``probe`` and ``meta`` equal
+    """The probe's (b, j, start, end, units, c, first, cb) of the unit in each slot of ``probe`` and ``meta`` equal
     :func:`schedule_units`'s (both with ``capacity``: lengths clamped into ``[0, capacity]``); units past the batch's
     report b = -1 and write nothing else."""
     u = schedule_units(lens, sched, q_len, window_left, capacity)
@@ -282,7 +283,7 @@ def _schedules(draw):
     granule = draw(st.sampled_from([16, 32, 48]))
     min_c = draw(st.integers(1, 3))
     s_cap = draw(st.integers(2, 9))
-    batch = draw(st.one_of(st.integers(1, 40), st.integers(250, 600)))  # <= 32: the one-warp path
+    batch = draw(st.one_of(st.integers(1, 70), st.integers(250, 600)))  # <= 32: the one-warp path; <= 64: longest first
     raw = draw(st.lists(st.integers(0, 40), min_size=NUM_TARGETS, max_size=NUM_TARGETS))
     policy = draw(st.sampled_from(["balanced", "forced", "batch_invariant"]))
     targets = (0, *raw[1:]) if policy == "balanced" else (0,) * NUM_TARGETS
@@ -301,7 +302,7 @@ def _schedules(draw):
 def test_emulated_prologue_equals_schedule_units(be, q_len, window, warps, sl, window_left, data):
     """The partial kernel's prologue (the probe entry, the spec's own threads: 32 to 256, 1 to 8 sequences per thread
     and chunk) computes exactly :func:`schedule_units`'s integers for every unit and one past the last (a sample of
-    them for batches of several chunks): sequence, unit index, token range, units, granules per unit, indptr and
+    them for batches of several chunks): sequence, unit index, token range, units, granules per unit, first slot and
     ``meta``; balanced schedules read both targets tables (long-tailed batches: one long sequence among short ones)."""
     sched, lens = sl
     spec = _probe_spec(q_len, window, warps)
@@ -383,8 +384,37 @@ def test_emulated_prologue_over_many_chunks(be, gen):
     sched = Schedule("balanced", 16, 1, 64, targets, max_units_bound(targets, 3000, 64))
     u = schedule_units(lens, sched)
     assert u.num_units > 3000 and int(u.units[1234]) > 8
-    probe = [0, u.num_units - 1, int(u.indptr[1234]) + 3, int(u.indptr[2999]), u.num_units]
+    probe = [0, u.num_units - 1, int(u.first[1234]) + 3, int(u.first[2999]), u.num_units]
     _check_probe(be, _probe_spec(2, True, 1), lens.tolist(), sched, probe, 2, 5)
+
+
+@pytest.mark.parametrize("batch", [33, 50, 64, 65])
+@pytest.mark.parametrize("q_len,window,warps", [(1, False, 4), (2, True, 1)], ids=lambda v: str(v))
+def test_emulated_prologue_longest_first_in_chunks(be, batch, q_len, window, warps, gen):
+    """33-64 sequences go through the general path (one chunk, 32 or 128 threads) and take the slots longest units
+    first, from the table of every sequence's (cb, units) in shared memory; 65 take them in index order (the scan).
+    A seeded long-tailed vector with empty sequences and ties, far from index order: every slot and one past."""
+    lens = (torch.rand(batch, generator=gen) ** 6 * 9000).to(torch.int32)
+    lens[torch.rand(batch, generator=gen) < 0.15] = 0
+    lens[batch - 1], lens[batch // 2], lens[3] = 9000, 2500, 2500
+    targets = (0,) + (40,) * (NUM_TARGETS - 1)
+    sched = Schedule("balanced", 16, 1, 16, targets, max_units_bound(targets, batch, 16))
+    u = schedule_units(lens.tolist(), sched)
+    assert (u.first.tolist() != u.indptr[:-1].tolist()) == (batch <= 64)
+    _check_probe(be, _probe_spec(q_len, window, warps), lens.tolist(), sched, list(range(u.num_units + 1)), q_len,
+                 -1 if not window else 10**6)
+
+
+def test_longest_first_batch_is_the_schedules():
+    """The kernel's own copy of the batch limit of longest-first slots (schedule.cuh) is the host schedule's."""
+    import re
+    from pathlib import Path
+
+    import attnplan.backends.cuda_ptx as cp
+    from attnplan.schedule import LONGEST_FIRST_BATCH
+
+    text = (Path(cp.__file__).parent / "schedule.cuh").read_text()
+    assert int(re.search(r"constexpr int LONGEST_FIRST_BATCH = (\d+);", text).group(1)) == LONGEST_FIRST_BATCH
 
 
 def test_emulated_prologue_batch_65536(be, gen):
@@ -396,7 +426,7 @@ def test_emulated_prologue_batch_65536(be, gen):
     targets = tuple([0] + [min(2 << k, 2**31 - 1) for k in range(1, NUM_TARGETS)])
     sched = Schedule("balanced", 64, 1, 128, targets, max_units_bound(targets, batch, 128))
     u = schedule_units(lens, sched)
-    probe = [0, int(u.indptr[batch // 2]) + 7, u.num_units - 1, u.num_units]
+    probe = [0, int(u.first[batch // 2]) + 7, u.num_units - 1, u.num_units]
     _check_probe(be, _probe_spec(1, False, 8), lens.tolist(), sched, probe)
 
 
@@ -471,10 +501,10 @@ def test_emulated_merge_of_reference_states(be, gen):
     rp, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.schedule)
     assert units.units.tolist()[1:] == [1, 1] and int(units.units[0]) > 1
     ws = _workspace(plan)
-    n = units.num_units
-    ws.state.o[..., :n, :] = rp.o.float()
-    ws.state.lse[..., :n] = rp.lse.float()
-    ws.meta.copy_(torch.cat([units.indptr[:-1], units.units]).to(torch.int32))
+    assert units.first.tolist() == [0, units.num_units - 1, units.num_units - 2]  # sequence 2 (cb 1) before 1 (cb 0)
+    ws.state.o[:, :, :, units.slot] = rp.o.float()
+    ws.state.lse[:, :, :, units.slot] = rp.lse.float()
+    ws.meta.copy_(torch.cat([units.first, units.units]).to(torch.int32))
     out, lse = _outputs(x)
     be.merge(plan, ws, out, lse)
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
@@ -814,6 +844,8 @@ FUSED = [
     ("mma", VariantCase((8, 2), 128, (261, 0, 1), q_len=3, page=16, window=140, cap=2.0, sinks=True, splits=(3,)),
      True, {}),
     ("split_k", VariantCase((8, 1), 64, (280, 0, 7), q_len=2, page=4, window=76, splits=(4,)), False, {}),
+    # the long sequence last: its units take slots 0.., sequence 0's (fewer granules each) the slots after them
+    ("mma", VariantCase((8, 2), 64, (140, 0, 700), page=16, splits=(5,)), False, {}),
 ]
 FUSED_PARAMS = [pytest.param(mode, c, f, o, id=f"{c.id}-{mode}" + ("-kvfp8" if f else "")
                              + "".join(f"-{k}{v}" for k, v in o.items())) for mode, c, f, o in FUSED]
@@ -847,13 +879,14 @@ def test_emulated_fused_merge_matches_reference(be, mode, case, fp8, options, ge
                                   **_kw(x))
     assert int(units.units[0]) > 1 and int(units.units[1]) == 1
     lo, hi = int(units.indptr[0]), int(units.indptr[1])
-    assert_close_to_reference(ws.state.o[..., lo:hi, :], rp.o[..., lo:hi, :], _o_dtype(mode, x.q.dtype, fp8),
+    f, g = int(units.first[0]), int(units.first[0]) + hi - lo
+    assert_close_to_reference(ws.state.o[..., f:g, :], rp.o[..., lo:hi, :], _o_dtype(mode, x.q.dtype, fp8),
                               "partial o (fused workspace)")
-    assert_close_to_reference(ws.state.lse[..., lo:hi], rp.lse[..., lo:hi], torch.float32,
+    assert_close_to_reference(ws.state.lse[..., f:g], rp.lse[..., lo:hi], torch.float32,
                               "partial lse (fused workspace)")
     for b in range(1, len(case.lens)):  # one-unit sequences (empty or not) write out / lse directly, never a slot
         if int(units.units[b]) == 1:
-            u = int(units.indptr[b])
+            u = int(units.first[b])
             assert torch.isnan(ws.state.lse[..., u]).all() and torch.isnan(ws.state.o[..., u, :]).all(), \
                 f"one-unit sequence {b} wrote its slot"
 

@@ -111,15 +111,16 @@ def _check_partial_launch(be, x, plan, ws, out, lse):
     st = ws.state
     o_dt = _o_dtype(be, plan, x)
     for b in range(x.q.shape[0]):
-        lo, hi = int(units.indptr[b]), int(units.indptr[b + 1])
+        lo, hi = int(units.indptr[b]), int(units.indptr[b + 1])  # the reference's states, in sequence order
+        f, g = int(units.first[b]), int(units.first[b]) + hi - lo  # the kernel's slots
         if hi - lo == 1:
             assert_close_to_reference(out[b], ref_o[b], x.q.dtype, f"out of one-unit sequence {b}")
             assert_close_to_reference(lse[b], ref_lse[b], torch.float32, f"lse of one-unit sequence {b}")
             if st is not None:
-                assert torch.isnan(st.lse[0, :, :, lo]).all(), f"one-unit sequence {b} wrote its workspace slot"
+                assert torch.isnan(st.lse[0, :, :, f]).all(), f"one-unit sequence {b} wrote its workspace slot"
         else:
-            assert_close_to_reference(st.o[0, :, :, lo:hi], ref_st.o[0, :, :, lo:hi], o_dt, f"o of sequence {b}")
-            assert_close_to_reference(st.lse[0, :, :, lo:hi], ref_st.lse[0, :, :, lo:hi], torch.float32,
+            assert_close_to_reference(st.o[0, :, :, f:g], ref_st.o[0, :, :, lo:hi], o_dt, f"o of sequence {b}")
+            assert_close_to_reference(st.lse[0, :, :, f:g], ref_st.lse[0, :, :, lo:hi], torch.float32,
                                       f"lse of sequence {b}")
             assert torch.isnan(out[b].float()).all(), f"the partial kernel wrote out rows of sequence {b}"
     if st is not None:
@@ -127,7 +128,7 @@ def _check_partial_launch(be, x, plan, ws, out, lse):
         assert torch.isnan(st.lse[0, :, :, n:]).all(), "a program without a unit wrote its slot"
     if ws.meta is not None:
         bsz = x.q.shape[0]
-        assert ws.meta[:bsz].tolist() == units.indptr[:-1].tolist()
+        assert ws.meta[:bsz].tolist() == units.first.tolist()
         assert ws.meta[bsz:2 * bsz].tolist() == units.units.tolist()
     return units
 
@@ -292,8 +293,9 @@ def test_partial_states_and_mixing(dtype, page, gen):
     ws, units = _run_checked(be, x, plan)
     n = units.num_units
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
-    o2, l2 = merge_states(PartialState(ws.state.o[..., :n, :].double().cpu(), ws.state.lse[..., :n].double().cpu()),
-                          indptr=units.indptr)
+    sl = units.slot.to(ws.state.o.device)  # the kernel's slots in sequence order: the ragged layout of indptr
+    o2, l2 = merge_states(PartialState(ws.state.o[:, :, :, sl].double().cpu(),
+                                       ws.state.lse[:, :, :, sl].double().cpu()), indptr=units.indptr)
     tol = torch.float32 if dt == torch.float32 else dt
     multi = [b for b in range(3) if int(units.units[b]) > 1]  # rows merged from states; the others are written
     one = [b for b in range(3) if int(units.units[b]) == 1]   # directly by the partial kernel
@@ -303,9 +305,10 @@ def test_partial_states_and_mixing(dtype, page, gen):
     # reference states through the cuda_ptx merge kernel
     rp, _ = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.schedule)
     ws2 = _workspace(plan)
-    ws2.state.o[..., :n, :] = rp.o.float().cuda()
-    ws2.state.lse[..., :n] = rp.lse.float().cuda()
-    ws2.meta.copy_(torch.cat([units.indptr[:-1], units.units]).to(torch.int32).cuda())
+    sl = units.slot.cuda()
+    ws2.state.o[:, :, :, sl] = rp.o.float().cuda()
+    ws2.state.lse[:, :, :, sl] = rp.lse.float().cuda()
+    ws2.meta.copy_(torch.cat([units.first, units.units]).to(torch.int32).cuda())
     out, lse = _outputs(x)
     be.merge(plan, ws2, out, lse)
     torch.cuda.synchronize()
@@ -636,8 +639,9 @@ def _check_mma_and_core(x, splits_list):
             # only sequences of two or more units have workspace states (one-unit rows go to out directly and
             # their slots keep the poison)
             u = schedule_units(x.seq_lens.tolist(), sched, q_len=x.q.shape[1], window_left=x.window_left)
-            slots = torch.cat([torch.arange(int(u.indptr[b]), int(u.indptr[b + 1])) for b in range(len(u.units))
-                               if int(u.units[b]) > 1] or [torch.zeros(0, dtype=torch.int64)]).to(x.q.device)
+            slots = torch.cat([torch.arange(int(u.first[b]), int(u.first[b]) + int(u.units[b]))
+                               for b in range(len(u.units)) if int(u.units[b]) > 1]
+                              or [torch.zeros(0, dtype=torch.int64)]).to(x.q.device)
             o_dt = torch.float16 if x.k_cache.dtype == FP8 else x.q.dtype
             assert_close_to_reference(st.o.index_select(3, slots), states[False][2].o.index_select(3, slots).double(),
                                       o_dt, "partial o mma vs core")

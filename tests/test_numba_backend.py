@@ -28,7 +28,7 @@ from attnplan import reference
 from attnplan.backends import get_backend
 from attnplan.backends.base import Workspace
 from attnplan.problem import DecodeProblem
-from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
+from attnplan.schedule import LONGEST_FIRST_BATCH, NUM_TARGETS, Schedule, first_slots, max_units_bound, schedule_units
 from attnplan.state import PartialState
 from attnplan.testing import (BUCKET_END_TOTALS, TOP_BUCKET_LENGTHS, DecodeCase, assert_close_to_reference,
                               bucket_schedule, make_inputs, poison)
@@ -86,8 +86,9 @@ def _reference(x, **kw):
 def _check_partial_launch(x, plan, workspace, out, lse):
     """After ``BACKEND.partial`` alone: one-unit sequences' rows in ``out``/``lse`` equal the reference (sink
     applied), their workspace slot untouched; every unit of a sequence with several units equals the
-    reference's partial state in its slot, its ``out`` rows untouched; slots past the batch's units untouched;
-    ``meta`` equals the host schedule. Returns the schedule's :class:`~attnplan.schedule.Units`."""
+    reference's partial state (sequence order, ``indptr``) in its slot ``first[b] + j`` (longest units first in a
+    batch of at most 64), its ``out`` rows untouched; slots past the batch's units untouched; ``meta`` equals the
+    host schedule (``first`` then ``units``). Returns the schedule's :class:`~attnplan.schedule.Units`."""
     ref_st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
                                       plan.schedule, window_left=x.window_left, soft_cap=x.soft_cap,
                                       k_scale=x.k_scale, v_scale=x.v_scale)
@@ -95,7 +96,7 @@ def _check_partial_launch(x, plan, workspace, out, lse):
     n = units.num_units
     st = workspace.state
     for b in range(x.q.shape[0]):
-        lo = int(units.indptr[b])
+        lo = int(units.first[b])  # the device's slots; the reference's states are in sequence order
         if int(units.units[b]) == 1:
             assert_close_to_reference(out[b], ref_o[b], x.q.dtype, what=f"out of one-unit sequence {b}")
             if lse is not None:
@@ -104,11 +105,12 @@ def _check_partial_launch(x, plan, workspace, out, lse):
                 assert torch.isnan(st.lse[0, :, :, lo]).all() and torch.isnan(st.o[0, :, :, lo]).all(), \
                     f"one-unit sequence {b} wrote its workspace slot"
         else:
-            hi = int(units.indptr[b + 1])
-            assert_close_to_reference(st.o[0, :, :, lo:hi], ref_st.o[0, :, :, lo:hi], F32_TOL,
-                                      what=f"o of units {lo}..{hi - 1} (sequence {b})")
-            assert_close_to_reference(st.lse[0, :, :, lo:hi], ref_st.lse[0, :, :, lo:hi], F32_TOL,
-                                      what=f"lse of units {lo}..{hi - 1} (sequence {b})")
+            hi = lo + int(units.units[b])
+            r0, r1 = int(units.indptr[b]), int(units.indptr[b + 1])
+            assert_close_to_reference(st.o[0, :, :, lo:hi], ref_st.o[0, :, :, r0:r1], F32_TOL,
+                                      what=f"o of slots {lo}..{hi - 1} (sequence {b})")
+            assert_close_to_reference(st.lse[0, :, :, lo:hi], ref_st.lse[0, :, :, r0:r1], F32_TOL,
+                                      what=f"lse of slots {lo}..{hi - 1} (sequence {b})")
             assert torch.isnan(out[b].float()).all(), f"the partial kernel wrote out rows of sequence {b}"
             if lse is not None:
                 assert torch.isnan(lse[b]).all(), f"the partial kernel wrote lse rows of sequence {b}"
@@ -117,7 +119,7 @@ def _check_partial_launch(x, plan, workspace, out, lse):
             "a program without a unit wrote its slot"
     if workspace.meta is not None:
         bsz = x.q.shape[0]
-        assert workspace.meta[:bsz].tolist() == units.indptr[:-1].tolist()
+        assert workspace.meta[:bsz].tolist() == units.first.tolist()
         assert workspace.meta[bsz:2 * bsz].tolist() == units.units.tolist()
     return units
 
@@ -161,18 +163,24 @@ def _probe(lens, sched: Schedule, probe_units, *, threads=PROBE_THREADS[-1], q_l
 
 
 def _check_probe(lens, sched, probe_units, res, meta, q_len=1, window_left=-1, write_meta=True, capacity=None):
+    """Each probed slot's row is :func:`schedule_units`'s unit in that slot (``by_slot``: longest units first in a
+    batch of at most 64, else index order), ``b = -1`` past the batch's units; ``meta`` is ``first`` then
+    ``units``. Returns the schedule's :class:`~attnplan.schedule.Units`."""
     u = schedule_units(lens, sched, q_len, window_left, capacity)
-    for row, unit in zip(res.tolist(), probe_units):
-        if unit >= u.num_units:
-            assert row[0] == -1 and row[1:] == [-7] * 5, f"unit {unit} past {u.num_units}: {row}"
+    by_slot = u.by_slot()
+    for row, slot in zip(res.tolist(), probe_units):
+        if slot >= u.num_units:
+            assert row[0] == -1 and row[1:] == [-7] * 5, f"slot {slot} past {u.num_units}: {row}"
             continue
-        b = int(u.seq[unit])
-        want = [b, unit - int(u.indptr[b]), int(u.start[unit]), int(u.end[unit]), int(u.units[b]),
-                u.granules_per_unit]
-        assert row == want, f"unit {unit}: kernel {row}, schedule_units {want}"
+        k = int(by_slot[slot])  # the unit (sequence order) in this slot
+        b = int(u.seq[k])
+        assert int(u.first[b]) + k - int(u.indptr[b]) == slot
+        want = [b, k - int(u.indptr[b]), int(u.start[k]), int(u.end[k]), int(u.units[b]), u.granules_per_unit]
+        assert row == want, f"slot {slot}: kernel {row}, schedule_units {want}"
     if write_meta:
         bsz = len(lens)
-        assert meta[:bsz].tolist() == u.indptr[:-1].tolist() and meta[bsz:].tolist() == u.units.tolist()
+        assert meta[:bsz].tolist() == u.first.tolist() and meta[bsz:].tolist() == u.units.tolist()
+    return u
 
 
 @st.composite
@@ -213,9 +221,45 @@ def test_prologue_over_many_scan_chunks(gen):
     sched = Schedule("balanced", 16, 1, 64, targets, max_units_bound(targets, 3000, 64))
     u = schedule_units(lens, sched)
     assert u.num_units > 3000 and int(u.units[1234]) > 8
-    probe = [u.num_units - 1, int(u.indptr[1234]) + 3, u.num_units]
+    assert u.first.tolist() == u.indptr[:-1].tolist()  # past 64 sequences: slots in index order
+    probe = [u.num_units - 1, int(u.first[1234]) + 3, u.num_units]
     res, meta = _probe(lens, sched, probe)
     _check_probe(lens, sched, probe, res, meta)
+
+
+def _long_tailed_lengths(batch: int, seed: int) -> list[int]:
+    """``batch`` seeded long-tailed lengths: mostly short (some empty, some repeated, so granules per unit tie),
+    a few long (up to 12,000 tokens), in a shuffled order, so longest-first slots are far from index order."""
+    g = torch.Generator().manual_seed(seed)
+    lens = (torch.rand(batch, generator=g) ** 6 * 12000).to(torch.int64)
+    lens[torch.rand(batch, generator=g) < 0.15] = 0
+    lens[: min(batch, 3)] = torch.tensor([20, 3000, 12000][: min(batch, 3)])
+    if batch > 6:
+        lens[5] = lens[1]  # a tie of cb: broken by index
+        lens[6] = 20
+    return lens[torch.randperm(batch, generator=g)].tolist()
+
+
+@pytest.mark.parametrize("batch,seed", [(5, 0), (5, 1), (16, 2), (32, 3), (40, 4), (64, 5), (65, 6)])
+def test_prologue_slots_longest_units_first(batch, seed):
+    """Long-tailed batches: every slot's sequence, unit index, token range and units, and ``meta``, are
+    :func:`schedule_units`'s through ``first`` / ``slot``: at most 64 sequences take the slots in order of
+    decreasing granules per unit (ties by index, empty sequences last), far from index order here; 65 in index
+    order (the scan). Blocks of 1, 2 and 8 simulated threads (32 to 256 on a GPU)."""
+    lens = _long_tailed_lengths(batch, seed)
+    targets = (0,) + (24,) * (NUM_TARGETS - 1)
+    sched = Schedule("balanced", 16, 1, 8, targets, max_units_bound(targets, batch, 8))
+    u = schedule_units(lens, sched)
+    if batch <= LONGEST_FIRST_BATCH:
+        assert u.first.tolist() != u.indptr[:-1].tolist() and u.num_units > batch
+    else:
+        assert u.first.tolist() == u.indptr[:-1].tolist()
+    probe = list(range(u.num_units + 1))
+    res, meta = _probe(lens, sched, probe, threads=PROBE_THREADS[seed % len(PROBE_THREADS)])
+    got = _check_probe(lens, sched, probe, res, meta)
+    # and the slots' order itself: in a small batch cb never grows along the slots
+    cb = [int(got.unit_granules[b]) for b in res[: u.num_units, 0].tolist()]
+    assert batch > LONGEST_FIRST_BATCH or cb == sorted(cb, reverse=True)
 
 
 @pytest.mark.parametrize("total", BUCKET_END_TOTALS)
@@ -342,18 +386,23 @@ def test_rows_with_nothing_visible_in_a_live_unit(gen):
 
 def test_empty_sequence_in_a_split_plan_is_written_directly(gen):
     """A zero-length sequence has one empty unit: its rows are o = 0, lse = -inf (the sink, with sinks) in
-    ``out`` exactly, never NaN, and its slot is untouched."""
+    ``out`` exactly, never NaN, and its slot is untouched (the last slot: longest units first, an empty sequence
+    last)."""
     x = _inputs(Case((4, 1), 16, (0, 40), q_len=2, dtype="bf16"), gen)
     for sinks in (None, torch.randn(4, generator=gen).to(DEVICE)):
         xs = dataclasses.replace(x, sinks=sinks)
         w, plan = _plan(xs, 3)
+        u = schedule_units(xs.seq_lens.cpu(), plan.schedule, 2)
+        slot = int(u.first[0])
+        assert slot == u.num_units - 1 and int(u.units[1]) > 1
         w.workspace.state.fill_(float("nan"))
         out, lse = _poisoned_io(x)
         BACKEND.run(plan, xs, w.workspace, out, lse)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         want = torch.full((2, 4), float("-inf"), device=DEVICE) if sinks is None else sinks.expand(2, 4)
         assert torch.equal(lse[0], want)
-        assert torch.isnan(w.workspace.state.lse[0, :, :, 0]).all()
+        assert torch.isnan(w.workspace.state.lse[0, :, :, slot]).all()
+        assert not torch.isnan(w.workspace.state.lse[0, :, :, :slot]).any()  # sequence 1's units, before it
         ref, ref_lse = _reference(xs)
         assert_close_to_reference(out, ref, torch.bfloat16)
         assert_close_to_reference(lse, ref_lse, F32_TOL, what="lse")
@@ -443,6 +492,29 @@ def test_merge_matches_merge_states(dtype, gen):
     out2 = poison(torch.empty_like(out))
     BACKEND.merge(plan, ws, out2, None)
     assert torch.equal(out2[many], out[many])
+
+
+def test_merge_reads_slots_out_of_sequence_order(gen):
+    """``meta`` of longest-first slots (``first`` not monotone in the sequence): each row merges exactly its own
+    slots ``[first[b], first[b] + units[b])``, the same as the sequence-order state merged through ``indptr``."""
+    units = [3, 1, 7, 2, 1]
+    st, _, indptr = _ragged_state(2, 4, units, 16, gen)
+    first = first_slots([2, 5, 1, 4, 0], units)  # slots: sequence 1, 3, 0, 2, 4
+    assert first.tolist() == [3, 0, 6, 1, 13]
+    slot = torch.cat([first[b] + torch.arange(n) for b, n in enumerate(units)]).to(DEVICE)
+    o, lse = st.o.clone(), st.lse.clone()
+    o[..., slot, :] = st.o[..., :sum(units), :]
+    lse[..., slot] = st.lse[..., :sum(units)]
+    meta = torch.tensor([*first.tolist(), *units], dtype=torch.int32, device=DEVICE)
+    x = _inputs(Case((4, 2), 16, (20,) * 5, q_len=2, dtype="fp32"), gen)
+    _, plan = _plan(x, 7)
+    out = poison(torch.empty(5, 2, 4, 16, device=DEVICE))
+    out_lse = poison(torch.empty(5, 2, 4, device=DEVICE))
+    BACKEND.merge(plan, _workspace(PartialState(o, lse), meta), out, out_lse)
+    ref_o, ref_lse = reference.merge(st, indptr=indptr)
+    many = [b for b, n in enumerate(units) if n > 1]
+    assert_close_to_reference(out[many], ref_o[many], torch.float32)
+    assert_close_to_reference(out_lse[many], ref_lse[many], F32_TOL, what="lse")
 
 
 def test_merge_nan_state_is_nan_never_an_empty_row(gen):

@@ -18,8 +18,8 @@ from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN, DeviceInfo
 from attnplan.planner import SplitPlan, _bucket_granules, make_plan
 from attnplan.problem import DecodeProblem
-from attnplan.schedule import (NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, bucket_range, check_invariants,
-                               is_long_tailed, max_units_bound, schedule_units)
+from attnplan.schedule import (LONGEST_FIRST_BATCH, NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, bucket_range,
+                               check_invariants, is_long_tailed, max_units_bound, schedule_units)
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -27,11 +27,11 @@ H200 = DeviceInfo("NVIDIA H200", 132, (9, 0), 232448, 60 * 2**20, 4800.0, "cuda-
 
 
 @st.composite
-def balanced_schedules(draw):
+def balanced_schedules(draw, max_batch: int = 12):
     granule = draw(st.sampled_from([16, 32, 64, 128]))
     min_c = draw(st.integers(1, 4))
     s_cap = draw(st.integers(1, 64))
-    batch = draw(st.integers(1, 12))
+    batch = draw(st.integers(1, max_batch))
     raw = draw(st.lists(st.integers(0, 300), min_size=NUM_TARGETS, max_size=NUM_TARGETS))
     targets = (0, *raw[1:])
     policy = "single" if s_cap == 1 else "balanced"
@@ -70,7 +70,7 @@ def test_capacity_clamps_device_lengths_as_the_kernels_read_them(sched_batch, da
     clamped = [min(max(x, 0), capacity) for x in lens]
     u = check_invariants(lens, sched, q_len, window, capacity=capacity)
     want = schedule_units(clamped, sched, q_len, window)
-    for f in ("base", "granules", "unit_granules", "units", "indptr", "seq", "start", "end"):
+    for f in ("base", "granules", "unit_granules", "units", "indptr", "seq", "start", "end", "first", "slot"):
         assert torch.equal(getattr(u, f), getattr(want, f)), f
     assert u.total_granules == want.total_granules and u.granules_per_unit == want.granules_per_unit
     assert int(u.end.max()) <= capacity and int(u.start.min()) >= 0
@@ -83,6 +83,41 @@ def test_capacity_clamps_device_lengths_as_the_kernels_read_them(sched_batch, da
             schedule_units(lens, sched, q_len, window)
     with pytest.raises(ValueError, match="capacity"):
         schedule_units(lens, sched, q_len, window, capacity=-1)
+
+
+@given(sched_batch=balanced_schedules(max_batch=70), data=st.data(), window=st.sampled_from([-1, 0, 100]))
+@SETTINGS
+def test_slots_longest_units_first(sched_batch, data, window):
+    """A batch of at most LONGEST_FIRST_BATCH sequences takes the slots in order of decreasing granules per unit,
+    ties by index: sequence b's first slot is the units of the sequences before it in that order, counted here pair
+    by pair; a larger batch takes them in index order. Each unit's slot is its sequence's first slot plus its
+    index, and the slots are a permutation of [0, U)."""
+    sched, batch = sched_batch
+    lens = data.draw(st.lists(st.one_of(st.integers(0, 300), st.integers(0, 20000)), min_size=batch,
+                              max_size=batch))
+    u = schedule_units(lens, sched, 1, window)
+    cb, un = u.unit_granules.tolist(), u.units.tolist()
+    for b in range(batch):
+        if batch <= LONGEST_FIRST_BATCH:
+            want = sum(un[i] for i in range(batch) if cb[i] > cb[b] or (cb[i] == cb[b] and i < b))
+        else:
+            want = sum(un[:b])
+        assert int(u.first[b]) == want, (b, cb, un)
+        lo, hi = int(u.indptr[b]), int(u.indptr[b + 1])
+        assert u.slot[lo:hi].tolist() == list(range(want, want + hi - lo))
+    assert sorted(u.slot.tolist()) == list(range(u.num_units))
+    assert u.by_slot()[u.slot].tolist() == list(range(u.num_units))
+
+
+def test_slots_put_a_long_sequences_units_first():
+    """One long sequence among short ones: its units take slots 0.., the short ones' single units follow in index
+    order, and an empty sequence's unit is last."""
+    targets = tuple([0] + [64] * (NUM_TARGETS - 1))
+    sched = Schedule("balanced", 64, 1, 256, targets, max_units_bound(targets, 6, 256))
+    u = check_invariants([300, 900, 0, 64000, 700, 700], sched)
+    n_long = int(u.units[3])
+    assert n_long > 1 and int(u.first[3]) == 0
+    assert [int(u.first[b]) for b in (1, 4, 5, 0, 2)] == list(range(n_long, n_long + 5))
 
 
 @given(st.lists(st.integers(0, 20000), min_size=1, max_size=16), st.integers(1, 16), st.integers(1, 8))
@@ -270,7 +305,7 @@ def test_reference_backend_runs_the_schedule(case, batch_invariant, gen):
     if w.workspace is not None and w.workspace.meta is not None:  # the run took the plan's units, not others
         units = schedule_units(x.seq_lens.tolist(), plan.schedule, q_len, window)
         b = len(lens)
-        assert w.workspace.meta[:b].tolist() == units.indptr[:-1].tolist()
+        assert w.workspace.meta[:b].tolist() == units.first.tolist()
         assert w.workspace.meta[b:2 * b].tolist() == units.units.tolist()
 
 

@@ -97,17 +97,23 @@ def _probe(lens, sched: Schedule, q_len, window, us, block_b, one_block=False, c
     return out.cpu(), meta.cpu()
 
 
-def _expect(lens, sched, q_len, window, us, capacity=None):
+def _expect(lens, sched, q_len, window, us, capacity=None, longest_first=True):
+    """The host schedule's ``(b, first[b], units[b], cb, length)`` of the unit in each slot of ``us`` (``-1`` past the
+    units) and the ``first`` table. ``longest_first=False``: the slots in index order, what the looped prologue
+    computes; it serves batches above one prologue block (1,024 sequences, index order in
+    :func:`attnplan.schedule.first_slots` too) and is probed here at small batches as well."""
     s = schedule_units(lens, sched, q_len, window, capacity)
+    first = s.first if longest_first else s.indptr[:-1]
+    in_slot = s.by_slot() if longest_first else torch.arange(s.num_units)
     rows = []
     for u in us:
         if u >= s.num_units:
             rows.append(-1)
             continue
-        b = int(s.seq[u])
+        b = int(s.seq[in_slot[u]])
         length = int(lens[b]) if capacity is None else min(max(int(lens[b]), 0), capacity)
-        rows.append([b, int(s.indptr[b]), int(s.units[b]), int(s.unit_granules[b]), length])
-    return s, rows
+        rows.append([b, int(first[b]), int(s.units[b]), int(s.unit_granules[b]), length])
+    return first, rows
 
 
 def _targets(gen, lo=1, hi=64):
@@ -127,11 +133,11 @@ SCHEDULES = {
 # the looped prologue over one block (7, 16, False) is in the full tier: the loop runs over three blocks at 33
 # sequences, and a batch of one block takes the single-block path (7, 16, True)
 @pytest.mark.parametrize("batch,block_b,one_block", [(7, 16, True), pytest.param(7, 16, False, marks=pytest.mark.full),
-                                                     (33, 16, False)])
+                                                     (33, 16, False), (50, 64, True)])
 def test_prologue_matches_host_schedule(name, q_len, window, batch, block_b, one_block, gen):
     """Random lengths with zeros and long ones; every unit, a unit past the total, and the meta; the single-block
-    path and the loops (``block_b`` 16 with 33 sequences: three blocks, the last of one sequence, and the search
-    stops early)."""
+    path (longest units first: 7 sequences in a block of 16, 50 in one of 64) and the loops (``block_b`` 16 with 33
+    sequences: three blocks, the last of one sequence, and the search stops early)."""
     sched = SCHEDULES[name](gen)
     lens = torch.randint(0, 300, (batch,), generator=gen)
     lens[torch.rand(batch, generator=gen) < 0.3] = 0
@@ -140,10 +146,10 @@ def test_prologue_matches_host_schedule(name, q_len, window, batch, block_b, one
     s = schedule_units(lens, sched, q_len, window)
     us = list(range(s.num_units)) + [s.num_units, s.num_units + 5]
     got, meta = _probe(lens, sched, q_len, window, us, block_b, one_block)
-    _, rows = _expect(lens, sched, q_len, window, us)
+    first, rows = _expect(lens, sched, q_len, window, us, longest_first=one_block)
     for u, (row, want) in enumerate(zip(got.tolist(), rows)):
         assert (row[0] == -1) if want == -1 else row == want, f"unit {u}: kernel {row}, host {want}"
-    assert meta[:batch].tolist() == s.indptr[:-1].tolist() and meta[batch:].tolist() == s.units.tolist()
+    assert meta[:batch].tolist() == first.tolist() and meta[batch:].tolist() == s.units.tolist()
 
 
 #: targets tables of the clamp tests: "c1" gives units of one granule whatever the batch's total; "total" (8
@@ -168,10 +174,10 @@ def test_prologue_clamps_lengths_into_the_capacity(q_len, window, block_b, one_b
     assert table != "c1" or int(s.units[0]) == 3 or window >= 0  # 6 granules in 3 units of 2; a window: one
     us = list(range(s.num_units)) + [s.num_units]
     got, meta = _probe(lens, sched, q_len, window, us, block_b, one_block, capacity=cap)
-    _, rows = _expect(lens, sched, q_len, window, us, capacity=cap)
+    first, rows = _expect(lens, sched, q_len, window, us, capacity=cap, longest_first=one_block)
     for u, (row, want) in enumerate(zip(got.tolist(), rows)):
         assert (row[0] == -1) if want == -1 else row == want, f"unit {u}: kernel {row}, host {want}"
-    assert meta[:6].tolist() == s.indptr[:-1].tolist() and meta[6:].tolist() == s.units.tolist()
+    assert meta[:6].tolist() == first.tolist() and meta[6:].tolist() == s.units.tolist()
 
 
 @pytest.mark.parametrize("extra", [0, 3, "2x", "2x+1", "3x+2"])
@@ -196,7 +202,7 @@ def test_prologue_places_units_in_slots_as_slot_unit(extra, gen):
     got = out.cpu().tolist()
     for p in range(slots):
         u = slot_unit(p, total, slots, PACK_SLOTS_PER_UNIT.value)
-        assert got[p][0] == (int(s.seq[u]) if u >= 0 else -1), (p, got[p], u)
+        assert got[p][0] == (int(s.seq[s.by_slot()[u]]) if u >= 0 else -1), (p, got[p], u)
         if u >= 0:
             assert got[p][1] == u
 
@@ -211,27 +217,28 @@ def test_prologue_at_batch_65536(gen):
     lens = lens.tolist()
     s = schedule_units(lens, sched)
     n = s.num_units
-    us = [0, int(s.indptr[12345]) + 3, n // 2, n - 1, n, n + 1000]
+    us = [0, int(s.first[12345]) + 3, n // 2, n - 1, n, n + 1000]
     got, meta = _probe(lens, sched, 1, -1, us, 1024)
-    _, rows = _expect(lens, sched, 1, -1, us)
+    first, rows = _expect(lens, sched, 1, -1, us)
     for u, row, want in zip(us, got.tolist(), rows):
         assert (row[0] == -1) if want == -1 else row == want, f"unit {u}: kernel {row}, host {want}"
-    assert torch.equal(meta[:batch].long(), s.indptr[:-1]) and torch.equal(meta[batch:].long(), s.units)
+    assert torch.equal(meta[:batch].long(), first) and torch.equal(meta[batch:].long(), s.units)
 
 
 @pytest.mark.parametrize("merge", ["separate", "fused"])
 def test_several_prologue_blocks_end_to_end(merge, gen, monkeypatch):
-    """Prologue blocks of 16 sequences over a batch of 33 (three blocks; a capacity plan: balanced targets): outputs
+    """Prologue blocks of 16 sequences over a batch of 65 (five blocks, the last of one sequence; a capacity plan:
+    balanced targets; past LONGEST_FIRST_BATCH, so the slots are in index order, what the loop computes): outputs
     equal the reference and the separate merge's meta equals the host schedule."""
     import attnplan.backends.triton as tb
 
     monkeypatch.setattr(tb, "MAX_BLOCK_B", 16)
     be = get_backend("triton")
     be._launches.clear()
-    lens = torch.randint(0, 40, (33,), generator=gen)
+    lens = torch.randint(0, 40, (65,), generator=gen)
     lens[3] = 150
-    lens[32] = 120
-    x = make_inputs(33, 4, 1, 16, lens.tolist(), page_size=16, device=DEVICE, generator=gen, capacity=160)
+    lens[64] = 120
+    x = make_inputs(65, 4, 1, 16, lens.tolist(), page_size=16, device=DEVICE, generator=gen, capacity=160)
     w = attnplan.DecodeWrapper(_cfg(merge=merge), backend="triton")
     plan = w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, capacity=True)
     const = w.backend._launch(plan, w.workspace).const
@@ -244,7 +251,7 @@ def test_several_prologue_blocks_end_to_end(merge, gen, monkeypatch):
     s = schedule_units(lens.tolist(), plan.schedule)
     assert int(s.units.max()) > 1
     if merge == "separate":
-        assert w.workspace.meta.cpu().tolist() == s.indptr[:-1].tolist() + s.units.tolist()
+        assert w.workspace.meta.cpu().tolist() == s.first.tolist() + s.units.tolist()
     else:
         assert int(w.workspace.counters.abs().sum()) == 0
     be._launches.clear()
@@ -546,3 +553,11 @@ def test_capacity_plan_long_tail_gpu(merge, page, q_len, gen):
         assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
         if merge == "fused":
             assert int(w.workspace.counters.abs().sum()) == 0
+
+
+def test_longest_first_batch_is_the_schedules():
+    """The prologue's own copy of the batch limit of longest-first slots (its module imports nothing of attnplan's)."""
+    from attnplan.backends.triton.kernels import LONGEST_FIRST_BATCH as KERNEL_LIMIT
+    from attnplan.schedule import LONGEST_FIRST_BATCH
+
+    assert KERNEL_LIMIT.value == LONGEST_FIRST_BATCH

@@ -26,8 +26,9 @@ Cross-program merges (``plan.merge``; the global reduction of split-K, paid eith
 the partial one; peers: FlashInfer's ``merge_states`` and FlashAttention-2's split-KV combine, separate kernels
 there):
 
-* ``separate``: program 0 of the partial kernel writes ``workspace.meta`` (``indptr`` then ``units``),
-  then the merge kernel (one CTA per output row; it exits for rows of one-unit sequences; lanes over units,
+* ``separate``: program 0 of the partial kernel writes ``workspace.meta`` (``first`` then ``units``:
+  :func:`attnplan.schedule.first_slots`), then the merge kernel (one CTA per output row; it exits for rows of
+  one-unit sequences; lanes over units,
   warp-shuffle max / sum, unrolled o loads; launched with PDL on sm_90+, allowed once every partial program has
   read its KV) merges the row's slots in slot order.
   Deterministic. With few rows and many units one team of threads per row is latency bound (H200, CUPTI: 8 rows x
@@ -642,8 +643,8 @@ class CudaPtxBackend(Backend):
     def merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
               sinks: torch.Tensor | None = None) -> None:
         """The separate merge kernel: every row ``(b, i, h)`` of a sequence with ``units[b] >= 2`` (``workspace.meta``,
-        written by the partial kernel: ``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``) merges its workspace
-        slots ``[indptr[b], indptr[b] + units[b])`` in slot order into ``out [B, Q, H, D]`` (q's dtype) and, if given,
+        written by the partial kernel: ``first[b]`` at ``b``, ``units[b]`` at ``batch + b``) merges its workspace
+        slots ``[first[b], first[b] + units[b])`` in slot order into ``out [B, Q, H, D]`` (q's dtype) and, if given,
         ``lse [B, Q, H]`` fp32, by :func:`attnplan.state.merge_states`'s contract: ``lse = logsumexp_s(lse_s)``,
         ``o = sum_s exp(lse_s - lse) o_s``, empty states weigh 0, an all-empty row gives ``o = 0, lse = -inf``, NaN
         in a non-empty state makes the row NaN; ``sinks [H]`` fp32 logits then join the denominator once
@@ -690,7 +691,7 @@ class CudaPtxBackend(Backend):
               write_meta: bool = True, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the partial kernel's schedule prologue alone (tests; ``spec`` a ``"partial"`` spec: its threads, q_len
         and window; its probe build): ``(res, meta)`` on ``seq_lens``'s device, ``res`` int32 ``[n, 8]`` = (b, j,
-        start, end, units[b], c, indptr[b], cb) of each unit of ``probe_units`` (b = -1 and the rest -7 past the
+        start, end, units[b], c, first[b], cb) of each unit of ``probe_units`` (b = -1 and the rest -7 past the
         batch's units), ``meta`` int32 ``[2 B]`` written by the first probe block (``None`` without
         ``write_meta``). Each length is clamped into ``[0, capacity]`` tokens as the partial kernel clamps it
         (``None``: ``2**31 - 1``, only negative lengths clamped). Allocates and launches (not for a CUDA graph).

@@ -239,8 +239,9 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 def merge_args(o: torch.Tensor, lse: torch.Tensor, meta: torch.Tensor, out: torch.Tensor,
                out_lse: torch.Tensor | None, sinks: torch.Tensor | None = None) -> list:
     """Argument values for :data:`MERGE_SIGNATURE`: merge the ragged workspace ``o [1, Q, H, U, D]`` / ``lse [1, Q,
-    H, U]`` into ``out [B, Q, H, D]`` and ``out_lse [B, Q, H]`` over the slots ``meta [2 B]`` names (``indptr[b]``
-    then ``units[b]``); ``sinks [H]`` fp32 contiguous join the denominator when given."""
+    H, U]`` into ``out [B, Q, H, D]`` and ``out_lse [B, Q, H]`` over the slots ``meta [2 B]`` names (``first[b]``
+    then ``units[b]``, :func:`attnplan.schedule.first_slots`); ``sinks [H]`` fp32 contiguous join the denominator
+    when given."""
     return [
         o.data_ptr(), lse.data_ptr(), meta.data_ptr(), out.data_ptr(), _ptr(out_lse), _ptr(sinks),
         int(out.shape[0]), int(o.shape[1]), int(o.shape[2]),

@@ -52,7 +52,7 @@
 // The separate merge: one CTA per output row (b, i, head) of the ragged workspace o [1, Q, H, U, D] / lse [1, Q, H,
 // U] (strides in elements) into out [B, Q, H, D] (q's dtype) and out_lse [B, Q, H] (may be null); sinks [H] (may
 // be null) join the denominator (state.cuh's contract). meta [2 B] is the partial kernel's table: row b's states are
-// the slots [meta[b], meta[b] + meta[B + b]) (indptr[b], units[b]), merged in slot order; a row of a sequence with
+// the slots [meta[b], meta[b] + meta[B + b]) (first[b], units[b]), merged in slot order; a row of a sequence with
 // at most one unit exits (the partial kernel wrote it). MERGE_TEAMS teams of TEAM_THREADS threads.
 // Launched with programmatic dependent launch after the partial kernel: it waits for the partial grid (and so for
 // meta) first.
@@ -82,7 +82,7 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, const
     const int b = (int)(row / ((i64)num_heads * q_len));
     const int units = meta[batch + b];  // units[b]
     if (units <= 1) return;  // written by the partial kernel (the whole CTA: one row)
-    const i64 first = meta[b];    // indptr[b]
+    const i64 first = meta[b];    // first[b]
     const float *lr = lse + (i64)i * l_si + (i64)hh * l_sh + first * l_ss;
     const float *orow = o + (i64)i * o_si + (i64)hh * o_sh + first * o_ss;
     const float *sink = sinks ? sinks + hh : nullptr;
@@ -460,7 +460,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 #if ATTNPLAN_KIND == ATTNPLAN_KIND_PARTIAL && defined(ATTNPLAN_SCHEDULE_PROBE)
 // The partial kernel's prologue alone (tests; the spec's probe flag): block k runs schedule_unit for unit
 // probe_units[k] with the partial kernel's threads and writes res[8 k .. 8 k + 8) = (b, j, cs, ce, units[b], c,
-// indptr[b], cb), or only b = -1 past the batch's units; block 0 writes meta when it is not null. Lengths are
+// first[b], cb), or only b = -1 past the batch's units; block 0 writes meta when it is not null. Lengths are
 // clamped into [0, capacity] as in the partial kernel.
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 attnplan_schedule_probe(const int *__restrict__ seq_lens, const int *__restrict__ targets, int *__restrict__ meta,

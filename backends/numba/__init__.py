@@ -10,8 +10,10 @@ What runs (the kernel contract of :mod:`attnplan.backends.base`): one split-KV k
 program first computes the schedule from the live ``seq_lens`` (:mod:`attnplan.schedule`), then
 writes its unit either straight into ``out`` / ``lse`` (a sequence with one unit, sinks applied) or
 into its slot of the ragged workspace; then, for the ``separate`` merge, :meth:`NumbaBackend.merge`
-combines each remaining row's slots through the indptr / units table (``workspace.meta``) that the
-partial kernel's program 0 wrote. A single-pass plan runs the same kernel without the prologue.
+combines each remaining row's slots through the first-slot / units table (``workspace.meta``: sequence
+``b``'s units in slots ``[first[b], first[b] + units[b])``, longest units first in a batch of at most 64
+sequences, :mod:`attnplan.schedule`) that the partial kernel's program 0 wrote. A single-pass plan runs
+the same kernel without the prologue.
 The fused merge is not implemented (``merge_strategies = {"separate"}``; the planner falls back).
 
 Tensors reach numba as views: fp16 and bf16 tensors are reinterpreted as ``int16`` (numba has no
@@ -300,8 +302,9 @@ class NumbaBackend(Backend):
                 ``k_scale``/``v_scale``); ``seq_lens`` / ``block_table`` int32. Any strides but unit stride
                 in head_dim.
             workspace: the plan's :class:`~attnplan.backends.base.Workspace`: units of sequences with two
-                or more units go to ``workspace.state`` slot ``u``; ``workspace.meta`` is written for the
-                separate merge.
+                or more units go to ``workspace.state``, unit ``j`` of sequence ``b`` to slot ``first[b] + j``
+                (:attr:`attnplan.schedule.Units.slot`); ``workspace.meta`` (``first`` then ``units``) is written
+                for the separate merge.
             out: ``[B, Q, Hq, D]`` in q's dtype: rows of one-unit sequences (every row for a single pass),
                 the sink applied.
             lse: ``[B, Q, Hq]`` fp32 (natural log) for those rows, or ``None``.

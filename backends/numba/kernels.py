@@ -16,19 +16,23 @@ Method (the kernel contract of :mod:`attnplan.backends.base`; Flash-Decoding, Da
   sequences, so any batch works) and compute :func:`attnplan.schedule.schedule_units`'s integers
   exactly: each sequence's granules ``nb``, the total ``T`` (a block reduction), the granules per
   unit ``c`` from ``targets[min(bit_length(T + T // 2), 31) + 32 * (2 T < batch * nb_max)]``, each
-  sequence's units and their exclusive prefix sum (a block scan per chunk, carried across chunks; warp
-  shuffles and one shared word per warp on the GPU, a shared-memory tree in the simulator), hence the
-  program's sequence ``b``, unit index ``j`` and token range ``[start, end)``. ``ceil(a / b)`` is computed as
+  sequence's units and the slot ``first[b]`` of its unit 0 (:mod:`attnplan.schedule`, "Slots, longest units
+  first"): in a batch of at most ``LONGEST_FIRST_BATCH`` (64) sequences the sum of the units of the sequences
+  with more granules per unit (ties: a lower index), each thread comparing its sequence with the whole batch;
+  in a larger batch the exclusive prefix sum in index order (a block scan per chunk, carried across chunks;
+  warp shuffles and one shared word per warp on the GPU, a shared-memory tree in the simulator). Hence the
+  sequence ``b`` whose slots ``[first[b], first[b] + units[b])`` hold the program's slot ``u``, its unit index
+  ``j = u - first[b]`` and token range ``[start, end)``. ``ceil(a / b)`` is computed as
   ``(a - 1) // b + 1`` for ``a >= 1`` (no ``a + b - 1`` overflow); the total is 64-bit. Every length is
   read as ``min(max(seq_lens[b], 0), capacity)`` (``capacity`` the tokens a sequence of the cache holds, a kernel
   argument; ``seq_len_at``), in the prologue and after it, so a length written on the device beyond the cache
   reads the clamped span, never outside the cache, and every program derives the same schedule. A program
-  with ``u >= indptr[batch]`` exits before reading any KV. Program 0 writes ``meta`` (``indptr``
+  with ``u`` past the batch's units exits before reading any KV. Program 0 writes ``meta`` (``first``
   then ``units``) for the separate merge. Without the prologue (single pass) ``u = b``.
 * A sequence with one unit writes ``out`` (q's dtype) and ``lse`` directly, the sink applied; a unit
   of a sequence with several writes its normalized fp32 partial state into workspace slot ``u``
   (``ws_o[0, qi, hq, u, :]``, ``ws_lse[0, qi, hq, u]``), and :func:`merge_kernel` combines slots
-  ``[indptr[b], indptr[b] + units[b])`` in slot order.
+  ``[first[b], first[b] + units[b])`` in slot order.
 * Threads are split into token groups of ``LANES`` threads. A group works on one KV position at a
   time; its lanes cover ``head_dim`` in ``NSLOT`` slots of one *word* each, slot ``i`` of lane ``j``
   holding word ``i * LANES + j`` of the position's K (and V) row, so the lanes of one slot read
@@ -142,7 +146,7 @@ import numba
 from numba import cuda
 from numba.core import config as _numba_config
 
-from attnplan.schedule import NUM_BUCKETS
+from attnplan.schedule import LONGEST_FIRST_BATCH, NUM_BUCKETS
 
 __all__ = ["SIM", "DecodeSpec", "MergeSpec", "decode_kernel", "merge_kernel", "schedule_probe_kernel",
            "launch_scope", "KIND_FP32", "KIND_FP16", "KIND_BF16", "KIND_FP8", "f32_to_bits16", "bits16_to_f32",
@@ -705,13 +709,16 @@ def _make_schedule(threads: int, q_len: int, window: bool):
     * ``prologue(seq_lens, targets, meta, u, tid, buf, info, window_left, granule, min_unit_granules,
       max_units_per_seq, write_meta, capacity) -> (b, j, c)``: called by all threads of the program (it has barriers);
       ``buf`` is a shared int64 ``[_sched_buffer_words(threads)]`` array and ``info`` a shared int64 ``[2]``.
-      Returns unit ``u``'s sequence ``b`` (``-1`` when ``u`` is past the batch's units) and index ``j`` in
-      it, and the granules per unit ``c``; with ``write_meta`` it writes ``meta[i] = indptr[i]``,
-      ``meta[batch + i] = units[i]`` for every sequence (and scans the whole batch; otherwise it stops
-      after ``u``'s chunk).
+      Returns the sequence ``b`` of the unit in slot ``u`` (``-1`` when ``u`` is past the batch's units), its
+      index ``j = u - first[b]`` in ``b``, and the granules per unit ``c``; ``first[i]`` is the slot of sequence
+      ``i``'s unit 0 (:mod:`attnplan.schedule`, "Slots, longest units first": in a batch of at most
+      ``LONGEST_FIRST_BATCH`` (64) sequences the sequences take the slots in order of decreasing granules per unit,
+      ties by index; a larger batch in index order, ``first = indptr[:-1]``). With ``write_meta`` it writes
+      ``meta[i] = first[i]``, ``meta[batch + i] = units[i]`` for every sequence (and scans the whole batch;
+      otherwise a larger batch stops after ``u``'s chunk).
     * ``unit_range(seq_lens, b, j, c, window_left, granule, max_units_per_seq, capacity) -> (start, end, units_b)``.
     """
-    NT, QL, WINDOW, PER = threads, q_len, window, SCHED_PER
+    NT, QL, WINDOW, PER, LF = threads, q_len, window, SCHED_PER, LONGEST_FIRST_BATCH
     CH = NT * PER
     LAST_BUCKET = NUM_BUCKETS - 1
     block_sum, block_scan, block_max = _make_block_reductions(NT)
@@ -771,7 +778,30 @@ def _make_schedule(threads: int, q_len: int, window: bool):
             c2 = (total - 1) // t + 1
             if c2 > c:
                 c = c2
-        # units per sequence and their exclusive prefix sum, chunk by chunk (CH sequences, PER per thread)
+        if nbatch <= LF:  # block-uniform
+            # longest units first: first[i] sums the units of the sequences before i in the order of decreasing
+            # granules per unit cb, ties by index (an empty sequence, cb = 0, last); not a prefix sum, so no scan:
+            # each thread takes whole sequences (one or two on a GPU, whose blocks have at least 32 threads) and
+            # compares each with the whole batch, at most 64 steps a sequence
+            for i in range(tid, nbatch, NT):
+                _, nb = seq_span(seq_len_at(seq_lens, i, capacity), window_left, granule)
+                un_i, cb_i = seq_units(nb, c, max_per)
+                start = int64(0)
+                for i2 in range(nbatch):
+                    _, nb2 = seq_span(seq_len_at(seq_lens, i2, capacity), window_left, granule)
+                    un2, cb2 = seq_units(nb2, c, max_per)
+                    if cb2 > cb_i or (cb2 == cb_i and i2 < i):
+                        start += un2
+                if write_meta:
+                    meta[i] = start
+                    meta[nbatch + i] = un_i
+                if u >= start and u < start + un_i:  # the slots' ranges tile [0, U): one writer at most
+                    info[0] = i
+                    info[1] = start
+            cuda.syncthreads()  # info is read by every thread below
+            return info[0], u - info[1], c
+        # a larger batch, in index order: units per sequence and their exclusive prefix sum, chunk by chunk (CH
+        # sequences, PER per thread)
         un = cuda.local.array(PER, int64)
         running = int64(0)
         for c0 in range(0, nbatch, CH):
@@ -948,7 +978,7 @@ def decode_kernel(spec: DecodeSpec):
         lse_out   [B, Q, Hq] float32 (any array when ``not spec.has_lse``)
         ws_o      the workspace's PartialState.o [1, Q, Hq, max_units, D] float32 (``spec.sched``; else any array)
         ws_lse    the workspace's PartialState.lse [1, Q, Hq, max_units] float32 (idem)
-        meta      [2 B] int32: indptr then units, written by program 0 when ``write_meta`` (else any int array)
+        meta      [2 B] int32: first then units, written by program 0 when ``write_meta`` (else any int array)
         targets   [64] int32: the schedule's targets table (near-uniform, then long-tailed)
         num_kv_heads int; granule, min_unit_granules, max_units_per_seq: the schedule's constants
         write_meta int: 1 when the plan's merge is separate
@@ -1325,13 +1355,14 @@ def merge_kernel(spec: MergeSpec):
 
         ws_o      the workspace's PartialState.o [1, Q, H, max_units, D] float32
         ws_lse    the workspace's PartialState.lse [1, Q, H, max_units] float32
-        meta      [2 B] int32: indptr[b] at b, units[b] at B + b (written by the partial kernel's program 0)
+        meta      [2 B] int32: first[b] (the slot of b's unit 0) at b, units[b] at B + b (written by the partial
+                  kernel's program 0; the slots' ranges need not be in sequence order)
         out       [B, Q, H, D] float32 or int16 bits of fp16/bf16
         lse_out   [B, Q, H] float32 (any array when ``not spec.has_lse``)
         sinks     [H] float32 sink logits (read only when ``spec.sinks``; any array otherwise)
 
     A row of a sequence with ``units[b] <= 1`` exits (the partial kernel wrote it). Otherwise, the contract of
-    :func:`attnplan.state.merge_states` over slots ``[indptr[b], indptr[b] + units[b])`` in slot order:
+    :func:`attnplan.state.merge_states` over slots ``[first[b], first[b] + units[b])`` in slot order:
     ``lse = logsumexp_s lse_s``, ``o = sum_s exp(lse_s - lse) o_s``; states with ``lse_s = -inf`` weigh 0
     (their ``o_s`` is never read); a row whose every state is empty gets ``o = 0, lse = -inf``; NaN in a
     non-empty state makes the row NaN (the maximum keeps NaN), never an empty row. With ``spec.sinks`` the

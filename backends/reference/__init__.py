@@ -68,32 +68,38 @@ class ReferenceBackend(Backend):
                 lse[idx.to(dev)] = ls[idx].to(lse.dtype).to(dev)
         if plan.single_pass:
             return
-        n = units.num_units
         ws = workspace.state
-        ws.o[:, :, :, :n].copy_(st.o.to(ws.o.dtype))
-        ws.lse[:, :, :, :n].copy_(st.lse.to(ws.lse.dtype))
+        slot = units.slot.to(ws.o.device)  # the kernels' workspace layout: unit j of b in slot first[b] + j
+        ws.o.index_copy_(3, slot, st.o.to(ws.o.dtype).to(ws.o.device))
+        ws.lse.index_copy_(3, slot, st.lse.to(ws.lse.dtype).to(ws.lse.device))
         if workspace.meta is not None:
             b = units.units.numel()
-            workspace.meta[:b].copy_(units.indptr[:-1].to(torch.int32))
+            workspace.meta[:b].copy_(units.first.to(torch.int32))
             workspace.meta[b:2 * b].copy_(units.units.to(torch.int32))
         if plan.merge == "fused":
-            self._merge_rows(units.indptr, units.units, ws, out, lse, x.sinks)
+            self._merge_rows(units.first, units.units, ws, out, lse, x.sinks)
 
     def _merge(self, plan: SplitPlan, workspace: Workspace, out: torch.Tensor, lse: torch.Tensor | None,
                sinks: torch.Tensor | None = None) -> None:
         one_launch(plan)
         b = out.shape[0]
         meta = workspace.meta.to("cpu", torch.int64)
-        indptr = torch.cat([meta[:b], (meta[b - 1:b] + meta[2 * b - 1:2 * b])]) if b else meta[:1]
-        self._merge_rows(indptr, meta[b:2 * b], workspace.state, out, lse, sinks)
+        self._merge_rows(meta[:b], meta[b:2 * b], workspace.state, out, lse, sinks)
 
     @staticmethod
-    def _merge_rows(indptr, units, state: PartialState, out, lse, sinks) -> None:
-        """Merge the rows of sequences with two or more units (the others were written directly)."""
+    def _merge_rows(first, units, state: PartialState, out, lse, sinks) -> None:
+        """Merge the rows of sequences with two or more units (the others were written directly); sequence ``b``'s
+        states are workspace slots ``[first[b], first[b] + units[b])``."""
+        first, units = first.to("cpu", torch.int64), units.to("cpu", torch.int64)
         many = units >= 2
         if not bool(many.any()):
             return
-        o, ls = reference.merge(state, sinks, indptr=indptr.to(torch.int64))
+        # the slots in sequence order, the ragged layout of merge_states' indptr
+        order = torch.cat([torch.arange(int(f), int(f) + int(n)) for f, n in zip(first, units)]).to(state.o.device)
+        indptr = torch.zeros(units.numel() + 1, dtype=torch.int64)
+        indptr[1:] = torch.cumsum(units, 0)
+        o, ls = reference.merge(PartialState(state.o.index_select(3, order), state.lse.index_select(3, order)), sinks,
+                                indptr=indptr)
         idx = many.nonzero().flatten().to(out.device)
         out[idx] = o[many.nonzero().flatten()].to(out.dtype).to(out.device)
         if lse is not None:

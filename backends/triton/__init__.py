@@ -38,7 +38,9 @@ from attnplan.problem import torch_dtype
 __all__ = ["TritonBackend", "BoundLaunch", "merge_geometry", "spec_classes"]
 
 _LOG2E = 1.4426950408889634
-#: most sequences the prologue reads per step (one ``tl.arange`` block; larger batches loop)
+#: most sequences the prologue reads per step (one ``tl.arange`` block; larger batches loop). The loop lays the units
+#: out in index order, so it may serve only batches past ``LONGEST_FIRST_BATCH`` (the schedule's longest-first order
+#: is computed in one block)
 MAX_BLOCK_B = 1024
 
 

@@ -32,6 +32,10 @@ import triton.language as tl
 #: (32/8/128 contiguous b16 16K: 285.2 -> 248.2 us), 1.05x at worst. cuda_ptx keeps ``pack`` 1: the same rule
 #: made its steps 0.7% slower in geomean (up to 13%).
 PACK_SLOTS_PER_UNIT = tl.constexpr(2)
+#: ``attnplan.schedule.LONGEST_FIRST_BATCH`` (this module imports nothing of attnplan's: the offline compile runs it
+#: by path): a prologue block of at most this many sequences lays their units out longest first, a ``[64, 64]``
+#: comparison; a larger block in index order, a scan
+LONGEST_FIRST_BATCH = tl.constexpr(64)
 
 INT32_MAX = tl.constexpr(2147483647)
 #: most fp32 elements of workspace state (``o`` tiles of ``BLOCK_M x BLOCK_D``) the fused merge keeps in flight:
@@ -130,16 +134,17 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, slots, pid, window_l
     """The prologue: the schedule of the live batch, as :func:`attnplan.schedule.schedule_units` computes it with
     ``capacity`` (every length clamped into ``[0, capacity]`` as it is loaded, :func:`_length`).
 
-    Returns ``(b, indptr_b, units_b, cb, seq_len_b, u)``: the sequence of the program's unit (``-1`` when there is
-    none), its first unit, its unit count, its granules per unit, its (clamped) length, and the unit. ``u`` is the unit, or
-    with ``slots > 0`` (``ONE_BLOCK`` only, where ``U`` is known before the search) the program's slot of the grid's
-    ``slots``, whose unit is :func:`attnplan.schedule.slot_unit`'s (the working programs spread over a grid of many more
-    slots than units, else packed at its start).
-    Program ``pid == 0`` writes ``META`` (``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``) when
-    ``WRITE_META``. ``ONE_BLOCK`` (``batch <=
-    BLOCK_B``): ``seq_lens`` is read once and everything stays in registers. Otherwise it is read in blocks of
-    ``BLOCK_B`` (any batch), twice for a balanced schedule (the total first); the search stops at the block holding
-    ``u`` (program 0 writing ``META`` reads to the end).
+    Returns ``(b, first_b, units_b, cb, seq_len_b, u)``: the sequence of the program's unit (``-1`` when there is
+    none), the slot of its first unit, its unit count, its granules per unit, its (clamped) length, and the unit's
+    slot. ``u`` is that slot, or with ``slots > 0`` (``ONE_BLOCK`` only, where ``U`` is known before the search) the
+    program's slot of the grid's ``slots``, whose unit slot is :func:`attnplan.schedule.slot_unit`'s (the working
+    programs spread over a grid of many more slots than units, else packed at its start). Sequences take the slots
+    longest units first where ``BLOCK_B <= LONGEST_FIRST_BATCH`` (a batch of at most 64,
+    :func:`attnplan.schedule.first_slots`), in index order otherwise.
+    Program ``pid == 0`` writes ``META`` (``first[b]`` at ``b``, ``units[b]`` at ``batch + b``) when
+    ``WRITE_META``. ``ONE_BLOCK`` (``batch <= BLOCK_B``): ``seq_lens`` is read once and everything stays in
+    registers. Otherwise it is read in blocks of ``BLOCK_B`` (any batch), twice for a balanced schedule (the total
+    first); the search stops at the block holding ``u`` (program 0 writing ``META`` reads to the end).
     """
     offs_blk = tl.arange(0, BLOCK_B)
     table = tl.zeros([64], tl.int32)
@@ -156,6 +161,14 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, slots, pid, window_l
         cb, units = _units(nb, ok, c, max_units_per_seq)
         incl = tl.cumsum(units, 0)
         excl = incl - units
+        if BLOCK_B <= LONGEST_FIRST_BATCH:  # slots longest units first (attnplan.schedule.first_slots)
+            # where the cb differ (all equal, as in every uniform batch, the order is the index order: the scan):
+            # excl[i] = the units of the sequences before i in (cb descending, index) order (past the batch: 0)
+            if tl.min(tl.where(ok, cb, INT32_MAX), 0) != tl.max(cb, 0):
+                cbi, cbj = cb[:, None], cb[None, :]
+                before = (cbj > cbi) | ((cbj == cbi) & (offs_blk[None, :] < offs_blk[:, None]))
+                excl = tl.sum(tl.where(before, units[None, :], 0), 1)
+                incl = excl + units
         if slots > 0:  # slot_unit: U <= slots (the plan's bound); int64 products
             total = tl.sum(units, 0).to(tl.int64)
             s64 = u.to(tl.int64)
@@ -577,9 +590,9 @@ def merge_kernel(
     """The separate merge: program (row, column slice), row = ``(b, i, head)``, slice ``c`` owns output columns
     ``[c * BLOCK_D, (c + 1) * BLOCK_D)``; the merge contract of :func:`attnplan.state.merge_states`.
 
-    ``META`` (written by the partial kernel's program 0): ``indptr[b]`` at ``b``, ``units[b]`` at ``batch + b``. A row
+    ``META`` (written by the partial kernel's program 0): ``first[b]`` at ``b``, ``units[b]`` at ``batch + b``. A row
     of a sequence with at most one unit exits (the partial kernel wrote it). Otherwise two passes over the slots
-    ``[indptr[b], indptr[b] + units[b])`` in slot order (deterministic): the LSEs give the common base and total
+    ``[first[b], first[b] + units[b])`` in slot order (deterministic): the LSEs give the common base and total
     weight, then the weighted sum of the normalized partial outputs, ``BLOCK_S`` slots per load. NaN in a state's
     lse or o makes the row NaN. Every slice computes the same lse; slice 0 writes it. Slices exist for few rows over
     many units: one program per row walks ``units / BLOCK_S`` dependent round trips, and 8 rows leave all but 8 SMs

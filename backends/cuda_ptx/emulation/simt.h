@@ -18,8 +18,8 @@
 // which the fp8 decoder relies on); __byte_perm is prmt's default mode; ex2.approx.ftz is exp2f with denormal
 // results flushed. cvt.rn.f16x2.e4m3x2's twin is decode.cu's integer decoder (fp8x2_to_half2_int, also the
 // sm_80 fallback), built on these. __shfl_sync / __shfl_xor_sync / __shfl_up_sync share one exchange (__any_sync is
-// a butterfly over it, __ballot_sync and __reduce_add_sync / __reduce_max_sync too); __clz counts leading zeros
-// (32 for 0), __ffs finds the lowest set bit.
+// a butterfly over it, __ballot_sync and __reduce_add_sync / __reduce_max_sync / __reduce_min_sync too); __clz
+// counts leading zeros (32 for 0), __ffs finds the lowest set bit.
 // Shared-memory race check: the kernel's shared-memory loads and stores (decode.cu's lds / sts helpers)
 // and cp.async copies are recorded per 4-byte word with the warp and the __syncthreads epoch. A copy
 // counts as written only when its issuing thread's cp.async.wait_group retires its group (then in that
@@ -463,7 +463,8 @@ inline unsigned __ballot_sync(unsigned, int pred) {
     for (int off = 1; off < 32; off <<= 1) m |= emu::shfl(m, off, true);
     return m;
 }
-// redux.sync (sm_80): the warp's sum / maximum of an int, the same in every lane (butterflies over the exchange)
+// redux.sync (sm_80): the warp's sum / maximum / minimum of an int, the same in every lane (butterflies over the
+// exchange)
 inline int __reduce_add_sync(unsigned, int v) {
     for (int off = 1; off < 32; off <<= 1) v += emu::shfl(v, off, true);
     return v;
@@ -472,6 +473,13 @@ inline int __reduce_max_sync(unsigned, int v) {
     for (int off = 1; off < 32; off <<= 1) {
         const int o = emu::shfl(v, off, true);
         v = o > v ? o : v;
+    }
+    return v;
+}
+inline int __reduce_min_sync(unsigned, int v) {
+    for (int off = 1; off < 32; off <<= 1) {
+        const int o = emu::shfl(v, off, true);
+        v = o < v ? o : v;
     }
     return v;
 }
