@@ -39,8 +39,8 @@ from .planner import DeviceKey, SplitPlan, entry_options, launch_problem_of, mak
 from .state import PartialState
 from .problem import (DecodeProblem, as_host_lengths, check_no_grad, check_not_lazy, check_sm_scale, check_strided,
                       check_variant_tensors, default_sm_scale, explain_lengths, has_internal_overlap, host_lengths,
-                      is_contiguous_layout, len_bucket, mean_bucket, overlap_error, rows_16_byte, same_signature,
-                      signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values)
+                      OverlapError, is_contiguous_layout, len_bucket, mean_bucket, overlap_error, rows_16_byte,
+                      same_signature, signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem", "DECODE_WRAPPERS"]
@@ -1137,13 +1137,14 @@ class DecodeWrapper:
             check_variant_tensors(q, sinks, k_scale, v_scale, psig[1][1][2])
         try:
             self._check_overlap(extents, q_terms, out, lse, ptrs, sinks, k_scale, v_scale)
-        except ValueError as e:
+        except OverlapError as e:
             if not own:
                 raise
             # plan() makes a new buffer where the kept one is q's memory; against another input it keeps it
-            raise ValueError(f"{e} (out here is the wrapper's own buffer, which holds the last run()'s result: "
-                             + ("plan() with these inputs makes a new one, or " if str(e).startswith("out overlaps q ")
-                                else "") + "pass out=)") from None
+            raise OverlapError(f"{e} (out here is the wrapper's own buffer, which holds the last run()'s result: "
+                               + ("plan() with these inputs makes a new one, or "
+                                  if (e.output, e.other) == ("out", "q") else "") + "pass out=)",
+                               e.output, e.other) from None
         if not backend.graph_safe and q.is_cuda and torch.cuda.is_current_stream_capturing():
             raise PlanNotReadyError(f"backend {backend.name} cannot run under CUDA-graph capture; plan with "
                                     "capacity=True before capturing (it picks a graph-safe backend)")

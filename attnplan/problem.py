@@ -874,11 +874,20 @@ def check_no_overlap(outputs, inputs) -> None:
                     raise overlap_error(on, c0, c1, n, d0, d1)
 
 
-def overlap_error(on: str, c0: int, c1: int, n: str, d0: int, d1: int) -> ValueError:
+class OverlapError(ValueError):
+    """An output overlapping another tensor in memory (a ``ValueError``): ``output`` and ``other`` are their argument
+    names (``"out"`` / ``"lse"``; ``"q"``, a cache, ``"seq_lens"``, ...)."""
+
+    def __init__(self, message: str, output: str, other: str):
+        super().__init__(message)
+        self.output, self.other = output, other
+
+
+def overlap_error(on: str, c0: int, c1: int, n: str, d0: int, d1: int) -> OverlapError:
     """The error of output ``on`` (bytes ``[c0, c1)``) overlapping tensor ``n`` (bytes ``[d0, d1)``), which
     :func:`check_no_overlap` raises and ``DecodeWrapper.run()``'s own check of the same rule too."""
-    return ValueError(f"{on} overlaps {n} in memory (bytes [{c0:#x}, {c1:#x}) and [{d0:#x}, {d1:#x})); "
-                      f"the kernels would read what they write: pass a separate {on} buffer")
+    return OverlapError(f"{on} overlaps {n} in memory (bytes [{c0:#x}, {c1:#x}) and [{d0:#x}, {d1:#x})); "
+                        f"the kernels would read what they write: pass a separate {on} buffer", on, n)
 
 
 def host_lengths(static: dict, seq_lens_host, num_pages: int) -> tuple[list[int], int, int] | None:

@@ -2112,14 +2112,15 @@ def test_a_runs_result_passed_back_as_q_is_served_after_plan(backend, gen):
     w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     o = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     q2 = o.clone()
-    with pytest.raises(ValueError, match=r"out overlaps q .* \(out here is the wrapper's own buffer, which holds the "
-                                         r"last run\(\)'s result: plan\(\) with these inputs makes a new one"):
+    own = r"\(out here is the wrapper's own buffer, which holds the last run\(\)'s result: "
+    with pytest.raises(P.OverlapError, match=r"out overlaps q .* " + own + r"plan\(\) with these inputs") as e:
         w.run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    assert (e.value.output, e.value.other) == ("out", "q")
     # an lse inside that buffer: plan() would keep the buffer (it only replaces one that is q's memory), so no hint
     lse = o.view(-1)[:o.shape[0] * o.shape[1] * o.shape[2]].view(o.shape[:3])
-    with pytest.raises(ValueError, match=r"out overlaps lse .* \(out here is the wrapper's own buffer, which holds "
-                                         r"the last run\(\)'s result: pass out=\)$"):
+    with pytest.raises(P.OverlapError, match=r"out overlaps lse .* " + own + r"pass out=\)$") as e:
         w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, lse=lse)
+    assert (e.value.output, e.value.other) == ("out", "lse")
     assert w.try_run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table) is None
     w.plan(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     got = w.run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
