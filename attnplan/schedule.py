@@ -264,13 +264,11 @@ def first_slots(unit_granules, units) -> torch.Tensor:
     ``cb`` (``unit_granules``) and ``units``, both ``[B]``: an int64 ``[B]`` CPU tensor."""
     cb = torch.as_tensor(unit_granules).to("cpu", torch.int64).reshape(-1)
     un = torch.as_tensor(units).to("cpu", torch.int64).reshape(-1)
-    n = un.numel()
-    order = sorted(range(n), key=lambda b: (-int(cb[b]), b)) if n <= LONGEST_FIRST_BATCH else range(n)
-    first = torch.zeros(n, dtype=torch.int64)
-    pos = 0
-    for b in order:
-        first[b] = pos
-        pos += int(un[b])
+    if un.numel() > LONGEST_FIRST_BATCH:  # index order: the exclusive prefix sum
+        return torch.cumsum(un, 0) - un
+    order = torch.argsort(-cb, stable=True)  # cb descending, ties by index
+    first = torch.empty_like(un)
+    first[order] = torch.cumsum(un[order], 0) - un[order]
     return first
 
 
