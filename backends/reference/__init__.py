@@ -95,9 +95,9 @@ class ReferenceBackend(Backend):
         if not bool(many.any()):
             return
         # the slots in sequence order, the ragged layout of merge_states' indptr
-        order = torch.cat([torch.arange(int(f), int(f) + int(n)) for f, n in zip(first, units)]).to(state.o.device)
         indptr = torch.zeros(units.numel() + 1, dtype=torch.int64)
         indptr[1:] = torch.cumsum(units, 0)
+        order = (torch.arange(int(indptr[-1])) + torch.repeat_interleave(first - indptr[:-1], units)).to(state.o.device)
         o, ls = reference.merge(PartialState(state.o.index_select(3, order), state.lse.index_select(3, order)), sinks,
                                 indptr=indptr)
         idx = many.nonzero().flatten().to(out.device)
