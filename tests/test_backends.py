@@ -428,6 +428,32 @@ def test_large_legal_scales_do_not_overflow(backend, gen):
             assert_close_to_reference(lse.cpu(), ref_lse, torch.float32, f"lse at sm_scale {sm:g}, {splits} splits")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scores_and_values_at_the_edge_of_the_fp32_range(backend, gen):
+    """The fp32 domain the README states: scaled scores of ~1e38-2e38 in magnitude (under FP32_SCALED_MAX), of either
+    sign, and V as large as fp32's max over the visible tokens allows, give the reference. The scores of a row are
+    q.k in [100, 200) times sm_scale 1e36 (or -1e36): the softmax is one-hot at the largest score, whose value sits
+    near fp32's overflow after the kernels' log2(e) factor. Then q = 0 (equal weights) over V of one sign up to
+    3e38 / 64 (64 >= the visible tokens): the weighted sums stay finite only if each weight is at most 1."""
+    for sm, spread in ((1e36, True), (-1e36, True), (1.0, False)):
+        x = make_inputs(2, 4, 2, 64, [40, 9], dtype=torch.float32, device=DEVICE, generator=gen)
+        x.q.zero_()
+        if spread:
+            x.q[..., 0] = 1.0
+            x.k_cache.zero_()
+            x.k_cache[..., 0] = (100.0 + 100.0 * torch.rand(x.k_cache.shape[:-1], generator=gen)).to(DEVICE)
+        x.v_cache.copy_((0.5 + 0.5 * x.v_cache.abs().clamp(max=1.0)) * (3e38 / 64))
+        ref, ref_lse = reference.attention(x.q.cpu(), x.k_cache.cpu(), x.v_cache.cpu(), x.seq_lens.cpu(), None, sm)
+        assert torch.isfinite(ref).all() and torch.isfinite(ref_lse).all()
+        for splits in (1, 3):
+            lse = torch.full(x.q.shape[:3], -7.0, device=DEVICE)
+            out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend=backend, num_splits=splits, lse=lse,
+                                  sm_scale=sm)
+            assert torch.isfinite(out).all(), f"sm_scale {sm:g}, {splits} splits: non-finite output"
+            assert_close_to_reference(out.cpu(), ref, torch.float32, f"out at sm_scale {sm:g}, {splits} splits")
+            assert_close_to_reference(lse.cpu(), ref_lse, torch.float32, f"lse at sm_scale {sm:g}, {splits} splits")
+
+
 def _merge_params():
     return [pytest.param(b, m, id=f"{b}-{m}") for b in BACKENDS for m in ("separate", "fused")]
 

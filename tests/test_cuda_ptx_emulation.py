@@ -1066,6 +1066,31 @@ def test_emulated_large_legal_scales_do_not_overflow_q(be, mode, fp8, gen):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+def test_emulated_scores_and_values_at_the_edge_of_the_fp32_range(be, mode, gen):
+    """The fp32 domain the README states (tests/test_backends.py's test of it, on the specializations of the test
+    above): scaled scores q.k x sm_scale of ~1e38-2e38 in magnitude, of either sign (one-hot softmax rows), and
+    equal weights over V of one sign up to 3e38 / 64 (finite weighted sums), give the reference."""
+    for sm, spread in ((1e36, True), (-1e36, True), (1.0, False)):
+        x = make_inputs(2, 4, 1, 64, [40, 9], page_size=16, dtype=torch.bfloat16, generator=gen)
+        q, kc = torch.zeros_like(x.q), x.k_cache
+        if spread:
+            q[..., 0] = 1.0
+            kc = torch.zeros_like(x.k_cache)
+            kc[..., 0] = (100.0 + 100.0 * torch.rand(kc.shape[:-1], generator=gen)).to(kc.dtype)
+        vc = ((0.5 + 0.5 * x.v_cache.float().abs().clamp(max=1.0)) * (3e38 / 64)).to(x.v_cache.dtype)
+        x = dataclasses.replace(x, q=q, k_cache=kc, v_cache=vc, sm_scale=sm)
+        ref, ref_lse = _reference(x)
+        assert torch.isfinite(ref).all() and torch.isfinite(ref_lse).all()
+        for splits in (1, 3):
+            plan = _plan(be, x, splits, mode)
+            out, lse = _outputs(x)
+            be.run(plan, x, _workspace(plan), out, lse)
+            assert torch.isfinite(out).all(), f"sm_scale {sm:g}, {splits} splits: non-finite output"
+            assert_close_to_reference(out, ref, x.q.dtype, f"out at sm_scale {sm:g}, {splits} splits")
+            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse at sm_scale {sm:g}, {splits} splits")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_emulated_nan_outside_the_rows_ranges_is_never_read(be, mode, gen):
     """NaN in K and V everywhere a row cannot see that the kernels may still touch: past each length in the last page,
     and in the unused pages; every output exact (q_len 2, split and single pass)."""
