@@ -585,10 +585,10 @@ def _next_pow2(x: int) -> int:
 # -- the device-side schedule (attnplan.schedule.schedule_units, on the GPU) -----------------------------
 
 def _sched_buffer_words(threads: int) -> int:
-    """int64 words of shared memory the schedule prologue's block reductions use: one per thread in the
-    simulator (a shared-memory tree; it has no shuffles), one per warp on the GPU (warp shuffles, then the
-    warps' sums)."""
-    return threads if SIM else max(1, threads // 32)
+    """int64 words of shared memory the schedule prologue uses: its block reductions' (one per thread in the
+    simulator, a shared-memory tree without shuffles; one per warp on the GPU, warp shuffles then the warps' sums),
+    and at least ``2 x LONGEST_FIRST_BATCH`` for the table of a small batch's ``(cb, units)`` (1 KiB)."""
+    return max(threads if SIM else max(1, threads // 32), 2 * LONGEST_FIRST_BATCH)
 
 
 def _make_block_reductions(threads: int):
@@ -780,18 +780,24 @@ def _make_schedule(threads: int, q_len: int, window: bool):
                 c = c2
         if nbatch <= LF:  # block-uniform
             # longest units first: first[i] sums the units of the sequences before i in the order of decreasing
-            # granules per unit cb, ties by index (an empty sequence, cb = 0, last); not a prefix sum, so no scan:
-            # each thread takes whole sequences (one or two on a GPU, whose blocks have at least 32 threads) and
-            # compares each with the whole batch, at most 64 steps a sequence
+            # granules per unit cb, ties by index (an empty sequence, cb = 0, last); not a prefix sum, so no scan.
+            # Every sequence's (cb, units) goes to a table in buf (the reductions above end with a barrier, so buf
+            # is free), then each thread takes whole sequences (one or two on a GPU, whose blocks have at least 32
+            # threads) and compares each with the table, at most 64 steps a sequence
             for i in range(tid, nbatch, NT):
                 _, nb = seq_span(seq_len_at(seq_lens, i, capacity), window_left, granule)
                 un_i, cb_i = seq_units(nb, c, max_per)
+                buf[i] = cb_i
+                buf[LF + i] = un_i
+            cuda.syncthreads()
+            for i in range(tid, nbatch, NT):
+                cb_i = buf[i]
+                un_i = buf[LF + i]
                 start = int64(0)
                 for i2 in range(nbatch):
-                    _, nb2 = seq_span(seq_len_at(seq_lens, i2, capacity), window_left, granule)
-                    un2, cb2 = seq_units(nb2, c, max_per)
+                    cb2 = buf[i2]
                     if cb2 > cb_i or (cb2 == cb_i and i2 < i):
-                        start += un2
+                        start += buf[LF + i2]
                 if write_meta:
                     meta[i] = start
                     meta[nbatch + i] = un_i
