@@ -33,7 +33,7 @@ Definitions (all integers; ``B`` sequences, ``Q`` queries per sequence, ``G`` to
   has no target: :func:`max_units_bound`).
 * Unit ``j`` of ``b`` covers tokens ``[base + j * cb * G, min(base + (j + 1) * cb * G, L))``.
 * Slots, longest units first: sequence ``b``'s units occupy the consecutive slots ``[first[b], first[b] +
-  units[b])``, unit ``j`` in slot ``first[b] + j``. In a batch of at most :data:`LONGEST_FIRST_BATCH` (64)
+  units[b])``, unit ``j`` in slot ``first[b] + j``. In a batch of at most :data:`LONGEST_FIRST_BATCH` (32)
   sequences the sequences take the slots in order of decreasing ``cb``, ties by index (an empty sequence,
   ``cb = 0``, last), so ``first[b]`` is the sum of ``units[i]`` over the sequences ``i`` with ``cb[i] > cb[b]``,
   or ``cb[i] == cb[b]`` and ``i < b``; a larger batch takes them in index order (``first = indptr[:-1]``). A grid
@@ -83,9 +83,10 @@ NUM_TARGETS = 2 * NUM_BUCKETS
 #: ``forced``: up to ``max_units_per_seq`` units per sequence (a forced split count); ``single``: one unit each
 POLICIES = ("balanced", "batch_invariant", "forced", "single")
 #: the largest batch whose sequences take the slots longest units first (each sequence's first slot counted from
-#: every other's: a warp's shuffles or one shared-memory table on cuda_ptx, a ``[64, 64]`` comparison in Triton's
-#: prologue); a larger batch takes them in index order, a scan
-LONGEST_FIRST_BATCH = 64
+#: every other's: a warp's shuffles on cuda_ptx, a ``[32, 32]`` comparison in Triton's prologue); a larger batch
+#: takes them in index order, a scan. Measured on an H100 (benchmarks/NOTES.md, "Longest units first"): 1-5% faster
+#: at batch 16, but 5-25% slower at 8/1/128 batch 64 with the order up to 64, so the order stops at one warp's batch
+LONGEST_FIRST_BATCH = 32
 
 
 def bucket_of(total_granules: int) -> int:

@@ -49,7 +49,7 @@ class PartialState:
     The device-side schedule's workspace is the same format in its *ragged* form: batch axis 1 and
     the split axis holding every sequence's units one after another, ``o [1, q_len, num_q_heads,
     max_units, head_dim]``; sequence ``b``'s states are the consecutive slots ``[first[b], first[b] +
-    units[b])`` (:mod:`attnplan.schedule`: longest units first in a batch of at most 64), in sequence order
+    units[b])`` (:mod:`attnplan.schedule`: longest units first in a batch of at most 32), in sequence order
     ``[indptr[b], indptr[b + 1])`` (:func:`merge_states` with ``indptr``). A run writes there the states
     of the sequences of two or more units (separate merge); a sequence of one unit writes ``out`` and
     ``lse`` directly and leaves its slot unwritten, and the fused merge keeps no ``(first, units)`` table.

@@ -14,7 +14,7 @@ defined once in :mod:`attnplan.schedule` and every backend computes exactly thos
 * **Prologue** (``plan.schedule.max_units_per_seq > 1``): the program reads ``seq_lens`` (all ``batch`` of them,
   from device memory, at every launch) and ``workspace.targets``, and computes the schedule: each sequence's
   granules, the batch's total, the granules per unit, each sequence's units and the slot of its first unit
-  ``first[b]`` (:func:`attnplan.schedule.first_slots`: longest units first in a batch of at most 64, else the
+  ``first[b]`` (:func:`attnplan.schedule.first_slots`: longest units first in a batch of at most 32, else the
   exclusive prefix sum in index order), hence the sequence ``b`` whose slots ``[first[b], first[b] + units[b])``
   hold ``u``, its unit index ``j = u - first[b]`` and token range ``[start, end)``. A program with ``u`` past the
   batch's ``U`` units exits at once, writing nothing. Program 0 also writes ``workspace.meta`` (``first[b]`` at

@@ -35,7 +35,7 @@ PARTIAL_CASES = [
     ("fp32-ieee-qlen2-looped-prologue", "fp32", "fp32", {"Q_LEN": 2, "DOT_PRECISION": "ieee", "BLOCK_B": 16,
                                                           "ONE_BLOCK": False}),
     # one prologue block of at most LONGEST_FIRST_BATCH: the slots longest units first, a [BLOCK_B, BLOCK_B] compare
-    ("bf16-balanced-separate-longest-first-b64", "bf16", "bf16", {"BLOCK_B": 64}),
+    ("bf16-balanced-separate-longest-first-b32", "bf16", "bf16", {"BLOCK_B": 32}),
     ("bf16-balanced-fused-longest-first-b16", "bf16", "bf16", {"BLOCK_B": 16, "MERGE": "fused"}),
 ]
 #: every variant on at once for each (q, KV) dtype pair, single pass and fused: a name a variant's branch assigns before the

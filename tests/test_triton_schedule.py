@@ -133,10 +133,10 @@ SCHEDULES = {
 # the looped prologue over one block (7, 16, False) is in the full tier: the loop runs over three blocks at 33
 # sequences, and a batch of one block takes the single-block path (7, 16, True)
 @pytest.mark.parametrize("batch,block_b,one_block", [(7, 16, True), pytest.param(7, 16, False, marks=pytest.mark.full),
-                                                     (33, 16, False), (50, 64, True)])
+                                                     (33, 16, False), (32, 32, True), (50, 64, True)])
 def test_prologue_matches_host_schedule(name, q_len, window, batch, block_b, one_block, gen):
     """Random lengths with zeros and long ones; every unit, a unit past the total, and the meta; the single-block
-    path (longest units first: 7 sequences in a block of 16, 50 in one of 64) and the loops (``block_b`` 16 with 33
+    path (longest units first: 7 sequences in a block of 16, 32 in one of 32; index order: 50 in one of 64) and the loops (``block_b`` 16 with 33
     sequences: three blocks, the last of one sequence, and the search stops early)."""
     sched = SCHEDULES[name](gen)
     lens = torch.randint(0, 300, (batch,), generator=gen)

@@ -12,17 +12,16 @@
 //   c = max(min_unit_granules, ceil(T / t)), or min_unit_granules when t == 0 (or the schedule is not balanced)
 //   units of b: uu = min(max_units_per_seq, ceil(nb / c)), cb = ceil(nb / uu), units = ceil(nb / cb); nb == 0: one
 //   (empty) unit, cb = 0;  unit j of b: [base + j cb G, +cb G) within L, in slot first[b] + j, where first is the
-//   exclusive prefix sum of units in (cb descending, b) order for a batch of at most LONGEST_FIRST_BATCH (64;
+//   exclusive prefix sum of units in (cb descending, b) order for a batch of at most LONGEST_FIRST_BATCH (32;
 //   longest units first: a grid fills the SMs in slot order) and in b order above
 // (FlashAttention-3's hopper/flash_prepare_scheduler.cu makes the same kind of choice on the device, in a kernel of
 // its own.) A batch of at most 32 sequences is scheduled by each warp alone, one sequence per lane, without shared
 // memory or barriers (schedule_unit_warp). Otherwise every thread of the program runs it (schedule_unit_chunked): the
 // batch is read in chunks of SCHED_CHUNK sequences, SCHED_PER consecutive ones per thread (one chunk, one read of
 // seq_lens, for batch <= 256 whatever the program's threads), the total and the longest by warp shuffles and one
-// exchange through shared memory, the prefix sum by a warp scan and the warps' totals; a batch of 33-64 sequences
-// whose cb differ counts each sequence's first slot from every sequence's (cb, units) in shared memory instead. The
-// scan stops at the chunk holding u, except in the program that writes meta (first[b] at b, units[b] at batch + b:
-// the separate merge's table), which scans the whole batch.
+// exchange through shared memory, the prefix sum by a warp scan and the warps' totals (index order). The scan stops
+// at the chunk holding u, except in the program that writes meta (first[b] at b, units[b] at batch + b: the separate
+// merge's table), which scans the whole batch.
 //
 // Shared memory: SCHED_WORDS int32 words at the start of the dynamic shared memory, free again when schedule_unit
 // returns (its last barrier is after every read), so the rings may reuse them at once.
@@ -31,11 +30,10 @@
 constexpr int SCHED_BATCH = 256;                          // sequences one chunk covers at least
 constexpr int SCHED_PER = cmax(1, SCHED_BATCH / NTHREADS);  // consecutive sequences per thread per chunk
 constexpr int SCHED_CHUNK = NTHREADS * SCHED_PER;           // sequences per chunk
-constexpr int LONGEST_FIRST_BATCH = 64;  // attnplan.schedule.LONGEST_FIRST_BATCH: slots longest units first up to it
-static_assert(SCHED_CHUNK >= LONGEST_FIRST_BATCH, "a batch ordered longest units first is one chunk");
-// words: the warps' granule sums and maxima, the warps' unit totals, the result (b, first[b], units[b], cb), the
-// warps' least and largest cb, then each sequence's cb and units (a batch ordered longest units first)
-constexpr int SCHED_WORDS = 5 * NWARPS + 4 + 2 * LONGEST_FIRST_BATCH;
+// attnplan.schedule.LONGEST_FIRST_BATCH: slots longest units first up to it, the batches of the one-warp path
+constexpr int LONGEST_FIRST_BATCH = 32;
+// words: the warps' granule sums and maxima, the warps' unit totals, then the result (b, first[b], units[b], cb)
+constexpr int SCHED_WORDS = 3 * NWARPS + 4;
 static_assert(SMEM_BYTES >= 4 * SCHED_WORDS, "the schedule's exchange lives in the dynamic shared memory");
 
 // The schedule of one unit: its sequence b (-1: u is past the batch's units), the slot of the sequence's first unit
@@ -200,7 +198,6 @@ __device__ __noinline__ UnitInfo schedule_unit_chunked(const int *__restrict__ s
     const int lane = tid & 31, warp = tid >> 5;
     int *w_sum = reinterpret_cast<int *>(smem), *w_max = w_sum + NWARPS, *w_units = w_max + NWARPS;
     int *res = w_units + NWARPS;  // b, first[b], units[b], cb
-    int *w_cblo = res + 4, *w_cbhi = w_cblo + NWARPS, *lf_cb = w_cbhi + NWARPS, *lf_un = lf_cb + LONGEST_FIRST_BATCH;
     if (tid == 0) sts(res, -1);  // published by the first barrier below
     // this thread's sequences of the first chunk: their granules (kept for the scan when one chunk is the batch)
     int nbv[SCHED_PER];
@@ -266,28 +263,6 @@ __device__ __noinline__ UnitInfo schedule_unit_chunked(const int *__restrict__ s
             un[e] = i < batch ? seq_units(nb, c, max_per, cbv[e]) : 0;
             mine += un[e];
         }
-        // a batch of at most LONGEST_FIRST_BATCH (one chunk): every sequence's cb and units, and the warps' least
-        // and largest cb, published by the scan's barrier (whether the order differs from the index order)
-        const bool lf = batch <= LONGEST_FIRST_BATCH;
-        if (lf) {
-            int lo = 0x7fffffff, hi = 0;
-#pragma unroll
-            for (int e = 0; e < SCHED_PER; ++e) {
-                const int i = tid * SCHED_PER + e;
-                if (i < batch) {
-                    sts(lf_cb + i, cbv[e]);
-                    sts(lf_un + i, un[e]);
-                    lo = cbv[e] < lo ? cbv[e] : lo;
-                    hi = cbv[e] > hi ? cbv[e] : hi;
-                }
-            }
-            lo = __reduce_min_sync(FULL_MASK, lo);
-            hi = __reduce_max_sync(FULL_MASK, hi);
-            if (lane == 0) {
-                sts(w_cblo + warp, lo);
-                sts(w_cbhi + warp, hi);
-            }
-        }
         int incl = mine;  // inclusive scan over the warp, then the warps before this one
 #pragma unroll
         for (int off = 1; off < 32; off <<= 1) {
@@ -297,43 +272,23 @@ __device__ __noinline__ UnitInfo schedule_unit_chunked(const int *__restrict__ s
         if (lane == 31) sts(w_units + warp, incl);
         __syncthreads();
         int start = running + incl - mine, total = 0;
-        bool ordered = false;  // slots longest units first, not in index order (program-uniform)
 #pragma unroll
         for (int w = 0; w < NWARPS; ++w) {
             const int t = lds<int>(w_units + w);
             start += w < warp ? t : 0;
             total += t;
         }
-        if (lf) {
-            int lo = 0x7fffffff, hi = 0;
-#pragma unroll
-            for (int w = 0; w < NWARPS; ++w) {
-                const int a = lds<int>(w_cblo + w), z = lds<int>(w_cbhi + w);
-                lo = a < lo ? a : lo;
-                hi = z > hi ? z : hi;
-            }
-            ordered = lo != hi;
-        }
 #pragma unroll
         for (int e = 0; e < SCHED_PER; ++e) {
             const int i = c0 + tid * SCHED_PER + e;
             if (i < batch) {
-                int first = start;  // index order: the scan's
-                if (ordered) {  // the units of the sequences before i in (cb descending, index) order
-                    first = 0;
-#pragma unroll 1
-                    for (int j = 0; j < batch; ++j) {
-                        const int cbj = lds<int>(lf_cb + j);
-                        first += (cbj > cbv[e] || (cbj == cbv[e] && j < i)) ? lds<int>(lf_un + j) : 0;
-                    }
-                }
                 if (write_meta) {
-                    meta[i] = first;
+                    meta[i] = start;
                     meta[batch + i] = un[e];
                 }
-                if (u >= first && u < first + un[e]) {  // exactly one thread of the batch
+                if (u >= start && u < start + un[e]) {  // exactly one thread of the batch
                     sts(res, i);
-                    sts(res + 1, first);
+                    sts(res + 1, start);
                     sts(res + 2, un[e]);
                     sts(res + 3, cbv[e]);
                 }

@@ -11,7 +11,7 @@ program first computes the schedule from the live ``seq_lens`` (:mod:`attnplan.s
 writes its unit either straight into ``out`` / ``lse`` (a sequence with one unit, sinks applied) or
 into its slot of the ragged workspace; then, for the ``separate`` merge, :meth:`NumbaBackend.merge`
 combines each remaining row's slots through the first-slot / units table (``workspace.meta``: sequence
-``b``'s units in slots ``[first[b], first[b] + units[b])``, longest units first in a batch of at most 64
+``b``'s units in slots ``[first[b], first[b] + units[b])``, longest units first in a batch of at most 32
 sequences, :mod:`attnplan.schedule`) that the partial kernel's program 0 wrote. A single-pass plan runs
 the same kernel without the prologue.
 The fused merge is not implemented (``merge_strategies = {"separate"}``; the planner falls back).

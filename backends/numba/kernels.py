@@ -17,7 +17,7 @@ Method (the kernel contract of :mod:`attnplan.backends.base`; Flash-Decoding, Da
   exactly: each sequence's granules ``nb``, the total ``T`` (a block reduction), the granules per
   unit ``c`` from ``targets[min(bit_length(T + T // 2), 31) + 32 * (2 T < batch * nb_max)]``, each
   sequence's units and the slot ``first[b]`` of its unit 0 (:mod:`attnplan.schedule`, "Slots, longest units
-  first"): in a batch of at most ``LONGEST_FIRST_BATCH`` (64) sequences the sum of the units of the sequences
+  first"): in a batch of at most ``LONGEST_FIRST_BATCH`` (32) sequences the sum of the units of the sequences
   with more granules per unit (ties: a lower index), each thread comparing its sequence with the whole batch;
   in a larger batch the exclusive prefix sum in index order (a block scan per chunk, carried across chunks;
   warp shuffles and one shared word per warp on the GPU, a shared-memory tree in the simulator). Hence the
@@ -587,7 +587,7 @@ def _next_pow2(x: int) -> int:
 def _sched_buffer_words(threads: int) -> int:
     """int64 words of shared memory the schedule prologue uses: its block reductions' (one per thread in the
     simulator, a shared-memory tree without shuffles; one per warp on the GPU, warp shuffles then the warps' sums),
-    and at least ``2 x LONGEST_FIRST_BATCH`` for the table of a small batch's ``(cb, units)`` (1 KiB)."""
+    and at least ``2 x LONGEST_FIRST_BATCH`` for the table of a small batch's ``(cb, units)`` (512 B)."""
     return max(threads if SIM else max(1, threads // 32), 2 * LONGEST_FIRST_BATCH)
 
 
@@ -712,7 +712,7 @@ def _make_schedule(threads: int, q_len: int, window: bool):
       Returns the sequence ``b`` of the unit in slot ``u`` (``-1`` when ``u`` is past the batch's units), its
       index ``j = u - first[b]`` in ``b``, and the granules per unit ``c``; ``first[i]`` is the slot of sequence
       ``i``'s unit 0 (:mod:`attnplan.schedule`, "Slots, longest units first": in a batch of at most
-      ``LONGEST_FIRST_BATCH`` (64) sequences the sequences take the slots in order of decreasing granules per unit,
+      ``LONGEST_FIRST_BATCH`` (32) sequences the sequences take the slots in order of decreasing granules per unit,
       ties by index; a larger batch in index order, ``first = indptr[:-1]``). With ``write_meta`` it writes
       ``meta[i] = first[i]``, ``meta[batch + i] = units[i]`` for every sequence (and scans the whole batch;
       otherwise a larger batch stops after ``u``'s chunk).
@@ -783,7 +783,7 @@ def _make_schedule(threads: int, q_len: int, window: bool):
             # granules per unit cb, ties by index (an empty sequence, cb = 0, last); not a prefix sum, so no scan.
             # Every sequence's (cb, units) goes to a table in buf (the reductions above end with a barrier, so buf
             # is free), then each thread takes whole sequences (one or two on a GPU, whose blocks have at least 32
-            # threads) and compares each with the table, at most 64 steps a sequence
+            # threads) and compares each with the table, at most 32 steps a sequence
             for i in range(tid, nbatch, NT):
                 _, nb = seq_span(seq_len_at(seq_lens, i, capacity), window_left, granule)
                 un_i, cb_i = seq_units(nb, c, max_per)

@@ -33,9 +33,9 @@ import triton.language as tl
 #: made its steps 0.7% slower in geomean (up to 13%).
 PACK_SLOTS_PER_UNIT = tl.constexpr(2)
 #: ``attnplan.schedule.LONGEST_FIRST_BATCH`` (this module imports nothing of attnplan's: the offline compile runs it
-#: by path): a prologue block of at most this many sequences lays their units out longest first, a ``[64, 64]``
+#: by path): a prologue block of at most this many sequences lays their units out longest first, a ``[32, 32]``
 #: comparison; a larger block in index order, a scan
-LONGEST_FIRST_BATCH = tl.constexpr(64)
+LONGEST_FIRST_BATCH = tl.constexpr(32)
 
 INT32_MAX = tl.constexpr(2147483647)
 #: most fp32 elements of workspace state (``o`` tiles of ``BLOCK_M x BLOCK_D``) the fused merge keeps in flight:
@@ -139,7 +139,7 @@ def _schedule(SEQ_LENS, stride_sl, TARGETS, META, batch, u, slots, pid, window_l
     slot. ``u`` is that slot, or with ``slots > 0`` (``ONE_BLOCK`` only, where ``U`` is known before the search) the
     program's slot of the grid's ``slots``, whose unit slot is :func:`attnplan.schedule.slot_unit`'s (the working
     programs spread over a grid of many more slots than units, else packed at its start). Sequences take the slots
-    longest units first where ``BLOCK_B <= LONGEST_FIRST_BATCH`` (a batch of at most 64,
+    longest units first where ``BLOCK_B <= LONGEST_FIRST_BATCH`` (a batch of at most 32,
     :func:`attnplan.schedule.first_slots`), in index order otherwise.
     Program ``pid == 0`` writes ``META`` (``first[b]`` at ``b``, ``units[b]`` at ``batch + b``) when
     ``WRITE_META``. ``ONE_BLOCK`` (``batch <= BLOCK_B``): ``seq_lens`` is read once and everything stays in
