@@ -32,10 +32,11 @@ for other views, and a plan forced onto it is refused at ``plan()``.
 *Values.* ``seq_lens`` in ``[0, capacity]``; the block-table entries a sequence uses (its first
 ``ceil(seq_len / page_size)``) in ``[0, num_pages)``, the others are never read. ``sm_scale`` finite
 (0 and negative scales are legal) and at most :data:`FP32_SCALED_MAX` in magnitude (fp32 after the
-``log2(e)`` factor); the kernels compute in fp32, so ``q.k`` and ``sm_scale x q.k`` must also stay within it, and
-``max|V| x visible tokens`` within fp32's range (not checked: these are values; past them a row overflows to inf /
-NaN, or to an empty row where every scaled score is -inf). ``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]``: 0 (off) or at least :data:`SOFT_CAP_MIN`
-(fp32's smallest normal number). ``window_left`` an ``int`` (not
+``log2(e)`` factor); the kernels compute in fp32, so ``sum_i |q_i k_i|`` and ``|sm_scale|`` times it must also
+stay within it (with an fp8 cache, over K's stored values and times ``k_scale``), and ``max|V| x visible tokens``
+within fp32's range (not checked: these are values; past them a row overflows to inf / NaN, or to an empty row where
+every scaled score is -inf; README, "fp32 range"). ``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]``: 0 (off) or at
+least :data:`SOFT_CAP_MIN` (fp32's smallest normal number). ``window_left`` an ``int`` (not
 ``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal, of any size:
 :func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite, at least :data:`SCALE_MIN` (fp32's smallest
 normal number) and at most :data:`FP32_SCALED_MAX` (floats and tensor values alike), and ``sm_scale`` times the

@@ -87,7 +87,7 @@ def _check_partial_launch(x, plan, workspace, out, lse):
     """After ``BACKEND.partial`` alone: one-unit sequences' rows in ``out``/``lse`` equal the reference (sink
     applied), their workspace slot untouched; every unit of a sequence with several units equals the
     reference's partial state (sequence order, ``indptr``) in its slot ``first[b] + j`` (longest units first in a
-    batch of at most 64), its ``out`` rows untouched; slots past the batch's units untouched; ``meta`` equals the
+    batch of at most 32), its ``out`` rows untouched; slots past the batch's units untouched; ``meta`` equals the
     host schedule (``first`` then ``units``). Returns the schedule's :class:`~attnplan.schedule.Units`."""
     ref_st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale,
                                       plan.schedule, window_left=x.window_left, soft_cap=x.soft_cap,
@@ -164,7 +164,7 @@ def _probe(lens, sched: Schedule, probe_units, *, threads=PROBE_THREADS[-1], q_l
 
 def _check_probe(lens, sched, probe_units, res, meta, q_len=1, window_left=-1, write_meta=True, capacity=None):
     """Each probed slot's row is :func:`schedule_units`'s unit in that slot (``by_slot``: longest units first in a
-    batch of at most 64, else index order), ``b = -1`` past the batch's units; ``meta`` is ``first`` then
+    batch of at most 32, else index order), ``b = -1`` past the batch's units; ``meta`` is ``first`` then
     ``units``. Returns the schedule's :class:`~attnplan.schedule.Units`."""
     u = schedule_units(lens, sched, q_len, window_left, capacity)
     by_slot = u.by_slot()
@@ -221,7 +221,7 @@ def test_prologue_over_many_scan_chunks(gen):
     sched = Schedule("balanced", 16, 1, 64, targets, max_units_bound(targets, 3000, 64))
     u = schedule_units(lens, sched)
     assert u.num_units > 3000 and int(u.units[1234]) > 8
-    assert u.first.tolist() == u.indptr[:-1].tolist()  # past 64 sequences: slots in index order
+    assert u.first.tolist() == u.indptr[:-1].tolist()  # past LONGEST_FIRST_BATCH sequences: slots in index order
     probe = [u.num_units - 1, int(u.first[1234]) + 3, u.num_units]
     res, meta = _probe(lens, sched, probe)
     _check_probe(lens, sched, probe, res, meta)

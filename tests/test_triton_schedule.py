@@ -136,8 +136,8 @@ SCHEDULES = {
                                                      (33, 16, False), (32, 32, True), (50, 64, True)])
 def test_prologue_matches_host_schedule(name, q_len, window, batch, block_b, one_block, gen):
     """Random lengths with zeros and long ones; every unit, a unit past the total, and the meta; the single-block
-    path (longest units first: 7 sequences in a block of 16, 32 in one of 32; index order: 50 in one of 64) and the loops (``block_b`` 16 with 33
-    sequences: three blocks, the last of one sequence, and the search stops early)."""
+    path (longest units first: 7 sequences in a block of 16, 32 in one of 32; index order: 50 in one of 64) and the
+    loops (``block_b`` 16 with 33 sequences: three blocks, the last of one sequence, and the search stops early)."""
     sched = SCHEDULES[name](gen)
     lens = torch.randint(0, 300, (batch,), generator=gen)
     lens[torch.rand(batch, generator=gen) < 0.3] = 0
@@ -556,8 +556,11 @@ def test_capacity_plan_long_tail_gpu(merge, page, q_len, gen):
 
 
 def test_longest_first_batch_is_the_schedules():
-    """The prologue's own copy of the batch limit of longest-first slots (its module imports nothing of attnplan's)."""
+    """The prologue's own copy of the batch limit of longest-first slots (its module imports nothing of attnplan's),
+    a power of two of at least 16: the prologue's block (``BLOCK_B = max(16, next_pow2(batch))``) is then at most the
+    limit exactly when the batch is."""
     from attnplan.backends.triton.kernels import LONGEST_FIRST_BATCH as KERNEL_LIMIT
     from attnplan.schedule import LONGEST_FIRST_BATCH
 
     assert KERNEL_LIMIT.value == LONGEST_FIRST_BATCH
+    assert LONGEST_FIRST_BATCH >= 16 and LONGEST_FIRST_BATCH & (LONGEST_FIRST_BATCH - 1) == 0

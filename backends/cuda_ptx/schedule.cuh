@@ -30,8 +30,10 @@
 constexpr int SCHED_BATCH = 256;                          // sequences one chunk covers at least
 constexpr int SCHED_PER = cmax(1, SCHED_BATCH / NTHREADS);  // consecutive sequences per thread per chunk
 constexpr int SCHED_CHUNK = NTHREADS * SCHED_PER;           // sequences per chunk
-// attnplan.schedule.LONGEST_FIRST_BATCH: slots longest units first up to it, the batches of the one-warp path
+// attnplan.schedule.LONGEST_FIRST_BATCH: slots longest units first up to it, the batches of the one-warp path (a lane
+// per sequence; schedule_unit_warp orders them, schedule_unit_chunked keeps index order)
 constexpr int LONGEST_FIRST_BATCH = 32;
+static_assert(LONGEST_FIRST_BATCH == 32, "the one-warp path orders a batch longest units first, the chunked path not");
 // words: the warps' granule sums and maxima, the warps' unit totals, then the result (b, first[b], units[b], cb)
 constexpr int SCHED_WORDS = 3 * NWARPS + 4;
 static_assert(SMEM_BYTES >= 4 * SCHED_WORDS, "the schedule's exchange lives in the dynamic shared memory");
@@ -180,7 +182,7 @@ struct SchedLoads {
 __device__ __forceinline__ SchedLoads sched_loads(const int *__restrict__ seq_lens, const int *__restrict__ targets,
                                                   int batch, bool balanced, int lane) {
     SchedLoads r{0, 0, 0};
-    if (batch <= 32 && lane < batch) r.len = seq_lens[lane];
+    if (batch <= LONGEST_FIRST_BATCH && lane < batch) r.len = seq_lens[lane];
     if (balanced) {
         r.t_lo = targets[lane];
         r.t_hi = targets[32 + lane];
@@ -320,7 +322,7 @@ __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens,
                                                   int u, int slots, bool write_meta, int window_left, int granule,
                                                   int min_c, int max_per, bool balanced, SchedLoads pre,
                                                   unsigned char *smem, int tid, int capacity) {
-    if (batch > 32)
+    if (batch > LONGEST_FIRST_BATCH)
         return schedule_unit_chunked(seq_lens, meta, batch, u, write_meta, window_left, granule, min_c, max_per,
                                      balanced, pre.t_lo, pre.t_hi, smem, tid, capacity);
     return schedule_unit_warp(pre.len, meta, batch, u, slots, write_meta && (tid >> 5) == 0, window_left, granule,

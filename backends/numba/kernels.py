@@ -18,9 +18,10 @@ Method (the kernel contract of :mod:`attnplan.backends.base`; Flash-Decoding, Da
   unit ``c`` from ``targets[min(bit_length(T + T // 2), 31) + 32 * (2 T < batch * nb_max)]``, each
   sequence's units and the slot ``first[b]`` of its unit 0 (:mod:`attnplan.schedule`, "Slots, longest units
   first"): in a batch of at most ``LONGEST_FIRST_BATCH`` (32) sequences the sum of the units of the sequences
-  with more granules per unit (ties: a lower index), each thread comparing its sequence with the whole batch;
-  in a larger batch the exclusive prefix sum in index order (a block scan per chunk, carried across chunks;
-  warp shuffles and one shared word per warp on the GPU, a shared-memory tree in the simulator). Hence the
+  with more granules per unit (ties: a lower index), each thread comparing its sequences with a shared table of
+  every sequence's ``(cb, units)``; in a larger batch the exclusive prefix sum in index order (a block scan per
+  chunk, carried across chunks; warp shuffles and one shared word per warp on the GPU, a shared-memory tree in the
+  simulator; the shared buffer holds at least ``2 x LONGEST_FIRST_BATCH`` words for the table). Hence the
   sequence ``b`` whose slots ``[first[b], first[b] + units[b])`` hold the program's slot ``u``, its unit index
   ``j = u - first[b]`` and token range ``[start, end)``. ``ceil(a / b)`` is computed as
   ``(a - 1) // b + 1`` for ``a >= 1`` (no ``a + b - 1`` overflow); the total is 64-bit. Every length is
