@@ -855,8 +855,11 @@ class DecodeWrapper:
         Raises:
             PlanNotReadyError: no ``plan()`` was made, or a CUDA graph is being captured.
             TypeError: ``plan`` is not a :class:`SplitPlan`.
-            ValueError: ``plan`` is for another backend, fails the plan-file checks, or does not serve the planned
-                problem on it (naming what does not fit); ``TypeError`` for a field of the wrong type.
+            ValueError: ``plan`` is for another backend or another device (its ``device`` key: name, SMs, compute
+                capability, driver; its kernel options and grid were chosen for that device, as a plan file's
+                are; ``dataclasses.replace(plan, device=wrapper.plan_.device)`` runs it here anyway), fails the
+                plan-file checks, or does not serve the planned problem on it (naming what does not fit);
+                ``TypeError`` for a field of the wrong type.
         """
         if self.plan_ is None or self.backend is None or self.workspace is None:
             raise PlanNotReadyError("DecodeWrapper.use_plan() called before plan()")
@@ -868,6 +871,10 @@ class DecodeWrapper:
         if plan.backend != self.backend.name:
             raise ValueError(f"the plan is for backend {plan.backend!r}, this wrapper's inputs were planned on "
                              f"{self.backend.name!r}")
+        if plan.device != self.plan_.device:
+            raise ValueError(f"the plan is for device {tuple(plan.device)}, the planned inputs are on "
+                             f"{tuple(self.plan_.device)}: plan() here, or dataclasses.replace(plan, device=...) to run "
+                             f"it here anyway")
         if plan.problem != self.plan_.problem:
             a, b = vars(self.plan_.problem), vars(plan.problem) if hasattr(plan.problem, "__dict__") else {}
             diff = [f"{k} {a[k]!r:.40} (the plan: {b.get(k)!r:.40})" for k in a if b.get(k) != a[k]]

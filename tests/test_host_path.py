@@ -762,7 +762,7 @@ def test_a_dropped_wrapper_leaves_no_workspace_behind(backend, gen):
 def test_use_plan_serves_the_planned_inputs_with_another_plan(backend, gen, monkeypatch):
     """``use_plan`` swaps the plan of a planned (and run, so bound) wrapper for another plan of the same problem: the
     next run() launches that plan on a workspace that serves it, right; a plan of another problem or backend, or
-    none planned yet, is refused before anything changes; the next plan() plans afresh."""
+    another device, or none planned yet, is refused before anything changes; the next plan() plans afresh."""
     x = make_inputs(3, 8, 2, 32, [70, 5, 33], page_size=16, dtype=torch.float32, generator=gen)
     args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
     cfg = attnplan.load_config(plan_cache={"enabled": False})
@@ -785,6 +785,9 @@ def test_use_plan_serves_the_planned_inputs_with_another_plan(backend, gen, monk
                                                                    y.block_table, num_splits=4)
     with pytest.raises(ValueError, match="another problem"):
         w.use_plan(elsewhere)
+    moved = dataclasses.replace(other, device=other.device._replace(sm_count=other.device.sm_count + 1))
+    with pytest.raises(ValueError, match="for device .* the planned inputs are on"):
+        w.use_plan(moved)
     if backend != "reference":
         ref_plan = attnplan.DecodeWrapper(cfg, backend="reference").plan(*args)
         with pytest.raises(ValueError, match="for backend 'reference'"):
