@@ -244,9 +244,9 @@ class Units:
     end: torch.Tensor
     total_granules: int
     granules_per_unit: int
-    target: int = 0
-    first: torch.Tensor | None = None
-    slot: torch.Tensor | None = None
+    target: int
+    first: torch.Tensor
+    slot: torch.Tensor
 
     @property
     def num_units(self) -> int:
