@@ -873,8 +873,8 @@ class DecodeWrapper:
                              f"{self.backend.name!r}")
         if plan.device != self.plan_.device:
             raise ValueError(f"the plan is for device {tuple(plan.device)}, the planned inputs are on "
-                             f"{tuple(self.plan_.device)}: plan() here, or dataclasses.replace(plan, device=...) to run "
-                             f"it here anyway")
+                             f"{tuple(self.plan_.device)}: plan() here, or dataclasses.replace(plan, device=...) to "
+                             f"run it here anyway")
         if plan.problem != self.plan_.problem:
             a, b = vars(self.plan_.problem), vars(plan.problem) if hasattr(plan.problem, "__dict__") else {}
             diff = [f"{k} {a[k]!r:.40} (the plan: {b.get(k)!r:.40})" for k in a if b.get(k) != a[k]]

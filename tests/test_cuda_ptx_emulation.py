@@ -102,6 +102,13 @@ def _outputs(x):
     return poison(torch.empty_like(x.q)), poison(torch.empty(x.q.shape[:3], dtype=torch.float32))
 
 
+def _run(be, x, plan):
+    """``plan`` run on ``x`` (partial kernel, then its merge) into poisoned outputs and workspace: ``(out, lse)``."""
+    out, lse = _outputs(x)
+    be.run(plan, x, _workspace(plan), out, lse)
+    return out, lse
+
+
 def _kw(x):
     return dict(window_left=x.window_left, soft_cap=x.soft_cap, k_scale=x.k_scale, v_scale=x.v_scale)
 
@@ -1004,8 +1011,7 @@ def test_emulated_nan_in_v_reaches_only_rows_that_see_it(be, q_len, window, mode
     ref, ref_lse = _reference(x)
     assert torch.isnan(ref).any() and not torch.isnan(ref[:, 0]).all()
     plan = _plan(be, x, splits, mode)
-    out, lse = _outputs(x)
-    be.run(plan, x, _workspace(plan), out, lse)
+    out, lse = _run(be, x, plan)
     assert torch.equal(torch.isnan(out), torch.isnan(ref)), \
         f"NaN at {torch.isnan(out).nonzero()[:4].tolist()}, reference at {torch.isnan(ref).nonzero()[:4].tolist()}"
     assert_close_to_reference(out.float().nan_to_num(0.0), ref.nan_to_num(0.0), x.q.dtype)
@@ -1028,8 +1034,7 @@ def test_emulated_non_finite_scores_give_nan_rows_never_empty_rows(be, mode, spl
     ref, ref_lse = _reference(x)
     assert torch.isnan(ref_lse[0, 0, 2]) and torch.isnan(ref_lse[1, 0, 4:]).all() and torch.isnan(ref_lse[2, 0, 1])
     plan = _plan(be, x, splits, mode)
-    out, lse = _outputs(x)
-    be.run(plan, x, _workspace(plan), out, lse)
+    out, lse = _run(be, x, plan)
     assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)), \
         f"NaN lse at {torch.isnan(lse).nonzero().tolist()}, reference at {torch.isnan(ref_lse).nonzero().tolist()}"
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
@@ -1059,8 +1064,7 @@ def test_emulated_large_legal_scales_do_not_overflow_q(be, mode, fp8, gen):
         assert torch.isfinite(ref).all() and torch.isfinite(ref_lse).all()
         for splits in (1, 3):
             plan = _plan(be, x, splits, mode)
-            out, lse = _outputs(x)
-            be.run(plan, x, _workspace(plan), out, lse)
+            out, lse = _run(be, x, plan)
             assert_close_to_reference(out, ref, x.q.dtype, f"out at sm_scale {sm:g}, k_scale {k_scale:g}")
             assert_close_to_reference(lse, ref_lse, torch.float32, f"lse at sm_scale {sm:g}, k_scale {k_scale:g}")
 
@@ -1084,8 +1088,7 @@ def test_emulated_scores_and_values_at_the_edge_of_the_fp32_range(be, mode, gen)
         assert torch.isfinite(ref).all() and torch.isfinite(ref_lse).all()
         for splits in (1, 3):
             plan = _plan(be, x, splits, mode)
-            out, lse = _outputs(x)
-            be.run(plan, x, _workspace(plan), out, lse)
+            out, lse = _run(be, x, plan)
             what = f"sm_scale {sm:g}, q.k in [{lo}, {hi}), {splits} splits"
             if lo == 300.0:  # past the domain: the documented empty row, unless the backend still fits the scores
                 empty = bool((out == 0).all()) and bool((lse == float("-inf")).all())
@@ -1196,8 +1199,7 @@ def test_emulated_window_wider_than_the_cache(be, mode, gen):
         for splits in (1, 3):
             plan = _plan(be, x, splits, mode)
             assert be.spec_for("partial", plan).window
-            out, lse = _outputs(x)
-            be.run(plan, x, _workspace(plan), out, lse)
+            out, lse = _run(be, x, plan)
             assert_close_to_reference(out, ref, torch.bfloat16, f"out (window {window}, splits {splits})")
             assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (window {window}, splits {splits})")
 
