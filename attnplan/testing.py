@@ -208,6 +208,31 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch
                              f"{float(bound[i]):.3e}, ref {float(r[fin][i]):.4f}); atol {atol}, rtol {rtol}")
 
 
+#: the fp32 domain's edge (README, "fp32 range"), as ``(sm_scale, lo, hi)``: q = e_0 and K's first column drawn in
+#: ``[lo, hi)``, so ``q.k`` is there; ``lo = None``: q = 0 (equal weights over V). Scaled scores of ~1e38-2e38, of one
+#: sign or both in a row; the last case (-3e38 to -4e38) is past the domain
+FP32_EDGE_CASES = ((1e36, 100.0, 200.0), (-1e36, 100.0, 200.0), (1e36, -200.0, 200.0), (1.0, None, None),
+                   (-1e36, 300.0, 400.0))
+#: V's magnitude in those cases: positive values up to this, over rows of at most 40 tokens, sum below fp32's largest
+#: value only if no softmax weight exceeds 1 by more than ~3%
+FP32_EDGE_V = 3.3e38 / 40
+
+
+def assert_fp32_edge(out: torch.Tensor, lse: torch.Tensor, ref: torch.Tensor, ref_lse: torch.Tensor, lo,
+                     dtype: torch.dtype, what: str) -> None:
+    """An :data:`FP32_EDGE_CASES` case's ``out`` / ``lse`` against the float64 ``ref`` / ``ref_lse``: finite and within
+    :data:`TOLERANCES` (``out`` at ``dtype``'s, ``lse`` at fp32's) inside the domain; past it (``lo`` 300) the
+    documented empty row (``out`` 0, ``lse`` -inf), or the reference within 2% where a backend still fits the
+    scores."""
+    if lo == 300.0:
+        empty = bool((out == 0).all()) and bool((lse == float("-inf")).all())
+        assert empty or torch.allclose(out.cpu().float(), ref.float(), rtol=2e-2), what
+        return
+    assert torch.isfinite(out).all(), f"{what}: non-finite output"
+    assert_close_to_reference(out.cpu(), ref, dtype, f"out at {what}")
+    assert_close_to_reference(lse.cpu(), ref_lse, torch.float32, f"lse at {what}")
+
+
 #: the benchmarks' output check: the largest difference from a reference allowed per sequence, relative to that
 #: sequence's largest output element (:func:`max_seq_rel_error`). bf16 rounding is ~0.4% of it, while a sequence
 #: read in part or not at all differs by tens of percent; an absolute bound cannot tell, since on random inputs a
