@@ -516,7 +516,9 @@ def _read_yaml(path: Path | str, source: str) -> dict:
         opener = path.open if isinstance(path, resources.abc.Traversable) else Path(path).open
         with opener("rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:  # ValueError: a path the OS cannot take (an embedded NUL)
         raise ConfigError(f"cannot read attnplan config {source}: {e}") from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"attnplan config {source} is larger than {MAX_CONFIG_BYTES} bytes; a config is a few "
@@ -554,13 +556,18 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
         path: a YAML file (a leading ``~`` is the home folder); when ``None``, ``$ATTNPLAN_CONFIG`` if set.
         **overrides: top-level keys merged last (for tests and the CLI).
     Raises:
-        ConfigError: unreadable, oversized, non-UTF-8 or too deeply nested file, bad YAML, an alias
-            bomb, a key given twice in one mapping, unknown key, or bad value (each names the file and the key).
+        TypeError: ``path`` is neither ``None``, a ``str`` nor an ``os.PathLike`` (a file descriptor, bytes, ...).
+        ConfigError: unreadable, oversized, non-UTF-8 or too deeply nested file, a path the OS refuses (e.g. with a
+            NUL character), bad YAML, an alias bomb, a key given twice in one mapping, unknown key, or bad value (each
+            names the file and the key).
     """
     data = dict(_default_data())
     src = "plans/default.yaml"
     path = path if path is not None else os.environ.get("ATTNPLAN_CONFIG") or None
-    if isinstance(path, (str, os.PathLike)):
+    if path is not None:
+        if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+            raise TypeError(f"load_config: path must be a str or os.PathLike naming a YAML file, or None, got "
+                            f"{type(path).__name__} {path!r:.80}")
         path = os.path.expanduser(path)  # "~/attnplan.yaml" from the environment or a quoted argument
     if path is not None:
         user = _read_yaml(path, str(path))

@@ -480,3 +480,22 @@ def test_a_config_is_immutable_all_the_way_down():
     assert attnplan.load_config(backends=c.backends, backends_by_arch=c.backends_by_arch,
                                 backends_fp8_kv=c.backends_fp8_kv) == c
     assert Config(**dict(c)) == c
+
+
+@pytest.mark.parametrize("bad", [3, True, b"plans/default.yaml", 2.5, ["c.yaml"]])
+def test_a_config_path_of_another_type_is_refused_by_name(bad, tmp_path):
+    """A path is a ``str`` or an ``os.PathLike``: an int (which ``os.stat`` would take as an open file descriptor),
+    a bool, bytes or a list is a ``TypeError`` naming ``path``, whatever file it might reach."""
+    f = tmp_path / "c.yaml"
+    f.write_text("split: {num_splits: 2}\n")
+    with open(f) as fh:  # an open descriptor the int could name
+        assert fh.fileno() >= 0
+        with pytest.raises(TypeError, match="load_config: path must be a str or os.PathLike"):
+            load_config(bad)
+
+
+def test_a_config_path_the_os_refuses_is_a_config_error():
+    """A path with a NUL character (which the OS cannot take) is a ``ConfigError`` naming the file, like any other
+    unreadable config, not a bare ``ValueError`` from inside ``os.stat``."""
+    with pytest.raises(ConfigError, match="cannot read attnplan config .*embedded null"):
+        load_config("plans/a\0b.yaml")
