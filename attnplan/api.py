@@ -31,16 +31,17 @@ from dataclasses import dataclass
 import torch
 
 from ._repr import short_repr
-from .backends import Backend, DecodeInputs, Workspace, get_backend
+from .backends import Backend, DecodeInputs, Workspace, check_backend_name, get_backend
 from .cache import PlanCache, check_plan
 from .config import MAX_SPLITS, Config, device_table, load_config
 from .device import DeviceInfo, device_info
 from .planner import DeviceKey, SplitPlan, entry_options, launch_problem_of, make_plan
 from .state import PartialState
-from .problem import (DecodeProblem, as_host_lengths, check_no_grad, check_not_lazy, check_sm_scale, check_strided,
-                      check_variant_tensors, default_sm_scale, explain_lengths, has_internal_overlap, host_lengths,
-                      OverlapError, is_contiguous_layout, len_bucket, mean_bucket, overlap_error, rows_16_byte,
-                      same_signature, signature_change, torch_dtype, validate_inputs, validate_outputs, validate_values)
+from .problem import (DecodeProblem, as_host_lengths, check_addressable, check_no_grad, check_not_lazy, check_sm_scale,
+                      check_strided, check_variant_tensors, default_sm_scale, explain_lengths, has_internal_overlap,
+                      host_lengths, OverlapError, is_contiguous_layout, len_bucket, mean_bucket, overlap_error,
+                      rows_16_byte, same_signature, signature_change, torch_dtype, validate_inputs, validate_outputs,
+                      validate_values)
 
 __all__ = ["decode", "DecodeWrapper", "select_backend", "NoBackendError", "PlanNotReadyError", "Context",
            "default_context", "plan_problem", "DECODE_WRAPPERS"]
@@ -224,10 +225,11 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
         ``(backend, skipped)`` where ``skipped`` lists ``(name, reasons)`` of each earlier backend.
     Raises:
         NoBackendError: none fits; the message gives the problem and every backend's reasons.
-        ValueError: ``backend`` is not a known backend name.
+        TypeError, ValueError: ``backend`` is not a backend's name (``None`` walks the order; ``""`` is refused).
     """
     arch = device_info(device).arch if device.type == "cuda" else None
-    order = [backend] if backend else dispatch_order(config, torch_dtype(problem.kv_dtype).itemsize == 1, arch)
+    order = [backend] if backend is not None else \
+        dispatch_order(config, torch_dtype(problem.kv_dtype).itemsize == 1, arch)
     skipped: list[tuple[str, list[str]]] = []
     blocked: tuple[int, Backend, list] | None = None  # the backend with the fewest query blocks, what it skipped
     for name in order:
@@ -242,7 +244,7 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
         if reasons:
             skipped.append((name, reasons))
             continue
-        if backend:
+        if backend is not None:
             return be, skipped
         if blocked is not None and be.fallback:
             break  # the float64 fallback is never preferred to a kernel backend's query blocks
@@ -503,12 +505,12 @@ def _outputs_fit(qsig: tuple, out, lse) -> bool:
         if out is not None and not (isinstance(out, T) and out.shape == shape and out.dtype == dtype
                                     and out.device == device and (shape[3] <= 1 or out.stride(3) == 1)
                                     and (out.is_contiguous() or not has_internal_overlap(shape, out.stride()))
-                                    and not out.is_neg()):
+                                    and not out.is_neg() and not out.requires_grad):
             return False
         return lse is None or (isinstance(lse, T) and lse.dtype == _F32 and lse.shape == shape[:3]
                                and lse.device == device and (shape[2] <= 1 or lse.stride(2) == 1)
                                and (lse.is_contiguous() or not has_internal_overlap(shape[:3], lse.stride()))
-                               and not lse.is_neg())
+                               and not lse.is_neg() and not lse.requires_grad)
     except RuntimeError:  # a tensor without one shape (nested) or strides (sparse): validate_outputs names it
         return False
 
@@ -521,6 +523,10 @@ class DecodeWrapper:
             for the default context (``plans/default.yaml`` + ``$ATTNPLAN_CONFIG``).
         backend: force one backend by name (its refusal reasons become the error); ``None``
             walks the config's order.
+
+    Raises:
+        TypeError: ``backend`` is neither ``None`` nor a ``str``. ValueError: ``backend`` is no backend's name.
+        ConfigError: ``config`` is a path to a bad config file (:func:`~attnplan.config.load_config`).
 
     Threads: a wrapper is not thread-safe; use one per thread (or per stream), as :func:`decode` and the Hugging
     Face integration do. Wrappers of one :class:`Context` may run in different threads at once (the context, its
@@ -552,6 +558,8 @@ class DecodeWrapper:
     __copy__ = __deepcopy__ = __reduce_ex__ = _refuse_copy
 
     def __init__(self, config: Config | Context | str | None = None, *, backend: str | None = None):
+        if backend is not None:
+            check_backend_name(backend)
         self.ctx = _context(config)
         self.forced_backend = backend
         self.plan_: SplitPlan | None = None
@@ -626,6 +634,12 @@ class DecodeWrapper:
                 pb = block_table.data_ptr()
                 sb = ("block_table", block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
                       not pb & 15)
+            if not (pq and pk and pv and ps) or (block_table is not None and not pb):
+                # address 0: a tensor without elements, or a wrapper subclass without memory (refused by name)
+                for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
+                                ("block_table", block_table)):
+                    if t is not None:
+                        check_addressable(t, name)
             return ((("q", q.shape, q.stride(), q.dtype, q.device, not pq & 15),
                      ("k_cache", k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, not pk & 15),
                      ("v_cache", v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, not pv & 15),
@@ -637,6 +651,7 @@ class DecodeWrapper:
                             ("block_table", block_table)):
                 if t is not None:
                     check_strided(t, name)
+                    check_addressable(t, name)
             raise
 
     def plan(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
@@ -990,13 +1005,15 @@ class DecodeWrapper:
             ``out``.
         Raises:
             PlanNotReadyError: no ``plan()`` was made (under capture: plan before capturing).
-            TypeError: an argument is not a tensor.
+            TypeError: an argument is not a tensor, or a tensor without memory of its own (a wrapper subclass such as
+                ``DTensor``: :func:`attnplan.problem.check_addressable`).
             ValueError: the shape, strides, dtype, device or 16-byte alignment of q, k_cache, v_cache,
                 seq_lens or block_table differ from the planned ones (named; the strides of a tensor C-contiguous
                 now and at plan() may differ along axes of length one, see
                 :func:`attnplan.problem.same_signature`); one of them is a lazily negated view (``Tensor.is_neg()``,
                 which the signature does not show); ``out`` / ``lse`` have the
-                wrong shape, dtype, device or last-axis stride, or overlap an input or each other; the
+                wrong shape, dtype, device or last-axis stride, require grad while grad mode is on, or overlap an
+                input or each other; the
                 planned ``sm_scale`` is not finite. All before any kernel runs.
         """
         f = self._fast
@@ -1058,8 +1075,10 @@ class DecodeWrapper:
                 p0, p1, p2, p3 = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr()
                 p4 = block_table.data_ptr() if bs is not None else 0
                 o = self._out if out is None else out
-                if q.shape == qs and (q.is_contiguous() if qst is None else q.stride() == qst) and q.dtype is qd \
-                        and q.device == qv and (not p0 & 15) is qa \
+                # a pointer of 0 (a wrapper subclass without memory, or no elements): the full path decides
+                if p0 and p1 and p2 and p3 and (p4 or bs is None) \
+                        and q.shape == qs and (q.is_contiguous() if qst is None else q.stride() == qst) \
+                        and q.dtype is qd and q.device == qv and (not p0 & 15) is qa \
                         and k_cache.shape == ks \
                         and (k_cache.is_contiguous() if kst is None else k_cache.stride() == kst) \
                         and k_cache.dtype is kd and k_cache.device == kv and (not p1 & 15) is ka \
@@ -1076,9 +1095,9 @@ class DecodeWrapper:
                                             and (not p4 & 15) is ba and not block_table.is_neg())) \
                         and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg() or seq_lens.is_neg()) \
                         and (out is None or (isinstance(out, T) and out.shape == qs and out.dtype is qd
-                                             and out.device == qv and not out.is_neg())) \
+                                             and out.device == qv and not out.is_neg() and not out.requires_grad)) \
                         and (lse is None or (isinstance(lse, T) and lse.dtype is _F32 and lse.shape == ls3
-                                             and lse.device == qv and not lse.is_neg())):
+                                             and lse.device == qv and not lse.is_neg() and not lse.requires_grad)):
                     a0 = o.data_ptr()
                     if o.is_contiguous():  # its bytes: exactly its numel's (its last stride 1 where it matters)
                         a1 = a0 + nbytes
@@ -1090,7 +1109,7 @@ class DecodeWrapper:
                         ok = out is None or ((qs[3] <= 1 or s[3] == 1)
                                              and ((m is not None and m[0] is qs and m[1] == s)
                                                   or self._no_self_overlap(qs, s)))
-                    ok = ok \
+                    ok = ok and a0 != 0 \
                         and not (e0 and a0 < p0 + e0 and p0 < a1) and not (e1 and a0 < p1 + e1 and p1 < a1) \
                         and not (e2 and a0 < p2 + e2 and p2 < a1) and not (e3 and a0 < p3 + e3 and p3 < a1) \
                         and not (e4 and a0 < p4 + e4 and p4 < a1)
@@ -1098,7 +1117,7 @@ class DecodeWrapper:
                         t = lse.stride()
                         c0 = lse.data_ptr()
                         c1 = c0 + (d0 * t[0] + d1 * t[1] + d2 * t[2] + 1) * 4
-                        ok = (qs[2] <= 1 or t[2] == 1) and not (a0 < c1 and c0 < a1) \
+                        ok = c0 != 0 and (qs[2] <= 1 or t[2] == 1) and not (a0 < c1 and c0 < a1) \
                             and (lse.is_contiguous() or not has_internal_overlap(ls3, t)) \
                             and not (e0 and c0 < p0 + e0 and p0 < c1) and not (e1 and c0 < p1 + e1 and p1 < c1) \
                             and not (e2 and c0 < p2 + e2 and p2 < c1) and not (e3 and c0 < p3 + e3 and p3 < c1) \
@@ -1179,11 +1198,15 @@ class DecodeWrapper:
         (d0, d1, d2, d3), isz = q_terms
         s = out.stride()
         a0 = out.data_ptr()
+        if not a0:
+            check_addressable(out, "out")
         a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
         c0 = c1 = 0
         if lse is not None:
             s = lse.stride()
             c0 = lse.data_ptr()
+            if not c0:
+                check_addressable(lse, "lse")
             c1 = c0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + 1) * 4
             if a0 < c1 and c0 < a1:
                 raise overlap_error("out", a0, a1, "lse", c0, c1)
@@ -1227,7 +1250,7 @@ class DecodeWrapper:
         lens = self._lens_host if seq_lens is None else \
             explain_lengths(seq_lens, self.plan_.problem.batch, self._static["capacity"])
         text = self.plan_.explain(lens)
-        if not self.forced_backend:
+        if self.forced_backend is None:
             c, arch = self.ctx.config, self.plan_.device.arch
             fp8 = torch_dtype(self.plan_.problem.kv_dtype).itemsize == 1
             order = dispatch_order(c, fp8, arch)
@@ -1278,11 +1301,14 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
         ``out`` in q's dtype. Query ``i`` of a sequence of length ``L`` attends to KV positions
         ``< L - q_len + i + 1``; a row with none gets zeros.
     Raises:
-        TypeError, ValueError: bad inputs, before any kernel runs (an input that requires grad while grad mode is on
-            among them: attnplan computes no gradients). NoBackendError: no backend fits.
+        TypeError, ValueError: bad inputs, before any kernel runs (among them: an input, ``out`` or ``lse`` that
+            requires grad while grad mode is on, since attnplan computes no gradients; a tensor without memory of its
+            own, such as a ``DTensor``; a ``backend`` that names no backend). NoBackendError: no backend fits.
     """
     # -- argument checks (the inputs' own: DecodeWrapper.plan; out / lse overlap: DecodeWrapper.run) --
     check_sm_scale(sm_scale)
+    if backend is not None:
+        check_backend_name(backend)
     try:
         sig, ptrs = DecodeWrapper._signature_ptrs(q, k_cache, v_cache, seq_lens, block_table)
     except TypeError:

@@ -17,7 +17,9 @@ aliasing; and any fault of ``sinks`` but its layout, including its type or dtype
 names the argument, what was given and what is required.
 
 *Layout.* Every tensor is dense (strided): a sparse or nested tensor (the latter's layout says strided) is a
-``TypeError`` naming it.
+``TypeError`` naming it; so is a tensor with elements but no memory of its own (a wrapper subclass such as
+``DTensor``, or a tensor under ``torch.func.vmap``: its data pointer is 0 or unavailable). ``out`` and ``lse`` are
+written in place: while grad mode is on, one that requires grad is a ``ValueError``, as torch's ``out=`` refuses it.
 
 *Strides.* Unit stride (in elements) is required on the last axis of ``q``, ``k_cache``, ``v_cache``,
 ``out`` and ``lse``, on ``seq_lens``, on the block table's last axis (its columns), on ``sinks`` and on
@@ -431,6 +433,24 @@ def check_strided(t: torch.Tensor, name: str) -> None:
                         f"{'a nested tensor' if t.is_nested else t.layout}")
 
 
+def check_addressable(t: torch.Tensor, name: str) -> None:
+    """Raise ``TypeError`` unless the kernels can address the elements of ``t`` (named ``name`` in the message): a
+    tensor with elements must have a data pointer. A wrapper subclass without storage of its own (``DTensor``, a
+    tensor under ``torch.func.vmap``, torch's ``TwoTensor``) has none (``data_ptr()`` raises or answers 0), and a
+    kernel handed its address would read or write address 0. A meta tensor (address 0 too) is left to its own check;
+    a tensor without elements is never read. O(1), no sync."""
+    if t.is_meta or t.numel() == 0:
+        return
+    try:
+        p = t.data_ptr()
+    except RuntimeError:
+        p = 0
+    if not p:
+        raise TypeError(f"{name} is a {type(t).__name__} without memory of its own (no data pointer the kernels "
+                        f"could read or write): pass a plain tensor (a DTensor's to_local(), a subclass's inner "
+                        f"tensor)")
+
+
 def check_no_grad(q, k_cache, v_cache, sinks=None, k_scale=None, v_scale=None) -> None:
     """attnplan computes no gradients (decode attention, for inference): while grad mode is on, an input that requires
     grad would get an output detached from it, silently. Refused instead (``plan()`` and ``decode()``; ``run()``
@@ -496,6 +516,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
         if t.is_meta:
             raise ValueError(f"{name} is on the meta device (a shape without data): attnplan reads and writes "
                              "values, pass tensors on the CPU or a GPU")
+        check_addressable(t, name)
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D [batch, q_len, num_q_heads, head_dim], got shape {_shape(q)}")
     batch, q_len, hq, d = q.shape
@@ -575,6 +596,7 @@ def validate_inputs(q, k_cache, v_cache, seq_lens, block_table=None, *, window_l
     if sinks is not None:
         if isinstance(sinks, torch.Tensor):
             check_strided(sinks, "sinks")
+            check_addressable(sinks, "sinks")
         if not isinstance(sinks, torch.Tensor) or sinks.shape != (hq,) or sinks.dtype != torch.float32:
             raise ValueError(f"sinks must be a float32 tensor of shape [num_q_heads] = [{hq}], got "
                              f"{getattr(sinks, 'shape', type(sinks).__name__)} {getattr(sinks, 'dtype', '')}")
@@ -611,6 +633,7 @@ def _check_scales(fp8: bool, k_scale, v_scale, hkv: int, device) -> tuple[str, f
         else:
             if isinstance(sc, torch.Tensor):
                 check_strided(sc, name)
+                check_addressable(sc, name)
             if not (isinstance(sc, torch.Tensor) and sc.dtype == torch.float32 and sc.shape == (hkv,)
                     and sc.device == device):
                 raise ValueError(f"{name} must be a float or a float32 tensor [num_kv_heads] = [{hkv}] on {device}, "
@@ -712,13 +735,17 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
     not checked), both on q's device with unit stride in their last axis (leading strides are free).
 
     Raises:
-        TypeError: ``out`` or ``lse`` is not a tensor.
-        ValueError: shape, dtype, device or last-axis stride differ (named, with what is required).
+        TypeError: ``out`` or ``lse`` is not a tensor, or has no memory of its own (:func:`check_addressable`).
+        ValueError: shape, dtype, device or last-axis stride differ (named, with what is required), or grad mode is
+            on and the buffer requires grad (written in place, it would hold a result autograd knows nothing of;
+            torch's own ``out=`` refuses it too).
     """
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
         check_strided(out, "out")
+        check_addressable(out, "out")
+        _check_output_grad("out", out)
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} "
                              f"{out.dtype} on {out.device}")
@@ -730,6 +757,8 @@ def validate_outputs(q: torch.Tensor, out, lse) -> None:
     if not isinstance(lse, torch.Tensor):
         raise TypeError(f"lse must be a torch.Tensor or None, got {type(lse).__name__}")
     check_strided(lse, "lse")
+    check_addressable(lse, "lse")
+    _check_output_grad("lse", lse)
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(f"lse must be {tuple(q.shape[:3])} float32 on {q.device}, got {tuple(lse.shape)} {lse.dtype} "
                          f"on {lse.device}")
@@ -744,6 +773,14 @@ def _no_self_overlap(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous() and has_internal_overlap(t.shape, t.stride()):
         raise ValueError(f"{name} has elements that share memory (shape {_shape(t)}, strides {tuple(t.stride())}, e.g. "
                          f"an expand()): two rows would be written to one place; pass a buffer of distinct elements")
+
+
+def _check_output_grad(name: str, t: torch.Tensor) -> None:
+    """Raise ``ValueError`` where grad mode is on and the output buffer ``t`` requires grad."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad: attnplan writes it in place and computes no gradients (autograd "
+                         f"would not know of the result); pass a buffer that does not require grad, or call under "
+                         f"torch.no_grad()")
 
 
 def check_variant_tensors(q: torch.Tensor, sinks, k_scale, v_scale,

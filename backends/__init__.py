@@ -10,7 +10,7 @@ import importlib
 
 from .base import Backend, DecodeInputs, Workspace
 
-__all__ = ["Backend", "DecodeInputs", "Workspace", "get_backend", "BACKEND_CLASSES"]
+__all__ = ["Backend", "DecodeInputs", "Workspace", "get_backend", "check_backend_name", "BACKEND_CLASSES"]
 
 BACKEND_CLASSES = {
     "reference": ("attnplan.backends.reference", "ReferenceBackend"),
@@ -38,14 +38,28 @@ class UnavailableBackend(Backend):
     partial = merge = kernel_config
 
 
+def check_backend_name(name) -> None:
+    """Raise unless ``name`` names a backend (a key of :data:`BACKEND_CLASSES`).
+
+    Raises:
+        TypeError: ``name`` is not a ``str`` (``None`` too: a caller that means "the config's order" passes it on
+            before asking).
+        ValueError: ``name`` is not one of :data:`BACKEND_CLASSES` (``""`` included).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a backend name (one of {sorted(BACKEND_CLASSES)}) or None, got "
+                        f"{type(name).__name__} {name!r}")
+    if name not in BACKEND_CLASSES:
+        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(BACKEND_CLASSES)}")
+
+
 def get_backend(name: str) -> Backend:
     """The (cached) backend instance called ``name``.
 
     Raises:
-        ValueError: ``name`` is not one of :data:`BACKEND_CLASSES`.
+        TypeError, ValueError: ``name`` is not one of :data:`BACKEND_CLASSES` (:func:`check_backend_name`).
     """
-    if name not in BACKEND_CLASSES:
-        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(BACKEND_CLASSES)}")
+    check_backend_name(name)
     inst = _instances.get(name)
     if inst is None:
         module, cls = BACKEND_CLASSES[name]

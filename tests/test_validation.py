@@ -824,21 +824,53 @@ def test_meta_tensors_are_refused_by_name(name, host):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("splits,merge", [(1, "auto"), (3, "separate"), (3, "fused")])
-def test_outputs_that_require_grad_or_are_inference_tensors_are_written_like_triton_does(backend, splits, merge):
-    """Triton's kernels write ``out`` and ``lse`` through their memory: an ``out`` that requires grad (a leaf) and an
-    ``lse`` made in inference mode are written like any buffer; so does the float64 reference backend (it wrote them
-    with torch's in-place ops, which refused both); ``out`` itself is returned, with no autograd graph."""
+def test_outputs_that_require_grad_or_are_inference_tensors_are_written_outside_grad_mode(backend, splits, merge):
+    """The kernels write ``out`` and ``lse`` through their memory. With grad mode off, an ``out`` that requires grad
+    (a leaf) and an ``lse`` made in inference mode are written like any buffer (so does the float64 reference
+    backend, whose in-place torch ops refused both), and ``out`` itself is returned, with no autograd graph. With
+    grad mode on, a buffer that requires grad is refused by name before any kernel runs, as torch's own ``out=``
+    refuses it: written in place, it would hold a result autograd knows nothing of."""
     x = fp32_case(lens=(13, 7))
     ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
     ctx = attnplan.Context.from_config(attnplan.load_config(plan_cache={"disk": False}, split={"merge": merge}))
     out = torch.full_like(x.q, float("nan")).requires_grad_()
     with torch.inference_mode():
         lse = torch.full(x.q.shape[:3], float("nan"))
-    got = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=out, lse=lse, backend=backend,
-                          num_splits=splits, config=ctx)
+
+    def call(o, l):
+        return attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, out=o, lse=l, backend=backend,
+                               num_splits=splits, config=ctx)
+
+    with pytest.raises(ValueError, match="out requires grad: attnplan writes it in place"):
+        call(out, lse)
+    with pytest.raises(ValueError, match="lse requires grad"):
+        call(None, torch.zeros(x.q.shape[:3]).requires_grad_())
+    assert torch.isnan(out.detach()).all() and torch.isnan(lse).all()  # nothing ran
+    with torch.no_grad():
+        got = call(out, lse)
     assert got is out and out.requires_grad and out.grad_fn is None and lse.is_inference()
     assert_close_to_reference(out.detach(), ref, torch.float32)
     assert torch.allclose(lse.double(), ref_lse, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["out", "lse"])
+def test_run_refuses_outputs_that_require_grad_in_grad_mode(name):
+    """``run()`` after a ``plan()``: an output buffer that requires grad, while grad mode is on, leaves the one-pass
+    check for the full path, which refuses it by name; it stays unwritten. Under ``torch.no_grad()`` the same call
+    writes it."""
+    x = fp32_case(lens=(13, 7))
+    ref, ref_lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale)
+    w = attnplan.DecodeWrapper(backend="reference")
+    w.plan(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, seq_lens_host=[13, 7])
+    bufs = {"out": torch.full_like(x.q, float("nan")), "lse": torch.full(x.q.shape[:3], float("nan"))}
+    bufs[name].requires_grad_()
+    with pytest.raises(ValueError, match=f"{name} requires grad"):
+        w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, **bufs)
+    assert torch.isnan(bufs["out"].detach()).all() and torch.isnan(bufs["lse"].detach()).all()
+    with torch.no_grad():
+        got = w.run(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, **bufs)
+    assert_close_to_reference(got.detach(), ref, torch.float32)
+    assert torch.allclose(bufs["lse"].detach().double(), ref_lse, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "sinks"])
@@ -992,3 +1024,90 @@ def test_sparse_and_nested_tensors_are_refused_naming_the_argument(kind):
         scales = {"k_scale": torch.ones(2), "v_scale": torch.ones(2), name: conv(torch.ones(2))}
         with pytest.raises(TypeError, match=f"{name} must be a dense"):
             attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", **scales)
+
+
+class _NoStorage(torch.Tensor):
+    """A wrapper subclass without memory of its own, as ``DTensor`` is: torch ops unwrap it to its inner tensor, and
+    its data pointer is 0 (or raises), which a kernel would read as the address of its elements."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype,
+                                                   device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        def unwrap(t):
+            return t.inner if isinstance(t, _NoStorage) else t
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_tensors_without_memory_of_their_own_are_refused_by_name(backend):
+    """A wrapper subclass with no storage (a ``DTensor``, a tensor under ``torch.func.vmap``) has no address the kernels
+    could read or write. ``decode()``, ``plan()``, ``run()`` (after a plan of plain tensors, whose one-pass check
+    would otherwise find the same shapes, strides and alignment) refuse each input and output by name with a
+    ``TypeError``, before any kernel runs; ``try_run()`` answers ``None``."""
+    x = fp32_case(lens=(13, 7))
+    args = dict(q=x.q, k_cache=x.k_cache, v_cache=x.v_cache, seq_lens=x.seq_lens, block_table=x.block_table)
+    hq = x.q.shape[2]
+    assert not _NoStorage(x.q).data_ptr()  # what the checks see
+    w = attnplan.DecodeWrapper(backend=backend)
+    w.plan(*args.values(), seq_lens_host=[13, 7])
+    attnplan.decode(*args.values(), backend=backend)  # the pool now keeps a wrapper for these signatures
+    for name in args:
+        bad = {**args, name: _NoStorage(args[name])}
+        with pytest.raises(TypeError, match=f"{name} is a _NoStorage without memory of its own"):
+            attnplan.decode(*bad.values(), backend=backend)
+        with pytest.raises(TypeError, match=f"{name} is a _NoStorage without memory"):
+            w.run(*bad.values())
+        assert w.try_run(*bad.values()) is None
+        with pytest.raises(TypeError, match=f"{name} is a _NoStorage without memory"):
+            attnplan.DecodeWrapper(backend=backend).plan(*bad.values(), seq_lens_host=[13, 7])
+    for name, buf in (("out", torch.full_like(x.q, float("nan"))), ("lse", torch.full(x.q.shape[:3], float("nan")))):
+        kw = {name: _NoStorage(buf)}
+        with pytest.raises(TypeError, match=f"{name} is a _NoStorage without memory"):
+            w.run(*args.values(), **kw)
+        assert w.try_run(*args.values(), **kw) is None
+        with pytest.raises(TypeError, match=f"{name} is a _NoStorage without memory"):
+            attnplan.decode(*args.values(), backend=backend, **kw)
+        assert torch.isnan(buf).all()
+    with pytest.raises(TypeError, match="sinks is a _NoStorage without memory"):
+        attnplan.decode(*args.values(), backend=backend, sinks=_NoStorage(torch.zeros(hq)))
+    with pytest.raises(TypeError, match="q is a .* without memory of its own"):
+        torch.func.vmap(lambda q: attnplan.decode(q, *list(args.values())[1:], backend=backend))(x.q.unsqueeze(0))
+
+
+def test_fp8_scale_tensors_without_memory_of_their_own_are_refused_by_name():
+    x, k8, v8 = fp8_case()
+    for name in ("k_scale", "v_scale"):
+        scales = {"k_scale": torch.ones(2), "v_scale": torch.ones(2)}
+        scales[name] = _NoStorage(scales[name])
+        with pytest.raises(TypeError, match=f"{name} is a _NoStorage without memory"):
+            attnplan.decode(x.q, k8, v8, x.seq_lens, x.block_table, backend="reference", **scales)
+
+
+@pytest.mark.parametrize("bad,exc,needle", [
+    ("", ValueError, "unknown backend ''"),
+    ("Triton", ValueError, "unknown backend 'Triton'"),
+    (0, TypeError, "backend must be a backend name .* got int 0"),
+    (False, TypeError, "got bool False"),
+    (["triton"], TypeError, "got list"),
+    ({"name": "triton"}, TypeError, "got dict"),
+])
+def test_a_backend_that_names_no_backend_is_refused(bad, exc, needle):
+    """Only ``None`` means the config's order: an empty or false name is refused like an unknown one, and a value of
+    another type by a ``TypeError`` naming the argument (not ``unhashable type`` from inside a lookup)."""
+    x = fp32_case()
+    with pytest.raises(exc, match=needle):
+        attnplan.DecodeWrapper(backend=bad)
+    with pytest.raises(exc, match=needle):
+        attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=bad)
+    with pytest.raises(exc, match=needle):
+        attnplan.backends.get_backend(bad)
