@@ -567,7 +567,7 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
     if path is not None:
         if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
             raise TypeError(f"load_config: path must be a str or os.PathLike naming a YAML file, or None, got "
-                            f"{type(path).__name__} {path!r:.80}")
+                            f"{type(path).__name__} {short_repr(path)}")
         path = os.path.expanduser(path)  # "~/attnplan.yaml" from the environment or a quoted argument
     if path is not None:
         user = _read_yaml(path, str(path))

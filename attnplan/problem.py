@@ -436,7 +436,7 @@ def check_strided(t: torch.Tensor, name: str) -> None:
 def check_addressable(t: torch.Tensor, name: str) -> None:
     """Raise ``TypeError`` unless the kernels can address the elements of ``t`` (named ``name`` in the message): a
     tensor with elements must have a data pointer. A wrapper subclass without storage of its own (``DTensor``, a
-    tensor under ``torch.func.vmap``, torch's ``TwoTensor``) has none (``data_ptr()`` raises or answers 0), and a
+    tensor under ``torch.func.vmap``) has none (``data_ptr()`` raises or answers 0), and a
     kernel handed its address would read or write address 0. A meta tensor (address 0 too) is left to its own check;
     a tensor without elements is never read. O(1), no sync."""
     if t.is_meta or t.numel() == 0:

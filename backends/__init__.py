@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 
+from attnplan._repr import short_repr
+
 from .base import Backend, DecodeInputs, Workspace
 
 __all__ = ["Backend", "DecodeInputs", "Workspace", "get_backend", "check_backend_name", "BACKEND_CLASSES"]
@@ -48,9 +50,9 @@ def check_backend_name(name) -> None:
     """
     if not isinstance(name, str):
         raise TypeError(f"backend must be a backend name (one of {sorted(BACKEND_CLASSES)}) or None, got "
-                        f"{type(name).__name__} {name!r}")
+                        f"{type(name).__name__} {short_repr(name)}")
     if name not in BACKEND_CLASSES:
-        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(BACKEND_CLASSES)}")
+        raise ValueError(f"unknown backend {short_repr(name)}; expected one of {sorted(BACKEND_CLASSES)}")
 
 
 def get_backend(name: str) -> Backend:

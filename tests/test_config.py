@@ -482,7 +482,8 @@ def test_a_config_is_immutable_all_the_way_down():
     assert Config(**dict(c)) == c
 
 
-@pytest.mark.parametrize("bad", [3, True, b"plans/default.yaml", 2.5, ["c.yaml"]])
+@pytest.mark.parametrize("bad", [3, True, b"plans/default.yaml", 2.5, ["c.yaml"],
+                                 pytest.param(10**5000, id="huge_int")])
 def test_a_config_path_of_another_type_is_refused_by_name(bad, tmp_path):
     """A path is a ``str`` or an ``os.PathLike``: an int (which ``os.stat`` would take as an open file descriptor),
     a bool, bytes or a list is a ``TypeError`` naming ``path``, whatever file it might reach."""

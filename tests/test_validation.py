@@ -1100,6 +1100,8 @@ def test_fp8_scale_tensors_without_memory_of_their_own_are_refused_by_name():
     (False, TypeError, "got bool False"),
     (["triton"], TypeError, "got list"),
     ({"name": "triton"}, TypeError, "got dict"),
+    pytest.param(10**5000, TypeError, "got int an int of 16610 bits", id="huge_int"),  # its decimal repr raises
+    pytest.param("x" * 10**5, ValueError, r"unknown backend 'xxxx.*\.\.\.", id="long_name"),  # shown bounded
 ])
 def test_a_backend_that_names_no_backend_is_refused(bad, exc, needle):
     """Only ``None`` means the config's order: an empty or false name is refused like an unknown one, and a value of
