@@ -636,10 +636,7 @@ class DecodeWrapper:
                       not pb & 15)
             if not (pq and pk and pv and ps) or (block_table is not None and not pb):
                 # address 0: a tensor without elements, or a wrapper subclass without memory (refused by name)
-                for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
-                                ("block_table", block_table)):
-                    if t is not None:
-                        check_addressable(t, name)
+                DecodeWrapper._refuse_unreadable(q, k_cache, v_cache, seq_lens, block_table)
             return ((("q", q.shape, q.stride(), q.dtype, q.device, not pq & 15),
                      ("k_cache", k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device, not pk & 15),
                      ("v_cache", v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, not pv & 15),
@@ -647,12 +644,19 @@ class DecodeWrapper:
                      sb),
                     (pq, pk, pv, ps, pb))
         except RuntimeError:  # a tensor without a data pointer (sparse, another layout) or without one shape (nested)
-            for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
-                            ("block_table", block_table)):
-                if t is not None:
-                    check_strided(t, name)
-                    check_addressable(t, name)
+            DecodeWrapper._refuse_unreadable(q, k_cache, v_cache, seq_lens, block_table)
             raise
+
+    @staticmethod
+    def _refuse_unreadable(q, k_cache, v_cache, seq_lens, block_table) -> None:
+        """Raise ``TypeError`` naming the first of the inputs the kernels cannot read: not dense
+        (:func:`~attnplan.problem.check_strided`) or without memory of its own
+        (:func:`~attnplan.problem.check_addressable`). Off the hot path: only where a data pointer raised or was 0."""
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens),
+                        ("block_table", block_table)):
+            if t is not None:
+                check_strided(t, name)
+                check_addressable(t, name)
 
     def plan(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
              block_table: torch.Tensor | None = None, *, sm_scale: float | None = None,

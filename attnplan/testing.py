@@ -220,11 +220,12 @@ FP32_EDGE_V = 3.3e38 / 40
 
 def assert_fp32_edge(out: torch.Tensor, lse: torch.Tensor, ref: torch.Tensor, ref_lse: torch.Tensor, lo,
                      dtype: torch.dtype, what: str) -> None:
-    """An :data:`FP32_EDGE_CASES` case's ``out`` / ``lse`` against the float64 ``ref`` / ``ref_lse``: finite and within
-    :data:`TOLERANCES` (``out`` at ``dtype``'s, ``lse`` at fp32's) inside the domain; past it (``lo`` 300) the
-    documented empty row (``out`` 0, ``lse`` -inf), or the reference within 2% where a backend still fits the
-    scores."""
-    if lo == 300.0:
+    """An :data:`FP32_EDGE_CASES` case's ``out`` ``[batch, q_len, num_q_heads, head_dim]`` and fp32 ``lse`` ``[batch,
+    q_len, num_q_heads]`` (any device) against the float64 ``ref`` / ``ref_lse`` of the same shapes (CPU): finite and
+    within :data:`TOLERANCES` (``out`` at ``dtype``'s, ``lse`` at fp32's) inside the domain; past it (the last case,
+    ``lo`` 300) the documented empty row (``out`` 0, ``lse`` -inf), or the reference within 2% where a backend still
+    fits the scores. ``what`` names the case in the message. Raises ``AssertionError``."""
+    if lo == FP32_EDGE_CASES[-1][1]:
         empty = bool((out == 0).all()) and bool((lse == float("-inf")).all())
         assert empty or torch.allclose(out.cpu().float(), ref.float(), rtol=2e-2), what
         return

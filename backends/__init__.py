@@ -44,8 +44,7 @@ def check_backend_name(name) -> None:
     """Raise unless ``name`` names a backend (a key of :data:`BACKEND_CLASSES`).
 
     Raises:
-        TypeError: ``name`` is not a ``str`` (``None`` too: a caller that means "the config's order" passes it on
-            before asking).
+        TypeError: ``name`` is not a ``str``, ``None`` included (a caller meaning the config's order does not ask).
         ValueError: ``name`` is not one of :data:`BACKEND_CLASSES` (``""`` included).
     """
     if not isinstance(name, str):
