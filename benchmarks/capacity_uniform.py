@@ -1,0 +1,79 @@
+"""A capacity plan against a live plan at uniform lengths: what a CUDA-graph plan's large grid costs when the batch's
+work is the same as a live plan's.
+
+A capacity plan (``DecodeWrapper.plan(..., capacity=True)``) sizes its grid for the cache's capacity, so at short
+lengths most of its programs find no unit and exit; a live plan at uniform lengths is a grid of exactly its programs
+(often a single pass). Both are replayed from CUDA graphs with the L2 flushed (``bench_longtail.graph_time``), their
+outputs checked against a float32 reference first, beside a bare read of the same bytes.
+
+    python benchmarks/capacity_uniform.py --backend cuda_ptx --heads '32,8,128;16,8,256' --lengths 16384,32768
+
+Prints one line per point (us): the read floor, the capacity plan, the live plan, and each plan's schedule line
+from ``explain()`` (grid, units, kernel options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+import attnplan
+import attnplan.testing
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_longtail import graph_time, max_err, read_us, reference_out  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="cuda_ptx")
+    ap.add_argument("--heads", default="32,8,128", help="num_q_heads,num_kv_heads,head_dim; several separated by ';'")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lengths", default="16384,32768", help="uniform lengths (tokens) to time")
+    ap.add_argument("--capacity", type=int, default=131072, help="tokens per sequence the cache holds")
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args(argv)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    page, cap, batch = args.page, args.capacity, args.batch
+    lengths = [int(v) for v in args.lengths.split(",")]
+    for heads in args.heads.split(";"):
+        hq, hkv, d = (int(v) for v in heads.split(","))
+        pool = batch * -(-max(lengths) // page) + 1
+        k = torch.randn(pool, page, hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
+        v = torch.randn(pool, page, hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
+        for n in lengths:
+            lens = [n] * batch
+            per = -(-n // page)
+            perm = torch.randperm(pool, generator=gen, device="cuda").to(torch.int32)
+            bt = torch.zeros(batch, cap // page, dtype=torch.int32, device="cuda")
+            for b in range(batch):
+                bt[b, :per] = perm[b * per:(b + 1) * per]
+            q = torch.randn(batch, 1, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
+            sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            ref = reference_out(q, k, v, lens, bt, page)
+            row = [f"{hq}/{hkv}/{d} b{batch} L{n}", f"read {read_us(sum(lens) * hkv * d * 4, args.iters):.1f}"]
+            for mode in ("capacity", "live"):
+                w = attnplan.DecodeWrapper(backend=args.backend)
+                if mode == "capacity":
+                    w.plan(q, k, v, sl, bt, capacity=True)
+                else:
+                    w.plan(q, k, v, sl, bt, seq_lens_host=lens)
+                out = torch.empty_like(q)
+                w.run(q, k, v, sl, bt, out=out)
+                torch.cuda.synchronize()
+                err = max_err(out, ref)
+                assert err < attnplan.testing.BENCH_CHECK_REL, f"{mode} plan: error {err:.3g}"
+                row.append(f"{mode} {graph_time(lambda: w.run(q, k, v, sl, bt, out=out), args.iters):.1f}")
+                sched = [ln.strip() for ln in w.explain(lens).splitlines()
+                         if "grid" in ln or "at these lengths" in ln or ln.startswith("kernel options")]
+                print(f"    {mode}: " + " | ".join(s[:160] for s in sched))
+            print(" ".join(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
