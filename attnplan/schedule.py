@@ -46,11 +46,12 @@ Programs: a 1-D grid of ``max_units * num_kv_heads`` programs; program ``p`` ser
 num_kv_heads`` for KV head ``h = p % num_kv_heads`` (unit-major). Slot ``s`` runs unit ``s`` (packed: the slots
 ``s >= U`` come last and exit), except where the prologue knows ``U`` before its search and the grid holds more
 than ``pack`` slots per unit: there :func:`slot_unit` spreads the ``U`` units evenly over the slots, and the
-slots between them exit (cuda_ptx: batches of at most 32 sequences, ``pack`` 1; triton: batches of one prologue
-block, at most 1,024 sequences, ``pack`` 2). A sequence with one unit writes ``out`` / ``lse`` directly (sinks
-applied there); with more, unit ``u`` writes its partial state into workspace slot ``u`` (whichever grid slot
-ran it) and the merge combines slots ``[first[b], first[b] + units[b])`` in slot order (the kernels write
-``first`` and ``units`` to the workspace's ``meta``).
+slots between them exit (cuda_ptx: batches of at most 32 sequences, ``pack`` 1, over at most the first
+:func:`spread_window` slots, about one wave of programs, from 2 KV heads on; triton: batches of one prologue
+block, at most 1,024 sequences, ``pack`` 2, over the whole grid). A sequence with one unit writes ``out`` /
+``lse`` directly (sinks applied there); with more, unit ``u`` writes its partial state into workspace slot ``u``
+(whichever grid slot ran it) and the merge combines slots ``[first[b], first[b] + units[b])`` in slot order (the
+kernels write ``first`` and ``units`` to the workspace's ``meta``).
 
 Lengths on the device: the kernels read each length as ``min(max(seq_lens[b], 0), capacity)`` (``capacity`` the
 tokens a sequence of the cache holds), so a length written after ``plan()`` (or found at a CUDA-graph replay) outside
@@ -72,8 +73,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Schedule", "Units", "schedule_units", "check_invariants", "clamp_lengths", "NUM_TARGETS", "NUM_BUCKETS",
-           "POLICIES", "LONGEST_FIRST_BATCH", "bucket_of", "bucket_range", "max_units_bound", "is_long_tailed",
-           "slot_unit", "first_slots"]
+           "POLICIES", "LONGEST_FIRST_BATCH", "SPREAD_PROGRAMS_PER_SM", "SPREAD_MIN_KV_HEADS", "bucket_of",
+           "bucket_range", "max_units_bound", "is_long_tailed", "slot_unit", "spread_window", "first_slots"]
 
 #: buckets of batch work: ``k = bit_length(T + (T >> 1))`` for ``T`` total granules, clamped to ``NUM_BUCKETS - 1``
 NUM_BUCKETS = 32
@@ -87,6 +88,14 @@ POLICIES = ("balanced", "batch_invariant", "forced", "single")
 #: takes them in index order, a scan. Measured on an H100 (benchmarks/NOTES.md, "Longest units first"): 1-5% faster
 #: at batch 16, but 5-25% slower at 8/1/128 batch 64 with the order up to 64, so the order stops at one warp's batch
 LONGEST_FIRST_BATCH = 32
+#: the spread window of :func:`slot_unit`, in programs per SM (:func:`spread_window`): within one wave of cuda_ptx's
+#: 4-warp programs (3 fit per SM on sm_90). Measured on an H100 (benchmarks/NOTES.md, "Empty programs ahead of
+#: working ones: the spread's window"): capacity plans of 8 KV heads level to 8% faster with it (b16 long-tailed
+#: batches; 16 sequences of 16K tokens in a grid of 3,456 programs 369 -> 352 us), and at one KV head 4-5% slower
+#: (8/1/128 b16), so plans of fewer than :data:`SPREAD_MIN_KV_HEADS` KV heads spread over the whole grid, as before
+SPREAD_PROGRAMS_PER_SM = 2
+#: the fewest KV heads for which :func:`spread_window` bounds the spread (above)
+SPREAD_MIN_KV_HEADS = 2
 
 
 def bucket_of(total_granules: int) -> int:
@@ -192,27 +201,52 @@ def max_units_bound(schedule_targets, batch: int, max_units_per_seq: int) -> int
     return min(batch * max_units_per_seq, max(schedule_targets) + batch)
 
 
-def slot_unit(slot: int, num_units: int, slots: int, pack: int = 1) -> int:
-    """The unit that grid slot ``slot`` of ``slots`` runs when the live batch has ``num_units <= slots`` units, or
-    -1 (the slot exits). Where the slots are more than ``pack`` times the units, the units are spread evenly over
-    the slots: unit ``u`` runs in slot ``floor(u S / U)``, so slot ``s`` runs ``u = ceil(s U / S)`` when ``floor(u S
-    / U) == s`` (a bijection from ``[0, U)`` onto those slots; slot 0 always runs unit 0); else they are packed,
-    slot ``u`` running unit ``u`` for ``u < U`` (the empty slots last). The kernels apply it where the prologue
-    knows ``U`` for free (cuda_ptx: batches of at most 32, one warp's schedule, ``pack`` 1; triton: batches of one
-    prologue block, ``pack`` = ``attnplan.backends.triton.kernels.PACK_SLOTS_PER_UNIT``): the working programs of
-    a grid much larger than its units are then spread over the grid's order instead of packed at its start, which
-    is what the hardware fills SMs in (an H200, cuda_ptx, 64 units in 160 slots: 263 us spread against 320 packed).
-    The state of unit ``u`` still goes to workspace slot ``u``.
+def spread_window(sm_count: int, num_kv_heads: int) -> int:
+    """The slots a batch's units are spread over at most (:func:`slot_unit`'s ``window``): ``ceil(SPREAD_PROGRAMS_PER_SM
+    x sm_count / num_kv_heads)``, about one wave of programs (each slot runs one program per KV head), at least 1; 0
+    (the whole grid) for fewer than :data:`SPREAD_MIN_KV_HEADS` KV heads.
 
     Raises:
-        ValueError: ``num_units`` outside ``[1, slots]``.
+        ValueError: ``sm_count`` or ``num_kv_heads`` below 1.
+    """
+    if sm_count < 1 or num_kv_heads < 1:
+        raise ValueError(f"sm_count and num_kv_heads must be >= 1, got {sm_count} and {num_kv_heads}")
+    if num_kv_heads < SPREAD_MIN_KV_HEADS:
+        return 0
+    return -(-SPREAD_PROGRAMS_PER_SM * int(sm_count) // int(num_kv_heads))
+
+
+def slot_unit(slot: int, num_units: int, slots: int, pack: int = 1, window: int = 0) -> int:
+    """The unit that grid slot ``slot`` of ``slots`` runs when the live batch has ``num_units <= slots`` units, or
+    -1 (the slot exits). Let ``S = min(slots, window)`` (``S = slots`` for ``window`` 0): where ``S`` is more than
+    ``pack`` times the units, the units are spread evenly over the first ``S`` slots: unit ``u`` runs in slot
+    ``floor(u S / U)``, so slot ``s < S`` runs ``u = ceil(s U / S)`` when ``floor(u S / U) == s`` (a bijection from
+    ``[0, U)`` onto those slots; slot 0 always runs unit 0), and the slots from ``S`` on exit; else they are packed,
+    slot ``u`` running unit ``u`` for ``u < U`` (the empty slots last). The kernels apply it where the prologue
+    knows ``U`` for free (cuda_ptx: batches of at most 32, one warp's schedule, ``pack`` 1, ``window``
+    :func:`spread_window`; triton: batches of one prologue block, ``pack`` =
+    ``attnplan.backends.triton.kernels.PACK_SLOTS_PER_UNIT``, no window): the working programs of a grid much larger
+    than its units are then spread over the grid's order instead of packed at its start, which is what the hardware
+    fills SMs in (an H200, cuda_ptx, 64 units in 160 slots: 263 us spread against 320 packed), and the window keeps
+    them within about one wave of programs, so that none waits for the hardware to run the empty programs of a
+    capacity plan's grid before it (an H100, cuda_ptx, 16 units x 8 KV heads in 432 slots: 369 us spread over all,
+    352 within 33 slots, 347 for a single pass of exactly its programs). The state of unit ``u`` still goes to
+    workspace slot ``u``.
+
+    Raises:
+        ValueError: ``num_units`` outside ``[1, slots]``, or ``window`` below 0.
     """
     if not 1 <= num_units <= slots:
         raise ValueError(f"num_units must be in [1, slots={slots}], got {num_units}")
-    if slots <= pack * num_units:
+    if window < 0:
+        raise ValueError(f"window must be >= 0, got {window}")
+    spread = min(slots, window) if window else slots
+    if spread <= pack * num_units:
         return slot if slot < num_units else -1
-    u = (slot * num_units + slots - 1) // slots
-    return u if u < num_units and (u * slots) // num_units == slot else -1
+    if slot >= spread:
+        return -1
+    u = (slot * num_units + spread - 1) // spread
+    return u if u < num_units and (u * spread) // num_units == slot else -1
 
 
 @dataclass(frozen=True)

@@ -1158,17 +1158,19 @@ def test_signature_matches_ptx_entry(kind, signature):
 
 @needs_nvrtc
 def test_last_page_and_capacity_are_the_last_parameters_and_read():
-    """``last_page``, the clamp of every block-table entry, then ``capacity``, the clamp of every length, come after
-    every other parameter (those keep the order the single pass's registers were measured with: the single pass's 34
-    come first, then the schedule's and the workspace's); every paged kernel reads ``last_page`` (the block-table
-    window of a tile in one page and of PAGE_REG's pages, the per-chunk loads; partial, single pass, fused merge), a
-    contiguous one never does; every kernel reads ``capacity`` (its lengths), and the probe takes it last."""
+    """``last_page``, the clamp of every block-table entry, then ``capacity``, the clamp of every length, then
+    ``spread_slots``, the spread's window, come after every other parameter (those keep the order the single pass's
+    registers were measured with: the single pass's 34 come first, then the schedule's and the workspace's); every
+    paged kernel reads ``last_page`` (the block-table window of a tile in one page and of PAGE_REG's pages, the
+    per-chunk loads; partial, single pass, fused merge), a contiguous one never does; every kernel reads ``capacity``
+    (its lengths), and the probe takes it last; the scheduled partial kernels read ``spread_slots``, the single pass
+    never does."""
     names = [n for n, _ in A.PARTIAL_SIGNATURE]
-    assert A.PARTIAL_SIGNATURE[-2:] == (("last_page", "i32"), ("capacity", "i32"))
-    assert names.count("last_page") == 1 and names.count("capacity") == 1
+    assert A.PARTIAL_SIGNATURE[-3:] == (("last_page", "i32"), ("capacity", "i32"), ("spread_slots", "i32"))
+    assert names.count("last_page") == 1 and names.count("capacity") == 1 and names.count("spread_slots") == 1
     assert A.PROBE_SIGNATURE[-1] == ("capacity", "i32")
     assert names.index("targets") == 34 and names[:34][-1] == "l_ss"
-    n = len(names) - 1  # last_page's index + 1
+    n = names.index("capacity")  # last_page's index + 1
     paged = [("partial", "bfloat16", 128, 4, 1, 16, {}),                         # mma, a tile in one page
              ("single", "bfloat16", 128, 4, 1, 16, {"kv_dtype": FP8}),           # fp8 mma: 2 pages per tile
              ("partial", "bfloat16", 128, 4, 1, 1, {}),                          # mma, per-chunk loads
@@ -1182,6 +1184,8 @@ def test_last_page_and_capacity_are_the_last_parameters_and_read():
         assert (re.search(r"ld\.param\.u32\s+%r\d+, \[" + spec.entry + f"_param_{n - 1}\\]", body) is not None) \
             == reads, spec.name
         assert re.search(r"ld\.param\.u32\s+%r\d+, \[" + spec.entry + f"_param_{n}\\]", body), spec.name
+        assert (re.search(r"ld\.param\.u32\s+%r\d+, \[" + spec.entry + f"_param_{n + 1}\\]", body) is not None) \
+            == (spec.kind == "partial"), spec.name
 
 
 def _entry_ptx(spec, arch="compute_90"):

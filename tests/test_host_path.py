@@ -1148,6 +1148,7 @@ def _packed_launches(be, plan, ws, x, out, lse, pdl_supported):
     separate merge where the plan and the device have it."""
     from attnplan.backends.cuda_ptx import args as A
     from attnplan.backends.cuda_ptx import spec as S
+    from attnplan.schedule import spread_window
 
     p, dev, st = plan.problem, ws.targets.device, ws.state
     spec = be.spec_for("partial", plan, dev)
@@ -1159,7 +1160,7 @@ def _packed_launches(be, plan, ws, x, out, lse, pdl_supported):
                           counters=ws.counters if plan.merge == "fused" else None,
                           ws_o=None if st is None else st.o, ws_lse=None if st is None else st.lse,
                           window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks, k_scale=x.k_scale,
-                          v_scale=x.v_scale)
+                          v_scale=x.v_scale, spread_slots=spread_window(plan.device.sm_count, p.num_kv_heads))
     res = [(spec.name, cfg.grid, cfg.block, cfg.smem, STREAM, A.PackedArgs(A.PARTIAL_SIGNATURE, vals).buffer.raw,
             False)]
     if plan.merge == "separate" and not plan.single_pass:

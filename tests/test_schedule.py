@@ -397,22 +397,43 @@ def test_a_uniform_live_plan_sizes_its_grid_for_the_batches_it_serves(data):
 @settings(max_examples=300, deadline=None)
 def test_slot_unit_spreads_units_over_the_slots(slots, data):
     """``slot_unit`` maps exactly ``U`` of the ``slots`` slots onto the units ``0 .. U-1``, one each, in order,
-    slot 0 to unit 0; more than ``pack`` slots per unit are spread, no two working slots closer than ``floor(slots
-    / U)``; fewer are packed, the first ``U`` slots working."""
+    slot 0 to unit 0. With ``S = min(slots, window)`` (``window`` 0: ``S = slots``), more than ``pack`` of the
+    first ``S`` slots per unit are spread over those ``S`` slots only, no two working slots closer than ``floor(S /
+    U)``; fewer are packed, the first ``U`` slots working."""
     from attnplan.schedule import slot_unit
 
     num_units = data.draw(st.integers(1, slots), label="units")
     pack = data.draw(st.sampled_from([1, 2]), label="pack")
-    got = [slot_unit(s, num_units, slots, pack) for s in range(slots)]
+    window = data.draw(st.sampled_from([0, 1, num_units, slots]) | st.integers(0, 2 * slots), label="window")
+    spread = min(slots, window) if window else slots
+    got = [slot_unit(s, num_units, slots, pack, window) for s in range(slots)]
     working = [s for s, u in enumerate(got) if u >= 0]
     assert [got[s] for s in working] == list(range(num_units))
     assert working[0] == 0 and got[0] == 0
-    if slots <= pack * num_units:
+    assert working[-1] < max(spread, num_units)
+    if spread <= pack * num_units:
         assert working == list(range(num_units))
     else:
         gaps = [b - a for a, b in zip(working, working[1:])]
-        assert all(g >= slots // num_units for g in gaps)
+        assert all(g >= spread // num_units for g in gaps)
     with pytest.raises(ValueError):
         slot_unit(0, slots + 1, slots)
     with pytest.raises(ValueError):
         slot_unit(0, 0, slots)
+    with pytest.raises(ValueError):
+        slot_unit(0, 1, slots, window=-1)
+
+
+def test_spread_window_is_about_one_wave_of_programs():
+    """:func:`~attnplan.schedule.spread_window`: ``ceil(SPREAD_PROGRAMS_PER_SM x SMs / KV heads)`` slots, at least 1,
+    from ``SPREAD_MIN_KV_HEADS`` KV heads on; 0 (the whole grid) below; bad arguments are refused."""
+    from attnplan.schedule import SPREAD_MIN_KV_HEADS, SPREAD_PROGRAMS_PER_SM, spread_window
+
+    assert SPREAD_MIN_KV_HEADS == 2
+    assert spread_window(132, 8) == -(-SPREAD_PROGRAMS_PER_SM * 132 // 8)
+    assert spread_window(132, 2) == SPREAD_PROGRAMS_PER_SM * 132 // 2
+    assert spread_window(132, 1) == 0
+    assert spread_window(1, 64) == 1
+    for bad in ((0, 8), (132, 0)):
+        with pytest.raises(ValueError):
+            spread_window(*bad)

@@ -129,7 +129,7 @@ from attnplan.backends.base import Backend, DecodeInputs, Workspace, one_launch
 from attnplan.device import device_info
 from attnplan.planner import SplitPlan
 from attnplan.problem import DecodeProblem, dtype_name, torch_dtype
-from attnplan.schedule import NUM_TARGETS
+from attnplan.schedule import NUM_TARGETS, spread_window
 
 from ._bindings import CudaPtxError, DriverError, NvrtcError
 from .args import (
@@ -614,7 +614,8 @@ class CudaPtxBackend(Backend):
                             counters=workspace.counters if plan.merge == "fused" else None,
                             ws_o=None if ws is None else ws.o, ws_lse=None if ws is None else ws.lse,
                             window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks, k_scale=x.k_scale,
-                            v_scale=x.v_scale)
+                            v_scale=x.v_scale,
+                            spread_slots=spread_window(plan.device.sm_count, int(x.k_cache.shape[2])))
 
     @staticmethod
     def _merge_values(L: _Launch, out: torch.Tensor, lse: torch.Tensor | None, sinks: torch.Tensor | None) -> list:

@@ -75,6 +75,8 @@ PARTIAL_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("l_si", "i64"), ("l_sh", "i64"),
     # last, so that the parameters before them keep their order (and ptxas its register allocation)
     ("last_page", "i32"), ("capacity", "i32"),
+    # the spread's window (attnplan.schedule.slot_unit): after the rest, read once by the prologue
+    ("spread_slots", "i32"),
 )
 #: (name, kind) of each merge kernel parameter, in order
 MERGE_SIGNATURE: tuple[tuple[str, str], ...] = (
@@ -187,7 +189,8 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
                  meta: torch.Tensor | None = None, counters: torch.Tensor | None = None,
                  ws_o: torch.Tensor | None = None, ws_lse: torch.Tensor | None = None,
                  window_left: int = -1, soft_cap: float = 0.0, sinks: torch.Tensor | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> list:
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 spread_slots: int = 0) -> list:
     """Argument values for :data:`PARTIAL_SIGNATURE` (no device access, no sync).
 
     Args:
@@ -209,15 +212,20 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
             ``c * log2(e)``).
         sinks: ``[num_q_heads]`` fp32 sink logits, joined where ``out`` is written (partial states exclude them).
         k_scale, v_scale: ``[num_kv_heads]`` fp32 dequantization scales of an fp8 cache (``spec.kv_fp8``).
+        spread_slots: the most grid slots a batch of at most 32 sequences spreads its units over
+            (:func:`attnplan.schedule.slot_unit`'s ``window``, :func:`attnplan.schedule.spread_window`); 0 = the
+            whole grid.
     Strides are in elements. ``last_page`` is ``k_cache.shape[0] - 1`` for a paged cache (the clamp of the
     block-table entries), 0 for a contiguous one; ``capacity`` is :func:`kv_capacity` (the clamp of the lengths read
     from ``seq_lens``; at most ``2**31 - 1``, which clamps no int32 length from above).
 
     Raises:
-        ValueError: ``window_left`` below -1.
+        ValueError: ``window_left`` below -1, or ``spread_slots`` outside ``[0, 2^31)``.
     """
     if int(window_left) < -1:
         raise ValueError(f"window_left must be >= -1, got {window_left}")
+    if not 0 <= int(spread_slots) <= INT32_MAX:
+        raise ValueError(f"spread_slots must be in [0, 2^31), got {spread_slots}")
     window = int(window_left) if int(window_left) < 0 else min(int(window_left), kv_capacity(k_cache, block_table))
     bt = block_table
     batch, granule, min_c, max_per, balanced = schedule_ints(schedule, q.shape[0])
@@ -233,6 +241,7 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         _ptr(targets), _ptr(meta), _ptr(counters), _ptr(ws_o), _ptr(ws_lse), batch, min_c, balanced,
         o_si, o_sh, l_si, l_sh,
         0 if bt is None else max(int(k_cache.shape[0]) - 1, 0), min(kv_capacity(k_cache, block_table), INT32_MAX),
+        int(spread_slots),
     ]
 
 

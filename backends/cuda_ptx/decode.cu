@@ -169,6 +169,9 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, const
 // outside the cache. capacity (the tokens a sequence of the cache holds: block_table columns x PAGE, or the
 // contiguous cache's token axis) comes last of all: every length read from seq_lens is clamped into [0, capacity]
 // (schedule.cuh, seq_len_at), so a length beyond the cache reads the clamped span, never outside the cache.
+// spread_slots (after capacity; 0 = none) bounds the slots a batch of at most 32 spreads its units over
+// (attnplan.schedule.slot_unit's window, spread_window: about one wave of programs), so no working program of a
+// capacity plan's large grid waits behind the grid's empty programs; where the units fill the window they are packed.
 // out_lse, sinks [Hq], k_scale / v_scale [Hkv] may be null. Grid (1, Hkv, units), or the unit-major program index
 // u Hkv + h along x.
 #if ATTNPLAN_KIND == ATTNPLAN_KIND_PARTIAL
@@ -209,7 +212,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
                float *__restrict__ ws_o, float *__restrict__ ws_lse, int batch, int min_unit_granules, int balanced,
                i64 o_si, i64 o_sh,
                i64 l_si, i64 l_sh,
-               int last_page, int capacity) {
+               int last_page, int capacity, int spread_slots) {
     ATTNPLAN_DYNAMIC_SMEM(smem);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
@@ -267,6 +270,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
             h = p - u * num_kv_heads;
             slots = (int)gridDim.x / num_kv_heads;
         }
+        if (spread_slots > 0 && slots > spread_slots) slots = spread_slots;  // the spread's window (slot_unit)
         const UnitInfo un = schedule_unit(seq_lens, meta, batch, u, slots, meta != nullptr && u == 0 && h == 0,
                                           window_left, granule, min_unit_granules, max_units_per_seq, balanced != 0,
                                           pre, smem, tid, capacity);

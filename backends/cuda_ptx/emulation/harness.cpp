@@ -45,7 +45,7 @@ void body() {
                    arg<int>(39), arg<int>(40), arg<int>(41),
                    arg<i64>(42), arg<i64>(43),
                    arg<i64>(44), arg<i64>(45),
-                   arg<int>(46), arg<int>(47));
+                   arg<int>(46), arg<int>(47), arg<int>(48));
 #endif
 }
 }  // namespace
