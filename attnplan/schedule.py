@@ -46,8 +46,8 @@ Programs: a 1-D grid of ``max_units * num_kv_heads`` programs; program ``p`` ser
 num_kv_heads`` for KV head ``h = p % num_kv_heads`` (unit-major). Slot ``s`` runs unit ``s`` (packed: the slots
 ``s >= U`` come last and exit), except where the prologue knows ``U`` before its search and the grid holds more
 than ``pack`` slots per unit: there :func:`slot_unit` spreads the ``U`` units evenly over the slots, and the
-slots between them exit (cuda_ptx: batches of at most 32 sequences, ``pack`` 1, over at most the first
-:func:`spread_window` slots, about one wave of programs, from 2 KV heads on; triton: batches of one prologue
+slots between them exit (cuda_ptx: batches of at most 32 sequences, ``pack`` 1; for plans that may see long-tailed
+batches, from 2 KV heads on, over at most the first :func:`spread_window` slots; triton: batches of one prologue
 block, at most 1,024 sequences, ``pack`` 2, over the whole grid). A sequence with one unit writes ``out`` /
 ``lse`` directly (sinks applied there); with more, unit ``u`` writes its partial state into workspace slot ``u``
 (whichever grid slot ran it) and the merge combines slots ``[first[b], first[b] + units[b])`` in slot order (the
@@ -88,13 +88,14 @@ POLICIES = ("balanced", "batch_invariant", "forced", "single")
 #: takes them in index order, a scan. Measured on an H100 (benchmarks/NOTES.md, "Longest units first"): 1-5% faster
 #: at batch 16, but 5-25% slower at 8/1/128 batch 64 with the order up to 64, so the order stops at one warp's batch
 LONGEST_FIRST_BATCH = 32
-#: the spread window of :func:`slot_unit`, in programs per SM (:func:`spread_window`): within one wave of cuda_ptx's
-#: 4-warp programs (3 fit per SM on sm_90). Measured on an H100 (benchmarks/NOTES.md, "Empty programs ahead of
-#: working ones: the spread's window"): capacity plans of 8 KV heads level to 8% faster with it (b16 long-tailed
-#: batches; 16 sequences of 16K tokens in a grid of 3,456 programs 369 -> 352 us), and at one KV head 4-5% slower
-#: (8/1/128 b16), so plans of fewer than :data:`SPREAD_MIN_KV_HEADS` KV heads spread over the whole grid, as before
+#: the spread window of :func:`slot_unit`, in programs per SM (:func:`spread_window`; cuda_ptx's 4-warp programs: 3
+#: fit per SM on sm_90). Measured on an H100 (benchmarks/NOTES.md, "Where a capacity plan's working programs sit: the
+#: spread's window"), capacity plans of 8 KV heads whose grid of 384 programs the SMs hold at once: level to 8% faster
+#: with their working programs within the first 264 programs than spread over all 384 (16 sequences of 16K tokens 369
+#: -> 352 us); at one KV head 4-5% slower (8/1/128 b16), so below :data:`SPREAD_MIN_KV_HEADS` KV heads the units
+#: spread over the whole grid, as before. Unmeasured: 2-7 and more than 8 KV heads, other values of this constant
 SPREAD_PROGRAMS_PER_SM = 2
-#: the fewest KV heads for which :func:`spread_window` bounds the spread (above)
+#: the fewest KV heads for which :func:`spread_window` bounds the spread (above; measured at 1 and 8 only)
 SPREAD_MIN_KV_HEADS = 2
 
 
@@ -203,8 +204,9 @@ def max_units_bound(schedule_targets, batch: int, max_units_per_seq: int) -> int
 
 def spread_window(sm_count: int, num_kv_heads: int) -> int:
     """The slots a batch's units are spread over at most (:func:`slot_unit`'s ``window``): ``ceil(SPREAD_PROGRAMS_PER_SM
-    x sm_count / num_kv_heads)``, about one wave of programs (each slot runs one program per KV head), at least 1; 0
-    (the whole grid) for fewer than :data:`SPREAD_MIN_KV_HEADS` KV heads.
+    x sm_count / num_kv_heads)``, ``SPREAD_PROGRAMS_PER_SM`` programs per SM (each slot runs one program per KV head),
+    at least 1; 0 (the whole grid) for fewer than :data:`SPREAD_MIN_KV_HEADS` KV heads. cuda_ptx applies it to plans
+    that may see long-tailed batches (``attnplan.backends.cuda_ptx.spread_slots``).
 
     Raises:
         ValueError: ``sm_count`` or ``num_kv_heads`` below 1.
@@ -227,11 +229,10 @@ def slot_unit(slot: int, num_units: int, slots: int, pack: int = 1, window: int 
     :func:`spread_window`; triton: batches of one prologue block, ``pack`` =
     ``attnplan.backends.triton.kernels.PACK_SLOTS_PER_UNIT``, no window): the working programs of a grid much larger
     than its units are then spread over the grid's order instead of packed at its start, which is what the hardware
-    fills SMs in (an H200, cuda_ptx, 64 units in 160 slots: 263 us spread against 320 packed), and the window keeps
-    them within about one wave of programs, so that none waits for the hardware to run the empty programs of a
-    capacity plan's grid before it (an H100, cuda_ptx, 16 units x 8 KV heads in 432 slots: 369 us spread over all,
-    352 within 33 slots, 347 for a single pass of exactly its programs). The state of unit ``u`` still goes to
-    workspace slot ``u``.
+    fills SMs in (an H200, cuda_ptx, 64 working programs in a grid of 160: 263 us spread against 320 packed); the
+    window bounds how thinly (an H100, cuda_ptx, 16 units x 8 KV heads in 48 slots, all resident at once: 369 us
+    spread over the 48, 352 over the first 33, 347 for a single pass of exactly its programs). The state of unit
+    ``u`` still goes to workspace slot ``u``.
 
     Raises:
         ValueError: ``num_units`` outside ``[1, slots]``, or ``window`` below 0.

@@ -1157,7 +1157,7 @@ def test_signature_matches_ptx_entry(kind, signature):
 
 
 @needs_nvrtc
-def test_last_page_and_capacity_are_the_last_parameters_and_read():
+def test_last_page_capacity_and_spread_slots_are_the_last_parameters_and_read():
     """``last_page``, the clamp of every block-table entry, then ``capacity``, the clamp of every length, then
     ``spread_slots``, the spread's window, come after every other parameter (those keep the order the single pass's
     registers were measured with: the single pass's 34 come first, then the schedule's and the workspace's); every

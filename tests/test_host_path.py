@@ -1132,6 +1132,7 @@ def _cuda_ptx_stand_in(monkeypatch, pdl_supported: bool = True):
 
 
 def _cuda_ptx_plan(be, x, splits, merge):
+    """A CPU stand-in plan of ``x``'s problem: ``splits`` forced, or a capacity plan where ``splits`` is None."""
     from attnplan.device import CPU_STANDIN
     from attnplan.planner import make_plan
     from attnplan.testing import problem_of
@@ -1139,7 +1140,41 @@ def _cuda_ptx_plan(be, x, splits, merge):
     prob = problem_of(x)
     kc = be.kernel_config(prob, {}, torch.device("cpu"))
     return make_plan(prob, CPU_STANDIN, attnplan.load_config(split={"merge": merge}), "cuda_ptx", kc,
-                     num_splits=splits, merge_strategies=be.merge_strategies)
+                     num_splits=splits, capacity_mode=splits is None, merge_strategies=be.merge_strategies)
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 8])
+def test_cuda_ptx_spread_slots_for_plans_that_may_see_long_tailed_batches(hkv):
+    """The partial kernel's ``spread_slots`` (:func:`~attnplan.backends.cuda_ptx.spread_slots`, the last argument the
+    launch packs): :func:`~attnplan.schedule.spread_window` of the plan's SMs and KV heads for a capacity plan and
+    for a live plan of a long-tailed batch (0 at one KV head), 0 for a uniform live plan and a single pass."""
+    from attnplan.backends.cuda_ptx import CudaPtxBackend, spread_slots
+    from attnplan.backends.cuda_ptx import nvrtc as N
+    from attnplan.device import CPU_STANDIN
+    from attnplan.planner import make_plan
+    from attnplan.problem import DecodeProblem
+    from attnplan.schedule import spread_window
+
+    be = CudaPtxBackend(N.CompileCache(disk=False))
+    cfg = attnplan.load_config()
+
+    def plan_of(lens, capacity_mode=False, splits=None):
+        prob = DecodeProblem(batch=len(lens), num_q_heads=4 * hkv, num_kv_heads=hkv, head_dim=128,
+                             max_kv_len=max(lens), total_kv_len=sum(lens), page_size=16, capacity=4096)
+        kc = be.kernel_config(prob, {}, torch.device("cpu"))
+        return make_plan(prob, CPU_STANDIN, cfg, "cuda_ptx", kc, capacity_mode=capacity_mode, num_splits=splits,
+                         merge_strategies=be.merge_strategies)
+
+    window = spread_window(CPU_STANDIN.sm_count, hkv)
+    assert (window == 0) == (hkv == 1)
+    capacity = plan_of([4096] * 4, capacity_mode=True)
+    tail = plan_of([4096] + [64] * 7)
+    uniform = plan_of([4096] * 4)
+    single = plan_of([4096] * 4, splits=1)
+    assert not capacity.single_pass and capacity.capacity_mode and tail.problem.long_tailed
+    assert not uniform.problem.long_tailed and single.single_pass
+    assert spread_slots(capacity) == window and spread_slots(tail) == window
+    assert spread_slots(uniform) == 0 and spread_slots(single) == 0
 
 
 def _packed_launches(be, plan, ws, x, out, lse, pdl_supported):
@@ -1148,7 +1183,7 @@ def _packed_launches(be, plan, ws, x, out, lse, pdl_supported):
     separate merge where the plan and the device have it."""
     from attnplan.backends.cuda_ptx import args as A
     from attnplan.backends.cuda_ptx import spec as S
-    from attnplan.schedule import spread_window
+    from attnplan.backends.cuda_ptx import spread_slots
 
     p, dev, st = plan.problem, ws.targets.device, ws.state
     spec = be.spec_for("partial", plan, dev)
@@ -1160,7 +1195,7 @@ def _packed_launches(be, plan, ws, x, out, lse, pdl_supported):
                           counters=ws.counters if plan.merge == "fused" else None,
                           ws_o=None if st is None else st.o, ws_lse=None if st is None else st.lse,
                           window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks, k_scale=x.k_scale,
-                          v_scale=x.v_scale, spread_slots=spread_window(plan.device.sm_count, p.num_kv_heads))
+                          v_scale=x.v_scale, spread_slots=spread_slots(plan))
     res = [(spec.name, cfg.grid, cfg.block, cfg.smem, STREAM, A.PackedArgs(A.PARTIAL_SIGNATURE, vals).buffer.raw,
             False)]
     if plan.merge == "separate" and not plan.single_pass:
@@ -1198,6 +1233,8 @@ BOUND_CASES = {
                                     {"window_left": 40, "soft_cap": 30.0}, True, True),
     "fp8-separate-paged-scales-sinks": ("separate", 4, 16, True, True, True, {}, True, True),
     "fp8-single-contig-scales": ("separate", 1, None, False, False, True, {}, True, True),
+    # a capacity plan (splits None): the balanced schedule, and the spread's window in the last argument
+    "capacity-separate-paged-lse": ("separate", None, 16, True, False, False, {}, True, True),
 }
 
 

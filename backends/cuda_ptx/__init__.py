@@ -164,12 +164,23 @@ def _tristate(options: dict, name: str, null_means: str) -> bool | None:
     return value
 
 
+def spread_slots(plan: SplitPlan) -> int:
+    """The partial kernel's ``spread_slots`` for ``plan``: :func:`attnplan.schedule.spread_window` of its SMs and KV
+    heads for a scheduled plan that may see long-tailed batches (a capacity plan, or a live plan of a long-tailed
+    batch), else 0 (the units spread over the whole grid). The window was measured on such plans only
+    (benchmarks/NOTES.md, "Where a capacity plan's working programs sit: the spread's window"); a uniform live plan
+    keeps the spread it was measured with."""
+    if plan.single_pass or not (plan.capacity_mode or plan.problem.long_tailed):
+        return 0
+    return spread_window(plan.device.sm_count, plan.problem.num_kv_heads)
+
+
 class _Launch:
     """What a (plan, workspace) pair fixes for the launches, computed and checked once: the partial (or single-pass)
     kernel's spec and CUDA geometry, the schedule (``None`` for a single pass), the merge kernel's spec and geometry
     (separate merge only) and whether it launches with PDL."""
 
-    __slots__ = ("plan", "workspace", "spec", "cfg", "sched", "pdl", "merge_spec", "merge_cfg")
+    __slots__ = ("plan", "workspace", "spec", "cfg", "sched", "pdl", "merge_spec", "merge_cfg", "spread")
 
 
 #: threads per SM of 8-team merge CTAs (the batch's rows x the CTA's threads, over the SMs) up to which
@@ -456,6 +467,7 @@ class CudaPtxBackend(Backend):
         L.spec = self.spec_for("partial", plan, device) if partial else None
         L.cfg = partial_launch_config(L.spec, s.max_units, p.num_kv_heads) if partial else None
         L.sched = None if plan.single_pass else s
+        L.spread = spread_slots(plan)
         L.pdl = bool(plan.kernel.get("pdl", True))
         if plan.merge == "separate":
             L.merge_spec = self.spec_for("merge", plan, device)
@@ -614,8 +626,7 @@ class CudaPtxBackend(Backend):
                             counters=workspace.counters if plan.merge == "fused" else None,
                             ws_o=None if ws is None else ws.o, ws_lse=None if ws is None else ws.lse,
                             window_left=x.window_left, soft_cap=x.soft_cap, sinks=x.sinks, k_scale=x.k_scale,
-                            v_scale=x.v_scale,
-                            spread_slots=spread_window(plan.device.sm_count, int(x.k_cache.shape[2])))
+                            v_scale=x.v_scale, spread_slots=L.spread)
 
     @staticmethod
     def _merge_values(L: _Launch, out: torch.Tensor, lse: torch.Tensor | None, sinks: torch.Tensor | None) -> list:

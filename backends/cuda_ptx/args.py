@@ -22,10 +22,12 @@ reads it); the kernels clamp every entry they read from the block table into ``[
 the cache -> ``last_page``), as :mod:`attnplan.reference` does, so an out-of-range entry reads a wrong page of the
 cache and never memory outside it.
 
-Lengths: the last parameter, ``capacity``, is :func:`kv_capacity` (the tokens a sequence of the cache holds); the
-kernels clamp every length they read from ``seq_lens`` into ``[0, capacity]`` (``schedule.cuh``, ``seq_len_at``), as
-:mod:`attnplan.reference` does, so a length written on the device beyond the cache (after ``plan()``, or at a
-CUDA-graph replay) gives attention over the clamped span and never a read outside the cache.
+Lengths: the last parameter but one, ``capacity``, is :func:`kv_capacity` (the tokens a sequence of the cache holds);
+the kernels clamp every length they read from ``seq_lens`` into ``[0, capacity]`` (``schedule.cuh``, ``seq_len_at``),
+as :mod:`attnplan.reference` does, so a length written on the device beyond the cache (after ``plan()``, or at a
+CUDA-graph replay) gives attention over the clamped span and never a read outside the cache. The last,
+``spread_slots``, bounds the grid slots the prologue spreads a batch's units over (``attnplan.schedule.slot_unit``'s
+``window``; 0: the whole grid).
 """
 
 from __future__ import annotations

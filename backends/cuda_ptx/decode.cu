@@ -167,11 +167,11 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, const
 // 0 and never read for a contiguous one) comes after the schedule's and the workspace's: every page index read from
 // the block table is clamped into [0, last_page] (copy.cuh, page_at), so a bad entry reads a wrong page, never
 // outside the cache. capacity (the tokens a sequence of the cache holds: block_table columns x PAGE, or the
-// contiguous cache's token axis) comes last of all: every length read from seq_lens is clamped into [0, capacity]
+// contiguous cache's token axis) comes after it: every length read from seq_lens is clamped into [0, capacity]
 // (schedule.cuh, seq_len_at), so a length beyond the cache reads the clamped span, never outside the cache.
-// spread_slots (after capacity; 0 = none) bounds the slots a batch of at most 32 spreads its units over
-// (attnplan.schedule.slot_unit's window, spread_window: about one wave of programs), so no working program of a
-// capacity plan's large grid waits behind the grid's empty programs; where the units fill the window they are packed.
+// spread_slots (last of all; 0 = none) bounds the slots a batch of at most 32 spreads its units over
+// (attnplan.schedule.slot_unit's window: the host's spread_slots / spread_window, 2 programs per SM, for plans that
+// may see long-tailed batches); where the units fill the window they are packed.
 // out_lse, sinks [Hq], k_scale / v_scale [Hkv] may be null. Grid (1, Hkv, units), or the unit-major program index
 // u Hkv + h along x.
 #if ATTNPLAN_KIND == ATTNPLAN_KIND_PARTIAL

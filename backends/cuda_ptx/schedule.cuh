@@ -116,8 +116,9 @@ __device__ __noinline__ int spread_slot(int slot, int total, int slots) {
 // without a schedule, 14.1 us against 11.5). The same integers as schedule_unit_chunked's; meta by warp 0 of the
 // writing program (write_meta). len: this lane's length as sched_loads read it (clamped here); t_lo / t_hi:
 // sched_granules_per_unit's.
-// slots > 0: u is the program's grid slot of `slots`, and the program runs unit slot_unit(u, U, slots) of the batch's
-// U units (attnplan.schedule.slot_unit: the working programs spread over the grid's order).
+// slots > 0: u is the program's grid slot, and the program runs unit slot_unit(u, U, grid slots, 1, window) of the
+// batch's U units: the caller passes slots = min(grid slots, window) (attnplan.schedule.slot_unit: the working
+// programs spread over the first `slots` slots, or packed where U >= slots; a program past them exits).
 __device__ __forceinline__ UnitInfo schedule_unit_warp(int len, int *__restrict__ meta, int batch, int u, int slots,
                                                        bool write_meta, int window_left, int granule, int min_c,
                                                        int max_per, bool balanced, int t_lo, int t_hi, int lane,
@@ -157,7 +158,7 @@ __device__ __forceinline__ UnitInfo schedule_unit_warp(int len, int *__restrict_
         meta[batch + lane] = un;
     }
     const int total = __reduce_add_sync(FULL_MASK, un);  // U (lanes past the batch add 0)
-    if (slots > total) u = spread_slot(u, total, slots);  // U <= slots always (the plan's bound); equal: no spread
+    if (slots > total) u = spread_slot(u, total, slots);  // else packed: U <= the grid's slots (the plan's bound)
     const unsigned hit = __ballot_sync(FULL_MASK, in && u >= start && u < incl);
     const int src = hit ? __ffs((int)hit) - 1 : 0;
     UnitInfo r;
@@ -314,8 +315,9 @@ __device__ __noinline__ UnitInfo schedule_unit_chunked(const int *__restrict__ s
 
 // The schedule of unit u (module comment). Called by every thread of the program (the chunked path has barriers);
 // pre: sched_loads's, issued at the kernel's start; tid the thread's index; meta written (all batch sequences) when
-// write_meta; balanced: the plan's targets are not all zero; slots: the grid's unit slots (0: u is the unit itself;
-// a batch of at most 32 spreads its units over them); capacity: the clamp of every length (seq_len_at).
+// write_meta; balanced: the plan's targets are not all zero; slots: the grid's unit slots, or fewer (the spread's
+// window; 0: u is the unit itself; a batch of at most 32 spreads its units over them); capacity: the clamp of every
+// length (seq_len_at).
 // Out of line (one call per program): inlined, it moved the partial kernel's main-loop register allocation (see
 // decode.cu, write_rows).
 __device__ __noinline__ UnitInfo schedule_unit(const int *__restrict__ seq_lens, int *__restrict__ meta, int batch,
