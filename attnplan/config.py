@@ -569,7 +569,6 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
             raise TypeError(f"load_config: path must be a str or os.PathLike naming a YAML file, or None, got "
                             f"{type(path).__name__} {short_repr(path)}")
         path = os.path.expanduser(path)  # "~/attnplan.yaml" from the environment or a quoted argument
-    if path is not None:
         user = _read_yaml(path, str(path))
         if not isinstance(user, dict):
             raise ConfigError(f"invalid attnplan config ({path}): top level must be a mapping, got "

@@ -3,8 +3,9 @@ work is the same as a live plan's.
 
 A capacity plan (``DecodeWrapper.plan(..., capacity=True)``) sizes its grid for the cache's capacity, so at short
 lengths most of its programs find no unit and exit; a live plan's grid at uniform lengths holds about its units
-(often a single pass of exactly its programs). Both are replayed from CUDA graphs with the L2 flushed (``bench_longtail.graph_time``), their
-outputs checked against a float32 reference first, beside a bare read of the same bytes.
+(often a single pass of exactly its programs). Both are replayed from CUDA graphs with the L2 flushed
+(``bench_longtail.graph_time``), their outputs checked against a float32 reference first, beside a bare read of the
+same bytes.
 
     python benchmarks/capacity_uniform.py --backend cuda_ptx --heads '32,8,128;16,8,256' --lengths 16384,32768
 

@@ -424,7 +424,7 @@ def test_slot_unit_spreads_units_over_the_slots(slots, data):
         slot_unit(0, 1, slots, window=-1)
 
 
-def test_spread_window_is_about_one_wave_of_programs():
+def test_spread_window_values_and_refusals():
     """:func:`~attnplan.schedule.spread_window`: ``ceil(SPREAD_PROGRAMS_PER_SM x SMs / KV heads)`` slots, at least 1,
     from ``SPREAD_MIN_KV_HEADS`` KV heads on; 0 (the whole grid) below; bad arguments are refused."""
     from attnplan.schedule import SPREAD_MIN_KV_HEADS, SPREAD_PROGRAMS_PER_SM, spread_window

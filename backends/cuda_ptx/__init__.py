@@ -144,7 +144,8 @@ from .spec import (
     mma_unsupported, partial_launch_config,
 )
 
-__all__ = ["CudaPtxBackend", "BoundLaunch", "CudaPtxError", "NvrtcError", "DriverError", "KernelSpec", "CompileCache"]
+__all__ = ["CudaPtxBackend", "BoundLaunch", "CudaPtxError", "NvrtcError", "DriverError", "KernelSpec", "CompileCache",
+           "spread_slots"]
 
 #: shared-memory limit assumed when planning without a device (sm_86/sm_89 opt-in, the smallest >= sm_80)
 _CPU_SMEM_LIMIT = 99 * 1024
@@ -165,11 +166,11 @@ def _tristate(options: dict, name: str, null_means: str) -> bool | None:
 
 
 def spread_slots(plan: SplitPlan) -> int:
-    """The partial kernel's ``spread_slots`` for ``plan``: :func:`attnplan.schedule.spread_window` of its SMs and KV
-    heads for a scheduled plan that may see long-tailed batches (a capacity plan, or a live plan of a long-tailed
-    batch), else 0 (the units spread over the whole grid). The window was measured on such plans only
-    (benchmarks/NOTES.md, "Where a capacity plan's working programs sit: the spread's window"); a uniform live plan
-    keeps the spread it was measured with."""
+    """The partial kernel's ``spread_slots`` for ``plan`` (an int, in unit slots of the grid; raises nothing):
+    :func:`attnplan.schedule.spread_window` of its SMs and KV heads for a scheduled plan that may see long-tailed
+    batches (a capacity plan, or a live plan of a long-tailed batch), else 0 (the units spread over the whole grid).
+    The window was measured on such plans only (benchmarks/NOTES.md, "Where a capacity plan's working programs sit:
+    the spread's window"); a uniform live plan keeps the spread it was measured with."""
     if plan.single_pass or not (plan.capacity_mode or plan.problem.long_tailed):
         return 0
     return spread_window(plan.device.sm_count, plan.problem.num_kv_heads)
