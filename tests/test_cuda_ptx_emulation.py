@@ -39,7 +39,7 @@ from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN
 from attnplan.planner import make_plan
 from attnplan.problem import DecodeProblem, dtype_name
-from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
+from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units, slot_unit
 from attnplan.state import PartialState, merge_states
 from attnplan.testing import (BUCKET_END_TOTALS, FP32_EDGE_CASES, FP32_EDGE_V, TOP_BUCKET_LENGTHS, DecodeCase,
                               assert_close_to_reference, assert_fp32_edge, assert_probe_matches, bucket_schedule,
@@ -330,6 +330,52 @@ def test_emulated_prologue_reads_the_long_tailed_table(be):
     tailed = _check_probe(be, spec, [600, 10, 15, 15], sched, range(20))
     assert uniform.granules_per_unit == 10 and tailed.granules_per_unit == 3
     assert int(tailed.units[0]) == 13 > int(uniform.units[0]) == 1
+
+
+@given(sl=_schedules(), extra=st.integers(0, 90), window=st.integers(0, 60), data=st.data())
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+def test_emulated_prologue_places_units_as_slot_unit(be, sl, extra, window, data):
+    """With the grid's slots given (``slots`` = the grid's unit slots bounded by the spread's window, as the partial
+    kernel passes them), grid slot s runs unit :func:`slot_unit` ``(s, U, grid, 1, window)`` of a batch of at most 32
+    sequences (spread over the first ``min(grid, window)`` slots, or packed), and a larger batch's slot s runs unit s:
+    every slot of the grid and one past it, the unit's sequence, range and ``meta`` as :func:`schedule_units` gives
+    them."""
+    sched, lens = sl
+    spec = _probe_spec(1, False, 4)
+    u = schedule_units(lens, sched)
+    n = u.num_units
+    grid = n + extra  # the plan bounds the batch's units by its grid's slots
+    kernel_slots = min(grid, window) if window else grid  # the partial kernel's spread_slots bound
+    probe = list(range(grid + 1)) if grid <= 64 else sorted({0, grid - 1, grid, *data.draw(
+        st.lists(st.integers(0, grid), min_size=12, max_size=12), label="probe slots")})
+    res, meta = be.probe(spec, lens, sched, probe, slots=kernel_slots)
+    if len(lens) <= 32:
+        runs = [slot_unit(p, n, grid, 1, window) if p < grid else -1 for p in probe]
+    else:
+        runs = [p if p < n else -1 for p in probe]
+    assert_probe_matches(res, meta, u, [n if r < 0 else r for r in runs])
+
+
+def test_emulated_prologue_spreads_within_the_window(be):
+    """One batch of 4 sequences (a long one among short ones: 10 units, longest first) in a grid of 40 slots: spread
+    over all 40 (window 0: unit j in slot 4 j), over the first 20 (window 20: slot 2 j; slots 20-39 exit), packed
+    (window 10: slots 0-9); a batch of 40 sequences ignores the slots (packed, its units in index order)."""
+    targets = tuple([0] + [4] * 31 + [0] + [8] * 31)
+    sched = Schedule("balanced", 16, 1, 64, targets, 64)
+    spec = _probe_spec(1, False, 4)
+    lens = [600, 10, 15, 15]
+    u = schedule_units(lens, sched)
+    assert u.num_units == 10
+    for window, step in [(0, 4), (20, 2), (10, 1)]:
+        res, meta = be.probe(spec, lens, sched, range(41), slots=min(40, window) if window else 40)
+        assert [p for p in range(41) if res[p, 0] >= 0] == [step * j for j in range(10)], window
+        runs = [slot_unit(p, 10, 40, 1, window) if p < 40 else -1 for p in range(41)]
+        assert_probe_matches(res, meta, u, [10 if r < 0 else r for r in runs])
+    big = [16] * 40
+    ub = schedule_units(big, sched)
+    res, meta = be.probe(spec, big, sched, range(ub.num_units + 1), slots=4 * ub.num_units)
+    assert_probe_matches(res, meta, ub, range(ub.num_units + 1))
 
 
 def test_emulated_prologue_reads_the_bucket_of_the_total(be):

@@ -31,7 +31,7 @@ import attnplan
 from attnplan import reference
 from attnplan.backends.base import DecodeInputs
 from attnplan.config import load_config
-from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units
+from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units, slot_unit
 from attnplan.state import PartialState, merge_states
 from attnplan.testing import (DecodeCase, assert_close_to_reference, assert_probe_matches, make_inputs, poison,
                               poisoned_workspace)
@@ -157,7 +157,9 @@ Case = functools.partial(DecodeCase, dtype="bf16", splits=(0,))
 def test_prologue_equals_schedule_units(warps, gen):
     """The prologue on the device (32, 128, 256 threads) against schedule_units: random batches of 1-700 sequences
     (1-32: one warp schedules them) with long tails, balanced (both targets tables), forced and batch-invariant
-    schedules, window or not; every unit of the small batches and a sample of the large, ``meta``."""
+    schedules, window or not; every unit of the small batches and a sample of the large, ``meta``; and where the
+    grid has more slots than units (up to 32 sequences: spread over the grid or the spread's window, else packed),
+    the unit each grid slot runs, :func:`slot_unit`'s."""
     from attnplan.backends.cuda_ptx.spec import make_spec
 
     be = _backend()
@@ -177,16 +179,26 @@ def test_prologue_equals_schedule_units(warps, gen):
             sched = Schedule(policy, (16, 32, 48)[it % 3], 1 + it % 3, s_cap, targets, bound)
             w = 7 if window else -1
             _check_probe(be, spec, lens.tolist(), sched, 2, w, gen)
+            n = schedule_units(lens.tolist(), sched, 2, w).num_units
+            _check_probe(be, spec, lens.tolist(), sched, 2, w, gen, grid=n + 5 * it, spread=(0, n + 3, 2 * n)[it % 3])
 
 
-def _check_probe(be, spec, lens, sched, q_len, window_left, gen, sample=40):
+def _check_probe(be, spec, lens, sched, q_len, window_left, gen, sample=40, grid=None, spread=0):
+    """``grid``: the grid's unit slots (None: the probe's slots are the units); ``spread``: the spread's window
+    (0: none), both as the partial kernel applies them (``slot_unit``) to batches of at most 32."""
     u = schedule_units(lens, sched, q_len, window_left)
     n = u.num_units
-    probe = list(range(n + 1)) if n <= sample else sorted({0, n - 1, n, *torch.randint(0, n, (sample,),
+    m = n if grid is None else grid
+    probe = list(range(m + 1)) if m <= sample else sorted({0, m - 1, m, *torch.randint(0, m, (sample,),
                                                                                         generator=gen).tolist()})
+    slots = 0 if grid is None else (min(grid, spread) if spread else grid)
     res, meta = be.probe(spec, torch.tensor(lens, dtype=torch.int32, device="cuda"), sched, probe,
-                         window_left=window_left)
+                         window_left=window_left, slots=slots)
     torch.cuda.synchronize()
+    if grid is not None:
+        runs = [(slot_unit(p, n, grid, 1, spread) if len(lens) <= 32 else (p if p < n else -1)) if p < grid else -1
+                for p in probe]
+        probe = [n if r < 0 else r for r in runs]
     assert_probe_matches(res, meta, u, probe)
 
 

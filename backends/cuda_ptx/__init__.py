@@ -701,16 +701,19 @@ class CudaPtxBackend(Backend):
         return BoundLaunch(self, plan, workspace, inputs)
 
     def probe(self, spec: KernelSpec, seq_lens: torch.Tensor, schedule, probe_units, *, window_left: int = -1,
-              write_meta: bool = True, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              write_meta: bool = True, capacity: int | None = None,
+              slots: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the partial kernel's schedule prologue alone (tests; ``spec`` a ``"partial"`` spec: its threads, q_len
         and window; its probe build): ``(res, meta)`` on ``seq_lens``'s device, ``res`` int32 ``[n, 8]`` = (b, j,
-        start, end, units[b], c, first[b], cb) of each unit of ``probe_units`` (b = -1 and the rest -7 past the
-        batch's units), ``meta`` int32 ``[2 B]`` written by the first probe block (``None`` without
+        start, end, units[b], c, first[b], cb) of the unit that each grid slot of ``probe_units`` runs (b = -1 and
+        the rest -7 where it runs none), ``meta`` int32 ``[2 B]`` written by the first probe block (``None`` without
         ``write_meta``). Each length is clamped into ``[0, capacity]`` tokens as the partial kernel clamps it
-        (``None``: ``2**31 - 1``, only negative lengths clamped). Allocates and launches (not for a CUDA graph).
+        (``None``: ``2**31 - 1``, only negative lengths clamped). ``slots``: the unit slots a batch of at most 32
+        spreads its units over, as the partial kernel passes them (its grid's slots bounded by
+        :func:`spread_slots`); 0: slot u runs unit u. Allocates and launches (not for a CUDA graph).
 
         Raises:
-            ValueError: ``spec`` is not a ``"partial"`` spec, or ``capacity`` is negative.
+            ValueError: ``spec`` is not a ``"partial"`` spec, or ``capacity`` or ``slots`` is negative.
         """
         import dataclasses
 
@@ -729,5 +732,5 @@ class CudaPtxBackend(Backend):
         cfg = LaunchConfig((units.numel(), 1, 1), (spec.threads, 1, 1), spec.smem_bytes)
         cap = {} if capacity is None else {"capacity": capacity}
         self._launch(spec, cfg, PROBE_SIGNATURE,
-                     probe_args(lens, targets, meta, units, res, schedule, window_left, **cap), dev)
+                     probe_args(lens, targets, meta, units, res, schedule, window_left, slots=slots, **cap), dev)
         return res, meta

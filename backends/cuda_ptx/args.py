@@ -93,7 +93,7 @@ MERGE_SIGNATURE: tuple[tuple[str, str], ...] = (
 PROBE_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("seq_lens", "ptr"), ("targets", "ptr"), ("meta", "ptr"), ("probe_units", "ptr"), ("res", "ptr"),
     ("batch", "i32"), ("window_left", "i32"), ("granule", "i32"), ("min_unit_granules", "i32"),
-    ("max_units_per_seq", "i32"), ("balanced", "i32"), ("capacity", "i32"),
+    ("max_units_per_seq", "i32"), ("balanced", "i32"), ("capacity", "i32"), ("slots", "i32"),
 )
 _SLOT_FORMAT = {"ptr": "Q", "i64": "q", "i32": "i4x", "f32": "f4x"}
 _LOG2E = 1.4426950408889634
@@ -262,22 +262,26 @@ def merge_args(o: torch.Tensor, lse: torch.Tensor, meta: torch.Tensor, out: torc
 
 
 def probe_args(seq_lens: torch.Tensor, targets: torch.Tensor, meta: torch.Tensor | None, probe_units: torch.Tensor,
-               res: torch.Tensor, schedule, window_left: int = -1, capacity: int = INT32_MAX) -> list:
-    """Argument values for :data:`PROBE_SIGNATURE`: the schedule of the units ``probe_units`` (int32 ``[n]``) into
-    ``res`` (int32 ``[n, 8]``) for ``seq_lens`` (int32 ``[B]``) under ``schedule``, each length clamped into ``[0,
-    capacity]`` (tokens; the default clamps only negative lengths); ``meta`` (int32 ``[2 B]``) is written when given.
-    A window is packed as ``min(window_left, capacity)``, as :func:`partial_args` packs it.
+               res: torch.Tensor, schedule, window_left: int = -1, capacity: int = INT32_MAX, slots: int = 0) -> list:
+    """Argument values for :data:`PROBE_SIGNATURE`: the schedule of the grid slots ``probe_units`` (int32 ``[n]``)
+    into ``res`` (int32 ``[n, 8]``) for ``seq_lens`` (int32 ``[B]``) under ``schedule``, each length clamped into
+    ``[0, capacity]`` (tokens; the default clamps only negative lengths); ``meta`` (int32 ``[2 B]``) is written when
+    given. A window is packed as ``min(window_left, capacity)``, as :func:`partial_args` packs it. ``slots``: the
+    unit slots a batch of at most 32 spreads its units over (the partial kernel's grid slots bounded by its
+    ``spread_slots``: :func:`attnplan.schedule.slot_unit`'s ``min(slots, window)``); 0: each slot runs its own unit.
 
     Raises:
-        ValueError: ``capacity`` negative.
+        ValueError: ``capacity`` or ``slots`` negative.
     """
     if int(capacity) < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
+    if int(slots) < 0:
+        raise ValueError(f"slots must be >= 0, got {slots}")
     cap = min(int(capacity), INT32_MAX)
     b, granule, min_c, max_per, balanced = schedule_ints(schedule, seq_lens.shape[0])
     window = max(int(window_left), -1)
     return [seq_lens.data_ptr(), targets.data_ptr(), _ptr(meta), probe_units.data_ptr(), res.data_ptr(), b,
-            window if window < 0 else min(window, cap), granule, min_c, max_per, balanced, cap]
+            window if window < 0 else min(window, cap), granule, min_c, max_per, balanced, cap, int(slots)]
 
 
 def _ptr(t: torch.Tensor | None) -> int:

@@ -462,26 +462,28 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
 #endif
 
 #if ATTNPLAN_KIND == ATTNPLAN_KIND_PARTIAL && defined(ATTNPLAN_SCHEDULE_PROBE)
-// The partial kernel's prologue alone (tests; the spec's probe flag): block k runs schedule_unit for unit
+// The partial kernel's prologue alone (tests; the spec's probe flag): block k runs schedule_unit for grid slot
 // probe_units[k] with the partial kernel's threads and writes res[8 k .. 8 k + 8) = (b, j, cs, ce, units[b], c,
-// first[b], cb), or only b = -1 past the batch's units; block 0 writes meta when it is not null. Lengths are
-// clamped into [0, capacity] as in the partial kernel.
+// first[b], cb) of the unit that slot runs, or only b = -1 where it runs none; block 0 writes meta when it is not
+// null. Lengths are clamped into [0, capacity] as in the partial kernel. slots: what the partial kernel passes
+// schedule_unit (its grid's unit slots, bounded by spread_slots), 0 for a slot that is its unit.
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 attnplan_schedule_probe(const int *__restrict__ seq_lens, const int *__restrict__ targets, int *__restrict__ meta,
                         const int *__restrict__ probe_units, int *__restrict__ res, int batch, int window_left,
-                        int granule, int min_unit_granules, int max_units_per_seq, int balanced, int capacity) {
+                        int granule, int min_unit_granules, int max_units_per_seq, int balanced, int capacity,
+                        int slots) {
     ATTNPLAN_DYNAMIC_SMEM(smem);
     const int tid = threadIdx.x, k = (int)blockIdx.x, u = probe_units[k];
     const SchedLoads pre = sched_loads(seq_lens, targets, batch, balanced != 0, tid & 31);
-    const UnitInfo un = schedule_unit(seq_lens, meta, batch, u, 0, meta != nullptr && k == 0, window_left, granule,
+    const UnitInfo un = schedule_unit(seq_lens, meta, batch, u, slots, meta != nullptr && k == 0, window_left, granule,
                                       min_unit_granules, max_units_per_seq, balanced != 0, pre, smem, tid, capacity);
     if (tid != 0) return;
     int *r = res + 8 * (i64)k;
     r[0] = un.b;
     if (un.b < 0) return;
     int cs, ce;
-    unit_range(un, u, seq_len_at(seq_lens, un.b, capacity), window_left, granule, cs, ce);
-    r[1] = u - un.first;
+    unit_range(un, un.u, seq_len_at(seq_lens, un.b, capacity), window_left, granule, cs, ce);
+    r[1] = un.u - un.first;
     r[2] = cs;
     r[3] = ce;
     r[4] = un.units;

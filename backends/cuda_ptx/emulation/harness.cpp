@@ -29,7 +29,7 @@ void body() {
 #elif defined(ATTNPLAN_SCHEDULE_PROBE)
     attnplan_schedule_probe(arg<const int *>(0), arg<const int *>(1), arg<int *>(2), arg<const int *>(3),
                             arg<int *>(4), arg<int>(5), arg<int>(6), arg<int>(7), arg<int>(8), arg<int>(9),
-                            arg<int>(10), arg<int>(11));
+                            arg<int>(10), arg<int>(11), arg<int>(12));
 #else
     ATTNPLAN_ENTRY(arg<const elem_t *>(0), arg<const kv_t *>(1), arg<const kv_t *>(2), arg<const int *>(3),
                    arg<const int *>(4), arg<elem_t *>(5), arg<float *>(6), arg<const float *>(7),
