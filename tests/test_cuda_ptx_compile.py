@@ -1163,8 +1163,8 @@ def test_last_page_capacity_and_spread_slots_are_the_last_parameters_and_read():
     registers were measured with: the single pass's 34 come first, then the schedule's and the workspace's); every
     paged kernel reads ``last_page`` (the block-table window of a tile in one page and of PAGE_REG's pages, the
     per-chunk loads; partial, single pass, fused merge), a contiguous one never does; every kernel reads ``capacity``
-    (its lengths), and the probe takes it just before its own ``slots``; the scheduled partial kernels read ``spread_slots``, the single pass
-    never does."""
+    (its lengths), and the probe takes it just before its own ``slots``; the scheduled partial kernels read
+    ``spread_slots``, the single pass never does."""
     names = [n for n, _ in A.PARTIAL_SIGNATURE]
     assert A.PARTIAL_SIGNATURE[-3:] == (("last_page", "i32"), ("capacity", "i32"), ("spread_slots", "i32"))
     assert names.count("last_page") == 1 and names.count("capacity") == 1 and names.count("spread_slots") == 1

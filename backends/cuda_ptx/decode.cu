@@ -475,8 +475,9 @@ attnplan_schedule_probe(const int *__restrict__ seq_lens, const int *__restrict_
     ATTNPLAN_DYNAMIC_SMEM(smem);
     const int tid = threadIdx.x, k = (int)blockIdx.x, u = probe_units[k];
     const SchedLoads pre = sched_loads(seq_lens, targets, batch, balanced != 0, tid & 31);
-    const UnitInfo un = schedule_unit(seq_lens, meta, batch, u, slots, meta != nullptr && k == 0, window_left, granule,
-                                      min_unit_granules, max_units_per_seq, balanced != 0, pre, smem, tid, capacity);
+    const UnitInfo un = schedule_unit(seq_lens, meta, batch, u, slots, meta != nullptr && k == 0, window_left,
+                                      granule, min_unit_granules, max_units_per_seq, balanced != 0, pre, smem, tid,
+                                      capacity);
     if (tid != 0) return;
     int *r = res + 8 * (i64)k;
     r[0] = un.b;
