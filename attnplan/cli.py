@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         "(default: $ATTNPLAN_CONFIG, if set)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run a decode workload and check it against the float64 reference")
-    r.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama-3.1-8b", help="head configuration preset")
+    r.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama-3.1-8b",
+                   help="head configuration preset (default: %(default)s)")
     r.add_argument("--batch", type=_int_in(1, 1 << 20), default=None,
                    help="sequences (default: the number of --kv-lens values, else 3 on CPU, 4 on GPU)")
     r.add_argument("--kv-lens", type=_kv_lens, default=None,
@@ -339,12 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--q-len", type=_int_in(1, 16), default=1, help="queries per sequence, 1..16 (speculative "
                                                                     "verification > 1)")
     r.add_argument("--page-size", type=_page_size, default=16, help="tokens per page, a power of two; 0 = contiguous "
-                                                                     "cache")
-    r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+                                                                     "cache (default: %(default)s)")
+    r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                   help="q and KV cache dtype (default: %(default)s)")
     r.add_argument("--backend", default=None, help="force a backend (default: the config's order)")
     r.add_argument("--num-splits", type=_int_in(0, 1024), default=None, help="0 heuristic, 1 no split, >1 forced")
-    r.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0)
-    r.add_argument("--iters", type=_int_in(0, 1 << 20), default=50, help="timed iterations on a GPU (0: no timing)")
+    r.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0,
+                   help="seed of the random inputs and lengths (default: %(default)s)")
+    r.add_argument("--iters", type=_int_in(0, 1 << 20), default=50, help="timed iterations on a GPU (0: no timing; default: %(default)s)")
     r.add_argument("--check-seqs", type=_int_in(1, 1 << 20), default=4, help="sequences checked against the "
                                                                             "reference (>= 1; --no-check: none)")
     r.add_argument("--no-check", action="store_true", help="skip the reference check")

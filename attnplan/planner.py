@@ -622,7 +622,7 @@ class SplitPlan:
         else:
             hkv = self.launch_problem.num_kv_heads
             lines.append(
-                f"schedule ({s.policy}, computed on the GPU at every launch from seq_lens): granule {s.granule} "
+                f"schedule ({s.policy}, computed on the device at every launch from seq_lens): granule {s.granule} "
                 f"tokens, units of at least {s.min_unit_granules * s.granule} tokens, at most {s.max_units_per_seq} "
                 f"units per sequence; grid {s.max_units} unit slots x {hkv} KV head{'s' * (hkv != 1)} = "
                 f"{self.num_programs} programs (slots without a unit exit)")
