@@ -225,8 +225,11 @@ def select_backend(problem: DecodeProblem, device: torch.device, config: Config,
         ``(backend, skipped)`` where ``skipped`` lists ``(name, reasons)`` of each earlier backend.
     Raises:
         NoBackendError: none fits; the message gives the problem and every backend's reasons.
-        TypeError, ValueError: ``backend`` is not a backend's name (``None`` walks the order; ``""`` is refused).
+        TypeError, ValueError: ``backend`` is not a backend's name (``None`` walks the order; ``""`` is refused), or
+            ``device`` is not a ``torch.device``.
     """
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device, got {type(device).__name__}")
     arch = device_info(device).arch if device.type == "cuda" else None
     order = [backend] if backend is not None else \
         dispatch_order(config, torch_dtype(problem.kv_dtype).itemsize == 1, arch)
@@ -887,6 +890,7 @@ class DecodeWrapper:
                                     "and allocate a workspace): call it before capturing")
         if not isinstance(plan, SplitPlan):
             raise TypeError(f"plan must be a SplitPlan, got {type(plan).__name__}")
+        plan.check_types()
         if plan.backend != self.backend.name:
             raise ValueError(f"the plan is for backend {plan.backend!r}, this wrapper's inputs were planned on "
                              f"{self.backend.name!r}")

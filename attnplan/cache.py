@@ -201,6 +201,7 @@ def check_plan(plan: SplitPlan, problem: DecodeProblem | None = None) -> DecodeP
     """
     if not isinstance(plan, SplitPlan):
         raise TypeError(f"not a plan: {type(plan).__name__}")
+    plan.check_types()
     if not math.isfinite(plan.predicted_us):
         raise ValueError(f"predicted_us must be a finite number, got {plan.predicted_us!r}")
     problem = plan.problem if problem is None else problem

@@ -98,11 +98,25 @@ def _cuda_device_info(index: int) -> DeviceInfo:
 
 
 def device_info(device: torch.device | str | None = None) -> DeviceInfo:
-    """Device facts for ``device`` (a tensor's device). CPU devices get :data:`CPU_STANDIN`."""
-    dev = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    """Device facts for ``device`` (a tensor's device: a ``torch.device`` or its string, ``None`` for the current
+    CUDA device, else the CPU). Devices other than CUDA get :data:`CPU_STANDIN`.
+
+    Raises:
+        TypeError: ``device`` is not a ``torch.device``, a string or ``None``.
+        ValueError: a string that names no device, or a CUDA device this process cannot see.
+    """
+    if device is not None and not isinstance(device, (torch.device, str)):
+        raise TypeError(f"device must be a torch.device, a string or None, got {type(device).__name__}")
+    try:
+        dev = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} names no device: {e}") from None
     if dev.type != "cuda":
         return CPU_STANDIN
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not seen or (dev.index is not None and dev.index >= seen):
+        raise ValueError(f"device {str(dev)!r}: this process sees {seen} CUDA device{'s' * (seen != 1)}")
     return _cuda_device_info(dev.index if dev.index is not None else torch.cuda.current_device())
 
 

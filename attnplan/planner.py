@@ -223,6 +223,25 @@ class Launch(NamedTuple):
 _FIELD_KINDS = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
 
 
+def _nested(what: str, make, v):
+    """``make(v)`` for the plan field ``what`` (a nested mapping), its ``TypeError`` / ``KeyError`` /
+    ``ValueError`` raised again with the field named (a missing key of a nested mapping as ``KeyError``)."""
+    try:
+        return make(v)
+    except KeyError as e:
+        raise KeyError(f"plan {what}: key {e.args[0] if e.args else ''} missing") from None
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"plan {what}: {e}") from None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _field(v, kind: type, what: str):
     """A plan file's field ``v`` if it is a JSON value of ``kind``, else ``TypeError`` naming it (nothing is
     converted): ``int`` an int, not a bool; ``float`` an int or a float, not a bool; ``bool`` and ``str`` exactly."""
@@ -419,13 +438,53 @@ class SplitPlan:
                 + 4 * (self.meta_words + self.sync_words + self.lens_words + NUM_TARGETS))
 
     # -- checks and serialization ---------------------------------------------------------------------
-    def validate(self, problem: DecodeProblem | None = None) -> None:
-        """Check the plan's internal consistency, and that it serves ``problem`` when given (a plan loaded from
-        disk is validated so before use).
+    def check_types(self) -> None:
+        """Check every field's type (a plan edited with ``dataclasses.replace`` is not checked when it is made):
+        ``backend``, ``merge`` and ``policy`` strings, ``problem`` a :class:`DecodeProblem`, ``device`` a
+        :class:`DeviceKey` (name, SMs, ``(major, minor)``, driver), ``schedule`` a :class:`Schedule`, ``kernel`` a
+        :class:`KernelOptions`, ``predicted_us`` a real number, ``capacity_mode`` a bool, ``table_entry`` a
+        :class:`TableRow` or ``None``, ``candidates`` ``(splits, chunk_tokens, predicted_us)`` triples,
+        ``q_block``, ``head_block`` and ``version`` ints.
 
         Raises:
+            TypeError: naming the first field of the wrong type.
+        """
+        d = self.device
+        dev_ok = (isinstance(d, DeviceKey) and isinstance(d.name, str) and _is_int(d.sm_count)
+                  and isinstance(d.driver, str) and isinstance(d.cc, tuple) and len(d.cc) == 2
+                  and all(_is_int(c) for c in d.cc))
+        cands_ok = isinstance(self.candidates, tuple) and all(
+            isinstance(c, tuple) and len(c) == 3 and _is_int(c[0]) and _is_int(c[1]) and _is_real(c[2])
+            for c in self.candidates)
+        for what, ok, want in (
+                ("backend", isinstance(self.backend, str), "a str"),
+                ("problem", isinstance(self.problem, DecodeProblem), "a DecodeProblem"),
+                ("device", dev_ok, "a DeviceKey (name str, sm_count int, cc (int, int), driver str)"),
+                ("schedule", isinstance(self.schedule, Schedule), "a Schedule"),
+                ("kernel", isinstance(self.kernel, KernelOptions), "a KernelOptions"),
+                ("merge", isinstance(self.merge, str), "a str"),
+                ("policy", isinstance(self.policy, str), "a str"),
+                ("predicted_us", _is_real(self.predicted_us), "a real number"),
+                ("capacity_mode", type(self.capacity_mode) is bool, "a bool"),
+                ("table_entry", self.table_entry is None or isinstance(self.table_entry, TableRow),
+                 "a TableRow or None"),
+                ("candidates", cands_ok, "a tuple of (int, int, float) triples"),
+                ("q_block", _is_int(self.q_block), "an int"),
+                ("head_block", _is_int(self.head_block), "an int"),
+                ("version", _is_int(self.version), "an int")):
+            if not ok:
+                raise TypeError(f"plan {what} must be {want}, got {type(getattr(self, what)).__name__} "
+                                f"{getattr(self, what)!r:.60}")
+
+    def validate(self, problem: DecodeProblem | None = None) -> None:
+        """Check the plan's field types (:meth:`check_types`), its internal consistency, and that it serves
+        ``problem`` when given (a plan loaded from disk is validated so before use).
+
+        Raises:
+            TypeError: a field of the wrong type.
             ValueError: naming what does not fit.
         """
+        self.check_types()
         s, k = self.schedule, self.kernel
         if self.version != PLAN_VERSION:
             raise ValueError(f"plan version {self.version} is not {PLAN_VERSION}")
@@ -492,8 +551,11 @@ class SplitPlan:
                 "capacity_mode", "table_entry", "candidates", "q_block", "head_block", "version"}
         if set(d) != want:
             raise KeyError(f"plan keys {sorted(set(d) ^ want)} missing or unknown")
-        if d["version"] != PLAN_VERSION:
+        if _field(d["version"], int, "version") != PLAN_VERSION:
             raise ValueError(f"plan version {d['version']!r} is not {PLAN_VERSION}")
+        for name in ("schedule", "kernel"):
+            if not isinstance(d[name], dict):
+                raise TypeError(f"plan {name} must be a mapping, got {type(d[name]).__name__}")
         if not isinstance(d["problem"], dict) or not isinstance(d["device"], list) or len(d["device"]) != 4:
             raise TypeError("plan problem must be a mapping and device [name, sm_count, cc, driver]")
         name, sms, cc, driver = d["device"]
@@ -504,17 +566,21 @@ class SplitPlan:
             raise TypeError("plan candidates must be a list of [splits, chunk_tokens, predicted_us]")
         te = d["table_entry"]
         plan = SplitPlan(
-            backend=_field(d["backend"], str, "backend"), problem=DecodeProblem(**d["problem"]),
+            backend=_field(d["backend"], str, "backend"), problem=_nested("problem", lambda v: DecodeProblem(**v),
+                                                                          d["problem"]),
             device=DeviceKey(_field(name, str, "device name"), _field(sms, int, "device sm_count"),
                              (_field(cc[0], int, "device cc"), _field(cc[1], int, "device cc")),
                              _field(driver, str, "device driver")),
-            schedule=Schedule.from_dict(d["schedule"]), kernel=KernelOptions(d["kernel"]), merge=d["merge"],
-            policy=d["policy"], predicted_us=float(_field(d["predicted_us"], float, "predicted_us")),
+            schedule=_nested("schedule", Schedule.from_dict, d["schedule"]),
+            kernel=_nested("kernel", KernelOptions, d["kernel"]), merge=_field(d["merge"], str, "merge"),
+            policy=_field(d["policy"], str, "policy"),
+            predicted_us=float(_field(d["predicted_us"], float, "predicted_us")),
             capacity_mode=_field(d["capacity_mode"], bool, "capacity_mode"),
-            table_entry=None if te is None else TableRow.from_row(te),
+            table_entry=None if te is None else _nested("table_entry", TableRow.from_row, te),
             candidates=tuple((_field(a, int, "candidate splits"), _field(b, int, "candidate chunk_tokens"),
                               float(_field(c, float, "candidate predicted_us"))) for a, b, c in cands),
-            q_block=d["q_block"], head_block=d["head_block"], version=d["version"])
+            q_block=_field(d["q_block"], int, "q_block"), head_block=_field(d["head_block"], int, "head_block"),
+            version=d["version"])
         plan.validate()
         return plan
 
@@ -984,8 +1050,14 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     Returns:
         the :class:`SplitPlan`; it serves any lengths up to the cache's capacity.
     Raises:
+        TypeError: ``problem`` is not a :class:`DecodeProblem`, ``device`` not a :class:`DeviceInfo` or ``kernel``
+            not a mapping.
         ValueError: ``kernel`` has no positive ``block_n``, or the batch's capacity exceeds 2^31 granules.
     """
+    for what, v, kind in (("problem", problem, DecodeProblem), ("device", device, DeviceInfo),
+                          ("kernel", kernel, Mapping)):
+        if not isinstance(v, kind):
+            raise TypeError(f"make_plan: {what} must be a {kind.__name__}, got {type(v).__name__}")
     head_block = head_block if 0 < head_block < problem.group_size else 0
     q_block = 1 if head_block and problem.q_len > 1 else (q_block if 0 < q_block < problem.q_len else 0)
     if q_block or head_block:

@@ -840,6 +840,25 @@ def test_use_plan_checks_a_plan_as_a_plan_file_and_try_run_serves_it(backend, ge
     assert_close_to_reference(out, _ref(x)[0], torch.float32)
 
 
+def test_use_plan_refuses_a_field_of_the_wrong_type_by_name(gen):
+    """A plan edited with fields of the wrong type (a plain dict for the kernel options or the schedule, a list for
+    the device, a string prediction, version or flag, junk candidates) is refused with ``TypeError`` naming the field,
+    before any comparison with the planned plan; the wrapper keeps its plan, and the same values in the right types
+    are served."""
+    x = make_inputs(1, 4, 2, 32, [50], page_size=16, dtype=torch.float32, generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    w = attnplan.DecodeWrapper(attnplan.load_config(plan_cache={"enabled": False}), backend="reference")
+    p = w.plan(*args, num_splits=2)
+    for field, value in (("kernel", dict(p.kernel)), ("schedule", p.schedule.to_dict()), ("device", list(p.device)),
+                         ("predicted_us", "1"), ("version", str(p.version)), ("capacity_mode", "yes"),
+                         ("candidates", "x"), ("q_block", 0.0), ("merge", 3), ("table_entry", "row")):
+        with pytest.raises(TypeError, match=f"plan {field} must be"):
+            w.use_plan(dataclasses.replace(p, **{field: value}))
+        assert w.plan_ is p
+    same = dataclasses.replace(p, kernel=KernelOptions(dict(p.kernel)), device=type(p.device)(*p.device))
+    assert w.use_plan(same) is same
+
+
 # -- Triton's direct launch: the logic, with a stand-in for the compiled kernel ----------------------------
 
 class _FakeCompiled:

@@ -990,3 +990,24 @@ def test_tune_inputs_and_planning_for_an_fp8_cache():
     assert parse_args(["--kv-dtype", "float8_e4m3fn", "--no-options"]).kv_dtype == "float8_e4m3fn"
     with pytest.raises(SystemExit):  # rows naming every option a kernel ran must not enter a table
         main(["--planner-options"])
+
+
+def test_exported_helpers_refuse_bad_arguments_by_name():
+    """``device_info``, ``select_backend`` and ``make_plan`` check their arguments: a string that names no device or
+    a CUDA device this process cannot see is a ``ValueError``, a device of another type (an int, a string where a
+    ``torch.device`` is wanted) or a kernel that is not a mapping a ``TypeError``, each naming the argument."""
+    with pytest.raises(ValueError, match="names no device"):
+        attnplan.device_info("junk")
+    with pytest.raises(TypeError, match="device must be"):
+        attnplan.device_info(3)
+    assert attnplan.device_info("cpu") is attnplan.CPU_STANDIN
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=f"sees {n} CUDA device"):
+        attnplan.device_info(f"cuda:{n}")
+    prob = P()
+    with pytest.raises(TypeError, match="device must be a torch.device"):
+        attnplan.select_backend(prob, "cpu", CFG)
+    with pytest.raises(TypeError, match="make_plan: kernel must be a Mapping"):
+        make_plan(prob, GPU, CFG, "x", None)
+    with pytest.raises(TypeError, match="make_plan: device must be a DeviceInfo"):
+        make_plan(prob, "H200", CFG, "x", KERNEL)

@@ -260,7 +260,15 @@ def test_plan_round_trips_and_validates_strictly():
                              (lambda d: d["schedule"].update(max_units=1), ValueError, "max_units 1 must cover"),
                              (lambda d: d["kernel"].update(block_n=48), ValueError, "block_n 48 must be"),
                              (lambda d: d.update(merge="atomic"), ValueError, "merge 'atomic'"),
-                             (lambda d: d.update(problem=[1, 2]), TypeError, "problem must be a mapping")):
+                             (lambda d: d.update(problem=[1, 2]), TypeError, "problem must be a mapping"),
+                             # nested mappings and scalars name their field
+                             (lambda d: d.update(schedule={}), KeyError, "plan schedule: key policy missing"),
+                             (lambda d: d.update(kernel="x"), TypeError, "plan kernel must be a mapping"),
+                             (lambda d: d.update(version=str(d["version"])), TypeError, "plan version must be"),
+                             (lambda d: d.update(merge=3), TypeError, "plan merge must be"),
+                             (lambda d: d.update(q_block=0.0), TypeError, "plan q_block must be"),
+                             (lambda d: d["problem"].update(batch="4"), TypeError, "plan problem: .*batch"),
+                             (lambda d: d["schedule"].update(granule="64"), ValueError, "plan schedule: .*granule")):
         bad = plan.to_dict()
         mutate(bad)
         with pytest.raises(err, match=msg):
