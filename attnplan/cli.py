@@ -347,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--num-splits", type=_int_in(0, 1024), default=None, help="0 heuristic, 1 no split, >1 forced")
     r.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0,
                    help="seed of the random inputs and lengths (default: %(default)s)")
-    r.add_argument("--iters", type=_int_in(0, 1 << 20), default=50, help="timed iterations on a GPU (0: no timing; default: %(default)s)")
+    r.add_argument("--iters", type=_int_in(0, 1 << 20), default=50,
+                   help="timed iterations on a GPU (0: no timing; default: %(default)s)")
     r.add_argument("--check-seqs", type=_int_in(1, 1 << 20), default=4, help="sequences checked against the "
                                                                             "reference (>= 1; --no-check: none)")
     r.add_argument("--no-check", action="store_true", help="skip the reference check")
