@@ -452,6 +452,7 @@ def check_plan_serves(p: SplitPlan, problem: DecodeProblem, backend: Backend) ->
     plan of other blocks would launch more rows than a program holds).
 
     Raises:
+        TypeError: a plan field of the wrong type (:meth:`SplitPlan.check_types`).
         ValueError: naming what does not fit.
     """
     p.validate(problem)

@@ -193,7 +193,9 @@ class DeviceKey(NamedTuple):
 
     @staticmethod
     def of(device: DeviceInfo) -> "DeviceKey":
-        return DeviceKey(device.name, device.sm_count, tuple(device.compute_capability), device.driver)
+        """``device``'s key, its fields as Python ``str`` / ``int`` (a numpy integer among the facts is converted)."""
+        return DeviceKey(str(device.name), int(device.sm_count), tuple(int(c) for c in device.compute_capability),
+                         str(device.driver))
 
 
 def launch_problem_of(problem: DecodeProblem, q_block: int = 0, head_block: int = 0) -> DecodeProblem:
@@ -232,6 +234,12 @@ def _nested(what: str, make, v):
         raise KeyError(f"plan {what}: key {e.args[0] if e.args else ''} missing") from None
     except (TypeError, ValueError) as e:
         raise type(e)(f"plan {what}: {e}") from None
+
+
+def _type_name(v) -> str:
+    """``v``'s type, qualified by its module outside the builtins (``numpy.bool``, not ``bool``)."""
+    t = type(v)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def _is_int(v) -> bool:
@@ -450,16 +458,22 @@ class SplitPlan:
             TypeError: naming the first field of the wrong type.
         """
         d = self.device
-        dev_ok = (isinstance(d, DeviceKey) and isinstance(d.name, str) and _is_int(d.sm_count)
-                  and isinstance(d.driver, str) and isinstance(d.cc, tuple) and len(d.cc) == 2
-                  and all(_is_int(c) for c in d.cc))
+        if isinstance(d, DeviceKey):
+            for what, ok, want in (("name", isinstance(d.name, str), "a str"),
+                                   ("sm_count", _is_int(d.sm_count), "an int"),
+                                   ("cc", isinstance(d.cc, tuple) and len(d.cc) == 2 and all(_is_int(c) for c in d.cc),
+                                    "an (int, int) tuple"),
+                                   ("driver", isinstance(d.driver, str), "a str")):
+                if not ok:
+                    raise TypeError(f"plan device {what} must be {want}, got {_type_name(getattr(d, what))} "
+                                    f"{getattr(d, what)!r:.60}")
         cands_ok = isinstance(self.candidates, tuple) and all(
             isinstance(c, tuple) and len(c) == 3 and _is_int(c[0]) and _is_int(c[1]) and _is_real(c[2])
             for c in self.candidates)
         for what, ok, want in (
                 ("backend", isinstance(self.backend, str), "a str"),
                 ("problem", isinstance(self.problem, DecodeProblem), "a DecodeProblem"),
-                ("device", dev_ok, "a DeviceKey (name str, sm_count int, cc (int, int), driver str)"),
+                ("device", isinstance(d, DeviceKey), "a DeviceKey"),
                 ("schedule", isinstance(self.schedule, Schedule), "a Schedule"),
                 ("kernel", isinstance(self.kernel, KernelOptions), "a KernelOptions"),
                 ("merge", isinstance(self.merge, str), "a str"),
@@ -473,7 +487,7 @@ class SplitPlan:
                 ("head_block", _is_int(self.head_block), "an int"),
                 ("version", _is_int(self.version), "an int")):
             if not ok:
-                raise TypeError(f"plan {what} must be {want}, got {type(getattr(self, what)).__name__} "
+                raise TypeError(f"plan {what} must be {want}, got {_type_name(getattr(self, what))} "
                                 f"{getattr(self, what)!r:.60}")
 
     def validate(self, problem: DecodeProblem | None = None) -> None:
@@ -489,10 +503,10 @@ class SplitPlan:
         if self.version != PLAN_VERSION:
             raise ValueError(f"plan version {self.version} is not {PLAN_VERSION}")
         qb = self.q_block
-        if isinstance(qb, bool) or not isinstance(qb, int) or not (qb == 0 or 1 <= qb < self.problem.q_len):
+        if not (qb == 0 or 1 <= qb < self.problem.q_len):
             raise ValueError(f"q_block {qb!r} must be 0 (one launch) or an int in [1, q_len {self.problem.q_len})")
         hb, g = self.head_block, self.problem.group_size
-        if isinstance(hb, bool) or not isinstance(hb, int) or not (hb == 0 or 1 <= hb < g):
+        if not (hb == 0 or 1 <= hb < g):
             raise ValueError(f"head_block {hb!r} must be 0 (whole GQA groups) or an int in [1, GQA group {g})")
         if hb and qb != 1 and self.problem.q_len != 1:
             raise ValueError(f"head_block {hb} launches one query at a time (q_block 1 or q_len 1), not q_block {qb}")
@@ -1050,14 +1064,16 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     Returns:
         the :class:`SplitPlan`; it serves any lengths up to the cache's capacity.
     Raises:
-        TypeError: ``problem`` is not a :class:`DecodeProblem`, ``device`` not a :class:`DeviceInfo` or ``kernel``
-            not a mapping.
+        TypeError: ``problem`` is not a :class:`DecodeProblem`, ``device`` not a :class:`DeviceInfo`, ``kernel``
+            not a mapping or ``capacity_mode`` not a bool.
         ValueError: ``kernel`` has no positive ``block_n``, or the batch's capacity exceeds 2^31 granules.
     """
     for what, v, kind in (("problem", problem, DecodeProblem), ("device", device, DeviceInfo),
                           ("kernel", kernel, Mapping)):
         if not isinstance(v, kind):
-            raise TypeError(f"make_plan: {what} must be a {kind.__name__}, got {type(v).__name__}")
+            raise TypeError(f"make_plan: {what} must be a {kind.__name__}, got {_type_name(v)}")
+    if type(capacity_mode) is not bool:
+        raise TypeError(f"make_plan: capacity_mode must be a bool, got {_type_name(capacity_mode)}")
     head_block = head_block if 0 < head_block < problem.group_size else 0
     q_block = 1 if head_block and problem.q_len > 1 else (q_block if 0 < q_block < problem.q_len else 0)
     if q_block or head_block:

@@ -30,7 +30,7 @@ __global__ void probe(int *sm, int *ticket, unsigned *counter, long long spin) {
     const long long c0 = clock64();
     while (clock64() - c0 < spin) {
     }
-    if (threadIdx.x == 0 && smem[0] == 2) sm[blockIdx.x] = -2;  // never: keeps the shared memory in use
+    if (threadIdx.x == 0 && smem[0] == 2) sm[blockIdx.x] = -2;  // never (s & 1 < 2): a use of the shared memory
 }
 
 static void report(const char *name, const std::vector<int> &blocks, const std::vector<int> &sm) {

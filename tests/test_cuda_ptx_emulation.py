@@ -339,8 +339,8 @@ def test_emulated_prologue_places_units_as_slot_unit(be, sl, extra, window, data
     """With the grid's slots given (``slots`` = the grid's unit slots bounded by the spread's window, as the partial
     kernel passes them), grid slot s runs unit :func:`slot_unit` ``(s, U, grid, 1, window)`` of a batch of at most 32
     sequences (spread over the first ``min(grid, window)`` slots, or packed), and a larger batch's slot s runs unit s:
-    every slot of the grid and one past it, the unit's sequence, range and ``meta`` as :func:`schedule_units` gives
-    them."""
+    every slot of a grid of up to 64 slots and one past it (a larger grid: its ends and 12 drawn slots), the unit's
+    sequence, range and ``meta`` as :func:`schedule_units` gives them."""
     sched, lens = sl
     spec = _probe_spec(1, False, 4)
     u = schedule_units(lens, sched)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -1011,3 +1012,12 @@ def test_exported_helpers_refuse_bad_arguments_by_name():
         make_plan(prob, GPU, CFG, "x", None)
     with pytest.raises(TypeError, match="make_plan: device must be a DeviceInfo"):
         make_plan(prob, "H200", CFG, "x", KERNEL)
+    with pytest.raises(TypeError, match="make_plan: capacity_mode must be a bool, got numpy.bool"):
+        make_plan(prob, GPU, CFG, "x", KERNEL, capacity_mode=np.bool_(True))
+    # a device's facts as numpy integers: the plan's key holds Python ints, and the plan passes its own checks
+    odd = dataclasses.replace(GPU, sm_count=np.int64(132), compute_capability=(np.int64(9), np.int64(0)))
+    plan = make_plan(prob, odd, CFG, "x", KERNEL, capacity_mode=True)
+    plan.validate()
+    assert type(plan.device.sm_count) is int and all(type(c) is int for c in plan.device.cc)
+    with pytest.raises(TypeError, match="plan device sm_count must be an int, got numpy.int64"):
+        dataclasses.replace(plan, device=plan.device._replace(sm_count=np.int64(132))).check_types()
