@@ -194,9 +194,9 @@ def check_plan(plan: SplitPlan, problem: DecodeProblem | None = None) -> DecodeP
     """Validate a plan read from disk (or given to ``DecodeWrapper.use_plan``) as strictly as a config: its fields'
     types (:meth:`SplitPlan.check_types`; :meth:`SplitPlan.from_dict` refused unknown or missing fields and bad types
     in a file, but a plan edited in memory has not been through it), the plan's own consistency and its fit to
-    ``problem`` (:meth:`SplitPlan.validate`; ``problem`` defaults to the plan's own), a finite prediction, sizes that drive an
-    allocation bounded by what the problem can need (:func:`_check_sizes`), and the hard limits of the kernels its
-    options feed, asking its backend (:func:`_check_kernel`).
+    ``problem`` (:meth:`SplitPlan.validate`; ``problem`` defaults to the plan's own), a finite prediction, sizes
+    that drive an allocation bounded by what the problem can need (:func:`_check_sizes`), and the hard limits of the
+    kernels its options feed, asking its backend (:func:`_check_kernel`).
 
     Returns the problem checked against. Raises ``ValueError`` / ``TypeError`` naming what is wrong.
     """
