@@ -300,6 +300,12 @@ def _plans(args) -> int:
         print(f"attnplan: error: plan cache {cache.directory}: {entries[0]['error']}", file=sys.stderr)
         return 1  # the folder could not be listed (a file, no permission): no plan file to show
     print(f"plan cache: {cache.directory} ({len(entries)} plan file(s))")
+    if args.backend is not None:  # unreadable files have no backend: they show only without the filter
+        entries = [e for e in entries if "plan" in e and e["plan"].get("backend") == args.backend]
+        print(f"{len(entries)} for backend {args.backend!r}")
+    if args.limit is not None and len(entries) > args.limit:
+        print(f"the first {args.limit} shown ({len(entries) - args.limit} more: --limit)")
+        entries = entries[: args.limit]
     for e in entries:
         print(f"\n== {e['file']}")
         if "error" in e:
@@ -359,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plans", help="inspect or clear the on-disk plan cache")
     p.add_argument("action", choices=["show", "clear"],
                    help="show: every cached plan, explained, with its file; clear: remove the cached plan files")
+    p.add_argument("--limit", type=_int_in(0, 1 << 30), default=None, help="show: at most this many plans")
+    p.add_argument("--backend", default=None, help="show: only the plans of this backend")
     p.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file (also accepted before `plans`)")
     tune = sub.add_parser("tune", help="measure this GPU and write its planner table, <cache dir>/plans/<device>.yaml "
                                        "(--out: another file); --help for options", add_help=False)

@@ -7,7 +7,9 @@ import torch
 
 import pytest
 
+import attnplan
 from attnplan import cli
+from attnplan.api import Context
 
 from conftest import HAS_CUDA
 
@@ -301,6 +303,19 @@ def test_plans_show_and_clear_survive_hostile_files(tmp_path, capsys, monkeypatc
     assert "5 plan file(s)" in out and out.count("unreadable:") == 4 and "GQA group 4" in out
     assert f"written by plan format 1 / attnplan '0.1.0', not format {PLAN_VERSION}" in out \
         and "`attnplan plans clear` removes it" in out
+    # --limit and --backend: a shared cache's listing cut short, or one backend's plans (unreadable files have none)
+    assert cli.main(["--config", str(cfg), "plans", "show", "--limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "5 plan file(s)" in out and "the first 2 shown (3 more: --limit)" in out and out.count("\n== ") == 2
+    assert cli.main(["--config", str(cfg), "plans", "show", "--backend", "numba"]) == 0
+    out = capsys.readouterr().out
+    assert "0 for backend 'numba'" in out and "\n== " not in out
+    ran = [e["plan"]["backend"] for e in Context.from_config(attnplan.load_config(str(cfg))).cache.entries()
+           if "plan" in e]
+    assert len(ran) == 1 and ran[0] != "numba"
+    assert cli.main(["--config", str(cfg), "plans", "show", "--backend", ran[0]]) == 0
+    out = capsys.readouterr().out
+    assert f"1 for backend '{ran[0]}'" in out and out.count("\n== ") == 1 and "unreadable" not in out
     real_unlink = Path.unlink
     b_json = "b" * 32 + ".json"
     monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(
