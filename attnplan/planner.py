@@ -243,10 +243,12 @@ def _type_name(v) -> str:
 
 
 def _is_int(v) -> bool:
+    """An int, not a bool (a plan's counts)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_real(v) -> bool:
+    """An int or a float, not a bool (a plan's times)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -256,7 +258,7 @@ def _field(v, kind: type, what: str):
     if kind is bool:
         ok = type(v) is bool
     elif kind is float:
-        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        ok = _is_real(v)
     else:
         ok = isinstance(v, kind) and not isinstance(v, bool)
     if not ok:

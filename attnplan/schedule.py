@@ -228,8 +228,9 @@ def slot_unit(slot: int, num_units: int, slots: int, pack: int = 1, window: int 
     knows ``U`` for free (cuda_ptx: batches of at most 32, one warp's schedule, ``pack`` 1, ``window``
     :func:`spread_window`; triton: batches of one prologue block, ``pack`` =
     ``attnplan.backends.triton.kernels.PACK_SLOTS_PER_UNIT``, no window): the working programs of a grid much larger
-    than its units are then spread over the grid's order instead of packed at its start, which is what the hardware
-    fills SMs in (an H200, cuda_ptx, 64 working programs in a grid of 160: 263 us spread against 320 packed); the
+    than its units are then spread over the grid's order instead of packed at its start, which the hardware hands
+    out to the SMs in order (an H200, cuda_ptx, 64 working programs in a grid of 160: 263 us spread against 320
+    packed; why one placement streams faster is not established, benchmarks/NOTES.md); the
     window bounds how thinly (an H100, cuda_ptx, 16 units x 8 KV heads in 48 slots, all resident at once: 369 us
     spread over the 48, 352 over the first 33, 347 for a single pass of exactly its programs). The state of unit
     ``u`` still goes to workspace slot ``u``.

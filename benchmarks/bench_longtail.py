@@ -149,6 +149,21 @@ def checked_time(w, q, k_cache, v_cache, sl, bt, ref, what: str, iters: int) -> 
     return graph_time(lambda: w.run(q, k_cache, v_cache, sl, bt, out=out), iters), err
 
 
+def shuffled_block_table(lens, page: int, pages_per_seq: int, pool: int, gen) -> torch.Tensor:
+    """A block table int32 ``[len(lens), pages_per_seq]`` on the GPU whose sequences (``lens``: tokens each) hold
+    ``ceil(n / page)`` distinct pages each of a pool of ``pool`` pages, in a random order drawn from ``gen`` (one
+    ``randperm``); unused columns hold page 0. The caller sizes the pool (at least the sequences' pages) and the rows
+    (``pages_per_seq``)."""
+    need = [-(-n // page) for n in lens]
+    perm = torch.randperm(pool, generator=gen, device="cuda").to(torch.int32)
+    bt = torch.zeros(len(lens), pages_per_seq, dtype=torch.int32, device="cuda")
+    off = 0
+    for b, p in enumerate(need):
+        bt[b, :p] = perm[off: off + p]
+        off += p
+    return bt
+
+
 def run_point(hq, hkv, d, batch, dist, args, fi, gen) -> dict:
     page, cap = args.page, args.capacity
     vecs = [draw_lengths(dist, batch, cap, seed=zlib.crc32(f'{dist}-{batch}-{hq}-{hkv}-{d}-{v}'.encode()))
@@ -160,13 +175,7 @@ def run_point(hq, hkv, d, batch, dist, args, fi, gen) -> dict:
     v_cache = torch.randn(pool, page, hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
     inputs = []
     for lens in vecs:
-        perm = torch.randperm(pool, generator=gen, device="cuda").to(torch.int32)
-        bt = torch.zeros(batch, pages_per_seq, dtype=torch.int32, device="cuda")  # unused columns: page 0
-        off = 0
-        for b, n in enumerate(lens):
-            p = -(-n // page)
-            bt[b, :p] = perm[off: off + p]
-            off += p
+        bt = shuffled_block_table(lens, page, pages_per_seq, pool, gen)
         q = torch.randn(batch, 1, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
         sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
         inputs.append((q, sl, bt, lens))

@@ -25,7 +25,7 @@ import attnplan
 import attnplan.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_longtail import graph_time, max_err, read_us, reference_out  # noqa: E402
+from bench_longtail import graph_time, max_err, read_us, reference_out, shuffled_block_table  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -48,11 +48,7 @@ def main(argv=None) -> int:
         v = torch.randn(pool, page, hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
         for n in lengths:
             lens = [n] * batch
-            per = -(-n // page)
-            perm = torch.randperm(pool, generator=gen, device="cuda").to(torch.int32)
-            bt = torch.zeros(batch, cap // page, dtype=torch.int32, device="cuda")
-            for b in range(batch):
-                bt[b, :per] = perm[b * per:(b + 1) * per]
+            bt = shuffled_block_table(lens, page, cap // page, pool, gen)
             q = torch.randn(batch, 1, hq, d, generator=gen, device="cuda").to(torch.bfloat16)
             sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
             ref = reference_out(q, k, v, lens, bt, page)
