@@ -54,7 +54,8 @@ from .problem import DecodeProblem, explain_lengths, torch_dtype
 from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
 
 __all__ = ["SplitPlan", "Launch", "launch_problem_of", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION",
-           "cost_model_for", "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES"]
+           "cost_model_for", "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES",
+           "FUSED_TEAM_UNITS"]
 
 PLAN_VERSION = 10  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
 #                  targets scaled to their warps; 5: that scaling bounded at saturation; 6: a row carried to another
@@ -64,6 +65,9 @@ PLAN_VERSION = 10  # 2: device-side schedule (a 1 plan had a host-fixed chunk si
 #                  10: buckets of bit_length(T + T/2), each planned at its power of two
 #: cross-program merges: ``none`` (single pass), ``separate`` (merge kernel), ``fused`` (last program merges)
 MERGES = ("none", "separate", "fused")
+#: the fused merge's team: a (sequence, KV head) of more units merges in two levels where the backend's fused merge does
+#: (cuda_ptx: teams of this many consecutive units, each merged by its last program, then the teams by the last team's)
+FUSED_TEAM_UNITS = 16
 PLAN_POLICIES = ("tuned", "heuristic", "forced", "no-split", "batch-invariant")
 
 
@@ -415,10 +419,16 @@ class SplitPlan:
 
     @property
     def sync_words(self) -> int:
-        """int32 completion counters of the fused merge, one per (sequence, KV head) of each launch, zero at rest."""
+        """int32 completion counters of the fused merge per launch, zero at rest: one per (sequence, KV head) (at
+        ``b * Hkv + h``), then one per (team slot, KV head) for the two-level merge of sequences of more than
+        :data:`FUSED_TEAM_UNITS` units: ``batch + max_units // FUSED_TEAM_UNITS`` team slots (team ``j`` of sequence
+        ``b`` at slot ``first[b] // FUSED_TEAM_UNITS + b + j``, which never overlap), times the launch's KV heads;
+        0 without the fused merge."""
         if self.merge != "fused":
             return 0
-        return self.problem.batch * (1 if self.head_block else self.problem.num_kv_heads) * len(self.launches)
+        heads = 1 if self.head_block else self.problem.num_kv_heads
+        teams = self.problem.batch + self.schedule.max_units // FUSED_TEAM_UNITS
+        return (self.problem.batch + teams) * heads * len(self.launches)
 
     @property
     def lens_words(self) -> int:
@@ -714,7 +724,10 @@ class SplitPlan:
             lines.append("  merge: " + {"separate": "a merge kernel combines each row's unit states in unit order "
                                                     "(sequences with one unit are written directly)",
                                         "fused": "the last program of each (sequence, KV head) merges its rows in unit "
-                                                 "order (no extra launch)"}[self.merge])
+                                                 "order (no extra launch"
+                                                 + (f"; more than {FUSED_TEAM_UNITS} units: in teams of "
+                                                    f"{FUSED_TEAM_UNITS}, then the teams)"
+                                                    if self.backend == "cuda_ptx" else ")")}[self.merge])
         lines.append(f"kernel options {dict(self.kernel)}; workspace {self.workspace_bytes / 2**20:.2f} MiB"
                      + ("" if cpu else f"; predicted {self.predicted_us:.1f} us per step at the planned lengths"))
         return "\n".join(lines)

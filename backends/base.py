@@ -35,7 +35,12 @@ defined once in :mod:`attnplan.schedule` and every backend computes exactly thos
   units[b])`` of each row in slot order: ``separate``, a merge kernel over all rows that reads ``workspace.meta``
   and skips rows of one-unit sequences; ``fused``, after its state is stored and fenced the program increments
   ``workspace.counters[b * num_kv_heads + h]`` (acquire-release); the one that brings it to ``units[b]`` merges
-  the (sequence, KV head)'s rows and resets the counter to 0 (zero at rest: graph replays work).
+  the (sequence, KV head)'s rows and resets the counter to 0 (zero at rest: graph replays work). A backend may merge
+  a sequence of more than :data:`~attnplan.planner.FUSED_TEAM_UNITS` units in two levels (cuda_ptx): team ``j`` (its
+  units ``16 j ..``) counts in ``counters[(batch + first[b] // 16 + b + j) * num_kv_heads + h]``, its last program
+  merges the team's states in slot order into a team state written over the team's first slot, then counts the
+  team in the (sequence, KV head)'s counter, whose last merges the team states in team order. Either order is fixed
+  by the slots alone (deterministic).
 * **Query blocks** (``plan.q_block``): when one program cannot hold the GQA group x ``q_len`` rows
   (:meth:`Backend.q_block`), ``run`` launches the kernels once per block of whole queries, each launch the
   problem with that block's ``q_len`` and lengths ``max(0, L - (q_len - i1))`` (``L`` clamped into ``[0,
@@ -86,8 +91,8 @@ class Workspace:
             ``lse [1, q_len, num_q_heads, max_units]`` fp32; ``None`` for a single-pass plan.
         meta: int32 ``[2 * batch]``: ``first[b]`` then ``units[b]`` (sequence ``b``'s states in slots ``[first[b],
             first[b] + units[b])``), written by program 0 for the separate merge; ``None`` otherwise.
-        counters: int32 ``[batch * num_kv_heads]`` (``SplitPlan.sync_words``), zero at rest: the fused merge's
-            completion counters; ``None`` otherwise.
+        counters: int32 ``[SplitPlan.sync_words]``, zero at rest: the fused merge's completion counters (one per
+            (sequence, KV head), then the two-level merge's team counters); ``None`` otherwise.
         targets: int32 ``[64]`` (``NUM_TARGETS``): the schedule's targets table on the device, 32 near-uniform
             buckets then 32 long-tailed ones.
         targets_host: the same values on the host (so checking a workspace reads nothing from the device).

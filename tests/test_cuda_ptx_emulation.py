@@ -37,7 +37,7 @@ from attnplan import reference
 from attnplan.backends.base import DecodeInputs
 from attnplan.config import load_config
 from attnplan.device import CPU_STANDIN
-from attnplan.planner import make_plan
+from attnplan.planner import FUSED_TEAM_UNITS, make_plan
 from attnplan.problem import DecodeProblem, dtype_name
 from attnplan.schedule import NUM_TARGETS, Schedule, max_units_bound, schedule_units, slot_unit
 from attnplan.state import PartialState, merge_states
@@ -944,6 +944,60 @@ def test_emulated_fused_merge_matches_reference(be, mode, case, fp8, options, ge
                 f"one-unit sequence {b} wrote its slot"
 
 
+# groups of more than FUSED_TEAM_UNITS (16) units: the fused merge's two levels. Two long sequences (their team
+# counters must not overlap: teams 16 + 5 and 16 + 4), a team of two warps over head_dim 256 (the named barrier
+# before the team state's lse), tensor cores with q_len 2 and sinks (a team of one unit: 16 + 2)
+FUSED_TWO_LEVEL = [
+    ("split_k", VariantCase((8, 2), 64, (1300, 1250, 5), page=4, splits=(40,)), {}),
+    ("split_k", VariantCase((4, 1), 256, (1300, 5), dtype="fp32", sinks=True, splits=(20,)), {"num_warps": 4}),
+    ("mma", VariantCase((8, 1), 64, (2200, 33), q_len=2, page=16, sinks=True, splits=(33,)), {}),
+]
+
+
+@pytest.mark.parametrize("mode,case,options", [pytest.param(m, c, o, id=f"{c.id}-{m}") for m, c, o in FUSED_TWO_LEVEL])
+def test_emulated_fused_merge_in_two_levels(be, mode, case, options, gen):
+    """The fused merge of sequences of more than 16 units (teams of 16, then the teams), blocks in order and in two
+    permuted orders: out / lse within tolerance of the reference and bitwise the same whichever programs count last,
+    the counters (groups' and teams') back at zero; each team's first slot holds the team's state (the reference
+    merge of the team's reference states, no sink), every other slot its unit's state."""
+    x = _inputs(case, gen)
+    plan = _plan(be, x, case.splits[0], mode, merge="fused", **options)
+    assert plan.merge == "fused" and be.spec_for("partial", plan).merge == "fused", plan.explain()
+    rp, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.schedule,
+                                  **_kw(x))
+    long = [b for b in range(len(case.lens)) if int(units.units[b]) > FUSED_TEAM_UNITS]
+    assert len(long) == sum(n > 1000 for n in case.lens) and int(units.units[-1]) == 1, units.units.tolist()
+    ref, ref_lse = _reference(x)
+    outs = []
+    try:
+        for order in (0, 1, 2):
+            be.block_order = order
+            ws = _workspace(plan)
+            out, lse = _outputs(x)
+            be.run(plan, x, ws, out, lse)
+            assert int(ws.counters.abs().sum()) == 0, f"counters not reset: {ws.counters.tolist()}"
+            assert_close_to_reference(out, ref, x.q.dtype, f"out (block order {order})")
+            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (block order {order})")
+            outs.append((out, lse))
+    finally:
+        be.block_order = 0
+    assert all(torch.equal(o, outs[0][0]) and torch.equal(ls, outs[0][1]) for o, ls in outs[1:])
+    o_dt = _o_dtype(mode, x.q.dtype)
+    for b in long:
+        lo, n, f = int(units.indptr[b]), int(units.units[b]), int(units.first[b])
+        for j0 in range(0, n, FUSED_TEAM_UNITS):
+            nt = min(FUSED_TEAM_UNITS, n - j0)
+            team = PartialState(rp.o[..., lo + j0:lo + j0 + nt, :], rp.lse[..., lo + j0:lo + j0 + nt])
+            t_o, t_lse = reference.merge(team)  # [1, q_len, heads, D], [1, q_len, heads]
+            assert_close_to_reference(ws.state.o[..., f + j0, :], t_o, o_dt, f"team state o ({b}, {j0})")
+            assert_close_to_reference(ws.state.lse[..., f + j0], t_lse, torch.float32, f"team state lse ({b}, {j0})")
+            rest = slice(f + j0 + 1, f + j0 + nt)
+            assert_close_to_reference(ws.state.o[..., rest, :], rp.o[..., lo + j0 + 1:lo + j0 + nt, :], o_dt,
+                                      f"unit states o ({b}, {j0})")
+            assert_close_to_reference(ws.state.lse[..., rest], rp.lse[..., lo + j0 + 1:lo + j0 + nt], torch.float32,
+                                      f"unit states lse ({b}, {j0})")
+
+
 def test_emulated_fused_merge_with_a_counter_not_at_zero(be, gen):
     """A fused merge whose counter did not start at zero has no last program (at units[b]: every count is past it):
     that group's rows stay unwritten, the others are merged (and one-unit sequences written directly)."""
@@ -1496,6 +1550,9 @@ def _parametrized_specs(be, full: bool = True) -> list:
                     specs.append(be.spec_for("merge", plan))
     for mode, case, fp8, options in FUSED:
         x = _inputs(case, g, fp8)
+        specs.append(be.spec_for("partial", _plan(be, x, case.splits[0], mode, merge="fused", **options)))
+    for mode, case, options in FUSED_TWO_LEVEL:
+        x = _inputs(case, g)
         specs.append(be.spec_for("partial", _plan(be, x, case.splits[0], mode, merge="fused", **options)))
     specs += [S.merge_spec(dtype_name(DT[dt]), d, t) for dt, d, t in MERGE_TEAMS
               if full or (dt, d, t) not in MERGE_TEAMS_FULL]

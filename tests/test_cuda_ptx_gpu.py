@@ -733,8 +733,9 @@ def test_compiled_for_device_arch():
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "kvfp8"])
 def test_fused_merge_gpu(mode, fp8, gen):
     """The fused merge inside the partial kernel with programs racing on the device: b=3, 32/8/128, lengths 4096 /
-    0 / 1000, q_len 2, paged 16, sinks, 16 and 64 forced units, bf16 or fp8 KV; 5 runs each into poisoned buffers:
-    every run within tolerance of the reference, bitwise identical, the counters back at zero."""
+    0 / 1000, q_len 2, paged 16, sinks, 16, 40 and 64 forced units (the last two in two levels), bf16 or fp8 KV; 5 runs
+    each into poisoned buffers: every run within tolerance of the reference, bitwise identical, the counters back at
+    zero."""
     be = _backend()
     x = make_inputs(3, 32, 8, 128, [4096, 0, 1000], q_len=2, page_size=16, dtype=torch.bfloat16, device="cuda",
                     generator=gen)
@@ -745,7 +746,7 @@ def test_fused_merge_gpu(mode, fp8, gen):
         ks, vs = (torch.rand(8, generator=gen) + 0.5).cuda(), (torch.rand(8, generator=gen) + 0.5).cuda()
     x = DecodeInputs(x.q, kc, vc, x.seq_lens, x.block_table, x.sm_scale, sinks=sinks, k_scale=ks, v_scale=vs)
     ref, ref_lse = _reference(x)
-    for splits in (16, 64):
+    for splits in (16, 40, 64):  # one level; two (teams of 16: 16 + 16 + 8, 4 x 16)
         plan = _direct_plan(be, x, splits, merge="fused", mma=mode == "mma")
         assert plan.merge == "fused" and plan.num_splits == splits
         assert be.spec_for("partial", plan, x.q.device).merge == "fused"
@@ -762,17 +763,19 @@ def test_fused_merge_gpu(mode, fp8, gen):
         assert all(torch.equal(o, runs[0][0]) and torch.equal(ls, runs[0][1]) for o, ls in runs[1:])
 
 
-@pytest.mark.parametrize("heads,lens,splits", [((8, 1), [4096], 64), ((32, 8), [4096, 1000, 0], 16)])
-def test_fused_merge_reads_this_launchs_states(heads, lens, splits, gen):
+@pytest.mark.parametrize("heads,lens,splits,head_dim", [((8, 1), [4096], 64, 128), ((32, 8), [4096, 1000, 0], 16, 128),
+                                                         ((16, 8), [4096, 1000], 40, 256)])
+def test_fused_merge_reads_this_launchs_states(heads, lens, splits, head_dim, gen):
     """The fused merge's release / acquire on the device, as a smoke test: two inputs A and B of one plan (same
     caches, different q) launched alternately 200 times each on one stream into one workspace, so a merging program
     that read a state not yet visible would read the other input's (same slot, a launch earlier) and differ. Every
     A output bitwise the first A's (and B's the first B's: the merge order is fixed), the first of each within
     tolerance of the reference, the counters back at zero. It catches a merge that often reads early (a count
-    before the barrier, no release); a rare, narrow window may pass it."""
+    before the barrier, no release); a rare, narrow window may pass it. 64 and 40 units merge in two levels (teams
+    of 16; at head_dim 256 a team of two warps waits at its named barrier before writing the team state)."""
     be = _backend()
     hq, hkv = heads
-    xa = make_inputs(len(lens), hq, hkv, 128, lens, page_size=16, dtype=torch.bfloat16, device="cuda",
+    xa = make_inputs(len(lens), hq, hkv, head_dim, lens, page_size=16, dtype=torch.bfloat16, device="cuda",
                      generator=gen)
     xb = DecodeInputs(torch.randn(xa.q.shape, generator=gen).to(xa.q), xa.k_cache, xa.v_cache, xa.seq_lens,
                       xa.block_table, xa.sm_scale)

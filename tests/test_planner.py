@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import attnplan
 import attnplan.api as api
@@ -616,6 +617,20 @@ def test_a_capacity_plan_schedules_uniform_batches_like_live_plans(table):
 
 # -- merge choice --------------------------------------------------------------------------------------------------
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=12))
+def test_fused_merge_team_slots_never_overlap(units):
+    """The two-level fused merge's team counters (``SplitPlan.sync_words``): team ``j`` of sequence ``b`` (units
+    ``[first[b], first[b] + units[b])`` in sequence order, more than FUSED_TEAM_UNITS of them) at team slot
+    ``first[b] // FUSED_TEAM_UNITS + b + j``: no two teams share a slot, and every slot is below ``batch + U //
+    FUSED_TEAM_UNITS`` for ``U`` units in all (any ``max_units >= U``)."""
+    T = planner.FUSED_TEAM_UNITS
+    first = np.concatenate([[0], np.cumsum(units)[:-1]]).astype(int)
+    slots = [f // T + b + j for b, (f, n) in enumerate(zip(first, units)) if n > T for j in range(-(-n // T))]
+    assert len(set(slots)) == len(slots)
+    assert all(0 <= s < len(units) + sum(units) // T for s in slots)
+
+
 def test_fused_merge_parallelism_moves_the_merge_choice(table):
     """The cost model charges the fused merge's last program one round trip per split; a backend whose last program
     reads many splits at once (fused_merge_parallelism 16) gets ``fused`` at short KV and still ``separate`` at 64
@@ -625,7 +640,8 @@ def test_fused_merge_parallelism_moves_the_merge_choice(table):
     forced = {n: make_plan(P(page_size=None, max_kv_len=4096), GPU, CFG, "x", KERNEL, num_splits=n,
                            merge_strategies=both, fused_merge_parallelism=16) for n in (16, 64)}
     assert forced[16].merge == "fused" and forced[64].merge == "separate"
-    assert forced[16].sync_words == 8 and forced[16].meta_words == 0
+    # 8 (sequence, KV head) counters, then 1 + 16 // 16 team slots x 8 KV heads (the two-level fused merge's)
+    assert forced[16].schedule.max_units == 16 and forced[16].sync_words == 24 and forced[16].meta_words == 0
     assert forced[64].meta_words == 2 and forced[64].sync_words == 0
     serial = make_plan(P(page_size=None, max_kv_len=4096), GPU, CFG, "x", KERNEL, num_splits=16,
                        merge_strategies=both, fused_merge_parallelism=1)

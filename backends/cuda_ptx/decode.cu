@@ -225,7 +225,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
     // l_sh)
     int s, h, b, cs, ce, L;  // s: the single pass's split (0)
     bool direct = true;
-    int first = 0, units_b = 1;  // the sequence's first workspace slot and units (fused merge)
+    int first = 0, units_b = 1, unit_k = 0;  // the sequence's first workspace slot, units, this unit (fused merge)
     elem_t *__restrict__ ob;
     float *__restrict__ lb;
     float *__restrict__ wb = nullptr, *__restrict__ wlb = nullptr;
@@ -279,6 +279,7 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
         b = un.b;
         first = un.first;
         units_b = un.units;
+        unit_k = u - first;
         direct = units_b == 1;
         L = seq_len_at(seq_lens, b, capacity);  // the length the schedule read
         unit_range(un, u, L, window_left, granule, cs, ce);
@@ -291,14 +292,17 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
     const int hb = h * GROUP;
     const float *__restrict__ row_sinks = direct ? sinks : nullptr;  // block-uniform
     // the fused merge of the group, once this program's state is written (every thread, every path; epilogue.cuh):
-    // counters[b * Hkv + h] counts the group's units. (Defined only when it is used: an unused capturing lambda
-    // changes the PTX of the others.)
+    // counters[b * Hkv + h] counts the group's units (or teams), and with more than FUSED_TEAM units team j's
+    // counter is counters[(batch + first / FUSED_TEAM + b + j) * Hkv + h] (SplitPlan.sync_words). (Defined only when
+    // it is used: an unused capturing lambda changes the PTX of the others.)
 #if ATTNPLAN_MERGE
     auto merge_group = [&]() {
         elem_t *outb = out + (i64)b * out_sb + (i64)hb * out_sh;
         float *olb = out_lse ? out_lse + (i64)b * ol_sb + (i64)hb * ol_sh : nullptr;
         const float *sinkb = sinks ? sinks + hb : nullptr;
-        fused_merge(smem, tid, units_b, counters + ((i64)h + (i64)num_kv_heads * b),
+        const i64 team = (i64)batch + first / FUSED_TEAM + b + unit_k / FUSED_TEAM;
+        fused_merge(smem, tid, units_b, unit_k, counters + ((i64)h + (i64)num_kv_heads * b),
+                    counters + ((i64)h + (i64)num_kv_heads * team),
                     ws_o + (i64)first * o_ss + (i64)hb * o_sh, o_si, o_sh, o_ss,
                     ws_lse + (i64)first * l_ss + (i64)hb * l_sh, l_si, l_sh, l_ss, outb, out_si, out_sh, olb, ol_si,
                     ol_sh, sinkb);

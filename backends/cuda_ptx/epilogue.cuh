@@ -24,33 +24,86 @@
 // kernel's merge_row, reading the states through L2 (ld.global.cg). Its threads form teams of TW (one row's merge_row
 // team, fewer warps if the program has fewer) that take the rows r, r + TEAMS, ...; each thread keeps 8 splits' o
 // loads in flight.
-// Not inlined: inlined, its code changed ptxas's allocation of the whole kernel, and the tile loop of the fused
-// specialization compiled to ~10% more instructions (sm_90, bf16 head_dim 128 page 16, 4 KV warps: 420 against the
-// separate merge's 380, extra IMAD / LOP3 address arithmetic); as a call the loop is the separate kernel's (388).
-// The call costs once per program, at its end.
-__device__ __noinline__ void fused_merge(unsigned char *smem, int tid, int units, int *counter,
-                                         const float *ob0, i64 o_si, i64 o_sh, i64 o_ss,
-                                         const float *lb0, i64 l_si, i64 l_sh, i64 l_ss,
-                                         elem_t *outb, i64 out_si, i64 out_sh, float *olb, i64 ol_si, i64 ol_sh,
-                                         const float *sinkb) {
+// Two levels (a group of more than FUSED_TEAM units): the units form teams of FUSED_TEAM consecutive units (team j:
+// units j FUSED_TEAM .. (j + 1) FUSED_TEAM - 1, the last team shorter), each with its own counter; the program that
+// counts last in a team merges the team's states in unit order into a team state (fp32, normalized, no sink) written
+// over the team's first slot, then counts the team in the group's counter, and the program that counts the last team
+// merges the team states in team order into out. No program merges more than FUSED_TEAM states per level (one
+// program merging 49-128 units' states alone ran 1.2-1.7x the merge kernel's step on an H100), and the order is
+// fixed by the unit indices alone: bitwise the same whichever programs count last. The team state overwrites the
+// team's first slot in place: a team of two warps (head_dim 256) has both warps read that slot's lse, so the team
+// waits at a named barrier (bar.sync 1 + team, TW threads) before its lse is written; a one-warp team's only reader
+// of it is the lane that writes it.
+
+// Count this program in *counter (n programs count it to completion) and return whether it counted last (then the
+// counter is back at zero). Every thread of the program calls it; it begins and ends with a barrier.
+__device__ __forceinline__ bool count_last(unsigned char *smem, int tid, int *counter, int n) {
     __syncthreads();
     int *flag = reinterpret_cast<int *>(smem);  // the program is done with its shared memory
     if (tid == 0) {
-        const bool last = atom_add_acq_rel(counter, 1) == units - 1;
+        const bool last = atom_add_acq_rel(counter, 1) == n - 1;
         if (last) atomicExch(counter, 0);
         sts(flag, last ? 1 : 0);
     }
     __syncthreads();
-    if (!lds<int>(flag)) return;
+    return lds<int>(flag) != 0;  // a later count_last writes the flag after its first barrier
+}
+
+// Merge n states of every row of the group (row r = i GROUP + g: lse at lb0 + i l_si + g l_sh + s l_ss, o likewise;
+// state s at s l_ss / s o_ss) in state order: into out / out_lse with the sink (to_state false), or (to_state true)
+// into state 0's own slot as a normalized fp32 state, lse natural-log, no sink. Threads of team >= TEAMS skip.
+template <bool TO_STATE>
+__device__ __forceinline__ void fused_merge_rows(int tid, int n, const float *ob0, i64 o_si, i64 o_sh, i64 o_ss,
+                                                 const float *lb0, i64 l_si, i64 l_sh, i64 l_ss,
+                                                 elem_t *outb, i64 out_si, i64 out_sh, float *olb, i64 ol_si,
+                                                 i64 ol_sh, const float *sinkb) {
     constexpr int TW = cmin(NTHREADS, ROW_MERGE_THREADS), TEAMS = NTHREADS / TW;
     constexpr int NSLOT = merge_slots<TW>();
-    const int team = tid / TW;
+    static_assert(!TO_STATE || TW == 32 || TEAMS < 16, "a named barrier per team: ids 1 .. 15");
+    const int team = tid / TW, t = tid % TW;
     if (team >= TEAMS) return;  // whole warps
     for (int rr = team; rr < R; rr += TEAMS) {
         const int i = rr / GROUP, g = rr % GROUP;
-        merge_row<TW, 8 / NSLOT, true>(lb0 + (i64)i * l_si + (i64)g * l_sh, l_ss, ob0 + (i64)i * o_si + (i64)g * o_sh,
-                                       o_ss, units, sinkb ? sinkb + g : nullptr,
-                                       outb + (i64)i * out_si + (i64)g * out_sh,
-                                       olb ? olb + (i64)i * ol_si + (i64)g * ol_sh : nullptr, tid % TW);
+        const float *lr = lb0 + (i64)i * l_si + (i64)g * l_sh;
+        const float *orow = ob0 + (i64)i * o_si + (i64)g * o_sh;
+        float M, tot, a[NSLOT][4];
+        merge_accumulate<TW, 8 / NSLOT, true>(lr, l_ss, orow, o_ss, n, t, M, tot, a);
+        if constexpr (TO_STATE) {
+            if constexpr (TW > 32) team_barrier(1 + team, TW);  // every warp of the team read state 0's lse
+            merge_write_state<TW>(M, tot, a, const_cast<float *>(orow), const_cast<float *>(lr), t);
+        } else {
+            merge_write<TW>(M, tot, a, sinkb ? sinkb + g : nullptr, outb + (i64)i * out_si + (i64)g * out_sh,
+                            olb ? olb + (i64)i * ol_si + (i64)g * ol_sh : nullptr, t);
+        }
     }
+}
+
+// Fused merge: every thread of the program calls it once its unit's state is written. The group's units are the
+// workspace slots first .. first + units - 1, this program's unit is unit k (slot first + k): unit s's o at ob0 +
+// s o_ss, lse at lb0 + s l_ss (ob0 / lb0 at slot `first`; rows r = i GROUP + g at i _si + g _sh; out / out_lse / sinks
+// likewise at the group's first head). counter: the group's counter; team_counter: this unit's team's (units >
+// FUSED_TEAM only, else unused).
+// Not inlined: inlined, its code changed ptxas's allocation of the whole kernel, and the tile loop of the fused
+// specialization compiled to ~10% more instructions (sm_90, bf16 head_dim 128 page 16, 4 KV warps: 420 against the
+// separate merge's 380, extra IMAD / LOP3 address arithmetic); as a call the loop is the separate kernel's (388).
+// The call costs once per program, at its end.
+__device__ __noinline__ void fused_merge(unsigned char *smem, int tid, int units, int k, int *counter,
+                                         int *team_counter, const float *ob0, i64 o_si, i64 o_sh, i64 o_ss,
+                                         const float *lb0, i64 l_si, i64 l_sh, i64 l_ss,
+                                         elem_t *outb, i64 out_si, i64 out_sh, float *olb, i64 ol_si, i64 ol_sh,
+                                         const float *sinkb) {
+    int n = units;
+    i64 stride_o = o_ss, stride_l = l_ss;
+    if (units > FUSED_TEAM) {  // the team's merge into the team's first slot, then the teams'
+        const int j0 = k / FUSED_TEAM * FUSED_TEAM, nt = cmin(FUSED_TEAM, units - j0);
+        if (!count_last(smem, tid, team_counter, nt)) return;
+        fused_merge_rows<true>(tid, nt, ob0 + (i64)j0 * o_ss, o_si, o_sh, o_ss, lb0 + (i64)j0 * l_ss, l_si, l_sh,
+                               l_ss, outb, out_si, out_sh, olb, ol_si, ol_sh, sinkb);
+        n = (units + FUSED_TEAM - 1) / FUSED_TEAM;
+        stride_o = o_ss * FUSED_TEAM;
+        stride_l = l_ss * FUSED_TEAM;
+    }
+    if (!count_last(smem, tid, counter, n)) return;
+    fused_merge_rows<false>(tid, n, ob0, o_si, o_sh, stride_o, lb0, l_si, l_sh, stride_l, outb, out_si, out_sh, olb,
+                            ol_si, ol_sh, sinkb);
 }

@@ -23,6 +23,7 @@
 //                        dtype or fp8 e4m3fn, head_dim a multiple of 16; 0 = CUDA cores (core_loop.cuh)
 //   ATTNPLAN_MERGE       1 = the fused cross-program merge inside the partial kernel (epilogue.cuh), 0 = none (the
 //                        separate merge kernel follows, or single pass)
+//   ATTNPLAN_FUSED_TEAM  with ATTNPLAN_MERGE 1: units per team of the fused merge's two levels (epilogue.cuh)
 //   ATTNPLAN_TILE_TOKENS the host's tile, checked like _THREADS and _SMEM_BYTES
 #pragma once
 
@@ -57,6 +58,12 @@ constexpr int MERGE_MODE = ATTNPLAN_MERGE;  // 0 none, 1 fused
 constexpr bool FUSED = MERGE_MODE == 1;
 static_assert(MERGE_MODE == 0 || (FUSED && KIND == ATTNPLAN_KIND_PARTIAL),
               "ATTNPLAN_MERGE is 0, or 1: the fused merge, which belongs to the split partial kernel");
+#ifdef ATTNPLAN_FUSED_TEAM
+constexpr int FUSED_TEAM = ATTNPLAN_FUSED_TEAM;
+#else
+constexpr int FUSED_TEAM = 0;
+#endif
+static_assert(!FUSED || FUSED_TEAM >= 2, "the fused merge needs ATTNPLAN_FUSED_TEAM, at least 2 units per team");
 
 // ---- a token row of K or V over the lanes (CUDA cores) ----
 static_assert(HEAD_DIM % KVEC == 0, "head_dim must fill whole 16-byte KV vectors (a multiple of 16 for fp8)");

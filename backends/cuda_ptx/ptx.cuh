@@ -9,6 +9,7 @@
 //   math          fast_exp2 (ex2.approx.ftz: ex2(-inf) = +0), fmax_nan (max.NaN: NaN if either input is NaN)
 //   launches      pdl_launch_dependents / pdl_wait (griddepcontrol, sm_90+; no-ops below and on the host)
 //   shared memory lds / sts (the host checks them for races and bounds), ATTNPLAN_DYNAMIC_SMEM
+//   barriers      team_barrier (bar.sync id, threads: a named barrier of some warps of the program)
 //   global memory ld_cg / ld_cg4 (ld.global.cg: L2, the coherence point), atom_add_acq_rel (gpu scope),
 //                 check_aligned (the emulation's check of a vector access's alignment; nothing on the device),
 //                 cp_async16 / cp_async_commit / cp_async_wait (16-byte cp.async.cg, src-size 0 zero-fills)
@@ -64,6 +65,7 @@ __device__ __forceinline__ float ld_cg(const float *p) { return __ldcg(p); }
 __device__ __forceinline__ float4 ld_cg4(const float *p) { return __ldcg(reinterpret_cast<const float4 *>(p)); }
 // blocks run one at a time: a plain read-modify-write
 __device__ __forceinline__ int atom_add_acq_rel(int *p, int v) { return atomicAdd(p, v); }
+__device__ __forceinline__ void team_barrier(int id, int threads) { emu::named_barrier(id, threads); }
 
 __device__ __forceinline__ void cp_async16(void *smem_ptr, const void *gptr, bool valid) {
     emu::cp_async16(smem_ptr, gptr, valid);
@@ -185,6 +187,11 @@ __device__ __forceinline__ int atom_add_acq_rel(int *p, int v) {
     int old;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
     return old;
+}
+// bar.sync id, threads: the named barrier `id` (1-15; 0 is __syncthreads') of `threads` threads (whole warps), the
+// warps of one team of the program
+__device__ __forceinline__ void team_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ void cp_async16(void *smem_ptr, const void *gptr, bool valid) {

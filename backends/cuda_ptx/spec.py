@@ -27,6 +27,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from attnplan.planner import FUSED_TEAM_UNITS
+
 __all__ = [
     "KernelSpec", "make_spec", "merge_spec", "merge_teams", "LaunchConfig", "partial_launch_config",
     "merge_launch_config", "mma_unsupported", "vector_layout", "max_rows", "DTYPE_CODES", "ELEM_BYTES", "FP8",
@@ -272,6 +274,8 @@ class KernelSpec:
                       "ATTNPLAN_WINDOW": int(self.window), "ATTNPLAN_SOFTCAP": int(self.softcap),
                       "ATTNPLAN_KV_FP8": int(self.kv_fp8),
                       "ATTNPLAN_MMA": int(self.mma), "ATTNPLAN_MERGE": MERGE_CODES[self.merge]})
+            if self.merge == "fused":
+                d["ATTNPLAN_FUSED_TEAM"] = FUSED_TEAM_UNITS
             if self.probe:
                 d["ATTNPLAN_SCHEDULE_PROBE"] = 1
         return d

@@ -164,6 +164,27 @@ __device__ __forceinline__ void merge_write(float M, float tot, const float (&a)
     if (t == 0 && out_lse) *out_lse = lse_n;
 }
 
+// Normalize a row's merged (M, tot, a) into a partial state (the fused merge's team state): o at orow[0, HEAD_DIM)
+// fp32 (16-byte stores; a state row is aligned) and lse at *lr, natural-log, no sink; every split empty: o = 0,
+// lse = -inf. A NaN M or tot gives a NaN state.
+template <int TW>
+__device__ __forceinline__ void merge_write_state(float M, float tot, const float (&a)[merge_slots<TW>()][4],
+                                                  float *orow, float *lr, int t) {
+    constexpr int NSLOT = merge_slots<TW>();
+    const bool empty = M == NEG_INF;  // never -inf - (-inf)
+    const float inv = empty ? 0.f : 1.f / tot;
+#pragma unroll
+    for (int k = 0; k < NSLOT; ++k) {
+        const int d = 4 * (t + k * TW);
+        if (d < HEAD_DIM) {
+            check_aligned(orow + d, 16);
+            *reinterpret_cast<float4 *>(orow + d) = make_float4(a[k][0] * inv, a[k][1] * inv, a[k][2] * inv,
+                                                                a[k][3] * inv);
+        }
+    }
+    if (t == 0) *lr = empty ? NEG_INF : M + logf(tot);
+}
+
 // Merge the first n split states of one row (merge_accumulate's layout and team) into outp / out_lse
 // (merge_write): lse = logsumexp_s(lse_s); o = sum_s exp(lse_s - lse) o_s; every split empty: o = 0, lse = -inf;
 // then the sink, if given. One team per row: the single-team merge kernel and the fused merge.

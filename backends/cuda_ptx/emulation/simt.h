@@ -97,6 +97,7 @@ struct Block {
     int cur = 0;
     std::vector<Barrier> warp_bar;
     Barrier block_bar;
+    Barrier named_bar[16];        // bar.sync id, threads (id 1-15; 0 is block_bar)
     std::vector<uint32_t> slots;  // 32 per warp
     std::vector<uint64_t> xch;    // 32 x 8 per warp: operands of the warp-collective tensor-core twins
     std::vector<unsigned char> smem;
@@ -148,6 +149,19 @@ inline void barrier_wait(Barrier &b) {
 }
 
 inline void warp_barrier() { barrier_wait(g_block->warp_bar[cur().tid.x / 32]); }
+
+// bar.sync id, threads: the named barrier id (1-15) of `threads` threads (whole warps); every arrival of one
+// generation names the same count
+inline void named_barrier(int id, int threads) {
+    if (id < 1 || id > 15 || threads <= 0 || threads % 32 || threads > (int)g_block->fibers.size()) {
+        fail("bar.sync: id 1-15 and a positive multiple of 32 threads, at most the block's");
+        return;
+    }
+    Barrier &b = g_block->named_bar[id];
+    if (b.arrived == 0) b.count = threads;
+    else if (b.count != threads) fail("bar.sync: threads of one named barrier name different counts");
+    barrier_wait(b);
+}
 
 // __shfl_xor_sync (xor = true: partner lane ^ arg) or __shfl_sync (xor = false: source lane arg)
 template <class T>
