@@ -9,8 +9,11 @@ same bytes.
 
     python benchmarks/capacity_uniform.py --backend cuda_ptx --heads '32,8,128;16,8,256' --lengths 16384,32768
 
-Prints per point each plan's schedule lines from ``explain()`` (grid, units, kernel options), then one line (us):
-the read floor, the capacity plan, the live plan.
+``--configs a.yaml,b.yaml`` also times the capacity plans of those config files (each merged over
+``plans/default.yaml``, e.g. ``benchmarks/configs/merge-fused.yaml``) in the same process.
+
+Prints per point each plan's schedule lines from ``explain()`` (grid, units, kernel options, merge), then one line
+(us): the read floor, the capacity plan, each config's capacity plan, the live plan.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity", type=int, default=131072, help="tokens per sequence the cache holds")
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--configs", default="", help="also time the capacity plans of these config files (comma-"
+                    "separated YAML paths)")
     args = ap.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
     gen = torch.Generator(device="cuda").manual_seed(1)
     page, cap, batch = args.page, args.capacity, args.batch
     lengths = [int(v) for v in args.lengths.split(",")]
@@ -53,21 +59,23 @@ def main(argv=None) -> int:
             sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
             ref = reference_out(q, k, v, lens, bt, page)
             row = [f"{hq}/{hkv}/{d} b{batch} L{n}", f"read {read_us(sum(lens) * hkv * d * 4, args.iters):.1f}"]
-            for mode in ("capacity", "live"):
-                w = attnplan.DecodeWrapper(backend=args.backend)
-                if mode == "capacity":
-                    w.plan(q, k, v, sl, bt, capacity=True)
-                else:
+            for mode in ["capacity", *configs, "live"]:
+                w = attnplan.DecodeWrapper(*([mode] if mode in configs else []), backend=args.backend)
+                if mode == "live":
                     w.plan(q, k, v, sl, bt, seq_lens_host=lens)
+                else:
+                    w.plan(q, k, v, sl, bt, capacity=True)
+                name = os.path.splitext(os.path.basename(mode))[0] if mode in configs else mode
                 out = torch.empty_like(q)
                 w.run(q, k, v, sl, bt, out=out)
                 torch.cuda.synchronize()
                 err = max_err(out, ref)
-                assert err < attnplan.testing.BENCH_CHECK_REL, f"{mode} plan: error {err:.3g}"
-                row.append(f"{mode} {graph_time(lambda: w.run(q, k, v, sl, bt, out=out), args.iters):.1f}")
+                assert err < attnplan.testing.BENCH_CHECK_REL, f"{name} plan: error {err:.3g}"
+                row.append(f"{name} {graph_time(lambda: w.run(q, k, v, sl, bt, out=out), args.iters):.1f}")
                 sched = [ln.strip() for ln in w.explain(lens).splitlines()
-                         if "grid" in ln or "at these lengths" in ln or ln.startswith("kernel options")]
-                print(f"    {mode}: " + " | ".join(s[:160] for s in sched))
+                         if "grid" in ln or "at these lengths" in ln or ln.startswith("kernel options")
+                         or ln.strip().startswith("merge:")]
+                print(f"    {name}: " + " | ".join(s[:160] for s in sched))
             print(" ".join(row), flush=True)
     return 0
 
