@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 import re
 import shutil
@@ -916,6 +917,31 @@ def test_64bit_strides_of_every_tensor_pack():
     mpa = A.PackedArgs(A.MERGE_SIGNATURE, mvals)
     assert (mpa.value("o_si"), mpa.value("o_ss"), mpa.value("out_sh"), mpa.value("l_sh"), mpa.value("batch")) == \
         (4 * big, big, big, 2 * big, 2)
+
+
+def test_slot_arguments_pack_as_int32_or_are_refused():
+    """The spread's window (``partial_args``' ``spread_slots``) and the probe's ``slots`` are int32 kernel arguments:
+    0 and 2^31 - 1 pack as given, -1 and 2^31 are refused naming the argument."""
+    q = torch.empty(1, 1, 8, 64, dtype=torch.bfloat16)
+    k = torch.empty(1, 100, 2, 64, dtype=torch.bfloat16, device="meta")
+    spec = S.make_spec("single", "bfloat16", 64, 4, 1, None)
+    sched = Schedule("forced", 64, 1, 2, (0,) * 64, 2)
+    lens, i32 = torch.zeros(1, dtype=torch.int32), functools.partial(torch.zeros, dtype=torch.int32)
+
+    def partial(n):
+        vals = A.partial_args(spec, q, k, k, lens, None, 0.1, torch.empty_like(q), None, spread_slots=n)
+        return A.PackedArgs(A.PARTIAL_SIGNATURE, vals).value("spread_slots")
+
+    def probe(n):
+        return A.PackedArgs(A.PROBE_SIGNATURE, A.probe_args(lens, i32(64), None, i32(1), i32(8), sched,
+                                                            slots=n)).value("slots")
+
+    for pack, name in ((partial, "spread_slots"), (probe, "slots")):
+        for n in (0, 2**31 - 1):
+            assert pack(n) == n, (name, n)
+        for n in (-1, 2**31):
+            with pytest.raises(ValueError, match=rf"^{name} must be in \[0, 2\^31\)"):
+                pack(n)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contig", "paged16"])

@@ -271,12 +271,12 @@ def probe_args(seq_lens: torch.Tensor, targets: torch.Tensor, meta: torch.Tensor
     ``spread_slots``: :func:`attnplan.schedule.slot_unit`'s ``min(slots, window)``); 0: each slot runs its own unit.
 
     Raises:
-        ValueError: ``capacity`` or ``slots`` negative.
+        ValueError: ``capacity`` negative, or ``slots`` outside ``[0, 2^31)`` (an int32 argument).
     """
     if int(capacity) < 0:
         raise ValueError(f"capacity must be >= 0, got {capacity}")
-    if int(slots) < 0:
-        raise ValueError(f"slots must be >= 0, got {slots}")
+    if not 0 <= int(slots) <= INT32_MAX:
+        raise ValueError(f"slots must be in [0, 2^31), got {slots}")
     cap = min(int(capacity), INT32_MAX)
     b, granule, min_c, max_per, balanced = schedule_ints(schedule, seq_lens.shape[0])
     window = max(int(window_left), -1)
