@@ -16,11 +16,11 @@ Device memory, by lifetime:
 - per plan, constant: the schedule's ``targets`` table (int32 ``[NUM_TARGETS]`` of :mod:`attnplan.schedule`),
   copied to the device once, when the plan is made (a host-to-device copy under capture is illegal), and shared
   by every plan with the same table;
-- per device and stream: the fused merge's completion counters (int32, one per (sequence, KV head)), zero at
-  rest (the last program of each (sequence, KV head) resets its counter), as a hand-captured
-  :class:`~attnplan.DecodeWrapper` keeps them, so no replay spends a memset on them. Calls on one stream run one
-  after another, so they can share one buffer; calls on another stream get their own. A stream's buffer is made on
-  its first call outside a capture; a capture on a stream that never ran the op (``torch.cuda.graph`` captures on
+- per device and stream: the fused merge's completion counters (int32, ``SplitPlan.sync_words``: one per (sequence, KV
+  head), then the two-level merge's teams'), zero at rest (the program that counts last resets each counter), as a
+  hand-captured :class:`~attnplan.DecodeWrapper` keeps them, so no replay spends a memset on them. Calls on one stream
+  run one after another, so they can share one buffer; calls on another stream get their own. A stream's buffer is made
+  on its first call outside a capture; a capture on a stream that never ran the op (``torch.cuda.graph`` captures on
   its own stream unless given the warm-up stream) zeroes per-call counters instead, a memset node per call.
   torch.compile's CUDA-graph trees warm up and capture on one stream.
 

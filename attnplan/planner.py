@@ -420,15 +420,14 @@ class SplitPlan:
     @property
     def sync_words(self) -> int:
         """int32 completion counters of the fused merge per launch, zero at rest: one per (sequence, KV head) (at
-        ``b * Hkv + h``), then one per (team slot, KV head) for the two-level merge of sequences of more than
-        :data:`FUSED_TEAM_UNITS` units: ``batch + max_units // FUSED_TEAM_UNITS`` team slots (team ``j`` of sequence
-        ``b`` at slot ``first[b] // FUSED_TEAM_UNITS + b + j``, which never overlap), times the launch's KV heads;
-        0 without the fused merge."""
+        ``b * Hkv + h``), then one per (unit slot, KV head) for the two-level merge of sequences of more than
+        :data:`FUSED_TEAM_UNITS` units (team ``j`` of sequence ``b`` counts at its first unit's slot, ``(batch +
+        first[b] + j FUSED_TEAM_UNITS) * Hkv + h``: slots are unique, not in sequence order), so ``(batch +
+        max_units) x`` the launch's KV heads; 0 without the fused merge."""
         if self.merge != "fused":
             return 0
         heads = 1 if self.head_block else self.problem.num_kv_heads
-        teams = self.problem.batch + self.schedule.max_units // FUSED_TEAM_UNITS
-        return (self.problem.batch + teams) * heads * len(self.launches)
+        return (self.problem.batch + self.schedule.max_units) * heads * len(self.launches)
 
     @property
     def lens_words(self) -> int:

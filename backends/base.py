@@ -37,7 +37,7 @@ defined once in :mod:`attnplan.schedule` and every backend computes exactly thos
   ``workspace.counters[b * num_kv_heads + h]`` (acquire-release); the one that brings it to ``units[b]`` merges
   the (sequence, KV head)'s rows and resets the counter to 0 (zero at rest: graph replays work). A backend may merge
   a sequence of more than :data:`~attnplan.planner.FUSED_TEAM_UNITS` units in two levels (cuda_ptx): team ``j`` (its
-  units ``16 j ..``) counts in ``counters[(batch + first[b] // 16 + b + j) * num_kv_heads + h]``, its last program
+  units ``16 j ..``) counts in ``counters[(batch + first[b] + 16 j) * num_kv_heads + h]``, its last program
   merges the team's states in slot order into a team state written over the team's first slot, then counts the
   team in the (sequence, KV head)'s counter, whose last merges the team states in team order. Either order is fixed
   by the slots alone (deterministic).

@@ -1108,9 +1108,10 @@ def test_workspace_checks_and_launches():
     plans = {m: _plan(prob, 4, be, merge=m) for m in ("separate", "fused")}
     single = _plan(prob, 1, be)
     sep, fused = plans["separate"], plans["fused"]
-    # the fused counters: 2 (sequence, KV head) groups' per KV head, then the two-level merge's 2 + max_units // 16
-    # team slots (fewer than 16 units: 2) per KV head
-    assert fused.merge == "fused" and fused.schedule.max_units < 16 and fused.sync_words == 8 and sep.meta_words == 4
+    # the fused counters: 2 (sequence, KV head) groups' per KV head, then one per unit slot and KV head (the
+    # two-level merge's team counters)
+    words = (2 + fused.schedule.max_units) * 2
+    assert fused.merge == "fused" and fused.sync_words == words and sep.meta_words == 4
     assert be.spec_for("partial", fused).merge == "fused" and be.spec_for("partial", sep).merge == "none"
     assert be.spec_for("merge", fused).kind == "merge" and be.spec_for("partial", single).kind == "single"
     with pytest.raises(ValueError, match="kind"):
@@ -1140,7 +1141,8 @@ def test_workspace_checks_and_launches():
     with pytest.raises(ValueError, match="workspace.counters"):
         be.partial(fused, x, wss["separate"], q, None)
     ws = wss["fused"]
-    for bad in (ws.counters[:7], torch.empty(8, dtype=torch.int64), torch.empty(8, 2, dtype=torch.int32)[:, 0]):
+    for bad in (ws.counters[:words - 1], torch.empty(words, dtype=torch.int64),
+                torch.empty(words, 2, dtype=torch.int32)[:, 0]):
         with pytest.raises(ValueError, match="workspace.counters"):
             be.partial(fused, x, dataclasses.replace(ws, counters=bad), q, None)
     with pytest.raises(ValueError, match="workspace.targets"):

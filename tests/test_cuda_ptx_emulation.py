@@ -944,11 +944,12 @@ def test_emulated_fused_merge_matches_reference(be, mode, case, fp8, options, ge
                 f"one-unit sequence {b} wrote its slot"
 
 
-# groups of more than FUSED_TEAM_UNITS (16) units: the fused merge's two levels. Two long sequences (their team
-# counters must not overlap: teams 16 + 5 and 16 + 4), a team of two warps over head_dim 256 (the named barrier
-# before the team state's lse), tensor cores with q_len 2 and sinks (a team of one unit: 16 + 2)
+# groups of more than FUSED_TEAM_UNITS (16) units: the fused merge's two levels. Two long sequences, the second of
+# longer units (longest units first: its slots come first, so the teams' counters must not follow sequence order), a
+# team of two warps over head_dim 256 (the named barrier before the team state's lse), tensor cores with q_len 2 and
+# sinks (a team of one unit: 16 + 2)
 FUSED_TWO_LEVEL = [
-    ("split_k", VariantCase((8, 2), 64, (1300, 1250, 5), page=4, splits=(40,)), {}),
+    ("split_k", VariantCase((8, 2), 64, (1100, 2700, 5), page=4, splits=(40,)), {}),
     ("split_k", VariantCase((4, 1), 256, (1300, 5), dtype="fp32", sinks=True, splits=(20,)), {"num_warps": 4}),
     ("mma", VariantCase((8, 1), 64, (2200, 33), q_len=2, page=16, sinks=True, splits=(33,)), {}),
 ]

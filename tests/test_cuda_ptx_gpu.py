@@ -764,7 +764,7 @@ def test_fused_merge_gpu(mode, fp8, gen):
 
 
 @pytest.mark.parametrize("heads,lens,splits,head_dim", [((8, 1), [4096], 64, 128), ((32, 8), [4096, 1000, 0], 16, 128),
-                                                         ((16, 8), [4096, 1000], 40, 256)])
+                                                         ((16, 8), [1000, 4096], 40, 256)])
 def test_fused_merge_reads_this_launchs_states(heads, lens, splits, head_dim, gen):
     """The fused merge's release / acquire on the device, as a smoke test: two inputs A and B of one plan (same
     caches, different q) launched alternately 200 times each on one stream into one workspace, so a merging program
@@ -772,7 +772,8 @@ def test_fused_merge_reads_this_launchs_states(heads, lens, splits, head_dim, ge
     A output bitwise the first A's (and B's the first B's: the merge order is fixed), the first of each within
     tolerance of the reference, the counters back at zero. It catches a merge that often reads early (a count
     before the barrier, no release); a rare, narrow window may pass it. 64 and 40 units merge in two levels (teams
-    of 16; at head_dim 256 a team of two warps waits at its named barrier before writing the team state)."""
+    of 16; at head_dim 256 a team of two warps waits at its named barrier before writing the team state, and the
+    longer sequence's units take the first slots)."""
     be = _backend()
     hq, hkv = heads
     xa = make_inputs(len(lens), hq, hkv, head_dim, lens, page_size=16, dtype=torch.bfloat16, device="cuda",

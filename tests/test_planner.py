@@ -21,7 +21,8 @@ import attnplan.planner as planner
 from attnplan.backends.reference import ReferenceBackend
 from attnplan.device import DeviceInfo
 from attnplan.planner import SplitPlan, TableRow, make_plan
-from attnplan.schedule import NUM_TARGETS, bucket_of, check_invariants, is_long_tailed, schedule_units
+from attnplan.schedule import (NUM_TARGETS, bucket_of, check_invariants, first_slots, is_long_tailed,
+                               schedule_units)
 
 GPU = DeviceInfo("Test GPU", 132, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
 H200 = DeviceInfo("NVIDIA H200", 132, (9, 0), 227 * 1024, 60 * 2**20, 4350.0, "cuda-13.0")
@@ -618,17 +619,20 @@ def test_a_capacity_plan_schedules_uniform_batches_like_live_plans(table):
 # -- merge choice --------------------------------------------------------------------------------------------------
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 300), min_size=1, max_size=12))
-def test_fused_merge_team_slots_never_overlap(units):
-    """The two-level fused merge's team counters (``SplitPlan.sync_words``): team ``j`` of sequence ``b`` (units
-    ``[first[b], first[b] + units[b])`` in sequence order, more than FUSED_TEAM_UNITS of them) at team slot
-    ``first[b] // FUSED_TEAM_UNITS + b + j``: no two teams share a slot, and every slot is below ``batch + U //
-    FUSED_TEAM_UNITS`` for ``U`` units in all (any ``max_units >= U``)."""
+@given(st.lists(st.tuples(st.integers(1, 64), st.integers(0, 300)), min_size=1, max_size=40))
+def test_fused_merge_team_counters_never_overlap(seqs):
+    """The two-level fused merge's team counters (``SplitPlan.sync_words``): team ``j`` of sequence ``b`` counts at
+    ``batch + first[b] + j FUSED_TEAM_UNITS`` (its first unit's slot), where ``first`` comes from
+    :func:`~attnplan.schedule.first_slots` (longest units first for batches of at most 32: not in sequence order). No
+    two teams share a counter, none is a group counter, and all lie below ``batch + U`` for ``U`` units in all."""
     T = planner.FUSED_TEAM_UNITS
-    first = np.concatenate([[0], np.cumsum(units)[:-1]]).astype(int)
-    slots = [f // T + b + j for b, (f, n) in enumerate(zip(first, units)) if n > T for j in range(-(-n // T))]
-    assert len(set(slots)) == len(slots)
-    assert all(0 <= s < len(units) + sum(units) // T for s in slots)
+    cb = torch.tensor([c for c, _ in seqs], dtype=torch.int64)
+    units = torch.tensor([n for _, n in seqs], dtype=torch.int64)
+    first = first_slots(cb, units).tolist()
+    batch, total = len(seqs), int(units.sum())
+    idx = [batch + f + j * T for f, n in zip(first, units.tolist()) if n > T for j in range(-(-n // T))]
+    assert len(set(idx)) == len(idx)
+    assert all(batch <= i < batch + total for i in idx)
 
 
 def test_fused_merge_parallelism_moves_the_merge_choice(table):
@@ -640,8 +644,8 @@ def test_fused_merge_parallelism_moves_the_merge_choice(table):
     forced = {n: make_plan(P(page_size=None, max_kv_len=4096), GPU, CFG, "x", KERNEL, num_splits=n,
                            merge_strategies=both, fused_merge_parallelism=16) for n in (16, 64)}
     assert forced[16].merge == "fused" and forced[64].merge == "separate"
-    # 8 (sequence, KV head) counters, then 1 + 16 // 16 team slots x 8 KV heads (the two-level fused merge's)
-    assert forced[16].schedule.max_units == 16 and forced[16].sync_words == 24 and forced[16].meta_words == 0
+    # 8 (sequence, KV head) counters, then one per unit slot and KV head (the two-level fused merge's team counters)
+    assert forced[16].schedule.max_units == 16 and forced[16].sync_words == 8 + 16 * 8 and forced[16].meta_words == 0
     assert forced[64].meta_words == 2 and forced[64].sync_words == 0
     serial = make_plan(P(page_size=None, max_kv_len=4096), GPU, CFG, "x", KERNEL, num_splits=16,
                        merge_strategies=both, fused_merge_parallelism=1)

@@ -21,7 +21,7 @@ from attnplan.api import Context, plan_problem
 from attnplan.backends import DecodeInputs, get_backend
 from attnplan.config import load_config
 from attnplan.device import DeviceInfo
-from attnplan.planner import FUSED_TEAM_UNITS, SplitPlan
+from attnplan.planner import SplitPlan
 from attnplan.problem import DecodeProblem
 from attnplan.testing import assert_close_to_reference, make_inputs, poison, poisoned_workspace, problem_of
 
@@ -122,10 +122,9 @@ def test_plan_splits_a_gqa_group_into_head_blocks():
         assert plan.launch_problem.num_q_heads == 36 and plan.grid == (plan.schedule.max_units,)  # a launch's
         n = len(want)
         assert plan.meta_words == (2 * prob.batch * n if plan.merge == "separate" else 0)
-        # one launch's fused counters: its (sequence, KV head) pairs (one KV head), then the two-level merge's team
-        # slots (batch + max_units // 16)
-        teams = prob.batch + plan.schedule.max_units // FUSED_TEAM_UNITS
-        assert plan.sync_words == ((prob.batch + teams) * n if plan.merge == "fused" else 0)
+        # one launch's fused counters: its (sequence, KV head) pairs (one KV head), then one per unit slot (the
+        # two-level merge's team counters)
+        assert plan.sync_words == ((prob.batch + plan.schedule.max_units) * n if plan.merge == "fused" else 0)
         assert plan.lens_words == prob.batch
         assert SplitPlan.from_dict(plan.to_dict()) == plan
         assert f"{n} launches, one per query, KV head and block of up to 36" in plan.explain()

@@ -205,9 +205,9 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
             the single pass, the fused merge).
         schedule: the plan's :class:`~attnplan.schedule.Schedule` (``None`` for the single pass:
             :func:`schedule_ints`); targets: its int32 ``[64]`` table on the device; meta: int32 ``[2 B]`` for the
-            separate merge (``None`` otherwise); counters: the fused merge's int32 ``[B Hkv]`` (``None``
-            otherwise); ws_o / ws_lse: the ragged workspace ``o [1, Q, Hq, U, D]`` / ``lse [1, Q, Hq, U]`` fp32
-            (``None`` for the single pass).
+            separate merge (``None`` otherwise); counters: the fused merge's int32 ``[SplitPlan.sync_words]``
+            (``None`` otherwise); ws_o / ws_lse: the ragged workspace ``o [1, Q, Hq, U, D]`` / ``lse [1, Q, Hq,
+            U]`` fp32 (``None`` for the single pass).
         window_left: sliding window in tokens, -1 = none (used when ``spec.window``; any int >= -1: packed as
             ``min(window_left, kv_capacity(k_cache, block_table))``, the same visible positions for sequences up
             to the capacity); soft_cap: ``c`` of ``c * tanh(s / c)`` (used when ``spec.softcap``; the kernel gets

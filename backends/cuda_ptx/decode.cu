@@ -160,9 +160,9 @@ attnplan_merge(const float *__restrict__ o, const float *__restrict__ lse, const
 // Hq, U, D] / lse [1, Q, Hq, U] _si, _sh, _ss = slot. scale_log2 = sm_scale log2(e), softcap_log2 = cap log2(e).
 // The schedule (schedule.cuh): granule, max_units_per_seq, batch, min_unit_granules, balanced (targets not all zero)
 // and targets [64], the plan's table; meta [2 B] is written by program 0 for the separate merge (null otherwise),
-// counters [B Hkv] are the fused merge's (zero at rest; null otherwise). The single pass reads granule,
-// max_units_per_seq (1), o_ss and l_ss (0) as its one split's chunk arithmetic and nothing else of the schedule or
-// the workspace: the parameters it reads come first, in the order they had before the schedule (its PTX and
+// counters [(B + U) Hkv] are the fused merge's (groups', then teams'; zero at rest; null otherwise). The single pass
+// reads granule, max_units_per_seq (1), o_ss and l_ss (0) as its one split's chunk arithmetic and nothing else of the
+// schedule or the workspace: the parameters it reads come first, in the order they had before the schedule (its PTX and
 // registers are the same; parameter order moves ptxas's register allocation). last_page (pages - 1 of a paged cache,
 // 0 and never read for a contiguous one) comes after the schedule's and the workspace's: every page index read from
 // the block table is clamped into [0, last_page] (copy.cuh, page_at), so a bad entry reads a wrong page, never
@@ -293,14 +293,15 @@ ATTNPLAN_ENTRY(const elem_t *__restrict__ q, const kv_t *__restrict__ kc, const 
     const float *__restrict__ row_sinks = direct ? sinks : nullptr;  // block-uniform
     // the fused merge of the group, once this program's state is written (every thread, every path; epilogue.cuh):
     // counters[b * Hkv + h] counts the group's units (or teams), and with more than FUSED_TEAM units team j's
-    // counter is counters[(batch + first / FUSED_TEAM + b + j) * Hkv + h] (SplitPlan.sync_words). (Defined only when
-    // it is used: an unused capturing lambda changes the PTX of the others.)
+    // counter is counters[(batch + first + j FUSED_TEAM) * Hkv + h], at its first unit's slot (SplitPlan.sync_words;
+    // slots are unique, and not in sequence order). (Defined only when it is used: an unused capturing lambda changes
+    // the PTX of the others.)
 #if ATTNPLAN_MERGE
     auto merge_group = [&]() {
         elem_t *outb = out + (i64)b * out_sb + (i64)hb * out_sh;
         float *olb = out_lse ? out_lse + (i64)b * ol_sb + (i64)hb * ol_sh : nullptr;
         const float *sinkb = sinks ? sinks + hb : nullptr;
-        const i64 team = (i64)batch + first / FUSED_TEAM + b + unit_k / FUSED_TEAM;
+        const i64 team = (i64)batch + first + unit_k / FUSED_TEAM * FUSED_TEAM;
         fused_merge(smem, tid, units_b, unit_k, counters + ((i64)h + (i64)num_kv_heads * b),
                     counters + ((i64)h + (i64)num_kv_heads * team),
                     ws_o + (i64)first * o_ss + (i64)hb * o_sh, o_si, o_sh, o_ss,

@@ -3,9 +3,11 @@
 // The global reduction of split-K inside the partial kernel instead of a merge-kernel launch (peers: FlashInfer's
 // merge_states and FlashAttention-2's split-KV combine, both separate kernels): of the units of a (sequence, KV
 // head) group (a sequence with two or more units; one-unit sequences write out directly and never count), the
-// program that finishes last merges the group's states in unit order with the merge kernel's merge_row
-// (state.cuh), so the result does not depend on which program that is. The counters argument holds one int32
-// completion counter per group, counters[b * Hkv + h], zero before the launch and again after it (graph replays).
+// program that finishes last merges the group's states in unit order with the merge kernel's per-row code
+// (merge_accumulate, merge_write: state.cuh), so the result does not depend on which program that is; a group of
+// more than FUSED_TEAM units merges in two levels (below). The counters argument holds one int32 completion counter
+// per group, counters[b * Hkv + h], then one per team (decode.cu), zero before the launch and again after it (graph
+// replays).
 #pragma once
 
 // Fused merge: every thread of the program calls it once its unit's state is written (the group's units are the
@@ -21,9 +23,9 @@
 // b1 1K step's stall samples on an H100). That acquire, then the second barrier, orders the program's reads of the
 // states after it. The program that counts last resets the counter (no other program of the launch touches it again:
 // zero for the next launch and graph replays) and merges the group's rows over its units in unit order with the merge
-// kernel's merge_row, reading the states through L2 (ld.global.cg). Its threads form teams of TW (one row's merge_row
-// team, fewer warps if the program has fewer) that take the rows r, r + TEAMS, ...; each thread keeps 8 splits' o
-// loads in flight.
+// kernel's per-row code, reading the states through L2 (ld.global.cg). Its threads form teams of TW (one row's
+// merge_row team, fewer warps if the program has fewer) that take the rows r, r + TEAMS, ...; each thread keeps 8
+// splits' o loads in flight.
 // Two levels (a group of more than FUSED_TEAM units): the units form teams of FUSED_TEAM consecutive units (team j:
 // units j FUSED_TEAM .. (j + 1) FUSED_TEAM - 1, the last team shorter), each with its own counter; the program that
 // counts last in a team merges the team's states in unit order into a team state (fp32, normalized, no sink) written
