@@ -423,7 +423,9 @@ class SplitPlan:
         ``b * Hkv + h``), then one per (unit slot, KV head) for the two-level merge of sequences of more than
         :data:`FUSED_TEAM_UNITS` units (team ``j`` of sequence ``b`` counts at its first unit's slot, ``(batch +
         first[b] + j FUSED_TEAM_UNITS) * Hkv + h``: slots are unique, not in sequence order), so ``(batch +
-        max_units) x`` the launch's KV heads; 0 without the fused merge."""
+        max_units) x`` the launch's KV heads, times the plan's launches (each launch its own table, one after
+        another); 0 without the fused merge. A backend whose fused merge has one level (triton) uses the first
+        ``batch x Hkv`` of a launch's table."""
         if self.merge != "fused":
             return 0
         heads = 1 if self.head_block else self.problem.num_kv_heads

@@ -624,7 +624,9 @@ def test_fused_merge_team_counters_never_overlap(seqs):
     """The two-level fused merge's team counters (``SplitPlan.sync_words``): team ``j`` of sequence ``b`` counts at
     ``batch + first[b] + j FUSED_TEAM_UNITS`` (its first unit's slot), where ``first`` comes from
     :func:`~attnplan.schedule.first_slots` (longest units first for batches of at most 32: not in sequence order). No
-    two teams share a counter, none is a group counter, and all lie below ``batch + U`` for ``U`` units in all."""
+    two teams share a counter, none is a group counter, and all lie below ``batch + U`` for ``U`` units in all. This
+    checks the layout ``sync_words`` sizes, with the index written out here as in ``decode.cu``; the kernel's own
+    index is checked by the emulated two-level test, whose counters are left non-zero by a colliding index."""
     T = planner.FUSED_TEAM_UNITS
     cb = torch.tensor([c for c, _ in seqs], dtype=torch.int64)
     units = torch.tensor([n for _, n in seqs], dtype=torch.int64)

@@ -122,8 +122,8 @@ def test_plan_splits_a_gqa_group_into_head_blocks():
         assert plan.launch_problem.num_q_heads == 36 and plan.grid == (plan.schedule.max_units,)  # a launch's
         n = len(want)
         assert plan.meta_words == (2 * prob.batch * n if plan.merge == "separate" else 0)
-        # one launch's fused counters: its (sequence, KV head) pairs (one KV head), then one per unit slot (the
-        # two-level merge's team counters)
+        # the fused counters of each of the n launches: its (sequence, KV head) pairs (one KV head), then one per
+        # unit slot (the two-level merge's team counters)
         assert plan.sync_words == ((prob.batch + plan.schedule.max_units) * n if plan.merge == "fused" else 0)
         assert plan.lens_words == prob.batch
         assert SplitPlan.from_dict(plan.to_dict()) == plan

@@ -37,21 +37,21 @@ there):
   many units fill the SMs or 16 units hold them all, else up to 8; :meth:`CudaPtxBackend.merge_teams_for`), each
   merging a contiguous range of the units, combined through shared memory in team order (still deterministic for
   a given team count).
-* ``fused``: one launch. Every unit of a sequence with several writes its state and gathers at a barrier, and one
-  thread counts the program in its (sequence, KV head)'s completion counter with an ``atom.acq_rel.gpu`` add (its
-  release is cumulative over the stores the barrier ordered before it, as in cooperative groups' grid sync); the
-  program that brings it to the sequence's units (the others have released their states before) resets the counter to
-  0 and merges the group's GQA group x ``q_len`` rows over its units in unit order, reading the states through L2
-  (``ld.global.cg``) with the merge kernel's own per-row code (``merge_row``; the program's warps split into teams of
-  one row's merge threads). A sequence of more than ``FUSED_TEAM_UNITS`` (16) units merges in two levels: each team
-  of 16 consecutive units has its own counter, its last program merges the team's states in unit order into a team
+* ``fused``: one launch. Every unit of a sequence with several writes its state and gathers at a barrier, and one thread
+  counts the program in its (sequence, KV head)'s completion counter with an ``atom.acq_rel.gpu`` add (its release is
+  cumulative over the stores the barrier ordered before it, as in cooperative groups' grid sync); the program that
+  brings it to the sequence's units (the others have released their states before) resets the counter to 0 and merges
+  the group's GQA group x ``q_len`` rows over its units in unit order, reading the states through L2 (``ld.global.cg``)
+  with the merge kernel's own per-row code (``merge_accumulate`` and ``merge_write``; the program's warps split into
+  teams of one row's merge threads). A sequence of more than ``FUSED_TEAM_UNITS`` (16) units merges in two levels: each
+  team of 16 consecutive units has its own counter, its last program merges the team's states in unit order into a team
   state over the team's first slot, and the program that counts the last team in the group's counter merges the team
   states in team order (no program merges more than 16 states a level; one program merging 49-128 units alone ran
   1.2-1.7x the merge kernel's step on an H100). Same math, same empty-row and sink handling as the merge kernel,
-  deterministic (bitwise the same whichever programs finish last); the counters (``plan.sync_words`` int32, zero at rest) are back at zero
-  after every launch, so graph replays work. The merge runs in the group's last program, on the step's critical path;
-  whether it beats the separate launch is a measurement (the planner's cost model; Triton's fused merge measured
-  slower on an H200).
+  deterministic (bitwise the same whichever programs finish last); the counters (``plan.sync_words`` int32, zero at
+  rest) are back at zero after every launch, so graph replays work. The merge runs in the group's last program, on the
+  step's critical path; whether it beats the separate launch is a measurement (the planner's cost model; Triton's fused
+  merge measured slower on an H200).
 
 The fused merge sits after the state write, so it serves every path (tensor-core and CUDA-core split-K, fp8 KV,
 both cache layouts, window / soft-cap / sinks, ``q_len`` > 1).

@@ -10,9 +10,6 @@
 // replays).
 #pragma once
 
-// Fused merge: every thread of the program calls it once its unit's state is written (the group's units are the
-// workspace slots first .. first + units - 1: unit k's o at ob0 + k * o_ss, lse at lb0 + k * l_ss, ob0 / lb0 at slot
-// `first`; rows r = i*GROUP + g at i * _si + g * _sh; out / out_lse / sinks likewise at the group's first head).
 // Release: the barrier orders every thread's state stores before thread 0's count (bar.sync synchronizes the
 // program's threads), and thread 0 counts the program in the (sequence, KV head) completion counter with an acq_rel
 // atomic at gpu scope. Release is cumulative in the PTX memory model: the stores ordered before the count through the

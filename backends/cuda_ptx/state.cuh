@@ -1,6 +1,7 @@
 // attnplan cuda_ptx: the partial-state format and the merge contract (attnplan.state.merge_states), one piece of
-// code for both kernels: the merge kernel and the fused merge of the partial kernel run merge_row (the merge
-// kernel's teams each merge_accumulate, then merge_write), a partial program finishes each row with finish_row.
+// code for both kernels: the merge kernel runs merge_row (its teams each merge_accumulate, then merge_write), the
+// fused merge of the partial kernel merge_accumulate then merge_write (or merge_write_state, its two levels' team
+// state), a partial program finishes each row with finish_row.
 //
 // A state of (row, split): fp32 o, normalized (sum_j p_j v_j / sum_j p_j over the split), and lse, the natural-log
 // log-sum-exp of the split's scaled scores. An empty split (no visible position) has lse = -inf and o = 0. Merge of
@@ -187,7 +188,7 @@ __device__ __forceinline__ void merge_write_state(float M, float tot, const floa
 
 // Merge the first n split states of one row (merge_accumulate's layout and team) into outp / out_lse
 // (merge_write): lse = logsumexp_s(lse_s); o = sum_s exp(lse_s - lse) o_s; every split empty: o = 0, lse = -inf;
-// then the sink, if given. One team per row: the single-team merge kernel and the fused merge.
+// then the sink, if given. One team per row: the single-team merge kernel.
 template <int TW, int CHUNK, bool CG>
 __device__ __forceinline__ void merge_row(const float *lr, i64 l_ss, const float *orow, i64 o_ss, int n,
                                           const float *sink, elem_t *outp, float *out_lse, int t) {
