@@ -904,15 +904,11 @@ FUSED_PARAMS = [pytest.param(mode, c, f, o, id=f"{c.id}-{mode}" + ("-kvfp8" if f
                              + "".join(f"-{k}{v}" for k, v in o.items())) for mode, c, f, o in FUSED]
 
 
-@pytest.mark.parametrize("mode,case,fp8,options", FUSED_PARAMS)
-def test_emulated_fused_merge_matches_reference(be, mode, case, fp8, options, gen):
-    """``run`` with the fused merge inside the partial kernel (one launch) against the float64 reference, blocks in
-    order and in two permuted orders (so the program that counts last differs): poisoned ``out`` / ``lse`` fully
-    written, the counters back at zero after every launch, the result bitwise the same whichever program merged (unit
-    order); the units' states stay in the workspace, the one-unit sequences' slots untouched."""
-    x = _inputs(case, gen, fp8=fp8)
-    plan = _plan(be, x, case.splits[0], mode, merge="fused", **options)
-    assert plan.merge == "fused" and be.spec_for("partial", plan).merge == "fused", plan.explain()
+def _run_fused_in_block_orders(be, x, plan):
+    """``plan`` (the fused merge) run on ``x`` with the blocks in order and in two permuted orders (so the programs that
+    count last differ), each into a fresh poisoned workspace and outputs: every run's counters back at zero, its
+    ``out`` / ``lse`` within tolerance of the float64 reference, and all runs bitwise the same. Returns the last
+    run's workspace."""
     ref, ref_lse = _reference(x)
     outs = []
     try:
@@ -928,6 +924,19 @@ def test_emulated_fused_merge_matches_reference(be, mode, case, fp8, options, ge
     finally:
         be.block_order = 0
     assert all(torch.equal(o, outs[0][0]) and torch.equal(ls, outs[0][1]) for o, ls in outs[1:])
+    return ws
+
+
+@pytest.mark.parametrize("mode,case,fp8,options", FUSED_PARAMS)
+def test_emulated_fused_merge_matches_reference(be, mode, case, fp8, options, gen):
+    """``run`` with the fused merge inside the partial kernel (one launch) against the float64 reference, blocks in
+    order and in two permuted orders (so the program that counts last differs): poisoned ``out`` / ``lse`` fully
+    written, the counters back at zero after every launch, the result bitwise the same whichever program merged (unit
+    order); the units' states stay in the workspace, the one-unit sequences' slots untouched."""
+    x = _inputs(case, gen, fp8=fp8)
+    plan = _plan(be, x, case.splits[0], mode, merge="fused", **options)
+    assert plan.merge == "fused" and be.spec_for("partial", plan).merge == "fused", plan.explain()
+    ws = _run_fused_in_block_orders(be, x, plan)
     rp, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, plan.schedule,
                                   **_kw(x))
     assert int(units.units[0]) > 1 and int(units.units[1]) == 1
@@ -968,21 +977,7 @@ def test_emulated_fused_merge_in_two_levels(be, mode, case, options, gen):
                                   **_kw(x))
     long = [b for b in range(len(case.lens)) if int(units.units[b]) > FUSED_TEAM_UNITS]
     assert len(long) == sum(n > 1000 for n in case.lens) and int(units.units[-1]) == 1, units.units.tolist()
-    ref, ref_lse = _reference(x)
-    outs = []
-    try:
-        for order in (0, 1, 2):
-            be.block_order = order
-            ws = _workspace(plan)
-            out, lse = _outputs(x)
-            be.run(plan, x, ws, out, lse)
-            assert int(ws.counters.abs().sum()) == 0, f"counters not reset: {ws.counters.tolist()}"
-            assert_close_to_reference(out, ref, x.q.dtype, f"out (block order {order})")
-            assert_close_to_reference(lse, ref_lse, torch.float32, f"lse (block order {order})")
-            outs.append((out, lse))
-    finally:
-        be.block_order = 0
-    assert all(torch.equal(o, outs[0][0]) and torch.equal(ls, outs[0][1]) for o, ls in outs[1:])
+    ws = _run_fused_in_block_orders(be, x, plan)
     o_dt = _o_dtype(mode, x.q.dtype)
     for b in long:
         lo, n, f = int(units.indptr[b]), int(units.units[b]), int(units.first[b])
