@@ -202,11 +202,10 @@ def check_plan(plan: SplitPlan, problem: DecodeProblem | None = None) -> DecodeP
     """
     if not isinstance(plan, SplitPlan):
         raise TypeError(f"not a plan: {type(plan).__name__}")
-    plan.check_types()
+    problem = plan.problem if problem is None else problem
+    plan.validate(problem)  # the field types first (SplitPlan.check_types)
     if not math.isfinite(plan.predicted_us):
         raise ValueError(f"predicted_us must be a finite number, got {plan.predicted_us!r}")
-    problem = plan.problem if problem is None else problem
-    plan.validate(problem)
     _check_sizes(plan)
     _check_kernel(plan)
     return problem
