@@ -681,7 +681,7 @@ class SplitPlan:
             e = self.table_entry
             lines.append(f"split counts from the device's measured split table (attnplan tune): at the planned "
                          f"length the nearest row is {e.pairs} pairs x {e.kv_len} tokens, best at "
-                         f"{e.programs_per_sm:g} programs per SM")
+                         f"{e.programs_per_sm:g} programs per SM" + ("" if cpu else f" ({e.us:g} us measured there)"))
             pairs = base
             if e.pairs != pairs:
                 lines.append(f"  carried from {e.pairs} to {pairs} pairs: a count whose programs leave the busiest SM "

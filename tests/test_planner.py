@@ -140,21 +140,21 @@ def test_split_table_row_sets_the_split_where_it_applies(table):
     """The nearest row within 4x (pairs and length) sets programs per SM: splits = round(ppsm x SMs / pairs), then
     aligned to whole granules; a long-tailed batch the row of a uniform batch at its longest length; elsewhere (out
     of reach, other head_dim, other backend, fp8 without its own rows) the cost model."""
-    table["split_table"] = {"triton": {"paged": [[8, 131072, 4.0, 0.0], [32, 32768, 8.0, 0.0]],
+    table["split_table"] = {"triton": {"paged": [[8, 131072, 4.0, 131.5], [32, 32768, 8.0, 0.0]],
                                        "contiguous": [[8, 131072, 2.0, 0.0]]}}
     big = P(max_kv_len=131072)
     plan = make_plan(big, GPU, CFG, "triton", KERNEL)
-    assert plan.policy == "tuned" and plan.table_entry == TableRow(8, 131072, 4.0, 0.0)
+    assert plan.policy == "tuned" and plan.table_entry == TableRow(8, 131072, 4.0, 131.5)
     # round(4.0 x 132 / 8) = 66 splits of 1986 tokens -> chunks of 32 granules (2048 tokens) -> 64 units
     assert units(plan, [131072]) == [64]
-    assert "measured split table" in plan.explain() and "4 programs per SM" in plan.explain()
+    assert "measured split table" in plan.explain() and "4 programs per SM (131.5 us measured there)" in plan.explain()
     b4 = make_plan(P(batch=4, max_kv_len=32768), GPU, CFG, "triton", KERNEL)
     assert b4.policy == "tuned" and b4.table_entry.pairs == 32
     assert units(b4, [32768] * 4) == [32] * 4  # round(8 x 132 / 32) = 33 -> 1024-token chunks -> 32
     contig = make_plan(P(page_size=None, max_kv_len=65536), GPU, CFG, "triton", KERNEL)
     assert contig.policy == "tuned" and units(contig, [65536]) == [32]  # 33 -> 2048-token chunks -> 32
     tail = make_plan(P(batch=4, max_kv_len=131072, total_kv_len=131072 + 3000), GPU, CFG, "triton", KERNEL)
-    assert tail.policy == "tuned" and tail.table_entry == TableRow(8, 131072, 4.0, 0.0)  # a tie: the first row
+    assert tail.policy == "tuned" and tail.table_entry == TableRow(8, 131072, 4.0, 131.5)  # a tie: the first row
     assert "a long-tailed batch" in tail.explain() and not tail.schedule.single_pass
     # out of reach (16x fewer tokens), large heads, another backend: the cost model
     assert make_plan(P(max_kv_len=4096), GPU, CFG, "triton", KERNEL).policy == "heuristic"
