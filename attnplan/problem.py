@@ -33,8 +33,8 @@ for other views, and a plan forced onto it is refused at ``plan()``.
 
 *Values.* ``seq_lens`` in ``[0, capacity]``; the block-table entries a sequence uses (its first
 ``ceil(seq_len / page_size)``) in ``[0, num_pages)``, the others are never read. ``sm_scale`` finite
-(0 and negative scales are legal) and at most :data:`FP32_SCALED_MAX` in magnitude (fp32 after the
-``log2(e)`` factor); the kernels compute in fp32, so ``sum_i |q_i k_i|`` and ``|sm_scale|`` times it must also
+(0 and negative scales are legal), 0 or at least :data:`SM_SCALE_MIN` and at most :data:`FP32_SCALED_MAX` in
+magnitude (fp32, normal, after the ``log2(e)`` factor); the kernels compute in fp32, so ``sum_i |q_i k_i|`` and ``|sm_scale|`` times it must also
 stay within it (with an fp8 cache, over K's stored values and times ``k_scale``), and ``max|V| x visible tokens``
 within fp32's range (not checked: these are values; past them a row overflows to inf / NaN, or to an empty row where
 every scaled score is -inf; README, "fp32 range"). ``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]``: 0 (off) or at
@@ -107,8 +107,8 @@ from ._repr import short_repr as _short
 from .schedule import is_long_tailed
 
 __all__ = ["DecodeProblem", "validate_inputs", "validate_values", "host_lengths", "validate_outputs",
-           "check_no_overlap", "overlap_error", "rows_16_byte", "check_sm_scale", "check_no_grad", "tensor_signature",
-           "signature_change", "same_signature", "is_contiguous_layout", "DTYPE_NAMES", "dtype_name", "len_bucket",
+           "check_no_overlap", "overlap_error", "rows_16_byte", "check_sm_scale", "SM_SCALE_MIN", "check_no_grad",
+           "tensor_signature", "signature_change", "same_signature", "is_contiguous_layout", "DTYPE_NAMES", "dtype_name", "len_bucket",
            "explain_lengths"]
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -469,9 +469,16 @@ def check_no_grad(q, k_cache, v_cache, sinks=None, k_scale=None, v_scale=None) -
                              f"{name}.detach()")
 
 
+#: the smallest magnitude of a nonzero ``sm_scale`` (:data:`FP32_NORMAL_MIN` over log2(e), ~8.1e-39): the kernels
+#: take ``sm_scale x log2(e)`` as an fp32 argument, and a smaller one is subnormal there (flushed to 0 by some
+#: kernels and GPUs, kept by others, and typed fp64 by Triton's interpreter, whose fp64 -> bf16 conversion gives 0)
+SM_SCALE_MIN = FP32_NORMAL_MIN / 1.4426950408889634
+
+
 def check_sm_scale(sm_scale) -> None:
-    """``sm_scale`` must be ``None`` (``1/sqrt(head_dim)``) or a finite real; 0 and negative scales are
-    legal (they flatten or invert the softmax). Raises ``TypeError`` / ``ValueError``."""
+    """``sm_scale`` must be ``None`` (``1/sqrt(head_dim)``) or a finite real, 0 or of magnitude in
+    ``[SM_SCALE_MIN, FP32_SCALED_MAX]``; 0 and negative scales are legal (they flatten or invert the softmax).
+    Raises ``TypeError`` / ``ValueError``."""
     if sm_scale is None:
         return
     if not _is_real(sm_scale):
@@ -481,6 +488,10 @@ def check_sm_scale(sm_scale) -> None:
     if not math.isfinite(v) or abs(v) > FP32_SCALED_MAX:
         raise ValueError(f"sm_scale must be finite and at most {FP32_SCALED_MAX:.4g} in magnitude (the kernels scale "
                          f"it by log2(e) in fp32), got {_short(sm_scale)}")
+    if v != 0 and abs(v) < SM_SCALE_MIN:
+        raise ValueError(f"sm_scale must be 0 or at least {SM_SCALE_MIN:.4g} in magnitude (the kernels scale it by "
+                         f"log2(e) in fp32, and a smaller scale is subnormal there), got {_short(sm_scale)}; pass 0 "
+                         "for a uniform softmax")
 
 
 def _unit_stride(name: str, t: torch.Tensor, axis: int, what: str) -> None:

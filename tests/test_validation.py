@@ -408,6 +408,10 @@ def test_run_refuses_a_non_tensor_by_name():
     (dict(logits_soft_cap=1e-300), ValueError, "logits_soft_cap must be .* 0 \\(off\\) or at least 1.175e-38"),
     (dict(logits_soft_cap=5e-324), ValueError, "logits_soft_cap must be .* at least 1.175e-38"),
     (dict(logits_soft_cap=1e-39), ValueError, "logits_soft_cap must be .* at least 1.175e-38"),
+    # a nonzero scale whose fp32 product with log2(e) would be subnormal
+    (dict(sm_scale=8e-39), ValueError, r"sm_scale must be 0 or at least 8.148e-39 in magnitude .* got 8e-39"),
+    (dict(sm_scale=-1e-300), ValueError, "sm_scale must be 0 or at least 8.148e-39"),
+    (dict(sm_scale=5e-324), ValueError, "sm_scale must be 0 or at least 8.148e-39"),
     # real numbers beyond the float range: refused as out of range, named, never an OverflowError
     (dict(sm_scale=10**400), ValueError, "sm_scale must be finite and at most .* got an int of 1329 bits"),
     (dict(sm_scale=-10**5000), ValueError, "sm_scale must be finite and at most .* got an int of 16610 bits"),
@@ -439,6 +443,23 @@ def test_legal_edge_parameters_match_the_reference(backend, kw):
                                        rkw.pop("sm_scale", None), **rkw)
     assert_close_to_reference(out, ref, torch.float32)
     assert_close_to_reference(lse, ref_lse, torch.float32, what="lse")
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_the_smallest_sm_scale_matches_the_reference_in_bf16(backend, num_splits, sign):
+    """The smallest nonzero ``sm_scale`` (``SM_SCALE_MIN``: ``x log2(e)`` is fp32's smallest normal number) gives the
+    reference's nearly uniform softmax in bf16, single pass and split (a scale just below it, now refused, gave
+    Triton's interpreter an fp64 argument and an all-zero single-pass output)."""
+    from attnplan.problem import SM_SCALE_MIN
+    x = make_inputs(1, 2, 1, 64, [37], page_size=None, dtype=torch.bfloat16,
+                    generator=torch.Generator().manual_seed(11))
+    out = torch.full_like(x.q, float("nan"))
+    attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend=backend, num_splits=num_splits, out=out,
+                    sm_scale=sign * SM_SCALE_MIN)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, sign * SM_SCALE_MIN)
+    assert_close_to_reference(out, ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
