@@ -194,7 +194,8 @@ def check_plan(plan: SplitPlan, problem: DecodeProblem | None = None) -> DecodeP
     """Validate a plan read from disk (or given to ``DecodeWrapper.use_plan``) as strictly as a config: its fields'
     types (:meth:`SplitPlan.check_types`; :meth:`SplitPlan.from_dict` refused unknown or missing fields and bad types
     in a file, but a plan edited in memory has not been through it), the plan's own consistency and its fit to
-    ``problem`` (:meth:`SplitPlan.validate`; ``problem`` defaults to the plan's own), a finite prediction, sizes
+    ``problem`` (:meth:`SplitPlan.validate`; ``problem`` defaults to the plan's own), finite predictions >= 0 (its
+    own and its cost-model candidates', with at least one split and chunk token each), sizes
     that drive an allocation bounded by what the problem can need (:func:`_check_sizes`), and the hard limits of the
     kernels its options feed, asking its backend (:func:`_check_kernel`).
 
@@ -204,8 +205,12 @@ def check_plan(plan: SplitPlan, problem: DecodeProblem | None = None) -> DecodeP
         raise TypeError(f"not a plan: {type(plan).__name__}")
     problem = plan.problem if problem is None else problem
     plan.validate(problem)  # the field types first (SplitPlan.check_types)
-    if not math.isfinite(plan.predicted_us):
-        raise ValueError(f"predicted_us must be a finite number, got {plan.predicted_us!r}")
+    if not (math.isfinite(plan.predicted_us) and plan.predicted_us >= 0):
+        raise ValueError(f"predicted_us must be a finite number >= 0, got {plan.predicted_us!r}")
+    for n, chunk, t in plan.candidates:  # explain() takes the fewest splits within 2% of their best time
+        if n < 1 or chunk < 1 or not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"plan candidate {[n, chunk, t]!r}: splits and chunk tokens must be at least 1 and the "
+                             "predicted time a finite number >= 0")
     _check_sizes(plan)
     _check_kernel(plan)
     return problem

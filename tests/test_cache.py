@@ -310,6 +310,11 @@ HOSTILE = {
     "candidates not triples": lambda f: _mutated(f, _set("plan", "candidates", [[1, 2]])),
     "problem not a problem": lambda f: _mutated(f, _set("plan", "problem", "num_kv_heads", 3)),
     "NaN prediction": lambda f: _mutated(f, _set("plan", "predicted_us", float("nan"))),
+    "negative prediction": lambda f: _mutated(f, _set("plan", "predicted_us", -1.0)),
+    "candidate time negative": lambda f: _mutated(f, _set("plan", "candidates", [[1, 64, 5.0], [2, 32, -1.0]])),
+    "candidate time NaN": lambda f: _mutated(f, _set("plan", "candidates", [[1, 64, float("nan")]])),
+    "candidate of 0 splits": lambda f: _mutated(f, _set("plan", "candidates", [[0, 64, 5.0]])),
+    "candidate of 0-token chunks": lambda f: _mutated(f, _set("plan", "candidates", [[1, 0, 5.0]])),
     "prediction a string": lambda f: _mutated(f, _set("plan", "predicted_us", "3.5")),
     "capacity_mode a string": lambda f: _mutated(f, _set("plan", "capacity_mode", "no")),
     "sm_count a string": lambda f: _mutated(
