@@ -34,9 +34,9 @@ for other views, and a plan forced onto it is refused at ``plan()``.
 *Values.* ``seq_lens`` in ``[0, capacity]``; the block-table entries a sequence uses (its first
 ``ceil(seq_len / page_size)``) in ``[0, num_pages)``, the others are never read. ``sm_scale`` finite
 (0 and negative scales are legal), 0 or at least :data:`SM_SCALE_MIN` and at most :data:`FP32_SCALED_MAX` in
-magnitude (fp32, normal, after the ``log2(e)`` factor); the kernels compute in fp32, so ``sum_i |q_i k_i|`` and ``|sm_scale|`` times it must also
-stay within it (with an fp8 cache, over K's stored values and times ``k_scale``), and ``max|V| x visible tokens``
-within fp32's range (not checked: these are values; past them a row overflows to inf / NaN, or to an empty row where
+magnitude (a normal fp32 number after the ``log2(e)`` factor); the kernels compute in fp32, so ``sum_i |q_i k_i|``
+and ``|sm_scale|`` times it must also stay within it (with an fp8 cache, over K's stored values and times
+``k_scale``), and ``max|V| x visible tokens`` within fp32's range (not checked: these are values; past them a row overflows to inf / NaN, or to an empty row where
 every scaled score is -inf; README, "fp32 range"). ``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]``: 0 (off) or at
 least :data:`SOFT_CAP_MIN` (fp32's smallest normal number). ``window_left`` an ``int`` (not
 ``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal, of any size:
@@ -108,8 +108,8 @@ from .schedule import is_long_tailed
 
 __all__ = ["DecodeProblem", "validate_inputs", "validate_values", "host_lengths", "validate_outputs",
            "check_no_overlap", "overlap_error", "rows_16_byte", "check_sm_scale", "SM_SCALE_MIN", "check_no_grad",
-           "tensor_signature", "signature_change", "same_signature", "is_contiguous_layout", "DTYPE_NAMES", "dtype_name", "len_bucket",
-           "explain_lengths"]
+           "tensor_signature", "signature_change", "same_signature", "is_contiguous_layout", "DTYPE_NAMES",
+           "dtype_name", "len_bucket", "explain_lengths"]
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                torch.float8_e4m3fn: "float8_e4m3fn"}
