@@ -36,9 +36,9 @@ for other views, and a plan forced onto it is refused at ``plan()``.
 (0 and negative scales are legal), 0 or at least :data:`SM_SCALE_MIN` and at most :data:`FP32_SCALED_MAX` in
 magnitude (a normal fp32 number after the ``log2(e)`` factor); the kernels compute in fp32, so ``sum_i |q_i k_i|``
 and ``|sm_scale|`` times it must also stay within it (with an fp8 cache, over K's stored values and times
-``k_scale``), and ``max|V| x visible tokens`` within fp32's range (not checked: these are values; past them a row overflows to inf / NaN, or to an empty row where
-every scaled score is -inf; README, "fp32 range"). ``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]``: 0 (off) or at
-least :data:`SOFT_CAP_MIN` (fp32's smallest normal number). ``window_left`` an ``int`` (not
+``k_scale``), and ``max|V| x visible tokens`` within fp32's range (not checked: these are values; past them a row
+overflows to inf / NaN, or to an empty row where every scaled score is -inf; README, "fp32 range").
+``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]``: 0 (off) or at least :data:`SOFT_CAP_MIN` (fp32's smallest normal number). ``window_left`` an ``int`` (not
 ``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal, of any size:
 :func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite, at least :data:`SCALE_MIN` (fp32's smallest
 normal number) and at most :data:`FP32_SCALED_MAX` (floats and tensor values alike), and ``sm_scale`` times the
