@@ -13,9 +13,15 @@ length the split count comes from the device's measured split table (``plans/<de
 the fewest splits within 2% of the best:
 
     T(n) = launch + waves(n) * program_us                         partial kernel fixed costs
-         + max(kv_bytes / (BW_eff * min(1, live(n) / (SMs * sat))),  bandwidth-bound time
-               chunk_bytes(n) / bw_per_program)                      critical path of one chunk
+         + stream(n)                                                bandwidth-bound time
          + [n > 1] * merge(n)                                       separate merge kernel or fused
+
+    near-uniform lengths (programs in waves of resident = SMs x programs_per_sm; a last wave of a few long programs
+    costs a whole program):
+        stream(n) = full_waves * wave(resident) + wave(rest),  wave(k) = max(k * chunk_bytes(n) / BW_eff,
+                                                                            chunk_bytes(n) / bw_per_program)
+    long-tailed lengths (short sequences' programs finish early and free their slots):
+        stream(n) = max(kv_bytes / (BW_eff * min(1, live(n) / (SMs * sat))), chunk_bytes(n) / bw_per_program)
 
 Worked example (batch 1, 32/8/128 bf16, 32K tokens, 132 SMs, 4.35 TB/s, default constants): one program streams
 at most ``0.9 x 4.35 TB/s / (132 x 2)`` = 14.8 GB/s. 8 KV heads give 8 programs unsplit, so each streams 16 MiB
@@ -28,14 +34,15 @@ granules ``T``, bucketed by powers of two) the plan stores the number of work un
 would get (``targets``: splits x batch); a live batch of ``T`` granules then gets units of about ``T / targets``
 granules each, so a long sequence among short ones gets many units and each short one one unit. A capacity plan
 (CUDA graphs) fills that table for every bucket up to the capacity and counts each bucket's split-table row in
-programs of its own warps (:func:`row_programs_per_sm`); a live plan takes the rows as measured and fills the
-buckets its rounded lengths reach. So the two may give the same lengths different units (cuda_ptx's rows carry
+programs of its own warps (:func:`row_programs_per_sm`); a live plan of near-uniform lengths takes the rows as
+measured and fills the buckets its rounded lengths reach (a long-tailed live plan is planned as the capacity plan of
+its longest length). So the two may give the same lengths different units (cuda_ptx's rows carry
 their own warps), with the same result within rounding.
 
 Policies (``SplitPlan.policy``): ``tuned`` (the split table), ``heuristic`` (the cost model), ``forced``
 (``num_splits > 1``: up to that many equal units per sequence), ``no-split`` (``num_splits = 1``, or a live plan of
-near-uniform lengths whose cost-model split count is 1 or whose targets give the planned lengths one unit per
-sequence: single pass; a tuned plan that ends single pass keeps ``tuned``) and ``batch-invariant`` (config
+near-uniform lengths whose cost-model split count is 1 or whose targets give the middle of the lengths it serves,
+``1/sqrt(2)`` of the planned ones, one unit per sequence: single pass; a tuned plan that ends single pass keeps ``tuned``) and ``batch-invariant`` (config
 ``split.batch_invariant``: units of a fixed size from each sequence's own length, so a sequence's output is
 bitwise independent of its batchmates).
 """

@@ -8,16 +8,18 @@ defined once in :mod:`attnplan.schedule` and every backend computes exactly thos
 
 * **Grid**: ``plan.grid = (plan.schedule.max_units * num_kv_heads,)`` (the launch's KV heads), 1-D. ``partial`` and
   ``merge`` take the plan of one launch (``plan.launches``; a plan of several launches runs through ``run``).
-  Program ``p`` serves unit ``u = p // num_kv_heads`` for KV head ``h = p % num_kv_heads``: every query head of
-  ``h``'s GQA group and all ``q_len`` queries of the unit's sequence. Unit-major, so programs without a unit come
-  last.
+  Program ``p`` serves grid slot ``s = p // num_kv_heads`` for KV head ``h = p % num_kv_heads``: every query head
+  of ``h``'s GQA group and all ``q_len`` queries of the sequence of the unit the slot runs. Slot ``s`` runs unit
+  ``u = s`` (packed: the slots past the batch's units come last), except where the prologue knows the batch's
+  ``U`` units and the grid holds more than ``pack`` slots per unit: there :func:`attnplan.schedule.slot_unit`
+  spreads the units over the slots. Unit ``u``'s state goes to workspace slot ``u`` either way.
 * **Prologue** (``plan.schedule.max_units_per_seq > 1``): the program reads ``seq_lens`` (all ``batch`` of them,
   from device memory, at every launch) and ``workspace.targets``, and computes the schedule: each sequence's
   granules, the batch's total, the granules per unit, each sequence's units and the slot of its first unit
   ``first[b]`` (:func:`attnplan.schedule.first_slots`: longest units first in a batch of at most 32, else the
   exclusive prefix sum in index order), hence the sequence ``b`` whose slots ``[first[b], first[b] + units[b])``
-  hold ``u``, its unit index ``j = u - first[b]`` and token range ``[start, end)``. A program with ``u`` past the
-  batch's ``U`` units exits at once, writing nothing. Program 0 also writes ``workspace.meta`` (``first[b]`` at
+  hold ``u``, its unit index ``j = u - first[b]`` and token range ``[start, end)``. A program whose slot runs no
+  unit (past the batch's ``U`` units, or between spread units) exits at once, writing nothing. Program 0 also writes ``workspace.meta`` (``first[b]`` at
   ``b``, ``units[b]`` at ``batch + b``) when the plan's merge is ``separate``. With ``max_units_per_seq == 1``
   (single pass) there is no prologue: ``u = b``, ``[start, end) = [base_b, seq_lens[b])``.
 * **Lengths**: every length read from ``seq_lens`` (prologue, single pass, a unit's rows) is clamped into ``[0,
