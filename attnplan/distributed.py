@@ -108,7 +108,8 @@ class ContextParallelDecode:
         send = torch.empty(self._msg, dtype=torch.uint8, device=q.device)
         self._recv = torch.empty(world * self._msg, dtype=torch.uint8, device=q.device)  # flat: gloo wants it so
         self._out, self._lse = self._views(send, q.dtype)
-        self._lse.fill_(float("nan"))  # an exchange() before any run() merges NaN, not stale memory
+        self._out.fill_(float("nan"))  # an exchange() before any run() merges (world 1: copies) NaN, not stale memory
+        self._lse.fill_(float("nan"))
         self._gather_o, self._gather_lse = self._views(self._recv.view(world, self._msg), q.dtype)
         # the backend's own separate merge kernel merges the world's states (one launch instead of ~12 torch ops)
         self._merge_plan, self._workspace = merge_workspace(plan, world, q.device) if world > 1 else (None, None)

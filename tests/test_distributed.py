@@ -224,6 +224,23 @@ def test_context_parallel_merge_in_one_process(backend, world, gen, monkeypatch)
         assert_close_to_reference(cp.exchange(), ref, torch.float16)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_an_exchange_before_any_run_gives_nan(world, gen, monkeypatch):
+    """``exchange()`` after ``plan()`` but before any local run merges the send buffer's initial contents: NaN in
+    every element at every world size (a world of one copies the local output as it is), never stale memory."""
+    import attnplan.distributed as d
+    from attnplan.testing import make_inputs
+
+    lens = [9, 3]
+    x = make_inputs(len(lens), 4, 2, 32, lens, page_size=4, dtype=torch.float16, generator=gen)
+    monkeypatch.setattr(d.dist, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(d.dist, "all_gather_into_tensor", lambda recv, send, group=None: recv.copy_(send.repeat(world)))
+    cp = d.ContextParallelDecode(backend="reference")
+    torch.empty(1 << 20, dtype=torch.float16).fill_(1.5)  # leave non-NaN values where buffers may be carved next
+    cp.plan(x.q, *_shards(x, lens, world, 0))
+    assert cp.exchange().isnan().all()
+
+
 def test_merge_workspace_refuses_a_world_of_one():
     import attnplan
     from attnplan.distributed import merge_workspace
