@@ -75,6 +75,7 @@ from __future__ import annotations
 import collections
 import sys
 import threading
+import warnings
 import weakref
 
 import torch
@@ -432,13 +433,18 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
             steps; ``sinks`` / ``s_aux`` / ``position_bias`` (and a soft cap elsewhere) send the call to the model's
             own eager attention, ``sliding_window`` to SDPA; ``indices`` / ``block_indices`` raise (below).
     Returns:
-        ``(attn_output [batch, q_len, num_q_heads, head_dim], None)`` in query's dtype.
+        ``(attn_output [batch, q_len, num_q_heads, head_dim], None)`` in query's dtype: no attention weights, as
+        transformers' SDPA (``output_attentions=True`` warns, ``UserWarning``, and the model returns none).
     Raises:
         NoBackendError: no attnplan backend serves the model's heads (e.g. its head_dim; the reasons are listed);
             a dtype the kernels do not take (float64) and uneven head counts go to SDPA instead.
         NotImplementedError: sparse attention over selected positions (``indices=`` / ``block_indices=``), or a
             variant only the model's eager attention computes on a module without one (:func:`_fallback`).
     """
+    if kwargs.get("output_attentions"):
+        # as transformers' SDPA: no weights are formed (the model's output holds none); said, not silent
+        warnings.warn("attnplan attention does not return attention weights (output_attentions=True): load the "
+                      "model with attn_implementation='eager' for them", UserWarning, stacklevel=2)
     b, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     lens = None

@@ -100,6 +100,31 @@ def test_generate_equals_sdpa_and_decode_steps_are_attnplans(cache, prompt_len, 
     _assert_logits_close(logits, ref_logits)
 
 
+def test_output_attentions_warns_and_returns_no_weights(gen):
+    """``output_attentions=True`` on a decode step attnplan serves: a ``UserWarning`` naming the eager implementation,
+    no weights in the output (as transformers' SDPA), and the step's logits still SDPA's."""
+    from transformers import DynamicCache
+
+    attnplan.hf.register()
+    ids = _ids(TINY["vocab_size"], (1, 10), gen)
+    logits = {}
+    for attn in ("sdpa", attnplan.hf.NAME):
+        model = _model(TINY, DEVICE, torch.float32, attn)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :9], past_key_values=cache)
+            before = attnplan.hf.STATS["attnplan"]
+            if attn == "sdpa":
+                out = model(ids[:, 9:], past_key_values=cache, output_attentions=True)
+            else:
+                with pytest.warns(UserWarning, match="does not return attention weights .* attn_implementation='eager'"):
+                    out = model(ids[:, 9:], past_key_values=cache, output_attentions=True)
+                assert attnplan.hf.STATS["attnplan"] - before == TINY["num_hidden_layers"]
+        assert not out.attentions or all(a is None for a in out.attentions)
+        logits[attn] = out.logits
+    _assert_logits_close(logits[attnplan.hf.NAME], logits["sdpa"])
+
+
 def test_dynamic_cache_plans_once_per_step_and_misses_once_per_length_bucket(gen, monkeypatch):
     """Eager generation over a DynamicCache (key / value tensors one token longer every step): the first layer of
     a step plans, the others run on its plan; the steps' plans come from the plan cache except once per
