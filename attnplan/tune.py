@@ -43,7 +43,9 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import weakref
+from pathlib import Path
 
 import torch
 import yaml
@@ -501,6 +503,16 @@ def main(argv=None) -> int:
     kv_bytes = getattr(torch, args.kv_dtype).itemsize
     points = [(layout, b, kv) for layout in ("contiguous", "paged") for b in args.batches
               for kv in args.kv if 2 * kv_bytes * b * kv * heads[1] * heads[2] <= args.max_gb * 1e9]
+    # refused before any GPU work, not after the sweep's minutes or hours
+    if not points:
+        print(f"attnplan tune: error: no (batch, KV length) point of --batches / --kv fits --max-gb {args.max_gb:g} "
+              f"GB of KV at heads {','.join(map(str, heads))} ({args.kv_dtype})", file=sys.stderr)
+        return 2
+    targets = ([] if args.check_only else [("--out", path)]) + ([("--json", args.json)] if args.json else [])
+    for flag, target in targets:
+        if (why := _unwritable(target)) is not None:
+            print(f"attnplan tune: error: cannot write {flag} {target}: {why}", file=sys.stderr)
+            return 2
     if args.check_only:
         return _tune(args, dev, table, path, planner_reads, heads, points)
     # the split search and the quality check plan with the table this tune builds, whatever file it goes to
@@ -665,6 +677,23 @@ def _write_table(path: str, table: dict, slug: str | None = None) -> None:
         header = (_leading_comments(_packaged_table(slug), stamp) if slug else None) or []
     text = "".join(header) + stamp + yaml.safe_dump(json.loads(json.dumps(table, default=str)), sort_keys=False)
     _atomic_write(path, text)
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written as :func:`_atomic_write` writes it (a temporary file in its folder, then
+    renamed over it), or ``None``: the folder must exist and take a new file, and ``path`` must not be a folder or
+    other non-regular file."""
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        return "it exists and is not a regular file"
+    if not p.parent.is_dir():
+        return f"its folder {p.parent} does not exist or is not a folder"
+    try:
+        with tempfile.NamedTemporaryFile(dir=p.parent, prefix=".tmp-probe-"):
+            pass
+    except OSError as e:
+        return f"its folder {p.parent} takes no new file ({e.strerror or e})"
+    return None
 
 
 def _atomic_write(path: str, text: str) -> None:

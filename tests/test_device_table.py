@@ -276,6 +276,40 @@ def test_tune_bad_grid_arguments_are_usage_errors(argv, msg, capsys):
     assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("case", ["out in a missing folder", "out a folder", "json a folder", "json in a file",
+                                  "empty grid", "writable"])
+def test_tune_refuses_unwritable_outputs_and_an_empty_grid_before_any_gpu_work(case, user_dir, monkeypatch, capsys):
+    """``attnplan tune`` checks its outputs and its grid before the option sweep and the split search (minutes to
+    hours on a GPU): an ``--out`` or ``--json`` it cannot write, and a grid with no point within ``--max-gb``, exit 2
+    with the path or the limit named; a writable target goes on to the GPU work (stubbed here)."""
+    import dataclasses
+
+    import attnplan.device
+
+    monkeypatch.setattr(attnplan.device, "device_info",
+                        lambda *a, **k: dataclasses.replace(attnplan.device.CPU_STANDIN, name="NVIDIA Test GPU"))
+    ran = []
+    monkeypatch.setattr(tune, "_tune", lambda *a, **k: ran.append(a) or 0)
+    (user_dir / "afile").write_text("x")
+    (user_dir / "adir").mkdir()
+    argv = {"out in a missing folder": ["--out", str(user_dir / "none" / "t.yaml")],
+            "out a folder": ["--out", str(user_dir / "adir")],
+            "json a folder": ["--out", str(user_dir / "t.yaml"), "--json", str(user_dir / "adir")],
+            "json in a file": ["--out", str(user_dir / "t.yaml"), "--json", str(user_dir / "afile" / "r.json")],
+            "empty grid": ["--out", str(user_dir / "t.yaml"), "--max-gb", "1e-12"],
+            "writable": ["--out", str(user_dir / "t.yaml"), "--json", str(user_dir / "r.json")]}[case]
+    rc = tune.main(["--no-options", *argv])
+    err = capsys.readouterr().err
+    if case == "writable":
+        assert rc == 0 and len(ran) == 1 and not err
+        return
+    assert rc == 2 and not ran, err
+    assert {"out in a missing folder": "cannot write --out", "out a folder": "attnplan tune: error:",
+            "json a folder": "cannot write --json", "json in a file": "cannot write --json",
+            "empty grid": "fits --max-gb 1e-12"}[case] in err
+    assert not any(p.name.startswith(".tmp") for p in user_dir.rglob("*"))  # no probe left behind
+
+
 def test_tune_times_a_points_candidates_round_robin_and_keeps_medians():
     """``interleaved_medians``: every candidate once, then every candidate again (a device drifting between them moves
     all alike), each candidate's median kept; one run per candidate without repeats; fewer than one refused."""
