@@ -112,13 +112,13 @@ def test_output_attentions_warns_and_returns_no_weights(gen):
         model = _model(TINY, DEVICE, torch.float32, attn)
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(ids[:, :9], past_key_values=cache)
+            model(ids[:, :9], cache=cache)
             before = attnplan.hf.STATS["attnplan"]
             if attn == "sdpa":
-                out = model(ids[:, 9:], past_key_values=cache, output_attentions=True)
+                out = model(ids[:, 9:], cache=cache, output_attentions=True)
             else:
                 with pytest.warns(UserWarning, match="does not return attention weights .* attn_implementation='eager'"):
-                    out = model(ids[:, 9:], past_key_values=cache, output_attentions=True)
+                    out = model(ids[:, 9:], cache=cache, output_attentions=True)
                 assert attnplan.hf.STATS["attnplan"] - before == TINY["num_hidden_layers"]
         assert not out.attentions or all(a is None for a in out.attentions)
         logits[attn] = out.logits
