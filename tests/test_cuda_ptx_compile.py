@@ -358,7 +358,8 @@ def test_in_kernel_merge_ptx():
     # one fence, the count's release in the thread that counts: no __threadfence (membar.gl / fence.sc) per thread
     assert "membar.gl" not in fused and "fence.sc" not in fused
     # the function's definition (its parameter list followed by a body, not a declaration), up to the next one
-    start = re.search(r"\.func\s+\S*fused_merge\S*\s*\([^)]*\)\s*\{", fused).end()
+    # (fused_merge's, not fused_merge_rows': a mangled name carries its length, 11)
+    start = re.search(r"\.func\s+\S*11fused_merge\S*\s*\([^)]*\)\s*\{", fused).end()
     nxt = re.search(r"\.(func|entry)\s", fused[start:])
     body = fused[start:start + nxt.start()] if nxt else fused[start:]
     assert "bar.sync" in body and "atom.acq_rel.gpu" in body
