@@ -42,9 +42,9 @@ their own warps), with the same result within rounding.
 Policies (``SplitPlan.policy``): ``tuned`` (the split table), ``heuristic`` (the cost model), ``forced``
 (``num_splits > 1``: up to that many equal units per sequence), ``no-split`` (``num_splits = 1``, or a live plan of
 near-uniform lengths whose cost-model split count is 1 or whose targets give the middle of the lengths it serves,
-``1/sqrt(2)`` of the planned ones, one unit per sequence: single pass; a tuned plan that ends single pass keeps ``tuned``) and ``batch-invariant`` (config
-``split.batch_invariant``: units of a fixed size from each sequence's own length, so a sequence's output is
-bitwise independent of its batchmates).
+``1/sqrt(2)`` of the planned ones, one unit per sequence: single pass; a tuned plan that ends single pass keeps
+``tuned``) and ``batch-invariant`` (config ``split.batch_invariant``: units of a fixed size from each sequence's own
+length, so a sequence's output is bitwise independent of its batchmates).
 """
 
 from __future__ import annotations

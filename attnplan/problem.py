@@ -37,12 +37,12 @@ for other views, and a plan forced onto it is refused at ``plan()``.
 magnitude (a normal fp32 number after the ``log2(e)`` factor); the kernels compute in fp32, so ``sum_i |q_i k_i|``
 and ``|sm_scale|`` times it must also stay within it (with an fp8 cache, over K's stored values and times
 ``k_scale``), and ``max|V| x visible tokens`` within fp32's range (not checked: these are values; past them a row
-overflows to inf / NaN, or to an empty row where every scaled score is -inf; README, "fp32 range").
-``logits_soft_cap`` in ``[0, SOFT_CAP_MAX]``: 0 (off) or at least :data:`SOFT_CAP_MIN` (fp32's smallest normal number). ``window_left`` an ``int`` (not
-``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal, of any size:
-:func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite, at least :data:`SCALE_MIN` (fp32's smallest
-normal number) and at most :data:`FP32_SCALED_MAX` (floats and tensor values alike), and ``sm_scale`` times the
-largest K scale too. A paged cache has at least one page. No input or output is a lazily negated view
+overflows to inf / NaN, or to an empty row where every scaled score is -inf; README, "fp32 range"). ``logits_soft_cap``
+in ``[0, SOFT_CAP_MAX]``: 0 (off) or at least :data:`SOFT_CAP_MIN` (fp32's smallest normal number). ``window_left`` an
+``int`` (not ``bool``) ``>= -1`` (-1 = no window; a window longer than the cache is legal, of any size:
+:func:`effective_window`). fp8 ``k_scale`` / ``v_scale``: finite, at least :data:`SCALE_MIN` (fp32's smallest normal
+number) and at most :data:`FP32_SCALED_MAX` (floats and tensor values alike), and ``sm_scale`` times the largest K scale
+too. A paged cache has at least one page. No input or output is a lazily negated view
 (``Tensor.is_neg()``; checked by ``plan()``, ``run()`` and ``decode()``, ``seq_lens`` and the block table
 included: such a view has the signature of the tensor it views). ``sinks``: no NaN and
 no ``+inf``; ``-inf`` means "no sink" for that head. Float scales are checked on every call. Tensor ``sinks`` /
@@ -353,9 +353,11 @@ def _as_float(x) -> float:
         return math.inf if x > 0 else -math.inf
 
 
+_LOG2E = 1.4426950408889634
+
 #: the largest magnitude a float parameter the kernels scale by log2(e) may have (fp32's largest finite value over
 #: log2(e)): a larger finite ``sm_scale``, soft cap or fp8 scale would become inf in fp32, and the output NaN
-FP32_SCALED_MAX = 3.4028234663852886e38 / 1.4426950408889634
+FP32_SCALED_MAX = 3.4028234663852886e38 / _LOG2E
 
 
 #: the largest soft cap: the kernels compute ``tanh(score / cap)`` in fp32, and above ~1e30 a score that matters to
@@ -472,7 +474,7 @@ def check_no_grad(q, k_cache, v_cache, sinks=None, k_scale=None, v_scale=None) -
 #: the smallest magnitude of a nonzero ``sm_scale`` (:data:`FP32_NORMAL_MIN` over log2(e), ~8.1e-39): the kernels
 #: take ``sm_scale x log2(e)`` as an fp32 argument, and a smaller one is subnormal there (flushed to 0 by some
 #: kernels and GPUs, kept by others, and typed fp64 by Triton's interpreter, whose fp64 -> bf16 conversion gives 0)
-SM_SCALE_MIN = FP32_NORMAL_MIN / 1.4426950408889634
+SM_SCALE_MIN = FP32_NORMAL_MIN / _LOG2E
 
 
 def check_sm_scale(sm_scale) -> None:

@@ -18,10 +18,10 @@ defined once in :mod:`attnplan.schedule` and every backend computes exactly thos
   granules, the batch's total, the granules per unit, each sequence's units and the slot of its first unit
   ``first[b]`` (:func:`attnplan.schedule.first_slots`: longest units first in a batch of at most 32, else the
   exclusive prefix sum in index order), hence the sequence ``b`` whose slots ``[first[b], first[b] + units[b])``
-  hold ``u``, its unit index ``j = u - first[b]`` and token range ``[start, end)``. A program whose slot runs no
-  unit (past the batch's ``U`` units, or between spread units) exits at once, writing nothing. Program 0 also writes ``workspace.meta`` (``first[b]`` at
-  ``b``, ``units[b]`` at ``batch + b``) when the plan's merge is ``separate``. With ``max_units_per_seq == 1``
-  (single pass) there is no prologue: ``u = b``, ``[start, end) = [base_b, seq_lens[b])``.
+  hold ``u``, its unit index ``j = u - first[b]`` and token range ``[start, end)``. A program whose slot runs no unit
+  (past the batch's ``U`` units, or between spread units) exits at once, writing nothing. Program 0 also writes
+  ``workspace.meta`` (``first[b]`` at ``b``, ``units[b]`` at ``batch + b``) when the plan's merge is ``separate``. With
+  ``max_units_per_seq == 1`` (single pass) there is no prologue: ``u = b``, ``[start, end) = [base_b, seq_lens[b])``.
 * **Lengths**: every length read from ``seq_lens`` (prologue, single pass, a unit's rows) is clamped into ``[0,
   capacity]`` (:attr:`DecodeInputs.capacity`, a kernel argument), so ``L`` below is always the clamped length and a
   length written on the device beyond the cache (after ``plan()``, or at a CUDA-graph replay) gives attention over

@@ -117,7 +117,8 @@ def test_output_attentions_warns_and_returns_no_weights(gen):
             if attn == "sdpa":
                 out = model(ids[:, 9:], cache=cache, output_attentions=True)
             else:
-                with pytest.warns(UserWarning, match="does not return attention weights .* attn_implementation='eager'"):
+                weights = "does not return attention weights .* attn_implementation='eager'"
+                with pytest.warns(UserWarning, match=weights):
                     out = model(ids[:, 9:], cache=cache, output_attentions=True)
                 assert attnplan.hf.STATS["attnplan"] - before == TINY["num_hidden_layers"]
         assert not out.attentions or all(a is None for a in out.attentions)

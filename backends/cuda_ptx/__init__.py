@@ -12,11 +12,11 @@ per call. :mod:`.spec` chooses a kernel's specialization and computes its layout
 
 Method: Flash-Decoding's split-KV (Dao et al. 2023) with the device-side schedule of :mod:`attnplan.schedule`
 (the kernel contract of :mod:`attnplan.backends.base`). A plan fixes a 1-D grid of ``max_units x num_kv_heads``
-programs; at every launch each program's prologue (``schedule.cuh``: a batch of at most 32 sequences by each warp
-alone, one sequence per lane, without shared memory or barriers; a larger one by all the program's threads, reading
-``seq_lens`` in chunks of at least 256 sequences, warp shuffles and one exchange through shared memory for the total,
-a warp scan for the prefix sum) computes which (sequence, unit, token range) it serves, so one plan serves every length up to its
-capacity and CUDA-graph replays. A program serves the whole GQA group and all queries (each KV byte read once)
+programs; at every launch each program's prologue (``schedule.cuh``: a batch of at most 32 sequences by each warp alone,
+one sequence per lane, without shared memory or barriers; a larger one by all the program's threads, reading
+``seq_lens`` in chunks of at least 256 sequences, warp shuffles and one exchange through shared memory for the total, a
+warp scan for the prefix sum) computes which (sequence, unit, token range) it serves, so one plan serves every length up
+to its capacity and CUDA-graph replays. A program serves the whole GQA group and all queries (each KV byte read once)
 where their rows fit (else the plan's query or head blocks launch again);
 16-byte ``cp.async`` loads stream K and V through multi-stage shared-memory rings; fp32 accumulation with a base-2
 online softmax. A sequence with one unit is written to ``out`` directly (the sink joined); a unit of a longer one
