@@ -189,13 +189,14 @@ def bucket_schedule(total: int, units: int, max_units: int, granule: int = 16):
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None,
                               what: str = "out") -> None:
-    """Assert ``out`` equals the float64 ``ref`` within :data:`TOLERANCES` (NaN never passes; ``-inf``
-    must match ``-inf``)."""
+    """Assert ``out`` equals the float64 ``ref`` within :data:`TOLERANCES` (NaN never passes, in ``out`` or in
+    ``ref``; ``-inf`` must match ``-inf``)."""
     atol, rtol = tolerance(dtype or out.dtype)
     o = out.detach().to("cpu", torch.float64)
     r = ref.detach().to("cpu", torch.float64)
     assert o.shape == r.shape, f"{what}: shape {tuple(o.shape)} != reference {tuple(r.shape)}"
     assert not torch.isnan(o).any(), f"{what}: NaN at {torch.isnan(o).nonzero()[:5].tolist()}"
+    assert not torch.isnan(r).any(), f"{what}: the reference holds NaN at {torch.isnan(r).nonzero()[:5].tolist()}"
     inf_r, inf_o = torch.isinf(r), torch.isinf(o)
     assert torch.equal(inf_r, inf_o) and torch.equal(o[inf_o], r[inf_r]), \
         f"{what}: infinities differ at {(inf_r != inf_o).nonzero()[:5].tolist()}"

@@ -67,6 +67,29 @@ def test_config_change_replans(tmp_path):
     assert ctx2.cache.stats.misses == 1 and p.num_splits <= 2
 
 
+def test_a_forced_split_count_keys_its_own_plan(tmp_path):
+    """``num_splits`` is in the key: within one context a plan forced to 1 split and one forced to 3 are two plans,
+    and asking for 1 again is a hit on the first."""
+    ctx = ctx_at(tmp_path)
+    be, dev = get_backend("reference"), torch.device("cpu")
+    one = plan_problem(PROB, be, dev, ctx, dev_info=DEV_A, num_splits=1)
+    three = plan_problem(PROB, be, dev, ctx, dev_info=DEV_A, num_splits=3)
+    assert one.num_splits == 1 and three.num_splits == 3 and ctx.cache.stats.misses == 2
+    assert plan_problem(PROB, be, dev, ctx, dev_info=DEV_A, num_splits=1) is one
+
+
+def test_every_part_of_a_key_reaches_its_file_name():
+    """Keys that differ in any one part have different files (else two keys would evict each other's file: the
+    stored key is checked, so a warning and a rebuild at each alternation, not a wrong plan)."""
+    from attnplan.api import _plan_key
+
+    ctx = Context.from_config(attnplan.load_config())
+    key = _plan_key(PROB.bucket_key(), 20000, get_backend("reference"), ctx, "device", "table", "extra", False, None)
+    names = {PlanCache.disk_key(key)} | {PlanCache.disk_key(key[:i] + ("changed",) + key[i + 1:])
+                                          for i in range(len(key))}
+    assert len(names) == len(key) + 1
+
+
 def test_corrupt_and_old_files_are_rebuilt_with_warning(tmp_path):
     ctx = ctx_at(tmp_path)
     plan(ctx)

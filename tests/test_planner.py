@@ -535,6 +535,17 @@ def test_min_chunk_and_max_splits_are_respected(table):
     assert all(c[1] >= 4096 for c in plan.candidates)
 
 
+def test_a_tuned_row_is_capped_by_max_splits_and_predicts_what_runs(table):
+    """A split-table row asking for more units than ``split.max_splits`` (round(4 x 132 / 8) = 66) runs max_splits,
+    and the plan's prediction is the cost of those 8 units, not of the row's 66: several times the uncapped plan's."""
+    table["split_table"] = {"triton": {"paged": [[8, 131072, 4.0, 131.5]]}}
+    free = make_plan(P(max_kv_len=131072), GPU, CFG, "triton", KERNEL)
+    capped = make_plan(P(max_kv_len=131072), GPU, CFG.with_overrides(split={"max_splits": 8}), "triton", KERNEL)
+    assert free.policy == capped.policy == "tuned"
+    assert units(capped, [131072]) == [8] and units(free, [131072]) == [64]
+    assert capped.predicted_us > 1.5 * free.predicted_us, (capped.predicted_us, free.predicted_us)
+
+
 @pytest.mark.parametrize("max_kv_len", [1, 15, 16, 17, 1000, 4096, 131072])
 @pytest.mark.parametrize("batch", [1, 3, 64])
 def test_granule_aligns_and_units_cover_every_token(table, max_kv_len, batch):

@@ -83,3 +83,26 @@ def test_positions_a_row_cannot_see_never_affect_it(gen):
     v[0, 13] = float("inf")  # V outside query 1's window
     out, _ = reference.attention(x.q, k, v, x.seq_lens, None, x.sm_scale, window_left=5)
     assert torch.equal(out[0, 1], clean[0, 1]) and torch.isnan(out[0, 0]).all()
+
+
+def test_an_empty_row_with_a_minus_inf_sink_is_zero_and_its_lse_the_sink(gen):
+    """A length-0 sequence: ``o`` is 0 (never NaN from exp(-inf - -inf)) and the LSE is the sink, ``-inf`` where
+    the sink is ``-inf`` (no sink), as :func:`attnplan.state.merge_states` writes such a row."""
+    x = make_inputs(2, 4, 2, 16, [5, 0], dtype=torch.float32, generator=gen)
+    sinks = torch.tensor([float("-inf"), 0.3, float("-inf"), 1.0])
+    o, lse = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, None, x.sm_scale, sinks=sinks)
+    assert torch.equal(o[1], torch.zeros_like(o[1]))
+    assert lse[1, 0].tolist() == sinks.double().tolist()
+    assert torch.isfinite(o[0]).all() and torch.isfinite(lse[0]).all()
+
+
+def test_block_table_entries_outside_the_cache_read_the_nearest_page(gen):
+    """The reference clamps a page index into ``[0, num_pages)`` itself, as the kernels do (a table entry of -5
+    reads page 0, one of 2^31 - 1 the last page), not only when handed a clamped table."""
+    x = make_inputs(2, 4, 2, 16, [45, 38], page_size=16, dtype=torch.float32, generator=gen)
+    n = x.k_cache.shape[0]
+    bt = x.block_table.clone()
+    bt[0, 0], bt[0, 2], bt[1, 1], bt[1, 2] = -5, n + 7, 2**31 - 1, n
+    got = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, bt, x.sm_scale)
+    want = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, bt.clamp(0, n - 1), x.sm_scale)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
