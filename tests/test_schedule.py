@@ -437,9 +437,10 @@ def test_spread_window_values_and_refusals():
     from ``SPREAD_MIN_KV_HEADS`` KV heads on; 0 (the whole grid) below; bad arguments are refused."""
     from attnplan.schedule import SPREAD_MIN_KV_HEADS, SPREAD_PROGRAMS_PER_SM, spread_window
 
-    assert SPREAD_MIN_KV_HEADS == 2
-    assert spread_window(132, 8) == -(-SPREAD_PROGRAMS_PER_SM * 132 // 8)
-    assert spread_window(132, 2) == SPREAD_PROGRAMS_PER_SM * 132 // 2
+    assert SPREAD_MIN_KV_HEADS == 2 and SPREAD_PROGRAMS_PER_SM == 2  # the values below are for these
+    assert spread_window(132, 8) == 33  # 264 programs over 8 KV heads
+    assert spread_window(132, 7) == 38  # 264 / 7 = 37.7, rounded up
+    assert spread_window(132, 2) == 132
     assert spread_window(132, 1) == 0
     assert spread_window(1, 64) == 1
     for bad in ((0, 8), (132, 0)):
