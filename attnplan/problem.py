@@ -353,11 +353,12 @@ def _as_float(x) -> float:
         return math.inf if x > 0 else -math.inf
 
 
-_LOG2E = 1.4426950408889634
+#: log2(e): the kernels' base-2 softmax scales ``sm_scale`` and the soft cap by it, in fp32 (the bounds below)
+LOG2E = 1.4426950408889634
 
 #: the largest magnitude a float parameter the kernels scale by log2(e) may have (fp32's largest finite value over
 #: log2(e)): a larger finite ``sm_scale``, soft cap or fp8 scale would become inf in fp32, and the output NaN
-FP32_SCALED_MAX = 3.4028234663852886e38 / _LOG2E
+FP32_SCALED_MAX = 3.4028234663852886e38 / LOG2E
 
 
 #: the largest soft cap: the kernels compute ``tanh(score / cap)`` in fp32, and above ~1e30 a score that matters to
@@ -474,7 +475,7 @@ def check_no_grad(q, k_cache, v_cache, sinks=None, k_scale=None, v_scale=None) -
 #: the smallest magnitude of a nonzero ``sm_scale`` (:data:`FP32_NORMAL_MIN` over log2(e), ~8.1e-39): the kernels
 #: take ``sm_scale x log2(e)`` as an fp32 argument, and a smaller one is subnormal there (flushed to 0 by some
 #: kernels and GPUs, kept by others, and typed fp64 by Triton's interpreter, whose fp64 -> bf16 conversion gives 0)
-SM_SCALE_MIN = FP32_NORMAL_MIN / _LOG2E
+SM_SCALE_MIN = FP32_NORMAL_MIN / LOG2E
 
 
 def check_sm_scale(sm_scale) -> None:

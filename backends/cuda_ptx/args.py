@@ -39,7 +39,7 @@ import struct
 import torch
 
 from attnplan.backends.base import INT32_MAX
-from attnplan.problem import kv_capacity
+from attnplan.problem import LOG2E, kv_capacity
 
 from .spec import KernelSpec
 
@@ -96,7 +96,6 @@ PROBE_SIGNATURE: tuple[tuple[str, str], ...] = (
     ("max_units_per_seq", "i32"), ("balanced", "i32"), ("capacity", "i32"), ("slots", "i32"),
 )
 _SLOT_FORMAT = {"ptr": "Q", "i64": "q", "i32": "i4x", "f32": "f4x"}
-_LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=16)
@@ -236,7 +235,7 @@ def partial_args(spec: KernelSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     return [
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), seq_lens.data_ptr(),
         0 if bt is None else bt.data_ptr(), out.data_ptr(), _ptr(out_lse), _ptr(sinks), _ptr(k_scale), _ptr(v_scale),
-        float(sm_scale) * _LOG2E, float(soft_cap) * _LOG2E, granule, max_per, int(k_cache.shape[2]), window,
+        float(sm_scale) * LOG2E, float(soft_cap) * LOG2E, granule, max_per, int(k_cache.shape[2]), window,
         *_strides(q, 3), *_strides(k_cache, 3), *_strides(v_cache, 3),
         0 if bt is None else int(bt.stride(0)),
         *_strides(out, 3), o_ss, *_strides(out_lse, 3), l_ss,

@@ -33,11 +33,10 @@ import torch
 
 from attnplan.backends.base import Backend, DecodeInputs, Workspace, one_launch
 from attnplan.planner import SplitPlan
-from attnplan.problem import torch_dtype
+from attnplan.problem import LOG2E, torch_dtype
 
 __all__ = ["TritonBackend", "BoundLaunch", "merge_geometry", "spec_classes"]
 
-_LOG2E = 1.4426950408889634
 #: most sequences the prologue reads per step (one ``tl.arange`` block; larger batches loop). The loop lays the units
 #: out in index order, so it may serve only batches past ``LONGEST_FIRST_BATCH`` (the schedule's longest-first order
 #: is computed in one block)
@@ -262,7 +261,7 @@ class BoundLaunch:
         self.variant_tensors = tuple(t for t in ((x.k_scale, x.v_scale) if fp8 else ()) + (x.sinks,) if t is not None)
         self.mid = tuple(L.ws)  # targets, meta, counters, ws_o, ws_lse: the workspace, fixed
         self.mid_ptrs = tuple(t.data_ptr() for t in self.mid)
-        self.tail_scalars = (x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, self.last_page,
+        self.tail_scalars = (x.sm_scale * LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, self.last_page,
                              self.capacity, sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
                              bts[0], bts[1])
         self.tail = (x.k_scale if fp8 else targets, x.v_scale if fp8 else targets,
@@ -600,7 +599,7 @@ class TritonBackend(Backend):
         ks, vs, qs, os_ = k.stride(), v.stride(), q.stride(), out.stride()
         return (q, k, v, sl, bt, targets, meta, counters, ws_o, ws_lse, out, lse if lse is not None else targets,
                 x.k_scale if fp8 else targets, x.v_scale if fp8 else targets, sinks if sinks is not None else targets,
-                x.sm_scale * _LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, last_page, capacity,
+                x.sm_scale * LOG2E, max(x.window_left, 0), float(x.soft_cap), *L.ints, last_page, capacity,
                 sl.stride(0), qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], bts[0], bts[1],
                 os_[0], os_[1], os_[2], ls[0], ls[1])
 
