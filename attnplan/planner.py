@@ -55,7 +55,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from .config import Config, CostModel, device_table
+from .config import MAX_SPLITS, Config, CostModel, device_table
 from .device import DeviceInfo
 from .problem import DecodeProblem, explain_lengths, torch_dtype
 from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_bound, schedule_units
@@ -401,6 +401,7 @@ class SplitPlan:
 
     @property
     def single_pass(self) -> bool:
+        """One program per (sequence, KV head) writes ``out`` / ``lse`` directly: no partial states, no merge."""
         return self.schedule.single_pass
 
     @property
@@ -411,6 +412,7 @@ class SplitPlan:
 
     @property
     def num_programs(self) -> int:
+        """CTAs (programs) of one partial-kernel launch: :attr:`grid`'s size, slots without a unit included."""
         return self.grid[0]
 
     @property
@@ -461,6 +463,10 @@ class SplitPlan:
 
     @property
     def workspace_bytes(self) -> int:
+        """Bytes of the workspace the plan needs: the fp32 partial states (``o`` and ``lse`` of ``state_slots``
+        slots x ``q_len`` x ``num_q_heads``, ``head_dim + 1`` floats each; the state is ragged, so there is no batch
+        factor) and the int32 words of the merge's table, the fused merge's counters, the query blocks' lengths and
+        the schedule's targets."""
         p = self.problem
         return (self.state_slots * p.q_len * p.num_q_heads * (p.head_dim + 1) * 4
                 + 4 * (self.meta_words + self.sync_words + self.lens_words + NUM_TARGETS))
@@ -561,6 +567,7 @@ class SplitPlan:
                 raise ValueError(f"plan serves a capacity of {p.capacity} tokens, the problem has {problem.capacity}")
 
     def to_dict(self) -> dict:
+        """The plan as JSON-ready values (the plan-cache file's body); :meth:`from_dict` reads it back."""
         return {"backend": self.backend, "problem": self.problem.to_dict(), "device": list(self.device),
                 "schedule": self.schedule.to_dict(), "kernel": self.kernel.to_dict(), "merge": self.merge,
                 "policy": self.policy, "predicted_us": self.predicted_us, "capacity_mode": self.capacity_mode,
@@ -570,6 +577,7 @@ class SplitPlan:
                 "head_block": self.head_block, "version": self.version}
 
     def to_json(self) -> str:
+        """:meth:`to_dict` as JSON, keys sorted."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @staticmethod
@@ -1087,16 +1095,19 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
     Returns:
         the :class:`SplitPlan`; it serves any lengths up to the cache's capacity.
     Raises:
-        TypeError: ``problem`` is not a :class:`DecodeProblem`, ``device`` not a :class:`DeviceInfo`, ``kernel``
-            not a mapping or ``capacity_mode`` not a bool.
-        ValueError: ``kernel`` has no positive ``block_n``, or the batch's capacity exceeds 2^31 granules.
+        TypeError: ``problem`` is not a :class:`DecodeProblem`, ``device`` not a :class:`DeviceInfo`, ``config``
+            not a :class:`~attnplan.config.Config`, ``kernel`` not a mapping or ``capacity_mode`` not a bool.
+        ValueError: ``num_splits`` is neither ``None`` nor an int from 0 to :data:`~attnplan.config.MAX_SPLITS` (as
+            ``plan()``), ``kernel`` has no positive ``block_n``, or the batch's capacity exceeds 2^31 granules.
     """
     for what, v, kind in (("problem", problem, DecodeProblem), ("device", device, DeviceInfo),
-                          ("kernel", kernel, Mapping)):
+                          ("config", config, Config), ("kernel", kernel, Mapping)):
         if not isinstance(v, kind):
             raise TypeError(f"make_plan: {what} must be a {kind.__name__}, got {_type_name(v)}")
     if type(capacity_mode) is not bool:
         raise TypeError(f"make_plan: capacity_mode must be a bool, got {_type_name(capacity_mode)}")
+    if num_splits is not None and (not _is_int(num_splits) or not 0 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"make_plan: num_splits must be an int in [0, {MAX_SPLITS}] or None, got {num_splits!r:.40}")
     head_block = head_block if 0 < head_block < problem.group_size else 0
     q_block = 1 if head_block and problem.q_len > 1 else (q_block if 0 < q_block < problem.q_len else 0)
     if q_block or head_block:

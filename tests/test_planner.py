@@ -19,6 +19,7 @@ import attnplan
 import attnplan.api as api
 import attnplan.planner as planner
 from attnplan.backends.reference import ReferenceBackend
+from attnplan.config import MAX_SPLITS
 from attnplan.device import DeviceInfo
 from attnplan.planner import SplitPlan, TableRow, make_plan
 from attnplan.schedule import (NUM_TARGETS, bucket_of, check_invariants, first_slots, is_long_tailed,
@@ -1047,6 +1048,14 @@ def test_exported_helpers_refuse_bad_arguments_by_name():
         make_plan(prob, "H200", CFG, "x", KERNEL)
     with pytest.raises(TypeError, match="make_plan: capacity_mode must be a bool, got numpy.bool"):
         make_plan(prob, GPU, CFG, "x", KERNEL, capacity_mode=np.bool_(True))
+    with pytest.raises(TypeError, match="make_plan: config must be a Config, got NoneType"):
+        make_plan(prob, GPU, None, "x", KERNEL)
+    # num_splits in plan()'s range: a negative count is not the planner's 0, nor a count past MAX_SPLITS a plan that
+    # the plan-file checks then refuse
+    for bad in (-3, MAX_SPLITS + 1, True, 2.0):
+        with pytest.raises(ValueError, match=r"make_plan: num_splits must be an int in \[0, 1024\]"):
+            make_plan(prob, GPU, CFG, "x", KERNEL, num_splits=bad)
+    assert make_plan(prob, GPU, CFG, "x", KERNEL, num_splits=MAX_SPLITS).schedule.policy == "forced"
     # a device's facts as numpy integers: the plan's key holds Python ints, and the plan passes its own checks
     odd = dataclasses.replace(GPU, sm_count=np.int64(132), compute_capability=(np.int64(9), np.int64(0)))
     plan = make_plan(prob, odd, CFG, "x", KERNEL, capacity_mode=True)
