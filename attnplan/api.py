@@ -82,6 +82,13 @@ class Context:
 
     @staticmethod
     def from_config(config: Config) -> "Context":
+        """A context of ``config`` with the plan cache its ``plan_cache`` section describes (folder, disk on or off,
+        memory entries).
+
+        Raises:
+            ConfigError: the cache folder (``plan_cache.dir``, else ``$ATTNPLAN_CACHE_DIR``) starts with a ``~user``
+                that cannot be expanded.
+        """
         pc = config.plan_cache
         return Context(config, PlanCache(pc.dir, disk=pc.enabled and pc.disk, memory_entries=pc.memory_entries))
 
@@ -529,8 +536,10 @@ class DecodeWrapper:
             walks the config's order.
 
     Raises:
-        TypeError: ``backend`` is neither ``None`` nor a ``str``. ValueError: ``backend`` is no backend's name.
-        ConfigError: ``config`` is a path to a bad config file (:func:`~attnplan.config.load_config`).
+        TypeError: ``backend`` is neither ``None`` nor a ``str``, or ``config`` is none of the above.
+        ValueError: ``backend`` is no backend's name.
+        ConfigError: ``config`` is a path to a bad config file (:func:`~attnplan.config.load_config`), or, with
+            ``None``, ``$ATTNPLAN_CONFIG`` is (:func:`default_context`).
 
     Threads: a wrapper is not thread-safe; use one per thread (or per stream), as :func:`decode` and the Hugging
     Face integration do. Wrappers of one :class:`Context` may run in different threads at once (the context, its
@@ -1013,7 +1022,8 @@ class DecodeWrapper:
         Returns:
             ``out``.
         Raises:
-            PlanNotReadyError: no ``plan()`` was made (under capture: plan before capturing).
+            PlanNotReadyError: no ``plan()`` was made (under capture: plan before capturing), or the planned
+                backend cannot run under the CUDA-graph capture in progress (plan with ``capacity=True``).
             TypeError: an argument is not a tensor, or a tensor without memory of its own (a wrapper subclass such as
                 ``DTensor``: :func:`attnplan.problem.check_addressable`).
             ValueError: the shape, strides, dtype, device or 16-byte alignment of q, k_cache, v_cache,
@@ -1022,8 +1032,7 @@ class DecodeWrapper:
                 :func:`attnplan.problem.same_signature`); one of them is a lazily negated view (``Tensor.is_neg()``,
                 which the signature does not show); ``out`` / ``lse`` have the
                 wrong shape, dtype, device or last-axis stride, require grad while grad mode is on, or overlap an
-                input or each other; the
-                planned ``sm_scale`` is not finite. All before any kernel runs.
+                input or each other. All before any kernel runs.
         """
         f = self._fast
         if f is not None:
@@ -1312,7 +1321,10 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_le
     Raises:
         TypeError, ValueError: bad inputs, before any kernel runs (among them: an input, ``out`` or ``lse`` that
             requires grad while grad mode is on, since attnplan computes no gradients; a tensor without memory of its
-            own, such as a ``DTensor``; a ``backend`` that names no backend). NoBackendError: no backend fits.
+            own, such as a ``DTensor``; a ``backend`` that names no backend; a ``config`` of another type).
+        NoBackendError: no backend fits.
+        ConfigError: ``config`` (or, with ``None``, ``$ATTNPLAN_CONFIG``) is a path to a file that does not load.
+        PlanNotReadyError: under CUDA-graph capture, a backend that cannot be captured (:meth:`DecodeWrapper.run`).
     """
     # -- argument checks (the inputs' own: DecodeWrapper.plan; out / lse overlap: DecodeWrapper.run) --
     check_sm_scale(sm_scale)

@@ -298,7 +298,8 @@ class PlanCache:
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     def lookup(self, key: tuple) -> SplitPlan | None:
-        """Memory-only lookup (no disk, no counters): the hot path of ``run()``."""
+        """The plan for ``key`` if it is in memory, else ``None``: no disk, no counters, no change of the LRU order
+        (to inspect the cache; :meth:`hit` is the counted lookup that ``plan()`` makes)."""
         return self._mem.get(key)
 
     def hit(self, key: tuple) -> SplitPlan | None:
@@ -465,8 +466,9 @@ class PlanCache:
 
     def entries(self) -> list[dict]:
         """attnplan's own files in the cache's version folders (all versions; :meth:`_files`), for ``attnplan plans
-        show``: ``{"file", "plan"}`` (the plan as a dict, validated by :func:`load_plan_file`) or ``{"file",
-        "error"}`` (why it is unusable: corrupt, another version, a leftover temporary file...). Never raises."""
+        show``: ``{"file", "plan", "plan_version"}`` (the plan as a dict, validated by :func:`load_plan_file`, and its
+        format version) or ``{"file", "error"}`` (why it is unusable: corrupt, another version, a leftover temporary
+        file...). Never raises."""
         try:
             files = self._files()
         except OSError as e:

@@ -370,7 +370,13 @@ class Config(_Strict):
         return getattr(self.backend_options, backend)
 
     def with_overrides(self, **changes: Any) -> "Config":
-        """A copy with nested keys replaced, e.g. ``with_overrides(split={"num_splits": 4})``."""
+        """A copy with nested keys replaced, e.g. ``with_overrides(split={"num_splits": 4})``; this config is
+        unchanged.
+
+        Raises:
+            ConfigError: the merged settings fail validation (an unknown key, a value of the wrong type or out of
+                range), naming the key.
+        """
         data = _deep_merge(self.model_dump(), changes)
         return _validate(data, "override")
 

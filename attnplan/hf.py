@@ -426,8 +426,9 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
             that length (checked once per mask tensor in eager mode, assumed under torch.compile: module
             docstring), SDPA otherwise; with a larger batch it may hold padding, so SDPA serves it.
         dropout: must be 0 (or the module in eval mode) for attnplan to serve the call.
-        scaling: score scale (transformers passes ``head_dim ** -0.5`` or the model's own), any finite float
-            (0 and negative ones too); ``None`` means ``1/sqrt(head_dim)``.
+        scaling: score scale (transformers passes ``head_dim ** -0.5`` or the model's own): 0 or a magnitude in
+            ``[SM_SCALE_MIN, FP32_SCALED_MAX]``, negative ones too (:func:`attnplan.problem.check_sm_scale`);
+            ``None`` means ``1/sqrt(head_dim)``.
         **kwargs: the model's other arguments, passed on to a fallback. ``softcap`` (a float in
             ``[SOFT_CAP_MIN, SOFT_CAP_MAX]``, Gemma-2) is attnplan's ``logits_soft_cap`` on eager unmasked decode
             steps; ``sinks`` / ``s_aux`` / ``position_bias`` (and a soft cap elsewhere) send the call to the model's
@@ -440,6 +441,9 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
             a dtype the kernels do not take (float64) and uneven head counts go to SDPA instead.
         NotImplementedError: sparse attention over selected positions (``indices=`` / ``block_indices=``), or a
             variant only the model's eager attention computes on a module without one (:func:`_fallback`).
+        ValueError, TypeError: inputs attnplan serves but refuses as :func:`attnplan.decode` does (e.g. ``scaling``
+            out of the range above), before any kernel runs.
+        ConfigError: ``$ATTNPLAN_CONFIG`` names a file that does not load (:func:`attnplan.api.default_context`).
     """
     if kwargs.get("output_attentions"):
         # as transformers' SDPA: no weights are formed (the model's output holds none); said, not silent

@@ -42,8 +42,9 @@ does); a call with a known key reuses the plan without reading any values, as
 :meth:`attnplan.DecodeWrapper.run` does: the kernels clamp each length into ``[0, capacity]`` and each page index
 into the cache, so a bad value gives attention over the clamped span, never a read outside the cache.
 
-``sm_scale`` is ``float?``: ``None`` (the default) means ``1/sqrt(head_dim)`` and every finite float is the scale,
-0 and negative ones included, as in :func:`attnplan.decode`. (Until this schema a ``float`` whose ``<= 0`` values
+``sm_scale`` is ``float?``: ``None`` (the default) means ``1/sqrt(head_dim)``, and any other value is the scale as in
+:func:`attnplan.decode`: 0, or a magnitude in ``[SM_SCALE_MIN, FP32_SCALED_MAX]``, negative ones included
+(:func:`attnplan.problem.check_sm_scale`). (Until this schema a ``float`` whose ``<= 0`` values
 meant the default, which made the scales 0 and below unreachable: a caller that passed ``0.0`` for the default
 now passes ``None`` or leaves the argument out.)
 """
@@ -195,13 +196,16 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
             transformers' ``[batch, num_kv_heads, capacity, head_dim]`` cache transposed) or paged cache (q's
             dtype); seq_lens: ``[batch]`` int32 on q's device, the valid tokens (``<=`` capacity; read by the
             kernels at every call or replay, a value outside ``[0, capacity]`` clamped into it); block_table:
-            ``[batch, pages]`` int32 or ``None``; sm_scale: score scale, any finite float (0 and negative ones too), ``None`` (the default) for ``1/sqrt(head_dim)``; backend:
-            backend name or ``""`` (the default) for the config's order.
+            ``[batch, pages]`` int32 or ``None``; sm_scale: score scale, 0 or a magnitude in ``[SM_SCALE_MIN,
+            FP32_SCALED_MAX]`` (negative ones too; :func:`attnplan.problem.check_sm_scale`), ``None`` (the default)
+            for ``1/sqrt(head_dim)``; backend: backend name or ``""`` (the default) for the config's order.
     Returns:
         a new ``[batch, q_len, num_q_heads, head_dim]`` tensor in q's dtype (``torch.empty_like(q)``'s strides).
     Raises:
         PlanNotReadyError: first call for this signature happens during CUDA-graph capture.
-        TypeError, ValueError: bad inputs (see :mod:`attnplan.problem`), ``sm_scale`` not finite, a tensor on
+        NoBackendError: no backend of the config's order (or ``backend``) serves the problem here.
+        ConfigError: ``$ATTNPLAN_CONFIG`` names a file that does not load (:func:`attnplan.api.default_context`).
+        TypeError, ValueError: bad inputs (see :mod:`attnplan.problem`), ``sm_scale`` out of that range, a tensor on
             another device than q's (a meta tensor among real ones too), or, under grad mode, an input that requires
             grad (attnplan computes no gradients), before any kernel runs.
     """

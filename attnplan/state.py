@@ -55,8 +55,9 @@ class PartialState:
     ``lse`` directly and leaves its slot unwritten, and the fused merge keeps no ``(first, units)`` table.
 
     Raises:
-        TypeError: ``o`` or ``lse`` is not a tensor.
-        ValueError: if the two tensors' shapes or devices do not agree.
+        TypeError: ``o`` or ``lse`` is not a tensor, or is not a dense (strided) one (sparse, nested).
+        ValueError: if the two tensors' shapes or devices do not agree. (Dtypes are not checked here:
+            :func:`merge_states` takes those of :data:`MERGE_DTYPES`.)
     """
 
     o: torch.Tensor
@@ -83,6 +84,7 @@ class PartialState:
 
     @property
     def num_splits(self) -> int:
+        """Splits per row: ``lse.shape[-1]`` (in the ragged form, the workspace's unit slots)."""
         return int(self.lse.shape[-1])
 
     @staticmethod
@@ -238,7 +240,7 @@ def _merge(state: PartialState) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def merge_state_pair(a: PartialState, b: PartialState) -> PartialState:
-    """Merge two states of the same rows split by split position into one state per row.
+    """Merge two states of the same rows (their split counts may differ) into one state per row.
 
     Used to combine states that came from different places (backends, devices, context-parallel
     ranks). Each input is first merged over its own splits; the result has one split.
