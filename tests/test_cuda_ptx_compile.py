@@ -233,12 +233,13 @@ def test_mma_compiles_without_spills(s, cc, cache):
 @pytest.mark.parametrize("s", [("single", "float16", 64, 3, 5, None), ("single", "bfloat16", 64, 8, 2, None)],
                          ids=["f16-d64-g3-q5", "bf16-d64-g8-q2"])
 def test_mma_single_pass_head_dim_64_at_16_rows_spills(s, cache):
-    """A known defect, kept visible: the tensor-core single-pass kernel at head_dim 64 with 15-16 rows (fp16 GQA group
-    3 x q_len 5; bf16 group 8 x q_len 2), which the planner picks at short single-pass lengths, spills 16 bytes on
-    sm_90: with no minimum of programs per SM stated (``layout.cuh``, ``MIN_CTAS_PER_SM``), ptxas fits it in 128
-    registers (4 programs of 128 threads), an occupancy its 64 KB of shared memory never allows, as the fp8 kernels
-    did before they stated a minimum of 1. Strict: a change that removes the spill fails here, so this test is then
-    turned into a no-spill case of ``MMA_SPECS``."""
+    """A known defect, kept visible: the tensor-core single-pass kernel at head_dim 64 with two n8-tiles a warp and
+    several queries (contiguous, 10-16 rows at q_len 2-8: here fp16 GQA group 3 x q_len 5 and bf16 group 8 x q_len 2),
+    which the planner picks at short single-pass lengths, spills 16 bytes on sm_90: with no minimum of programs per SM
+    stated (``layout.cuh``, ``MIN_CTAS_PER_SM``), ptxas fits it in 128 registers (4 programs of 128 threads), an
+    occupancy its 64 KB of shared memory never allows, as the fp8 kernels did before they stated a minimum of 1
+    (stated here, a CPU compile gives 146 registers and no spill; untimed on a GPU). Strict: a change that removes the
+    spill fails here, so this test is then turned into a no-spill case of ``MMA_SPECS``."""
     spec = S.make_spec(*s)
     assert spec.mma
     _compiled_resources(spec, (9, 0), cache)
