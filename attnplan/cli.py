@@ -10,7 +10,9 @@ The GPU benchmark against torch's attention is a script, ``benchmarks/bench_deco
 ``--config FILE`` may come before or after the subcommand (after ``tune``, tune's own parser takes it, with the
 same meaning). Every bad argument is an argparse usage
 error (exit status 2) or an ``attnplan: error: ...`` message (exit status 2; a config file's errors take one line
-each), never a traceback.
+each), never a traceback. A command that ran but failed exits with status 1: ``run`` whose output fails the check
+against the reference, ``plans show`` on a cache folder that cannot be listed, ``plans clear`` that could not remove
+every file.
 
 On a machine without a CUDA GPU the command sets ``TRITON_INTERPRET=1`` and
 ``NUMBA_ENABLE_CUDASIM=1`` (unless already set) so the kernels run in Triton's interpreter and
@@ -25,6 +27,10 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnplan.config import SplitPolicy
 
 #: (num_q_heads, num_kv_heads, head_dim) from the models' published configurations.
 MODEL_PRESETS = {
@@ -114,17 +120,19 @@ def _memory_limit(cpu: bool) -> tuple[int, str]:
     return limit, what
 
 
-def _check_size(args, lens, heads, itemsize: int, page: int | None, max_splits: int, cpu: bool, parser) -> None:
+def _check_size(args, lens, heads, itemsize: int, page: int | None, split: SplitPolicy, cpu: bool, parser) -> None:
     """Refuse (argparse's usage error) a workload whose tensors cannot fit :func:`_memory_limit`, before anything
     is allocated: q and the output, the workspace's partial states at their largest (every sequence split into up to
-    ``--num-splits`` / the config's ``split.max_splits`` units of at least 16 tokens), the lengths and the block
+    the forced count, ``--num-splits`` or else the config's ``split.num_splits``, or the config's
+    ``split.max_splits`` units of at least 16 tokens), the lengths and the block
     table, and (not with ``--explain``, which plans on views of one row) the K and V caches."""
     hq, hkv, d = heads
     b, ql = args.batch, args.q_len
     cap = max(max(lens), 1)
     pages = -(-cap // page) if page else 0
     q = b * ql * hq * d * itemsize
-    splits = 0 if args.num_splits == 1 else min(args.num_splits or max_splits, -(-cap // 16))
+    forced = split.num_splits if args.num_splits is None else args.num_splits
+    splits = 0 if forced == 1 else min(forced or split.max_splits, -(-cap // 16))
     need = {"q and out": 2 * q, "lse and the partial states": b * ql * hq * 4 * (1 + splits * (d + 1))}
     if args.explain:
         need["lengths and one block-table row"] = 4 * (b + pages)
@@ -205,7 +213,7 @@ def _run(args, parser) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     page = args.page_size or None
     ctx = attnplan.Context.from_config(attnplan.load_config(args.config))
-    _check_size(args, lens, (hq, hkv, d), dtype.itemsize, page, ctx.config.split.max_splits, cpu, parser)
+    _check_size(args, lens, (hq, hkv, d), dtype.itemsize, page, ctx.config.split, cpu, parser)
     if args.explain:  # planned on views: the caches are never allocated, the lengths are given on the host
         x = _explain_inputs(args, lens, (hq, hkv, d), dtype, page, device)
     else:
@@ -323,11 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # ``tune`` owns its options: hand everything after the word to it unparsed
     # (argparse's REMAINDER drops a tail that starts with an option, e.g. ``tune --json out.json``)
-    passthrough = []
-    for i, tok in enumerate(argv):
-        if tok in ("tune",) and (i == 0 or argv[i - 1] != "--config"):
-            argv, passthrough = argv[: i + 1], argv[i + 1:]
-            break
+    # (the subcommand is the first token after the global options, ``--config FILE`` alone: a later ``tune``, such
+    # as ``plans show --backend tune``, is an argument of another command)
+    passthrough, i = [], 0
+    while i < len(argv) and (argv[i] == "--config" or argv[i].startswith("--config=")):
+        i += 2 if argv[i] == "--config" else 1
+    if i < len(argv) and argv[i] == "tune":
+        argv, passthrough = argv[: i + 1], argv[i + 1:]
     parser = argparse.ArgumentParser(prog="attnplan", description="split-KV decode attention: run, inspect plans",
                                      allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML config file, merged over plans/default.yaml "
@@ -337,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--model", choices=sorted(MODEL_PRESETS), default="llama-3.1-8b",
                    help="head configuration preset (default: %(default)s)")
     r.add_argument("--batch", type=_int_in(1, 1 << 20), default=None,
-                   help="sequences (default: the number of --kv-lens values, else 3 on CPU, 4 on GPU)")
+                   help="sequences (default: the number of --kv-lens values when there are several, else 3 on CPU, "
+                        "4 on GPU)")
     r.add_argument("--kv-lens", type=_kv_lens, default=None,
                    help="comma-separated KV lengths in tokens (one value = all sequences)")
     r.add_argument("--max-kv", type=_int_in(1, MAX_KV_LEN, f"a KV length in [1, {MAX_KV_LEN}] (seq_lens are int32)"),
@@ -350,13 +361,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="q and KV cache dtype (default: %(default)s)")
     r.add_argument("--backend", default=None, help="force a backend (default: the config's order)")
-    r.add_argument("--num-splits", type=_int_in(0, 1024), default=None, help="0 heuristic, 1 no split, >1 forced")
+    r.add_argument("--num-splits", type=_int_in(0, 1024), default=None,
+                   help="0 heuristic, 1 no split, >1 forced; given, it overrides the config's split.num_splits "
+                        "(default: the config's)")
     r.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0,
                    help="seed of the random inputs and lengths (default: %(default)s)")
     r.add_argument("--iters", type=_int_in(0, 1 << 20), default=50,
                    help="timed iterations on a GPU (0: no timing; default: %(default)s)")
     r.add_argument("--check-seqs", type=_int_in(1, 1 << 20), default=4, help="sequences checked against the "
-                                                                            "reference (>= 1; --no-check: none)")
+                                                                            "reference (>= 1; --no-check: none; "
+                                                                            "default: %(default)s)")
     r.add_argument("--no-check", action="store_true", help="skip the reference check")
     r.add_argument("--explain", action="store_true", help="print the plan and why earlier backends were skipped, "
                                                           "then stop (no kernel runs)")

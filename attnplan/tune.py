@@ -429,14 +429,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="attnplan tune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="YAML config file, merged over plans/default.yaml (also accepted "
                                                    "before `tune`; default: $ATTNPLAN_CONFIG, if set)")
-    ap.add_argument("--backends", type=_backend_list, default="triton")
+    ap.add_argument("--backends", type=_backend_list, default="triton",
+                    help="comma-separated backends to tune, each into its own rows of the table "
+                         "(default: %(default)s)")
     ap.add_argument("--out", default=None, help="YAML to write (default: the user's table, <cache dir>/plans/<device>.yaml, "
                                                 "which the planner reads before the packaged plans/<device>.yaml)")
     ap.add_argument("--json", default=None, help="also write every timing here")
-    ap.add_argument("--iters", type=_positive_int, default=15)
+    ap.add_argument("--iters", type=_positive_int, default=15,
+                    help="CUDA-graph replays timed per candidate, their median kept (default: %(default)s)")
     ap.add_argument("--repeats", type=_positive_int, default=1,
                     help="time each split-search candidate this many times, round-robin over a point's candidates, "
-                         "and keep the median (1: once each)")
+                         "and keep the median (default: %(default)s: once each)")
     ap.add_argument("--no-options", action="store_true", help="keep the table's kernel options (skip their sweep)")
     ap.add_argument("--option-grid", default=None, type=parse_option_grid,
                     help="kernel options to sweep instead of the backend's default grid, e.g. "
@@ -444,20 +447,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--row-options", default=None, type=parse_option_grid,
                     help="kernel options the split search also varies per point, e.g. 'num_warps=4,8': each row "
                          "records the options of its best time and the planner runs them with the row's split count")
-    ap.add_argument("--batches", type=_int_list, default="1,4,16,64", help="split search grid: batches")
+    ap.add_argument("--batches", type=_int_list, default="1,4,16,64",
+                    help="split search grid: batches (default: %(default)s)")
     ap.add_argument("--kv", type=_int_list, default="1024,4096,16384,65536,131072",
-                    help="split search grid: KV lengths")
+                    help="split search grid: KV lengths (default: %(default)s)")
     ap.add_argument("--max-gb", type=_positive_float, default=16.0,
-                    help="skip grid points whose K+V exceed this many GB")
+                    help="skip grid points whose K+V exceed this many GB (default: %(default)s)")
     ap.add_argument("--heads", type=_heads, default="32,8,128",
                     help="num_q_heads,num_kv_heads,head_dim of the split search "
-                    "(rows are keyed by batch x KV heads, KV length, GQA group and head_dim)")
+                    "(rows are keyed by batch x KV heads, KV length, GQA group and head_dim; default: %(default)s)")
     ap.add_argument("--planner-options", action="store_true",
                     help="with --check-only: the split search also runs every split count with the kernel options the "
                          "planner runs at each point (its table row's), so the quality check compares split counts at "
                          "equal options")
     ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
-                    help="KV cache dtype of the split search; fp8 rows go to split_table.<backend>.<layout>_fp8")
+                    help="KV cache dtype of the split search; fp8 rows go to split_table.<backend>.<layout>_fp8 "
+                         "(default: %(default)s)")
     ap.add_argument("--check-only", action="store_true",
                     help="no table is written: the split search and the planner-quality check against the table "
                          "as it is (for shapes the table was not tuned on, the check is out of sample)")

@@ -310,6 +310,11 @@ def test_plans_show_and_clear_survive_hostile_files(tmp_path, capsys, monkeypatc
     assert cli.main(["--config", str(cfg), "plans", "show", "--backend", "numba"]) == 0
     out = capsys.readouterr().out
     assert "0 for backend 'numba'" in out and "\n== " not in out
+    # a later word "tune" is another command's argument, not the tune subcommand: the options after it still count
+    assert cli.main(["--config", str(cfg), "plans", "show", "--backend", "tune", "--limit", "0"]) == 0
+    assert "0 for backend 'tune'" in capsys.readouterr().out
+    assert cli.main(["plans", "show", "--backend", "tune", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read attnplan config" in capsys.readouterr().err
     ran = [e["plan"]["backend"] for e in Context.from_config(attnplan.load_config(str(cfg))).cache.entries()
            if "plan" in e]
     assert len(ran) == 1 and ran[0] != "numba"
@@ -416,6 +421,21 @@ def test_a_workload_too_large_for_the_memory_is_a_usage_error_before_any_allocat
     err = capsys.readouterr().err
     assert e.value.code == 2 and "Traceback" not in err
     assert "this workload needs about" in err and needle in err and "but the test's 4 GiB is the limit (4.0 GiB)" in err
+
+
+def test_the_memory_check_counts_the_configs_forced_split_count(tmp_path, capsys, monkeypatch):
+    """A config's forced ``split.num_splits`` sizes the partial states even past its ``split.max_splits`` (which limits
+    the planner's own counts, not a forced one): 4,096 sequences of 16K tokens forced to 1,024 units need ~69 GB of
+    states where 2 units would need 135 MB."""
+    import attnplan
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("split: {num_splits: 1024, max_splits: 2}\n")
+    monkeypatch.setattr(cli, "_memory_limit", lambda cpu: (4 << 30, "the test's 4 GiB"))
+    monkeypatch.setattr(attnplan.DecodeWrapper, "plan", lambda *a, **k: pytest.fail("planned"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--config", str(cfg), "run", "--batch", "4096", "--kv-lens", "16384", "--explain"])
+    assert e.value.code == 2 and "lse and the partial states" in capsys.readouterr().err
 
 
 def test_explain_plans_on_views_without_allocating_the_caches(capsys, monkeypatch):
