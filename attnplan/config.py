@@ -128,8 +128,9 @@ class TritonOptions(_Strict):
 
 
 class NumbaOptions(_Strict):
-    """``backend_options.numba``: the keys the numba backend's ``kernel_config`` reads (``lanes`` and
-    ``unroll`` on a GPU only; the simulator keeps its own layout); ``None`` lets the planner choose."""
+    """``backend_options.numba``: the keys the numba backend's ``kernel_config`` reads (``threads``, ``lanes`` and
+    ``unroll`` on a GPU only: the simulator keeps its own layout, 8 threads of 2 lanes); ``None`` lets the planner
+    choose."""
 
     block_n: int | None = Field(None, ge=16, le=512, description="KV tokens per tile, a power of two")
     threads: int | None = Field(None, ge=32, le=1024, description="threads per CTA, a multiple of 32")
@@ -203,14 +204,17 @@ class SplitPolicy(_Strict):
     merge: Literal["auto", "separate", "fused"] = Field(
         "auto", description="cross-program merge of sequences with several units: separate kernel, fused into the "
                             "last program of each (sequence, KV head) (atomic completion counter, fixed merge order), "
-                            "or auto = the cheaper by the cost model")
+                            "or auto = the cheaper by the cost model; fused on a backend without a fused merge runs "
+                            "separate")
     num_splits: int = Field(0, ge=0, le=MAX_SPLITS, description="0 = heuristic, 1 = never split, >1 = forced")
-    max_splits: int = Field(256, ge=1, le=MAX_SPLITS, description="most splits a sequence may get")
+    max_splits: int = Field(256, ge=1, le=MAX_SPLITS, description="most splits the planner gives a sequence (a "
+                            "forced num_splits is its own limit)")
     min_chunk_tokens: int = Field(64, ge=16, le=1 << 20, description="smallest chunk the planner makes (cost model "
                                                                      "and tuned table; not a forced num_splits), tokens")
     batch_invariant: bool = Field(False, description="fix each sequence's units from its own length alone (units of "
                                   "invariant_chunk_tokens), so its output is bitwise independent of its batchmates, "
-                                  "under CUDA-graph replay too; kernel options then do not depend on the batch")
+                                  "under CUDA-graph replay too; kernel options then do not depend on the batch. "
+                                  "A forced num_splits (1 or more, here or in the call) takes precedence")
     invariant_chunk_tokens: int = Field(2048, ge=16, le=1 << 20, description="unit size of the batch-invariant "
                                         "schedule, tokens (rounded up to the granule)")
 
@@ -230,8 +234,10 @@ class SplitPolicy(_Strict):
 
 
 class CostModel(_Strict):
-    """Constants of the planner's cost model (microseconds, GB/s): finite, positive and bounded. Defaults are
-    conservative guesses; ``attnplan tune`` measures them per device into ``plans/<device>.yaml``."""
+    """Constants of the planner's cost model (microseconds, GB/s): finite and bounded, positive but for the fixed
+    costs (``launch_us``, ``program_us``, ``merge_split_latency_us``) and the optional ``tail_programs_per_sm`` and
+    ``tail_min_unit_tokens``, which may be 0. Defaults are conservative guesses; ``attnplan tune`` measures them per
+    device into ``plans/<device>.yaml``."""
 
     launch_us: float = Field(3.0, ge=0, le=1e4, description="fixed cost of one kernel launch")
     program_us: float = Field(1.0, ge=0, le=1e4, description="fixed cost of one program (CTA): prologue, q load, "
@@ -403,7 +409,8 @@ def _known_keys(loc: tuple) -> str:
         model = ann
     keys = [k for k, f in model.model_fields.items() if not f.exclude]
     near = difflib.get_close_matches(str(loc[-1]), keys, n=1)
-    return (f"; did you mean {near[0]!r}?" if near else "") + f" (known keys: {', '.join(keys)})"
+    return (f"; did you mean {near[0]!r}?" if near else "") + (f" (known keys: {', '.join(keys)})" if keys
+                                                                else " (this mapping takes no keys)")
 
 
 #: number text that YAML 1.1 leaves a string (``1e3``, ``1.5E3``): a float written without its dot or exponent sign
@@ -538,8 +545,7 @@ def _read_yaml(path: Path | str, source: str) -> dict:
     except _DuplicateKey as e:
         raise ConfigError(f"invalid attnplan config ({source}): {e}") from None
     except yaml.YAMLError as e:
-        msg = str(e)
-        raise ConfigError(f"attnplan config {source} is not valid YAML: {msg[:500] + ' ...' if len(msg) > 500 else msg}") from None
+        raise ConfigError(f"attnplan config {source} is not valid YAML: {_yaml_error(e)}") from None
     except RecursionError:
         raise ConfigError(f"attnplan config {source} is nested too deeply") from None
     except ValueError as e:  # an int of more digits than Python converts (sys.get_int_max_str_digits)
@@ -548,6 +554,17 @@ def _read_yaml(path: Path | str, source: str) -> dict:
         raise ConfigError(f"attnplan config {source} expands to more than {MAX_NODES} values (YAML aliases "
                           "repeating a large value?)")
     return data if data is not None else {}
+
+
+def _yaml_error(e: yaml.YAMLError) -> str:
+    """One line for a YAML parse error: the problem and where in the file (PyYAML's own text spans several lines and
+    names the decoded text, not the file)."""
+    mark = getattr(e, "problem_mark", None)
+    what = " ".join(str(getattr(e, "problem", None) or e).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(e, "context", None)
+    line = where + what + (f" ({' '.join(str(context).split())})" if context else "")
+    return line[:300] + " ..." if len(line) > 300 else line
 
 
 @functools.lru_cache(maxsize=1)
