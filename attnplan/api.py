@@ -30,12 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._repr import short_repr
 from .backends import Backend, DecodeInputs, Workspace, check_backend_name, get_backend
 from .cache import PlanCache, check_plan
-from .config import MAX_SPLITS, Config, device_table, load_config
+from .config import Config, device_table, load_config
 from .device import DeviceInfo, device_info
-from .planner import DeviceKey, SplitPlan, entry_options, launch_problem_of, make_plan
+from .planner import DeviceKey, SplitPlan, check_num_splits, entry_options, launch_problem_of, make_plan
 from .state import PartialState
 from .problem import (DecodeProblem, as_host_lengths, check_addressable, check_no_grad, check_not_lazy, check_sm_scale,
                       check_strided, check_variant_tensors, default_sm_scale, explain_lengths, has_internal_overlap,
@@ -738,10 +737,7 @@ class DecodeWrapper:
                 num_splits = operator.index(num_splits)
             except TypeError:  # a float tensor, an array of several: not an int, refused below by name
                 pass
-        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                       or not 0 <= num_splits <= MAX_SPLITS):
-            raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = planner, 1 = no split, >1 = forced) "
-                             f"or None (the config's split.num_splits), got {short_repr(num_splits, 80)}")
+        check_num_splits(num_splits)
         # -- the static checks (attnplan.problem.validate_inputs), memoized: they depend only on what the key holds
         # (the inputs' signature, the scalars by type and value); tensor sinks / scales always take the full path
         if sig is None:

@@ -55,6 +55,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from ._repr import short_repr
 from .config import MAX_SPLITS, Config, CostModel, device_table
 from .device import DeviceInfo
 from .problem import DecodeProblem, explain_lengths, torch_dtype
@@ -62,7 +63,7 @@ from .schedule import NUM_BUCKETS, NUM_TARGETS, Schedule, bucket_of, max_units_b
 
 __all__ = ["SplitPlan", "Launch", "launch_problem_of", "KernelOptions", "TableRow", "make_plan", "PLAN_VERSION",
            "cost_model_for", "split_table_layout", "entry_options", "table_candidates", "MERGES", "PLAN_POLICIES",
-           "FUSED_TEAM_UNITS"]
+           "FUSED_TEAM_UNITS", "check_num_splits"]
 
 PLAN_VERSION = 10  # 2: device-side schedule (a 1 plan had a host-fixed chunk size); 3: q_block; 4: capacity plans'
 #                  targets scaled to their warps; 5: that scaling bounded at saturation; 6: a row carried to another
@@ -1063,6 +1064,18 @@ def _capacity_span(problem: DecodeProblem) -> int:
     return cap if problem.window_left < 0 else min(cap, problem.window_left + problem.q_len)
 
 
+def check_num_splits(num_splits, who: str = "") -> None:
+    """``num_splits`` must be ``None`` (the config's ``split.num_splits``) or an ``int``, not a ``bool``, in ``[0,``
+    :data:`~attnplan.config.MAX_SPLITS` ``]``: 0 = planner, 1 = no split, >1 = forced.
+
+    Raises:
+        ValueError: otherwise, the message starting with ``who``.
+    """
+    if num_splits is not None and (not _is_int(num_splits) or not 0 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"{who}num_splits must be an int in [0, {MAX_SPLITS}] (0 = planner, 1 = no split, >1 = "
+                         f"forced) or None (the config's split.num_splits), got {short_repr(num_splits, 80)}")
+
+
 def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backend: str, kernel: Mapping,
               *, capacity_mode: bool = False, num_splits: int | None = None,
               merge_strategies: frozenset[str] = frozenset({"separate"}), fused_merge_parallelism: int = 1,
@@ -1106,8 +1119,7 @@ def make_plan(problem: DecodeProblem, device: DeviceInfo, config: Config, backen
             raise TypeError(f"make_plan: {what} must be a {kind.__name__}, got {_type_name(v)}")
     if type(capacity_mode) is not bool:
         raise TypeError(f"make_plan: capacity_mode must be a bool, got {_type_name(capacity_mode)}")
-    if num_splits is not None and (not _is_int(num_splits) or not 0 <= num_splits <= MAX_SPLITS):
-        raise ValueError(f"make_plan: num_splits must be an int in [0, {MAX_SPLITS}] or None, got {num_splits!r:.40}")
+    check_num_splits(num_splits, "make_plan: ")
     head_block = head_block if 0 < head_block < problem.group_size else 0
     q_block = 1 if head_block and problem.q_len > 1 else (q_block if 0 < q_block < problem.q_len else 0)
     if q_block or head_block:
