@@ -564,3 +564,15 @@ def test_longest_first_batch_is_the_schedules():
 
     assert KERNEL_LIMIT.value == LONGEST_FIRST_BATCH
     assert LONGEST_FIRST_BATCH >= 16 and LONGEST_FIRST_BATCH & (LONGEST_FIRST_BATCH - 1) == 0
+
+
+def test_log2e_is_the_problems():
+    """The kernels' own log2(e) and ln(2) (their module imports nothing of attnplan's) are the host's: the host scales
+    ``sm_scale`` by ``attnplan.problem.LOG2E``, the kernels undo it for the soft cap and the LSE."""
+    import math
+
+    from attnplan.backends.triton.kernels import LN2, LOG2E
+    from attnplan.problem import LOG2E as HOST_LOG2E
+
+    assert LOG2E.value == HOST_LOG2E == 1.0 / math.log(2.0)
+    assert LN2.value == math.log(2.0)

@@ -38,6 +38,10 @@ PACK_SLOTS_PER_UNIT = tl.constexpr(2)
 LONGEST_FIRST_BATCH = tl.constexpr(32)
 
 INT32_MAX = tl.constexpr(2147483647)
+#: ``attnplan.problem.LOG2E`` and its inverse ln(2): the kernels' softmax runs in base 2 (scores scaled by
+#: ``sm_scale * log2(e)``); the soft cap and the LSE convert back to the natural-log domain
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 #: most fp32 elements of workspace state (``o`` tiles of ``BLOCK_M x BLOCK_D``) the fused merge keeps in flight:
 #: 64 registers per thread of a 4-warp program
 FUSED_INFLIGHT_ELEMS = 8192
@@ -248,14 +252,14 @@ def _scores(s, qk_scale, row_scale, soft_cap, SOFTCAP: tl.constexpr, FP8: tl.con
     else:
         s = s * qk_scale
     if SOFTCAP:
-        x = s * (0.6931471805599453 / soft_cap)
+        x = s * (LN2 / soft_cap)
         a = tl.abs(x)
         e = tl.exp(-2.0 * a)
         x2 = a * a
         p = -0.008863235529902197 * x2 + 0.021869488536155203  # tanh's odd Taylor coefficients from x^11
         p = ((p * x2 - 0.05396825396825397) * x2 + 0.13333333333333333) * x2 - 0.3333333333333333
         th = tl.where(a < 0.375, a + a * x2 * p, (1.0 - e) / (1.0 + e))
-        s = tl.where(x < 0, -th, th) * (soft_cap * 1.4426950408889634)
+        s = tl.where(x < 0, -th, th) * (soft_cap * LOG2E)
     return s
 
 
@@ -553,7 +557,7 @@ def split_kv_partial_kernel(
     empty = l_i == 0.0  # no visible position in this unit (p of the running max is exactly 1)
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     if FP8:
         o = o * tl.load(V_SCALE + kvh)
     if MULTI:
