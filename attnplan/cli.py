@@ -29,6 +29,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from attnplan.config import MAX_SPLITS
+
 if TYPE_CHECKING:
     from attnplan.config import SplitPolicy
 
@@ -361,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="q and KV cache dtype (default: %(default)s)")
     r.add_argument("--backend", default=None, help="force a backend (default: the config's order)")
-    r.add_argument("--num-splits", type=_int_in(0, 1024), default=None,
+    r.add_argument("--num-splits", type=_int_in(0, MAX_SPLITS), default=None,
                    help="0 heuristic, 1 no split, >1 forced; given, it overrides the config's split.num_splits "
                         "(default: the config's)")
     r.add_argument("--seed", type=_int_in(0, 2**63 - 1), default=0,
@@ -385,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     tune = sub.add_parser("tune", help="measure this GPU and write its planner table, <cache dir>/plans/<device>.yaml "
                                        "(--out: another file); --help for options", add_help=False)
     tune.add_argument("tune_args", nargs=argparse.REMAINDER)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # a missing command is named by these, not by its dest "cmd"
     args = parser.parse_args(argv)
     if args.cmd == "tune":
         # a --config before `tune` goes to tune's own --config (one given after `tune` comes later and wins)

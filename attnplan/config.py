@@ -576,11 +576,12 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
     """Load ``plans/default.yaml`` and merge the user's file over it.
 
     Args:
-        path: a YAML file (a leading ``~`` is the home folder); when ``None``, ``$ATTNPLAN_CONFIG`` if set.
+        path: a YAML file (a leading ``~`` is the home folder); when ``None``, ``$ATTNPLAN_CONFIG`` if set and not
+            empty.
         **overrides: top-level keys merged last (for tests and the CLI).
     Raises:
         TypeError: ``path`` is neither ``None``, a ``str`` nor an ``os.PathLike`` (a file descriptor, bytes, ...).
-        ConfigError: unreadable, oversized, non-UTF-8 or too deeply nested file, a path the OS refuses (e.g. with a
+        ConfigError: an empty ``path``; an unreadable, oversized, non-UTF-8 or too deeply nested file, a path the OS refuses (e.g. with a
             NUL character), bad YAML, an alias bomb, a key given twice in one mapping, unknown key, or bad value (each
             names the file and the key).
     """
@@ -591,6 +592,9 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
         if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
             raise TypeError(f"load_config: path must be a str or os.PathLike naming a YAML file, or None, got "
                             f"{type(path).__name__} {short_repr(path)}")
+        if not os.fspath(path):  # ``--config ''`` / ``load_config('')``: an empty variable's text, not a file
+            raise ConfigError("invalid attnplan config: the path is empty (give a YAML file, or None / no "
+                              "--config for plans/default.yaml; an empty $ATTNPLAN_CONFIG counts as unset)")
         path = os.path.expanduser(path)  # "~/attnplan.yaml" from the environment or a quoted argument
         user = _read_yaml(path, str(path))
         if not isinstance(user, dict):

@@ -10,6 +10,7 @@ import pytest
 import attnplan
 from attnplan import cli
 from attnplan.api import Context
+from attnplan.config import MAX_SPLITS
 
 from conftest import HAS_CUDA
 
@@ -185,6 +186,9 @@ def test_bench_is_no_longer_a_subcommand(capsys):
     (["run", "--page-size", "-16"], "--page-size"),
     (["run", "--num-splits", "-1"], "--num-splits"),
     (["run", "--num-splits", "5000"], "--num-splits"),
+    (["run", "--num-splits", str(MAX_SPLITS + 1)], f"--num-splits: {MAX_SPLITS + 1} is out of range: 0..{MAX_SPLITS}"),
+    ([], "the following arguments are required: {run,plans,tune}"),
+    (["--config", "c.yaml"], "the following arguments are required: {run,plans,tune}"),
     (["run", "--kv-lens", "3,x"], "--kv-lens: 'x' is not an integer"),
     (["run", "--kv-lens", "3,-4"], "--kv-lens"),
     (["run", "--kv-lens", "3,,4"], "--kv-lens"),
@@ -209,6 +213,8 @@ def test_bad_arguments_are_usage_errors(capsys, argv, needle):
     (["--config", "/nonexistent/c.yaml", "run"], "cannot read attnplan config"),
     (["run", "--config", "/nonexistent/c.yaml"], "cannot read attnplan config"),
     (["plans", "show", "--config", "/nonexistent/c.yaml"], "cannot read attnplan config"),
+    (["--config", "", "run", "--kv-lens", "8"], "the path is empty"),
+    (["plans", "show", "--config", ""], "the path is empty"),
     (["run", "--backend", "triton", "--model", "phi-3-mini", "--dtype", "fp32", "--kv-lens", "8",
       "--config", "__BAD__"], "attnplan config"),
 ])

@@ -106,6 +106,15 @@ def test_missing_file_is_an_error(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_an_empty_path_is_an_error_and_an_empty_variable_is_unset(tmp_path, monkeypatch):
+    """``load_config('')`` (an empty ``--config``) names the mistake instead of failing to open ``''``; an empty
+    ``$ATTNPLAN_CONFIG`` is unset, as the shell's convention has it."""
+    with pytest.raises(ConfigError, match="the path is empty"):
+        load_config("")
+    monkeypatch.setenv("ATTNPLAN_CONFIG", "")
+    assert load_config() == load_config(None) and load_config().split.num_splits == 0
+
+
 def test_forced_backend_order_is_followed(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("backends: [reference]\n")
