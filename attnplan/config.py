@@ -581,9 +581,9 @@ def load_config(path: str | os.PathLike | None = None, **overrides: Any) -> Conf
         **overrides: top-level keys merged last (for tests and the CLI).
     Raises:
         TypeError: ``path`` is neither ``None``, a ``str`` nor an ``os.PathLike`` (a file descriptor, bytes, ...).
-        ConfigError: an empty ``path``; an unreadable, oversized, non-UTF-8 or too deeply nested file, a path the OS refuses (e.g. with a
-            NUL character), bad YAML, an alias bomb, a key given twice in one mapping, unknown key, or bad value (each
-            names the file and the key).
+        ConfigError: an empty ``path``; an unreadable, oversized, non-UTF-8 or too deeply nested file, a path the OS
+            refuses (e.g. with a NUL character), bad YAML, an alias bomb, a key given twice in one mapping, unknown
+            key, or bad value (each names the file and the key).
     """
     data = dict(_default_data())
     src = "plans/default.yaml"
