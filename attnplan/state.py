@@ -155,7 +155,10 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
         sinks: optional ``[H]`` float sink logits (natural-log units of the scaled scores), on the state's device.
         indptr: optional ``[B + 1]`` integer tensor, non-decreasing, ``indptr[0] = 0``, ``indptr[B] <= U``.
     Returns:
-        ``(o, lse)``: ``o [B, Q, H, D]`` and ``lse [B, Q, H]`` in the state's dtype.
+        ``(o, lse)``: ``o [B, Q, H, D]`` in ``state.o``'s dtype and ``lse [B, Q, H]`` in ``state.lse``'s, computed in
+        float32 for float16 / bfloat16 states and in float64 for float32 / float64 ones (so a row of float16,
+        bfloat16 or float32 values at the dtype's largest finite magnitude stays finite; float64 ones can round past
+        it to inf).
     Raises:
         TypeError: ``state`` is not a :class:`PartialState` of float16 / bfloat16 / float32 / float64 tensors
             (:data:`MERGE_DTYPES`; fp8 is refused), or ``sinks`` / ``indptr`` have the wrong dtype.
@@ -181,15 +184,24 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
                              f"{tuple(sinks.shape)} on {sinks.device}")
     if indptr is not None:
         state = _ragged_to_dense(state, indptr)
-    o, lse = _merge(state)
+    acc = _accumulation_dtype(state)
+    o, lse = _merge(PartialState(state.o.to(acc), state.lse.to(acc)))
     if sinks is not None:
-        z = sinks.to(lse.dtype).view(1, 1, -1).expand_as(lse)
+        z = sinks.to(acc).view(1, 1, -1).expand_as(lse)
         new = torch.logaddexp(lse, z)
         # exp(lse - new): 0 for an empty row under a finite sink; both -inf (empty row, no sink) keeps o = 0
         scale = torch.where(torch.isneginf(new), torch.zeros_like(new), torch.exp(lse - new))
         o = o * scale.unsqueeze(-1)
         lse = new
-    return o, lse
+    return o.to(state.o.dtype), lse.to(state.lse.dtype)
+
+
+def _accumulation_dtype(state: PartialState) -> torch.dtype:
+    """The merge's arithmetic: float32 for float16 / bfloat16 states, float64 for float32 / float64 ones. The
+    weights of a row sum to 1 only up to rounding, so a merge in the state's own dtype can carry a row of values at
+    that dtype's largest finite magnitude past it (to inf); one a step wider rounds back to it (float64 has none)."""
+    wide = (torch.float32, torch.float64)
+    return torch.float64 if state.o.dtype in wide or state.lse.dtype in wide else torch.float32
 
 
 def _ragged_to_dense(state: PartialState, indptr: torch.Tensor) -> PartialState:

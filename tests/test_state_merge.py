@@ -274,3 +274,47 @@ def test_reference_weights_sum_to_one_at_huge_scores(scale, gen):
     assert lse.item() == pytest.approx(16 * scale + math.log(128), rel=1e-12)
     o, _ = reference.attention(q, k, v, lens, None, scale * 1e6, soft_cap=1e30)
     assert o.abs().max() <= v.double().abs().max()
+
+
+@pytest.mark.parametrize("dtype,splits", [(torch.float16, 17), (torch.bfloat16, 65), (torch.float32, 8)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_row_at_the_dtypes_largest_magnitude_stays_finite(dtype, splits, sign):
+    """Every split's ``o`` at the dtype's largest finite value: the weights sum to 1 only up to rounding (here to
+    just above it in the state's own dtype), and the convex combination must still come back as that value, not
+    inf (float64 states have no wider dtype to merge in: not promised there)."""
+    big = sign * torch.finfo(dtype).max
+    o = torch.full((1, 1, 1, splits, 3), big, dtype=dtype)
+    lse = torch.zeros(1, 1, 1, splits, dtype=dtype)
+    lse[..., 0] = -0.3
+    out, out_lse = merge_states(PartialState(o, lse))
+    assert out.dtype == dtype and torch.equal(out, torch.full_like(out, big))
+    ref = torch.logsumexp(lse.double(), -1)
+    assert torch.allclose(out_lse.double(), ref, rtol=torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("o_dtype,lse_dtype", [(torch.bfloat16, torch.float16), (torch.float16, torch.float32),
+                                               (torch.float32, torch.bfloat16), (torch.float64, torch.float16)])
+def test_mixed_dtypes_come_back_in_their_own_dtypes(o_dtype, lse_dtype, gen):
+    """``o`` in ``state.o``'s dtype and ``lse`` in ``state.lse``'s, whatever torch would promote them to, and each
+    within its dtype's rounding of the float64 merge of the same values."""
+    o = torch.randn(2, 1, 3, 5, 8, generator=gen).to(o_dtype)
+    lse = (4 * torch.randn(2, 1, 3, 5, generator=gen)).to(lse_dtype)
+    out, out_lse = merge_states(PartialState(o, lse))
+    assert out.dtype == o_dtype and out_lse.dtype == lse_dtype
+    ref_o, ref_lse = merge_states(PartialState(o.double(), lse.double()))
+    assert torch.allclose(out.double(), ref_o, rtol=torch.finfo(o_dtype).eps, atol=torch.finfo(o_dtype).eps)
+    assert torch.allclose(out_lse.double(), ref_lse, rtol=torch.finfo(lse_dtype).eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_states_merge_to_within_one_rounding(dtype, gen):
+    """A merge of 64 half-precision splits is the float64 merge of the same values rounded once: within half an ulp
+    of the result plus the float32 arithmetic's few ulps of the row's largest ``|o_s|`` (a merge in the state's own
+    dtype rounds at every product and sum, 10-100x more)."""
+    o = torch.randn(4, 2, 4, 64, 32, generator=gen).to(dtype)
+    lse = (3 * torch.randn(4, 2, 4, 64, generator=gen)).to(dtype)
+    out, _ = merge_states(PartialState(o, lse))
+    ref, _ = merge_states(PartialState(o.double(), lse.double()))
+    big = o.double().abs().amax(dim=3)
+    bound = torch.finfo(dtype).eps / 2 * ref.abs() + 64 * torch.finfo(torch.float32).eps * big
+    assert ((out.double() - ref).abs() <= bound).all()
