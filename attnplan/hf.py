@@ -82,7 +82,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.attnplan.decode, which the compiled path calls)
 from .api import Context, DecodeWrapper, default_context
-from .problem import DTYPE_NAMES, MAX_Q_LEN, Q_DTYPES, SOFT_CAP_MAX, SOFT_CAP_MIN
+from .problem import DTYPE_NAMES, MAX_Q_LEN, Q_DTYPES, SOFT_CAP_MAX, SOFT_CAP_MIN, check_sm_scale
 
 __all__ = ["register", "attnplan_attention_forward", "NAME", "STATS"]
 
@@ -471,9 +471,14 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         fallback = _fallback(module, kwargs)
         _count("sdpa_fallback" if fallback is _SDPA else "eager_fallback")
         return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    _count("attnplan")
+    if scaling is not None and type(scaling) is not float:
+        # the step's memo compares scales by value: a bool, tensor or numpy scale would match a float one there
+        check_sm_scale(scaling)
+        scaling = float(scaling)
     if via == "host" and not torch.compiler.is_compiling():
-        return _step_decode(query, key, value, kv_len, scaling, cap), None
+        out = _step_decode(query, key, value, kv_len, scaling, cap)
+        _count("attnplan")  # counted once served: a call that raises is not
+        return out, None
     q = query.transpose(1, 2)  # [b, q_len, hq, d]
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -481,7 +486,9 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     v = value.transpose(1, 2)
     if lens is None:
         lens = torch.full((b,), kv_len, dtype=torch.int32, device=query.device)
-    return torch.ops.attnplan.decode(q, k, v, lens, None, None if scaling is None else float(scaling), ""), None
+    out = torch.ops.attnplan.decode(q, k, v, lens, None, scaling, "")
+    _count("attnplan")
+    return out, None
 
 
 def register() -> None:

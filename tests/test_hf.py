@@ -954,3 +954,22 @@ def test_layers_sliding_or_chunked_by_their_config_are_not_served(arch, served):
         module = cls(cfg, idx).eval()
         assert getattr(module, "sliding_window", None) is None  # the module alone does not say so
         assert attnplan.hf._serves(module, q, k, k, 0.0, {}) is want, (arch, idx)
+
+
+@pytest.mark.parametrize("bad,error", [(True, TypeError), (torch.tensor(1.0), TypeError),
+                                       (torch.tensor([1.0, 1.0]), TypeError), (float("nan"), ValueError),
+                                       (1e-45, ValueError)])
+def test_a_bad_scaling_is_refused_after_a_served_call_of_the_same_value_and_not_counted(bad, error, gen):
+    """A scaling the op refuses is refused whatever the thread's last call was: the eager step remembers the last
+    call's scale and compares by value, where ``True == 1.0`` and ``tensor(1.) == 1.0``. A refused call is not
+    counted in ``STATS``; an int scaling is served as its float."""
+    attnplan.hf.register()
+    q, k, v = _layer_tensors(gen)
+    with torch.no_grad():
+        ref = _eager_layer(q, k, v, scaling=1.0)  # warm: the step's memo now holds the scale 1.0
+        before = dict(attnplan.hf.STATS)
+        with pytest.raises(error):
+            _eager_layer(q, k, v, scaling=bad)
+        assert dict(attnplan.hf.STATS) == before
+        assert torch.equal(_eager_layer(q, k, v, scaling=1), ref)
+        assert attnplan.hf.STATS["attnplan"] - before["attnplan"] == 1
