@@ -205,9 +205,11 @@ def decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
         PlanNotReadyError: first call for this signature happens during CUDA-graph capture.
         NoBackendError: no backend of the config's order (or ``backend``) serves the problem here.
         ConfigError: ``$ATTNPLAN_CONFIG`` names a file that does not load (:func:`attnplan.api.default_context`).
-        TypeError, ValueError: bad inputs (see :mod:`attnplan.problem`), ``sm_scale`` out of that range, a tensor on
-            another device than q's (a meta tensor among real ones too), or, under grad mode, an input that requires
-            grad (attnplan computes no gradients), before any kernel runs.
+        TypeError, ValueError: bad inputs (see :mod:`attnplan.problem`), ``sm_scale`` out of that range, or a tensor
+            on another device than q's (a meta tensor among real ones too), before any kernel runs.
+        ValueError: under grad mode, an input that requires grad (attnplan computes no gradients). Autograd asks
+            only after the forward, so the kernels have run (and the plan is cached) when it is raised; the output
+            is dropped. :func:`attnplan.decode` refuses it before planning.
     """
     if sm_scale is not None and not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale must be finite (or None for 1/sqrt(head_dim)), got {sm_scale!r}")
