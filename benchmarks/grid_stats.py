@@ -9,7 +9,7 @@ means over the points both files hold) and the points whose best attnplan time m
 ``--tolerance``: a re-run on the same device and code should stay within about 2% (the run-to-run spread
 measured on an H200 between whole-grid runs was 1-3% per heads configuration, peers included).
 
-    python benchmarks/grid_stats.py benchmarks/results/decode_grid.csv --kind uniform
+    python benchmarks/grid_stats.py benchmarks/results/decode_grid.csv --kind uniform --by-layout
     python benchmarks/grid_stats.py new.csv --baseline benchmarks/results/decode_grid.csv
 """
 
@@ -24,10 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import OURS, _key, best, contenders, gmean, read_csv  # noqa: E402
 
 
-def stats(rows: list[dict]) -> dict:
+def stats(rows: list[dict], by_layout: bool = False) -> dict:
     """The grid's statistics (see the module docstring) as a dict:
     ``{"by_heads": {heads: {"points", "geomean", "min"}}, "all": {...}, "at_095", "big", "big_at_092",
-    "backends": {name: {"geomean", "min"}}, "under_095": [(speedup, heads, layout, kind, batch, kv)]}``."""
+    "backends": {name: {"geomean", "min"}}, "under_095": [(speedup, heads, layout, kind, batch, kv)]}``; with
+    ``by_layout``, ``by_heads`` is keyed by ``"heads | layout"``."""
     by_heads: dict = {}
     per_backend: dict = {}
     big = big_ok = 0
@@ -36,7 +37,7 @@ def stats(rows: list[dict]) -> dict:
         if r.get("speedup") in (None, ""):
             continue
         sp = float(r["speedup"])
-        by_heads.setdefault(r["heads"], []).append(sp)
+        by_heads.setdefault(f"{r['heads']} | {r['layout']}" if by_layout else r["heads"], []).append(sp)
         peers = [n for n in contenders(r) if n not in OURS]
         _, t_peer = best(r, peers)
         for n in contenders(r):
@@ -86,15 +87,17 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", default=None, help="a results CSV to compare with (e.g. the committed decode_grid.csv)")
     ap.add_argument("--tolerance", type=float, default=0.03, help="list points whose best attnplan time moved more")
     ap.add_argument("--kind", default=None, help="only the points of this kind (uniform, varlen); default: all")
+    ap.add_argument("--by-layout", action="store_true", help="one row per heads configuration and cache layout")
     a = ap.parse_args(argv)
     rows = [r for r in read_csv(a.csv) if a.kind is None or r.get("kind") == a.kind]
     if not rows:
         ap.error(f"{a.csv} holds no points of kind {a.kind!r}")
-    s = stats(rows)
-    print("| heads | points | geomean | min |\n|---|---|---|---|")
+    s = stats(rows, a.by_layout)
+    head = "| heads | layout " if a.by_layout else "| heads "
+    print(f"{head}| points | geomean | min |\n|---{'|---' * a.by_layout}|---|---|---|")
     for h, v in s["by_heads"].items():
-        print(f"| {h} | {v['points']} | {v['geomean']:.2f}x | {v['min']:.2f}x |")
-    print(f"| all | {s['all']['points']} | {s['all']['geomean']:.3f}x | {s['all']['min']:.2f}x |")
+        print(f"| {h} | {v['points']} | {v['geomean']:.3f}x | {v['min']:.2f}x |")
+    print(f"| all {'| ' * a.by_layout}| {s['all']['points']} | {s['all']['geomean']:.3f}x | {s['all']['min']:.2f}x |")
     print(f"points at 0.95x or better: {s['at_095']} of {s['all']['points']}")
     print(f"uniform points of >= 256 MiB at >= 92% of the ceiling: {s['big_at_092']} of {s['big']}")
     for n, v in s["backends"].items():

@@ -150,6 +150,19 @@ def test_grid_stats_kind_keeps_one_kind_of_point(tmp_path, capsys):
         grid_stats.main([str(tmp_path / "g.csv"), "--kind", "longtail"])
 
 
+def test_grid_stats_by_layout_has_a_row_per_heads_and_layout(tmp_path, capsys):
+    """``--by-layout`` (the benchmarks README's table): one row per heads configuration and cache layout."""
+    ours = ["triton", "cuda_ptx"]
+    rows = [bd.to_row(_point(layout=lay, kv=kv, ours=(10.0, 11.0), peer=peer), ours, 4000.0)
+            for lay, kv, peer in (("contig", 1024, 12.0), ("contig", 4096, 15.0), ("paged16", 1024, 9.0))]
+    bd.write_results(str(tmp_path / "g"), rows, {"command": "test"})
+    assert grid_stats.main([str(tmp_path / "g.csv"), "--by-layout"]) == 0
+    out = capsys.readouterr().out
+    assert "| heads | layout | points | geomean | min |" in out
+    assert f"| 32/8/128 | contig | 2 | {math.sqrt(1.2 * 1.5):.3f}x | 1.20x |" in out
+    assert "| 32/8/128 | paged16 | 1 | 0.900x | 0.90x |" in out and "| all | | 3 |" in out
+
+
 #: GQA groups FlashInfer's CUDA-core decode dispatches to (``DISPATCH_GQA_GROUP_SIZE`` in FlashInfer's
 #: ``include/flashinfer/utils.cuh``); its tensor-core decode takes any group
 FLASHINFER_CORE_GROUPS = {1, 2, 3, 4, 8}
