@@ -318,3 +318,13 @@ def test_half_precision_states_merge_to_within_one_rounding(dtype, gen):
     big = o.double().abs().amax(dim=3)
     bound = torch.finfo(dtype).eps / 2 * ref.abs() + 64 * torch.finfo(torch.float32).eps * big
     assert ((out.double() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("indptr,needle", [([1, 3], "must start at 0"), ([0, 4], "end <= 3"),
+                                           ([0, 2, 1], "not decrease")])
+def test_ragged_merge_refuses_a_bad_offset_array(indptr, needle):
+    """``indptr`` is sequence b's slots ``[indptr[b], indptr[b + 1])``: one that starts past 0, ends past the slots
+    or decreases would merge the wrong slots; it is refused by name."""
+    state = PartialState(torch.zeros(1, 1, 2, 3, 4), torch.zeros(1, 1, 2, 3))
+    with pytest.raises(ValueError, match=needle):
+        merge_states(state, indptr=torch.tensor(indptr))

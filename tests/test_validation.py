@@ -1134,3 +1134,62 @@ def test_a_backend_that_names_no_backend_is_refused(bad, exc, needle):
         attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=bad)
     with pytest.raises(exc, match=needle):
         attnplan.backends.get_backend(bad)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_length_one_axes_may_have_any_stride(backend):
+    """Along an axis of length one only index 0 is read, so its stride is free: one sequence's ``seq_lens`` and
+    block table and one head's ``sinks``, each a view with stride 2 there, decode exactly as their contiguous
+    copies do, and within the float64 reference's tolerance."""
+    x = make_inputs(1, 1, 1, 16, [3], page_size=4, dtype=torch.float32, generator=torch.Generator().manual_seed(5))
+    sl = torch.tensor([3, 0], dtype=torch.int32)[::2]
+    bt = strided(x.block_table)
+    sinks = strided(torch.tensor([0.5]))
+    assert sl.stride() == (2,) and bt.shape == (1, 1) and bt.stride()[1] == 2 and sinks.stride() == (2,)
+    got = attnplan.decode(x.q, x.k_cache, x.v_cache, sl, bt, sinks=sinks, backend=backend)
+    want = attnplan.decode(x.q, x.k_cache, x.v_cache, sl.contiguous(), bt.contiguous(), sinks=sinks.contiguous(),
+                           backend=backend)
+    assert torch.equal(got, want)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, sl.contiguous(), bt.contiguous(), sinks=sinks.contiguous())
+    assert_close_to_reference(got, ref, torch.float32)
+
+
+def test_validate_inputs_refuses_a_page_size_that_is_not_a_power_of_two():
+    """The input contract's own check (``DecodeProblem`` repeats it): a paged cache of 3-token pages."""
+    from attnplan.problem import validate_inputs
+
+    x = make_inputs(2, 4, 2, 16, [5, 9], page_size=4, dtype=torch.float32)
+    k3, v3 = x.k_cache[:, :3], x.v_cache[:, :3]
+    with pytest.raises(ValueError, match=r"page_size \(k_cache.shape\[1\]\) must be a power of two, got 3"):
+        validate_inputs(x.q, k3, v3, x.seq_lens, x.block_table)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_q_len_at_its_largest_is_served_and_one_more_is_refused(backend):
+    """``MAX_Q_LEN`` queries per sequence (speculative verification) decode against the reference; one more is
+    refused by name."""
+    from attnplan.problem import MAX_Q_LEN, validate_inputs
+
+    g = torch.Generator().manual_seed(7)
+    x = make_inputs(1, 2, 1, 16, [MAX_Q_LEN + 5], q_len=MAX_Q_LEN, page_size=4, dtype=torch.float32, generator=g)
+    assert validate_inputs(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)["q_len"] == MAX_Q_LEN
+    out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, backend=backend)
+    ref, _ = reference.attention(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    assert_close_to_reference(out, ref, torch.float32)
+    q17 = torch.zeros(1, MAX_Q_LEN + 1, 2, 16)
+    with pytest.raises(ValueError, match="q_len"):
+        validate_inputs(q17, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+
+
+def test_effective_window_keeps_small_windows_and_clamps_long_ones_to_the_same_positions():
+    """Below 2^30 a window is itself; from there it is ``max(2^30, min(window, capacity))``, so a plan's key does not
+    depend on how far past the capacity a window reaches."""
+    from attnplan.problem import WINDOW_CLAMP, effective_window, validate_inputs
+
+    assert WINDOW_CLAMP == 2**30
+    assert effective_window(-1, 4096) == -1 and effective_window(0, 4096) == 0
+    assert effective_window(2**30 - 1, 4096) == 2**30 - 1
+    assert effective_window(2**30, 4096) == 2**30 and effective_window(2**40, 4096) == 2**30
+    assert effective_window(2**40, 2**31) == 2**31 and effective_window(2**31 - 7, 2**31) == 2**31 - 7
+    x = make_inputs(2, 4, 2, 16, [5, 9], dtype=torch.float32)
+    assert validate_inputs(x.q, x.k_cache, x.v_cache, x.seq_lens, window_left=2**40)["window_left"] == 2**30
