@@ -131,13 +131,17 @@ static_assert(SMEM_BYTES == ATTNPLAN_SMEM_BYTES, "host and kernel disagree on dy
 static_assert(TILE == ATTNPLAN_TILE_TOKENS, "host and kernel disagree on the tile size");
 static_assert(NTHREADS == ATTNPLAN_THREADS, "host and kernel disagree on threads per block");
 
-// fp8 tensor-core kernels state minBlocksPerMultiprocessor = 1: left open, ptxas (NVRTC 13.5) trades small spills
-// for register occupancy (96 / 128 / 168 registers = 5 / 4 / 3 programs of 128 threads) that the shared memory
-// (64 KB per program: 3 per H200 SM, 2 per A100 SM) never allows; stated, it allocates without spilling (head_dim
-// 128, sm_90: 130-165 registers, still 3 programs per SM). The bf16 / fp16 and CUDA-core kernels keep the measured
-// open form (0: no minimum), the fused merge's too since its merge is a call (epilogue.cuh): stated there, it gave
-// 184 registers (2 programs of 128 threads per SM), open 164.
-constexpr int MIN_CTAS_PER_SM = (MMA && KV8) ? 1 : 0;
+// fp8 tensor-core kernels state minBlocksPerMultiprocessor = 1: left open, ptxas (NVRTC 13.5) trades small spills for
+// register occupancy (96 / 128 / 168 registers = 5 / 4 / 3 programs of 128 threads) that the shared memory (64 KB per
+// program: 3 per H200 SM, 2 per A100 SM) never allows; stated, it allocates without spilling (head_dim 128, sm_90:
+// 130-165 registers, still 3 programs per SM). So does the bf16 / fp16 tensor-core single pass at head_dim 64 with two
+// n8-tiles a warp (9-16 rows) and several queries: open, 128 registers and a 16-byte spill (q_len 2-8, contiguous; at
+// q_len 1, 127 registers and none); stated, 146-154 and none (3 programs per SM either way; graph-replayed on an H100,
+// contiguous steps 1.5-3.7% faster, paged ones unchanged). The other bf16 / fp16 and CUDA-core kernels keep the
+// measured open form (0: no minimum), the fused merge's too since its merge is a call (epilogue.cuh): stated there, it
+// gave 184 registers (2 programs of 128 threads per SM), open 164.
+constexpr int MIN_CTAS_PER_SM =
+    (MMA && (KV8 || (KIND == ATTNPLAN_KIND_SINGLE && HEAD_DIM == 64 && NTW == 2 && QLEN > 1))) ? 1 : 0;
 
 // Visible range [lo, hi) of query i inside the chunk [cs, ce) (empty when lo >= hi): query i sits at position
 // p = L - QLEN + i and sees positions <= p, and >= p - window_left with a window.
