@@ -2,8 +2,8 @@
 
 Covers the device-side schedule on the device (the prologue's integers against
 :func:`attnplan.schedule.schedule_units` at batches up to 70,001, one-unit sequences written directly, the others'
-units in the ragged workspace, ``meta``), contiguous and paged caches (page 1, 16, 64), GQA groups 1, 4, 7, 8, 16,
-q_len 1 and 4, lengths 0, 1, page boundaries and 4097, fp16 / bf16 / fp32, forced split counts (more than the
+units in the ragged workspace, ``meta``), contiguous and paged caches (page 1, 16, 64), GQA groups 1, 3, 4, 7, 8, 16,
+q_len 1, 2, 4 and 5, lengths 0, 1, page boundaries and 4097, fp16 / bf16 / fp32, forced split counts (more than the
 granules included), capacity plans on long-tailed batches, the separate and the fused merge (programs racing on the
 device, counters back at zero, bitwise reruns), CUDA-graph replay after in-place ``seq_lens`` / block-table rewrites,
 launches on a side stream without allocation, 64-bit page and head offsets, out-of-range block-table entries (clamped:
@@ -263,6 +263,9 @@ CASES = [
     Case((32, 8), 96, (1000,), dtype="fp16", splits=(0, 3)),                  # non-pow2 head_dim
     Case((16, 2), 80, (700, 1), page=16, q_len=3, splits=(2,)),
     Case((4, 1), 128, (4096,), dtype="fp32", splits=(1, 4)),                  # interpreter-vs-gpu-tf32: ieee fp32
+    # head_dim 64, two n8-tiles a warp and several queries (15 / 16 rows): the single pass states one program per SM
+    Case((24, 8), 64, (300, 17), q_len=5, dtype="fp16", splits=(1, 3)),
+    Case((64, 8), 64, (700, 2), q_len=2, splits=(1, 3)),
 ]
 
 
