@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "tune":
         # a --config before `tune` goes to tune's own --config (one given after `tune` comes later and wins)
-        args.tune_args = (["--config", args.config] if args.config else []) + passthrough
+        args.tune_args = (["--config", args.config] if args.config is not None else []) + passthrough
         if _cpu_mode() and not {"-h", "--help"} & set(args.tune_args):
             print("attnplan: error: tune needs a CUDA GPU", file=sys.stderr)
             return 2

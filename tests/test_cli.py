@@ -94,6 +94,8 @@ def test_tool_options_reach_the_tool(cmd, module, monkeypatch):
     assert cli.main(["--config", "x.yaml", cmd, "--json", "out.json", "--iters", "3"]) == 0
     assert seen == [["--config", "x.yaml", "--json", "out.json", "--iters", "3"]]  # the tool's own --config
     assert os.environ["ATTNPLAN_CONFIG"] == "unset"  # the hand-off changes no environment
+    assert cli.main(["--config", "", cmd, "--iters", "3"]) == 0  # an empty path too: the tool refuses it by name
+    assert seen[-1] == ["--config", "", "--iters", "3"]
 
 
 def test_tune_takes_config_after_the_subcommand(tmp_path, monkeypatch, capsys):
