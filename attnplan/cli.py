@@ -27,12 +27,8 @@ import argparse
 import json
 import os
 import sys
-from typing import TYPE_CHECKING
 
-from attnplan.config import MAX_SPLITS
-
-if TYPE_CHECKING:
-    from attnplan.config import SplitPolicy
+from attnplan.config import MAX_SPLITS, SplitPolicy
 
 #: (num_q_heads, num_kv_heads, head_dim) from the models' published configurations.
 MODEL_PRESETS = {

@@ -184,7 +184,7 @@ def merge_states(state: PartialState, sinks: torch.Tensor | None = None, *,
     if indptr is not None:
         state = _ragged_to_dense(state, indptr)
     acc = _accumulation_dtype(state)
-    o, lse = _merge(PartialState(state.o.to(acc), state.lse.to(acc)))
+    o, lse = _merge(state.o.to(acc), state.lse.to(acc))
     if sinks is not None:
         z = sinks.to(acc).view(1, 1, -1).expand_as(lse)
         new = torch.logaddexp(lse, z)
@@ -234,10 +234,10 @@ def _ragged_to_dense(state: PartialState, indptr: torch.Tensor) -> PartialState:
     return PartialState(o.permute(2, 0, 1, 3, 4).contiguous(), lse.permute(2, 0, 1, 3).contiguous())
 
 
-def _merge(state: PartialState) -> tuple[torch.Tensor, torch.Tensor]:
-    lse_s = state.lse
+def _merge(o_all: torch.Tensor, lse_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense merge of ``o [B, Q, H, S, D]`` / ``lse [B, Q, H, S]`` (already in the merge's dtype)."""
     if lse_s.shape[-1] == 0:  # no split at all: every row is empty
-        return state.o.new_zeros(*state.o.shape[:3], state.o.shape[4]), lse_s.new_full(lse_s.shape[:3], float("-inf"))
+        return o_all.new_zeros(*o_all.shape[:3], o_all.shape[4]), lse_s.new_full(lse_s.shape[:3], float("-inf"))
     m = lse_s.amax(dim=-1, keepdim=True)  # [B, Q, H, 1]; NaN if any lse_s is NaN
     empty = torch.isneginf(m)
     m_safe = torch.where(empty, torch.zeros_like(m), m)
@@ -245,7 +245,7 @@ def _merge(state: PartialState) -> tuple[torch.Tensor, torch.Tensor]:
     total = w.sum(dim=-1, keepdim=True)
     total_safe = torch.where(empty, torch.ones_like(total), total)
     # o_s of an empty split is 0 by contract and never read: mask it so a stray value (NaN included) cannot leak
-    o_s = torch.where(torch.isneginf(lse_s).unsqueeze(-1), torch.zeros_like(state.o), state.o)
+    o_s = torch.where(torch.isneginf(lse_s).unsqueeze(-1), torch.zeros_like(o_all), o_all)
     o = ((w / total_safe).unsqueeze(-1) * o_s).sum(dim=-2)
     lse = torch.where(empty, m, m_safe + torch.log(total_safe)).squeeze(-1)
     return o, lse
