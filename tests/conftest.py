@@ -17,15 +17,21 @@ other inputs; a failing test's report carries a section with its seed and how to
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import zlib
 
 import pytest
 import torch
 
-# Keep tests away from the user's cache before attnplan is imported anywhere.
-os.environ.setdefault("ATTNPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="attnplan-test-cache-"))
+# Keep tests away from the user's cache before attnplan is imported anywhere. The folder made here is removed
+# when this process exits; xdist workers inherit the variable, so they share the controller's folder.
+if "ATTNPLAN_CACHE_DIR" not in os.environ:
+    _TEST_CACHE_DIR = tempfile.mkdtemp(prefix="attnplan-test-cache-")
+    os.environ["ATTNPLAN_CACHE_DIR"] = _TEST_CACHE_DIR
+    atexit.register(shutil.rmtree, _TEST_CACHE_DIR, ignore_errors=True)
 
 HAS_CUDA = torch.cuda.is_available()
 #: the full tier (tests marked ``full``: a variant of a path the default run checks already, e.g. another GPU
