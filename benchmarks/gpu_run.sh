@@ -60,9 +60,10 @@ run_tests() {
 for step in ${STEPS-tests bench}; do  # STEPS="" installs only
   echo "== $step (t=$((SECONDS - t0)) s)"
   case $step in
-    tests) run_tests
-      # a run cut short leaves pytest-xdist's workers (execnet children) running: stop them before any timing
-      pkill -f 'python3 -m pytest' 2>/dev/null; pkill -f 'sys.stdin.readline' 2>/dev/null; sleep 1 ;;
+    tests)  # in a session of its own: a run cut short leaves pytest-xdist's workers (execnet children) running,
+      # and only this run's are stopped (pkill -s: its session) before any timing
+      export -f run_tests; setsid bash -c run_tests & tests_sid=$!; wait $tests_sid
+      pkill -TERM -s $tests_sid 2>/dev/null; sleep 1 ;;
     tests_bg) run_tests & TESTS_PID=$! ;;
     cmd) bash -c "$CMD" > "$R/cmd.log" 2>&1; echo "cmd rc=$?" ;;
     cmd_bg) bash -c "$CMD" > "$R/cmd.log" 2>&1 & CMD_PID=$! ;;
