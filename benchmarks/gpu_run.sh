@@ -27,6 +27,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu-out}; R="$OUT/run"; mkdir -p "$R"; export R  # CMD may write under $R
 export PYTHONUNBUFFERED=1 ATTNPLAN_CACHE_DIR=$(mktemp -d) ATTNPLAN_FAILURE_LOG=$R/failures.log  # failures as they happen
+trap 'rm -rf "$ATTNPLAN_CACHE_DIR"' EXIT  # the run's own plan / compile cache (a tune's table is copied out first)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
