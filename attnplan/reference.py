@@ -45,15 +45,17 @@ def _lengths(seq_lens, k_cache: torch.Tensor, block_table: torch.Tensor | None) 
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, b: int, length: int,
-              block_table: torch.Tensor | None, k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of sequence ``b``'s first ``length`` logical positions, ``[length, num_kv_heads, head_dim]``
-    float64 on the CPU (pages looked up in ``block_table`` for a paged cache; fp8 dequantized with
-    the per-tensor or per-KV-head scales)."""
+              block_table: torch.Tensor | None, k_scale=None, v_scale=None, *,
+              start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of sequence ``b``'s logical positions ``[start, length)``, ``[length - start, num_kv_heads,
+    head_dim]`` float64 on the CPU (pages looked up in ``block_table`` for a paged cache; fp8 dequantized with
+    the per-tensor or per-KV-head scales). ``start`` is clamped into ``[0, length]``."""
+    start = min(max(int(start), 0), length)
     if block_table is None:
-        k, v = k_cache[b, :length].to("cpu"), v_cache[b, :length].to("cpu")
+        k, v = k_cache[b, start:length].to("cpu"), v_cache[b, start:length].to("cpu")
     else:
         ps = k_cache.shape[1]
-        pos = torch.arange(length, device=k_cache.device)
+        pos = torch.arange(start, length, device=k_cache.device)
         # a page index outside the cache reads the nearest page, as the kernels clamp it (never out of bounds)
         pages = block_table[b].to(k_cache.device, torch.int64)[pos // ps].clamp(0, k_cache.shape[0] - 1)
         slots = pos % ps
@@ -104,6 +106,12 @@ def _attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> tup
     return o, lse
 
 
+def _first_visible(q_len: int, length: int, window_left: int) -> int:
+    """The lowest position any query of the sequence sees: 0, or with a window shorter than the sequence, query 0's
+    ``length - q_len - window_left`` (clamped at 0). Positions below it are never read."""
+    return max(0, length - q_len - window_left) if 0 <= window_left < length else 0
+
+
 def _visible(q_len: int, length: int, lo: int, hi: int, num_heads: int, window_left: int = -1) -> torch.Tensor:
     """``[q_len, num_heads, hi - lo]`` mask of positions ``lo..hi-1`` each query may see."""
     pos = torch.arange(lo, hi)
@@ -140,8 +148,10 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq
     out = torch.zeros(batch, q_len, hq, d, dtype=F64)
     lse = torch.full((batch, q_len, hq), float("-inf"), dtype=F64)
     for b, length in enumerate(lens):
-        k, v = gather_kv(k_cache, v_cache, b, length, block_table, k_scale, v_scale)
-        o_b, lse_b = _attend(_scores(qf[b], k, scale, soft_cap), _visible(q_len, length, 0, length, hq, window_left), v)
+        lo = _first_visible(q_len, length, window_left)  # a sliding window reads only its positions
+        k, v = gather_kv(k_cache, v_cache, b, length, block_table, k_scale, v_scale, start=lo)
+        o_b, lse_b = _attend(_scores(qf[b], k, scale, soft_cap), _visible(q_len, length, lo, length, hq, window_left),
+                             v)
         out[b], lse[b] = o_b, lse_b
     if sinks is not None:  # the sink joins the denominator: the plain softmax over [scores, sink]
         z = sinks.to("cpu", F64).view(1, 1, hq).expand_as(lse)
@@ -173,13 +183,13 @@ def partial(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_l
     n = units.num_units
     st = PartialState(torch.zeros(1, q_len, hq, n, d, dtype=F64), torch.full((1, q_len, hq, n), float("-inf"), dtype=F64))
     for b, length in enumerate(lens):
-        k, v = gather_kv(k_cache, v_cache, b, length, block_table, k_scale, v_scale)
         for u in range(int(units.indptr[b]), int(units.indptr[b + 1])):
             lo, hi = int(units.start[u]), int(units.end[u])
             if hi <= lo:
                 continue
-            o_s, lse_s = _attend(_scores(qf[b], k[lo:hi], scale, soft_cap),
-                                 _visible(q_len, length, lo, hi, hq, window_left), v[lo:hi])
+            k, v = gather_kv(k_cache, v_cache, b, hi, block_table, k_scale, v_scale, start=lo)  # this unit's tokens
+            o_s, lse_s = _attend(_scores(qf[b], k, scale, soft_cap),
+                                 _visible(q_len, length, lo, hi, hq, window_left), v)
             st.o[0, :, :, u], st.lse[0, :, :, u] = o_s, lse_s
     return st, units
 

@@ -8,19 +8,21 @@ from attnplan.schedule import NUM_TARGETS, Schedule
 from attnplan.testing import make_inputs
 
 
-def naive(q, k, v, lens, sm_scale):
-    """Dense, per (b, i, h) loop: softmax over K[:limit] of the KV head h // group."""
+def naive(q, k, v, lens, sm_scale, window_left=-1):
+    """Dense, per (b, i, h) loop: softmax over K[first:limit] of the KV head h // group (``first`` = 0, or with a
+    window the query's position minus ``window_left``)."""
     b_, ql, hq, d = q.shape
     hkv = k.shape[2]
     out = torch.zeros(b_, ql, hq, d, dtype=torch.float64)
     for b in range(b_):
         for i in range(ql):
             limit = max(0, lens[b] - ql + i + 1)
+            first = max(0, limit - 1 - window_left) if window_left >= 0 else 0
             for h in range(hq):
                 if limit == 0:
                     continue
-                kk = k[b, :limit, h // (hq // hkv)].double()
-                vv = v[b, :limit, h // (hq // hkv)].double()
+                kk = k[b, first:limit, h // (hq // hkv)].double()
+                vv = v[b, first:limit, h // (hq // hkv)].double()
                 p = torch.softmax(kk @ q[b, i, h].double() * sm_scale, 0)
                 out[b, i, h] = p @ vv
     return out
@@ -53,6 +55,34 @@ def test_reference_matches_naive(heads, q_len, gen):
                 assert torch.all(torch.isneginf(lse[b, i])) and torch.all(out[b, i] == 0)
             else:
                 assert torch.all(torch.isfinite(lse[b, i]))
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("window_left", [0, 4, 39, 40])
+def test_a_window_reads_only_its_positions(q_len, window_left, gen, monkeypatch):
+    """With a sliding window the reference matches the dense computation and gathers only the positions some query
+    of the sequence sees (a window over 128K tokens must not read them all), in attention() and in partial()."""
+    lens = [0, 2, 17, 41]
+    x = make_inputs(len(lens), 4, 2, 16, lens, q_len=q_len, page_size=4, dtype=torch.float32, generator=gen)
+    k, v = to_contiguous(x)
+    read = []
+    gather = reference.gather_kv
+    monkeypatch.setattr(reference, "gather_kv", lambda *a, start=0, **kw: (
+        read.append((a[2], a[3] - start)), gather(*a, start=start, **kw))[1])
+    for kc, vc, table in ((x.k_cache, x.v_cache, x.block_table), (k, v, None)):
+        read.clear()
+        out, _ = reference.attention(x.q, kc, vc, x.seq_lens, table, x.sm_scale, window_left=window_left)
+        assert torch.allclose(out, naive(x.q, k, v, lens, x.sm_scale, window_left), atol=1e-12)
+        for b, n in read:
+            assert n <= min(lens[b], window_left + q_len), (b, n)
+    sched = Schedule("forced", 4, 1, 16, (0,) * NUM_TARGETS, 64)  # 4-token units
+    read.clear()
+    st, units = reference.partial(x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table, x.sm_scale, sched,
+                                  window_left=window_left)
+    o, _ = reference.merge(st, indptr=units.indptr)
+    assert torch.allclose(o, naive(x.q, k, v, lens, x.sm_scale, window_left), atol=1e-12)
+    for b in range(len(lens)):
+        assert sum(n for bb, n in read if bb == b) <= min(lens[b], window_left + q_len + 4)  # units: whole granules
 
 
 def test_reference_partial_follows_the_schedule(gen):
