@@ -28,7 +28,7 @@ import json
 import os
 import sys
 
-from attnplan.config import MAX_SPLITS, SplitPolicy
+from attnplan.config import BACKEND_NAMES, MAX_SPLITS, SplitPolicy
 
 #: (num_q_heads, num_kv_heads, head_dim) from the models' published configurations.
 MODEL_PRESETS = {
@@ -378,13 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("action", choices=["show", "clear"],
                    help="show: every cached plan, explained, with its file; clear: remove the cached plan files")
     p.add_argument("--limit", type=_int_in(0, 1 << 30), default=None, help="show: at most this many plans")
-    p.add_argument("--backend", default=None, help="show: only the plans of this backend")
+    p.add_argument("--backend", choices=BACKEND_NAMES, default=None, help="show: only the plans of this backend")
     p.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file (also accepted before `plans`)")
     tune = sub.add_parser("tune", help="measure this GPU and write its planner table, <cache dir>/plans/<device>.yaml "
                                        "(--out: another file); --help for options", add_help=False)
     tune.add_argument("tune_args", nargs=argparse.REMAINDER)
     sub.metavar = "{" + ",".join(sub.choices) + "}"  # a missing command is named by these, not by its dest "cmd"
     args = parser.parse_args(argv)
+    if args.cmd == "plans" and args.action == "clear" and (args.limit is not None or args.backend is not None):
+        p.error("--limit and --backend select what `plans show` lists; `plans clear` removes every plan file")
     if args.cmd == "tune":
         # a --config before `tune` goes to tune's own --config (one given after `tune` comes later and wins)
         args.tune_args = (["--config", args.config] if args.config is not None else []) + passthrough

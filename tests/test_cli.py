@@ -318,11 +318,19 @@ def test_plans_show_and_clear_survive_hostile_files(tmp_path, capsys, monkeypatc
     assert cli.main(["--config", str(cfg), "plans", "show", "--backend", "numba"]) == 0
     out = capsys.readouterr().out
     assert "0 for backend 'numba'" in out and "\n== " not in out
-    # a later word "tune" is another command's argument, not the tune subcommand: the options after it still count
-    assert cli.main(["--config", str(cfg), "plans", "show", "--backend", "tune", "--limit", "0"]) == 0
-    assert "0 for backend 'tune'" in capsys.readouterr().out
-    assert cli.main(["plans", "show", "--backend", "tune", "--config", str(tmp_path / "missing.yaml")]) == 2
+    # a later word "tune" is another command's argument (here not a backend's name), not the tune subcommand
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--config", str(cfg), "plans", "show", "--backend", "tune", "--limit", "0"])
+    assert e.value.code == 2 and "argument --backend: invalid choice: 'tune'" in capsys.readouterr().err
+    assert cli.main(["plans", "show", "--limit", "0", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read attnplan config" in capsys.readouterr().err
+    # the filters are show's: with clear they are refused before anything is removed (clear removes every backend's)
+    for extra in (["--backend", "numba"], ["--limit", "1"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["--config", str(cfg), "plans", "clear", *extra])
+        assert e.value.code == 2 and "`plans clear` removes every plan file" in capsys.readouterr().err
+    assert cli.main(["--config", str(cfg), "plans", "show"]) == 0
+    assert "5 plan file(s)" in capsys.readouterr().out
     ran = [e["plan"]["backend"] for e in Context.from_config(attnplan.load_config(str(cfg))).cache.entries()
            if "plan" in e]
     assert len(ran) == 1 and ran[0] != "numba"
