@@ -83,8 +83,11 @@ a new ``plan()``), checks ``out`` and ``lse`` (shape, dtype, device, last-axis s
 the strides of the ``sinks`` and scales ``plan()`` kept; it reads no values. ``torch.ops.attnplan.decode``
 keys its plans on the same signature, so a call with any difference is validated (and planned) anew.
 
-*NaN and infinities.* A NaN or infinity in ``q``, or in a K / V position a query row can see, makes
-that row's output (and LSE) NaN, as in any softmax. Positions a row cannot see (past its
+*NaN and infinities.* A NaN in ``q`` or in a K position a query row can see makes that row's output and LSE NaN,
+as does an infinity there that makes a score NaN or ``+inf``; one that makes a score ``-inf`` gives that position
+weight 0, as softmax does (a row whose every score is ``-inf`` is empty: 0, LSE ``-inf``), and under a soft cap an
+infinite score is capped like any other. A NaN or infinity in a V position a row sees makes the output columns it
+reaches non-finite. Positions a row cannot see (past its
 sequence's length, outside its sliding window, the later positions of speculative queries, pages
 the block table does not map for it, unused cache capacity) never affect it, whatever they hold.
 """

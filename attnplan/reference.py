@@ -76,7 +76,8 @@ def _scores(q_b: torch.Tensor, k: torch.Tensor, sm_scale: float, soft_cap: float
 
 
 def _attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-weighted V over the visible positions: ``o [Q, H, D]``, ``lse [Q, H]``; empty rows 0 / -inf.
+    """Softmax-weighted V over the visible positions: ``o [Q, H, D]``, ``lse [Q, H]``; empty rows 0 / -inf. A
+    ``-inf`` score weighs 0 (a row of them only is empty); a NaN or ``+inf`` one makes the row's ``o`` and ``lse`` NaN.
 
     Positions a row cannot see never touch it, NaN included: scores are selected (not multiplied) away, and a
     non-finite V entry reaches only the rows that see its position (there it makes the output's columns NaN; a
@@ -93,6 +94,7 @@ def _attend(scores: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> tup
     else:
         lse = m = torch.full(s.shape[:-1], float("-inf"), dtype=F64)
     empty = torch.isneginf(m)
+    lse = torch.where(torch.isposinf(m), torch.full_like(lse, float("nan")), lse)  # a +inf score: NaN, as o's
     p = torch.exp(s - torch.where(empty, torch.zeros_like(m), m).unsqueeze(-1))
     p = p.masked_fill(~visible, 0.0)
     total = p.sum(dim=-1)

@@ -383,6 +383,35 @@ def test_non_finite_scores_give_nan_rows_never_empty_rows(backend, gen):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_infinite_scores_follow_the_softmax(backend, gen):
+    """An infinity in q or K that makes a score -inf gives that position weight 0 (the row stays finite; a row whose
+    every visible score is -inf is empty: o = 0, lse = -inf); one that makes a score +inf makes the row's o and lse
+    NaN. As the reference, single pass and split (GQA 4: query heads 0-3 read KV head 0, 4-7 KV head 1)."""
+    dt = torch.float16
+    x = make_inputs(3, 8, 2, 64, [40, 30, 20], dtype=dt, device=DEVICE, generator=gen)
+    x.q[0, 0, 1, 3] = float("-inf")  # sequence 0, query head 1: every visible K has channel 3 > 0
+    x.k_cache[0, :, 0, 3] = x.k_cache[0, :, 0, 3].abs() + 0.1
+    x.q[1, 0, 4:, 5] = x.q[1, 0, 4:, 5].abs() + 0.1  # sequence 1: position 7 scores -inf for KV head 1's queries
+    x.k_cache[1, 7, 1, 5] = float("-inf")
+    x.q[2, 0, :4, 9] = x.q[2, 0, :4, 9].abs() + 0.1  # sequence 2: position 2 scores +inf for KV head 0's queries
+    x.k_cache[2, 2, 0, 9] = float("inf")
+    ref, ref_lse = reference.attention(x.q.cpu(), x.k_cache.cpu(), x.v_cache.cpu(), x.seq_lens.cpu(), None, x.sm_scale)
+    assert (ref[0, 0, 1] == 0).all() and torch.isneginf(ref_lse[0, 0, 1])  # the reference as documented
+    assert torch.isfinite(ref[1]).all() and torch.isnan(ref[2, 0, :4]).all() and torch.isnan(ref_lse[2, 0, :4]).all()
+    assert torch.isfinite(ref[2, 0, 4:]).all() and torch.isfinite(ref_lse[2, 0, 4:]).all()
+    for splits in (1, 3):
+        lse = torch.full(x.q.shape[:3], -7.0, device=DEVICE)
+        out = attnplan.decode(x.q, x.k_cache, x.v_cache, x.seq_lens, backend=backend, num_splits=splits, lse=lse)
+        out, lse = out.cpu(), lse.cpu()
+        for got, want in ((lse, ref_lse), (out, ref)):
+            assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{splits} splits: NaN at " \
+                f"{torch.isnan(got).nonzero().tolist()}, reference at {torch.isnan(want).nonzero().tolist()}"
+            assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+        assert_close_to_reference(out.nan_to_num(0.0), ref.nan_to_num(0.0), dt)
+        assert_close_to_reference(lse.nan_to_num(0.0, neginf=0.0), ref_lse.nan_to_num(0.0, neginf=0.0), dt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_an_infinite_v_entry_makes_exactly_the_columns_that_see_it_non_finite(backend, gen):
     """+inf and -inf in V at positions some rows see: the columns of exactly those rows are non-finite (the
     reference writes NaN there; a kernel's weighted sum gives +-inf, or NaN where the signs meet), the rest within
