@@ -480,6 +480,11 @@ class _BoundedLoader(yaml.SafeLoader):
             raise yaml.constructor.ConstructorError(None, None, f"{node.value!r} is a base-60 number in YAML 1.1 "
                                                     f"(it would read as {super().construct_yaml_int(node)}); write the "
                                                     "number itself", node.start_mark)
+        digits = node.value.replace("_", "").lstrip("+-")
+        if len(digits) > 1 and digits[0] == "0" and digits[1].isdigit():  # YAML 1.1's octal: 010 is 8
+            raise yaml.constructor.ConstructorError(None, None, f"{node.value!r} is an octal number in YAML 1.1 "
+                                                    f"(it would read as {super().construct_yaml_int(node)}); write "
+                                                    "the decimal number without leading zeros", node.start_mark)
         return super().construct_yaml_int(node)
 
     def construct_yaml_float(self, node):

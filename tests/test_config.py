@@ -440,10 +440,13 @@ def test_the_packaged_default_file_names_every_key():
     ("split: {num_splits: 0x" + "f" * 5000 + "}", "an int of 20000 bits"),  # read, then refused by its bound
     ("split: {num_splits: 1:00}", "base-60"),                              # YAML 1.1 would read 60
     ("cost_model: {launch_us: 1:30.5}", "base-60"),
+    ("split: {num_splits: 010}", "octal .*read as 8"),                    # YAML 1.1 would read 8
+    ("split: {min_chunk_tokens: -0_100}", "octal .*read as -64"),
 ])
 def test_numbers_yaml_reads_oddly_are_config_errors(tmp_path, text, needle):
     """Numbers PyYAML reads but a user does not mean, or that Python cannot print, are ConfigErrors naming the file
-    (a 5,000-digit int raised a bare ValueError, in PyYAML or in the error's own formatting; ``1:00`` loaded as 60)."""
+    (a 5,000-digit int raised a bare ValueError, in PyYAML or in the error's own formatting; ``1:00`` loaded as 60,
+    ``010`` as 8)."""
     path = tmp_path / "odd.yaml"
     path.write_text("version: 1\n" + text + "\n")
     with pytest.raises(ConfigError, match=needle) as e:
