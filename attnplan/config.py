@@ -673,7 +673,7 @@ _TABLE_SECTIONS = ("cost_model", "cost_model_by_backend", "kernel_options", "spl
 def check_device_table(data, source: str) -> dict:
     """``data`` (a device table as read from YAML) if it is one, with every section checked; else ``ConfigError``.
 
-    Checks: the top level and each of ``cost_model``, ``cost_model_by_backend`` (per backend),
+    Checks: the top level (no other sections than these) and each of ``cost_model``, ``cost_model_by_backend`` (per backend),
     ``kernel_options`` (per backend, per layout: option name to JSON scalar), ``split_table`` (per backend, per
     layout: a list of rows) and ``measured`` is a mapping or empty; the cost-model constants validate as
     :class:`CostModel`; every split-table row parses (:meth:`attnplan.planner.TableRow.from_row`: positive int
@@ -694,6 +694,12 @@ def check_device_table(data, source: str) -> dict:
 
     if not isinstance(data, dict):
         raise ConfigError(f"invalid device table ({source}): top level must be a mapping, got {type(data).__name__}")
+    for key in data:  # a misspelt section would be ignored, and its rows with it
+        if key not in _TABLE_SECTIONS:
+            near = difflib.get_close_matches(str(key), _TABLE_SECTIONS, n=1)
+            raise ConfigError(f"invalid device table ({source}): unknown section {short_repr(key, 80)}"
+                              + (f"; did you mean {near[0]!r}?" if near else "")
+                              + f" (known sections: {', '.join(_TABLE_SECTIONS)})")
     for key in _TABLE_SECTIONS:
         mapping(data.get(key), key)
     try:

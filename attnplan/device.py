@@ -9,6 +9,7 @@ still split. :func:`user_table_path` is where a device's tuned table is looked f
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,6 +43,22 @@ class DeviceInfo:
     mem_bandwidth_gbs: float
     driver: str = ""
 
+    def __post_init__(self) -> None:
+        """Raises ``TypeError`` / ``ValueError`` naming the field: the planner divides by the SM count and the
+        bandwidth, so a hand-made ``DeviceInfo`` of 0 SMs or a NaN bandwidth is refused here, not deep in a plan."""
+        if not isinstance(self.name, str) or not isinstance(self.driver, str):
+            raise TypeError(f"DeviceInfo.name and .driver must be strings, got {self.name!r} and {self.driver!r}")
+        cc = self.compute_capability
+        if not (isinstance(cc, tuple) and len(cc) == 2 and all(_is_int(c) and 0 <= c < 1 << 16 for c in cc)):
+            raise ValueError(f"DeviceInfo.compute_capability must be a (major, minor) tuple of ints, got {cc!r}")
+        for field, lo in (("sm_count", 1), ("smem_per_block", 0), ("l2_bytes", 0)):
+            v = getattr(self, field)
+            if not _is_int(v) or not lo <= v < 1 << 40:
+                raise ValueError(f"DeviceInfo.{field} must be an int in [{lo}, 2^40), got {v!r}")
+        bw = self.mem_bandwidth_gbs
+        if isinstance(bw, bool) or not isinstance(bw, numbers.Real) or not 0 < bw < float("inf"):
+            raise ValueError(f"DeviceInfo.mem_bandwidth_gbs must be a finite number of GB/s above 0, got {bw!r}")
+
     @property
     def arch(self) -> str:
         """``sm_90`` style architecture name."""
@@ -62,6 +79,11 @@ class DeviceInfo:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _is_int(v) -> bool:
+    """An integer (numpy's included), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 @functools.lru_cache(maxsize=64)

@@ -149,8 +149,8 @@ class TableRow(NamedTuple):
         """A YAML row ``[pairs, kv_len, programs_per_sm, us, group?, head_dim?, options?]``.
 
         Raises:
-            ValueError: not a list of 4, 6 or 7 fields; pairs, kv_len or head_dim not a positive int; group not a
-                positive int or null; programs_per_sm not a finite number > 0; us not a finite number >= 0; options
+            ValueError: not a list of 4, 6 or 7 fields; pairs, kv_len or head_dim not an int in [1, 2^31); group not
+                such an int or null; programs_per_sm not a finite number > 0; us not a finite number >= 0; options
                 not a mapping (or list of pairs) of an option name to a JSON scalar (null: the backend's default).
         """
         if not isinstance(row, (list, tuple)) or len(row) not in (4, 6, 7):
@@ -169,8 +169,8 @@ class TableRow(NamedTuple):
                 raise ValueError(f"split-table row option {name!r} must map a name to a JSON scalar, got {value!r}")
         for name, v in (("pairs", row[0]), ("kv_len", row[1]), ("head_dim", head_dim)) + (
                 (("group", group),) if group is not None else ()):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"split-table row {name} must be a positive int, got {v!r} in {list(row)!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 1 << 31:
+                raise ValueError(f"split-table row {name} must be an int in [1, 2^31), got {v!r} in {list(row)!r}")
         for name, v, least in (("programs_per_sm", row[2], None), ("us", row[3], 0.0)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
                     v <= 0 if least is None else v < least):

@@ -4,6 +4,7 @@ writes to the user's directory, never into the installed package."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from importlib import resources
 
@@ -122,12 +123,16 @@ def _rows(*rows, layout="paged"):
 
 
 @pytest.mark.parametrize("table,where", [
-    (_rows(ROW[:1] + [0] + ROW[2:], layout="contiguous"), SPLIT + r"contiguous\[0\]: .*kv_len must be a positive int"),
+    (_rows(ROW[:1] + [0] + ROW[2:], layout="contiguous"),
+     SPLIT + r"contiguous\[0\]: .*kv_len must be an int in \[1, 2\^31\)"),
+    (_rows([10**30] + ROW[1:]), r"pairs must be an int in \[1, 2\^31\), got 10{30}"),
+    ({"split_tabel": {"triton": {"paged": [ROW]}}}, r"unknown section 'split_tabel'; did you mean 'split_table'\?"),
+    ({"cost_model": {}, 7: None}, r"unknown section 7 \(known sections: cost_model, "),
     (_rows(ROW, ROW[:2] + [float("nan")] + ROW[3:]),
      SPLIT + r"paged\[1\]: .*programs_per_sm must be a finite number > 0"),
     (_rows(ROW[:2] + [-5.0] + ROW[3:]), r"programs_per_sm must be a finite number > 0"),
-    (_rows([True] + ROW[1:]), r"pairs must be a positive int, got True"),
-    (_rows(ROW[:5] + [-1]), r"head_dim must be a positive int"),
+    (_rows([True] + ROW[1:]), r"pairs must be an int in \[1, 2\^31\), got True"),
+    (_rows(ROW[:5] + [-1]), r"head_dim must be an int in \[1, 2\^31\)"),
     (_rows(ROW + [{"num_warps": [4]}]), r"option 'num_warps' must map a name to a JSON scalar"),
     (_rows(ROW, ROW[:2] + [12.0, 60.0] + ROW[4:]), r"paged\[0\] and \[1\] are both rows of 32 pairs x 32768"),
     ({"split_table": {"triton": [ROW]}}, r"split_table\.triton must be a mapping, got list"),
@@ -330,3 +335,23 @@ def test_tune_times_a_points_candidates_round_robin_and_keeps_medians():
     with pytest.raises(ValueError, match="repeats must be at least 1"):
         tune.interleaved_medians([lambda: 5], repeats=0)
     assert tune.parse_args(["--repeats", "3"]).repeats == 3 and tune.parse_args([]).repeats == 1
+
+
+@pytest.mark.parametrize("field,value,err", [
+    ("sm_count", 0, ValueError), ("sm_count", -4, ValueError), ("sm_count", True, ValueError),
+    ("sm_count", 132.0, ValueError), ("mem_bandwidth_gbs", 0.0, ValueError),
+    ("mem_bandwidth_gbs", float("nan"), ValueError), ("mem_bandwidth_gbs", -1.0, ValueError),
+    ("mem_bandwidth_gbs", float("inf"), ValueError), ("compute_capability", [9, 0], ValueError),
+    ("compute_capability", (9,), ValueError), ("smem_per_block", -1, ValueError), ("l2_bytes", None, ValueError),
+    ("name", None, TypeError), ("driver", 13, TypeError),
+])
+def test_device_facts_the_planner_divides_by_are_checked(field, value, err):
+    """A hand-made DeviceInfo of 0 SMs, a zero / NaN / negative bandwidth or a malformed field is refused where it is
+    made, naming the field (make_plan divided by them: ZeroDivisionError, or ``min()`` of an empty sequence); numpy
+    integers and floats are facts like Python's."""
+    with pytest.raises(err, match=field if err is ValueError else "must be strings"):
+        dataclasses.replace(H200, **{field: value})
+    import numpy as np
+
+    odd = dataclasses.replace(H200, sm_count=np.int64(132), mem_bandwidth_gbs=np.float32(4800.0))
+    assert odd.sm_count == 132
