@@ -435,7 +435,8 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
             own eager attention, ``sliding_window`` to SDPA; ``indices`` / ``block_indices`` raise (below).
     Returns:
         ``(attn_output [batch, q_len, num_q_heads, head_dim], None)`` in query's dtype: no attention weights, as
-        transformers' SDPA (``output_attentions=True`` warns, ``UserWarning``, and the model returns none).
+        transformers' SDPA (``output_attentions=True`` warns, ``UserWarning``, and the model returns none); a call
+        that falls back returns what its fallback returns (SDPA: no weights; the model's eager attention: its own).
     Raises:
         NoBackendError: no attnplan backend serves the model's heads (e.g. its head_dim; the reasons are listed);
             a dtype the kernels do not take (float64) and uneven head counts go to SDPA instead.
@@ -445,10 +446,6 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
             out of the range above), before any kernel runs.
         ConfigError: ``$ATTNPLAN_CONFIG`` names a file that does not load (:func:`attnplan.api.default_context`).
     """
-    if kwargs.get("output_attentions"):
-        # as transformers' SDPA: no weights are formed (the model's output holds none); said, not silent
-        warnings.warn("attnplan attention does not return attention weights (output_attentions=True): load the "
-                      "model with attn_implementation='eager' for them", UserWarning, stacklevel=2)
     b, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     lens = None
@@ -471,6 +468,11 @@ def attnplan_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         fallback = _fallback(module, kwargs)
         _count("sdpa_fallback" if fallback is _SDPA else "eager_fallback")
         return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if kwargs.get("output_attentions"):
+        # a call attnplan serves forms no weights, as transformers' SDPA (the model's output holds none): said, not
+        # silent (a call that falls back gets the fallback's own handling: SDPA's message, eager's weights)
+        warnings.warn("attnplan attention does not return attention weights (output_attentions=True): load the "
+                      "model with attn_implementation='eager' for them", UserWarning, stacklevel=2)
     if scaling is not None and type(scaling) is not float:
         # the step's memo compares scales by value: a bool, tensor or numpy scale would match a float one there
         check_sm_scale(scaling)

@@ -3,6 +3,7 @@ fp32 tolerance) with a DynamicCache and a StaticCache; the decode steps are attn
 the StaticCache decode step traces under torch.compile with no graph break; compiled generation on a GPU."""
 
 import statistics
+import warnings
 
 import pytest
 import torch
@@ -102,7 +103,8 @@ def test_generate_equals_sdpa_and_decode_steps_are_attnplans(cache, prompt_len, 
 
 def test_output_attentions_warns_and_returns_no_weights(gen):
     """``output_attentions=True`` on a decode step attnplan serves: a ``UserWarning`` naming the eager implementation,
-    no weights in the output (as transformers' SDPA), and the step's logits still SDPA's."""
+    no weights in the output (as transformers' SDPA), and the step's logits still SDPA's. A prefill (which goes to
+    SDPA) gets SDPA's handling, without attnplan's warning."""
     from transformers import DynamicCache
 
     attnplan.hf.register()
@@ -111,8 +113,10 @@ def test_output_attentions_warns_and_returns_no_weights(gen):
     for attn in ("sdpa", attnplan.hf.NAME):
         model = _model(TINY, DEVICE, torch.float32, attn)
         cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            model(ids[:, :9], cache=cache)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model(ids[:, :9], cache=cache, output_attentions=True)
+            assert not [w for w in seen if "attnplan attention" in str(w.message)], [str(w.message) for w in seen]
             before = attnplan.hf.STATS["attnplan"]
             if attn == "sdpa":
                 out = model(ids[:, 9:], cache=cache, output_attentions=True)
