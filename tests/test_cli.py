@@ -322,7 +322,8 @@ def test_plans_show_and_clear_survive_hostile_files(tmp_path, capsys, monkeypatc
     with pytest.raises(SystemExit) as e:
         cli.main(["--config", str(cfg), "plans", "show", "--backend", "tune", "--limit", "0"])
     assert e.value.code == 2 and "argument --backend: invalid choice: 'tune'" in capsys.readouterr().err
-    assert cli.main(["plans", "show", "--limit", "0", "--config", str(tmp_path / "missing.yaml")]) == 2
+    # ... and the options after it still count (a hand-off at that word would drop --config and run backend "tune")
+    assert cli.main(["run", "--backend", "tune", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "cannot read attnplan config" in capsys.readouterr().err
     # the filters are show's: with clear they are refused before anything is removed (clear removes every backend's)
     for extra in (["--backend", "numba"], ["--limit", "1"]):
