@@ -673,11 +673,11 @@ _TABLE_SECTIONS = ("cost_model", "cost_model_by_backend", "kernel_options", "spl
 def check_device_table(data, source: str) -> dict:
     """``data`` (a device table as read from YAML) if it is one, with every section checked; else ``ConfigError``.
 
-    Checks: the top level (no other sections than these) and each of ``cost_model``, ``cost_model_by_backend`` (per backend),
-    ``kernel_options`` (per backend, per layout: option name to JSON scalar), ``split_table`` (per backend, per
-    layout: a list of rows) and ``measured`` is a mapping or empty; the cost-model constants validate as
-    :class:`CostModel`; every split-table row parses (:meth:`attnplan.planner.TableRow.from_row`: positive int
-    pairs, KV length, group and head_dim, a finite programs per SM > 0); no two rows of a layout share a point
+    Checks: the top level (no other sections than these) and each of ``cost_model``, ``cost_model_by_backend`` (per
+    backend), ``kernel_options`` (per backend, per layout: option name to JSON scalar), ``split_table`` (per backend,
+    per layout: a list of rows) and ``measured`` is a mapping or empty; the cost-model constants validate as
+    :class:`CostModel`; every split-table row parses (:meth:`attnplan.planner.TableRow.from_row`: pairs, KV length,
+    group and head_dim ints in ``[1, 2^31)``, a finite programs per SM > 0); no two rows of a layout share a point
     (pairs, KV length, group, head_dim), which the planner and ``attnplan tune`` would otherwise resolve apart.
 
     Raises:
