@@ -61,10 +61,12 @@ run_tests() {
 for step in ${STEPS-tests bench}; do  # STEPS="" installs only
   echo "== $step (t=$((SECONDS - t0)) s)"
   case $step in
-    tests)  # in a session of its own: a run cut short leaves pytest-xdist's workers (execnet children) running,
-      # and only this run's are stopped (pkill -s: its session) before any timing
-      export -f run_tests; setsid bash -c run_tests & tests_sid=$!; wait $tests_sid
-      pkill -TERM -s $tests_sid 2>/dev/null; sleep 1 ;;
+    tests)  # a run cut short leaves pytest-xdist's workers (execnet children) running: before any timing, stop the
+      # processes whose environment carries this run's tag (not every pytest on the machine)
+      tag="gpu-run-$$-$RANDOM"; ( export ATTNPLAN_RUN_TAG=$tag; run_tests )
+      for env in /proc/[0-9]*/environ; do
+        grep -qzx "ATTNPLAN_RUN_TAG=$tag" "$env" 2>/dev/null && kill -TERM "${env//[^0-9]/}" 2>/dev/null
+      done; sleep 1 ;;
     tests_bg) run_tests & TESTS_PID=$! ;;
     cmd) bash -c "$CMD" > "$R/cmd.log" 2>&1; echo "cmd rc=$?" ;;
     cmd_bg) bash -c "$CMD" > "$R/cmd.log" 2>&1 & CMD_PID=$! ;;
