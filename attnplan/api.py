@@ -1013,7 +1013,8 @@ class DecodeWrapper:
 
         Args:
             out: ``[batch, q_len, num_q_heads, head_dim]`` in q's dtype; ``None`` writes the
-                wrapper's own buffer (valid until the next ``run``).
+                wrapper's own buffer (valid until the next ``run``; a view op in place on it, such as ``transpose_``
+                or ``set_``, makes the next ``run`` raise ``ValueError``: take a view instead).
             lse: optional ``[batch, q_len, num_q_heads]`` fp32 to receive the natural-log LSE.
         Returns:
             ``out``.
@@ -1108,8 +1109,8 @@ class DecodeWrapper:
                                             and block_table.dtype is bd and block_table.device == bv
                                             and (not p4 & 15) is ba and not block_table.is_neg())) \
                         and not (q.is_neg() or k_cache.is_neg() or v_cache.is_neg() or seq_lens.is_neg()) \
-                        and (out is None or (isinstance(out, T) and out.shape == qs and out.dtype is qd
-                                             and out.device == qv and not out.is_neg() and not out.requires_grad)) \
+                        and (out is None or (isinstance(out, T) and not out.is_neg())) \
+                        and o.shape == qs and o.dtype is qd and o.device == qv and not o.requires_grad \
                         and (lse is None or (isinstance(lse, T) and lse.dtype is _F32 and lse.shape == ls3
                                              and lse.device == qv and not lse.is_neg() and not lse.requires_grad)):
                     a0 = o.data_ptr()
@@ -1120,9 +1121,9 @@ class DecodeWrapper:
                         s = o.stride()
                         a1 = a0 + (d0 * s[0] + d1 * s[1] + d2 * s[2] + d3 * s[3] + 1) * isz
                         m = self._out_strides_ok  # the last strided out found free of self-overlap, for this shape
-                        ok = out is None or ((qs[3] <= 1 or s[3] == 1)
-                                             and ((m is not None and m[0] is qs and m[1] == s)
-                                                  or self._no_self_overlap(qs, s)))
+                        # (the own buffer too: the caller holds it, and an in-place view op changes its strides)
+                        ok = (qs[3] <= 1 or s[3] == 1) and ((m is not None and m[0] is qs and m[1] == s)
+                                                            or self._no_self_overlap(qs, s))
                     ok = ok and a0 != 0 \
                         and not (e0 and a0 < p0 + e0 and p0 < a1) and not (e1 and a0 < p1 + e1 and p1 < a1) \
                         and not (e2 and a0 < p2 + e2 and p2 < a1) and not (e3 and a0 < p3 + e3 and p3 < a1) \
@@ -1166,8 +1167,13 @@ class DecodeWrapper:
         own = out is None
         if own:  # the wrapper's own buffer, made by plan() for q's planned shape, dtype and device
             out = self._out  # not in the snapshot: decode() hands each call's own buffer through it
-            if not outputs_checked and lse is not None:
+            if not outputs_checked and not _outputs_fit(psig[0], out, lse):
                 self._check_outputs(psig, q, None, lse)
+                try:  # run() handed it out: an in-place view op there (transpose_, set_, resize_) changes it here
+                    validate_outputs(q, out, None)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"the wrapper's own output buffer (returned by an earlier run()) was changed in "
+                                  f"place: {e}; plan() again makes a new one, or pass out=") from None
         elif not outputs_checked:
             self._check_outputs(psig, q, out, lse)
         if type(sm) is not float or sm - sm != 0.0:  # not a finite float: the full check decides (and raises)

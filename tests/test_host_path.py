@@ -2190,6 +2190,43 @@ def test_a_runs_result_passed_back_as_q_is_served_after_plan(backend, gen):
     assert w.try_run(o, x.k_cache, x.v_cache, x.seq_lens, x.block_table) is got
 
 
+@pytest.mark.parametrize("backend", ["reference", *kernel_backends("cpu")])
+def test_an_own_buffer_changed_in_place_is_refused_before_any_launch(backend, gen):
+    """The wrapper's own output buffer, which ``run()`` without ``out`` returns, changed in place by the caller (a view
+    op: ``transpose_``, ``squeeze_``, ``set_`` to a smaller storage, ``.data =``): the next ``run()`` raises a
+    ValueError naming the own buffer, on the one-pass path and the full one, before any launch (the buffer's bytes stay
+    as they were; triton wrote through the new strides, past the allocation, and corrupted the heap), and
+    ``try_run()`` declines. A value change in place (``mul_``) is no change of layout: served. ``plan()`` again makes
+    a new buffer, which is served and equals the reference."""
+    x = make_inputs(4, 4, 2, 32, [60, 7, 0, 33], page_size=16, dtype=torch.float16, generator=gen)
+    args = (x.q, x.k_cache, x.v_cache, x.seq_lens, x.block_table)
+    ref, _ = reference.attention(*args, x.sm_scale)
+    w = attnplan.DecodeWrapper(backend=backend)
+    w.plan(*args, seq_lens_host=[60, 7, 0, 33])
+    half = torch.full((2, 1, 4, 32), 7.0, dtype=torch.float16)
+    for change in (lambda o: o.transpose_(1, 2), lambda o: o.squeeze_(1), lambda o: o.set_(half),
+                   lambda o: setattr(o, "data", torch.zeros(4, 1, 4, 16, dtype=torch.float16))):
+        o = w.run(*args)
+        assert o is w.run(*args) and o.mul_(1.0) is w.run(*args)  # served, the same buffer each time
+        assert_close_to_reference(o, ref, torch.float16)
+        change(o)
+        o.fill_(3.0)
+        before = o.clone()
+        for path in ("fast", "full"):
+            if path == "full":
+                w._fast = None  # the full path's own check
+            with pytest.raises(ValueError, match=r"own output buffer \(returned by an earlier run\(\)\) was changed "
+                                                 r"in place: out must be .*plan\(\) again makes a new one"):
+                w.run(*args)
+            w._fast = w._fast_made
+        assert torch.equal(o, before)
+        assert w.try_run(*args) is None
+        w.plan(*args, seq_lens_host=[60, 7, 0, 33])
+        got = w.run(*args)
+        assert got is not o
+        assert_close_to_reference(got, ref, torch.float16)
+
+
 def test_a_wrapper_is_neither_copied_nor_pickled_and_its_plan_is(gen):
     """copy.copy, copy.deepcopy and pickle of a DecodeWrapper raise a TypeError that says why (a copy would share the
     workspace, the output buffer and the bound launches; copy.copy did, so two wrappers overwrote each other's
