@@ -278,6 +278,14 @@ def _field(v, kind: type, what: str):
     return v
 
 
+def _float_field(v, what: str) -> float:
+    """:func:`_field` of kind ``float``, as a float; an int too large for one is a ``ValueError`` naming it."""
+    try:
+        return float(_field(v, float, what))
+    except OverflowError:
+        raise ValueError(f"plan {what} must be a finite number, got an int of {int(v).bit_length()} bits") from None
+
+
 @dataclass(frozen=True)
 class SplitPlan:
     """A frozen, hashable, serializable split-KV plan.
@@ -617,11 +625,11 @@ class SplitPlan:
             schedule=_nested("schedule", Schedule.from_dict, d["schedule"]),
             kernel=_nested("kernel", KernelOptions, d["kernel"]), merge=_field(d["merge"], str, "merge"),
             policy=_field(d["policy"], str, "policy"),
-            predicted_us=float(_field(d["predicted_us"], float, "predicted_us")),
+            predicted_us=_float_field(d["predicted_us"], "predicted_us"),
             capacity_mode=_field(d["capacity_mode"], bool, "capacity_mode"),
             table_entry=None if te is None else _nested("table_entry", TableRow.from_row, te),
             candidates=tuple((_field(a, int, "candidate splits"), _field(b, int, "candidate chunk_tokens"),
-                              float(_field(c, float, "candidate predicted_us"))) for a, b, c in cands),
+                              _float_field(c, "candidate predicted_us")) for a, b, c in cands),
             q_block=_field(d["q_block"], int, "q_block"), head_block=_field(d["head_block"], int, "head_block"),
             version=d["version"])
         plan.validate()

@@ -184,9 +184,15 @@ class Schedule:
 
     @staticmethod
     def from_dict(d: dict) -> "Schedule":
-        """Inverse of :meth:`to_dict`. Raises ``TypeError``/``KeyError``/``ValueError`` on bad input."""
+        """Inverse of :meth:`to_dict`. Raises ``TypeError``/``KeyError``/``ValueError`` on bad input (``KeyError``: a
+        key missing; ``ValueError``: unknown keys, or a field out of range; ``TypeError``: ``targets`` not a list)."""
         if not isinstance(d, dict):
             raise TypeError(f"schedule must be a mapping, got {type(d).__name__}")
+        unknown = set(d) - {"policy", "granule", "min_unit_granules", "max_units_per_seq", "targets", "max_units"}
+        if unknown:
+            raise ValueError(f"unknown schedule keys {sorted(map(str, unknown))}")
+        if not isinstance(d.get("targets", ()), (list, tuple)):  # (a missing key: KeyError below)
+            raise TypeError(f"schedule targets must be a list of ints, got {type(d['targets']).__name__}")
         return Schedule(policy=d["policy"], granule=d["granule"], min_unit_granules=d["min_unit_granules"],
                         max_units_per_seq=d["max_units_per_seq"], targets=tuple(d["targets"]),
                         max_units=d["max_units"])

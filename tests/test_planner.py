@@ -741,6 +741,26 @@ def test_validate_refuses_an_inconsistent_plan(table):
             SplitPlan.from_dict(json.loads(json.dumps(p.to_dict())))
 
 
+def test_from_dict_refuses_what_to_dict_never_writes(table):
+    """A plan file's schedule with an unknown key, targets as a mapping, a key missing, or a predicted time as an int
+    too large for a float: each the error from_dict() documents, naming the field (an unknown key was ignored, a
+    mapping's keys taken as the targets, and a 400-digit time raised OverflowError)."""
+    plan = make_plan(P(batch=2, capacity=32768), GPU, CFG, "x", KERNEL, capacity_mode=True)
+    for edit, err, msg in (
+            (lambda d: d["schedule"].update(zzz=1), ValueError, r"plan schedule: unknown schedule keys \['zzz'\]"),
+            (lambda d: d["schedule"].update(targets=dict.fromkeys(range(NUM_TARGETS), 0)), TypeError,
+             "schedule targets must be a list of ints, got dict"),
+            (lambda d: d["schedule"].pop("granule"), KeyError, "plan schedule: key granule missing"),
+            (lambda d: d.update(predicted_us=10**400), ValueError, "plan predicted_us must be a finite number"),
+            (lambda d: d.update(candidates=[[2, 1024, 10**400]]), ValueError,
+             "plan candidate predicted_us must be a finite number")):
+        d = json.loads(plan.to_json())
+        edit(d)
+        with pytest.raises(err, match=msg):
+            SplitPlan.from_dict(d)
+    assert SplitPlan.from_dict(json.loads(plan.to_json())) == plan
+
+
 def test_explain_lines(table):
     plan = make_plan(P(batch=2, max_kv_len=32768), GPU, CFG, "x", KERNEL)
     text = plan.explain()
