@@ -1055,9 +1055,10 @@ class DecodeWrapper:
 
         It answers ``None`` also where :meth:`run` would take its full path for these inputs (and launch or raise
         there): a plan with sinks or fp8 scales (float scales too: they are kept as tensors), where it always
-        answers ``None`` (a caller that re-plans on ``None`` re-plans every call: use :meth:`run` there); a strided
-        ``out`` or ``lse`` that :meth:`run` accepts; a backend that cannot run under the capture in progress
-        (:meth:`run` raises ``PlanNotReadyError``).
+        answers ``None`` (a caller that re-plans on ``None`` re-plans every call: use :meth:`run` there); a backend
+        that cannot run under the capture in progress (:meth:`run` raises ``PlanNotReadyError``). Strided ``out``
+        and ``lse`` that :meth:`run` accepts are served; the wrapper's own buffer changed in place since (a view op
+        on the tensor an earlier call returned) answers ``None``.
 
         Args:
             q, k_cache, v_cache, seq_lens, block_table, out, lse: as :meth:`run` (``out``: ``[batch, q_len,
