@@ -8,6 +8,7 @@ are a few output ulps, because the inputs are exact in their dtype and accumulat
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -50,9 +51,15 @@ def make_inputs(batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, 
         scale: standard deviation of q and KV entries.
     Returns:
         :class:`~attnplan.backends.base.DecodeInputs` on ``device``.
+    Raises:
+        ValueError: ``seq_lens`` does not hold ``batch`` lengths, or ``page_size`` is not ``None`` or a positive int.
     """
     lens = [int(x) for x in seq_lens]
-    assert len(lens) == batch
+    if len(lens) != batch:
+        raise ValueError(f"seq_lens holds {len(lens)} lengths for a batch of {batch}")
+    if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, numbers.Integral)
+                                  or page_size < 1):
+        raise ValueError(f"page_size must be None (a contiguous cache) or a positive int, got {page_size!r}")
     cap = capacity if capacity is not None else max(max(lens), 1)
     g = generator
     # draw where the generator lives (a CUDA generator draws on the GPU: fast for GB-sized caches)
@@ -114,9 +121,13 @@ class DecodeCase:
 
 def long_tailed_lengths(batch: int, max_kv: int, seed: int = 0) -> list[int]:
     """KV lengths (tokens) as in serving: lognormal around ``max_kv / 16`` (sigma 1.2), clipped to
-    ``[1, max_kv]``, and one sequence (the first) at ``max_kv``."""
+    ``[1, max_kv]``, and one sequence (the first) at ``max_kv``. Raises ``ValueError`` unless ``batch`` and
+    ``max_kv`` are at least 1."""
     import math
     import random
+
+    if batch < 1 or max_kv < 1:
+        raise ValueError(f"batch and max_kv must be at least 1, got {batch} and {max_kv}")
 
     rng = random.Random(seed)
     lens = [max(1, min(max_kv, int(math.exp(rng.gauss(math.log(max(max_kv / 16, 1)), 1.2))))) for _ in range(batch)]
