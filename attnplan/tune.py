@@ -41,6 +41,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -73,24 +74,28 @@ SEARCH_PROGRAMS_PER_SM = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 
 
 
 def parse_option_grid(text: str) -> dict:
-    """``'num_warps=4,8;num_stages=2,3'`` -> ``{"num_warps": [4, 8], "num_stages": [2, 3]}`` (integer
-    values become ints). Raises ``argparse.ArgumentTypeError`` on an empty or malformed entry."""
+    """``'num_warps=4,8;num_stages=2,3'`` -> ``{"num_warps": [4, 8], "num_stages": [2, 3]}`` (values of ASCII
+    digits, with an optional minus, become ints). Raises ``argparse.ArgumentTypeError`` on an empty or malformed
+    entry, or an option named twice."""
     grid = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         key, sep, vals = part.partition("=")
         values = [v.strip() for v in vals.split(",") if v.strip()]
         if not sep or not key.strip() or not values:
             raise argparse.ArgumentTypeError(f"option grid entry {part!r}: expected name=v1,v2,...")
-        grid[key.strip()] = [int(v) if v.lstrip("-").isdigit() else v for v in values]
+        if key.strip() in grid:
+            raise argparse.ArgumentTypeError(f"option grid entry {part!r}: {key.strip()!r} is named twice")
+        grid[key.strip()] = [int(v) if re.fullmatch(r"-?[0-9]{1,18}", v) else v for v in values]
     if not grid:
         raise argparse.ArgumentTypeError("empty option grid")
     return grid
 
 
 def _int_list(text: str) -> tuple[int, ...]:
-    """``'1,4,16'`` -> ``(1, 4, 16)``: positive ints. Raises ``argparse.ArgumentTypeError`` otherwise."""
+    """``'1,4,16'`` -> ``(1, 4, 16)``: positive ints of ASCII digits. Raises ``argparse.ArgumentTypeError``
+    otherwise."""
     parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() and int(p) > 0 for p in parts):
+    if not all(re.fullmatch(r"[0-9]{1,18}", p) and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return tuple(int(p) for p in parts)
 
@@ -270,20 +275,21 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
 
     Returns ``{"kernel_options": {backend: {layout: options}}, "sat_by_layout": {layout: [programs
     per SM of the best split at each shape that needs splitting]}}``; options are those with the
-    best geometric mean of (time / the shape's best time) over the layout's shapes.
+    best geometric mean of (time / the shape's best time) over the layout's shapes. Rows without a finite time
+    above 0 (a failed or broken timing) are left out; an option a row does not name counts as ``None`` there.
     """
-    ok = [r for r in rows if "us" in r]
-    opt_keys = [k for k in (ok[0] if ok else {}) if k not in ("layout", "batch", "kv", "splits", "programs", "us")]
+    ok = [r for r in rows if isinstance(r.get("us"), (int, float)) and 0 < r["us"] < math.inf]
+    opt_keys = sorted({k for r in ok for k in r} - {"layout", "batch", "kv", "splits", "programs", "us", "error"})
     out = {"kernel_options": {backend: {}}, "sat_by_layout": {}}
     for layout in sorted({r["layout"] for r in ok}):
         lr = [r for r in ok if r["layout"] == layout]
         shapes = {(r["batch"], r["kv"]) for r in lr}
         best = {s: min(r["us"] for r in lr if (r["batch"], r["kv"]) == s) for s in shapes}
         scores = {}
-        for cfg in {tuple(r[k] for k in opt_keys) for r in lr}:
+        for cfg in {tuple(r.get(k) for k in opt_keys) for r in lr}:
             ratios = []
             for s in shapes:
-                ts = [r["us"] for r in lr if (r["batch"], r["kv"]) == s and tuple(r[k] for k in opt_keys) == cfg]
+                ts = [r["us"] for r in lr if (r["batch"], r["kv"]) == s and tuple(r.get(k) for k in opt_keys) == cfg]
                 if ts:
                     ratios.append(min(ts) / best[s])
             if len(ratios) == len(shapes):
@@ -295,7 +301,7 @@ def fit(rows: list[dict], backend: str, sms: int, hkv: int) -> dict:
         for s in shapes:
             if s[0] * hkv >= sms:
                 continue
-            rs = [r for r in lr if (r["batch"], r["kv"]) == s and tuple(r[k] for k in opt_keys) == cfg]
+            rs = [r for r in lr if (r["batch"], r["kv"]) == s and tuple(r.get(k) for k in opt_keys) == cfg]
             b = min(rs, key=lambda r: r["us"])
             out["sat_by_layout"].setdefault(layout, []).append(b["programs"] / sms)
     return out

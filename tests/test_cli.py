@@ -162,9 +162,17 @@ def test_tune_option_grid_parsing():
 
     assert parse_option_grid("num_warps=4,8;num_stages=2, 3;") == {"num_warps": [4, 8], "num_stages": [2, 3]}
     assert parse_option_grid("num_warps=-2,x") == {"num_warps": [-2, "x"]}
-    for bad in ("", ";", "num_warps", "num_warps=", "=4"):
+    # values that are not plain ASCII integers stay strings (int() of them raised ValueError, or read '٣' as 3)
+    assert parse_option_grid("a=--1,\u00b2,\u0663," + "9" * 5001) == {"a": ["--1", "\u00b2", "\u0663", "9" * 5001]}
+    for bad in ("", ";", "num_warps", "num_warps=", "=4", "num_warps=4;num_warps=8"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_option_grid(bad)
+    from attnplan.tune import _int_list
+
+    assert _int_list("1, 4,16") == (1, 4, 16)
+    for bad in ("0", "\u00b2", "\u0663", "9" * 5001, "1,,2", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _int_list(bad)
 
 
 def test_bench_is_no_longer_a_subcommand(capsys):

@@ -960,6 +960,12 @@ def test_tune_fit_keeps_every_swept_option():
               "programs": 256, "us": us} for p, w, us in ((1, 4, 130.0), (2, 4, 150.0), (1, 2, 131.0), (2, 2, 129.0))]
     out = fit(rows, "cuda_ptx", 132, 8)
     assert out["kernel_options"]["cuda_ptx"]["contiguous"] == {"passes": 2, "num_warps": 2}
+    # a broken timing (0, NaN, inf, not a number) is left out, and a row without an option is that option's None
+    # (a time of 0 raised ZeroDivisionError, a row naming other options KeyError)
+    broken = [{**rows[0], "us": us} for us in (0.0, float("nan"), float("inf"), "12")]
+    odd = [{"layout": "contiguous", "batch": b, "kv": 32768, "splits": 8, "programs": 256, "us": 500.0}
+           for b in (1, 4)]
+    assert fit(rows + broken + odd, "cuda_ptx", 132, 8)["kernel_options"] == out["kernel_options"]
 
 
 def test_tune_option_grids_sweep_kernel_options_only():
