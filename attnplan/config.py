@@ -21,6 +21,7 @@ import functools
 import os
 import re
 import stat
+import types
 import typing
 from importlib import resources
 from pathlib import Path
@@ -79,10 +80,27 @@ class _Strict(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
-        """``true`` is not 1: refuse a bool for a field whose type has no bool (pydantic's Literal[1, 2] takes it)."""
-        if isinstance(v, bool) and not _allows_bool(cls.model_fields[info.field_name].annotation):
+        """``true`` is not 1, nor ``1.0``: refuse a bool for a field whose type has no bool, and a float for a Literal
+        of ints (pydantic's Literal[1, 2] takes both, by equality)."""
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(v, bool) and not _allows_bool(annotation):
             raise ValueError("a boolean is not allowed here")
+        if isinstance(v, float):
+            choices = _int_literal(annotation)
+            if choices:
+                raise ValueError(f"a float is not allowed here (one of {choices})")
         return v
+
+
+def _int_literal(annotation: Any) -> list:
+    """The values of ``annotation``'s Literal of ints (``Literal[1, 2] | None`` included), or [] where it has none or
+    also takes a float."""
+    parts = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    if float in parts:
+        return []
+    return [v for p in parts if typing.get_origin(p) is Literal for v in typing.get_args(p)
+            if isinstance(v, int) and not isinstance(v, bool)]
 
 
 def _allows_bool(annotation: Any) -> bool:

@@ -442,16 +442,20 @@ def test_the_packaged_default_file_names_every_key():
     ("cost_model: {launch_us: 1:30.5}", "base-60"),
     ("split: {num_splits: 010}", "octal .*read as 8"),                    # YAML 1.1 would read 8
     ("split: {min_chunk_tokens: -0_100}", "octal .*read as -64"),
+    ("backend_options: {triton: {num_warps: 4.0}}", r"num_warps: a float is not allowed here \(one of \[1, 2, 4"),
 ])
 def test_numbers_yaml_reads_oddly_are_config_errors(tmp_path, text, needle):
     """Numbers PyYAML reads but a user does not mean, or that Python cannot print, are ConfigErrors naming the file
     (a 5,000-digit int raised a bare ValueError, in PyYAML or in the error's own formatting; ``1:00`` loaded as 60,
-    ``010`` as 8)."""
+    ``010`` as 8, ``num_warps: 4.0`` and ``version: 1.0`` as ints)."""
     path = tmp_path / "odd.yaml"
     path.write_text("version: 1\n" + text + "\n")
     with pytest.raises(ConfigError, match=needle) as e:
         load_config(path)
     assert str(path) in str(e.value)
+    path.write_text("version: 1.0\n")  # Literal[1] takes 1.0 by equality: a float is refused where ints are listed
+    with pytest.raises(ConfigError, match=r"version: a float is not allowed here \(one of \[1\]\)"):
+        load_config(path)
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no FIFOs here")
