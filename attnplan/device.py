@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .problem import _is_real
+
 __all__ = ["DeviceInfo", "CPU_STANDIN", "device_info", "user_table_path"]
 
 
@@ -56,7 +58,7 @@ class DeviceInfo:
             if not _is_int(v) or not lo <= v < 1 << 40:
                 raise ValueError(f"DeviceInfo.{field} must be an int in [{lo}, 2^40), got {v!r}")
         bw = self.mem_bandwidth_gbs
-        if isinstance(bw, bool) or not isinstance(bw, numbers.Real) or not 0 < bw < float("inf"):
+        if not _is_real(bw) or not 0 < bw < float("inf"):
             raise ValueError(f"DeviceInfo.mem_bandwidth_gbs must be a finite number of GB/s above 0, got {bw!r}")
 
     @property
